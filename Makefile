@@ -1,0 +1,44 @@
+# krait: the two commands of the README, and a few helpers.
+#   make serve   install missing Debian packages, build, run the embedded default model
+#   make test    install missing Debian packages, build (warnings as errors, ASan+UBSan), run every test
+JOBS ?= $(shell nproc)
+BUILD ?= build
+TEST_BUILD ?= build-test
+CUDA_BUILD ?= build-cuda
+MODEL ?= models/tiny-nemotron-h
+PROMPT ?= 1,17,42,99,7,3,250,64
+MAX_TOKENS ?= 16
+
+.PHONY: deps build serve test test-cuda-build bench clean
+
+deps:
+	@./tools/install-deps.sh
+
+build: deps
+	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release
+	cmake --build $(BUILD) -j $(JOBS)
+
+# Until the HTTP server lands, serving is a one-shot generation with the embedded tiny model.
+serve: build
+	./$(BUILD)/krait generate --model $(MODEL) --prompt-ids $(PROMPT) --max-tokens $(MAX_TOKENS)
+
+test: deps
+	cmake -S . -B $(TEST_BUILD) -DCMAKE_BUILD_TYPE=Debug -DKR_WITH_CUDA=OFF -DKR_WERROR=ON \
+	  -DKR_SANITIZE="address;undefined"
+	cmake --build $(TEST_BUILD) -j $(JOBS)
+	cd $(TEST_BUILD) && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
+	  ctest --output-on-failure -j $(JOBS)
+	@$(MAKE) --no-print-directory test-cuda-build
+
+# The CUDA build must keep compiling wherever nvcc exists (kernels are run on the GPU machine).
+test-cuda-build:
+	@if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then \
+	  cmake -S . -B $(CUDA_BUILD) -DCMAKE_BUILD_TYPE=Release -DKR_WITH_CUDA=ON -DKR_WERROR=ON -DKR_BUILD_TESTS=ON && \
+	  cmake --build $(CUDA_BUILD) -j $(JOBS); \
+	else echo "nvcc not found: skipping the CUDA build check"; fi
+
+bench: build
+	./$(BUILD)/bench/bench_cpu
+
+clean:
+	rm -rf $(BUILD) $(TEST_BUILD) $(CUDA_BUILD)

@@ -1,0 +1,690 @@
+/* The CPU reference backend: plain fp32 loops, multi-threaded with OpenMP. It defines what every
+ * op of backend-impl.h means; the CUDA backend is tested against it. Each output element is
+ * computed by one thread in a fixed order, so results do not depend on the number of threads or
+ * on which other sequences share the batch. */
+#include "backend-impl.h"
+
+#include "alloc.h"
+#include "log.h"
+
+#include <math.h>
+#include <omp.h>
+#include <string.h>
+
+struct cpu_ctx {
+    int n_threads;
+    const struct kr_batch *batch; /* borrowed for the current step */
+};
+
+static struct cpu_ctx *ctx_of(kr_backend_t be)
+{
+    return be->ctx;
+}
+
+/* ---- memory ------------------------------------------------------------------------------- */
+
+static const char *cpu_name(kr_backend_t be)
+{
+    return "cpu";
+}
+
+static void cpu_free(kr_backend_t be)
+{
+    kr_free(be->ctx);
+    kr_free(be);
+}
+
+static size_t cpu_act_size(kr_backend_t be)
+{
+    return sizeof(float);
+}
+
+static enum kr_status cpu_buf_alloc(kr_backend_t be, size_t size, struct kr_buf *out)
+{
+    out->ptr = kr_calloc(1, size ? size : 1);
+    out->size = size;
+    return out->ptr ? KR_OK : KR_ERR_NOMEM;
+}
+
+static void cpu_buf_free(kr_backend_t be, struct kr_buf *buf)
+{
+    kr_free(buf->ptr);
+    buf->ptr = NULL;
+    buf->size = 0;
+}
+
+static enum kr_status cpu_upload(kr_backend_t be, const struct kr_tensor *host, bool to_f32, struct kr_tensor *out,
+                                 struct kr_buf *owned)
+{
+    memset(owned, 0, sizeof *owned);
+    *out = *host;
+    if (!to_f32 || host->dtype == KR_DTYPE_F32) {
+        return KR_OK; /* alias the (mmapped) host memory */
+    }
+    size_t n = (size_t)(host->rows * host->cols);
+    enum kr_status st = cpu_buf_alloc(be, n * sizeof(float), owned);
+    if (st != KR_OK) {
+        return st;
+    }
+    kr_convert_to_f32(owned->ptr, host->data, host->dtype, n);
+    out->data = owned->ptr;
+    out->dtype = KR_DTYPE_F32;
+    return KR_OK;
+}
+
+static enum kr_status cpu_copy(kr_backend_t be, void *dst, const void *src, size_t n)
+{
+    if (n) {
+        memmove(dst, src, n);
+    }
+    return KR_OK;
+}
+
+static enum kr_status cpu_begin_batch(kr_backend_t be, const struct kr_batch *b)
+{
+    ctx_of(be)->batch = b;
+    return KR_OK;
+}
+
+/* ---- elementwise ---------------------------------------------------------------------------- */
+
+static float act_apply(enum kr_act act, float x)
+{
+    switch (act) {
+    case KR_ACT_RELU2: {
+        float r = x > 0.0f ? x : 0.0f;
+        return r * r;
+    }
+    case KR_ACT_SILU:
+        return x / (1.0f + expf(-x));
+    case KR_ACT_GELU:
+        return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f));
+    case KR_ACT_RELU:
+        return x > 0.0f ? x : 0.0f;
+    }
+    return x;
+}
+
+static float silu(float x)
+{
+    return x / (1.0f + expf(-x));
+}
+
+/* softplus as the Mamba kernels compute it: identity above 20. */
+static float softplus(float x)
+{
+    return x > 20.0f ? x : log1pf(expf(x));
+}
+
+static float dot(const float *a, const float *b, int64_t n)
+{
+    float s[8] = {0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        for (int j = 0; j < 8; j++) {
+            s[j] += a[i + j] * b[i + j];
+        }
+    }
+    float r = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+    for (; i < n; i++) {
+        r += a[i] * b[i];
+    }
+    return r;
+}
+
+static enum kr_status cpu_embed(kr_backend_t be, const struct kr_tensor *w, float *out)
+{
+    const struct kr_batch *b = ctx_of(be)->batch;
+    size_t esz = kr_dtype_size(w->dtype);
+    for (int32_t t = 0; t < b->n_tok; t++) {
+        const char *row = (const char *)w->data + (size_t)b->tokens[t] * (size_t)w->cols * esz;
+        kr_convert_to_f32(out + (size_t)t * (size_t)w->cols, row, w->dtype, (size_t)w->cols);
+    }
+    return KR_OK;
+}
+
+static enum kr_status cpu_rmsnorm(kr_backend_t be, const float *x, const float *w, int64_t n, int64_t dim, float eps,
+                                  float *out)
+{
+    for (int64_t i = 0; i < n; i++) {
+        const float *xi = x + i * dim;
+        float *oi = out + i * dim;
+        float ss = 0.0f;
+        for (int64_t j = 0; j < dim; j++) {
+            ss += xi[j] * xi[j];
+        }
+        float r = 1.0f / sqrtf(ss / (float)dim + eps);
+        for (int64_t j = 0; j < dim; j++) {
+            oi[j] = xi[j] * r * w[j];
+        }
+    }
+    return KR_OK;
+}
+
+static enum kr_status cpu_add(kr_backend_t be, float *y, const float *x, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++) {
+        y[i] += x[i];
+    }
+    return KR_OK;
+}
+
+static enum kr_status cpu_act(kr_backend_t be, enum kr_act act, const float *gate, const float *x, int64_t ld_in,
+                              int64_t n, int64_t width, float *out)
+{
+    for (int64_t t = 0; t < n; t++) {
+        for (int64_t j = 0; j < width; j++) {
+            float v = x[t * ld_in + j];
+            out[t * width + j] = gate ? act_apply(act, gate[t * ld_in + j]) * v : act_apply(act, v);
+        }
+    }
+    return KR_OK;
+}
+
+/* ---- matmul ----------------------------------------------------------------------------- */
+
+#define MM_ROWS 8 /* weight rows converted to fp32 at once and reused across all tokens */
+
+/* y[t, r] = x[t, :] . w[r, :] (+ bias[r]); converts weight rows to fp32 on the fly so that bf16 and
+ * f16 checkpoints are used in place. Parallel over blocks of weight rows. */
+static enum kr_status matmul_impl(int n_threads, const float *x, int64_t ldx, int64_t n, const struct kr_tensor *w,
+                                  const float *bias, float *y, int64_t ldy)
+{
+    const int64_t rows = w->rows, cols = w->cols;
+    const int64_t n_blk = (rows + MM_ROWS - 1) / MM_ROWS;
+    const size_t esz = kr_dtype_size(w->dtype);
+    float *scratch = kr_malloc((size_t)n_threads * MM_ROWS * (size_t)cols * sizeof(float));
+    if (!scratch) {
+        return KR_ERR_NOMEM;
+    }
+#pragma omp parallel for num_threads(n_threads) schedule(dynamic, 1)
+    for (int64_t blk = 0; blk < n_blk; blk++) {
+        float *wf = scratch + (size_t)omp_get_thread_num() * MM_ROWS * (size_t)cols;
+        int64_t r0 = blk * MM_ROWS;
+        int64_t nr = rows - r0 < MM_ROWS ? rows - r0 : MM_ROWS;
+        const float *wrow = NULL;
+        if (w->dtype == KR_DTYPE_F32) {
+            wrow = (const float *)w->data + r0 * cols;
+        } else {
+            kr_convert_to_f32(wf, (const char *)w->data + (size_t)(r0 * cols) * esz, w->dtype, (size_t)(nr * cols));
+            wrow = wf;
+        }
+        for (int64_t t = 0; t < n; t++) {
+            const float *xt = x + t * ldx;
+            float *yt = y + t * ldy;
+            for (int64_t r = 0; r < nr; r++) {
+                float v = dot(xt, wrow + r * cols, cols);
+                yt[r0 + r] = bias ? v + bias[r0 + r] : v;
+            }
+        }
+    }
+    kr_free(scratch);
+    return KR_OK;
+}
+
+static enum kr_status cpu_matmul(kr_backend_t be, const float *x, int64_t ldx, int64_t n, const struct kr_tensor *w,
+                                 const float *bias, float *y, int64_t ldy)
+{
+    if (n == 0) {
+        return KR_OK;
+    }
+    return matmul_impl(ctx_of(be)->n_threads, x, ldx, n, w, bias, y, ldy);
+}
+
+/* ---- Mamba-2 ------------------------------------------------------------------------------ */
+
+/* Causal depthwise conv + SiLU over each sequence, carrying the last K-1 inputs in the slot. */
+static void mamba_conv(const struct kr_batch *b, const struct kr_mamba_params *p, int n_threads)
+{
+    const int64_t cd = p->d_inner + 2 * p->n_group * p->d_state; /* conv_dim */
+    const int64_t K = p->d_conv, H = K - 1;
+    float *states = p->conv_state;
+#pragma omp parallel for num_threads(n_threads) schedule(static) collapse(2)
+    for (int32_t s = 0; s < b->n_seq; s++) {
+        for (int64_t c = 0; c < cd; c++) {
+            float *st = states + (size_t)b->seq_slot[s] * (size_t)(H * cd); /* [K-1, conv_dim] */
+            const int32_t t0 = b->seq_tok0[s], nt = b->seq_tok0[s + 1] - t0;
+            const bool fresh = b->seq_pos0[s] == 0;
+            const float *w = p->conv_w + c * K;
+            float win[64]; /* window of the last K inputs of this channel, oldest first */
+            for (int64_t k = 0; k < H; k++) {
+                win[k] = fresh ? 0.0f : st[k * cd + c];
+            }
+            for (int32_t i = 0; i < nt; i++) {
+                win[H] = p->zxbcdt[(int64_t)(t0 + i) * p->ld_in + p->d_inner + c];
+                float acc = p->conv_b ? p->conv_b[c] : 0.0f;
+                for (int64_t k = 0; k < K; k++) {
+                    acc += w[k] * win[k];
+                }
+                p->xbc[(int64_t)(t0 + i) * cd + c] = silu(acc);
+                memmove(win, win + 1, (size_t)H * sizeof(float));
+            }
+            for (int64_t k = 0; k < H; k++) {
+                st[k * cd + c] = win[k];
+            }
+        }
+    }
+}
+
+/* One head of one sequence: chunked SSD (several tokens) or the exact recurrence (one token).
+ * dt, the state and all sums in fp32. `cum` is scratch of at least `chunk` floats. */
+static void mamba_ssd_head(const struct kr_mamba_params *p, int64_t cd, int32_t t0, int32_t nt, int64_t h,
+                           float *S /* [P, N] */, float *dtv /* [nt] */, float *cum /* [chunk] */)
+{
+    const int64_t P = p->head_dim, N = p->d_state;
+    const int64_t g = h / (p->n_head / p->n_group);
+    const float A = -expf(p->A_log[h]);
+    const float Dh = p->D[h];
+    for (int32_t i = 0; i < nt; i++) {
+        float v = softplus(p->zxbcdt[(int64_t)(t0 + i) * p->ld_in + 2 * p->d_inner + 2 * p->n_group * N + h] +
+                           p->dt_bias[h]);
+        if (p->dt_min > 0.0f && v < p->dt_min) {
+            v = p->dt_min;
+        }
+        if (isfinite(p->dt_max) && v > p->dt_max) {
+            v = p->dt_max;
+        }
+        dtv[i] = v;
+    }
+#define XS(i) (p->xbc + (int64_t)(t0 + (i)) * cd + h * P)
+#define BS(i) (p->xbc + (int64_t)(t0 + (i)) * cd + p->d_inner + g * N)
+#define CS(i) (p->xbc + (int64_t)(t0 + (i)) * cd + p->d_inner + p->n_group * N + g * N)
+#define YS(i) (p->y + (int64_t)(t0 + (i)) * p->d_inner + h * P)
+    if (nt == 1) {
+        /* decode: state = state * exp(dt A) + dt x (x) B;  y = state C + D x */
+        const float dA = expf(dtv[0] * A);
+        const float *x = XS(0), *B = BS(0), *C = CS(0);
+        float *y = YS(0);
+        for (int64_t q = 0; q < P; q++) {
+            float *Sq = S + q * N;
+            const float dx = dtv[0] * x[q];
+            for (int64_t n = 0; n < N; n++) {
+                Sq[n] = Sq[n] * dA + dx * B[n];
+            }
+            y[q] = dot(Sq, C, N) + Dh * x[q];
+        }
+        return;
+    }
+    for (int32_t c0 = 0; c0 < nt; c0 += (int32_t)p->chunk) {
+        const int32_t Q = nt - c0 < p->chunk ? nt - c0 : (int32_t)p->chunk;
+        float acc = 0.0f;
+        for (int32_t l = 0; l < Q; l++) {
+            acc += dtv[c0 + l] * A;
+            cum[l] = acc; /* inclusive cumsum of dt*A within the chunk */
+        }
+        for (int32_t l = 0; l < Q; l++) {
+            const float *C = CS(c0 + l), *x = XS(c0 + l);
+            float *y = YS(c0 + l);
+            const float el = expf(cum[l]);
+            for (int64_t q = 0; q < P; q++) {
+                y[q] = el * dot(S + q * N, C, N) + Dh * x[q]; /* state from earlier chunks + skip */
+            }
+            for (int32_t s = 0; s <= l; s++) {
+                const float coef = dot(C, BS(c0 + s), N) * expf(cum[l] - cum[s]) * dtv[c0 + s];
+                const float *xs = XS(c0 + s);
+                for (int64_t q = 0; q < P; q++) {
+                    y[q] += coef * xs[q];
+                }
+            }
+        }
+        const float decay = expf(cum[Q - 1]);
+        for (int64_t q = 0; q < P; q++) {
+            float *Sq = S + q * N;
+            for (int64_t n = 0; n < N; n++) {
+                Sq[n] *= decay;
+            }
+            for (int32_t s = 0; s < Q; s++) {
+                const float f = expf(cum[Q - 1] - cum[s]) * dtv[c0 + s] * XS(c0 + s)[q];
+                const float *B = BS(c0 + s);
+                for (int64_t n = 0; n < N; n++) {
+                    Sq[n] += f * B[n];
+                }
+            }
+        }
+    }
+#undef XS
+#undef BS
+#undef CS
+#undef YS
+}
+
+static enum kr_status cpu_mamba(kr_backend_t be, const struct kr_mamba_params *p)
+{
+    struct cpu_ctx *ctx = ctx_of(be);
+    const struct kr_batch *b = ctx->batch;
+    if (p->d_conv > 64 || p->d_conv < 1) {
+        return KR_ERR_INVAL;
+    }
+    mamba_conv(b, p, ctx->n_threads);
+    const int64_t cd = p->d_inner + 2 * p->n_group * p->d_state;
+    int32_t max_nt = 0;
+    for (int32_t s = 0; s < b->n_seq; s++) {
+        int32_t nt = b->seq_tok0[s + 1] - b->seq_tok0[s];
+        max_nt = nt > max_nt ? nt : max_nt;
+    }
+    const size_t per_thread = (size_t)max_nt + (size_t)p->chunk;
+    float *scratch = kr_malloc((size_t)ctx->n_threads * per_thread * sizeof(float));
+    if (!scratch) {
+        return KR_ERR_NOMEM;
+    }
+    const size_t state_sz = (size_t)(p->n_head * p->head_dim * p->d_state);
+#pragma omp parallel for num_threads(ctx->n_threads) schedule(dynamic, 1) collapse(2)
+    for (int32_t s = 0; s < b->n_seq; s++) {
+        for (int64_t h = 0; h < p->n_head; h++) {
+            float *sc = scratch + (size_t)omp_get_thread_num() * per_thread;
+            float *S = p->ssm_state + (size_t)b->seq_slot[s] * state_sz + (size_t)(h * p->head_dim * p->d_state);
+            if (b->seq_pos0[s] == 0) {
+                memset(S, 0, (size_t)(p->head_dim * p->d_state) * sizeof(float));
+            }
+            int32_t t0 = b->seq_tok0[s], nt = b->seq_tok0[s + 1] - t0;
+            if (nt > 0) {
+                mamba_ssd_head(p, cd, t0, nt, h, S, sc, sc + max_nt);
+            }
+        }
+    }
+    kr_free(scratch);
+    return KR_OK;
+}
+
+static enum kr_status cpu_gated_rmsnorm(kr_backend_t be, const float *y, const float *z, int64_t ldz, const float *w,
+                                        int64_t n, int64_t dim, int64_t group, float eps, float *out)
+{
+    for (int64_t t = 0; t < n; t++) {
+        const float *yt = y + t * dim, *zt = z + t * ldz;
+        float *ot = out + t * dim;
+        for (int64_t j = 0; j < dim; j++) {
+            ot[j] = yt[j] * silu(zt[j]);
+        }
+        for (int64_t g0 = 0; g0 < dim; g0 += group) {
+            float ss = 0.0f;
+            for (int64_t j = g0; j < g0 + group; j++) {
+                ss += ot[j] * ot[j];
+            }
+            const float r = 1.0f / sqrtf(ss / (float)group + eps);
+            for (int64_t j = g0; j < g0 + group; j++) {
+                ot[j] = ot[j] * r * w[j];
+            }
+        }
+    }
+    return KR_OK;
+}
+
+/* ---- attention ---------------------------------------------------------------------------- */
+
+static float *kv_row(void *cache, const struct kr_batch *b, int32_t s, int32_t pos, int32_t block_size,
+                     int64_t row)
+{
+    int32_t blk = b->block_table[(int64_t)s * b->max_blocks + pos / block_size];
+    return (float *)cache + ((int64_t)blk * block_size + pos % block_size) * row;
+}
+
+static enum kr_status cpu_attention(kr_backend_t be, const struct kr_attn_params *p)
+{
+    struct cpu_ctx *ctx = ctx_of(be);
+    const struct kr_batch *b = ctx->batch;
+    const int64_t hd = p->head_dim, row = p->n_kv_head * hd, group = p->n_head / p->n_kv_head;
+    /* 1. write the new keys and values into the paged cache */
+    for (int32_t s = 0; s < b->n_seq; s++) {
+        for (int32_t t = b->seq_tok0[s]; t < b->seq_tok0[s + 1]; t++) {
+            memcpy(kv_row(p->k_cache, b, s, b->pos[t], p->block_size, row), p->k + t * p->ld_qkv,
+                   (size_t)row * sizeof(float));
+            memcpy(kv_row(p->v_cache, b, s, b->pos[t], p->block_size, row), p->v + t * p->ld_qkv,
+                   (size_t)row * sizeof(float));
+        }
+    }
+    int32_t max_ctx = 1, max_nt = 0;
+    for (int32_t t = 0; t < b->n_tok; t++) {
+        max_ctx = b->pos[t] + 1 > max_ctx ? b->pos[t] + 1 : max_ctx;
+    }
+    for (int32_t s = 0; s < b->n_seq; s++) {
+        int32_t nt = b->seq_tok0[s + 1] - b->seq_tok0[s];
+        max_nt = nt > max_nt ? nt : max_nt;
+    }
+    float *scratch = kr_malloc((size_t)ctx->n_threads * (size_t)max_ctx * sizeof(float));
+    if (!scratch) {
+        return KR_ERR_NOMEM;
+    }
+    /* 2. each (token, head): softmax(q k^T * scale) v over positions 0..pos */
+#pragma omp parallel for num_threads(ctx->n_threads) schedule(dynamic, 4) collapse(2)
+    for (int32_t s = 0; s < b->n_seq; s++) {
+        for (int32_t i = 0; i < max_nt; i++) {
+            int32_t t = b->seq_tok0[s] + i;
+            if (t >= b->seq_tok0[s + 1]) {
+                continue;
+            }
+            float *sc = scratch + (size_t)omp_get_thread_num() * (size_t)max_ctx;
+            const int32_t pos = b->pos[t];
+            for (int64_t h = 0; h < p->n_head; h++) {
+                const int64_t kvh = h / group;
+                const float *q = p->q + t * p->ld_qkv + h * hd;
+                float m = -INFINITY;
+                for (int32_t j = 0; j <= pos; j++) {
+                    const float *k = kv_row(p->k_cache, b, s, j, p->block_size, row) + kvh * hd;
+                    sc[j] = dot(q, k, hd) * p->scale;
+                    m = sc[j] > m ? sc[j] : m;
+                }
+                float sum = 0.0f;
+                for (int32_t j = 0; j <= pos; j++) {
+                    sc[j] = expf(sc[j] - m);
+                    sum += sc[j];
+                }
+                float *o = p->out + t * p->n_head * hd + h * hd;
+                memset(o, 0, (size_t)hd * sizeof(float));
+                for (int32_t j = 0; j <= pos; j++) {
+                    const float *v = kv_row(p->v_cache, b, s, j, p->block_size, row) + kvh * hd;
+                    const float pj = sc[j] / sum;
+                    for (int64_t d = 0; d < hd; d++) {
+                        o[d] += pj * v[d];
+                    }
+                }
+            }
+        }
+    }
+    kr_free(scratch);
+    return KR_OK;
+}
+
+/* ---- MoE ------------------------------------------------------------------------------------ */
+
+static enum kr_status cpu_moe_route(kr_backend_t be, const struct kr_route_params *p, int64_t n)
+{
+    const int64_t E = p->n_expert, per_group = E / p->n_group;
+    float *buf = kr_malloc((size_t)(3 * E + p->n_group) * sizeof(float));
+    if (!buf) {
+        return KR_ERR_NOMEM;
+    }
+    float *score = buf, *sel = buf + E, *masked = buf + 2 * E, *gscore = buf + 3 * E;
+    for (int64_t t = 0; t < n; t++) {
+        const float *lg = p->logits + t * E;
+        if (p->score == KR_ROUTER_SOFTMAX) {
+            float m = -INFINITY, sum = 0.0f;
+            for (int64_t e = 0; e < E; e++) {
+                m = lg[e] > m ? lg[e] : m;
+            }
+            for (int64_t e = 0; e < E; e++) {
+                score[e] = expf(lg[e] - m);
+                sum += score[e];
+            }
+            for (int64_t e = 0; e < E; e++) {
+                score[e] /= sum;
+            }
+        } else {
+            for (int64_t e = 0; e < E; e++) {
+                score[e] = 1.0f / (1.0f + expf(-lg[e]));
+            }
+        }
+        for (int64_t e = 0; e < E; e++) {
+            sel[e] = score[e] + (p->bias ? p->bias[e] : 0.0f);
+            masked[e] = sel[e];
+        }
+        if (p->n_group > 1) {
+            /* group score = sum of the group's top-2 selection scores (top-1 for groups of one) */
+            for (int64_t g = 0; g < p->n_group; g++) {
+                float a = -INFINITY, b2 = -INFINITY;
+                for (int64_t e = g * per_group; e < (g + 1) * per_group; e++) {
+                    if (sel[e] > a) {
+                        b2 = a;
+                        a = sel[e];
+                    } else if (sel[e] > b2) {
+                        b2 = sel[e];
+                    }
+                }
+                gscore[g] = per_group > 1 ? a + b2 : a;
+            }
+            /* keep the topk_group best groups (ties: lower index); mask the others out */
+            for (int64_t k = 0; k < p->n_group - p->topk_group; k++) {
+                int64_t worst = -1;
+                for (int64_t g = 0; g < p->n_group; g++) {
+                    if (gscore[g] != INFINITY && (worst < 0 || gscore[g] <= gscore[worst])) {
+                        worst = g; /* <= : among equal scores the highest index is dropped first */
+                    }
+                }
+                gscore[worst] = INFINITY; /* marks a dropped group */
+                for (int64_t e = worst * per_group; e < (worst + 1) * per_group; e++) {
+                    masked[e] = -INFINITY;
+                }
+            }
+        }
+        int32_t *ids = p->ids + t * p->n_used;
+        float *w = p->weights + t * p->n_used;
+        float wsum = 0.0f;
+        for (int64_t k = 0; k < p->n_used; k++) {
+            int64_t best = -1;
+            for (int64_t e = 0; e < E; e++) {
+                if (masked[e] != -INFINITY && (best < 0 || masked[e] > masked[best])) {
+                    best = e;
+                }
+            }
+            if (best < 0) { /* fewer selectable experts than n_used: validated at load, never here */
+                kr_free(buf);
+                return KR_ERR_INTERNAL;
+            }
+            masked[best] = -INFINITY;
+            ids[k] = (int32_t)best;
+            w[k] = score[best];
+            wsum += w[k];
+        }
+        for (int64_t k = 0; k < p->n_used; k++) {
+            if (p->norm_topk) {
+                w[k] /= wsum + 1e-20f;
+            }
+            w[k] *= p->scale;
+        }
+    }
+    kr_free(buf);
+    return KR_OK;
+}
+
+static enum kr_status cpu_moe_experts(kr_backend_t be, const struct kr_experts_params *p, int64_t n)
+{
+    struct cpu_ctx *ctx = ctx_of(be);
+    enum kr_status st = KR_OK;
+    float *xs = NULL, *hu = NULL, *hg = NULL, *ys = NULL;
+    int32_t *rows = NULL;
+    float *rw = NULL;
+    memset(p->out, 0, (size_t)(n * p->d_out) * sizeof(float));
+    xs = kr_malloc((size_t)(n * p->d_in) * sizeof(float));
+    hu = kr_malloc((size_t)(n * p->d_ffn) * sizeof(float));
+    hg = kr_malloc((size_t)(n * p->d_ffn) * sizeof(float));
+    ys = kr_malloc((size_t)(n * p->d_out) * sizeof(float));
+    rows = kr_malloc((size_t)n * sizeof(int32_t));
+    rw = kr_malloc((size_t)n * sizeof(float));
+    if (!xs || !hu || !hg || !ys || !rows || !rw) {
+        st = KR_ERR_NOMEM;
+        goto out;
+    }
+    /* Expert by expert: gather the tokens routed to it, run its MLP, scatter-add weighted.
+     * A token's sum is accumulated in expert-id order, independent of the batch. */
+    for (int64_t e = 0; e < p->n_expert; e++) {
+        int64_t m = 0;
+        for (int64_t t = 0; t < n; t++) {
+            for (int64_t k = 0; k < p->n_used; k++) {
+                if (p->ids[t * p->n_used + k] == e) {
+                    rows[m] = (int32_t)t;
+                    rw[m] = p->weights[t * p->n_used + k];
+                    memcpy(xs + m * p->d_in, p->x + t * p->d_in, (size_t)p->d_in * sizeof(float));
+                    m++;
+                }
+            }
+        }
+        if (m == 0) {
+            continue;
+        }
+        if ((st = matmul_impl(ctx->n_threads, xs, p->d_in, m, &p->up[e], NULL, hu, p->d_ffn)) != KR_OK) {
+            goto out;
+        }
+        if (p->gate) {
+            if ((st = matmul_impl(ctx->n_threads, xs, p->d_in, m, &p->gate[e], NULL, hg, p->d_ffn)) != KR_OK) {
+                goto out;
+            }
+            cpu_act(be, p->act, hg, hu, p->d_ffn, m, p->d_ffn, hu);
+        } else {
+            cpu_act(be, p->act, NULL, hu, p->d_ffn, m, p->d_ffn, hu);
+        }
+        if ((st = matmul_impl(ctx->n_threads, hu, p->d_ffn, m, &p->down[e], NULL, ys, p->d_out)) != KR_OK) {
+            goto out;
+        }
+        for (int64_t i = 0; i < m; i++) {
+            float *o = p->out + (int64_t)rows[i] * p->d_out;
+            for (int64_t j = 0; j < p->d_out; j++) {
+                o[j] += rw[i] * ys[i * p->d_out + j];
+            }
+        }
+    }
+out:
+    kr_free(xs);
+    kr_free(hu);
+    kr_free(hg);
+    kr_free(ys);
+    kr_free(rows);
+    kr_free(rw);
+    return st;
+}
+
+static enum kr_status cpu_gather_out(kr_backend_t be, const float *src, int64_t width, float *dst)
+{
+    const struct kr_batch *b = ctx_of(be)->batch;
+    for (int32_t i = 0; i < b->n_out; i++) {
+        memcpy(dst + (int64_t)i * width, src + (int64_t)b->out_tok[i] * width, (size_t)width * sizeof(float));
+    }
+    return KR_OK;
+}
+
+/* ---- construction ------------------------------------------------------------------------- */
+
+kr_backend_t kr_backend_cpu_create(int n_threads)
+{
+    kr_backend_t be = kr_calloc(1, sizeof *be);
+    struct cpu_ctx *ctx = kr_calloc(1, sizeof *ctx);
+    if (!be || !ctx) {
+        kr_free(be);
+        kr_free(ctx);
+        return NULL;
+    }
+    ctx->n_threads = n_threads > 0 ? n_threads : omp_get_num_procs();
+    be->ctx = ctx;
+    be->api_version = KR_BACKEND_API_VERSION;
+    be->iface = (struct kr_backend_i){
+        .name = cpu_name,
+        .free = cpu_free,
+        .act_size = cpu_act_size,
+        .buf_alloc = cpu_buf_alloc,
+        .buf_free = cpu_buf_free,
+        .upload = cpu_upload,
+        .copy_d2h = cpu_copy,
+        .copy_h2d = cpu_copy,
+        .begin_batch = cpu_begin_batch,
+        .embed = cpu_embed,
+        .rmsnorm = cpu_rmsnorm,
+        .add = cpu_add,
+        .matmul = cpu_matmul,
+        .act = cpu_act,
+        .mamba = cpu_mamba,
+        .gated_rmsnorm = cpu_gated_rmsnorm,
+        .attention = cpu_attention,
+        .moe_route = cpu_moe_route,
+        .moe_experts = cpu_moe_experts,
+        .gather_out = cpu_gather_out,
+    };
+    return be;
+}

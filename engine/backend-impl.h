@@ -1,0 +1,54 @@
+#pragma once
+/* The backend vtable. Only backend implementations and backend.c include this header.
+ * Every slot is required unless marked (optional). Ops read the current batch set by
+ * begin_batch where they need sequence structure (embed: tokens; mamba and attention: sequences,
+ * positions, slots and block tables; gather_out: out_tok). */
+#include "backend.h"
+
+struct kr_backend_i {
+    const char *(*name)(kr_backend_t be);
+    void (*free)(kr_backend_t be);
+    size_t (*act_size)(kr_backend_t be);
+    enum kr_status (*buf_alloc)(kr_backend_t be, size_t size, struct kr_buf *out);
+    void (*buf_free)(kr_backend_t be, struct kr_buf *buf);
+    enum kr_status (*upload)(kr_backend_t be, const struct kr_tensor *host, bool to_f32, struct kr_tensor *out,
+                             struct kr_buf *owned);
+    enum kr_status (*copy_d2h)(kr_backend_t be, void *dst, const void *src, size_t n);
+    enum kr_status (*copy_h2d)(kr_backend_t be, void *dst, const void *src, size_t n);
+
+    enum kr_status (*begin_batch)(kr_backend_t be, const struct kr_batch *b);
+    /* out[t] = w[tokens[t]] for every token of the batch; w is [vocab, dim]. */
+    enum kr_status (*embed)(kr_backend_t be, const struct kr_tensor *w, float *out);
+    /* out[i] = x[i] / sqrt(mean(x[i]^2) + eps) * w, rows of `dim`; out may alias x. */
+    enum kr_status (*rmsnorm)(kr_backend_t be, const float *x, const float *w, int64_t n, int64_t dim, float eps,
+                              float *out);
+    /* y[i] += x[i] for i < n. */
+    enum kr_status (*add)(kr_backend_t be, float *y, const float *x, int64_t n);
+    /* y[t, :w.rows] = x[t, :w.cols] * w^T (+ bias) for t < n; row strides ldx, ldy. */
+    enum kr_status (*matmul)(kr_backend_t be, const float *x, int64_t ldx, int64_t n, const struct kr_tensor *w,
+                             const float *bias, float *y, int64_t ldy);
+    /* out[t, j] = act(gate[t, j]) * x[t, j] when gate is given, else act(x[t, j]); inputs have row
+     * stride ld_in, out is [n, width] dense. */
+    enum kr_status (*act)(kr_backend_t be, enum kr_act act, const float *gate, const float *x, int64_t ld_in,
+                          int64_t n, int64_t width, float *out);
+    /* Causal depthwise conv (+SiLU) with carried state, then the selective state space update over
+     * every sequence of the batch (chunked SSD for several tokens, the exact recurrence for one).
+     * A sequence whose seq_pos0 is 0 starts from zero conv and SSM state. Final states are
+     * written back to the sequence's slot. */
+    enum kr_status (*mamba)(kr_backend_t be, const struct kr_mamba_params *p);
+    /* out = rmsnorm_grouped(y * silu(z)) * w with groups of `group` channels (gate before norm). */
+    enum kr_status (*gated_rmsnorm)(kr_backend_t be, const float *y, const float *z, int64_t ldz, const float *w,
+                                    int64_t n, int64_t dim, int64_t group, float eps, float *out);
+    enum kr_status (*attention)(kr_backend_t be, const struct kr_attn_params *p);
+    enum kr_status (*moe_route)(kr_backend_t be, const struct kr_route_params *p, int64_t n);
+    enum kr_status (*moe_experts)(kr_backend_t be, const struct kr_experts_params *p, int64_t n);
+    enum kr_status (*gather_out)(kr_backend_t be, const float *src, int64_t width, float *dst);
+};
+
+struct kr_backend {
+    struct kr_backend_i iface;
+    void *ctx;
+    int api_version;
+};
+
+#define KR_BACKEND_API_VERSION 1

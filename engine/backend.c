@@ -1,0 +1,114 @@
+#include "backend.h"
+
+#include "backend-impl.h"
+
+/* Thin wrappers: the forward pass calls these, never the vtable directly. */
+
+void kr_backend_free(kr_backend_t be)
+{
+    if (be) {
+        be->iface.free(be);
+    }
+}
+
+const char *kr_backend_name(kr_backend_t be)
+{
+    return be->iface.name(be);
+}
+
+size_t kr_backend_act_size(kr_backend_t be)
+{
+    return be->iface.act_size(be);
+}
+
+enum kr_status kr_backend_buf_alloc(kr_backend_t be, size_t size, struct kr_buf *out)
+{
+    return be->iface.buf_alloc(be, size, out);
+}
+
+void kr_backend_buf_free(kr_backend_t be, struct kr_buf *buf)
+{
+    if (buf && buf->ptr) {
+        be->iface.buf_free(be, buf);
+    }
+}
+
+enum kr_status kr_backend_upload(kr_backend_t be, const struct kr_tensor *host, bool to_f32, struct kr_tensor *out,
+                                 struct kr_buf *owned)
+{
+    return be->iface.upload(be, host, to_f32, out, owned);
+}
+
+enum kr_status kr_backend_copy_d2h(kr_backend_t be, void *dst, const void *src, size_t n)
+{
+    return be->iface.copy_d2h(be, dst, src, n);
+}
+
+enum kr_status kr_backend_copy_h2d(kr_backend_t be, void *dst, const void *src, size_t n)
+{
+    return be->iface.copy_h2d(be, dst, src, n);
+}
+
+enum kr_status kr_backend_begin_batch(kr_backend_t be, const struct kr_batch *b)
+{
+    return be->iface.begin_batch(be, b);
+}
+
+enum kr_status kr_backend_embed(kr_backend_t be, const struct kr_tensor *w, float *out)
+{
+    return be->iface.embed(be, w, out);
+}
+
+enum kr_status kr_backend_rmsnorm(kr_backend_t be, const float *x, const float *w, int64_t n, int64_t dim, float eps,
+                                  float *out)
+{
+    return be->iface.rmsnorm(be, x, w, n, dim, eps, out);
+}
+
+enum kr_status kr_backend_add(kr_backend_t be, float *y, const float *x, int64_t n)
+{
+    return be->iface.add(be, y, x, n);
+}
+
+enum kr_status kr_backend_matmul(kr_backend_t be, const float *x, int64_t ldx, int64_t n, const struct kr_tensor *w,
+                                 const float *bias, float *y, int64_t ldy)
+{
+    return be->iface.matmul(be, x, ldx, n, w, bias, y, ldy);
+}
+
+enum kr_status kr_backend_act(kr_backend_t be, enum kr_act act, const float *gate, const float *x, int64_t ld_in,
+                              int64_t n, int64_t width, float *out)
+{
+    return be->iface.act(be, act, gate, x, ld_in, n, width, out);
+}
+
+enum kr_status kr_backend_mamba(kr_backend_t be, const struct kr_mamba_params *p)
+{
+    return be->iface.mamba(be, p);
+}
+
+enum kr_status kr_backend_gated_rmsnorm(kr_backend_t be, const float *y, const float *z, int64_t ldz, const float *w,
+                                        int64_t n, int64_t dim, int64_t group, float eps, float *out)
+{
+    return be->iface.gated_rmsnorm(be, y, z, ldz, w, n, dim, group, eps, out);
+}
+
+enum kr_status kr_backend_attention(kr_backend_t be, const struct kr_attn_params *p)
+{
+    return be->iface.attention(be, p);
+}
+
+enum kr_status kr_backend_moe_route(kr_backend_t be, const struct kr_route_params *p, int64_t n)
+{
+    return be->iface.moe_route(be, p, n);
+}
+
+enum kr_status kr_backend_moe_experts(kr_backend_t be, const struct kr_experts_params *p, int64_t n)
+{
+    return be->iface.moe_experts(be, p, n);
+}
+
+enum kr_status kr_backend_gather_out(kr_backend_t be, const float *src, int64_t width, float *dst)
+{
+    return be->iface.gather_out(be, src, width, dst);
+}

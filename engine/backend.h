@@ -1,0 +1,161 @@
+#pragma once
+/* kr_backend: the compute backend the forward pass is written against (ggml-backend style).
+ * The forward pass (model.c) is a sequence of calls to the kr_backend_* wrappers below; each
+ * backend (CPU reference, CUDA) implements the vtable of backend-impl.h. Tensors and buffers are
+ * backend memory (host memory for the CPU backend, device memory for CUDA). Activations are
+ * fp32 on the CPU backend; kr_backend_act_size() gives their element size.
+ * A backend is used by one thread at a time (the engine thread). */
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "batch.h"
+#include "config.h"
+#include "dtype.h"
+#include "status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct kr_backend *kr_backend_t;
+
+/* A 2-D weight view in backend memory: [rows, cols], row-major, cols contiguous. A 1-D vector
+ * has rows = 1. Borrowed: its memory is owned by whoever uploaded it (struct kr_buf). */
+struct kr_tensor {
+    const void *data;
+    enum kr_dtype dtype;
+    int64_t rows;
+    int64_t cols;
+};
+
+/* A block of backend memory. Owned by the caller of kr_backend_buf_alloc. */
+struct kr_buf {
+    void *ptr;
+    size_t size;
+};
+
+/* ---- lifetime and memory ---- */
+
+/* Creates the CPU reference backend using `n_threads` threads (0 = all cores).
+ * Returns NULL on OOM. */
+kr_backend_t kr_backend_cpu_create(int n_threads);
+void kr_backend_free(kr_backend_t be);
+const char *kr_backend_name(kr_backend_t be);
+/* Bytes per activation element. */
+size_t kr_backend_act_size(kr_backend_t be);
+
+/* Allocates `size` bytes of zeroed backend memory. */
+enum kr_status kr_backend_buf_alloc(kr_backend_t be, size_t size, struct kr_buf *out);
+/* Frees a buffer; a zeroed struct is a no-op. */
+void kr_backend_buf_free(kr_backend_t be, struct kr_buf *buf);
+/* Makes a host tensor (e.g. a view into a mmapped checkpoint) usable by the backend. With
+ * `to_f32` the result is an fp32 copy (used for small vectors: norms, biases, A_log, ...);
+ * otherwise the backend may alias host memory (CPU) or copy it (device). Memory it allocates is
+ * returned in *owned (zeroed when nothing was allocated), to be freed with kr_backend_buf_free. */
+enum kr_status kr_backend_upload(kr_backend_t be, const struct kr_tensor *host, bool to_f32,
+                                 struct kr_tensor *out, struct kr_buf *owned);
+enum kr_status kr_backend_copy_d2h(kr_backend_t be, void *dst, const void *src, size_t n);
+enum kr_status kr_backend_copy_h2d(kr_backend_t be, void *dst, const void *src, size_t n);
+
+/* ---- ops (see backend-impl.h for their exact meaning) ---- */
+
+/* Makes the step's batch the current one for the ops that need sequence structure. */
+enum kr_status kr_backend_begin_batch(kr_backend_t be, const struct kr_batch *b);
+
+/* Parameters of a Mamba-2 causal conv + SSD step for one layer. Activations [n_tok, ...] of the
+ * current batch. States are indexed by the batch's seq_slot. */
+struct kr_mamba_params {
+    const float *zxbcdt;    /* [n_tok, ld_in] in_proj output: [z | xBC | dt] */
+    int64_t ld_in;          /* row stride of zxbcdt (= in_proj rows) */
+    int64_t d_inner;        /* heads * head_dim */
+    int64_t n_head;         /* SSM heads */
+    int64_t head_dim;       /* P */
+    int64_t n_group;        /* G */
+    int64_t d_state;        /* N */
+    int64_t d_conv;         /* K */
+    int64_t chunk;          /* SSD chunk length */
+    const float *conv_w;    /* [conv_dim, K] fp32 */
+    const float *conv_b;    /* [conv_dim] fp32, may be NULL */
+    const float *dt_bias;   /* [n_head] fp32 */
+    const float *A_log;     /* [n_head] fp32 */
+    const float *D;         /* [n_head] fp32 */
+    float dt_min, dt_max;   /* dt clamp (applied only when dt_min > 0 / dt_max finite) */
+    void *conv_state;       /* [n_slot, K-1, conv_dim] this layer's conv states (model dtype) */
+    float *ssm_state;       /* [n_slot, n_head, head_dim, d_state] this layer's SSM states, fp32 */
+    float *xbc;             /* [n_tok, conv_dim] workspace: conv output (after SiLU) */
+    float *y;               /* [n_tok, d_inner] output: SSD output incl. D skip, before the gated norm */
+};
+
+/* Parameters of GQA attention for one layer over the block-paged K/V cache. The new tokens' K/V
+ * are written into the cache at their positions first; each query attends causally to
+ * positions 0..pos of its sequence. */
+struct kr_attn_params {
+    const float *q;         /* [n_tok, ld_qkv] queries, heads contiguous: head h at h*head_dim */
+    const float *k;         /* [n_tok, ld_qkv] new keys [n_kv_head * head_dim] */
+    const float *v;         /* [n_tok, ld_qkv] new values */
+    int64_t ld_qkv;         /* row stride of q, k and v */
+    int64_t n_head;
+    int64_t n_kv_head;
+    int64_t head_dim;
+    float scale;            /* softmax scale */
+    void *k_cache;          /* [n_block, block_size, n_kv_head, head_dim] this layer's keys */
+    void *v_cache;          /* [n_block, block_size, n_kv_head, head_dim] */
+    int32_t block_size;
+    float *out;             /* [n_tok, n_head * head_dim] */
+};
+
+/* MoE routing (DeepSeek-V3): sigmoid or softmax scores, correction bias for selection only,
+ * group-limited top-k, optional normalisation, scaling. */
+struct kr_route_params {
+    const float *logits;    /* [n_tok, n_expert] router logits */
+    const float *bias;      /* [n_expert] e_score_correction_bias, may be NULL */
+    int64_t n_expert;
+    int64_t n_used;         /* experts per token */
+    int64_t n_group;
+    int64_t topk_group;
+    bool norm_topk;
+    float scale;            /* routed_scaling_factor */
+    enum kr_router_score score;
+    int32_t *ids;           /* [n_tok, n_used] out: chosen experts */
+    float *weights;         /* [n_tok, n_used] out: their weights */
+};
+
+/* Routed experts: out[t] = sum_k weights[t,k] * E_{ids[t,k]}(x[t]) with
+ * E(x) = down(act(gate x) * (up x)) when gate is given, else down(act(up x)). */
+struct kr_experts_params {
+    const float *x;               /* [n_tok, d_in] */
+    int64_t d_in;
+    int64_t d_ffn;
+    int64_t d_out;
+    int64_t n_expert;
+    int64_t n_used;
+    const int32_t *ids;           /* [n_tok, n_used] */
+    const float *weights;         /* [n_tok, n_used] */
+    const struct kr_tensor *gate; /* [n_expert] each [d_ffn, d_in]; NULL for non-gated experts */
+    const struct kr_tensor *up;   /* [n_expert] each [d_ffn, d_in] */
+    const struct kr_tensor *down; /* [n_expert] each [d_out, d_ffn] */
+    enum kr_act act;
+    float *out;                   /* [n_tok, d_out] overwritten */
+};
+
+enum kr_status kr_backend_embed(kr_backend_t be, const struct kr_tensor *w, float *out);
+enum kr_status kr_backend_rmsnorm(kr_backend_t be, const float *x, const float *w, int64_t n, int64_t dim,
+                                  float eps, float *out);
+enum kr_status kr_backend_add(kr_backend_t be, float *y, const float *x, int64_t n);
+enum kr_status kr_backend_matmul(kr_backend_t be, const float *x, int64_t ldx, int64_t n, const struct kr_tensor *w,
+                                 const float *bias, float *y, int64_t ldy);
+enum kr_status kr_backend_act(kr_backend_t be, enum kr_act act, const float *gate, const float *x, int64_t ld_in,
+                              int64_t n, int64_t width, float *out);
+enum kr_status kr_backend_mamba(kr_backend_t be, const struct kr_mamba_params *p);
+enum kr_status kr_backend_gated_rmsnorm(kr_backend_t be, const float *y, const float *z, int64_t ldz, const float *w,
+                                        int64_t n, int64_t dim, int64_t group, float eps, float *out);
+enum kr_status kr_backend_attention(kr_backend_t be, const struct kr_attn_params *p);
+enum kr_status kr_backend_moe_route(kr_backend_t be, const struct kr_route_params *p, int64_t n);
+enum kr_status kr_backend_moe_experts(kr_backend_t be, const struct kr_experts_params *p, int64_t n);
+/* dst[i] = src[out_tok[i]] for the current batch's out_tok (rows of `width`). */
+enum kr_status kr_backend_gather_out(kr_backend_t be, const float *src, int64_t width, float *dst);
+
+#ifdef __cplusplus
+}
+#endif

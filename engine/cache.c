@@ -1,0 +1,184 @@
+#include "cache.h"
+
+#include "alloc.h"
+#include "log.h"
+
+#include <string.h>
+
+enum kr_status kr_cache_create(const struct kr_model *m, int32_t n_slots, int32_t n_blocks, int32_t block_size,
+                               struct kr_cache **out)
+{
+    const struct kr_model_config *cfg = &m->cfg;
+    if (n_slots < 1 || n_blocks < 0 || block_size < 1) {
+        return KR_ERR_INVAL;
+    }
+    struct kr_cache *c = kr_calloc(1, sizeof *c);
+    if (!c) {
+        return KR_ERR_NOMEM;
+    }
+    enum kr_status st = KR_ERR_NOMEM;
+    const size_t act = kr_backend_act_size(m->be);
+    c->be = m->be;
+    c->n_slots = n_slots;
+    c->n_blocks = n_blocks;
+    c->block_size = block_size;
+    c->n_mamba = m->n_mamba;
+    c->n_attn = m->n_attn;
+    if (c->n_mamba) {
+        c->conv_layer_bytes = (size_t)n_slots * (size_t)(cfg->m_conv - 1) * (size_t)cfg->m_conv_dim * act;
+        c->ssm_layer_bytes =
+            (size_t)n_slots * (size_t)(cfg->m_heads * cfg->m_head_dim * cfg->m_state) * sizeof(float);
+        if ((st = kr_backend_buf_alloc(c->be, c->conv_layer_bytes * (size_t)c->n_mamba, &c->conv)) != KR_OK ||
+            (st = kr_backend_buf_alloc(c->be, c->ssm_layer_bytes * (size_t)c->n_mamba, &c->ssm)) != KR_OK) {
+            goto fail;
+        }
+    }
+    if (c->n_attn) {
+        c->kv_layer_bytes = (size_t)n_blocks * (size_t)block_size * (size_t)(cfg->n_kv_head * cfg->head_dim) * act;
+        if ((st = kr_backend_buf_alloc(c->be, c->kv_layer_bytes * (size_t)c->n_attn, &c->k)) != KR_OK ||
+            (st = kr_backend_buf_alloc(c->be, c->kv_layer_bytes * (size_t)c->n_attn, &c->v)) != KR_OK) {
+            goto fail;
+        }
+    }
+    c->free_slots = kr_malloc((size_t)n_slots * sizeof(int32_t));
+    c->free_blocks = kr_malloc((size_t)(n_blocks ? n_blocks : 1) * sizeof(int32_t));
+    if (!c->free_slots || !c->free_blocks) {
+        st = KR_ERR_NOMEM;
+        goto fail;
+    }
+    /* stacks pop from the end: lowest ids first */
+    for (int32_t i = 0; i < n_slots; i++) {
+        c->free_slots[i] = n_slots - 1 - i;
+    }
+    c->n_free_slots = n_slots;
+    for (int32_t i = 0; i < n_blocks; i++) {
+        c->free_blocks[i] = n_blocks - 1 - i;
+    }
+    c->n_free_blocks = n_blocks;
+    *out = c;
+    return KR_OK;
+fail:
+    kr_cache_free(c);
+    return st;
+}
+
+void kr_cache_free(struct kr_cache *c)
+{
+    if (!c) {
+        return;
+    }
+    kr_backend_buf_free(c->be, &c->conv);
+    kr_backend_buf_free(c->be, &c->ssm);
+    kr_backend_buf_free(c->be, &c->k);
+    kr_backend_buf_free(c->be, &c->v);
+    kr_free(c->free_slots);
+    kr_free(c->free_blocks);
+    kr_free(c);
+}
+
+size_t kr_cache_bytes(const struct kr_cache *c)
+{
+    return c->conv.size + c->ssm.size + c->k.size + c->v.size;
+}
+
+enum kr_status kr_cache_slot_alloc(struct kr_cache *c, int32_t *slot)
+{
+    if (c->n_free_slots == 0) {
+        return KR_AGAIN;
+    }
+    *slot = c->free_slots[--c->n_free_slots];
+    return KR_OK;
+}
+
+void kr_cache_slot_free(struct kr_cache *c, int32_t slot)
+{
+    KR_ASSERT(slot >= 0 && slot < c->n_slots && c->n_free_slots < c->n_slots);
+    c->free_slots[c->n_free_slots++] = slot;
+}
+
+enum kr_status kr_cache_blocks_alloc(struct kr_cache *c, int32_t n, int32_t *ids)
+{
+    if (n > c->n_free_blocks) {
+        return KR_AGAIN;
+    }
+    for (int32_t i = 0; i < n; i++) {
+        ids[i] = c->free_blocks[--c->n_free_blocks];
+    }
+    return KR_OK;
+}
+
+void kr_cache_blocks_free(struct kr_cache *c, int32_t n, const int32_t *ids)
+{
+    for (int32_t i = n - 1; i >= 0; i--) {
+        KR_ASSERT(ids[i] >= 0 && ids[i] < c->n_blocks && c->n_free_blocks < c->n_blocks);
+        c->free_blocks[c->n_free_blocks++] = ids[i];
+    }
+}
+
+void *kr_cache_conv_layer(const struct kr_cache *c, int32_t i)
+{
+    return (char *)c->conv.ptr + (size_t)i * c->conv_layer_bytes;
+}
+
+float *kr_cache_ssm_layer(const struct kr_cache *c, int32_t i)
+{
+    return (float *)((char *)c->ssm.ptr + (size_t)i * c->ssm_layer_bytes);
+}
+
+void *kr_cache_k_layer(const struct kr_cache *c, int32_t i)
+{
+    return (char *)c->k.ptr + (size_t)i * c->kv_layer_bytes;
+}
+
+void *kr_cache_v_layer(const struct kr_cache *c, int32_t i)
+{
+    return (char *)c->v.ptr + (size_t)i * c->kv_layer_bytes;
+}
+
+enum kr_status kr_seq_cache_init(struct kr_cache *c, struct kr_seq_cache *s)
+{
+    memset(s, 0, sizeof *s);
+    s->slot = -1;
+    return kr_cache_slot_alloc(c, &s->slot);
+}
+
+enum kr_status kr_seq_cache_reserve(struct kr_cache *c, struct kr_seq_cache *s, int32_t n_tokens)
+{
+    if (c->n_attn == 0) {
+        return KR_OK; /* no K/V pool: nothing to reserve */
+    }
+    int32_t need = (n_tokens + c->block_size - 1) / c->block_size;
+    if (need <= s->n_blocks) {
+        return KR_OK;
+    }
+    if (need > s->cap_blocks) {
+        int32_t cap = s->cap_blocks ? s->cap_blocks : 4;
+        while (cap < need) {
+            cap *= 2;
+        }
+        int32_t *nb = kr_realloc(s->blocks, (size_t)cap * sizeof(int32_t));
+        if (!nb) {
+            return KR_ERR_NOMEM;
+        }
+        s->blocks = nb;
+        s->cap_blocks = cap;
+    }
+    enum kr_status st = kr_cache_blocks_alloc(c, need - s->n_blocks, s->blocks + s->n_blocks);
+    if (st == KR_OK) {
+        s->n_blocks = need;
+    }
+    return st;
+}
+
+void kr_seq_cache_release(struct kr_cache *c, struct kr_seq_cache *s)
+{
+    if (s->slot >= 0) {
+        kr_cache_slot_free(c, s->slot);
+    }
+    if (s->n_blocks) {
+        kr_cache_blocks_free(c, s->n_blocks, s->blocks);
+    }
+    kr_free(s->blocks);
+    memset(s, 0, sizeof *s);
+    s->slot = -1;
+}

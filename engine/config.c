@@ -1,0 +1,514 @@
+#include "config.h"
+
+#include "log.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+/* ---- typed lookups with aliases ------------------------------------------------------------ */
+
+/* Returns the first present (non-null) value among the NULL-terminated key list, and the key
+ * that matched in *which. */
+static const struct kr_json *lookup(const struct kr_json *root, const char *const *keys, const char **which)
+{
+    for (; *keys; keys++) {
+        const struct kr_json *v = kr_json_get(root, *keys);
+        if (v && v->type != KR_JSON_NULL) {
+            if (which) {
+                *which = *keys;
+            }
+            return v;
+        }
+    }
+    return NULL;
+}
+
+/* Integer key: absent -> *out = def (or an error when `required`). */
+static enum kr_status get_int(const struct kr_json *root, const char *path, const char *const *keys,
+                              bool required, int64_t def, int64_t *out, struct kr_err *err)
+{
+    const char *which = keys[0];
+    const struct kr_json *v = lookup(root, keys, &which);
+    if (!v) {
+        if (required) {
+            return kr_err_set(err, KR_ERR_FORMAT, "%s: missing required key \"%s\"", path, keys[0]);
+        }
+        *out = def;
+        return KR_OK;
+    }
+    if (!kr_json_as_int(v, out)) {
+        return kr_err_set(err, KR_ERR_FORMAT, "%s: key \"%s\" must be an integer, got %s", path, which,
+                          kr_json_type_name(v->type));
+    }
+    return KR_OK;
+}
+
+static enum kr_status get_float(const struct kr_json *root, const char *path, const char *const *keys,
+                                double def, double *out, struct kr_err *err)
+{
+    const char *which = keys[0];
+    const struct kr_json *v = lookup(root, keys, &which);
+    if (!v) {
+        *out = def;
+        return KR_OK;
+    }
+    if (!kr_json_as_double(v, out)) {
+        return kr_err_set(err, KR_ERR_FORMAT, "%s: key \"%s\" must be a number, got %s", path, which,
+                          kr_json_type_name(v->type));
+    }
+    return KR_OK;
+}
+
+static enum kr_status get_bool(const struct kr_json *root, const char *path, const char *const *keys, bool def,
+                               bool *out, struct kr_err *err)
+{
+    const char *which = keys[0];
+    const struct kr_json *v = lookup(root, keys, &which);
+    if (!v) {
+        *out = def;
+        return KR_OK;
+    }
+    if (v->type != KR_JSON_BOOL) {
+        return kr_err_set(err, KR_ERR_FORMAT, "%s: key \"%s\" must be true or false, got %s", path, which,
+                          kr_json_type_name(v->type));
+    }
+    *out = v->boolean;
+    return KR_OK;
+}
+
+#define KEYS(...)                                                                                  \
+    (const char *const[])                                                                          \
+    {                                                                                              \
+        __VA_ARGS__, NULL                                                                          \
+    }
+
+#define TRY(expr)                                                                                  \
+    do {                                                                                           \
+        enum kr_status st_ = (expr);                                                               \
+        if (st_ != KR_OK) {                                                                        \
+            return st_;                                                                            \
+        }                                                                                          \
+    } while (0)
+
+/* ---- layer pattern ------------------------------------------------------------------------- */
+
+/* Maps one pattern letter to a layer type; 0 for '|' (ignored), -1 when unknown. */
+static int letter_type(char c)
+{
+    switch (c) {
+    case 'M':
+    case '*':
+    case '-':
+    case 'E':
+        return c;
+    case 'D':
+    case 'S':
+        return KR_LAYER_DSA;
+    case '+':
+        return KR_LAYER_MLA;
+    case '|':
+        return 0;
+    default:
+        return -1;
+    }
+}
+
+/* Maps a layers_block_type name (both vocabularies) to a letter; 0 when unknown. */
+static char name_type(const char *s)
+{
+    static const struct {
+        const char *name;
+        char letter;
+    } names[] = {
+        {"mamba", 'M'},         {"linear_attention", 'M'}, {"attention", '*'}, {"full_attention", '*'},
+        {"mlp", '-'},           {"moe", 'E'},              {"dsa", 'D'},       {"deepseek_sparse_attention", 'D'},
+        {"indexed_attention", 'D'}, {"mla", '+'},
+    };
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+        if (!strcmp(s, names[i].name)) {
+            return names[i].letter;
+        }
+    }
+    return 0;
+}
+
+static enum kr_status parse_pattern_string(struct kr_model_config *cfg, const char *s, const char *path,
+                                           const char *key, struct kr_err *err)
+{
+    int32_t n = 0;
+    for (size_t i = 0; s[i]; i++) {
+        int t = letter_type(s[i]);
+        if (t < 0) {
+            return kr_err_set(err, KR_ERR_UNSUPPORTED,
+                              "%s: key \"%s\": unsupported layer letter '%c' at index %zu (supported: M * - E, "
+                              "D/S + with DSA support, | ignored)",
+                              path, key, s[i], i);
+        }
+        if (t == 0) {
+            continue;
+        }
+        if (n >= KR_MAX_LAYERS) {
+            return kr_err_set(err, KR_ERR_FORMAT, "%s: key \"%s\": more than %d layers", path, key, KR_MAX_LAYERS);
+        }
+        cfg->pattern[n++] = (char)t;
+    }
+    cfg->pattern[n] = 0;
+    cfg->n_layer = n;
+    return KR_OK;
+}
+
+static enum kr_status parse_pattern_list(struct kr_model_config *cfg, const struct kr_json *list,
+                                         const char *path, const char *key, struct kr_err *err)
+{
+    if (list->type != KR_JSON_ARRAY) {
+        return kr_err_set(err, KR_ERR_FORMAT, "%s: key \"%s\" must be a list of layer type names, got %s", path,
+                          key, kr_json_type_name(list->type));
+    }
+    if (list->n > KR_MAX_LAYERS) {
+        return kr_err_set(err, KR_ERR_FORMAT, "%s: key \"%s\": more than %d layers", path, key, KR_MAX_LAYERS);
+    }
+    for (size_t i = 0; i < list->n; i++) {
+        const struct kr_json *it = &list->items[i];
+        char c = it->type == KR_JSON_STRING ? name_type(it->str) : 0;
+        if (!c) {
+            return kr_err_set(err, KR_ERR_UNSUPPORTED,
+                              "%s: key \"%s\"[%zu]: unsupported layer type %s%s%s (expected one of mamba, "
+                              "linear_attention, attention, full_attention, mlp, moe)",
+                              path, key, i, it->type == KR_JSON_STRING ? "\"" : "",
+                              it->type == KR_JSON_STRING ? it->str : kr_json_type_name(it->type),
+                              it->type == KR_JSON_STRING ? "\"" : "");
+        }
+        cfg->pattern[i] = c;
+    }
+    cfg->pattern[list->n] = 0;
+    cfg->n_layer = (int32_t)list->n;
+    return KR_OK;
+}
+
+static enum kr_status parse_act(const struct kr_json *root, const char *path, enum kr_act *out,
+                                struct kr_err *err)
+{
+    const char *which = "mlp_hidden_act";
+    const struct kr_json *v = lookup(root, KEYS("mlp_hidden_act", "hidden_act"), &which);
+    if (!v) {
+        *out = KR_ACT_RELU2;
+        return KR_OK;
+    }
+    if (v->type == KR_JSON_STRING) {
+        const char *s = v->str;
+        if (!strcmp(s, "relu2")) {
+            *out = KR_ACT_RELU2;
+            return KR_OK;
+        }
+        if (!strcmp(s, "silu") || !strcmp(s, "swish")) {
+            *out = KR_ACT_SILU;
+            return KR_OK;
+        }
+        if (!strcmp(s, "gelu")) {
+            *out = KR_ACT_GELU;
+            return KR_OK;
+        }
+        if (!strcmp(s, "relu")) {
+            *out = KR_ACT_RELU;
+            return KR_OK;
+        }
+    }
+    return kr_err_set(err, KR_ERR_UNSUPPORTED, "%s: key \"%s\": unsupported activation %s (expected relu2, silu, gelu or relu)",
+                      path, which, v->type == KR_JSON_STRING ? v->str : kr_json_type_name(v->type));
+}
+
+const char *kr_act_name(enum kr_act a)
+{
+    switch (a) {
+    case KR_ACT_RELU2:
+        return "relu2";
+    case KR_ACT_SILU:
+        return "silu";
+    case KR_ACT_GELU:
+        return "gelu";
+    case KR_ACT_RELU:
+        return "relu";
+    }
+    return "?";
+}
+
+int32_t kr_model_config_count(const struct kr_model_config *cfg, enum kr_layer_type t)
+{
+    int32_t n = 0;
+    for (int32_t i = 0; i < cfg->n_layer; i++) {
+        n += cfg->pattern[i] == (char)t;
+    }
+    return n;
+}
+
+/* Positive-integer check with a message naming the key. */
+static enum kr_status need_pos(int64_t v, const char *path, const char *key, struct kr_err *err)
+{
+    if (v <= 0 || v > (int64_t)1 << 40) {
+        return kr_err_set(err, KR_ERR_FORMAT, "%s: key \"%s\" must be a positive integer, got %lld", path, key,
+                          (long long)v);
+    }
+    return KR_OK;
+}
+
+static enum kr_status parse_token_ids(struct kr_model_config *cfg, const struct kr_json *root, const char *path,
+                                      struct kr_err *err)
+{
+    int64_t v;
+    TRY(get_int(root, path, KEYS("bos_token_id"), false, -1, &v, err));
+    cfg->bos_id = (int32_t)v;
+    TRY(get_int(root, path, KEYS("pad_token_id"), false, -1, &v, err));
+    cfg->pad_id = (int32_t)v;
+    cfg->n_eos = 0;
+    const struct kr_json *eos = kr_json_get(root, "eos_token_id");
+    if (eos && eos->type == KR_JSON_ARRAY) {
+        for (size_t i = 0; i < eos->n && cfg->n_eos < KR_MAX_EOS; i++) {
+            if (!kr_json_as_int(&eos->items[i], &v)) {
+                return kr_err_set(err, KR_ERR_FORMAT, "%s: key \"eos_token_id\"[%zu] must be an integer", path, i);
+            }
+            cfg->eos_ids[cfg->n_eos++] = (int32_t)v;
+        }
+    } else if (eos && eos->type != KR_JSON_NULL) {
+        if (!kr_json_as_int(eos, &v)) {
+            return kr_err_set(err, KR_ERR_FORMAT, "%s: key \"eos_token_id\" must be an integer or a list", path);
+        }
+        cfg->eos_ids[cfg->n_eos++] = (int32_t)v;
+    }
+    return KR_OK;
+}
+
+/* ---- nemotron_h ---------------------------------------------------------------------------- */
+
+static enum kr_status parse_layers(struct kr_model_config *cfg, const struct kr_json *root, const char *path,
+                                   struct kr_err *err)
+{
+    const struct kr_json *pat = kr_json_get(root, "hybrid_override_pattern");
+    const char *list_key = "layers_block_type";
+    const struct kr_json *list = lookup(root, KEYS("layers_block_type", "layer_types"), &list_key);
+    if (pat && pat->type != KR_JSON_NULL && pat->type != KR_JSON_STRING) {
+        return kr_err_set(err, KR_ERR_FORMAT, "%s: key \"hybrid_override_pattern\" must be a string, got %s", path,
+                          kr_json_type_name(pat->type));
+    }
+    if (list) {
+        TRY(parse_pattern_list(cfg, list, path, list_key, err));
+        if (pat && pat->type == KR_JSON_STRING) {
+            struct kr_model_config tmp;
+            TRY(parse_pattern_string(&tmp, pat->str, path, "hybrid_override_pattern", err));
+            if (strcmp(tmp.pattern, cfg->pattern) != 0) {
+                return kr_err_set(err, KR_ERR_FORMAT,
+                                  "%s: \"hybrid_override_pattern\" (%s) and \"%s\" (%s) disagree", path,
+                                  tmp.pattern, list_key, cfg->pattern);
+            }
+        }
+    } else if (pat && pat->type == KR_JSON_STRING) {
+        TRY(parse_pattern_string(cfg, pat->str, path, "hybrid_override_pattern", err));
+    } else {
+        return kr_err_set(err, KR_ERR_FORMAT,
+                          "%s: no layer pattern: expected \"hybrid_override_pattern\" (string) or "
+                          "\"layers_block_type\" (list)",
+                          path);
+    }
+    if (cfg->n_layer == 0) {
+        return kr_err_set(err, KR_ERR_FORMAT, "%s: the layer pattern is empty", path);
+    }
+    int64_t nl;
+    TRY(get_int(root, path, KEYS("num_hidden_layers"), false, cfg->n_layer, &nl, err));
+    if (nl != cfg->n_layer) {
+        KR_LOG_WARN("%s: num_hidden_layers=%lld does not match the %d layers of the pattern; using the pattern",
+                    path, (long long)nl, cfg->n_layer);
+    }
+    for (int32_t i = 0; i < cfg->n_layer; i++) {
+        char c = cfg->pattern[i];
+        if (c == KR_LAYER_DSA || c == KR_LAYER_MLA) {
+            return kr_err_set(err, KR_ERR_UNSUPPORTED,
+                              "%s: layer %d has type '%c' (%s), which this build does not support yet "
+                              "(supported: M * - E)",
+                              path, i, c, c == KR_LAYER_DSA ? "DeepSeek sparse attention" : "dense MLA");
+        }
+    }
+    return KR_OK;
+}
+
+static enum kr_status parse_nemotron_h(struct kr_model_config *cfg, const struct kr_json *root, const char *path,
+                                       struct kr_err *err)
+{
+    TRY(parse_layers(cfg, root, path, err));
+    TRY(get_int(root, path, KEYS("vocab_size"), true, 0, &cfg->vocab, err));
+    TRY(need_pos(cfg->vocab, path, "vocab_size", err));
+    if (cfg->vocab > INT32_MAX) {
+        return kr_err_set(err, KR_ERR_FORMAT, "%s: vocab_size %lld does not fit token ids", path, (long long)cfg->vocab);
+    }
+    TRY(get_int(root, path, KEYS("hidden_size"), true, 0, &cfg->dim, err));
+    TRY(need_pos(cfg->dim, path, "hidden_size", err));
+    double d;
+    TRY(get_float(root, path, KEYS("layer_norm_epsilon", "rms_norm_eps", "norm_eps"), 1e-5, &d, err));
+    if (!(d > 0 && d < 1)) {
+        return kr_err_set(err, KR_ERR_FORMAT, "%s: key \"layer_norm_epsilon\" must be in (0, 1), got %g", path, d);
+    }
+    cfg->norm_eps = (float)d;
+    TRY(get_bool(root, path, KEYS("tie_word_embeddings"), false, &cfg->tie_embeddings, err));
+    TRY(get_int(root, path, KEYS("max_position_embeddings"), false, 4096, &cfg->max_pos, err));
+    TRY(need_pos(cfg->max_pos, path, "max_position_embeddings", err));
+    TRY(parse_token_ids(cfg, root, path, err));
+
+    if (kr_model_config_count(cfg, KR_LAYER_MAMBA)) {
+        TRY(get_int(root, path, KEYS("mamba_num_heads"), true, 0, &cfg->m_heads, err));
+        TRY(need_pos(cfg->m_heads, path, "mamba_num_heads", err));
+        TRY(get_int(root, path, KEYS("mamba_head_dim"), true, 0, &cfg->m_head_dim, err));
+        TRY(need_pos(cfg->m_head_dim, path, "mamba_head_dim", err));
+        TRY(get_int(root, path, KEYS("n_groups", "mamba_n_groups"), false, 8, &cfg->m_groups, err));
+        TRY(need_pos(cfg->m_groups, path, "n_groups", err));
+        TRY(get_int(root, path, KEYS("ssm_state_size", "mamba_d_state"), false, 128, &cfg->m_state, err));
+        TRY(need_pos(cfg->m_state, path, "ssm_state_size", err));
+        TRY(get_int(root, path, KEYS("conv_kernel", "mamba_d_conv"), false, 4, &cfg->m_conv, err));
+        TRY(need_pos(cfg->m_conv, path, "conv_kernel", err));
+        TRY(get_int(root, path, KEYS("chunk_size", "mamba_chunk_size"), false, 128, &cfg->m_chunk, err));
+        TRY(need_pos(cfg->m_chunk, path, "chunk_size", err));
+        TRY(get_bool(root, path, KEYS("use_conv_bias", "mamba_conv_bias"), true, &cfg->m_conv_bias, err));
+        TRY(get_bool(root, path, KEYS("use_bias"), false, &cfg->m_proj_bias, err));
+        if (cfg->m_heads % cfg->m_groups) {
+            return kr_err_set(err, KR_ERR_FORMAT, "%s: mamba_num_heads (%lld) must be a multiple of n_groups (%lld)",
+                              path, (long long)cfg->m_heads, (long long)cfg->m_groups);
+        }
+        if (cfg->m_conv > 64) {
+            return kr_err_set(err, KR_ERR_UNSUPPORTED, "%s: conv_kernel %lld is larger than 64", path,
+                              (long long)cfg->m_conv);
+        }
+        cfg->m_d_inner = cfg->m_heads * cfg->m_head_dim;
+        cfg->m_conv_dim = cfg->m_d_inner + 2 * cfg->m_groups * cfg->m_state;
+        cfg->m_in_proj = 2 * cfg->m_d_inner + 2 * cfg->m_groups * cfg->m_state + cfg->m_heads;
+        cfg->m_dt_min = 0.0f;
+        cfg->m_dt_max = INFINITY;
+        const char *which = "time_step_limit";
+        const struct kr_json *lim = lookup(root, KEYS("time_step_limit", "mamba_dt_limit"), &which);
+        if (lim) {
+            double lo, hi;
+            if (lim->type != KR_JSON_ARRAY || lim->n != 2 || !kr_json_as_double(&lim->items[0], &lo) ||
+                !kr_json_as_double(&lim->items[1], &hi)) {
+                return kr_err_set(err, KR_ERR_FORMAT,
+                                  "%s: key \"%s\" must be a list of two numbers [min, max] (Infinity allowed)", path,
+                                  which);
+            }
+            if (isnan(lo) || isnan(hi) || lo < 0 || hi < lo) {
+                return kr_err_set(err, KR_ERR_FORMAT, "%s: key \"%s\" = [%g, %g] is not a valid range", path, which,
+                                  lo, hi);
+            }
+            cfg->m_dt_min = (float)lo;
+            cfg->m_dt_max = (float)hi;
+        }
+    }
+    if (kr_model_config_count(cfg, KR_LAYER_ATTN)) {
+        TRY(get_int(root, path, KEYS("num_attention_heads"), true, 0, &cfg->n_head, err));
+        TRY(need_pos(cfg->n_head, path, "num_attention_heads", err));
+        TRY(get_int(root, path, KEYS("num_key_value_heads"), false, cfg->n_head, &cfg->n_kv_head, err));
+        TRY(need_pos(cfg->n_kv_head, path, "num_key_value_heads", err));
+        TRY(get_int(root, path, KEYS("head_dim", "attention_head_dim"), false, cfg->dim / cfg->n_head,
+                    &cfg->head_dim, err));
+        TRY(need_pos(cfg->head_dim, path, "head_dim", err));
+        TRY(get_bool(root, path, KEYS("attention_bias"), false, &cfg->attn_bias, err));
+        if (cfg->n_head % cfg->n_kv_head) {
+            return kr_err_set(err, KR_ERR_FORMAT,
+                              "%s: num_attention_heads (%lld) must be a multiple of num_key_value_heads (%lld)", path,
+                              (long long)cfg->n_head, (long long)cfg->n_kv_head);
+        }
+    }
+    TRY(parse_act(root, path, &cfg->act, err));
+    TRY(get_bool(root, path, KEYS("mlp_bias"), false, &cfg->mlp_bias, err));
+    if (kr_model_config_count(cfg, KR_LAYER_MLP)) {
+        TRY(get_int(root, path, KEYS("intermediate_size"), true, 0, &cfg->ffn, err));
+        TRY(need_pos(cfg->ffn, path, "intermediate_size", err));
+    }
+    if (kr_model_config_count(cfg, KR_LAYER_MOE)) {
+        TRY(get_int(root, path, KEYS("n_routed_experts", "num_local_experts"), true, 0, &cfg->n_expert, err));
+        TRY(need_pos(cfg->n_expert, path, "n_routed_experts", err));
+        TRY(get_int(root, path, KEYS("num_experts_per_tok"), true, 0, &cfg->n_expert_used, err));
+        TRY(need_pos(cfg->n_expert_used, path, "num_experts_per_tok", err));
+        TRY(get_int(root, path, KEYS("moe_intermediate_size"), true, 0, &cfg->moe_ffn, err));
+        TRY(need_pos(cfg->moe_ffn, path, "moe_intermediate_size", err));
+        int64_t n_shared;
+        TRY(get_int(root, path, KEYS("n_shared_experts"), false, 1, &n_shared, err));
+        if (n_shared < 0) {
+            return kr_err_set(err, KR_ERR_FORMAT, "%s: key \"n_shared_experts\" must be >= 0", path);
+        }
+        TRY(get_int(root, path, KEYS("moe_shared_expert_intermediate_size"), false, n_shared * cfg->moe_ffn,
+                    &cfg->shared_ffn, err));
+        if (n_shared == 0) {
+            cfg->shared_ffn = 0;
+        }
+        if (cfg->shared_ffn < 0) {
+            return kr_err_set(err, KR_ERR_FORMAT, "%s: key \"moe_shared_expert_intermediate_size\" must be >= 0", path);
+        }
+        TRY(get_int(root, path, KEYS("moe_latent_size"), false, 0, &cfg->moe_latent, err));
+        if (cfg->moe_latent < 0) {
+            return kr_err_set(err, KR_ERR_FORMAT, "%s: key \"moe_latent_size\" must be >= 0", path);
+        }
+        TRY(get_int(root, path, KEYS("n_group"), false, 1, &cfg->n_group, err));
+        TRY(need_pos(cfg->n_group, path, "n_group", err));
+        TRY(get_int(root, path, KEYS("topk_group"), false, 1, &cfg->topk_group, err));
+        TRY(need_pos(cfg->topk_group, path, "topk_group", err));
+        TRY(get_bool(root, path, KEYS("norm_topk_prob"), true, &cfg->norm_topk_prob, err));
+        TRY(get_float(root, path, KEYS("routed_scaling_factor"), 1.0, &d, err));
+        if (!isfinite(d)) {
+            return kr_err_set(err, KR_ERR_FORMAT, "%s: key \"routed_scaling_factor\" must be finite", path);
+        }
+        cfg->routed_scale = (float)d;
+        cfg->router_score = KR_ROUTER_SIGMOID;
+        const struct kr_json *sf = kr_json_get(root, "scoring_func");
+        if (sf && sf->type == KR_JSON_STRING && !strcmp(sf->str, "softmax")) {
+            cfg->router_score = KR_ROUTER_SOFTMAX;
+        } else if (sf && !(sf->type == KR_JSON_STRING && !strcmp(sf->str, "sigmoid")) && sf->type != KR_JSON_NULL) {
+            return kr_err_set(err, KR_ERR_UNSUPPORTED, "%s: key \"scoring_func\" must be \"sigmoid\" or \"softmax\"", path);
+        }
+        if (cfg->n_expert_used > cfg->n_expert) {
+            return kr_err_set(err, KR_ERR_FORMAT, "%s: num_experts_per_tok (%lld) exceeds n_routed_experts (%lld)",
+                              path, (long long)cfg->n_expert_used, (long long)cfg->n_expert);
+        }
+        if (cfg->n_expert % cfg->n_group || cfg->topk_group > cfg->n_group) {
+            return kr_err_set(err, KR_ERR_FORMAT,
+                              "%s: n_routed_experts (%lld) must be a multiple of n_group (%lld) and topk_group (%lld) "
+                              "at most n_group",
+                              path, (long long)cfg->n_expert, (long long)cfg->n_group, (long long)cfg->topk_group);
+        }
+        if (cfg->n_expert_used > cfg->topk_group * (cfg->n_expert / cfg->n_group)) {
+            return kr_err_set(err, KR_ERR_FORMAT,
+                              "%s: num_experts_per_tok (%lld) exceeds the experts of the topk_group (%lld) selected "
+                              "groups",
+                              path, (long long)cfg->n_expert_used, (long long)cfg->topk_group);
+        }
+    }
+    return KR_OK;
+}
+
+enum kr_status kr_model_config_from_json(struct kr_model_config *cfg, const struct kr_json *root,
+                                         const char *path, struct kr_err *err)
+{
+    memset(cfg, 0, sizeof *cfg);
+    if (!root || root->type != KR_JSON_OBJECT) {
+        return kr_err_set(err, KR_ERR_FORMAT, "%s: expected a JSON object at the top level", path);
+    }
+    const struct kr_json *mt = kr_json_get(root, "model_type");
+    if (!mt || mt->type != KR_JSON_STRING) {
+        return kr_err_set(err, KR_ERR_FORMAT, "%s: missing \"model_type\" (string)", path);
+    }
+    snprintf(cfg->model_type, sizeof cfg->model_type, "%s", mt->str);
+    if (!strcmp(mt->str, "nemotron_h")) {
+        return parse_nemotron_h(cfg, root, path, err);
+    }
+    return kr_err_set(err, KR_ERR_UNSUPPORTED, "%s: unsupported model_type \"%s\" (supported: nemotron_h)", path,
+                      mt->str);
+}
+
+enum kr_status kr_model_config_load(struct kr_model_config *cfg, const char *dir, struct kr_err *err)
+{
+    char path[4096];
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    struct kr_json *root = NULL;
+    enum kr_status st = kr_json_parse_file(path, &root, err);
+    if (st != KR_OK) {
+        return st;
+    }
+    st = kr_model_config_from_json(cfg, root, path, err);
+    kr_json_free(root);
+    return st;
+}

@@ -1,0 +1,111 @@
+#pragma once
+/* kr_model_config: the read-only hyper-parameters of a model, parsed from a checkpoint's
+ * config.json. One internal description for every source layout (MODEL_SPEC §6). */
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "json.h"
+#include "status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* One letter per pre-norm residual layer (Megatron's hybrid pattern grammar). */
+enum kr_layer_type {
+    KR_LAYER_MAMBA = 'M', /* Mamba-2 mixer */
+    KR_LAYER_ATTN = '*',  /* GQA attention (no RoPE in Nemotron-H) */
+    KR_LAYER_MLP = '-',   /* dense MLP (non-gated act or gated SwiGLU-style) */
+    KR_LAYER_MOE = 'E',   /* DeepSeek-V3-style routed experts + shared expert */
+    KR_LAYER_DSA = 'D',   /* MLA + lightning indexer ('S' is an alias) */
+    KR_LAYER_MLA = '+',   /* dense MLA */
+};
+
+enum kr_act {
+    KR_ACT_RELU2 = 0, /* relu(x)^2 */
+    KR_ACT_SILU = 1,  /* x * sigmoid(x) */
+    KR_ACT_GELU = 2,  /* exact erf GELU */
+    KR_ACT_RELU = 3,
+};
+
+enum kr_router_score {
+    KR_ROUTER_SIGMOID = 0,
+    KR_ROUTER_SOFTMAX = 1,
+};
+
+#define KR_MAX_LAYERS 1024
+#define KR_MAX_EOS 8
+
+struct kr_model_config {
+    char model_type[32];       /* "nemotron_h" */
+    int32_t n_layer;           /* number of layers (letters in pattern) */
+    char pattern[KR_MAX_LAYERS + 1]; /* one letter per layer, NUL-terminated */
+    int64_t vocab;             /* vocab_size */
+    int64_t dim;               /* hidden_size */
+    float norm_eps;            /* layer_norm_epsilon (block norms, final norm, gated norm) */
+    bool tie_embeddings;       /* tie_word_embeddings */
+    int64_t max_pos;           /* max_position_embeddings */
+    int32_t bos_id;            /* -1 when unset */
+    int32_t n_eos;
+    int32_t eos_ids[KR_MAX_EOS];
+    int32_t pad_id;            /* -1 when unset */
+
+    /* Mamba-2 (M) */
+    int64_t m_heads;           /* mamba_num_heads: Hm */
+    int64_t m_head_dim;        /* mamba_head_dim: P */
+    int64_t m_groups;          /* n_groups: G */
+    int64_t m_state;           /* ssm_state_size: N */
+    int64_t m_conv;            /* conv_kernel: K */
+    int64_t m_chunk;           /* chunk_size: SSD chunk length (rounding only) */
+    int64_t m_d_inner;         /* Hm * P */
+    int64_t m_conv_dim;        /* d_inner + 2 G N */
+    int64_t m_in_proj;         /* 2 d_inner + 2 G N + Hm */
+    bool m_conv_bias;          /* use_conv_bias */
+    bool m_proj_bias;          /* use_bias: bias of in_proj / out_proj */
+    float m_dt_min;            /* time_step_limit[0]: dt clamped below only when > 0 */
+    float m_dt_max;            /* time_step_limit[1]: dt clamped above only when finite */
+
+    /* GQA attention (*) */
+    int64_t n_head;            /* num_attention_heads */
+    int64_t n_kv_head;         /* num_key_value_heads */
+    int64_t head_dim;          /* head_dim (legacy attention_head_dim) */
+    bool attn_bias;            /* attention_bias */
+
+    /* MLP (-) and experts */
+    int64_t ffn;               /* intermediate_size */
+    enum kr_act act;           /* mlp_hidden_act: relu2 | silu | gelu | relu */
+    bool mlp_bias;             /* mlp_bias */
+
+    /* MoE (E) */
+    int64_t n_expert;          /* n_routed_experts */
+    int64_t n_expert_used;     /* num_experts_per_tok */
+    int64_t moe_ffn;           /* moe_intermediate_size */
+    int64_t shared_ffn;        /* width of the shared expert MLP; 0 = none */
+    int64_t moe_latent;        /* moe_latent_size; 0 = routed experts work in hidden_size */
+    int64_t n_group;           /* n_group */
+    int64_t topk_group;        /* topk_group */
+    bool norm_topk_prob;       /* norm_topk_prob */
+    float routed_scale;        /* routed_scaling_factor */
+    enum kr_router_score router_score; /* scoring_func */
+};
+
+/* Fills `cfg` from a parsed config.json. `path` is used in error messages only. Accepts every
+ * key alias of MODEL_SPEC §4.1 (hybrid_override_pattern / layers_block_type with both
+ * vocabularies, mamba_n_groups, mamba_d_conv, mamba_chunk_size, mamba_conv_bias, mamba_dt_limit,
+ * attention_head_dim, rms_norm_eps, ...) and non-finite floats written as bare tokens, strings or
+ * {"__float__": ...}. Any missing required key, wrong type, inconsistent value or unsupported
+ * layer letter is KR_ERR_FORMAT / KR_ERR_UNSUPPORTED with a message naming the file and key. */
+enum kr_status kr_model_config_from_json(struct kr_model_config *cfg, const struct kr_json *root,
+                                         const char *path, struct kr_err *err);
+
+/* Reads DIR/config.json and calls kr_model_config_from_json. */
+enum kr_status kr_model_config_load(struct kr_model_config *cfg, const char *dir, struct kr_err *err);
+
+/* Counts of each layer type. */
+int32_t kr_model_config_count(const struct kr_model_config *cfg, enum kr_layer_type t);
+
+const char *kr_act_name(enum kr_act a);
+
+#ifdef __cplusplus
+}
+#endif

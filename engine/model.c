@@ -1,0 +1,374 @@
+/* The forward pass, written once against the backend interface. One step runs a flattened
+ * batch: every layer is a pre-norm residual block x += mixer(rmsnorm(x)). */
+#include "model.h"
+
+#include "cache.h"
+#include "log.h"
+
+#include <math.h>
+#include <string.h>
+
+/* ---- workspace ------------------------------------------------------------------------------ */
+
+/* Float offsets of the step's activations inside m->work (all [n_tok, width] row-major). */
+struct ws {
+    float *x;      /* [n, dim] residual stream */
+    float *h;      /* [n, dim] normed input of the current mixer */
+    float *o;      /* [n, dim] mixer output */
+    float *big;    /* [n, wide] projections: Mamba in_proj, q|k|v, MLP gate/up */
+    float *big2;   /* [n, wide] second projection (gated MLP up) */
+    float *xbc;    /* [n, conv_dim] */
+    float *y;      /* [n, mid] Mamba y / attention out / MLP hidden / MoE latent */
+    float *y2;     /* [n, mid] gated-norm output / MoE expert out */
+    float *logit;  /* [n, n_expert] router logits */
+    float *rw;     /* [n, n_used] routing weights */
+    int32_t *ids;  /* [n, n_used] routed experts */
+    float *fin;    /* [n_out, dim] rows kept for the LM head */
+    float *lg;     /* [n_out, vocab] logits */
+};
+
+static int64_t max64(int64_t a, int64_t b)
+{
+    return a > b ? a : b;
+}
+
+static size_t ws_floats(const struct kr_model_config *c, int64_t n, int64_t n_out, int64_t *wide, int64_t *mid)
+{
+    int64_t w = c->dim;
+    w = max64(w, c->m_in_proj);
+    w = max64(w, (c->n_head + 2 * c->n_kv_head) * c->head_dim);
+    w = max64(w, c->ffn);
+    w = max64(w, c->shared_ffn);
+    int64_t md = max64(c->dim, c->m_d_inner);
+    md = max64(md, c->n_head * c->head_dim);
+    md = max64(md, c->ffn);
+    md = max64(md, c->shared_ffn);
+    md = max64(md, c->moe_latent);
+    *wide = w;
+    *mid = md;
+    return (size_t)(n * (3 * c->dim + 2 * w + c->m_conv_dim + 2 * md + c->n_expert + 2 * c->n_expert_used) +
+                    n_out * (c->dim + c->vocab));
+}
+
+static enum kr_status ws_prepare(struct kr_model *m, const struct kr_batch *b, struct ws *ws)
+{
+    const struct kr_model_config *c = &m->cfg;
+    int64_t wide, mid;
+    size_t need = ws_floats(c, b->n_tok, b->n_out, &wide, &mid) * sizeof(float);
+    if (need > m->work.size) {
+        kr_backend_buf_free(m->be, &m->work);
+        enum kr_status st = kr_backend_buf_alloc(m->be, need, &m->work);
+        if (st != KR_OK) {
+            return st;
+        }
+    }
+    const int64_t n = b->n_tok;
+    float *p = m->work.ptr;
+#define TAKE(field, count)                                                                         \
+    do {                                                                                           \
+        ws->field = (void *)p;                                                                     \
+        p += (count);                                                                              \
+    } while (0)
+    TAKE(x, n * c->dim);
+    TAKE(h, n * c->dim);
+    TAKE(o, n * c->dim);
+    TAKE(big, n * wide);
+    TAKE(big2, n * wide);
+    TAKE(xbc, n * c->m_conv_dim);
+    TAKE(y, n * mid);
+    TAKE(y2, n * mid);
+    TAKE(logit, n * c->n_expert);
+    TAKE(rw, n * c->n_expert_used);
+    TAKE(ids, n * c->n_expert_used); /* int32 and float have the same size */
+    TAKE(fin, (int64_t)b->n_out * c->dim);
+    TAKE(lg, (int64_t)b->n_out * c->vocab);
+#undef TAKE
+    return KR_OK;
+}
+
+/* ---- validation of the batch (client-controlled through the engine) ------------------------- */
+
+static enum kr_status validate(const struct kr_model *m, const struct kr_cache *c, const struct kr_batch *b,
+                               struct kr_err *err)
+{
+    if (b->n_tok < 0 || b->n_seq < 0 || b->n_out < 0 || b->n_out > b->n_tok) {
+        return kr_err_set(err, KR_ERR_INVAL, "batch: invalid counts n_tok=%d n_seq=%d n_out=%d", b->n_tok, b->n_seq,
+                          b->n_out);
+    }
+    if (b->seq_tok0[0] != 0 || b->seq_tok0[b->n_seq] != b->n_tok) {
+        return kr_err_set(err, KR_ERR_INVAL, "batch: sequence offsets must start at 0 and end at n_tok");
+    }
+    for (int32_t t = 0; t < b->n_tok; t++) {
+        if (b->tokens[t] < 0 || b->tokens[t] >= m->cfg.vocab) {
+            return kr_err_set(err, KR_ERR_INVAL, "token id %d at batch index %d is outside the vocabulary [0, %lld)",
+                              b->tokens[t], t, (long long)m->cfg.vocab);
+        }
+    }
+    for (int32_t s = 0; s < b->n_seq; s++) {
+        const int32_t t0 = b->seq_tok0[s], t1 = b->seq_tok0[s + 1];
+        if (t1 < t0) {
+            return kr_err_set(err, KR_ERR_INVAL, "batch: sequence %d has a negative token count", s);
+        }
+        if (b->seq_slot[s] < 0 || b->seq_slot[s] >= c->n_slots) {
+            return kr_err_set(err, KR_ERR_INVAL, "batch: sequence %d uses state slot %d outside [0, %d)", s,
+                              b->seq_slot[s], c->n_slots);
+        }
+        for (int32_t r = 0; r < s; r++) {
+            if (b->seq_slot[r] == b->seq_slot[s]) {
+                return kr_err_set(err, KR_ERR_INVAL, "batch: sequences %d and %d share state slot %d", r, s,
+                                  b->seq_slot[s]);
+            }
+        }
+        if (b->seq_pos0[s] < 0) {
+            return kr_err_set(err, KR_ERR_INVAL, "batch: sequence %d has a negative start position", s);
+        }
+        for (int32_t t = t0; t < t1; t++) {
+            if (b->pos[t] != b->seq_pos0[s] + (t - t0)) {
+                return kr_err_set(err, KR_ERR_INVAL, "batch: token %d of sequence %d has position %d, expected %d", t,
+                                  s, b->pos[t], b->seq_pos0[s] + (t - t0));
+            }
+        }
+        if (m->n_attn && t1 > t0) {
+            const int32_t last = b->pos[t1 - 1];
+            const int32_t nb = last / c->block_size + 1;
+            if (nb > b->max_blocks) {
+                return kr_err_set(err, KR_ERR_INVAL, "batch: sequence %d needs %d cache blocks, its table holds %d", s,
+                                  nb, b->max_blocks);
+            }
+            for (int32_t j = 0; j < nb; j++) {
+                const int32_t id = b->block_table[(int64_t)s * b->max_blocks + j];
+                if (id < 0 || id >= c->n_blocks) {
+                    return kr_err_set(err, KR_ERR_INVAL, "batch: sequence %d block %d is %d, outside [0, %d)", s, j,
+                                      id, c->n_blocks);
+                }
+            }
+        }
+    }
+    for (int32_t i = 0; i < b->n_out; i++) {
+        if (b->out_tok[i] < 0 || b->out_tok[i] >= b->n_tok) {
+            return kr_err_set(err, KR_ERR_INVAL, "batch: output row %d selects token %d outside [0, %d)", i,
+                              b->out_tok[i], b->n_tok);
+        }
+    }
+    return KR_OK;
+}
+
+/* ---- mixers ---------------------------------------------------------------------------------- */
+
+#define TRY(expr)                                                                                  \
+    do {                                                                                           \
+        enum kr_status st_ = (expr);                                                               \
+        if (st_ != KR_OK) {                                                                        \
+            return st_;                                                                            \
+        }                                                                                          \
+    } while (0)
+
+static enum kr_status mamba_fwd(struct kr_model *m, struct kr_cache *cache, const struct kr_layer *L, int64_t n,
+                                struct ws *ws)
+{
+    const struct kr_model_config *c = &m->cfg;
+    const struct kr_mamba_w *w = &L->mamba;
+    kr_backend_t be = m->be;
+    TRY(kr_backend_matmul(be, ws->h, c->dim, n, &w->in_proj, w->in_proj_b, ws->big, c->m_in_proj));
+    struct kr_mamba_params p = {
+        .zxbcdt = ws->big,
+        .ld_in = c->m_in_proj,
+        .d_inner = c->m_d_inner,
+        .n_head = c->m_heads,
+        .head_dim = c->m_head_dim,
+        .n_group = c->m_groups,
+        .d_state = c->m_state,
+        .d_conv = c->m_conv,
+        .chunk = c->m_chunk,
+        .conv_w = w->conv_w,
+        .conv_b = w->conv_b,
+        .dt_bias = w->dt_bias,
+        .A_log = w->A_log,
+        .D = w->D,
+        .dt_min = c->m_dt_min,
+        .dt_max = c->m_dt_max,
+        .conv_state = kr_cache_conv_layer(cache, L->cache_idx),
+        .ssm_state = kr_cache_ssm_layer(cache, L->cache_idx),
+        .xbc = ws->xbc,
+        .y = ws->y,
+    };
+    TRY(kr_backend_mamba(be, &p));
+    /* z is the first d_inner columns of the in_proj output */
+    TRY(kr_backend_gated_rmsnorm(be, ws->y, ws->big, c->m_in_proj, w->norm_w, n, c->m_d_inner,
+                                 c->m_d_inner / c->m_groups, c->norm_eps, ws->y2));
+    return kr_backend_matmul(be, ws->y2, c->m_d_inner, n, &w->out_proj, w->out_proj_b, ws->o, c->dim);
+}
+
+static enum kr_status attn_fwd(struct kr_model *m, struct kr_cache *cache, const struct kr_layer *L, int64_t n,
+                               struct ws *ws)
+{
+    const struct kr_model_config *c = &m->cfg;
+    const struct kr_attn_w *w = &L->attn;
+    kr_backend_t be = m->be;
+    const int64_t qd = c->n_head * c->head_dim, kvd = c->n_kv_head * c->head_dim, ld = qd + 2 * kvd;
+    TRY(kr_backend_matmul(be, ws->h, c->dim, n, &w->q, w->q_b, ws->big, ld));
+    TRY(kr_backend_matmul(be, ws->h, c->dim, n, &w->k, w->k_b, ws->big + qd, ld));
+    TRY(kr_backend_matmul(be, ws->h, c->dim, n, &w->v, w->v_b, ws->big + qd + kvd, ld));
+    struct kr_attn_params p = {
+        .q = ws->big,
+        .k = ws->big + qd,
+        .v = ws->big + qd + kvd,
+        .ld_qkv = ld,
+        .n_head = c->n_head,
+        .n_kv_head = c->n_kv_head,
+        .head_dim = c->head_dim,
+        .scale = 1.0f / sqrtf((float)c->head_dim),
+        .k_cache = kr_cache_k_layer(cache, L->cache_idx),
+        .v_cache = kr_cache_v_layer(cache, L->cache_idx),
+        .block_size = cache->block_size,
+        .out = ws->y,
+    };
+    TRY(kr_backend_attention(be, &p));
+    return kr_backend_matmul(be, ws->y, qd, n, &w->o, w->o_b, ws->o, c->dim);
+}
+
+/* out = down(act(gate x) * up x) or down(act(up x)); hidden in `hid` [n, ffn]. */
+static enum kr_status mlp_fwd(kr_backend_t be, const struct kr_mlp_w *w, enum kr_act act, const float *x,
+                              int64_t d_in, int64_t n, float *t1, float *t2, float *hid, float *out, int64_t d_out)
+{
+    const int64_t F = w->up.rows;
+    TRY(kr_backend_matmul(be, x, d_in, n, &w->up, w->up_b, t1, F));
+    if (w->gate.data) {
+        TRY(kr_backend_matmul(be, x, d_in, n, &w->gate, w->gate_b, t2, F));
+        TRY(kr_backend_act(be, act, t2, t1, F, n, F, hid));
+    } else {
+        TRY(kr_backend_act(be, act, NULL, t1, F, n, F, hid));
+    }
+    return kr_backend_matmul(be, hid, F, n, &w->down, w->down_b, out, d_out);
+}
+
+static enum kr_status moe_fwd(struct kr_model *m, const struct kr_layer *L, int64_t n, struct ws *ws)
+{
+    const struct kr_model_config *c = &m->cfg;
+    const struct kr_moe_w *w = &L->moe;
+    kr_backend_t be = m->be;
+    TRY(kr_backend_matmul(be, ws->h, c->dim, n, &w->router, NULL, ws->logit, c->n_expert));
+    struct kr_route_params rp = {
+        .logits = ws->logit,
+        .bias = w->router_bias,
+        .n_expert = c->n_expert,
+        .n_used = c->n_expert_used,
+        .n_group = c->n_group,
+        .topk_group = c->topk_group,
+        .norm_topk = c->norm_topk_prob,
+        .scale = c->routed_scale,
+        .score = c->router_score,
+        .ids = ws->ids,
+        .weights = ws->rw,
+    };
+    TRY(kr_backend_moe_route(be, &rp, n));
+    const float *xe = ws->h;
+    int64_t d_e = c->dim;
+    if (w->has_latent) {
+        d_e = c->moe_latent;
+        TRY(kr_backend_matmul(be, ws->h, c->dim, n, &w->fc1_latent, NULL, ws->y, d_e));
+        xe = ws->y;
+    }
+    struct kr_experts_params ep = {
+        .x = xe,
+        .d_in = d_e,
+        .d_ffn = c->moe_ffn,
+        .d_out = d_e,
+        .n_expert = c->n_expert,
+        .n_used = c->n_expert_used,
+        .ids = ws->ids,
+        .weights = ws->rw,
+        .gate = w->gate,
+        .up = w->up,
+        .down = w->down,
+        .act = c->act,
+        .out = w->has_latent ? ws->y2 : ws->o,
+    };
+    TRY(kr_backend_moe_experts(be, &ep, n));
+    if (w->has_latent) {
+        TRY(kr_backend_matmul(be, ws->y2, d_e, n, &w->fc2_latent, NULL, ws->o, c->dim));
+    }
+    if (w->has_shared) {
+        /* shared expert into xbc-sized scratch: reuse big/big2 for its hidden, y2 for the output */
+        TRY(mlp_fwd(be, &w->shared, c->act, ws->h, c->dim, n, ws->big, ws->big2, ws->big, ws->y2, c->dim));
+        TRY(kr_backend_add(be, ws->o, ws->y2, n * c->dim));
+    }
+    return KR_OK;
+}
+
+/* ---- the step --------------------------------------------------------------------------------- */
+
+static void log_softmax_rows(float *x, int64_t rows, int64_t width)
+{
+    for (int64_t r = 0; r < rows; r++) {
+        float *v = x + r * width;
+        float mx = -INFINITY;
+        for (int64_t i = 0; i < width; i++) {
+            mx = v[i] > mx ? v[i] : mx;
+        }
+        double sum = 0.0;
+        for (int64_t i = 0; i < width; i++) {
+            sum += exp((double)v[i] - mx);
+        }
+        const float lse = (float)(mx + log(sum));
+        for (int64_t i = 0; i < width; i++) {
+            v[i] -= lse;
+        }
+    }
+}
+
+enum kr_status kr_model_forward(struct kr_model *m, struct kr_cache *cache, const struct kr_batch *b, float *logprobs,
+                                struct kr_err *err)
+{
+    const struct kr_model_config *c = &m->cfg;
+    kr_backend_t be = m->be;
+    enum kr_status st = validate(m, cache, b, err);
+    if (st != KR_OK || b->n_tok == 0) {
+        return st;
+    }
+    struct ws ws;
+    if ((st = ws_prepare(m, b, &ws)) != KR_OK || (st = kr_backend_begin_batch(be, b)) != KR_OK ||
+        (st = kr_backend_embed(be, &m->embed, ws.x)) != KR_OK) {
+        goto fail;
+    }
+    const int64_t n = b->n_tok;
+    for (int32_t i = 0; i < c->n_layer; i++) {
+        const struct kr_layer *L = &m->layers[i];
+        if ((st = kr_backend_rmsnorm(be, ws.x, L->norm, n, c->dim, c->norm_eps, ws.h)) != KR_OK) {
+            goto fail;
+        }
+        switch (L->type) {
+        case KR_LAYER_MAMBA:
+            st = mamba_fwd(m, cache, L, n, &ws);
+            break;
+        case KR_LAYER_ATTN:
+            st = attn_fwd(m, cache, L, n, &ws);
+            break;
+        case KR_LAYER_MLP:
+            st = mlp_fwd(be, &L->mlp, c->act, ws.h, c->dim, n, ws.big, ws.big2, ws.y, ws.o, c->dim);
+            break;
+        case KR_LAYER_MOE:
+            st = moe_fwd(m, L, n, &ws);
+            break;
+        default:
+            st = KR_ERR_INTERNAL;
+        }
+        if (st != KR_OK || (st = kr_backend_add(be, ws.x, ws.o, n * c->dim)) != KR_OK) {
+            goto fail;
+        }
+    }
+    if (b->n_out == 0) {
+        return KR_OK;
+    }
+    if ((st = kr_backend_gather_out(be, ws.x, c->dim, ws.fin)) != KR_OK ||
+        (st = kr_backend_rmsnorm(be, ws.fin, m->final_norm, b->n_out, c->dim, c->norm_eps, ws.fin)) != KR_OK ||
+        (st = kr_backend_matmul(be, ws.fin, c->dim, b->n_out, &m->lm_head, NULL, ws.lg, c->vocab)) != KR_OK ||
+        (st = kr_backend_copy_d2h(be, logprobs, ws.lg, (size_t)b->n_out * (size_t)c->vocab * sizeof(float))) !=
+            KR_OK) {
+        goto fail;
+    }
+    log_softmax_rows(logprobs, b->n_out, c->vocab);
+    return KR_OK;
+fail:
+    return kr_err_set(err, st, "forward pass failed: %s", kr_status_str(st));
+}

@@ -1,0 +1,102 @@
+#pragma once
+/* kr_model: a loaded checkpoint (config + weights on a backend) and the forward pass over a
+ * flattened multi-sequence batch, written once against the backend interface. */
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "backend.h"
+#include "batch.h"
+#include "config.h"
+#include "safetensors.h"
+#include "status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+struct kr_mlp_w {
+    struct kr_tensor gate;   /* [ffn, d_in]; data NULL for non-gated MLPs */
+    struct kr_tensor up;     /* [ffn, d_in] */
+    struct kr_tensor down;   /* [d_out, ffn] */
+    const float *gate_b;     /* [ffn] or NULL */
+    const float *up_b;       /* [ffn] or NULL */
+    const float *down_b;     /* [d_out] or NULL */
+};
+
+struct kr_mamba_w {
+    struct kr_tensor in_proj;  /* [2 d_inner + 2 G N + Hm, dim]: rows [z, x, B, C, dt] */
+    const float *in_proj_b;    /* [in_proj rows] or NULL */
+    const float *conv_w;       /* [conv_dim, K] */
+    const float *conv_b;       /* [conv_dim] or NULL */
+    const float *dt_bias;      /* [Hm] */
+    const float *A_log;        /* [Hm] */
+    const float *D;            /* [Hm] */
+    const float *norm_w;       /* [d_inner] gated RMSNorm weight */
+    struct kr_tensor out_proj; /* [dim, d_inner] */
+    const float *out_proj_b;   /* [dim] or NULL */
+};
+
+struct kr_attn_w {
+    struct kr_tensor q, k, v;   /* [n_head*hd, dim], [n_kv*hd, dim], [n_kv*hd, dim] */
+    struct kr_tensor o;         /* [dim, n_head*hd] */
+    const float *q_b, *k_b, *v_b, *o_b; /* biases or NULL */
+};
+
+struct kr_moe_w {
+    struct kr_tensor router;    /* [n_expert, dim] */
+    const float *router_bias;   /* [n_expert] e_score_correction_bias or NULL */
+    struct kr_tensor *gate;     /* [n_expert] each [moe_ffn, d_e]; NULL for non-gated experts */
+    struct kr_tensor *up;       /* [n_expert] each [moe_ffn, d_e] */
+    struct kr_tensor *down;     /* [n_expert] each [d_e, moe_ffn] */
+    bool has_shared;
+    struct kr_mlp_w shared;     /* shared expert, dim -> dim */
+    bool has_latent;
+    struct kr_tensor fc1_latent; /* [latent, dim] */
+    struct kr_tensor fc2_latent; /* [dim, latent] */
+};
+
+struct kr_layer {
+    enum kr_layer_type type;
+    const float *norm;          /* [dim] pre-norm weight */
+    int32_t cache_idx;          /* index among layers of the same cache kind (M: state pool, *: K/V pool) */
+    struct kr_mamba_w mamba;
+    struct kr_attn_w attn;
+    struct kr_mlp_w mlp;
+    struct kr_moe_w moe;
+};
+
+struct kr_model {
+    struct kr_model_config cfg;
+    char *dir;                   /* checkpoint directory (owned) */
+    kr_backend_t be;             /* borrowed */
+    struct kr_st_archive *ar;    /* owned: weights may alias its mappings */
+    struct kr_tensor embed;      /* [vocab, dim] */
+    struct kr_tensor lm_head;    /* [vocab, dim] (the embedding when tied) */
+    const float *final_norm;     /* [dim] */
+    struct kr_layer *layers;     /* [n_layer] */
+    int32_t n_mamba, n_attn;     /* layers per cache kind */
+    size_t n_owned, cap_owned;
+    struct kr_buf *owned;        /* backend buffers made by uploads */
+    struct kr_buf work;          /* forward workspace */
+    int32_t work_tokens;         /* tokens the workspace is sized for */
+    uint64_t n_params;           /* parameters loaded */
+};
+
+/* Loads the checkpoint in `dir` (config.json + safetensors) onto backend `be` (borrowed; must
+ * outlive the model). Every problem with the checkpoint is a clear error in `err` naming the file,
+ * the tensor and what was expected. *out is owned by the caller (kr_model_free). */
+enum kr_status kr_model_load(const char *dir, kr_backend_t be, struct kr_model **out, struct kr_err *err);
+void kr_model_free(struct kr_model *m);
+
+struct kr_cache;
+
+/* Runs one step over `b` and writes log-probabilities (log_softmax of the logits, fp32) of the
+ * b->n_out selected tokens to `logprobs` ([n_out, vocab], host memory; may be NULL when n_out is
+ * 0). Token ids, positions, slots and block tables are validated against the model and cache:
+ * invalid input is KR_ERR_INVAL with a message, never a crash. Engine thread only. */
+enum kr_status kr_model_forward(struct kr_model *m, struct kr_cache *c, const struct kr_batch *b, float *logprobs,
+                                struct kr_err *err);
+
+#ifdef __cplusplus
+}
+#endif

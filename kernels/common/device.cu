@@ -1,0 +1,26 @@
+// Device discovery helpers shared by every kernel family.
+#include "krk.h"
+
+#include <cstdio>
+#include <cuda_runtime.h>
+
+extern "C" int krk_device_count(void)
+{
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess) {
+        (void)cudaGetLastError(); // no driver or no device: clear the error, report none
+        return 0;
+    }
+    return n;
+}
+
+extern "C" enum kr_status krk_device_describe(int dev, char *name, int n)
+{
+    cudaDeviceProp prop;
+    if (cudaGetDeviceProperties(&prop, dev) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return KR_ERR_CUDA;
+    }
+    snprintf(name, (size_t)n, "%s sm_%d%d", prop.name, prop.major, prop.minor);
+    return KR_OK;
+}

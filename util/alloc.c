@@ -1,0 +1,111 @@
+#include "alloc.h"
+
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Every block carries a 16-byte header with its size, so the accounting is exact. */
+#define KR_ALLOC_HDR 16
+
+static atomic_size_t g_in_use;
+static atomic_uint_fast64_t g_fail_countdown;
+static atomic_int g_fail_sticky;
+
+static int should_fail(void)
+{
+    uint_fast64_t c = atomic_load(&g_fail_countdown);
+    while (c > 0) {
+        if (c == 1 && atomic_load(&g_fail_sticky)) {
+            return 1; /* stays at 1: every later call fails too */
+        }
+        if (atomic_compare_exchange_weak(&g_fail_countdown, &c, c - 1)) {
+            return c == 1;
+        }
+    }
+    return 0;
+}
+
+void kr_alloc_fail_at(uint64_t n, int sticky)
+{
+    atomic_store(&g_fail_sticky, sticky);
+    atomic_store(&g_fail_countdown, n);
+}
+
+size_t kr_alloc_bytes_in_use(void)
+{
+    return atomic_load(&g_in_use);
+}
+
+void *kr_malloc(size_t n)
+{
+    if (should_fail() || n > SIZE_MAX - KR_ALLOC_HDR) {
+        return NULL;
+    }
+    unsigned char *p = malloc(n + KR_ALLOC_HDR);
+    if (!p) {
+        return NULL;
+    }
+    memcpy(p, &n, sizeof n);
+    atomic_fetch_add(&g_in_use, n);
+    return p + KR_ALLOC_HDR;
+}
+
+void *kr_calloc(size_t count, size_t size)
+{
+    if (size && count > SIZE_MAX / size) {
+        return NULL;
+    }
+    void *p = kr_malloc(count * size);
+    if (p) {
+        memset(p, 0, count * size);
+    }
+    return p;
+}
+
+void *kr_realloc(void *p, size_t n)
+{
+    if (!p) {
+        return kr_malloc(n);
+    }
+    if (should_fail() || n > SIZE_MAX - KR_ALLOC_HDR) {
+        return NULL;
+    }
+    unsigned char *base = (unsigned char *)p - KR_ALLOC_HDR;
+    size_t old;
+    memcpy(&old, base, sizeof old);
+    unsigned char *q = realloc(base, n + KR_ALLOC_HDR);
+    if (!q) {
+        return NULL;
+    }
+    memcpy(q, &n, sizeof n);
+    atomic_fetch_sub(&g_in_use, old);
+    atomic_fetch_add(&g_in_use, n);
+    return q + KR_ALLOC_HDR;
+}
+
+void kr_free(void *p)
+{
+    if (!p) {
+        return;
+    }
+    unsigned char *base = (unsigned char *)p - KR_ALLOC_HDR;
+    size_t n;
+    memcpy(&n, base, sizeof n);
+    atomic_fetch_sub(&g_in_use, n);
+    free(base);
+}
+
+char *kr_strndup(const char *s, size_t n)
+{
+    char *d = kr_malloc(n + 1);
+    if (d) {
+        memcpy(d, s, n);
+        d[n] = 0;
+    }
+    return d;
+}
+
+char *kr_strdup(const char *s)
+{
+    return kr_strndup(s, strlen(s));
+}

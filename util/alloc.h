@@ -1,0 +1,28 @@
+#pragma once
+/* Host memory. All host allocations of the project go through these functions, which keep
+ * accounting and have a test hook that makes the Nth call fail (fault-injection loops).
+ * kr_free(NULL) is a no-op. Thread-safe. */
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+void *kr_malloc(size_t n);
+void *kr_calloc(size_t count, size_t size);
+void *kr_realloc(void *p, size_t n);
+void kr_free(void *p);
+/* Duplicates a NUL-terminated string (caller frees with kr_free); NULL on OOM. */
+char *kr_strdup(const char *s);
+char *kr_strndup(const char *s, size_t n);
+
+/* Bytes currently allocated through kr_malloc & co. */
+size_t kr_alloc_bytes_in_use(void);
+/* Test hook: the `n`-th allocation from now (1-based) fails, and every later one too if
+ * `sticky`. n = 0 disables injection. */
+void kr_alloc_fail_at(uint64_t n, int sticky);
+
+#ifdef __cplusplus
+}
+#endif
