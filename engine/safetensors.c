@@ -156,34 +156,38 @@ static const char *shape_str(const struct kr_st_tensor *t, char *buf, size_t siz
 /* Reads one header entry `val` named `name` of file `f` into `t` (name not set). `data` is the
  * start of the data area, `data_size` its length in bytes. */
 static enum kr_status parse_entry(const struct kr_st_file *f, const char *name, const struct kr_json *val,
-                                  const char *data, size_t data_size, struct kr_st_tensor *t, struct kr_err *err)
+                                  const char *data, size_t data_size, struct kr_st_tensor *t,
+                                  struct kr_err *err)
 {
     if (val->type != KR_JSON_OBJECT) {
-        return kr_err_set(err, KR_ERR_FORMAT, "%s: tensor \"%s\": expected an object, found %s", f->path, name,
-                          kr_json_type_name(val->type));
+        return kr_err_set(err, KR_ERR_FORMAT, "%s: tensor \"%s\": expected an object, found %s", f->path,
+                          name, kr_json_type_name(val->type));
     }
     const struct kr_json *dtype = kr_json_get(val, "dtype");
     const struct kr_json *shape = kr_json_get(val, "shape");
     const struct kr_json *offs = kr_json_get(val, "data_offsets");
     if (!dtype || dtype->type != KR_JSON_STRING) {
-        return kr_err_set(err, KR_ERR_FORMAT, "%s: tensor \"%s\": expected a string \"dtype\", found %s", f->path,
-                          name, dtype ? kr_json_type_name(dtype->type) : "none");
+        return kr_err_set(err, KR_ERR_FORMAT, "%s: tensor \"%s\": expected a string \"dtype\", found %s",
+                          f->path, name, dtype ? kr_json_type_name(dtype->type) : "none");
     }
     if (!shape || shape->type != KR_JSON_ARRAY) {
-        return kr_err_set(err, KR_ERR_FORMAT, "%s: tensor \"%s\": expected an array \"shape\", found %s", f->path,
-                          name, shape ? kr_json_type_name(shape->type) : "none");
+        return kr_err_set(err, KR_ERR_FORMAT, "%s: tensor \"%s\": expected an array \"shape\", found %s",
+                          f->path, name, shape ? kr_json_type_name(shape->type) : "none");
     }
     if (!offs || offs->type != KR_JSON_ARRAY) {
-        return kr_err_set(err, KR_ERR_FORMAT, "%s: tensor \"%s\": expected an array \"data_offsets\", found %s",
-                          f->path, name, offs ? kr_json_type_name(offs->type) : "none");
+        return kr_err_set(err, KR_ERR_FORMAT,
+                          "%s: tensor \"%s\": expected an array \"data_offsets\", found %s", f->path, name,
+                          offs ? kr_json_type_name(offs->type) : "none");
     }
     if (kr_dtype_parse(dtype->str, &t->dtype) != 0) {
-        return kr_err_set(err, KR_ERR_UNSUPPORTED, "%s: tensor \"%s\": dtype \"%s\" is not supported (supported: %s)",
-                          f->path, name, dtype->str, KR_ST_SUPPORTED);
+        return kr_err_set(err, KR_ERR_UNSUPPORTED,
+                          "%s: tensor \"%s\": dtype \"%s\" is not supported (supported: %s)", f->path, name,
+                          dtype->str, KR_ST_SUPPORTED);
     }
     if (shape->n > KR_ST_MAX_DIMS) {
-        return kr_err_set(err, KR_ERR_UNSUPPORTED, "%s: tensor \"%s\": %zu dimensions, at most %d are supported",
-                          f->path, name, shape->n, KR_ST_MAX_DIMS);
+        return kr_err_set(err, KR_ERR_UNSUPPORTED,
+                          "%s: tensor \"%s\": %zu dimensions, at most %d are supported", f->path, name,
+                          shape->n, KR_ST_MAX_DIMS);
     }
     t->n_dim = (int)shape->n;
     t->n_elem = 1;
@@ -191,7 +195,8 @@ static enum kr_status parse_entry(const struct kr_st_file *f, const char *name, 
         const struct kr_json *d = &shape->items[i];
         if (d->type != KR_JSON_NUMBER || !d->is_int || d->integer < 0) {
             return kr_err_set(err, KR_ERR_FORMAT,
-                              "%s: tensor \"%s\": shape[%zu] is not a non-negative integer", f->path, name, i);
+                              "%s: tensor \"%s\": shape[%zu] is not a non-negative integer", f->path, name,
+                              i);
         }
         t->shape[i] = d->integer;
         if (d->integer != 0 && t->n_elem > INT64_MAX / d->integer) {
@@ -209,28 +214,31 @@ static enum kr_status parse_entry(const struct kr_st_file *f, const char *name, 
     if (offs->n != 2 || offs->items[0].type != KR_JSON_NUMBER || !offs->items[0].is_int ||
         offs->items[0].integer < 0 || offs->items[1].type != KR_JSON_NUMBER || !offs->items[1].is_int ||
         offs->items[1].integer < 0) {
-        return kr_err_set(err, KR_ERR_FORMAT,
-                          "%s: tensor \"%s\": expected \"data_offsets\" to be two non-negative integers [begin, end]",
-                          f->path, name);
+        return kr_err_set(
+            err, KR_ERR_FORMAT,
+            "%s: tensor \"%s\": expected \"data_offsets\" to be two non-negative integers [begin, end]",
+            f->path, name);
     }
     uint64_t begin = (uint64_t)offs->items[0].integer, end = (uint64_t)offs->items[1].integer;
     if (begin > end) {
-        return kr_err_set(err, KR_ERR_FORMAT, "%s: tensor \"%s\": data_offsets begin %llu > end %llu", f->path,
-                          name, (unsigned long long)begin, (unsigned long long)end);
+        return kr_err_set(err, KR_ERR_FORMAT, "%s: tensor \"%s\": data_offsets begin %llu > end %llu",
+                          f->path, name, (unsigned long long)begin, (unsigned long long)end);
     }
     if (end > data_size) {
-        return kr_err_set(err, KR_ERR_FORMAT,
-                          "%s: truncated: tensor \"%s\" needs bytes [%llu, %llu) of the data area but the file has "
-                          "only %zu",
-                          f->path, name, (unsigned long long)begin, (unsigned long long)end, data_size);
+        return kr_err_set(
+            err, KR_ERR_FORMAT,
+            "%s: truncated: tensor \"%s\" needs bytes [%llu, %llu) of the data area but the file has "
+            "only %zu",
+            f->path, name, (unsigned long long)begin, (unsigned long long)end, data_size);
     }
     if (end - begin != t->nbytes) {
         char sh[256];
-        return kr_err_set(err, KR_ERR_FORMAT,
-                          "%s: tensor \"%s\": data_offsets [%llu, %llu) hold %llu bytes but shape %s of %s needs %zu",
-                          f->path, name, (unsigned long long)begin, (unsigned long long)end,
-                          (unsigned long long)(end - begin), shape_str(t, sh, sizeof sh), kr_dtype_name(t->dtype),
-                          t->nbytes);
+        return kr_err_set(
+            err, KR_ERR_FORMAT,
+            "%s: tensor \"%s\": data_offsets [%llu, %llu) hold %llu bytes but shape %s of %s needs %zu",
+            f->path, name, (unsigned long long)begin, (unsigned long long)end,
+            (unsigned long long)(end - begin), shape_str(t, sh, sizeof sh), kr_dtype_name(t->dtype),
+            t->nbytes);
     }
     t->data = data + begin;
     t->file = f;
@@ -253,13 +261,15 @@ static enum kr_status load_file(struct kr_st_archive *ar, size_t fi, struct kr_e
         n = n << 8 | m[i];
     }
     if (n > KR_ST_MAX_HEADER_SIZE) {
-        return kr_err_set(err, KR_ERR_FORMAT, "%s: header length %llu is above the %u-byte limit (corrupt file?)",
-                          f->path, (unsigned long long)n, KR_ST_MAX_HEADER_SIZE);
+        return kr_err_set(err, KR_ERR_FORMAT,
+                          "%s: header length %llu is above the %u-byte limit (corrupt file?)", f->path,
+                          (unsigned long long)n, KR_ST_MAX_HEADER_SIZE);
     }
     if (n > f->map_size - 8) {
-        return kr_err_set(err, KR_ERR_FORMAT,
-                          "%s: header length %llu exceeds the %zu bytes that follow the length field (truncated file?)",
-                          f->path, (unsigned long long)n, f->map_size - 8);
+        return kr_err_set(
+            err, KR_ERR_FORMAT,
+            "%s: header length %llu exceeds the %zu bytes that follow the length field (truncated file?)",
+            f->path, (unsigned long long)n, f->map_size - 8);
     }
     if ((st = kr_json_parse((const char *)m + 8, (size_t)n, &hdr, err)) != KR_OK) {
         kr_err_prefix(err, "%s: invalid JSON header", f->path);
@@ -313,10 +323,11 @@ static enum kr_status load_file(struct kr_st_archive *ar, size_t fi, struct kr_e
             }
             if (prev && (const char *)prev->data + prev->nbytes > (const char *)ts[i].data) {
                 const char *pd = prev->data, *cd = ts[i].data;
-                st = kr_err_set(err, KR_ERR_FORMAT,
-                                "%s: tensors \"%s\" [%zu, %zu) and \"%s\" [%zu, %zu) overlap in the data area",
-                                f->path, prev->name, (size_t)(pd - data), (size_t)(pd - data) + prev->nbytes,
-                                ts[i].name, (size_t)(cd - data), (size_t)(cd - data) + ts[i].nbytes);
+                st =
+                    kr_err_set(err, KR_ERR_FORMAT,
+                               "%s: tensors \"%s\" [%zu, %zu) and \"%s\" [%zu, %zu) overlap in the data area",
+                               f->path, prev->name, (size_t)(pd - data), (size_t)(pd - data) + prev->nbytes,
+                               ts[i].name, (size_t)(cd - data), (size_t)(cd - data) + ts[i].nbytes);
                 goto fail;
             }
             if (!prev || (const char *)ts[i].data + ts[i].nbytes > (const char *)prev->data + prev->nbytes) {
@@ -451,7 +462,8 @@ static enum kr_status open_indexed(const char *dir, const char *index_path, stru
     }
     const struct kr_json *wm = kr_json_get(idx, "weight_map");
     if (idx->type != KR_JSON_OBJECT || !wm || wm->type != KR_JSON_OBJECT) {
-        st = kr_err_set(err, KR_ERR_FORMAT, "%s: expected an object with an object \"weight_map\"", index_path);
+        st = kr_err_set(err, KR_ERR_FORMAT, "%s: expected an object with an object \"weight_map\"",
+                        index_path);
         goto fail;
     }
     if (wm->n > 0 && !(ents = kr_calloc(wm->n, sizeof *ents))) {
@@ -461,8 +473,9 @@ static enum kr_status open_indexed(const char *dir, const char *index_path, stru
     for (size_t i = 0; i < wm->n; i++) {
         const struct kr_json *s = &wm->items[i];
         if (s->type != KR_JSON_STRING) {
-            st = kr_err_set(err, KR_ERR_FORMAT, "%s: weight_map[\"%s\"]: expected a file name string, found %s",
-                            index_path, wm->keys[i], kr_json_type_name(s->type));
+            st = kr_err_set(err, KR_ERR_FORMAT,
+                            "%s: weight_map[\"%s\"]: expected a file name string, found %s", index_path,
+                            wm->keys[i], kr_json_type_name(s->type));
             goto fail;
         }
         /* The shard is opened as DIR/NAME: keep it inside DIR. */
@@ -546,8 +559,8 @@ static enum kr_status open_indexed(const char *dir, const char *index_path, stru
         const struct kr_st_tensor *t = &ar->tensors[i];
         const struct index_entry *e = find_entry(ents, n, t->name);
         if (!e) {
-            st = kr_err_set(err, KR_ERR_FORMAT, "%s: tensor \"%s\" is not listed in %s", t->file->path, t->name,
-                            index_path);
+            st = kr_err_set(err, KR_ERR_FORMAT, "%s: tensor \"%s\" is not listed in %s", t->file->path,
+                            t->name, index_path);
             goto fail;
         }
         if (&ar->files[e->file] != t->file) {
@@ -559,8 +572,9 @@ static enum kr_status open_indexed(const char *dir, const char *index_path, stru
     /* ... and every tensor the index lists must be present (in its shard, given the check above). */
     for (size_t i = 0; i < n; i++) {
         if (!kr_st_find(ar, ents[i].tensor)) {
-            st = kr_err_set(err, KR_ERR_FORMAT, "%s: tensor \"%s\" is assigned to %s but %s does not contain it",
-                            index_path, ents[i].tensor, ents[i].shard, ar->files[ents[i].file].path);
+            st = kr_err_set(err, KR_ERR_FORMAT,
+                            "%s: tensor \"%s\" is assigned to %s but %s does not contain it", index_path,
+                            ents[i].tensor, ents[i].shard, ar->files[ents[i].file].path);
             goto fail;
         }
     }

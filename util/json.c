@@ -238,8 +238,8 @@ static enum kr_status parse_string(struct json_parser *ps, char **out, size_t *o
     if (q >= ps->end) {
         size_t line, col;
         position(ps, open, &line, &col);
-        return parse_error(ps, ps->end, "expected '\"' to close the string that starts at line %zu column %zu",
-                           line, col);
+        return parse_error(ps, ps->end,
+                           "expected '\"' to close the string that starts at line %zu column %zu", line, col);
     }
     char *buf = kr_malloc((size_t)(q - open));
     if (!buf) {
@@ -252,7 +252,7 @@ static enum kr_status parse_string(struct json_parser *ps, char **out, size_t *o
         unsigned char c = (unsigned char)*s;
         if (c == '\\') {
             char e = s[1]; /* s + 1 < q: the scan above skipped escaped bytes in pairs */
-            static const char esc[] = "\"\\/bfnrt";    /* after the backslash ... */
+            static const char esc[] = "\"\\/bfnrt";       /* after the backslash ... */
             static const char repl[] = "\"\\/\b\f\n\r\t"; /* ... stands for this byte */
             const char *simple = e != 0 ? strchr(esc, e) : NULL;
             if (simple) {
@@ -262,10 +262,11 @@ static enum kr_status parse_string(struct json_parser *ps, char **out, size_t *o
             }
             if (e != 'u') {
                 char d[16];
-                st = parse_error(ps, s,
-                                 "invalid escape: backslash followed by %s (expected one of \\\" \\\\ \\/ \\b "
-                                 "\\f \\n \\r \\t \\uXXXX)",
-                                 describe(ps, s + 1, d, sizeof d));
+                st =
+                    parse_error(ps, s,
+                                "invalid escape: backslash followed by %s (expected one of \\\" \\\\ \\/ \\b "
+                                "\\f \\n \\r \\t \\uXXXX)",
+                                describe(ps, s + 1, d, sizeof d));
                 goto fail;
             }
             unsigned cp;
@@ -274,17 +275,21 @@ static enum kr_status parse_string(struct json_parser *ps, char **out, size_t *o
                 goto fail;
             }
             if (cp >= 0xdc00 && cp <= 0xdfff) {
-                st = parse_error(ps, s, "lone low surrogate \\u%04X (expected a high surrogate \\uD800-\\uDBFF "
-                                 "before it)", cp);
+                st = parse_error(ps, s,
+                                 "lone low surrogate \\u%04X (expected a high surrogate \\uD800-\\uDBFF "
+                                 "before it)",
+                                 cp);
                 goto fail;
             }
             if (cp >= 0xd800 && cp <= 0xdbff) {
                 unsigned lo = 0;
                 const char *t = s + 6;
-                if (q - t < 6 || t[0] != '\\' || t[1] != 'u' || !read_u_escape(t, q, &lo) ||
-                    lo < 0xdc00 || lo > 0xdfff) {
-                    st = parse_error(ps, s, "lone high surrogate \\u%04X (expected a low surrogate "
-                                     "\\uDC00-\\uDFFF after it)", cp);
+                if (q - t < 6 || t[0] != '\\' || t[1] != 'u' || !read_u_escape(t, q, &lo) || lo < 0xdc00 ||
+                    lo > 0xdfff) {
+                    st = parse_error(ps, s,
+                                     "lone high surrogate \\u%04X (expected a low surrogate "
+                                     "\\uDC00-\\uDFFF after it)",
+                                     cp);
                     goto fail;
                 }
                 cp = 0x10000 + ((cp - 0xd800) << 10) + (lo - 0xdc00);
@@ -301,7 +306,8 @@ static enum kr_status parse_string(struct json_parser *ps, char **out, size_t *o
         } else {
             size_t len = utf8_valid_len((const unsigned char *)s, (const unsigned char *)q);
             if (len == 0) {
-                st = parse_error(ps, s, "invalid UTF-8 byte 0x%02x in string (expected well-formed UTF-8)", c);
+                st =
+                    parse_error(ps, s, "invalid UTF-8 byte 0x%02x in string (expected well-formed UTF-8)", c);
                 goto fail;
             }
             memcpy(buf + n, s, len);
@@ -364,7 +370,8 @@ static enum kr_status parse_number(struct json_parser *ps, struct kr_json *v)
             p++;
         }
         if (p >= ps->end || !is_digit(*p)) {
-            return parse_error(ps, p, "expected a digit in the exponent, found %s", describe(ps, p, d, sizeof d));
+            return parse_error(ps, p, "expected a digit in the exponent, found %s",
+                               describe(ps, p, d, sizeof d));
         }
         while (p < ps->end && is_digit(*p)) {
             p++;

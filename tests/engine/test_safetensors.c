@@ -18,8 +18,8 @@
 
 /* ---- fixture --------------------------------------------------------------------------------- */
 
-static char g_dir[64];  /* fresh temp directory of the test */
-static size_t g_base;   /* kr_alloc_bytes_in_use() before the test */
+static char g_dir[64]; /* fresh temp directory of the test */
+static size_t g_base;  /* kr_alloc_bytes_in_use() before the test */
 
 static void rm_tree(const char *dir)
 {
@@ -169,7 +169,8 @@ static void expect_open_error(const char *name, enum kr_status want, const char 
     const char *needles[] = {n1, n2, n3};
     for (int i = 0; i < 3; i++) {
         if (needles[i]) {
-            cr_expect(strstr(err.msg, needles[i]) != NULL, "message \"%s\" lacks \"%s\"", err.msg, needles[i]);
+            cr_expect(strstr(err.msg, needles[i]) != NULL, "message \"%s\" lacks \"%s\"", err.msg,
+                      needles[i]);
         }
     }
 }
@@ -299,7 +300,8 @@ Test(safetensors, finds_among_many_tensors)
 Test(safetensors, opens_scalar_tensor)
 {
     const float x = 0.5f;
-    write_st("s.safetensors", "{\"scale\": {\"dtype\": \"F32\", \"shape\": [], \"data_offsets\": [0, 4]}}", &x, 4);
+    write_st("s.safetensors", "{\"scale\": {\"dtype\": \"F32\", \"shape\": [], \"data_offsets\": [0, 4]}}",
+             &x, 4);
     struct kr_st_archive *ar = open_file_ok("s.safetensors");
     struct kr_st_tensor *t = kr_st_find(ar, "scale");
     cr_assert_not_null(t);
@@ -322,10 +324,14 @@ Test(safetensors, opens_other_supported_dtypes_and_empty_tensors)
     write_st("d.safetensors", h, data, 16);
     struct kr_st_archive *ar = open_file_ok("d.safetensors");
     cr_assert_eq(ar->n_tensors, 4);
-    cr_expect_eq(kr_st_find(ar, "q")->dtype, KR_DTYPE_F8_E4M3);
-    cr_expect_eq(kr_st_find(ar, "i")->dtype, KR_DTYPE_I32);
-    cr_expect_eq(kr_st_find(ar, "l")->dtype, KR_DTYPE_I64);
+    const struct kr_st_tensor *q = kr_st_find(ar, "q"), *i = kr_st_find(ar, "i"), *l = kr_st_find(ar, "l");
     const struct kr_st_tensor *e = kr_st_find(ar, "e");
+    cr_assert(q && i && l && e);
+    cr_expect_eq(q->dtype, KR_DTYPE_F8_E4M3);
+    cr_expect_eq(q->nbytes, 4);
+    cr_expect_eq(i->dtype, KR_DTYPE_I32);
+    cr_expect_eq(l->dtype, KR_DTYPE_I64);
+    cr_expect_eq(l->nbytes, 8);
     cr_expect_eq(e->n_elem, 0);
     cr_expect_eq(e->nbytes, 0);
     cr_expect_eq(e->n_dim, 2);
@@ -464,7 +470,8 @@ Test(safetensors, rejects_duplicate_tensor_across_shards)
 {
     unsigned char *data = pattern(16);
     write_st(SHARD1, k_shard1, data, 16);
-    write_st(SHARD2, "{\"embed.weight\": {\"dtype\": \"F32\", \"shape\": [2], \"data_offsets\": [0, 8]}}", data, 8);
+    write_st(SHARD2, "{\"embed.weight\": {\"dtype\": \"F32\", \"shape\": [2], \"data_offsets\": [0, 8]}}",
+             data, 8);
     free(data);
     write_index("{\"lm_head.weight\": \"" SHARD1 "\", \"embed.weight\": \"" SHARD2 "\"}");
     expect_open_error(NULL, KR_ERR_FORMAT, "embed.weight", SHARD1, SHARD2);
@@ -505,7 +512,8 @@ Test(safetensors, rejects_malformed_index)
 Test(safetensors, rejects_dir_without_checkpoint)
 {
     write_raw("config.json", "{}", 2);
-    expect_open_error(NULL, KR_ERR_IO, g_dir, "no *.safetensors file and no model.safetensors.index.json", NULL);
+    expect_open_error(NULL, KR_ERR_IO, g_dir, "no *.safetensors file and no model.safetensors.index.json",
+                      NULL);
 }
 
 Test(safetensors, rejects_missing_dir)
@@ -596,26 +604,26 @@ Test(safetensors, rejects_non_object_entry)
 
 Test(safetensors, rejects_entry_without_dtype_shape_or_offsets)
 {
-    expect_header_error("{\"layer.w\": {\"shape\": [1], \"data_offsets\": [0, 4]}}", 4, KR_ERR_FORMAT, "layer.w",
-                        "dtype");
-    expect_header_error("{\"layer.w\": {\"dtype\": \"F32\", \"data_offsets\": [0, 4]}}", 4, KR_ERR_FORMAT, "layer.w",
-                        "shape");
+    expect_header_error("{\"layer.w\": {\"shape\": [1], \"data_offsets\": [0, 4]}}", 4, KR_ERR_FORMAT,
+                        "layer.w", "dtype");
+    expect_header_error("{\"layer.w\": {\"dtype\": \"F32\", \"data_offsets\": [0, 4]}}", 4, KR_ERR_FORMAT,
+                        "layer.w", "shape");
     expect_header_error("{\"layer.w\": {\"dtype\": \"F32\", \"shape\": [1]}}", 4, KR_ERR_FORMAT, "layer.w",
                         "data_offsets");
 }
 
 Test(safetensors, rejects_wrong_json_types_in_entry)
 {
-    expect_header_error("{\"layer.w\": {\"dtype\": 4, \"shape\": [1], \"data_offsets\": [0, 4]}}", 4, KR_ERR_FORMAT,
-                        "layer.w", "dtype");
+    expect_header_error("{\"layer.w\": {\"dtype\": 4, \"shape\": [1], \"data_offsets\": [0, 4]}}", 4,
+                        KR_ERR_FORMAT, "layer.w", "dtype");
     expect_header_error("{\"layer.w\": {\"dtype\": \"F32\", \"shape\": \"1\", \"data_offsets\": [0, 4]}}", 4,
                         KR_ERR_FORMAT, "layer.w", "shape");
-    expect_header_error("{\"layer.w\": {\"dtype\": \"F32\", \"shape\": [\"1\"], \"data_offsets\": [0, 4]}}", 4,
-                        KR_ERR_FORMAT, "layer.w", "shape");
+    expect_header_error("{\"layer.w\": {\"dtype\": \"F32\", \"shape\": [\"1\"], \"data_offsets\": [0, 4]}}",
+                        4, KR_ERR_FORMAT, "layer.w", "shape");
     expect_header_error("{\"layer.w\": {\"dtype\": \"F32\", \"shape\": [1.5], \"data_offsets\": [0, 4]}}", 4,
                         KR_ERR_FORMAT, "layer.w", "shape");
-    expect_header_error("{\"layer.w\": {\"dtype\": \"F32\", \"shape\": [1], \"data_offsets\": {\"a\": 0}}}", 4,
-                        KR_ERR_FORMAT, "layer.w", "data_offsets");
+    expect_header_error("{\"layer.w\": {\"dtype\": \"F32\", \"shape\": [1], \"data_offsets\": {\"a\": 0}}}",
+                        4, KR_ERR_FORMAT, "layer.w", "data_offsets");
 }
 
 Test(safetensors, rejects_unsupported_dtypes)
@@ -632,8 +640,8 @@ Test(safetensors, rejects_unsupported_dtypes)
 
 Test(safetensors, rejects_negative_dims)
 {
-    expect_header_error("{\"layer.w\": {\"dtype\": \"F32\", \"shape\": [2, -1], \"data_offsets\": [0, 4]}}", 4,
-                        KR_ERR_FORMAT, "layer.w", "shape[1]");
+    expect_header_error("{\"layer.w\": {\"dtype\": \"F32\", \"shape\": [2, -1], \"data_offsets\": [0, 4]}}",
+                        4, KR_ERR_FORMAT, "layer.w", "shape[1]");
 }
 
 Test(safetensors, rejects_too_many_dims)
@@ -667,11 +675,12 @@ Test(safetensors, rejects_element_count_overflow)
 
 Test(safetensors, rejects_malformed_data_offsets)
 {
-    const char *offs[] = {"[0]", "[0, 4, 8]", "[]", "[0, 4.5]", "[-1, 4]", "[0, \"4\"]", "[0, null]",
-                          "[0, 1e30]"};
+    const char *offs[] = {"[0]",     "[0, 4, 8]",  "[]",        "[0, 4.5]",
+                          "[-1, 4]", "[0, \"4\"]", "[0, null]", "[0, 1e30]"};
     for (size_t i = 0; i < sizeof offs / sizeof offs[0]; i++) {
         char h[256];
-        snprintf(h, sizeof h, "{\"layer.w\": {\"dtype\": \"F32\", \"shape\": [1], \"data_offsets\": %s}}", offs[i]);
+        snprintf(h, sizeof h, "{\"layer.w\": {\"dtype\": \"F32\", \"shape\": [1], \"data_offsets\": %s}}",
+                 offs[i]);
         expect_header_error(h, 8, KR_ERR_FORMAT, "layer.w", "data_offsets");
     }
 }
@@ -684,16 +693,20 @@ Test(safetensors, rejects_begin_after_end)
 
 Test(safetensors, rejects_truncated_file)
 {
-    expect_header_error("{\"a.ok\": {\"dtype\": \"F32\", \"shape\": [1], \"data_offsets\": [0, 4]}, "
-                        "\"layer.w\": {\"dtype\": \"F32\", \"shape\": [4], \"data_offsets\": [4, 20]}}",
-                        12, KR_ERR_FORMAT, "layer.w",
-                        "truncated: tensor \"layer.w\" needs bytes [4, 20) of the data area but the file has only 12");
+    expect_header_error(
+        "{\"a.ok\": {\"dtype\": \"F32\", \"shape\": [1], \"data_offsets\": [0, 4]}, "
+        "\"layer.w\": {\"dtype\": \"F32\", \"shape\": [4], \"data_offsets\": [4, 20]}}",
+        12, KR_ERR_FORMAT, "layer.w",
+        "truncated: tensor \"layer.w\" needs bytes [4, 20) of the data area but the file has only 12");
+    /* Short by one byte. */
+    expect_header_error("{\"layer.w\": {\"dtype\": \"F32\", \"shape\": [1], \"data_offsets\": [0, 4]}}", 3,
+                        KR_ERR_FORMAT, "layer.w", "the file has only 3");
 }
 
 Test(safetensors, rejects_byte_size_mismatch)
 {
-    expect_header_error("{\"layer.w\": {\"dtype\": \"BF16\", \"shape\": [2, 3], \"data_offsets\": [0, 24]}}", 24,
-                        KR_ERR_FORMAT, "layer.w", "12");
+    expect_header_error("{\"layer.w\": {\"dtype\": \"BF16\", \"shape\": [2, 3], \"data_offsets\": [0, 24]}}",
+                        24, KR_ERR_FORMAT, "layer.w", "12");
     expect_header_error("{\"layer.w\": {\"dtype\": \"F32\", \"shape\": [], \"data_offsets\": [0, 0]}}", 4,
                         KR_ERR_FORMAT, "layer.w", "4");
 }
@@ -704,6 +717,10 @@ Test(safetensors, rejects_overlapping_tensors)
                         "\"layer.z\": {\"dtype\": \"F32\", \"shape\": [1], \"data_offsets\": [12, 16]}, "
                         "\"layer.b\": {\"dtype\": \"F32\", \"shape\": [2], \"data_offsets\": [0, 8]}}",
                         16, KR_ERR_FORMAT, "layer.a", "layer.b");
+    /* Overlapping by a single byte. */
+    expect_header_error("{\"layer.p\": {\"dtype\": \"F8_E4M3\", \"shape\": [4], \"data_offsets\": [0, 4]}, "
+                        "\"layer.q\": {\"dtype\": \"F8_E4M3\", \"shape\": [4], \"data_offsets\": [3, 7]}}",
+                        8, KR_ERR_FORMAT, "layer.p", "layer.q");
     /* Contained entirely in an earlier, longer tensor. */
     expect_header_error("{\"layer.big\": {\"dtype\": \"F32\", \"shape\": [4], \"data_offsets\": [0, 16]}, "
                         "\"layer.in\": {\"dtype\": \"F32\", \"shape\": [1], \"data_offsets\": [8, 12]}}",

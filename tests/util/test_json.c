@@ -46,6 +46,14 @@ static struct kr_json *parse_ok(const char *text)
     return parse_ok_n(text, strlen(text));
 }
 
+/* Member `key` of `obj`, asserting that it exists. */
+static const struct kr_json *must_get(const struct kr_json *obj, const char *key)
+{
+    const struct kr_json *m = kr_json_get(obj, key);
+    cr_assert_not_null(m, "no member \"%s\"", key);
+    return m;
+}
+
 /* Parses `len` bytes of `text`, expects KR_ERR_FORMAT with `where` ("line L column C:") and `what`
  * in the message. */
 static void expect_error_n(const char *text, size_t len, const char *where, const char *what)
@@ -56,8 +64,8 @@ static void expect_error_n(const char *text, size_t len, const char *where, cons
     cr_log_info("%s", err.msg); /* shown with --verbose */
     cr_assert_eq(st, KR_ERR_FORMAT, "parsing \"%s\": expected KR_ERR_FORMAT, got %d", text, st);
     cr_expect_null(v);
-    cr_expect(strncmp(err.msg, where, strlen(where)) == 0, "\"%s\": message \"%s\" does not start with \"%s\"",
-              text, err.msg, where);
+    cr_expect(strncmp(err.msg, where, strlen(where)) == 0,
+              "\"%s\": message \"%s\" does not start with \"%s\"", text, err.msg, where);
     if (what) {
         cr_expect(strstr(err.msg, what) != NULL, "\"%s\": message \"%s\" lacks \"%s\"", text, err.msg, what);
     }
@@ -108,7 +116,8 @@ Test(json, parses_integers_as_exact_int64)
 
 Test(json, numbers_outside_int64_or_with_fraction_are_not_int)
 {
-    struct kr_json *v = parse_ok("[9223372036854775808, -9223372036854775809, 1.5, 1e3, 2.5E-3, -0.25e+2, 1e400]");
+    struct kr_json *v =
+        parse_ok("[9223372036854775808, -9223372036854775809, 1.5, 1e3, 2.5E-3, -0.25e+2, 1e400]");
     cr_assert_eq(v->n, 7);
     for (size_t i = 0; i < 7; i++) {
         cr_expect_eq(v->items[i].type, KR_JSON_NUMBER);
@@ -138,13 +147,14 @@ Test(json, parses_bare_nonfinite_tokens)
     kr_json_free(v);
 
     v = parse_ok("{\"rope_theta\": Infinity}");
-    cr_expect(isinf(kr_json_get(v, "rope_theta")->number));
+    cr_expect(isinf(must_get(v, "rope_theta")->number));
     kr_json_free(v);
 }
 
 Test(json, parses_strings_and_escapes)
 {
-    struct kr_json *v = parse_ok("[\"\", \"plain\", \"\\\"\\\\\\/\\b\\f\\n\\r\\t\", \"\\u0041\\u00e9\\u20AC\"]");
+    struct kr_json *v =
+        parse_ok("[\"\", \"plain\", \"\\\"\\\\\\/\\b\\f\\n\\r\\t\", \"\\u0041\\u00e9\\u20AC\"]");
     cr_assert_eq(v->n, 4);
     for (size_t i = 0; i < 4; i++) {
         cr_expect_eq(v->items[i].type, KR_JSON_STRING);
@@ -204,10 +214,10 @@ Test(json, parses_nested_containers_in_order)
     cr_expect_eq(b->items[0].type, KR_JSON_BOOL);
     cr_expect_str_eq(b->items[1].str, "s");
     cr_expect_eq(b->items[2].type, KR_JSON_NULL);
-    cr_expect_eq(kr_json_get(v, "c")->type, KR_JSON_OBJECT);
-    cr_expect_eq(kr_json_get(v, "c")->n, 0);
-    cr_expect_eq(kr_json_get(v, "d")->type, KR_JSON_ARRAY);
-    cr_expect_eq(kr_json_get(v, "d")->n, 0);
+    cr_expect_eq(must_get(v, "c")->type, KR_JSON_OBJECT);
+    cr_expect_eq(must_get(v, "c")->n, 0);
+    cr_expect_eq(must_get(v, "d")->type, KR_JSON_ARRAY);
+    cr_expect_eq(must_get(v, "d")->n, 0);
     cr_expect_null(kr_json_get(v, "missing"));
     cr_expect_null(kr_json_get(a, "a"), "kr_json_get on an array");
     cr_expect_null(kr_json_get(NULL, "a"));
@@ -217,7 +227,7 @@ Test(json, parses_nested_containers_in_order)
 Test(json, accepts_all_json_whitespace)
 {
     struct kr_json *v = parse_ok(" \t\r\n{ \"k\" \n:\t[ 1 ,\r\n2 ] } \n");
-    cr_expect_eq(kr_json_get(v, "k")->n, 2);
+    cr_expect_eq(must_get(v, "k")->n, 2);
     kr_json_free(v);
 }
 
@@ -238,8 +248,8 @@ Test(json, last_duplicate_key_wins)
     cr_assert_eq(v->n, 3, "all members are kept in order");
     cr_expect_str_eq(v->keys[0], "a");
     cr_expect_str_eq(v->keys[2], "a");
-    cr_expect_eq(kr_json_get(v, "a")->integer, 3);
-    cr_expect_eq(kr_json_get(v, "b")->integer, 2);
+    cr_expect_eq(must_get(v, "a")->integer, 3);
+    cr_expect_eq(must_get(v, "b")->integer, 2);
     kr_json_free(v);
 }
 
@@ -308,8 +318,9 @@ Test(json, as_double_reads_numbers_and_nonfinite_spellings)
 
 Test(json, as_double_rejects_other_values)
 {
-    struct kr_json *v = parse_ok("[\"1.5\", \"infinite\", \"\", true, null, [1], {\"x\": 1}, {\"__float__\": \"big\"}, "
-                                 "\"inf\\u0000\"]");
+    struct kr_json *v =
+        parse_ok("[\"1.5\", \"infinite\", \"\", true, null, [1], {\"x\": 1}, {\"__float__\": \"big\"}, "
+                 "\"inf\\u0000\"]");
     double d = 42.0;
     for (size_t i = 0; i < v->n; i++) {
         cr_expect(!kr_json_as_double(&v->items[i], &d), "item %zu", i);
@@ -321,8 +332,9 @@ Test(json, as_double_rejects_other_values)
 
 Test(json, as_int_accepts_exact_integers_only)
 {
-    struct kr_json *v = parse_ok("[4, 4.0, -7, 1e3, -9223372036854775808.0, 4.5, 9223372036854775808.0, 1e300, "
-                                 "\"4\", Infinity, NaN, true]");
+    struct kr_json *v =
+        parse_ok("[4, 4.0, -7, 1e3, -9223372036854775808.0, 4.5, 9223372036854775808.0, 1e300, "
+                 "\"4\", Infinity, NaN, true]");
     int64_t i = 0;
     cr_assert(kr_json_as_int(&v->items[0], &i));
     cr_expect_eq(i, 4);
@@ -399,12 +411,12 @@ Test(json, rejects_raw_control_characters_in_strings)
 Test(json, rejects_invalid_utf8_in_strings)
 {
     expect_error("\"a\xff\"", "line 1 column 3:", "UTF-8");
-    expect_error("\"\x80\"", "line 1 column 2:", "UTF-8");          /* stray continuation byte */
-    expect_error("\"\xc0\xaf\"", "line 1 column 2:", "UTF-8");      /* overlong '/' */
-    expect_error("\"\xe0\x80\xaf\"", "line 1 column 2:", "UTF-8");  /* overlong 3-byte */
-    expect_error("\"\xed\xa0\x80\"", "line 1 column 2:", "UTF-8");  /* encoded surrogate U+D800 */
+    expect_error("\"\x80\"", "line 1 column 2:", "UTF-8");             /* stray continuation byte */
+    expect_error("\"\xc0\xaf\"", "line 1 column 2:", "UTF-8");         /* overlong '/' */
+    expect_error("\"\xe0\x80\xaf\"", "line 1 column 2:", "UTF-8");     /* overlong 3-byte */
+    expect_error("\"\xed\xa0\x80\"", "line 1 column 2:", "UTF-8");     /* encoded surrogate U+D800 */
     expect_error("\"\xf4\x90\x80\x80\"", "line 1 column 2:", "UTF-8"); /* above U+10FFFF */
-    expect_error("\"x\xe2\x82\"", "line 1 column 3:", "UTF-8");     /* truncated sequence */
+    expect_error("\"x\xe2\x82\"", "line 1 column 3:", "UTF-8");        /* truncated sequence */
 }
 
 Test(json, rejects_non_json_numbers)
@@ -458,7 +470,7 @@ Test(json, reports_oom_without_leaking)
         kr_alloc_fail_at(0, 0);
         if (st == KR_OK) {
             cr_expect_gt(n, 1);
-            cr_expect_eq(kr_json_get(v, "d")->str[0], 'x');
+            cr_expect_eq(must_get(v, "d")->str[0], 'x');
             kr_json_free(v);
             break;
         }
@@ -496,8 +508,8 @@ Test(json, parse_file_reads_and_prefixes_errors_with_path)
     struct kr_json *v = NULL;
     struct kr_err err = {{0}};
     cr_assert_eq(kr_json_parse_file(path, &v, &err), KR_OK, "%s", err.msg);
-    cr_expect_eq(kr_json_get(v, "hidden_size")->integer, 4096);
-    cr_expect_eq(kr_json_get(v, "rope_theta")->number, 1e6);
+    cr_expect_eq(must_get(v, "hidden_size")->integer, 4096);
+    cr_expect_eq(must_get(v, "rope_theta")->number, 1e6);
     kr_json_free(v);
 
     FILE *f = fopen(path, "w");

@@ -1,0 +1,42 @@
+#pragma once
+/* Writes small synthetic checkpoints (config.json + safetensors) for loader tests: a tensor list
+ * that tests mutate (drop, rename, reshape, retype) before writing, filled with seeded random
+ * values. */
+#include <stdint.h>
+
+#include "dtype.h"
+
+#define CKW_MAX 256
+
+struct ckw_tensor {
+    char name[160];
+    enum kr_dtype dt;
+    int n_dim;
+    int64_t shape[4];
+};
+
+struct ckw {
+    struct ckw_tensor t[CKW_MAX];
+    int n;
+};
+
+/* The tensors of the tiny nemotron_h model described by CKW_TINY_CONFIG (pattern "M*-E"),
+ * under `prefix` ("backbone." or "model."), per-expert layout, BF16. */
+void ckw_tiny_nemotron(struct ckw *w, const char *prefix);
+/* Appends a tensor. */
+struct ckw_tensor *ckw_add(struct ckw *w, const char *name, enum kr_dtype dt, int n_dim, const int64_t *shape);
+/* Finds / removes by name; remove returns 0 when found. */
+struct ckw_tensor *ckw_get(struct ckw *w, const char *name);
+int ckw_remove(struct ckw *w, const char *name);
+/* Writes the tensors (in list order) as one safetensors file. */
+void ckw_write(const struct ckw *w, const char *path);
+/* Writes `text` to `path`. */
+void ckw_write_text(const char *path, const char *text);
+/* Makes a fresh temporary directory; returns its path (static storage per call site is fine). */
+void ckw_tmpdir(char *out, size_t n);
+/* Removes a directory tree created by ckw_tmpdir. */
+void ckw_rmtree(const char *dir);
+
+/* config.json of the tiny model; %s is replaced by the time_step_limit upper bound spelling and
+ * the pattern: use ckw_tiny_config(). */
+void ckw_tiny_config(char *out, size_t n, const char *pattern_json, const char *limit_hi);

@@ -1,0 +1,52 @@
+#pragma once
+/* Test helpers: HF reference fixtures (tests/fixtures/<family>/<name>/: checkpoint +
+ * reference.json + reference.bin written by tools/reference/ scripts) and a driver that runs several
+ * sequences through one model with an arbitrary per-step schedule. */
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "cache.h"
+#include "model.h"
+
+struct fx_prompt {
+    int32_t *ids;        /* [n] */
+    int32_t n;
+    float *logprobs;     /* [n, vocab] HF log_softmax after every prompt position */
+    int32_t greedy[64];  /* HF greedy continuation (no-cache recompute) */
+    float margin[64];    /* HF top1 - top2 log-probability at each greedy step */
+    int32_t n_greedy;
+};
+
+struct fx {
+    char dir[512];
+    kr_backend_t be;
+    struct kr_model *m;
+    struct kr_cache *c;
+    int64_t vocab;
+    int32_t n_prompts;
+    struct fx_prompt prompts[16];
+};
+
+/* Loads fixture `name` of `family` (e.g. "nemotron_h") with a CPU backend of `threads` threads and
+ * a cache of `n_slots` slots; aborts the test (cr_assert) on any error. */
+void fx_load(struct fx *f, const char *family, const char *name, int threads, int n_slots);
+void fx_free(struct fx *f);
+
+/* One sequence for the multi-sequence driver. */
+struct drv_seq {
+    const int32_t *prompt;   /* [n_prompt] */
+    int32_t n_prompt;
+    int32_t chunk;           /* prompt tokens per step (>= 1) */
+    int32_t start_step;      /* first step this sequence takes part in */
+    int32_t n_decode;        /* greedy tokens generated after the prompt */
+    float *rows;             /* out: [n_prompt + n_decode, vocab]: rows after every prompt position,
+                                then after every generated token except the last */
+    int32_t *gen;            /* out: [n_decode] greedy ids */
+};
+
+/* Runs all sequences through one model: at each step, every active sequence contributes its
+ * next prompt chunk or one decode token, in one flattened batch. Asserts on errors. */
+void drv_run(struct kr_model *m, struct kr_cache *c, struct drv_seq *seqs, int32_t n_seq);
+
+/* Largest |a - b| over n floats. */
+double max_abs_diff(const float *a, const float *b, int64_t n);

@@ -1,0 +1,393 @@
+/* Loader behaviour on synthetic checkpoints: every config alias and non-finite float spelling is
+ * accepted, and every kind of broken checkpoint is a clear error naming the file, the tensor and
+ * what was expected. */
+#include "ckpt-writer.h"
+
+#include "cache.h"
+#include "model.h"
+#include "runner.h"
+
+#include <criterion/criterion.h>
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+
+static char dir[256];
+static struct ckw W;
+
+static void setup(void)
+{
+    ckw_tmpdir(dir, sizeof dir);
+    ckw_tiny_nemotron(&W, "backbone.");
+}
+
+static void teardown(void)
+{
+    ckw_rmtree(dir);
+}
+
+static void write_config(const char *pattern_json, const char *limit_hi)
+{
+    char cfg[4096], path[512];
+    ckw_tiny_config(cfg, sizeof cfg, pattern_json, limit_hi);
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    ckw_write_text(path, cfg);
+}
+
+static void write_weights(void)
+{
+    char path[512];
+    snprintf(path, sizeof path, "%s/model.safetensors", dir);
+    ckw_write(&W, path);
+}
+
+/* Loads and returns the status; the message lands in err. */
+static enum kr_status try_load(struct kr_err *err, struct kr_model **out)
+{
+    kr_backend_t be = kr_backend_cpu_create(1);
+    struct kr_model *m = NULL;
+    memset(err, 0, sizeof *err);
+    enum kr_status st = kr_model_load(dir, be, &m, err);
+    if (out && st == KR_OK) {
+        *out = m;
+        return st; /* caller frees model and backend through free_loaded */
+    }
+    kr_model_free(m);
+    kr_backend_free(be);
+    return st;
+}
+
+static void free_loaded(struct kr_model *m)
+{
+    kr_backend_t be = m->be;
+    kr_model_free(m);
+    kr_backend_free(be);
+}
+
+#define PATTERN "\"hybrid_override_pattern\": \"M*-E\""
+
+static void expect_error(enum kr_status want, const char *s1, const char *s2)
+{
+    struct kr_err err;
+    enum kr_status st = try_load(&err, NULL);
+    cr_expect_eq(st, want, "status %d (%s), expected %d; message: %s", st, kr_status_str(st), want, err.msg);
+    if (s1) {
+        cr_expect(strstr(err.msg, s1), "message \"%s\" does not mention \"%s\"", err.msg, s1);
+    }
+    if (s2) {
+        cr_expect(strstr(err.msg, s2), "message \"%s\" does not mention \"%s\"", err.msg, s2);
+    }
+}
+
+TestSuite(loader, .init = setup, .fini = teardown);
+
+Test(loader, loads_a_valid_checkpoint_and_runs_it)
+{
+    write_config(PATTERN, "Infinity");
+    write_weights();
+    struct kr_err err;
+    struct kr_model *m = NULL;
+    cr_assert_eq(try_load(&err, &m), KR_OK, "%s", err.msg);
+    cr_expect_str_eq(m->cfg.pattern, "M*-E");
+    cr_expect_eq(m->cfg.m_d_inner, 16);
+    cr_expect_eq(m->cfg.m_conv_dim, 32);
+    cr_expect(isinf(m->cfg.m_dt_max));
+    cr_expect_eq(m->cfg.shared_ffn, 8);
+    cr_expect(m->layers[2].mlp.gate.data == NULL, "relu2 MLP without gate_proj is non-gated");
+    struct kr_cache *c = NULL;
+    cr_assert_eq(kr_cache_create(m, 1, 4, 4, &c), KR_OK);
+    const int32_t ids[5] = {1, 5, 9, 30, 2};
+    float lp[5 * 32];
+    cr_assert_eq(kr_run_prompt_logprobs(m, c, ids, 5, 0, lp, &err), KR_OK, "%s", err.msg);
+    for (int t = 0; t < 5; t++) {
+        double sum = 0;
+        for (int v = 0; v < 32; v++) {
+            cr_assert(isfinite(lp[t * 32 + v]));
+            sum += exp(lp[t * 32 + v]);
+        }
+        cr_expect(fabs(sum - 1.0) < 1e-5, "row %d sums to %g", t, sum);
+    }
+    kr_cache_free(c);
+    free_loaded(m);
+}
+
+Test(loader, accepts_every_spelling_of_infinity)
+{
+    static const char *const spellings[] = {"Infinity", "\"Infinity\"", "{\"__float__\": \"Infinity\"}", "1e309"};
+    write_weights();
+    for (size_t i = 0; i < sizeof spellings / sizeof spellings[0]; i++) {
+        write_config(PATTERN, spellings[i]);
+        struct kr_err err;
+        struct kr_model *m = NULL;
+        cr_assert_eq(try_load(&err, &m), KR_OK, "%s: %s", spellings[i], err.msg);
+        cr_expect(isinf(m->cfg.m_dt_max) && m->cfg.m_dt_max > 0, "%s gave %g", spellings[i], m->cfg.m_dt_max);
+        free_loaded(m);
+    }
+}
+
+Test(loader, reads_a_finite_time_step_limit)
+{
+    write_weights();
+    write_config(PATTERN, "0.25");
+    struct kr_err err;
+    struct kr_model *m = NULL;
+    cr_assert_eq(try_load(&err, &m), KR_OK, "%s", err.msg);
+    cr_expect_float_eq(m->cfg.m_dt_max, 0.25f, 1e-7);
+    free_loaded(m);
+}
+
+Test(loader, accepts_both_layer_type_vocabularies)
+{
+    static const char *const forms[] = {
+        "\"layers_block_type\": [\"mamba\", \"attention\", \"mlp\", \"moe\"]",
+        "\"layers_block_type\": [\"linear_attention\", \"full_attention\", \"mlp\", \"moe\"]",
+        "\"hybrid_override_pattern\": \"M*|-E\"",
+    };
+    write_weights();
+    for (size_t i = 0; i < 3; i++) {
+        write_config(forms[i], "Infinity");
+        struct kr_err err;
+        struct kr_model *m = NULL;
+        cr_assert_eq(try_load(&err, &m), KR_OK, "%s: %s", forms[i], err.msg);
+        cr_expect_str_eq(m->cfg.pattern, "M*-E", "%s", forms[i]);
+        free_loaded(m);
+    }
+}
+
+Test(loader, accepts_legacy_key_aliases)
+{
+    write_weights();
+    char path[512];
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    ckw_write_text(path,
+                   "{\"model_type\": \"nemotron_h\", \"hybrid_override_pattern\": \"M*-E\", \"vocab_size\": 32,"
+                   " \"hidden_size\": 16, \"rms_norm_eps\": 1e-5, \"mamba_num_heads\": 4, \"mamba_head_dim\": 4,"
+                   " \"mamba_n_groups\": 2, \"ssm_state_size\": 4, \"mamba_d_conv\": 4, \"mamba_chunk_size\": 4,"
+                   " \"mamba_conv_bias\": true, \"mamba_dt_limit\": [0.0, Infinity], \"num_attention_heads\": 2,"
+                   " \"num_key_value_heads\": 1, \"attention_head_dim\": 8, \"intermediate_size\": 24,"
+                   " \"num_local_experts\": 4, \"num_experts_per_tok\": 2, \"moe_intermediate_size\": 8,"
+                   " \"moe_shared_expert_intermediate_size\": 8, \"n_group\": 2, \"topk_group\": 1}");
+    struct kr_err err;
+    struct kr_model *m = NULL;
+    cr_assert_eq(try_load(&err, &m), KR_OK, "%s", err.msg);
+    cr_expect_eq(m->cfg.m_groups, 2);
+    cr_expect_eq(m->cfg.m_conv, 4);
+    cr_expect_eq(m->cfg.m_chunk, 4);
+    cr_expect_eq(m->cfg.head_dim, 8);
+    cr_expect_eq(m->cfg.n_expert, 4);
+    free_loaded(m);
+}
+
+Test(loader, loads_the_model_prefix_and_fused_experts)
+{
+    ckw_tiny_nemotron(&W, "model.");
+    char n[160];
+    for (int e = 0; e < 4; e++) {
+        snprintf(n, sizeof n, "model.layers.3.mixer.experts.%d.up_proj.weight", e);
+        cr_assert_eq(ckw_remove(&W, n), 0);
+        snprintf(n, sizeof n, "model.layers.3.mixer.experts.%d.down_proj.weight", e);
+        cr_assert_eq(ckw_remove(&W, n), 0);
+    }
+    ckw_add(&W, "model.layers.3.mixer.experts.up_proj", KR_DTYPE_BF16, 3, (const int64_t[]){4, 8, 16});
+    ckw_add(&W, "model.layers.3.mixer.experts.down_proj", KR_DTYPE_BF16, 3, (const int64_t[]){4, 16, 8});
+    write_weights();
+    write_config(PATTERN, "Infinity");
+    struct kr_err err;
+    struct kr_model *m = NULL;
+    cr_assert_eq(try_load(&err, &m), KR_OK, "%s", err.msg);
+    /* expert e's up projection is slice e of the fused tensor */
+    const char *base = m->layers[3].moe.up[0].data;
+    cr_expect_eq((const char *)m->layers[3].moe.up[2].data - base, 2 * 8 * 16 * 2);
+    free_loaded(m);
+}
+
+Test(loader, rejects_a_missing_tensor)
+{
+    cr_assert_eq(ckw_remove(&W, "backbone.layers.0.mixer.A_log"), 0);
+    write_weights();
+    write_config(PATTERN, "Infinity");
+    expect_error(KR_ERR_FORMAT, "backbone.layers.0.mixer.A_log", "missing");
+}
+
+Test(loader, rejects_an_unexpected_tensor)
+{
+    ckw_add(&W, "backbone.layers.2.mixer.extra.weight", KR_DTYPE_BF16, 1, (const int64_t[]){4});
+    write_weights();
+    write_config(PATTERN, "Infinity");
+    expect_error(KR_ERR_FORMAT, "backbone.layers.2.mixer.extra.weight", "model.safetensors");
+}
+
+Test(loader, rejects_a_wrong_shape)
+{
+    ckw_get(&W, "backbone.layers.1.mixer.k_proj.weight")->shape[0] = 16;
+    write_weights();
+    write_config(PATTERN, "Infinity");
+    expect_error(KR_ERR_FORMAT, "backbone.layers.1.mixer.k_proj.weight", "expected [8, 16]");
+}
+
+Test(loader, rejects_a_wrong_dtype)
+{
+    ckw_get(&W, "backbone.layers.2.mixer.up_proj.weight")->dt = KR_DTYPE_I32;
+    write_weights();
+    write_config(PATTERN, "Infinity");
+    expect_error(KR_ERR_UNSUPPORTED, "backbone.layers.2.mixer.up_proj.weight", "I32");
+}
+
+Test(loader, rejects_fp8_weights_without_dequantization_support)
+{
+    ckw_get(&W, "backbone.layers.2.mixer.up_proj.weight")->dt = KR_DTYPE_F8_E4M3;
+    write_weights();
+    write_config(PATTERN, "Infinity");
+    expect_error(KR_ERR_UNSUPPORTED, "backbone.layers.2.mixer.up_proj.weight", "F8_E4M3");
+}
+
+Test(loader, rejects_a_truncated_file)
+{
+    write_weights();
+    write_config(PATTERN, "Infinity");
+    char path[512];
+    snprintf(path, sizeof path, "%s/model.safetensors", dir);
+    FILE *fp = fopen(path, "r+b");
+    fseek(fp, 0, SEEK_END);
+    long sz = ftell(fp);
+    fclose(fp);
+    cr_assert_eq(truncate(path, sz - 100), 0);
+    expect_error(KR_ERR_FORMAT, "model.safetensors", "truncated");
+}
+
+Test(loader, rejects_a_header_length_overflow)
+{
+    write_config(PATTERN, "Infinity");
+    char path[512];
+    snprintf(path, sizeof path, "%s/model.safetensors", dir);
+    FILE *fp = fopen(path, "wb");
+    uint64_t huge = UINT64_MAX - 4;
+    fwrite(&huge, 8, 1, fp);
+    fputs("{}", fp);
+    fclose(fp);
+    struct kr_err err;
+    cr_expect_neq(try_load(&err, NULL), KR_OK);
+    cr_expect(strstr(err.msg, "model.safetensors"), "%s", err.msg);
+    cr_expect(strstr(err.msg, "header"), "%s", err.msg);
+}
+
+Test(loader, rejects_a_malformed_header)
+{
+    write_config(PATTERN, "Infinity");
+    char path[512];
+    snprintf(path, sizeof path, "%s/model.safetensors", dir);
+    FILE *fp = fopen(path, "wb");
+    const char hdr[] = "{\"a\": {\"dtype\": \"BF16\", \"shape\": [2], \"data_offsets\": [0, 4]";
+    uint64_t n = sizeof hdr - 1;
+    fwrite(&n, 8, 1, fp);
+    fwrite(hdr, 1, n, fp);
+    fwrite("\0\0\0\0", 1, 4, fp);
+    fclose(fp);
+    expect_error(KR_ERR_FORMAT, "model.safetensors", NULL);
+}
+
+Test(loader, rejects_malformed_config_json)
+{
+    write_weights();
+    char path[512];
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    ckw_write_text(path, "{\"model_type\": \"nemotron_h\",\n \"vocab_size\": 32,,}");
+    expect_error(KR_ERR_FORMAT, "config.json", "line 2");
+}
+
+Test(loader, rejects_an_unsupported_layer_letter)
+{
+    write_weights();
+    write_config("\"hybrid_override_pattern\": \"M*X-E\"", "Infinity");
+    expect_error(KR_ERR_UNSUPPORTED, "config.json", "'X'");
+}
+
+Test(loader, rejects_an_unknown_layer_type_name)
+{
+    write_weights();
+    write_config("\"layers_block_type\": [\"mamba\", \"attention\", \"conv\", \"moe\"]", "Infinity");
+    expect_error(KR_ERR_UNSUPPORTED, "config.json", "\"conv\"");
+}
+
+Test(loader, rejects_a_missing_required_key)
+{
+    write_weights();
+    char path[512];
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    ckw_write_text(path, "{\"model_type\": \"nemotron_h\", \"hybrid_override_pattern\": \"M*-E\", \"hidden_size\": 16}");
+    expect_error(KR_ERR_FORMAT, "config.json", "vocab_size");
+}
+
+Test(loader, rejects_an_unsupported_model_type)
+{
+    write_weights();
+    char path[512];
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    ckw_write_text(path, "{\"model_type\": \"llama\"}");
+    expect_error(KR_ERR_UNSUPPORTED, "config.json", "llama");
+}
+
+Test(loader, rejects_a_missing_shard)
+{
+    write_config(PATTERN, "Infinity");
+    char path[512];
+    snprintf(path, sizeof path, "%s/model-00001-of-00002.safetensors", dir);
+    ckw_write(&W, path);
+    char idx[16384];
+    size_t o = (size_t)snprintf(idx, sizeof idx, "{\"metadata\": {}, \"weight_map\": {");
+    for (int i = 0; i < W.n; i++) {
+        o += (size_t)snprintf(idx + o, sizeof idx - o, "%s\"%s\": \"model-00001-of-00002.safetensors\"", i ? ", " : "",
+                              W.t[i].name);
+    }
+    snprintf(idx + o, sizeof idx - o, ", \"lm_head.bias\": \"model-00002-of-00002.safetensors\"}}");
+    snprintf(path, sizeof path, "%s/model.safetensors.index.json", dir);
+    ckw_write_text(path, idx);
+    expect_error(KR_ERR_IO, "model-00002-of-00002.safetensors", NULL);
+}
+
+Test(loader, loads_a_sharded_checkpoint)
+{
+    write_config(PATTERN, "Infinity");
+    struct ckw a = {.n = 0}, b = {.n = 0};
+    for (int i = 0; i < W.n; i++) {
+        struct ckw *dst = i % 2 ? &b : &a;
+        dst->t[dst->n++] = W.t[i];
+    }
+    char path[512], idx[16384];
+    snprintf(path, sizeof path, "%s/model-00001-of-00002.safetensors", dir);
+    ckw_write(&a, path);
+    snprintf(path, sizeof path, "%s/model-00002-of-00002.safetensors", dir);
+    ckw_write(&b, path);
+    size_t o = (size_t)snprintf(idx, sizeof idx, "{\"metadata\": {\"total_size\": 1}, \"weight_map\": {");
+    for (int i = 0; i < W.n; i++) {
+        o += (size_t)snprintf(idx + o, sizeof idx - o, "%s\"%s\": \"model-0000%d-of-00002.safetensors\"",
+                              i ? ", " : "", W.t[i].name, i % 2 + 1);
+    }
+    snprintf(idx + o, sizeof idx - o, "}}");
+    snprintf(path, sizeof path, "%s/model.safetensors.index.json", dir);
+    ckw_write_text(path, idx);
+    struct kr_err err;
+    struct kr_model *m = NULL;
+    cr_assert_eq(try_load(&err, &m), KR_OK, "%s", err.msg);
+    free_loaded(m);
+}
+
+Test(loader, rejects_dsa_layers_until_supported)
+{
+    write_weights();
+    write_config("\"hybrid_override_pattern\": \"M*D-E\"", "Infinity");
+    expect_error(KR_ERR_UNSUPPORTED, "config.json", "'D'");
+}
+
+Test(loader, rejects_inconsistent_head_counts)
+{
+    write_weights();
+    char cfg[4096], path[512];
+    ckw_tiny_config(cfg, sizeof cfg, PATTERN, "Infinity");
+    char *p = strstr(cfg, "\"num_key_value_heads\": 1");
+    memcpy(p, "\"num_key_value_heads\": 3", strlen("\"num_key_value_heads\": 3"));
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    ckw_write_text(path, cfg);
+    expect_error(KR_ERR_FORMAT, "config.json", "num_key_value_heads");
+}
