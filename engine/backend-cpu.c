@@ -58,10 +58,21 @@ static enum kr_status cpu_upload(kr_backend_t be, const struct kr_tensor *host, 
 {
     memset(owned, 0, sizeof *owned);
     *out = *host;
-    if (!to_f32 || host->dtype == KR_DTYPE_F32) {
-        return KR_OK; /* alias the (mmapped) host memory */
-    }
     size_t n = (size_t)(host->rows * host->cols);
+    const size_t esz = kr_dtype_size(host->dtype);
+    const bool aligned = (uintptr_t)host->data % esz == 0;
+    if (!to_f32 || host->dtype == KR_DTYPE_F32) {
+        if (aligned) {
+            return KR_OK; /* alias the (mmapped) host memory */
+        }
+        /* safetensors does not promise aligned data: copy so typed loads are well-defined */
+        enum kr_status st = cpu_buf_alloc(be, n * esz, owned);
+        if (st == KR_OK) {
+            memcpy(owned->ptr, host->data, n * esz);
+            out->data = owned->ptr;
+        }
+        return st;
+    }
     enum kr_status st = cpu_buf_alloc(be, n * sizeof(float), owned);
     if (st != KR_OK) {
         return st;

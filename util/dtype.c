@@ -39,17 +39,22 @@ void kr_convert_to_f32(float *dst, const void *src, enum kr_dtype dt, size_t n)
     case KR_DTYPE_F32:
         memcpy(dst, src, n * sizeof(float));
         return;
+    /* memcpy loads: checkpoint data need not be aligned (safetensors does not promise it) */
     case KR_DTYPE_BF16: {
-        const uint16_t *s = src;
+        const unsigned char *s = src;
         for (size_t i = 0; i < n; i++) {
-            dst[i] = kr_bf16_to_f32(s[i]);
+            uint16_t h;
+            memcpy(&h, s + 2 * i, 2);
+            dst[i] = kr_bf16_to_f32(h);
         }
         return;
     }
     case KR_DTYPE_F16: {
-        const uint16_t *s = src;
+        const unsigned char *s = src;
         for (size_t i = 0; i < n; i++) {
-            dst[i] = kr_f16_to_f32(s[i]);
+            uint16_t h;
+            memcpy(&h, s + 2 * i, 2);
+            dst[i] = kr_f16_to_f32(h);
         }
         return;
     }

@@ -104,8 +104,8 @@ static void put_u64le(unsigned char *dst, uint64_t v)
     }
 }
 
-/* Writes a safetensors file with header length field `hlen` (the real length when (uint64_t)-1 is
- * not wanted: pass strlen(header)), the header text and `n` data bytes. */
+/* Writes a safetensors file whose length field says `hlen` (which may lie), then the header text and
+ * `n` data bytes. */
 static void write_st_hlen(const char *name, uint64_t hlen, const char *header, const void *data, size_t n)
 {
     size_t hl = strlen(header);
