@@ -18,17 +18,22 @@
 static const char *const fixtures[] = {
     "nh_mamba_attn_mlp", "nh_moe", "nh_tied_f32", "nh_gated", "nh_long_chunks",
 };
+#define N_FIXTURES ((int)(sizeof fixtures / sizeof fixtures[0]))
+/* Parameters are fixture indices: test processes may be fresh executions of the binary, where
+ * pointers from the parent's address space mean nothing. */
+static int fixture_idx[N_FIXTURES] = {0, 1, 2, 3, 4};
+_Static_assert(sizeof fixture_idx / sizeof fixture_idx[0] == 5, "one index per fixture");
 
-#define FIXTURE_PARAMS                                                                             \
-    ParameterizedTestParameters(nemotron_h_hf, NAME)                                               \
+#define FIXTURE_PARAMS(test)                                                                       \
+    ParameterizedTestParameters(nemotron_h_hf, test)                                               \
     {                                                                                              \
-        return cr_make_param_array(const char *, (void *)fixtures, sizeof fixtures / sizeof fixtures[0]); \
+        return cr_make_param_array(int, fixture_idx, N_FIXTURES);                                  \
     }
 
-#define NAME prompt_logprobs_match_hf
-FIXTURE_PARAMS
-ParameterizedTest(const char **name, nemotron_h_hf, prompt_logprobs_match_hf)
+FIXTURE_PARAMS(prompt_logprobs_match_hf)
+ParameterizedTest(int *idx, nemotron_h_hf, prompt_logprobs_match_hf)
 {
+    const char *const *name = &fixtures[*idx];
     struct fx f;
     fx_load(&f, "nemotron_h", *name, 2, 2);
     for (int32_t i = 0; i < f.n_prompts; i++) {
@@ -44,12 +49,11 @@ ParameterizedTest(const char **name, nemotron_h_hf, prompt_logprobs_match_hf)
     }
     fx_free(&f);
 }
-#undef NAME
 
-#define NAME greedy_matches_hf
-FIXTURE_PARAMS
-ParameterizedTest(const char **name, nemotron_h_hf, greedy_matches_hf)
+FIXTURE_PARAMS(greedy_matches_hf)
+ParameterizedTest(int *idx, nemotron_h_hf, greedy_matches_hf)
 {
+    const char *const *name = &fixtures[*idx];
     struct fx f;
     fx_load(&f, "nemotron_h", *name, 2, 2);
     for (int32_t i = 0; i < f.n_prompts; i++) {
@@ -73,12 +77,11 @@ ParameterizedTest(const char **name, nemotron_h_hf, greedy_matches_hf)
     }
     fx_free(&f);
 }
-#undef NAME
 
-#define NAME prefill_then_decode_equals_prefill
-FIXTURE_PARAMS
-ParameterizedTest(const char **name, nemotron_h_hf, prefill_then_decode_equals_prefill)
+FIXTURE_PARAMS(prefill_then_decode_equals_prefill)
+ParameterizedTest(int *idx, nemotron_h_hf, prefill_then_decode_equals_prefill)
 {
+    const char *const *name = &fixtures[*idx];
     struct fx f;
     fx_load(&f, "nemotron_h", *name, 2, 2);
     for (int32_t i = 0; i < f.n_prompts; i++) {
@@ -122,12 +125,11 @@ ParameterizedTest(const char **name, nemotron_h_hf, prefill_then_decode_equals_p
     }
     fx_free(&f);
 }
-#undef NAME
 
-#define NAME any_chunking_equals_one_shot
-FIXTURE_PARAMS
-ParameterizedTest(const char **name, nemotron_h_hf, any_chunking_equals_one_shot)
+FIXTURE_PARAMS(any_chunking_equals_one_shot)
+ParameterizedTest(int *idx, nemotron_h_hf, any_chunking_equals_one_shot)
 {
+    const char *const *name = &fixtures[*idx];
     struct fx f;
     fx_load(&f, "nemotron_h", *name, 2, 2);
     static const int32_t chunks[] = {1, 2, 3, 5, 7, 8, 13, 16, 17, 31, 64};
@@ -153,12 +155,11 @@ ParameterizedTest(const char **name, nemotron_h_hf, any_chunking_equals_one_shot
     }
     fx_free(&f);
 }
-#undef NAME
 
-#define NAME mixed_batch_equals_alone
-FIXTURE_PARAMS
-ParameterizedTest(const char **name, nemotron_h_hf, mixed_batch_equals_alone)
+FIXTURE_PARAMS(mixed_batch_equals_alone)
+ParameterizedTest(int *idx, nemotron_h_hf, mixed_batch_equals_alone)
 {
+    const char *const *name = &fixtures[*idx];
     struct fx f;
     fx_load(&f, "nemotron_h", *name, 2, 16);
     const int32_t ns = f.n_prompts;
@@ -198,4 +199,3 @@ ParameterizedTest(const char **name, nemotron_h_hf, mixed_batch_equals_alone)
     cr_expect_eq(f.c->n_free_blocks, f.c->n_blocks);
     fx_free(&f);
 }
-#undef NAME
