@@ -23,7 +23,7 @@ serve: build
 	./$(BUILD)/krait generate --model $(MODEL) --prompt-ids $(PROMPT) --max-tokens $(MAX_TOKENS)
 
 test: deps
-	cmake -S . -B $(TEST_BUILD) -DCMAKE_BUILD_TYPE=Debug -DKR_WITH_CUDA=OFF -DKR_WERROR=ON \
+	cmake -S . -B $(TEST_BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKR_WITH_CUDA=OFF -DKR_WERROR=ON \
 	  -DKR_SANITIZE="address;undefined"
 	cmake --build $(TEST_BUILD) -j $(JOBS)
 	cd $(TEST_BUILD) && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
