@@ -51,8 +51,7 @@ char *kr_cli_generate_json(const struct kr_generate_result *r)
     json_object_set_new(root, "logprobs", lps);
     json_object_set_new(root, "finish_reason", json_string(r->finish_reason));
     json_t *timing = json_object();
-    json_object_set_new(timing, "prefill_ms", json_real(r->prefill_ms));
-    json_object_set_new(timing, "decode_ms", json_real(r->decode_ms));
+    json_object_set_new(timing, "elapsed_ms", json_real(r->elapsed_ms));
     json_object_set_new(root, "timing", timing);
     return dump(root);
 }

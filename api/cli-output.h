@@ -15,8 +15,7 @@ struct kr_generate_result {
     const float *logprobs;      /* [n_tokens] log-probability of each generated id */
     int32_t n_tokens;
     const char *finish_reason;  /* "stop" (EOS) or "length" */
-    double prefill_ms;          /* wall time of the prefill */
-    double decode_ms;           /* wall time of the decode steps */
+    double elapsed_ms;          /* wall time of prefill and decode */
 };
 
 /* Encodes a generation result; NULL on OOM. */

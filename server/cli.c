@@ -163,8 +163,7 @@ static int run(const char *cmd, const struct opts *o)
             .logprobs = lp,
             .n_tokens = n_gen,
             .finish_reason = n_gen < o->max_tokens ? "stop" : "length",
-            .prefill_ms = 0,
-            .decode_ms = t1 - t0,
+            .elapsed_ms = t1 - t0,
         };
         json = kr_cli_generate_json(&r);
     } else {
