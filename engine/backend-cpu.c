@@ -9,6 +9,7 @@
 
 #include <math.h>
 #include <omp.h>
+#include <stdlib.h>
 #include <string.h>
 
 struct cpu_ctx {
@@ -53,8 +54,8 @@ static void cpu_buf_free(kr_backend_t be, struct kr_buf *buf)
     buf->size = 0;
 }
 
-static enum kr_status cpu_upload(kr_backend_t be, const struct kr_tensor *host, bool to_f32, struct kr_tensor *out,
-                                 struct kr_buf *owned)
+static enum kr_status cpu_upload(kr_backend_t be, const struct kr_tensor *host, bool to_f32, bool src_persistent,
+                                 struct kr_tensor *out, struct kr_buf *owned)
 {
     memset(owned, 0, sizeof *owned);
     *out = *host;
@@ -62,10 +63,10 @@ static enum kr_status cpu_upload(kr_backend_t be, const struct kr_tensor *host, 
     const size_t esz = kr_dtype_size(host->dtype);
     const bool aligned = (uintptr_t)host->data % esz == 0;
     if (!to_f32 || host->dtype == KR_DTYPE_F32) {
-        if (aligned) {
+        if (aligned && src_persistent) {
             return KR_OK; /* alias the (mmapped) host memory */
         }
-        /* safetensors does not promise aligned data: copy so typed loads are well-defined */
+        /* a transient source, or unaligned data (safetensors does not promise alignment): copy */
         enum kr_status st = cpu_buf_alloc(be, n * esz, owned);
         if (st == KR_OK) {
             memcpy(owned->ptr, host->data, n * esz);
@@ -154,11 +155,11 @@ static enum kr_status cpu_embed(kr_backend_t be, const struct kr_tensor *w, floa
     return KR_OK;
 }
 
-static enum kr_status cpu_rmsnorm(kr_backend_t be, const float *x, const float *w, int64_t n, int64_t dim, float eps,
-                                  float *out)
+static enum kr_status cpu_rmsnorm_strided(kr_backend_t be, const float *x, int64_t ldx, const float *w, int64_t n,
+                                          int64_t dim, float eps, float *out)
 {
     for (int64_t i = 0; i < n; i++) {
-        const float *xi = x + i * dim;
+        const float *xi = x + i * ldx;
         float *oi = out + i * dim;
         float ss = 0.0f;
         for (int64_t j = 0; j < dim; j++) {
@@ -168,6 +169,42 @@ static enum kr_status cpu_rmsnorm(kr_backend_t be, const float *x, const float *
         for (int64_t j = 0; j < dim; j++) {
             oi[j] = xi[j] * r * w[j];
         }
+    }
+    return KR_OK;
+}
+
+static enum kr_status cpu_rmsnorm(kr_backend_t be, const float *x, const float *w, int64_t n, int64_t dim, float eps,
+                                  float *out)
+{
+    return cpu_rmsnorm_strided(be, x, dim, w, n, dim, eps, out);
+}
+
+static enum kr_status cpu_layernorm(kr_backend_t be, const float *x, int64_t ldx, const float *w, const float *b,
+                                    int64_t n, int64_t dim, float eps, float *out)
+{
+    for (int64_t i = 0; i < n; i++) {
+        const float *xi = x + i * ldx;
+        float *oi = out + i * dim;
+        float mean = 0.0f, var = 0.0f;
+        for (int64_t j = 0; j < dim; j++) {
+            mean += xi[j];
+        }
+        mean /= (float)dim;
+        for (int64_t j = 0; j < dim; j++) {
+            var += (xi[j] - mean) * (xi[j] - mean);
+        }
+        const float r = 1.0f / sqrtf(var / (float)dim + eps);
+        for (int64_t j = 0; j < dim; j++) {
+            oi[j] = (xi[j] - mean) * r * w[j] + b[j];
+        }
+    }
+    return KR_OK;
+}
+
+static enum kr_status cpu_scale(kr_backend_t be, float *y, float s, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++) {
+        y[i] *= s;
     }
     return KR_OK;
 }
@@ -661,6 +698,210 @@ static enum kr_status cpu_gather_out(kr_backend_t be, const float *src, int64_t 
     return KR_OK;
 }
 
+
+/* ---- MLA / DSA --------------------------------------------------------------------------------- */
+
+static enum kr_status cpu_rope(kr_backend_t be, const struct kr_rope_params *p)
+{
+    const struct kr_batch *b = ctx_of(be)->batch;
+    const int64_t half = p->dim / 2;
+    for (int32_t t = 0; t < b->n_tok; t++) {
+        const float pos = (float)b->pos[t];
+        for (int64_t j = 0; j < half; j++) {
+            const float ang = pos * p->inv_freq[j]; /* fp32 angle, as the references compute it */
+            const float c = cosf(ang) * p->factor, sn = sinf(ang) * p->factor;
+            for (int64_t v = 0; v < p->n_vec; v++) {
+                float *x = p->x + t * p->ld + v * p->stride + p->off;
+                const int64_t i0 = p->interleaved ? 2 * j : j, i1 = p->interleaved ? 2 * j + 1 : j + half;
+                const float a = x[i0], bb = x[i1];
+                x[i0] = a * c - bb * sn;
+                x[i1] = a * sn + bb * c;
+            }
+        }
+    }
+    return KR_OK;
+}
+
+static float *latent_row(const void *cache, const struct kr_batch *b, int32_t s, int32_t pos, int32_t block_size,
+                         int64_t row)
+{
+    int32_t blk = b->block_table[(int64_t)s * b->max_blocks + pos / block_size];
+    return (float *)cache + ((int64_t)blk * block_size + pos % block_size) * row;
+}
+
+static enum kr_status cpu_mla_cache_write(kr_backend_t be, const struct kr_mla_cache_params *p)
+{
+    const struct kr_batch *b = ctx_of(be)->batch;
+    const int64_t row = p->kv_lora + p->rope + p->idx_dim;
+    for (int32_t s = 0; s < b->n_seq; s++) {
+        for (int32_t t = b->seq_tok0[s]; t < b->seq_tok0[s + 1]; t++) {
+            float *r = latent_row(p->cache, b, s, b->pos[t], p->block_size, row);
+            memcpy(r, p->c_kv + t * p->ld_ckv, (size_t)p->kv_lora * sizeof(float));
+            memcpy(r + p->kv_lora, p->k_pe + t * p->ld_kpe, (size_t)p->rope * sizeof(float));
+            if (p->idx_dim) {
+                memcpy(r + p->kv_lora + p->rope, p->ik + t * p->idx_dim, (size_t)p->idx_dim * sizeof(float));
+            }
+        }
+    }
+    return KR_OK;
+}
+
+/* Sequence of token t (tokens of a sequence are contiguous). */
+static int32_t seq_of(const struct kr_batch *b, int32_t t)
+{
+    int32_t lo = 0, hi = b->n_seq - 1;
+    while (lo < hi) {
+        int32_t mid = (lo + hi + 1) / 2;
+        if (b->seq_tok0[mid] <= t) {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    return lo;
+}
+
+struct scored {
+    float score;
+    int32_t pos;
+};
+
+/* Orders by score descending, then position ascending (deterministic ties). */
+static int cmp_scored(const void *a, const void *b)
+{
+    const struct scored *x = a, *y = b;
+    if (x->score != y->score) {
+        return x->score > y->score ? -1 : 1;
+    }
+    return (x->pos > y->pos) - (x->pos < y->pos);
+}
+
+static int cmp_i32(const void *a, const void *b)
+{
+    int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
+    return (x > y) - (x < y);
+}
+
+static enum kr_status cpu_dsa_index(kr_backend_t be, const struct kr_dsa_index_params *p)
+{
+    struct cpu_ctx *ctx = ctx_of(be);
+    const struct kr_batch *b = ctx->batch;
+    int32_t max_ctx = 1;
+    for (int32_t t = 0; t < b->n_tok; t++) {
+        max_ctx = b->pos[t] + 1 > max_ctx ? b->pos[t] + 1 : max_ctx;
+    }
+    struct scored *scratch = kr_malloc((size_t)ctx->n_threads * (size_t)max_ctx * sizeof *scratch);
+    if (!scratch) {
+        return KR_ERR_NOMEM;
+    }
+#pragma omp parallel for num_threads(ctx->n_threads) schedule(dynamic, 1)
+    for (int32_t t = 0; t < b->n_tok; t++) {
+        const int32_t s = seq_of(b, t), pos = b->pos[t];
+        int32_t *out = p->idx + (int64_t)t * p->topk;
+        const int32_t n_keys = pos + 1;
+        if (n_keys <= p->topk) { /* every visible key is selected: no scores needed */
+            for (int32_t j = 0; j < p->topk; j++) {
+                out[j] = j < n_keys ? j : -1;
+            }
+            continue;
+        }
+        struct scored *sc = scratch + (size_t)omp_get_thread_num() * (size_t)max_ctx;
+        const float *iq = p->iq + (int64_t)t * p->n_head * p->head_dim;
+        const float *w = p->w + (int64_t)t * p->n_head;
+        for (int32_t j = 0; j < n_keys; j++) {
+            const float *ik = latent_row(p->cache, b, s, j, p->block_size, p->row) + p->key_off;
+            float acc = 0.0f;
+            for (int64_t h = 0; h < p->n_head; h++) {
+                const float d = dot(iq + h * p->head_dim, ik, p->head_dim);
+                acc += w[h] * (d > 0.0f ? d : 0.0f);
+            }
+            sc[j].score = acc;
+            sc[j].pos = j;
+        }
+        qsort(sc, (size_t)n_keys, sizeof *sc, cmp_scored);
+        for (int32_t j = 0; j < p->topk; j++) {
+            out[j] = sc[j].pos;
+        }
+        qsort(out, (size_t)p->topk, sizeof *out, cmp_i32);
+    }
+    kr_free(scratch);
+    return KR_OK;
+}
+
+static enum kr_status cpu_mla_attention(kr_backend_t be, const struct kr_mla_attn_params *p)
+{
+    struct cpu_ctx *ctx = ctx_of(be);
+    const struct kr_batch *b = ctx->batch;
+    int32_t max_ctx = 1;
+    for (int32_t t = 0; t < b->n_tok; t++) {
+        max_ctx = b->pos[t] + 1 > max_ctx ? b->pos[t] + 1 : max_ctx;
+    }
+    const int64_t R = p->kv_lora, qd = p->nope + p->rope, per_head = p->nope + p->v_dim;
+    const size_t per_thread = (size_t)max_ctx * 2 + (size_t)R * 2;
+    float *scratch = kr_malloc((size_t)ctx->n_threads * per_thread * sizeof(float));
+    if (!scratch) {
+        return KR_ERR_NOMEM;
+    }
+#pragma omp parallel for num_threads(ctx->n_threads) schedule(dynamic, 1) collapse(2)
+    for (int32_t t = 0; t < b->n_tok; t++) {
+        for (int64_t h = 0; h < p->n_head; h++) {
+            float *sc = scratch + (size_t)omp_get_thread_num() * per_thread;
+            int32_t *keys = (int32_t *)(sc + max_ctx);
+            float *q_abs = sc + 2 * (size_t)max_ctx, *o_lat = q_abs + R;
+            const int32_t s = seq_of(b, t), pos = b->pos[t];
+            int32_t n_keys = 0;
+            if (p->idx) {
+                for (int32_t j = 0; j < p->topk; j++) {
+                    const int32_t k = p->idx[(int64_t)t * p->topk + j];
+                    if (k >= 0 && k <= pos) {
+                        keys[n_keys++] = k;
+                    }
+                }
+            } else {
+                for (int32_t j = 0; j <= pos; j++) {
+                    keys[n_keys++] = j;
+                }
+            }
+            const float *q = p->q + (int64_t)t * p->n_head * qd + h * qd;
+            const float *wkb = p->kv_b + h * per_head * R; /* W_UK[h]: [nope, R]; W_UV[h]: [v_dim, R] */
+            /* q_abs = W_UK[h]^T q_nope */
+            memset(q_abs, 0, (size_t)R * sizeof(float));
+            for (int64_t d = 0; d < p->nope; d++) {
+                const float qd_ = q[d];
+                const float *wr = wkb + d * R;
+                for (int64_t r = 0; r < R; r++) {
+                    q_abs[r] += qd_ * wr[r];
+                }
+            }
+            float m = -INFINITY;
+            for (int32_t j = 0; j < n_keys; j++) {
+                const float *row = latent_row(p->cache, b, s, keys[j], p->block_size, p->row);
+                sc[j] = (dot(q_abs, row, R) + dot(q + p->nope, row + R, p->rope)) * p->scale;
+                m = sc[j] > m ? sc[j] : m;
+            }
+            float sum = 0.0f;
+            for (int32_t j = 0; j < n_keys; j++) {
+                sc[j] = expf(sc[j] - m);
+                sum += sc[j];
+            }
+            memset(o_lat, 0, (size_t)R * sizeof(float));
+            for (int32_t j = 0; j < n_keys; j++) {
+                const float *row = latent_row(p->cache, b, s, keys[j], p->block_size, p->row);
+                const float pj = sc[j] / sum;
+                for (int64_t r = 0; r < R; r++) {
+                    o_lat[r] += pj * row[r];
+                }
+            }
+            float *o = p->out + (int64_t)t * p->n_head * p->v_dim + h * p->v_dim;
+            for (int64_t v = 0; v < p->v_dim; v++) {
+                o[v] = dot(wkb + (p->nope + v) * R, o_lat, R);
+            }
+        }
+    }
+    kr_free(scratch);
+    return KR_OK;
+}
+
 /* ---- construction ------------------------------------------------------------------------- */
 
 kr_backend_t kr_backend_cpu_create(int n_threads)
@@ -696,6 +937,13 @@ kr_backend_t kr_backend_cpu_create(int n_threads)
         .moe_route = cpu_moe_route,
         .moe_experts = cpu_moe_experts,
         .gather_out = cpu_gather_out,
+        .layernorm = cpu_layernorm,
+        .rmsnorm_strided = cpu_rmsnorm_strided,
+        .scale = cpu_scale,
+        .rope = cpu_rope,
+        .mla_cache_write = cpu_mla_cache_write,
+        .dsa_index = cpu_dsa_index,
+        .mla_attention = cpu_mla_attention,
     };
     return be;
 }

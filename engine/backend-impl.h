@@ -11,8 +11,8 @@ struct kr_backend_i {
     size_t (*act_size)(kr_backend_t be);
     enum kr_status (*buf_alloc)(kr_backend_t be, size_t size, struct kr_buf *out);
     void (*buf_free)(kr_backend_t be, struct kr_buf *buf);
-    enum kr_status (*upload)(kr_backend_t be, const struct kr_tensor *host, bool to_f32, struct kr_tensor *out,
-                             struct kr_buf *owned);
+    enum kr_status (*upload)(kr_backend_t be, const struct kr_tensor *host, bool to_f32, bool src_persistent,
+                             struct kr_tensor *out, struct kr_buf *owned);
     enum kr_status (*copy_d2h)(kr_backend_t be, void *dst, const void *src, size_t n);
     enum kr_status (*copy_h2d)(kr_backend_t be, void *dst, const void *src, size_t n);
 
@@ -43,6 +43,15 @@ struct kr_backend_i {
     enum kr_status (*moe_route)(kr_backend_t be, const struct kr_route_params *p, int64_t n);
     enum kr_status (*moe_experts)(kr_backend_t be, const struct kr_experts_params *p, int64_t n);
     enum kr_status (*gather_out)(kr_backend_t be, const float *src, int64_t width, float *dst);
+    enum kr_status (*layernorm)(kr_backend_t be, const float *x, int64_t ldx, const float *w, const float *b,
+                                int64_t n, int64_t dim, float eps, float *out);
+    enum kr_status (*rmsnorm_strided)(kr_backend_t be, const float *x, int64_t ldx, const float *w, int64_t n,
+                                      int64_t dim, float eps, float *out);
+    enum kr_status (*scale)(kr_backend_t be, float *y, float s, int64_t n);
+    enum kr_status (*rope)(kr_backend_t be, const struct kr_rope_params *p);
+    enum kr_status (*mla_cache_write)(kr_backend_t be, const struct kr_mla_cache_params *p);
+    enum kr_status (*dsa_index)(kr_backend_t be, const struct kr_dsa_index_params *p);
+    enum kr_status (*mla_attention)(kr_backend_t be, const struct kr_mla_attn_params *p);
 };
 
 struct kr_backend {

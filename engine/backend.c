@@ -33,10 +33,10 @@ void kr_backend_buf_free(kr_backend_t be, struct kr_buf *buf)
     }
 }
 
-enum kr_status kr_backend_upload(kr_backend_t be, const struct kr_tensor *host, bool to_f32, struct kr_tensor *out,
-                                 struct kr_buf *owned)
+enum kr_status kr_backend_upload(kr_backend_t be, const struct kr_tensor *host, bool to_f32, bool src_persistent,
+                                 struct kr_tensor *out, struct kr_buf *owned)
 {
-    return be->iface.upload(be, host, to_f32, out, owned);
+    return be->iface.upload(be, host, to_f32, src_persistent, out, owned);
 }
 
 enum kr_status kr_backend_copy_d2h(kr_backend_t be, void *dst, const void *src, size_t n)
@@ -111,4 +111,41 @@ enum kr_status kr_backend_moe_experts(kr_backend_t be, const struct kr_experts_p
 enum kr_status kr_backend_gather_out(kr_backend_t be, const float *src, int64_t width, float *dst)
 {
     return be->iface.gather_out(be, src, width, dst);
+}
+
+enum kr_status kr_backend_layernorm(kr_backend_t be, const float *x, int64_t ldx, const float *w, const float *b,
+                                    int64_t n, int64_t dim, float eps, float *out)
+{
+    return be->iface.layernorm(be, x, ldx, w, b, n, dim, eps, out);
+}
+
+enum kr_status kr_backend_rmsnorm_strided(kr_backend_t be, const float *x, int64_t ldx, const float *w, int64_t n,
+                                          int64_t dim, float eps, float *out)
+{
+    return be->iface.rmsnorm_strided(be, x, ldx, w, n, dim, eps, out);
+}
+
+enum kr_status kr_backend_scale(kr_backend_t be, float *y, float s, int64_t n)
+{
+    return be->iface.scale(be, y, s, n);
+}
+
+enum kr_status kr_backend_rope(kr_backend_t be, const struct kr_rope_params *p)
+{
+    return be->iface.rope(be, p);
+}
+
+enum kr_status kr_backend_mla_cache_write(kr_backend_t be, const struct kr_mla_cache_params *p)
+{
+    return be->iface.mla_cache_write(be, p);
+}
+
+enum kr_status kr_backend_dsa_index(kr_backend_t be, const struct kr_dsa_index_params *p)
+{
+    return be->iface.dsa_index(be, p);
+}
+
+enum kr_status kr_backend_mla_attention(kr_backend_t be, const struct kr_mla_attn_params *p)
+{
+    return be->iface.mla_attention(be, p);
 }

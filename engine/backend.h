@@ -49,11 +49,12 @@ size_t kr_backend_act_size(kr_backend_t be);
 enum kr_status kr_backend_buf_alloc(kr_backend_t be, size_t size, struct kr_buf *out);
 /* Frees a buffer; a zeroed struct is a no-op. */
 void kr_backend_buf_free(kr_backend_t be, struct kr_buf *buf);
-/* Makes a host tensor (e.g. a view into a mmapped checkpoint) usable by the backend. With
- * `to_f32` the result is an fp32 copy (used for small vectors: norms, biases, A_log, ...);
- * otherwise the backend may alias host memory (CPU) or copy it (device). Memory it allocates is
- * returned in *owned (zeroed when nothing was allocated), to be freed with kr_backend_buf_free. */
-enum kr_status kr_backend_upload(kr_backend_t be, const struct kr_tensor *host, bool to_f32,
+/* Makes a host tensor usable by the backend. With `to_f32` the result is an fp32 copy (used for
+ * small vectors: norms, biases, A_log, ...). When `src_persistent` (a view into a mapping that
+ * outlives the model) the backend may alias host memory (CPU) instead of copying; a transient
+ * source is always copied. Memory it allocates is returned in *owned (zeroed when nothing was
+ * allocated), to be freed with kr_backend_buf_free. */
+enum kr_status kr_backend_upload(kr_backend_t be, const struct kr_tensor *host, bool to_f32, bool src_persistent,
                                  struct kr_tensor *out, struct kr_buf *owned);
 enum kr_status kr_backend_copy_d2h(kr_backend_t be, void *dst, const void *src, size_t n);
 enum kr_status kr_backend_copy_h2d(kr_backend_t be, void *dst, const void *src, size_t n);
@@ -139,6 +140,62 @@ struct kr_experts_params {
     float *out;                   /* [n_tok, d_out] overwritten */
 };
 
+/* MLA/DSA latent cache write: for every token of the batch, its row of this layer's latent cache
+ * (block-paged like K/V) becomes [c_kv (kv_lora) | k_pe (rope) | index key (idx_dim, D only)]. */
+struct kr_mla_cache_params {
+    const float *c_kv;      /* [n_tok, ld_ckv] normalised KV latent */
+    int64_t ld_ckv;
+    const float *k_pe;      /* [n_tok, ld_kpe] rotated shared key rope part */
+    int64_t ld_kpe;
+    const float *ik;        /* [n_tok, idx_dim] indexer keys (after LayerNorm and RoPE); NULL for '+' */
+    int64_t kv_lora, rope, idx_dim; /* row = kv_lora + rope + idx_dim (idx_dim 0 for '+') */
+    void *cache;            /* [n_block, block_size, row] this layer's latent cache */
+    int32_t block_size;
+};
+
+/* Lightning indexer selection: for every token t at position p, the top min(topk, p+1) cached
+ * positions s <= p by I[t,s] = sum_h w[t,h] relu(iq[t,h] . ik[s]) (ties: lower position first),
+ * written ascending to idx[t, 0..] and padded with -1. When p+1 <= topk every position is chosen
+ * and no score is computed. */
+struct kr_dsa_index_params {
+    const float *iq;        /* [n_tok, n_head * head_dim] indexer queries (after RoPE) */
+    const float *w;         /* [n_tok, n_head] head weights (already scaled) */
+    int64_t n_head, head_dim;
+    const void *cache;      /* this layer's latent cache (keys at column kv_lora + rope) */
+    int64_t row, key_off;   /* cache row width and offset of the index key within it */
+    int32_t block_size;
+    int32_t topk;
+    int32_t *idx;           /* [n_tok, topk] out */
+};
+
+/* Absorbed-form MLA attention over the latent cache: per head h, q_abs = W_UK[h]^T q_nope,
+ * score(s) = scale (q_abs . c_kv[s] + q_pe . k_pe[s]) over the selected positions (idx, or every
+ * position <= p when idx is NULL), o_lat = softmax-weighted sum of c_kv, out = W_UV[h] o_lat. */
+struct kr_mla_attn_params {
+    const float *q;         /* [n_tok, n_head * (nope + rope)] queries, rope part rotated */
+    int64_t n_head, nope, rope, v_dim, kv_lora;
+    const float *kv_b;      /* [n_head * (nope + v_dim), kv_lora] fp32: per head W_UK rows then W_UV rows */
+    const void *cache;      /* this layer's latent cache */
+    int64_t row;            /* cache row width */
+    int32_t block_size;
+    const int32_t *idx;     /* [n_tok, topk] selected positions (-1 padded) or NULL (dense causal) */
+    int32_t topk;
+    float scale;
+    float *out;             /* [n_tok, n_head * v_dim] */
+};
+
+/* Rotary embedding of the current batch's tokens at their positions: for every token, n_vec
+ * vectors at x + t*ld + i*stride, rotating `dim` elements starting at `off` with angles
+ * pos * inv_freq[j], cos/sin scaled by `factor`. Interleaved pairs (2j, 2j+1) or half-split pairs
+ * (j, j + dim/2). */
+struct kr_rope_params {
+    float *x;
+    int64_t ld, n_vec, stride, off, dim;
+    bool interleaved;
+    const float *inv_freq;  /* [dim/2] fp32 backend memory */
+    float factor;
+};
+
 enum kr_status kr_backend_embed(kr_backend_t be, const struct kr_tensor *w, float *out);
 enum kr_status kr_backend_rmsnorm(kr_backend_t be, const float *x, const float *w, int64_t n, int64_t dim,
                                   float eps, float *out);
@@ -153,6 +210,18 @@ enum kr_status kr_backend_gated_rmsnorm(kr_backend_t be, const float *y, const f
 enum kr_status kr_backend_attention(kr_backend_t be, const struct kr_attn_params *p);
 enum kr_status kr_backend_moe_route(kr_backend_t be, const struct kr_route_params *p, int64_t n);
 enum kr_status kr_backend_moe_experts(kr_backend_t be, const struct kr_experts_params *p, int64_t n);
+/* out[i] = (x[i] - mean) / sqrt(var + eps) * w + b, rows of `dim` (LayerNorm); out may alias x. */
+enum kr_status kr_backend_layernorm(kr_backend_t be, const float *x, int64_t ldx, const float *w, const float *b,
+                                    int64_t n, int64_t dim, float eps, float *out);
+/* RMSNorm with a row stride on the input (x rows at x + i*ldx), dense output. */
+enum kr_status kr_backend_rmsnorm_strided(kr_backend_t be, const float *x, int64_t ldx, const float *w, int64_t n,
+                                          int64_t dim, float eps, float *out);
+enum kr_status kr_backend_rope(kr_backend_t be, const struct kr_rope_params *p);
+enum kr_status kr_backend_mla_cache_write(kr_backend_t be, const struct kr_mla_cache_params *p);
+enum kr_status kr_backend_dsa_index(kr_backend_t be, const struct kr_dsa_index_params *p);
+enum kr_status kr_backend_mla_attention(kr_backend_t be, const struct kr_mla_attn_params *p);
+/* y[i] *= s for i < n. */
+enum kr_status kr_backend_scale(kr_backend_t be, float *y, float s, int64_t n);
 /* dst[i] = src[out_tok[i]] for the current batch's out_tok (rows of `width`). */
 enum kr_status kr_backend_gather_out(kr_backend_t be, const float *src, int64_t width, float *dst);
 

@@ -40,6 +40,29 @@ enum kr_status kr_cache_create(const struct kr_model *m, int32_t n_slots, int32_
             goto fail;
         }
     }
+    c->n_mla = m->n_mla;
+    if (c->n_mla) {
+        c->mla_row = kr_calloc((size_t)c->n_mla, sizeof *c->mla_row);
+        c->mla_off = kr_calloc((size_t)c->n_mla, sizeof *c->mla_off);
+        if (!c->mla_row || !c->mla_off) {
+            st = KR_ERR_NOMEM;
+            goto fail;
+        }
+        size_t total = 0;
+        for (int32_t i = 0; i < cfg->n_layer; i++) {
+            const struct kr_layer *L = &m->layers[i];
+            if (L->type != KR_LAYER_DSA && L->type != KR_LAYER_MLA) {
+                continue;
+            }
+            const int64_t row = cfg->kv_lora + cfg->qk_rope + (L->type == KR_LAYER_DSA ? cfg->idx_head_dim : 0);
+            c->mla_row[L->cache_idx] = row;
+            c->mla_off[L->cache_idx] = total;
+            total += (size_t)n_blocks * (size_t)block_size * (size_t)row * act;
+        }
+        if ((st = kr_backend_buf_alloc(c->be, total, &c->mla)) != KR_OK) {
+            goto fail;
+        }
+    }
     c->free_slots = kr_malloc((size_t)n_slots * sizeof(int32_t));
     c->free_blocks = kr_malloc((size_t)(n_blocks ? n_blocks : 1) * sizeof(int32_t));
     if (!c->free_slots || !c->free_blocks) {
@@ -71,6 +94,9 @@ void kr_cache_free(struct kr_cache *c)
     kr_backend_buf_free(c->be, &c->ssm);
     kr_backend_buf_free(c->be, &c->k);
     kr_backend_buf_free(c->be, &c->v);
+    kr_backend_buf_free(c->be, &c->mla);
+    kr_free(c->mla_row);
+    kr_free(c->mla_off);
     kr_free(c->free_slots);
     kr_free(c->free_blocks);
     kr_free(c);
@@ -78,7 +104,7 @@ void kr_cache_free(struct kr_cache *c)
 
 size_t kr_cache_bytes(const struct kr_cache *c)
 {
-    return c->conv.size + c->ssm.size + c->k.size + c->v.size;
+    return c->conv.size + c->ssm.size + c->k.size + c->v.size + c->mla.size;
 }
 
 enum kr_status kr_cache_slot_alloc(struct kr_cache *c, int32_t *slot)
@@ -135,6 +161,11 @@ void *kr_cache_v_layer(const struct kr_cache *c, int32_t i)
     return (char *)c->v.ptr + (size_t)i * c->kv_layer_bytes;
 }
 
+void *kr_cache_mla_layer(const struct kr_cache *c, int32_t i)
+{
+    return (char *)c->mla.ptr + c->mla_off[i];
+}
+
 enum kr_status kr_seq_cache_init(struct kr_cache *c, struct kr_seq_cache *s)
 {
     memset(s, 0, sizeof *s);
@@ -144,8 +175,8 @@ enum kr_status kr_seq_cache_init(struct kr_cache *c, struct kr_seq_cache *s)
 
 enum kr_status kr_seq_cache_reserve(struct kr_cache *c, struct kr_seq_cache *s, int32_t n_tokens)
 {
-    if (c->n_attn == 0) {
-        return KR_OK; /* no K/V pool: nothing to reserve */
+    if (c->n_attn == 0 && c->n_mla == 0) {
+        return KR_OK; /* no paged pool: nothing to reserve */
     }
     int32_t need = (n_tokens + c->block_size - 1) / c->block_size;
     if (need <= s->n_blocks) {

@@ -3,7 +3,9 @@
  *  - a slot pool for Mamba layers: per slot and M layer, the conv state [K-1, conv_dim] and the
  *    fp32 SSM state [Hm, P, N];
  *  - a block pool for attention layers: fixed-size blocks of `block_size` token rows, per block
- *    and * layer K and V rows [block_size, n_kv_head, head_dim]. A sequence owns a block table.
+ *    and * layer K and V rows [block_size, n_kv_head, head_dim], and per D/+ layer latent rows
+ *    [block_size, kv_lora + rope (+ index_head_dim for D)]. A sequence owns one block table that
+ *    indexes every layer's pool.
  * Allocation is LIFO free lists; the scheduler decides who gets what. Engine thread only. */
 #include <stdint.h>
 
@@ -27,6 +29,10 @@ struct kr_cache {
     struct kr_buf conv;       /* [n_mamba][n_slots][K-1][conv_dim] */
     struct kr_buf ssm;        /* [n_mamba][n_slots][Hm][P][N] fp32 */
     struct kr_buf k, v;       /* [n_attn][n_blocks][block_size][n_kv][hd] */
+    int32_t n_mla;            /* layers with a latent cache (D, +) */
+    int64_t *mla_row;         /* [n_mla] floats per cached token of each latent layer */
+    size_t *mla_off;          /* [n_mla] byte offset of each layer's pool in `mla` */
+    struct kr_buf mla;        /* per latent layer [n_blocks][block_size][mla_row] */
     int32_t *free_slots;      /* [n_slots] stack */
     int32_t n_free_slots;
     int32_t *free_blocks;     /* [n_blocks] stack */
@@ -54,6 +60,7 @@ void *kr_cache_conv_layer(const struct kr_cache *c, int32_t mamba_idx);
 float *kr_cache_ssm_layer(const struct kr_cache *c, int32_t mamba_idx);
 void *kr_cache_k_layer(const struct kr_cache *c, int32_t attn_idx);
 void *kr_cache_v_layer(const struct kr_cache *c, int32_t attn_idx);
+void *kr_cache_mla_layer(const struct kr_cache *c, int32_t mla_idx);
 
 /* A sequence's hold on the caches: one slot and a growing block table. */
 struct kr_seq_cache {

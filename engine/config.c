@@ -3,6 +3,10 @@
 #include "log.h"
 
 #include <math.h>
+
+#ifndef M_PI
+#define M_PI 3.14159265358979323846
+#endif
 #include <stdio.h>
 #include <string.h>
 
@@ -278,6 +282,218 @@ static enum kr_status parse_token_ids(struct kr_model_config *cfg, const struct 
     return KR_OK;
 }
 
+
+/* ---- MLA / DSA and RoPE ---------------------------------------------------------------------- */
+
+/* mscale(s, a) = 1 if s <= 1 else 0.1 a ln(s) + 1 (YaRN; MODEL_SPEC §1.3) */
+static double yarn_mscale(double s, double a)
+{
+    return s <= 1.0 ? 1.0 : 0.1 * a * log(s) + 1.0;
+}
+
+/* Dims (out of Dr) below which frequencies are extrapolated / above which interpolated. */
+static double yarn_corr_dim(double n_rot, int64_t dim, double base, double orig)
+{
+    return (double)dim * log(orig / (n_rot * 2.0 * M_PI)) / (2.0 * log(base));
+}
+
+static enum kr_status parse_rope(struct kr_model_config *cfg, const struct kr_json *root, const char *path,
+                                 struct kr_err *err)
+{
+    const int64_t Dr = cfg->qk_rope;
+    const char *which = "rope_scaling";
+    const struct kr_json *rs = lookup(root, KEYS("rope_scaling", "rope_parameters"), &which);
+    if (rs && rs->type != KR_JSON_OBJECT) {
+        return kr_err_set(err, KR_ERR_FORMAT, "%s: key \"%s\" must be an object or null", path, which);
+    }
+    double theta;
+    TRY(get_float(root, path, KEYS("rope_theta"), 10000.0, &theta, err));
+    if (rs && kr_json_get(rs, "rope_theta")) {
+        TRY(get_float(rs, path, KEYS("rope_theta"), theta, &theta, err));
+    }
+    if (!(theta > 1.0) || !isfinite(theta)) {
+        return kr_err_set(err, KR_ERR_FORMAT, "%s: rope_theta must be a finite number > 1, got %g", path, theta);
+    }
+    const struct kr_json *ty = rs ? lookup(rs, KEYS("rope_type", "type"), NULL) : NULL;
+    if (ty && ty->type != KR_JSON_STRING) {
+        return kr_err_set(err, KR_ERR_FORMAT, "%s: %s.rope_type must be a string", path, which);
+    }
+    cfg->rope_yarn = ty && !strcmp(ty->str, "yarn");
+    if (ty && !cfg->rope_yarn && strcmp(ty->str, "default") != 0) {
+        return kr_err_set(err, KR_ERR_UNSUPPORTED, "%s: %s.rope_type \"%s\" is not supported (yarn or default)",
+                          path, which, ty->str);
+    }
+    double scale = 1.0;
+    cfg->rope_attn_factor = 1.0f;
+    for (int64_t i = 0; i < Dr / 2; i++) {
+        cfg->rope_inv_freq[i] = (float)(1.0 / pow(theta, (double)(2 * i) / (double)Dr));
+    }
+    if (cfg->rope_yarn) {
+        double factor, orig, beta_fast, beta_slow, mscale, mscale_all, attn_factor;
+        int64_t orig_i;
+        TRY(get_float(rs, path, KEYS("factor"), NAN, &factor, err));
+        if (!(factor >= 1.0) || !isfinite(factor)) {
+            return kr_err_set(err, KR_ERR_FORMAT, "%s: %s.factor must be a finite number >= 1", path, which);
+        }
+        TRY(get_int(rs, path, KEYS("original_max_position_embeddings"), false, cfg->max_pos, &orig_i, err));
+        orig = (double)orig_i;
+        TRY(get_float(rs, path, KEYS("beta_fast"), 32.0, &beta_fast, err));
+        TRY(get_float(rs, path, KEYS("beta_slow"), 1.0, &beta_slow, err));
+        TRY(get_float(rs, path, KEYS("mscale"), 0.0, &mscale, err));
+        TRY(get_float(rs, path, KEYS("mscale_all_dim"), 0.0, &mscale_all, err));
+        TRY(get_float(rs, path, KEYS("attention_factor"), NAN, &attn_factor, err));
+        bool truncate = true;
+        TRY(get_bool(rs, path, KEYS("truncate"), true, &truncate, err));
+        if (orig < 1) {
+            return kr_err_set(err, KR_ERR_FORMAT, "%s: %s.original_max_position_embeddings must be >= 1", path, which);
+        }
+        double low = yarn_corr_dim(beta_fast, Dr, theta, orig), high = yarn_corr_dim(beta_slow, Dr, theta, orig);
+        if (truncate) {
+            low = floor(low);
+            high = ceil(high);
+        }
+        low = low > 0 ? low : 0;
+        high = high < (double)(Dr - 1) ? high : (double)(Dr - 1);
+        if (low == high) {
+            high += 0.001; /* avoid a division by zero in the ramp */
+        }
+        for (int64_t i = 0; i < Dr / 2; i++) {
+            double ramp = ((double)i - low) / (high - low);
+            ramp = ramp < 0 ? 0 : ramp > 1 ? 1 : ramp;
+            const double f = 1.0 / pow(theta, (double)(2 * i) / (double)Dr);
+            const double keep = 1.0 - ramp; /* extrapolation weight: high-frequency dims keep f */
+            cfg->rope_inv_freq[i] = (float)(f / factor * (1.0 - keep) + f * keep);
+        }
+        if (isnan(attn_factor)) {
+            attn_factor = (mscale != 0 && mscale_all != 0) ? yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all)
+                                                           : yarn_mscale(factor, 1.0);
+        }
+        cfg->rope_attn_factor = (float)attn_factor;
+        if (mscale_all != 0) {
+            const double m = yarn_mscale(factor, mscale_all);
+            scale *= m * m;
+        }
+    }
+    cfg->mla_scale = (float)(scale / sqrt((double)(cfg->qk_nope + cfg->qk_rope)));
+    return KR_OK;
+}
+
+/* MLA/DSA hyper-parameters with their deepseek_v32 names (at the top level of config.json for both
+ * layouts). */
+static enum kr_status parse_mla(struct kr_model_config *cfg, const struct kr_json *root, const char *path,
+                                struct kr_err *err)
+{
+    cfg->dsa_seen = true;
+    TRY(get_int(root, path, KEYS("num_attention_heads"), true, 0, &cfg->mla_heads, err));
+    TRY(need_pos(cfg->mla_heads, path, "num_attention_heads", err));
+    TRY(get_int(root, path, KEYS("q_lora_rank"), false, 0, &cfg->q_lora, err));
+    if (cfg->q_lora < 0) {
+        return kr_err_set(err, KR_ERR_FORMAT, "%s: key \"q_lora_rank\" must be a positive integer or null", path);
+    }
+    TRY(get_int(root, path, KEYS("kv_lora_rank"), true, 0, &cfg->kv_lora, err));
+    TRY(need_pos(cfg->kv_lora, path, "kv_lora_rank", err));
+    TRY(get_int(root, path, KEYS("qk_nope_head_dim"), true, 0, &cfg->qk_nope, err));
+    TRY(need_pos(cfg->qk_nope, path, "qk_nope_head_dim", err));
+    TRY(get_int(root, path, KEYS("qk_rope_head_dim"), true, 0, &cfg->qk_rope, err));
+    TRY(need_pos(cfg->qk_rope, path, "qk_rope_head_dim", err));
+    TRY(get_int(root, path, KEYS("v_head_dim"), true, 0, &cfg->v_head, err));
+    TRY(need_pos(cfg->v_head, path, "v_head_dim", err));
+    if (cfg->qk_rope % 2 || cfg->qk_rope > 512) {
+        return kr_err_set(err, KR_ERR_FORMAT, "%s: qk_rope_head_dim (%lld) must be even and at most 512", path,
+                          (long long)cfg->qk_rope);
+    }
+    double d;
+    TRY(get_float(root, path, KEYS("rms_norm_eps", "layer_norm_epsilon"), 1e-6, &d, err));
+    if (!(d > 0 && d < 1)) {
+        return kr_err_set(err, KR_ERR_FORMAT, "%s: key \"rms_norm_eps\" must be in (0, 1), got %g", path, d);
+    }
+    cfg->mla_eps = (float)d;
+    if (kr_model_config_count(cfg, KR_LAYER_DSA)) {
+        TRY(get_int(root, path, KEYS("index_n_heads"), true, 0, &cfg->idx_heads, err));
+        TRY(need_pos(cfg->idx_heads, path, "index_n_heads", err));
+        TRY(get_int(root, path, KEYS("index_head_dim"), true, 0, &cfg->idx_head_dim, err));
+        TRY(need_pos(cfg->idx_head_dim, path, "index_head_dim", err));
+        TRY(get_int(root, path, KEYS("index_topk"), true, 0, &cfg->idx_topk, err));
+        TRY(need_pos(cfg->idx_topk, path, "index_topk", err));
+        if (cfg->idx_head_dim < cfg->qk_rope) {
+            return kr_err_set(err, KR_ERR_FORMAT,
+                              "%s: index_head_dim (%lld) must be at least qk_rope_head_dim (%lld): the indexer "
+                              "rotates its first qk_rope_head_dim dims",
+                              path, (long long)cfg->idx_head_dim, (long long)cfg->qk_rope);
+        }
+        if (cfg->idx_topk > INT32_MAX) {
+            return kr_err_set(err, KR_ERR_FORMAT, "%s: index_topk is too large", path);
+        }
+        TRY(get_float(root, path, KEYS("index_k_norm_eps", "dsa_indexer_k_norm_epsilon"), 1e-6, &d, err));
+        cfg->idx_eps = (float)d;
+    }
+    return parse_rope(cfg, root, path, err);
+}
+
+/* Routed-expert hyper-parameters (DeepSeek-V3 router), shared by both layouts. */
+static enum kr_status parse_moe(struct kr_model_config *cfg, const struct kr_json *root, const char *path,
+                               struct kr_err *err)
+{
+    double d;
+    TRY(get_int(root, path, KEYS("n_routed_experts", "num_local_experts"), true, 0, &cfg->n_expert, err));
+    TRY(need_pos(cfg->n_expert, path, "n_routed_experts", err));
+    TRY(get_int(root, path, KEYS("num_experts_per_tok"), true, 0, &cfg->n_expert_used, err));
+    TRY(need_pos(cfg->n_expert_used, path, "num_experts_per_tok", err));
+    TRY(get_int(root, path, KEYS("moe_intermediate_size"), true, 0, &cfg->moe_ffn, err));
+    TRY(need_pos(cfg->moe_ffn, path, "moe_intermediate_size", err));
+    int64_t n_shared;
+    TRY(get_int(root, path, KEYS("n_shared_experts"), false, 1, &n_shared, err));
+    if (n_shared < 0) {
+        return kr_err_set(err, KR_ERR_FORMAT, "%s: key \"n_shared_experts\" must be >= 0", path);
+    }
+    TRY(get_int(root, path, KEYS("moe_shared_expert_intermediate_size"), false, n_shared * cfg->moe_ffn,
+                &cfg->shared_ffn, err));
+    if (n_shared == 0) {
+        cfg->shared_ffn = 0;
+    }
+    if (cfg->shared_ffn < 0) {
+        return kr_err_set(err, KR_ERR_FORMAT, "%s: key \"moe_shared_expert_intermediate_size\" must be >= 0", path);
+    }
+    TRY(get_int(root, path, KEYS("moe_latent_size"), false, 0, &cfg->moe_latent, err));
+    if (cfg->moe_latent < 0) {
+        return kr_err_set(err, KR_ERR_FORMAT, "%s: key \"moe_latent_size\" must be >= 0", path);
+    }
+    TRY(get_int(root, path, KEYS("n_group"), false, 1, &cfg->n_group, err));
+    TRY(need_pos(cfg->n_group, path, "n_group", err));
+    TRY(get_int(root, path, KEYS("topk_group"), false, 1, &cfg->topk_group, err));
+    TRY(need_pos(cfg->topk_group, path, "topk_group", err));
+    TRY(get_bool(root, path, KEYS("norm_topk_prob"), true, &cfg->norm_topk_prob, err));
+    TRY(get_float(root, path, KEYS("routed_scaling_factor"), 1.0, &d, err));
+    if (!isfinite(d)) {
+        return kr_err_set(err, KR_ERR_FORMAT, "%s: key \"routed_scaling_factor\" must be finite", path);
+    }
+    cfg->routed_scale = (float)d;
+    cfg->router_score = KR_ROUTER_SIGMOID;
+    const struct kr_json *sf = kr_json_get(root, "scoring_func");
+    if (sf && sf->type == KR_JSON_STRING && !strcmp(sf->str, "softmax")) {
+        cfg->router_score = KR_ROUTER_SOFTMAX;
+    } else if (sf && !(sf->type == KR_JSON_STRING && !strcmp(sf->str, "sigmoid")) && sf->type != KR_JSON_NULL) {
+        return kr_err_set(err, KR_ERR_UNSUPPORTED, "%s: key \"scoring_func\" must be \"sigmoid\" or \"softmax\"", path);
+    }
+    if (cfg->n_expert_used > cfg->n_expert) {
+        return kr_err_set(err, KR_ERR_FORMAT, "%s: num_experts_per_tok (%lld) exceeds n_routed_experts (%lld)",
+                          path, (long long)cfg->n_expert_used, (long long)cfg->n_expert);
+    }
+    if (cfg->n_expert % cfg->n_group || cfg->topk_group > cfg->n_group) {
+        return kr_err_set(err, KR_ERR_FORMAT,
+                          "%s: n_routed_experts (%lld) must be a multiple of n_group (%lld) and topk_group (%lld) "
+                          "at most n_group",
+                          path, (long long)cfg->n_expert, (long long)cfg->n_group, (long long)cfg->topk_group);
+    }
+    if (cfg->n_expert_used > cfg->topk_group * (cfg->n_expert / cfg->n_group)) {
+        return kr_err_set(err, KR_ERR_FORMAT,
+                          "%s: num_experts_per_tok (%lld) exceeds the experts of the topk_group (%lld) selected "
+                          "groups",
+                          path, (long long)cfg->n_expert_used, (long long)cfg->topk_group);
+    }
+    return KR_OK;
+}
+
 /* ---- nemotron_h ---------------------------------------------------------------------------- */
 
 static enum kr_status parse_layers(struct kr_model_config *cfg, const struct kr_json *root, const char *path,
@@ -318,14 +534,13 @@ static enum kr_status parse_layers(struct kr_model_config *cfg, const struct kr_
         KR_LOG_WARN("%s: num_hidden_layers=%lld does not match the %d layers of the pattern; using the pattern",
                     path, (long long)nl, cfg->n_layer);
     }
-    for (int32_t i = 0; i < cfg->n_layer; i++) {
-        char c = cfg->pattern[i];
-        if (c == KR_LAYER_DSA || c == KR_LAYER_MLA) {
-            return kr_err_set(err, KR_ERR_UNSUPPORTED,
-                              "%s: layer %d has type '%c' (%s), which this build does not support yet "
-                              "(supported: M * - E)",
-                              path, i, c, c == KR_LAYER_DSA ? "DeepSeek sparse attention" : "dense MLA");
-        }
+    int n_star = kr_model_config_count(cfg, KR_LAYER_ATTN);
+    int n_mla = kr_model_config_count(cfg, KR_LAYER_DSA) + kr_model_config_count(cfg, KR_LAYER_MLA);
+    if (n_star && n_mla) {
+        return kr_err_set(err, KR_ERR_UNSUPPORTED,
+                          "%s: the pattern mixes GQA attention ('*') with MLA/DSA ('D', 'S', '+') layers, which "
+                          "share num_attention_heads and are not supported together",
+                          path);
     }
     return KR_OK;
 }
@@ -420,64 +635,112 @@ static enum kr_status parse_nemotron_h(struct kr_model_config *cfg, const struct
         TRY(need_pos(cfg->ffn, path, "intermediate_size", err));
     }
     if (kr_model_config_count(cfg, KR_LAYER_MOE)) {
-        TRY(get_int(root, path, KEYS("n_routed_experts", "num_local_experts"), true, 0, &cfg->n_expert, err));
-        TRY(need_pos(cfg->n_expert, path, "n_routed_experts", err));
-        TRY(get_int(root, path, KEYS("num_experts_per_tok"), true, 0, &cfg->n_expert_used, err));
-        TRY(need_pos(cfg->n_expert_used, path, "num_experts_per_tok", err));
-        TRY(get_int(root, path, KEYS("moe_intermediate_size"), true, 0, &cfg->moe_ffn, err));
-        TRY(need_pos(cfg->moe_ffn, path, "moe_intermediate_size", err));
-        int64_t n_shared;
-        TRY(get_int(root, path, KEYS("n_shared_experts"), false, 1, &n_shared, err));
-        if (n_shared < 0) {
-            return kr_err_set(err, KR_ERR_FORMAT, "%s: key \"n_shared_experts\" must be >= 0", path);
-        }
-        TRY(get_int(root, path, KEYS("moe_shared_expert_intermediate_size"), false, n_shared * cfg->moe_ffn,
-                    &cfg->shared_ffn, err));
-        if (n_shared == 0) {
-            cfg->shared_ffn = 0;
-        }
-        if (cfg->shared_ffn < 0) {
-            return kr_err_set(err, KR_ERR_FORMAT, "%s: key \"moe_shared_expert_intermediate_size\" must be >= 0", path);
-        }
-        TRY(get_int(root, path, KEYS("moe_latent_size"), false, 0, &cfg->moe_latent, err));
-        if (cfg->moe_latent < 0) {
-            return kr_err_set(err, KR_ERR_FORMAT, "%s: key \"moe_latent_size\" must be >= 0", path);
-        }
-        TRY(get_int(root, path, KEYS("n_group"), false, 1, &cfg->n_group, err));
-        TRY(need_pos(cfg->n_group, path, "n_group", err));
-        TRY(get_int(root, path, KEYS("topk_group"), false, 1, &cfg->topk_group, err));
-        TRY(need_pos(cfg->topk_group, path, "topk_group", err));
-        TRY(get_bool(root, path, KEYS("norm_topk_prob"), true, &cfg->norm_topk_prob, err));
-        TRY(get_float(root, path, KEYS("routed_scaling_factor"), 1.0, &d, err));
-        if (!isfinite(d)) {
-            return kr_err_set(err, KR_ERR_FORMAT, "%s: key \"routed_scaling_factor\" must be finite", path);
-        }
-        cfg->routed_scale = (float)d;
-        cfg->router_score = KR_ROUTER_SIGMOID;
-        const struct kr_json *sf = kr_json_get(root, "scoring_func");
-        if (sf && sf->type == KR_JSON_STRING && !strcmp(sf->str, "softmax")) {
-            cfg->router_score = KR_ROUTER_SOFTMAX;
-        } else if (sf && !(sf->type == KR_JSON_STRING && !strcmp(sf->str, "sigmoid")) && sf->type != KR_JSON_NULL) {
-            return kr_err_set(err, KR_ERR_UNSUPPORTED, "%s: key \"scoring_func\" must be \"sigmoid\" or \"softmax\"", path);
-        }
-        if (cfg->n_expert_used > cfg->n_expert) {
-            return kr_err_set(err, KR_ERR_FORMAT, "%s: num_experts_per_tok (%lld) exceeds n_routed_experts (%lld)",
-                              path, (long long)cfg->n_expert_used, (long long)cfg->n_expert);
-        }
-        if (cfg->n_expert % cfg->n_group || cfg->topk_group > cfg->n_group) {
-            return kr_err_set(err, KR_ERR_FORMAT,
-                              "%s: n_routed_experts (%lld) must be a multiple of n_group (%lld) and topk_group (%lld) "
-                              "at most n_group",
-                              path, (long long)cfg->n_expert, (long long)cfg->n_group, (long long)cfg->topk_group);
-        }
-        if (cfg->n_expert_used > cfg->topk_group * (cfg->n_expert / cfg->n_group)) {
-            return kr_err_set(err, KR_ERR_FORMAT,
-                              "%s: num_experts_per_tok (%lld) exceeds the experts of the topk_group (%lld) selected "
-                              "groups",
-                              path, (long long)cfg->n_expert_used, (long long)cfg->topk_group);
-        }
+        TRY(parse_moe(cfg, root, path, err));
+    }
+    if (cfg->dsa_seen || kr_model_config_count(cfg, KR_LAYER_DSA) || kr_model_config_count(cfg, KR_LAYER_MLA)) {
+        TRY(parse_mla(cfg, root, path, err));
     }
     return KR_OK;
+}
+
+
+/* ---- deepseek_v32 -------------------------------------------------------------------------- */
+
+/* HF layer i becomes D then '-' (dense) or 'E' (MoE): mlp_layer_types when given, otherwise
+ * MoE iff i >= first_k_dense_replace and i % moe_layer_freq == 0. */
+static enum kr_status parse_ds_layers(struct kr_model_config *cfg, const struct kr_json *root, const char *path,
+                                      struct kr_err *err)
+{
+    int64_t nl, k_dense, freq;
+    TRY(get_int(root, path, KEYS("num_hidden_layers"), true, 0, &nl, err));
+    TRY(need_pos(nl, path, "num_hidden_layers", err));
+    if (2 * nl > KR_MAX_LAYERS) {
+        return kr_err_set(err, KR_ERR_FORMAT, "%s: num_hidden_layers %lld is larger than %d", path, (long long)nl,
+                          KR_MAX_LAYERS / 2);
+    }
+    TRY(get_int(root, path, KEYS("first_k_dense_replace"), false, 0, &k_dense, err));
+    TRY(get_int(root, path, KEYS("moe_layer_freq"), false, 1, &freq, err));
+    TRY(need_pos(freq, path, "moe_layer_freq", err));
+    const struct kr_json *types = kr_json_get(root, "mlp_layer_types");
+    if (types && types->type != KR_JSON_NULL && (types->type != KR_JSON_ARRAY || (int64_t)types->n != nl)) {
+        return kr_err_set(err, KR_ERR_FORMAT, "%s: key \"mlp_layer_types\" must be a list of %lld entries", path,
+                          (long long)nl);
+    }
+    for (int64_t i = 0; i < nl; i++) {
+        bool moe = i >= k_dense && i % freq == 0;
+        if (types && types->type == KR_JSON_ARRAY) {
+            const struct kr_json *t = &types->items[i];
+            if (t->type != KR_JSON_STRING || (strcmp(t->str, "dense") && strcmp(t->str, "sparse"))) {
+                return kr_err_set(err, KR_ERR_FORMAT, "%s: key \"mlp_layer_types\"[%lld] must be \"dense\" or \"sparse\"",
+                                  path, (long long)i);
+            }
+            moe = !strcmp(t->str, "sparse");
+        }
+        cfg->pattern[2 * i] = KR_LAYER_DSA;
+        cfg->pattern[2 * i + 1] = moe ? KR_LAYER_MOE : KR_LAYER_MLP;
+    }
+    cfg->n_layer = (int32_t)(2 * nl);
+    cfg->pattern[cfg->n_layer] = 0;
+    return KR_OK;
+}
+
+static enum kr_status parse_deepseek_v32(struct kr_model_config *cfg, const struct kr_json *root, const char *path,
+                                         struct kr_err *err)
+{
+    TRY(parse_ds_layers(cfg, root, path, err));
+    TRY(get_int(root, path, KEYS("vocab_size"), true, 0, &cfg->vocab, err));
+    TRY(need_pos(cfg->vocab, path, "vocab_size", err));
+    if (cfg->vocab > INT32_MAX) {
+        return kr_err_set(err, KR_ERR_FORMAT, "%s: vocab_size %lld does not fit token ids", path, (long long)cfg->vocab);
+    }
+    TRY(get_int(root, path, KEYS("hidden_size"), true, 0, &cfg->dim, err));
+    TRY(need_pos(cfg->dim, path, "hidden_size", err));
+    double d;
+    TRY(get_float(root, path, KEYS("rms_norm_eps"), 1e-6, &d, err));
+    if (!(d > 0 && d < 1)) {
+        return kr_err_set(err, KR_ERR_FORMAT, "%s: key \"rms_norm_eps\" must be in (0, 1), got %g", path, d);
+    }
+    cfg->norm_eps = (float)d;
+    TRY(get_bool(root, path, KEYS("tie_word_embeddings"), false, &cfg->tie_embeddings, err));
+    TRY(get_int(root, path, KEYS("max_position_embeddings"), false, 163840, &cfg->max_pos, err));
+    TRY(need_pos(cfg->max_pos, path, "max_position_embeddings", err));
+    TRY(parse_token_ids(cfg, root, path, err));
+    bool attn_bias = false;
+    TRY(get_bool(root, path, KEYS("attention_bias"), false, &attn_bias, err));
+    if (attn_bias) {
+        return kr_err_set(err, KR_ERR_UNSUPPORTED, "%s: attention_bias true is not supported for MLA", path);
+    }
+    TRY(parse_act(root, path, &cfg->act, err));
+    if (kr_model_config_count(cfg, KR_LAYER_MLP)) {
+        TRY(get_int(root, path, KEYS("intermediate_size"), true, 0, &cfg->ffn, err));
+        TRY(need_pos(cfg->ffn, path, "intermediate_size", err));
+    }
+    if (kr_model_config_count(cfg, KR_LAYER_MOE)) {
+        TRY(parse_moe(cfg, root, path, err));
+    }
+    int64_t mtp;
+    TRY(get_int(root, path, KEYS("num_nextn_predict_layers"), false, 0, &mtp, err));
+    cfg->n_mtp_layers = (int32_t)(mtp > 0 && mtp < 64 ? mtp : 0);
+    const struct kr_json *q = kr_json_get(root, "quantization_config");
+    if (q && q->type == KR_JSON_OBJECT) {
+        const struct kr_json *qm = kr_json_get(q, "quant_method");
+        if (!qm || qm->type != KR_JSON_STRING || strcmp(qm->str, "fp8") != 0) {
+            return kr_err_set(err, KR_ERR_UNSUPPORTED, "%s: quantization_config.quant_method %s%s%s is not supported (fp8)",
+                              path, qm && qm->type == KR_JSON_STRING ? "\"" : "",
+                              qm && qm->type == KR_JSON_STRING ? qm->str : "(missing)",
+                              qm && qm->type == KR_JSON_STRING ? "\"" : "");
+        }
+        const struct kr_json *bs = kr_json_get(q, "weight_block_size");
+        cfg->fp8_block[0] = cfg->fp8_block[1] = 128;
+        if (bs && (bs->type != KR_JSON_ARRAY || bs->n != 2 || !kr_json_as_int(&bs->items[0], &cfg->fp8_block[0]) ||
+                   !kr_json_as_int(&bs->items[1], &cfg->fp8_block[1]) || cfg->fp8_block[0] < 1 ||
+                   cfg->fp8_block[1] < 1)) {
+            return kr_err_set(err, KR_ERR_FORMAT,
+                              "%s: quantization_config.weight_block_size must be two positive integers", path);
+        }
+        cfg->fp8_weights = true;
+    }
+    return parse_mla(cfg, root, path, err);
 }
 
 enum kr_status kr_model_config_from_json(struct kr_model_config *cfg, const struct kr_json *root,
@@ -495,7 +758,11 @@ enum kr_status kr_model_config_from_json(struct kr_model_config *cfg, const stru
     if (!strcmp(mt->str, "nemotron_h")) {
         return parse_nemotron_h(cfg, root, path, err);
     }
-    return kr_err_set(err, KR_ERR_UNSUPPORTED, "%s: unsupported model_type \"%s\" (supported: nemotron_h)", path,
+    if (!strcmp(mt->str, "deepseek_v32")) {
+        return parse_deepseek_v32(cfg, root, path, err);
+    }
+    return kr_err_set(err, KR_ERR_UNSUPPORTED,
+                      "%s: unsupported model_type \"%s\" (supported: nemotron_h, deepseek_v32)", path,
                       mt->str);
 }
 

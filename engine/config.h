@@ -87,6 +87,29 @@ struct kr_model_config {
     bool norm_topk_prob;       /* norm_topk_prob */
     float routed_scale;        /* routed_scaling_factor */
     enum kr_router_score router_score; /* scoring_func */
+
+    /* MLA (+) and DeepSeek sparse attention (D): MODEL_SPEC §1 */
+    int64_t mla_heads;         /* num_attention_heads */
+    int64_t q_lora;            /* q_lora_rank; 0 = no q latent (a single q_proj) */
+    int64_t kv_lora;           /* kv_lora_rank: Rkv */
+    int64_t qk_nope;           /* qk_nope_head_dim: Dn */
+    int64_t qk_rope;           /* qk_rope_head_dim: Dr (even) */
+    int64_t v_head;            /* v_head_dim: Dv */
+    int64_t idx_heads;         /* index_n_heads: Hi */
+    int64_t idx_head_dim;      /* index_head_dim: Di (>= Dr) */
+    int64_t idx_topk;          /* index_topk: K */
+    float mla_eps;             /* eps of the q/kv latent RMSNorms (rms_norm_eps) */
+    float idx_eps;             /* eps of the indexer key LayerNorm (1e-6) */
+    float mla_scale;           /* softmax scale: (Dn+Dr)^-0.5 * mscale(factor, mscale_all_dim)^2 */
+    float rope_attn_factor;    /* cos/sin multiplier (YaRN attention factor; 1 without YaRN) */
+    float rope_inv_freq[256];  /* [Dr/2] rotary frequencies after YaRN correction */
+    bool rope_yarn;            /* rope_scaling type yarn */
+    bool dsa_seen;             /* the pattern holds D or + layers */
+
+    /* checkpoint layout */
+    int32_t n_mtp_layers;      /* num_nextn_predict_layers (deepseek_v32; tensors skipped) */
+    bool fp8_weights;          /* quantization_config fp8 with block scales (dequantized at load) */
+    int64_t fp8_block[2];      /* weight_block_size [rows, cols] */
 };
 
 /* Fills `cfg` from a parsed config.json. `path` is used in error messages only. Accepts every

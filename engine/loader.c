@@ -1,6 +1,8 @@
 /* Checkpoint loader: maps the tensors of an HF `nemotron_h` checkpoint (Hub layout with the
  * `backbone.` prefix or transformers-5 layout with `model.`; per-expert or fused 3-D expert
- * tensors) onto the internal model description, checking every name, shape and dtype. */
+ * tensors; `D`/`+` mixers with deepseek_v32 attention names) or of an HF `deepseek_v32` checkpoint
+ * (FP8 block-quantized weights dequantized here) onto the internal model description, checking
+ * every name, shape and dtype. */
 #include "model.h"
 
 #include "alloc.h"
@@ -13,6 +15,7 @@
 struct loader {
     struct kr_model *m;
     const char *prefix; /* "backbone." or "model." */
+    bool deepseek;      /* HF deepseek_v32 naming (layer i -> native 2i, 2i+1) */
     struct kr_err *err;
 };
 
@@ -55,8 +58,10 @@ static struct kr_st_tensor *find(struct loader *ld, const char *name)
     return kr_st_find(ld->m->ar, name);
 }
 
-/* Checks dtype (a float type the CPU reads) and exact shape, and marks the tensor used. */
-static enum kr_status check(struct loader *ld, struct kr_st_tensor *t, int n_dim, const int64_t *shape)
+/* Checks exact shape and dtype (BF16, F16 or F32; F8_E4M3 too when `fp8_ok`) and marks the tensor
+ * used. */
+static enum kr_status check_any(struct loader *ld, struct kr_st_tensor *t, int n_dim, const int64_t *shape,
+                                bool fp8_ok)
 {
     bool ok = t->n_dim == n_dim;
     for (int i = 0; ok && i < n_dim; i++) {
@@ -69,14 +74,93 @@ static enum kr_status check(struct loader *ld, struct kr_st_tensor *t, int n_dim
         return kr_err_set(ld->err, KR_ERR_FORMAT, "%s: tensor \"%s\" has shape %s, expected %s", t->file->path,
                           t->name, got, want);
     }
-    if (t->dtype != KR_DTYPE_F32 && t->dtype != KR_DTYPE_F16 && t->dtype != KR_DTYPE_BF16) {
-        return kr_err_set(ld->err, KR_ERR_UNSUPPORTED,
-                          "%s: tensor \"%s\" has dtype %s, expected BF16, F16 or F32", t->file->path, t->name,
-                          kr_dtype_name(t->dtype));
+    if (t->dtype != KR_DTYPE_F32 && t->dtype != KR_DTYPE_F16 && t->dtype != KR_DTYPE_BF16 &&
+        !(fp8_ok && t->dtype == KR_DTYPE_F8_E4M3)) {
+        return kr_err_set(ld->err, KR_ERR_UNSUPPORTED, "%s: tensor \"%s\" has dtype %s, expected BF16, F16 or F32%s",
+                          t->file->path, t->name, kr_dtype_name(t->dtype),
+                          fp8_ok ? " (or F8_E4M3 with weight_scale_inv)" : "");
     }
     t->used = true;
     ld->m->n_params += (uint64_t)t->n_elem;
     return KR_OK;
+}
+
+static enum kr_status check(struct loader *ld, struct kr_st_tensor *t, int n_dim, const int64_t *shape)
+{
+    return check_any(ld, t, n_dim, shape, false);
+}
+
+/* Dequantizes an F8_E4M3 matrix [rows, cols] (a view at `data`) with its block scales
+ * `<name>_scale_inv` ([ceil(rows/B0), ceil(cols/B1)] fp32, one per weight_block_size block) into a
+ * new fp32 host buffer (caller frees). The scale tensor `sname` must exist. */
+static enum kr_status dequant_fp8(struct loader *ld, const struct kr_st_tensor *t, const void *data, int64_t rows,
+                                  int64_t cols, const char *sname, int64_t scale_row0, float **out)
+{
+    const struct kr_model_config *c = &ld->m->cfg;
+    struct kr_st_tensor *sc = find(ld, sname);
+    if (!sc) {
+        return kr_err_set(ld->err, KR_ERR_FORMAT,
+                          "%s: tensor \"%s\" is F8_E4M3 but its block scales \"%s\" are missing", t->file->path,
+                          t->name, sname);
+    }
+    const int64_t B0 = c->fp8_block[0] > 0 ? c->fp8_block[0] : 128, B1 = c->fp8_block[1] > 0 ? c->fp8_block[1] : 128;
+    const int64_t sr = (rows + B0 - 1) / B0, scol = (cols + B1 - 1) / B1;
+    if (sc->dtype != KR_DTYPE_F32 && sc->dtype != KR_DTYPE_BF16) {
+        return kr_err_set(ld->err, KR_ERR_UNSUPPORTED, "%s: scale tensor \"%s\" has dtype %s, expected F32",
+                          sc->file->path, sc->name, kr_dtype_name(sc->dtype));
+    }
+    const int64_t want_rows = sc->n_dim == 3 ? sc->shape[1] : sc->n_dim == 2 ? sc->shape[0] : -1;
+    const int64_t want_cols = sc->n_dim >= 2 ? sc->shape[sc->n_dim - 1] : -1;
+    if (want_rows != sr || want_cols != scol) {
+        char got[128];
+        fmt_shape(got, sizeof got, sc->n_dim, sc->shape);
+        return kr_err_set(ld->err, KR_ERR_FORMAT,
+                          "%s: scale tensor \"%s\" has shape %s, expected [%lld, %lld] (%lldx%lld blocks of %s)",
+                          sc->file->path, sc->name, got, (long long)sr, (long long)scol, (long long)B0, (long long)B1,
+                          t->name);
+    }
+    sc->used = true;
+    float *w = kr_malloc((size_t)(rows * cols) * sizeof(float));
+    float *srow = kr_malloc((size_t)scol * sizeof(float));
+    if (!w || !srow) {
+        kr_free(w);
+        kr_free(srow);
+        return KR_ERR_NOMEM;
+    }
+    const unsigned char *q = data;
+    const size_t ssz = kr_dtype_size(sc->dtype);
+    for (int64_t r = 0; r < rows; r++) {
+        if (r % B0 == 0) {
+            kr_convert_to_f32(srow, (const char *)sc->data + (size_t)((scale_row0 + r / B0) * scol) * ssz, sc->dtype,
+                              (size_t)scol);
+        }
+        for (int64_t j = 0; j < cols; j++) {
+            w[r * cols + j] = kr_e4m3_to_f32(q[r * cols + j]) * srow[j / B1];
+        }
+    }
+    kr_free(srow);
+    *out = w;
+    return KR_OK;
+}
+
+/* Uploads a transient fp32 host matrix (copied by the backend) and frees it. */
+static enum kr_status upload_host_f32(struct loader *ld, float *host, int64_t rows, int64_t cols,
+                                      struct kr_tensor *out)
+{
+    struct kr_tensor h = {.data = host, .dtype = KR_DTYPE_F32, .rows = rows, .cols = cols};
+    struct kr_buf owned;
+    enum kr_status st = kr_backend_upload(ld->m->be, &h, false, false, out, &owned);
+    kr_free(host);
+    if (st != KR_OK) {
+        return st;
+    }
+    return own_buf(ld->m, &owned);
+}
+
+/* "x.weight" -> "x.weight_scale_inv" */
+static void scale_name(char *out, size_t n, const char *wname)
+{
+    snprintf(out, n, "%s_scale_inv", wname);
 }
 
 static enum kr_status missing(struct loader *ld, const char *name, const char *what)
@@ -95,16 +179,47 @@ static enum kr_status load_mat(struct loader *ld, const char *name, int64_t rows
     if (!t) {
         return optional ? KR_OK : missing(ld, name, what);
     }
-    enum kr_status st =
-        rows ? check(ld, t, 2, (const int64_t[]){rows, cols}) : check(ld, t, 1, (const int64_t[]){cols});
+    enum kr_status st = rows ? check_any(ld, t, 2, (const int64_t[]){rows, cols}, true)
+                             : check(ld, t, 1, (const int64_t[]){cols});
     if (st != KR_OK) {
         return st;
     }
+    if (t->dtype == KR_DTYPE_F8_E4M3) {
+        char sname[600];
+        float *w = NULL;
+        scale_name(sname, sizeof sname, name);
+        if ((st = dequant_fp8(ld, t, t->data, rows, cols, sname, 0, &w)) != KR_OK) {
+            return st;
+        }
+        return upload_host_f32(ld, w, rows, cols, out);
+    }
     struct kr_tensor host = {.data = t->data, .dtype = t->dtype, .rows = rows ? rows : 1, .cols = cols};
     struct kr_buf owned;
-    if ((st = kr_backend_upload(ld->m->be, &host, false, out, &owned)) != KR_OK) {
+    if ((st = kr_backend_upload(ld->m->be, &host, false, true, out, &owned)) != KR_OK) {
         return st;
     }
+    return own_buf(ld->m, &owned);
+}
+
+/* Loads a matrix as an fp32 vector-like copy (small matrices the CPU reads per head, e.g. kv_b). */
+static enum kr_status load_mat_f32(struct loader *ld, const char *name, int64_t rows, int64_t cols, const char *what,
+                                   const float **out)
+{
+    struct kr_tensor t;
+    enum kr_status st = load_mat(ld, name, rows, cols, false, what, &t);
+    if (st != KR_OK) {
+        return st;
+    }
+    if (t.dtype == KR_DTYPE_F32) {
+        *out = t.data;
+        return KR_OK;
+    }
+    struct kr_tensor dev;
+    struct kr_buf owned;
+    if ((st = kr_backend_upload(ld->m->be, &t, true, true, &dev, &owned)) != KR_OK) {
+        return st;
+    }
+    *out = dev.data;
     return own_buf(ld->m, &owned);
 }
 
@@ -124,7 +239,7 @@ static enum kr_status load_vec_shaped(struct loader *ld, const char *name, int n
     }
     struct kr_tensor host = {.data = t->data, .dtype = t->dtype, .rows = 1, .cols = t->n_elem}, dev;
     struct kr_buf owned;
-    if ((st = kr_backend_upload(ld->m->be, &host, true, &dev, &owned)) != KR_OK) {
+    if ((st = kr_backend_upload(ld->m->be, &host, true, true, &dev, &owned)) != KR_OK) {
         return st;
     }
     *out = dev.data;
@@ -148,62 +263,113 @@ static enum kr_status load_vec(struct loader *ld, const char *name, int64_t n, b
 
 /* ---- layers ----------------------------------------------------------------------------------- */
 
-static enum kr_status load_mamba(struct loader *ld, int32_t i, struct kr_mamba_w *w)
+static enum kr_status load_mamba(struct loader *ld, const char *base, struct kr_mamba_w *w)
 {
     const struct kr_model_config *c = &ld->m->cfg;
     char n[512];
-    const char *p = ld->prefix;
-    NAME(n, "%slayers.%d.mixer.in_proj.weight", p, i);
+    NAME(n, "%sin_proj.weight", base);
     TRY(load_mat(ld, n, c->m_in_proj, c->dim, false, "Mamba in_proj [z,x,B,C,dt] x hidden", &w->in_proj));
-    NAME(n, "%slayers.%d.mixer.in_proj.bias", p, i);
+    NAME(n, "%sin_proj.bias", base);
     TRY(load_vec(ld, n, c->m_in_proj, !c->m_proj_bias, "Mamba in_proj bias (use_bias)", &w->in_proj_b));
-    NAME(n, "%slayers.%d.mixer.conv1d.weight", p, i);
+    NAME(n, "%sconv1d.weight", base);
     if (find(ld, n) && find(ld, n)->n_dim == 2) {
         TRY(load_vec_shaped(ld, n, 2, (const int64_t[]){c->m_conv_dim, c->m_conv}, false, "", &w->conv_w));
     } else {
         TRY(load_vec_shaped(ld, n, 3, (const int64_t[]){c->m_conv_dim, 1, c->m_conv}, false,
                             "depthwise conv weight [conv_dim, 1, conv_kernel]", &w->conv_w));
     }
-    NAME(n, "%slayers.%d.mixer.conv1d.bias", p, i);
+    NAME(n, "%sconv1d.bias", base);
     TRY(load_vec(ld, n, c->m_conv_dim, !c->m_conv_bias, "conv bias (use_conv_bias)", &w->conv_b));
-    NAME(n, "%slayers.%d.mixer.dt_bias", p, i);
+    NAME(n, "%sdt_bias", base);
     TRY(load_vec(ld, n, c->m_heads, false, "dt_bias [mamba_num_heads]", &w->dt_bias));
-    NAME(n, "%slayers.%d.mixer.A_log", p, i);
+    NAME(n, "%sA_log", base);
     TRY(load_vec(ld, n, c->m_heads, false, "A_log [mamba_num_heads]", &w->A_log));
-    NAME(n, "%slayers.%d.mixer.D", p, i);
+    NAME(n, "%sD", base);
     TRY(load_vec(ld, n, c->m_heads, false, "D [mamba_num_heads]", &w->D));
-    NAME(n, "%slayers.%d.mixer.norm.weight", p, i);
+    NAME(n, "%snorm.weight", base);
     TRY(load_vec(ld, n, c->m_d_inner, false, "gated RMSNorm weight [d_inner]", &w->norm_w));
-    NAME(n, "%slayers.%d.mixer.out_proj.weight", p, i);
+    NAME(n, "%sout_proj.weight", base);
     TRY(load_mat(ld, n, c->dim, c->m_d_inner, false, "Mamba out_proj [hidden, d_inner]", &w->out_proj));
-    NAME(n, "%slayers.%d.mixer.out_proj.bias", p, i);
+    NAME(n, "%sout_proj.bias", base);
     TRY(load_vec(ld, n, c->dim, !c->m_proj_bias, "Mamba out_proj bias (use_bias)", &w->out_proj_b));
     return KR_OK;
 }
 
-static enum kr_status load_attn(struct loader *ld, int32_t i, struct kr_attn_w *w)
+static enum kr_status load_attn(struct loader *ld, const char *base, struct kr_attn_w *w)
 {
     const struct kr_model_config *c = &ld->m->cfg;
     const int64_t q = c->n_head * c->head_dim, kv = c->n_kv_head * c->head_dim;
     char n[512];
-    const char *p = ld->prefix;
-    NAME(n, "%slayers.%d.mixer.q_proj.weight", p, i);
+    NAME(n, "%sq_proj.weight", base);
     TRY(load_mat(ld, n, q, c->dim, false, "attention q_proj", &w->q));
-    NAME(n, "%slayers.%d.mixer.k_proj.weight", p, i);
+    NAME(n, "%sk_proj.weight", base);
     TRY(load_mat(ld, n, kv, c->dim, false, "attention k_proj", &w->k));
-    NAME(n, "%slayers.%d.mixer.v_proj.weight", p, i);
+    NAME(n, "%sv_proj.weight", base);
     TRY(load_mat(ld, n, kv, c->dim, false, "attention v_proj", &w->v));
-    NAME(n, "%slayers.%d.mixer.o_proj.weight", p, i);
+    NAME(n, "%so_proj.weight", base);
     TRY(load_mat(ld, n, c->dim, q, false, "attention o_proj", &w->o));
     bool opt = !c->attn_bias;
-    NAME(n, "%slayers.%d.mixer.q_proj.bias", p, i);
+    NAME(n, "%sq_proj.bias", base);
     TRY(load_vec(ld, n, q, opt, "q_proj bias (attention_bias)", &w->q_b));
-    NAME(n, "%slayers.%d.mixer.k_proj.bias", p, i);
+    NAME(n, "%sk_proj.bias", base);
     TRY(load_vec(ld, n, kv, opt, "k_proj bias (attention_bias)", &w->k_b));
-    NAME(n, "%slayers.%d.mixer.v_proj.bias", p, i);
+    NAME(n, "%sv_proj.bias", base);
     TRY(load_vec(ld, n, kv, opt, "v_proj bias (attention_bias)", &w->v_b));
-    NAME(n, "%slayers.%d.mixer.o_proj.bias", p, i);
+    NAME(n, "%so_proj.bias", base);
     TRY(load_vec(ld, n, c->dim, opt, "o_proj bias (attention_bias)", &w->o_b));
+    return KR_OK;
+}
+
+
+static enum kr_status load_mla(struct loader *ld, const char *base, bool indexer, struct kr_mla_w *w)
+{
+    const struct kr_model_config *c = &ld->m->cfg;
+    const int64_t H = c->mla_heads, Dn = c->qk_nope, Dr = c->qk_rope, Dv = c->v_head, Rq = c->q_lora,
+                  Rkv = c->kv_lora;
+    char n[512];
+    if (Rq) {
+        NAME(n, "%sq_a_proj.weight", base);
+        TRY(load_mat(ld, n, Rq, c->dim, false, "MLA q down projection [q_lora_rank, hidden]", &w->q_a));
+        NAME(n, "%sq_a_layernorm.weight", base);
+        TRY(load_vec(ld, n, Rq, true, "", &w->q_a_norm));
+        NAME(n, "%sq_b_proj.weight", base);
+        TRY(load_mat(ld, n, H * (Dn + Dr), Rq, false,
+                     "MLA q up projection [num_attention_heads * (qk_nope_head_dim + qk_rope_head_dim), q_lora_rank]",
+                     &w->q_b));
+    } else {
+        NAME(n, "%sq_proj.weight", base);
+        TRY(load_mat(ld, n, H * (Dn + Dr), c->dim, false,
+                     "MLA q projection [num_attention_heads * (qk_nope_head_dim + qk_rope_head_dim), hidden]",
+                     &w->q_a));
+    }
+    NAME(n, "%skv_a_proj_with_mqa.weight", base);
+    TRY(load_mat(ld, n, Rkv + Dr, c->dim, false, "MLA kv down projection [kv_lora_rank + qk_rope_head_dim, hidden]",
+                 &w->kv_a));
+    NAME(n, "%skv_a_layernorm.weight", base);
+    TRY(load_vec(ld, n, Rkv, true, "", &w->kv_a_norm));
+    NAME(n, "%skv_b_proj.weight", base);
+    TRY(load_mat_f32(ld, n, H * (Dn + Dv), Rkv,
+                     "MLA kv up projection [num_attention_heads * (qk_nope_head_dim + v_head_dim), kv_lora_rank]",
+                     &w->kv_b));
+    NAME(n, "%so_proj.weight", base);
+    TRY(load_mat(ld, n, c->dim, H * Dv, false, "MLA output projection [hidden, num_attention_heads * v_head_dim]",
+                 &w->o));
+    w->has_indexer = indexer;
+    if (!indexer) {
+        return KR_OK;
+    }
+    const int64_t Hi = c->idx_heads, Di = c->idx_head_dim;
+    NAME(n, "%sindexer.wq_b.weight", base);
+    TRY(load_mat(ld, n, Hi * Di, Rq ? Rq : c->dim, false,
+                 "indexer q projection [index_n_heads * index_head_dim, q_lora_rank]", &w->idx_wq_b));
+    NAME(n, "%sindexer.wk.weight", base);
+    TRY(load_mat(ld, n, Di, c->dim, false, "indexer k projection [index_head_dim, hidden]", &w->idx_wk));
+    NAME(n, "%sindexer.k_norm.weight", base);
+    TRY(load_vec(ld, n, Di, false, "indexer key LayerNorm weight [index_head_dim]", &w->idx_k_norm_w));
+    NAME(n, "%sindexer.k_norm.bias", base);
+    TRY(load_vec(ld, n, Di, false, "indexer key LayerNorm bias [index_head_dim]", &w->idx_k_norm_b));
+    NAME(n, "%sindexer.weights_proj.weight", base);
+    TRY(load_mat(ld, n, Hi, c->dim, false, "indexer head weights [index_n_heads, hidden]", &w->idx_w));
     return KR_OK;
 }
 
@@ -247,7 +413,7 @@ static struct kr_tensor expert_view(const struct kr_st_tensor *t, int64_t e, int
 static enum kr_status upload_view(struct loader *ld, const struct kr_tensor *host, struct kr_tensor *out)
 {
     struct kr_buf owned;
-    TRY(kr_backend_upload(ld->m->be, host, false, out, &owned));
+    TRY(kr_backend_upload(ld->m->be, host, false, true, out, &owned));
     return own_buf(ld->m, &owned);
 }
 
@@ -294,13 +460,12 @@ static enum kr_status load_fused_experts(struct loader *ld, const char *base, in
     return KR_OK;
 }
 
-static enum kr_status load_moe(struct loader *ld, int32_t i, struct kr_moe_w *w)
+static enum kr_status load_moe(struct loader *ld, const char *base, struct kr_moe_w *w)
 {
     struct kr_model *m = ld->m;
     const struct kr_model_config *c = &m->cfg;
     const int64_t E = c->n_expert, F = c->moe_ffn;
-    char base[256], n[512];
-    NAME(base, "%slayers.%d.mixer.", ld->prefix, i);
+    char n[512];
     NAME(n, "%sgate.weight", base);
     TRY(load_mat(ld, n, E, c->dim, false, "MoE router [n_routed_experts, hidden]", &w->router));
     NAME(n, "%sgate.e_score_correction_bias", base);
@@ -354,33 +519,53 @@ static enum kr_status load_moe(struct loader *ld, int32_t i, struct kr_moe_w *w)
     return KR_OK;
 }
 
+/* Native layer i: the name of its pre-norm weight and the prefix of its mixer's tensors. */
+static void layer_names(const struct loader *ld, int32_t i, char *norm, size_t nn, char *base, size_t nb)
+{
+    if (ld->deepseek) { /* HF layer i/2: attention half (even) or MLP half (odd) */
+        const int32_t hf = i / 2;
+        if (i % 2 == 0) {
+            snprintf(norm, nn, "model.layers.%d.input_layernorm.weight", hf);
+            snprintf(base, nb, "model.layers.%d.self_attn.", hf);
+        } else {
+            snprintf(norm, nn, "model.layers.%d.post_attention_layernorm.weight", hf);
+            snprintf(base, nb, "model.layers.%d.mlp.", hf);
+        }
+        return;
+    }
+    snprintf(norm, nn, "%slayers.%d.norm.weight", ld->prefix, i);
+    snprintf(base, nb, "%slayers.%d.mixer.", ld->prefix, i);
+}
+
 static enum kr_status load_layers(struct loader *ld)
 {
     struct kr_model *m = ld->m;
     const struct kr_model_config *c = &m->cfg;
-    char n[512];
+    char n[512], base[256];
     for (int32_t i = 0; i < c->n_layer; i++) {
         struct kr_layer *L = &m->layers[i];
         L->type = (enum kr_layer_type)c->pattern[i];
-        NAME(n, "%slayers.%d.norm.weight", ld->prefix, i);
+        layer_names(ld, i, n, sizeof n, base, sizeof base);
         TRY(load_vec(ld, n, c->dim, false, "block RMSNorm weight [hidden]", &L->norm));
         switch (L->type) {
         case KR_LAYER_MAMBA:
             L->cache_idx = m->n_mamba++;
-            TRY(load_mamba(ld, i, &L->mamba));
+            TRY(load_mamba(ld, base, &L->mamba));
             break;
         case KR_LAYER_ATTN:
             L->cache_idx = m->n_attn++;
-            TRY(load_attn(ld, i, &L->attn));
+            TRY(load_attn(ld, base, &L->attn));
             break;
-        case KR_LAYER_MLP: {
-            char base[256];
-            NAME(base, "%slayers.%d.mixer.", ld->prefix, i);
+        case KR_LAYER_MLP:
             TRY(load_mlp(ld, base, c->dim, c->ffn, c->dim, &L->mlp));
             break;
-        }
         case KR_LAYER_MOE:
-            TRY(load_moe(ld, i, &L->moe));
+            TRY(load_moe(ld, base, &L->moe));
+            break;
+        case KR_LAYER_DSA:
+        case KR_LAYER_MLA:
+            L->cache_idx = m->n_mla++;
+            TRY(load_mla(ld, base, L->type == KR_LAYER_DSA, &L->mla));
             break;
         default:
             return kr_err_set(ld->err, KR_ERR_UNSUPPORTED, "%s: layer %d: unsupported layer type '%c'", m->dir, i,
@@ -405,8 +590,13 @@ static enum kr_status check_unused(struct loader *ld)
             continue; /* recomputed buffers some exporters save */
         }
         if (!strncmp(t->name, "mtp.", 4) || strstr(t->name, ".mtp.")) {
-            KR_LOG_INFO("skipping multi-token-prediction tensor %s", t->name);
+            KR_LOG_DEBUG("skipping multi-token-prediction tensor %s", t->name);
             continue;
+        }
+        int hf_layer = -1;
+        if (ld->deepseek && sscanf(t->name, "model.layers.%d.", &hf_layer) == 1 &&
+            hf_layer >= ld->m->cfg.n_layer / 2 && hf_layer < ld->m->cfg.n_layer / 2 + ld->m->cfg.n_mtp_layers) {
+            continue; /* multi-token-prediction layers follow the main layers; not used for decoding */
         }
         return kr_err_set(ld->err, KR_ERR_FORMAT,
                           "%s: unexpected tensor \"%s\" (not part of a %s model with layer pattern \"%s\")",
@@ -423,7 +613,8 @@ static enum kr_status load_all(struct loader *ld)
     static const char *const prefixes[] = {"backbone.", "model."};
     static const char *const embeds[] = {"embeddings.weight", "embedding.weight", "embed_tokens.weight"};
     struct kr_st_tensor *emb = NULL;
-    for (int p = 0; p < 2 && !emb; p++) {
+    ld->deepseek = !strcmp(c->model_type, "deepseek_v32");
+    for (int p = ld->deepseek ? 1 : 0; p < 2 && !emb; p++) {
         for (int e = 0; e < 3 && !emb; e++) {
             NAME(n, "%s%s", prefixes[p], embeds[e]);
             if ((emb = find(ld, n))) {
@@ -438,7 +629,11 @@ static enum kr_status load_all(struct loader *ld)
                           m->dir);
     }
     TRY(load_mat(ld, emb->name, c->vocab, c->dim, false, "token embedding [vocab, hidden]", &m->embed));
-    NAME(n, "%snorm_f.weight", ld->prefix);
+    if (ld->deepseek) {
+        NAME(n, "model.norm.weight");
+    } else {
+        NAME(n, "%snorm_f.weight", ld->prefix);
+    }
     TRY(load_vec(ld, n, c->dim, false, "final RMSNorm weight [hidden]", &m->final_norm));
     m->layers = kr_calloc((size_t)c->n_layer, sizeof *m->layers);
     if (!m->layers) {
@@ -455,7 +650,22 @@ static enum kr_status load_all(struct loader *ld)
         TRY(load_mat(ld, "lm_head.weight", c->vocab, c->dim, false,
                      "output projection [vocab, hidden] (tie_word_embeddings is false)", &m->lm_head));
     }
-    return check_unused(ld);
+    if (m->n_mla) {
+        struct kr_tensor host = {.data = c->rope_inv_freq, .dtype = KR_DTYPE_F32, .rows = 1, .cols = c->qk_rope / 2}, dev;
+        struct kr_buf owned;
+        TRY(kr_backend_upload(m->be, &host, true, false, &dev, &owned));
+        TRY(own_buf(m, &owned));
+        m->rope_inv_freq = dev.data;
+    }
+    TRY(check_unused(ld));
+    if (ld->deepseek && c->n_mtp_layers) {
+        KR_LOG_INFO("%s: skipped %d multi-token-prediction layer(s) after layer %d", m->dir, c->n_mtp_layers,
+                    c->n_layer / 2 - 1);
+    }
+    if (c->fp8_weights) {
+        KR_LOG_INFO("%s: FP8 block-quantized weights were dequantized to fp32 at load", m->dir);
+    }
+    return KR_OK;
 }
 
 enum kr_status kr_model_load(const char *dir, kr_backend_t be, struct kr_model **out, struct kr_err *err)

@@ -3,6 +3,7 @@
 #include "model.h"
 
 #include "cache.h"
+#include "alloc.h"
 #include "log.h"
 
 #include <math.h>
@@ -23,6 +24,12 @@ struct ws {
     float *logit;  /* [n, n_expert] router logits */
     float *rw;     /* [n, n_used] routing weights */
     int32_t *ids;  /* [n, n_used] routed experts */
+    float *m_cq;   /* [n, q_lora] MLA q latent */
+    float *m_kva;  /* [n, kv_lora + rope] MLA kv down projection */
+    float *m_ckv;  /* [n, kv_lora] normalised kv latent */
+    float *m_ik;   /* [n, idx_dim] indexer keys */
+    float *m_w;    /* [n, idx_heads] indexer head weights */
+    int32_t *m_idx; /* [n, topk] selected positions */
     float *fin;    /* [n_out, dim] rows kept for the LM head */
     float *lg;     /* [n_out, vocab] logits */
 };
@@ -39,14 +46,18 @@ static size_t ws_floats(const struct kr_model_config *c, int64_t n, int64_t n_ou
     w = max64(w, (c->n_head + 2 * c->n_kv_head) * c->head_dim);
     w = max64(w, c->ffn);
     w = max64(w, c->shared_ffn);
+    w = max64(w, c->mla_heads * (c->qk_nope + c->qk_rope));
+    w = max64(w, c->idx_heads * c->idx_head_dim);
     int64_t md = max64(c->dim, c->m_d_inner);
     md = max64(md, c->n_head * c->head_dim);
     md = max64(md, c->ffn);
     md = max64(md, c->shared_ffn);
     md = max64(md, c->moe_latent);
+    md = max64(md, c->mla_heads * c->v_head);
     *wide = w;
     *mid = md;
-    return (size_t)(n * (3 * c->dim + 2 * w + c->m_conv_dim + 2 * md + c->n_expert + 2 * c->n_expert_used) +
+    const int64_t mla = c->q_lora + 2 * c->kv_lora + c->qk_rope + c->idx_head_dim + c->idx_heads + c->idx_topk;
+    return (size_t)(n * (3 * c->dim + 2 * w + c->m_conv_dim + 2 * md + c->n_expert + 2 * c->n_expert_used + mla) +
                     n_out * (c->dim + c->vocab));
 }
 
@@ -80,6 +91,12 @@ static enum kr_status ws_prepare(struct kr_model *m, const struct kr_batch *b, s
     TAKE(logit, n * c->n_expert);
     TAKE(rw, n * c->n_expert_used);
     TAKE(ids, n * c->n_expert_used); /* int32 and float have the same size */
+    TAKE(m_cq, n * c->q_lora);
+    TAKE(m_kva, n * (c->kv_lora + c->qk_rope));
+    TAKE(m_ckv, n * c->kv_lora);
+    TAKE(m_ik, n * c->idx_head_dim);
+    TAKE(m_w, n * c->idx_heads);
+    TAKE(m_idx, n * c->idx_topk); /* int32 and float have the same size */
     TAKE(fin, (int64_t)b->n_out * c->dim);
     TAKE(lg, (int64_t)b->n_out * c->vocab);
 #undef TAKE
@@ -128,7 +145,7 @@ static enum kr_status validate(const struct kr_model *m, const struct kr_cache *
                                   s, b->pos[t], b->seq_pos0[s] + (t - t0));
             }
         }
-        if (m->n_attn && t1 > t0) {
+        if ((m->n_attn || m->n_mla) && t1 > t0) {
             const int32_t last = b->pos[t1 - 1];
             const int32_t nb = last / c->block_size + 1;
             if (nb > b->max_blocks) {
@@ -225,6 +242,96 @@ static enum kr_status attn_fwd(struct kr_model *m, struct kr_cache *cache, const
     };
     TRY(kr_backend_attention(be, &p));
     return kr_backend_matmul(be, ws->y, qd, n, &w->o, w->o_b, ws->o, c->dim);
+}
+
+
+/* MLA (+) or DSA (D) mixer: MODEL_SPEC §1.4-§1.5, absorbed form over the latent cache. */
+static enum kr_status mla_fwd(struct kr_model *m, struct kr_cache *cache, const struct kr_layer *L, int32_t layer,
+                              const struct kr_batch *b, struct ws *ws)
+{
+    const struct kr_model_config *c = &m->cfg;
+    const struct kr_mla_w *w = &L->mla;
+    kr_backend_t be = m->be;
+    const int64_t n = b->n_tok, H = c->mla_heads, Dn = c->qk_nope, Dr = c->qk_rope, Rq = c->q_lora,
+                  Rkv = c->kv_lora, qd = Dn + Dr;
+    float *q = ws->big; /* [n, H * qd] */
+    const float *cq = ws->h;
+    int64_t ld_cq = c->dim;
+    if (Rq) {
+        TRY(kr_backend_matmul(be, ws->h, c->dim, n, &w->q_a, NULL, ws->m_cq, Rq));
+        if (w->q_a_norm) {
+            TRY(kr_backend_rmsnorm(be, ws->m_cq, w->q_a_norm, n, Rq, c->mla_eps, ws->m_cq));
+        }
+        cq = ws->m_cq;
+        ld_cq = Rq;
+        TRY(kr_backend_matmul(be, cq, Rq, n, &w->q_b, NULL, q, H * qd));
+    } else {
+        TRY(kr_backend_matmul(be, ws->h, c->dim, n, &w->q_a, NULL, q, H * qd));
+    }
+    TRY(kr_backend_matmul(be, ws->h, c->dim, n, &w->kv_a, NULL, ws->m_kva, Rkv + Dr));
+    const float *ckv = ws->m_kva;
+    int64_t ld_ckv = Rkv + Dr;
+    if (w->kv_a_norm) {
+        TRY(kr_backend_rmsnorm_strided(be, ws->m_kva, Rkv + Dr, w->kv_a_norm, n, Rkv, c->mla_eps, ws->m_ckv));
+        ckv = ws->m_ckv;
+        ld_ckv = Rkv;
+    }
+    /* interleaved RoPE on q_pe (each head's last Dr dims) and on the shared k_pe */
+    struct kr_rope_params rq = {.x = q, .ld = H * qd, .n_vec = H, .stride = qd, .off = Dn, .dim = Dr,
+                                .interleaved = true, .inv_freq = m->rope_inv_freq, .factor = c->rope_attn_factor};
+    TRY(kr_backend_rope(be, &rq));
+    struct kr_rope_params rk = {.x = ws->m_kva, .ld = Rkv + Dr, .n_vec = 1, .stride = 0, .off = Rkv, .dim = Dr,
+                                .interleaved = true, .inv_freq = m->rope_inv_freq, .factor = c->rope_attn_factor};
+    TRY(kr_backend_rope(be, &rk));
+    const int64_t Hi = c->idx_heads, Di = c->idx_head_dim;
+    float *iq = ws->big2;
+    if (w->has_indexer) {
+        TRY(kr_backend_matmul(be, cq, ld_cq, n, &w->idx_wq_b, NULL, iq, Hi * Di));
+        TRY(kr_backend_matmul(be, ws->h, c->dim, n, &w->idx_wk, NULL, ws->m_ik, Di));
+        TRY(kr_backend_layernorm(be, ws->m_ik, Di, w->idx_k_norm_w, w->idx_k_norm_b, n, Di, c->idx_eps, ws->m_ik));
+        /* half-split RoPE on the first Dr dims of every indexer query head and of the key */
+        struct kr_rope_params ri = {.x = iq, .ld = Hi * Di, .n_vec = Hi, .stride = Di, .off = 0, .dim = Dr,
+                                    .interleaved = false, .inv_freq = m->rope_inv_freq, .factor = c->rope_attn_factor};
+        TRY(kr_backend_rope(be, &ri));
+        struct kr_rope_params rik = {.x = ws->m_ik, .ld = Di, .n_vec = 1, .stride = 0, .off = 0, .dim = Dr,
+                                     .interleaved = false, .inv_freq = m->rope_inv_freq, .factor = c->rope_attn_factor};
+        TRY(kr_backend_rope(be, &rik));
+        TRY(kr_backend_matmul(be, ws->h, c->dim, n, &w->idx_w, NULL, ws->m_w, Hi));
+        TRY(kr_backend_scale(be, ws->m_w, (float)(1.0 / sqrt((double)Hi) / sqrt((double)Di)), n * Hi));
+    }
+    void *lat = kr_cache_mla_layer(cache, L->cache_idx);
+    const int64_t row = cache->mla_row[L->cache_idx];
+    struct kr_mla_cache_params cw = {.c_kv = ckv, .ld_ckv = ld_ckv, .k_pe = ws->m_kva + Rkv, .ld_kpe = Rkv + Dr,
+                                     .ik = w->has_indexer ? ws->m_ik : NULL, .kv_lora = Rkv, .rope = Dr,
+                                     .idx_dim = w->has_indexer ? Di : 0, .cache = lat,
+                                     .block_size = cache->block_size};
+    TRY(kr_backend_mla_cache_write(be, &cw));
+    const int32_t topk = (int32_t)c->idx_topk;
+    if (w->has_indexer) {
+        struct kr_dsa_index_params ip = {.iq = iq, .w = ws->m_w, .n_head = Hi, .head_dim = Di, .cache = lat,
+                                         .row = row, .key_off = Rkv + Dr, .block_size = cache->block_size,
+                                         .topk = topk, .idx = ws->m_idx};
+        TRY(kr_backend_dsa_index(be, &ip));
+        if (m->on_index) {
+            const size_t nb = (size_t)n * (size_t)topk * sizeof(int32_t);
+            int32_t *host = kr_malloc(nb ? nb : 1);
+            if (!host) {
+                return KR_ERR_NOMEM;
+            }
+            enum kr_status st = kr_backend_copy_d2h(be, host, ws->m_idx, nb);
+            if (st == KR_OK) {
+                m->on_index(m->on_index_user, layer, b, host, topk);
+            }
+            kr_free(host);
+            TRY(st);
+        }
+    }
+    struct kr_mla_attn_params ap = {.q = q, .n_head = H, .nope = Dn, .rope = Dr, .v_dim = c->v_head, .kv_lora = Rkv,
+                                    .kv_b = w->kv_b, .cache = lat, .row = row, .block_size = cache->block_size,
+                                    .idx = w->has_indexer ? ws->m_idx : NULL, .topk = topk, .scale = c->mla_scale,
+                                    .out = ws->y};
+    TRY(kr_backend_mla_attention(be, &ap));
+    return kr_backend_matmul(be, ws->y, H * c->v_head, n, &w->o, NULL, ws->o, c->dim);
 }
 
 /* out = down(act(gate x) * up x) or down(act(up x)); hidden in `hid` [n, ffn]. */
@@ -349,6 +456,10 @@ enum kr_status kr_model_forward(struct kr_model *m, struct kr_cache *cache, cons
             break;
         case KR_LAYER_MOE:
             st = moe_fwd(m, L, n, &ws);
+            break;
+        case KR_LAYER_DSA:
+        case KR_LAYER_MLA:
+            st = mla_fwd(m, cache, L, i, b, &ws);
             break;
         default:
             st = KR_ERR_INTERNAL;

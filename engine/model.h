@@ -55,14 +55,32 @@ struct kr_moe_w {
     struct kr_tensor fc2_latent; /* [dim, latent] */
 };
 
+/* MLA (+) / DSA (D) layer, HF deepseek_v32 parameter names. */
+struct kr_mla_w {
+    struct kr_tensor q_a;       /* [q_lora, dim]; or q_proj [H*(Dn+Dr), dim] when q_lora is 0 */
+    const float *q_a_norm;      /* [q_lora] latent RMSNorm weight, or NULL when absent */
+    struct kr_tensor q_b;       /* [H*(Dn+Dr), q_lora] (unused without q latent) */
+    struct kr_tensor kv_a;      /* [kv_lora + Dr, dim]: rows [c_kv | k_pe] */
+    const float *kv_a_norm;     /* [kv_lora] or NULL */
+    const float *kv_b;          /* [H*(Dn+Dv), kv_lora] fp32: per head [W_UK (Dn rows) | W_UV (Dv rows)] */
+    struct kr_tensor o;         /* [dim, H*Dv] */
+    bool has_indexer;           /* D layers */
+    struct kr_tensor idx_wq_b;  /* [Hi*Di, q_lora] (or [Hi*Di, dim] without q latent) */
+    struct kr_tensor idx_wk;    /* [Di, dim] */
+    const float *idx_k_norm_w;  /* [Di] LayerNorm weight */
+    const float *idx_k_norm_b;  /* [Di] LayerNorm bias */
+    struct kr_tensor idx_w;     /* [Hi, dim] weights_proj */
+};
+
 struct kr_layer {
     enum kr_layer_type type;
     const float *norm;          /* [dim] pre-norm weight */
-    int32_t cache_idx;          /* index among layers of the same cache kind (M: state pool, *: K/V pool) */
+    int32_t cache_idx;          /* index among layers of the same cache kind (M: state, *: K/V, D/+: latent) */
     struct kr_mamba_w mamba;
     struct kr_attn_w attn;
     struct kr_mlp_w mlp;
     struct kr_moe_w moe;
+    struct kr_mla_w mla;
 };
 
 struct kr_model {
@@ -75,6 +93,12 @@ struct kr_model {
     const float *final_norm;     /* [dim] */
     struct kr_layer *layers;     /* [n_layer] */
     int32_t n_mamba, n_attn;     /* layers per cache kind */
+    int32_t n_mla;               /* layers with a latent cache (D and +) */
+    const float *rope_inv_freq;  /* [qk_rope/2] backend copy of cfg.rope_inv_freq (MLA layers) */
+    /* (optional) observer of the DSA selection: called after every D layer with the batch's
+     * selected positions idx [n_tok, topk] (host memory, -1 padded). Tests use it. */
+    void (*on_index)(void *user, int32_t layer, const struct kr_batch *b, const int32_t *idx, int32_t topk);
+    void *on_index_user;
     size_t n_owned, cap_owned;
     struct kr_buf *owned;        /* backend buffers made by uploads */
     struct kr_buf work;          /* forward workspace */

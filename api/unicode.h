@@ -1,0 +1,75 @@
+#pragma once
+/* UTF-8 and Unicode helpers shared by the tokenizer and the chat-template interpreter (internal to
+ * api/). Character properties come from utf8proc; only the small, fixed sets that no library
+ * exposes (Python's str.isspace, Unicode White_Space) are spelled out here. */
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Outcome of kr_utf8_scan(). */
+enum kr_utf8_scan {
+    KR_UTF8_CHAR = 1,      /* a valid character of *len bytes */
+    KR_UTF8_INVALID = 0,   /* an invalid sequence: its maximal subpart is *len bytes (>= 1) */
+    KR_UTF8_TRUNCATED = -1 /* the *len (= n) bytes left are a valid but incomplete prefix */
+};
+
+/* Classifies the bytes at s[0..n) (n >= 1) following the Unicode "maximal subpart" rules that
+ * Rust's String::from_utf8_lossy and WHATWG decoders use. On KR_UTF8_CHAR *cp is the code point. */
+enum kr_utf8_scan kr_utf8_scan(const unsigned char *s, size_t n, size_t *len, uint32_t *cp);
+
+/* Returns the byte offset of the first invalid or truncated sequence in s[0..n), or n when the
+ * whole buffer is valid UTF-8 (surrogates and code points above U+10FFFF are invalid). */
+size_t kr_utf8_validate(const char *s, size_t n);
+
+/* Decodes the character at s (which must be valid UTF-8 with at least one byte left); returns its
+ * length and stores the code point. */
+size_t kr_utf8_next(const char *s, uint32_t *cp);
+
+/* Writes the UTF-8 encoding of cp (<= 0x10FFFF) to out and returns its length (1..4). */
+size_t kr_utf8_put(uint32_t cp, char out[4]);
+
+/* Unicode White_Space (Rust's char::is_whitespace, the regex crate's and Oniguruma's \s). */
+bool kr_uni_is_white_space(uint32_t cp);
+/* Python's str.isspace() for one character (used by str.strip() and friends). */
+bool kr_uni_is_py_space(uint32_t cp);
+/* General category helpers (utf8proc). */
+bool kr_uni_is_alnum(uint32_t cp);       /* Rust char::is_alphanumeric: Alphabetic or N* (approx. L*, Nl, N*) */
+bool kr_uni_is_numeric(uint32_t cp);     /* Rust char::is_numeric: Nd, Nl, No */
+bool kr_uni_is_punctuation(uint32_t cp); /* P* categories or ASCII punctuation */
+bool kr_uni_is_mark_nonspacing(uint32_t cp); /* Mn */
+bool kr_uni_is_word(uint32_t cp);        /* the regex crate's \w: L, M, Nd, Pc, plus Join_Control */
+bool kr_uni_is_printable(uint32_t cp);   /* Python's str.isprintable() for one character */
+uint32_t kr_uni_tolower(uint32_t cp);
+uint32_t kr_uni_toupper(uint32_t cp);
+uint32_t kr_uni_totitle(uint32_t cp);
+
+/* A growable byte buffer (kr_malloc-backed). */
+struct kr_buf_s {
+    char *p;    /* [cap] bytes; p[len] == '\0' whenever p != NULL */
+    size_t len; /* bytes used */
+    size_t cap; /* bytes allocated */
+};
+enum kr_status kr_bs_reserve(struct kr_buf_s *b, size_t extra);
+enum kr_status kr_bs_append(struct kr_buf_s *b, const void *data, size_t n);
+enum kr_status kr_bs_putc(struct kr_buf_s *b, char c);
+enum kr_status kr_bs_put_cp(struct kr_buf_s *b, uint32_t cp);
+enum kr_status kr_bs_printf(struct kr_buf_s *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+void kr_bs_free(struct kr_buf_s *b);
+
+/* Appends s[0..n) to b with each invalid sequence replaced by U+FFFD, exactly as Rust's
+ * String::from_utf8_lossy does (one U+FFFD per maximal subpart, a truncated tail included). */
+enum kr_status kr_bs_append_lossy(struct kr_buf_s *b, const char *s, size_t n);
+
+/* Unicode normalization of valid UTF-8 s[0..n) into *out (NFC, NFD, NFKC or NFKD), appended. */
+enum kr_uni_nf { KR_NF_C, KR_NF_D, KR_NF_KC, KR_NF_KD };
+enum kr_status kr_uni_normalize(enum kr_uni_nf form, const char *s, size_t n, struct kr_buf_s *out);
+
+#ifdef __cplusplus
+}
+#endif
