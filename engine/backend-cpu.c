@@ -925,6 +925,7 @@ kr_backend_t kr_backend_cpu_create(int n_threads)
         .upload = cpu_upload,
         .copy_d2h = cpu_copy,
         .copy_h2d = cpu_copy,
+        .copy_d2d = cpu_copy,
         .begin_batch = cpu_begin_batch,
         .embed = cpu_embed,
         .rmsnorm = cpu_rmsnorm,

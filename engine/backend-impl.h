@@ -15,6 +15,8 @@ struct kr_backend_i {
                              struct kr_tensor *out, struct kr_buf *owned);
     enum kr_status (*copy_d2h)(kr_backend_t be, void *dst, const void *src, size_t n);
     enum kr_status (*copy_h2d)(kr_backend_t be, void *dst, const void *src, size_t n);
+    /* Copies n bytes between two places of backend memory (ranges do not overlap). */
+    enum kr_status (*copy_d2d)(kr_backend_t be, void *dst, const void *src, size_t n);
 
     enum kr_status (*begin_batch)(kr_backend_t be, const struct kr_batch *b);
     /* out[t] = w[tokens[t]] for every token of the batch; w is [vocab, dim]. */

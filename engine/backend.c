@@ -49,6 +49,11 @@ enum kr_status kr_backend_copy_h2d(kr_backend_t be, void *dst, const void *src, 
     return be->iface.copy_h2d(be, dst, src, n);
 }
 
+enum kr_status kr_backend_copy_d2d(kr_backend_t be, void *dst, const void *src, size_t n)
+{
+    return be->iface.copy_d2d(be, dst, src, n);
+}
+
 enum kr_status kr_backend_begin_batch(kr_backend_t be, const struct kr_batch *b)
 {
     return be->iface.begin_batch(be, b);

@@ -58,6 +58,7 @@ enum kr_status kr_backend_upload(kr_backend_t be, const struct kr_tensor *host, 
                                  struct kr_tensor *out, struct kr_buf *owned);
 enum kr_status kr_backend_copy_d2h(kr_backend_t be, void *dst, const void *src, size_t n);
 enum kr_status kr_backend_copy_h2d(kr_backend_t be, void *dst, const void *src, size_t n);
+enum kr_status kr_backend_copy_d2d(kr_backend_t be, void *dst, const void *src, size_t n);
 
 /* ---- ops (see backend-impl.h for their exact meaning) ---- */
 

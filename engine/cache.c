@@ -19,15 +19,17 @@ enum kr_status kr_cache_create(const struct kr_model *m, int32_t n_slots, int32_
     enum kr_status st = KR_ERR_NOMEM;
     const size_t act = kr_backend_act_size(m->be);
     c->be = m->be;
+    c->act = act;
     c->n_slots = n_slots;
     c->n_blocks = n_blocks;
     c->block_size = block_size;
     c->n_mamba = m->n_mamba;
     c->n_attn = m->n_attn;
     if (c->n_mamba) {
-        c->conv_layer_bytes = (size_t)n_slots * (size_t)(cfg->m_conv - 1) * (size_t)cfg->m_conv_dim * act;
-        c->ssm_layer_bytes =
-            (size_t)n_slots * (size_t)(cfg->m_heads * cfg->m_head_dim * cfg->m_state) * sizeof(float);
+        c->conv_slot_bytes = (size_t)(cfg->m_conv - 1) * (size_t)cfg->m_conv_dim * act;
+        c->ssm_slot_bytes = (size_t)(cfg->m_heads * cfg->m_head_dim * cfg->m_state) * sizeof(float);
+        c->conv_layer_bytes = (size_t)n_slots * c->conv_slot_bytes;
+        c->ssm_layer_bytes = (size_t)n_slots * c->ssm_slot_bytes;
         if ((st = kr_backend_buf_alloc(c->be, c->conv_layer_bytes * (size_t)c->n_mamba, &c->conv)) != KR_OK ||
             (st = kr_backend_buf_alloc(c->be, c->ssm_layer_bytes * (size_t)c->n_mamba, &c->ssm)) != KR_OK) {
             goto fail;
@@ -65,7 +67,8 @@ enum kr_status kr_cache_create(const struct kr_model *m, int32_t n_slots, int32_
     }
     c->free_slots = kr_malloc((size_t)n_slots * sizeof(int32_t));
     c->free_blocks = kr_malloc((size_t)(n_blocks ? n_blocks : 1) * sizeof(int32_t));
-    if (!c->free_slots || !c->free_blocks) {
+    c->block_ref = kr_calloc((size_t)(n_blocks ? n_blocks : 1), sizeof(int32_t));
+    if (!c->free_slots || !c->free_blocks || !c->block_ref) {
         st = KR_ERR_NOMEM;
         goto fail;
     }
@@ -99,6 +102,7 @@ void kr_cache_free(struct kr_cache *c)
     kr_free(c->mla_off);
     kr_free(c->free_slots);
     kr_free(c->free_blocks);
+    kr_free(c->block_ref);
     kr_free(c);
 }
 
@@ -129,6 +133,8 @@ enum kr_status kr_cache_blocks_alloc(struct kr_cache *c, int32_t n, int32_t *ids
     }
     for (int32_t i = 0; i < n; i++) {
         ids[i] = c->free_blocks[--c->n_free_blocks];
+        KR_ASSERT(c->block_ref[ids[i]] == 0);
+        c->block_ref[ids[i]] = 1;
     }
     return KR_OK;
 }
@@ -136,9 +142,74 @@ enum kr_status kr_cache_blocks_alloc(struct kr_cache *c, int32_t n, int32_t *ids
 void kr_cache_blocks_free(struct kr_cache *c, int32_t n, const int32_t *ids)
 {
     for (int32_t i = n - 1; i >= 0; i--) {
-        KR_ASSERT(ids[i] >= 0 && ids[i] < c->n_blocks && c->n_free_blocks < c->n_blocks);
-        c->free_blocks[c->n_free_blocks++] = ids[i];
+        KR_ASSERT(ids[i] >= 0 && ids[i] < c->n_blocks && c->block_ref[ids[i]] > 0);
+        if (--c->block_ref[ids[i]] == 0) {
+            KR_ASSERT(c->n_free_blocks < c->n_blocks);
+            c->free_blocks[c->n_free_blocks++] = ids[i];
+        }
     }
+}
+
+void kr_cache_block_ref(struct kr_cache *c, int32_t id)
+{
+    KR_ASSERT(id >= 0 && id < c->n_blocks && c->block_ref[id] > 0);
+    c->block_ref[id]++;
+}
+
+void kr_cache_unit_bytes(const struct kr_model *m, int32_t block_size, size_t *slot_bytes, size_t *block_bytes)
+{
+    const struct kr_model_config *cfg = &m->cfg;
+    const size_t act = kr_backend_act_size(m->be);
+    size_t sb = 0, bb = 0;
+    if (m->n_mamba) {
+        sb = (size_t)m->n_mamba * ((size_t)(cfg->m_conv - 1) * (size_t)cfg->m_conv_dim * act +
+                                   (size_t)(cfg->m_heads * cfg->m_head_dim * cfg->m_state) * sizeof(float));
+    }
+    bb += (size_t)m->n_attn * 2 * (size_t)block_size * (size_t)(cfg->n_kv_head * cfg->head_dim) * act;
+    for (int32_t i = 0; i < cfg->n_layer; i++) {
+        const char t = cfg->pattern[i];
+        if (t == KR_LAYER_DSA || t == KR_LAYER_MLA) {
+            bb += (size_t)block_size *
+                  (size_t)(cfg->kv_lora + cfg->qk_rope + (t == KR_LAYER_DSA ? cfg->idx_head_dim : 0)) * act;
+        }
+    }
+    *slot_bytes = sb;
+    *block_bytes = bb;
+}
+
+enum kr_status kr_cache_block_copy(struct kr_cache *c, int32_t src, int32_t dst)
+{
+    enum kr_status st = KR_OK;
+    const size_t kvb = c->n_blocks ? c->kv_layer_bytes / (size_t)c->n_blocks : 0;
+    for (int32_t l = 0; l < c->n_attn && st == KR_OK; l++) {
+        char *k = kr_cache_k_layer(c, l), *v = kr_cache_v_layer(c, l);
+        st = kr_backend_copy_d2d(c->be, k + (size_t)dst * kvb, k + (size_t)src * kvb, kvb);
+        if (st == KR_OK) {
+            st = kr_backend_copy_d2d(c->be, v + (size_t)dst * kvb, v + (size_t)src * kvb, kvb);
+        }
+    }
+    for (int32_t l = 0; l < c->n_mla && st == KR_OK; l++) {
+        const size_t bb = (size_t)c->block_size * (size_t)c->mla_row[l] * c->act;
+        char *p = kr_cache_mla_layer(c, l);
+        st = kr_backend_copy_d2d(c->be, p + (size_t)dst * bb, p + (size_t)src * bb, bb);
+    }
+    return st;
+}
+
+enum kr_status kr_cache_slot_copy(struct kr_cache *c, int32_t src, int32_t dst)
+{
+    enum kr_status st = KR_OK;
+    for (int32_t l = 0; l < c->n_mamba && st == KR_OK; l++) {
+        char *conv = kr_cache_conv_layer(c, l);
+        char *ssm = (char *)kr_cache_ssm_layer(c, l);
+        st = kr_backend_copy_d2d(c->be, conv + (size_t)dst * c->conv_slot_bytes, conv + (size_t)src * c->conv_slot_bytes,
+                                 c->conv_slot_bytes);
+        if (st == KR_OK) {
+            st = kr_backend_copy_d2d(c->be, ssm + (size_t)dst * c->ssm_slot_bytes, ssm + (size_t)src * c->ssm_slot_bytes,
+                                     c->ssm_slot_bytes);
+        }
+    }
+    return st;
 }
 
 void *kr_cache_conv_layer(const struct kr_cache *c, int32_t i)

@@ -37,7 +37,15 @@ struct kr_cache {
     int32_t n_free_slots;
     int32_t *free_blocks;     /* [n_blocks] stack */
     int32_t n_free_blocks;
+    int32_t *block_ref;       /* [n_blocks] holders of each block (0 = free) */
+    size_t act;               /* bytes per cached activation element */
+    size_t conv_slot_bytes;   /* one slot of one M layer */
+    size_t ssm_slot_bytes;
 };
+
+/* Bytes one state slot and one block cost across all layers of model `m` with blocks of
+ * `block_size` tokens (what the memory plan divides a budget by). */
+void kr_cache_unit_bytes(const struct kr_model *m, int32_t block_size, size_t *slot_bytes, size_t *block_bytes);
 
 /* Creates caches for `m` with `n_slots` state slots and `n_blocks` blocks of `block_size` tokens
  * (block_size >= 1; pools a model does not need are empty). */
@@ -51,9 +59,17 @@ size_t kr_cache_bytes(const struct kr_cache *c);
 /* Takes one state slot; KR_AGAIN when none is free. */
 enum kr_status kr_cache_slot_alloc(struct kr_cache *c, int32_t *slot);
 void kr_cache_slot_free(struct kr_cache *c, int32_t slot);
-/* Takes `n` blocks into ids[0..n); all or nothing; KR_AGAIN when fewer are free. */
+/* Takes `n` blocks into ids[0..n) with one reference each; all or nothing; KR_AGAIN when fewer
+ * are free. */
 enum kr_status kr_cache_blocks_alloc(struct kr_cache *c, int32_t n, int32_t *ids);
+/* Drops one reference from each block; a block returns to the pool when none is left. */
 void kr_cache_blocks_free(struct kr_cache *c, int32_t n, const int32_t *ids);
+/* Adds one reference to a block (prefix sharing between sequences). */
+void kr_cache_block_ref(struct kr_cache *c, int32_t id);
+/* Copies the cached rows of block `src` into block `dst` for every paged layer. */
+enum kr_status kr_cache_block_copy(struct kr_cache *c, int32_t src, int32_t dst);
+/* Copies the Mamba conv and SSM states of slot `src` into slot `dst` for every M layer. */
+enum kr_status kr_cache_slot_copy(struct kr_cache *c, int32_t src, int32_t dst);
 
 /* Pointers to one layer's pools (backend memory). */
 void *kr_cache_conv_layer(const struct kr_cache *c, int32_t mamba_idx);

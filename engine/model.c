@@ -405,26 +405,7 @@ static enum kr_status moe_fwd(struct kr_model *m, const struct kr_layer *L, int6
 
 /* ---- the step --------------------------------------------------------------------------------- */
 
-static void log_softmax_rows(float *x, int64_t rows, int64_t width)
-{
-    for (int64_t r = 0; r < rows; r++) {
-        float *v = x + r * width;
-        float mx = -INFINITY;
-        for (int64_t i = 0; i < width; i++) {
-            mx = v[i] > mx ? v[i] : mx;
-        }
-        double sum = 0.0;
-        for (int64_t i = 0; i < width; i++) {
-            sum += exp((double)v[i] - mx);
-        }
-        const float lse = (float)(mx + log(sum));
-        for (int64_t i = 0; i < width; i++) {
-            v[i] -= lse;
-        }
-    }
-}
-
-enum kr_status kr_model_forward(struct kr_model *m, struct kr_cache *cache, const struct kr_batch *b, float *logprobs,
+enum kr_status kr_model_forward(struct kr_model *m, struct kr_cache *cache, const struct kr_batch *b, float *logits,
                                 struct kr_err *err)
 {
     const struct kr_model_config *c = &m->cfg;
@@ -474,11 +455,10 @@ enum kr_status kr_model_forward(struct kr_model *m, struct kr_cache *cache, cons
     if ((st = kr_backend_gather_out(be, ws.x, c->dim, ws.fin)) != KR_OK ||
         (st = kr_backend_rmsnorm(be, ws.fin, m->final_norm, b->n_out, c->dim, c->norm_eps, ws.fin)) != KR_OK ||
         (st = kr_backend_matmul(be, ws.fin, c->dim, b->n_out, &m->lm_head, NULL, ws.lg, c->vocab)) != KR_OK ||
-        (st = kr_backend_copy_d2h(be, logprobs, ws.lg, (size_t)b->n_out * (size_t)c->vocab * sizeof(float))) !=
+        (st = kr_backend_copy_d2h(be, logits, ws.lg, (size_t)b->n_out * (size_t)c->vocab * sizeof(float))) !=
             KR_OK) {
         goto fail;
     }
-    log_softmax_rows(logprobs, b->n_out, c->vocab);
     return KR_OK;
 fail:
     return kr_err_set(err, st, "forward pass failed: %s", kr_status_str(st));

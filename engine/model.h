@@ -114,11 +114,10 @@ void kr_model_free(struct kr_model *m);
 
 struct kr_cache;
 
-/* Runs one step over `b` and writes log-probabilities (log_softmax of the logits, fp32) of the
- * b->n_out selected tokens to `logprobs` ([n_out, vocab], host memory; may be NULL when n_out is
- * 0). Token ids, positions, slots and block tables are validated against the model and cache:
+/* Runs one step over `b` and writes the raw logits (fp32) of the b->n_out selected tokens to
+ * `logits` ([n_out, vocab], host memory; may be NULL when n_out is 0). Token ids, positions, slots and block tables are validated against the model and cache:
  * invalid input is KR_ERR_INVAL with a message, never a crash. Engine thread only. */
-enum kr_status kr_model_forward(struct kr_model *m, struct kr_cache *c, const struct kr_batch *b, float *logprobs,
+enum kr_status kr_model_forward(struct kr_model *m, struct kr_cache *c, const struct kr_batch *b, float *logits,
                                 struct kr_err *err);
 
 #ifdef __cplusplus

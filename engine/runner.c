@@ -1,6 +1,7 @@
 #include "runner.h"
 
 #include "alloc.h"
+#include "sampler.h"
 
 #include <string.h>
 
@@ -57,6 +58,10 @@ static enum kr_status step(struct kr_model *m, struct kr_cache *c, struct kr_seq
     kr_free(pos);
     if (st == KR_OK) {
         seq->n_pos += nt;
+        for (int32_t i = 0; i < nt - want0; i++) { /* logits -> log-probabilities */
+            float *row = out + (size_t)i * (size_t)m->cfg.vocab;
+            kr_log_softmax(row, row, m->cfg.vocab);
+        }
     }
     return st;
 }

@@ -3,6 +3,7 @@
 #include "alloc.h"
 #include "json.h"
 #include "runner.h"
+#include "sampler.h"
 
 #include <criterion/criterion.h>
 #include <math.h>
@@ -79,6 +80,35 @@ void fx_load(struct fx *f, const char *family, const char *name, int threads, in
             p->margin[j] = (float)d;
         }
         max_len = p->n + p->n_greedy > max_len ? p->n + p->n_greedy : max_len;
+        const struct kr_json *sets = kr_json_get(&ps->items[i], "index_sets");
+        if (sets && sets->type == KR_JSON_ARRAY) {
+            const int64_t K = f->m->cfg.idx_topk;
+            p->n_dsa = (int32_t)sets->n;
+            p->sets = kr_malloc((size_t)p->n_dsa * (size_t)p->n * (size_t)K * sizeof(int32_t) + 1);
+            cr_assert(p->sets);
+            for (int32_t l = 0; l < p->n_dsa; l++) {
+                const struct kr_json *L = &sets->items[l];
+                cr_assert(L->type == KR_JSON_ARRAY && (int32_t)L->n == p->n, "index_sets[%d] has %zu rows, prompt %d",
+                          l, L->n, p->n);
+                for (int32_t t = 0; t < p->n; t++) {
+                    const struct kr_json *row = &L->items[t];
+                    const int64_t want = t + 1 < K ? t + 1 : K;
+                    cr_assert(row->type == KR_JSON_ARRAY && (int64_t)row->n == want,
+                              "index_sets[%d][%d] holds %zu positions, expected %lld", l, t, row->n, (long long)want);
+                    int32_t *dst = p->sets + ((size_t)l * (size_t)p->n + (size_t)t) * (size_t)K;
+                    for (int64_t j = 0; j < K; j++) {
+                        dst[j] = -1;
+                        if (j < (int64_t)row->n) {
+                            cr_assert(kr_json_as_int(&row->items[j], &v));
+                            dst[j] = (int32_t)v;
+                        }
+                    }
+                    for (int64_t j = 1; j < (int64_t)row->n; j++) {
+                        cr_assert(dst[j - 1] < dst[j], "index_sets rows must be ascending");
+                    }
+                }
+            }
+        }
     }
     kr_free(bin);
     kr_json_free(ref);
@@ -93,6 +123,7 @@ void fx_free(struct fx *f)
     for (int32_t i = 0; i < f->n_prompts; i++) {
         kr_free(f->prompts[i].ids);
         kr_free(f->prompts[i].logprobs);
+        kr_free(f->prompts[i].sets);
     }
     kr_cache_free(f->c);
     kr_model_free(f->m);
@@ -200,7 +231,8 @@ void drv_run(struct kr_model *m, struct kr_cache *c, struct drv_seq *seqs, int32
             const int32_t k = tok0[j + 1] - tok0[j];
             const bool prompt_phase = done[s] < q->n_prompt;
             for (int32_t i = 0; i < k; i++) {
-                const float *row = lp + (size_t)(tok0[j] + i) * (size_t)V;
+                float *row = lp + (size_t)(tok0[j] + i) * (size_t)V;
+                kr_log_softmax(row, row, V);
                 if (rows_done[s] < q->n_prompt + q->n_decode) {
                     memcpy(q->rows + (size_t)rows_done[s] * (size_t)V, row, (size_t)V * sizeof(float));
                     rows_done[s]++;

@@ -15,6 +15,9 @@ struct fx_prompt {
     int32_t greedy[64];  /* HF greedy continuation (no-cache recompute) */
     float margin[64];    /* HF top1 - top2 log-probability at each greedy step */
     int32_t n_greedy;
+    int32_t n_dsa;       /* D layers with recorded index sets (0 when the fixture has none) */
+    int32_t *sets;       /* [n_dsa, n, topk] HF's selected positions per D layer and query, ascending,
+                            -1 padded */
 };
 
 struct fx {

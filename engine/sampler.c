@@ -1,0 +1,372 @@
+#include "sampler.h"
+
+#include "alloc.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+void kr_sampling_default(struct kr_sampling *s)
+{
+    memset(s, 0, sizeof *s);
+    s->temperature = 1.0f;
+    s->top_k = 0;
+    s->top_p = 1.0f;
+    s->min_p = 0.0f;
+    s->repetition_penalty = 1.0f;
+    s->logprobs = -1;
+    s->prompt_logprobs = -1;
+    s->max_tokens = 16;
+}
+
+enum kr_status kr_sampling_validate(const struct kr_sampling *s, int64_t vocab, struct kr_err *err)
+{
+    if (!(s->temperature >= 0.0f) || !isfinite(s->temperature)) {
+        return kr_err_set(err, KR_ERR_INVAL, "temperature must be a finite number >= 0, got %g", s->temperature);
+    }
+    if (!(s->top_p > 0.0f && s->top_p <= 1.0f)) {
+        return kr_err_set(err, KR_ERR_INVAL, "top_p must be in (0, 1], got %g", s->top_p);
+    }
+    if (!(s->min_p >= 0.0f && s->min_p <= 1.0f)) {
+        return kr_err_set(err, KR_ERR_INVAL, "min_p must be in [0, 1], got %g", s->min_p);
+    }
+    if (s->top_k < -1) {
+        return kr_err_set(err, KR_ERR_INVAL, "top_k must be -1, 0 (off) or positive, got %d", s->top_k);
+    }
+    if (!(s->presence_penalty >= -2.0f && s->presence_penalty <= 2.0f)) {
+        return kr_err_set(err, KR_ERR_INVAL, "presence_penalty must be in [-2, 2], got %g", s->presence_penalty);
+    }
+    if (!(s->frequency_penalty >= -2.0f && s->frequency_penalty <= 2.0f)) {
+        return kr_err_set(err, KR_ERR_INVAL, "frequency_penalty must be in [-2, 2], got %g", s->frequency_penalty);
+    }
+    if (!(s->repetition_penalty > 0.0f) || !isfinite(s->repetition_penalty)) {
+        return kr_err_set(err, KR_ERR_INVAL, "repetition_penalty must be a finite number > 0, got %g",
+                          s->repetition_penalty);
+    }
+    if (s->logprobs < -1 || s->logprobs > KR_MAX_TOP_LOGPROBS) {
+        return kr_err_set(err, KR_ERR_INVAL, "logprobs must be between 0 and %d, got %d", KR_MAX_TOP_LOGPROBS,
+                          s->logprobs);
+    }
+    if (s->prompt_logprobs < -1 || s->prompt_logprobs > KR_MAX_TOP_LOGPROBS) {
+        return kr_err_set(err, KR_ERR_INVAL, "prompt_logprobs must be between 0 and %d, got %d", KR_MAX_TOP_LOGPROBS,
+                          s->prompt_logprobs);
+    }
+    if (s->max_tokens < 1) {
+        return kr_err_set(err, KR_ERR_INVAL, "max_tokens must be at least 1, got %d", s->max_tokens);
+    }
+    if (s->min_tokens < 0 || s->min_tokens > s->max_tokens) {
+        return kr_err_set(err, KR_ERR_INVAL, "min_tokens must be between 0 and max_tokens (%d), got %d", s->max_tokens,
+                          s->min_tokens);
+    }
+    if (s->n_stop_ids < 0 || s->n_stop_ids > KR_MAX_STOP_IDS) {
+        return kr_err_set(err, KR_ERR_INVAL, "at most %d stop_token_ids are allowed", KR_MAX_STOP_IDS);
+    }
+    for (int32_t i = 0; i < s->n_stop_ids; i++) {
+        if (s->stop_ids[i] < 0 || s->stop_ids[i] >= vocab) {
+            return kr_err_set(err, KR_ERR_INVAL, "stop_token_ids[%d] = %d is outside the vocabulary [0, %lld)", i,
+                              s->stop_ids[i], (long long)vocab);
+        }
+    }
+    return KR_OK;
+}
+
+/* ---- generator ----------------------------------------------------------------------------- */
+
+static uint64_t splitmix64(uint64_t *x)
+{
+    uint64_t z = (*x += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+void kr_rng_seed(struct kr_rng *r, uint64_t seed)
+{
+    for (int i = 0; i < 4; i++) {
+        r->s[i] = splitmix64(&seed);
+    }
+}
+
+static uint64_t rotl(uint64_t x, int k)
+{
+    return (x << k) | (x >> (64 - k));
+}
+
+double kr_rng_uniform(struct kr_rng *r)
+{
+    uint64_t *s = r->s;
+    const uint64_t result = rotl(s[1] * 5, 7) * 9;
+    const uint64_t t = s[1] << 17;
+    s[2] ^= s[0];
+    s[3] ^= s[1];
+    s[1] ^= s[2];
+    s[0] ^= s[3];
+    s[2] ^= t;
+    s[3] = rotl(s[3], 45);
+    return (double)(result >> 11) * 0x1.0p-53;
+}
+
+/* ---- token counts ---------------------------------------------------------------------------- */
+
+void kr_token_counts_init(struct kr_token_counts *c)
+{
+    memset(c, 0, sizeof *c);
+}
+
+void kr_token_counts_free(struct kr_token_counts *c)
+{
+    kr_free(c->ids);
+    kr_free(c->n_out);
+    kr_free(c->in_prompt);
+    memset(c, 0, sizeof *c);
+}
+
+static uint32_t hash_id(int32_t id)
+{
+    uint32_t h = (uint32_t)id * 2654435761u;
+    return h ^ (h >> 16);
+}
+
+/* Slot of `id` or of the empty cell where it would go. */
+static int32_t find_slot(const struct kr_token_counts *c, int32_t id)
+{
+    uint32_t mask = (uint32_t)c->cap - 1, i = hash_id(id) & mask;
+    while (c->ids[i] != -1 && c->ids[i] != id) {
+        i = (i + 1) & mask;
+    }
+    return (int32_t)i;
+}
+
+static enum kr_status grow(struct kr_token_counts *c)
+{
+    struct kr_token_counts n = {0};
+    n.cap = c->cap ? 2 * c->cap : 64;
+    n.ids = kr_malloc((size_t)n.cap * sizeof(int32_t));
+    n.n_out = kr_calloc((size_t)n.cap, sizeof(int32_t));
+    n.in_prompt = kr_calloc((size_t)n.cap, 1);
+    if (!n.ids || !n.n_out || !n.in_prompt) {
+        kr_token_counts_free(&n);
+        return KR_ERR_NOMEM;
+    }
+    memset(n.ids, 0xff, (size_t)n.cap * sizeof(int32_t));
+    for (int32_t i = 0; i < c->cap; i++) {
+        if (c->ids[i] != -1) {
+            int32_t j = find_slot(&n, c->ids[i]);
+            n.ids[j] = c->ids[i];
+            n.n_out[j] = c->n_out[i];
+            n.in_prompt[j] = c->in_prompt[i];
+            n.used++;
+        }
+    }
+    kr_token_counts_free(c);
+    *c = n;
+    return KR_OK;
+}
+
+enum kr_status kr_token_counts_add(struct kr_token_counts *c, int32_t id, bool prompt)
+{
+    if (2 * (c->used + 1) > c->cap) {
+        enum kr_status st = grow(c);
+        if (st != KR_OK) {
+            return st;
+        }
+    }
+    int32_t i = find_slot(c, id);
+    if (c->ids[i] == -1) {
+        c->ids[i] = id;
+        c->used++;
+    }
+    if (prompt) {
+        c->in_prompt[i] = 1;
+    } else {
+        c->n_out[i]++;
+    }
+    return KR_OK;
+}
+
+enum kr_status kr_token_counts_copy(struct kr_token_counts *dst, const struct kr_token_counts *src)
+{
+    kr_token_counts_init(dst);
+    if (!src->cap) {
+        return KR_OK;
+    }
+    dst->cap = src->cap;
+    dst->used = src->used;
+    dst->ids = kr_malloc((size_t)src->cap * sizeof(int32_t));
+    dst->n_out = kr_malloc((size_t)src->cap * sizeof(int32_t));
+    dst->in_prompt = kr_malloc((size_t)src->cap);
+    if (!dst->ids || !dst->n_out || !dst->in_prompt) {
+        kr_token_counts_free(dst);
+        return KR_ERR_NOMEM;
+    }
+    memcpy(dst->ids, src->ids, (size_t)src->cap * sizeof(int32_t));
+    memcpy(dst->n_out, src->n_out, (size_t)src->cap * sizeof(int32_t));
+    memcpy(dst->in_prompt, src->in_prompt, (size_t)src->cap);
+    return KR_OK;
+}
+
+/* ---- sampling ----------------------------------------------------------------------------------- */
+
+void kr_sampler_scratch_free(struct kr_sampler_scratch *s)
+{
+    kr_free(s->v);
+    kr_free(s->order);
+    memset(s, 0, sizeof *s);
+}
+
+void kr_log_softmax(const float *logits, float *lp, int64_t vocab)
+{
+    float mx = -INFINITY;
+    for (int64_t i = 0; i < vocab; i++) {
+        mx = logits[i] > mx ? logits[i] : mx;
+    }
+    double sum = 0.0;
+    for (int64_t i = 0; i < vocab; i++) {
+        sum += exp((double)logits[i] - mx);
+    }
+    const float lse = (float)(mx + log(sum));
+    for (int64_t i = 0; i < vocab; i++) {
+        lp[i] = logits[i] - lse;
+    }
+}
+
+void kr_top_k_ids(const float *lp, int64_t vocab, int32_t k, int32_t *ids)
+{
+    int32_t n = 0;
+    for (int64_t v = 0; v < vocab && k > 0; v++) {
+        int32_t j;
+        if (n < k) {
+            j = n++;
+        } else if (lp[v] > lp[ids[k - 1]]) {
+            j = k - 1;
+        } else {
+            continue;
+        }
+        ids[j] = (int32_t)v;
+        while (j > 0 && lp[ids[j]] > lp[ids[j - 1]]) { /* strict: equal values keep the lower id first */
+            int32_t t = ids[j];
+            ids[j] = ids[j - 1];
+            ids[j - 1] = t;
+            j--;
+        }
+    }
+}
+
+/* Descending by logit, lower id first on ties. */
+static int cmp_desc(const void *a, const void *b)
+{
+    const struct kr_sampler_cand *x = a, *y = b;
+    if (x->v != y->v) {
+        return x->v > y->v ? -1 : 1;
+    }
+    return (x->id > y->id) - (x->id < y->id);
+}
+
+enum kr_status kr_sample(const struct kr_sampling *s, const float *logits, int64_t vocab,
+                         const struct kr_token_counts *counts, int32_t n_generated, const int32_t *eos_ids,
+                         int32_t n_eos, struct kr_rng *rng, struct kr_sampler_scratch *sc, int32_t *out)
+{
+    if (sc->cap < vocab) {
+        kr_sampler_scratch_free(sc);
+        sc->v = kr_malloc((size_t)vocab * sizeof(float));
+        sc->order = kr_malloc((size_t)vocab * sizeof *sc->order);
+        if (!sc->v || !sc->order) {
+            kr_sampler_scratch_free(sc);
+            return KR_ERR_NOMEM;
+        }
+        sc->cap = vocab;
+    }
+    float *v = sc->v;
+    memcpy(v, logits, (size_t)vocab * sizeof(float));
+    /* penalties */
+    if (counts && counts->cap) {
+        for (int32_t i = 0; i < counts->cap; i++) {
+            const int32_t id = counts->ids[i];
+            if (id < 0 || id >= vocab) {
+                continue;
+            }
+            if (s->repetition_penalty != 1.0f && (counts->in_prompt[i] || counts->n_out[i])) {
+                v[id] = v[id] > 0 ? v[id] / s->repetition_penalty : v[id] * s->repetition_penalty;
+            }
+            if (counts->n_out[i]) {
+                v[id] -= s->frequency_penalty * (float)counts->n_out[i] + s->presence_penalty;
+            }
+        }
+    }
+    /* min_tokens: no end of sequence before it */
+    if (n_generated < s->min_tokens) {
+        for (int32_t i = 0; i < n_eos && !s->ignore_eos; i++) {
+            v[eos_ids[i]] = -INFINITY;
+        }
+        for (int32_t i = 0; i < s->n_stop_ids; i++) {
+            v[s->stop_ids[i]] = -INFINITY;
+        }
+    }
+    if (s->temperature == 0.0f) {
+        int64_t best = 0;
+        for (int64_t i = 1; i < vocab; i++) {
+            if (v[i] > v[best]) {
+                best = i;
+            }
+        }
+        *out = (int32_t)best;
+        return KR_OK;
+    }
+    /* candidates sorted by logit (descending, lower id first on ties) */
+    int64_t n = 0;
+    for (int64_t i = 0; i < vocab; i++) {
+        if (v[i] != -INFINITY) {
+            sc->order[n].v = v[i];
+            sc->order[n++].id = (int32_t)i;
+        }
+    }
+    if (n == 0) {
+        *out = 0;
+        return KR_ERR_INTERNAL;
+    }
+    int64_t keep = n;
+    if (s->top_k > 0 && s->top_k < keep) {
+        keep = s->top_k;
+    }
+    qsort(sc->order, (size_t)n, sizeof *sc->order, cmp_desc);
+    const float inv_t = 1.0f / s->temperature;
+    const float mx = sc->order[0].v * inv_t;
+    double total = 0.0;
+    for (int64_t i = 0; i < keep; i++) {
+        total += exp((double)sc->order[i].v * inv_t - mx);
+    }
+    if (s->top_p < 1.0f) { /* smallest prefix whose probability reaches top_p */
+        double cum = 0.0;
+        int64_t k2 = 0;
+        while (k2 < keep) {
+            cum += exp((double)sc->order[k2].v * inv_t - mx) / total;
+            k2++;
+            if (cum >= s->top_p) {
+                break;
+            }
+        }
+        keep = k2;
+    }
+    if (s->min_p > 0.0f) { /* drop tokens below min_p times the top probability (top is exp(0) = 1) */
+        int64_t k2 = 1;
+        while (k2 < keep && exp((double)sc->order[k2].v * inv_t - mx) >= s->min_p) {
+            k2++;
+        }
+        keep = k2;
+    }
+    total = 0.0;
+    for (int64_t i = 0; i < keep; i++) {
+        total += exp((double)sc->order[i].v * inv_t - mx);
+    }
+    const double u = kr_rng_uniform(rng) * total;
+    double cum = 0.0;
+    for (int64_t i = 0; i < keep; i++) {
+        cum += exp((double)sc->order[i].v * inv_t - mx);
+        if (u < cum) {
+            *out = sc->order[i].id;
+            return KR_OK;
+        }
+    }
+    *out = sc->order[keep - 1].id;
+    return KR_OK;
+}

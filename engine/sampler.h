@@ -1,0 +1,97 @@
+#pragma once
+/* Token sampling on the engine side: penalties, temperature, top-k, top-p, min-p and a seeded
+ * per-sequence generator, so that a sequence samples the same tokens whatever batch it runs in.
+ * Order of operations on the logits of one row: repetition penalty (prompt and output tokens),
+ * frequency and presence penalties (output tokens), EOS/stop-id masking while below min_tokens,
+ * then temperature, top-k, top-p (nucleus), min-p, and a draw. Temperature 0 is greedy (argmax,
+ * lowest id on ties) after penalties. */
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define KR_MAX_STOP_IDS 64
+#define KR_MAX_TOP_LOGPROBS 20
+
+struct kr_sampling {
+    float temperature;          /* >= 0; 0 = greedy */
+    int32_t top_k;              /* <= 0: off */
+    float top_p;                /* (0, 1]; 1 = off */
+    float min_p;                /* [0, 1]; 0 = off */
+    float presence_penalty;     /* [-2, 2]: subtracted once from tokens present in the output */
+    float frequency_penalty;    /* [-2, 2]: subtracted per occurrence in the output */
+    float repetition_penalty;   /* > 0; 1 = off: logits of prompt/output tokens divided (>0) or multiplied */
+    bool has_seed;
+    uint64_t seed;              /* per-request seed (child i of n uses seed + i) */
+    int32_t logprobs;           /* -1: none; 0: the chosen token's; k: plus the top k (<= 20) */
+    int32_t prompt_logprobs;    /* -1: none; k >= 0 as logprobs, for every prompt position */
+    int32_t max_tokens;         /* >= 1 */
+    int32_t min_tokens;         /* EOS and stop ids are masked until this many tokens */
+    bool ignore_eos;
+    int32_t n_stop_ids;
+    int32_t stop_ids[KR_MAX_STOP_IDS];
+};
+
+/* Fills the OpenAI/vLLM defaults: temperature 1, top_p 1, top_k off, no penalties, no logprobs,
+ * max_tokens 16, no seed. */
+void kr_sampling_default(struct kr_sampling *s);
+
+/* Validates client-controlled parameters; KR_ERR_INVAL with a message naming the field. */
+enum kr_status kr_sampling_validate(const struct kr_sampling *s, int64_t vocab, struct kr_err *err);
+
+/* A per-sequence random generator (xoshiro256**), seeded with splitmix64. */
+struct kr_rng {
+    uint64_t s[4];
+};
+void kr_rng_seed(struct kr_rng *r, uint64_t seed);
+/* Uniform in [0, 1) with 53 random bits. */
+double kr_rng_uniform(struct kr_rng *r);
+
+/* Token counts of one sequence for the penalties: every distinct token seen in the prompt
+ * (repetition penalty) and the output counts (frequency/presence). Sparse: a small open-addressing
+ * table, grown as needed. */
+struct kr_token_counts {
+    int32_t cap;       /* power of two */
+    int32_t used;
+    int32_t *ids;      /* [cap] -1 empty */
+    int32_t *n_out;    /* [cap] occurrences in the output */
+    uint8_t *in_prompt;/* [cap] */
+};
+void kr_token_counts_init(struct kr_token_counts *c);
+void kr_token_counts_free(struct kr_token_counts *c);
+enum kr_status kr_token_counts_add(struct kr_token_counts *c, int32_t id, bool prompt);
+/* Copies (n > 1 children start from the parent's prompt counts). */
+enum kr_status kr_token_counts_copy(struct kr_token_counts *dst, const struct kr_token_counts *src);
+
+/* Scratch for one sampling call; reused across calls (engine thread). */
+struct kr_sampler_cand {
+    float v;           /* processed logit */
+    int32_t id;
+};
+struct kr_sampler_scratch {
+    int64_t cap;
+    float *v;                      /* [vocab] processed logits */
+    struct kr_sampler_cand *order; /* [vocab] candidates, sorted by logit */
+};
+void kr_sampler_scratch_free(struct kr_sampler_scratch *s);
+
+/* Samples one token from `logits` ([vocab] raw logits of the row) for a sequence that has
+ * generated `n_generated` tokens so far, with its counts and generator. `is_eos` tells which ids end
+ * the sequence (for min_tokens masking). Returns the token id in *out. */
+enum kr_status kr_sample(const struct kr_sampling *s, const float *logits, int64_t vocab,
+                         const struct kr_token_counts *counts, int32_t n_generated, const int32_t *eos_ids,
+                         int32_t n_eos, struct kr_rng *rng, struct kr_sampler_scratch *scratch, int32_t *out);
+
+/* Log-softmax of raw logits into `lp` [vocab] (may alias logits). */
+void kr_log_softmax(const float *logits, float *lp, int64_t vocab);
+
+/* The k largest entries of lp (ids descending by value, lowest id first on ties). k <= vocab. */
+void kr_top_k_ids(const float *lp, int64_t vocab, int32_t k, int32_t *ids);
+
+#ifdef __cplusplus
+}
+#endif
