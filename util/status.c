@@ -23,6 +23,8 @@ const char *kr_status_str(enum kr_status st)
         return "cancelled";
     case KR_ERR_INTERNAL:
         return "internal error";
+    case KR_ERR_BUSY:
+        return "busy";
     }
     return "unknown status";
 }

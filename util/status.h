@@ -16,6 +16,7 @@ enum kr_status {
     KR_ERR_CUDA = -6,        /* CUDA runtime / cuBLAS / NCCL failure */
     KR_ERR_CANCELLED = -7,   /* the request was cancelled */
     KR_ERR_INTERNAL = -8,    /* a bug: an invariant did not hold */
+    KR_ERR_BUSY = -9,        /* admission limit reached: retry later (HTTP 429/503) */
 };
 
 /* Returns a static, human-readable name of a status ("ok", "out of memory", ...). */

@@ -1,0 +1,134 @@
+#pragma once
+/* kr_engine: the batching engine. It owns a model's caches and runs on its own thread:
+ * continuous batching under a per-step token budget, chunked prefill, decodes first, FCFS
+ * admission, preemption by recompute when the cache pools run out, cancellation, n > 1 choices
+ * that share the prompt's prefill, and sampling. Requests are submitted and cancelled from any
+ * thread; results come back as events through the request's callback, called on the engine
+ * thread (the callback must not block: the server queues them and wakes its loop). */
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "model.h"
+#include "sampler.h"
+#include "status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+struct kr_engine;
+
+struct kr_engine_config {
+    int32_t max_num_seqs;           /* sequences running at once (each choice of n counts) */
+    int32_t max_num_batched_tokens; /* tokens per step (decodes + prefill chunks) */
+    int32_t max_queued_requests;    /* requests waiting for admission beyond which submit says BUSY; 0 = no limit */
+    int32_t max_model_len;          /* prompt + generated tokens per sequence; 0 = the model's max_position_embeddings */
+    int32_t block_size;             /* tokens per cache block */
+    size_t cache_bytes;             /* byte budget for all cache pools (slots + blocks) */
+    int32_t n_slots;                /* state slots (0 = max_num_seqs) */
+    bool debug_checks;              /* verify slot/block ownership after every step (tests) */
+};
+
+/* Defaults: 256 seqs, 2048 tokens per step, no queue limit, block 16, 256 MiB of cache. */
+void kr_engine_config_default(struct kr_engine_config *c);
+
+enum kr_event_type {
+    KR_EVENT_TOKEN = 0,          /* one generated token of one choice */
+    KR_EVENT_PROMPT_LOGPROBS = 1, /* the prompt's log-probabilities (once, before the first token) */
+    KR_EVENT_FINISH = 2,         /* a choice ended; last event of that choice */
+    KR_EVENT_ERROR = 3,          /* the request failed; last event of the request */
+};
+
+enum kr_finish_reason {
+    KR_FINISH_LENGTH = 0,    /* max_tokens or max_model_len reached */
+    KR_FINISH_STOP = 1,      /* EOS or a stop token id */
+    KR_FINISH_CANCELLED = 2, /* kr_engine_cancel */
+};
+
+struct kr_usage {
+    int32_t prompt_tokens;
+    int32_t completion_tokens; /* of this choice */
+};
+
+/* An event. Pointers are borrowed for the duration of the callback only. */
+struct kr_event {
+    enum kr_event_type type;
+    uint64_t req_id;
+    void *user;                 /* the submitter's pointer */
+    int32_t index;              /* choice index (0..n-1) */
+    /* KR_EVENT_TOKEN */
+    int32_t token;
+    float logprob;              /* log-probability of `token` under the model (raw distribution) */
+    int32_t n_top;              /* alternatives when logprobs > 0 */
+    const int32_t *top_ids;     /* [n_top] */
+    const float *top_logprobs;  /* [n_top] */
+    /* KR_EVENT_PROMPT_LOGPROBS: rows for positions 1..n_prompt-1 (position 0 has none) */
+    int32_t n_prompt;
+    const float *prompt_logprobs;     /* [n_prompt] log-probability of prompt[t] given prompt[0..t); [0] = NaN */
+    const int32_t *prompt_top_ids;    /* [n_prompt, k] */
+    const float *prompt_top_logprobs; /* [n_prompt, k] */
+    int32_t prompt_top_k;
+    /* KR_EVENT_FINISH */
+    enum kr_finish_reason finish;
+    int32_t stop_token;         /* the EOS/stop id that ended it, or -1 */
+    struct kr_usage usage;
+    /* KR_EVENT_ERROR */
+    enum kr_status status;
+    const char *message;
+};
+
+typedef void (*kr_event_cb)(const struct kr_event *ev, void *user);
+
+struct kr_request_params {
+    const int32_t *prompt;      /* [n_prompt] token ids (copied) */
+    int32_t n_prompt;
+    int32_t n;                  /* choices (>= 1) */
+    struct kr_sampling sampling;
+    kr_event_cb cb;
+    void *user;
+};
+
+/* Plans the cache pools for `m` within cfg->cache_bytes, allocates them and starts the engine
+ * thread. The model is borrowed (must outlive the engine). Logs the memory plan. */
+enum kr_status kr_engine_create(struct kr_model *m, const struct kr_engine_config *cfg, struct kr_engine **out,
+                                struct kr_err *err);
+
+/* Stops the thread (in-flight requests get KR_FINISH_CANCELLED) and frees everything. */
+void kr_engine_free(struct kr_engine *e);
+
+/* Queues a request; any thread. Checks it synchronously: KR_ERR_INVAL (with a message) for
+ * invalid parameters or a request that can never fit (prompt + max_tokens beyond max_model_len, or
+ * more cache than the whole pool); KR_ERR_BUSY when max_queued_requests are already waiting.
+ * On success *req_id identifies it and events follow on the engine thread. */
+enum kr_status kr_engine_submit(struct kr_engine *e, const struct kr_request_params *p, uint64_t *req_id,
+                                struct kr_err *err);
+
+/* Cancels a request in whatever state; any thread. Its choices end with KR_FINISH_CANCELLED and
+ * everything it held is freed on the engine thread. Unknown or finished ids are ignored. */
+void kr_engine_cancel(struct kr_engine *e, uint64_t req_id);
+
+/* Blocks until no request is queued or running (tests, shutdown). */
+void kr_engine_wait_idle(struct kr_engine *e);
+
+/* Counters for metrics; any thread (a consistent snapshot). */
+struct kr_engine_stats {
+    int32_t running;            /* sequences holding caches */
+    int32_t waiting;            /* sequences waiting for admission (incl. preempted) */
+    uint64_t preemptions;
+    uint64_t prompt_tokens;     /* prompt tokens prefilled (recomputation included) */
+    uint64_t generation_tokens; /* tokens sampled */
+    uint64_t steps;
+    int32_t slots_total, slots_free;
+    int32_t blocks_total, blocks_free;
+    size_t slot_bytes, block_bytes;
+    double step_sched_us_last;  /* host time spent planning the last step (µs) */
+};
+void kr_engine_get_stats(struct kr_engine *e, struct kr_engine_stats *s);
+
+/* The engine's caches (for tests that check that pools are full again). Engine must be idle. */
+struct kr_cache *kr_engine_cache(struct kr_engine *e);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,521 @@
+/* The batching engine on the CPU backend with an HF-verified fixture model: batch composition,
+ * prefill chunking and preemption do not change greedy outputs; seeded sampling is reproducible
+ * across batch compositions; n > 1 choices equal independent seeded runs; admission limits,
+ * never-fitting requests, cancellation from any state; and a randomized property test of the
+ * slot/block ownership with thousands of operations. */
+#include "engine.h"
+
+#include "alloc.h"
+#include "cache.h"
+#include "log.h"
+#include "runner.h"
+
+#include <criterion/criterion.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+
+#define MAX_REQ 4096
+#define MAX_GEN 64
+
+/* What one choice received. */
+struct choice {
+    int32_t tokens[MAX_GEN];
+    float margin[MAX_GEN]; /* top1 - top2 log-probability at each step (needs logprobs >= 2) */
+    int32_t n;
+    int32_t n_finish;
+    enum kr_finish_reason finish;
+    bool after_finish;     /* an event arrived after FINISH */
+};
+
+struct rec {
+    struct choice ch[4];
+    int32_t n_error;
+    int32_t n_prompt_lp;
+    float plp[256];
+};
+
+static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
+static struct rec *g_recs;
+
+static void on_event(const struct kr_event *ev, void *user)
+{
+    struct rec *r = user;
+    pthread_mutex_lock(&g_mu);
+    if (ev->type == KR_EVENT_ERROR) {
+        r->n_error++;
+    } else if (ev->type == KR_EVENT_PROMPT_LOGPROBS) {
+        r->n_prompt_lp++;
+        for (int32_t i = 0; i < ev->n_prompt && i < 256; i++) {
+            r->plp[i] = ev->prompt_logprobs[i];
+        }
+    } else {
+        struct choice *c = &r->ch[ev->index];
+        if (c->n_finish) {
+            c->after_finish = true;
+        }
+        if (ev->type == KR_EVENT_TOKEN && c->n < MAX_GEN) {
+            c->tokens[c->n] = ev->token;
+            c->margin[c->n] = ev->n_top >= 2 ? ev->top_logprobs[0] - ev->top_logprobs[1] : INFINITY;
+            c->n++;
+        } else if (ev->type == KR_EVENT_FINISH) {
+            c->n_finish++;
+            c->finish = ev->finish;
+        }
+    }
+    pthread_mutex_unlock(&g_mu);
+}
+
+static kr_backend_t g_be;
+static struct kr_model *g_m;
+
+static void load_model(const char *family, const char *name)
+{
+    char dir[512];
+    snprintf(dir, sizeof dir, "%s/%s/%s", KR_FIXTURES, family, name);
+    g_be = kr_backend_cpu_create(2);
+    struct kr_err err = {{0}};
+    cr_assert_eq(kr_model_load(dir, g_be, &g_m, &err), KR_OK, "%s", err.msg);
+    g_recs = kr_calloc(MAX_REQ, sizeof *g_recs);
+    cr_assert(g_recs);
+    kr_log_set_level(KR_LOG_LEVEL_WARN);
+}
+
+static void setup(void)
+{
+    load_model("nemotron_h", "nh_moe");
+}
+
+static void teardown(void)
+{
+    kr_model_free(g_m);
+    kr_backend_free(g_be);
+    kr_free(g_recs);
+}
+
+static struct kr_engine *make_engine(int32_t max_seqs, int32_t max_tokens, size_t cache_bytes, int32_t block)
+{
+    struct kr_engine_config cfg;
+    kr_engine_config_default(&cfg);
+    cfg.max_num_seqs = max_seqs;
+    cfg.max_num_batched_tokens = max_tokens;
+    cfg.cache_bytes = cache_bytes;
+    cfg.block_size = block;
+    cfg.debug_checks = true;
+    struct kr_engine *e = NULL;
+    struct kr_err err = {{0}};
+    cr_assert_eq(kr_engine_create(g_m, &cfg, &e, &err), KR_OK, "%s", err.msg);
+    return e;
+}
+
+static uint32_t g_rng = 12345;
+static uint32_t rnd(uint32_t n)
+{
+    g_rng = g_rng * 1664525u + 1013904223u;
+    return (g_rng >> 8) % n;
+}
+
+static void random_prompt(int32_t *ids, int32_t n)
+{
+    for (int32_t i = 0; i < n; i++) {
+        ids[i] = 3 + (int32_t)rnd(250); /* avoid the EOS id 2 in prompts */
+    }
+}
+
+static uint64_t submit(struct kr_engine *e, const int32_t *ids, int32_t n, struct kr_sampling *s, int32_t n_choices,
+                       struct rec *r)
+{
+    struct kr_request_params p = {.prompt = ids, .n_prompt = n, .n = n_choices, .sampling = *s, .cb = on_event,
+                                  .user = r};
+    uint64_t id = 0;
+    struct kr_err err = {{0}};
+    cr_assert_eq(kr_engine_submit(e, &p, &id, &err), KR_OK, "%s", err.msg);
+    return id;
+}
+
+static void expect_pools_full(struct kr_engine *e)
+{
+    struct kr_cache *c = kr_engine_cache(e);
+    cr_expect_eq(c->n_free_slots, c->n_slots, "slots leaked: %d of %d free", c->n_free_slots, c->n_slots);
+    cr_expect_eq(c->n_free_blocks, c->n_blocks, "blocks leaked: %d of %d free", c->n_free_blocks, c->n_blocks);
+    for (int32_t b = 0; b < c->n_blocks; b++) {
+        cr_expect_eq(c->block_ref[b], 0, "block %d still referenced", b);
+    }
+}
+
+/* Compares greedy runs up to the first step where the reference's top-2 margin is a near-tie
+ * (below 1e-4, where fp32 rounding of a different prefill chunking may legitimately flip it). */
+static void expect_same_greedy(const struct choice *ref, const struct choice *got, const char *what, int32_t i)
+{
+    cr_expect_eq(got->n_finish, 1, "%s: request %d finished %d times", what, i, got->n_finish);
+    int32_t n = ref->n < got->n ? ref->n : got->n;
+    for (int32_t k = 0; k < n; k++) {
+        if (ref->margin[k] < 1e-4f) {
+            return;
+        }
+        cr_expect_eq(got->tokens[k], ref->tokens[k], "%s: request %d token %d is %d, alone %d", what, i, k,
+                     got->tokens[k], ref->tokens[k]);
+        if (got->tokens[k] != ref->tokens[k]) {
+            return;
+        }
+    }
+    cr_expect_eq(got->n, ref->n, "%s: request %d generated %d tokens, alone %d", what, i, got->n, ref->n);
+}
+
+TestSuite(engine, .init = setup, .fini = teardown, .timeout = 600);
+
+Test(engine, greedy_outputs_do_not_depend_on_batching_chunking_or_preemption)
+{
+    enum { N = 64 };
+    static int32_t prompts[N][96];
+    int32_t len[N], maxt[N];
+    for (int32_t i = 0; i < N; i++) {
+        len[i] = 1 + (int32_t)rnd(80);
+        maxt[i] = 1 + (int32_t)rnd(12);
+        random_prompt(prompts[i], len[i]);
+    }
+    struct kr_sampling s;
+    kr_sampling_default(&s);
+    s.temperature = 0.0f;
+    s.logprobs = 2;
+    s.ignore_eos = true;
+    /* alone: one request at a time, whole prompt in one chunk */
+    struct kr_engine *e = make_engine(4, 4096, 64 << 20, 16);
+    for (int32_t i = 0; i < N; i++) {
+        s.max_tokens = maxt[i];
+        submit(e, prompts[i], len[i], &s, 1, &g_recs[i]);
+        kr_engine_wait_idle(e);
+    }
+    expect_pools_full(e);
+    kr_engine_free(e);
+    /* three batched configurations: all at once with a big budget; a 37-token budget (chunked
+     * prefills mixed with decodes); and a cache so small that sequences are preempted */
+    struct {
+        int32_t seqs, tokens, block;
+        size_t bytes;
+        const char *what;
+    } cfgs[] = {
+        {64, 4096, 16, (size_t)64 << 20, "batch of 64"},
+        {64, 37, 8, (size_t)64 << 20, "37-token steps"},
+        {24, 61, 4, 0, "preempting cache"},
+    };
+    size_t slot_b, block_b;
+    kr_cache_unit_bytes(g_m, 4, &slot_b, &block_b);
+    cfgs[2].bytes = slot_b * 24 + block_b * 60; /* 240 tokens for up to 24 sequences of up to 92 */
+    for (size_t c = 0; c < 3; c++) {
+        struct rec *recs = g_recs + (c + 1) * N;
+        e = make_engine(cfgs[c].seqs, cfgs[c].tokens, cfgs[c].bytes, cfgs[c].block);
+        for (int32_t i = 0; i < N; i++) {
+            s.max_tokens = maxt[i];
+            submit(e, prompts[i], len[i], &s, 1, &recs[i]);
+        }
+        kr_engine_wait_idle(e);
+        struct kr_engine_stats st;
+        kr_engine_get_stats(e, &st);
+        if (c == 2) {
+            cr_expect_gt(st.preemptions, 0, "the small cache never preempted");
+        }
+        for (int32_t i = 0; i < N; i++) {
+            expect_same_greedy(&g_recs[i].ch[0], &recs[i].ch[0], cfgs[c].what, i);
+            cr_expect_eq(recs[i].ch[0].n, maxt[i]);
+        }
+        expect_pools_full(e);
+        kr_engine_free(e);
+    }
+}
+
+Test(engine, seeded_sampling_is_reproducible_across_batch_compositions)
+{
+    enum { N = 24 };
+    static int32_t prompts[N][64];
+    int32_t len[N];
+    for (int32_t i = 0; i < N; i++) {
+        len[i] = 1 + (int32_t)rnd(60);
+        random_prompt(prompts[i], len[i]);
+    }
+    struct kr_sampling s;
+    kr_sampling_default(&s);
+    s.temperature = 0.9f;
+    s.top_p = 0.95f;
+    s.top_k = 50;
+    s.presence_penalty = 0.3f;
+    s.frequency_penalty = 0.2f;
+    s.repetition_penalty = 1.1f;
+    s.has_seed = true;
+    s.max_tokens = 10;
+    s.ignore_eos = true;
+    struct kr_engine *e = make_engine(4, 4096, 32 << 20, 16);
+    for (int32_t i = 0; i < N; i++) {
+        s.seed = 1000 + (uint64_t)i;
+        submit(e, prompts[i], len[i], &s, 1, &g_recs[i]);
+        kr_engine_wait_idle(e);
+    }
+    kr_engine_free(e);
+    e = make_engine(32, 4096, 32 << 20, 16);
+    for (int32_t i = 0; i < N; i++) {
+        s.seed = 1000 + (uint64_t)i;
+        submit(e, prompts[i], len[i], &s, 1, &g_recs[N + i]);
+    }
+    kr_engine_wait_idle(e);
+    int32_t distinct = 0;
+    for (int32_t i = 0; i < N; i++) {
+        cr_expect_eq(g_recs[N + i].ch[0].n, 10);
+        cr_expect(memcmp(g_recs[i].ch[0].tokens, g_recs[N + i].ch[0].tokens, 10 * sizeof(int32_t)) == 0,
+                  "request %d: seeded samples differ between alone and batched", i);
+        distinct += memcmp(g_recs[i].ch[0].tokens, g_recs[0].ch[0].tokens, 10 * sizeof(int32_t)) != 0;
+    }
+    cr_expect_gt(distinct, N / 2, "different prompts and seeds should give different samples");
+    expect_pools_full(e);
+    kr_engine_free(e);
+}
+
+Test(engine, n_choices_equal_independent_seeded_runs)
+{
+    int32_t prompt[37];
+    random_prompt(prompt, 37);
+    struct kr_sampling s;
+    kr_sampling_default(&s);
+    s.temperature = 1.0f;
+    s.has_seed = true;
+    s.seed = 77;
+    s.max_tokens = 12;
+    s.ignore_eos = true;
+    s.logprobs = 0;
+    struct kr_engine *e = make_engine(8, 4096, 32 << 20, 16);
+    submit(e, prompt, 37, &s, 3, &g_recs[0]);
+    kr_engine_wait_idle(e);
+    for (int32_t i = 0; i < 3; i++) {
+        s.seed = 77 + (uint64_t)i;
+        submit(e, prompt, 37, &s, 1, &g_recs[1 + i]);
+        kr_engine_wait_idle(e);
+    }
+    for (int32_t i = 0; i < 3; i++) {
+        cr_expect_eq(g_recs[0].ch[i].n, 12);
+        cr_expect_eq(g_recs[0].ch[i].n_finish, 1);
+        cr_expect(memcmp(g_recs[0].ch[i].tokens, g_recs[1 + i].ch[0].tokens, 12 * sizeof(int32_t)) == 0,
+                  "choice %d differs from an independent run with seed + %d", i, i);
+    }
+    cr_expect(memcmp(g_recs[0].ch[0].tokens, g_recs[0].ch[1].tokens, 12 * sizeof(int32_t)) != 0,
+              "choices with different seeds should differ");
+    struct kr_engine_stats st;
+    kr_engine_get_stats(e, &st);
+    /* the prompt was prefilled once for the three choices, then three times independently */
+    cr_expect_eq(st.prompt_tokens, 4 * 37, "prompt tokens prefilled: %llu", (unsigned long long)st.prompt_tokens);
+    expect_pools_full(e);
+    kr_engine_free(e);
+}
+
+Test(engine, prompt_logprobs_match_the_forward_pass)
+{
+    int32_t prompt[20];
+    random_prompt(prompt, 20);
+    struct kr_sampling s;
+    kr_sampling_default(&s);
+    s.temperature = 0.0f;
+    s.max_tokens = 1;
+    s.prompt_logprobs = 1;
+    struct kr_engine *e = make_engine(4, 7, 32 << 20, 16); /* chunks of 7 */
+    submit(e, prompt, 20, &s, 1, &g_recs[0]);
+    kr_engine_wait_idle(e);
+    kr_engine_free(e);
+    cr_assert_eq(g_recs[0].n_prompt_lp, 1);
+    /* independent: the model's own prompt log-probabilities through the runner */
+    struct kr_cache *c = NULL;
+    cr_assert_eq(kr_cache_create(g_m, 1, 4, 16, &c), KR_OK);
+    float *lp = kr_malloc(20 * 256 * sizeof(float));
+    struct kr_err err = {{0}};
+    cr_assert_eq(kr_run_prompt_logprobs(g_m, c, prompt, 20, 7, lp, &err), KR_OK);
+    cr_expect(isnan(g_recs[0].plp[0]));
+    for (int32_t t = 1; t < 20; t++) {
+        cr_expect_float_eq(g_recs[0].plp[t], lp[(t - 1) * 256 + prompt[t]], 1e-6, "position %d", t);
+    }
+    kr_free(lp);
+    kr_cache_free(c);
+}
+
+Test(engine, rejects_requests_that_can_never_fit)
+{
+    struct kr_sampling s;
+    kr_sampling_default(&s);
+    s.max_tokens = 100;
+    size_t slot_b, block_b;
+    kr_cache_unit_bytes(g_m, 16, &slot_b, &block_b);
+    struct kr_engine *e = make_engine(4, 256, slot_b * 4 + block_b * 8, 16); /* 128 tokens of cache */
+    int32_t prompt[64];
+    random_prompt(prompt, 64);
+    struct kr_request_params p = {.prompt = prompt, .n_prompt = 64, .n = 1, .sampling = s, .cb = on_event,
+                                  .user = &g_recs[0]};
+    uint64_t id;
+    struct kr_err err = {{0}};
+    cr_expect_eq(kr_engine_submit(e, &p, &id, &err), KR_ERR_INVAL);
+    cr_expect(strstr(err.msg, "blocks"), "%s", err.msg);
+    p.sampling.max_tokens = 5000; /* beyond max_position_embeddings (4096) */
+    cr_expect_eq(kr_engine_submit(e, &p, &id, &err), KR_ERR_INVAL);
+    cr_expect(strstr(err.msg, "context length"), "%s", err.msg);
+    p.sampling.max_tokens = 8;
+    p.sampling.temperature = -1.0f;
+    cr_expect_eq(kr_engine_submit(e, &p, &id, &err), KR_ERR_INVAL);
+    cr_expect(strstr(err.msg, "temperature"), "%s", err.msg);
+    p.sampling.temperature = 0.0f;
+    prompt[3] = 256;
+    cr_expect_eq(kr_engine_submit(e, &p, &id, &err), KR_ERR_INVAL);
+    cr_expect(strstr(err.msg, "vocabulary"), "%s", err.msg);
+    prompt[3] = 5;
+    cr_expect_eq(kr_engine_submit(e, &p, &id, &err), KR_OK, "%s", err.msg);
+    kr_engine_wait_idle(e);
+    cr_expect_eq(g_recs[0].ch[0].n, 8);
+    kr_engine_free(e);
+}
+
+Test(engine, admission_limit_says_busy)
+{
+    struct kr_engine_config cfg;
+    kr_engine_config_default(&cfg);
+    cfg.max_num_seqs = 1;
+    cfg.max_queued_requests = 2;
+    cfg.cache_bytes = 32 << 20;
+    struct kr_engine *e = NULL;
+    struct kr_err err = {{0}};
+    cr_assert_eq(kr_engine_create(g_m, &cfg, &e, &err), KR_OK);
+    int32_t prompt[8];
+    random_prompt(prompt, 8);
+    struct kr_sampling s;
+    kr_sampling_default(&s);
+    s.temperature = 0.0f;
+    s.max_tokens = 3000;
+    s.ignore_eos = true;
+    uint64_t a = submit(e, prompt, 8, &s, 1, &g_recs[0]);
+    struct kr_engine_stats st;
+    do { /* wait until the first request runs */
+        usleep(1000);
+        kr_engine_get_stats(e, &st);
+    } while (st.running == 0);
+    uint64_t b = submit(e, prompt, 8, &s, 1, &g_recs[1]);
+    uint64_t c = submit(e, prompt, 8, &s, 1, &g_recs[2]);
+    struct kr_request_params p = {.prompt = prompt, .n_prompt = 8, .n = 1, .sampling = s, .cb = on_event,
+                                  .user = &g_recs[3]};
+    uint64_t d;
+    cr_expect_eq(kr_engine_submit(e, &p, &d, &err), KR_ERR_BUSY);
+    cr_expect(strstr(err.msg, "max_queued_requests"), "%s", err.msg);
+    kr_engine_cancel(e, a);
+    kr_engine_cancel(e, b);
+    kr_engine_cancel(e, c);
+    kr_engine_wait_idle(e);
+    for (int i = 0; i < 3; i++) {
+        cr_expect_eq(g_recs[i].ch[0].n_finish, 1);
+        cr_expect_eq(g_recs[i].ch[0].finish, KR_FINISH_CANCELLED);
+    }
+    expect_pools_full(e);
+    kr_engine_free(e);
+}
+
+struct canceller {
+    struct kr_engine *e;
+    uint64_t *ids;
+    int32_t n;
+};
+
+static void *cancel_thread(void *arg)
+{
+    struct canceller *c = arg;
+    for (int32_t i = 0; i < c->n; i += 3) {
+        kr_engine_cancel(c->e, c->ids[i]);
+        usleep(200);
+    }
+    return NULL;
+}
+
+Test(engine, cancellation_from_another_thread_frees_everything)
+{
+    enum { N = 60 };
+    static int32_t prompts[N][40];
+    uint64_t ids[N];
+    struct kr_sampling s;
+    kr_sampling_default(&s);
+    s.temperature = 0.5f;
+    s.max_tokens = 20;
+    s.ignore_eos = true;
+    size_t slot_b, block_b;
+    kr_cache_unit_bytes(g_m, 8, &slot_b, &block_b);
+    struct kr_engine *e = make_engine(16, 48, slot_b * 16 + block_b * 40, 8);
+    for (int32_t i = 0; i < N; i++) {
+        random_prompt(prompts[i], 1 + i % 39);
+        ids[i] = submit(e, prompts[i], 1 + i % 39, &s, 1 + i % 2, &g_recs[i]);
+    }
+    struct canceller c = {.e = e, .ids = ids, .n = N};
+    pthread_t th;
+    pthread_create(&th, NULL, cancel_thread, &c);
+    pthread_join(th, NULL);
+    kr_engine_wait_idle(e);
+    for (int32_t i = 0; i < N; i++) {
+        for (int32_t k = 0; k < 1 + i % 2; k++) {
+            const struct choice *ch = &g_recs[i].ch[k];
+            cr_expect_eq(ch->n_finish, 1, "request %d choice %d: %d finish events", i, k, ch->n_finish);
+            cr_expect(!ch->after_finish, "request %d choice %d: events after its finish", i, k);
+            if (i % 3 != 0) {
+                cr_expect_eq(ch->finish, KR_FINISH_LENGTH);
+                cr_expect_eq(ch->n, 20);
+            }
+        }
+    }
+    expect_pools_full(e);
+    kr_engine_free(e);
+}
+
+Test(engine, randomized_operations_never_leak_or_double_own)
+{
+    size_t slot_b, block_b;
+    kr_cache_unit_bytes(g_m, 4, &slot_b, &block_b);
+    struct kr_engine *e = make_engine(12, 29, slot_b * 12 + block_b * 30, 4); /* 120 tokens: heavy preemption */
+    struct kr_sampling s;
+    kr_sampling_default(&s);
+    static uint64_t ids[MAX_REQ];
+    static int32_t nch[MAX_REQ];
+    static int32_t prompt[64];
+    int32_t n_req = 0, n_ops = 3000;
+    for (int32_t op = 0; op < n_ops && n_req < MAX_REQ; op++) {
+        const uint32_t kind = rnd(10);
+        if (kind < 6) {
+            const int32_t len = 1 + (int32_t)rnd(40);
+            random_prompt(prompt, len);
+            s.temperature = rnd(2) ? 0.0f : 0.8f;
+            s.max_tokens = 1 + (int32_t)rnd(8);
+            s.min_tokens = (int32_t)rnd((uint32_t)s.max_tokens + 1);
+            s.ignore_eos = rnd(2);
+            s.has_seed = true;
+            s.seed = op;
+            nch[n_req] = 1 + (int32_t)rnd(3);
+            ids[n_req] = submit(e, prompt, len, &s, nch[n_req], &g_recs[n_req]);
+            n_req++;
+        } else if (kind < 9 && n_req > 0) {
+            kr_engine_cancel(e, ids[rnd((uint32_t)n_req)]);
+        } else {
+            usleep(rnd(500));
+        }
+        if (op % 500 == 499) {
+            kr_engine_wait_idle(e);
+            expect_pools_full(e);
+        }
+    }
+    kr_engine_wait_idle(e);
+    struct kr_engine_stats st;
+    kr_engine_get_stats(e, &st);
+    cr_expect_gt(st.preemptions, 0, "the workload should have forced preemptions");
+    int32_t finished = 0, cancelled = 0;
+    for (int32_t i = 0; i < n_req; i++) {
+        cr_expect_eq(g_recs[i].n_error, 0);
+        for (int32_t k = 0; k < nch[i]; k++) {
+            const struct choice *ch = &g_recs[i].ch[k];
+            cr_expect_eq(ch->n_finish, 1, "request %d choice %d ended %d times", i, k, ch->n_finish);
+            cr_expect(!ch->after_finish);
+            finished += ch->finish != KR_FINISH_CANCELLED;
+            cancelled += ch->finish == KR_FINISH_CANCELLED;
+        }
+    }
+    cr_expect_gt(finished, 0);
+    cr_expect_gt(cancelled, 0);
+    expect_pools_full(e);
+    kr_engine_free(e);
+}
