@@ -764,6 +764,7 @@ static void run_step(struct kr_engine *e)
     free_dead(e);
     pthread_mutex_lock(&e->lock);
     e->stats.step_sched_us_last = t1 - t0;
+    e->stats.step_sched_us_total += t1 - t0;
     pthread_mutex_unlock(&e->lock);
 }
 

@@ -122,7 +122,8 @@ struct kr_engine_stats {
     int32_t slots_total, slots_free;
     int32_t blocks_total, blocks_free;
     size_t slot_bytes, block_bytes;
-    double step_sched_us_last;  /* host time spent planning the last step (µs) */
+    double step_sched_us_last;  /* host time spent planning and building the last step's batch (µs) */
+    double step_sched_us_total; /* the same, summed over all steps */
 };
 void kr_engine_get_stats(struct kr_engine *e, struct kr_engine_stats *s);
 

@@ -1,0 +1,203 @@
+/* Sampler semantics on hand-made logits, checked against independently computed expectations
+ * (softmax probabilities computed here in double precision, the documented penalty formulas). */
+#include "sampler.h"
+
+#include <criterion/criterion.h>
+#include <math.h>
+#include <string.h>
+
+#define V 8
+
+static const float base[V] = {2.0f, 1.0f, 0.5f, 0.0f, -0.5f, -1.0f, 1.5f, -3.0f};
+
+static int32_t draw(struct kr_sampling *s, const float *logits, struct kr_rng *rng, const struct kr_token_counts *tc,
+                    int32_t n_gen)
+{
+    static struct kr_sampler_scratch sc;
+    int32_t out = -1;
+    const int32_t eos[1] = {3};
+    cr_assert_eq(kr_sample(s, logits, V, tc, n_gen, eos, 1, rng, &sc, &out), KR_OK);
+    return out;
+}
+
+/* Empirical frequencies of `n` draws. */
+static void freqs(struct kr_sampling *s, double *f, int n)
+{
+    struct kr_rng rng;
+    kr_rng_seed(&rng, 42);
+    memset(f, 0, V * sizeof *f);
+    for (int i = 0; i < n; i++) {
+        f[draw(s, base, &rng, NULL, 0)] += 1.0 / n;
+    }
+}
+
+/* Softmax of base/t restricted to `allowed`, in double. */
+static void expected(double t, const int *allowed, double *p)
+{
+    double z = 0;
+    for (int i = 0; i < V; i++) {
+        p[i] = allowed[i] ? exp((double)base[i] / t) : 0.0;
+        z += p[i];
+    }
+    for (int i = 0; i < V; i++) {
+        p[i] /= z;
+    }
+}
+
+Test(sampler, greedy_takes_the_argmax_with_lowest_id_on_ties)
+{
+    struct kr_sampling s;
+    kr_sampling_default(&s);
+    s.temperature = 0.0f;
+    struct kr_rng rng;
+    kr_rng_seed(&rng, 1);
+    cr_expect_eq(draw(&s, base, &rng, NULL, 0), 0);
+    float tie[V] = {0, 5, 1, 5, 0, 0, 0, 0};
+    cr_expect_eq(draw(&s, tie, &rng, NULL, 0), 1);
+}
+
+Test(sampler, temperature_sampling_follows_the_softmax)
+{
+    struct kr_sampling s;
+    kr_sampling_default(&s);
+    s.temperature = 0.7f;
+    double f[V], p[V];
+    const int all[V] = {1, 1, 1, 1, 1, 1, 1, 1};
+    freqs(&s, f, 200000);
+    expected(0.7, all, p);
+    for (int i = 0; i < V; i++) {
+        /* 200k draws: standard error <= 0.0012; 5 sigma */
+        cr_expect(fabs(f[i] - p[i]) < 0.006, "token %d: frequency %.4f, softmax %.4f", i, f[i], p[i]);
+    }
+}
+
+Test(sampler, top_k_keeps_the_k_most_likely)
+{
+    struct kr_sampling s;
+    kr_sampling_default(&s);
+    s.top_k = 3; /* ids 0 (2.0), 6 (1.5), 1 (1.0) */
+    double f[V], p[V];
+    const int allowed[V] = {1, 1, 0, 0, 0, 0, 1, 0};
+    freqs(&s, f, 100000);
+    expected(1.0, allowed, p);
+    for (int i = 0; i < V; i++) {
+        cr_expect(fabs(f[i] - p[i]) < 0.008, "token %d: %.4f vs %.4f", i, f[i], p[i]);
+    }
+}
+
+Test(sampler, top_p_keeps_the_smallest_prefix_reaching_p)
+{
+    /* softmax(base): p0 = .4046, p6 = .2454, p1 = .1488, p2 = .0903, ... ; prefix {0,6} = .6500,
+     * {0,6,1} = .7988: top_p = 0.7 keeps {0, 6, 1} (and 0.6 would keep {0, 6}) */
+    struct kr_sampling s;
+    kr_sampling_default(&s);
+    s.top_p = 0.7f;
+    double f[V], p[V];
+    const int allowed[V] = {1, 1, 0, 0, 0, 0, 1, 0};
+    freqs(&s, f, 100000);
+    expected(1.0, allowed, p);
+    for (int i = 0; i < V; i++) {
+        cr_expect(fabs(f[i] - p[i]) < 0.008, "token %d: %.4f vs %.4f", i, f[i], p[i]);
+    }
+}
+
+Test(sampler, min_p_drops_tokens_below_a_fraction_of_the_top)
+{
+    /* relative to the top (e^2): e^1.5/e^2 = .61, e^1/e^2 = .37, e^.5/e^2 = .22: min_p .3 keeps {0, 6, 1} */
+    struct kr_sampling s;
+    kr_sampling_default(&s);
+    s.min_p = 0.3f;
+    double f[V], p[V];
+    const int allowed[V] = {1, 1, 0, 0, 0, 0, 1, 0};
+    freqs(&s, f, 100000);
+    expected(1.0, allowed, p);
+    for (int i = 0; i < V; i++) {
+        cr_expect(fabs(f[i] - p[i]) < 0.008, "token %d: %.4f vs %.4f", i, f[i], p[i]);
+    }
+}
+
+Test(sampler, penalties_follow_their_formulas)
+{
+    struct kr_token_counts tc;
+    kr_token_counts_init(&tc);
+    cr_assert_eq(kr_token_counts_add(&tc, 0, true), KR_OK);  /* prompt */
+    cr_assert_eq(kr_token_counts_add(&tc, 6, false), KR_OK); /* output twice */
+    cr_assert_eq(kr_token_counts_add(&tc, 6, false), KR_OK);
+    struct kr_sampling s;
+    kr_sampling_default(&s);
+    s.temperature = 0.0f;
+    struct kr_rng rng;
+    kr_rng_seed(&rng, 1);
+    /* repetition 2: token 0 -> 2.0 / 2 = 1.0, token 6 -> 1.5 / 2 = 0.75; argmax becomes 1 (1.0, lower id
+     * than 0? no: 0 has 1.0 too and the lower id wins) */
+    s.repetition_penalty = 2.0f;
+    cr_expect_eq(draw(&s, base, &rng, &tc, 2), 0);
+    s.repetition_penalty = 2.5f; /* token 0 -> 0.8 < 1.0 of token 1 */
+    cr_expect_eq(draw(&s, base, &rng, &tc, 2), 1);
+    /* frequency 0.1 x 2 + presence 0.3 on token 6: 1.5 - 0.5 = 1.0; with token 0 moved below by
+     * repetition 2.5, tokens 1 and 6 tie at 1.0 and the lower id (1) wins */
+    s.frequency_penalty = 0.1f;
+    s.presence_penalty = 0.3f;
+    cr_expect_eq(draw(&s, base, &rng, &tc, 2), 1);
+    /* a negative frequency penalty favours repeated tokens: 1.5 + 2 * 0.5 = 2.5 > 2.0 */
+    s.repetition_penalty = 1.0f;
+    s.presence_penalty = 0.0f;
+    s.frequency_penalty = -0.5f;
+    cr_expect_eq(draw(&s, base, &rng, &tc, 2), 6);
+    kr_token_counts_free(&tc);
+}
+
+Test(sampler, min_tokens_masks_eos_and_stop_ids)
+{
+    float l[V] = {0, 0, 0, 9, 0, 8, 0, 0}; /* EOS (3) is the argmax, stop id 5 the runner-up */
+    struct kr_sampling s;
+    kr_sampling_default(&s);
+    s.temperature = 0.0f;
+    s.min_tokens = 2;
+    s.n_stop_ids = 1;
+    s.stop_ids[0] = 5;
+    struct kr_rng rng;
+    kr_rng_seed(&rng, 1);
+    cr_expect_eq(draw(&s, l, &rng, NULL, 1), 0, "below min_tokens neither EOS nor a stop id");
+    cr_expect_eq(draw(&s, l, &rng, NULL, 2), 3, "from min_tokens on EOS is allowed");
+}
+
+Test(sampler, seeded_generators_repeat_and_differ)
+{
+    struct kr_rng a, b, c;
+    kr_rng_seed(&a, 7);
+    kr_rng_seed(&b, 7);
+    kr_rng_seed(&c, 8);
+    int same = 1, diff = 0;
+    for (int i = 0; i < 100; i++) {
+        double x = kr_rng_uniform(&a), y = kr_rng_uniform(&b), z = kr_rng_uniform(&c);
+        same &= x == y;
+        diff += x != z;
+        cr_assert(x >= 0.0 && x < 1.0);
+    }
+    cr_expect(same);
+    cr_expect_gt(diff, 95);
+}
+
+Test(sampler, validation_names_the_field)
+{
+    struct kr_sampling s;
+    struct kr_err err;
+    kr_sampling_default(&s);
+    s.top_p = 0.0f;
+    cr_expect_eq(kr_sampling_validate(&s, V, &err), KR_ERR_INVAL);
+    cr_expect(strstr(err.msg, "top_p"));
+    kr_sampling_default(&s);
+    s.logprobs = 21;
+    cr_expect_eq(kr_sampling_validate(&s, V, &err), KR_ERR_INVAL);
+    cr_expect(strstr(err.msg, "logprobs"));
+    kr_sampling_default(&s);
+    s.n_stop_ids = 1;
+    s.stop_ids[0] = V;
+    cr_expect_eq(kr_sampling_validate(&s, V, &err), KR_ERR_INVAL);
+    cr_expect(strstr(err.msg, "stop_token_ids"));
+    kr_sampling_default(&s);
+    s.min_tokens = 20;
+    cr_expect_eq(kr_sampling_validate(&s, V, &err), KR_ERR_INVAL);
+    cr_expect(strstr(err.msg, "min_tokens"));
+}
