@@ -44,6 +44,7 @@ struct seq {
     struct kr_token_counts counts;
     struct kr_rng rng;
     uint64_t admit_seq;          /* admission order (preemption picks the latest) */
+    double admitted_us;          /* first admission (0 before) */
     uint64_t arrival;            /* request order (FCFS) */
 };
 
@@ -51,6 +52,7 @@ struct req {
     uint64_t id;
     kr_event_cb cb;
     void *user;
+    double submitted_us;
     int32_t n_prompt;
     int32_t n;
     struct kr_sampling s;
@@ -78,6 +80,7 @@ struct kr_engine {
     bool idle;
     struct req *inbox_head, *inbox_tail; /* submitted, not yet seen by the engine thread */
     uint64_t *cancels;           /* ids to cancel */
+    int32_t *cancel_idx;         /* [cap_cancels] choice index, -1 = whole request */
     int32_t n_cancels, cap_cancels;
     atomic_uint_fast64_t next_id;
     atomic_int queued;           /* requests submitted and not yet admitted (admission limit) */
@@ -383,6 +386,9 @@ static void fork_children(struct kr_engine *e, struct seq *leader)
         ch->n_fed = leader->n_fed;
         ch->state = KR_SEQ_DECODE;
         ch->admit_seq = ++e->admit_counter;
+        if (ch->admitted_us == 0) {
+            ch->admitted_us = leader->admitted_us;
+        }
     }
 }
 
@@ -411,6 +417,9 @@ static void sample_and_emit(struct kr_engine *e, struct seq *s, const float *log
         return;
     }
     struct kr_event ev = {.type = KR_EVENT_TOKEN, .index = s->index, .token = tok};
+    if (s->n_gen == 0) {
+        ev.queue_s = (s->admitted_us > 0 ? s->admitted_us - r->submitted_us : 0) / 1e6;
+    }
     if (r->s.logprobs >= 0) {
         kr_log_softmax(logits, e->lp_row, c->vocab);
         ev.logprob = e->lp_row[tok];
@@ -643,6 +652,9 @@ static int32_t plan(struct kr_engine *e, int32_t *n_tok_out)
         s->state = KR_SEQ_PREFILL;
         s->n_fed = 0;
         s->admit_seq = ++e->admit_counter;
+        if (s->admitted_us == 0) {
+            s->admitted_us = now_us();
+        }
         e->b_seqs[ns] = s;
         e->b_nsched[ns++] = k;
         nt += k;
@@ -829,7 +841,7 @@ static void intake(struct kr_engine *e, struct req *r)
     }
 }
 
-static void cancel_id(struct kr_engine *e, uint64_t id)
+static void cancel_id(struct kr_engine *e, uint64_t id, int32_t index)
 {
     for (int32_t i = 0; i < e->n_reqs; i++) {
         struct req *r = e->reqs[i];
@@ -837,6 +849,14 @@ static void cancel_id(struct kr_engine *e, uint64_t id)
             continue;
         }
         for (int32_t j = 0; j < r->n; j++) {
+            if (index >= 0 && j != index) {
+                continue;
+            }
+            if (r->seqs[j].state == KR_SEQ_FORK_WAIT && j > 0) {
+                /* it has no state of its own yet: simply never fork it */
+                finish_seq(e, &r->seqs[j], KR_FINISH_CANCELLED, -1);
+                continue;
+            }
             if (r->seqs[j].state != KR_SEQ_DONE) {
                 finish_seq(e, &r->seqs[j], KR_FINISH_CANCELLED, -1);
             }
@@ -853,9 +873,12 @@ static void *engine_main(void *arg)
         struct req *in = e->inbox_head;
         e->inbox_head = e->inbox_tail = NULL;
         uint64_t cancels[64];
+        int32_t cancel_idx[64];
         int32_t n_c = e->n_cancels < 64 ? e->n_cancels : 64;
         memcpy(cancels, e->cancels, (size_t)n_c * sizeof(uint64_t));
+        memcpy(cancel_idx, e->cancel_idx, (size_t)n_c * sizeof(int32_t));
         memmove(e->cancels, e->cancels + n_c, (size_t)(e->n_cancels - n_c) * sizeof(uint64_t));
+        memmove(e->cancel_idx, e->cancel_idx + n_c, (size_t)(e->n_cancels - n_c) * sizeof(int32_t));
         e->n_cancels -= n_c;
         const bool stop = e->stop;
         pthread_mutex_unlock(&e->lock);
@@ -866,7 +889,7 @@ static void *engine_main(void *arg)
             in = next;
         }
         for (int32_t i = 0; i < n_c; i++) {
-            cancel_id(e, cancels[i]);
+            cancel_id(e, cancels[i], cancel_idx[i]);
         }
         if (stop) {
             while (e->n_reqs > 0) {
@@ -965,11 +988,13 @@ enum kr_status kr_engine_create(struct kr_model *m, const struct kr_engine_confi
     enum kr_status st = kr_cache_create(m, n_slots, (int32_t)n_blocks, cfg.block_size, &e->cache);
     e->lp_row = kr_malloc((size_t)m->cfg.vocab * sizeof(float));
     e->cancels = kr_malloc(64 * sizeof(uint64_t));
+    e->cancel_idx = kr_malloc(64 * sizeof(int32_t));
     e->cap_cancels = 64;
-    if (st != KR_OK || !e->lp_row || !e->cancels) {
+    if (st != KR_OK || !e->lp_row || !e->cancels || !e->cancel_idx) {
         kr_cache_free(e->cache);
         kr_free(e->lp_row);
         kr_free(e->cancels);
+        kr_free(e->cancel_idx);
         kr_free(e);
         return kr_err_set(err, st != KR_OK ? st : KR_ERR_NOMEM, "engine: cannot allocate the cache pools");
     }
@@ -992,6 +1017,7 @@ enum kr_status kr_engine_create(struct kr_model *m, const struct kr_engine_confi
         kr_cache_free(e->cache);
         kr_free(e->lp_row);
         kr_free(e->cancels);
+        kr_free(e->cancel_idx);
         kr_free(e);
         return kr_err_set(err, KR_ERR_NOMEM, "engine: cannot start its thread");
     }
@@ -1030,6 +1056,7 @@ void kr_engine_free(struct kr_engine *e)
     kr_free(e->waiting);
     kr_free(e->running);
     kr_free(e->cancels);
+    kr_free(e->cancel_idx);
     kr_free(e->b_tokens);
     kr_free(e->b_pos);
     kr_free(e->b_out);
@@ -1141,6 +1168,7 @@ enum kr_status kr_engine_submit(struct kr_engine *e, const struct kr_request_par
         }
     }
     r->id = atomic_fetch_add(&e->next_id, 1);
+    r->submitted_us = now_us();
     pthread_mutex_lock(&e->lock);
     if (e->stop) {
         pthread_mutex_unlock(&e->lock);
@@ -1161,23 +1189,33 @@ enum kr_status kr_engine_submit(struct kr_engine *e, const struct kr_request_par
     return KR_OK;
 }
 
-void kr_engine_cancel(struct kr_engine *e, uint64_t req_id)
+void kr_engine_cancel_choice(struct kr_engine *e, uint64_t req_id, int32_t index)
 {
     pthread_mutex_lock(&e->lock);
     if (e->n_cancels == e->cap_cancels) {
         uint64_t *nc = kr_realloc(e->cancels, (size_t)e->cap_cancels * 2 * sizeof(uint64_t));
-        if (!nc) {
+        int32_t *ni = nc ? kr_realloc(e->cancel_idx, (size_t)e->cap_cancels * 2 * sizeof(int32_t)) : NULL;
+        if (nc) {
+            e->cancels = nc;
+        }
+        if (!ni) {
             pthread_mutex_unlock(&e->lock);
             KR_LOG_ERROR("out of memory queueing the cancellation of request %llu", (unsigned long long)req_id);
             return;
         }
-        e->cancels = nc;
+        e->cancel_idx = ni;
         e->cap_cancels *= 2;
     }
+    e->cancel_idx[e->n_cancels] = index;
     e->cancels[e->n_cancels++] = req_id;
     e->idle = false;
     pthread_cond_signal(&e->wake);
     pthread_mutex_unlock(&e->lock);
+}
+
+void kr_engine_cancel(struct kr_engine *e, uint64_t req_id)
+{
+    kr_engine_cancel_choice(e, req_id, -1);
 }
 
 void kr_engine_wait_idle(struct kr_engine *e)

@@ -59,6 +59,7 @@ struct kr_event {
     int32_t index;              /* choice index (0..n-1) */
     /* KR_EVENT_TOKEN */
     int32_t token;
+    double queue_s;             /* first token of a choice: seconds from submission to its first admission */
     float logprob;              /* log-probability of `token` under the model (raw distribution) */
     int32_t n_top;              /* alternatives when logprobs > 0 */
     const int32_t *top_ids;     /* [n_top] */
@@ -107,6 +108,10 @@ enum kr_status kr_engine_submit(struct kr_engine *e, const struct kr_request_par
 /* Cancels a request in whatever state; any thread. Its choices end with KR_FINISH_CANCELLED and
  * everything it held is freed on the engine thread. Unknown or finished ids are ignored. */
 void kr_engine_cancel(struct kr_engine *e, uint64_t req_id);
+
+/* Cancels one choice of a request (e.g. a stop string matched in its text); the other choices go
+ * on. Any thread. */
+void kr_engine_cancel_choice(struct kr_engine *e, uint64_t req_id, int32_t index);
 
 /* Blocks until no request is queued or running (tests, shutdown). */
 void kr_engine_wait_idle(struct kr_engine *e);
