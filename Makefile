@@ -1,13 +1,12 @@
 # krait: the two commands of the README, and a few helpers.
-#   make serve   install missing Debian packages, build, run the embedded default model
+#   make serve   install missing Debian packages, build, serve the embedded default model (OpenAI API on :8000)
 #   make test    install missing Debian packages, build (warnings as errors, ASan+UBSan), run every test
 JOBS ?= $(shell nproc)
 BUILD ?= build
 TEST_BUILD ?= build-test
 CUDA_BUILD ?= build-cuda
-MODEL ?= models/tiny-nemotron-h
-PROMPT ?= 1,17,42,99,7,3,250,64
-MAX_TOKENS ?= 16
+MODEL ?= models/tiny-hybrid
+PORT ?= 8000
 
 .PHONY: deps build serve test test-cuda-build bench clean
 
@@ -18,9 +17,8 @@ build: deps
 	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release
 	cmake --build $(BUILD) -j $(JOBS)
 
-# Until the HTTP server lands, serving is a one-shot generation with the embedded tiny model.
 serve: build
-	./$(BUILD)/krait generate --model $(MODEL) --prompt-ids $(PROMPT) --max-tokens $(MAX_TOKENS)
+	./$(BUILD)/krait serve $(MODEL) --port $(PORT)
 
 test: deps
 	cmake -S . -B $(TEST_BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKR_WITH_CUDA=OFF -DKR_WERROR=ON \

@@ -166,9 +166,10 @@ bool kr_uni_is_punctuation(uint32_t cp)
     return c >= UTF8PROC_CATEGORY_PC && c <= UTF8PROC_CATEGORY_PO;
 }
 
-bool kr_uni_is_mark_nonspacing(uint32_t cp)
+bool kr_uni_is_mark(uint32_t cp)
 {
-    return utf8proc_category((utf8proc_int32_t)cp) == UTF8PROC_CATEGORY_MN;
+    utf8proc_category_t c = utf8proc_category((utf8proc_int32_t)cp);
+    return c >= UTF8PROC_CATEGORY_MN && c <= UTF8PROC_CATEGORY_ME;
 }
 
 bool kr_uni_is_word(uint32_t cp)

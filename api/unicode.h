@@ -42,7 +42,7 @@ bool kr_uni_is_py_space(uint32_t cp);
 bool kr_uni_is_alnum(uint32_t cp);       /* Rust char::is_alphanumeric: Alphabetic or N* (approx. L*, Nl, N*) */
 bool kr_uni_is_numeric(uint32_t cp);     /* Rust char::is_numeric: Nd, Nl, No */
 bool kr_uni_is_punctuation(uint32_t cp); /* P* categories or ASCII punctuation */
-bool kr_uni_is_mark_nonspacing(uint32_t cp); /* Mn */
+bool kr_uni_is_mark(uint32_t cp);         /* M* (Mn, Mc, Me): what HF StripAccents removes */
 bool kr_uni_is_word(uint32_t cp);        /* the regex crate's \w: L, M, Nd, Pc, plus Join_Control */
 bool kr_uni_is_printable(uint32_t cp);   /* Python's str.isprintable() for one character */
 uint32_t kr_uni_tolower(uint32_t cp);

@@ -403,7 +403,8 @@ static enum kr_status parse_mla(struct kr_model_config *cfg, const struct kr_jso
                           (long long)cfg->qk_rope);
     }
     double d;
-    TRY(get_float(root, path, KEYS("rms_norm_eps", "layer_norm_epsilon"), 1e-6, &d, err));
+    /* the latent norms use DeepSeek's rms_norm_eps (1e-6 when absent), not the hybrid's block eps */
+    TRY(get_float(root, path, KEYS("rms_norm_eps"), 1e-6, &d, err));
     if (!(d > 0 && d < 1)) {
         return kr_err_set(err, KR_ERR_FORMAT, "%s: key \"rms_norm_eps\" must be in (0, 1), got %g", path, d);
     }

@@ -14,6 +14,8 @@
 
 struct loader {
     struct kr_model *m;
+    kr_progress_cb progress;
+    void *progress_user;
     const char *prefix; /* "backbone." or "model." */
     bool deepseek;      /* HF deepseek_v32 naming (layer i -> native 2i, 2i+1) */
     struct kr_err *err;
@@ -571,6 +573,9 @@ static enum kr_status load_layers(struct loader *ld)
             return kr_err_set(ld->err, KR_ERR_UNSUPPORTED, "%s: layer %d: unsupported layer type '%c'", m->dir, i,
                               (char)L->type);
         }
+        if (ld->progress) {
+            ld->progress(ld->progress_user, i + 1, c->n_layer);
+        }
     }
     return KR_OK;
 }
@@ -670,6 +675,12 @@ static enum kr_status load_all(struct loader *ld)
 
 enum kr_status kr_model_load(const char *dir, kr_backend_t be, struct kr_model **out, struct kr_err *err)
 {
+    return kr_model_load_progress(dir, be, NULL, NULL, out, err);
+}
+
+enum kr_status kr_model_load_progress(const char *dir, kr_backend_t be, kr_progress_cb cb, void *user,
+                                      struct kr_model **out, struct kr_err *err)
+{
     struct kr_model *m = kr_calloc(1, sizeof *m);
     if (!m) {
         return KR_ERR_NOMEM;
@@ -687,7 +698,7 @@ enum kr_status kr_model_load(const char *dir, kr_backend_t be, struct kr_model *
     if ((st = kr_st_open_dir(dir, &m->ar, err)) != KR_OK) {
         goto fail;
     }
-    struct loader ld = {.m = m, .err = err};
+    struct loader ld = {.m = m, .err = err, .progress = cb, .progress_user = user};
     if ((st = load_all(&ld)) != KR_OK) {
         goto fail;
     }

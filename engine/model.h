@@ -112,6 +112,12 @@ struct kr_model {
 enum kr_status kr_model_load(const char *dir, kr_backend_t be, struct kr_model **out, struct kr_err *err);
 void kr_model_free(struct kr_model *m);
 
+/* kr_model_load with a progress callback, called with (layers loaded, total layers) after each
+ * layer (from the loading thread). */
+typedef void (*kr_progress_cb)(void *user, int done, int total);
+enum kr_status kr_model_load_progress(const char *dir, kr_backend_t be, kr_progress_cb cb, void *user,
+                                      struct kr_model **out, struct kr_err *err);
+
 struct kr_cache;
 
 /* Runs one step over `b` and writes the raw logits (fp32) of the b->n_out selected tokens to

@@ -6,6 +6,7 @@
 #include "log.h"
 #include "model.h"
 #include "runner.h"
+#include "server.h"
 
 #include <errno.h>
 #include <getopt.h>
@@ -22,6 +23,7 @@ static void usage(FILE *f)
             "usage: krait <command> [options]\n"
             "\n"
             "commands:\n"
+            "  serve      OpenAI-compatible HTTP server (krait serve --help)\n"
             "  generate   greedy generation from token ids, printed as JSON\n"
             "  logprobs   log-probabilities of every prompt token, printed as JSON\n"
             "  help       this text\n"
@@ -202,6 +204,9 @@ int kr_cli_main(int argc, char **argv)
         return argc < 2 ? 2 : 0;
     }
     const char *cmd = argv[1];
+    if (!strcmp(cmd, "serve")) {
+        return kr_serve_main(argc, argv);
+    }
     if (strcmp(cmd, "generate") != 0 && strcmp(cmd, "logprobs") != 0) {
         fprintf(stderr, "krait: unknown command \"%s\"\n\n", cmd);
         usage(stderr);

@@ -1,0 +1,1498 @@
+#define _POSIX_C_SOURCE 200809L
+
+#include "openai.h"
+
+#include "alloc.h"
+
+#include <jansson.h>
+
+#include <limits.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+
+/* Request parsing follows OpenAI's API reference and vLLM's pydantic models
+ * (vllm/entrypoints/openai/protocol.py): `null` means "absent" for every optional field, unknown
+ * fields are ignored, and every client mistake is a 400 invalid_request_error naming the field.
+ * Responses are built with jansson; every string that may come from detokenization is made valid
+ * UTF-8 (U+FFFD per maximal invalid subpart, as Python's errors="replace") before it is encoded,
+ * because json_stringn() silently returns NULL on invalid UTF-8. */
+
+#define OAI_DUMP_FLAGS   (JSON_COMPACT | JSON_REAL_PRECISION(9)) /* 9 significant digits round-trip float32 */
+#define OAI_LOGPROB_MIN  (-9999.0) /* vLLM: max(logprob, -9999.0), -inf included */
+#define OAI_MAX_STOP     16
+#define OAI_MAX_LOGPROBS KR_MAX_TOP_LOGPROBS
+#define OAI_MAX_N        128
+
+/* ---- errors ---------------------------------------------------------------------------------- */
+
+static void error_vset(struct kr_oai_error *e, int http_status, const char *type, const char *param,
+                       const char *code, const char *fmt, va_list ap) __attribute__((format(printf, 6, 0)));
+
+static void error_vset(struct kr_oai_error *e, int http_status, const char *type, const char *param,
+                       const char *code, const char *fmt, va_list ap)
+{
+    e->http_status = http_status;
+    snprintf(e->type, sizeof e->type, "%s", type ? type : "");
+    snprintf(e->param, sizeof e->param, "%s", param ? param : "");
+    snprintf(e->code, sizeof e->code, "%s", code ? code : "");
+    vsnprintf(e->message, sizeof e->message, fmt, ap);
+}
+
+enum kr_status kr_oai_error_set(struct kr_oai_error *e, int http_status, const char *type, const char *param,
+                                const char *code, const char *fmt, ...)
+{
+    if (e) {
+        va_list ap;
+        va_start(ap, fmt);
+        error_vset(e, http_status, type, param, code, fmt, ap);
+        va_end(ap);
+    }
+    return KR_ERR_INVAL;
+}
+
+/* A 400 invalid_request_error about `param` (a field path, "" for the whole body). */
+static enum kr_status bad(struct kr_oai_error *e, const char *param, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+static enum kr_status bad(struct kr_oai_error *e, const char *param, const char *fmt, ...)
+{
+    if (e) {
+        va_list ap;
+        va_start(ap, fmt);
+        error_vset(e, 400, "invalid_request_error", param, "", fmt, ap);
+        va_end(ap);
+    }
+    return KR_ERR_INVAL;
+}
+
+static enum kr_status oom(struct kr_oai_error *e)
+{
+    kr_oai_error_set(e, 500, "server_error", "", "", "out of memory");
+    return KR_ERR_NOMEM;
+}
+
+/* ---- UTF-8 ----------------------------------------------------------------------------------- */
+
+/* Length of the valid UTF-8 sequence at s[0..n), or 0 when s starts a maximal invalid subpart,
+ * whose length is then stored in *bad_len (Unicode §3.9 "best practice", as Python and WHATWG:
+ * overlongs, surrogates and code points above U+10FFFF are invalid). */
+static size_t utf8_seq(const unsigned char *s, size_t n, size_t *bad_len)
+{
+    unsigned char b = s[0];
+    size_t need;
+    unsigned char lo = 0x80, hi = 0xBF; /* allowed range of the second byte */
+    if (b < 0x80) {
+        return 1;
+    } else if (b >= 0xC2 && b <= 0xDF) {
+        need = 1;
+    } else if (b == 0xE0) {
+        need = 2;
+        lo = 0xA0;
+    } else if ((b >= 0xE1 && b <= 0xEC) || b == 0xEE || b == 0xEF) {
+        need = 2;
+    } else if (b == 0xED) {
+        need = 2;
+        hi = 0x9F;
+    } else if (b == 0xF0) {
+        need = 3;
+        lo = 0x90;
+    } else if (b >= 0xF1 && b <= 0xF3) {
+        need = 3;
+    } else if (b == 0xF4) {
+        need = 3;
+        hi = 0x8F;
+    } else {
+        *bad_len = 1;
+        return 0;
+    }
+    for (size_t k = 1; k <= need; k++) {
+        unsigned char lo_k = k == 1 ? lo : 0x80, hi_k = k == 1 ? hi : 0xBF;
+        if (k >= n || s[k] < lo_k || s[k] > hi_k) {
+            *bad_len = k;
+            return 0;
+        }
+    }
+    return need + 1;
+}
+
+/* Scans s[0..n): returns the byte length of its sanitized form (invalid subparts become U+FFFD),
+ * writing it to `dst` when not NULL (dst needs 3 * n bytes at most). Counts code points in *n_cp
+ * and reports whether the input was already valid. */
+static size_t utf8_sanitize(const char *s, size_t n, char *dst, size_t *n_cp, bool *valid)
+{
+    const unsigned char *u = (const unsigned char *)s;
+    size_t i = 0, out = 0, cp = 0;
+    bool ok = true;
+    while (i < n) {
+        size_t bad_len = 0;
+        size_t len = utf8_seq(u + i, n - i, &bad_len);
+        if (len) {
+            if (dst) {
+                memcpy(dst + out, s + i, len);
+            }
+            out += len;
+            i += len;
+        } else {
+            if (dst) {
+                memcpy(dst + out, "\xEF\xBF\xBD", 3);
+            }
+            out += 3;
+            i += bad_len;
+            ok = false;
+        }
+        cp++;
+    }
+    if (n_cp) {
+        *n_cp = cp;
+    }
+    if (valid) {
+        *valid = ok;
+    }
+    return out;
+}
+
+size_t kr_oai_utf8_count(const char *s, size_t n)
+{
+    size_t cp = 0;
+    if (s) {
+        utf8_sanitize(s, n, NULL, &cp, NULL);
+    }
+    return cp;
+}
+
+/* Calls `fn` with a valid-UTF-8 view of s[0..n) (a sanitized copy when needed). Returns fn's value,
+ * or -1 when the copy cannot be allocated. */
+typedef int (*utf8_view_fn)(const char *s, size_t n, void *user);
+
+static int with_valid_utf8(const char *s, size_t n, utf8_view_fn fn, void *user)
+{
+    if (!s) {
+        s = "";
+        n = 0;
+    }
+    bool valid;
+    size_t out_len = utf8_sanitize(s, n, NULL, NULL, &valid);
+    if (valid) {
+        return fn(s, n, user);
+    }
+    char *buf = kr_malloc(out_len + 1);
+    if (!buf) {
+        return -1;
+    }
+    utf8_sanitize(s, n, buf, NULL, NULL);
+    buf[out_len] = 0;
+    int rc = fn(buf, out_len, user);
+    kr_free(buf);
+    return rc;
+}
+
+static int make_string_cb(const char *s, size_t n, void *user)
+{
+    *(json_t **)user = json_stringn_nocheck(s, n);
+    return 0;
+}
+
+/* A JSON string from arbitrary bytes (NULL = ""); NULL only on OOM. */
+static json_t *jstr(const char *s, size_t n)
+{
+    json_t *j = NULL;
+    with_valid_utf8(s, n, make_string_cb, &j);
+    return j;
+}
+
+/* A JSON string, or null when s is NULL. */
+static json_t *jstr_or_null(const char *s)
+{
+    return s ? jstr(s, strlen(s)) : json_null();
+}
+
+struct set_key_ctx {
+    json_t *obj;
+    json_t *value;
+};
+
+static int set_key_cb(const char *s, size_t n, void *user)
+{
+    struct set_key_ctx *c = user;
+    json_t *v = c->value;
+    c->value = NULL;
+    return json_object_setn_new_nocheck(c->obj, s, n, v);
+}
+
+/* obj[key] = value with an arbitrary-bytes key; steals `value`. Returns 0 or -1. */
+static int set_bytes_key(json_t *obj, const char *key, size_t key_len, json_t *value)
+{
+    if (!value) {
+        return -1;
+    }
+    struct set_key_ctx c = {obj, value};
+    int rc = with_valid_utf8(key, key_len, set_key_cb, &c);
+    json_decref(c.value); /* still set only when the copy could not be allocated */
+    return rc;
+}
+
+/* ---- request parsing: field helpers ---------------------------------------------------------- */
+
+/* Formats a field path ("messages[3].content[0].text") into dst[cap], truncating if needed (the
+ * error's param field is 64 bytes anyway). */
+static void pathf(char *dst, size_t cap, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+
+static void pathf(char *dst, size_t cap, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(dst, cap, fmt, ap);
+    va_end(ap);
+}
+
+/* The value of obj[key], or NULL when absent or JSON null (OpenAI and vLLM treat both alike). */
+static json_t *opt_get(const json_t *obj, const char *key)
+{
+    json_t *v = json_object_get(obj, key);
+    return v && !json_is_null(v) ? v : NULL;
+}
+
+static enum kr_status opt_bool(const json_t *obj, const char *key, const char *param, bool *out,
+                               bool *present, struct kr_oai_error *e)
+{
+    json_t *v = opt_get(obj, key);
+    if (present) {
+        *present = v != NULL;
+    }
+    if (!v) {
+        return KR_OK;
+    }
+    if (!json_is_boolean(v)) {
+        return bad(e, param, "'%s' must be a boolean", param);
+    }
+    *out = json_is_true(v);
+    return KR_OK;
+}
+
+static enum kr_status opt_string(const json_t *obj, const char *key, const char *param, const char **out,
+                                 struct kr_oai_error *e)
+{
+    json_t *v = opt_get(obj, key);
+    if (!v) {
+        return KR_OK;
+    }
+    if (!json_is_string(v)) {
+        return bad(e, param, "'%s' must be a string", param);
+    }
+    *out = json_string_value(v);
+    return KR_OK;
+}
+
+/* A number in [lo, hi] (lo_open/hi_open exclude the bound; hi = INFINITY for none). Integers are
+ * accepted where floats are expected; booleans and strings are not. */
+static enum kr_status opt_float(const json_t *obj, const char *key, double lo, bool lo_open, double hi,
+                                bool hi_open, float *out, struct kr_oai_error *e)
+{
+    json_t *v = opt_get(obj, key);
+    if (!v) {
+        return KR_OK;
+    }
+    if (!json_is_number(v)) {
+        return bad(e, key, "'%s' must be a number", key);
+    }
+    double d = json_number_value(v);
+    bool ok = isfinite(d) && (lo_open ? d > lo : d >= lo) && (hi_open ? d < hi : d <= hi);
+    if (!ok) {
+        if (isinf(hi)) {
+            return bad(e, key, "'%s' must be %s %g, got %g", key, lo_open ? "greater than" : "at least", lo,
+                       d);
+        }
+        return bad(e, key, "'%s' must be in %c%g, %g%c, got %g", key, lo_open ? '(' : '[', lo, hi,
+                   hi_open ? ')' : ']', d);
+    }
+    *out = (float)d;
+    return KR_OK;
+}
+
+/* An integer in [lo, hi]. Reals with an integral value (5.0) are accepted, as pydantic does. */
+static enum kr_status opt_int(const json_t *obj, const char *key, const char *param, int64_t lo, int64_t hi,
+                              int64_t *out, bool *present, struct kr_oai_error *e)
+{
+    json_t *v = opt_get(obj, key);
+    if (present) {
+        *present = false;
+    }
+    if (!v) {
+        return KR_OK;
+    }
+    int64_t x;
+    if (json_is_integer(v)) {
+        x = (int64_t)json_integer_value(v);
+    } else if (json_is_real(v)) {
+        double d = json_real_value(v);
+        /* 2^63 is exact in double; anything at or beyond it does not fit in int64 */
+        if (!(d == floor(d)) || d >= 9223372036854775808.0 || d < -9223372036854775808.0) {
+            return bad(e, param, "'%s' must be an integer", param);
+        }
+        x = (int64_t)d;
+    } else {
+        return bad(e, param, "'%s' must be an integer", param);
+    }
+    if (x < lo || x > hi) {
+        if (hi == INT64_MAX) {
+            return bad(e, param, "'%s' must be at least %lld, got %lld", param, (long long)lo, (long long)x);
+        }
+        return bad(e, param, "'%s' must be between %lld and %lld, got %lld", param, (long long)lo,
+                   (long long)hi, (long long)x);
+    }
+    *out = x;
+    if (present) {
+        *present = true;
+    }
+    return KR_OK;
+}
+
+/* A token id: an integer in [0, INT32_MAX] (the vocabulary bound is checked by the server). */
+static enum kr_status token_id(const json_t *v, const char *param, int32_t *out, struct kr_oai_error *e)
+{
+    if (!json_is_integer(v)) {
+        return bad(e, param, "'%s' must be an integer token id", param);
+    }
+    json_int_t x = json_integer_value(v);
+    if (x < 0 || x > INT32_MAX) {
+        return bad(e, param, "'%s' must be a token id >= 0, got %lld", param, (long long)x);
+    }
+    *out = (int32_t)x;
+    return KR_OK;
+}
+
+/* ---- request parsing: completions prompt ----------------------------------------------------- */
+
+static enum kr_status prompt_text(struct kr_oai_prompt *p, const json_t *v, struct kr_oai_error *e)
+{
+    size_t n = json_string_length(v);
+    p->text = kr_malloc(n + 1);
+    if (!p->text) {
+        return oom(e);
+    }
+    memcpy(p->text, json_string_value(v), n);
+    p->text[n] = 0;
+    p->text_len = n;
+    return KR_OK;
+}
+
+/* An array of token ids (`param` names it): non-empty, as vLLM requires. */
+static enum kr_status prompt_ids(struct kr_oai_prompt *p, const json_t *arr, const char *param,
+                                 struct kr_oai_error *e)
+{
+    size_t n = json_array_size(arr);
+    if (n == 0) {
+        return bad(e, param, "'%s' must not be an empty token list", param);
+    }
+    if (n > INT32_MAX) {
+        return bad(e, param, "'%s' is too long", param);
+    }
+    p->ids = kr_malloc(n * sizeof *p->ids);
+    if (!p->ids) {
+        return oom(e);
+    }
+    p->n_ids = (int32_t)n;
+    for (size_t i = 0; i < n; i++) {
+        char path[64];
+        pathf(path, sizeof path, "%s[%zu]", param, i);
+        enum kr_status st = token_id(json_array_get(arr, i), path, &p->ids[i], e);
+        if (st != KR_OK) {
+            return st;
+        }
+    }
+    return KR_OK;
+}
+
+/* prompt: string | array of strings | array of ints | array of arrays of ints. */
+static enum kr_status parse_prompt(struct kr_oai_request *r, struct kr_oai_error *e)
+{
+    json_t *v = opt_get(r->root, "prompt");
+    if (!v) {
+        return bad(e, "prompt", "Missing required parameter: 'prompt'");
+    }
+    if (json_is_string(v)) {
+        r->prompts = kr_calloc(1, sizeof *r->prompts);
+        if (!r->prompts) {
+            return oom(e);
+        }
+        r->n_prompts = 1;
+        return prompt_text(&r->prompts[0], v, e);
+    }
+    if (!json_is_array(v)) {
+        return bad(e, "prompt",
+                   "'prompt' must be a string, an array of strings, an array of token ids or an array "
+                   "of token id arrays");
+    }
+    size_t n = json_array_size(v);
+    if (n == 0) {
+        return bad(e, "prompt", "'prompt' must not be an empty array");
+    }
+    if (n > INT32_MAX) {
+        return bad(e, "prompt", "'prompt' is too long");
+    }
+    json_t *first = json_array_get(v, 0);
+    if (json_is_integer(first)) {
+        /* one prompt given as token ids */
+        r->prompts = kr_calloc(1, sizeof *r->prompts);
+        if (!r->prompts) {
+            return oom(e);
+        }
+        r->n_prompts = 1;
+        return prompt_ids(&r->prompts[0], v, "prompt", e);
+    }
+    /* a batch: every item a string, or every item a token-id array (the first item decides) */
+    bool strings = json_is_string(first);
+    r->prompts = kr_calloc(n, sizeof *r->prompts);
+    if (!r->prompts) {
+        return oom(e);
+    }
+    r->n_prompts = (int32_t)n;
+    for (size_t i = 0; i < n; i++) {
+        json_t *item = json_array_get(v, i);
+        char path[64];
+        pathf(path, sizeof path, "prompt[%zu]", i);
+        enum kr_status st;
+        if (strings && json_is_string(item)) {
+            st = prompt_text(&r->prompts[i], item, e);
+        } else if (!strings && json_is_array(item)) {
+            st = prompt_ids(&r->prompts[i], item, path, e);
+        } else if (strings) {
+            st = bad(e, path, "'%s' must be a string (all items of a prompt batch share one type)", path);
+        } else {
+            st = bad(e, path, "'%s' must be an array of token ids", path);
+        }
+        if (st != KR_OK) {
+            return st;
+        }
+    }
+    return KR_OK;
+}
+
+/* ---- request parsing: chat messages and tools ------------------------------------------------ */
+
+static bool role_known(const char *role)
+{
+    static const char *const roles[] = {"system", "user", "assistant", "tool", "developer"};
+    for (size_t i = 0; i < sizeof roles / sizeof roles[0]; i++) {
+        if (strcmp(role, roles[i]) == 0) {
+            return true;
+        }
+    }
+    return false;
+}
+
+/* An optional string member `key` of `obj`, whose path is "<base>.<key>". */
+static enum kr_status opt_member_string(const json_t *obj, const char *base, const char *key,
+                                        struct kr_oai_error *e)
+{
+    json_t *v = opt_get(obj, key);
+    if (v && !json_is_string(v)) {
+        char path[64];
+        pathf(path, sizeof path, "%s.%s", base, key);
+        return bad(e, path, "'%s' must be a string", path);
+    }
+    return KR_OK;
+}
+
+/* content: string | array of {"type": "text", "text": string}. */
+static enum kr_status parse_content(const json_t *content, const char *base, struct kr_oai_error *e)
+{
+    char path[64];
+    pathf(path, sizeof path, "%s.content", base);
+    if (json_is_string(content)) {
+        return KR_OK;
+    }
+    if (!json_is_array(content)) {
+        return bad(e, path, "'%s' must be a string or an array of content parts", path);
+    }
+    for (size_t j = 0; j < json_array_size(content); j++) {
+        json_t *part = json_array_get(content, j);
+        char ppath[64];
+        pathf(ppath, sizeof ppath, "%s[%zu]", path, j);
+        if (!json_is_object(part)) {
+            return bad(e, ppath, "'%s' must be an object", ppath);
+        }
+        json_t *type = json_object_get(part, "type");
+        char tpath[64];
+        pathf(tpath, sizeof tpath, "%s.type", ppath);
+        if (!type || json_is_null(type)) {
+            return bad(e, tpath, "Missing required parameter: '%s'", tpath);
+        }
+        if (!json_is_string(type)) {
+            return bad(e, tpath, "'%s' must be a string", tpath);
+        }
+        if (strcmp(json_string_value(type), "text") != 0) {
+            return bad(e, tpath, "Invalid value: '%.64s'. Only 'text' content parts are supported",
+                       json_string_value(type));
+        }
+        json_t *text = json_object_get(part, "text");
+        pathf(tpath, sizeof tpath, "%s.text", ppath);
+        if (!text || json_is_null(text)) {
+            return bad(e, tpath, "Missing required parameter: '%s'", tpath);
+        }
+        if (!json_is_string(text)) {
+            return bad(e, tpath, "'%s' must be a string", tpath);
+        }
+    }
+    return KR_OK;
+}
+
+/* An assistant message's tool_calls: [{id?, type?, function: {name, arguments?}}]. */
+static enum kr_status parse_tool_calls(const json_t *calls, const char *base, struct kr_oai_error *e)
+{
+    char path[64];
+    pathf(path, sizeof path, "%s.tool_calls", base);
+    if (!json_is_array(calls)) {
+        return bad(e, path, "'%s' must be an array", path);
+    }
+    for (size_t j = 0; j < json_array_size(calls); j++) {
+        json_t *c = json_array_get(calls, j);
+        char cpath[64], fpath[64];
+        pathf(cpath, sizeof cpath, "%s[%zu]", path, j);
+        if (!json_is_object(c)) {
+            return bad(e, cpath, "'%s' must be an object", cpath);
+        }
+        enum kr_status st;
+        if ((st = opt_member_string(c, cpath, "id", e)) != KR_OK ||
+            (st = opt_member_string(c, cpath, "type", e)) != KR_OK) {
+            return st;
+        }
+        json_t *fn = opt_get(c, "function");
+        pathf(fpath, sizeof fpath, "%s.function", cpath);
+        if (!json_is_object(fn)) {
+            return fn ? bad(e, fpath, "'%s' must be an object", fpath)
+                      : bad(e, fpath, "Missing required parameter: '%s'", fpath);
+        }
+        json_t *name = opt_get(fn, "name");
+        if (!json_is_string(name)) {
+            char npath[64];
+            pathf(npath, sizeof npath, "%s.name", fpath);
+            return name ? bad(e, npath, "'%s' must be a string", npath)
+                        : bad(e, npath, "Missing required parameter: '%s'", npath);
+        }
+        /* arguments: a JSON-encoded string per OpenAI; chat templates also accept an object */
+        json_t *args = opt_get(fn, "arguments");
+        if (args && !json_is_string(args) && !json_is_object(args)) {
+            char apath[64];
+            pathf(apath, sizeof apath, "%s.arguments", fpath);
+            return bad(e, apath, "'%s' must be a string", apath);
+        }
+    }
+    return KR_OK;
+}
+
+static enum kr_status parse_messages(struct kr_oai_request *r, struct kr_oai_error *e)
+{
+    json_t *msgs = opt_get(r->root, "messages");
+    if (!msgs) {
+        return bad(e, "messages", "Missing required parameter: 'messages'");
+    }
+    if (!json_is_array(msgs)) {
+        return bad(e, "messages", "'messages' must be an array");
+    }
+    if (json_array_size(msgs) == 0) {
+        return bad(e, "messages", "'messages' must contain at least one message");
+    }
+    for (size_t i = 0; i < json_array_size(msgs); i++) {
+        json_t *m = json_array_get(msgs, i);
+        char base[64], path[64];
+        pathf(base, sizeof base, "messages[%zu]", i);
+        if (!json_is_object(m)) {
+            return bad(e, base, "'%s' must be an object", base);
+        }
+        json_t *role = opt_get(m, "role");
+        pathf(path, sizeof path, "%s.role", base);
+        if (!role) {
+            return bad(e, path, "Missing required parameter: '%s'", path);
+        }
+        if (!json_is_string(role)) {
+            return bad(e, path, "'%s' must be a string", path);
+        }
+        const char *rs = json_string_value(role);
+        if (!role_known(rs)) {
+            return bad(
+                e, path,
+                "Invalid value: '%.64s'. Supported values are: 'system', 'assistant', 'user', 'tool', and "
+                "'developer'",
+                rs);
+        }
+        bool assistant = strcmp(rs, "assistant") == 0;
+        json_t *content = opt_get(m, "content");
+        enum kr_status st;
+        if (content) {
+            if ((st = parse_content(content, base, e)) != KR_OK) {
+                return st;
+            }
+        } else if (!assistant) {
+            /* only an assistant message may omit content (when it carries tool_calls) */
+            pathf(path, sizeof path, "%s.content", base);
+            return bad(e, path, "Missing required parameter: '%s'", path);
+        }
+        if ((st = opt_member_string(m, base, "name", e)) != KR_OK ||
+            (st = opt_member_string(m, base, "tool_call_id", e)) != KR_OK) {
+            return st;
+        }
+        json_t *calls = opt_get(m, "tool_calls");
+        if (calls && (st = parse_tool_calls(calls, base, e)) != KR_OK) {
+            return st;
+        }
+    }
+    r->messages = msgs;
+    return KR_OK;
+}
+
+static enum kr_status parse_tools(struct kr_oai_request *r, struct kr_oai_error *e)
+{
+    json_t *tools = opt_get(r->root, "tools");
+    if (tools) {
+        if (!json_is_array(tools)) {
+            return bad(e, "tools", "'tools' must be an array");
+        }
+        for (size_t i = 0; i < json_array_size(tools); i++) {
+            json_t *t = json_array_get(tools, i);
+            char path[64], fpath[64], npath[64];
+            pathf(path, sizeof path, "tools[%zu]", i);
+            if (!json_is_object(t)) {
+                return bad(e, path, "'%s' must be an object", path);
+            }
+            enum kr_status st = opt_member_string(t, path, "type", e);
+            if (st != KR_OK) {
+                return st;
+            }
+            json_t *fn = opt_get(t, "function");
+            pathf(fpath, sizeof fpath, "%s.function", path);
+            if (!json_is_object(fn)) {
+                return fn ? bad(e, fpath, "'%s' must be an object", fpath)
+                          : bad(e, fpath, "Missing required parameter: '%s'", fpath);
+            }
+            json_t *name = opt_get(fn, "name");
+            pathf(npath, sizeof npath, "%s.name", fpath);
+            if (!json_is_string(name)) {
+                return name ? bad(e, npath, "'%s' must be a string", npath)
+                            : bad(e, npath, "Missing required parameter: '%s'", npath);
+            }
+            if ((st = opt_member_string(fn, fpath, "description", e)) != KR_OK) {
+                return st;
+            }
+            json_t *params = opt_get(fn, "parameters");
+            if (params && !json_is_object(params)) {
+                pathf(npath, sizeof npath, "%s.parameters", fpath);
+                return bad(e, npath, "'%s' must be an object", npath);
+            }
+        }
+        r->tools = tools;
+    }
+    /* tool_choice: "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}};
+     * accepted and type-checked, not acted upon */
+    json_t *tc = opt_get(r->root, "tool_choice");
+    if (!tc) {
+        return KR_OK;
+    }
+    if (json_is_string(tc)) {
+        const char *s = json_string_value(tc);
+        if (strcmp(s, "none") != 0 && strcmp(s, "auto") != 0 && strcmp(s, "required") != 0) {
+            return bad(e, "tool_choice",
+                       "Invalid value: '%.64s'. Supported values are: 'none', 'auto', and 'required'", s);
+        }
+        return KR_OK;
+    }
+    if (!json_is_object(tc)) {
+        return bad(e, "tool_choice", "'tool_choice' must be a string or an object");
+    }
+    json_t *fn = opt_get(tc, "function");
+    if (!json_is_object(fn)) {
+        return fn ? bad(e, "tool_choice.function", "'tool_choice.function' must be an object")
+                  : bad(e, "tool_choice.function", "Missing required parameter: 'tool_choice.function'");
+    }
+    json_t *name = opt_get(fn, "name");
+    if (!json_is_string(name)) {
+        return name ? bad(e, "tool_choice.function.name", "'tool_choice.function.name' must be a string")
+                    : bad(e, "tool_choice.function.name",
+                          "Missing required parameter: 'tool_choice.function.name'");
+    }
+    return KR_OK;
+}
+
+/* ---- request parsing: common fields ---------------------------------------------------------- */
+
+static enum kr_status parse_stop(struct kr_oai_request *r, struct kr_oai_error *e)
+{
+    json_t *v = opt_get(r->root, "stop");
+    if (!v) {
+        return KR_OK;
+    }
+    size_t n;
+    if (json_is_string(v)) {
+        n = 1;
+    } else if (json_is_array(v)) {
+        n = json_array_size(v);
+        if (n > OAI_MAX_STOP) {
+            return bad(e, "stop", "'stop' accepts at most %d sequences, got %zu", OAI_MAX_STOP, n);
+        }
+    } else {
+        return bad(e, "stop", "'stop' must be a string or an array of strings");
+    }
+    if (n == 0) {
+        return KR_OK;
+    }
+    r->stop = kr_calloc(n, sizeof *r->stop);
+    if (!r->stop) {
+        return oom(e);
+    }
+    for (size_t i = 0; i < n; i++) {
+        json_t *s = json_is_string(v) ? v : json_array_get(v, i);
+        char path[64];
+        if (json_is_string(v)) {
+            pathf(path, sizeof path, "stop");
+        } else {
+            pathf(path, sizeof path, "stop[%zu]", i);
+        }
+        if (!json_is_string(s)) {
+            return bad(e, path, "'%s' must be a string", path);
+        }
+        size_t len = json_string_length(s);
+        if (len == 0) {
+            return bad(e, path, "'%s' must not be an empty string", path); /* vLLM rejects "" */
+        }
+        if (strlen(json_string_value(s)) != len) {
+            return bad(e, path, "'%s' must not contain NUL characters", path);
+        }
+        r->stop[i] = kr_strndup(json_string_value(s), len);
+        if (!r->stop[i]) {
+            return oom(e);
+        }
+        r->n_stop = (int32_t)(i + 1);
+    }
+    return KR_OK;
+}
+
+static enum kr_status parse_stop_ids(struct kr_oai_request *r, struct kr_oai_error *e)
+{
+    json_t *v = opt_get(r->root, "stop_token_ids");
+    if (!v) {
+        return KR_OK;
+    }
+    if (!json_is_array(v)) {
+        return bad(e, "stop_token_ids", "'stop_token_ids' must be an array of integers");
+    }
+    size_t n = json_array_size(v);
+    if (n > KR_MAX_STOP_IDS) {
+        return bad(e, "stop_token_ids", "'stop_token_ids' accepts at most %d ids, got %zu", KR_MAX_STOP_IDS,
+                   n);
+    }
+    for (size_t i = 0; i < n; i++) {
+        char path[64];
+        pathf(path, sizeof path, "stop_token_ids[%zu]", i);
+        enum kr_status st = token_id(json_array_get(v, i), path, &r->sampling.stop_ids[i], e);
+        if (st != KR_OK) {
+            return st;
+        }
+    }
+    r->sampling.n_stop_ids = (int32_t)n;
+    return KR_OK;
+}
+
+static enum kr_status parse_sampling(struct kr_oai_request *r, struct kr_oai_error *e)
+{
+    const json_t *o = r->root;
+    struct kr_sampling *s = &r->sampling;
+    enum kr_status st;
+    if ((st = opt_float(o, "temperature", 0.0, false, 2.0, false, &s->temperature, e)) != KR_OK ||
+        (st = opt_float(o, "top_p", 0.0, true, 1.0, false, &s->top_p, e)) != KR_OK ||
+        (st = opt_float(o, "min_p", 0.0, false, 1.0, false, &s->min_p, e)) != KR_OK ||
+        (st = opt_float(o, "presence_penalty", -2.0, false, 2.0, false, &s->presence_penalty, e)) != KR_OK ||
+        (st = opt_float(o, "frequency_penalty", -2.0, false, 2.0, false, &s->frequency_penalty, e)) !=
+            KR_OK ||
+        (st = opt_float(o, "repetition_penalty", 0.0, true, INFINITY, false, &s->repetition_penalty, e)) !=
+            KR_OK) {
+        return st;
+    }
+    int64_t x;
+    bool has;
+    /* top_k: -1 or 0 = off (vLLM), else >= 1 */
+    if ((st = opt_int(o, "top_k", "top_k", -1, INT32_MAX, &x, &has, e)) != KR_OK) {
+        return st;
+    }
+    if (has) {
+        s->top_k = (int32_t)x;
+    }
+    if ((st = opt_int(o, "seed", "seed", INT64_MIN, INT64_MAX, &x, &has, e)) != KR_OK) {
+        return st;
+    }
+    if (has) {
+        s->has_seed = true;
+        s->seed = (uint64_t)x; /* two's complement: -1 -> 2^64 - 1 */
+    }
+    /* max_tokens / max_completion_tokens (the newer name wins); values beyond int32 are clamped, the
+     * server caps them to the context anyway */
+    bool has_mt, has_mct;
+    int64_t mt = 0, mct = 0;
+    if ((st = opt_int(o, "max_tokens", "max_tokens", 1, INT64_MAX, &mt, &has_mt, e)) != KR_OK ||
+        (st = opt_int(o, "max_completion_tokens", "max_completion_tokens", 1, INT64_MAX, &mct, &has_mct,
+                      e)) != KR_OK) {
+        return st;
+    }
+    if (has_mt || has_mct) {
+        int64_t m = has_mct ? mct : mt;
+        s->max_tokens = m > INT32_MAX ? INT32_MAX : (int32_t)m;
+        r->max_tokens_given = true;
+    }
+    if ((st = opt_int(o, "min_tokens", "min_tokens", 0, INT32_MAX, &x, &has, e)) != KR_OK) {
+        return st;
+    }
+    if (has) {
+        if (r->max_tokens_given && x > s->max_tokens) {
+            return bad(e, "min_tokens", "'min_tokens' (%lld) must be less than or equal to 'max_tokens' (%d)",
+                       (long long)x, s->max_tokens);
+        }
+        s->min_tokens = (int32_t)x;
+    }
+    if ((st = opt_int(o, "n", "n", 1, OAI_MAX_N, &x, &has, e)) != KR_OK) {
+        return st;
+    }
+    if (has) {
+        r->n = (int32_t)x;
+    }
+    if ((st = opt_bool(o, "ignore_eos", "ignore_eos", &s->ignore_eos, NULL, e)) != KR_OK) {
+        return st;
+    }
+    if ((st = parse_stop(r, e)) != KR_OK) {
+        return st;
+    }
+    return parse_stop_ids(r, e);
+}
+
+/* logprobs (completions: integer 0..20; chat: boolean + top_logprobs 0..20) and prompt_logprobs. */
+static enum kr_status parse_logprobs(struct kr_oai_request *r, struct kr_oai_error *e)
+{
+    const json_t *o = r->root;
+    struct kr_sampling *s = &r->sampling;
+    enum kr_status st;
+    int64_t x;
+    bool has;
+    if (r->kind == KR_OAI_COMPLETIONS) {
+        if ((st = opt_int(o, "logprobs", "logprobs", 0, OAI_MAX_LOGPROBS, &x, &has, e)) != KR_OK) {
+            return st;
+        }
+        if (has) {
+            s->logprobs = (int32_t)x;
+        }
+    } else {
+        bool lp = false;
+        if ((st = opt_bool(o, "logprobs", "logprobs", &lp, NULL, e)) != KR_OK ||
+            (st = opt_int(o, "top_logprobs", "top_logprobs", 0, OAI_MAX_LOGPROBS, &x, &has, e)) != KR_OK) {
+            return st;
+        }
+        if (has && !lp) {
+            return bad(e, "top_logprobs", "'top_logprobs' is only allowed when 'logprobs' is true");
+        }
+        if (lp) {
+            s->logprobs = has ? (int32_t)x : 0;
+        }
+    }
+    if ((st = opt_int(o, "prompt_logprobs", "prompt_logprobs", 0, OAI_MAX_LOGPROBS, &x, &has, e)) != KR_OK) {
+        return st;
+    }
+    if (has) {
+        if (r->stream && x > 0) {
+            return bad(e, "prompt_logprobs", "'prompt_logprobs' is not available when 'stream' is true");
+        }
+        s->prompt_logprobs = (int32_t)x;
+    } else if (r->kind == KR_OAI_COMPLETIONS && r->echo && s->logprobs >= 0) {
+        s->prompt_logprobs = s->logprobs; /* vLLM: echo with logprobs reports the prompt's too */
+    }
+    return KR_OK;
+}
+
+static enum kr_status parse_stream(struct kr_oai_request *r, struct kr_oai_error *e)
+{
+    enum kr_status st = opt_bool(r->root, "stream", "stream", &r->stream, NULL, e);
+    if (st != KR_OK) {
+        return st;
+    }
+    json_t *so = opt_get(r->root, "stream_options");
+    if (!so) {
+        return KR_OK;
+    }
+    if (!json_is_object(so)) {
+        return bad(e, "stream_options", "'stream_options' must be an object");
+    }
+    if (!r->stream) {
+        return bad(e, "stream_options",
+                   "The 'stream_options' parameter is only allowed when 'stream' is enabled.");
+    }
+    if ((st = opt_bool(so, "include_usage", "stream_options.include_usage", &r->include_usage, NULL, e)) !=
+        KR_OK) {
+        return st;
+    }
+    bool cont = false;
+    return opt_bool(so, "continuous_usage_stats", "stream_options.continuous_usage_stats", &cont, NULL, e);
+}
+
+static enum kr_status parse_chat_extras(struct kr_oai_request *r, struct kr_oai_error *e)
+{
+    const json_t *o = r->root;
+    enum kr_status st;
+    bool agp_given;
+    if ((st = opt_bool(o, "add_generation_prompt", "add_generation_prompt", &r->add_generation_prompt,
+                       &agp_given, e)) != KR_OK ||
+        (st = opt_bool(o, "continue_final_message", "continue_final_message", &r->continue_final_message,
+                       NULL, e)) != KR_OK) {
+        return st;
+    }
+    if (r->continue_final_message) {
+        if (agp_given && r->add_generation_prompt) {
+            return bad(e, "continue_final_message",
+                       "Cannot set both 'continue_final_message' and 'add_generation_prompt' to true");
+        }
+        r->add_generation_prompt = false; /* continuing the last message implies no new turn */
+    }
+    json_t *kw = opt_get(o, "chat_template_kwargs");
+    if (kw) {
+        if (!json_is_object(kw)) {
+            return bad(e, "chat_template_kwargs", "'chat_template_kwargs' must be an object");
+        }
+        r->chat_template_kwargs = kw;
+    }
+    return KR_OK;
+}
+
+enum kr_status kr_oai_parse(enum kr_oai_kind kind, const char *body, size_t len, struct kr_oai_request *out,
+                            struct kr_oai_error *err)
+{
+    memset(out, 0, sizeof *out);
+    out->kind = kind;
+    kr_sampling_default(&out->sampling);
+    out->n = 1;
+    out->skip_special_tokens = true;
+    out->add_generation_prompt = true;
+
+    json_error_t je;
+    /* JSON_DECODE_ANY so that a scalar body gets the "must be an object" answer rather than a parse
+     * error; JSON_ALLOW_NUL because "\u0000" is valid JSON that OpenAI's parser accepts. */
+    out->root = json_loadb(body ? body : "", body ? len : 0, JSON_DECODE_ANY | JSON_ALLOW_NUL, &je);
+    if (!out->root) {
+        if (json_error_code(&je) == json_error_out_of_memory) {
+            return oom(err);
+        }
+        return bad(err, "", "malformed JSON: %s at line %d column %d", je.text, je.line, je.column);
+    }
+    enum kr_status st;
+    if (!json_is_object(out->root)) {
+        st = bad(err, "", "The request body must be a JSON object");
+        goto fail;
+    }
+    const json_t *o = out->root;
+    if (kind == KR_OAI_CHAT) {
+        if ((st = parse_messages(out, err)) != KR_OK || (st = parse_tools(out, err)) != KR_OK ||
+            (st = parse_chat_extras(out, err)) != KR_OK) {
+            goto fail;
+        }
+    } else {
+        if ((st = parse_prompt(out, err)) != KR_OK ||
+            (st = opt_bool(o, "echo", "echo", &out->echo, NULL, err)) != KR_OK) {
+            goto fail;
+        }
+    }
+    if ((st = opt_string(o, "model", "model", &out->model, err)) != KR_OK ||
+        (st = opt_string(o, "user", "user", &out->user, err)) != KR_OK ||
+        (st = parse_stream(out, err)) != KR_OK || (st = parse_sampling(out, err)) != KR_OK ||
+        (st = parse_logprobs(out, err)) != KR_OK ||
+        (st = opt_bool(o, "skip_special_tokens", "skip_special_tokens", &out->skip_special_tokens, NULL,
+                       err)) != KR_OK ||
+        (st = opt_bool(o, "return_token_ids", "return_token_ids", &out->return_token_ids, NULL, err)) !=
+            KR_OK) {
+        goto fail;
+    }
+    return KR_OK;
+
+fail:
+    kr_oai_request_free(out);
+    return st;
+}
+
+void kr_oai_request_free(struct kr_oai_request *r)
+{
+    if (!r) {
+        return;
+    }
+    for (int32_t i = 0; r->prompts && i < r->n_prompts; i++) {
+        kr_free(r->prompts[i].text);
+        kr_free(r->prompts[i].ids);
+    }
+    kr_free(r->prompts);
+    for (int32_t i = 0; r->stop && i < r->n_stop; i++) {
+        kr_free(r->stop[i]);
+    }
+    kr_free(r->stop);
+    json_decref(r->root);
+    memset(r, 0, sizeof *r);
+}
+
+/* ---- response building ----------------------------------------------------------------------- */
+
+/* Object/array setters that remember a failure (OOM) instead of returning it at every call; they
+ * steal `v` (and release it on failure), as json_*_set_new do. */
+static void oset(bool *ok, json_t *o, const char *key, json_t *v)
+{
+    if (json_object_set_new(o, key, v) != 0) {
+        *ok = false;
+    }
+}
+
+static void apush(bool *ok, json_t *a, json_t *v)
+{
+    if (json_array_append_new(a, v) != 0) {
+        *ok = false;
+    }
+}
+
+/* A log-probability: NaN -> null, -inf and anything below -9999 -> -9999.0 (vLLM), +inf -> null. */
+static json_t *jlogprob(float v)
+{
+    if (isnan(v) || (isinf(v) && v > 0)) {
+        return json_null();
+    }
+    double d = v < OAI_LOGPROB_MIN ? OAI_LOGPROB_MIN : (double)v;
+    return json_real(d);
+}
+
+static json_t *jint_array(const int32_t *v, int32_t n)
+{
+    json_t *a = json_array();
+    bool ok = a != NULL;
+    for (int32_t i = 0; ok && i < n; i++) {
+        apush(&ok, a, json_integer(v[i]));
+    }
+    if (!ok) {
+        json_decref(a);
+        return NULL;
+    }
+    return a;
+}
+
+static json_t *jusage(const struct kr_oai_usage *u)
+{
+    json_t *o = json_object();
+    bool ok = o != NULL;
+    oset(&ok, o, "prompt_tokens", json_integer(u->prompt_tokens));
+    oset(&ok, o, "completion_tokens", json_integer(u->completion_tokens));
+    oset(&ok, o, "total_tokens", json_integer((json_int_t)u->prompt_tokens + u->completion_tokens));
+    if (!ok) {
+        json_decref(o);
+        return NULL;
+    }
+    return o;
+}
+
+/* vLLM's stop_reason: the stop string hit, else the stop token id hit, else null. */
+static json_t *jstop_reason(const struct kr_oai_choice *c)
+{
+    if (c->stop_reason_str) {
+        return jstr_or_null(c->stop_reason_str);
+    }
+    if (c->stop_reason_id >= 0) {
+        return json_integer(c->stop_reason_id);
+    }
+    return json_null();
+}
+
+/* The head every response and chunk shares: id, object, created, model. */
+static json_t *jhead(bool *ok, const char *id, const char *object, int64_t created, const char *model)
+{
+    json_t *o = json_object();
+    if (!o) {
+        *ok = false;
+        return NULL;
+    }
+    oset(ok, o, "id", jstr_or_null(id ? id : ""));
+    oset(ok, o, "object", json_string(object));
+    oset(ok, o, "created", json_integer(created));
+    oset(ok, o, "model", jstr_or_null(model ? model : ""));
+    return o;
+}
+
+/* Serializes `j` into a buffer from jansson's allocator (malloc unless json_set_alloc_funcs was
+ * called, so the caller frees it with free()), between `prefix` and `suffix`, and releases `j`.
+ * NULL when building (`ok` false) or dumping failed. The size is measured first and the text dumped
+ * into an exact buffer: json_dumps() grows a buffer and, in jansson 2.14, ignores a failed growth
+ * while writing an object key, which yields a truncated document instead of NULL. */
+static char *finish_framed(json_t *j, bool ok, const char *prefix, const char *suffix)
+{
+    char *out = NULL;
+    size_t n = ok && j ? json_dumpb(j, NULL, 0, OAI_DUMP_FLAGS) : 0;
+    if (n > 0) {
+        size_t np = strlen(prefix), ns = strlen(suffix);
+        json_malloc_t mf;
+        json_free_t ff;
+        json_get_alloc_funcs(&mf, &ff);
+        out = mf(np + n + ns + 1);
+        if (out) {
+            memcpy(out, prefix, np);
+            if (json_dumpb(j, out + np, n, OAI_DUMP_FLAGS) != n) {
+                ff(out);
+                out = NULL;
+            } else {
+                memcpy(out + np + n, suffix, ns + 1);
+            }
+        }
+    }
+    json_decref(j);
+    return out;
+}
+
+static char *finish(json_t *j, bool ok)
+{
+    return finish_framed(j, ok, "", "");
+}
+
+/* One SSE event: "data: <json>\n\n". */
+static char *finish_sse(json_t *j, bool ok)
+{
+    return finish_framed(j, ok, "data: ", "\n\n");
+}
+
+/* ---- completions logprobs -------------------------------------------------------------------- */
+
+/* {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []} */
+struct cmpl_lp {
+    json_t *obj, *tokens, *token_logprobs, *top_logprobs, *text_offset;
+};
+
+static json_t *cmpl_lp_new(bool *ok, struct cmpl_lp *lp)
+{
+    lp->obj = json_object();
+    lp->tokens = json_array();
+    lp->token_logprobs = json_array();
+    lp->top_logprobs = json_array();
+    lp->text_offset = json_array();
+    /* the object takes the arrays; our pointers stay valid (borrowed) while it lives, and are not
+     * used once *ok is false */
+    oset(ok, lp->obj, "tokens", lp->tokens);
+    oset(ok, lp->obj, "token_logprobs", lp->token_logprobs);
+    oset(ok, lp->obj, "top_logprobs", lp->top_logprobs);
+    oset(ok, lp->obj, "text_offset", lp->text_offset);
+    return lp->obj;
+}
+
+/* Appends the entries of `v` [n]; `*offset` (code points into the choice text) advances by each
+ * token's text. `first_null` forces null logprob and top_logprobs on entry 0 (the first prompt
+ * token has no logprob). An entry with a NaN logprob and no alternatives gets null top_logprobs. */
+static void cmpl_lp_add(bool *ok, struct cmpl_lp *lp, const struct kr_oai_logprob *v, int32_t n,
+                        bool first_null, int64_t *offset)
+{
+    for (int32_t i = 0; i < n && *ok; i++) {
+        const struct kr_oai_logprob *x = &v[i];
+        bool null_entry = (first_null && i == 0) || (isnan(x->tok.logprob) && x->n_top == 0);
+        apush(ok, lp->tokens, jstr(x->tok.text, x->tok.text_len));
+        apush(ok, lp->token_logprobs, first_null && i == 0 ? json_null() : jlogprob(x->tok.logprob));
+        if (null_entry) {
+            apush(ok, lp->top_logprobs, json_null());
+        } else {
+            json_t *top = json_object();
+            if (!top) {
+                *ok = false;
+            }
+            for (int32_t k = 0; k < x->n_top && *ok; k++) {
+                if (set_bytes_key(top, x->top[k].text ? x->top[k].text : "",
+                                  x->top[k].text ? x->top[k].text_len : 0,
+                                  jlogprob(x->top[k].logprob)) != 0) {
+                    *ok = false;
+                }
+            }
+            apush(ok, lp->top_logprobs, top);
+        }
+        apush(ok, lp->text_offset, json_integer(*offset));
+        *offset += (int64_t)kr_oai_utf8_count(x->tok.text, x->tok.text_len);
+    }
+}
+
+/* ---- chat logprobs --------------------------------------------------------------------------- */
+
+static json_t *jbytes(const struct kr_oai_token *t)
+{
+    const unsigned char *b = t->bytes;
+    size_t n = t->n_bytes;
+    if (!b) { /* no raw bytes given: the UTF-8 bytes of the text, as vLLM's token.encode() */
+        b = (const unsigned char *)(t->text ? t->text : "");
+        n = t->text ? t->text_len : 0;
+    }
+    json_t *a = json_array();
+    bool ok = a != NULL;
+    for (size_t i = 0; i < n && ok; i++) {
+        apush(&ok, a, json_integer(b[i]));
+    }
+    if (!ok) {
+        json_decref(a);
+        return NULL;
+    }
+    return a;
+}
+
+/* {"token", "logprob", "bytes"} */
+static json_t *chat_token(bool *ok, const struct kr_oai_token *t)
+{
+    json_t *o = json_object();
+    if (!o) {
+        *ok = false;
+        return NULL;
+    }
+    oset(ok, o, "token", jstr(t->text, t->text_len));
+    json_t *lp = jlogprob(t->logprob);
+    oset(ok, o, "logprob", lp);
+    oset(ok, o, "bytes", jbytes(t));
+    return o;
+}
+
+/* {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]} */
+static json_t *chat_logprobs(bool *ok, const struct kr_oai_logprob *v, int32_t n)
+{
+    json_t *o = json_object();
+    json_t *content = json_array();
+    if (!o || !content) {
+        *ok = false;
+    }
+    for (int32_t i = 0; i < n && *ok; i++) {
+        json_t *entry = chat_token(ok, &v[i].tok);
+        json_t *top = json_array();
+        if (!top) {
+            *ok = false;
+        }
+        for (int32_t k = 0; k < v[i].n_top && *ok; k++) {
+            apush(ok, top, chat_token(ok, &v[i].top[k]));
+        }
+        oset(ok, entry, "top_logprobs", top);
+        apush(ok, content, entry);
+    }
+    oset(ok, o, "content", content);
+    return o;
+}
+
+/* ---- completions ----------------------------------------------------------------------------- */
+
+static json_t *cmpl_choice(bool *ok, const struct kr_oai_completion *c, const struct kr_oai_choice *ch)
+{
+    json_t *o = json_object();
+    if (!o) {
+        *ok = false;
+        return NULL;
+    }
+    bool echo = c->prompt_text != NULL;
+    oset(ok, o, "index", json_integer(ch->index));
+    if (echo) {
+        size_t np = c->prompt_text_len, nt = ch->text ? ch->text_len : 0;
+        char *buf = kr_malloc(np + nt + 1);
+        if (buf) {
+            memcpy(buf, c->prompt_text, np);
+            if (nt) {
+                memcpy(buf + np, ch->text, nt);
+            }
+            oset(ok, o, "text", jstr(buf, np + nt));
+            kr_free(buf);
+        } else {
+            *ok = false;
+        }
+    } else {
+        oset(ok, o, "text", jstr(ch->text, ch->text_len));
+    }
+    if (ch->logprobs) {
+        struct cmpl_lp lp;
+        oset(ok, o, "logprobs", cmpl_lp_new(ok, &lp));
+        int64_t offset = 0;
+        if (echo && c->prompt_logprobs) {
+            cmpl_lp_add(ok, &lp, c->prompt_logprobs, c->n_prompt_ids, true, &offset);
+        }
+        /* generated tokens index the choice text after the echoed prompt */
+        offset = echo ? (int64_t)kr_oai_utf8_count(c->prompt_text, c->prompt_text_len) : 0;
+        cmpl_lp_add(ok, &lp, ch->logprobs, ch->n_logprobs, false, &offset);
+    } else {
+        oset(ok, o, "logprobs", json_null());
+    }
+    oset(ok, o, "finish_reason", jstr_or_null(ch->finish_reason));
+    oset(ok, o, "stop_reason", jstop_reason(ch));
+    if (c->return_token_ids) {
+        /* vLLM puts both on each completions choice */
+        oset(ok, o, "token_ids",
+             ch->token_ids || ch->n_tokens == 0 ? jint_array(ch->token_ids, ch->n_tokens) : json_null());
+        oset(ok, o, "prompt_token_ids",
+             c->prompt_ids ? jint_array(c->prompt_ids, c->n_prompt_ids) : json_null());
+    }
+    return o;
+}
+
+char *kr_oai_completion_json(const struct kr_oai_completion *c)
+{
+    bool ok = true;
+    json_t *o = jhead(&ok, c->id, "text_completion", c->created, c->model);
+    json_t *choices = json_array();
+    if (!choices) {
+        ok = false;
+    }
+    for (int32_t i = 0; i < c->n_choices && ok; i++) {
+        apush(&ok, choices, cmpl_choice(&ok, c, &c->choices[i]));
+    }
+    oset(&ok, o, "choices", choices);
+    oset(&ok, o, "usage", jusage(&c->usage));
+    return finish(o, ok);
+}
+
+char *kr_oai_completion_chunk_at(const char *id, int64_t created, const char *model,
+                                 const struct kr_oai_choice *delta, int64_t text_offset)
+{
+    bool ok = true;
+    json_t *o = jhead(&ok, id, "text_completion", created, model);
+    json_t *choices = json_array();
+    json_t *ch = json_object();
+    if (!choices || !ch) {
+        ok = false;
+    }
+    oset(&ok, ch, "index", json_integer(delta->index));
+    oset(&ok, ch, "text", jstr(delta->text, delta->text_len));
+    if (delta->logprobs) {
+        struct cmpl_lp lp;
+        oset(&ok, ch, "logprobs", cmpl_lp_new(&ok, &lp));
+        cmpl_lp_add(&ok, &lp, delta->logprobs, delta->n_logprobs, false, &text_offset);
+    } else {
+        oset(&ok, ch, "logprobs", json_null());
+    }
+    oset(&ok, ch, "finish_reason", jstr_or_null(delta->finish_reason));
+    oset(&ok, ch, "stop_reason", jstop_reason(delta));
+    if (delta->token_ids) {
+        oset(&ok, ch, "token_ids", jint_array(delta->token_ids, delta->n_tokens));
+    }
+    apush(&ok, choices, ch);
+    oset(&ok, o, "choices", choices);
+    return finish_sse(o, ok);
+}
+
+char *kr_oai_completion_chunk(const char *id, int64_t created, const char *model,
+                              const struct kr_oai_choice *delta)
+{
+    return kr_oai_completion_chunk_at(id, created, model, delta, 0);
+}
+
+/* ---- chat ------------------------------------------------------------------------------------ */
+
+char *kr_oai_chat_json(const struct kr_oai_completion *c)
+{
+    bool ok = true;
+    json_t *o = jhead(&ok, c->id, "chat.completion", c->created, c->model);
+    json_t *choices = json_array();
+    if (!choices) {
+        ok = false;
+    }
+    for (int32_t i = 0; i < c->n_choices && ok; i++) {
+        const struct kr_oai_choice *ch = &c->choices[i];
+        json_t *cj = json_object();
+        json_t *msg = json_object();
+        if (!cj || !msg) {
+            ok = false;
+        }
+        oset(&ok, cj, "index", json_integer(ch->index));
+        oset(&ok, msg, "role", json_string("assistant"));
+        oset(&ok, msg, "content", jstr(ch->text, ch->text_len));
+        oset(&ok, cj, "message", msg);
+        oset(&ok, cj, "logprobs",
+             ch->logprobs ? chat_logprobs(&ok, ch->logprobs, ch->n_logprobs) : json_null());
+        oset(&ok, cj, "finish_reason", jstr_or_null(ch->finish_reason));
+        oset(&ok, cj, "stop_reason", jstop_reason(ch));
+        if (c->return_token_ids) {
+            oset(&ok, cj, "token_ids",
+                 ch->token_ids || ch->n_tokens == 0 ? jint_array(ch->token_ids, ch->n_tokens) : json_null());
+        }
+        apush(&ok, choices, cj);
+    }
+    oset(&ok, o, "choices", choices);
+    oset(&ok, o, "usage", jusage(&c->usage));
+    if (c->return_token_ids) {
+        /* vLLM puts the chat prompt's ids on the response, not on each choice */
+        oset(&ok, o, "prompt_token_ids",
+             c->prompt_ids ? jint_array(c->prompt_ids, c->n_prompt_ids) : json_null());
+    }
+    return finish(o, ok);
+}
+
+char *kr_oai_chat_chunk(const char *id, int64_t created, const char *model, const struct kr_oai_choice *delta,
+                        bool first)
+{
+    bool ok = true;
+    json_t *o = jhead(&ok, id, "chat.completion.chunk", created, model);
+    json_t *choices = json_array();
+    json_t *ch = json_object();
+    json_t *d = json_object();
+    if (!choices || !ch || !d) {
+        ok = false;
+    }
+    oset(&ok, ch, "index", json_integer(delta->index));
+    if (first) {
+        oset(&ok, d, "role", json_string("assistant"));
+    }
+    /* the final chunk carries an empty delta unless it still has text */
+    if (first || delta->text_len > 0 || !delta->finish_reason) {
+        oset(&ok, d, "content", jstr(delta->text, delta->text_len));
+    }
+    oset(&ok, ch, "delta", d);
+    oset(&ok, ch, "logprobs",
+         delta->logprobs ? chat_logprobs(&ok, delta->logprobs, delta->n_logprobs) : json_null());
+    oset(&ok, ch, "finish_reason", jstr_or_null(delta->finish_reason));
+    oset(&ok, ch, "stop_reason", jstop_reason(delta));
+    if (delta->token_ids) {
+        oset(&ok, ch, "token_ids", jint_array(delta->token_ids, delta->n_tokens));
+    }
+    apush(&ok, choices, ch);
+    oset(&ok, o, "choices", choices);
+    return finish_sse(o, ok);
+}
+
+char *kr_oai_usage_chunk(const char *id, int64_t created, const char *model, bool chat,
+                         const struct kr_oai_usage *u)
+{
+    bool ok = true;
+    json_t *o = jhead(&ok, id, chat ? "chat.completion.chunk" : "text_completion", created, model);
+    oset(&ok, o, "choices", json_array());
+    oset(&ok, o, "usage", jusage(u));
+    return finish_sse(o, ok);
+}
+
+/* ---- models and errors ----------------------------------------------------------------------- */
+
+char *kr_oai_models_json(const char *name, int64_t created, int64_t max_model_len)
+{
+    bool ok = true;
+    json_t *o = json_object();
+    json_t *data = json_array();
+    json_t *m = json_object();
+    if (!o || !data || !m) {
+        ok = false;
+    }
+    oset(&ok, o, "object", json_string("list"));
+    oset(&ok, m, "id", jstr_or_null(name ? name : ""));
+    oset(&ok, m, "object", json_string("model"));
+    oset(&ok, m, "created", json_integer(created));
+    oset(&ok, m, "owned_by", json_string("krait"));
+    oset(&ok, m, "root", jstr_or_null(name ? name : ""));
+    oset(&ok, m, "max_model_len", json_integer(max_model_len));
+    apush(&ok, data, m);
+    oset(&ok, o, "data", data);
+    return finish(o, ok);
+}
+
+char *kr_oai_error_json(const struct kr_oai_error *e)
+{
+    bool ok = true;
+    json_t *o = json_object();
+    json_t *err = json_object();
+    if (!o || !err) {
+        ok = false;
+    }
+    /* the fields are fixed-size buffers: bound the reads even if one lacks its terminator */
+    oset(&ok, err, "message", jstr(e->message, strnlen(e->message, sizeof e->message)));
+    oset(&ok, err, "type", jstr(e->type, strnlen(e->type, sizeof e->type)));
+    size_t np = strnlen(e->param, sizeof e->param), nc = strnlen(e->code, sizeof e->code);
+    oset(&ok, err, "param", np ? jstr(e->param, np) : json_null());
+    oset(&ok, err, "code", nc ? jstr(e->code, nc) : json_null());
+    oset(&ok, o, "error", err);
+    return finish(o, ok);
+}

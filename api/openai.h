@@ -1,0 +1,186 @@
+#pragma once
+/* The OpenAI-compatible API surface: request parsing and validation with field-precise errors,
+ * and the response / SSE chunk encoders for /v1/completions, /v1/chat/completions, /v1/models,
+ * /tokenize and /detokenize (vLLM shapes where OpenAI has none). jansson based; no I/O, no
+ * engine calls: the server feeds it. */
+#include <jansson.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "sampler.h"
+#include "status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* An OpenAI error object plus the HTTP status to answer with. */
+struct kr_oai_error {
+    int http_status;    /* 400, 401, 404, 413, 429, 500, 503 */
+    char type[48];      /* "invalid_request_error", "authentication_error", "not_found_error", ... */
+    char param[64];     /* the offending field ("max_tokens", "messages[2].content"), "" when none */
+    char code[48];      /* "context_length_exceeded", "model_not_found", ... "" when none */
+    char message[1024];
+};
+
+/* Fills `e` and returns KR_ERR_INVAL (400 invalid_request_error) — the common case. */
+enum kr_status kr_oai_error_set(struct kr_oai_error *e, int http_status, const char *type, const char *param,
+                                const char *code, const char *fmt, ...) __attribute__((format(printf, 6, 7)));
+
+/* {"error": {"message", "type", "param", "code"}} with param/code null when empty. Caller frees
+ * (free()). */
+char *kr_oai_error_json(const struct kr_oai_error *e);
+
+enum kr_oai_kind {
+    KR_OAI_COMPLETIONS = 0,
+    KR_OAI_CHAT = 1,
+};
+
+/* One prompt of a completions request: text (to tokenize) or token ids. */
+struct kr_oai_prompt {
+    char *text;         /* UTF-8, NUL-terminated; NULL when ids are given */
+    size_t text_len;
+    int32_t *ids;       /* [n_ids] when given as token ids */
+    int32_t n_ids;
+};
+
+struct kr_oai_request {
+    enum kr_oai_kind kind;
+    json_t *root;              /* owned: the parsed body */
+    const char *model;         /* borrowed from root; NULL when absent */
+    /* completions */
+    int32_t n_prompts;
+    struct kr_oai_prompt *prompts; /* [n_prompts] owned */
+    bool echo;
+    /* chat: borrowed from root */
+    json_t *messages;          /* array of {role, content (string | array of {type: text, text}), tool_calls, ...} */
+    json_t *tools;             /* array or NULL */
+    bool add_generation_prompt; /* default true */
+    bool continue_final_message;
+    json_t *chat_template_kwargs; /* object or NULL */
+    /* common */
+    struct kr_sampling sampling; /* temperature, top_p, top_k, min_p, penalties, seed, max_tokens, min_tokens,
+                                    ignore_eos, stop_token_ids, logprobs (top count or -1), prompt_logprobs */
+    bool max_tokens_given;     /* max_tokens or max_completion_tokens present */
+    int32_t n;                 /* choices */
+    bool stream;
+    bool include_usage;        /* stream_options.include_usage */
+    bool return_token_ids;     /* vLLM extension */
+    bool skip_special_tokens;  /* default true */
+    int32_t n_stop;
+    char **stop;               /* [n_stop] stop strings, owned */
+    const char *user;          /* borrowed */
+};
+
+/* Parses and validates a request body. Every problem is a 400 with `param` naming the field:
+ * malformed JSON, wrong types, out-of-range values, unknown roles, empty prompts. Unknown fields
+ * are ignored (as OpenAI does). Bounds: n in [1, 128], logprobs (completions) in [0, 20],
+ * top_logprobs (chat) in [0, 20] and only with logprobs true, max_tokens >= 1, at most 16 stop
+ * strings. On success the caller frees with kr_oai_request_free. */
+enum kr_status kr_oai_parse(enum kr_oai_kind kind, const char *body, size_t len, struct kr_oai_request *out,
+                            struct kr_oai_error *err);
+void kr_oai_request_free(struct kr_oai_request *r);
+
+/* ---- responses --------------------------------------------------------------------------------- */
+
+/* One token as reported in logprobs: its text (or "token_id:N"), raw bytes and log-probability. */
+struct kr_oai_token {
+    const char *text;   /* decoded piece (may hold U+FFFD for partial UTF-8) */
+    size_t text_len;
+    const unsigned char *bytes; /* the token's raw bytes (chat "bytes" field) */
+    size_t n_bytes;
+    float logprob;
+};
+
+/* Log-probability information of one sampled (or prompt) token with its alternatives. */
+struct kr_oai_logprob {
+    struct kr_oai_token tok;
+    int32_t n_top;
+    const struct kr_oai_token *top; /* [n_top] */
+};
+
+/* A finished or streaming choice as the server accumulated it. */
+struct kr_oai_choice {
+    int32_t index;
+    const char *text;           /* generated text so far (after stop-string truncation) */
+    size_t text_len;
+    const int32_t *token_ids;   /* [n_tokens] (return_token_ids) */
+    int32_t n_tokens;
+    const struct kr_oai_logprob *logprobs; /* [n_logprobs] or NULL when not requested */
+    int32_t n_logprobs;
+    const char *finish_reason;  /* "stop", "length", NULL while streaming */
+    const char *stop_reason_str; /* the stop string hit (vLLM "stop_reason"), or NULL */
+    int32_t stop_reason_id;     /* the stop token id hit, or -1 */
+};
+
+struct kr_oai_usage {
+    int32_t prompt_tokens;
+    int32_t completion_tokens;
+};
+
+/* Non-streaming completions response. `prompt_*` are used for echo and prompt logprobs:
+ * with echo, each choice's text starts with the prompt text and, with logprobs, its logprobs start
+ * with the prompt tokens' (the first one null). Caller frees (free()). */
+struct kr_oai_completion {
+    const char *id;             /* "cmpl-..." */
+    int64_t created;
+    const char *model;
+    const struct kr_oai_choice *choices;
+    int32_t n_choices;
+    struct kr_oai_usage usage;
+    /* echo / prompt logprobs (per choice: the choice's prompt) */
+    const char *prompt_text;
+    size_t prompt_text_len;
+    const int32_t *prompt_ids;
+    int32_t n_prompt_ids;
+    const struct kr_oai_logprob *prompt_logprobs; /* [n_prompt_ids], [0].tok.logprob NaN = null; or NULL */
+    bool return_token_ids;
+};
+char *kr_oai_completion_json(const struct kr_oai_completion *c);
+
+/* Non-streaming chat response (message role "assistant", content = text). */
+char *kr_oai_chat_json(const struct kr_oai_completion *c);
+
+/* One SSE `data: {...}\n\n` chunk for a streaming choice delta. `delta` holds the new text,
+ * `first` marks the first chat chunk (role "assistant"). finish_reason set on the last one.
+ * Returns a malloc'd string including the "data: " prefix and the blank line. */
+char *kr_oai_completion_chunk(const char *id, int64_t created, const char *model, const struct kr_oai_choice *delta);
+char *kr_oai_chat_chunk(const char *id, int64_t created, const char *model, const struct kr_oai_choice *delta,
+                        bool first);
+/* The final usage chunk (choices: []) for stream_options.include_usage. */
+char *kr_oai_usage_chunk(const char *id, int64_t created, const char *model, bool chat, const struct kr_oai_usage *u);
+
+/* GET /v1/models: one model. */
+char *kr_oai_models_json(const char *name, int64_t created, int64_t max_model_len);
+
+/* Encoder conventions (all encoders above; strings come from jansson's allocator, i.e. malloc):
+ * - Every text (choice text, token texts, top-logprob keys, model, id) may hold arbitrary bytes:
+ *   invalid UTF-8 is replaced by U+FFFD per maximal invalid subpart (Python errors="replace").
+ * - Log-probabilities are written with 9 significant digits (float32 round trip); -inf and values
+ *   below -9999 become -9999.0 (vLLM), NaN becomes null.
+ * - Completions: echo is on when `prompt_text` is not NULL. Each choice's logprobs, when
+ *   `choice.logprobs` is not NULL, list the prompt's entries first (from `prompt_logprobs`, entry 0
+ *   with null logprob and null top_logprobs), then the generated ones; text_offset counts UTF-8
+ *   code points of the choice text, generated tokens starting after the echoed prompt. Completions
+ *   top_logprobs entries are {token text: logprob} of `top` as given (vLLM includes the sampled
+ *   token there; the server decides); an entry with a NaN logprob and no alternatives gets null
+ *   top_logprobs (a streamed first prompt token). With return_token_ids, "token_ids" and "prompt_token_ids" are
+ *   per choice for completions (vLLM), "prompt_token_ids" is top level for chat.
+ * - Chunks: a delta's "token_ids" is written when `delta->token_ids` is not NULL. "usage" never
+ *   appears in delta chunks (OpenAI with include_usage false); kr_oai_usage_chunk is the separate
+ *   final event. Chat deltas: {"role": "assistant", "content": text} when `first`, {"content": text}
+ *   after, {} on a final chunk (finish_reason set) without text. */
+
+/* As kr_oai_completion_chunk, with the logprobs' text_offset starting at `text_offset`: the UTF-8
+ * code points of this choice's text already streamed (kr_oai_utf8_count), so that offsets index the
+ * whole choice text as in the non-streaming response. Caller frees (free()). */
+char *kr_oai_completion_chunk_at(const char *id, int64_t created, const char *model,
+                                 const struct kr_oai_choice *delta, int64_t text_offset);
+
+/* The number of code points in s[0..n) once invalid UTF-8 is replaced (each maximal invalid
+ * subpart counts as one U+FFFD). s may be NULL (0). Any thread. */
+size_t kr_oai_utf8_count(const char *s, size_t n);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,177 @@
+#include "chat.h"
+
+#include "alloc.h"
+#include "chat-template.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <string.h>
+
+struct kr_chat {
+    struct kr_chat_template *tpl;
+    char *bos, *eos;
+};
+
+static char *read_file(const char *path, size_t *len, struct kr_err *err)
+{
+    FILE *fp = fopen(path, "rb");
+    if (!fp) {
+        kr_err_set(err, KR_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
+        return NULL;
+    }
+    fseek(fp, 0, SEEK_END);
+    long n = ftell(fp);
+    fseek(fp, 0, SEEK_SET);
+    char *buf = n >= 0 ? kr_malloc((size_t)n + 1) : NULL;
+    if (!buf || fread(buf, 1, (size_t)n, fp) != (size_t)n) {
+        kr_free(buf);
+        fclose(fp);
+        kr_err_set(err, KR_ERR_IO, "%s: cannot read", path);
+        return NULL;
+    }
+    fclose(fp);
+    buf[n] = 0;
+    *len = (size_t)n;
+    return buf;
+}
+
+enum kr_status kr_chat_load(const struct kr_tokenizer *tok, const char *template_file, struct kr_chat **out,
+                            struct kr_err *err)
+{
+    *out = NULL;
+    char *src = NULL;
+    size_t len = 0;
+    if (template_file) {
+        if (!(src = read_file(template_file, &len, err))) {
+            return KR_ERR_IO;
+        }
+    } else {
+        const char *t = kr_tokenizer_chat_template(tok);
+        if (!t) {
+            return KR_OK;
+        }
+        len = strlen(t);
+        src = kr_strndup(t, len);
+        if (!src) {
+            return KR_ERR_NOMEM;
+        }
+    }
+    struct kr_chat *c = kr_calloc(1, sizeof *c);
+    if (!c) {
+        kr_free(src);
+        return KR_ERR_NOMEM;
+    }
+    enum kr_status st = kr_chat_template_compile(src, len, &c->tpl, err);
+    kr_free(src);
+    if (st != KR_OK) {
+        kr_err_prefix(err, "%s", template_file ? template_file : "tokenizer_config.json chat_template");
+        kr_free(c);
+        return st;
+    }
+    const char *b = kr_tokenizer_bos_token(tok), *e = kr_tokenizer_eos_token(tok);
+    c->bos = b ? kr_strdup(b) : NULL;
+    c->eos = e ? kr_strdup(e) : NULL;
+    *out = c;
+    return KR_OK;
+}
+
+void kr_chat_free(struct kr_chat *c)
+{
+    if (!c) {
+        return;
+    }
+    kr_chat_template_free(c->tpl);
+    kr_free(c->bos);
+    kr_free(c->eos);
+    kr_free(c);
+}
+
+/* A copy of messages whose array contents (text parts) are joined into strings. */
+static json_t *normalize(json_t *messages, struct kr_oai_error *e)
+{
+    json_t *out = json_deep_copy(messages);
+    if (!out) {
+        kr_oai_error_set(e, 500, "server_error", "", "", "out of memory");
+        return NULL;
+    }
+    size_t i;
+    json_t *m;
+    json_array_foreach(out, i, m)
+    {
+        json_t *content = json_object_get(m, "content");
+        if (!json_is_array(content)) {
+            continue;
+        }
+        char *buf = NULL;
+        size_t len = 0;
+        size_t j;
+        json_t *part;
+        json_array_foreach(content, j, part)
+        {
+            json_t *text = json_object_get(part, "text");
+            if (!json_is_string(text)) {
+                continue; /* the parser already rejected non-text parts */
+            }
+            const size_t tl = json_string_length(text);
+            char *nb = kr_realloc(buf, len + tl + 2);
+            if (!nb) {
+                kr_free(buf);
+                json_decref(out);
+                kr_oai_error_set(e, 500, "server_error", "", "", "out of memory");
+                return NULL;
+            }
+            buf = nb;
+            if (len) {
+                buf[len++] = '\n';
+            }
+            memcpy(buf + len, json_string_value(text), tl);
+            len += tl;
+            buf[len] = 0;
+        }
+        json_object_set_new(m, "content", json_stringn(buf ? buf : "", len));
+        kr_free(buf);
+    }
+    return out;
+}
+
+enum kr_status kr_chat_render(const struct kr_chat *c, json_t *messages, json_t *tools, bool add_generation_prompt,
+                              bool continue_final_message, json_t *kwargs, char **text, size_t *len,
+                              struct kr_oai_error *e)
+{
+    json_t *msgs = normalize(messages, e);
+    if (!msgs) {
+        return KR_ERR_NOMEM;
+    }
+    struct kr_chat_params p = {.messages = msgs, .tools = tools, .add_generation_prompt = add_generation_prompt && !continue_final_message,
+                               .bos_token = c->bos, .eos_token = c->eos, .extra = kwargs};
+    struct kr_err err = {{0}};
+    enum kr_status st = kr_chat_template_render(c->tpl, &p, text, len, &err);
+    if (st != KR_OK) {
+        json_decref(msgs);
+        kr_oai_error_set(e, st == KR_ERR_NOMEM ? 500 : 400, st == KR_ERR_NOMEM ? "server_error" : "invalid_request_error",
+                         "messages", "", "the chat template failed: %s", err.msg);
+        return st == KR_ERR_NOMEM ? st : KR_ERR_INVAL;
+    }
+    if (continue_final_message) {
+        json_t *last = json_array_get(msgs, json_array_size(msgs) - 1);
+        json_t *content = json_object_get(last, "content");
+        const char *cs = json_string_value(content);
+        const size_t cl = json_string_length(content);
+        char *hit = NULL;
+        for (char *p2 = *text; cs && cl && (p2 = memmem(p2, *len - (size_t)(p2 - *text), cs, cl)); p2++) {
+            hit = p2;
+        }
+        if (!hit) {
+            json_decref(msgs);
+            kr_free(*text);
+            *text = NULL;
+            kr_oai_error_set(e, 400, "invalid_request_error", "continue_final_message", "",
+                             "the final message's content does not appear in the rendered prompt");
+            return KR_ERR_INVAL;
+        }
+        *len = (size_t)(hit - *text) + cl;
+        (*text)[*len] = 0;
+    }
+    json_decref(msgs);
+    return KR_OK;
+}

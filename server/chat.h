@@ -1,0 +1,26 @@
+#pragma once
+/* Chat prompts: the model's chat template (tokenizer_config.json's, or --chat-template's) applied to
+ * OpenAI messages, with the tokenizer's BOS/EOS strings. */
+#include <jansson.h>
+#include <stdbool.h>
+#include <stddef.h>
+
+#include "openai.h"
+#include "status.h"
+#include "tokenizer.h"
+
+struct kr_chat;
+
+/* Compiles the template of `template_file` when given, else the tokenizer's; *out is NULL (and
+ * KR_OK) when there is none. A template that does not compile is an error naming the line. */
+enum kr_status kr_chat_load(const struct kr_tokenizer *tok, const char *template_file, struct kr_chat **out,
+                            struct kr_err *err);
+void kr_chat_free(struct kr_chat *c);
+
+/* Renders `messages` (content strings or arrays of text parts, joined with newlines) and `tools`.
+ * With continue_final_message the text ends right after the last message's content (the
+ * assistant turn is left open, as transformers does). Template errors are 400s. *text is
+ * kr_malloc'd. */
+enum kr_status kr_chat_render(const struct kr_chat *c, json_t *messages, json_t *tools, bool add_generation_prompt,
+                              bool continue_final_message, json_t *kwargs, char **text, size_t *len,
+                              struct kr_oai_error *e);

@@ -1,0 +1,172 @@
+#include "metrics.h"
+
+#include "alloc.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+
+/* Buckets as vLLM uses them (seconds). */
+static const double ttft_le[] = {0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+                                 1.0,   2.5,   5.0,  7.5,  10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0};
+static const double itl_le[] = {0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+                                0.75, 1.0,   2.5,  5.0,   7.5, 10.0, 20.0, 40.0, 80.0};
+static const double e2e_le[] = {0.3,  0.5,  0.8,  1.0,  1.5,  2.0,   2.5,   5.0,   10.0,  15.0, 20.0,
+                                30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0};
+
+void kr_metrics_init(struct kr_metrics *m)
+{
+    memset(m, 0, sizeof *m);
+    m->ttft.le = ttft_le;
+    m->ttft.n = (int)(sizeof ttft_le / sizeof ttft_le[0]);
+    m->itl.le = itl_le;
+    m->itl.n = (int)(sizeof itl_le / sizeof itl_le[0]);
+    m->e2e.le = e2e_le;
+    m->e2e.n = (int)(sizeof e2e_le / sizeof e2e_le[0]);
+    m->queue.le = e2e_le;
+    m->queue.n = m->e2e.n;
+}
+
+void kr_hist_observe(struct kr_hist *h, double v)
+{
+    int i = 0;
+    while (i < h->n && v > h->le[i]) {
+        i++;
+    }
+    if (i < h->n) {
+        h->count[i]++;
+    }
+    h->total++;
+    h->sum += v;
+}
+
+struct sbuf {
+    char *p;
+    size_t len, cap;
+    int oom;
+};
+
+static void put(struct sbuf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void put(struct sbuf *b, const char *fmt, ...)
+{
+    if (b->oom) {
+        return;
+    }
+    for (;;) {
+        va_list ap;
+        va_start(ap, fmt);
+        int n = vsnprintf(b->p + b->len, b->cap - b->len, fmt, ap);
+        va_end(ap);
+        if (n < 0) {
+            b->oom = 1;
+            return;
+        }
+        if ((size_t)n < b->cap - b->len) {
+            b->len += (size_t)n;
+            return;
+        }
+        size_t nc = (b->cap + (size_t)n) * 2;
+        char *np = kr_realloc(b->p, nc);
+        if (!np) {
+            b->oom = 1;
+            return;
+        }
+        b->p = np;
+        b->cap = nc;
+    }
+}
+
+static void hist(struct sbuf *b, const char *name, const char *help, const struct kr_hist *h, const char *lbl)
+{
+    put(b, "# HELP krait:%s %s\n# TYPE krait:%s histogram\n", name, help, name);
+    uint64_t cum = 0;
+    for (int i = 0; i < h->n; i++) {
+        cum += h->count[i];
+        put(b, "krait:%s_bucket{%s,le=\"%g\"} %llu\n", name, lbl, h->le[i], (unsigned long long)cum);
+    }
+    put(b, "krait:%s_bucket{%s,le=\"+Inf\"} %llu\n", name, lbl, (unsigned long long)h->total);
+    put(b, "krait:%s_sum{%s} %.9g\nkrait:%s_count{%s} %llu\n", name, lbl, h->sum, name, lbl,
+        (unsigned long long)h->total);
+}
+
+char *kr_metrics_render(const struct kr_metrics *m, const struct kr_engine_stats *st, const char *model_name,
+                        size_t *len)
+{
+    struct sbuf b = {.p = kr_malloc(8192), .cap = 8192};
+    if (!b.p) {
+        return NULL;
+    }
+    b.p[0] = 0;
+    char lbl[320];
+    /* label values escape backslash, quote and newline */
+    size_t o = (size_t)snprintf(lbl, sizeof lbl, "model_name=\"");
+    for (const char *c = model_name; *c && o < sizeof lbl - 4; c++) {
+        if (*c == '"' || *c == '\\') {
+            lbl[o++] = '\\';
+            lbl[o++] = *c;
+        } else if (*c == '\n') {
+            lbl[o++] = '\\';
+            lbl[o++] = 'n';
+        } else {
+            lbl[o++] = *c;
+        }
+    }
+    lbl[o++] = '"';
+    lbl[o] = 0;
+    put(&b, "# HELP krait:num_requests_running Sequences holding caches and running.\n"
+            "# TYPE krait:num_requests_running gauge\nkrait:num_requests_running{%s} %d\n",
+        lbl, st->running);
+    put(&b, "# HELP krait:num_requests_waiting Sequences waiting for admission (incl. preempted).\n"
+            "# TYPE krait:num_requests_waiting gauge\nkrait:num_requests_waiting{%s} %d\n",
+        lbl, st->waiting);
+    put(&b, "# HELP krait:num_preemptions_total Sequences preempted to free cache (recomputed later).\n"
+            "# TYPE krait:num_preemptions_total counter\nkrait:num_preemptions_total{%s} %llu\n",
+        lbl, (unsigned long long)st->preemptions);
+    put(&b, "# HELP krait:prompt_tokens_total Prompt tokens prefilled.\n"
+            "# TYPE krait:prompt_tokens_total counter\nkrait:prompt_tokens_total{%s} %llu\n",
+        lbl, (unsigned long long)st->prompt_tokens);
+    put(&b, "# HELP krait:generation_tokens_total Tokens generated.\n"
+            "# TYPE krait:generation_tokens_total counter\nkrait:generation_tokens_total{%s} %llu\n",
+        lbl, (unsigned long long)st->generation_tokens);
+    const double kv = st->blocks_total ? 1.0 - (double)st->blocks_free / st->blocks_total : 0.0;
+    const double ss = st->slots_total ? 1.0 - (double)st->slots_free / st->slots_total : 0.0;
+    put(&b, "# HELP krait:kv_cache_usage_perc Fraction of attention/latent cache blocks in use.\n"
+            "# TYPE krait:kv_cache_usage_perc gauge\nkrait:kv_cache_usage_perc{%s} %.6g\n",
+        lbl, kv);
+    put(&b, "# HELP krait:ssm_state_usage_perc Fraction of Mamba state slots in use.\n"
+            "# TYPE krait:ssm_state_usage_perc gauge\nkrait:ssm_state_usage_perc{%s} %.6g\n",
+        lbl, ss);
+    put(&b, "# HELP krait:cache_blocks Cache blocks by state.\n# TYPE krait:cache_blocks gauge\n"
+            "krait:cache_blocks{%s,state=\"free\"} %d\nkrait:cache_blocks{%s,state=\"used\"} %d\n",
+        lbl, st->blocks_free, lbl, st->blocks_total - st->blocks_free);
+    put(&b, "# HELP krait:state_slots Mamba state slots by state.\n# TYPE krait:state_slots gauge\n"
+            "krait:state_slots{%s,state=\"free\"} %d\nkrait:state_slots{%s,state=\"used\"} %d\n",
+        lbl, st->slots_free, lbl, st->slots_total - st->slots_free);
+    put(&b, "# HELP krait:cache_pool_bytes Bytes of each cache pool.\n# TYPE krait:cache_pool_bytes gauge\n"
+            "krait:cache_pool_bytes{%s,pool=\"blocks\"} %zu\nkrait:cache_pool_bytes{%s,pool=\"state_slots\"} %zu\n",
+        lbl, st->block_bytes * (size_t)st->blocks_total, lbl, st->slot_bytes * (size_t)st->slots_total);
+    static const char *const reasons[3] = {"stop", "length", "abort"};
+    put(&b, "# HELP krait:request_success_total Finished choices by finish reason.\n"
+            "# TYPE krait:request_success_total counter\n");
+    for (int i = 0; i < 3; i++) {
+        put(&b, "krait:request_success_total{%s,finished_reason=\"%s\"} %llu\n", lbl, reasons[i],
+            (unsigned long long)m->requests_ok[i]);
+    }
+    static const char *const classes[6] = {"2xx", "400", "401", "404", "413", "5xx_or_429"};
+    put(&b, "# HELP krait:http_requests_total HTTP responses by status class.\n"
+            "# TYPE krait:http_requests_total counter\n");
+    for (int i = 0; i < 6; i++) {
+        put(&b, "krait:http_requests_total{%s,status=\"%s\"} %llu\n", lbl, classes[i],
+            (unsigned long long)m->http_requests[i]);
+    }
+    hist(&b, "time_to_first_token_seconds", "Time to first token.", &m->ttft, lbl);
+    hist(&b, "inter_token_latency_seconds", "Time between consecutive tokens of a choice.", &m->itl, lbl);
+    hist(&b, "e2e_request_latency_seconds", "End-to-end request latency.", &m->e2e, lbl);
+    hist(&b, "request_queue_time_seconds", "Time from arrival to first admission.", &m->queue, lbl);
+    if (b.oom) {
+        kr_free(b.p);
+        return NULL;
+    }
+    *len = b.len;
+    return b.p;
+}

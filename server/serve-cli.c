@@ -1,0 +1,302 @@
+/* `krait serve`: flags named as `vllm serve` has them where one exists, KRAIT_* environment
+ * overrides (flags win), then kr_serve_run. */
+#include "server.h"
+
+#include "alloc.h"
+#include "log.h"
+
+#include <errno.h>
+#include <getopt.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static void usage(FILE *f)
+{
+    fprintf(f,
+            "usage: krait serve MODEL_DIR [options]\n"
+            "\n"
+            "Serves MODEL_DIR (config.json + *.safetensors + tokenizer files) with an OpenAI-compatible API.\n"
+            "\n"
+            "  --host ADDR                     IPv4 address to bind (default 0.0.0.0)       [KRAIT_HOST]\n"
+            "  --port N                        port (default 8000; 0 = any free port)      [KRAIT_PORT]\n"
+            "  --api-key KEY                   require 'Authorization: Bearer KEY' on /v1/* (repeatable)\n"
+            "                                                                              [KRAIT_API_KEY]\n"
+            "  --api-key-file FILE             one accepted key per line\n"
+            "  --served-model-name NAME        the model name clients use (default MODEL_DIR)\n"
+            "  --max-model-len N               context length limit (default: the model's)\n"
+            "  --max-num-seqs N                sequences running at once (default 256)\n"
+            "  --max-num-batched-tokens N      tokens per engine step (default 2048)\n"
+            "  --max-queued-requests N         waiting requests before 429 (default: unbounded)\n"
+            "  --cache-memory-bytes N          byte budget of the cache pools (default 512 MiB; K/M/G suffixes)\n"
+            "  --block-size N                  tokens per cache block (default 16)\n"
+            "  --tokenizer DIR                 tokenizer.json + tokenizer_config.json location (default MODEL_DIR)\n"
+            "  --chat-template FILE            Jinja chat template replacing the tokenizer's\n"
+            "  --skip-tokenizer-init           no tokenizer: prompts are token ids, outputs carry ids\n"
+            "  --return-tokens-as-token-ids    logprobs name tokens as token_id:N\n"
+            "  --max-request-bytes N           request bodies above this get 413 (default 32 MiB)\n"
+            "  --shutdown-timeout SECONDS      on SIGTERM, finish in-flight requests for this long (default 30)\n"
+            "  --threads N                     CPU threads (default: all cores)              [KRAIT_THREADS]\n"
+            "  --log-level LEVEL               debug | info | warn | error                   [KRAIT_LOG_LEVEL]\n"
+            "  --port-file FILE                write the bound port there once listening\n"
+            "\n"
+            "A full waiting queue answers 429 Too Many Requests with Retry-After: 1 (503 means loading or\n"
+            "draining). /health and /metrics stay open without an API key.\n");
+}
+
+static int parse_size(const char *opt, const char *s, size_t *out)
+{
+    char *end;
+    errno = 0;
+    unsigned long long v = strtoull(s, &end, 10);
+    unsigned long long mul = 1;
+    if (*end == 'K' || *end == 'k') {
+        mul = 1ull << 10;
+        end++;
+    } else if (*end == 'M' || *end == 'm') {
+        mul = 1ull << 20;
+        end++;
+    } else if (*end == 'G' || *end == 'g') {
+        mul = 1ull << 30;
+        end++;
+    }
+    if (end == s || *end || errno || v == 0 || v > (unsigned long long)SIZE_MAX / mul) {
+        fprintf(stderr, "krait serve: %s: expected a positive size such as 512M, got \"%s\"\n", opt, s);
+        return -1;
+    }
+    *out = (size_t)(v * mul);
+    return 0;
+}
+
+static int parse_i32(const char *opt, const char *s, long lo, long hi, int32_t *out)
+{
+    char *end;
+    errno = 0;
+    long v = strtol(s, &end, 10);
+    if (end == s || *end || errno || v < lo || v > hi) {
+        fprintf(stderr, "krait serve: %s: expected an integer in [%ld, %ld], got \"%s\"\n", opt, lo, hi, s);
+        return -1;
+    }
+    *out = (int32_t)v;
+    return 0;
+}
+
+#define MAX_KEYS 64
+
+static int add_key(const char **keys, int *n, const char *k)
+{
+    if (*n >= MAX_KEYS) {
+        fprintf(stderr, "krait serve: at most %d API keys\n", MAX_KEYS);
+        return -1;
+    }
+    if (!*k) {
+        fprintf(stderr, "krait serve: an API key cannot be empty\n");
+        return -1;
+    }
+    keys[(*n)++] = k;
+    return 0;
+}
+
+static int read_key_file(const char *path, const char **keys, int *n)
+{
+    FILE *fp = fopen(path, "r");
+    if (!fp) {
+        fprintf(stderr, "krait serve: --api-key-file %s: %s\n", path, strerror(errno));
+        return -1;
+    }
+    char line[1024];
+    while (fgets(line, sizeof line, fp)) {
+        size_t l = strcspn(line, "\r\n");
+        line[l] = 0;
+        if (l == 0 || line[0] == '#') {
+            continue;
+        }
+        char *k = kr_strdup(line); /* lives for the process */
+        if (!k || add_key(keys, n, k) != 0) {
+            fclose(fp);
+            return -1;
+        }
+    }
+    fclose(fp);
+    return 0;
+}
+
+int kr_serve_main(int argc, char **argv)
+{
+    struct kr_serve_opts o;
+    kr_serve_opts_default(&o);
+    static const char *keys[MAX_KEYS];
+    int n_keys = 0;
+    int32_t v;
+    /* environment first: flags override it */
+    const char *env;
+    if ((env = getenv("KRAIT_HOST"))) {
+        o.host = env;
+    }
+    if ((env = getenv("KRAIT_PORT")) && parse_i32("KRAIT_PORT", env, 0, 65535, &v) == 0) {
+        o.port = v;
+    }
+    if ((env = getenv("KRAIT_API_KEY")) && *env && add_key(keys, &n_keys, env) != 0) {
+        return 2;
+    }
+    if ((env = getenv("KRAIT_THREADS")) && parse_i32("KRAIT_THREADS", env, 0, 4096, &v) == 0) {
+        o.threads = v;
+    }
+    if ((env = getenv("KRAIT_LOG_LEVEL"))) {
+        enum kr_log_level lvl;
+        if (kr_log_parse_level(env, &lvl) == 0) {
+            kr_log_set_level(lvl);
+        }
+    }
+    enum {
+        O_HOST = 256, O_PORT, O_KEY, O_KEYFILE, O_NAME, O_MAXLEN, O_SEQS, O_TOKENS, O_QUEUED, O_CACHE, O_BLOCK,
+        O_TOK, O_TPL, O_SKIP, O_TOKIDS, O_BODY, O_SHUTDOWN, O_THREADS, O_LOG, O_PORTFILE, O_HELP,
+    };
+    static const struct option longopts[] = {
+        {"host", required_argument, NULL, O_HOST},
+        {"port", required_argument, NULL, O_PORT},
+        {"api-key", required_argument, NULL, O_KEY},
+        {"api-key-file", required_argument, NULL, O_KEYFILE},
+        {"served-model-name", required_argument, NULL, O_NAME},
+        {"max-model-len", required_argument, NULL, O_MAXLEN},
+        {"max-num-seqs", required_argument, NULL, O_SEQS},
+        {"max-num-batched-tokens", required_argument, NULL, O_TOKENS},
+        {"max-queued-requests", required_argument, NULL, O_QUEUED},
+        {"cache-memory-bytes", required_argument, NULL, O_CACHE},
+        {"block-size", required_argument, NULL, O_BLOCK},
+        {"tokenizer", required_argument, NULL, O_TOK},
+        {"chat-template", required_argument, NULL, O_TPL},
+        {"skip-tokenizer-init", no_argument, NULL, O_SKIP},
+        {"return-tokens-as-token-ids", no_argument, NULL, O_TOKIDS},
+        {"max-request-bytes", required_argument, NULL, O_BODY},
+        {"shutdown-timeout", required_argument, NULL, O_SHUTDOWN},
+        {"threads", required_argument, NULL, O_THREADS},
+        {"log-level", required_argument, NULL, O_LOG},
+        {"port-file", required_argument, NULL, O_PORTFILE},
+        {"help", no_argument, NULL, O_HELP},
+        {NULL, 0, NULL, 0},
+    };
+    optind = 2;
+    int ch;
+    while ((ch = getopt_long(argc, argv, "", longopts, NULL)) != -1) {
+        enum kr_log_level lvl;
+        size_t sz;
+        switch (ch) {
+        case O_HOST:
+            o.host = optarg;
+            break;
+        case O_PORT:
+            if (parse_i32("--port", optarg, 0, 65535, &v)) {
+                return 2;
+            }
+            o.port = v;
+            break;
+        case O_KEY:
+            if (add_key(keys, &n_keys, optarg)) {
+                return 2;
+            }
+            break;
+        case O_KEYFILE:
+            if (read_key_file(optarg, keys, &n_keys)) {
+                return 2;
+            }
+            break;
+        case O_NAME:
+            o.served_model_name = optarg;
+            break;
+        case O_MAXLEN:
+            if (parse_i32("--max-model-len", optarg, 1, INT32_MAX, &o.max_model_len)) {
+                return 2;
+            }
+            break;
+        case O_SEQS:
+            if (parse_i32("--max-num-seqs", optarg, 1, 1 << 20, &o.max_num_seqs)) {
+                return 2;
+            }
+            break;
+        case O_TOKENS:
+            if (parse_i32("--max-num-batched-tokens", optarg, 1, 1 << 24, &o.max_num_batched_tokens)) {
+                return 2;
+            }
+            break;
+        case O_QUEUED:
+            if (parse_i32("--max-queued-requests", optarg, 0, 1 << 24, &o.max_queued_requests)) {
+                return 2;
+            }
+            break;
+        case O_CACHE:
+            if (parse_size("--cache-memory-bytes", optarg, &o.cache_bytes)) {
+                return 2;
+            }
+            break;
+        case O_BLOCK:
+            if (parse_i32("--block-size", optarg, 1, 4096, &o.block_size)) {
+                return 2;
+            }
+            break;
+        case O_TOK:
+            o.tokenizer_dir = optarg;
+            break;
+        case O_TPL:
+            o.chat_template_file = optarg;
+            break;
+        case O_SKIP:
+            o.skip_tokenizer_init = true;
+            break;
+        case O_TOKIDS:
+            o.return_tokens_as_token_ids = true;
+            break;
+        case O_BODY:
+            if (parse_size("--max-request-bytes", optarg, &sz)) {
+                return 2;
+            }
+            o.max_body_bytes = sz;
+            break;
+        case O_SHUTDOWN:
+            if (parse_i32("--shutdown-timeout", optarg, 0, 86400, &v)) {
+                return 2;
+            }
+            o.drain_timeout_s = v;
+            break;
+        case O_THREADS:
+            if (parse_i32("--threads", optarg, 0, 4096, &v)) {
+                return 2;
+            }
+            o.threads = v;
+            break;
+        case O_LOG:
+            if (kr_log_parse_level(optarg, &lvl)) {
+                fprintf(stderr, "krait serve: --log-level: expected debug, info, warn or error\n");
+                return 2;
+            }
+            kr_log_set_level(lvl);
+            break;
+        case O_PORTFILE:
+            o.port_file = optarg;
+            break;
+        case O_HELP:
+            usage(stdout);
+            return 0;
+        default:
+            usage(stderr);
+            return 2;
+        }
+    }
+    if (optind < argc) {
+        o.model_dir = argv[optind++];
+    } else if ((env = getenv("KRAIT_MODEL"))) {
+        o.model_dir = env;
+    }
+    if (optind < argc) {
+        fprintf(stderr, "krait serve: unexpected argument \"%s\"\n", argv[optind]);
+        return 2;
+    }
+    if (!o.model_dir) {
+        fprintf(stderr, "krait serve: MODEL_DIR is required\n\n");
+        usage(stderr);
+        return 2;
+    }
+    o.api_keys = keys;
+    o.n_api_keys = n_keys;
+    return kr_serve_run(&o);
+}

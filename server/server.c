@@ -1,0 +1,1708 @@
+/* The HTTP server: libmicrohttpd driven from a libuv loop, the OpenAI routes, and the bridge from
+ * engine events (engine thread) to responses (loop thread). */
+#include "server.h"
+
+#include "alloc.h"
+#include "chat.h"
+#include "engine.h"
+#include "log.h"
+#include "metrics.h"
+#include "model.h"
+#include "openai.h"
+#include "tokenizer.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <jansson.h>
+#include <math.h>
+#include <microhttpd.h>
+#include <netinet/in.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <time.h>
+#include <unistd.h>
+#include <uv.h>
+
+void kr_serve_opts_default(struct kr_serve_opts *o)
+{
+    memset(o, 0, sizeof *o);
+    o->host = "0.0.0.0";
+    o->port = 8000;
+    o->max_num_seqs = 256;
+    o->max_num_batched_tokens = 2048;
+    o->cache_bytes = (size_t)512 << 20;
+    o->block_size = 16;
+    o->max_body_bytes = (size_t)32 << 20;
+    o->drain_timeout_s = 30.0;
+}
+
+/* ---- structures ---------------------------------------------------------------------------- */
+
+struct hreq;
+
+/* One engine request of an HTTP request (a completions request with several prompts has one per
+ * prompt). */
+struct sub {
+    struct hreq *h;
+    int32_t idx;               /* prompt index */
+    uint64_t eng_id;
+    bool submitted;
+    bool live;                 /* the engine still owes events */
+    int32_t *prompt;           /* [n_prompt] ids */
+    int32_t n_prompt;
+    char *prompt_text;         /* for echo */
+    size_t prompt_text_len;
+    int32_t n_left;            /* choices not finished */
+    struct kr_oai_logprob *plp; /* [n_prompt] prompt logprobs (when requested) */
+    struct kr_oai_token *plp_top; /* [n_prompt * k] */
+    int32_t plp_k;
+};
+
+struct choice {
+    int32_t index;             /* global choice index */
+    struct sub *sub;
+    int32_t engine_index;      /* choice index within the engine request */
+    char *text;
+    size_t len, cap;
+    int32_t *ids;
+    int32_t n_ids, cap_ids;
+    struct kr_oai_logprob *lps;   /* [n_ids] when logprobs were asked */
+    struct kr_oai_token *lp_top;  /* [n_ids * k] */
+    struct kr_detok *detok;
+    bool finished;
+    const char *finish;        /* "stop" | "length" */
+    char *stop_str;
+    int32_t stop_id;
+    size_t sent;               /* stream: text bytes sent */
+    int32_t lp_sent;           /* stream: logprob entries sent */
+    bool first_sent;
+    double t_first, t_last;
+};
+
+enum route {
+    R_NONE = 0,
+    R_COMPLETIONS,
+    R_CHAT,
+    R_MODELS,
+    R_HEALTH,
+    R_METRICS,
+    R_TOKENIZE,
+    R_DETOKENIZE,
+    R_VERSION,
+};
+
+struct srv;
+
+struct hreq {
+    struct srv *s;
+    struct MHD_Connection *conn;
+    struct hreq *prev, *next;  /* in srv->reqs */
+    int refs;                  /* MHD connection + live engine subs */
+    enum route route;
+    bool is_post;
+    char *body;
+    size_t blen, bcap;
+    bool too_big;
+    bool responded;            /* a response was queued (or the stream started) */
+    /* generation */
+    struct kr_oai_request o;
+    bool have_o;
+    char id[48];
+    int64_t created;
+    int32_t n_sub;
+    struct sub *subs;
+    int32_t n_choices;
+    struct choice *ch;
+    int32_t max_stop;          /* longest stop string */
+    bool stream;
+    bool done;                 /* every choice finished, or failed */
+    bool failed;
+    struct kr_oai_error err;
+    bool suspended;            /* non-stream: waiting for the result; stream: the reader parked */
+    char *out;                 /* stream buffer */
+    size_t out_len, out_cap, out_off;
+    bool out_eof;
+    double t_arrival;
+    uv_poll_t hup;             /* watches the socket for a hang-up while suspended */
+    bool hup_active, hup_init;
+};
+
+struct evnode {
+    struct evnode *next;
+    struct sub *sub;
+    struct kr_event ev;
+    int32_t top_ids[KR_MAX_TOP_LOGPROBS];
+    float top_lps[KR_MAX_TOP_LOGPROBS];
+    float *plp;
+    int32_t *plp_ids;
+    float *plp_top;
+    char msg[512];
+};
+
+struct srv {
+    struct kr_serve_opts o;
+    uv_loop_t loop;
+    struct MHD_Daemon *d;
+    uv_poll_t mhd_poll;
+    uv_timer_t mhd_timer;
+    uv_async_t wake;
+    uv_signal_t sig_term, sig_int;
+    uv_timer_t drain_timer;
+    bool ready;
+    bool load_failed;
+    bool draining;
+    int exit_code;
+    kr_backend_t be;
+    struct kr_model *m;
+    struct kr_engine *eng;
+    struct kr_tokenizer *tok;
+    struct kr_chat *chat;
+    char *model_name;
+    int32_t max_model_len;
+    pthread_t loader;
+    bool loader_joined;
+    pthread_mutex_t qmu;
+    struct evnode *qh, *qt;
+    struct hreq *reqs;
+    int n_gen;                 /* requests with live engine work */
+    struct kr_metrics met;
+    int64_t started;
+};
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* ---- responses ------------------------------------------------------------------------------ */
+
+static void count_status(struct srv *s, unsigned status)
+{
+    int c = status < 300 ? 0 : status == 400 ? 1 : status == 401 ? 2 : status == 404 ? 3 : status == 413 ? 4 : 5;
+    s->met.http_requests[c]++;
+}
+
+static enum MHD_Result send_body(struct hreq *h, unsigned status, const char *ctype, const char *body, size_t len,
+                                 const char *retry_after)
+{
+    struct MHD_Response *r = MHD_create_response_from_buffer(len, (void *)body, MHD_RESPMEM_MUST_COPY);
+    if (!r) {
+        return MHD_NO;
+    }
+    MHD_add_response_header(r, "Content-Type", ctype);
+    if (retry_after) {
+        MHD_add_response_header(r, "Retry-After", retry_after);
+    }
+    if (status == 401) {
+        MHD_add_response_header(r, "WWW-Authenticate", "Bearer");
+    }
+    enum MHD_Result ret = MHD_queue_response(h->conn, status, r);
+    MHD_destroy_response(r);
+    h->responded = true;
+    count_status(h->s, status);
+    return ret;
+}
+
+static enum MHD_Result send_json_str(struct hreq *h, unsigned status, char *json_malloced)
+{
+    if (!json_malloced) {
+        static const char oom[] = "{\"error\":{\"message\":\"out of memory\",\"type\":\"server_error\",\"param\":null,"
+                                  "\"code\":null}}";
+        return send_body(h, 500, "application/json", oom, sizeof oom - 1, NULL);
+    }
+    enum MHD_Result r = send_body(h, status, "application/json", json_malloced, strlen(json_malloced), NULL);
+    free(json_malloced);
+    return r;
+}
+
+static enum MHD_Result send_json(struct hreq *h, unsigned status, json_t *j)
+{
+    char *s = j ? json_dumps(j, JSON_COMPACT | JSON_REAL_PRECISION(9)) : NULL;
+    json_decref(j);
+    return send_json_str(h, status, s);
+}
+
+static enum MHD_Result send_error(struct hreq *h, const struct kr_oai_error *e)
+{
+    const char *retry = e->http_status == 429 || e->http_status == 503 ? "1" : NULL;
+    char *j = kr_oai_error_json(e);
+    if (!j) {
+        return send_json_str(h, 500, NULL);
+    }
+    enum MHD_Result r = send_body(h, (unsigned)e->http_status, "application/json", j, strlen(j), retry);
+    free(j);
+    return r;
+}
+
+static enum MHD_Result send_simple_error(struct hreq *h, int status, const char *type, const char *param,
+                                         const char *code, const char *msg)
+{
+    struct kr_oai_error e;
+    kr_oai_error_set(&e, status, type, param, code, "%s", msg);
+    return send_error(h, &e);
+}
+
+/* ---- request lifetime ------------------------------------------------------------------------ */
+
+static void hup_close_cb(uv_handle_t *hd)
+{
+    struct hreq *h = hd->data;
+    h->hup_init = false;
+    kr_free(h);
+}
+
+static void hreq_free(struct hreq *h)
+{
+    struct srv *s = h->s;
+    if (h->prev) {
+        h->prev->next = h->next;
+    } else if (s->reqs == h) {
+        s->reqs = h->next;
+    }
+    if (h->next) {
+        h->next->prev = h->prev;
+    }
+    for (int32_t i = 0; i < h->n_choices; i++) {
+        struct choice *c = &h->ch[i];
+        kr_free(c->text);
+        kr_free(c->ids);
+        kr_free(c->stop_str);
+        if (c->lps) {
+            for (int32_t k = 0; k < c->n_ids; k++) {
+                kr_free((void *)c->lps[k].tok.text);
+            }
+            const int32_t tk = h->o.sampling.logprobs;
+            for (int32_t k = 0; k < c->n_ids * tk; k++) {
+                kr_free((void *)c->lp_top[k].text);
+            }
+        }
+        kr_free(c->lps);
+        kr_free(c->lp_top);
+        kr_detok_destroy(c->detok);
+    }
+    for (int32_t i = 0; i < h->n_sub; i++) {
+        struct sub *sb = &h->subs[i];
+        kr_free(sb->prompt);
+        kr_free(sb->prompt_text);
+        if (sb->plp) {
+            for (int32_t k = 0; k < sb->n_prompt; k++) {
+                kr_free((void *)sb->plp[k].tok.text);
+            }
+            for (int32_t k = 0; k < sb->n_prompt * sb->plp_k; k++) {
+                kr_free((void *)sb->plp_top[k].text);
+            }
+        }
+        kr_free(sb->plp);
+        kr_free(sb->plp_top);
+    }
+    kr_free(h->ch);
+    kr_free(h->subs);
+    kr_free(h->body);
+    kr_free(h->out);
+    if (h->have_o) {
+        kr_oai_request_free(&h->o);
+    }
+    if (h->hup_init) {
+        uv_close((uv_handle_t *)&h->hup, hup_close_cb); /* frees h once libuv lets go */
+        return;
+    }
+    kr_free(h);
+}
+
+static void hreq_unref(struct hreq *h)
+{
+    if (--h->refs == 0) {
+        hreq_free(h);
+    }
+}
+
+/* Cancels whatever the engine still does for h (client gone, shutdown). */
+static void hreq_cancel(struct hreq *h)
+{
+    for (int32_t i = 0; i < h->n_sub; i++) {
+        if (h->subs[i].live) {
+            kr_engine_cancel(h->s->eng, h->subs[i].eng_id);
+        }
+    }
+}
+
+/* ---- text of tokens -------------------------------------------------------------------------- */
+
+/* The text a logprobs entry shows for `id`: its decoded piece, or "token_id:N" when asked for (or
+ * without a tokenizer). kr_malloc'd. */
+static char *token_text(struct srv *s, int32_t id, size_t *len)
+{
+    if (!s->tok || s->o.return_tokens_as_token_ids) {
+        char buf[32];
+        int n = snprintf(buf, sizeof buf, "token_id:%d", id);
+        *len = (size_t)n;
+        return kr_strndup(buf, (size_t)n);
+    }
+    char *text = NULL;
+    if (kr_tokenizer_decode(s->tok, &id, 1, false, &text, len, NULL) != KR_OK) {
+        *len = 0;
+        return kr_strdup("");
+    }
+    return text;
+}
+
+static void fill_token(struct srv *s, struct kr_oai_token *t, int32_t id, float lp)
+{
+    size_t len = 0;
+    char *text = token_text(s, id, &len);
+    t->text = text ? text : "";
+    t->text_len = text ? len : 0;
+    t->bytes = (const unsigned char *)t->text;
+    t->n_bytes = t->text_len;
+    t->logprob = lp;
+}
+
+static bool buf_append(char **p, size_t *len, size_t *cap, const char *src, size_t n)
+{
+    if (*len + n + 1 > *cap) {
+        size_t nc = (*len + n + 1) * 2;
+        char *np = kr_realloc(*p, nc);
+        if (!np) {
+            return false;
+        }
+        *p = np;
+        *cap = nc;
+    }
+    memcpy(*p + *len, src, n);
+    *len += n;
+    (*p)[*len] = 0;
+    return true;
+}
+
+static bool out_append(struct hreq *h, char *chunk_malloced)
+{
+    if (!chunk_malloced) {
+        return false;
+    }
+    bool ok = buf_append(&h->out, &h->out_len, &h->out_cap, chunk_malloced, strlen(chunk_malloced));
+    free(chunk_malloced);
+    return ok;
+}
+
+/* ---- streaming output ----------------------------------------------------------------------------- */
+
+static void choice_view(struct hreq *h, struct choice *c, struct kr_oai_choice *v)
+{
+    memset(v, 0, sizeof *v);
+    v->index = c->index;
+    v->text = c->text ? c->text : "";
+    v->text_len = c->len;
+    v->token_ids = c->ids;
+    v->n_tokens = c->n_ids;
+    v->logprobs = c->lps;
+    v->n_logprobs = c->lps ? c->n_ids : 0;
+    v->finish_reason = c->finished ? c->finish : NULL;
+    v->stop_reason_str = c->stop_str;
+    v->stop_reason_id = c->stop_id;
+}
+
+/* Bytes of c's text that may be sent now: all when finished, else all but a tail that could still
+ * be the start of a stop string, cut back to a UTF-8 character boundary. */
+static size_t sendable(const struct hreq *h, const struct choice *c)
+{
+    if (c->finished || h->max_stop <= 1) {
+        return c->len;
+    }
+    size_t keep = (size_t)(h->max_stop - 1);
+    size_t n = c->len > keep ? c->len - keep : 0;
+    while (n > 0 && n < c->len && ((unsigned char)c->text[n] & 0xc0) == 0x80) {
+        n--;
+    }
+    return n < c->sent ? c->sent : n;
+}
+
+static void stream_choice(struct hreq *h, struct choice *c)
+{
+    struct srv *s = h->s;
+    const size_t upto = sendable(h, c);
+    const bool new_text = upto > c->sent, new_lp = c->lps && c->lp_sent < c->n_ids;
+    const bool final = c->finished;
+    if (!new_text && !new_lp && !final && c->first_sent) {
+        return;
+    }
+    struct kr_oai_choice d;
+    choice_view(h, c, &d);
+    char *echo = NULL;
+    size_t echo_len = 0;
+    if (!c->first_sent && h->o.echo && h->route == R_COMPLETIONS && c->sub->prompt_text) {
+        echo = c->sub->prompt_text;
+        echo_len = c->sub->prompt_text_len;
+    }
+    char *tmp = NULL;
+    if (echo) {
+        tmp = kr_malloc(echo_len + (upto - c->sent) + 1);
+        if (!tmp) {
+            return;
+        }
+        memcpy(tmp, echo, echo_len);
+        memcpy(tmp + echo_len, c->text + c->sent, upto - c->sent);
+        tmp[echo_len + upto - c->sent] = 0;
+        d.text = tmp;
+        d.text_len = echo_len + upto - c->sent;
+    } else {
+        d.text = c->text ? c->text + c->sent : "";
+        d.text_len = upto - c->sent;
+    }
+    d.token_ids = c->ids + c->lp_sent;
+    d.n_tokens = c->n_ids - c->lp_sent;
+    d.logprobs = c->lps ? c->lps + c->lp_sent : NULL;
+    d.n_logprobs = c->lps ? c->n_ids - c->lp_sent : 0;
+    d.finish_reason = final ? c->finish : NULL;
+    /* completions logprobs text_offset continues from the code points already streamed */
+    const int64_t off = (int64_t)(c->first_sent && echo_len == 0 ? kr_oai_utf8_count(c->text, c->sent) : 0) +
+                        (int64_t)(c->first_sent && h->o.echo && c->sub->prompt_text
+                                      ? kr_oai_utf8_count(c->sub->prompt_text, c->sub->prompt_text_len)
+                                      : 0);
+    char *chunk = h->route == R_CHAT ? kr_oai_chat_chunk(h->id, h->created, s->model_name, &d, !c->first_sent)
+                                     : kr_oai_completion_chunk_at(h->id, h->created, s->model_name, &d, off);
+    kr_free(tmp);
+    if (out_append(h, chunk)) {
+        c->sent = upto;
+        c->lp_sent = c->n_ids;
+        c->first_sent = true;
+    }
+}
+
+static void stream_finish(struct hreq *h)
+{
+    struct srv *s = h->s;
+    if (h->failed) {
+        char *e = kr_oai_error_json(&h->err);
+        if (e) {
+            buf_append(&h->out, &h->out_len, &h->out_cap, "data: ", 6);
+            buf_append(&h->out, &h->out_len, &h->out_cap, e, strlen(e));
+            buf_append(&h->out, &h->out_len, &h->out_cap, "\n\n", 2);
+            free(e);
+        }
+    } else if (h->o.include_usage) {
+        struct kr_oai_usage u = {0};
+        for (int32_t i = 0; i < h->n_sub; i++) {
+            u.prompt_tokens += h->subs[i].n_prompt;
+        }
+        for (int32_t i = 0; i < h->n_choices; i++) {
+            u.completion_tokens += h->ch[i].n_ids;
+        }
+        out_append(h, kr_oai_usage_chunk(h->id, h->created, s->model_name, h->route == R_CHAT, &u));
+    }
+    buf_append(&h->out, &h->out_len, &h->out_cap, "data: [DONE]\n\n", 14);
+    h->out_eof = true;
+}
+
+static void hup_stop(struct hreq *h)
+{
+    if (h->hup_active) {
+        uv_poll_stop(&h->hup);
+        h->hup_active = false;
+    }
+}
+
+/* Wakes a parked connection: MHD acts on a resume at its next run. */
+static void resume(struct hreq *h)
+{
+    if (h->suspended && h->conn) {
+        hup_stop(h);
+        h->suspended = false;
+        MHD_resume_connection(h->conn);
+    }
+}
+
+/* ---- engine events (engine thread -> loop thread) ------------------------------------------------ */
+
+/* Engine thread: copies the event (its arrays are only borrowed) and wakes the loop. Never blocks
+ * beyond a short mutex. */
+static void on_engine_event(const struct kr_event *ev, void *user)
+{
+    struct sub *sb = user;
+    struct srv *s = sb->h->s;
+    struct evnode *n = kr_calloc(1, sizeof *n);
+    if (!n) {
+        KR_LOG_ERROR("out of memory queueing an engine event; the request will miss it");
+        return;
+    }
+    n->sub = sb;
+    n->ev = *ev;
+    if (ev->type == KR_EVENT_TOKEN && ev->n_top > 0) {
+        memcpy(n->top_ids, ev->top_ids, (size_t)ev->n_top * sizeof(int32_t));
+        memcpy(n->top_lps, ev->top_logprobs, (size_t)ev->n_top * sizeof(float));
+    }
+    n->ev.top_ids = n->top_ids;
+    n->ev.top_logprobs = n->top_lps;
+    if (ev->type == KR_EVENT_PROMPT_LOGPROBS) {
+        const size_t np = (size_t)ev->n_prompt, k = (size_t)ev->prompt_top_k;
+        n->plp = kr_malloc(np * sizeof(float));
+        n->plp_ids = kr_malloc(np * (k ? k : 1) * sizeof(int32_t));
+        n->plp_top = kr_malloc(np * (k ? k : 1) * sizeof(float));
+        if (n->plp && n->plp_ids && n->plp_top) {
+            memcpy(n->plp, ev->prompt_logprobs, np * sizeof(float));
+            if (k) {
+                memcpy(n->plp_ids, ev->prompt_top_ids, np * k * sizeof(int32_t));
+                memcpy(n->plp_top, ev->prompt_top_logprobs, np * k * sizeof(float));
+            }
+        }
+    }
+    if (ev->type == KR_EVENT_ERROR) {
+        snprintf(n->msg, sizeof n->msg, "%s", ev->message ? ev->message : kr_status_str(ev->status));
+        n->ev.message = n->msg;
+    }
+    pthread_mutex_lock(&s->qmu);
+    if (s->qt) {
+        s->qt->next = n;
+    } else {
+        s->qh = n;
+    }
+    s->qt = n;
+    pthread_mutex_unlock(&s->qmu);
+    uv_async_send(&s->wake);
+}
+
+static void free_node(struct evnode *n)
+{
+    kr_free(n->plp);
+    kr_free(n->plp_ids);
+    kr_free(n->plp_top);
+    kr_free(n);
+}
+
+/* Checks the tail of c's text for a stop string; on a match truncates the text there. */
+static bool check_stop(struct hreq *h, struct choice *c, size_t from)
+{
+    for (int32_t i = 0; i < h->o.n_stop; i++) {
+        const char *st = h->o.stop[i];
+        const size_t sl = strlen(st);
+        if (sl == 0 || c->len < sl) {
+            continue;
+        }
+        size_t start = from >= sl - 1 ? from - (sl - 1) : 0;
+        for (size_t p = start; p + sl <= c->len; p++) {
+            if (!memcmp(c->text + p, st, sl)) {
+                c->len = p;
+                c->text[p] = 0;
+                c->stop_str = kr_strdup(st);
+                return true;
+            }
+        }
+    }
+    return false;
+}
+
+static void finish_choice(struct hreq *h, struct choice *c, const char *why)
+{
+    if (c->finished) {
+        return;
+    }
+    if (c->detok) {
+        const char *piece = NULL;
+        size_t plen = 0;
+        if (kr_detok_flush(c->detok, &piece, &plen, NULL) == KR_OK && plen) {
+            const size_t before = c->len;
+            buf_append(&c->text, &c->len, &c->cap, piece, plen);
+            if (check_stop(h, c, before)) {
+                why = "stop";
+            }
+        }
+    }
+    c->finished = true;
+    c->finish = why;
+    struct srv *s = h->s;
+    s->met.requests_ok[!strcmp(why, "stop") ? 0 : !strcmp(why, "length") ? 1 : 2]++;
+}
+
+static void sub_done(struct hreq *h, struct sub *sb)
+{
+    if (!sb->live) {
+        return;
+    }
+    sb->live = false;
+    bool all = true;
+    for (int32_t i = 0; i < h->n_sub; i++) {
+        all &= !h->subs[i].live;
+    }
+    if (all) {
+        h->done = true;
+        h->s->n_gen--;
+        kr_hist_observe(&h->s->met.e2e, now_s() - h->t_arrival);
+    }
+}
+
+static void process_event(struct srv *s, struct evnode *n)
+{
+    struct sub *sb = n->sub;
+    struct hreq *h = sb->h;
+    const struct kr_event *ev = &n->ev;
+    const double t = now_s();
+    switch (ev->type) {
+    case KR_EVENT_PROMPT_LOGPROBS: {
+        if (!n->plp || sb->plp) {
+            break;
+        }
+        const int32_t k = ev->prompt_top_k;
+        sb->plp = kr_calloc((size_t)sb->n_prompt, sizeof *sb->plp);
+        sb->plp_top = kr_calloc((size_t)sb->n_prompt * (size_t)(k ? k : 1), sizeof *sb->plp_top);
+        if (!sb->plp || !sb->plp_top) {
+            break;
+        }
+        sb->plp_k = k;
+        for (int32_t i = 0; i < sb->n_prompt; i++) {
+            fill_token(s, &sb->plp[i].tok, sb->prompt[i], n->plp[i]);
+            if (i > 0 && k > 0) {
+                sb->plp[i].n_top = k;
+                sb->plp[i].top = sb->plp_top + (size_t)i * (size_t)k;
+                for (int32_t j = 0; j < k; j++) {
+                    fill_token(s, &sb->plp_top[(size_t)i * (size_t)k + (size_t)j], n->plp_ids[(size_t)i * (size_t)k + (size_t)j],
+                               n->plp_top[(size_t)i * (size_t)k + (size_t)j]);
+                }
+            }
+        }
+        break;
+    }
+    case KR_EVENT_TOKEN: {
+        struct choice *c = &h->ch[sb->idx * h->o.n + ev->index];
+        if (c->finished) {
+            break; /* a stop string already ended it; the engine's cancel is on its way */
+        }
+        if (c->n_ids == 0) {
+            c->t_first = t;
+            kr_hist_observe(&s->met.ttft, t - h->t_arrival);
+            kr_hist_observe(&s->met.queue, ev->queue_s);
+        } else {
+            kr_hist_observe(&s->met.itl, t - c->t_last);
+        }
+        c->t_last = t;
+        if (c->n_ids == c->cap_ids) {
+            int32_t nc = c->cap_ids ? 2 * c->cap_ids : 32;
+            int32_t *ni = kr_realloc(c->ids, (size_t)nc * sizeof(int32_t));
+            if (!ni) {
+                break;
+            }
+            c->ids = ni;
+            if (h->o.sampling.logprobs >= 0) {
+                struct kr_oai_logprob *nl = kr_realloc(c->lps, (size_t)nc * sizeof *nl);
+                if (nl) {
+                    c->lps = nl;
+                }
+                const int32_t k = h->o.sampling.logprobs;
+                struct kr_oai_token *nt = kr_realloc(c->lp_top, (size_t)nc * (size_t)(k ? k : 1) * sizeof *nt);
+                if (nt) {
+                    c->lp_top = nt;
+                }
+                if (!nl || !nt) {
+                    break;
+                }
+            }
+            c->cap_ids = nc;
+        }
+        if (c->lps) {
+            const int32_t k = h->o.sampling.logprobs;
+            struct kr_oai_logprob *lp = &c->lps[c->n_ids];
+            memset(lp, 0, sizeof *lp);
+            fill_token(s, &lp->tok, ev->token, ev->logprob);
+            lp->n_top = ev->n_top < k ? ev->n_top : k;
+            lp->top = c->lp_top + (size_t)c->n_ids * (size_t)k;
+            for (int32_t j = 0; j < lp->n_top; j++) {
+                fill_token(s, &c->lp_top[(size_t)c->n_ids * (size_t)k + (size_t)j], ev->top_ids[j], ev->top_logprobs[j]);
+            }
+        }
+        c->ids[c->n_ids++] = ev->token;
+        if (c->detok) {
+            const char *piece = NULL;
+            size_t plen = 0;
+            if (kr_detok_push(c->detok, ev->token, &piece, &plen, NULL) == KR_OK && plen) {
+                const size_t before = c->len;
+                buf_append(&c->text, &c->len, &c->cap, piece, plen);
+                if (check_stop(h, c, before)) {
+                    finish_choice(h, c, "stop");
+                    kr_engine_cancel_choice(s->eng, sb->eng_id, ev->index);
+                }
+            }
+        }
+        if (h->stream) {
+            stream_choice(h, c);
+        }
+        break;
+    }
+    case KR_EVENT_FINISH: {
+        struct choice *c = &h->ch[sb->idx * h->o.n + ev->index];
+        if (!c->finished) {
+            const char *why = ev->finish == KR_FINISH_STOP ? "stop" : ev->finish == KR_FINISH_LENGTH ? "length" : "abort";
+            c->stop_id = ev->finish == KR_FINISH_STOP ? ev->stop_token : -1;
+            finish_choice(h, c, why);
+        }
+        if (h->stream) {
+            stream_choice(h, c);
+        }
+        if (--sb->n_left == 0) {
+            sub_done(h, sb);
+            hreq_unref(h);
+            if (h->refs == 0) {
+                return; /* the client left and everything is released */
+            }
+        }
+        break;
+    }
+    case KR_EVENT_ERROR:
+        if (!h->failed) {
+            h->failed = true;
+            kr_oai_error_set(&h->err, 500, "server_error", "", "", "generation failed: %s", ev->message);
+        }
+        for (int32_t i = 0; i < h->o.n; i++) {
+            struct choice *c = &h->ch[sb->idx * h->o.n + i];
+            if (!c->finished) {
+                finish_choice(h, c, "abort");
+            }
+        }
+        sub_done(h, sb);
+        hreq_unref(h);
+        if (h->refs == 0) {
+            return;
+        }
+        break;
+    }
+    if (h->done && h->stream && !h->out_eof) {
+        stream_finish(h);
+    }
+    if (h->stream || h->done) {
+        resume(h);
+    }
+}
+
+static void on_wake(uv_async_t *a)
+{
+    struct srv *s = a->data;
+    pthread_mutex_lock(&s->qmu);
+    struct evnode *n = s->qh;
+    s->qh = s->qt = NULL;
+    pthread_mutex_unlock(&s->qmu);
+    while (n) {
+        struct evnode *next = n->next;
+        process_event(s, n);
+        free_node(n);
+        n = next;
+    }
+    if (s->d) {
+        MHD_run(s->d);
+    }
+}
+
+/* ---- hang-up watch for parked connections ------------------------------------------------------- */
+
+static void on_hup(uv_poll_t *p, int status, int events)
+{
+    struct hreq *h = p->data;
+    if (status < 0 || (events & UV_DISCONNECT)) {
+        hup_stop(h);
+        if (!h->done) {
+            hreq_cancel(h); /* the client is gone: free its caches now, not at the end */
+        }
+        resume(h);
+        MHD_run(h->s->d);
+    }
+}
+
+static void hup_start(struct hreq *h)
+{
+    if (!h->conn || h->hup_active) {
+        return;
+    }
+    if (!h->hup_init) {
+        const union MHD_ConnectionInfo *ci = MHD_get_connection_info(h->conn, MHD_CONNECTION_INFO_CONNECTION_FD);
+        if (!ci || uv_poll_init(&h->s->loop, &h->hup, ci->connect_fd) != 0) {
+            return;
+        }
+        h->hup.data = h;
+        h->hup_init = true;
+    }
+    if (uv_poll_start(&h->hup, UV_DISCONNECT, on_hup) == 0) {
+        h->hup_active = true;
+    }
+}
+
+static void park(struct hreq *h)
+{
+    if (!h->suspended) {
+        h->suspended = true;
+        MHD_suspend_connection(h->conn);
+        hup_start(h);
+    }
+}
+
+/* ---- generation routes --------------------------------------------------------------------------- */
+
+static ssize_t stream_reader(void *cls, uint64_t pos, char *buf, size_t max)
+{
+    struct hreq *h = cls;
+    (void)pos;
+    if (h->out_off < h->out_len) {
+        size_t n = h->out_len - h->out_off < max ? h->out_len - h->out_off : max;
+        memcpy(buf, h->out + h->out_off, n);
+        h->out_off += n;
+        if (h->out_off == h->out_len) {
+            h->out_off = h->out_len = 0;
+        }
+        return (ssize_t)n;
+    }
+    if (h->out_eof) {
+        return MHD_CONTENT_READER_END_OF_STREAM;
+    }
+    park(h); /* nothing queued: sleep until the next event resumes us (returning 0 alone would spin) */
+    return 0;
+}
+
+static void stream_reader_free(void *cls)
+{
+    (void)cls; /* the request's lifetime is counted by its references */
+}
+
+static enum MHD_Result submit_all(struct hreq *h)
+{
+    struct srv *s = h->s;
+    for (int32_t i = 0; i < h->n_sub; i++) {
+        struct sub *sb = &h->subs[i];
+        struct kr_request_params p = {.prompt = sb->prompt, .n_prompt = sb->n_prompt, .n = h->o.n,
+                                      .sampling = h->o.sampling, .cb = on_engine_event, .user = sb};
+        struct kr_err err = {{0}};
+        enum kr_status st = kr_engine_submit(s->eng, &p, &sb->eng_id, &err);
+        if (st != KR_OK) {
+            hreq_cancel(h); /* the prompts already queued */
+            struct kr_oai_error e;
+            if (st == KR_ERR_BUSY) {
+                kr_oai_error_set(&e, 429, "rate_limit_error", "", "queue_full", "%s", err.msg);
+            } else if (st == KR_ERR_INVAL) {
+                const bool ctx = strstr(err.msg, "context length") != NULL;
+                kr_oai_error_set(&e, 400, "invalid_request_error", ctx ? "max_tokens" : "",
+                                 ctx ? "context_length_exceeded" : "", "%s", err.msg);
+            } else {
+                kr_oai_error_set(&e, 500, "server_error", "", "", "%s", err.msg[0] ? err.msg : kr_status_str(st));
+            }
+            if (i > 0) {
+                /* the earlier prompts hold references and will finish as cancelled */
+                h->failed = true;
+                h->err = e;
+            }
+            return send_error(h, &e);
+        }
+        sb->submitted = true;
+        sb->live = true;
+        sb->n_left = h->o.n;
+        h->refs++;
+    }
+    s->n_gen++;
+    if (h->stream) {
+        struct MHD_Response *r =
+            MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 16384, stream_reader, h, stream_reader_free);
+        if (!r) {
+            hreq_cancel(h);
+            return MHD_NO;
+        }
+        MHD_add_response_header(r, "Content-Type", "text/event-stream");
+        MHD_add_response_header(r, "Cache-Control", "no-cache");
+        enum MHD_Result ret = MHD_queue_response(h->conn, 200, r);
+        MHD_destroy_response(r);
+        h->responded = true;
+        count_status(s, 200);
+        return ret;
+    }
+    park(h);
+    return MHD_YES;
+}
+
+/* Tokenizes text with the loaded tokenizer into sub's prompt. */
+static bool tokenize_into(struct hreq *h, struct sub *sb, const char *text, size_t len, bool add_special,
+                          struct kr_oai_error *e, const char *param)
+{
+    struct srv *s = h->s;
+    if (!s->tok) {
+        kr_oai_error_set(e, 400, "invalid_request_error", param, "",
+                         "text prompts need a tokenizer; this server runs with --skip-tokenizer-init: send token ids");
+        return false;
+    }
+    int32_t *ids = NULL;
+    int64_t n = 0;
+    struct kr_err err = {{0}};
+    if (kr_tokenizer_encode(s->tok, text, len, add_special, &ids, &n, &err) != KR_OK) {
+        kr_oai_error_set(e, 400, "invalid_request_error", param, "", "cannot tokenize: %s", err.msg);
+        return false;
+    }
+    sb->prompt = ids;
+    sb->n_prompt = (int32_t)n;
+    return true;
+}
+
+static enum MHD_Result handle_generate(struct hreq *h)
+{
+    struct srv *s = h->s;
+    struct kr_oai_error e;
+    const enum kr_oai_kind kind = h->route == R_CHAT ? KR_OAI_CHAT : KR_OAI_COMPLETIONS;
+    if (kr_oai_parse(kind, h->body ? h->body : "", h->blen, &h->o, &e) != KR_OK) {
+        return send_error(h, &e);
+    }
+    h->have_o = true;
+    if (h->o.model && strcmp(h->o.model, s->model_name) != 0) {
+        kr_oai_error_set(&e, 404, "not_found_error", "model", "model_not_found",
+                         "The model `%s` does not exist; this server serves `%s`", h->o.model, s->model_name);
+        return send_error(h, &e);
+    }
+    h->stream = h->o.stream;
+    h->created = (int64_t)time(NULL);
+    static uint64_t counter;
+    snprintf(h->id, sizeof h->id, "%s-%llx%06llx", kind == KR_OAI_CHAT ? "chatcmpl" : "cmpl",
+             (unsigned long long)time(NULL), (unsigned long long)(++counter & 0xffffff));
+    h->n_sub = kind == KR_OAI_CHAT ? 1 : h->o.n_prompts;
+    h->subs = kr_calloc((size_t)h->n_sub, sizeof *h->subs);
+    if (!h->subs) {
+        return send_json_str(h, 500, NULL);
+    }
+    for (int32_t i = 0; i < h->n_sub; i++) {
+        struct sub *sb = &h->subs[i];
+        sb->h = h;
+        sb->idx = i;
+        char param[32];
+        if (kind == KR_OAI_CHAT) {
+            if (!s->tok || !s->chat) {
+                kr_oai_error_set(&e, 400, "invalid_request_error", "messages", "",
+                                 "chat completions need a tokenizer with a chat template (none is loaded)");
+                return send_error(h, &e);
+            }
+            char *text = NULL;
+            size_t len = 0;
+            if (kr_chat_render(s->chat, h->o.messages, h->o.tools, h->o.add_generation_prompt,
+                               h->o.continue_final_message, h->o.chat_template_kwargs, &text, &len, &e) != KR_OK) {
+                return send_error(h, &e);
+            }
+            bool ok = tokenize_into(h, sb, text, len, false, &e, "messages");
+            kr_free(text);
+            if (!ok) {
+                return send_error(h, &e);
+            }
+        } else {
+            const struct kr_oai_prompt *p = &h->o.prompts[i];
+            snprintf(param, sizeof param, h->o.n_prompts > 1 ? "prompt[%d]" : "prompt", i);
+            if (p->ids) {
+                sb->prompt = kr_malloc((size_t)(p->n_ids ? p->n_ids : 1) * sizeof(int32_t));
+                if (!sb->prompt) {
+                    return send_json_str(h, 500, NULL);
+                }
+                memcpy(sb->prompt, p->ids, (size_t)p->n_ids * sizeof(int32_t));
+                sb->n_prompt = p->n_ids;
+                for (int32_t k = 0; k < p->n_ids; k++) {
+                    if (p->ids[k] < 0 || p->ids[k] >= s->m->cfg.vocab) {
+                        kr_oai_error_set(&e, 400, "invalid_request_error", param, "",
+                                         "token id %d is outside the vocabulary [0, %lld)", p->ids[k],
+                                         (long long)s->m->cfg.vocab);
+                        return send_error(h, &e);
+                    }
+                }
+                if (h->o.echo && s->tok) {
+                    kr_tokenizer_decode(s->tok, p->ids, p->n_ids, false, &sb->prompt_text, &sb->prompt_text_len, NULL);
+                }
+            } else {
+                if (!tokenize_into(h, sb, p->text, p->text_len, true, &e, param)) {
+                    return send_error(h, &e);
+                }
+                sb->prompt_text = kr_strndup(p->text, p->text_len);
+                sb->prompt_text_len = p->text_len;
+            }
+        }
+        if (sb->n_prompt == 0) {
+            kr_oai_error_set(&e, 400, "invalid_request_error", kind == KR_OAI_CHAT ? "messages" : "prompt", "",
+                             "the prompt is empty after tokenization");
+            return send_error(h, &e);
+        }
+        if (sb->n_prompt >= s->max_model_len) {
+            kr_oai_error_set(&e, 400, "invalid_request_error", kind == KR_OAI_CHAT ? "messages" : "prompt",
+                             "context_length_exceeded",
+                             "This model's maximum context length is %d tokens. However, your request has %d input "
+                             "tokens. Please reduce the length of the input.",
+                             s->max_model_len, sb->n_prompt);
+            return send_error(h, &e);
+        }
+    }
+    if (!h->o.max_tokens_given && kind == KR_OAI_CHAT) {
+        h->o.sampling.max_tokens = s->max_model_len - h->subs[0].n_prompt;
+    }
+    for (int32_t i = 0; i < h->n_sub; i++) {
+        if (h->subs[i].n_prompt + h->o.sampling.max_tokens > s->max_model_len) {
+            kr_oai_error_set(&e, 400, "invalid_request_error", "max_tokens", "context_length_exceeded",
+                             "This model's maximum context length is %d tokens. However, you requested %d tokens (%d "
+                             "in the messages, %d in the completion). Please reduce the length of the messages or "
+                             "completion.",
+                             s->max_model_len, h->subs[i].n_prompt + h->o.sampling.max_tokens, h->subs[i].n_prompt,
+                             h->o.sampling.max_tokens);
+            return send_error(h, &e);
+        }
+    }
+    for (int32_t i = 0; i < h->o.n_stop; i++) {
+        int32_t l = (int32_t)strlen(h->o.stop[i]);
+        h->max_stop = l > h->max_stop ? l : h->max_stop;
+    }
+    h->n_choices = h->n_sub * h->o.n;
+    h->ch = kr_calloc((size_t)h->n_choices, sizeof *h->ch);
+    if (!h->ch) {
+        return send_json_str(h, 500, NULL);
+    }
+    for (int32_t i = 0; i < h->n_choices; i++) {
+        struct choice *c = &h->ch[i];
+        c->index = i;
+        c->sub = &h->subs[i / h->o.n];
+        c->engine_index = i % h->o.n;
+        c->stop_id = -1;
+        if (s->tok && kr_detok_create(s->tok, h->o.skip_special_tokens, &c->detok) != KR_OK) {
+            return send_json_str(h, 500, NULL);
+        }
+        if (h->o.sampling.logprobs >= 0) {
+            c->cap_ids = 32;
+            c->ids = kr_malloc(32 * sizeof(int32_t));
+            c->lps = kr_malloc(32 * sizeof *c->lps);
+            c->lp_top = kr_malloc(32 * (size_t)(h->o.sampling.logprobs ? h->o.sampling.logprobs : 1) * sizeof *c->lp_top);
+            if (!c->ids || !c->lps || !c->lp_top) {
+                return send_json_str(h, 500, NULL);
+            }
+        }
+    }
+    if (h->o.echo && h->o.sampling.logprobs >= 0 && h->o.sampling.prompt_logprobs < 0) {
+        h->o.sampling.prompt_logprobs = h->o.sampling.logprobs; /* echo + logprobs: OpenAI returns the prompt's */
+    }
+    return submit_all(h);
+}
+
+/* Builds and sends the non-streaming response once every choice has finished. */
+static enum MHD_Result send_result(struct hreq *h)
+{
+    struct srv *s = h->s;
+    if (h->failed) {
+        return send_error(h, &h->err);
+    }
+    struct kr_oai_choice *cv = kr_calloc((size_t)h->n_choices, sizeof *cv);
+    if (!cv) {
+        return send_json_str(h, 500, NULL);
+    }
+    struct kr_oai_usage u = {0};
+    for (int32_t i = 0; i < h->n_sub; i++) {
+        u.prompt_tokens += h->subs[i].n_prompt;
+    }
+    for (int32_t i = 0; i < h->n_choices; i++) {
+        choice_view(h, &h->ch[i], &cv[i]);
+        u.completion_tokens += h->ch[i].n_ids;
+    }
+    char *json = NULL;
+    if (h->route == R_CHAT) {
+        struct kr_oai_completion c = {.id = h->id, .created = h->created, .model = s->model_name, .choices = cv,
+                                      .n_choices = h->n_choices, .usage = u,
+                                      .prompt_ids = h->subs[0].prompt, .n_prompt_ids = h->subs[0].n_prompt,
+                                      .return_token_ids = h->o.return_token_ids || !s->tok};
+        json = kr_oai_chat_json(&c);
+    } else if (h->n_sub == 1) {
+        const struct sub *sb = &h->subs[0];
+        struct kr_oai_completion c = {.id = h->id, .created = h->created, .model = s->model_name, .choices = cv,
+                                      .n_choices = h->n_choices, .usage = u,
+                                      .prompt_text = h->o.echo ? (sb->prompt_text ? sb->prompt_text : "") : NULL,
+                                      .prompt_text_len = h->o.echo ? sb->prompt_text_len : 0,
+                                      .prompt_ids = sb->prompt, .n_prompt_ids = sb->n_prompt,
+                                      .prompt_logprobs = h->o.echo ? sb->plp : NULL,
+                                      .return_token_ids = h->o.return_token_ids || !s->tok};
+        json = kr_oai_completion_json(&c);
+    } else {
+        /* several prompts: encode each prompt's choices, then merge their choice arrays */
+        json_t *all = NULL;
+        for (int32_t i = 0; i < h->n_sub; i++) {
+            const struct sub *sb = &h->subs[i];
+            struct kr_oai_completion c = {.id = h->id, .created = h->created, .model = s->model_name,
+                                          .choices = cv + (size_t)i * (size_t)h->o.n, .n_choices = h->o.n,
+                                          .usage = u,
+                                          .prompt_text = h->o.echo ? (sb->prompt_text ? sb->prompt_text : "") : NULL,
+                                          .prompt_text_len = h->o.echo ? sb->prompt_text_len : 0,
+                                          .prompt_ids = sb->prompt, .n_prompt_ids = sb->n_prompt,
+                                          .prompt_logprobs = h->o.echo ? sb->plp : NULL,
+                                          .return_token_ids = h->o.return_token_ids || !s->tok};
+            char *part = kr_oai_completion_json(&c);
+            json_t *pj = part ? json_loads(part, 0, NULL) : NULL;
+            free(part);
+            if (!pj) {
+                json_decref(all);
+                all = NULL;
+                break;
+            }
+            if (!all) {
+                all = pj;
+            } else {
+                json_array_extend(json_object_get(all, "choices"), json_object_get(pj, "choices"));
+                json_decref(pj);
+            }
+        }
+        json = all ? json_dumps(all, JSON_COMPACT | JSON_REAL_PRECISION(9)) : NULL;
+        json_decref(all);
+    }
+    kr_free(cv);
+    return send_json_str(h, 200, json);
+}
+
+/* ---- other routes --------------------------------------------------------------------------------- */
+
+static enum MHD_Result handle_tokenize(struct hreq *h)
+{
+    struct srv *s = h->s;
+    json_error_t je;
+    json_t *root = json_loadb(h->body ? h->body : "", h->blen, 0, &je);
+    if (!root || !json_is_object(root)) {
+        json_decref(root);
+        return send_simple_error(h, 400, "invalid_request_error", "", "", "the body must be a JSON object");
+    }
+    if (!s->tok) {
+        json_decref(root);
+        return send_simple_error(h, 400, "invalid_request_error", "", "", "no tokenizer is loaded (--skip-tokenizer-init)");
+    }
+    json_t *prompt = json_object_get(root, "prompt"), *messages = json_object_get(root, "messages");
+    json_t *ast = json_object_get(root, "add_special_tokens");
+    char *text = NULL;
+    size_t len = 0;
+    bool add_special = true;
+    struct kr_oai_error e;
+    if (json_is_string(prompt)) {
+        text = kr_strndup(json_string_value(prompt), json_string_length(prompt));
+        len = json_string_length(prompt);
+    } else if (json_is_array(messages)) {
+        add_special = false;
+        json_t *agp = json_object_get(root, "add_generation_prompt");
+        if (!s->chat || kr_chat_render(s->chat, messages, json_object_get(root, "tools"),
+                                       agp ? json_is_true(agp) : true, false,
+                                       json_object_get(root, "chat_template_kwargs"), &text, &len, &e) != KR_OK) {
+            json_decref(root);
+            if (!s->chat) {
+                return send_simple_error(h, 400, "invalid_request_error", "messages", "", "no chat template is loaded");
+            }
+            return send_error(h, &e);
+        }
+    } else {
+        json_decref(root);
+        return send_simple_error(h, 400, "invalid_request_error", "prompt", "",
+                                 "give \"prompt\" (a string) or \"messages\" (a list of chat messages)");
+    }
+    if (ast) {
+        if (!json_is_boolean(ast)) {
+            kr_free(text);
+            json_decref(root);
+            return send_simple_error(h, 400, "invalid_request_error", "add_special_tokens", "",
+                                     "'add_special_tokens' must be a boolean");
+        }
+        add_special = json_is_true(ast);
+    }
+    int32_t *ids = NULL;
+    int64_t n = 0;
+    struct kr_err err = {{0}};
+    enum kr_status st = kr_tokenizer_encode(s->tok, text ? text : "", len, add_special, &ids, &n, &err);
+    kr_free(text);
+    if (st != KR_OK) {
+        json_decref(root);
+        return send_simple_error(h, 400, "invalid_request_error", "prompt", "", err.msg);
+    }
+    json_t *out = json_object(), *arr = json_array(), *strs = NULL;
+    const bool want_strs = json_is_true(json_object_get(root, "return_token_strs"));
+    if (want_strs) {
+        strs = json_array();
+    }
+    for (int64_t i = 0; i < n; i++) {
+        json_array_append_new(arr, json_integer(ids[i]));
+        if (strs) {
+            size_t pl = 0;
+            const char *piece = kr_tokenizer_id_to_piece(s->tok, ids[i], &pl);
+            json_array_append_new(strs, piece ? json_stringn(piece, pl) : json_null());
+        }
+    }
+    kr_free(ids);
+    json_object_set_new(out, "count", json_integer(n));
+    json_object_set_new(out, "max_model_len", json_integer(s->max_model_len));
+    json_object_set_new(out, "tokens", arr);
+    json_object_set_new(out, "token_strs", strs ? strs : json_null());
+    json_decref(root);
+    return send_json(h, 200, out);
+}
+
+static enum MHD_Result handle_detokenize(struct hreq *h)
+{
+    struct srv *s = h->s;
+    json_error_t je;
+    json_t *root = json_loadb(h->body ? h->body : "", h->blen, 0, &je);
+    json_t *toks = root ? json_object_get(root, "tokens") : NULL;
+    if (!json_is_array(toks)) {
+        json_decref(root);
+        return send_simple_error(h, 400, "invalid_request_error", "tokens", "", "\"tokens\" must be a list of token ids");
+    }
+    if (!s->tok) {
+        json_decref(root);
+        return send_simple_error(h, 400, "invalid_request_error", "", "", "no tokenizer is loaded (--skip-tokenizer-init)");
+    }
+    const size_t n = json_array_size(toks);
+    int32_t *ids = kr_malloc((n ? n : 1) * sizeof(int32_t));
+    for (size_t i = 0; ids && i < n; i++) {
+        json_t *v = json_array_get(toks, i);
+        if (!json_is_integer(v) || json_integer_value(v) < 0 || json_integer_value(v) >= kr_tokenizer_n_vocab(s->tok)) {
+            char param[32];
+            snprintf(param, sizeof param, "tokens[%zu]", i);
+            kr_free(ids);
+            json_decref(root);
+            return send_simple_error(h, 400, "invalid_request_error", param, "", "token ids must be integers in the vocabulary");
+        }
+        ids[i] = (int32_t)json_integer_value(v);
+    }
+    char *text = NULL;
+    size_t len = 0;
+    enum kr_status st = ids ? kr_tokenizer_decode(s->tok, ids, (int64_t)n, false, &text, &len, NULL) : KR_ERR_NOMEM;
+    kr_free(ids);
+    json_decref(root);
+    if (st != KR_OK) {
+        return send_json_str(h, 500, NULL);
+    }
+    json_t *out = json_object();
+    json_object_set_new(out, "prompt", json_stringn(text, len));
+    kr_free(text);
+    return send_json(h, 200, out);
+}
+
+static bool authorized(struct hreq *h)
+{
+    struct srv *s = h->s;
+    if (s->o.n_api_keys == 0) {
+        return true;
+    }
+    const char *a = MHD_lookup_connection_value(h->conn, MHD_HEADER_KIND, "Authorization");
+    if (!a || strncasecmp(a, "Bearer ", 7) != 0) {
+        return false;
+    }
+    a += 7;
+    for (int i = 0; i < s->o.n_api_keys; i++) {
+        const char *k = s->o.api_keys[i];
+        const size_t kl = strlen(k), al = strlen(a);
+        unsigned diff = (unsigned)(kl ^ al);
+        for (size_t j = 0; j < kl; j++) { /* constant time over the key */
+            diff |= (unsigned)(k[j] ^ (j < al ? a[j] : 0));
+        }
+        if (diff == 0) {
+            return true;
+        }
+    }
+    return false;
+}
+
+static enum MHD_Result dispatch(struct hreq *h, const char *url, const char *method)
+{
+    struct srv *s = h->s;
+    const bool get = !strcmp(method, "GET"), post = !strcmp(method, "POST");
+    if (h->too_big) {
+        char msg[128];
+        snprintf(msg, sizeof msg, "the request body exceeds %zu bytes", s->o.max_body_bytes);
+        return send_simple_error(h, 413, "invalid_request_error", "", "request_too_large", msg);
+    }
+    if (!strcmp(url, "/health") || !strcmp(url, "/ping")) {
+        if (s->ready && !s->draining) {
+            return send_body(h, 200, "application/json", "{}", 2, NULL);
+        }
+        return send_simple_error(h, 503, "service_unavailable", "", "",
+                                 s->draining ? "the server is shutting down" : "the model is loading");
+    }
+    if (!strcmp(url, "/metrics") && get) {
+        struct kr_engine_stats st = {0};
+        if (s->eng) {
+            kr_engine_get_stats(s->eng, &st);
+        }
+        size_t len = 0;
+        char *txt = kr_metrics_render(&s->met, &st, s->model_name, &len);
+        if (!txt) {
+            return send_json_str(h, 500, NULL);
+        }
+        enum MHD_Result r = send_body(h, 200, "text/plain; version=0.0.4; charset=utf-8", txt, len, NULL);
+        kr_free(txt);
+        return r;
+    }
+    if (!strcmp(url, "/version") && get) {
+        return send_body(h, 200, "application/json", "{\"version\":\"0.1.0\"}", 19, NULL);
+    }
+    const bool v1 = !strncmp(url, "/v1/", 4);
+    if (v1 && !authorized(h)) {
+        return send_simple_error(h, 401, "authentication_error", "", "invalid_api_key",
+                                 "missing or invalid API key (send Authorization: Bearer <key>)");
+    }
+    const struct {
+        const char *url;
+        enum route r;
+        bool post;
+    } routes[] = {
+        {"/v1/completions", R_COMPLETIONS, true}, {"/v1/chat/completions", R_CHAT, true},
+        {"/v1/models", R_MODELS, false},          {"/tokenize", R_TOKENIZE, true},
+        {"/detokenize", R_DETOKENIZE, true},
+    };
+    for (size_t i = 0; i < sizeof routes / sizeof routes[0]; i++) {
+        if (strcmp(url, routes[i].url) != 0) {
+            continue;
+        }
+        if (routes[i].post ? !post : !get) {
+            return send_simple_error(h, 405, "invalid_request_error", "", "method_not_allowed",
+                                     routes[i].post ? "use POST" : "use GET");
+        }
+        if (!s->ready || s->draining) {
+            return send_simple_error(h, 503, "service_unavailable", "", "",
+                                     s->draining ? "the server is shutting down" : "the model is loading");
+        }
+        h->route = routes[i].r;
+        switch (h->route) {
+        case R_COMPLETIONS:
+        case R_CHAT:
+            return handle_generate(h);
+        case R_MODELS: {
+            char *j = kr_oai_models_json(s->model_name, s->started, s->max_model_len);
+            return send_json_str(h, 200, j);
+        }
+        case R_TOKENIZE:
+            return handle_tokenize(h);
+        case R_DETOKENIZE:
+            return handle_detokenize(h);
+        default:
+            break;
+        }
+    }
+    return send_simple_error(h, 404, "not_found_error", "", "", "no such route");
+}
+
+/* ---- libmicrohttpd callbacks ------------------------------------------------------------------------- */
+
+static enum MHD_Result on_access(void *cls, struct MHD_Connection *conn, const char *url, const char *method,
+                                 const char *version, const char *upload, size_t *upload_size, void **con_cls)
+{
+    struct srv *s = cls;
+    struct hreq *h = *con_cls;
+    (void)version;
+    if (!h) { /* headers are in */
+        h = kr_calloc(1, sizeof *h);
+        if (!h) {
+            return MHD_NO;
+        }
+        h->s = s;
+        h->conn = conn;
+        h->refs = 1;
+        h->t_arrival = now_s();
+        h->next = s->reqs;
+        if (s->reqs) {
+            s->reqs->prev = h;
+        }
+        s->reqs = h;
+        *con_cls = h;
+        return MHD_YES;
+    }
+    if (*upload_size) {
+        if (!h->too_big) {
+            if (h->blen + *upload_size > s->o.max_body_bytes) {
+                h->too_big = true; /* keep reading (and dropping) so the 413 can be sent */
+                kr_free(h->body);
+                h->body = NULL;
+                h->blen = h->bcap = 0;
+            } else if (!buf_append(&h->body, &h->blen, &h->bcap, upload, *upload_size)) {
+                return MHD_NO;
+            }
+        }
+        *upload_size = 0;
+        return MHD_YES;
+    }
+    if (h->responded) {
+        return MHD_YES;
+    }
+    if (h->have_o) { /* resumed: the generation is over */
+        if (h->done) {
+            return send_result(h);
+        }
+        park(h);
+        return MHD_YES;
+    }
+    return dispatch(h, url, method);
+}
+
+static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls, enum MHD_RequestTerminationCode toe)
+{
+    struct hreq *h = *con_cls;
+    (void)cls;
+    (void)conn;
+    if (!h) {
+        return;
+    }
+    hup_stop(h);
+    h->conn = NULL;
+    h->suspended = false;
+    if (!h->done && h->have_o) {
+        if (toe != MHD_REQUEST_TERMINATED_COMPLETED_OK) {
+            KR_LOG_INFO("client of %s went away (code %d): cancelling", h->id, (int)toe);
+        }
+        hreq_cancel(h);
+    }
+    *con_cls = NULL;
+    hreq_unref(h);
+}
+
+/* ---- the loop ------------------------------------------------------------------------------------------ */
+
+static void arm_timer(struct srv *s);
+
+static void on_mhd_poll(uv_poll_t *p, int status, int events)
+{
+    struct srv *s = p->data;
+    (void)status;
+    (void)events;
+    MHD_run(s->d);
+    arm_timer(s);
+}
+
+static void on_mhd_timer(uv_timer_t *t)
+{
+    struct srv *s = t->data;
+    MHD_run(s->d);
+    arm_timer(s);
+}
+
+/* Follows MHD's next timeout (connection timeouts); none pending means no timer. */
+static void arm_timer(struct srv *s)
+{
+    MHD_UNSIGNED_LONG_LONG ms = 0;
+    if (s->d && MHD_get_timeout(s->d, &ms) == MHD_YES) {
+        uv_timer_start(&s->mhd_timer, on_mhd_timer, ms, 0);
+    } else {
+        uv_timer_stop(&s->mhd_timer);
+    }
+}
+
+static void stop_everything(struct srv *s)
+{
+    /* park nothing: MHD_stop_daemon needs every connection resumed to close it */
+    for (struct hreq *h = s->reqs; h; h = h->next) {
+        hreq_cancel(h);
+        resume(h);
+    }
+    uv_poll_stop(&s->mhd_poll);
+    uv_timer_stop(&s->mhd_timer);
+    uv_timer_stop(&s->drain_timer);
+    uv_signal_stop(&s->sig_term);
+    uv_signal_stop(&s->sig_int);
+    uv_stop(&s->loop);
+}
+
+static double g_drain_started;
+
+static void on_drain_tick(uv_timer_t *t)
+{
+    struct srv *s = t->data;
+    const double waited = now_s() - g_drain_started;
+    if (s->n_gen == 0 || waited >= s->o.drain_timeout_s) {
+        if (s->n_gen) {
+            KR_LOG_WARN("drain timeout (%.0f s): cancelling %d in-flight request(s)", s->o.drain_timeout_s, s->n_gen);
+        }
+        KR_LOG_INFO("shutting down");
+        stop_everything(s);
+    }
+}
+
+static void on_signal(uv_signal_t *sig, int signum)
+{
+    struct srv *s = sig->data;
+    if (s->draining) {
+        KR_LOG_WARN("second signal: stopping now");
+        stop_everything(s);
+        return;
+    }
+    KR_LOG_INFO("signal %d: draining (no new requests; in-flight ones get up to %.0f s)", signum, s->o.drain_timeout_s);
+    s->draining = true;
+    g_drain_started = now_s();
+    if (s->d) {
+        MHD_socket fd = MHD_quiesce_daemon(s->d); /* stop accepting */
+        if (fd != MHD_INVALID_SOCKET) {
+            close(fd);
+        }
+    }
+    uv_timer_start(&s->drain_timer, on_drain_tick, 0, 100);
+}
+
+/* ---- loading (its own thread: /health answers 503 meanwhile) ------------------------------------------------ */
+
+static uv_async_t g_loaded;
+
+static void progress(void *user, int done, int total)
+{
+    (void)user;
+    const int width = 40, fill = total ? done * width / total : width;
+    char bar[64];
+    for (int i = 0; i < width; i++) {
+        bar[i] = i < fill ? '#' : '.';
+    }
+    bar[width] = 0;
+    fprintf(stderr, "\rloading weights [%s] %3d%%%s", bar, total ? done * 100 / total : 100, done == total ? "\n" : "");
+    fflush(stderr);
+}
+
+static void *loader_main(void *arg)
+{
+    struct srv *s = arg;
+    struct kr_err err = {{0}};
+    enum kr_status st = kr_model_load_progress(s->o.model_dir, s->be, progress, NULL, &s->m, &err);
+    if (st != KR_OK) {
+        KR_LOG_ERROR("cannot load the model: %s", err.msg[0] ? err.msg : kr_status_str(st));
+        s->load_failed = true;
+        uv_async_send(&g_loaded);
+        return NULL;
+    }
+    if (!s->o.skip_tokenizer_init) {
+        const char *tdir = s->o.tokenizer_dir ? s->o.tokenizer_dir : s->o.model_dir;
+        st = kr_tokenizer_load(tdir, NULL, &s->tok, &err);
+        if (st != KR_OK) {
+            KR_LOG_ERROR("cannot load the tokenizer from %s: %s (use --skip-tokenizer-init to serve token ids only)",
+                         tdir, err.msg);
+            s->load_failed = true;
+            uv_async_send(&g_loaded);
+            return NULL;
+        }
+        if (kr_chat_load(s->tok, s->o.chat_template_file, &s->chat, &err) != KR_OK) {
+            KR_LOG_ERROR("cannot load the chat template: %s", err.msg);
+            s->load_failed = true;
+            uv_async_send(&g_loaded);
+            return NULL;
+        }
+        if (!s->chat) {
+            KR_LOG_WARN("the tokenizer has no chat template: /v1/chat/completions will answer 400");
+        }
+    }
+    struct kr_engine_config cfg;
+    kr_engine_config_default(&cfg);
+    cfg.max_num_seqs = s->o.max_num_seqs;
+    cfg.max_num_batched_tokens = s->o.max_num_batched_tokens;
+    cfg.max_queued_requests = s->o.max_queued_requests;
+    cfg.max_model_len = s->o.max_model_len;
+    cfg.block_size = s->o.block_size;
+    cfg.cache_bytes = s->o.cache_bytes;
+    if (kr_engine_create(s->m, &cfg, &s->eng, &err) != KR_OK) {
+        KR_LOG_ERROR("cannot start the engine: %s", err.msg);
+        s->load_failed = true;
+        uv_async_send(&g_loaded);
+        return NULL;
+    }
+    s->max_model_len = s->o.max_model_len > 0 && s->o.max_model_len < s->m->cfg.max_pos ? s->o.max_model_len
+                                                                                          : (int32_t)s->m->cfg.max_pos;
+    uv_async_send(&g_loaded);
+    return NULL;
+}
+
+static void on_loaded(uv_async_t *a)
+{
+    struct srv *s = a->data;
+    pthread_join(s->loader, NULL);
+    s->loader_joined = true;
+    if (s->load_failed) {
+        s->exit_code = 1;
+        stop_everything(s);
+        return;
+    }
+    s->ready = true;
+    KR_LOG_INFO("ready: serving %s as \"%s\" (max_model_len=%d)", s->o.model_dir, s->model_name, s->max_model_len);
+}
+
+static void close_cb(uv_handle_t *h)
+{
+    (void)h;
+}
+
+int kr_serve_run(const struct kr_serve_opts *o)
+{
+    struct srv *s = kr_calloc(1, sizeof *s);
+    if (!s) {
+        return 1;
+    }
+    s->o = *o;
+    s->exit_code = 0;
+    kr_metrics_init(&s->met);
+    s->started = (int64_t)time(NULL);
+    s->model_name = kr_strdup(o->served_model_name ? o->served_model_name : o->model_dir);
+    s->be = kr_backend_cpu_create(o->threads);
+    pthread_mutex_init(&s->qmu, NULL);
+    if (!s->model_name || !s->be || uv_loop_init(&s->loop) != 0) {
+        KR_LOG_ERROR("out of memory at start-up");
+        return 1;
+    }
+    struct sockaddr_in addr = {.sin_family = AF_INET, .sin_port = htons((uint16_t)o->port)};
+    if (inet_pton(AF_INET, o->host, &addr.sin_addr) != 1) {
+        KR_LOG_ERROR("--host %s is not an IPv4 address", o->host);
+        return 2;
+    }
+    s->d = MHD_start_daemon(MHD_USE_EPOLL | MHD_ALLOW_SUSPEND_RESUME | MHD_USE_ERROR_LOG, (uint16_t)o->port, NULL,
+                            NULL, on_access, s, MHD_OPTION_NOTIFY_COMPLETED, on_completed, s,
+                            MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&addr, MHD_OPTION_CONNECTION_TIMEOUT,
+                            (unsigned int)600, MHD_OPTION_CONNECTION_LIMIT, (unsigned int)4096, MHD_OPTION_END);
+    if (!s->d) {
+        KR_LOG_ERROR("cannot listen on %s:%d: %s", o->host, o->port, strerror(errno));
+        return 1;
+    }
+    const union MHD_DaemonInfo *ei = MHD_get_daemon_info(s->d, MHD_DAEMON_INFO_EPOLL_FD);
+    const union MHD_DaemonInfo *pi = MHD_get_daemon_info(s->d, MHD_DAEMON_INFO_BIND_PORT);
+    const int port = pi ? pi->port : o->port;
+    uv_poll_init(&s->loop, &s->mhd_poll, ei->epoll_fd);
+    s->mhd_poll.data = s;
+    uv_poll_start(&s->mhd_poll, UV_READABLE, on_mhd_poll);
+    uv_timer_init(&s->loop, &s->mhd_timer);
+    s->mhd_timer.data = s;
+    uv_timer_init(&s->loop, &s->drain_timer);
+    s->drain_timer.data = s;
+    uv_async_init(&s->loop, &s->wake, on_wake);
+    s->wake.data = s;
+    uv_async_init(&s->loop, &g_loaded, on_loaded);
+    g_loaded.data = s;
+    uv_signal_init(&s->loop, &s->sig_term);
+    s->sig_term.data = s;
+    uv_signal_start(&s->sig_term, on_signal, SIGTERM);
+    uv_signal_init(&s->loop, &s->sig_int);
+    s->sig_int.data = s;
+    uv_signal_start(&s->sig_int, on_signal, SIGINT);
+    signal(SIGPIPE, SIG_IGN);
+    KR_LOG_INFO("listening on http://%s:%d", o->host, port);
+    if (o->port_file) {
+        FILE *fp = fopen(o->port_file, "w");
+        if (fp) {
+            fprintf(fp, "%d\n", port);
+            fclose(fp);
+        }
+    }
+    if (pthread_create(&s->loader, NULL, loader_main, s) != 0) {
+        KR_LOG_ERROR("cannot start the loader thread");
+        return 1;
+    }
+    arm_timer(s);
+    uv_run(&s->loop, UV_RUN_DEFAULT);
+
+    /* shutdown: close connections (cancelling their work), stop the engine, settle its last events */
+    MHD_stop_daemon(s->d);
+    s->d = NULL;
+    if (!s->loader_joined) {
+        pthread_join(s->loader, NULL); /* a signal during loading: let the loader finish first */
+    }
+    kr_engine_free(s->eng);
+    s->eng = NULL;
+    on_wake(&s->wake);
+    uv_close((uv_handle_t *)&s->mhd_poll, close_cb);
+    uv_close((uv_handle_t *)&s->mhd_timer, close_cb);
+    uv_close((uv_handle_t *)&s->drain_timer, close_cb);
+    uv_close((uv_handle_t *)&s->wake, close_cb);
+    uv_close((uv_handle_t *)&g_loaded, close_cb);
+    uv_close((uv_handle_t *)&s->sig_term, close_cb);
+    uv_close((uv_handle_t *)&s->sig_int, close_cb);
+    uv_run(&s->loop, UV_RUN_DEFAULT);
+    uv_loop_close(&s->loop);
+    kr_chat_free(s->chat);
+    kr_tokenizer_free(s->tok);
+    kr_model_free(s->m);
+    kr_backend_free(s->be);
+    pthread_mutex_destroy(&s->qmu);
+    const int code = s->exit_code;
+    kr_free(s->model_name);
+    kr_free(s);
+    return code;
+}

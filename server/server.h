@@ -1,0 +1,49 @@
+#pragma once
+/* The HTTP front end: one libuv loop thread owns every connection; libmicrohttpd runs inside it
+ * in external-epoll mode (its epoll descriptor watched by a uv_poll_t, its timeouts by a
+ * uv_timer_t); the engine thread hands events back through a mutex-protected queue and
+ * uv_async_send. Nothing blocks the loop. */
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+struct kr_serve_opts {
+    const char *model_dir;
+    const char *host;              /* default 0.0.0.0 */
+    int port;                      /* default 8000; 0 = ephemeral (the bound port is printed) */
+    const char **api_keys;         /* [n_api_keys] accepted Bearer tokens; none = open */
+    int n_api_keys;
+    const char *served_model_name; /* default: the model directory */
+    int32_t max_model_len;         /* 0 = the model's */
+    int32_t max_num_seqs;
+    int32_t max_num_batched_tokens;
+    int32_t max_queued_requests;   /* 0 = unbounded */
+    size_t cache_bytes;            /* CPU cache budget */
+    int32_t block_size;
+    const char *tokenizer_dir;     /* default: the model directory */
+    const char *chat_template_file;
+    bool skip_tokenizer_init;
+    bool return_tokens_as_token_ids;
+    size_t max_body_bytes;         /* 413 above */
+    double drain_timeout_s;        /* SIGTERM: finish in-flight requests for at most this long */
+    int threads;                   /* CPU backend threads (0 = all) */
+    const char *port_file;         /* when set, the bound port is written there once listening (tests) */
+};
+
+void kr_serve_opts_default(struct kr_serve_opts *o);
+
+/* Loads the model and tokenizer, starts the engine and serves until SIGTERM/SIGINT (drain) —
+ * returns the process exit code. */
+int kr_serve_run(const struct kr_serve_opts *o);
+
+/* `krait serve MODEL_DIR [flags]`: parses flags (vllm serve names) and KRAIT_* environment
+ * overrides, then runs. Returns the exit code. */
+int kr_serve_main(int argc, char **argv);
+
+#ifdef __cplusplus
+}
+#endif

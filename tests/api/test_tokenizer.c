@@ -1,0 +1,302 @@
+#define _POSIX_C_SOURCE 200809L
+
+#include "tokenizer.h"
+
+#include "alloc.h"
+#include "unicode.h"
+
+#include <criterion/criterion.h>
+#include <jansson.h>
+
+#include <stdio.h>
+#include <string.h>
+
+/* Every expected value in these tests comes from HF tokenizers (tools/reference/tokenizer/
+ * make_expected.mjs writes tests/fixtures/tokenizer/<name>/expected.json), never from krait. */
+
+#define FIX KR_FIXTURES "/tokenizer"
+
+static size_t g_base;
+
+static void setup(void)
+{
+    g_base = kr_alloc_bytes_in_use();
+}
+
+static void teardown(void)
+{
+    cr_expect_eq(kr_alloc_bytes_in_use(), g_base, "host memory leaked: %zu bytes", kr_alloc_bytes_in_use() - g_base);
+}
+
+TestSuite(tokenizer, .init = setup, .fini = teardown, .timeout = 120);
+
+static json_t *load_json(const char *path)
+{
+    json_error_t je;
+    json_t *j = json_load_file(path, JSON_ALLOW_NUL, &je);
+    cr_assert_not_null(j, "%s: %s", path, je.text);
+    return j;
+}
+
+static struct kr_tokenizer *load_tok(const char *dir)
+{
+    struct kr_tokenizer *t = NULL;
+    struct kr_err err = {{0}};
+    enum kr_status st = kr_tokenizer_load(dir, NULL, &t, &err);
+    cr_assert_eq(st, KR_OK, "loading %s: %s", dir, err.msg);
+    return t;
+}
+
+/* Compares ids with a JSON array; reports the first difference. */
+static bool ids_equal(const int32_t *ids, int64_t n, const json_t *want, const char *what, size_t text_i)
+{
+    size_t nw = json_array_size(want);
+    size_t m = (size_t)n < nw ? (size_t)n : nw;
+    for (size_t k = 0; k < m; k++) {
+        if (ids[k] != json_integer_value(json_array_get(want, k))) {
+            cr_expect_fail("text %zu (%s): id %zu is %d, HF has %lld (lengths %lld vs %zu)", text_i, what, k, ids[k],
+                           (long long)json_integer_value(json_array_get(want, k)), (long long)n, nw);
+            return false;
+        }
+    }
+    if ((size_t)n != nw) {
+        cr_expect_fail("text %zu (%s): %lld ids, HF has %zu", text_i, what, (long long)n, nw);
+        return false;
+    }
+    return true;
+}
+
+static int32_t *json_ids(const json_t *a, int64_t *n)
+{
+    *n = (int64_t)json_array_size(a);
+    int32_t *v = kr_malloc(((size_t)*n + 1) * sizeof(int32_t));
+    cr_assert_not_null(v);
+    for (int64_t i = 0; i < *n; i++) {
+        v[i] = (int32_t)json_integer_value(json_array_get(a, (size_t)i));
+    }
+    return v;
+}
+
+static void expect_decode(const struct kr_tokenizer *t, const int32_t *ids, int64_t n, bool skip, const json_t *want,
+                          const char *what, size_t text_i)
+{
+    char *s = NULL;
+    size_t len = 0;
+    struct kr_err err = {{0}};
+    cr_assert_eq(kr_tokenizer_decode(t, ids, n, skip, &s, &len, &err), KR_OK, "%s", err.msg);
+    cr_expect(len == json_string_length(want) && memcmp(s, json_string_value(want), len) == 0,
+              "text %zu (%s): decode differs from HF:\n  krait: %.300s\n  HF:    %.300s", text_i, what, s,
+              json_string_value(want));
+    kr_free(s);
+}
+
+/* Streams ids through a detokenizer: pieces must be valid UTF-8 and concatenate to `want`. */
+static void expect_stream(const struct kr_tokenizer *t, const int32_t *ids, int64_t n, bool skip, const json_t *want,
+                          size_t text_i)
+{
+    struct kr_detok *d = NULL;
+    struct kr_err err = {{0}};
+    cr_assert_eq(kr_detok_create(t, skip, &d), KR_OK);
+    struct kr_buf_s all = {0};
+    kr_bs_reserve(&all, 0);
+    for (int64_t i = 0; i <= n; i++) {
+        const char *piece;
+        size_t len;
+        enum kr_status st = i < n ? kr_detok_push(d, ids[i], &piece, &len, &err) : kr_detok_flush(d, &piece, &len, &err);
+        cr_assert_eq(st, KR_OK, "%s", err.msg);
+        cr_expect_eq(kr_utf8_validate(piece, len), len, "text %zu: streamed piece %lld splits a UTF-8 character",
+                     text_i, (long long)i);
+        kr_bs_append(&all, piece, len);
+    }
+    cr_expect(all.len == json_string_length(want) && memcmp(all.p, json_string_value(want), all.len) == 0,
+              "text %zu: streamed text differs from the full HF decode:\n  krait: %.300s\n  HF:    %.300s", text_i,
+              all.p, json_string_value(want));
+    kr_bs_free(&all);
+    kr_detok_destroy(d);
+}
+
+/* The whole HF comparison for one tokenizer directory. Streams longer than max_stream_ids (0: no
+ * limit) are not streamed: decoders that need the quadratic full-history mode would be slow. */
+static void check_against_hf(const char *name, bool stream, int64_t max_stream_ids)
+{
+    char dir[512], path[600];
+    snprintf(dir, sizeof(dir), FIX "/%s", name);
+    snprintf(path, sizeof(path), "%s/expected.json", dir);
+    json_t *corpus = load_json(FIX "/corpus.json");
+    json_t *exp = load_json(path);
+    const json_t *texts = json_object_get(corpus, "texts"), *cases = json_object_get(exp, "cases");
+    cr_assert_eq(json_array_size(cases), json_array_size(texts), "expected.json is stale: rerun make_expected.mjs");
+    struct kr_tokenizer *t = load_tok(dir);
+    cr_expect_eq(kr_tokenizer_n_vocab(t), json_integer_value(json_object_get(exp, "vocab_size")));
+    size_t n_bad = 0;
+    for (size_t i = 0; i < json_array_size(cases) && n_bad < 10; i++) {
+        const json_t *c = json_array_get(cases, i);
+        const json_t *text = json_array_get(texts, i);
+        int32_t *ids = NULL;
+        int64_t n = 0;
+        struct kr_err err = {{0}};
+        cr_assert_eq(kr_tokenizer_encode(t, json_string_value(text), json_string_length(text), false, &ids, &n, &err),
+                     KR_OK, "text %zu: %s", i, err.msg);
+        n_bad += !ids_equal(ids, n, json_object_get(c, "ids"), "no special tokens", i);
+        kr_free(ids);
+        cr_assert_eq(kr_tokenizer_encode(t, json_string_value(text), json_string_length(text), true, &ids, &n, &err),
+                     KR_OK, "text %zu: %s", i, err.msg);
+        n_bad += !ids_equal(ids, n, json_object_get(c, "ids_special"), "with special tokens", i);
+        kr_free(ids);
+
+        /* decodes of HF's own ids */
+        int64_t n1, n2;
+        int32_t *a = json_ids(json_object_get(c, "ids"), &n1);
+        int32_t *b = json_ids(json_object_get(c, "ids_special"), &n2);
+        expect_decode(t, a, n1, false, json_object_get(c, "decode"), "decode", i);
+        expect_decode(t, b, n2, true, json_object_get(c, "decode_skip"), "decode skip_special_tokens", i);
+        expect_decode(t, b, n2, false, json_object_get(c, "decode_special"), "decode with special tokens", i);
+        if (stream && (max_stream_ids == 0 || n2 <= max_stream_ids)) {
+            expect_stream(t, b, n2, false, json_object_get(c, "decode_special"), i);
+            expect_stream(t, b, n2, true, json_object_get(c, "decode_skip"), i);
+        }
+        for (int64_t k = 0; k < n1 / 2; k++) {
+            int32_t tmp = a[k];
+            a[k] = a[n1 - 1 - k];
+            a[n1 - 1 - k] = tmp;
+        }
+        expect_decode(t, a, n1, false, json_object_get(c, "decode_reversed"), "decode of the reversed ids", i);
+        if (stream && (max_stream_ids == 0 || n1 <= max_stream_ids)) {
+            expect_stream(t, a, n1, false, json_object_get(c, "decode_reversed"), i);
+        }
+        kr_free(a);
+        kr_free(b);
+    }
+    const json_t *chunks = json_object_get(exp, "chunks");
+    for (size_t i = 0; i < json_array_size(chunks); i++) {
+        const json_t *c = json_array_get(chunks, i);
+        int64_t n;
+        int32_t *a = json_ids(json_object_get(c, "ids"), &n);
+        expect_decode(t, a, n, false, json_object_get(c, "decode"), "decode of a vocabulary chunk", i);
+        expect_decode(t, a, n, true, json_object_get(c, "decode_skip"), "skip-decode of a vocabulary chunk", i);
+        if (stream) {
+            expect_stream(t, a, n, false, json_object_get(c, "decode"), i);
+        }
+        kr_free(a);
+    }
+    kr_tokenizer_free(t);
+    json_decref(corpus);
+    json_decref(exp);
+}
+
+Test(tokenizer, deepseek_v3_matches_hf_on_the_corpus)
+{
+    check_against_hf("deepseek_v3", true, 0);
+}
+
+Test(tokenizer, llama3_matches_hf_on_the_corpus)
+{
+    check_against_hf("llama3", true, 0);
+}
+
+Test(tokenizer, llama2_metaspace_bpe_matches_hf_on_the_corpus)
+{
+    check_against_hf("llama2", true, 0);
+}
+
+Test(tokenizer, synthetic_metaspace_first_matches_hf)
+{
+    check_against_hf("synth/metaspace_first", true, 0);
+}
+
+Test(tokenizer, synthetic_metaspace_never_matches_hf)
+{
+    check_against_hf("synth/metaspace_never", true, 300);
+}
+
+Test(tokenizer, synthetic_bytelevel_prefix_space_matches_hf)
+{
+    check_against_hf("synth/bytelevel_prefix", true, 0);
+}
+
+Test(tokenizer, synthetic_split_merged_behaviors_match_hf)
+{
+    check_against_hf("synth/split_merged", false, 0);
+}
+
+Test(tokenizer, synthetic_split_invert_contiguous_match_hf)
+{
+    check_against_hf("synth/split_invert", false, 0);
+}
+
+Test(tokenizer, synthetic_split_empty_matches_match_hf)
+{
+    check_against_hf("synth/split_empty", false, 0);
+}
+
+Test(tokenizer, synthetic_whitespace_pretokenizer_matches_hf)
+{
+    check_against_hf("synth/whitespace", false, 0);
+}
+
+Test(tokenizer, synthetic_bert_pretokenizer_matches_hf)
+{
+    check_against_hf("synth/bert_pretok", false, 0);
+}
+
+Test(tokenizer, synthetic_subword_prefix_suffix_matches_hf)
+{
+    check_against_hf("synth/subword", true, 0);
+}
+
+/* ---- bad input ------------------------------------------------------------------------------ */
+
+Test(tokenizer, invalid_utf8_is_a_clear_error)
+{
+    struct kr_tokenizer *t = load_tok(FIX "/synth/subword");
+    static const char *const bad[] = {"ab\xff", "\xc3", "x\xe2\x82", "\xed\xa0\x80", "\xf4\x90\x80\x80", "\xc0\xaf"};
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        int32_t *ids = NULL;
+        int64_t n = 0;
+        struct kr_err err = {{0}};
+        cr_expect_eq(kr_tokenizer_encode(t, bad[i], strlen(bad[i]), true, &ids, &n, &err), KR_ERR_INVAL);
+        cr_expect(strstr(err.msg, "UTF-8") != NULL, "message: %s", err.msg);
+        cr_expect_null(ids);
+    }
+    kr_tokenizer_free(t);
+}
+
+static void expect_load_error(const char *json, enum kr_status want, const char *what)
+{
+    struct kr_tokenizer *t = NULL;
+    struct kr_err err = {{0}};
+    cr_expect_eq(kr_tokenizer_load_mem(json, strlen(json), NULL, 0, &t, &err), want, "%s: %s", json, err.msg);
+    cr_expect(strstr(err.msg, what) != NULL, "message \"%s\" does not mention \"%s\"", err.msg, what);
+    cr_expect_null(t);
+}
+
+Test(tokenizer, malformed_or_unsupported_files_are_load_errors)
+{
+    expect_load_error("{", KR_ERR_FORMAT, "line 1");
+    expect_load_error("[]", KR_ERR_FORMAT, "top level");
+    expect_load_error("{\"model\": {\"type\": \"Unigram\", \"vocab\": []}}", KR_ERR_UNSUPPORTED, "Unigram");
+    expect_load_error("{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0}, \"merges\": [\"a b\"]}}", KR_ERR_FORMAT,
+                      "merges[0]");
+    expect_load_error("{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": \"x\"}, \"merges\": []}}", KR_ERR_FORMAT,
+                      "model.vocab");
+    expect_load_error("{\"model\": {\"type\": \"BPE\", \"vocab\": {}, \"merges\": []}, \"normalizer\": "
+                      "{\"type\": \"Precompiled\"}}", KR_ERR_UNSUPPORTED, "Precompiled");
+    expect_load_error("{\"model\": {\"type\": \"BPE\", \"vocab\": {}, \"merges\": []}, \"pre_tokenizer\": "
+                      "{\"type\": \"Split\", \"pattern\": {\"Regex\": \"(\"}, \"behavior\": \"Isolated\"}}",
+                      KR_ERR_FORMAT, "cannot compile regex");
+    expect_load_error("{\"model\": {\"type\": \"BPE\", \"vocab\": {}, \"merges\": []}, \"decoder\": "
+                      "{\"type\": \"CTC\"}}", KR_ERR_UNSUPPORTED, "CTC");
+}
+
+Test(tokenizer, lookups_follow_the_files)
+{
+    struct kr_tokenizer *t = load_tok(FIX "/deepseek_v3");
+    /* ids as written in deepseek_v3/tokenizer.json and tokenizer_config.json */
+    cr_expect_eq(kr_tokenizer_bos_id(t), 0);
+    cr_expect_eq(kr_tokenizer_eos_id(t), 1);
+    cr_expect_str_eq(kr_tokenizer_bos_token(t), "<｜begin▁of▁sentence｜>");
+    cr_expect(kr_tokenizer_is_special(t, 1));
+    cr_expect_eq(kr_tokenizer_piece_to_id(t, "<｜end▁of▁sentence｜>", strlen("<｜end▁of▁sentence｜>")), 1);
+    cr_expect_not_null(kr_tokenizer_chat_template(t));
+    kr_tokenizer_free(t);
+}

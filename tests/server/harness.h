@@ -1,0 +1,42 @@
+#pragma once
+/* End-to-end harness: starts the real `krait serve` on 127.0.0.1 with an ephemeral port and talks
+ * to it with libcurl. */
+#include <jansson.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <sys/types.h>
+
+struct srv_proc {
+    pid_t pid;
+    int port;
+    char port_file[64];
+};
+
+/* Starts `krait serve MODEL --port 0 ... extra args (NULL-terminated)` and waits until /health is
+ * 200 (cr_assert on failure). */
+void srv_start(struct srv_proc *p, const char *model, ...);
+/* SIGTERM and wait; returns the exit status (or -1). */
+int srv_stop(struct srv_proc *p);
+
+struct http_res {
+    long status;
+    char *body;           /* malloc'd, NUL-terminated */
+    size_t len;
+    char retry_after[32]; /* Retry-After header value, "" if none */
+    char content_type[128];
+};
+
+/* One request; `body` may be NULL (GET). `auth` adds "Authorization: Bearer <auth>". */
+void http(const struct srv_proc *p, const char *method, const char *path, const char *body, const char *auth,
+          struct http_res *out);
+void http_free(struct http_res *r);
+/* POSTs and parses the JSON answer (cr_assert it parses). Caller json_decref()s. */
+json_t *post_json(const struct srv_proc *p, const char *path, const char *body, long *status);
+/* Streams a POST: returns the raw SSE text; when abort_after > 0 the transfer is aborted after that
+ * many bytes. */
+char *post_stream(const struct srv_proc *p, const char *path, const char *body, size_t abort_after, long *status);
+/* Parses SSE "data: ..." events: returns a JSON array of the parsed objects; *done tells whether the
+ * last event was [DONE]. */
+json_t *sse_events(const char *text, bool *done);
+/* A metric value from /metrics (first sample of `name` with any labels); NaN if absent. */
+double metric(const struct srv_proc *p, const char *name);

@@ -1,0 +1,553 @@
+/* End-to-end: the real `krait serve` with the embedded default model (hybrid M/D/-/E layers,
+ * DeepSeek-V3 tokenizer) on 127.0.0.1, driven with libcurl: every endpoint, the OpenAI shapes,
+ * streaming, disconnects, concurrency and every error class. Expected token ids come from HF
+ * tokenizers (tests/fixtures/tokenizer/deepseek_v3/expected.json). */
+#include "harness.h"
+
+#include <criterion/criterion.h>
+#include <curl/curl.h>
+#include <math.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#define MODEL KR_SOURCE_DIR "/models/tiny-hybrid"
+
+static struct srv_proc S;
+
+static void start_default(void)
+{
+    srv_start(&S, MODEL, "--served-model-name", "tiny", NULL);
+}
+
+static void stop_default(void)
+{
+    cr_expect_eq(srv_stop(&S), 0, "krait serve did not exit 0 on SIGTERM");
+}
+
+TestSuite(server, .init = start_default, .fini = stop_default, .timeout = 300);
+
+static const char *str(json_t *o, const char *k)
+{
+    json_t *v = json_object_get(o, k);
+    return json_is_string(v) ? json_string_value(v) : NULL;
+}
+
+static void expect_error(json_t *j, long status, long want_status, const char *param)
+{
+    cr_expect_eq(status, want_status, "status %ld, expected %ld", status, want_status);
+    json_t *e = json_object_get(j, "error");
+    cr_assert(json_is_object(e), "no error object");
+    cr_expect(json_is_string(json_object_get(e, "message")) && strlen(str(e, "message")) > 0);
+    cr_expect(json_is_string(json_object_get(e, "type")));
+    cr_expect(json_object_get(e, "code") != NULL, "error.code must be present (null allowed)");
+    if (param) {
+        cr_expect(json_is_string(json_object_get(e, "param")) && !strcmp(str(e, "param"), param),
+                  "error.param is %s, expected %s", str(e, "param") ? str(e, "param") : "(null)", param);
+    }
+}
+
+Test(server, health_models_version_and_unknown_routes)
+{
+    struct http_res r;
+    http(&S, "GET", "/health", NULL, NULL, &r);
+    cr_expect_eq(r.status, 200);
+    http_free(&r);
+    http(&S, "GET", "/v1/models", NULL, NULL, &r);
+    cr_expect_eq(r.status, 200);
+    json_t *j = json_loads(r.body, 0, NULL);
+    http_free(&r);
+    cr_assert(j);
+    cr_expect_str_eq(str(j, "object"), "list");
+    json_t *m = json_array_get(json_object_get(j, "data"), 0);
+    cr_expect_str_eq(str(m, "id"), "tiny");
+    cr_expect_str_eq(str(m, "object"), "model");
+    cr_expect(json_is_integer(json_object_get(m, "created")));
+    json_decref(j);
+    http(&S, "GET", "/v1/nothing", NULL, NULL, &r);
+    cr_expect_eq(r.status, 404);
+    http_free(&r);
+    http(&S, "GET", "/v1/completions", NULL, NULL, &r);
+    cr_expect_eq(r.status, 405);
+    http_free(&r);
+}
+
+Test(server, completion_has_the_openai_shape)
+{
+    long st;
+    json_t *j = post_json(&S, "/v1/completions",
+                          "{\"model\":\"tiny\",\"prompt\":\"Hello, world\",\"max_tokens\":5,\"temperature\":0}", &st);
+    cr_assert_eq(st, 200);
+    cr_expect(!strncmp(str(j, "id"), "cmpl-", 5));
+    cr_expect_str_eq(str(j, "object"), "text_completion");
+    cr_expect_str_eq(str(j, "model"), "tiny");
+    cr_expect(json_is_integer(json_object_get(j, "created")));
+    json_t *c = json_array_get(json_object_get(j, "choices"), 0);
+    cr_expect_eq(json_integer_value(json_object_get(c, "index")), 0);
+    cr_expect(json_is_string(json_object_get(c, "text")));
+    cr_expect_str_eq(str(c, "finish_reason"), "length");
+    cr_expect(json_is_null(json_object_get(c, "logprobs")));
+    json_t *u = json_object_get(j, "usage");
+    /* "Hello, world" is 3 ids + BOS with the DeepSeek-V3 tokenizer (HF tokenizers) */
+    cr_expect_eq(json_integer_value(json_object_get(u, "prompt_tokens")), 4);
+    cr_expect_eq(json_integer_value(json_object_get(u, "completion_tokens")), 5);
+    cr_expect_eq(json_integer_value(json_object_get(u, "total_tokens")), 9);
+    json_decref(j);
+}
+
+Test(server, greedy_is_deterministic_and_token_ids_round_trip)
+{
+    long st;
+    const char *body = "{\"prompt\":[0,1000,2000,3000],\"max_tokens\":6,\"temperature\":0,\"return_token_ids\":true}";
+    json_t *a = post_json(&S, "/v1/completions", body, &st);
+    cr_assert_eq(st, 200);
+    json_t *b = post_json(&S, "/v1/completions", body, &st);
+    json_t *ca = json_array_get(json_object_get(a, "choices"), 0), *cb = json_array_get(json_object_get(b, "choices"), 0);
+    cr_expect(json_equal(json_object_get(ca, "token_ids"), json_object_get(cb, "token_ids")));
+    cr_expect_eq(json_array_size(json_object_get(ca, "token_ids")), 6);
+    cr_expect(json_equal(json_object_get(a, "prompt_token_ids"), json_loads("[0,1000,2000,3000]", 0, NULL)));
+    /* the text is the detokenization of the ids */
+    json_t *ids = json_object_get(ca, "token_ids");
+    char *req = json_dumps(json_pack("{s:O}", "tokens", ids), 0);
+    json_t *d = post_json(&S, "/detokenize", req, &st);
+    free(req);
+    cr_expect_eq(st, 200);
+    cr_expect_str_eq(str(d, "prompt"), str(ca, "text"));
+    json_decref(d);
+    json_decref(a);
+    json_decref(b);
+}
+
+Test(server, array_prompts_and_n_choices)
+{
+    long st;
+    json_t *j = post_json(&S, "/v1/completions",
+                          "{\"prompt\":[\"one\",\"two two\"],\"n\":2,\"max_tokens\":3,\"temperature\":0.8,\"seed\":5}",
+                          &st);
+    cr_assert_eq(st, 200);
+    json_t *ch = json_object_get(j, "choices");
+    cr_assert_eq(json_array_size(ch), 4);
+    for (size_t i = 0; i < 4; i++) {
+        cr_expect_eq(json_integer_value(json_object_get(json_array_get(ch, i), "index")), (json_int_t)i);
+    }
+    cr_expect_eq(json_integer_value(json_object_get(json_object_get(j, "usage"), "completion_tokens")), 12);
+    json_decref(j);
+}
+
+Test(server, logprobs_and_echo)
+{
+    long st;
+    json_t *j = post_json(&S, "/v1/completions",
+                          "{\"prompt\":\"a b c\",\"max_tokens\":3,\"temperature\":0,\"logprobs\":2,\"echo\":true}", &st);
+    cr_assert_eq(st, 200);
+    json_t *c = json_array_get(json_object_get(j, "choices"), 0);
+    cr_expect(!strncmp(str(c, "text"), "a b c", 5), "echo puts the prompt first: %s", str(c, "text"));
+    json_t *lp = json_object_get(c, "logprobs");
+    cr_assert(json_is_object(lp));
+    json_t *tl = json_object_get(lp, "token_logprobs"), *tops = json_object_get(lp, "top_logprobs");
+    json_t *toks = json_object_get(lp, "tokens");
+    /* BOS + 3 prompt tokens + 3 generated */
+    cr_expect_eq(json_array_size(tl), 7);
+    cr_expect_eq(json_array_size(toks), 7);
+    cr_expect(json_is_null(json_array_get(tl, 0)), "the first prompt token has no logprob");
+    for (size_t i = 1; i < 7; i++) {
+        cr_expect(json_is_real(json_array_get(tl, i)) && json_real_value(json_array_get(tl, i)) <= 0.0);
+    }
+    json_t *last = json_array_get(tops, 6);
+    cr_expect_eq(json_object_size(last), 2, "top_logprobs holds the 2 best");
+    /* greedy: the chosen token's logprob equals the best alternative's */
+    double best = -1e9;
+    const char *k;
+    json_t *v;
+    json_object_foreach(last, k, v)
+    {
+        best = json_real_value(v) > best ? json_real_value(v) : best;
+    }
+    cr_expect(fabs(best - json_real_value(json_array_get(tl, 6))) < 1e-5);
+    json_decref(j);
+
+    j = post_json(&S, "/v1/chat/completions",
+                  "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"max_tokens\":2,\"temperature\":0,"
+                  "\"logprobs\":true,\"top_logprobs\":3}",
+                  &st);
+    cr_assert_eq(st, 200);
+    c = json_array_get(json_object_get(j, "choices"), 0);
+    json_t *content = json_object_get(json_object_get(c, "logprobs"), "content");
+    cr_assert_eq(json_array_size(content), 2);
+    json_t *e0 = json_array_get(content, 0);
+    cr_expect(json_is_string(json_object_get(e0, "token")));
+    cr_expect(json_is_array(json_object_get(e0, "bytes")));
+    cr_expect_eq(json_array_size(json_object_get(e0, "top_logprobs")), 3);
+    json_decref(j);
+}
+
+Test(server, chat_completion_and_stream)
+{
+    long st;
+    const char *msgs = "\"messages\":[{\"role\":\"system\",\"content\":\"Be brief.\"},{\"role\":\"user\",\"content\":"
+                       "\"Say something.\"}]";
+    char body[512];
+    snprintf(body, sizeof body, "{%s,\"max_tokens\":4,\"temperature\":0}", msgs);
+    json_t *j = post_json(&S, "/v1/chat/completions", body, &st);
+    cr_assert_eq(st, 200);
+    cr_expect(!strncmp(str(j, "id"), "chatcmpl-", 9));
+    cr_expect_str_eq(str(j, "object"), "chat.completion");
+    json_t *c = json_array_get(json_object_get(j, "choices"), 0);
+    json_t *m = json_object_get(c, "message");
+    cr_expect_str_eq(str(m, "role"), "assistant");
+    const char *full = str(m, "content");
+    cr_assert(full);
+    char *full_copy = strdup(full);
+    json_decref(j);
+
+    snprintf(body, sizeof body,
+             "{%s,\"max_tokens\":4,\"temperature\":0,\"stream\":true,\"stream_options\":{\"include_usage\":true}}",
+             msgs);
+    char *raw = post_stream(&S, "/v1/chat/completions", body, 0, &st);
+    cr_assert_eq(st, 200);
+    bool done;
+    json_t *ev = sse_events(raw, &done);
+    cr_expect(done, "the stream ends with data: [DONE]");
+    size_t n = json_array_size(ev);
+    cr_assert_geq(n, 3);
+    json_t *first = json_array_get(ev, 0);
+    cr_expect_str_eq(str(first, "object"), "chat.completion.chunk");
+    json_t *delta0 = json_object_get(json_array_get(json_object_get(first, "choices"), 0), "delta");
+    cr_expect(str(delta0, "role") && !strcmp(str(delta0, "role"), "assistant"), "the first chunk carries the role");
+    /* concatenated deltas equal the non-streamed content; the finish reason comes last */
+    char acc[4096] = {0};
+    const char *finish = NULL;
+    for (size_t i = 0; i + 1 < n; i++) {
+        json_t *ch = json_array_get(json_object_get(json_array_get(ev, i), "choices"), 0);
+        const char *piece = str(json_object_get(ch, "delta"), "content");
+        if (piece) {
+            strncat(acc, piece, sizeof acc - strlen(acc) - 1);
+        }
+        if (str(ch, "finish_reason")) {
+            cr_expect(!finish, "two finish reasons");
+            finish = str(ch, "finish_reason");
+        }
+    }
+    cr_expect_str_eq(acc, full_copy);
+    cr_expect(finish && !strcmp(finish, "length"));
+    json_t *usage_chunk = json_array_get(ev, n - 1);
+    cr_expect_eq(json_array_size(json_object_get(usage_chunk, "choices")), 0);
+    cr_expect_eq(json_integer_value(json_object_get(json_object_get(usage_chunk, "usage"), "completion_tokens")), 4);
+    free(full_copy);
+    free(raw);
+    json_decref(ev);
+}
+
+Test(server, stop_strings_and_stop_token_ids)
+{
+    long st;
+    json_t *j = post_json(&S, "/v1/completions",
+                          "{\"prompt\":\"The quick brown fox\",\"max_tokens\":12,\"temperature\":0,\"return_token_ids\":true}",
+                          &st);
+    cr_assert_eq(st, 200);
+    json_t *c = json_array_get(json_object_get(j, "choices"), 0);
+    const char *text = str(c, "text");
+    json_t *ids = json_object_get(c, "token_ids");
+    cr_assert(text && strlen(text) >= 4, "text too short to cut: '%s'", text);
+    /* stop at a substring of the greedy text: the output is the text before its first occurrence */
+    size_t L = strlen(text);
+    char stop[8] = {0};
+    memcpy(stop, text + L / 2, 2);
+    size_t cut = (size_t)(strstr(text, stop) - text);
+    json_t *req = json_pack("{s:s, s:i, s:f, s:[s]}", "prompt", "The quick brown fox", "max_tokens", 12,
+                            "temperature", 0.0, "stop", stop);
+    char *body = json_dumps(req, 0);
+    json_t *k = post_json(&S, "/v1/completions", body, &st);
+    free(body);
+    json_decref(req);
+    json_t *kc = json_array_get(json_object_get(k, "choices"), 0);
+    cr_expect_eq(strlen(str(kc, "text")), cut, "stopped text '%s' (stop '%s' in '%s')", str(kc, "text"), stop, text);
+    cr_expect(!strncmp(str(kc, "text"), text, cut));
+    cr_expect_str_eq(str(kc, "finish_reason"), "stop");
+    cr_expect_str_eq(str(kc, "stop_reason"), stop);
+    json_decref(k);
+    /* a stop token id: generation ends on it */
+    json_int_t third = json_integer_value(json_array_get(ids, 2));
+    req = json_pack("{s:s, s:i, s:f, s:[I]}", "prompt", "The quick brown fox", "max_tokens", 12, "temperature", 0.0,
+                    "stop_token_ids", third);
+    body = json_dumps(req, 0);
+    k = post_json(&S, "/v1/completions", body, &st);
+    free(body);
+    json_decref(req);
+    kc = json_array_get(json_object_get(k, "choices"), 0);
+    cr_expect_str_eq(str(kc, "finish_reason"), "stop");
+    cr_expect_eq(json_integer_value(json_object_get(kc, "stop_reason")), third);
+    cr_expect_leq(json_integer_value(json_object_get(json_object_get(k, "usage"), "completion_tokens")), 3);
+    json_decref(k);
+    json_decref(j);
+}
+
+Test(server, every_error_class)
+{
+    long st;
+    json_t *j = post_json(&S, "/v1/completions", "{\"prompt\": \"x\",", &st);
+    expect_error(j, st, 400, NULL);
+    json_decref(j);
+    j = post_json(&S, "/v1/completions", "{\"prompt\":\"x\",\"temperature\":\"hot\"}", &st);
+    expect_error(j, st, 400, "temperature");
+    json_decref(j);
+    j = post_json(&S, "/v1/completions", "{\"prompt\":\"x\",\"max_tokens\":0}", &st);
+    expect_error(j, st, 400, "max_tokens");
+    json_decref(j);
+    j = post_json(&S, "/v1/completions", "{\"prompt\":\"x\",\"n\":0}", &st);
+    expect_error(j, st, 400, "n");
+    json_decref(j);
+    j = post_json(&S, "/v1/chat/completions", "{\"messages\":[{\"role\":\"wizard\",\"content\":\"x\"}]}", &st);
+    expect_error(j, st, 400, NULL);
+    json_decref(j);
+    j = post_json(&S, "/v1/completions", "{\"model\":\"gpt-9\",\"prompt\":\"x\"}", &st);
+    expect_error(j, st, 404, "model");
+    json_decref(j);
+    /* longer than max_model_len (4096) */
+    size_t n = 4200 * 2 + 64;
+    char *big = malloc(n);
+    strcpy(big, "{\"prompt\":\"");
+    for (int i = 0; i < 4200; i++) {
+        strcat(big, "a ");
+    }
+    strcat(big, "\"}");
+    j = post_json(&S, "/v1/completions", big, &st);
+    expect_error(j, st, 400, NULL);
+    cr_expect_str_eq(str(json_object_get(j, "error"), "code"), "context_length_exceeded");
+    json_decref(j);
+    free(big);
+    j = post_json(&S, "/v1/completions", "{\"prompt\":[1,2,999999]}", &st);
+    expect_error(j, st, 400, NULL);
+    json_decref(j);
+}
+
+Test(server, tokenize_matches_hf_tokenizers)
+{
+    /* corpus cases with HF tokenizers' ids (add_special_tokens = true) */
+    json_t *corpus = json_load_file(KR_SOURCE_DIR "/tests/fixtures/tokenizer/corpus.json", 0, NULL);
+    json_t *exp = json_load_file(KR_SOURCE_DIR "/tests/fixtures/tokenizer/deepseek_v3/expected.json", 0, NULL);
+    cr_assert(corpus && exp);
+    json_t *texts = json_is_array(corpus) ? corpus : json_object_get(corpus, "texts");
+    json_t *cases = json_object_get(exp, "cases");
+    cr_assert(json_is_array(texts) && json_is_array(cases));
+    int checked = 0;
+    for (size_t i = 0; i < json_array_size(cases) && checked < 25; i += 3) {
+        json_t *cs = json_array_get(cases, i);
+        json_t *t = json_array_get(texts, (size_t)json_integer_value(json_object_get(cs, "i")));
+        if (json_is_object(t)) {
+            t = json_object_get(t, "text");
+        }
+        if (!json_is_string(t)) {
+            continue;
+        }
+        json_t *req = json_pack("{s:O}", "prompt", t);
+        char *body = json_dumps(req, 0);
+        long st;
+        json_t *res = post_json(&S, "/tokenize", body, &st);
+        cr_expect_eq(st, 200);
+        cr_expect(json_equal(json_object_get(res, "tokens"), json_object_get(cs, "ids_special")), "case %zu", i);
+        cr_expect_eq(json_integer_value(json_object_get(res, "count")),
+                     (json_int_t)json_array_size(json_object_get(cs, "ids_special")));
+        free(body);
+        json_decref(req);
+        json_decref(res);
+        checked++;
+    }
+    cr_expect_gt(checked, 10);
+    json_decref(corpus);
+    json_decref(exp);
+}
+
+struct conc {
+    int ok;
+};
+
+static void *one_request(void *arg)
+{
+    struct conc *c = arg;
+    struct http_res r;
+    http(&S, "POST", "/v1/completions", "{\"prompt\":\"parallel\",\"max_tokens\":8,\"temperature\":0}", NULL, &r);
+    c->ok = r.status == 200 && strstr(r.body, "\"finish_reason\":\"length\"") != NULL;
+    http_free(&r);
+    return NULL;
+}
+
+Test(server, many_concurrent_requests)
+{
+    enum { N = 24 };
+    pthread_t th[N];
+    struct conc c[N];
+    for (int i = 0; i < N; i++) {
+        c[i].ok = 0;
+        pthread_create(&th[i], NULL, one_request, &c[i]);
+    }
+    int ok = 0;
+    for (int i = 0; i < N; i++) {
+        pthread_join(th[i], NULL);
+        ok += c[i].ok;
+    }
+    cr_expect_eq(ok, N, "%d of %d concurrent requests succeeded", ok, N);
+}
+
+Test(server, disconnect_mid_stream_frees_the_sequence)
+{
+    long st;
+    char *raw = post_stream(&S, "/v1/completions",
+                            "{\"prompt\":\"go on\",\"max_tokens\":3000,\"temperature\":1,\"stream\":true,\"ignore_eos\":true}",
+                            400, &st);
+    free(raw);
+    /* the engine must drop the sequence promptly: running goes back to 0 */
+    double running = 1;
+    for (int i = 0; i < 200 && running != 0; i++) {
+        usleep(50000);
+        running = metric(&S, "krait:num_requests_running");
+    }
+    cr_expect_eq(running, 0, "the disconnected request still runs");
+    double used = metric(&S, "krait:kv_cache_usage_perc");
+    cr_expect_eq(used, 0, "cache blocks still in use after the disconnect");
+    cr_expect_gt(metric(&S, "krait:generation_tokens_total"), 0);
+}
+
+Test(server, metrics_are_prometheus_text)
+{
+    long st;
+    json_t *j = post_json(&S, "/v1/completions", "{\"prompt\":\"m\",\"max_tokens\":2}", &st);
+    json_decref(j);
+    struct http_res r;
+    http(&S, "GET", "/metrics", NULL, NULL, &r);
+    cr_expect_eq(r.status, 200);
+    cr_expect(strstr(r.content_type, "text/plain"));
+    static const char *const names[] = {
+        "# TYPE krait:num_requests_running gauge", "# TYPE krait:num_requests_waiting gauge",
+        "# TYPE krait:prompt_tokens_total counter", "# TYPE krait:generation_tokens_total counter",
+        "# TYPE krait:time_to_first_token_seconds histogram", "# TYPE krait:inter_token_latency_seconds histogram",
+        "# TYPE krait:e2e_request_latency_seconds histogram", "# TYPE krait:request_queue_time_seconds histogram",
+        "# TYPE krait:kv_cache_usage_perc gauge", "# TYPE krait:num_preemptions_total counter",
+    };
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+        cr_expect(strstr(r.body, names[i]), "missing %s", names[i]);
+    }
+    cr_expect(strstr(r.body, "krait:time_to_first_token_seconds_count{model_name=\"tiny\"} "));
+    http_free(&r);
+}
+
+/* ---- servers with other flags -------------------------------------------------------------------- */
+
+Test(server_flags, api_key_guards_v1_only)
+{
+    struct srv_proc p;
+    srv_start(&p, MODEL, "--api-key", "sekrit", "--api-key", "other", NULL);
+    struct http_res r;
+    http(&p, "GET", "/v1/models", NULL, NULL, &r);
+    cr_expect_eq(r.status, 401);
+    cr_expect(strstr(r.body, "\"error\""));
+    http_free(&r);
+    http(&p, "GET", "/v1/models", NULL, "wrong", &r);
+    cr_expect_eq(r.status, 401);
+    http_free(&r);
+    http(&p, "GET", "/v1/models", NULL, "other", &r);
+    cr_expect_eq(r.status, 200);
+    http_free(&r);
+    http(&p, "GET", "/health", NULL, NULL, &r);
+    cr_expect_eq(r.status, 200);
+    http_free(&r);
+    http(&p, "GET", "/metrics", NULL, NULL, &r);
+    cr_expect_eq(r.status, 200);
+    http_free(&r);
+    cr_expect_eq(srv_stop(&p), 0);
+}
+
+Test(server_flags, body_limit_is_413)
+{
+    struct srv_proc p;
+    srv_start(&p, MODEL, "--max-request-bytes", "1K", NULL);
+    char body[4096];
+    snprintf(body, sizeof body, "{\"prompt\":\"%0*d\"}", 3000, 0);
+    struct http_res r;
+    http(&p, "POST", "/v1/completions", body, NULL, &r);
+    cr_expect_eq(r.status, 413);
+    http_free(&r);
+    cr_expect_eq(srv_stop(&p), 0);
+}
+
+struct bg {
+    struct srv_proc *p;
+    long status;
+};
+
+static void *long_stream(void *arg)
+{
+    struct bg *b = arg;
+    char *raw = post_stream(b->p, "/v1/completions",
+                            "{\"prompt\":\"x\",\"max_tokens\":200,\"stream\":true,\"ignore_eos\":true}", 0, &b->status);
+    free(raw);
+    return NULL;
+}
+
+Test(server_flags, full_queue_is_429_with_retry_after_and_sigterm_drains)
+{
+    struct srv_proc p;
+    srv_start(&p, MODEL, "--max-num-seqs", "1", "--max-queued-requests", "1", NULL);
+    struct bg a = {.p = &p}, b = {.p = &p};
+    pthread_t ta, tb;
+    pthread_create(&ta, NULL, long_stream, &a);
+    double running = 0;
+    for (int i = 0; i < 200 && running < 1; i++) {
+        usleep(20000);
+        running = metric(&p, "krait:num_requests_running");
+    }
+    pthread_create(&tb, NULL, long_stream, &b);
+    double waiting = 0;
+    for (int i = 0; i < 200 && waiting < 1; i++) {
+        usleep(20000);
+        waiting = metric(&p, "krait:num_requests_waiting");
+    }
+    struct http_res r;
+    http(&p, "POST", "/v1/completions", "{\"prompt\":\"x\",\"max_tokens\":2}", NULL, &r);
+    cr_expect_eq(r.status, 429, "a third request while one runs and one waits: %ld", r.status);
+    cr_expect_str_eq(r.retry_after, "1");
+    http_free(&r);
+    /* SIGTERM: both accepted requests still complete, then the process exits 0 */
+    kill(p.pid, SIGTERM);
+    pthread_join(ta, NULL);
+    pthread_join(tb, NULL);
+    cr_expect_eq(a.status, 200);
+    cr_expect_eq(b.status, 200);
+    cr_expect_eq(srv_stop(&p), 0);
+}
+
+Test(server_flags, skip_tokenizer_init_serves_token_ids)
+{
+    struct srv_proc p;
+    srv_start(&p, MODEL, "--skip-tokenizer-init", NULL);
+    long st;
+    json_t *j = post_json(&p, "/v1/completions", "{\"prompt\":[5,6,7],\"max_tokens\":3,\"temperature\":0}", &st);
+    cr_expect_eq(st, 200);
+    json_t *c = json_array_get(json_object_get(j, "choices"), 0);
+    cr_expect_eq(json_array_size(json_object_get(c, "token_ids")), 3);
+    json_decref(j);
+    j = post_json(&p, "/v1/completions", "{\"prompt\":\"text\",\"max_tokens\":3}", &st);
+    expect_error(j, st, 400, "prompt");
+    json_decref(j);
+    cr_expect_eq(srv_stop(&p), 0);
+}
+
+Test(server_flags, return_tokens_as_token_ids)
+{
+    struct srv_proc p;
+    srv_start(&p, MODEL, "--return-tokens-as-token-ids", NULL);
+    long st;
+    json_t *j = post_json(&p, "/v1/completions", "{\"prompt\":\"x\",\"max_tokens\":2,\"logprobs\":1,\"temperature\":0}",
+                          &st);
+    cr_expect_eq(st, 200);
+    json_t *toks = json_object_get(json_object_get(json_array_get(json_object_get(j, "choices"), 0), "logprobs"),
+                                   "tokens");
+    cr_assert_eq(json_array_size(toks), 2);
+    cr_expect(!strncmp(json_string_value(json_array_get(toks, 0)), "token_id:", 9));
+    json_decref(j);
+    cr_expect_eq(srv_stop(&p), 0);
+}
