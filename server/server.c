@@ -775,6 +775,18 @@ static void process_event(struct srv *s, struct evnode *n)
     }
 }
 
+static void arm_timer(struct srv *s);
+
+/* Runs MHD and follows its next timeout: a resumed connection may leave work that shows only as
+ * a zero timeout (MHD's epoll is edge-triggered), never as a readable epoll descriptor. */
+static void mhd_kick(struct srv *s)
+{
+    if (s->d) {
+        MHD_run(s->d);
+        arm_timer(s);
+    }
+}
+
 static void on_wake(uv_async_t *a)
 {
     struct srv *s = a->data;
@@ -788,9 +800,7 @@ static void on_wake(uv_async_t *a)
         free_node(n);
         n = next;
     }
-    if (s->d) {
-        MHD_run(s->d);
-    }
+    mhd_kick(s);
 }
 
 /* ---- hang-up watch for parked connections ------------------------------------------------------- */
@@ -804,7 +814,7 @@ static void on_hup(uv_poll_t *p, int status, int events)
             hreq_cancel(h); /* the client is gone: free its caches now, not at the end */
         }
         resume(h);
-        MHD_run(h->s->d);
+        mhd_kick(h->s);
     }
 }
 
@@ -1446,8 +1456,6 @@ static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
 
 /* ---- the loop ------------------------------------------------------------------------------------------ */
 
-static void arm_timer(struct srv *s);
-
 static void on_mhd_poll(uv_poll_t *p, int status, int events)
 {
     struct srv *s = p->data;
@@ -1532,6 +1540,12 @@ static uv_async_t g_loaded;
 static void progress(void *user, int done, int total)
 {
     (void)user;
+    if (!isatty(2)) { /* a log, not a terminal: one line at the end */
+        if (done == total) {
+            KR_LOG_INFO("loaded weights of %d layers", total);
+        }
+        return;
+    }
     const int width = 40, fill = total ? done * width / total : width;
     char bar[64];
     for (int i = 0; i < width; i++) {

@@ -80,7 +80,12 @@ void fx_load(struct fx *f, const char *family, const char *name, int threads, in
             p->margin[j] = (float)d;
         }
         max_len = p->n + p->n_greedy > max_len ? p->n + p->n_greedy : max_len;
+        /* index_sets[prompt][D layer][position] at the top level (per-prompt "index_sets" also read) */
+        const struct kr_json *all_sets = kr_json_get(ref, "index_sets");
         const struct kr_json *sets = kr_json_get(&ps->items[i], "index_sets");
+        if (!sets && all_sets && all_sets->type == KR_JSON_ARRAY && i < all_sets->n) {
+            sets = &all_sets->items[i];
+        }
         if (sets && sets->type == KR_JSON_ARRAY) {
             const int64_t K = f->m->cfg.idx_topk;
             p->n_dsa = (int32_t)sets->n;
