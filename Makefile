@@ -8,7 +8,7 @@ CUDA_BUILD ?= build-cuda
 MODEL ?= models/tiny-hybrid
 PORT ?= 8000
 
-.PHONY: deps build serve test test-cuda-build bench clean
+.PHONY: deps build serve test test-sdk test-cuda-build bench clean
 
 deps:
 	@./tools/install-deps.sh
@@ -26,7 +26,15 @@ test: deps
 	cmake --build $(TEST_BUILD) -j $(JOBS)
 	cd $(TEST_BUILD) && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
 	  ctest --output-on-failure -j $(JOBS)
+	@$(MAKE) --no-print-directory test-sdk
 	@$(MAKE) --no-print-directory test-cuda-build
+
+# OpenAI Node SDK compatibility (runs wherever node and npm are present, as in CI).
+test-sdk:
+	@if command -v node >/dev/null 2>&1 && command -v npm >/dev/null 2>&1; then \
+	  cd tests/sdk && npm ci --no-audit --no-fund --silent && \
+	  ASAN_OPTIONS=detect_leaks=1 node test.mjs ../../$(TEST_BUILD)/krait ../../models/tiny-hybrid; \
+	else echo "node/npm not found: skipping the OpenAI SDK compatibility test"; fi
 
 # The CUDA build must keep compiling wherever nvcc exists (kernels are run on the GPU machine).
 test-cuda-build:

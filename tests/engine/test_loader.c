@@ -1,3 +1,4 @@
+#define _GNU_SOURCE
 /* Loader behaviour on synthetic checkpoints: every config alias and non-finite float spelling is
  * accepted, and every kind of broken checkpoint is a clear error naming the file, the tensor and
  * what was expected. */
@@ -390,4 +391,80 @@ Test(loader, rejects_inconsistent_head_counts)
     snprintf(path, sizeof path, "%s/config.json", dir);
     ckw_write_text(path, cfg);
     expect_error(KR_ERR_FORMAT, "config.json", "num_key_value_heads");
+}
+
+/* ---- DSA checkpoints: broken copies of the HF deepseek_v32 fixtures ------------------------------- */
+
+/* Copies fixture `rel` into the test directory, then replaces the first `from` in `file` with `to`
+ * (same length for binary files, so offsets stay valid). */
+static void copy_fixture_edit(const char *rel, const char *file, const char *from, const char *to)
+{
+    char cmd[1024];
+    snprintf(cmd, sizeof cmd, "cp -r '%s/%s'/. '%s'/", KR_FIXTURES, rel, dir);
+    cr_assert_eq(system(cmd), 0);
+    if (!file) {
+        return;
+    }
+    char path[512];
+    snprintf(path, sizeof path, "%s/%s", dir, file);
+    FILE *fp = fopen(path, "rb");
+    cr_assert(fp);
+    fseek(fp, 0, SEEK_END);
+    long n = ftell(fp);
+    fseek(fp, 0, SEEK_SET);
+    char *buf = malloc((size_t)n + 1);
+    cr_assert(fread(buf, 1, (size_t)n, fp) == (size_t)n);
+    fclose(fp);
+    buf[n] = 0;
+    char *hit = memmem(buf, (size_t)n, from, strlen(from));
+    cr_assert(hit, "%s has no \"%s\"", file, from);
+    fp = fopen(path, "wb");
+    fwrite(buf, 1, (size_t)(hit - buf), fp);
+    fputs(to, fp);
+    const char *rest = hit + strlen(from);
+    fwrite(rest, 1, (size_t)(buf + n - rest), fp);
+    fclose(fp);
+    free(buf);
+}
+
+Test(loader, loads_the_dsa_fixtures_unchanged)
+{
+    copy_fixture_edit("deepseek_v32/ds_fp8", NULL, NULL, NULL);
+    struct kr_err err;
+    struct kr_model *m = NULL;
+    cr_assert_eq(try_load(&err, &m), KR_OK, "%s", err.msg);
+    cr_expect_str_eq(m->cfg.pattern, "D-DEDEDE");
+    cr_expect(m->cfg.fp8_weights);
+    cr_expect_eq(m->cfg.n_mtp_layers, 1);
+    free_loaded(m);
+}
+
+Test(loader, rejects_an_index_head_dim_below_the_rope_dim)
+{
+    copy_fixture_edit("deepseek_v32/ds_yarn", "config.json", "\"index_head_dim\": 32", "\"index_head_dim\": 8");
+    expect_error(KR_ERR_FORMAT, "index_head_dim", "qk_rope_head_dim");
+}
+
+Test(loader, rejects_head_counts_that_do_not_match_the_tensors)
+{
+    copy_fixture_edit("deepseek_v32/ds_yarn", "config.json", "\"num_attention_heads\": 4", "\"num_attention_heads\": 3");
+    expect_error(KR_ERR_FORMAT, "q_b_proj.weight", "expected [");
+}
+
+Test(loader, rejects_indexer_heads_that_do_not_match_the_tensors)
+{
+    copy_fixture_edit("hybrid/hy_mdme", "config.json", "\"index_n_heads\": 4", "\"index_n_heads\": 2");
+    expect_error(KR_ERR_FORMAT, "indexer.", "expected [");
+}
+
+Test(loader, rejects_fp8_weights_whose_scales_are_missing)
+{
+    copy_fixture_edit("deepseek_v32/ds_fp8", "model.safetensors", "o_proj.weight_scale_inv", "o_proj.weight_scale_inX");
+    expect_error(KR_ERR_FORMAT, "o_proj.weight_scale_inv", "missing");
+}
+
+Test(loader, rejects_an_unsupported_rope_type)
+{
+    copy_fixture_edit("deepseek_v32/ds_yarn", "config.json", "\"yarn\"", "\"llama3\"");
+    expect_error(KR_ERR_UNSUPPORTED, "rope_type", "llama3");
 }

@@ -1,0 +1,125 @@
+// OpenAI Node SDK compatibility: starts `krait serve` with the embedded default model and drives it
+// with the official client: completions, chat, streaming, logprobs, and errors surfacing as the
+// SDK's typed errors. Usage: node test.mjs KRAIT_BINARY MODEL_DIR
+import { spawn } from "node:child_process";
+import { mkdtempSync, readFileSync, existsSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
+import assert from "node:assert/strict";
+import OpenAI from "openai";
+
+const [krait, model] = process.argv.slice(2);
+const portFile = join(mkdtempSync(join(tmpdir(), "krait-sdk-")), "port");
+const proc = spawn(krait, ["serve", model, "--host", "127.0.0.1", "--port", "0", "--port-file", portFile,
+  "--served-model-name", "tiny", "--api-key", "sdk-key", "--threads", "1", "--log-level", "warn"],
+  { stdio: ["ignore", "inherit", "inherit"] });
+const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
+let failed = 0, passed = 0;
+
+async function check(name, fn) {
+  try {
+    await fn();
+    passed++;
+    console.log(`ok   ${name}`);
+  } catch (e) {
+    failed++;
+    console.log(`FAIL ${name}: ${e.stack || e}`);
+  }
+}
+
+try {
+  let port = 0;
+  for (let i = 0; i < 600 && !port; i++) {
+    if (existsSync(portFile)) port = parseInt(readFileSync(portFile, "utf8"), 10) || 0;
+    if (!port) await sleep(100);
+  }
+  assert.ok(port > 0, "the server did not start");
+  const baseURL = `http://127.0.0.1:${port}/v1`;
+  for (let i = 0; i < 600; i++) {
+    const r = await fetch(`http://127.0.0.1:${port}/health`).catch(() => null);
+    if (r && r.status === 200) break;
+    await sleep(100);
+  }
+  const client = new OpenAI({ baseURL, apiKey: "sdk-key", maxRetries: 0 });
+
+  await check("models.list", async () => {
+    const page = await client.models.list();
+    assert.equal(page.data[0].id, "tiny");
+  });
+  await check("completions.create", async () => {
+    const r = await client.completions.create({ model: "tiny", prompt: "Hello", max_tokens: 5, temperature: 0 });
+    assert.equal(r.object, "text_completion");
+    assert.equal(r.choices[0].finish_reason, "length");
+    assert.equal(r.usage.completion_tokens, 5);
+    assert.equal(typeof r.choices[0].text, "string");
+  });
+  await check("completions logprobs", async () => {
+    const r = await client.completions.create({ model: "tiny", prompt: "Hi", max_tokens: 3, temperature: 0, logprobs: 2 });
+    const lp = r.choices[0].logprobs;
+    assert.equal(lp.tokens.length, 3);
+    assert.equal(lp.token_logprobs.length, 3);
+    assert.equal(Object.keys(lp.top_logprobs[0]).length, 2);
+  });
+  await check("chat.completions.create", async () => {
+    const r = await client.chat.completions.create({
+      model: "tiny", messages: [{ role: "system", content: "Be brief." }, { role: "user", content: "Hi" }],
+      max_tokens: 4, temperature: 0, logprobs: true, top_logprobs: 2,
+    });
+    assert.equal(r.object, "chat.completion");
+    assert.equal(r.choices[0].message.role, "assistant");
+    assert.equal(r.choices[0].logprobs.content.length, 4);
+    assert.equal(r.choices[0].logprobs.content[0].top_logprobs.length, 2);
+  });
+  await check("chat streaming with usage", async () => {
+    const full = await client.chat.completions.create({
+      model: "tiny", messages: [{ role: "user", content: "Count" }], max_tokens: 6, temperature: 0,
+    });
+    const stream = await client.chat.completions.create({
+      model: "tiny", messages: [{ role: "user", content: "Count" }], max_tokens: 6, temperature: 0,
+      stream: true, stream_options: { include_usage: true },
+    });
+    let text = "", finish = null, usage = null;
+    for await (const chunk of stream) {
+      if (chunk.usage) usage = chunk.usage;
+      for (const c of chunk.choices) {
+        text += c.delta.content ?? "";
+        if (c.finish_reason) finish = c.finish_reason;
+      }
+    }
+    assert.equal(text, full.choices[0].message.content);
+    assert.equal(finish, "length");
+    assert.equal(usage.completion_tokens, 6);
+  });
+  await check("completion streaming", async () => {
+    const stream = await client.completions.create({ model: "tiny", prompt: "a", max_tokens: 4, stream: true });
+    let n = 0;
+    for await (const chunk of stream) n += chunk.choices.length;
+    assert.ok(n >= 1);
+  });
+  await check("BadRequestError", async () => {
+    await assert.rejects(
+      client.completions.create({ model: "tiny", prompt: "x", max_tokens: 0 }),
+      (e) => e instanceof OpenAI.BadRequestError && e.status === 400 && e.param === "max_tokens");
+  });
+  await check("NotFoundError for an unknown model", async () => {
+    await assert.rejects(
+      client.completions.create({ model: "nope", prompt: "x" }),
+      (e) => e instanceof OpenAI.NotFoundError && e.status === 404);
+  });
+  await check("AuthenticationError without the key", async () => {
+    const bad = new OpenAI({ baseURL, apiKey: "wrong", maxRetries: 0 });
+    await assert.rejects(bad.models.list(), (e) => e instanceof OpenAI.AuthenticationError && e.status === 401);
+  });
+} catch (e) {
+  failed++;
+  console.log(`FAIL setup: ${e.stack || e}`);
+} finally {
+  proc.kill("SIGTERM");
+}
+const code = await new Promise((r) => proc.on("exit", (c) => r(c)));
+if (code !== 0) {
+  failed++;
+  console.log(`FAIL krait serve exited with ${code} after SIGTERM`);
+}
+console.log(`${passed} passed, ${failed} failed`);
+process.exit(failed ? 1 : 0);
