@@ -114,7 +114,9 @@ Test(server, greedy_is_deterministic_and_token_ids_round_trip)
     json_decref(want);
     /* the text is the detokenization of the ids */
     json_t *ids = json_object_get(ca, "token_ids");
-    char *req = json_dumps(json_pack("{s:O}", "tokens", ids), 0);
+    json_t *reqj = json_pack("{s:O}", "tokens", ids);
+    char *req = json_dumps(reqj, 0);
+    json_decref(reqj);
     json_t *d = post_json(&S, "/detokenize", req, &st);
     free(req);
     cr_expect_eq(st, 200);
