@@ -182,7 +182,24 @@ int main(int argc, char **argv)
         }
         usleep(100000);
     }
-    usleep(500000); /* loading */
+    for (int i = 0; i < 600; i++) { /* until /health says the model is loaded */
+        CURL *c = curl_easy_init();
+        char url[128];
+        snprintf(url, sizeof url, "http://127.0.0.1:%d/health", port);
+        curl_easy_setopt(c, CURLOPT_URL, url);
+        struct sbuf hb = {0};
+        curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, on_data);
+        curl_easy_setopt(c, CURLOPT_WRITEDATA, &hb);
+        long code = 0;
+        if (curl_easy_perform(c) == CURLE_OK) {
+            curl_easy_getinfo(c, CURLINFO_RESPONSE_CODE, &code);
+        }
+        curl_easy_cleanup(c);
+        if (code == 200) {
+            break;
+        }
+        usleep(100000);
+    }
     const char *one = "{\"prompt\":\"The quick brown fox jumps over the lazy dog\",\"max_tokens\":1,\"temperature\":0}";
     struct sbuf b = {0};
     http_post(port, one, &b);
@@ -199,7 +216,12 @@ int main(int argc, char **argv)
              gen);
     struct sbuf sb = {0};
     http_post(port, body, &sb);
-    const double http_tok = (sb.last - sb.first) / (sb.chunks > 2 ? sb.chunks - 2 : 1); /* minus [DONE] */
+    /* chunks: one per token, a final one with the finish reason, and [DONE] */
+    if (sb.chunks < gen) {
+        fprintf(stderr, "bench_server: the stream carried %d chunks for %d tokens\n", sb.chunks, gen);
+        return 1;
+    }
+    const double http_tok = (sb.last - sb.first) / (sb.chunks - 2);
     kill(pid, SIGTERM);
     waitpid(pid, NULL, 0);
     printf("| path | 1-token request, mean ms | streamed token, mean ms |\n|---|---|---|\n");
