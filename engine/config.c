@@ -546,10 +546,10 @@ static enum kr_status parse_layers(struct kr_model_config *cfg, const struct kr_
     return KR_OK;
 }
 
-static enum kr_status parse_nemotron_h(struct kr_model_config *cfg, const struct kr_json *root, const char *path,
-                                       struct kr_err *err)
+/* Keys both layouts share: vocabulary, width, block-norm eps (the first present of `eps_keys`, default `eps_def`). */
+static enum kr_status parse_dims(struct kr_model_config *cfg, const struct kr_json *root, const char *path,
+                                 const char *const *eps_keys, double eps_def, struct kr_err *err)
 {
-    TRY(parse_layers(cfg, root, path, err));
     TRY(get_int(root, path, KEYS("vocab_size"), true, 0, &cfg->vocab, err));
     TRY(need_pos(cfg->vocab, path, "vocab_size", err));
     if (cfg->vocab > INT32_MAX) {
@@ -558,11 +558,19 @@ static enum kr_status parse_nemotron_h(struct kr_model_config *cfg, const struct
     TRY(get_int(root, path, KEYS("hidden_size"), true, 0, &cfg->dim, err));
     TRY(need_pos(cfg->dim, path, "hidden_size", err));
     double d;
-    TRY(get_float(root, path, KEYS("layer_norm_epsilon", "rms_norm_eps", "norm_eps"), 1e-5, &d, err));
+    TRY(get_float(root, path, eps_keys, eps_def, &d, err));
     if (!(d > 0 && d < 1)) {
-        return kr_err_set(err, KR_ERR_FORMAT, "%s: key \"layer_norm_epsilon\" must be in (0, 1), got %g", path, d);
+        return kr_err_set(err, KR_ERR_FORMAT, "%s: key \"%s\" must be in (0, 1), got %g", path, eps_keys[0], d);
     }
     cfg->norm_eps = (float)d;
+    return KR_OK;
+}
+
+static enum kr_status parse_nemotron_h(struct kr_model_config *cfg, const struct kr_json *root, const char *path,
+                                       struct kr_err *err)
+{
+    TRY(parse_layers(cfg, root, path, err));
+    TRY(parse_dims(cfg, root, path, KEYS("layer_norm_epsilon", "rms_norm_eps", "norm_eps"), 1e-5, err));
     TRY(get_bool(root, path, KEYS("tie_word_embeddings"), false, &cfg->tie_embeddings, err));
     TRY(get_int(root, path, KEYS("max_position_embeddings"), false, 4096, &cfg->max_pos, err));
     TRY(need_pos(cfg->max_pos, path, "max_position_embeddings", err));
@@ -689,19 +697,7 @@ static enum kr_status parse_deepseek_v32(struct kr_model_config *cfg, const stru
                                          struct kr_err *err)
 {
     TRY(parse_ds_layers(cfg, root, path, err));
-    TRY(get_int(root, path, KEYS("vocab_size"), true, 0, &cfg->vocab, err));
-    TRY(need_pos(cfg->vocab, path, "vocab_size", err));
-    if (cfg->vocab > INT32_MAX) {
-        return kr_err_set(err, KR_ERR_FORMAT, "%s: vocab_size %lld does not fit token ids", path, (long long)cfg->vocab);
-    }
-    TRY(get_int(root, path, KEYS("hidden_size"), true, 0, &cfg->dim, err));
-    TRY(need_pos(cfg->dim, path, "hidden_size", err));
-    double d;
-    TRY(get_float(root, path, KEYS("rms_norm_eps"), 1e-6, &d, err));
-    if (!(d > 0 && d < 1)) {
-        return kr_err_set(err, KR_ERR_FORMAT, "%s: key \"rms_norm_eps\" must be in (0, 1), got %g", path, d);
-    }
-    cfg->norm_eps = (float)d;
+    TRY(parse_dims(cfg, root, path, KEYS("rms_norm_eps"), 1e-6, err));
     TRY(get_bool(root, path, KEYS("tie_word_embeddings"), false, &cfg->tie_embeddings, err));
     TRY(get_int(root, path, KEYS("max_position_embeddings"), false, 163840, &cfg->max_pos, err));
     TRY(need_pos(cfg->max_pos, path, "max_position_embeddings", err));
