@@ -961,6 +961,11 @@ static enum MHD_Result handle_generate(struct hreq *h)
                          "The model `%s` does not exist; this server serves `%s`", h->o.model, s->model_name);
         return send_error(h, &e);
     }
+    if (kind == KR_OAI_COMPLETIONS && (int64_t)h->o.n_prompts * h->o.n > 1024) {
+        kr_oai_error_set(&e, 400, "invalid_request_error", "prompt", "",
+                         "at most 1024 choices per request (%d prompts x n=%d)", h->o.n_prompts, h->o.n);
+        return send_error(h, &e);
+    }
     h->stream = h->o.stream;
     h->created = (int64_t)time(NULL);
     static uint64_t counter;
