@@ -128,6 +128,12 @@ static float softplus(float x)
     return x > 20.0f ? x : log1pf(expf(x));
 }
 
+/* The 8 partial sums map onto one AVX2 register (or two SSE ones): every lane does the same
+ * operations in the same order either way, so the result does not depend on the clone that runs
+ * (ISO C mode keeps floating-point contraction off: no FMA rounding differences). */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__SANITIZE_ADDRESS__)
+__attribute__((target_clones("avx2", "default")))
+#endif
 static float dot(const float *a, const float *b, int64_t n)
 {
     float s[8] = {0};
