@@ -110,6 +110,9 @@ struct hreq {
     /* generation */
     struct kr_oai_request o;
     bool have_o;
+    enum { PREP_NONE = 0, PREP_RUNNING, PREP_DONE, PREP_STARTED } prep_state;
+    bool prep_failed;
+    uv_work_t work;
     char id[48];
     int64_t created;
     int32_t n_sub;
@@ -321,9 +324,14 @@ static void hreq_unref(struct hreq *h)
     }
 }
 
-/* Cancels whatever the engine still does for h (client gone, shutdown). */
+/* Cancels whatever the engine still does for h (client gone, shutdown). Before the request
+ * started (its preparation may still be running on a worker) there is nothing to cancel, and its
+ * sub-requests must not be read. */
 static void hreq_cancel(struct hreq *h)
 {
+    if (h->prep_state != PREP_STARTED) {
+        return;
+    }
     for (int32_t i = 0; i < h->n_sub; i++) {
         if (h->subs[i].live) {
             kr_engine_cancel(h->s->eng, h->subs[i].eng_id);
@@ -947,34 +955,45 @@ static bool tokenize_into(struct hreq *h, struct sub *sb, const char *text, size
     return true;
 }
 
-static enum MHD_Result handle_generate(struct hreq *h)
+static enum kr_status prep_fail(struct hreq *h, const struct kr_oai_error *e)
+{
+    h->err = *e;
+    return KR_ERR_INVAL;
+}
+
+static enum kr_status prep_oom(struct hreq *h)
+{
+    kr_oai_error_set(&h->err, 500, "server_error", "", "", "out of memory");
+    return KR_ERR_NOMEM;
+}
+
+/* Worker-thread half of a generation request: parsing, the chat template and tokenization, all of
+ * which may take long for big prompts and must not run on the loop. Touches only h and the
+ * immutable server state (model config, tokenizer, template). Errors land in h->err. */
+static enum kr_status prepare(struct hreq *h)
 {
     struct srv *s = h->s;
     struct kr_oai_error e;
     const enum kr_oai_kind kind = h->route == R_CHAT ? KR_OAI_CHAT : KR_OAI_COMPLETIONS;
     if (kr_oai_parse(kind, h->body ? h->body : "", h->blen, &h->o, &e) != KR_OK) {
-        return send_error(h, &e);
+        return prep_fail(h, &e);
     }
     h->have_o = true;
     if (h->o.model && strcmp(h->o.model, s->model_name) != 0) {
         kr_oai_error_set(&e, 404, "not_found_error", "model", "model_not_found",
                          "The model `%s` does not exist; this server serves `%s`", h->o.model, s->model_name);
-        return send_error(h, &e);
+        return prep_fail(h, &e);
     }
     if (kind == KR_OAI_COMPLETIONS && (int64_t)h->o.n_prompts * h->o.n > 1024) {
         kr_oai_error_set(&e, 400, "invalid_request_error", "prompt", "",
                          "at most 1024 choices per request (%d prompts x n=%d)", h->o.n_prompts, h->o.n);
-        return send_error(h, &e);
+        return prep_fail(h, &e);
     }
     h->stream = h->o.stream;
-    h->created = (int64_t)time(NULL);
-    static uint64_t counter;
-    snprintf(h->id, sizeof h->id, "%s-%llx%06llx", kind == KR_OAI_CHAT ? "chatcmpl" : "cmpl",
-             (unsigned long long)time(NULL), (unsigned long long)(++counter & 0xffffff));
     h->n_sub = kind == KR_OAI_CHAT ? 1 : h->o.n_prompts;
     h->subs = kr_calloc((size_t)h->n_sub, sizeof *h->subs);
     if (!h->subs) {
-        return send_json_str(h, 500, NULL);
+        return prep_oom(h);
     }
     for (int32_t i = 0; i < h->n_sub; i++) {
         struct sub *sb = &h->subs[i];
@@ -985,18 +1004,18 @@ static enum MHD_Result handle_generate(struct hreq *h)
             if (!s->tok || !s->chat) {
                 kr_oai_error_set(&e, 400, "invalid_request_error", "messages", "",
                                  "chat completions need a tokenizer with a chat template (none is loaded)");
-                return send_error(h, &e);
+                return prep_fail(h, &e);
             }
             char *text = NULL;
             size_t len = 0;
             if (kr_chat_render(s->chat, h->o.messages, h->o.tools, h->o.add_generation_prompt,
                                h->o.continue_final_message, h->o.chat_template_kwargs, &text, &len, &e) != KR_OK) {
-                return send_error(h, &e);
+                return prep_fail(h, &e);
             }
             bool ok = tokenize_into(h, sb, text, len, false, &e, "messages");
             kr_free(text);
             if (!ok) {
-                return send_error(h, &e);
+                return prep_fail(h, &e);
             }
         } else {
             const struct kr_oai_prompt *p = &h->o.prompts[i];
@@ -1004,7 +1023,7 @@ static enum MHD_Result handle_generate(struct hreq *h)
             if (p->ids) {
                 sb->prompt = kr_malloc((size_t)(p->n_ids ? p->n_ids : 1) * sizeof(int32_t));
                 if (!sb->prompt) {
-                    return send_json_str(h, 500, NULL);
+                    return prep_oom(h);
                 }
                 memcpy(sb->prompt, p->ids, (size_t)p->n_ids * sizeof(int32_t));
                 sb->n_prompt = p->n_ids;
@@ -1013,7 +1032,7 @@ static enum MHD_Result handle_generate(struct hreq *h)
                         kr_oai_error_set(&e, 400, "invalid_request_error", param, "",
                                          "token id %d is outside the vocabulary [0, %lld)", p->ids[k],
                                          (long long)s->m->cfg.vocab);
-                        return send_error(h, &e);
+                        return prep_fail(h, &e);
                     }
                 }
                 if (h->o.echo && s->tok) {
@@ -1021,7 +1040,7 @@ static enum MHD_Result handle_generate(struct hreq *h)
                 }
             } else {
                 if (!tokenize_into(h, sb, p->text, p->text_len, true, &e, param)) {
-                    return send_error(h, &e);
+                    return prep_fail(h, &e);
                 }
                 sb->prompt_text = kr_strndup(p->text, p->text_len);
                 sb->prompt_text_len = p->text_len;
@@ -1030,7 +1049,7 @@ static enum MHD_Result handle_generate(struct hreq *h)
         if (sb->n_prompt == 0) {
             kr_oai_error_set(&e, 400, "invalid_request_error", kind == KR_OAI_CHAT ? "messages" : "prompt", "",
                              "the prompt is empty after tokenization");
-            return send_error(h, &e);
+            return prep_fail(h, &e);
         }
         if (sb->n_prompt >= s->max_model_len) {
             kr_oai_error_set(&e, 400, "invalid_request_error", kind == KR_OAI_CHAT ? "messages" : "prompt",
@@ -1038,7 +1057,7 @@ static enum MHD_Result handle_generate(struct hreq *h)
                              "This model's maximum context length is %d tokens. However, your request has %d input "
                              "tokens. Please reduce the length of the input.",
                              s->max_model_len, sb->n_prompt);
-            return send_error(h, &e);
+            return prep_fail(h, &e);
         }
     }
     if (!h->o.max_tokens_given && kind == KR_OAI_CHAT) {
@@ -1052,9 +1071,21 @@ static enum MHD_Result handle_generate(struct hreq *h)
                              "completion.",
                              s->max_model_len, h->subs[i].n_prompt + h->o.sampling.max_tokens, h->subs[i].n_prompt,
                              h->o.sampling.max_tokens);
-            return send_error(h, &e);
+            return prep_fail(h, &e);
         }
     }
+    return KR_OK;
+}
+
+/* Loop half: choices, detokenizers, submission. */
+static enum MHD_Result start_generation(struct hreq *h)
+{
+    struct srv *s = h->s;
+    const enum kr_oai_kind kind = h->route == R_CHAT ? KR_OAI_CHAT : KR_OAI_COMPLETIONS;
+    static uint64_t counter;
+    h->created = (int64_t)time(NULL);
+    snprintf(h->id, sizeof h->id, "%s-%llx%06llx", kind == KR_OAI_CHAT ? "chatcmpl" : "cmpl",
+             (unsigned long long)time(NULL), (unsigned long long)(++counter & 0xffffff));
     for (int32_t i = 0; i < h->o.n_stop; i++) {
         int32_t l = (int32_t)strlen(h->o.stop[i]);
         h->max_stop = l > h->max_stop ? l : h->max_stop;
@@ -1087,6 +1118,39 @@ static enum MHD_Result handle_generate(struct hreq *h)
         h->o.sampling.prompt_logprobs = h->o.sampling.logprobs; /* echo + logprobs: OpenAI returns the prompt's */
     }
     return submit_all(h);
+}
+
+static void prep_work(uv_work_t *w)
+{
+    struct hreq *h = w->data;
+    h->prep_failed = prepare(h) != KR_OK;
+}
+
+static void prep_after(uv_work_t *w, int status)
+{
+    struct hreq *h = w->data;
+    (void)status;
+    h->prep_state = PREP_DONE;
+    if (h->conn) {
+        resume(h); /* the access handler answers or submits */
+        mhd_kick(h->s);
+    }
+    hreq_unref(h);
+}
+
+/* Parks the connection and prepares the request on libuv's thread pool. */
+static enum MHD_Result handle_generate(struct hreq *h)
+{
+    h->prep_state = PREP_RUNNING;
+    h->work.data = h;
+    h->refs++;
+    if (uv_queue_work(&h->s->loop, &h->work, prep_work, prep_after) != 0) {
+        h->refs--;
+        h->prep_state = PREP_NONE;
+        return send_simple_error(h, 500, "server_error", "", "", "cannot queue the request");
+    }
+    park(h);
+    return MHD_YES;
 }
 
 /* Builds and sends the non-streaming response once every choice has finished. */
@@ -1428,12 +1492,21 @@ static enum MHD_Result on_access(void *cls, struct MHD_Connection *conn, const c
     if (h->responded) {
         return MHD_YES;
     }
-    if (h->have_o) { /* resumed: the generation is over */
+    switch (h->prep_state) {
+    case PREP_RUNNING: /* woken early: keep waiting for the worker */
+        park(h);
+        return MHD_YES;
+    case PREP_DONE:
+        h->prep_state = PREP_STARTED;
+        return h->prep_failed ? send_error(h, &h->err) : start_generation(h);
+    case PREP_STARTED: /* resumed: the generation is over */
         if (h->done) {
             return send_result(h);
         }
         park(h);
         return MHD_YES;
+    case PREP_NONE:
+        break;
     }
     return dispatch(h, url, method);
 }
@@ -1449,7 +1522,7 @@ static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
     hup_stop(h);
     h->conn = NULL;
     h->suspended = false;
-    if (!h->done && h->have_o) {
+    if (!h->done && h->prep_state == PREP_STARTED) {
         if (toe != MHD_REQUEST_TERMINATED_COMPLETED_OK) {
             KR_LOG_INFO("client of %s went away (code %d): cancelling", h->id, (int)toe);
         }
