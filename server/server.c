@@ -113,6 +113,7 @@ struct hreq {
     enum { PREP_NONE = 0, PREP_RUNNING, PREP_DONE, PREP_STARTED } prep_state;
     bool prep_failed;
     uv_work_t work;
+    char *def_body;            /* a worker's finished JSON answer (malloc'd), sent by the loop */
     char id[48];
     int64_t created;
     int32_t n_sub;
@@ -223,13 +224,6 @@ static enum MHD_Result send_json_str(struct hreq *h, unsigned status, char *json
     return r;
 }
 
-static enum MHD_Result send_json(struct hreq *h, unsigned status, json_t *j)
-{
-    char *s = j ? json_dumps(j, JSON_COMPACT | JSON_REAL_PRECISION(9)) : NULL;
-    json_decref(j);
-    return send_json_str(h, status, s);
-}
-
 static enum MHD_Result send_error(struct hreq *h, const struct kr_oai_error *e)
 {
     const char *retry = e->http_status == 429 || e->http_status == 503 ? "1" : NULL;
@@ -307,6 +301,7 @@ static void hreq_free(struct hreq *h)
     kr_free(h->subs);
     kr_free(h->body);
     kr_free(h->out);
+    free(h->def_body);
     if (h->have_o) {
         kr_oai_request_free(&h->o);
     }
@@ -1120,10 +1115,19 @@ static enum MHD_Result start_generation(struct hreq *h)
     return submit_all(h);
 }
 
+static int do_tokenize(struct hreq *h);
+static int do_detokenize(struct hreq *h);
+
 static void prep_work(uv_work_t *w)
 {
     struct hreq *h = w->data;
-    h->prep_failed = prepare(h) != KR_OK;
+    if (h->route == R_TOKENIZE) {
+        (void)do_tokenize(h);
+    } else if (h->route == R_DETOKENIZE) {
+        (void)do_detokenize(h);
+    } else {
+        h->prep_failed = prepare(h) != KR_OK;
+    }
 }
 
 static void prep_after(uv_work_t *w, int status)
@@ -1138,7 +1142,8 @@ static void prep_after(uv_work_t *w, int status)
     hreq_unref(h);
 }
 
-/* Parks the connection and prepares the request on libuv's thread pool. */
+/* Parks the connection and prepares the request (or computes the /tokenize answer) on libuv's
+ * thread pool. */
 static enum MHD_Result handle_generate(struct hreq *h)
 {
     h->prep_state = PREP_RUNNING;
@@ -1226,18 +1231,47 @@ static enum MHD_Result send_result(struct hreq *h)
 
 /* ---- other routes --------------------------------------------------------------------------------- */
 
-static enum MHD_Result handle_tokenize(struct hreq *h)
+/* /tokenize and /detokenize run on a worker (a big prompt must not stall the loop); their answer
+ * waits in h->def_* until the loop sends it. */
+static int defer_error(struct hreq *h, const struct kr_oai_error *e)
+{
+    h->err = *e;
+    h->prep_failed = true;
+    return -1;
+}
+
+static int defer_simple_error(struct hreq *h, int status, const char *type, const char *param, const char *code,
+                               const char *msg)
+{
+    kr_oai_error_set(&h->err, status, type, param, code, "%s", msg);
+    h->prep_failed = true;
+    return -1;
+}
+
+static int defer_oom(struct hreq *h)
+{
+    return defer_simple_error(h, 500, "server_error", "", "", "out of memory");
+}
+
+static int defer_json(struct hreq *h, json_t *j)
+{
+    h->def_body = j ? json_dumps(j, JSON_COMPACT | JSON_REAL_PRECISION(9)) : NULL;
+    json_decref(j);
+    return h->def_body ? 0 : defer_oom(h);
+}
+
+static int do_tokenize(struct hreq *h)
 {
     struct srv *s = h->s;
     json_error_t je;
     json_t *root = json_loadb(h->body ? h->body : "", h->blen, 0, &je);
     if (!root || !json_is_object(root)) {
         json_decref(root);
-        return send_simple_error(h, 400, "invalid_request_error", "", "", "the body must be a JSON object");
+        return defer_simple_error(h, 400, "invalid_request_error", "", "", "the body must be a JSON object");
     }
     if (!s->tok) {
         json_decref(root);
-        return send_simple_error(h, 400, "invalid_request_error", "", "", "no tokenizer is loaded (--skip-tokenizer-init)");
+        return defer_simple_error(h, 400, "invalid_request_error", "", "", "no tokenizer is loaded (--skip-tokenizer-init)");
     }
     json_t *prompt = json_object_get(root, "prompt"), *messages = json_object_get(root, "messages");
     json_t *ast = json_object_get(root, "add_special_tokens");
@@ -1256,20 +1290,20 @@ static enum MHD_Result handle_tokenize(struct hreq *h)
                                        json_object_get(root, "chat_template_kwargs"), &text, &len, &e) != KR_OK) {
             json_decref(root);
             if (!s->chat) {
-                return send_simple_error(h, 400, "invalid_request_error", "messages", "", "no chat template is loaded");
+                return defer_simple_error(h, 400, "invalid_request_error", "messages", "", "no chat template is loaded");
             }
-            return send_error(h, &e);
+            return defer_error(h, &e);
         }
     } else {
         json_decref(root);
-        return send_simple_error(h, 400, "invalid_request_error", "prompt", "",
+        return defer_simple_error(h, 400, "invalid_request_error", "prompt", "",
                                  "give \"prompt\" (a string) or \"messages\" (a list of chat messages)");
     }
     if (ast) {
         if (!json_is_boolean(ast)) {
             kr_free(text);
             json_decref(root);
-            return send_simple_error(h, 400, "invalid_request_error", "add_special_tokens", "",
+            return defer_simple_error(h, 400, "invalid_request_error", "add_special_tokens", "",
                                      "'add_special_tokens' must be a boolean");
         }
         add_special = json_is_true(ast);
@@ -1281,7 +1315,7 @@ static enum MHD_Result handle_tokenize(struct hreq *h)
     kr_free(text);
     if (st != KR_OK) {
         json_decref(root);
-        return send_simple_error(h, 400, "invalid_request_error", "prompt", "", err.msg);
+        return defer_simple_error(h, 400, "invalid_request_error", "prompt", "", err.msg);
     }
     json_t *out = json_object(), *arr = json_array(), *strs = NULL;
     const bool want_strs = json_is_true(json_object_get(root, "return_token_strs"));
@@ -1302,10 +1336,10 @@ static enum MHD_Result handle_tokenize(struct hreq *h)
     json_object_set_new(out, "tokens", arr);
     json_object_set_new(out, "token_strs", strs ? strs : json_null());
     json_decref(root);
-    return send_json(h, 200, out);
+    return defer_json(h, out);
 }
 
-static enum MHD_Result handle_detokenize(struct hreq *h)
+static int do_detokenize(struct hreq *h)
 {
     struct srv *s = h->s;
     json_error_t je;
@@ -1313,11 +1347,11 @@ static enum MHD_Result handle_detokenize(struct hreq *h)
     json_t *toks = root ? json_object_get(root, "tokens") : NULL;
     if (!json_is_array(toks)) {
         json_decref(root);
-        return send_simple_error(h, 400, "invalid_request_error", "tokens", "", "\"tokens\" must be a list of token ids");
+        return defer_simple_error(h, 400, "invalid_request_error", "tokens", "", "\"tokens\" must be a list of token ids");
     }
     if (!s->tok) {
         json_decref(root);
-        return send_simple_error(h, 400, "invalid_request_error", "", "", "no tokenizer is loaded (--skip-tokenizer-init)");
+        return defer_simple_error(h, 400, "invalid_request_error", "", "", "no tokenizer is loaded (--skip-tokenizer-init)");
     }
     const size_t n = json_array_size(toks);
     int32_t *ids = kr_malloc((n ? n : 1) * sizeof(int32_t));
@@ -1328,7 +1362,7 @@ static enum MHD_Result handle_detokenize(struct hreq *h)
             snprintf(param, sizeof param, "tokens[%zu]", i);
             kr_free(ids);
             json_decref(root);
-            return send_simple_error(h, 400, "invalid_request_error", param, "", "token ids must be integers in the vocabulary");
+            return defer_simple_error(h, 400, "invalid_request_error", param, "", "token ids must be integers in the vocabulary");
         }
         ids[i] = (int32_t)json_integer_value(v);
     }
@@ -1338,12 +1372,12 @@ static enum MHD_Result handle_detokenize(struct hreq *h)
     kr_free(ids);
     json_decref(root);
     if (st != KR_OK) {
-        return send_json_str(h, 500, NULL);
+        return defer_oom(h);
     }
     json_t *out = json_object();
     json_object_set_new(out, "prompt", json_stringn(text, len));
     kr_free(text);
-    return send_json(h, 200, out);
+    return defer_json(h, out);
 }
 
 static bool authorized(struct hreq *h)
@@ -1440,9 +1474,8 @@ static enum MHD_Result dispatch(struct hreq *h, const char *url, const char *met
             return send_json_str(h, 200, j);
         }
         case R_TOKENIZE:
-            return handle_tokenize(h);
         case R_DETOKENIZE:
-            return handle_detokenize(h);
+            return handle_generate(h); /* same worker hand-off */
         default:
             break;
         }
@@ -1498,7 +1531,15 @@ static enum MHD_Result on_access(void *cls, struct MHD_Connection *conn, const c
         return MHD_YES;
     case PREP_DONE:
         h->prep_state = PREP_STARTED;
-        return h->prep_failed ? send_error(h, &h->err) : start_generation(h);
+        if (h->prep_failed) {
+            return send_error(h, &h->err);
+        }
+        if (h->route == R_TOKENIZE || h->route == R_DETOKENIZE) {
+            char *body = h->def_body;
+            h->def_body = NULL;
+            return send_json_str(h, 200, body);
+        }
+        return start_generation(h);
     case PREP_STARTED: /* resumed: the generation is over */
         if (h->done) {
             return send_result(h);
