@@ -9,6 +9,8 @@ struct kr_backend_i {
     const char *(*name)(kr_backend_t be);
     void (*free)(kr_backend_t be);
     size_t (*act_size)(kr_backend_t be);
+    /* (optional) bytes per cached element of conv states, K/V and latent rows; act_size when NULL */
+    size_t (*cache_elt_size)(kr_backend_t be);
     enum kr_status (*buf_alloc)(kr_backend_t be, size_t size, struct kr_buf *out);
     void (*buf_free)(kr_backend_t be, struct kr_buf *buf);
     enum kr_status (*upload)(kr_backend_t be, const struct kr_tensor *host, bool to_f32, bool src_persistent,
@@ -18,7 +20,21 @@ struct kr_backend_i {
     /* Copies n bytes between two places of backend memory (ranges do not overlap). */
     enum kr_status (*copy_d2d)(kr_backend_t be, void *dst, const void *src, size_t n);
 
+    /* (optional) sizes internal scratch for steps of up to n_tok tokens in n_seq sequences with
+     * contexts up to max_ctx, so that no allocation happens while serving */
+    enum kr_status (*reserve)(kr_backend_t be, const struct kr_model_config *c, int64_t n_tok, int64_t n_seq,
+                              int64_t max_ctx);
     enum kr_status (*begin_batch)(kr_backend_t be, const struct kr_batch *b);
+    /* (optional) ends the step begun by begin_batch (ok: every op succeeded): deferred work runs,
+     * a graph being captured is instantiated and launched */
+    enum kr_status (*end_batch)(kr_backend_t be, bool ok);
+    /* (optional) graphs of decode steps: graph_bucket gives the padded batch size a graph of n
+     * single-token sequences runs as (0: no graph); graph_run, called after begin_batch, launches the
+     * graph captured for `key` (*launched = true: the ops must not be issued) or starts capturing
+     * the ops that follow until end_batch; graph_reset drops every graph (workspace moved). */
+    int32_t (*graph_bucket)(kr_backend_t be, int32_t n);
+    enum kr_status (*graph_run)(kr_backend_t be, int32_t key, bool *launched);
+    void (*graph_reset)(kr_backend_t be);
     /* out[t] = w[tokens[t]] for every token of the batch; w is [vocab, dim]. */
     enum kr_status (*embed)(kr_backend_t be, const struct kr_tensor *w, float *out);
     /* out[i] = x[i] / sqrt(mean(x[i]^2) + eps) * w, rows of `dim`; out may alias x. */

@@ -2,6 +2,9 @@
 
 #include "backend-impl.h"
 
+#include <stdlib.h>
+#include <string.h>
+
 /* Thin wrappers: the forward pass calls these, never the vtable directly. */
 
 void kr_backend_free(kr_backend_t be)
@@ -19,6 +22,40 @@ const char *kr_backend_name(kr_backend_t be)
 size_t kr_backend_act_size(kr_backend_t be)
 {
     return be->iface.act_size(be);
+}
+
+size_t kr_backend_cache_elt_size(kr_backend_t be)
+{
+    return be->iface.cache_elt_size ? be->iface.cache_elt_size(be) : be->iface.act_size(be);
+}
+
+enum kr_status kr_backend_reserve(kr_backend_t be, const struct kr_model_config *c, int64_t n_tok, int64_t n_seq,
+                                  int64_t max_ctx)
+{
+    return be->iface.reserve ? be->iface.reserve(be, c, n_tok, n_seq, max_ctx) : KR_OK;
+}
+
+enum kr_status kr_backend_end_batch(kr_backend_t be, bool ok)
+{
+    return be->iface.end_batch ? be->iface.end_batch(be, ok) : KR_OK;
+}
+
+int32_t kr_backend_graph_bucket(kr_backend_t be, int32_t n)
+{
+    return be->iface.graph_bucket && be->iface.graph_run ? be->iface.graph_bucket(be, n) : 0;
+}
+
+enum kr_status kr_backend_graph_run(kr_backend_t be, int32_t key, bool *launched)
+{
+    *launched = false;
+    return be->iface.graph_run ? be->iface.graph_run(be, key, launched) : KR_OK;
+}
+
+void kr_backend_graph_reset(kr_backend_t be)
+{
+    if (be->iface.graph_reset) {
+        be->iface.graph_reset(be);
+    }
 }
 
 enum kr_status kr_backend_buf_alloc(kr_backend_t be, size_t size, struct kr_buf *out)
@@ -153,4 +190,51 @@ enum kr_status kr_backend_dsa_index(kr_backend_t be, const struct kr_dsa_index_p
 enum kr_status kr_backend_mla_attention(kr_backend_t be, const struct kr_mla_attn_params *p)
 {
     return be->iface.mla_attention(be, p);
+}
+
+#ifndef KR_WITH_CUDA
+enum kr_status kr_backend_cuda_create(int dev, bool graphs, kr_backend_t *out, struct kr_err *err)
+{
+    (void)dev;
+    (void)graphs;
+    *out = NULL;
+    return kr_err_set(err, KR_ERR_UNSUPPORTED, "this build of krait has no CUDA support (rebuild with CUDA)");
+}
+
+int kr_backend_cuda_device_count(void)
+{
+    return 0;
+}
+#endif
+
+enum kr_status kr_backend_create(const char *device, int threads, kr_backend_t *out, struct kr_err *err)
+{
+    *out = NULL;
+    if (!device || !strcmp(device, "auto")) {
+        if (kr_backend_cuda_device_count() > 0) {
+            return kr_backend_cuda_create(0, true, out, err);
+        }
+        device = "cpu";
+    }
+    if (!strcmp(device, "cpu")) {
+        *out = kr_backend_cpu_create(threads);
+        return *out ? KR_OK : kr_err_set(err, KR_ERR_NOMEM, "out of memory creating the CPU backend");
+    }
+    if (!strncmp(device, "cuda", 4)) {
+        int dev = 0;
+        if (device[4] == ':') {
+            char *end = NULL;
+            const long v = strtol(device + 5, &end, 10);
+            if (!end || *end || end == device + 5 || v < 0 || v > 1024) {
+                return kr_err_set(err, KR_ERR_INVAL, "invalid device '%s' (expected cpu, cuda, cuda:N or auto)",
+                                  device);
+            }
+            dev = (int)v;
+        } else if (device[4]) {
+            return kr_err_set(err, KR_ERR_INVAL, "invalid device '%s' (expected cpu, cuda, cuda:N or auto)", device);
+        }
+        const char *g = getenv("KRAIT_CUDA_GRAPHS");
+        return kr_backend_cuda_create(dev, !(g && !strcmp(g, "0")), out, err);
+    }
+    return kr_err_set(err, KR_ERR_INVAL, "invalid device '%s' (expected cpu, cuda, cuda:N or auto)", device);
 }

@@ -45,6 +45,29 @@ const char *kr_backend_name(kr_backend_t be);
 /* Bytes per activation element. */
 size_t kr_backend_act_size(kr_backend_t be);
 
+/* Bytes per cached element (conv states, K/V rows, latent rows): 4 on the CPU, 2 (bf16) on CUDA. */
+size_t kr_backend_cache_elt_size(kr_backend_t be);
+
+/* The CUDA backend on device `dev` (CUDA graphs for decode steps when `graphs`). Fails with a
+ * message when the build has no CUDA or no device is usable. */
+enum kr_status kr_backend_cuda_create(int dev, bool graphs, kr_backend_t *out, struct kr_err *err);
+/* CUDA devices visible (0 in a build without CUDA). */
+int kr_backend_cuda_device_count(void);
+/* Creates the backend named by `device`: "cpu", "cuda" or "cuda:N", or "auto" (CUDA device 0 when
+ * one is visible, else the CPU). `threads` applies to the CPU backend. */
+enum kr_status kr_backend_create(const char *device, int threads, kr_backend_t *out, struct kr_err *err);
+
+/* Sizes backend scratch for steps of up to n_tok tokens in n_seq sequences and contexts up to
+ * max_ctx (no-op on the CPU). Called at start-up so that serving allocates nothing. */
+enum kr_status kr_backend_reserve(kr_backend_t be, const struct kr_model_config *c, int64_t n_tok, int64_t n_seq,
+                                  int64_t max_ctx);
+/* Ends the step begun by kr_backend_begin_batch (`ok`: every op of it succeeded). */
+enum kr_status kr_backend_end_batch(kr_backend_t be, bool ok);
+/* Decode-step graphs (see backend-impl.h); 0 / no-ops on backends without them. */
+int32_t kr_backend_graph_bucket(kr_backend_t be, int32_t n);
+enum kr_status kr_backend_graph_run(kr_backend_t be, int32_t key, bool *launched);
+void kr_backend_graph_reset(kr_backend_t be);
+
 /* Allocates `size` bytes of zeroed backend memory. */
 enum kr_status kr_backend_buf_alloc(kr_backend_t be, size_t size, struct kr_buf *out);
 /* Frees a buffer; a zeroed struct is a no-op. */

@@ -17,7 +17,7 @@ enum kr_status kr_cache_create(const struct kr_model *m, int32_t n_slots, int32_
         return KR_ERR_NOMEM;
     }
     enum kr_status st = KR_ERR_NOMEM;
-    const size_t act = kr_backend_act_size(m->be);
+    const size_t act = kr_backend_cache_elt_size(m->be);
     c->be = m->be;
     c->act = act;
     c->n_slots = n_slots;
@@ -159,7 +159,7 @@ void kr_cache_block_ref(struct kr_cache *c, int32_t id)
 void kr_cache_unit_bytes(const struct kr_model *m, int32_t block_size, size_t *slot_bytes, size_t *block_bytes)
 {
     const struct kr_model_config *cfg = &m->cfg;
-    const size_t act = kr_backend_act_size(m->be);
+    const size_t act = kr_backend_cache_elt_size(m->be);
     size_t sb = 0, bb = 0;
     if (m->n_mamba) {
         sb = (size_t)m->n_mamba * ((size_t)(cfg->m_conv - 1) * (size_t)cfg->m_conv_dim * act +

@@ -731,6 +731,7 @@ void kr_model_free(struct kr_model *m)
         kr_backend_buf_free(m->be, &m->owned[i]);
     }
     kr_backend_buf_free(m->be, &m->work);
+    kr_free(m->pad);
     kr_free(m->owned);
     kr_free(m->layers);
     kr_st_close(m->ar);

@@ -61,17 +61,54 @@ static size_t ws_floats(const struct kr_model_config *c, int64_t n, int64_t n_ou
                     n_out * (c->dim + c->vocab));
 }
 
-static enum kr_status ws_prepare(struct kr_model *m, const struct kr_batch *b, struct ws *ws)
+static int32_t batch_max_ctx(const struct kr_batch *b)
+{
+    int32_t mc = 0;
+    for (int32_t s = 0; s < b->n_seq; s++) {
+        const int32_t ctx = b->seq_pos0[s] + b->seq_tok0[s + 1] - b->seq_tok0[s];
+        mc = ctx > mc ? ctx : mc;
+    }
+    return mc;
+}
+
+/* Grows the workspace and the backend's scratch to cover n_tok tokens (n_out of them output) in
+ * n_seq sequences with contexts up to max_ctx. Growth drops the backend's captured graphs. */
+static enum kr_status grow(struct kr_model *m, int64_t n_tok, int64_t n_out, int64_t n_seq, int64_t max_ctx)
 {
     const struct kr_model_config *c = &m->cfg;
     int64_t wide, mid;
-    size_t need = ws_floats(c, b->n_tok, b->n_out, &wide, &mid) * sizeof(float);
+    const size_t need = ws_floats(c, n_tok, n_out, &wide, &mid) * sizeof(float);
     if (need > m->work.size) {
+        kr_backend_graph_reset(m->be);
         kr_backend_buf_free(m->be, &m->work);
         enum kr_status st = kr_backend_buf_alloc(m->be, need, &m->work);
         if (st != KR_OK) {
             return st;
         }
+        m->work_tokens = (int32_t)n_tok;
+    }
+    if (n_tok > m->res_tok || n_seq > m->res_seq || max_ctx > m->res_ctx) {
+        m->res_tok = n_tok > m->res_tok ? n_tok : m->res_tok;
+        m->res_seq = n_seq > m->res_seq ? n_seq : m->res_seq;
+        m->res_ctx = max_ctx > m->res_ctx ? max_ctx : m->res_ctx;
+        return kr_backend_reserve(m->be, c, m->res_tok, m->res_seq, m->res_ctx);
+    }
+    return KR_OK;
+}
+
+enum kr_status kr_model_reserve(struct kr_model *m, int64_t n_tok, int64_t n_out, int64_t n_seq, int64_t max_ctx)
+{
+    return grow(m, n_tok, n_out, n_seq, max_ctx);
+}
+
+static enum kr_status ws_prepare(struct kr_model *m, const struct kr_batch *b, struct ws *ws)
+{
+    const struct kr_model_config *c = &m->cfg;
+    int64_t wide, mid;
+    (void)ws_floats(c, b->n_tok, b->n_out, &wide, &mid);
+    enum kr_status st = grow(m, b->n_tok, b->n_out, b->n_seq, batch_max_ctx(b));
+    if (st != KR_OK) {
+        return st;
     }
     const int64_t n = b->n_tok;
     float *p = m->work.ptr;
@@ -405,6 +442,107 @@ static enum kr_status moe_fwd(struct kr_model *m, const struct kr_layer *L, int6
 
 /* ---- the step --------------------------------------------------------------------------------- */
 
+/* A decode-only step (one token per sequence, every token an output) can replay a CUDA graph. */
+static bool graphable(const struct kr_model *m, const struct kr_batch *b)
+{
+    if (m->n_steps == 0 || m->n_mla || m->on_index || b->n_tok != b->n_seq || b->n_out != b->n_tok) {
+        return false;
+    }
+    for (int32_t i = 0; i < b->n_out; i++) {
+        if (b->out_tok[i] != i) {
+            return false;
+        }
+    }
+    return true;
+}
+
+static int32_t pow2_at_least(int32_t v, int32_t lo)
+{
+    int32_t p = lo;
+    while (p < v) {
+        p *= 2;
+    }
+    return p;
+}
+
+/* The batch padded to `n` sequences and a block-table width of `mb`: padding sequences have state
+ * slot -1 (kernels read and write no state or cache for them), token 0 at position 0, and block
+ * tables of zeros. */
+static enum kr_status pad_batch(struct kr_model *m, const struct kr_batch *b, int32_t n, int32_t mb,
+                                struct kr_batch *out)
+{
+    const size_t need = (size_t)n * 6 + 1 + (size_t)n * (size_t)mb;
+    if (need > m->pad_cap) {
+        int32_t *p = kr_realloc(m->pad, need * sizeof *p);
+        if (!p) {
+            return KR_ERR_NOMEM;
+        }
+        m->pad = p;
+        m->pad_cap = need;
+    }
+    int32_t *tokens = m->pad, *pos = tokens + n, *tok0 = pos + n, *pos0 = tok0 + n + 1, *slot = pos0 + n,
+            *out_tok = slot + n, *bt = out_tok + n;
+    for (int32_t i = 0; i < n; i++) {
+        const bool real = i < b->n_seq;
+        tokens[i] = real ? b->tokens[i] : 0;
+        pos[i] = real ? b->pos[i] : 0;
+        tok0[i] = i;
+        pos0[i] = real ? b->seq_pos0[i] : 0;
+        slot[i] = real ? b->seq_slot[i] : -1;
+        out_tok[i] = i;
+        for (int32_t j = 0; j < mb; j++) {
+            bt[(size_t)i * mb + j] = real && j < b->max_blocks ? b->block_table[(size_t)i * b->max_blocks + j] : 0;
+        }
+    }
+    tok0[n] = n;
+    *out = (struct kr_batch){.n_tok = n, .n_seq = n, .tokens = tokens, .pos = pos, .seq_tok0 = tok0,
+                             .seq_pos0 = pos0, .seq_slot = slot, .block_table = bt, .max_blocks = mb, .n_out = n,
+                             .out_tok = out_tok};
+    return KR_OK;
+}
+
+/* The layers, final norm and LM head of one step (the ops a graph replays). */
+static enum kr_status run_ops(struct kr_model *m, struct kr_cache *cache, const struct kr_batch *b, struct ws *ws)
+{
+    const struct kr_model_config *c = &m->cfg;
+    kr_backend_t be = m->be;
+    const int64_t n = b->n_tok;
+    TRY(kr_backend_embed(be, &m->embed, ws->x));
+    for (int32_t i = 0; i < c->n_layer; i++) {
+        const struct kr_layer *L = &m->layers[i];
+        TRY(kr_backend_rmsnorm(be, ws->x, L->norm, n, c->dim, c->norm_eps, ws->h));
+        enum kr_status st;
+        switch (L->type) {
+        case KR_LAYER_MAMBA:
+            st = mamba_fwd(m, cache, L, n, ws);
+            break;
+        case KR_LAYER_ATTN:
+            st = attn_fwd(m, cache, L, n, ws);
+            break;
+        case KR_LAYER_MLP:
+            st = mlp_fwd(be, &L->mlp, c->act, ws->h, c->dim, n, ws->big, ws->big2, ws->y, ws->o, c->dim);
+            break;
+        case KR_LAYER_MOE:
+            st = moe_fwd(m, L, n, ws);
+            break;
+        case KR_LAYER_DSA:
+        case KR_LAYER_MLA:
+            st = mla_fwd(m, cache, L, i, b, ws);
+            break;
+        default:
+            st = KR_ERR_INTERNAL;
+        }
+        TRY(st);
+        TRY(kr_backend_add(be, ws->x, ws->o, n * c->dim));
+    }
+    if (b->n_out == 0) {
+        return KR_OK;
+    }
+    TRY(kr_backend_gather_out(be, ws->x, c->dim, ws->fin));
+    TRY(kr_backend_rmsnorm(be, ws->fin, m->final_norm, b->n_out, c->dim, c->norm_eps, ws->fin));
+    return kr_backend_matmul(be, ws->fin, c->dim, b->n_out, &m->lm_head, NULL, ws->lg, c->vocab);
+}
+
 enum kr_status kr_model_forward(struct kr_model *m, struct kr_cache *cache, const struct kr_batch *b, float *logits,
                                 struct kr_err *err)
 {
@@ -414,52 +552,43 @@ enum kr_status kr_model_forward(struct kr_model *m, struct kr_cache *cache, cons
     if (st != KR_OK || b->n_tok == 0) {
         return st;
     }
+    struct kr_batch padded;
+    const struct kr_batch *run = b;
+    int32_t key = 0;
+    if (graphable(m, b)) {
+        const int32_t bucket = kr_backend_graph_bucket(be, b->n_tok);
+        const int32_t mb = pow2_at_least(b->max_blocks, 16);
+        if (bucket > 0 && mb < (1 << 15) && pad_batch(m, b, bucket, mb, &padded) == KR_OK) {
+            run = &padded;
+            key = bucket | (mb << 16);
+        }
+    }
     struct ws ws;
-    if ((st = ws_prepare(m, b, &ws)) != KR_OK || (st = kr_backend_begin_batch(be, b)) != KR_OK ||
-        (st = kr_backend_embed(be, &m->embed, ws.x)) != KR_OK) {
+    bool begun = false, launched = false;
+    if ((st = ws_prepare(m, run, &ws)) != KR_OK || (st = kr_backend_begin_batch(be, run)) != KR_OK) {
         goto fail;
     }
-    const int64_t n = b->n_tok;
-    for (int32_t i = 0; i < c->n_layer; i++) {
-        const struct kr_layer *L = &m->layers[i];
-        if ((st = kr_backend_rmsnorm(be, ws.x, L->norm, n, c->dim, c->norm_eps, ws.h)) != KR_OK) {
-            goto fail;
-        }
-        switch (L->type) {
-        case KR_LAYER_MAMBA:
-            st = mamba_fwd(m, cache, L, n, &ws);
-            break;
-        case KR_LAYER_ATTN:
-            st = attn_fwd(m, cache, L, n, &ws);
-            break;
-        case KR_LAYER_MLP:
-            st = mlp_fwd(be, &L->mlp, c->act, ws.h, c->dim, n, ws.big, ws.big2, ws.y, ws.o, c->dim);
-            break;
-        case KR_LAYER_MOE:
-            st = moe_fwd(m, L, n, &ws);
-            break;
-        case KR_LAYER_DSA:
-        case KR_LAYER_MLA:
-            st = mla_fwd(m, cache, L, i, b, &ws);
-            break;
-        default:
-            st = KR_ERR_INTERNAL;
-        }
-        if (st != KR_OK || (st = kr_backend_add(be, ws.x, ws.o, n * c->dim)) != KR_OK) {
-            goto fail;
-        }
-    }
-    if (b->n_out == 0) {
-        return KR_OK;
-    }
-    if ((st = kr_backend_gather_out(be, ws.x, c->dim, ws.fin)) != KR_OK ||
-        (st = kr_backend_rmsnorm(be, ws.fin, m->final_norm, b->n_out, c->dim, c->norm_eps, ws.fin)) != KR_OK ||
-        (st = kr_backend_matmul(be, ws.fin, c->dim, b->n_out, &m->lm_head, NULL, ws.lg, c->vocab)) != KR_OK ||
-        (st = kr_backend_copy_d2h(be, logits, ws.lg, (size_t)b->n_out * (size_t)c->vocab * sizeof(float))) !=
-            KR_OK) {
+    begun = true;
+    if (key && (st = kr_backend_graph_run(be, key, &launched)) != KR_OK) {
         goto fail;
     }
+    if (!launched && (st = run_ops(m, cache, run, &ws)) != KR_OK) {
+        goto fail;
+    }
+    begun = false;
+    if ((st = kr_backend_end_batch(be, true)) != KR_OK) {
+        goto fail;
+    }
+    m->n_steps++;
+    if (b->n_out > 0 && logits &&
+        (st = kr_backend_copy_d2h(be, logits, ws.lg, (size_t)b->n_out * (size_t)c->vocab * sizeof(float))) != KR_OK) {
+        goto fail;
+    }
+    m->last_logits = ws.lg;
     return KR_OK;
 fail:
+    if (begun) {
+        (void)kr_backend_end_batch(be, false);
+    }
     return kr_err_set(err, st, "forward pass failed: %s", kr_status_str(st));
 }

@@ -103,6 +103,11 @@ struct kr_model {
     struct kr_buf *owned;        /* backend buffers made by uploads */
     struct kr_buf work;          /* forward workspace */
     int32_t work_tokens;         /* tokens the workspace is sized for */
+    int64_t res_tok, res_seq, res_ctx; /* step size the backend scratch is reserved for */
+    uint64_t n_steps;            /* forward steps run */
+    int32_t *pad;                /* host scratch for graph-padded batches */
+    size_t pad_cap;
+    const float *last_logits;    /* backend memory: [n_out, vocab] logits of the last step */
     uint64_t n_params;           /* parameters loaded */
 };
 
@@ -120,8 +125,13 @@ enum kr_status kr_model_load_progress(const char *dir, kr_backend_t be, kr_progr
 
 struct kr_cache;
 
+/* Sizes the forward workspace and the backend's scratch for steps of up to n_tok tokens (n_out of
+ * them with logits) in n_seq sequences with contexts up to max_ctx, so that serving allocates no
+ * backend memory. Larger steps still work (the workspace grows). */
+enum kr_status kr_model_reserve(struct kr_model *m, int64_t n_tok, int64_t n_out, int64_t n_seq, int64_t max_ctx);
+
 /* Runs one step over `b` and writes the raw logits (fp32) of the b->n_out selected tokens to
- * `logits` ([n_out, vocab], host memory; may be NULL when n_out is 0). Token ids, positions, slots and block tables are validated against the model and cache:
+ * `logits` ([n_out, vocab], host memory; NULL leaves them in backend memory at m->last_logits). Token ids, positions, slots and block tables are validated against the model and cache:
  * invalid input is KR_ERR_INVAL with a message, never a crash. Engine thread only. */
 enum kr_status kr_model_forward(struct kr_model *m, struct kr_cache *c, const struct kr_batch *b, float *logits,
                                 struct kr_err *err);

@@ -1,23 +1,24 @@
 #pragma once
 /* The whole public surface of kernels/: parameter structs and launchers of the CUDA kernels,
- * callable from C. Only the CUDA backend includes this header; a CPU-only build never compiles
- * a launcher. Kernel families (one directory each) arrive with the CUDA backend. */
+ * callable from C. Only the CUDA backend (and the GPU tests and benchmarks) include this header; a
+ * CPU-only build never compiles a launcher. Each kernel family keeps its part in krk/<family>.h.
+ *
+ * Conventions for every launcher:
+ *  - every pointer is device memory unless its comment says "host";
+ *  - activations are fp32, weights bf16 (krk_bf16), Mamba SSM states fp32, caches bf16;
+ *  - shapes are given as [dims] in the comment of each pointer, strides explicit;
+ *  - a launcher validates its parameters (KR_ERR_INVAL, never an abort), launches on `stream`,
+ *    checks cudaGetLastError (KR_ERR_CUDA) and never synchronizes or allocates, so that every
+ *    launcher can be captured into a CUDA graph. */
 #include "status.h"
 
-#ifdef __cplusplus
-extern "C" {
-#endif
-
 #ifdef KR_WITH_CUDA
-/* Number of CUDA devices visible to this process (0 when the driver is missing or no device is
- * present; never fails). */
-int krk_device_count(void);
-
-/* Fills `name` (at most `n` bytes) with the name of device `dev` and its compute capability
- * ("NVIDIA H200 sm_90"). Returns KR_ERR_CUDA when the device cannot be queried. */
-enum kr_status krk_device_describe(int dev, char *name, int n);
-#endif
-
-#ifdef __cplusplus
-}
+#include "krk/common.h"
+#include "krk/norm.h"
+#include "krk/gemm.h"
+#include "krk/mamba2.h"
+#include "krk/attention.h"
+#include "krk/mla.h"
+#include "krk/moe.h"
+#include "krk/sampling.h"
 #endif

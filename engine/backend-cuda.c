@@ -1,0 +1,1068 @@
+/* The CUDA backend: bf16 weights, fp32 activations between ops, bf16 GEMM operands with fp32
+ * accumulation (cuBLAS, or the skinny krk_gemv kernel for decode), bf16 caches, fp32 SSM states,
+ * custom kernels (kernels/, through krk.h) for everything else. All work runs on one stream;
+ * device memory is taken at start-up (weights, cache pools, the forward workspace and the op
+ * scratch reserved for the largest step), never while serving. Decode steps are captured as CUDA
+ * graphs per batch-size bucket and replayed.
+ *
+ * Two internal fusions keep the op interface unchanged:
+ *  - a residual add (kr_backend_add) is deferred and fused into the RMSNorm that reads its result
+ *    (the next layer's pre-norm), and executed by any other op first;
+ *  - the ops that produce a GEMM input (RMSNorm, gated RMSNorm, activation) also write it in bf16,
+ *    and matmul uses that copy instead of converting again ("shadow" below).
+ * One instance drives one device: a tensor-parallel rank is one instance holding its shard. */
+#include "backend-impl.h"
+
+#include "alloc.h"
+#include "log.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+
+#include "krk.h"
+
+#define MAX_GRAPHS 32
+
+static const int32_t graph_buckets[] = {1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256};
+
+struct graph {
+    int32_t key;
+    cudaGraphExec_t exec;
+};
+
+struct cuda_ctx {
+    int dev;
+    char desc[160];
+    cudaStream_t stream;
+    cublasHandle_t blas;
+    void *blas_ws;
+    size_t blas_ws_size;
+    bool failed;           /* a sticky CUDA error: the backend refuses further work */
+    bool graphs_on;
+    size_t bytes_alloc;    /* device bytes taken through buf_alloc/upload */
+
+    /* the current step */
+    const struct kr_batch *hb;
+    struct krk_batch batch;
+    const int32_t *d_out_tok;
+    int32_t *h_meta;       /* pinned staging of the batch arrays */
+    int32_t *d_meta;
+    size_t meta_cap;       /* int32 elements of both */
+
+    /* scratch: op workspaces (SSD, attention, MLA, expert hidden rows, sampling) */
+    void *scratch;
+    size_t scratch_size;
+    /* bf16 GEMM operand; the rows of one fp32 activation (shadow.src) rounded to bf16 */
+    krk_bf16 *xb;
+    size_t xb_cap;         /* elements */
+    struct {
+        const float *src;
+        int64_t ld, n, cols;
+        bool valid;
+    } shadow;
+    /* deferred residual add y += x over n floats */
+    struct {
+        float *y;
+        const float *x;
+        int64_t n;
+        bool on;
+    } pend;
+    /* device arrays of expert weight pointers, filled on first use */
+    void **ptr_table;      /* device [ptr_cap] */
+    size_t ptr_cap, ptr_used;
+    struct ptr_entry {
+        const struct kr_tensor *host; /* the model's array of expert tensors */
+        size_t off;                    /* its pointers at ptr_table[off..off+n) */
+    } *ptr_idx;
+    size_t n_ptr_idx, cap_ptr_idx;
+
+    /* graphs */
+    struct graph graphs[MAX_GRAPHS];
+    int n_graphs;
+    bool capturing;
+    int32_t cap_key;
+};
+
+static struct cuda_ctx *ctx_of(kr_backend_t be)
+{
+    return be->ctx;
+}
+
+/* Every CUDA runtime call goes through CU_TRY: the error is logged with file and line and turns
+ * into KR_ERR_CUDA; a sticky error marks the backend failed. */
+static enum kr_status cu_fail(struct cuda_ctx *c, cudaError_t e, const char *what, const char *file, int line)
+{
+    KR_LOG_ERROR("cuda: %s:%d: %s: %s", file, line, what, cudaGetErrorString(e));
+    if (e == cudaErrorIllegalAddress || e == cudaErrorLaunchFailure || e == cudaErrorIllegalInstruction ||
+        e == cudaErrorMisalignedAddress || e == cudaErrorHardwareStackError || e == cudaErrorAssert) {
+        c->failed = true;
+    }
+    return KR_ERR_CUDA;
+}
+
+#define CU_TRY(c, expr)                                                                            \
+    do {                                                                                           \
+        cudaError_t e_ = (expr);                                                                   \
+        if (e_ != cudaSuccess) {                                                                   \
+            return cu_fail((c), e_, #expr, __FILE__, __LINE__);                                    \
+        }                                                                                          \
+    } while (0)
+
+#define BLAS_TRY(expr)                                                                             \
+    do {                                                                                           \
+        cublasStatus_t s_ = (expr);                                                                \
+        if (s_ != CUBLAS_STATUS_SUCCESS) {                                                         \
+            KR_LOG_ERROR("cuda: %s:%d: %s: cuBLAS status %d", __FILE__, __LINE__, #expr, (int)s_); \
+            return KR_ERR_CUDA;                                                                    \
+        }                                                                                          \
+    } while (0)
+
+#define TRY(expr)                                                                                  \
+    do {                                                                                           \
+        enum kr_status st_ = (expr);                                                               \
+        if (st_ != KR_OK) {                                                                        \
+            return st_;                                                                            \
+        }                                                                                          \
+    } while (0)
+
+/* ---- memory ------------------------------------------------------------------------------- */
+
+static const char *cuda_name(kr_backend_t be)
+{
+    return ctx_of(be)->desc;
+}
+
+static void graphs_clear(struct cuda_ctx *c)
+{
+    for (int i = 0; i < c->n_graphs; i++) {
+        cudaGraphExecDestroy(c->graphs[i].exec);
+    }
+    c->n_graphs = 0;
+}
+
+static void cuda_free(kr_backend_t be)
+{
+    struct cuda_ctx *c = ctx_of(be);
+    if (c) {
+        cudaSetDevice(c->dev);
+        if (c->stream) {
+            cudaStreamSynchronize(c->stream);
+        }
+        graphs_clear(c);
+        if (c->blas) {
+            cublasDestroy(c->blas);
+        }
+        cudaFree(c->blas_ws);
+        cudaFree(c->scratch);
+        cudaFree(c->xb);
+        cudaFree(c->d_meta);
+        cudaFree(c->ptr_table);
+        cudaFreeHost(c->h_meta);
+        if (c->stream) {
+            cudaStreamDestroy(c->stream);
+        }
+        kr_free(c->ptr_idx);
+        kr_free(c);
+    }
+    kr_free(be);
+}
+
+static size_t cuda_act_size(kr_backend_t be)
+{
+    return sizeof(float);
+}
+
+static size_t cuda_cache_elt_size(kr_backend_t be)
+{
+    return sizeof(krk_bf16);
+}
+
+static enum kr_status dev_alloc(struct cuda_ctx *c, size_t size, void **out)
+{
+    *out = NULL;
+    if (c->capturing) {
+        KR_LOG_ERROR("cuda: device allocation of %zu bytes requested during graph capture", size);
+        return KR_ERR_INTERNAL;
+    }
+    cudaError_t e = cudaMalloc(out, size ? size : 16);
+    if (e == cudaErrorMemoryAllocation) {
+        (void)cudaGetLastError();
+        KR_LOG_ERROR("cuda: out of device memory allocating %zu bytes (%zu held)", size, c->bytes_alloc);
+        return KR_ERR_NOMEM;
+    }
+    CU_TRY(c, e);
+    c->bytes_alloc += size;
+    return KR_OK;
+}
+
+static enum kr_status cuda_buf_alloc(kr_backend_t be, size_t size, struct kr_buf *out)
+{
+    struct cuda_ctx *c = ctx_of(be);
+    memset(out, 0, sizeof *out);
+    void *p;
+    TRY(dev_alloc(c, size, &p));
+    cudaError_t e = cudaMemsetAsync(p, 0, size, c->stream);
+    if (e == cudaSuccess) {
+        e = cudaStreamSynchronize(c->stream);
+    }
+    if (e != cudaSuccess) {
+        cudaFree(p);
+        c->bytes_alloc -= size;
+        return cu_fail(c, e, "zeroing a new buffer", __FILE__, __LINE__);
+    }
+    out->ptr = p;
+    out->size = size;
+    return KR_OK;
+}
+
+static void cuda_buf_free(kr_backend_t be, struct kr_buf *buf)
+{
+    struct cuda_ctx *c = ctx_of(be);
+    cudaStreamSynchronize(c->stream);
+    cudaFree(buf->ptr);
+    c->bytes_alloc -= buf->size < c->bytes_alloc ? buf->size : c->bytes_alloc;
+    buf->ptr = NULL;
+    buf->size = 0;
+}
+
+/* Uploads a weight: fp32 copies for `to_f32` vectors and for tensors stored in F32 (routers and
+ * other deliberately full-precision tensors of mixed checkpoints), bf16 for everything else
+ * (F16 sources are rounded to bf16). Conversions run on the host, in slices. */
+static enum kr_status cuda_upload(kr_backend_t be, const struct kr_tensor *host, bool to_f32, bool src_persistent,
+                                  struct kr_tensor *out, struct kr_buf *owned)
+{
+    struct cuda_ctx *c = ctx_of(be);
+    memset(owned, 0, sizeof *owned);
+    const size_t n = (size_t)host->rows * (size_t)host->cols;
+    const bool f32 = to_f32 || host->dtype == KR_DTYPE_F32;
+    if (host->dtype != KR_DTYPE_F32 && host->dtype != KR_DTYPE_F16 && host->dtype != KR_DTYPE_BF16) {
+        KR_LOG_ERROR("cuda: cannot upload a tensor of dtype %s", kr_dtype_name(host->dtype));
+        return KR_ERR_UNSUPPORTED;
+    }
+    const size_t esz = f32 ? 4 : 2;
+    struct kr_buf b;
+    TRY(cuda_buf_alloc(be, n * esz, &b));
+    enum kr_status st = KR_OK;
+    if ((f32 && host->dtype == KR_DTYPE_F32) || (!f32 && host->dtype == KR_DTYPE_BF16)) {
+        cudaError_t e = cudaMemcpy(b.ptr, host->data, n * esz, cudaMemcpyHostToDevice);
+        if (e != cudaSuccess) {
+            st = cu_fail(c, e, "cudaMemcpy (upload)", __FILE__, __LINE__);
+        }
+    } else {
+        const size_t slice = (size_t)1 << 22;
+        void *tmp = kr_malloc(slice * esz);
+        if (!tmp) {
+            st = KR_ERR_NOMEM;
+        }
+        const size_t src_esz = kr_dtype_size(host->dtype);
+        for (size_t i = 0; st == KR_OK && i < n; i += slice) {
+            const size_t k = n - i < slice ? n - i : slice;
+            const char *src = (const char *)host->data + i * src_esz;
+            if (f32) {
+                kr_convert_to_f32(tmp, src, host->dtype, k);
+            } else {
+                uint16_t *t = tmp;
+                for (size_t j = 0; j < k; j++) {
+                    float v;
+                    if (host->dtype == KR_DTYPE_F32) {
+                        memcpy(&v, src + j * 4, 4);
+                    } else {
+                        uint16_t h;
+                        memcpy(&h, src + j * 2, 2);
+                        v = kr_f16_to_f32(h);
+                    }
+                    t[j] = kr_f32_to_bf16(v);
+                }
+            }
+            cudaError_t e = cudaMemcpy((char *)b.ptr + i * esz, tmp, k * esz, cudaMemcpyHostToDevice);
+            if (e != cudaSuccess) {
+                st = cu_fail(c, e, "cudaMemcpy (upload)", __FILE__, __LINE__);
+            }
+        }
+        kr_free(tmp);
+    }
+    if (st != KR_OK) {
+        cuda_buf_free(be, &b);
+        return st;
+    }
+    *out = (struct kr_tensor){.data = b.ptr, .dtype = f32 ? KR_DTYPE_F32 : KR_DTYPE_BF16, .rows = host->rows,
+                              .cols = host->cols};
+    *owned = b;
+    (void)src_persistent;
+    return KR_OK;
+}
+
+static enum kr_status flush_pending(struct cuda_ctx *c);
+
+static enum kr_status cuda_copy(kr_backend_t be, void *dst, const void *src, size_t n, enum cudaMemcpyKind kind)
+{
+    struct cuda_ctx *c = ctx_of(be);
+    TRY(flush_pending(c));
+    if (n == 0) {
+        return KR_OK;
+    }
+    if (c->capturing) {
+        KR_LOG_ERROR("cuda: a synchronous copy was requested during graph capture");
+        return KR_ERR_INTERNAL;
+    }
+    CU_TRY(c, cudaMemcpyAsync(dst, src, n, kind, c->stream));
+    CU_TRY(c, cudaStreamSynchronize(c->stream));
+    return KR_OK;
+}
+
+static enum kr_status cuda_copy_d2h(kr_backend_t be, void *dst, const void *src, size_t n)
+{
+    return cuda_copy(be, dst, src, n, cudaMemcpyDeviceToHost);
+}
+
+static enum kr_status cuda_copy_h2d(kr_backend_t be, void *dst, const void *src, size_t n)
+{
+    return cuda_copy(be, dst, src, n, cudaMemcpyHostToDevice);
+}
+
+static enum kr_status cuda_copy_d2d(kr_backend_t be, void *dst, const void *src, size_t n)
+{
+    return cuda_copy(be, dst, src, n, cudaMemcpyDeviceToDevice);
+}
+
+/* ---- scratch ------------------------------------------------------------------------------ */
+
+static enum kr_status ensure_scratch(struct cuda_ctx *c, size_t bytes)
+{
+    if (bytes <= c->scratch_size) {
+        return KR_OK;
+    }
+    bytes = (bytes + 255) & ~(size_t)255;
+    if (c->stream) {
+        CU_TRY(c, cudaStreamSynchronize(c->stream));
+    }
+    cudaFree(c->scratch);
+    c->bytes_alloc -= c->scratch_size;
+    c->scratch = NULL;
+    c->scratch_size = 0;
+    TRY(dev_alloc(c, bytes, &c->scratch));
+    c->scratch_size = bytes;
+    graphs_clear(c); /* captured graphs point at the old scratch */
+    return KR_OK;
+}
+
+static enum kr_status ensure_xb(struct cuda_ctx *c, size_t elems)
+{
+    if (elems <= c->xb_cap) {
+        return KR_OK;
+    }
+    if (c->stream) {
+        CU_TRY(c, cudaStreamSynchronize(c->stream));
+    }
+    cudaFree(c->xb);
+    c->bytes_alloc -= c->xb_cap * 2;
+    c->xb = NULL;
+    c->xb_cap = 0;
+    void *p;
+    TRY(dev_alloc(c, elems * 2, &p));
+    c->xb = p;
+    c->xb_cap = elems;
+    c->shadow.valid = false;
+    graphs_clear(c);
+    return KR_OK;
+}
+
+static enum kr_status ensure_meta(struct cuda_ctx *c, size_t elems)
+{
+    if (elems <= c->meta_cap) {
+        return KR_OK;
+    }
+    elems += elems / 2 + 64;
+    if (c->stream) {
+        CU_TRY(c, cudaStreamSynchronize(c->stream));
+    }
+    cudaFree(c->d_meta);
+    cudaFreeHost(c->h_meta);
+    c->d_meta = NULL;
+    c->h_meta = NULL;
+    c->meta_cap = 0;
+    void *p;
+    TRY(dev_alloc(c, elems * 4, &p));
+    c->d_meta = p;
+    CU_TRY(c, cudaMallocHost((void **)&c->h_meta, elems * 4));
+    c->meta_cap = elems;
+    graphs_clear(c);
+    return KR_OK;
+}
+
+static int64_t max64(int64_t a, int64_t b)
+{
+    return a > b ? a : b;
+}
+
+/* Sizes the scratch for steps of up to n_tok tokens in n_seq sequences and contexts up to max_ctx. */
+static enum kr_status cuda_reserve(kr_backend_t be, const struct kr_model_config *m, int64_t n_tok, int64_t n_seq,
+                                   int64_t max_ctx)
+{
+    struct cuda_ctx *c = ctx_of(be);
+    n_tok = max64(n_tok, 1);
+    n_seq = max64(n_seq, 1);
+    size_t need = 0;
+#define NEED(x)                                                                                    \
+    do {                                                                                           \
+        const size_t v_ = (x);                                                                     \
+        need = v_ > need ? v_ : need;                                                              \
+    } while (0)
+    if (m->m_heads) {
+        NEED(krk_ssd_workspace_bytes(n_tok, n_seq, m->m_heads, m->m_head_dim, m->m_groups, m->m_state, m->m_chunk));
+    }
+    if (m->n_head) {
+        NEED(krk_attn_workspace_bytes(n_tok, m->n_head, m->head_dim));
+    }
+    if (m->n_expert) {
+        NEED((size_t)n_tok * (size_t)m->n_expert_used * (size_t)m->moe_ffn * sizeof(float));
+    }
+    if (m->kv_lora) {
+        /* MLA / DSA scratch grows with the context; the kernels process queries in groups that fit */
+        const size_t cap = (size_t)256 << 20;
+        size_t a = krk_dsa_index_workspace_bytes(n_tok, max_ctx);
+        size_t b = krk_mla_attn_workspace_bytes(n_tok, m->mla_heads, m->kv_lora, max_ctx);
+        const size_t a1 = krk_dsa_index_workspace_bytes(1, max_ctx);
+        const size_t b1 = krk_mla_attn_workspace_bytes(1, m->mla_heads, m->kv_lora, max_ctx);
+        a = a > cap ? (a1 > cap ? a1 : cap) : a;
+        b = b > cap ? (b1 > cap ? b1 : cap) : b;
+        NEED(a);
+        NEED(b);
+    }
+    NEED(krk_sample_workspace_bytes(n_seq, m->vocab));
+#undef NEED
+    TRY(ensure_scratch(c, need));
+    int64_t wide = max64(m->dim, m->m_d_inner);
+    wide = max64(wide, m->ffn);
+    wide = max64(wide, m->shared_ffn);
+    wide = max64(wide, m->n_head * m->head_dim);
+    wide = max64(wide, m->moe_latent);
+    wide = max64(wide, m->moe_ffn);
+    wide = max64(wide, m->q_lora);
+    wide = max64(wide, m->mla_heads * m->v_head);
+    TRY(ensure_xb(c, (size_t)(n_tok * wide)));
+    return ensure_meta(c, (size_t)(4 * n_tok + 4 * n_seq + 8 + n_seq * (max_ctx / 16 + 2)));
+}
+
+/* ---- batch -------------------------------------------------------------------------------- */
+
+static enum kr_status cuda_begin_batch(kr_backend_t be, const struct kr_batch *b)
+{
+    struct cuda_ctx *c = ctx_of(be);
+    if (c->failed) {
+        KR_LOG_ERROR("cuda: the device is in a failed state; refusing work");
+        return KR_ERR_CUDA;
+    }
+    TRY(flush_pending(c));
+    c->shadow.valid = false;
+    const size_t nt = (size_t)b->n_tok, ns = (size_t)b->n_seq, bt = ns * (size_t)b->max_blocks;
+    const size_t total = 4 * nt + 3 * ns + 1 + bt + (size_t)b->n_out + 8;
+    TRY(ensure_meta(c, total));
+    int32_t *h = c->h_meta;
+    size_t off = 0;
+    int32_t max_tok = 0, max_ctx = 0;
+#define PUT(src, count)                                                                            \
+    do {                                                                                           \
+        if ((count) > 0) {                                                                         \
+            memcpy(h + off, (src), (size_t)(count) * 4);                                           \
+        }                                                                                          \
+        off += (size_t)(count);                                                                    \
+    } while (0)
+    const size_t o_tokens = off;
+    PUT(b->tokens, nt);
+    const size_t o_pos = off;
+    PUT(b->pos, nt);
+    const size_t o_tok_seq = off;
+    for (int32_t s = 0; s < b->n_seq; s++) {
+        for (int32_t t = b->seq_tok0[s]; t < b->seq_tok0[s + 1]; t++) {
+            h[off + (size_t)t] = s;
+        }
+        const int32_t len = b->seq_tok0[s + 1] - b->seq_tok0[s];
+        max_tok = len > max_tok ? len : max_tok;
+        const int32_t ctx = b->seq_pos0[s] + len;
+        max_ctx = ctx > max_ctx ? ctx : max_ctx;
+    }
+    off += nt;
+    const size_t o_tok0 = off;
+    PUT(b->seq_tok0, ns + 1);
+    const size_t o_pos0 = off;
+    PUT(b->seq_pos0, ns);
+    const size_t o_slot = off;
+    PUT(b->seq_slot, ns);
+    const size_t o_bt = off;
+    PUT(b->block_table, bt);
+    const size_t o_out = off;
+    PUT(b->out_tok, (size_t)b->n_out);
+#undef PUT
+    if (off) {
+        CU_TRY(c, cudaMemcpyAsync(c->d_meta, h, off * 4, cudaMemcpyHostToDevice, c->stream));
+    }
+    int32_t *d = c->d_meta;
+    c->hb = b;
+    c->batch = (struct krk_batch){.n_tok = b->n_tok, .n_seq = b->n_seq, .tokens = d + o_tokens, .pos = d + o_pos,
+                                  .tok_seq = d + o_tok_seq, .seq_tok0 = d + o_tok0, .seq_pos0 = d + o_pos0,
+                                  .seq_slot = d + o_slot, .block_table = d + o_bt, .max_blocks = b->max_blocks,
+                                  .max_seq_tok = max_tok, .max_ctx = max_ctx};
+    c->d_out_tok = d + o_out;
+    return KR_OK;
+}
+
+/* Executes a deferred residual add. */
+static enum kr_status flush_pending(struct cuda_ctx *c)
+{
+    if (!c->pend.on) {
+        return KR_OK;
+    }
+    c->pend.on = false;
+    return krk_add(c->pend.y, c->pend.x, c->pend.n, c->stream);
+}
+
+/* Every op but matmul and the fused RMSNorm starts here: the deferred add runs first and the
+ * bf16 shadow is forgotten (the op may overwrite its source). */
+static enum kr_status op_enter(struct cuda_ctx *c)
+{
+    if (c->failed) {
+        return KR_ERR_CUDA;
+    }
+    c->shadow.valid = false;
+    return flush_pending(c);
+}
+
+/* Sets up the bf16 copy an op may write of its n x cols output (for the GEMM that reads it next);
+ * NULL when the next GEMM will not want it (decode rows go through krk_gemv in fp32). */
+static krk_bf16 *shadow_for(struct cuda_ctx *c, const float *out, int64_t n, int64_t cols)
+{
+    if (n <= KRK_GEMV_MAX_N || (size_t)(n * cols) > c->xb_cap) {
+        return NULL;
+    }
+    c->shadow.src = out;
+    c->shadow.ld = cols;
+    c->shadow.n = n;
+    c->shadow.cols = cols;
+    c->shadow.valid = true;
+    return c->xb;
+}
+
+/* ---- ops ---------------------------------------------------------------------------------- */
+
+static enum kr_status cuda_embed(kr_backend_t be, const struct kr_tensor *w, float *out)
+{
+    struct cuda_ctx *c = ctx_of(be);
+    TRY(op_enter(c));
+    if (w->dtype != KR_DTYPE_BF16) {
+        KR_LOG_ERROR("cuda: the embedding must be bf16 on the device");
+        return KR_ERR_UNSUPPORTED;
+    }
+    return krk_embed(w->data, c->batch.tokens, c->batch.n_tok, w->cols, out, c->stream);
+}
+
+static enum kr_status norm_impl(struct cuda_ctx *c, const float *x, int64_t ldx, const float *w, int64_t n,
+                                int64_t dim, float eps, float *out)
+{
+    const float *res = NULL;
+    /* fuse the deferred residual add when this norm reads exactly its result */
+    if (c->pend.on && c->pend.y == x && c->pend.n == n * dim && ldx == dim && out != x) {
+        res = c->pend.x;
+        c->pend.on = false;
+    } else {
+        TRY(flush_pending(c));
+    }
+    c->shadow.valid = false;
+    struct krk_rmsnorm_params p = {.x = (float *)x, .ldx = ldx, .res = res, .w = w, .n = n, .dim = dim, .eps = eps,
+                                   .out = out, .out_bf16 = NULL};
+    p.out_bf16 = shadow_for(c, out, n, dim);
+    return krk_rmsnorm(&p, c->stream);
+}
+
+static enum kr_status cuda_rmsnorm(kr_backend_t be, const float *x, const float *w, int64_t n, int64_t dim, float eps,
+                                   float *out)
+{
+    struct cuda_ctx *c = ctx_of(be);
+    if (c->failed) {
+        return KR_ERR_CUDA;
+    }
+    return norm_impl(c, x, dim, w, n, dim, eps, out);
+}
+
+static enum kr_status cuda_rmsnorm_strided(kr_backend_t be, const float *x, int64_t ldx, const float *w, int64_t n,
+                                           int64_t dim, float eps, float *out)
+{
+    struct cuda_ctx *c = ctx_of(be);
+    if (c->failed) {
+        return KR_ERR_CUDA;
+    }
+    return norm_impl(c, x, ldx, w, n, dim, eps, out);
+}
+
+static enum kr_status cuda_layernorm(kr_backend_t be, const float *x, int64_t ldx, const float *w, const float *b,
+                                     int64_t n, int64_t dim, float eps, float *out)
+{
+    struct cuda_ctx *c = ctx_of(be);
+    TRY(op_enter(c));
+    struct krk_layernorm_params p = {.x = x, .ldx = ldx, .w = w, .b = b, .n = n, .dim = dim, .eps = eps, .out = out};
+    return krk_layernorm(&p, c->stream);
+}
+
+static enum kr_status cuda_scale(kr_backend_t be, float *y, float s, int64_t n)
+{
+    struct cuda_ctx *c = ctx_of(be);
+    TRY(op_enter(c));
+    return krk_scale(y, s, n, c->stream);
+}
+
+static enum kr_status cuda_add(kr_backend_t be, float *y, const float *x, int64_t n)
+{
+    struct cuda_ctx *c = ctx_of(be);
+    TRY(op_enter(c));
+    c->pend.y = y;
+    c->pend.x = x;
+    c->pend.n = n;
+    c->pend.on = true;
+    return KR_OK;
+}
+
+static bool overlaps(const void *a, size_t an, const void *b, size_t bn)
+{
+    const char *pa = a, *pb = b;
+    return pa < pb + bn && pb < pa + an;
+}
+
+static enum kr_status cuda_matmul(kr_backend_t be, const float *x, int64_t ldx, int64_t n, const struct kr_tensor *w,
+                                  const float *bias, float *y, int64_t ldy)
+{
+    struct cuda_ctx *c = ctx_of(be);
+    if (c->failed) {
+        return KR_ERR_CUDA;
+    }
+    TRY(flush_pending(c));
+    if (n <= 0) {
+        return KR_OK;
+    }
+    const int64_t rows = w->rows, cols = w->cols;
+    enum kr_status st = KR_OK;
+    if (w->dtype == KR_DTYPE_F32) {
+        /* full-precision weights (routers of mixed checkpoints): fp32 GEMM, no TF32 */
+        const float one = 1.0f, zero = 0.0f;
+        BLAS_TRY(cublasSgemm(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)rows, (int)n, (int)cols, &one, w->data,
+                             (int)cols, x, (int)ldx, &zero, y, (int)ldy));
+        st = bias ? krk_add_bias(y, ldy, bias, n, rows, c->stream) : KR_OK;
+    } else if (w->dtype != KR_DTYPE_BF16) {
+        KR_LOG_ERROR("cuda: matmul weight of dtype %s", kr_dtype_name(w->dtype));
+        return KR_ERR_UNSUPPORTED;
+    } else if (n <= KRK_GEMV_MAX_N && cols % 8 == 0) {
+        struct krk_gemv_params p = {.x = x, .ldx = ldx, .w = w->data, .bias = bias, .n = n, .rows = rows,
+                                    .cols = cols, .y = y, .ldy = ldy};
+        st = krk_gemv(&p, c->stream);
+    } else {
+        const krk_bf16 *xb = NULL;
+        int64_t ldb = cols;
+        if (c->shadow.valid && c->shadow.src == x && c->shadow.ld == ldx && c->shadow.n >= n &&
+            c->shadow.cols >= cols) {
+            xb = c->xb;
+            ldb = c->shadow.cols;
+        } else {
+            TRY(ensure_xb(c, (size_t)(n * cols)));
+            TRY(krk_cast_bf16(x, ldx, n, cols, c->xb, c->stream));
+            c->shadow.src = x;
+            c->shadow.ld = ldx;
+            c->shadow.n = n;
+            c->shadow.cols = cols;
+            c->shadow.valid = true;
+            xb = c->xb;
+        }
+        const float one = 1.0f, zero = 0.0f;
+        BLAS_TRY(cublasGemmEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)rows, (int)n, (int)cols, &one, w->data,
+                              CUDA_R_16BF, (int)cols, xb, CUDA_R_16BF, (int)ldb, &zero, y, CUDA_R_32F, (int)ldy,
+                              CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+        st = bias ? krk_add_bias(y, ldy, bias, n, rows, c->stream) : KR_OK;
+    }
+    /* the output may have overwritten the activation the shadow copies */
+    if (c->shadow.valid && overlaps(y, (size_t)(n * ldy) * 4, c->shadow.src, (size_t)(c->shadow.n * c->shadow.ld) * 4)) {
+        c->shadow.valid = false;
+    }
+    return st;
+}
+
+static enum kr_status cuda_act(kr_backend_t be, enum kr_act act, const float *gate, const float *x, int64_t ld_in,
+                               int64_t n, int64_t width, float *out)
+{
+    struct cuda_ctx *c = ctx_of(be);
+    TRY(op_enter(c));
+    struct krk_act_params p = {.act = (enum krk_act)act, .gate = gate, .x = x, .ld_in = ld_in, .n = n,
+                               .width = width, .out = out, .out_bf16 = NULL};
+    p.out_bf16 = shadow_for(c, out, n, width);
+    return krk_act(&p, c->stream);
+}
+
+static enum kr_status cuda_mamba(kr_backend_t be, const struct kr_mamba_params *p)
+{
+    struct cuda_ctx *c = ctx_of(be);
+    TRY(op_enter(c));
+    const int64_t conv_dim = p->d_inner + 2 * p->n_group * p->d_state;
+    struct krk_conv1d_params cp = {.in = p->zxbcdt, .ld_in = p->ld_in, .in_off = p->d_inner, .conv_dim = conv_dim,
+                                   .d_conv = p->d_conv, .w = p->conv_w, .b = p->conv_b, .state = p->conv_state,
+                                   .out = p->xbc, .batch = c->batch};
+    TRY(krk_conv1d(&cp, c->stream));
+    const size_t ws = krk_ssd_workspace_bytes(c->batch.n_tok, c->batch.n_seq, p->n_head, p->head_dim, p->n_group,
+                                              p->d_state, p->chunk);
+    if (ws > c->scratch_size) {
+        TRY(ensure_scratch(c, ws));
+    }
+    struct krk_ssd_params sp = {.xbc = p->xbc, .conv_dim = conv_dim, .dt = p->zxbcdt + p->d_inner + conv_dim,
+                                .ld_dt = p->ld_in, .dt_bias = p->dt_bias, .A_log = p->A_log, .D = p->D,
+                                .dt_min = p->dt_min, .dt_max = p->dt_max, .n_head = p->n_head,
+                                .head_dim = p->head_dim, .n_group = p->n_group, .d_state = p->d_state,
+                                .chunk = p->chunk, .state = p->ssm_state, .y = p->y, .workspace = c->scratch,
+                                .batch = c->batch};
+    return krk_ssd(&sp, c->stream);
+}
+
+static enum kr_status cuda_gated_rmsnorm(kr_backend_t be, const float *y, const float *z, int64_t ldz, const float *w,
+                                         int64_t n, int64_t dim, int64_t group, float eps, float *out)
+{
+    struct cuda_ctx *c = ctx_of(be);
+    TRY(op_enter(c));
+    struct krk_gated_rmsnorm_params p = {.y = y, .z = z, .ldz = ldz, .w = w, .n = n, .dim = dim, .group = group,
+                                         .eps = eps, .out = out, .out_bf16 = NULL};
+    p.out_bf16 = shadow_for(c, out, n, dim);
+    return krk_gated_rmsnorm(&p, c->stream);
+}
+
+static enum kr_status cuda_attention(kr_backend_t be, const struct kr_attn_params *p)
+{
+    struct cuda_ctx *c = ctx_of(be);
+    TRY(op_enter(c));
+    const size_t ws = krk_attn_workspace_bytes(c->batch.n_tok, p->n_head, p->head_dim);
+    if (ws > c->scratch_size) {
+        TRY(ensure_scratch(c, ws));
+    }
+    struct krk_attn_params a = {.q = p->q, .k = p->k, .v = p->v, .ld_qkv = p->ld_qkv, .n_head = p->n_head,
+                                .n_kv_head = p->n_kv_head, .head_dim = p->head_dim, .scale = p->scale,
+                                .k_cache = p->k_cache, .v_cache = p->v_cache, .block_size = p->block_size,
+                                .out = p->out, .workspace = c->scratch, .batch = c->batch};
+    return krk_attn(&a, c->stream);
+}
+
+static enum kr_status cuda_moe_route(kr_backend_t be, const struct kr_route_params *p, int64_t n)
+{
+    struct cuda_ctx *c = ctx_of(be);
+    TRY(op_enter(c));
+    struct krk_route_params r = {.logits = p->logits, .bias = p->bias, .n = n, .n_expert = p->n_expert,
+                                 .n_used = p->n_used, .n_group = p->n_group, .topk_group = p->topk_group,
+                                 .norm_topk = p->norm_topk, .scale = p->scale, .score = (int)p->score,
+                                 .ids = p->ids, .weights = p->weights};
+    return krk_moe_route(&r, c->stream);
+}
+
+/* Device array of the data pointers of `n` expert tensors (made once per array, then reused). */
+static enum kr_status expert_ptrs(struct cuda_ctx *c, const struct kr_tensor *t, int64_t n,
+                                  const krk_bf16 *const **out)
+{
+    *out = NULL;
+    if (!t) {
+        return KR_OK;
+    }
+    for (size_t i = 0; i < c->n_ptr_idx; i++) {
+        if (c->ptr_idx[i].host == t) {
+            *out = (const krk_bf16 *const *)(c->ptr_table + c->ptr_idx[i].off);
+            return KR_OK;
+        }
+    }
+    for (int64_t e = 0; e < n; e++) {
+        if (t[e].dtype != KR_DTYPE_BF16) {
+            KR_LOG_ERROR("cuda: expert weights must be bf16 on the device (got %s)", kr_dtype_name(t[e].dtype));
+            return KR_ERR_UNSUPPORTED;
+        }
+    }
+    if (c->capturing) {
+        KR_LOG_ERROR("cuda: expert pointer table filled during graph capture");
+        return KR_ERR_INTERNAL;
+    }
+    if (c->ptr_used + (size_t)n > c->ptr_cap) {
+        KR_LOG_ERROR("cuda: more than %zu expert weight tensors", c->ptr_cap);
+        return KR_ERR_UNSUPPORTED;
+    }
+    if (c->n_ptr_idx == c->cap_ptr_idx) {
+        const size_t cap = c->cap_ptr_idx ? 2 * c->cap_ptr_idx : 64;
+        struct ptr_entry *p = kr_realloc(c->ptr_idx, cap * sizeof *p);
+        if (!p) {
+            return KR_ERR_NOMEM;
+        }
+        c->ptr_idx = p;
+        c->cap_ptr_idx = cap;
+    }
+    const void **h = kr_malloc((size_t)n * sizeof *h);
+    if (!h) {
+        return KR_ERR_NOMEM;
+    }
+    for (int64_t e = 0; e < n; e++) {
+        h[e] = t[e].data;
+    }
+    cudaError_t err = cudaMemcpyAsync(c->ptr_table + c->ptr_used, h, (size_t)n * sizeof *h, cudaMemcpyHostToDevice,
+                                      c->stream);
+    if (err == cudaSuccess) {
+        err = cudaStreamSynchronize(c->stream);
+    }
+    kr_free(h);
+    CU_TRY(c, err);
+    c->ptr_idx[c->n_ptr_idx++] = (struct ptr_entry){.host = t, .off = c->ptr_used};
+    *out = (const krk_bf16 *const *)(c->ptr_table + c->ptr_used);
+    c->ptr_used += (size_t)n;
+    return KR_OK;
+}
+
+static enum kr_status cuda_moe_experts(kr_backend_t be, const struct kr_experts_params *p, int64_t n)
+{
+    struct cuda_ctx *c = ctx_of(be);
+    TRY(op_enter(c));
+    const krk_bf16 *const *g, *const *u, *const *d;
+    TRY(expert_ptrs(c, p->gate, p->n_expert, &g));
+    TRY(expert_ptrs(c, p->up, p->n_expert, &u));
+    TRY(expert_ptrs(c, p->down, p->n_expert, &d));
+    const size_t ws = (size_t)n * (size_t)p->n_used * (size_t)p->d_ffn * sizeof(float);
+    if (ws > c->scratch_size) {
+        TRY(ensure_scratch(c, ws));
+    }
+    struct krk_experts_params e = {.x = p->x, .n = n, .d_in = p->d_in, .d_ffn = p->d_ffn, .d_out = p->d_out,
+                                   .n_expert = p->n_expert, .n_used = p->n_used, .ids = p->ids,
+                                   .weights = p->weights, .gate = g, .up = u, .down = d,
+                                   .act = (enum krk_act)p->act, .hidden = c->scratch, .out = p->out};
+    return krk_moe_experts(&e, c->stream);
+}
+
+static enum kr_status cuda_gather_out(kr_backend_t be, const float *src, int64_t width, float *dst)
+{
+    struct cuda_ctx *c = ctx_of(be);
+    TRY(op_enter(c));
+    return krk_gather_rows(src, width, c->d_out_tok, c->hb->n_out, dst, c->stream);
+}
+
+static enum kr_status cuda_rope(kr_backend_t be, const struct kr_rope_params *p)
+{
+    struct cuda_ctx *c = ctx_of(be);
+    TRY(op_enter(c));
+    struct krk_rope_params r = {.x = p->x, .ld = p->ld, .n_vec = p->n_vec, .stride = p->stride, .off = p->off,
+                                .dim = p->dim, .interleaved = p->interleaved, .inv_freq = p->inv_freq,
+                                .factor = p->factor, .pos = c->batch.pos, .n_tok = c->batch.n_tok};
+    return krk_rope(&r, c->stream);
+}
+
+static enum kr_status cuda_mla_cache_write(kr_backend_t be, const struct kr_mla_cache_params *p)
+{
+    struct cuda_ctx *c = ctx_of(be);
+    TRY(op_enter(c));
+    struct krk_mla_cache_params w = {.c_kv = p->c_kv, .ld_ckv = p->ld_ckv, .k_pe = p->k_pe, .ld_kpe = p->ld_kpe,
+                                     .ik = p->ik, .kv_lora = p->kv_lora, .rope = p->rope, .idx_dim = p->idx_dim,
+                                     .cache = p->cache, .block_size = p->block_size, .batch = c->batch};
+    return krk_mla_cache_write(&w, c->stream);
+}
+
+static enum kr_status cuda_dsa_index(kr_backend_t be, const struct kr_dsa_index_params *p)
+{
+    struct cuda_ctx *c = ctx_of(be);
+    TRY(op_enter(c));
+    const size_t need1 = krk_dsa_index_workspace_bytes(1, c->batch.max_ctx);
+    if (need1 > c->scratch_size) {
+        TRY(ensure_scratch(c, need1));
+    }
+    struct krk_dsa_index_params d = {.iq = p->iq, .w = p->w, .n_head = p->n_head, .head_dim = p->head_dim,
+                                     .cache = p->cache, .row = p->row, .key_off = p->key_off,
+                                     .block_size = p->block_size, .topk = p->topk, .idx = p->idx,
+                                     .workspace = c->scratch, .workspace_bytes = c->scratch_size, .batch = c->batch};
+    return krk_dsa_index(&d, c->stream);
+}
+
+static enum kr_status cuda_mla_attention(kr_backend_t be, const struct kr_mla_attn_params *p)
+{
+    struct cuda_ctx *c = ctx_of(be);
+    TRY(op_enter(c));
+    const size_t need1 = krk_mla_attn_workspace_bytes(1, p->n_head, p->kv_lora, c->batch.max_ctx);
+    if (need1 > c->scratch_size) {
+        TRY(ensure_scratch(c, need1));
+    }
+    struct krk_mla_attn_params a = {.q = p->q, .n_head = p->n_head, .nope = p->nope, .rope = p->rope,
+                                    .v_dim = p->v_dim, .kv_lora = p->kv_lora, .kv_b = p->kv_b, .cache = p->cache,
+                                    .row = p->row, .block_size = p->block_size, .idx = p->idx, .topk = p->topk,
+                                    .scale = p->scale, .out = p->out, .workspace = c->scratch,
+                                    .workspace_bytes = c->scratch_size, .batch = c->batch};
+    return krk_mla_attention(&a, c->stream);
+}
+
+/* ---- graphs ------------------------------------------------------------------------------- */
+
+static int32_t cuda_graph_bucket(kr_backend_t be, int32_t n)
+{
+    struct cuda_ctx *c = ctx_of(be);
+    if (!c->graphs_on) {
+        return 0;
+    }
+    for (size_t i = 0; i < sizeof graph_buckets / sizeof graph_buckets[0]; i++) {
+        if (graph_buckets[i] >= n) {
+            return graph_buckets[i];
+        }
+    }
+    return 0;
+}
+
+static enum kr_status cuda_graph_run(kr_backend_t be, int32_t key, bool *launched)
+{
+    struct cuda_ctx *c = ctx_of(be);
+    *launched = false;
+    TRY(flush_pending(c));
+    for (int i = 0; i < c->n_graphs; i++) {
+        if (c->graphs[i].key == key) {
+            CU_TRY(c, cudaGraphLaunch(c->graphs[i].exec, c->stream));
+            *launched = true;
+            return KR_OK;
+        }
+    }
+    if (c->n_graphs == MAX_GRAPHS) {
+        return KR_OK; /* run eagerly */
+    }
+    /* the captured kernels must not depend on this step's context length */
+    c->batch.max_ctx = 0;
+    CU_TRY(c, cudaStreamBeginCapture(c->stream, cudaStreamCaptureModeThreadLocal));
+    c->capturing = true;
+    c->cap_key = key;
+    return KR_OK;
+}
+
+static enum kr_status cuda_end_batch(kr_backend_t be, bool ok)
+{
+    struct cuda_ctx *c = ctx_of(be);
+    enum kr_status st = ok ? flush_pending(c) : KR_OK;
+    c->pend.on = false;
+    if (!c->capturing) {
+        return st;
+    }
+    c->capturing = false;
+    cudaGraph_t g = NULL;
+    cudaError_t e = cudaStreamEndCapture(c->stream, &g);
+    if (e != cudaSuccess || !ok || st != KR_OK) {
+        if (g) {
+            cudaGraphDestroy(g);
+        }
+        (void)cudaGetLastError();
+        if (e != cudaSuccess) {
+            return cu_fail(c, e, "cudaStreamEndCapture", __FILE__, __LINE__);
+        }
+        return st != KR_OK ? st : KR_ERR_INTERNAL;
+    }
+    cudaGraphExec_t exec = NULL;
+    e = cudaGraphInstantiate(&exec, g, 0);
+    cudaGraphDestroy(g);
+    CU_TRY(c, e);
+    c->graphs[c->n_graphs++] = (struct graph){.key = c->cap_key, .exec = exec};
+    KR_LOG_DEBUG("cuda: captured the decode graph for %d sequences", c->cap_key);
+    CU_TRY(c, cudaGraphLaunch(exec, c->stream));
+    return KR_OK;
+}
+
+static void cuda_graph_reset(kr_backend_t be)
+{
+    graphs_clear(ctx_of(be));
+}
+
+/* ---- creation ----------------------------------------------------------------------------- */
+
+int kr_backend_cuda_device_count(void)
+{
+    return krk_device_count();
+}
+
+enum kr_status kr_backend_cuda_create(int dev, bool graphs, kr_backend_t *out, struct kr_err *err)
+{
+    *out = NULL;
+    const int n = krk_device_count();
+    if (n <= 0) {
+        return kr_err_set(err, KR_ERR_UNSUPPORTED, "cuda: no CUDA device is visible");
+    }
+    if (dev < 0 || dev >= n) {
+        return kr_err_set(err, KR_ERR_INVAL, "cuda: device %d does not exist (%d visible)", dev, n);
+    }
+    struct kr_backend *be = kr_calloc(1, sizeof *be);
+    struct cuda_ctx *c = kr_calloc(1, sizeof *c);
+    if (!be || !c) {
+        kr_free(be);
+        kr_free(c);
+        return KR_ERR_NOMEM;
+    }
+    be->ctx = c;
+    be->api_version = KR_BACKEND_API_VERSION;
+    be->iface = (struct kr_backend_i){
+        .name = cuda_name,
+        .free = cuda_free,
+        .act_size = cuda_act_size,
+        .cache_elt_size = cuda_cache_elt_size,
+        .buf_alloc = cuda_buf_alloc,
+        .buf_free = cuda_buf_free,
+        .upload = cuda_upload,
+        .copy_d2h = cuda_copy_d2h,
+        .copy_h2d = cuda_copy_h2d,
+        .copy_d2d = cuda_copy_d2d,
+        .reserve = cuda_reserve,
+        .begin_batch = cuda_begin_batch,
+        .end_batch = cuda_end_batch,
+        .graph_bucket = cuda_graph_bucket,
+        .graph_run = cuda_graph_run,
+        .graph_reset = cuda_graph_reset,
+        .embed = cuda_embed,
+        .rmsnorm = cuda_rmsnorm,
+        .add = cuda_add,
+        .matmul = cuda_matmul,
+        .act = cuda_act,
+        .mamba = cuda_mamba,
+        .gated_rmsnorm = cuda_gated_rmsnorm,
+        .attention = cuda_attention,
+        .moe_route = cuda_moe_route,
+        .moe_experts = cuda_moe_experts,
+        .gather_out = cuda_gather_out,
+        .layernorm = cuda_layernorm,
+        .rmsnorm_strided = cuda_rmsnorm_strided,
+        .scale = cuda_scale,
+        .rope = cuda_rope,
+        .mla_cache_write = cuda_mla_cache_write,
+        .dsa_index = cuda_dsa_index,
+        .mla_attention = cuda_mla_attention,
+    };
+    c->dev = dev;
+    c->graphs_on = graphs;
+    char name[128] = "cuda";
+    krk_device_describe(dev, name, sizeof name);
+    snprintf(c->desc, sizeof c->desc, "cuda:%d (%s)", dev, name);
+    enum kr_status st = KR_ERR_CUDA;
+    cudaError_t e;
+    if ((e = cudaSetDevice(dev)) != cudaSuccess ||
+        (e = cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking)) != cudaSuccess) {
+        kr_err_set(err, KR_ERR_CUDA, "cuda: cannot initialise device %d: %s", dev, cudaGetErrorString(e));
+        goto fail;
+    }
+    if (cublasCreate(&c->blas) != CUBLAS_STATUS_SUCCESS) {
+        kr_err_set(err, KR_ERR_CUDA, "cuda: cannot create the cuBLAS handle on device %d", dev);
+        goto fail;
+    }
+    c->blas_ws_size = (size_t)64 << 20;
+    c->ptr_cap = (size_t)1 << 17;
+    if ((st = dev_alloc(c, c->blas_ws_size, &c->blas_ws)) != KR_OK ||
+        (st = dev_alloc(c, c->ptr_cap * sizeof(void *), (void **)&c->ptr_table)) != KR_OK) {
+        kr_err_set(err, st, "cuda: cannot allocate device scratch");
+        goto fail;
+    }
+    if (cublasSetStream(c->blas, c->stream) != CUBLAS_STATUS_SUCCESS ||
+        cublasSetWorkspace(c->blas, c->blas_ws, c->blas_ws_size) != CUBLAS_STATUS_SUCCESS ||
+        cublasSetMathMode(c->blas, CUBLAS_DEFAULT_MATH) != CUBLAS_STATUS_SUCCESS) {
+        st = KR_ERR_CUDA;
+        kr_err_set(err, st, "cuda: cannot configure cuBLAS");
+        goto fail;
+    }
+    KR_LOG_INFO("cuda: using %s, graphs %s", c->desc, graphs ? "on" : "off");
+    *out = be;
+    return KR_OK;
+fail:
+    cuda_free(be);
+    return st;
+}

@@ -1,0 +1,98 @@
+#pragma once
+// Helpers shared by the kernel families: launch checks, bf16 conversion, warp/block reductions.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstdio>
+
+#include "krk.h"
+
+// Returns KR_ERR_INVAL from a launcher when `cond` does not hold (never aborts).
+#define KRK_REQUIRE(cond)                                                                          \
+    do {                                                                                           \
+        if (!(cond)) {                                                                             \
+            fprintf(stderr, "krk: %s:%d: invalid parameters: %s\n", __FILE__, __LINE__, #cond);    \
+            return KR_ERR_INVAL;                                                                   \
+        }                                                                                          \
+    } while (0)
+
+// Checks the launch just made; KR_ERR_CUDA with the CUDA error logged.
+#define KRK_CHECK_LAUNCH()                                                                         \
+    do {                                                                                           \
+        cudaError_t e_ = cudaGetLastError();                                                       \
+        if (e_ != cudaSuccess) {                                                                   \
+            fprintf(stderr, "krk: %s:%d: launch failed: %s\n", __FILE__, __LINE__, cudaGetErrorString(e_)); \
+            return KR_ERR_CUDA;                                                                    \
+        }                                                                                          \
+    } while (0)
+
+#define KRK_CUDA_TRY(expr)                                                                         \
+    do {                                                                                           \
+        cudaError_t e_ = (expr);                                                                   \
+        if (e_ != cudaSuccess) {                                                                   \
+            fprintf(stderr, "krk: %s:%d: %s: %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(e_)); \
+            return KR_ERR_CUDA;                                                                \
+        }                                                                                          \
+    } while (0)
+
+namespace krk {
+
+__device__ __forceinline__ float bf16_to_f32(uint16_t h)
+{
+    return __uint_as_float((uint32_t)h << 16);
+}
+
+// Round to nearest even (NaN stays NaN), the same rounding as util/dtype.h kr_f32_to_bf16.
+__device__ __forceinline__ uint16_t f32_to_bf16(float f)
+{
+    return __bfloat16_as_ushort(__float2bfloat16_rn(f));
+}
+
+__device__ __forceinline__ float warp_sum(float v)
+{
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        v += __shfl_xor_sync(0xffffffffu, v, o);
+    }
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v)
+{
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    }
+    return v;
+}
+
+// Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the result.
+// `sh` is __shared__ float[32]. Contains __syncthreads: call from every thread.
+__device__ __forceinline__ float block_sum(float v, float *sh)
+{
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) {
+        sh[wid] = v;
+    }
+    __syncthreads();
+    v = lane < nw ? sh[lane] : 0.0f;
+    return warp_sum(v);
+}
+
+__device__ __forceinline__ float block_max(float v, float *sh)
+{
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) {
+        sh[wid] = v;
+    }
+    __syncthreads();
+    v = lane < nw ? sh[lane] : -INFINITY;
+    return warp_max(v);
+}
+
+} // namespace krk

@@ -1,0 +1,59 @@
+#pragma once
+/* Types shared by every kernel family. */
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cuda_runtime_api.h>
+
+#include "status.h"
+
+#ifdef __cplusplus
+#define KRK_RESTRICT __restrict__
+extern "C" {
+#else
+#define KRK_RESTRICT restrict
+#endif
+
+/* bf16 storage as seen from C (the bits of a __nv_bfloat16). */
+typedef uint16_t krk_bf16;
+
+/* Activation functions (values equal enum kr_act). */
+enum krk_act {
+    KRK_ACT_RELU2 = 0, /* relu(x)^2 */
+    KRK_ACT_SILU = 1,  /* x * sigmoid(x) */
+    KRK_ACT_GELU = 2,  /* exact erf GELU */
+    KRK_ACT_RELU = 3,
+};
+
+/* One forward step's flattened batch in device memory (see engine/batch.h). Sequences whose
+ * seq_slot is negative are padding (CUDA-graph buckets): kernels read and write no cache block and
+ * no state slot for them, and their output rows are unspecified (but written). */
+struct krk_batch {
+    int32_t n_tok;              /* tokens in the step */
+    int32_t n_seq;              /* sequences in the step */
+    const int32_t *tokens;      /* [n_tok] token ids */
+    const int32_t *pos;         /* [n_tok] absolute position of each token */
+    const int32_t *tok_seq;     /* [n_tok] index of each token's sequence */
+    const int32_t *seq_tok0;    /* [n_seq + 1] first token of each sequence */
+    const int32_t *seq_pos0;    /* [n_seq] position of each sequence's first token this step */
+    const int32_t *seq_slot;    /* [n_seq] Mamba state slot, < 0 for padding */
+    const int32_t *block_table; /* [n_seq, max_blocks] cache block ids */
+    int32_t max_blocks;         /* row length of block_table */
+    int32_t max_seq_tok;        /* host-known upper bound on the tokens of one sequence this step
+                                   (1 for decode-only steps); grids may be sized by it */
+    int32_t max_ctx;            /* host-known upper bound on pos + 1 over the batch; 0 when unknown
+                                   (graph-captured steps): kernels must then not size grids by it */
+};
+
+/* Number of CUDA devices visible to this process (0 when the driver is missing or no device is
+ * present; never fails). */
+int krk_device_count(void);
+
+/* Fills `name` (at most `n` bytes) with the name of device `dev` and its compute capability
+ * ("NVIDIA H200 sm_90"). Returns KR_ERR_CUDA when the device cannot be queried. */
+enum kr_status krk_device_describe(int dev, char *name, int n);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,64 @@
+#pragma once
+/* MLA and DeepSeek sparse attention over the paged latent cache (kernels/mla/). Semantics are those
+ * of the CPU reference (cpu_mla_cache_write, cpu_dsa_index, cpu_mla_attention). */
+#include "krk/common.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Latent cache write: row of every token = [c_kv (kv_lora) | k_pe (rope) | index key (idx_dim)]. */
+struct krk_mla_cache_params {
+    const float *c_kv;      /* [n_tok, ld_ckv] */
+    int64_t ld_ckv;
+    const float *k_pe;      /* [n_tok, ld_kpe] */
+    int64_t ld_kpe;
+    const float *ik;        /* [n_tok, idx_dim], NULL when idx_dim is 0 */
+    int64_t kv_lora, rope, idx_dim;
+    krk_bf16 *cache;        /* [n_block, block_size, kv_lora + rope + idx_dim] bf16 */
+    int32_t block_size;
+    struct krk_batch batch;
+};
+enum kr_status krk_mla_cache_write(const struct krk_mla_cache_params *p, cudaStream_t stream);
+
+/* Lightning indexer + top-k: for token t at position p, the top min(topk, p+1) positions s <= p by
+ * I[t,s] = sum_h w[t,h] relu(iq[t,h] . ik[s]) (ties: lower position first), ascending in
+ * idx[t, 0..], -1 padded. When p+1 <= topk every position is taken without scoring. */
+struct krk_dsa_index_params {
+    const float *iq;        /* [n_tok, n_head*head_dim] */
+    const float *w;         /* [n_tok, n_head] */
+    int64_t n_head, head_dim;
+    const krk_bf16 *cache;  /* latent cache, keys at column key_off of rows of `row` */
+    int64_t row, key_off;
+    int32_t block_size;
+    int32_t topk;
+    int32_t *idx;           /* [n_tok, topk] */
+    void *workspace;        /* krk_dsa_index_workspace_bytes() bytes */
+    size_t workspace_bytes;
+    struct krk_batch batch; /* batch.max_ctx must be set */
+};
+size_t krk_dsa_index_workspace_bytes(int64_t n_tok, int64_t max_ctx);
+enum kr_status krk_dsa_index(const struct krk_dsa_index_params *p, cudaStream_t stream);
+
+/* Absorbed MLA attention over selected (idx) or all causal (idx NULL) cached positions. */
+struct krk_mla_attn_params {
+    const float *q;         /* [n_tok, n_head*(nope+rope)] */
+    int64_t n_head, nope, rope, v_dim, kv_lora;
+    const float *kv_b;      /* [n_head*(nope+v_dim), kv_lora] fp32: per head W_UK rows then W_UV rows */
+    const krk_bf16 *cache;  /* latent cache rows of `row` */
+    int64_t row;
+    int32_t block_size;
+    const int32_t *idx;     /* [n_tok, topk] or NULL */
+    int32_t topk;
+    float scale;
+    float *out;             /* [n_tok, n_head*v_dim] */
+    void *workspace;        /* krk_mla_attn_workspace_bytes() bytes */
+    size_t workspace_bytes;
+    struct krk_batch batch; /* batch.max_ctx must be set when idx is NULL */
+};
+size_t krk_mla_attn_workspace_bytes(int64_t n_tok, int64_t n_head, int64_t kv_lora, int64_t max_ctx);
+enum kr_status krk_mla_attention(const struct krk_mla_attn_params *p, cudaStream_t stream);
+
+#ifdef __cplusplus
+}
+#endif

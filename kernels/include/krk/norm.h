@@ -1,0 +1,101 @@
+#pragma once
+/* Elementwise and normalisation kernels (kernels/norm/). */
+#include "krk/common.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* RMSNorm with optional fused residual add, rows of `dim`:
+ *   if res: x[i] += res[i] (written back to x)
+ *   out[i] = x[i] / sqrt(mean(x[i]^2) + eps) * w
+ * out may alias x only when res is NULL. out_bf16 (may be NULL) receives the same values rounded to
+ * bf16 (the input of the next GEMM). */
+struct krk_rmsnorm_params {
+    float *x;               /* [n, ldx] fp32; read, and written when res is given */
+    int64_t ldx;
+    const float *res;       /* [n, dim] fp32 residual to add first, may be NULL */
+    const float *w;         /* [dim] fp32 */
+    int64_t n, dim;
+    float eps;
+    float *out;             /* [n, dim] fp32 dense, may be NULL when out_bf16 is given */
+    krk_bf16 *out_bf16;     /* [n, dim] bf16 dense, may be NULL */
+};
+enum kr_status krk_rmsnorm(const struct krk_rmsnorm_params *p, cudaStream_t stream);
+
+/* LayerNorm: out[i] = (x[i] - mean) / sqrt(var + eps) * w + b (biased variance); out may alias x. */
+struct krk_layernorm_params {
+    const float *x;         /* [n, ldx] */
+    int64_t ldx;
+    const float *w;         /* [dim] fp32 */
+    const float *b;         /* [dim] fp32, may be NULL */
+    int64_t n, dim;
+    float eps;
+    float *out;             /* [n, dim] dense */
+};
+enum kr_status krk_layernorm(const struct krk_layernorm_params *p, cudaStream_t stream);
+
+/* Gated grouped RMSNorm (Mamba-2): g = y * silu(z); out = g / sqrt(mean_group(g^2) + eps) * w
+ * with the mean over each group of `group` consecutive channels. */
+struct krk_gated_rmsnorm_params {
+    const float *y;         /* [n, dim] */
+    const float *z;         /* [n, ldz] */
+    int64_t ldz;
+    const float *w;         /* [dim] fp32 */
+    int64_t n, dim, group;
+    float eps;
+    float *out;             /* [n, dim] fp32, may be NULL when out_bf16 is given */
+    krk_bf16 *out_bf16;     /* [n, dim] bf16, may be NULL */
+};
+enum kr_status krk_gated_rmsnorm(const struct krk_gated_rmsnorm_params *p, cudaStream_t stream);
+
+/* y[i] += x[i] for i < n. */
+enum kr_status krk_add(float *y, const float *x, int64_t n, cudaStream_t stream);
+/* y[i] *= s for i < n. */
+enum kr_status krk_scale(float *y, float s, int64_t n, cudaStream_t stream);
+
+/* out[t, :] = w[tokens[t], :] as fp32 for t < n. */
+enum kr_status krk_embed(const krk_bf16 *w /* [vocab, dim] */, const int32_t *tokens /* [n] */, int64_t n,
+                         int64_t dim, float *out /* [n, dim] */, cudaStream_t stream);
+
+/* out[t, j] = act(gate[t, j]) * x[t, j] when gate is given, else act(x[t, j]). */
+struct krk_act_params {
+    enum krk_act act;
+    const float *gate;      /* [n, ld_in], may be NULL */
+    const float *x;         /* [n, ld_in] */
+    int64_t ld_in, n, width;
+    float *out;             /* [n, width] fp32, may be NULL when out_bf16 is given */
+    krk_bf16 *out_bf16;     /* [n, width] bf16, may be NULL */
+};
+enum kr_status krk_act(const struct krk_act_params *p, cudaStream_t stream);
+
+/* dst[i, :] = src[rows[i], :] for i < n (rows of `width` fp32). */
+enum kr_status krk_gather_rows(const float *src, int64_t width, const int32_t *rows /* [n] */, int64_t n,
+                               float *dst /* [n, width] */, cudaStream_t stream);
+
+/* out[t, c] = bf16(x[t, c]) for t < n, c < cols. */
+enum kr_status krk_cast_bf16(const float *x, int64_t ldx, int64_t n, int64_t cols, krk_bf16 *out /* [n, cols] */,
+                             cudaStream_t stream);
+
+/* In-place conversion helpers for weight upload: dst[i] = (bf16 | f32) of src[i], where src holds
+ * n elements of dtype `src_dtype` (values of enum kr_dtype: 0 f32, 1 f16, 2 bf16). */
+enum kr_status krk_convert_bf16(const void *src, int src_dtype, int64_t n, krk_bf16 *dst, cudaStream_t stream);
+enum kr_status krk_convert_f32(const void *src, int src_dtype, int64_t n, float *dst, cudaStream_t stream);
+
+/* Rotary embedding of every token at batch.pos[t]: for each token t, n_vec vectors at
+ * x + t*ld + i*stride, rotating `dim` elements from `off` by angles pos * inv_freq[j] with cos/sin
+ * scaled by `factor`; interleaved pairs (2j, 2j+1) or half-split pairs (j, j + dim/2). */
+struct krk_rope_params {
+    float *x;
+    int64_t ld, n_vec, stride, off, dim;
+    bool interleaved;
+    const float *inv_freq;  /* [dim / 2] */
+    float factor;
+    const int32_t *pos;     /* [n_tok] */
+    int64_t n_tok;
+};
+enum kr_status krk_rope(const struct krk_rope_params *p, cudaStream_t stream);
+
+#ifdef __cplusplus
+}
+#endif
