@@ -171,6 +171,13 @@ static void cuda_free(kr_backend_t be)
     kr_free(be);
 }
 
+static enum kr_status cuda_mem_info(kr_backend_t be, size_t *free_b, size_t *total_b)
+{
+    struct cuda_ctx *c = ctx_of(be);
+    CU_TRY(c, cudaMemGetInfo(free_b, total_b));
+    return KR_OK;
+}
+
 static size_t cuda_act_size(kr_backend_t be)
 {
     return sizeof(float);
@@ -1005,6 +1012,7 @@ enum kr_status kr_backend_cuda_create(int dev, bool graphs, kr_backend_t *out, s
         .copy_h2d = cuda_copy_h2d,
         .copy_d2d = cuda_copy_d2d,
         .reserve = cuda_reserve,
+        .mem_info = cuda_mem_info,
         .begin_batch = cuda_begin_batch,
         .end_batch = cuda_end_batch,
         .graph_bucket = cuda_graph_bucket,

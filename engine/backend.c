@@ -29,6 +29,12 @@ size_t kr_backend_cache_elt_size(kr_backend_t be)
     return be->iface.cache_elt_size ? be->iface.cache_elt_size(be) : be->iface.act_size(be);
 }
 
+enum kr_status kr_backend_mem_info(kr_backend_t be, size_t *free_b, size_t *total_b)
+{
+    *free_b = *total_b = 0;
+    return be->iface.mem_info ? be->iface.mem_info(be, free_b, total_b) : KR_ERR_UNSUPPORTED;
+}
+
 enum kr_status kr_backend_reserve(kr_backend_t be, const struct kr_model_config *c, int64_t n_tok, int64_t n_seq,
                                   int64_t max_ctx)
 {

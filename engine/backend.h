@@ -57,6 +57,9 @@ int kr_backend_cuda_device_count(void);
  * one is visible, else the CPU). `threads` applies to the CPU backend. */
 enum kr_status kr_backend_create(const char *device, int threads, kr_backend_t *out, struct kr_err *err);
 
+/* Free and total memory of the backend's device; KR_ERR_UNSUPPORTED on the CPU. */
+enum kr_status kr_backend_mem_info(kr_backend_t be, size_t *free_b, size_t *total_b);
+
 /* Sizes backend scratch for steps of up to n_tok tokens in n_seq sequences and contexts up to
  * max_ctx (no-op on the CPU). Called at start-up so that serving allocates nothing. */
 enum kr_status kr_backend_reserve(kr_backend_t be, const struct kr_model_config *c, int64_t n_tok, int64_t n_seq,

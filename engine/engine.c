@@ -958,6 +958,13 @@ enum kr_status kr_engine_create(struct kr_model *m, const struct kr_engine_confi
         cfg.max_model_len = (int32_t)(m->cfg.max_pos < INT32_MAX ? m->cfg.max_pos : INT32_MAX);
     }
     const int32_t n_slots = cfg.n_slots > 0 ? cfg.n_slots : cfg.max_num_seqs;
+    /* the step workspace and backend scratch for the largest step, so that serving allocates nothing */
+    enum kr_status rst = kr_model_reserve(m, cfg.max_num_batched_tokens + cfg.max_num_seqs, cfg.max_num_seqs,
+                                          cfg.max_num_seqs, cfg.max_model_len);
+    if (rst != KR_OK) {
+        return kr_err_set(err, rst, "engine: cannot reserve the forward workspace for %d tokens per step",
+                          cfg.max_num_batched_tokens);
+    }
     size_t slot_bytes, block_bytes;
     kr_cache_unit_bytes(m, cfg.block_size, &slot_bytes, &block_bytes);
     const size_t slots_total = slot_bytes * (size_t)n_slots;

@@ -36,6 +36,7 @@ static void usage(FILE *f)
             "  --top N              top-N alternatives per position (logprobs; default 0)\n"
             "  --chunk N            prefill chunk size in tokens (default: whole prompt)\n"
             "  --threads N          CPU threads (default: all cores)\n"
+            "  --device DEV         cpu (default) | cuda | cuda:N | auto\n"
             "  --log-level LEVEL    debug | info | warn | error (default info)\n");
 }
 
@@ -108,6 +109,7 @@ struct opts {
     const char *model;
     const char *ids;
     int32_t max_tokens, top, chunk, threads;
+    const char *device;
     bool ignore_eos;
 };
 
@@ -127,8 +129,8 @@ static int run(const char *cmd, const struct opts *o)
     if (parse_ids(o->ids, &ids, &n) != 0) {
         goto out;
     }
-    if (!(be = kr_backend_cpu_create(o->threads))) {
-        fprintf(stderr, "krait: out of memory\n");
+    if ((st = kr_backend_create(o->device, o->threads, &be, &err)) != KR_OK) {
+        fprintf(stderr, "krait: %s\n", err.msg[0] ? err.msg : kr_status_str(st));
         goto out;
     }
     if ((st = kr_model_load(o->model, be, &m, &err)) != KR_OK) {
@@ -212,11 +214,12 @@ int kr_cli_main(int argc, char **argv)
         usage(stderr);
         return 2;
     }
-    struct opts o = {.max_tokens = 16, .top = 0, .chunk = 0, .threads = 0};
+    struct opts o = {.max_tokens = 16, .top = 0, .chunk = 0, .threads = 0, .device = "cpu"};
     static const struct option longopts[] = {
         {"model", required_argument, NULL, 'm'},  {"prompt-ids", required_argument, NULL, 'p'},
         {"max-tokens", required_argument, NULL, 'n'}, {"top", required_argument, NULL, 't'},
         {"chunk", required_argument, NULL, 'c'},  {"threads", required_argument, NULL, 'j'},
+        {"device", required_argument, NULL, 'd'},
         {"ignore-eos", no_argument, NULL, 'e'},   {"log-level", required_argument, NULL, 'l'},
         {"help", no_argument, NULL, 'h'},         {NULL, 0, NULL, 0},
     };
@@ -250,6 +253,9 @@ int kr_cli_main(int argc, char **argv)
             if (parse_int("--threads", optarg, 0, 4096, &o.threads)) {
                 return 2;
             }
+            break;
+        case 'd':
+            o.device = optarg;
             break;
         case 'e':
             o.ignore_eos = true;

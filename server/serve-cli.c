@@ -28,7 +28,8 @@ static void usage(FILE *f)
             "  --max-num-seqs N                sequences running at once (default 256)\n"
             "  --max-num-batched-tokens N      tokens per engine step (default 2048)\n"
             "  --max-queued-requests N         waiting requests before 429 (default: unbounded)\n"
-            "  --cache-memory-bytes N          byte budget of the cache pools (default 512 MiB; K/M/G suffixes)\n"
+            "  --cache-memory-bytes N          byte budget of the cache pools (K/M/G suffixes; default 512 MiB on\n"
+            "                                  the CPU, the GPU memory left under --gpu-memory-utilization on CUDA)\n"
             "  --block-size N                  tokens per cache block (default 16)\n"
             "  --tokenizer DIR                 tokenizer.json + tokenizer_config.json location (default MODEL_DIR)\n"
             "  --chat-template FILE            Jinja chat template replacing the tokenizer's\n"
@@ -36,6 +37,8 @@ static void usage(FILE *f)
             "  --return-tokens-as-token-ids    logprobs name tokens as token_id:N\n"
             "  --max-request-bytes N           request bodies above this get 413 (default 32 MiB)\n"
             "  --shutdown-timeout SECONDS      on SIGTERM, finish in-flight requests for this long (default 30)\n"
+            "  --device DEV                    cpu | cuda | cuda:N | auto (default: a GPU when present) [KRAIT_DEVICE]\n"
+            "  --gpu-memory-utilization F      share of GPU memory for weights + caches (default 0.9)\n"
             "  --threads N                     CPU threads (default: all cores)              [KRAIT_THREADS]\n"
             "  --log-level LEVEL               debug | info | warn | error                   [KRAIT_LOG_LEVEL]\n"
             "  --port-file FILE                write the bound port there once listening\n"
@@ -139,6 +142,9 @@ int kr_serve_main(int argc, char **argv)
     if ((env = getenv("KRAIT_API_KEY")) && *env && add_key(keys, &n_keys, env) != 0) {
         return 2;
     }
+    if ((env = getenv("KRAIT_DEVICE")) && *env) {
+        o.device = env;
+    }
     if ((env = getenv("KRAIT_THREADS")) && parse_i32("KRAIT_THREADS", env, 0, 4096, &v) == 0) {
         o.threads = v;
     }
@@ -150,7 +156,7 @@ int kr_serve_main(int argc, char **argv)
     }
     enum {
         O_HOST = 256, O_PORT, O_KEY, O_KEYFILE, O_NAME, O_MAXLEN, O_SEQS, O_TOKENS, O_QUEUED, O_CACHE, O_BLOCK,
-        O_TOK, O_TPL, O_SKIP, O_TOKIDS, O_BODY, O_SHUTDOWN, O_THREADS, O_LOG, O_PORTFILE, O_HELP,
+        O_TOK, O_TPL, O_SKIP, O_TOKIDS, O_BODY, O_SHUTDOWN, O_THREADS, O_LOG, O_PORTFILE, O_HELP, O_DEVICE, O_GPUMEM,
     };
     static const struct option longopts[] = {
         {"host", required_argument, NULL, O_HOST},
@@ -171,6 +177,8 @@ int kr_serve_main(int argc, char **argv)
         {"max-request-bytes", required_argument, NULL, O_BODY},
         {"shutdown-timeout", required_argument, NULL, O_SHUTDOWN},
         {"threads", required_argument, NULL, O_THREADS},
+        {"device", required_argument, NULL, O_DEVICE},
+        {"gpu-memory-utilization", required_argument, NULL, O_GPUMEM},
         {"log-level", required_argument, NULL, O_LOG},
         {"port-file", required_argument, NULL, O_PORTFILE},
         {"help", no_argument, NULL, O_HELP},
@@ -264,6 +272,20 @@ int kr_serve_main(int argc, char **argv)
             }
             o.threads = v;
             break;
+        case O_DEVICE:
+            o.device = optarg;
+            break;
+        case O_GPUMEM: {
+            char *end = NULL;
+            const double f = strtod(optarg, &end);
+            if (!end || *end || !(f > 0.05 && f <= 1.0)) {
+                fprintf(stderr, "krait serve: --gpu-memory-utilization: expected a number in (0.05, 1], got '%s'\n",
+                        optarg);
+                return 2;
+            }
+            o.gpu_mem_util = f;
+            break;
+        }
         case O_LOG:
             if (kr_log_parse_level(optarg, &lvl)) {
                 fprintf(stderr, "krait serve: --log-level: expected debug, info, warn or error\n");

@@ -33,7 +33,9 @@ void kr_serve_opts_default(struct kr_serve_opts *o)
     o->port = 8000;
     o->max_num_seqs = 256;
     o->max_num_batched_tokens = 2048;
-    o->cache_bytes = (size_t)512 << 20;
+    o->cache_bytes = 0;
+    o->device = "auto";
+    o->gpu_mem_util = 0.9;
     o->block_size = 16;
     o->max_body_bytes = (size_t)32 << 20;
     o->drain_timeout_s = 30.0;
@@ -1714,6 +1716,27 @@ static void *loader_main(void *arg)
     cfg.max_model_len = s->o.max_model_len;
     cfg.block_size = s->o.block_size;
     cfg.cache_bytes = s->o.cache_bytes;
+    /* the step workspace first, so that the cache budget sees what is left */
+    const int64_t max_len = s->o.max_model_len > 0 ? s->o.max_model_len : s->m->cfg.max_pos;
+    if (kr_model_reserve(s->m, cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.max_num_seqs, max_len) != KR_OK) {
+        KR_LOG_ERROR("cannot reserve the forward workspace (%d tokens per step)", cfg.max_num_batched_tokens);
+        s->load_failed = true;
+        uv_async_send(&g_loaded);
+        return NULL;
+    }
+    if (cfg.cache_bytes == 0) {
+        size_t free_b = 0, total_b = 0;
+        if (kr_backend_mem_info(s->be, &free_b, &total_b) == KR_OK && total_b > 0) {
+            const double keep = (1.0 - s->o.gpu_mem_util) * (double)total_b;
+            cfg.cache_bytes = (double)free_b > keep + (double)(256u << 20) ? (size_t)((double)free_b - keep)
+                                                                          : (size_t)256 << 20;
+            KR_LOG_INFO("cache budget %.2f GiB (%.0f%% of %.1f GiB device memory; %.2f GiB free before caches)",
+                        (double)cfg.cache_bytes / (1 << 30), s->o.gpu_mem_util * 100, (double)total_b / (1 << 30),
+                        (double)free_b / (1 << 30));
+        } else {
+            cfg.cache_bytes = (size_t)512 << 20;
+        }
+    }
     if (kr_engine_create(s->m, &cfg, &s->eng, &err) != KR_OK) {
         KR_LOG_ERROR("cannot start the engine: %s", err.msg);
         s->load_failed = true;
@@ -1756,7 +1779,12 @@ int kr_serve_run(const struct kr_serve_opts *o)
     kr_metrics_init(&s->met);
     s->started = (int64_t)time(NULL);
     s->model_name = kr_strdup(o->served_model_name ? o->served_model_name : o->model_dir);
-    s->be = kr_backend_cpu_create(o->threads);
+    struct kr_err berr = {{0}};
+    if (kr_backend_create(o->device, o->threads, &s->be, &berr) != KR_OK) {
+        KR_LOG_ERROR("cannot start the compute backend: %s", berr.msg);
+        return 2;
+    }
+    KR_LOG_INFO("backend: %s", kr_backend_name(s->be));
     pthread_mutex_init(&s->qmu, NULL);
     if (!s->model_name || !s->be || uv_loop_init(&s->loop) != 0) {
         KR_LOG_ERROR("out of memory at start-up");

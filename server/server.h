@@ -22,7 +22,9 @@ struct kr_serve_opts {
     int32_t max_num_seqs;
     int32_t max_num_batched_tokens;
     int32_t max_queued_requests;   /* 0 = unbounded */
-    size_t cache_bytes;            /* CPU cache budget */
+    size_t cache_bytes;            /* cache budget; 0 = from gpu_mem_util on CUDA (512 MiB on the CPU) */
+    const char *device;            /* cpu | cuda | cuda:N | auto (default: CUDA when a GPU is visible) */
+    double gpu_mem_util;           /* fraction of the GPU's memory krait may hold (weights + caches) */
     int32_t block_size;
     const char *tokenizer_dir;     /* default: the model directory */
     const char *chat_template_file;

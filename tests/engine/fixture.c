@@ -26,12 +26,24 @@ static float *read_bin(const char *path, size_t *n_bytes)
     return buf;
 }
 
+const char *fx_root(void)
+{
+    const char *e = getenv("KR_FIXTURES");
+    return e && *e ? e : KR_FIXTURES;
+}
+
 void fx_load(struct fx *f, const char *family, const char *name, int threads, int n_slots)
 {
+    kr_backend_t be = kr_backend_cpu_create(threads);
+    cr_assert(be);
+    fx_load_on(f, family, name, be, n_slots);
+}
+
+void fx_load_on(struct fx *f, const char *family, const char *name, kr_backend_t be, int n_slots)
+{
     memset(f, 0, sizeof *f);
-    snprintf(f->dir, sizeof f->dir, "%s/%s/%s", KR_FIXTURES, family, name);
-    f->be = kr_backend_cpu_create(threads);
-    cr_assert(f->be);
+    snprintf(f->dir, sizeof f->dir, "%s/%s/%s", fx_root(), family, name);
+    f->be = be;
     struct kr_err err = {{0}};
     enum kr_status st = kr_model_load(f->dir, f->be, &f->m, &err);
     cr_assert_eq(st, KR_OK, "loading %s: %s", f->dir, err.msg);

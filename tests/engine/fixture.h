@@ -33,6 +33,10 @@ struct fx {
 /* Loads fixture `name` of `family` (e.g. "nemotron_h") with a CPU backend of `threads` threads and
  * a cache of `n_slots` slots; aborts the test (cr_assert) on any error. */
 void fx_load(struct fx *f, const char *family, const char *name, int threads, int n_slots);
+/* The same on backend `be` (owned by the fixture from then on). */
+void fx_load_on(struct fx *f, const char *family, const char *name, kr_backend_t be, int n_slots);
+/* The fixture directory: $KR_FIXTURES when set (a moved tree), else the build-time path. */
+const char *fx_root(void);
 void fx_free(struct fx *f);
 
 /* One sequence for the multi-sequence driver. */

@@ -1,0 +1,331 @@
+/* The CUDA backend end to end on the HF reference fixtures (the same checkpoints and HF outputs as
+ * tests/engine/test_hf_models.c), through the same forward pass as the CPU reference.
+ *
+ * Tolerances: the fixtures' weights are exactly bf16, so the CUDA backend's differences from HF
+ * (fp32) come from rounding GEMM operands (activations) and cached K/V, conv states and latents to
+ * bf16. Over these small random models that moves log-probabilities by a few 1e-3; we bound the
+ * largest deviation from HF over every position and vocabulary entry by LP_TOL = 0.08 and the mean
+ * absolute deviation by LP_MEAN_TOL = 5e-3 (the CPU reference is within 1e-3 of HF on the same
+ * data). Greedy tokens must equal HF's up to the first step where HF's top-2 margin is below
+ * MARGIN = 0.1 (beyond a near-tie either continuation is legitimate at bf16 precision). */
+#include "fixture.h"
+#include "gpu-test.h"
+#include "runner.h"
+#include "sampler.h"
+
+#include "alloc.h"
+
+#include <criterion/criterion.h>
+#include <criterion/parameterized.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define LP_TOL 0.08
+#define LP_MEAN_TOL 5e-3
+#define MARGIN 0.1f
+
+static const struct {
+    const char *family, *name;
+} fixtures[] = {
+    {"nemotron_h", "nh_mamba_attn_mlp"}, {"nemotron_h", "nh_moe"},         {"nemotron_h", "nh_tied_f32"},
+    {"nemotron_h", "nh_gated"},          {"nemotron_h", "nh_long_chunks"}, {"deepseek_v32", "ds_yarn"},
+    {"deepseek_v32", "ds_fp8"},          {"deepseek_v32", "ds_short"},     {"hybrid", "hy_mdme"},
+    {"hybrid", "hy_plus"},
+};
+#define N_FIXTURES ((int)(sizeof fixtures / sizeof fixtures[0]))
+static int fixture_idx[N_FIXTURES] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9};
+
+#define FIXTURE_PARAMS(test)                                                                       \
+    ParameterizedTestParameters(cuda_backend, test)                                                \
+    {                                                                                              \
+        return cr_make_param_array(int, fixture_idx, N_FIXTURES);                                  \
+    }
+
+static void load_cuda(struct fx *f, int idx, int n_slots, bool graphs)
+{
+    kr_backend_t be = NULL;
+    struct kr_err err = {{0}};
+    cr_assert_eq(kr_backend_cuda_create(0, graphs, &be, &err), KR_OK, "%s", err.msg);
+    fx_load_on(f, fixtures[idx].family, fixtures[idx].name, be, n_slots);
+}
+
+FIXTURE_PARAMS(prompt_logprobs_match_hf)
+ParameterizedTest(int *idx, cuda_backend, prompt_logprobs_match_hf)
+{
+    GT_REQUIRE_GPU();
+    struct fx f;
+    load_cuda(&f, *idx, 2, true);
+    const char *name = fixtures[*idx].name;
+    for (int32_t i = 0; i < f.n_prompts; i++) {
+        struct fx_prompt *p = &f.prompts[i];
+        float *lp = kr_malloc((size_t)p->n * (size_t)f.vocab * sizeof(float));
+        cr_assert(lp);
+        struct kr_err err = {{0}};
+        /* odd chunks exercise chunked prefill with carried states */
+        cr_assert_eq(kr_run_prompt_logprobs(f.m, f.c, p->ids, p->n, i % 2 ? 7 : 0, lp, &err), KR_OK, "%s",
+                     err.msg);
+        double worst = 0, sum = 0;
+        for (size_t k = 0; k < (size_t)p->n * (size_t)f.vocab; k++) {
+            const double d = fabs((double)lp[k] - (double)p->logprobs[k]);
+            worst = isnan(d) ? INFINITY : (d > worst ? d : worst);
+            sum += isnan(d) ? INFINITY : d;
+        }
+        const double mean = sum / ((double)p->n * (double)f.vocab);
+        fprintf(stderr, "  %-20s prompt %d (len %3d): max |lp - HF| %.3g, mean %.3g\n", name, i, p->n, worst, mean);
+        cr_expect_leq(worst, LP_TOL, "%s prompt %d: max |logprob - HF| = %g", name, i, worst);
+        cr_expect_leq(mean, LP_MEAN_TOL, "%s prompt %d: mean |logprob - HF| = %g", name, i, mean);
+        kr_free(lp);
+    }
+    fx_free(&f);
+}
+
+FIXTURE_PARAMS(greedy_matches_hf)
+ParameterizedTest(int *idx, cuda_backend, greedy_matches_hf)
+{
+    GT_REQUIRE_GPU();
+    struct fx f;
+    load_cuda(&f, *idx, 2, true);
+    const char *name = fixtures[*idx].name;
+    int32_t compared_all = 0;
+    for (int32_t i = 0; i < f.n_prompts; i++) {
+        struct fx_prompt *p = &f.prompts[i];
+        int32_t out[64], n_out = 0;
+        struct kr_err err = {{0}};
+        cr_assert_eq(kr_run_greedy(f.m, f.c, p->ids, p->n, 0, p->n_greedy, true, out, NULL, &n_out, &err), KR_OK,
+                     "%s", err.msg);
+        cr_assert_eq(n_out, p->n_greedy);
+        int32_t compared = 0;
+        for (int32_t k = 0; k < p->n_greedy && p->margin[k] >= MARGIN; k++) {
+            cr_expect_eq(out[k], p->greedy[k], "%s prompt %d: greedy token %d is %d, HF %d", name, i, k, out[k],
+                         p->greedy[k]);
+            compared++;
+        }
+        compared_all += compared;
+        fprintf(stderr, "  %-20s prompt %d: %d of %d greedy tokens compared\n", name, i, compared, p->n_greedy);
+    }
+    cr_expect_gt(compared_all, 0, "%s: every prompt starts with a near-tie; nothing compared", name);
+    fx_free(&f);
+}
+
+/* Runs the fixture's prompts greedily through the multi-sequence driver with the given schedule
+ * (start steps, chunks) and returns the generated ids and log-probability rows. */
+struct run {
+    struct drv_seq seq[16];
+    int32_t gen[16][24];
+};
+
+static void drive(struct fx *f, struct run *r, int32_t first, int32_t n, const int32_t *start, const int32_t *chunk,
+                  int32_t n_dec)
+{
+    for (int32_t i = 0; i < n; i++) {
+        struct fx_prompt *p = &f->prompts[(first + i) % f->n_prompts];
+        r->seq[i] = (struct drv_seq){.prompt = p->ids, .n_prompt = p->n, .chunk = chunk[i], .start_step = start[i],
+                                     .n_decode = n_dec, .gen = r->gen[i]};
+        r->seq[i].rows = kr_malloc((size_t)(p->n + n_dec) * (size_t)f->vocab * sizeof(float));
+        cr_assert(r->seq[i].rows);
+    }
+    drv_run(f->m, f->c, r->seq, n);
+}
+
+static void run_free(struct run *r, int32_t n)
+{
+    for (int32_t i = 0; i < n; i++) {
+        kr_free(r->seq[i].rows);
+    }
+}
+
+/* Compares sequence i of two runs: log-probability rows within BATCH_TOL while the tokens agree,
+ * tokens equal up to the first near-tie of run a. */
+#define BATCH_TOL 0.05
+static void expect_same_seq(const struct fx *f, const struct run *a, const struct run *b, int32_t i, const char *what)
+{
+    const struct drv_seq *sa = &a->seq[i], *sb = &b->seq[i];
+    const int64_t V = f->vocab;
+    for (int32_t t = 0; t < sa->n_prompt + sa->n_decode; t++) {
+        const float *ra = sa->rows + (size_t)t * (size_t)V, *rb = sb->rows + (size_t)t * (size_t)V;
+        const double d = max_abs_diff(ra, rb, V);
+        cr_expect_leq(d, BATCH_TOL, "%s: sequence %d row %d differs by %g", what, i, t, d);
+        if (t >= sa->n_prompt) {
+            const int32_t k = t - sa->n_prompt;
+            if (k >= sa->n_decode) {
+                break;
+            }
+            /* margin of run a's choice at this step */
+            const int32_t top = kr_argmax(ra, V);
+            float second = -INFINITY;
+            for (int64_t v = 0; v < V; v++) {
+                if (v != top && ra[v] > second) {
+                    second = ra[v];
+                }
+            }
+            if (ra[top] - second < MARGIN) {
+                break;
+            }
+            cr_expect_eq(sa->gen[k], sb->gen[k], "%s: sequence %d token %d: %d vs %d", what, i, k, sa->gen[k],
+                         sb->gen[k]);
+            if (sa->gen[k] != sb->gen[k]) {
+                break;
+            }
+        }
+    }
+}
+
+FIXTURE_PARAMS(batch_composition_independent)
+ParameterizedTest(int *idx, cuda_backend, batch_composition_independent)
+{
+    GT_REQUIRE_GPU();
+    struct fx f;
+    load_cuda(&f, *idx, 12, true);
+    enum { N = 10, DEC = 12 };
+    /* alone: one sequence at a time, one-shot prefill */
+    struct run alone;
+    memset(&alone, 0, sizeof alone);
+    for (int32_t i = 0; i < N; i++) {
+        const int32_t st = 0, ch = 1 << 20;
+        struct run one;
+        memset(&one, 0, sizeof one);
+        drive(&f, &one, i, 1, &st, &ch, DEC);
+        alone.seq[i] = one.seq[0];
+        memcpy(alone.gen[i], one.gen[0], sizeof one.gen[0]);
+        alone.seq[i].gen = alone.gen[i];
+    }
+    /* batched: staggered starts and odd chunks, so decodes of some sequences share steps with
+     * prefill chunks of others, and decode-only steps run as padded graphs of various sizes */
+    int32_t start[N], chunk[N];
+    for (int32_t i = 0; i < N; i++) {
+        start[i] = (i * 3) % 7;
+        chunk[i] = 1 + (i * 5) % 9;
+    }
+    struct run batched;
+    memset(&batched, 0, sizeof batched);
+    drive(&f, &batched, 0, N, start, chunk, DEC);
+    for (int32_t i = 0; i < N; i++) {
+        expect_same_seq(&f, &alone, &batched, i, fixtures[*idx].name);
+    }
+    run_free(&alone, N);
+    run_free(&batched, N);
+    fx_free(&f);
+}
+
+/* Decode steps replayed from graphs (padded to bucket sizes) equal the same steps run eagerly. */
+FIXTURE_PARAMS(graphs_equal_eager)
+ParameterizedTest(int *idx, cuda_backend, graphs_equal_eager)
+{
+    GT_REQUIRE_GPU();
+    enum { N = 3, DEC = 16 };
+    struct run r[2];
+    struct fx f[2];
+    for (int g = 0; g < 2; g++) {
+        load_cuda(&f[g], *idx, 4, g == 1);
+        const int32_t start[N] = {0, 0, 2}, chunk[N] = {100, 5, 100};
+        memset(&r[g], 0, sizeof r[g]);
+        drive(&f[g], &r[g], 0, N, start, chunk, DEC);
+    }
+    for (int32_t i = 0; i < N; i++) {
+        expect_same_seq(&f[0], &r[0], &r[1], i, "graphs vs eager");
+    }
+    for (int g = 0; g < 2; g++) {
+        run_free(&r[g], N);
+        fx_free(&f[g]);
+    }
+}
+
+/* A decode step padded to a graph bucket leaves the states of sequences outside the batch
+ * untouched, bit for bit. */
+Test(cuda_backend, padded_graph_touches_no_other_state)
+{
+    GT_REQUIRE_GPU();
+    struct fx f;
+    load_cuda(&f, 0, 6, true);
+    struct kr_cache *c = f.c;
+    /* fill every slot's states and every block with recognisable random data */
+    struct gt_rng rng = {.s = 77};
+    const size_t conv_b = c->conv_layer_bytes * (size_t)c->n_mamba, ssm_b = c->ssm_layer_bytes * (size_t)c->n_mamba;
+    const size_t kv_b = c->kv_layer_bytes * (size_t)c->n_attn;
+    const size_t tot = conv_b + ssm_b + 2 * kv_b;
+    float *before = kr_malloc(tot + 16), *after = kr_malloc(tot + 16);
+    cr_assert(before && after);
+    gt_fill(&rng, before, tot / 4, -1, 1);
+    struct kr_buf *bufs[4] = {&c->conv, &c->ssm, &c->k, &c->v};
+    const size_t sizes[4] = {conv_b, ssm_b, kv_b, kv_b};
+    size_t off = 0;
+    for (int i = 0; i < 4; i++) {
+        if (sizes[i]) {
+            cr_assert_eq(kr_backend_copy_h2d(f.be, bufs[i]->ptr, (char *)before + off, sizes[i]), KR_OK);
+        }
+        off += sizes[i];
+    }
+    /* three sequences (slots 1, 2, 4; blocks 3, 4, 5) decode 5 tokens at positions 10..14: the
+     * first step runs eagerly, later ones replay a graph padded to 4 sequences (the padding
+     * sequence must touch neither a slot nor block 0, which its block table points at) */
+    const int32_t slots[3] = {1, 2, 4};
+    int32_t bt[3] = {3, 4, 5};
+    float *logits = kr_malloc(3 * (size_t)f.vocab * sizeof(float));
+    for (int32_t step = 0; step < 5; step++) {
+        int32_t tok[3], pos[3], tok0[4] = {0, 1, 2, 3}, pos0[3], out[3] = {0, 1, 2};
+        for (int32_t s = 0; s < 3; s++) {
+            tok[s] = 11 + step + s;
+            pos[s] = pos0[s] = 10 + step;
+        }
+        struct kr_batch b = {.n_tok = 3, .n_seq = 3, .tokens = tok, .pos = pos, .seq_tok0 = tok0,
+                             .seq_pos0 = pos0, .seq_slot = slots, .block_table = bt, .max_blocks = 1, .n_out = 3,
+                             .out_tok = out};
+        struct kr_err err = {{0}};
+        cr_assert_eq(kr_model_forward(f.m, c, &b, logits, &err), KR_OK, "%s", err.msg);
+    }
+    off = 0;
+    for (int i = 0; i < 4; i++) {
+        if (sizes[i]) {
+            cr_assert_eq(kr_backend_copy_d2h(f.be, (char *)after + off, bufs[i]->ptr, sizes[i]), KR_OK);
+        }
+        off += sizes[i];
+    }
+    /* compare everything outside slot 2's states and blocks 3..6 */
+    int64_t changed = 0;
+    off = 0;
+    for (int i = 0; i < 4; i++) {
+        const size_t n_units = i < 2 ? (size_t)c->n_slots : (size_t)c->n_blocks;
+        const size_t layers = i == 0 || i == 1 ? (size_t)c->n_mamba : (size_t)c->n_attn;
+        if (!sizes[i]) {
+            continue;
+        }
+        const size_t unit = sizes[i] / layers / n_units;
+        for (size_t l = 0; l < layers; l++) {
+            for (size_t u = 0; u < n_units; u++) {
+                const bool mine = i < 2 ? (u == 1 || u == 2 || u == 4) : (u >= 3 && u <= 5);
+                const size_t o = off + (l * n_units + u) * unit;
+                if (!mine && memcmp((char *)before + o, (char *)after + o, unit) != 0) {
+                    changed++;
+                }
+            }
+        }
+        off += sizes[i];
+    }
+    cr_expect_eq(changed, 0, "%lld state slots or cache blocks of other sequences changed", (long long)changed);
+    kr_free(logits);
+    kr_free(before);
+    kr_free(after);
+    fx_free(&f);
+}
+
+/* Bad input reaches the CUDA backend as a clear error, not a crash. */
+Test(cuda_backend, invalid_batch_is_refused)
+{
+    GT_REQUIRE_GPU();
+    struct fx f;
+    load_cuda(&f, 0, 2, true);
+    int32_t tok = (int32_t)f.vocab + 5, pos = 0, tok0[2] = {0, 1}, pos0 = 0, slot = 0, bt = 0, out = 0;
+    struct kr_batch b = {.n_tok = 1, .n_seq = 1, .tokens = &tok, .pos = &pos, .seq_tok0 = tok0, .seq_pos0 = &pos0,
+                         .seq_slot = &slot, .block_table = &bt, .max_blocks = 1, .n_out = 1, .out_tok = &out};
+    float *logits = kr_malloc((size_t)f.vocab * sizeof(float));
+    struct kr_err err = {{0}};
+    cr_expect_eq(kr_model_forward(f.m, f.c, &b, logits, &err), KR_ERR_INVAL);
+    cr_expect(strstr(err.msg, "vocabulary") != NULL, "message: %s", err.msg);
+    /* the backend still works afterwards */
+    tok = 1;
+    cr_expect_eq(kr_model_forward(f.m, f.c, &b, logits, &err), KR_OK, "%s", err.msg);
+    kr_free(logits);
+    fx_free(&f);
+}
