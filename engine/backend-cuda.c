@@ -25,7 +25,16 @@
 
 #include "krk.h"
 
-#define MAX_GRAPHS 32
+#define MAX_GRAPHS 64
+#define PROF_MAX_EV 4096
+
+enum prof_cat {
+    P_GEMM, P_GEMV, P_NORM, P_ACT, P_CONV, P_SSD, P_ATTN, P_MOE, P_MLA, P_EMBED, P_OTHER, PROF_N_CAT
+};
+static const char *const prof_names[PROF_N_CAT] = {
+    "gemm (cuBLAS)", "gemv", "norm+residual", "activation", "conv1d", "ssd", "attention", "moe", "mla/dsa",
+    "embed/gather/rope", "other",
+};
 
 static const int32_t graph_buckets[] = {1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256};
 
@@ -80,6 +89,17 @@ struct cuda_ctx {
     } *ptr_idx;
     size_t n_ptr_idx, cap_ptr_idx;
 
+    /* per-op timing (eager steps only) */
+    struct {
+        bool on;
+        int n;
+        cudaEvent_t ev[2 * PROF_MAX_EV];
+        int cat[PROF_MAX_EV];
+        int open_cat;
+        double ms[PROF_N_CAT];
+        int64_t calls[PROF_N_CAT];
+    } prof;
+
     /* graphs */
     struct graph graphs[MAX_GRAPHS];
     int n_graphs;
@@ -90,6 +110,43 @@ struct cuda_ctx {
 static struct cuda_ctx *ctx_of(kr_backend_t be)
 {
     return be->ctx;
+}
+
+static void prof_begin(struct cuda_ctx *c, int cat)
+{
+    if (!c->prof.on || c->capturing || c->prof.n >= PROF_MAX_EV) {
+        return;
+    }
+    cudaEventRecord(c->prof.ev[2 * c->prof.n], c->stream);
+    c->prof.open_cat = cat;
+}
+
+static void prof_end(struct cuda_ctx *c)
+{
+    if (!c->prof.on || c->capturing || c->prof.n >= PROF_MAX_EV || c->prof.open_cat < 0) {
+        return;
+    }
+    cudaEventRecord(c->prof.ev[2 * c->prof.n + 1], c->stream);
+    c->prof.cat[c->prof.n++] = c->prof.open_cat;
+    c->prof.open_cat = -1;
+}
+
+/* Adds the timed ops of the finished step to the totals. */
+static void prof_collect(struct cuda_ctx *c)
+{
+    if (!c->prof.on || c->prof.n == 0) {
+        return;
+    }
+    cudaStreamSynchronize(c->stream);
+    for (int i = 0; i < c->prof.n; i++) {
+        float ms = 0;
+        if (cudaEventElapsedTime(&ms, c->prof.ev[2 * i], c->prof.ev[2 * i + 1]) == cudaSuccess) {
+            c->prof.ms[c->prof.cat[i]] += ms;
+            c->prof.calls[c->prof.cat[i]]++;
+        }
+    }
+    (void)cudaGetLastError();
+    c->prof.n = 0;
 }
 
 /* Every CUDA runtime call goes through CU_TRY: the error is logged with file and line and turns
@@ -162,6 +219,9 @@ static void cuda_free(kr_backend_t be)
         cudaFree(c->d_meta);
         cudaFree(c->ptr_table);
         cudaFreeHost(c->h_meta);
+        for (int i = 0; i < 2 * PROF_MAX_EV && c->prof.ev[i]; i++) {
+            cudaEventDestroy(c->prof.ev[i]);
+        }
         if (c->stream) {
             cudaStreamDestroy(c->stream);
         }
@@ -236,16 +296,16 @@ static void cuda_buf_free(kr_backend_t be, struct kr_buf *buf)
     buf->size = 0;
 }
 
-/* Uploads a weight: fp32 copies for `to_f32` vectors and for tensors stored in F32 (routers and
- * other deliberately full-precision tensors of mixed checkpoints), bf16 for everything else
- * (F16 sources are rounded to bf16). Conversions run on the host, in slices. */
+/* Uploads a weight: an fp32 copy with `to_f32` (vectors, routers, kv_b: what the model computes
+ * in fp32), bf16 otherwise (F16 and F32 sources are rounded to bf16; FP8 checkpoints arrive here
+ * dequantized to F32). Conversions run on the host. */
 static enum kr_status cuda_upload(kr_backend_t be, const struct kr_tensor *host, bool to_f32, bool src_persistent,
                                   struct kr_tensor *out, struct kr_buf *owned)
 {
     struct cuda_ctx *c = ctx_of(be);
     memset(owned, 0, sizeof *owned);
     const size_t n = (size_t)host->rows * (size_t)host->cols;
-    const bool f32 = to_f32 || host->dtype == KR_DTYPE_F32;
+    const bool f32 = to_f32;
     if (host->dtype != KR_DTYPE_F32 && host->dtype != KR_DTYPE_F16 && host->dtype != KR_DTYPE_BF16) {
         KR_LOG_ERROR("cuda: cannot upload a tensor of dtype %s", kr_dtype_name(host->dtype));
         return KR_ERR_UNSUPPORTED;
@@ -556,7 +616,7 @@ static krk_bf16 *shadow_for(struct cuda_ctx *c, const float *out, int64_t n, int
 
 /* ---- ops ---------------------------------------------------------------------------------- */
 
-static enum kr_status cuda_embed(kr_backend_t be, const struct kr_tensor *w, float *out)
+static enum kr_status cuda_embed_impl(kr_backend_t be, const struct kr_tensor *w, float *out)
 {
     struct cuda_ctx *c = ctx_of(be);
     TRY(op_enter(c));
@@ -585,7 +645,7 @@ static enum kr_status norm_impl(struct cuda_ctx *c, const float *x, int64_t ldx,
     return krk_rmsnorm(&p, c->stream);
 }
 
-static enum kr_status cuda_rmsnorm(kr_backend_t be, const float *x, const float *w, int64_t n, int64_t dim, float eps,
+static enum kr_status cuda_rmsnorm_impl(kr_backend_t be, const float *x, const float *w, int64_t n, int64_t dim, float eps,
                                    float *out)
 {
     struct cuda_ctx *c = ctx_of(be);
@@ -595,7 +655,7 @@ static enum kr_status cuda_rmsnorm(kr_backend_t be, const float *x, const float 
     return norm_impl(c, x, dim, w, n, dim, eps, out);
 }
 
-static enum kr_status cuda_rmsnorm_strided(kr_backend_t be, const float *x, int64_t ldx, const float *w, int64_t n,
+static enum kr_status cuda_rmsnorm_strided_impl(kr_backend_t be, const float *x, int64_t ldx, const float *w, int64_t n,
                                            int64_t dim, float eps, float *out)
 {
     struct cuda_ctx *c = ctx_of(be);
@@ -605,7 +665,7 @@ static enum kr_status cuda_rmsnorm_strided(kr_backend_t be, const float *x, int6
     return norm_impl(c, x, ldx, w, n, dim, eps, out);
 }
 
-static enum kr_status cuda_layernorm(kr_backend_t be, const float *x, int64_t ldx, const float *w, const float *b,
+static enum kr_status cuda_layernorm_impl(kr_backend_t be, const float *x, int64_t ldx, const float *w, const float *b,
                                      int64_t n, int64_t dim, float eps, float *out)
 {
     struct cuda_ctx *c = ctx_of(be);
@@ -614,7 +674,7 @@ static enum kr_status cuda_layernorm(kr_backend_t be, const float *x, int64_t ld
     return krk_layernorm(&p, c->stream);
 }
 
-static enum kr_status cuda_scale(kr_backend_t be, float *y, float s, int64_t n)
+static enum kr_status cuda_scale_impl(kr_backend_t be, float *y, float s, int64_t n)
 {
     struct cuda_ctx *c = ctx_of(be);
     TRY(op_enter(c));
@@ -638,7 +698,7 @@ static bool overlaps(const void *a, size_t an, const void *b, size_t bn)
     return pa < pb + bn && pb < pa + an;
 }
 
-static enum kr_status cuda_matmul(kr_backend_t be, const float *x, int64_t ldx, int64_t n, const struct kr_tensor *w,
+static enum kr_status cuda_matmul_impl(kr_backend_t be, const float *x, int64_t ldx, int64_t n, const struct kr_tensor *w,
                                   const float *bias, float *y, int64_t ldy)
 {
     struct cuda_ctx *c = ctx_of(be);
@@ -694,7 +754,7 @@ static enum kr_status cuda_matmul(kr_backend_t be, const float *x, int64_t ldx, 
     return st;
 }
 
-static enum kr_status cuda_act(kr_backend_t be, enum kr_act act, const float *gate, const float *x, int64_t ld_in,
+static enum kr_status cuda_act_impl(kr_backend_t be, enum kr_act act, const float *gate, const float *x, int64_t ld_in,
                                int64_t n, int64_t width, float *out)
 {
     struct cuda_ctx *c = ctx_of(be);
@@ -713,7 +773,10 @@ static enum kr_status cuda_mamba(kr_backend_t be, const struct kr_mamba_params *
     struct krk_conv1d_params cp = {.in = p->zxbcdt, .ld_in = p->ld_in, .in_off = p->d_inner, .conv_dim = conv_dim,
                                    .d_conv = p->d_conv, .w = p->conv_w, .b = p->conv_b, .state = p->conv_state,
                                    .out = p->xbc, .batch = c->batch};
-    TRY(krk_conv1d(&cp, c->stream));
+    prof_begin(c, P_CONV);
+    const enum kr_status cst = krk_conv1d(&cp, c->stream);
+    prof_end(c);
+    TRY(cst);
     const size_t ws = krk_ssd_workspace_bytes(c->batch.n_tok, c->batch.n_seq, p->n_head, p->head_dim, p->n_group,
                                               p->d_state, p->chunk);
     if (ws > c->scratch_size) {
@@ -725,10 +788,13 @@ static enum kr_status cuda_mamba(kr_backend_t be, const struct kr_mamba_params *
                                 .head_dim = p->head_dim, .n_group = p->n_group, .d_state = p->d_state,
                                 .chunk = p->chunk, .state = p->ssm_state, .y = p->y, .workspace = c->scratch,
                                 .batch = c->batch};
-    return krk_ssd(&sp, c->stream);
+    prof_begin(c, P_SSD);
+    const enum kr_status sst = krk_ssd(&sp, c->stream);
+    prof_end(c);
+    return sst;
 }
 
-static enum kr_status cuda_gated_rmsnorm(kr_backend_t be, const float *y, const float *z, int64_t ldz, const float *w,
+static enum kr_status cuda_gated_rmsnorm_impl(kr_backend_t be, const float *y, const float *z, int64_t ldz, const float *w,
                                          int64_t n, int64_t dim, int64_t group, float eps, float *out)
 {
     struct cuda_ctx *c = ctx_of(be);
@@ -739,7 +805,7 @@ static enum kr_status cuda_gated_rmsnorm(kr_backend_t be, const float *y, const 
     return krk_gated_rmsnorm(&p, c->stream);
 }
 
-static enum kr_status cuda_attention(kr_backend_t be, const struct kr_attn_params *p)
+static enum kr_status cuda_attention_impl(kr_backend_t be, const struct kr_attn_params *p)
 {
     struct cuda_ctx *c = ctx_of(be);
     TRY(op_enter(c));
@@ -754,7 +820,7 @@ static enum kr_status cuda_attention(kr_backend_t be, const struct kr_attn_param
     return krk_attn(&a, c->stream);
 }
 
-static enum kr_status cuda_moe_route(kr_backend_t be, const struct kr_route_params *p, int64_t n)
+static enum kr_status cuda_moe_route_impl(kr_backend_t be, const struct kr_route_params *p, int64_t n)
 {
     struct cuda_ctx *c = ctx_of(be);
     TRY(op_enter(c));
@@ -822,7 +888,7 @@ static enum kr_status expert_ptrs(struct cuda_ctx *c, const struct kr_tensor *t,
     return KR_OK;
 }
 
-static enum kr_status cuda_moe_experts(kr_backend_t be, const struct kr_experts_params *p, int64_t n)
+static enum kr_status cuda_moe_experts_impl(kr_backend_t be, const struct kr_experts_params *p, int64_t n)
 {
     struct cuda_ctx *c = ctx_of(be);
     TRY(op_enter(c));
@@ -841,14 +907,14 @@ static enum kr_status cuda_moe_experts(kr_backend_t be, const struct kr_experts_
     return krk_moe_experts(&e, c->stream);
 }
 
-static enum kr_status cuda_gather_out(kr_backend_t be, const float *src, int64_t width, float *dst)
+static enum kr_status cuda_gather_out_impl(kr_backend_t be, const float *src, int64_t width, float *dst)
 {
     struct cuda_ctx *c = ctx_of(be);
     TRY(op_enter(c));
     return krk_gather_rows(src, width, c->d_out_tok, c->hb->n_out, dst, c->stream);
 }
 
-static enum kr_status cuda_rope(kr_backend_t be, const struct kr_rope_params *p)
+static enum kr_status cuda_rope_impl(kr_backend_t be, const struct kr_rope_params *p)
 {
     struct cuda_ctx *c = ctx_of(be);
     TRY(op_enter(c));
@@ -858,7 +924,7 @@ static enum kr_status cuda_rope(kr_backend_t be, const struct kr_rope_params *p)
     return krk_rope(&r, c->stream);
 }
 
-static enum kr_status cuda_mla_cache_write(kr_backend_t be, const struct kr_mla_cache_params *p)
+static enum kr_status cuda_mla_cache_write_impl(kr_backend_t be, const struct kr_mla_cache_params *p)
 {
     struct cuda_ctx *c = ctx_of(be);
     TRY(op_enter(c));
@@ -868,7 +934,7 @@ static enum kr_status cuda_mla_cache_write(kr_backend_t be, const struct kr_mla_
     return krk_mla_cache_write(&w, c->stream);
 }
 
-static enum kr_status cuda_dsa_index(kr_backend_t be, const struct kr_dsa_index_params *p)
+static enum kr_status cuda_dsa_index_impl(kr_backend_t be, const struct kr_dsa_index_params *p)
 {
     struct cuda_ctx *c = ctx_of(be);
     TRY(op_enter(c));
@@ -883,7 +949,7 @@ static enum kr_status cuda_dsa_index(kr_backend_t be, const struct kr_dsa_index_
     return krk_dsa_index(&d, c->stream);
 }
 
-static enum kr_status cuda_mla_attention(kr_backend_t be, const struct kr_mla_attn_params *p)
+static enum kr_status cuda_mla_attention_impl(kr_backend_t be, const struct kr_mla_attn_params *p)
 {
     struct cuda_ctx *c = ctx_of(be);
     TRY(op_enter(c));
@@ -899,12 +965,158 @@ static enum kr_status cuda_mla_attention(kr_backend_t be, const struct kr_mla_at
     return krk_mla_attention(&a, c->stream);
 }
 
+/* ---- timed entry points (per-op timing when profiling) --------------------------------------- */
+
+static enum kr_status cuda_embed(kr_backend_t be, const struct kr_tensor *w, float *out)
+{
+    struct cuda_ctx *c = ctx_of(be);
+    prof_begin(c, P_EMBED);
+    const enum kr_status st = cuda_embed_impl(be, w, out);
+    prof_end(c);
+    return st;
+}
+
+static enum kr_status cuda_rmsnorm(kr_backend_t be, const float *x, const float *w, int64_t n, int64_t dim, float eps, float *out)
+{
+    struct cuda_ctx *c = ctx_of(be);
+    prof_begin(c, P_NORM);
+    const enum kr_status st = cuda_rmsnorm_impl(be, x, w, n, dim, eps, out);
+    prof_end(c);
+    return st;
+}
+
+static enum kr_status cuda_rmsnorm_strided(kr_backend_t be, const float *x, int64_t ldx, const float *w, int64_t n, int64_t dim, float eps, float *out)
+{
+    struct cuda_ctx *c = ctx_of(be);
+    prof_begin(c, P_NORM);
+    const enum kr_status st = cuda_rmsnorm_strided_impl(be, x, ldx, w, n, dim, eps, out);
+    prof_end(c);
+    return st;
+}
+
+static enum kr_status cuda_layernorm(kr_backend_t be, const float *x, int64_t ldx, const float *w, const float *b, int64_t n, int64_t dim, float eps, float *out)
+{
+    struct cuda_ctx *c = ctx_of(be);
+    prof_begin(c, P_MLA);
+    const enum kr_status st = cuda_layernorm_impl(be, x, ldx, w, b, n, dim, eps, out);
+    prof_end(c);
+    return st;
+}
+
+static enum kr_status cuda_scale(kr_backend_t be, float *y, float s, int64_t n)
+{
+    struct cuda_ctx *c = ctx_of(be);
+    prof_begin(c, P_OTHER);
+    const enum kr_status st = cuda_scale_impl(be, y, s, n);
+    prof_end(c);
+    return st;
+}
+
+static enum kr_status cuda_matmul(kr_backend_t be, const float *x, int64_t ldx, int64_t n, const struct kr_tensor *w, const float *bias, float *y, int64_t ldy)
+{
+    struct cuda_ctx *c = ctx_of(be);
+    prof_begin(c, n <= KRK_GEMV_MAX_N ? P_GEMV : P_GEMM);
+    const enum kr_status st = cuda_matmul_impl(be, x, ldx, n, w, bias, y, ldy);
+    prof_end(c);
+    return st;
+}
+
+static enum kr_status cuda_act(kr_backend_t be, enum kr_act act, const float *gate, const float *x, int64_t ld_in, int64_t n, int64_t width, float *out)
+{
+    struct cuda_ctx *c = ctx_of(be);
+    prof_begin(c, P_ACT);
+    const enum kr_status st = cuda_act_impl(be, act, gate, x, ld_in, n, width, out);
+    prof_end(c);
+    return st;
+}
+
+static enum kr_status cuda_gated_rmsnorm(kr_backend_t be, const float *y, const float *z, int64_t ldz, const float *w, int64_t n, int64_t dim, int64_t group, float eps, float *out)
+{
+    struct cuda_ctx *c = ctx_of(be);
+    prof_begin(c, P_NORM);
+    const enum kr_status st = cuda_gated_rmsnorm_impl(be, y, z, ldz, w, n, dim, group, eps, out);
+    prof_end(c);
+    return st;
+}
+
+static enum kr_status cuda_attention(kr_backend_t be, const struct kr_attn_params *p)
+{
+    struct cuda_ctx *c = ctx_of(be);
+    prof_begin(c, P_ATTN);
+    const enum kr_status st = cuda_attention_impl(be, p);
+    prof_end(c);
+    return st;
+}
+
+static enum kr_status cuda_moe_route(kr_backend_t be, const struct kr_route_params *p, int64_t n)
+{
+    struct cuda_ctx *c = ctx_of(be);
+    prof_begin(c, P_MOE);
+    const enum kr_status st = cuda_moe_route_impl(be, p, n);
+    prof_end(c);
+    return st;
+}
+
+static enum kr_status cuda_moe_experts(kr_backend_t be, const struct kr_experts_params *p, int64_t n)
+{
+    struct cuda_ctx *c = ctx_of(be);
+    prof_begin(c, P_MOE);
+    const enum kr_status st = cuda_moe_experts_impl(be, p, n);
+    prof_end(c);
+    return st;
+}
+
+static enum kr_status cuda_gather_out(kr_backend_t be, const float *src, int64_t width, float *dst)
+{
+    struct cuda_ctx *c = ctx_of(be);
+    prof_begin(c, P_EMBED);
+    const enum kr_status st = cuda_gather_out_impl(be, src, width, dst);
+    prof_end(c);
+    return st;
+}
+
+static enum kr_status cuda_rope(kr_backend_t be, const struct kr_rope_params *p)
+{
+    struct cuda_ctx *c = ctx_of(be);
+    prof_begin(c, P_EMBED);
+    const enum kr_status st = cuda_rope_impl(be, p);
+    prof_end(c);
+    return st;
+}
+
+static enum kr_status cuda_mla_cache_write(kr_backend_t be, const struct kr_mla_cache_params *p)
+{
+    struct cuda_ctx *c = ctx_of(be);
+    prof_begin(c, P_MLA);
+    const enum kr_status st = cuda_mla_cache_write_impl(be, p);
+    prof_end(c);
+    return st;
+}
+
+static enum kr_status cuda_dsa_index(kr_backend_t be, const struct kr_dsa_index_params *p)
+{
+    struct cuda_ctx *c = ctx_of(be);
+    prof_begin(c, P_MLA);
+    const enum kr_status st = cuda_dsa_index_impl(be, p);
+    prof_end(c);
+    return st;
+}
+
+static enum kr_status cuda_mla_attention(kr_backend_t be, const struct kr_mla_attn_params *p)
+{
+    struct cuda_ctx *c = ctx_of(be);
+    prof_begin(c, P_MLA);
+    const enum kr_status st = cuda_mla_attention_impl(be, p);
+    prof_end(c);
+    return st;
+}
+
 /* ---- graphs ------------------------------------------------------------------------------- */
 
 static int32_t cuda_graph_bucket(kr_backend_t be, int32_t n)
 {
     struct cuda_ctx *c = ctx_of(be);
-    if (!c->graphs_on) {
+    if (!c->graphs_on || c->prof.on) {
         return 0;
     }
     for (size_t i = 0; i < sizeof graph_buckets / sizeof graph_buckets[0]; i++) {
@@ -944,6 +1156,7 @@ static enum kr_status cuda_end_batch(kr_backend_t be, bool ok)
     enum kr_status st = ok ? flush_pending(c) : KR_OK;
     c->pend.on = false;
     if (!c->capturing) {
+        prof_collect(c);
         return st;
     }
     c->capturing = false;
@@ -972,6 +1185,36 @@ static enum kr_status cuda_end_batch(kr_backend_t be, bool ok)
 static void cuda_graph_reset(kr_backend_t be)
 {
     graphs_clear(ctx_of(be));
+}
+
+void kr_backend_cuda_profile(kr_backend_t be, bool on)
+{
+    struct cuda_ctx *c = ctx_of(be);
+    if (on && !c->prof.ev[0]) {
+        for (int i = 0; i < 2 * PROF_MAX_EV; i++) {
+            if (cudaEventCreate(&c->prof.ev[i]) != cudaSuccess) {
+                (void)cudaGetLastError();
+                return;
+            }
+        }
+    }
+    memset(c->prof.ms, 0, sizeof c->prof.ms);
+    memset(c->prof.calls, 0, sizeof c->prof.calls);
+    c->prof.n = 0;
+    c->prof.open_cat = -1;
+    c->prof.on = on;
+}
+
+int kr_backend_cuda_profile_read(kr_backend_t be, const char **names, double *ms, int64_t *calls, int cap)
+{
+    struct cuda_ctx *c = ctx_of(be);
+    int n = 0;
+    for (int i = 0; i < PROF_N_CAT && n < cap; i++, n++) {
+        names[n] = prof_names[i];
+        ms[n] = c->prof.ms[i];
+        calls[n] = c->prof.calls[i];
+    }
+    return n;
 }
 
 /* ---- creation ----------------------------------------------------------------------------- */

@@ -51,6 +51,11 @@ size_t kr_backend_cache_elt_size(kr_backend_t be);
 /* The CUDA backend on device `dev` (CUDA graphs for decode steps when `graphs`). Fails with a
  * message when the build has no CUDA or no device is usable. */
 enum kr_status kr_backend_cuda_create(int dev, bool graphs, kr_backend_t *out, struct kr_err *err);
+/* Per-op timing of a CUDA backend's eager steps (graphs are off while it is on): turning it on or
+ * off resets the totals; _read fills up to cap categories (name, total ms, launches) and returns
+ * how many. */
+void kr_backend_cuda_profile(kr_backend_t be, bool on);
+int kr_backend_cuda_profile_read(kr_backend_t be, const char **names, double *ms, int64_t *calls, int cap);
 /* CUDA devices visible (0 in a build without CUDA). */
 int kr_backend_cuda_device_count(void);
 /* Creates the backend named by `device`: "cpu", "cuda" or "cuda:N", or "auto" (CUDA device 0 when

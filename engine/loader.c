@@ -203,26 +203,47 @@ static enum kr_status load_mat(struct loader *ld, const char *name, int64_t rows
     return own_buf(ld->m, &owned);
 }
 
-/* Loads a matrix as an fp32 vector-like copy (small matrices the CPU reads per head, e.g. kv_b). */
+/* Loads a matrix as an fp32 copy in backend memory (small matrices read per head, e.g. kv_b),
+ * straight from the file (FP8 dequantized on the host first). */
+static enum kr_status load_mat_f32_t(struct loader *ld, const char *name, int64_t rows, int64_t cols,
+                                     const char *what, struct kr_tensor *out)
+{
+    struct kr_st_tensor *t = find(ld, name);
+    if (!t) {
+        return missing(ld, name, what);
+    }
+    enum kr_status st = check_any(ld, t, 2, (const int64_t[]){rows, cols}, true);
+    if (st != KR_OK) {
+        return st;
+    }
+    float *deq = NULL;
+    struct kr_tensor host = {.data = t->data, .dtype = t->dtype, .rows = rows, .cols = cols}, dev;
+    if (t->dtype == KR_DTYPE_F8_E4M3) {
+        char sname[600];
+        scale_name(sname, sizeof sname, name);
+        if ((st = dequant_fp8(ld, t, t->data, rows, cols, sname, 0, &deq)) != KR_OK) {
+            return st;
+        }
+        host.data = deq;
+        host.dtype = KR_DTYPE_F32;
+    }
+    struct kr_buf owned;
+    st = kr_backend_upload(ld->m->be, &host, true, deq == NULL, &dev, &owned);
+    kr_free(deq);
+    if (st != KR_OK) {
+        return st;
+    }
+    *out = dev;
+    return own_buf(ld->m, &owned);
+}
+
 static enum kr_status load_mat_f32(struct loader *ld, const char *name, int64_t rows, int64_t cols, const char *what,
                                    const float **out)
 {
     struct kr_tensor t;
-    enum kr_status st = load_mat(ld, name, rows, cols, false, what, &t);
-    if (st != KR_OK) {
-        return st;
-    }
-    if (t.dtype == KR_DTYPE_F32) {
-        *out = t.data;
-        return KR_OK;
-    }
-    struct kr_tensor dev;
-    struct kr_buf owned;
-    if ((st = kr_backend_upload(ld->m->be, &t, true, true, &dev, &owned)) != KR_OK) {
-        return st;
-    }
-    *out = dev.data;
-    return own_buf(ld->m, &owned);
+    enum kr_status st = load_mat_f32_t(ld, name, rows, cols, what, &t);
+    *out = st == KR_OK ? t.data : NULL;
+    return st;
 }
 
 /* Loads a vector of n elements as fp32; *out NULL when optional and absent. Accepts a [n, 1, K]
@@ -469,7 +490,8 @@ static enum kr_status load_moe(struct loader *ld, const char *base, struct kr_mo
     const int64_t E = c->n_expert, F = c->moe_ffn;
     char n[512];
     NAME(n, "%sgate.weight", base);
-    TRY(load_mat(ld, n, E, c->dim, false, "MoE router [n_routed_experts, hidden]", &w->router));
+    /* routers run in fp32 (as HF computes them), whatever the weights' storage */
+    TRY(load_mat_f32_t(ld, n, E, c->dim, "MoE router [n_routed_experts, hidden]", &w->router));
     NAME(n, "%sgate.e_score_correction_bias", base);
     TRY(load_vec(ld, n, E, true, "", &w->router_bias));
 

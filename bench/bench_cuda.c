@@ -1,0 +1,550 @@
+/* CUDA backend benchmark (offline, no HTTP): decode ms/step at several batch sizes and prefill
+ * tokens/s at several lengths on a checkpoint (the synthetic Nemotron-H-8B shape of
+ * tools/bench/synth_model.py), each next to its ceiling measured in the same run:
+ *  - copy bandwidth: a device-to-device copy of 2 GiB, bytes read + written over time;
+ *  - bf16 GEMM rate: cuBLAS 8192^3 on random bf16 data, fp32 accumulation.
+ * A decode step is the forward pass (graph replay) + greedy selection on the GPU + the chosen ids
+ * back to the host, timed on the host clock over many steps. Its bytes are every weight matrix
+ * once, every sequence's conv and SSM states read and written, its K/V read and new rows written.
+ * Prefill is one sequence of L tokens in one step; its FLOPs are the GEMMs' 2 * params * L plus
+ * causal attention and the SSD scan. --profile adds a per-kernel-family breakdown (eager steps).
+ * Output: a markdown table on stdout and JSON lines (--json FILE). */
+#include "cache.h"
+#include "model.h"
+
+#include "alloc.h"
+#include "log.h"
+
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+#include <getopt.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "krk.h"
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+#define CK(expr)                                                                                   \
+    do {                                                                                           \
+        cudaError_t e_ = (expr);                                                                   \
+        if (e_ != cudaSuccess) {                                                                   \
+            fprintf(stderr, "bench_cuda: %s: %s\n", #expr, cudaGetErrorString(e_));                \
+            exit(1);                                                                               \
+        }                                                                                          \
+    } while (0)
+
+static int cmp_d(const void *a, const void *b)
+{
+    const double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+static double median(double *v, int n)
+{
+    qsort(v, (size_t)n, sizeof *v, cmp_d);
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+/* Device copy bandwidth in GB/s (bytes read + written), median of 10. */
+static double copy_bandwidth(void)
+{
+    const size_t n = (size_t)2 << 30;
+    void *a, *b;
+    CK(cudaMalloc(&a, n));
+    CK(cudaMalloc(&b, n));
+    CK(cudaMemset(a, 0x5A, n));
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    double t[10];
+    for (int i = 0; i < 12; i++) {
+        CK(cudaEventRecord(e0, 0));
+        CK(cudaMemcpyAsync(i % 2 ? a : b, i % 2 ? b : a, n, cudaMemcpyDeviceToDevice, 0));
+        CK(cudaEventRecord(e1, 0));
+        CK(cudaEventSynchronize(e1));
+        float ms;
+        CK(cudaEventElapsedTime(&ms, e0, e1));
+        if (i >= 2) {
+            t[i - 2] = ms;
+        }
+    }
+    cudaFree(a);
+    cudaFree(b);
+    return 2.0 * (double)n / (median(t, 10) * 1e-3) / 1e9;
+}
+
+/* cuBLAS bf16 GEMM rate in TFLOP/s at m = n = k = 8192 on random data, median of 10. */
+static double gemm_rate(void)
+{
+    const int N = 8192;
+    const size_t el = (size_t)N * N;
+    uint16_t *h = malloc(el * 2);
+    uint32_t s = 1;
+    for (size_t i = 0; i < el; i++) {
+        s = s * 1664525u + 1013904223u;
+        h[i] = kr_f32_to_bf16(((float)(s >> 9) / 8388608.0f - 0.5f));
+    }
+    void *a, *b, *c;
+    CK(cudaMalloc(&a, el * 2));
+    CK(cudaMalloc(&b, el * 2));
+    CK(cudaMalloc(&c, el * 2));
+    CK(cudaMemcpy(a, h, el * 2, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(b, h, el * 2, cudaMemcpyHostToDevice));
+    free(h);
+    cublasHandle_t hb;
+    cublasCreate(&hb);
+    const float one = 1, zero = 0;
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    double t[10];
+    for (int i = 0; i < 13; i++) {
+        CK(cudaEventRecord(e0, 0));
+        cublasGemmEx(hb, CUBLAS_OP_T, CUBLAS_OP_N, N, N, N, &one, a, CUDA_R_16BF, N, b, CUDA_R_16BF, N, &zero, c,
+                     CUDA_R_16BF, N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+        CK(cudaEventRecord(e1, 0));
+        CK(cudaEventSynchronize(e1));
+        float ms;
+        CK(cudaEventElapsedTime(&ms, e0, e1));
+        if (i >= 3) {
+            t[i - 3] = ms;
+        }
+    }
+    cublasDestroy(hb);
+    cudaFree(a);
+    cudaFree(b);
+    cudaFree(c);
+    return 2.0 * N * (double)N * N / (median(t, 10) * 1e-3) / 1e12;
+}
+
+/* Bytes of weight matrices one decode step reads (the embedding gathers rows only). */
+static double weight_bytes(const struct kr_model *m)
+{
+    const struct kr_model_config *c = &m->cfg;
+    double b = (double)m->lm_head.rows * (double)m->lm_head.cols * 2.0;
+    for (int32_t i = 0; i < c->n_layer; i++) {
+        const struct kr_layer *L = &m->layers[i];
+        switch (L->type) {
+        case KR_LAYER_MAMBA:
+            b += 2.0 * (double)(L->mamba.in_proj.rows * L->mamba.in_proj.cols +
+                                L->mamba.out_proj.rows * L->mamba.out_proj.cols);
+            break;
+        case KR_LAYER_ATTN:
+            b += 2.0 * (double)(L->attn.q.rows * L->attn.q.cols + 2 * L->attn.k.rows * L->attn.k.cols +
+                                L->attn.o.rows * L->attn.o.cols);
+            break;
+        case KR_LAYER_MLP:
+            b += 2.0 * (double)(L->mlp.up.rows * L->mlp.up.cols + L->mlp.down.rows * L->mlp.down.cols +
+                                (L->mlp.gate.data ? L->mlp.gate.rows * L->mlp.gate.cols : 0));
+            break;
+        case KR_LAYER_MOE:
+            b += 2.0 * (double)(c->n_expert_used * (L->moe.gate ? 3 : 2) * c->moe_ffn * c->dim +
+                                c->n_expert * c->dim);
+            break;
+        case KR_LAYER_DSA:
+        case KR_LAYER_MLA: {
+            const struct kr_mla_w *w = &L->mla;
+            b += 2.0 * (double)(w->q_a.rows * w->q_a.cols + w->q_b.rows * w->q_b.cols + w->kv_a.rows * w->kv_a.cols +
+                                w->o.rows * w->o.cols);
+            b += 4.0 * (double)(c->mla_heads * (c->qk_nope + c->v_head) * c->kv_lora);
+            if (w->has_indexer) {
+                b += 2.0 * (double)(w->idx_wq_b.rows * w->idx_wq_b.cols + w->idx_wk.rows * w->idx_wk.cols +
+                                    w->idx_w.rows * w->idx_w.cols);
+            }
+            break;
+        }
+        default:
+            break;
+        }
+    }
+    return b;
+}
+
+/* Per-sequence bytes of a decode step at context ctx: states read + written, K/V or latent rows
+ * read (the new row written). */
+static double seq_bytes(const struct kr_model *m, int64_t ctx)
+{
+    const struct kr_model_config *c = &m->cfg;
+    double b = 0;
+    b += (double)m->n_mamba * 2.0 *
+         ((double)(c->m_heads * c->m_head_dim * c->m_state) * 4.0 + (double)((c->m_conv - 1) * c->m_conv_dim) * 2.0);
+    b += (double)m->n_attn * 2.0 * (double)(c->n_kv_head * c->head_dim) * 2.0 * (double)(ctx + 1);
+    return b;
+}
+
+/* FLOPs of a prefill of L tokens from empty caches. */
+static double prefill_flops(const struct kr_model *m, double L, double *gemm_part)
+{
+    const struct kr_model_config *c = &m->cfg;
+    const double gemm = weight_bytes(m) / 2.0 * 2.0 * L - 2.0 * (double)m->lm_head.rows * m->lm_head.cols * (L - 1);
+    double f = gemm;
+    f += (double)m->n_attn * 4.0 * (double)(c->n_head * c->head_dim) * L * L / 2.0;
+    const double Q = (double)c->m_chunk, H = (double)c->m_heads, P = (double)c->m_head_dim, N = (double)c->m_state;
+    f += (double)m->n_mamba * 2.0 * L * H * (Q * N / (H / (double)c->m_groups) + Q * P / 2.0 + 2.0 * N * P);
+    *gemm_part = gemm;
+    return f;
+}
+
+struct ctx {
+    struct kr_model *m;
+    struct kr_cache *c;
+    kr_backend_t be;
+    void *sample_ws;
+    size_t sample_ws_bytes;
+    struct krk_sample_row *rows_d;
+    int32_t *ids_d;
+    FILE *json;
+    double bw, tflops;
+};
+
+/* Greedy ids of the last step's n logits rows, chosen on the GPU, into host ids. */
+static void gpu_greedy(struct ctx *x, int32_t n, int32_t *ids)
+{
+    CK(cudaDeviceSynchronize()); /* the step ran on the backend's stream */
+    struct krk_sample_params p = {.logits = x->m->last_logits, .ld = x->m->cfg.vocab, .n = n,
+                                  .vocab = x->m->cfg.vocab, .rows = x->rows_d, .out = x->ids_d,
+                                  .workspace = x->sample_ws, .workspace_bytes = x->sample_ws_bytes};
+    if (krk_sample(&p, 0) != KR_OK) {
+        fprintf(stderr, "bench_cuda: krk_sample failed\n");
+        exit(1);
+    }
+    CK(cudaMemcpy(ids, x->ids_d, (size_t)n * 4, cudaMemcpyDeviceToHost));
+    for (int32_t i = 0; i < n; i++) {
+        if (ids[i] < 0 || ids[i] >= x->m->cfg.vocab) {
+            fprintf(stderr, "bench_cuda: greedy id %d of row %d is outside the vocabulary\n", ids[i], i);
+            exit(1);
+        }
+    }
+}
+
+static void forward(struct ctx *x, const struct kr_batch *b)
+{
+    struct kr_err err = {{0}};
+    if (kr_model_forward(x->m, x->c, b, NULL, &err) != KR_OK) {
+        fprintf(stderr, "bench_cuda: forward (%d tokens, %d sequences): %s\n", b->n_tok, b->n_seq, err.msg);
+        exit(1);
+    }
+    const cudaError_t e = cudaDeviceSynchronize();
+    if (e != cudaSuccess) {
+        fprintf(stderr, "bench_cuda: step of %d tokens in %d sequences: %s\n", b->n_tok, b->n_seq,
+                cudaGetErrorString(e));
+        exit(1);
+    }
+}
+
+/* Prefills B sequences with ctx random tokens each, then times `steps` greedy decode steps. */
+static double bench_decode(struct ctx *x, int32_t B, int32_t ctx, int32_t steps, bool quiet)
+{
+    struct kr_seq_cache *sc = kr_calloc((size_t)B, sizeof *sc);
+    const int32_t maxb = (ctx + steps + 8) / x->c->block_size + 2;
+    int32_t *tok = kr_malloc((size_t)B * (size_t)ctx * 4), *pos = kr_malloc((size_t)B * (size_t)ctx * 4);
+    int32_t *tok0 = kr_malloc(((size_t)B + 1) * 4), *pos0 = kr_malloc((size_t)B * 4), *slot = kr_malloc((size_t)B * 4);
+    int32_t *bt = kr_calloc((size_t)B * (size_t)maxb, 4), *out = kr_malloc((size_t)B * (size_t)ctx * 4);
+    uint32_t s = 7;
+    for (int32_t i = 0; i < B; i++) {
+        if (kr_seq_cache_init(x->c, &sc[i]) != KR_OK || kr_seq_cache_reserve(x->c, &sc[i], ctx + steps + 4) != KR_OK) {
+            fprintf(stderr, "bench_cuda: cache too small for batch %d at context %d\n", B, ctx);
+            exit(1);
+        }
+    }
+    /* prefill in steps of at most 8192 tokens (whole sequences) */
+    const int32_t per_step = 8192 / ctx > 0 ? 8192 / ctx : 1;
+    for (int32_t s0 = 0; s0 < B; s0 += per_step) {
+        const int32_t ns = B - s0 < per_step ? B - s0 : per_step;
+        int32_t nt = 0;
+        for (int32_t j = 0; j < ns; j++) {
+            const int32_t i = s0 + j;
+            tok0[j] = nt;
+            pos0[j] = 0;
+            slot[j] = sc[i].slot;
+            memcpy(bt + (size_t)j * maxb, sc[i].blocks, (size_t)sc[i].n_blocks * 4);
+            for (int32_t t = 0; t < ctx; t++, nt++) {
+                s = s * 1664525u + 1013904223u;
+                tok[nt] = (int32_t)((s >> 8) % (uint32_t)x->m->cfg.vocab);
+                pos[nt] = t;
+            }
+            out[j] = nt - 1;
+        }
+        tok0[ns] = nt;
+        struct kr_batch b = {.n_tok = nt, .n_seq = ns, .tokens = tok, .pos = pos, .seq_tok0 = tok0,
+                             .seq_pos0 = pos0, .seq_slot = slot, .block_table = bt, .max_blocks = maxb,
+                             .n_out = ns, .out_tok = out};
+        forward(x, &b);
+    }
+    for (int32_t i = 0; i < B; i++) {
+        slot[i] = sc[i].slot;
+        memcpy(bt + (size_t)i * maxb, sc[i].blocks, (size_t)sc[i].n_blocks * 4);
+        tok0[i] = i;
+        out[i] = i;
+        tok[i] = (int32_t)(i * 7919 % x->m->cfg.vocab);
+    }
+    tok0[B] = B;
+    const int warm = 3;
+    double t0 = 0;
+    for (int32_t st = 0; st < warm + steps; st++) {
+        if (st == warm) {
+            CK(cudaDeviceSynchronize());
+            t0 = now_s();
+        }
+        for (int32_t i = 0; i < B; i++) {
+            pos[i] = pos0[i] = ctx + st;
+        }
+        struct kr_batch b = {.n_tok = B, .n_seq = B, .tokens = tok, .pos = pos, .seq_tok0 = tok0, .seq_pos0 = pos0,
+                             .seq_slot = slot, .block_table = bt, .max_blocks = maxb, .n_out = B, .out_tok = out};
+        forward(x, &b);
+        gpu_greedy(x, B, tok);
+    }
+    const double ms = (now_s() - t0) / steps * 1e3;
+    for (int32_t i = 0; i < B; i++) {
+        kr_seq_cache_release(x->c, &sc[i]);
+    }
+    kr_free(sc);
+    kr_free(tok);
+    kr_free(pos);
+    kr_free(tok0);
+    kr_free(pos0);
+    kr_free(slot);
+    kr_free(bt);
+    kr_free(out);
+    if (!quiet) {
+        const double bytes = weight_bytes(x->m) + (double)B * seq_bytes(x->m, ctx + steps / 2);
+        const double ceil_ms = bytes / (x->bw * 1e9) * 1e3;
+        printf("| decode | batch %d, context %d | %.3f ms/step | %.0f tok/s | %.2f GB/step | %.3f ms | %.0f%% |\n", B,
+               ctx, ms, B / ms * 1e3, bytes / 1e9, ceil_ms, 100.0 * ceil_ms / ms);
+        if (x->json) {
+            fprintf(x->json,
+                    "{\"kind\":\"decode\",\"batch\":%d,\"ctx\":%d,\"ms_per_step\":%.4f,\"tok_per_s\":%.1f,"
+                    "\"bytes_per_step\":%.0f,\"ceiling_ms\":%.4f,\"fraction\":%.4f}\n",
+                    B, ctx, ms, B / ms * 1e3, bytes, ceil_ms, ceil_ms / ms);
+        }
+        fflush(stdout);
+    }
+    return ms;
+}
+
+static double bench_prefill(struct ctx *x, int32_t L, int reps, bool quiet)
+{
+    int32_t *tok = kr_malloc((size_t)L * 4), *pos = kr_malloc((size_t)L * 4);
+    uint32_t s = 11;
+    for (int32_t t = 0; t < L; t++) {
+        s = s * 1664525u + 1013904223u;
+        tok[t] = (int32_t)((s >> 8) % (uint32_t)x->m->cfg.vocab);
+        pos[t] = t;
+    }
+    double t_s[16];
+    for (int r = 0; r < reps + 1; r++) {
+        struct kr_seq_cache sc;
+        if (kr_seq_cache_init(x->c, &sc) != KR_OK || kr_seq_cache_reserve(x->c, &sc, L) != KR_OK) {
+            fprintf(stderr, "bench_cuda: cache too small for a prefill of %d\n", L);
+            exit(1);
+        }
+        int32_t tok0[2] = {0, L}, pos0 = 0, out = L - 1;
+        struct kr_batch b = {.n_tok = L, .n_seq = 1, .tokens = tok, .pos = pos, .seq_tok0 = tok0, .seq_pos0 = &pos0,
+                             .seq_slot = &sc.slot, .block_table = sc.blocks, .max_blocks = sc.n_blocks, .n_out = 1,
+                             .out_tok = &out};
+        CK(cudaDeviceSynchronize());
+        const double t0 = now_s();
+        forward(x, &b);
+        CK(cudaDeviceSynchronize());
+        if (r > 0) {
+            t_s[r - 1] = now_s() - t0;
+        }
+        kr_seq_cache_release(x->c, &sc);
+    }
+    const double t = median(t_s, reps);
+    kr_free(tok);
+    kr_free(pos);
+    if (!quiet) {
+        double gemm;
+        const double f = prefill_flops(x->m, L, &gemm);
+        const double ceil_s = f / (x->tflops * 1e12);
+        printf("| prefill | %d tokens | %.1f ms | %.0f tok/s | %.1f TFLOP | %.1f ms | %.0f%% (GEMMs %.0f TFLOP/s) |\n", L,
+               t * 1e3, L / t, f / 1e12, ceil_s * 1e3, 100.0 * ceil_s / t, gemm / t / 1e12);
+        if (x->json) {
+            fprintf(x->json,
+                    "{\"kind\":\"prefill\",\"tokens\":%d,\"ms\":%.3f,\"tok_per_s\":%.1f,\"flops\":%.4g,"
+                    "\"ceiling_ms\":%.3f,\"fraction\":%.4f,\"gemm_tflops\":%.1f}\n",
+                    L, t * 1e3, L / t, f, ceil_s * 1e3, ceil_s / t, gemm / t / 1e12);
+        }
+        fflush(stdout);
+    }
+    return t;
+}
+
+static void profile_report(struct ctx *x, const char *what, int steps)
+{
+    const char *names[32];
+    double ms[32];
+    int64_t calls[32];
+    const int n = kr_backend_cuda_profile_read(x->be, names, ms, calls, 32);
+    double tot = 0;
+    for (int i = 0; i < n; i++) {
+        tot += ms[i];
+    }
+    printf("\n%s: kernel time per step by family (eager, events around each op)\n\n| family | ms/step | share | launches/step |\n|---|---|---|---|\n", what);
+    for (int i = 0; i < n; i++) {
+        if (calls[i]) {
+            printf("| %s | %.3f | %.0f%% | %.0f |\n", names[i], ms[i] / steps, 100 * ms[i] / tot,
+                   (double)calls[i] / steps);
+            if (x->json) {
+                fprintf(x->json, "{\"kind\":\"profile\",\"what\":\"%s\",\"family\":\"%s\",\"ms_per_step\":%.4f,\"launches\":%.1f}\n",
+                        what, names[i], ms[i] / steps, (double)calls[i] / steps);
+            }
+        }
+    }
+    printf("| total | %.3f | | |\n", tot / steps);
+}
+
+static int parse_list(const char *s, int32_t *v, int cap)
+{
+    int n = 0;
+    while (s && *s && n < cap) {
+        v[n++] = (int32_t)strtol(s, (char **)&s, 10);
+        if (*s == ',') {
+            s++;
+        }
+    }
+    return n;
+}
+
+int main(int argc, char **argv)
+{
+    int32_t batches[16] = {1, 16, 64, 256}, prefills[8] = {2048, 8192};
+    int nb = 4, np = 2, steps = 32, ctx = 256, profile = 0;
+    const char *json = NULL;
+    static const struct option lo[] = {
+        {"batches", required_argument, NULL, 'b'}, {"prefill", required_argument, NULL, 'p'},
+        {"steps", required_argument, NULL, 's'},   {"ctx", required_argument, NULL, 'c'},
+        {"json", required_argument, NULL, 'j'},    {"profile", no_argument, NULL, 'P'},
+        {"help", no_argument, NULL, 'h'},          {NULL, 0, NULL, 0},
+    };
+    int ch;
+    while ((ch = getopt_long(argc, argv, "", lo, NULL)) != -1) {
+        switch (ch) {
+        case 'b':
+            nb = parse_list(optarg, batches, 16);
+            break;
+        case 'p':
+            np = parse_list(optarg, prefills, 8);
+            break;
+        case 's':
+            steps = atoi(optarg);
+            break;
+        case 'c':
+            ctx = atoi(optarg);
+            break;
+        case 'j':
+            json = optarg;
+            break;
+        case 'P':
+            profile = 1;
+            break;
+        default:
+            fprintf(stderr, "usage: bench_cuda [--batches 1,16,64,256] [--prefill 2048,8192] [--steps N] [--ctx N]\n"
+                            "                  [--profile] [--json FILE] MODEL_DIR\n");
+            return 2;
+        }
+    }
+    if (optind >= argc || steps < 1 || ctx < 1) {
+        fprintf(stderr, "bench_cuda: a model directory is required\n");
+        return 2;
+    }
+    const char *dir = argv[optind];
+    struct ctx x = {0};
+    if (json && !(x.json = fopen(json, "w"))) {
+        fprintf(stderr, "bench_cuda: cannot write %s\n", json);
+        return 1;
+    }
+    char dev[128] = "?";
+    krk_device_describe(0, dev, sizeof dev);
+    x.bw = copy_bandwidth();
+    x.tflops = gemm_rate();
+    printf("device: %s; measured copy bandwidth %.0f GB/s, bf16 GEMM %.0f TFLOP/s\n", dev, x.bw, x.tflops);
+    if (x.json) {
+        fprintf(x.json, "{\"kind\":\"ceilings\",\"device\":\"%s\",\"copy_gbs\":%.1f,\"gemm_tflops\":%.1f}\n", dev, x.bw,
+                x.tflops);
+    }
+    struct kr_err err = {{0}};
+    if (kr_backend_create("cuda", 0, &x.be, &err) != KR_OK) { /* KRAIT_CUDA_GRAPHS=0: no graphs */
+        fprintf(stderr, "bench_cuda: %s\n", err.msg);
+        return 1;
+    }
+    double t0 = now_s();
+    if (kr_model_load(dir, x.be, &x.m, &err) != KR_OK) {
+        fprintf(stderr, "bench_cuda: %s\n", err.msg);
+        return 1;
+    }
+    printf("model: %s (%s, %.2fB parameters) loaded in %.1f s\n", dir, x.m->cfg.pattern, (double)x.m->n_params / 1e9,
+           now_s() - t0);
+    int32_t max_b = 1, max_p = 1;
+    for (int i = 0; i < nb; i++) {
+        max_b = batches[i] > max_b ? batches[i] : max_b;
+    }
+    for (int i = 0; i < np; i++) {
+        max_p = prefills[i] > max_p ? prefills[i] : max_p;
+    }
+    const int32_t bs = 64;
+    const int64_t blocks = (int64_t)max_b * ((ctx + steps + 16) / bs + 2) + max_p / bs + 4;
+    if (kr_cache_create(x.m, max_b + 1, (int32_t)blocks, bs, &x.c) != KR_OK) {
+        fprintf(stderr, "bench_cuda: cannot allocate caches for batch %d\n", max_b);
+        return 1;
+    }
+    const int64_t max_tok = max_p > (int64_t)max_b * ctx ? max_p : (max_b * ctx < 8192 ? max_b * ctx : 8192);
+    if (kr_model_reserve(x.m, max_tok > max_b ? max_tok : max_b, max_b, max_b, ctx + steps + 16 > max_p ? ctx + steps + 16 : max_p) != KR_OK) {
+        fprintf(stderr, "bench_cuda: cannot reserve the workspace\n");
+        return 1;
+    }
+    x.sample_ws_bytes = krk_sample_workspace_bytes(max_b, x.m->cfg.vocab);
+    CK(cudaMalloc(&x.sample_ws, x.sample_ws_bytes + 16));
+    CK(cudaMalloc((void **)&x.ids_d, (size_t)max_b * 4));
+    CK(cudaMalloc((void **)&x.rows_d, (size_t)max_b * sizeof(struct krk_sample_row)));
+    struct krk_sample_row *rows = kr_calloc((size_t)max_b, sizeof *rows);
+    for (int32_t i = 0; i < max_b; i++) {
+        rows[i] = (struct krk_sample_row){.temperature = 0, .top_k = 0, .top_p = 1, .min_p = 0, .repetition = 1};
+    }
+    CK(cudaMemcpy(x.rows_d, rows, (size_t)max_b * sizeof *rows, cudaMemcpyHostToDevice));
+    kr_free(rows);
+    size_t fr, tot;
+    CK(cudaMemGetInfo(&fr, &tot));
+    printf("device memory: %.1f GiB held of %.1f GiB; caches %.1f GiB\n\n", (double)(tot - fr) / (1 << 30),
+           (double)tot / (1 << 30), (double)kr_cache_bytes(x.c) / (1 << 30));
+    printf("| phase | shape | time | throughput | work | ceiling | of ceiling |\n|---|---|---|---|---|---|---|\n");
+    for (int i = 0; i < np; i++) {
+        bench_prefill(&x, prefills[i], 3, false);
+    }
+    for (int i = 0; i < nb; i++) {
+        bench_decode(&x, batches[i], ctx, steps, false);
+    }
+    if (profile) {
+        kr_backend_cuda_profile(x.be, true);
+        for (int i = 0; i < nb && i < 2; i++) {
+            kr_backend_cuda_profile(x.be, true);
+            bench_decode(&x, batches[i], ctx, 8, true);
+            char what[64];
+            snprintf(what, sizeof what, "decode batch %d", batches[i]);
+            profile_report(&x, what, 8 + 3);
+        }
+        kr_backend_cuda_profile(x.be, true);
+        bench_prefill(&x, prefills[0], 1, true);
+        char what[64];
+        snprintf(what, sizeof what, "prefill %d", prefills[0]);
+        profile_report(&x, what, 2);
+        kr_backend_cuda_profile(x.be, false);
+    }
+    if (x.json) {
+        fclose(x.json);
+    }
+    kr_cache_free(x.c);
+    kr_model_free(x.m);
+    kr_backend_free(x.be);
+    return 0;
+}

@@ -1,0 +1,107 @@
+// GQA attention over the block-paged bf16 K/V cache: parameter checks, the cache write and the
+// choice between the split-K decode path (decode.cu) and the tiled prefill path (prefill.cu).
+#include "attention/attention-impl.cuh"
+
+namespace krk {
+namespace attn {
+
+constexpr int WRITE_THREADS = 128;
+
+// One block per token: rounds the token's new K and V rows [n_kv_head*head_dim] to bf16 and stores
+// them at its position in its sequence's cache blocks. Padding sequences write nothing.
+__global__ void __launch_bounds__(WRITE_THREADS) cache_write_kernel(Args a)
+{
+    const int t = blockIdx.x;
+    const int s = a.b.tok_seq[t];
+    if (a.b.seq_slot[s] < 0) {
+        return;
+    }
+    const int64_t row_len = (int64_t)a.n_kv_head * a.head_dim;
+    const int64_t dst =
+        cache_row(a.b.block_table + (int64_t)s * a.b.max_blocks, a.b.pos[t], a.block_size, row_len);
+    const float *k = a.k + (int64_t)t * a.ld_qkv;
+    const float *v = a.v + (int64_t)t * a.ld_qkv;
+    // 8 elements (16 bytes of bf16) per step; row_len is a multiple of 8 and dst 16-byte aligned.
+    for (int64_t e = (int64_t)threadIdx.x * 8; e < row_len; e += (int64_t)WRITE_THREADS * 8) {
+        uint32_t kw[4], vw[4];
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            kw[i] = (uint32_t)f32_to_bf16(k[e + 2 * i]) | ((uint32_t)f32_to_bf16(k[e + 2 * i + 1]) << 16);
+            vw[i] = (uint32_t)f32_to_bf16(v[e + 2 * i]) | ((uint32_t)f32_to_bf16(v[e + 2 * i + 1]) << 16);
+        }
+        *reinterpret_cast<uint4 *>(a.k_cache + dst + e) = make_uint4(kw[0], kw[1], kw[2], kw[3]);
+        *reinterpret_cast<uint4 *>(a.v_cache + dst + e) = make_uint4(vw[0], vw[1], vw[2], vw[3]);
+    }
+}
+
+} // namespace attn
+} // namespace krk
+
+using namespace krk::attn;
+
+extern "C" size_t krk_attn_workspace_bytes(int64_t n_tok, int64_t n_head, int64_t head_dim)
+{
+    // Partial rows of a decode step: n_tok * decode_splits(n_tok) <= min(MAX_SPLIT * n_tok,
+    // SPLIT_ROWS), a bound that grows with n_tok, so the workspace of the largest step serves every
+    // smaller one. Steps of more tokens per sequence use no workspace.
+    if (n_tok <= 0 || n_head <= 0 || head_dim <= 0) {
+        return 0;
+    }
+    const int64_t n_rows = n_tok * MAX_SPLIT < SPLIT_ROWS ? n_tok * MAX_SPLIT : SPLIT_ROWS;
+    return part_acc_bytes(n_rows, n_head, head_dim) + (size_t)(n_rows * n_head) * sizeof(float2);
+}
+
+extern "C" enum kr_status krk_attn(const struct krk_attn_params *p, cudaStream_t stream)
+{
+    KRK_REQUIRE(p != nullptr);
+    const struct krk_batch &b = p->batch;
+    KRK_REQUIRE(b.n_tok >= 0 && b.n_seq >= 0);
+    if (b.n_tok == 0) {
+        return KR_OK;
+    }
+    KRK_REQUIRE(p->q && p->k && p->v && p->out && p->k_cache && p->v_cache);
+    KRK_REQUIRE(b.pos && b.tok_seq && b.seq_tok0 && b.seq_slot && b.block_table);
+    KRK_REQUIRE(b.n_seq >= 1 && b.n_seq <= 65535 && b.max_blocks >= 1 && b.max_seq_tok >= 1);
+    KRK_REQUIRE(p->n_head >= 1 && p->n_kv_head >= 1 && p->n_head % p->n_kv_head == 0 && p->n_head <= 65535);
+    KRK_REQUIRE(p->head_dim >= 8 && p->head_dim <= 256 && p->head_dim % 8 == 0);
+    KRK_REQUIRE(p->ld_qkv >= p->n_head * p->head_dim);
+    KRK_REQUIRE(p->block_size >= 1);
+    KRK_REQUIRE(p->scale > 0.0f && p->scale < INFINITY);
+    // 16-byte loads and stores of bf16 cache rows
+    KRK_REQUIRE((uintptr_t)p->k_cache % 16 == 0 && (uintptr_t)p->v_cache % 16 == 0);
+
+    Args a;
+    a.q = p->q;
+    a.k = p->k;
+    a.v = p->v;
+    a.ld_qkv = p->ld_qkv;
+    a.n_head = (int)p->n_head;
+    a.n_kv_head = (int)p->n_kv_head;
+    a.head_dim = (int)p->head_dim;
+    a.group = (int)(p->n_head / p->n_kv_head);
+    a.scale_log2 = p->scale * LOG2E;
+    a.k_cache = p->k_cache;
+    a.v_cache = p->v_cache;
+    a.block_size = p->block_size;
+    a.out = p->out;
+    a.part_acc = nullptr;
+    a.part_ml = nullptr;
+    a.n_split = 1;
+    a.b = b;
+
+    const bool decode = b.max_seq_tok == 1;
+    if (decode) {
+        a.n_split = decode_splits(b.n_tok);
+        if (a.n_split > 1) {
+            KRK_REQUIRE(p->workspace != nullptr && (uintptr_t)p->workspace % 16 == 0);
+            const int64_t n_rows = (int64_t)b.n_tok * a.n_split;
+            a.part_acc = static_cast<float *>(p->workspace);
+            a.part_ml = reinterpret_cast<float2 *>(static_cast<char *>(p->workspace) +
+                                                   part_acc_bytes(n_rows, p->n_head, p->head_dim));
+        }
+    }
+
+    cache_write_kernel<<<b.n_tok, WRITE_THREADS, 0, stream>>>(a);
+    KRK_CHECK_LAUNCH();
+    return decode ? launch_decode(a, stream) : launch_prefill(a, stream);
+}

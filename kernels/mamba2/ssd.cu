@@ -1,0 +1,158 @@
+// krk_ssd: the SSD selective state space update. Sequences with one token take the exact
+// recurrence (ssd_decode.cuh); sequences with several take the chunked algorithm in phases as
+// mamba_ssm splits it (chunk state -> state passing; C B^T per group -> chunk scan), whose chunk
+// states live in the workspace. A mixed batch launches both; each kernel skips the other's
+// sequences.
+#include "mamba2/ssd_bmm.cuh"
+#include "mamba2/ssd_chunk_scan.cuh"
+#include "mamba2/ssd_chunk_state.cuh"
+#include "mamba2/ssd_decode.cuh"
+#include "mamba2/ssd_state_passing.cuh"
+
+#include <cmath>
+
+using namespace krk::mamba2;
+
+namespace {
+
+// Workspace chunk slots for a batch of n_tok tokens in n_seq sequences, and which slot map of
+// ssd_slot_base gives that many (*per_seq: s + t0/Q, else t0/Q + t0/2).
+int64_t ssd_chunk_slots(int64_t n_tok, int64_t n_seq, bool *per_seq)
+{
+    if (n_tok < 2 || n_seq < 1) {
+        *per_seq = true;
+        return 0;
+    }
+    const int64_t by_seq = n_seq + n_tok / kChunk;
+    const int64_t by_tok = n_tok / kChunk + n_tok / 2;
+    *per_seq = by_seq <= by_tok;
+    return *per_seq ? by_seq : by_tok;
+}
+
+constexpr size_t kWsAlign = 256;
+
+size_t ws_round(size_t b)
+{
+    return (b + kWsAlign - 1) / kWsAlign * kWsAlign;
+}
+
+// Workspace layout: chunk states [slots, n_head, d_state, head_dim], then C B^T
+// [slots, n_group, kChunk, kChunk], then decays [slots, n_head]; each part 256-byte aligned.
+size_t ssd_state_bytes(int64_t slots, int64_t n_head, int64_t head_dim, int64_t d_state)
+{
+    return ws_round((size_t)slots * (size_t)n_head * (size_t)head_dim * (size_t)d_state * sizeof(float));
+}
+
+size_t ssd_cb_bytes(int64_t slots, int64_t n_group)
+{
+    return ws_round((size_t)slots * (size_t)n_group * kChunk * kChunk * sizeof(float));
+}
+
+bool aligned16(const void *p)
+{
+    return ((uintptr_t)p & 15) == 0;
+}
+
+} // namespace
+
+extern "C" size_t krk_ssd_workspace_bytes(int64_t n_tok, int64_t n_seq, int64_t n_head, int64_t head_dim,
+                                          int64_t n_group, int64_t d_state, int64_t chunk)
+{
+    (void)chunk; // the kernels' own chunk length (kChunk) sizes the workspace
+    bool per_seq;
+    const int64_t slots = ssd_chunk_slots(n_tok, n_seq, &per_seq);
+    if (slots == 0) {
+        return 0;
+    }
+    return ssd_state_bytes(slots, n_head, head_dim, d_state) + ssd_cb_bytes(slots, n_group) +
+           (size_t)slots * (size_t)n_head * sizeof(float);
+}
+
+extern "C" enum kr_status krk_ssd(const struct krk_ssd_params *p, cudaStream_t stream)
+{
+    KRK_REQUIRE(p != nullptr);
+    const krk_batch &b = p->batch;
+    KRK_REQUIRE(p->n_head >= 1 && p->n_head <= 65535 && p->head_dim >= 1 && p->head_dim <= 4096);
+    KRK_REQUIRE(p->n_group >= 1 && p->n_head % p->n_group == 0);
+    KRK_REQUIRE(p->d_state >= 1 && p->d_state <= kMaxState);
+    KRK_REQUIRE(p->conv_dim == p->n_head * p->head_dim + 2 * p->n_group * p->d_state);
+    KRK_REQUIRE(p->conv_dim <= INT32_MAX && p->ld_dt >= p->n_head && p->chunk >= 1);
+    KRK_REQUIRE(b.n_tok >= 0 && b.n_seq >= 0 && b.n_seq <= 65535);
+    if (b.n_seq == 0) {
+        return KR_OK;
+    }
+    KRK_REQUIRE(b.seq_tok0 && b.seq_pos0 && b.seq_slot);
+    KRK_REQUIRE(b.n_tok == 0 || (b.max_seq_tok >= 1 && p->xbc && p->dt && p->y));
+    KRK_REQUIRE(p->dt_bias && p->A_log && p->D && p->state && aligned16(p->state));
+    bool per_seq;
+    const int64_t slots = b.max_seq_tok > 1 ? ssd_chunk_slots(b.n_tok, b.n_seq, &per_seq) : 0;
+    KRK_REQUIRE(slots <= INT32_MAX);
+    KRK_REQUIRE(slots == 0 || (p->workspace && aligned16(p->workspace)));
+
+    SsdArgs a;
+    a.xbc = p->xbc;
+    a.dt = p->dt;
+    a.dt_bias = p->dt_bias;
+    a.A_log = p->A_log;
+    a.D = p->D;
+    a.state = p->state;
+    a.y = p->y;
+    a.ws_state = static_cast<float *>(p->workspace);
+    a.ws_cb = nullptr;
+    a.ws_decay = nullptr;
+    if (slots) {
+        char *ws = static_cast<char *>(p->workspace);
+        const size_t state_b = ssd_state_bytes(slots, p->n_head, p->head_dim, p->d_state);
+        a.ws_cb = reinterpret_cast<float *>(ws + state_b);
+        a.ws_decay = reinterpret_cast<float *>(ws + state_b + ssd_cb_bytes(slots, p->n_group));
+    }
+    a.conv_dim = p->conv_dim;
+    a.ld_dt = p->ld_dt;
+    a.n_head = (int)p->n_head;
+    a.head_dim = (int)p->head_dim;
+    a.n_group = (int)p->n_group;
+    a.d_state = (int)p->d_state;
+    a.heads_per_group = (int)(p->n_head / p->n_group);
+    a.dt_min = p->dt_min;
+    a.dt_max = p->dt_max;
+    a.clamp_min = p->dt_min > 0.0f;
+    a.clamp_max = std::isfinite(p->dt_max);
+    a.vec_y = p->head_dim % 4 == 0 && aligned16(p->y);
+    a.slot_mul_seq = slots && per_seq ? 1 : 0;
+    a.slot_mul_half = slots && !per_seq ? 1 : 0;
+    a.n_chunk_slot = (int)slots;
+    a.batch = b;
+
+    // decode: sequences of at most one token (every sequence when max_seq_tok == 1)
+    {
+        const dim3 grid((unsigned)((p->head_dim + kDecodeRows - 1) / kDecodeRows), (unsigned)p->n_head,
+                        (unsigned)b.n_seq);
+        if (p->d_state % 4 == 0) {
+            ssd_decode_kernel<true><<<grid, kDecodeThreads, 0, stream>>>(a);
+        } else {
+            ssd_decode_kernel<false><<<grid, kDecodeThreads, 0, stream>>>(a);
+        }
+        KRK_CHECK_LAUNCH();
+    }
+    if (slots == 0) {
+        return KR_OK;
+    }
+    // chunked: sequences of two tokens or more
+    const unsigned tiles_n = (unsigned)((p->d_state + kStateTile - 1) / kStateTile);
+    const unsigned tiles_p = (unsigned)((p->head_dim + kStateTile - 1) / kStateTile);
+    ssd_chunk_state_kernel<<<dim3((unsigned)slots, (unsigned)p->n_head, tiles_n * tiles_p), kStateThreads, 0,
+                             stream>>>(a);
+    KRK_CHECK_LAUNCH();
+    const int64_t pn = p->head_dim * p->d_state;
+    ssd_state_passing_kernel<<<dim3((unsigned)((pn + kPassTile - 1) / kPassTile), (unsigned)p->n_head,
+                                    (unsigned)b.n_seq),
+                               kPassThreads, 0, stream>>>(a);
+    KRK_CHECK_LAUNCH();
+    ssd_bmm_kernel<<<dim3((unsigned)slots, (unsigned)p->n_group), kBmmThreads, 0, stream>>>(a);
+    KRK_CHECK_LAUNCH();
+    ssd_chunk_scan_kernel<<<dim3((unsigned)slots, (unsigned)p->n_head,
+                                 (unsigned)((p->head_dim + kScanP - 1) / kScanP)),
+                            kScanThreads, 0, stream>>>(a);
+    KRK_CHECK_LAUNCH();
+    return KR_OK;
+}

@@ -1,0 +1,142 @@
+#pragma once
+// SSD decode: the exact one-step recurrence for sequences with one token this step,
+//   state[q, :] = exp(dt A) state[q, :] + dt x[q] B;  y[q] = state[q, :] . C + D x[q].
+// Memory bound: every state element is read and written once. One block per (sequence, head,
+// slice of kDecodeRows rows of head_dim); one warp per row walks d_state with 16-byte accesses,
+// and each warp issues the loads of all its rows before using any of them.
+#include "mamba2/ssd_common.cuh"
+
+#include <type_traits>
+
+namespace krk {
+namespace mamba2 {
+
+constexpr int kDecodeThreads = 128;
+constexpr int kDecodeRowsPerWarp = 4;
+constexpr int kDecodeRows = kDecodeThreads / 32 * kDecodeRowsPerWarp; // 16
+constexpr int kMaxState = 256;
+
+// VEC: d_state % 4 == 0 (16-byte state rows); lane i owns float4 i and i + 32 of a row.
+// Otherwise lane i owns elements i, i + 32, ... (d_state <= 256: at most 8).
+template <bool VEC>
+__global__ void __launch_bounds__(kDecodeThreads) ssd_decode_kernel(SsdArgs a)
+{
+    const int s = blockIdx.z, h = blockIdx.y, q0 = blockIdx.x * kDecodeRows;
+    const int t = a.batch.seq_tok0[s], nt = a.batch.seq_tok0[s + 1] - t;
+    if (nt > 1) {
+        return; // chunked path
+    }
+    const int N = a.d_state, P = a.head_dim;
+    const int slot = a.batch.seq_slot[s];
+    const bool fresh = a.batch.seq_pos0[s] == 0 || slot < 0;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    float *st_head = slot >= 0 ? a.state + ((int64_t)slot * a.n_head + h) * (int64_t)P * N : nullptr;
+    if (nt == 0) {
+        // no token: a fresh sequence still starts from the zero state (as the reference does)
+        if (slot >= 0 && a.batch.seq_pos0[s] == 0) {
+            for (int q = q0; q < min(q0 + kDecodeRows, P); q++) {
+                for (int n = threadIdx.x; n < N; n += kDecodeThreads) {
+                    st_head[(int64_t)q * N + n] = 0.0f;
+                }
+            }
+        }
+        return;
+    }
+
+    __shared__ __align__(16) float B_sh[kMaxState];
+    __shared__ __align__(16) float C_sh[kMaxState];
+    const int g = h / a.heads_per_group;
+    const float *row = a.xbc + (int64_t)t * a.conv_dim;
+    const float *Bg = row + (int64_t)a.n_head * P + (int64_t)g * N;
+    const float *Cg = Bg + (int64_t)a.n_group * N;
+    const int qw = q0 + warp * kDecodeRowsPerWarp;
+    // the state loads go first: they need nothing from B, C or dt, and their latency dominates
+    constexpr int kPer = VEC ? 2 : kMaxState / 32; // float4s or floats per lane and row
+    using Vec = typename std::conditional<VEC, float4, float>::type;
+    Vec v[kDecodeRowsPerWarp][kPer];
+#pragma unroll
+    for (int r = 0; r < kDecodeRowsPerWarp; r++) {
+#pragma unroll
+        for (int k = 0; k < kPer; k++) {
+            const int i = lane + 32 * k;
+            if constexpr (VEC) {
+                v[r][k] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                if (!fresh && qw + r < P && i < (N >> 2)) {
+                    v[r][k] = reinterpret_cast<const float4 *>(st_head + (int64_t)(qw + r) * N)[i];
+                }
+            } else {
+                v[r][k] = 0.0f;
+                if (!fresh && qw + r < P && i < N) {
+                    v[r][k] = st_head[(int64_t)(qw + r) * N + i];
+                }
+            }
+        }
+    }
+    float xq[kDecodeRowsPerWarp];
+#pragma unroll
+    for (int r = 0; r < kDecodeRowsPerWarp; r++) {
+        xq[r] = qw + r < P ? row[(int64_t)h * P + qw + r] : 0.0f;
+    }
+    for (int n = threadIdx.x; n < N; n += kDecodeThreads) {
+        B_sh[n] = Bg[n];
+        C_sh[n] = Cg[n];
+    }
+    const float dt = ssd_dt(a, t, h);
+    const float dA = expf(dt * -expf(a.A_log[h]));
+    const float Dh = a.D[h];
+    __syncthreads();
+
+    if constexpr (VEC) {
+        const int N4 = N >> 2;
+#pragma unroll
+        for (int r = 0; r < kDecodeRowsPerWarp; r++) {
+            const float dx = dt * xq[r];
+            float acc = 0.0f;
+#pragma unroll
+            for (int k = 0; k < kPer; k++) {
+                const int i = lane + 32 * k;
+                if (i < N4) {
+                    const float4 b = reinterpret_cast<const float4 *>(B_sh)[i];
+                    const float4 c = reinterpret_cast<const float4 *>(C_sh)[i];
+                    float4 u = v[r][k];
+                    u.x = u.x * dA + dx * b.x;
+                    u.y = u.y * dA + dx * b.y;
+                    u.z = u.z * dA + dx * b.z;
+                    u.w = u.w * dA + dx * b.w;
+                    acc += u.x * c.x + u.y * c.y + u.z * c.z + u.w * c.w;
+                    if (slot >= 0 && qw + r < P) {
+                        reinterpret_cast<float4 *>(st_head + (int64_t)(qw + r) * N)[i] = u;
+                    }
+                }
+            }
+            acc = warp_sum(acc);
+            if (lane == 0 && qw + r < P) {
+                a.y[(int64_t)t * a.n_head * P + (int64_t)h * P + qw + r] = acc + Dh * xq[r];
+            }
+        }
+    } else {
+#pragma unroll
+        for (int r = 0; r < kDecodeRowsPerWarp; r++) {
+            const float dx = dt * xq[r];
+            float acc = 0.0f;
+#pragma unroll
+            for (int k = 0; k < kPer; k++) {
+                const int n = lane + 32 * k;
+                if (n < N) {
+                    const float u = v[r][k] * dA + dx * B_sh[n];
+                    acc += u * C_sh[n];
+                    if (slot >= 0 && qw + r < P) {
+                        st_head[(int64_t)(qw + r) * N + n] = u;
+                    }
+                }
+            }
+            acc = warp_sum(acc);
+            if (lane == 0 && qw + r < P) {
+                a.y[(int64_t)t * a.n_head * P + (int64_t)h * P + qw + r] = acc + Dh * xq[r];
+            }
+        }
+    }
+}
+
+} // namespace mamba2
+} // namespace krk

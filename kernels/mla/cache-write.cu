@@ -1,0 +1,56 @@
+// Latent cache write (krk_mla_cache_write): every token's row [c_kv | k_pe | index key] rounded to bf16
+// and stored at its position in the block-paged cache. One thread per element.
+#include "mla/mla-common.cuh"
+
+namespace {
+
+constexpr int kThreads = 256;
+
+__global__ void __launch_bounds__(kThreads) mla_cache_write_kernel(krk_mla_cache_params p)
+{
+    const int64_t row = p.kv_lora + p.rope + p.idx_dim;
+    const int64_t i = (int64_t)blockIdx.x * kThreads + threadIdx.x;
+    if (i >= (int64_t)p.batch.n_tok * row) {
+        return;
+    }
+    const int32_t t = (int32_t)(i / row);
+    const int64_t c = i - (int64_t)t * row;
+    const int32_t seq = p.batch.tok_seq[t];
+    if (p.batch.seq_slot[seq] < 0) {
+        return; // padding: no cache row
+    }
+    float v;
+    if (c < p.kv_lora) {
+        v = p.c_kv[(int64_t)t * p.ld_ckv + c];
+    } else if (c < p.kv_lora + p.rope) {
+        v = p.k_pe[(int64_t)t * p.ld_kpe + (c - p.kv_lora)];
+    } else {
+        v = p.ik[(int64_t)t * p.idx_dim + (c - p.kv_lora - p.rope)];
+    }
+    const int64_t off = krk::mla::latent_row_off(p.batch, seq, p.batch.pos[t], p.block_size, row);
+    p.cache[off + c] = krk::f32_to_bf16(v);
+}
+
+} // namespace
+
+extern "C" enum kr_status krk_mla_cache_write(const struct krk_mla_cache_params *p, cudaStream_t stream)
+{
+    KRK_REQUIRE(p != nullptr);
+    const krk_batch &b = p->batch;
+    KRK_REQUIRE(b.n_tok >= 0);
+    if (b.n_tok == 0) {
+        return KR_OK;
+    }
+    KRK_REQUIRE(p->c_kv && p->k_pe && p->cache);
+    KRK_REQUIRE(b.pos && b.tok_seq && b.seq_slot && b.block_table && b.max_blocks > 0);
+    KRK_REQUIRE(p->kv_lora > 0 && p->rope >= 0 && p->idx_dim >= 0);
+    KRK_REQUIRE(p->ld_ckv >= p->kv_lora && p->ld_kpe >= p->rope);
+    KRK_REQUIRE(p->idx_dim == 0 || p->ik != nullptr);
+    KRK_REQUIRE(p->block_size > 0);
+    const int64_t n = (int64_t)b.n_tok * (p->kv_lora + p->rope + p->idx_dim);
+    const int64_t blocks = (n + kThreads - 1) / kThreads;
+    KRK_REQUIRE(blocks <= INT32_MAX);
+    mla_cache_write_kernel<<<(unsigned)blocks, kThreads, 0, stream>>>(*p);
+    KRK_CHECK_LAUNCH();
+    return KR_OK;
+}

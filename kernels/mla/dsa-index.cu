@@ -1,0 +1,247 @@
+// Lightning indexer + top-k (krk_dsa_index), in two phases per group of tokens:
+//  1. dsa_score_kernel: I[t,s] = sum_h w[t,h] relu(iq[t,h] . ik[s]) for every cached position
+//     s <= pos(t), fp32, into the workspace [group, max_ctx]. Grid (key tiles, tokens); a block
+//     loads its tile of 32 keys once and scores it against every head of its token.
+//  2. dsa_select_kernel: one block per token finds the exact k-th largest score by a 4-pass radix
+//     select on order-preserving 32-bit keys, then writes, in ascending position order, every
+//     position scoring above that threshold and the lowest positions scoring equal to it (ties go
+//     to the lower position, as in the CPU reference).
+// Tokens whose context fits in topk take every position without scoring.
+#include "mla/mla-common.cuh"
+
+#include <algorithm>
+
+namespace {
+
+constexpr int kScoreThreads = 256; // 8 warps; heads are split across warps
+constexpr int kScoreKeys = 32;     // keys per score block: one per lane
+constexpr int kSelectThreads = 512;
+constexpr int64_t kMaxHeadDim = 256; // keeps the score block's key tile within 48 KB of shared memory
+
+__global__ void __launch_bounds__(kScoreThreads)
+    dsa_score_kernel(krk_dsa_index_params p, int32_t t0, float *__restrict__ scores, int64_t ld)
+{
+    extern __shared__ float sh[];
+    const krk_batch &b = p.batch;
+    const int32_t t = t0 + (int32_t)blockIdx.y;
+    const int32_t seq = b.tok_seq[t];
+    const int64_t n_keys = min((int64_t)b.pos[t] + 1, ld);
+    const int64_t s0 = (int64_t)blockIdx.x * kScoreKeys;
+    // block-uniform exits: padding, contexts that need no score, tiles past the token's position
+    if (b.seq_slot[seq] < 0 || n_keys <= p.topk || s0 >= n_keys) {
+        return;
+    }
+    const int64_t hd = p.head_dim, ldk = hd + 1; // padded rows: lanes read distinct banks
+    float *keys = sh;                            // [kScoreKeys, hd + 1]
+    float *part = sh + kScoreKeys * ldk;         // [n_warp, kScoreKeys] per-warp partial scores
+    for (int64_t e = threadIdx.x; e < kScoreKeys * hd; e += kScoreThreads) {
+        const int64_t j = e / hd, d = e - j * hd;
+        float v = 0.0f;
+        if (s0 + j < n_keys) {
+            const int64_t off = krk::mla::latent_row_off(b, seq, (int32_t)(s0 + j), p.block_size, p.row);
+            v = krk::bf16_to_f32(p.cache[off + p.key_off + d]);
+        }
+        keys[j * ldk + d] = v;
+    }
+    __syncthreads();
+
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    constexpr int n_warp = kScoreThreads / 32;
+    const float *iq = p.iq + (int64_t)t * p.n_head * hd;
+    const float *w = p.w + (int64_t)t * p.n_head;
+    const float *k = keys + lane * ldk;
+    float acc = 0.0f;
+    for (int64_t h = warp; h < p.n_head; h += n_warp) {
+        const float *q = iq + h * hd; // same address across the warp: a broadcast load
+        float d = 0.0f;
+        for (int64_t i = 0; i < hd; i++) {
+            d = fmaf(__ldg(q + i), k[i], d);
+        }
+        acc = fmaf(__ldg(w + h), d > 0.0f ? d : 0.0f, acc);
+    }
+    part[warp * kScoreKeys + lane] = acc;
+    __syncthreads();
+    if (warp == 0 && s0 + lane < n_keys) {
+        float s = 0.0f;
+        for (int i = 0; i < n_warp; i++) {
+            s += part[i * kScoreKeys + lane];
+        }
+        scores[(int64_t)blockIdx.y * ld + s0 + lane] = s;
+    }
+}
+
+// Order-preserving map of a float to uint32 (a > b as floats iff key(a) > key(b)); -0 maps as +0
+// so that the two zeros tie, as they compare equal in the reference.
+__device__ __forceinline__ uint32_t order_key(float f)
+{
+    uint32_t u = __float_as_uint(f);
+    if ((u << 1) == 0) {
+        u = 0;
+    }
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// Exclusive prefix sum of v over the block (blockDim.x a multiple of 32); *total gets the sum.
+// `sh` is __shared__ int[32]. Contains __syncthreads: call from every thread.
+__device__ __forceinline__ int block_excl_scan(int v, int *sh, int *total)
+{
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    int x = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, x, o);
+        if (lane >= o) {
+            x += y;
+        }
+    }
+    if (lane == 31) {
+        sh[wid] = x;
+    }
+    __syncthreads();
+    if (wid == 0) {
+        int ws = lane < nw ? sh[lane] : 0;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int y = __shfl_up_sync(0xffffffffu, ws, o);
+            if (lane >= o) {
+                ws += y;
+            }
+        }
+        sh[lane] = ws; // inclusive scan of the warp totals
+    }
+    __syncthreads();
+    const int before = wid > 0 ? sh[wid - 1] : 0;
+    *total = sh[nw - 1];
+    __syncthreads(); // sh may be reused by the next call
+    return before + x - v;
+}
+
+__global__ void __launch_bounds__(kSelectThreads)
+    dsa_select_kernel(krk_dsa_index_params p, int32_t t0, const float *__restrict__ scores, int64_t ld)
+{
+    __shared__ int hist[256];
+    __shared__ int scan_sh[32];
+    __shared__ uint32_t sel_prefix;
+    __shared__ int sel_remaining;
+    const krk_batch &b = p.batch;
+    const int32_t t = t0 + (int32_t)blockIdx.x;
+    const int32_t k = p.topk;
+    int32_t *out = p.idx + (int64_t)t * k;
+    const int32_t seq = b.tok_seq[t];
+    const int32_t n_keys = b.seq_slot[seq] < 0 ? 0 : (int32_t)min((int64_t)b.pos[t] + 1, ld);
+    if (n_keys <= k) { // every visible position (none for padding), then -1
+        for (int32_t j = threadIdx.x; j < k; j += kSelectThreads) {
+            out[j] = j < n_keys ? j : -1;
+        }
+        return;
+    }
+    const float *sc = scores + (int64_t)blockIdx.x * ld;
+
+    // Radix select of the k-th largest key, 8 bits per pass from the top. After the passes,
+    // `prefix` is that key and `remaining` the number of positions equal to it to be taken
+    // (k minus the count of strictly greater keys).
+    uint32_t prefix = 0, mask = 0;
+    int remaining = k;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        for (int i = threadIdx.x; i < 256; i += kSelectThreads) {
+            hist[i] = 0;
+        }
+        __syncthreads();
+        for (int32_t s = threadIdx.x; s < n_keys; s += kSelectThreads) {
+            const uint32_t key = order_key(sc[s]);
+            if ((key & mask) == prefix) {
+                atomicAdd(&hist[(key >> shift) & 255u], 1);
+            }
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            int cum = 0, bin = 255;
+            for (; bin > 0; bin--) { // bins from the largest; bin 0 holds the rest
+                if (cum + hist[bin] >= remaining) {
+                    break;
+                }
+                cum += hist[bin];
+            }
+            sel_prefix = prefix | ((uint32_t)bin << shift);
+            sel_remaining = remaining - cum;
+        }
+        __syncthreads();
+        prefix = sel_prefix;
+        remaining = sel_remaining;
+        mask |= 255u << shift;
+        // no barrier needed here: sel_* are rewritten only after the next pass's two barriers
+    }
+
+    // Positions in ascending order, chunk by chunk: greater than the threshold, or equal to it
+    // and among the first `remaining` equal ones.
+    int eq_base = 0, out_base = 0;
+    for (int32_t c0 = 0; c0 < n_keys && out_base < k; c0 += kSelectThreads) {
+        const int32_t s = c0 + (int32_t)threadIdx.x;
+        const uint32_t key = s < n_keys ? order_key(sc[s]) : 0u;
+        const int eq = s < n_keys && key == prefix;
+        const int gt = s < n_keys && key > prefix;
+        int eq_tot, sel_tot;
+        const int eq_rank = eq_base + block_excl_scan(eq, scan_sh, &eq_tot);
+        const int sel = gt || (eq && eq_rank < remaining);
+        const int o = out_base + block_excl_scan(sel, scan_sh, &sel_tot);
+        if (sel) {
+            out[o] = s;
+        }
+        eq_base += eq_tot;
+        out_base += sel_tot;
+    }
+}
+
+} // namespace
+
+// Scores of a token take one fp32 row of max_ctx; the launcher processes tokens in groups of as
+// many rows as the workspace holds (at least one row, 4 * max_ctx bytes, is needed when
+// max_ctx > topk; none otherwise).
+extern "C" size_t krk_dsa_index_workspace_bytes(int64_t n_tok, int64_t max_ctx)
+{
+    if (n_tok <= 0 || max_ctx <= 0) {
+        return 0;
+    }
+    return (size_t)n_tok * (size_t)max_ctx * sizeof(float);
+}
+
+extern "C" enum kr_status krk_dsa_index(const struct krk_dsa_index_params *p, cudaStream_t stream)
+{
+    KRK_REQUIRE(p != nullptr);
+    const krk_batch &b = p->batch;
+    KRK_REQUIRE(b.n_tok >= 0);
+    if (b.n_tok == 0) {
+        return KR_OK;
+    }
+    KRK_REQUIRE(p->idx && p->topk > 0);
+    KRK_REQUIRE(b.pos && b.tok_seq && b.seq_slot && b.block_table && b.max_blocks > 0);
+    KRK_REQUIRE(b.max_ctx > 0); // sizes the score grid and the workspace rows
+    const int64_t ld = b.max_ctx;
+    const bool need_scores = ld > p->topk; // otherwise every token takes all its positions
+    int64_t group = b.n_tok;
+    if (need_scores) {
+        KRK_REQUIRE(p->iq && p->w && p->cache);
+        KRK_REQUIRE(p->n_head > 0 && p->head_dim > 0 && p->head_dim <= kMaxHeadDim);
+        KRK_REQUIRE(p->key_off >= 0 && p->row >= p->key_off + p->head_dim && p->block_size > 0);
+        KRK_REQUIRE(p->workspace && (uintptr_t)p->workspace % alignof(float) == 0);
+        group = (int64_t)(p->workspace_bytes / ((size_t)ld * sizeof(float)));
+        KRK_REQUIRE(group >= 1); // workspace below krk_dsa_index_workspace_bytes(1, max_ctx)
+        group = std::min(group, (int64_t)b.n_tok);
+        group = std::min(group, (int64_t)65535); // gridDim.y limit of the score kernel
+    }
+    float *scores = need_scores ? static_cast<float *>(p->workspace) : nullptr;
+    const int64_t tiles = (ld + kScoreKeys - 1) / kScoreKeys;
+    const size_t score_smem =
+        ((size_t)kScoreKeys * (size_t)(p->head_dim + 1) + (size_t)(kScoreThreads / 32) * kScoreKeys) * sizeof(float);
+    for (int64_t t0 = 0; t0 < b.n_tok; t0 += group) {
+        const int64_t g = std::min(group, (int64_t)b.n_tok - t0);
+        if (need_scores) {
+            dsa_score_kernel<<<dim3((unsigned)tiles, (unsigned)g), kScoreThreads, score_smem, stream>>>(
+                *p, (int32_t)t0, scores, ld);
+            KRK_CHECK_LAUNCH();
+        }
+        dsa_select_kernel<<<(unsigned)g, kSelectThreads, 0, stream>>>(*p, (int32_t)t0, scores, ld);
+        KRK_CHECK_LAUNCH();
+    }
+    return KR_OK;
+}

@@ -1,0 +1,19 @@
+#pragma once
+// Helpers shared by the MLA / DSA kernels (kernels/mla/): addressing of the block-paged latent cache.
+#include "common/util.cuh"
+#include "krk/mla.h"
+
+namespace krk {
+namespace mla {
+
+// Element offset of the latent cache row of position `pos` of sequence `seq`: the cache is
+// [n_block, block_size, row] and block_table maps the sequence's block pos / block_size to a block id.
+__device__ __forceinline__ int64_t latent_row_off(const krk_batch &b, int32_t seq, int32_t pos, int32_t block_size,
+                                                  int64_t row)
+{
+    const int32_t blk = b.block_table[(int64_t)seq * b.max_blocks + pos / block_size];
+    return ((int64_t)blk * block_size + pos % block_size) * row;
+}
+
+} // namespace mla
+} // namespace krk

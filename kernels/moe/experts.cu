@@ -1,0 +1,123 @@
+// Routed expert FFNs in two kernels, one warp per output element:
+//   1. hidden[t*n_used + k, j] = act(gate_e[j] . x[t]) * (up_e[j] . x[t])   (or act(up_e[j] . x[t]))
+//      for e = ids[t, k]; grid over (token-expert pairs, tiles of 8 hidden rows);
+//   2. out[t, o] = sum_k weights[t, k] * (down_e[o] . hidden[t*n_used + k]); grid over (tokens,
+//      tiles of 8 outputs), summing over k in selection order.
+// Each dot product reads a bf16 weight row with 16-byte loads (8 values) when the row and the fp32
+// vector are 16-byte aligned and the length is a multiple of 8, else one value per lane and step.
+// Expert ids outside [0, n_expert) contribute zero.
+#include "common/util.cuh"
+#include "norm/act.cuh"
+
+namespace krk {
+namespace {
+
+constexpr int kExpWarps = 8;
+
+// Sum over the warp of w[c] * x[c], c < len; every lane gets the result.
+__device__ __forceinline__ float warp_dot(const uint16_t *KRK_RESTRICT w, const float *KRK_RESTRICT x, int64_t len)
+{
+    const int lane = threadIdx.x & 31;
+    float acc = 0.0f;
+    if (len % 8 == 0 && ((uintptr_t)w & 15) == 0 && ((uintptr_t)x & 15) == 0) {
+        for (int64_t c = lane * 8; c < len; c += 256) {
+            const uint4 q = __ldg(reinterpret_cast<const uint4 *>(w + c));
+            const float4 a = __ldg(reinterpret_cast<const float4 *>(x + c));
+            const float4 b = __ldg(reinterpret_cast<const float4 *>(x + c + 4));
+            acc = fmaf(a.x, __uint_as_float(q.x << 16), acc);
+            acc = fmaf(a.y, __uint_as_float(q.x & 0xffff0000u), acc);
+            acc = fmaf(a.z, __uint_as_float(q.y << 16), acc);
+            acc = fmaf(a.w, __uint_as_float(q.y & 0xffff0000u), acc);
+            acc = fmaf(b.x, __uint_as_float(q.z << 16), acc);
+            acc = fmaf(b.y, __uint_as_float(q.z & 0xffff0000u), acc);
+            acc = fmaf(b.z, __uint_as_float(q.w << 16), acc);
+            acc = fmaf(b.w, __uint_as_float(q.w & 0xffff0000u), acc);
+        }
+    } else {
+        for (int64_t c = lane; c < len; c += 32) {
+            acc = fmaf(x[c], bf16_to_f32(w[c]), acc);
+        }
+    }
+    return warp_sum(acc);
+}
+
+__global__ void __launch_bounds__(kExpWarps * 32)
+    experts_hidden_kernel(const float *KRK_RESTRICT x, int64_t d_in, int64_t d_ffn, int64_t n_expert, int64_t n_used,
+                          const int32_t *KRK_RESTRICT ids, const uint16_t *const *KRK_RESTRICT gate,
+                          const uint16_t *const *KRK_RESTRICT up, int act, float *KRK_RESTRICT hidden)
+{
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int64_t pk = blockIdx.x; // token-expert pair t * n_used + k
+    const int64_t j = (int64_t)blockIdx.y * kExpWarps + warp;
+    if (j >= d_ffn) {
+        return;
+    }
+    const int64_t t = pk / n_used;
+    const int32_t e = ids[pk];
+    float h = 0.0f;
+    if (e >= 0 && e < n_expert) {
+        const float *xt = x + t * d_in;
+        const float u = warp_dot(up[e] + j * d_in, xt, d_in);
+        if (gate) {
+            const float g = warp_dot(gate[e] + j * d_in, xt, d_in);
+            h = act_apply(act, g) * u;
+        } else {
+            h = act_apply(act, u);
+        }
+    }
+    if (lane == 0) {
+        hidden[pk * d_ffn + j] = h;
+    }
+}
+
+__global__ void __launch_bounds__(kExpWarps * 32)
+    experts_out_kernel(const float *KRK_RESTRICT hidden, int64_t d_ffn, int64_t d_out, int64_t n_expert, int64_t n_used,
+                       const int32_t *KRK_RESTRICT ids, const float *KRK_RESTRICT weights,
+                       const uint16_t *const *KRK_RESTRICT down, float *KRK_RESTRICT out)
+{
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int64_t t = blockIdx.x;
+    const int64_t o = (int64_t)blockIdx.y * kExpWarps + warp;
+    if (o >= d_out) {
+        return;
+    }
+    float acc = 0.0f;
+    for (int64_t k = 0; k < n_used; k++) {
+        const int64_t pk = t * n_used + k;
+        const int32_t e = ids[pk];
+        if (e >= 0 && e < n_expert) {
+            acc += weights[pk] * warp_dot(down[e] + o * d_ffn, hidden + pk * d_ffn, d_ffn);
+        }
+    }
+    if (lane == 0) {
+        out[t * d_out + o] = acc;
+    }
+}
+
+} // namespace
+} // namespace krk
+
+using namespace krk;
+
+extern "C" enum kr_status krk_moe_experts(const struct krk_experts_params *p, cudaStream_t stream)
+{
+    KRK_REQUIRE(p);
+    KRK_REQUIRE(p->n >= 0 && p->d_in >= 1 && p->d_ffn >= 1 && p->d_out >= 1 && p->n_expert >= 1 && p->n_used >= 1);
+    KRK_REQUIRE(act_valid(p->act));
+    const int64_t ffn_tiles = (p->d_ffn + kExpWarps - 1) / kExpWarps,
+                  out_tiles = (p->d_out + kExpWarps - 1) / kExpWarps;
+    KRK_REQUIRE(ffn_tiles <= 65535 && out_tiles <= 65535 && p->n * p->n_used <= INT32_MAX);
+    if (p->n == 0) {
+        return KR_OK;
+    }
+    KRK_REQUIRE(p->x && p->ids && p->weights && p->up && p->down && p->hidden && p->out);
+    const dim3 g1((unsigned)(p->n * p->n_used), (unsigned)ffn_tiles);
+    experts_hidden_kernel<<<g1, kExpWarps * 32, 0, stream>>>(p->x, p->d_in, p->d_ffn, p->n_expert, p->n_used, p->ids,
+                                                             p->gate, p->up, (int)p->act, p->hidden);
+    KRK_CHECK_LAUNCH();
+    const dim3 g2((unsigned)p->n, (unsigned)out_tiles);
+    experts_out_kernel<<<g2, kExpWarps * 32, 0, stream>>>(p->hidden, p->d_ffn, p->d_out, p->n_expert, p->n_used, p->ids,
+                                                          p->weights, p->down, p->out);
+    KRK_CHECK_LAUNCH();
+    return KR_OK;
+}

@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# Runs every GPU test and benchmark on a GPU machine, from a build made elsewhere (it builds
+# nothing) and prints a summary table last. Logs go to $OUT (or ./gpu-out) as one archive.
+#   tests/gpu/run.sh [--build DIR] [--no-tests] [--no-bench] [--no-hf] [--synth DIR] [--bench-args "..."]
+# Build first (on any machine with nvcc):
+#   cmake -S . -B build-gpu -DKR_WITH_CUDA=ON -DCMAKE_BUILD_TYPE=Release && cmake --build build-gpu -j
+#   ../shared/device/bundle-libs build-gpu/devlibs build-gpu/tests/gpu/test_cuda build-gpu/bench/bench_cuda
+set -u
+build=build-gpu tests=1 bench=1 hf=1 synth=/tmp/krait-synth-8b bench_args=""
+while [ $# -gt 0 ]; do
+  case $1 in
+    --build) build=$2; shift ;;
+    --no-tests) tests=0 ;;
+    --no-bench) bench=0 ;;
+    --no-hf) hf=0 ;;
+    --synth) synth=$2; shift ;;
+    --bench-args) bench_args=$2; shift ;;
+    *) echo "run.sh: unknown option $1" >&2; exit 2 ;;
+  esac
+  shift
+done
+out=${OUT:-$PWD/gpu-out}
+logs=$(mktemp -d)
+export LD_LIBRARY_PATH=$PWD/$build/devlibs:${LD_LIBRARY_PATH:-}
+export KR_FIXTURES=$PWD/tests/fixtures
+summary=$logs/summary.md
+t_start=$(date +%s)
+{
+  echo "# GPU run $(date -u +%Y-%m-%dT%H:%MZ)"
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader 2>/dev/null | sed 's/^/device: /'
+  echo
+  echo "| suite | passed | failed | crashed | skipped | seconds |"
+  echo "|---|---|---|---|---|---|"
+} > "$summary"
+
+if [ $tests = 1 ]; then
+  bin=$build/tests/gpu/test_cuda
+  for suite in $("$bin" --list 2>/dev/null | grep -av '^[│├└ ]' | cut -d: -f1); do
+    s=$(date +%s)
+    timeout 300 "$bin" --filter "$suite/*" --jobs 4 --verbose=1 > "$logs/$suite.log" 2>&1
+    rc=$?
+    e=$(( $(date +%s) - s ))
+    syn=$(grep -a "Synthesis:" "$logs/$suite.log" | tail -1)
+    p=$(echo "$syn" | sed -n 's/.*Passing: \([0-9]*\).*/\1/p')
+    f=$(echo "$syn" | sed -n 's/.*Failing: \([0-9]*\).*/\1/p')
+    c=$(echo "$syn" | sed -n 's/.*Crashing: \([0-9]*\).*/\1/p')
+    k=$(grep -ac "SKIP" "$logs/$suite.log")
+    [ -z "$syn" ] && { p=?; f=?; c="rc=$rc"; }
+    echo "| $suite | $p | $f | $c | $k | $e |" >> "$summary"
+    echo "== $suite rc=$rc: $syn"
+  done
+fi
+
+if [ $bench = 1 ]; then
+  if [ ! -f "$synth/config.json" ]; then
+    s=$(date +%s)
+    PYTHONUNBUFFERED=1 python3 tools/bench/synth_model.py make --shape nemotron_h_8b --out "$synth" > "$logs/synth.log" 2>&1 \
+      || echo "synthetic checkpoint failed (see synth.log)"
+    echo "synthetic checkpoint: $(( $(date +%s) - s )) s" >> "$logs/synth.log"
+  fi
+  if [ -f "$synth/config.json" ]; then
+    timeout 400 "$build/bench/bench_cuda" --profile --json "$logs/bench.jsonl" $bench_args "$synth" > "$logs/bench.md" 2>&1
+    echo "bench_cuda rc=$?" >> "$logs/bench.md"
+    if [ $hf = 1 ]; then
+      PYTHONUNBUFFERED=1 timeout 300 python3 tools/bench/synth_model.py hf-bench --model "$synth" --out "$logs/hf.json" \
+        --budget-s ${HF_BUDGET_S:-150} > "$logs/hf.log" 2>&1
+      echo "hf-bench rc=$?" >> "$logs/hf.log"
+    fi
+  fi
+fi
+
+{
+  echo
+  [ -f "$logs/bench.md" ] && grep -a '^|\|^device\|^model\|rc=' "$logs/bench.md"
+  [ -f "$logs/hf.log" ] && { echo; echo "HF transformers:"; grep -av '^\s*$' "$logs/hf.log" | tail -12; }
+  echo
+  echo "total $(( $(date +%s) - t_start )) s"
+} >> "$summary"
+mkdir -p "$out"
+cp "$summary" "$out/summary.md"
+[ -f "$logs/bench.jsonl" ] && cp "$logs/bench.jsonl" "$out/"
+[ -f "$logs/hf.json" ] && cp "$logs/hf.json" "$out/"
+tar -C "$logs" -czf "$out/logs.tar.gz" .
+# failures first (the reply shows the end of the output)
+grep -aE "FAIL|\[----\].*:|Assertion|failed|CRASH" "$logs"/*.log 2>/dev/null | head -60
+cat "$summary"
