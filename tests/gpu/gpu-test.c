@@ -4,6 +4,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include <cuda_runtime_api.h>
 
@@ -248,4 +249,16 @@ void gt_batch_free(struct gt_batch *b)
     free(b->block_table);
     gt_dfree(b->dmem);
     memset(b, 0, sizeof *b);
+}
+
+/* Says once, before any test runs, that the GPU tests will skip on a machine without a GPU. The
+ * check looks for the driver's device nodes instead of calling CUDA: the runtime must not be
+ * initialised in Criterion's parent process (the tests run in forked children). */
+ReportHook(PRE_ALL)(struct criterion_test_set *set)
+{
+    (void)set;
+    if (access("/dev/nvidiactl", F_OK) != 0) {
+        fprintf(stderr, "test_cuda: no NVIDIA driver on this machine (/dev/nvidiactl is missing): every GPU test "
+                        "is skipped; run tests/gpu/run.sh on a GPU machine\n");
+    }
 }
