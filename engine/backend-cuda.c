@@ -17,6 +17,7 @@
 #include "log.h"
 
 #include <math.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -99,6 +100,10 @@ struct cuda_ctx {
         double ms[PROF_N_CAT];
         int64_t calls[PROF_N_CAT];
     } prof;
+
+    /* sampling: device copies of the rows, penalty lists and results (grown as needed) */
+    void *samp_d, *samp_h; /* device buffer and its pinned staging */
+    size_t samp_cap;
 
     /* graphs */
     struct graph graphs[MAX_GRAPHS];
@@ -219,6 +224,8 @@ static void cuda_free(kr_backend_t be)
         cudaFree(c->d_meta);
         cudaFree(c->ptr_table);
         cudaFreeHost(c->h_meta);
+        cudaFree(c->samp_d);
+        cudaFreeHost(c->samp_h);
         for (int i = 0; i < 2 * PROF_MAX_EV && c->prof.ev[i]; i++) {
             cudaEventDestroy(c->prof.ev[i]);
         }
@@ -965,6 +972,77 @@ static enum kr_status cuda_mla_attention_impl(kr_backend_t be, const struct kr_m
     return krk_mla_attention(&a, c->stream);
 }
 
+/* ---- sampling ----------------------------------------------------------------------------- */
+
+_Static_assert(sizeof(struct kr_sample_row) == sizeof(struct krk_sample_row), "sample row layouts");
+_Static_assert(offsetof(struct kr_sample_row, u) == offsetof(struct krk_sample_row, u), "sample row layouts");
+_Static_assert(offsetof(struct kr_sample_row, pen_n) == offsetof(struct krk_sample_row, pen_n), "sample row layouts");
+
+static size_t align16(size_t v)
+{
+    return (v + 15) & ~(size_t)15;
+}
+
+/* One staging layout, host and device alike: rows | pen ids | pen counts | pen flags | out | lp |
+ * top ids | top lps. Inputs go over in one copy, results come back in one. */
+static enum kr_status cuda_sample(kr_backend_t be, const struct kr_sample_batch *sb)
+{
+    struct cuda_ctx *c = ctx_of(be);
+    TRY(op_enter(c));
+    if (c->capturing) {
+        return KR_ERR_INTERNAL;
+    }
+    const size_t n = (size_t)sb->n, np = (size_t)sb->n_pen, nt = (size_t)sb->n_top;
+    const size_t o_rows = 0, o_ids = align16(o_rows + n * sizeof(struct krk_sample_row)),
+                 o_cnt = align16(o_ids + np * 4), o_flg = align16(o_cnt + np * 4), o_out = align16(o_flg + np),
+                 o_lp = align16(o_out + n * 4), o_tid = align16(o_lp + n * 4), o_tlp = align16(o_tid + n * nt * 4),
+                 total = align16(o_tlp + n * nt * 4);
+    if (total > c->samp_cap) {
+        CU_TRY(c, cudaStreamSynchronize(c->stream));
+        cudaFree(c->samp_d);
+        cudaFreeHost(c->samp_h);
+        c->samp_d = c->samp_h = NULL;
+        c->samp_cap = 0;
+        const size_t cap = total + total / 2 + 4096;
+        TRY(dev_alloc(c, cap, &c->samp_d));
+        CU_TRY(c, cudaMallocHost(&c->samp_h, cap));
+        c->samp_cap = cap;
+    }
+    const size_t ws = krk_sample_workspace_bytes(sb->n, sb->vocab);
+    if (ws > c->scratch_size) {
+        TRY(ensure_scratch(c, ws));
+    }
+    char *h = c->samp_h, *d = c->samp_d;
+    memcpy(h + o_rows, sb->rows, n * sizeof(struct krk_sample_row));
+    if (np) {
+        memcpy(h + o_ids, sb->pen_ids, np * 4);
+        memcpy(h + o_cnt, sb->pen_count, np * 4);
+        memcpy(h + o_flg, sb->pen_flags, np);
+    }
+    CU_TRY(c, cudaMemcpyAsync(d, h, o_out, cudaMemcpyHostToDevice, c->stream));
+    struct krk_sample_params p = {.logits = sb->logits, .ld = sb->ld, .n = sb->n, .vocab = sb->vocab,
+                                  .rows = (const struct krk_sample_row *)(d + o_rows),
+                                  .pen_ids = np ? (const int32_t *)(d + o_ids) : NULL,
+                                  .pen_count = np ? (const int32_t *)(d + o_cnt) : NULL,
+                                  .pen_flags = np ? (const uint8_t *)(d + o_flg) : NULL, .n_pen = sb->n_pen,
+                                  .out = (int32_t *)(d + o_out), .out_logprob = (float *)(d + o_lp),
+                                  .n_top = sb->n_top, .top_ids = nt ? (int32_t *)(d + o_tid) : NULL,
+                                  .top_lp = nt ? (float *)(d + o_tlp) : NULL, .workspace = c->scratch,
+                                  .workspace_bytes = c->scratch_size};
+    TRY(krk_sample(&p, c->stream));
+    CU_TRY(c, cudaMemcpyAsync(h + o_out, d + o_out, total - o_out, cudaMemcpyDeviceToHost, c->stream));
+    CU_TRY(c, cudaStreamSynchronize(c->stream));
+    memcpy(sb->out, h + o_out, n * 4);
+    if (sb->out_logprob) {
+        memcpy(sb->out_logprob, h + o_lp, n * 4);
+    }
+    if (nt && sb->top_ids && sb->top_lp) {
+        memcpy(sb->top_ids, h + o_tid, n * nt * 4);
+        memcpy(sb->top_lp, h + o_tlp, n * nt * 4);
+    }
+    return KR_OK;
+}
+
 /* ---- timed entry points (per-op timing when profiling) --------------------------------------- */
 
 static enum kr_status cuda_embed(kr_backend_t be, const struct kr_tensor *w, float *out)
@@ -1279,6 +1357,7 @@ enum kr_status kr_backend_cuda_create(int dev, bool graphs, kr_backend_t *out, s
         .mla_cache_write = cuda_mla_cache_write,
         .dsa_index = cuda_dsa_index,
         .mla_attention = cuda_mla_attention,
+        .sample = cuda_sample,
     };
     c->dev = dev;
     c->graphs_on = graphs;

@@ -72,6 +72,8 @@ struct kr_backend_i {
     enum kr_status (*mla_cache_write)(kr_backend_t be, const struct kr_mla_cache_params *p);
     enum kr_status (*dsa_index)(kr_backend_t be, const struct kr_dsa_index_params *p);
     enum kr_status (*mla_attention)(kr_backend_t be, const struct kr_mla_attn_params *p);
+    /* (optional) samples one token per logits row (see struct kr_sample_batch) */
+    enum kr_status (*sample)(kr_backend_t be, const struct kr_sample_batch *sb);
 };
 
 struct kr_backend {

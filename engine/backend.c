@@ -102,6 +102,16 @@ enum kr_status kr_backend_begin_batch(kr_backend_t be, const struct kr_batch *b)
     return be->iface.begin_batch(be, b);
 }
 
+bool kr_backend_can_sample(kr_backend_t be)
+{
+    return be->iface.sample != NULL;
+}
+
+enum kr_status kr_backend_sample(kr_backend_t be, const struct kr_sample_batch *sb)
+{
+    return be->iface.sample ? be->iface.sample(be, sb) : KR_ERR_UNSUPPORTED;
+}
+
 enum kr_status kr_backend_embed(kr_backend_t be, const struct kr_tensor *w, float *out)
 {
     return be->iface.embed(be, w, out);

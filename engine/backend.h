@@ -228,6 +228,41 @@ struct kr_rope_params {
     float factor;
 };
 
+/* Token sampling on the backend (the GPU), with the host sampler's semantics (sampler.h,
+ * kr_sample): one row of parameters per logits row. Layout equal to struct krk_sample_row. */
+struct kr_sample_row {
+    float temperature;      /* 0 = greedy */
+    int32_t top_k;          /* <= 0 off */
+    float top_p;            /* 1 off */
+    float min_p;            /* 0 off */
+    float presence, frequency, repetition;
+    int32_t pen_off, pen_n; /* this row's entries in the penalty arrays */
+    double u;               /* uniform draw in [0, 1) from the sequence's generator (greedy: unused) */
+};
+
+/* n rows of raw logits in backend memory (row i at logits + i * ld); everything else host memory.
+ * Penalty entries list, per row, its distinct counted tokens (count = occurrences in the output,
+ * flag bit 0 = in the prompt) and, while below min_tokens, its EOS and stop ids (flag bit 1). */
+struct kr_sample_batch {
+    const float *logits;
+    int64_t ld, n, vocab;
+    const struct kr_sample_row *rows; /* [n] */
+    const int32_t *pen_ids;           /* [n_pen] */
+    const int32_t *pen_count;         /* [n_pen] */
+    const uint8_t *pen_flags;         /* [n_pen] */
+    int64_t n_pen;
+    int32_t *out;                     /* [n] chosen ids; -1 where the row's parameters are invalid
+                                         or every logit is masked (the host path reports those) */
+    float *out_logprob;               /* [n] log-softmax of the raw logits at the chosen id */
+    int32_t n_top;                    /* 0..20 */
+    int32_t *top_ids;                 /* [n, n_top] largest raw log-probabilities, descending */
+    float *top_lp;                    /* [n, n_top] */
+};
+
+/* True when the backend samples on its own (kr_backend_sample is available). */
+bool kr_backend_can_sample(kr_backend_t be);
+enum kr_status kr_backend_sample(kr_backend_t be, const struct kr_sample_batch *sb);
+
 enum kr_status kr_backend_embed(kr_backend_t be, const struct kr_tensor *w, float *out);
 enum kr_status kr_backend_rmsnorm(kr_backend_t be, const float *x, const float *w, int64_t n, int64_t dim,
                                   float eps, float *out);

@@ -9,8 +9,18 @@
 #include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
+
+#define TRY_ST(expr)                                                                               \
+    do {                                                                                           \
+        enum kr_status st_ = (expr);                                                               \
+        if (st_ != KR_OK) {                                                                        \
+            return st_;                                                                            \
+        }                                                                                          \
+    } while (0)
 
 /* ---- sequence state machine --------------------------------------------------------------------
  *
@@ -107,6 +117,16 @@ struct kr_engine {
     float *lp_row;
     int32_t top_ids[KR_MAX_TOP_LOGPROBS];
     float top_lps[KR_MAX_TOP_LOGPROBS];
+    /* sampling on the backend (GPU): per-step rows, penalty lists and results */
+    bool dev_sample;
+    int32_t cap_srows;
+    struct seq **s_seqs;           /* [n] the sequence of each output row */
+    struct kr_sample_row *srows;
+    int32_t *s_out, *s_top_ids;
+    float *s_lp, *s_top_lp;
+    int64_t cap_pen;
+    int32_t *pen_ids, *pen_count;
+    uint8_t *pen_flags;
 };
 
 static double now_us(void)
@@ -123,6 +143,7 @@ void kr_engine_config_default(struct kr_engine_config *c)
     c->max_num_batched_tokens = 2048;
     c->block_size = 16;
     c->cache_bytes = (size_t)256 << 20;
+    c->backend_sampling = -1;
 }
 
 /* ---- small dynamic arrays ---------------------------------------------------------------------- */
@@ -404,34 +425,23 @@ static bool is_eos(const struct kr_model_config *c, int32_t id)
     return false;
 }
 
-/* Samples the next token of s from `logits`, emits it and finishes the choice when it ends. */
-static void sample_and_emit(struct kr_engine *e, struct seq *s, const float *logits)
+/* Emits token `tok` of s (logprob and alternatives as the request asked; top holds at least
+ * r->s.logprobs entries when that is positive) and finishes the choice when it ends. */
+static void emit_token(struct kr_engine *e, struct seq *s, int32_t tok, float logprob, const int32_t *top_ids,
+                       const float *top_lps)
 {
     struct req *r = s->req;
     const struct kr_model_config *c = &e->m->cfg;
-    int32_t tok = 0;
-    enum kr_status st = kr_sample(&r->s, logits, c->vocab, &s->counts, s->n_gen, c->eos_ids, c->n_eos, &s->rng,
-                                  &e->scratch, &tok);
-    if (st != KR_OK) {
-        fail_req(e, r, st, "sampling failed");
-        return;
-    }
     struct kr_event ev = {.type = KR_EVENT_TOKEN, .index = s->index, .token = tok};
     if (s->n_gen == 0) {
         ev.queue_s = (s->admitted_us > 0 ? s->admitted_us - r->submitted_us : 0) / 1e6;
     }
     if (r->s.logprobs >= 0) {
-        kr_log_softmax(logits, e->lp_row, c->vocab);
-        ev.logprob = e->lp_row[tok];
+        ev.logprob = logprob;
         if (r->s.logprobs > 0) {
-            const int32_t k = r->s.logprobs < c->vocab ? r->s.logprobs : (int32_t)c->vocab;
-            kr_top_k_ids(e->lp_row, c->vocab, k, e->top_ids);
-            for (int32_t i = 0; i < k; i++) {
-                e->top_lps[i] = e->lp_row[e->top_ids[i]];
-            }
-            ev.n_top = k;
-            ev.top_ids = e->top_ids;
-            ev.top_logprobs = e->top_lps;
+            ev.n_top = r->s.logprobs < c->vocab ? r->s.logprobs : (int32_t)c->vocab;
+            ev.top_ids = top_ids;
+            ev.top_logprobs = top_lps;
         }
     }
     if (seq_append(s, tok) != KR_OK || kr_token_counts_add(&s->counts, tok, false) != KR_OK) {
@@ -450,6 +460,152 @@ static void sample_and_emit(struct kr_engine *e, struct seq *s, const float *log
     } else if (s->n_gen >= r->s.max_tokens || s->n_toks >= e->cfg.max_model_len) {
         finish_seq(e, s, KR_FINISH_LENGTH, -1);
     }
+}
+
+/* Samples the next token of s from `logits` (host memory) and emits it. */
+static void sample_and_emit(struct kr_engine *e, struct seq *s, const float *logits)
+{
+    struct req *r = s->req;
+    const struct kr_model_config *c = &e->m->cfg;
+    int32_t tok = 0;
+    enum kr_status st = kr_sample(&r->s, logits, c->vocab, &s->counts, s->n_gen, c->eos_ids, c->n_eos, &s->rng,
+                                  &e->scratch, &tok);
+    if (st != KR_OK) {
+        fail_req(e, r, st, "sampling failed");
+        return;
+    }
+    float lp = 0;
+    if (r->s.logprobs >= 0) {
+        kr_log_softmax(logits, e->lp_row, c->vocab);
+        lp = e->lp_row[tok];
+        if (r->s.logprobs > 0) {
+            const int32_t k = r->s.logprobs < c->vocab ? r->s.logprobs : (int32_t)c->vocab;
+            kr_top_k_ids(e->lp_row, c->vocab, k, e->top_ids);
+            for (int32_t i = 0; i < k; i++) {
+                e->top_lps[i] = e->lp_row[e->top_ids[i]];
+            }
+        }
+    }
+    emit_token(e, s, tok, lp, e->top_ids, e->top_lps);
+}
+
+/* ---- sampling on the backend ------------------------------------------------------------------ */
+
+static enum kr_status ensure_sample_buffers(struct kr_engine *e, int32_t n, int64_t n_pen)
+{
+    if (n > e->cap_srows) {
+        const int32_t c = n + 16;
+        kr_free(e->s_seqs);
+        kr_free(e->srows);
+        kr_free(e->s_out);
+        kr_free(e->s_lp);
+        kr_free(e->s_top_ids);
+        kr_free(e->s_top_lp);
+        e->s_seqs = kr_malloc((size_t)c * sizeof *e->s_seqs);
+        e->srows = kr_malloc((size_t)c * sizeof *e->srows);
+        e->s_out = kr_malloc((size_t)c * sizeof(int32_t));
+        e->s_lp = kr_malloc((size_t)c * sizeof(float));
+        e->s_top_ids = kr_malloc((size_t)c * KR_MAX_TOP_LOGPROBS * sizeof(int32_t));
+        e->s_top_lp = kr_malloc((size_t)c * KR_MAX_TOP_LOGPROBS * sizeof(float));
+        e->cap_srows = e->s_seqs && e->srows && e->s_out && e->s_lp && e->s_top_ids && e->s_top_lp ? c : 0;
+        if (!e->cap_srows) {
+            return KR_ERR_NOMEM;
+        }
+    }
+    if (n_pen > e->cap_pen) {
+        const int64_t c = n_pen + n_pen / 2 + 256;
+        kr_free(e->pen_ids);
+        kr_free(e->pen_count);
+        kr_free(e->pen_flags);
+        e->pen_ids = kr_malloc((size_t)c * sizeof(int32_t));
+        e->pen_count = kr_malloc((size_t)c * sizeof(int32_t));
+        e->pen_flags = kr_malloc((size_t)c);
+        e->cap_pen = e->pen_ids && e->pen_count && e->pen_flags ? c : 0;
+        if (!e->cap_pen) {
+            return KR_ERR_NOMEM;
+        }
+    }
+    return KR_OK;
+}
+
+static bool penalised(const struct kr_sampling *p)
+{
+    return p->repetition_penalty != 1.0f || p->frequency_penalty != 0.0f || p->presence_penalty != 0.0f;
+}
+
+/* Penalty and mask entries sequence s's row needs (an upper bound when `fill` is false). */
+static int64_t pen_entries(struct kr_engine *e, const struct seq *s, int64_t at, bool fill)
+{
+    const struct kr_sampling *p = &s->req->s;
+    const struct kr_model_config *c = &e->m->cfg;
+    int64_t n = 0;
+    if (penalised(p) && s->counts.cap) {
+        for (int32_t i = 0; i < s->counts.cap; i++) {
+            const int32_t id = s->counts.ids[i];
+            if (id < 0 || (!s->counts.in_prompt[i] && !s->counts.n_out[i])) {
+                continue;
+            }
+            if (fill) {
+                e->pen_ids[at + n] = id;
+                e->pen_count[at + n] = s->counts.n_out[i];
+                e->pen_flags[at + n] = s->counts.in_prompt[i] ? 1 : 0;
+            }
+            n++;
+        }
+    }
+    if (s->n_gen < p->min_tokens) {
+        for (int32_t i = 0; i < c->n_eos && !p->ignore_eos; i++, n++) {
+            if (fill) {
+                e->pen_ids[at + n] = c->eos_ids[i];
+                e->pen_count[at + n] = 0;
+                e->pen_flags[at + n] = 2;
+            }
+        }
+        for (int32_t i = 0; i < p->n_stop_ids; i++, n++) {
+            if (fill) {
+                e->pen_ids[at + n] = p->stop_ids[i];
+                e->pen_count[at + n] = 0;
+                e->pen_flags[at + n] = 2;
+            }
+        }
+    }
+    return n;
+}
+
+/* Samples the rows of the step's output on the backend: row i of the model's last logits belongs
+ * to seqs[i]. The generator of each sequence advances exactly as on the host path (one draw per
+ * non-greedy row). Results in e->s_out / s_lp / s_top_*. */
+static enum kr_status sample_on_backend(struct kr_engine *e, struct seq **seqs, int32_t n, int32_t *n_top_out)
+{
+    int64_t n_pen = 0;
+    int32_t n_top = 0;
+    for (int32_t i = 0; i < n; i++) {
+        n_pen += pen_entries(e, seqs[i], 0, false);
+        const int32_t k = seqs[i]->req->s.logprobs;
+        n_top = k > n_top ? k : n_top;
+    }
+    n_top = n_top < e->m->cfg.vocab ? n_top : (int32_t)e->m->cfg.vocab;
+    TRY_ST(ensure_sample_buffers(e, n, n_pen));
+    int64_t at = 0;
+    for (int32_t i = 0; i < n; i++) {
+        struct seq *s = seqs[i];
+        const struct kr_sampling *p = &s->req->s;
+        const int64_t k = pen_entries(e, s, at, true);
+        e->srows[i] = (struct kr_sample_row){.temperature = p->temperature, .top_k = p->top_k, .top_p = p->top_p,
+                                             .min_p = p->min_p, .presence = p->presence_penalty,
+                                             .frequency = p->frequency_penalty,
+                                             .repetition = p->repetition_penalty, .pen_off = (int32_t)at,
+                                             .pen_n = (int32_t)k,
+                                             .u = p->temperature > 0.0f ? kr_rng_uniform(&s->rng) : 0.0};
+        at += k;
+    }
+    struct kr_sample_batch sb = {.logits = e->m->last_logits, .ld = e->m->cfg.vocab, .n = n,
+                                 .vocab = e->m->cfg.vocab, .rows = e->srows, .pen_ids = e->pen_ids,
+                                 .pen_count = e->pen_count, .pen_flags = e->pen_flags, .n_pen = n_pen,
+                                 .out = e->s_out, .out_logprob = e->s_lp, .n_top = n_top,
+                                 .top_ids = e->s_top_ids, .top_lp = e->s_top_lp};
+    *n_top_out = n_top;
+    return kr_backend_sample(e->m->be, &sb);
 }
 
 /* Accumulates prompt log-probabilities from rows of prompt positions [p0, p0 + n) and emits them
@@ -720,7 +876,32 @@ static void run_step(struct kr_engine *e)
                          .max_blocks = max_blocks, .n_out = n_out, .out_tok = e->b_out};
     const double t1 = now_us();
     struct kr_err err = {{0}};
-    enum kr_status st = kr_model_forward(e->m, e->cache, &b, e->logits, &err);
+    /* sampling on the backend when every output row of the step is one sequence's next token
+     * (no prompt log-probability rows, no n > 1 fork sampling several choices from one row) */
+    bool dev = e->dev_sample && n_out > 0;
+    for (int32_t j = 0; j < ns && dev; j++) {
+        struct seq *s = e->b_seqs[j];
+        const bool last = s->n_fed + e->b_nsched[j] == s->n_toks;
+        if (wants_prompt_rows(s) || (last && s->state == KR_SEQ_PREFILL && s->index == 0 && s->req->n > 1)) {
+            dev = false;
+        }
+    }
+    enum kr_status st = kr_model_forward(e->m, e->cache, &b, dev ? NULL : e->logits, &err);
+    int32_t n_top = 0;
+    if (st == KR_OK && dev && (st = ensure_sample_buffers(e, n_out, 0)) == KR_OK) {
+        /* the sequences of the output rows, in row order */
+        int32_t r = 0;
+        for (int32_t j = 0; j < ns; j++) {
+            struct seq *s = e->b_seqs[j];
+            if (s->n_fed + e->b_nsched[j] == s->n_toks) {
+                e->s_seqs[r++] = s;
+            }
+        }
+        st = r == n_out ? sample_on_backend(e, e->s_seqs, r, &n_top) : KR_ERR_INTERNAL;
+        if (st != KR_OK) {
+            snprintf(err.msg, sizeof err.msg, "sampling on the backend failed: %s", kr_status_str(st));
+        }
+    }
     if (st != KR_OK) {
         KR_LOG_ERROR("step failed: %s", err.msg);
         for (int32_t j = 0; j < ns; j++) {
@@ -755,7 +936,8 @@ static void run_step(struct kr_engine *e)
         if (!last) {
             continue;
         }
-        const float *row = first + (size_t)(n_rows - 1) * (size_t)V;
+        const int32_t row_i = o - 1; /* this sequence's output row (the last of its rows) */
+        const float *row = dev ? NULL : first + (size_t)(n_rows - 1) * (size_t)V;
         struct req *r = s->req;
         if (s->state == KR_SEQ_PREFILL) {
             s->state = KR_SEQ_DECODE;
@@ -769,8 +951,22 @@ static void run_step(struct kr_engine *e)
                 }
             }
         }
-        if (s->state != KR_SEQ_DONE) {
+        if (s->state == KR_SEQ_DONE) {
+            continue;
+        }
+        if (!dev) {
             sample_and_emit(e, s, row);
+        } else if (e->s_out[row_i] >= 0) {
+            emit_token(e, s, e->s_out[row_i], e->s_lp[row_i], e->s_top_ids + (size_t)row_i * (size_t)n_top,
+                       e->s_top_lp + (size_t)row_i * (size_t)n_top);
+        } else {
+            /* a row the backend refused (all logits masked, ...): the host sampler says why */
+            if (kr_backend_copy_d2h(e->m->be, e->logits, e->m->last_logits + (size_t)row_i * (size_t)V,
+                                    (size_t)V * sizeof(float)) != KR_OK) {
+                fail_req(e, r, KR_ERR_CUDA, "sampling failed");
+            } else {
+                sample_and_emit(e, s, e->logits);
+            }
         }
     }
     free_dead(e);
@@ -1005,6 +1201,17 @@ enum kr_status kr_engine_create(struct kr_model *m, const struct kr_engine_confi
         kr_free(e);
         return kr_err_set(err, st != KR_OK ? st : KR_ERR_NOMEM, "engine: cannot allocate the cache pools");
     }
+    /* where tokens are drawn: on a GPU backend by default (the logits stay on the device) */
+    int32_t where = cfg.backend_sampling;
+    const char *bs = getenv("KRAIT_BACKEND_SAMPLING");
+    if (bs && (!strcmp(bs, "0") || !strcmp(bs, "1"))) {
+        where = bs[0] - '0';
+    }
+    if (where < 0) {
+        size_t fb, tb;
+        where = kr_backend_mem_info(m->be, &fb, &tb) == KR_OK;
+    }
+    e->dev_sample = where && kr_backend_can_sample(m->be);
     atomic_init(&e->next_id, 1);
     atomic_init(&e->queued, 0);
     pthread_mutex_init(&e->lock, NULL);
@@ -1075,6 +1282,15 @@ void kr_engine_free(struct kr_engine *e)
     kr_free(e->b_seqs);
     kr_free(e->logits);
     kr_free(e->lp_row);
+    kr_free(e->s_seqs);
+    kr_free(e->srows);
+    kr_free(e->s_out);
+    kr_free(e->s_lp);
+    kr_free(e->s_top_ids);
+    kr_free(e->s_top_lp);
+    kr_free(e->pen_ids);
+    kr_free(e->pen_count);
+    kr_free(e->pen_flags);
     kr_free(e);
 }
 

@@ -28,6 +28,8 @@ struct kr_engine_config {
     size_t cache_bytes;             /* byte budget for all cache pools (slots + blocks) */
     int32_t n_slots;                /* state slots (0 = max_num_seqs) */
     bool debug_checks;              /* verify slot/block ownership after every step (tests) */
+    int32_t backend_sampling;       /* 1: sample on the backend (one launch per step), 0: on the host,
+                                       -1: on the backend when it is a GPU (KRAIT_BACKEND_SAMPLING=0|1 overrides) */
 };
 
 /* Defaults: 256 seqs, 2048 tokens per step, no queue limit, block 16, 256 MiB of cache. */

@@ -262,9 +262,7 @@ static int cmp_desc(const void *a, const void *b)
     return (x->id > y->id) - (x->id < y->id);
 }
 
-enum kr_status kr_sample(const struct kr_sampling *s, const float *logits, int64_t vocab,
-                         const struct kr_token_counts *counts, int32_t n_generated, const int32_t *eos_ids,
-                         int32_t n_eos, struct kr_rng *rng, struct kr_sampler_scratch *sc, int32_t *out)
+static enum kr_status scratch_reserve(struct kr_sampler_scratch *sc, int64_t vocab)
 {
     if (sc->cap < vocab) {
         kr_sampler_scratch_free(sc);
@@ -276,33 +274,17 @@ enum kr_status kr_sample(const struct kr_sampling *s, const float *logits, int64
         }
         sc->cap = vocab;
     }
-    float *v = sc->v;
-    memcpy(v, logits, (size_t)vocab * sizeof(float));
-    /* penalties */
-    if (counts && counts->cap) {
-        for (int32_t i = 0; i < counts->cap; i++) {
-            const int32_t id = counts->ids[i];
-            if (id < 0 || id >= vocab) {
-                continue;
-            }
-            if (s->repetition_penalty != 1.0f && (counts->in_prompt[i] || counts->n_out[i])) {
-                v[id] = v[id] > 0 ? v[id] / s->repetition_penalty : v[id] * s->repetition_penalty;
-            }
-            if (counts->n_out[i]) {
-                v[id] -= s->frequency_penalty * (float)counts->n_out[i] + s->presence_penalty;
-            }
-        }
-    }
-    /* min_tokens: no end of sequence before it */
-    if (n_generated < s->min_tokens) {
-        for (int32_t i = 0; i < n_eos && !s->ignore_eos; i++) {
-            v[eos_ids[i]] = -INFINITY;
-        }
-        for (int32_t i = 0; i < s->n_stop_ids; i++) {
-            v[s->stop_ids[i]] = -INFINITY;
-        }
-    }
-    if (s->temperature == 0.0f) {
+    return KR_OK;
+}
+
+/* The selection on processed logits v (penalties and masks applied): greedy, or temperature,
+ * top-k, top-p, min-p and a draw. The draw is taken from `rng` when given (exactly once, and only
+ * when something can be drawn), else `u` is used. */
+static enum kr_status select_token(float temperature, int32_t top_k, float top_p, float min_p, const float *v,
+                                   int64_t vocab, struct kr_sampler_scratch *sc, struct kr_rng *rng, double u01,
+                                   int32_t *out)
+{
+    if (temperature == 0.0f) {
         int64_t best = 0;
         for (int64_t i = 1; i < vocab; i++) {
             if (v[i] > v[best]) {
@@ -325,31 +307,31 @@ enum kr_status kr_sample(const struct kr_sampling *s, const float *logits, int64
         return KR_ERR_INTERNAL;
     }
     int64_t keep = n;
-    if (s->top_k > 0 && s->top_k < keep) {
-        keep = s->top_k;
+    if (top_k > 0 && top_k < keep) {
+        keep = top_k;
     }
     qsort(sc->order, (size_t)n, sizeof *sc->order, cmp_desc);
-    const float inv_t = 1.0f / s->temperature;
+    const float inv_t = 1.0f / temperature;
     const float mx = sc->order[0].v * inv_t;
     double total = 0.0;
     for (int64_t i = 0; i < keep; i++) {
         total += exp((double)sc->order[i].v * inv_t - mx);
     }
-    if (s->top_p < 1.0f) { /* smallest prefix whose probability reaches top_p */
+    if (top_p < 1.0f) { /* smallest prefix whose probability reaches top_p */
         double cum = 0.0;
         int64_t k2 = 0;
         while (k2 < keep) {
             cum += exp((double)sc->order[k2].v * inv_t - mx) / total;
             k2++;
-            if (cum >= s->top_p) {
+            if (cum >= top_p) {
                 break;
             }
         }
         keep = k2;
     }
-    if (s->min_p > 0.0f) { /* drop tokens below min_p times the top probability (top is exp(0) = 1) */
+    if (min_p > 0.0f) { /* drop tokens below min_p times the top probability (top is exp(0) = 1) */
         int64_t k2 = 1;
-        while (k2 < keep && exp((double)sc->order[k2].v * inv_t - mx) >= s->min_p) {
+        while (k2 < keep && exp((double)sc->order[k2].v * inv_t - mx) >= min_p) {
             k2++;
         }
         keep = k2;
@@ -358,7 +340,7 @@ enum kr_status kr_sample(const struct kr_sampling *s, const float *logits, int64
     for (int64_t i = 0; i < keep; i++) {
         total += exp((double)sc->order[i].v * inv_t - mx);
     }
-    const double u = kr_rng_uniform(rng) * total;
+    const double u = (rng ? kr_rng_uniform(rng) : u01) * total;
     double cum = 0.0;
     for (int64_t i = 0; i < keep; i++) {
         cum += exp((double)sc->order[i].v * inv_t - mx);
@@ -369,4 +351,73 @@ enum kr_status kr_sample(const struct kr_sampling *s, const float *logits, int64
     }
     *out = sc->order[keep - 1].id;
     return KR_OK;
+}
+
+/* One token's penalties, in the order kr_sample applies them. */
+static void penalise(float *v, int32_t id, bool in_prompt, int32_t n_out, float repetition, float frequency,
+                     float presence)
+{
+    if (repetition != 1.0f && (in_prompt || n_out)) {
+        v[id] = v[id] > 0 ? v[id] / repetition : v[id] * repetition;
+    }
+    if (n_out) {
+        v[id] -= frequency * (float)n_out + presence;
+    }
+}
+
+enum kr_status kr_sample(const struct kr_sampling *s, const float *logits, int64_t vocab,
+                         const struct kr_token_counts *counts, int32_t n_generated, const int32_t *eos_ids,
+                         int32_t n_eos, struct kr_rng *rng, struct kr_sampler_scratch *sc, int32_t *out)
+{
+    enum kr_status st = scratch_reserve(sc, vocab);
+    if (st != KR_OK) {
+        return st;
+    }
+    float *v = sc->v;
+    memcpy(v, logits, (size_t)vocab * sizeof(float));
+    /* penalties */
+    if (counts && counts->cap) {
+        for (int32_t i = 0; i < counts->cap; i++) {
+            const int32_t id = counts->ids[i];
+            if (id < 0 || id >= vocab) {
+                continue;
+            }
+            penalise(v, id, counts->in_prompt[i] != 0, counts->n_out[i], s->repetition_penalty,
+                     s->frequency_penalty, s->presence_penalty);
+        }
+    }
+    /* min_tokens: no end of sequence before it */
+    if (n_generated < s->min_tokens) {
+        for (int32_t i = 0; i < n_eos && !s->ignore_eos; i++) {
+            v[eos_ids[i]] = -INFINITY;
+        }
+        for (int32_t i = 0; i < s->n_stop_ids; i++) {
+            v[s->stop_ids[i]] = -INFINITY;
+        }
+    }
+    return select_token(s->temperature, s->top_k, s->top_p, s->min_p, v, vocab, sc, rng, 0.0, out);
+}
+
+enum kr_status kr_sample_with_draw(const float *logits, int64_t vocab, float temperature, int32_t top_k, float top_p,
+                                   float min_p, float presence, float frequency, float repetition,
+                                   const int32_t *pen_ids, const int32_t *pen_count, const uint8_t *pen_flags,
+                                   int64_t n_pen, double u, struct kr_sampler_scratch *sc, int32_t *out)
+{
+    enum kr_status st = scratch_reserve(sc, vocab);
+    if (st != KR_OK) {
+        return st;
+    }
+    float *v = sc->v;
+    memcpy(v, logits, (size_t)vocab * sizeof(float));
+    for (int64_t i = 0; i < n_pen; i++) {
+        if (pen_ids[i] >= 0 && pen_ids[i] < vocab && !(pen_flags[i] & 2)) {
+            penalise(v, pen_ids[i], (pen_flags[i] & 1) != 0, pen_count[i], repetition, frequency, presence);
+        }
+    }
+    for (int64_t i = 0; i < n_pen; i++) {
+        if (pen_ids[i] >= 0 && pen_ids[i] < vocab && (pen_flags[i] & 2)) {
+            v[pen_ids[i]] = -INFINITY;
+        }
+    }
+    return select_token(temperature, top_k, top_p, min_p, v, vocab, sc, NULL, u, out);
 }

@@ -86,6 +86,14 @@ enum kr_status kr_sample(const struct kr_sampling *s, const float *logits, int64
                          const struct kr_token_counts *counts, int32_t n_generated, const int32_t *eos_ids,
                          int32_t n_eos, struct kr_rng *rng, struct kr_sampler_scratch *scratch, int32_t *out);
 
+/* kr_sample's processing and selection with a given draw u in [0, 1) instead of a generator, and
+ * the penalties and masks as a list (ids with their output counts; flag bit 0: in the prompt,
+ * bit 1: masked). For backends that sample many rows at once. */
+enum kr_status kr_sample_with_draw(const float *logits, int64_t vocab, float temperature, int32_t top_k, float top_p,
+                                   float min_p, float presence, float frequency, float repetition,
+                                   const int32_t *pen_ids, const int32_t *pen_count, const uint8_t *pen_flags,
+                                   int64_t n_pen, double u, struct kr_sampler_scratch *sc, int32_t *out);
+
 /* Log-softmax of raw logits into `lp` [vocab] (may alias logits). */
 void kr_log_softmax(const float *logits, float *lp, int64_t vocab);
 

@@ -24,6 +24,8 @@
 struct choice {
     int32_t tokens[MAX_GEN];
     float margin[MAX_GEN]; /* top1 - top2 log-probability at each step (needs logprobs >= 2) */
+    float lp[MAX_GEN];     /* log-probability of each token (needs logprobs >= 0) */
+    int32_t top0[MAX_GEN]; /* the most likely alternative (needs logprobs >= 1) */
     int32_t n;
     int32_t n_finish;
     enum kr_finish_reason finish;
@@ -59,6 +61,8 @@ static void on_event(const struct kr_event *ev, void *user)
         if (ev->type == KR_EVENT_TOKEN && c->n < MAX_GEN) {
             c->tokens[c->n] = ev->token;
             c->margin[c->n] = ev->n_top >= 2 ? ev->top_logprobs[0] - ev->top_logprobs[1] : INFINITY;
+            c->lp[c->n] = ev->logprob;
+            c->top0[c->n] = ev->n_top >= 1 ? ev->top_ids[0] : -1;
             c->n++;
         } else if (ev->type == KR_EVENT_FINISH) {
             c->n_finish++;
@@ -95,6 +99,8 @@ static void teardown(void)
     kr_free(g_recs);
 }
 
+static int32_t g_backend_sampling = -1;
+
 static struct kr_engine *make_engine(int32_t max_seqs, int32_t max_tokens, size_t cache_bytes, int32_t block)
 {
     struct kr_engine_config cfg;
@@ -104,6 +110,7 @@ static struct kr_engine *make_engine(int32_t max_seqs, int32_t max_tokens, size_
     cfg.cache_bytes = cache_bytes;
     cfg.block_size = block;
     cfg.debug_checks = true;
+    cfg.backend_sampling = g_backend_sampling;
     struct kr_engine *e = NULL;
     struct kr_err err = {{0}};
     cr_assert_eq(kr_engine_create(g_m, &cfg, &e, &err), KR_OK, "%s", err.msg);
@@ -518,4 +525,67 @@ Test(engine, randomized_operations_never_leak_or_double_own)
     cr_expect_gt(cancelled, 0);
     expect_pools_full(e);
     kr_engine_free(e);
+}
+
+/* Sampling on the backend (one call per step for every output row, with the generators' draws
+ * made on the host) gives exactly what the host sampler gives: the same tokens, log-probabilities
+ * and alternatives, for greedy and seeded requests with penalties, top-k/p, min-p, min_tokens
+ * masking and logprobs; steps with prompt log-probabilities or an n > 1 fork fall back to the host
+ * for that step. */
+Test(engine, backend_sampling_equals_host_sampling)
+{
+    enum { N = 16 };
+    static int32_t prompts[N][64];
+    int32_t len[N];
+    for (int32_t i = 0; i < N; i++) {
+        len[i] = 1 + (int32_t)rnd(60);
+        random_prompt(prompts[i], len[i]);
+    }
+    for (int pass = 0; pass < 2; pass++) {
+        g_backend_sampling = pass; /* 0: host, 1: backend */
+        struct kr_engine *e = make_engine(8, 96, 32 << 20, 16);
+        for (int32_t i = 0; i < N; i++) {
+            struct kr_sampling s;
+            kr_sampling_default(&s);
+            s.max_tokens = 12;
+            s.has_seed = true;
+            s.seed = 77 + (uint64_t)i;
+            s.temperature = i % 4 == 0 ? 0.0f : 0.6f + 0.1f * (float)(i % 5);
+            s.top_k = i % 3 == 0 ? 20 : 0;
+            s.top_p = i % 2 ? 0.9f : 1.0f;
+            s.min_p = i % 5 == 1 ? 0.05f : 0.0f;
+            s.repetition_penalty = i % 3 == 1 ? 1.3f : 1.0f;
+            s.frequency_penalty = i % 4 == 2 ? 0.5f : 0.0f;
+            s.presence_penalty = i % 4 == 3 ? 0.4f : 0.0f;
+            s.logprobs = i % 2 ? 3 : 0;
+            s.min_tokens = i % 6 == 5 ? 6 : 0;
+            s.n_stop_ids = i % 6 == 5 ? 2 : 0;
+            s.stop_ids[0] = 17;
+            s.stop_ids[1] = 42;
+            s.prompt_logprobs = i == 7 ? 2 : -1;
+            submit(e, prompts[i], len[i], &s, i == 9 ? 2 : 1, &g_recs[pass * N + i]);
+        }
+        kr_engine_wait_idle(e);
+        expect_pools_full(e);
+        kr_engine_free(e);
+    }
+    g_backend_sampling = -1;
+    int32_t compared = 0;
+    for (int32_t i = 0; i < N; i++) {
+        for (int32_t c = 0; c < (i == 9 ? 2 : 1); c++) {
+            const struct choice *h = &g_recs[i].ch[c], *b = &g_recs[N + i].ch[c];
+            cr_expect_eq(b->n, h->n, "request %d choice %d: %d tokens on the backend, %d on the host", i, c, b->n,
+                         h->n);
+            for (int32_t k = 0; k < h->n && k < b->n; k++) {
+                cr_expect_eq(b->tokens[k], h->tokens[k], "request %d token %d: %d vs %d", i, k, b->tokens[k],
+                             h->tokens[k]);
+                cr_expect(b->lp[k] == h->lp[k], "request %d token %d: logprob %g vs %g", i, k, b->lp[k], h->lp[k]);
+                cr_expect_eq(b->top0[k], h->top0[k], "request %d token %d: top alternative %d vs %d", i, k,
+                             b->top0[k], h->top0[k]);
+                compared++;
+            }
+            cr_expect_eq(b->n_finish, 1);
+        }
+    }
+    cr_expect_gt(compared, N * 6, "too few tokens compared (%d)", compared);
 }

@@ -9,6 +9,7 @@
  * reference is within 1e-3 of HF on the same data, and a wrong kernel moves them by O(1)). Greedy
  * tokens must equal HF's up to the first step where HF's top-2 margin is below MARGIN = 0.3, twice LP_TOL (beyond a near-tie either continuation is legitimate at bf16
  * precision). */
+#include "engine.h"
 #include "fixture.h"
 #include "gpu-test.h"
 #include "runner.h"
@@ -19,6 +20,7 @@
 #include <criterion/criterion.h>
 #include <criterion/parameterized.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -377,5 +379,89 @@ Test(cuda_backend, invalid_batch_is_refused)
     tok = 1;
     cr_expect_eq(kr_model_forward(f.m, f.c, &b, logits, &err), KR_OK, "%s", err.msg);
     kr_free(logits);
+    fx_free(&f);
+}
+
+/* ---- the engine on the CUDA backend: sampling on the GPU equals the host sampler ------------- */
+
+struct gen {
+    int32_t tok[16];
+    float lp[16];
+    int32_t n, n_finish;
+};
+
+static pthread_mutex_t g_gen_mu = PTHREAD_MUTEX_INITIALIZER;
+
+static void on_gen(const struct kr_event *ev, void *user)
+{
+    struct gen *g = user;
+    pthread_mutex_lock(&g_gen_mu);
+    if (ev->type == KR_EVENT_TOKEN && g->n < 16) {
+        g->tok[g->n] = ev->token;
+        g->lp[g->n++] = ev->logprob;
+    } else if (ev->type == KR_EVENT_FINISH) {
+        g->n_finish++;
+    }
+    pthread_mutex_unlock(&g_gen_mu);
+}
+
+/* The same requests through the engine on the GPU, drawn once by the host sampler (logits copied
+ * back) and once by krk_sample on the device: identical tokens and log-probabilities (up to the
+ * 1e-6 of a different log-sum-exp order), for greedy and seeded requests with penalties, top-k/p,
+ * min-p and logprobs. */
+Test(cuda_backend, gpu_sampling_equals_host_sampling)
+{
+    GT_REQUIRE_GPU();
+    struct fx f;
+    load_cuda(&f, 1, 2, true);
+    enum { N = 12 };
+    static struct gen got[2][N];
+    memset(got, 0, sizeof got);
+    for (int pass = 0; pass < 2; pass++) {
+        struct kr_engine_config cfg;
+        kr_engine_config_default(&cfg);
+        cfg.max_num_seqs = 8;
+        cfg.max_num_batched_tokens = 64;
+        cfg.cache_bytes = 64 << 20;
+        cfg.backend_sampling = pass;
+        cfg.debug_checks = true;
+        struct kr_engine *e = NULL;
+        struct kr_err err = {{0}};
+        cr_assert_eq(kr_engine_create(f.m, &cfg, &e, &err), KR_OK, "%s", err.msg);
+        for (int32_t i = 0; i < N; i++) {
+            const struct fx_prompt *p = &f.prompts[i % f.n_prompts];
+            struct kr_sampling s;
+            kr_sampling_default(&s);
+            s.max_tokens = 16;
+            s.ignore_eos = true;
+            s.has_seed = true;
+            s.seed = 5 + (uint64_t)i;
+            s.temperature = i % 3 == 0 ? 0.0f : 0.8f;
+            s.top_k = i % 2 ? 40 : 0;
+            s.top_p = i % 4 == 1 ? 0.9f : 1.0f;
+            s.min_p = i % 5 == 2 ? 0.05f : 0.0f;
+            s.repetition_penalty = i % 3 == 1 ? 1.2f : 1.0f;
+            s.frequency_penalty = i % 4 == 2 ? 0.3f : 0.0f;
+            s.logprobs = 2;
+            struct kr_request_params rp = {.prompt = p->ids, .n_prompt = p->n, .n = 1, .sampling = s,
+                                           .cb = on_gen, .user = &got[pass][i]};
+            uint64_t id;
+            cr_assert_eq(kr_engine_submit(e, &rp, &id, &err), KR_OK, "%s", err.msg);
+        }
+        kr_engine_wait_idle(e);
+        kr_engine_free(e);
+    }
+    for (int32_t i = 0; i < N; i++) {
+        cr_expect_eq(got[1][i].n, got[0][i].n, "request %d: %d tokens vs %d", i, got[1][i].n, got[0][i].n);
+        for (int32_t k = 0; k < got[0][i].n && k < got[1][i].n; k++) {
+            cr_expect_eq(got[1][i].tok[k], got[0][i].tok[k], "request %d token %d: GPU %d, host %d", i, k,
+                         got[1][i].tok[k], got[0][i].tok[k]);
+            cr_expect(fabsf(got[1][i].lp[k] - got[0][i].lp[k]) <= 1e-5f, "request %d token %d: logprob %g vs %g", i,
+                      k, got[1][i].lp[k], got[0][i].lp[k]);
+            if (got[1][i].tok[k] != got[0][i].tok[k]) {
+                break;
+            }
+        }
+    }
     fx_free(&f);
 }
