@@ -242,7 +242,7 @@ static void forward(struct ctx *x, const struct kr_batch *b)
 }
 
 /* Prefills B sequences with ctx random tokens each, then times `steps` greedy decode steps. */
-static double bench_decode(struct ctx *x, int32_t B, int32_t ctx, int32_t steps, bool quiet)
+static double bench_decode(struct ctx *x, int32_t B, int32_t ctx, int32_t steps, bool quiet, bool profile)
 {
     struct kr_seq_cache *sc = kr_calloc((size_t)B, sizeof *sc);
     const int32_t maxb = (ctx + steps + 8) / x->c->block_size + 2;
@@ -288,6 +288,9 @@ static double bench_decode(struct ctx *x, int32_t B, int32_t ctx, int32_t steps,
         tok[i] = (int32_t)(i * 7919 % x->m->cfg.vocab);
     }
     tok0[B] = B;
+    if (profile) {
+        kr_backend_cuda_profile(x->be, true); /* time the decode steps only, not the prefill above */
+    }
     const int warm = 3;
     double t0 = 0;
     for (int32_t st = 0; st < warm + steps; st++) {
@@ -390,7 +393,7 @@ static void profile_report(struct ctx *x, const char *what, int steps)
     for (int i = 0; i < n; i++) {
         tot += ms[i];
     }
-    printf("\n%s: kernel time per step by family (eager, events around each op)\n\n| family | ms/step | share | launches/step |\n|---|---|---|---|\n", what);
+    printf("\n%s: kernel time per step by family (eager, CUDA events around each op)\n\n| family | ms/step | share | launches/step |\n|---|---|---|---|\n", what);
     for (int i = 0; i < n; i++) {
         if (calls[i]) {
             printf("| %s | %.3f | %.0f%% | %.0f |\n", names[i], ms[i] / steps, 100 * ms[i] / tot,
@@ -522,13 +525,12 @@ int main(int argc, char **argv)
         bench_prefill(&x, prefills[i], 3, false);
     }
     for (int i = 0; i < nb; i++) {
-        bench_decode(&x, batches[i], ctx, steps, false);
+        bench_decode(&x, batches[i], ctx, steps, false, false);
     }
     if (profile) {
         kr_backend_cuda_profile(x.be, true);
         for (int i = 0; i < nb && i < 2; i++) {
-            kr_backend_cuda_profile(x.be, true);
-            bench_decode(&x, batches[i], ctx, 8, true);
+            bench_decode(&x, batches[i], ctx, 8, true, true);
             char what[64];
             snprintf(what, sizeof what, "decode batch %d", batches[i]);
             profile_report(&x, what, 8 + 3);
