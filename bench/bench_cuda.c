@@ -178,8 +178,18 @@ static double seq_bytes(const struct kr_model *m, int64_t ctx)
     b += (double)m->n_mamba * 2.0 *
          ((double)(c->m_heads * c->m_head_dim * c->m_state) * 4.0 + (double)((c->m_conv - 1) * c->m_conv_dim) * 2.0);
     b += (double)m->n_attn * 2.0 * (double)(c->n_kv_head * c->head_dim) * 2.0 * (double)(ctx + 1);
+    for (int32_t i = 0; i < c->n_layer; i++) {
+        const double lat = (double)(c->kv_lora + c->qk_rope) * 2.0;
+        if (m->layers[i].type == KR_LAYER_DSA) { /* every indexer key, the selected latents */
+            const double sel = (double)(ctx + 1 < c->idx_topk ? ctx + 1 : c->idx_topk);
+            b += (double)(ctx + 1) * (double)c->idx_head_dim * 2.0 + sel * lat + lat + (double)c->idx_head_dim * 2.0;
+        } else if (m->layers[i].type == KR_LAYER_MLA) { /* every latent */
+            b += (double)(ctx + 2) * lat;
+        }
+    }
     return b;
 }
+
 
 /* FLOPs of a prefill of L tokens from empty caches. */
 static double prefill_flops(const struct kr_model *m, double L, double *gemm_part)
@@ -204,7 +214,50 @@ struct ctx {
     int32_t *ids_d;
     FILE *json;
     double bw, tflops;
+    bool fill;              /* caches hold random data instead of a real prefill */
 };
+
+/* Fills a device buffer with random values: bf16 in [-1, 1] (elt 2) or fp32 in [-0.1, 0.1]. */
+static void fill_random(void *dev, size_t bytes, int elt)
+{
+    const size_t chunk = (size_t)64 << 20;
+    void *h = malloc(chunk);
+    uint32_t s = 99;
+    for (size_t i = 0; i < chunk / 4; i++) {
+        s = s * 1664525u + 1013904223u;
+        const float f = ((float)(s >> 8) / 16777216.0f * 2.0f - 1.0f);
+        if (elt == 2) {
+            ((uint16_t *)h)[2 * i] = kr_f32_to_bf16(f);
+            ((uint16_t *)h)[2 * i + 1] = kr_f32_to_bf16(-0.5f * f);
+        } else {
+            ((float *)h)[i] = 0.1f * f;
+        }
+    }
+    for (size_t o = 0; o < bytes; o += chunk) {
+        CK(cudaMemcpy((char *)dev + o, h, bytes - o < chunk ? bytes - o : chunk, cudaMemcpyHostToDevice));
+    }
+    free(h);
+}
+
+/* Cache bytes per token (K/V and latent rows, all layers) and per sequence (Mamba states). */
+static void cache_unit_report(struct ctx *x)
+{
+    const struct kr_model_config *c = &x->m->cfg;
+    double kv = (double)x->m->n_attn * 2.0 * (double)(c->n_kv_head * c->head_dim) * 2.0, lat = 0;
+    for (int32_t i = 0; i < c->n_layer; i++) {
+        if (x->m->layers[i].type == KR_LAYER_DSA || x->m->layers[i].type == KR_LAYER_MLA) {
+            lat += (double)(c->kv_lora + c->qk_rope + (x->m->layers[i].type == KR_LAYER_DSA ? c->idx_head_dim : 0)) * 2.0;
+        }
+    }
+    const double st = (double)x->m->n_mamba * ((double)(c->m_heads * c->m_head_dim * c->m_state) * 4.0 +
+                                               (double)((c->m_conv - 1) * c->m_conv_dim) * 2.0);
+    printf("cache: K/V %.0f B/token, latent (c_kv | k_pe | indexer key) %.0f B/token, Mamba states %.2f MiB/sequence\n",
+           kv, lat, st / (1 << 20));
+    if (x->json) {
+        fprintf(x->json, "{\"kind\":\"cache\",\"kv_bytes_per_token\":%.0f,\"latent_bytes_per_token\":%.0f,"
+                         "\"state_bytes_per_seq\":%.0f}\n", kv, lat, st);
+    }
+}
 
 /* Greedy ids of the last step's n logits rows, chosen on the GPU, into host ids. */
 static void gpu_greedy(struct ctx *x, int32_t n, int32_t *ids)
@@ -246,9 +299,10 @@ static double bench_decode(struct ctx *x, int32_t B, int32_t ctx, int32_t steps,
 {
     struct kr_seq_cache *sc = kr_calloc((size_t)B, sizeof *sc);
     const int32_t maxb = (ctx + steps + 8) / x->c->block_size + 2;
-    int32_t *tok = kr_malloc((size_t)B * (size_t)ctx * 4), *pos = kr_malloc((size_t)B * (size_t)ctx * 4);
+    const size_t nt_max = x->fill ? (size_t)B : (size_t)B * (size_t)(ctx < 8192 ? ctx : 8192) + (size_t)B;
+    int32_t *tok = kr_malloc(nt_max * 4), *pos = kr_malloc(nt_max * 4);
     int32_t *tok0 = kr_malloc(((size_t)B + 1) * 4), *pos0 = kr_malloc((size_t)B * 4), *slot = kr_malloc((size_t)B * 4);
-    int32_t *bt = kr_calloc((size_t)B * (size_t)maxb, 4), *out = kr_malloc((size_t)B * (size_t)ctx * 4);
+    int32_t *bt = kr_calloc((size_t)B * (size_t)maxb, 4), *out = kr_malloc(nt_max * 4);
     uint32_t s = 7;
     for (int32_t i = 0; i < B; i++) {
         if (kr_seq_cache_init(x->c, &sc[i]) != KR_OK || kr_seq_cache_reserve(x->c, &sc[i], ctx + steps + 4) != KR_OK) {
@@ -256,9 +310,9 @@ static double bench_decode(struct ctx *x, int32_t B, int32_t ctx, int32_t steps,
             exit(1);
         }
     }
-    /* prefill in steps of at most 8192 tokens (whole sequences) */
+    /* prefill in steps of at most 8192 tokens (whole sequences), unless the caches hold random data */
     const int32_t per_step = 8192 / ctx > 0 ? 8192 / ctx : 1;
-    for (int32_t s0 = 0; s0 < B; s0 += per_step) {
+    for (int32_t s0 = 0; s0 < B && !x->fill; s0 += per_step) {
         const int32_t ns = B - s0 < per_step ? B - s0 : per_step;
         int32_t nt = 0;
         for (int32_t j = 0; j < ns; j++) {
@@ -421,13 +475,14 @@ static int parse_list(const char *s, int32_t *v, int cap)
 
 int main(int argc, char **argv)
 {
-    int32_t batches[16] = {1, 16, 64, 256}, prefills[8] = {2048, 8192};
-    int nb = 4, np = 2, steps = 32, ctx = 256, profile = 0;
+    int32_t batches[16] = {1, 16, 64, 256}, prefills[8] = {2048, 8192}, ctxs[8] = {256};
+    int nb = 4, np = 2, nc = 1, steps = 32, ctx = 256, profile = 0, fill = 0;
     const char *json = NULL;
     static const struct option lo[] = {
         {"batches", required_argument, NULL, 'b'}, {"prefill", required_argument, NULL, 'p'},
         {"steps", required_argument, NULL, 's'},   {"ctx", required_argument, NULL, 'c'},
         {"json", required_argument, NULL, 'j'},    {"profile", no_argument, NULL, 'P'},
+        {"ctxs", required_argument, NULL, 'C'},    {"fill", no_argument, NULL, 'F'},
         {"help", no_argument, NULL, 'h'},          {NULL, 0, NULL, 0},
     };
     int ch;
@@ -444,6 +499,14 @@ int main(int argc, char **argv)
             break;
         case 'c':
             ctx = atoi(optarg);
+            ctxs[0] = ctx;
+            nc = 1;
+            break;
+        case 'C':
+            nc = parse_list(optarg, ctxs, 8);
+            break;
+        case 'F':
+            fill = 1;
             break;
         case 'j':
             json = optarg;
@@ -452,17 +515,22 @@ int main(int argc, char **argv)
             profile = 1;
             break;
         default:
-            fprintf(stderr, "usage: bench_cuda [--batches 1,16,64,256] [--prefill 2048,8192] [--steps N] [--ctx N]\n"
-                            "                  [--profile] [--json FILE] MODEL_DIR\n");
+            fprintf(stderr, "usage: bench_cuda [--batches 1,16,64,256] [--prefill 2048,8192] [--steps N]\n"
+                            "                  [--ctx N | --ctxs 2048,16384,...] [--fill] [--profile] [--json FILE] MODEL_DIR\n"
+                            "  --fill  decode over caches holding random data instead of a real prefill (long contexts)\n");
             return 2;
         }
     }
-    if (optind >= argc || steps < 1 || ctx < 1) {
+    for (int i = 0; i < nc; i++) {
+        ctx = ctxs[i] > ctx ? ctxs[i] : ctx; /* the largest context sizes the caches */
+    }
+    if (optind >= argc || steps < 1 || ctx < 1 || nc < 1) {
         fprintf(stderr, "bench_cuda: a model directory is required\n");
         return 2;
     }
     const char *dir = argv[optind];
     struct ctx x = {0};
+    x.fill = fill;
     if (json && !(x.json = fopen(json, "w"))) {
         fprintf(stderr, "bench_cuda: cannot write %s\n", json);
         return 1;
@@ -501,7 +569,8 @@ int main(int argc, char **argv)
         fprintf(stderr, "bench_cuda: cannot allocate caches for batch %d\n", max_b);
         return 1;
     }
-    const int64_t max_tok = max_p > (int64_t)max_b * ctx ? max_p : (max_b * ctx < 8192 ? max_b * ctx : 8192);
+    const int64_t max_tok = fill ? (max_p > max_b ? max_p : max_b)
+                                 : (max_p > (int64_t)max_b * ctx ? max_p : (max_b * ctx < 8192 ? max_b * ctx : 8192));
     if (kr_model_reserve(x.m, max_tok > max_b ? max_tok : max_b, max_b, max_b, ctx + steps + 16 > max_p ? ctx + steps + 16 : max_p) != KR_OK) {
         fprintf(stderr, "bench_cuda: cannot reserve the workspace\n");
         return 1;
@@ -518,19 +587,32 @@ int main(int argc, char **argv)
     kr_free(rows);
     size_t fr, tot;
     CK(cudaMemGetInfo(&fr, &tot));
-    printf("device memory: %.1f GiB held of %.1f GiB; caches %.1f GiB\n\n", (double)(tot - fr) / (1 << 30),
+    printf("device memory: %.1f GiB held of %.1f GiB; caches %.1f GiB\n", (double)(tot - fr) / (1 << 30),
            (double)tot / (1 << 30), (double)kr_cache_bytes(x.c) / (1 << 30));
+    cache_unit_report(&x);
+    if (fill) {
+        struct kr_buf *pools[5] = {&x.c->conv, &x.c->ssm, &x.c->k, &x.c->v, &x.c->mla};
+        for (int i = 0; i < 5; i++) {
+            if (pools[i]->ptr && pools[i]->size) {
+                fill_random(pools[i]->ptr, pools[i]->size, i == 1 ? 4 : 2);
+            }
+        }
+        printf("caches filled with random data (decode contexts are not prefilled)\n");
+    }
+    printf("\n");
     printf("| phase | shape | time | throughput | work | ceiling | of ceiling |\n|---|---|---|---|---|---|---|\n");
     for (int i = 0; i < np; i++) {
         bench_prefill(&x, prefills[i], 3, false);
     }
-    for (int i = 0; i < nb; i++) {
-        bench_decode(&x, batches[i], ctx, steps, false, false);
+    for (int k = 0; k < nc; k++) {
+        for (int i = 0; i < nb; i++) {
+            bench_decode(&x, batches[i], ctxs[k], steps, false, false);
+        }
     }
     if (profile) {
         kr_backend_cuda_profile(x.be, true);
         for (int i = 0; i < nb && i < 2; i++) {
-            bench_decode(&x, batches[i], ctx, 8, true, true);
+            bench_decode(&x, batches[i], ctxs[0], 8, true, true);
             char what[64];
             snprintf(what, sizeof what, "decode batch %d", batches[i]);
             profile_report(&x, what, 8 + 3);

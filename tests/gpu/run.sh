@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Runs every GPU test and benchmark on a GPU machine, from a build made elsewhere (it builds
 # nothing) and prints a summary table last. Logs go to $OUT (or ./gpu-out) as one archive.
-#   tests/gpu/run.sh [--build DIR] [--no-tests] [--no-bench] [--no-hf] [--synth DIR] [--bench-args "..."]
+#   tests/gpu/run.sh [--build DIR] [--no-tests] [--no-bench] [--no-hf] [--shape NAME] [--synth DIR]
+#                    [--bench-args "..."]
+# --shape: a shape of tools/bench/synth_model.py (nemotron_h_8b, hybrid_dsa_8b, hybrid_mla_8b).
 # Build first (on any machine with nvcc):
 #   cmake -S . -B build-gpu -DKR_WITH_CUDA=ON -DCMAKE_BUILD_TYPE=Release && cmake --build build-gpu -j
 #   ../shared/device/bundle-libs build-gpu/devlibs build-gpu/tests/gpu/test_cuda build-gpu/bench/bench_cuda
 set -u
-build=build-gpu tests=1 bench=1 hf=1 synth=/tmp/krait-synth-8b bench_args=""
+build=build-gpu tests=1 bench=1 hf=1 shape=nemotron_h_8b synth= bench_args=""
 while [ $# -gt 0 ]; do
   case $1 in
     --build) build=$2; shift ;;
@@ -14,11 +16,13 @@ while [ $# -gt 0 ]; do
     --no-bench) bench=0 ;;
     --no-hf) hf=0 ;;
     --synth) synth=$2; shift ;;
+    --shape) shape=$2; shift ;;
     --bench-args) bench_args=$2; shift ;;
     *) echo "run.sh: unknown option $1" >&2; exit 2 ;;
   esac
   shift
 done
+[ -n "$synth" ] || synth=/tmp/krait-synth-$shape
 out=${OUT:-$PWD/gpu-out}
 logs=$(mktemp -d)
 export LD_LIBRARY_PATH=$PWD/$build/devlibs:${LD_LIBRARY_PATH:-}
@@ -54,7 +58,7 @@ fi
 if [ $bench = 1 ]; then
   if [ ! -f "$synth/config.json" ]; then
     s=$(date +%s)
-    PYTHONUNBUFFERED=1 python3 tools/bench/synth_model.py make --shape nemotron_h_8b --out "$synth" > "$logs/synth.log" 2>&1 \
+    PYTHONUNBUFFERED=1 python3 tools/bench/synth_model.py make --shape "$shape" --out "$synth" > "$logs/synth.log" 2>&1 \
       || echo "synthetic checkpoint failed (see synth.log)"
     echo "synthetic checkpoint: $(( $(date +%s) - s )) s" >> "$logs/synth.log"
   fi
