@@ -17,6 +17,7 @@
 #include "log.h"
 
 #include <math.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <string.h>
@@ -51,7 +52,7 @@ struct cuda_ctx {
     cublasHandle_t blas;
     void *blas_ws;
     size_t blas_ws_size;
-    bool failed;           /* a sticky CUDA error: the backend refuses further work */
+    atomic_bool failed;    /* a sticky CUDA error: the backend refuses further work (read by /health) */
     bool graphs_on;
     size_t bytes_alloc;    /* device bytes taken through buf_alloc/upload */
 
@@ -236,6 +237,11 @@ static void cuda_free(kr_backend_t be)
         kr_free(c);
     }
     kr_free(be);
+}
+
+static bool cuda_healthy(kr_backend_t be)
+{
+    return !atomic_load(&ctx_of(be)->failed);
 }
 
 static enum kr_status cuda_mem_info(kr_backend_t be, size_t *free_b, size_t *total_b)
@@ -528,7 +534,7 @@ static enum kr_status cuda_begin_batch(kr_backend_t be, const struct kr_batch *b
 {
     struct cuda_ctx *c = ctx_of(be);
     if (c->failed) {
-        KR_LOG_ERROR("cuda: the device is in a failed state; refusing work");
+        KR_LOG_ERROR("cuda: the device hit an unrecoverable error earlier; refusing work");
         return KR_ERR_CUDA;
     }
     TRY(flush_pending(c));
@@ -1334,6 +1340,7 @@ enum kr_status kr_backend_cuda_create(int dev, bool graphs, kr_backend_t *out, s
         .copy_d2d = cuda_copy_d2d,
         .reserve = cuda_reserve,
         .mem_info = cuda_mem_info,
+        .healthy = cuda_healthy,
         .begin_batch = cuda_begin_batch,
         .end_batch = cuda_end_batch,
         .graph_bucket = cuda_graph_bucket,

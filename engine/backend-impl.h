@@ -20,6 +20,8 @@ struct kr_backend_i {
     /* Copies n bytes between two places of backend memory (ranges do not overlap). */
     enum kr_status (*copy_d2d)(kr_backend_t be, void *dst, const void *src, size_t n);
 
+    /* (optional) false once the device hit an unrecoverable error; any thread may ask */
+    bool (*healthy)(kr_backend_t be);
     /* (optional) free and total device memory in bytes */
     enum kr_status (*mem_info)(kr_backend_t be, size_t *free_b, size_t *total_b);
     /* (optional) sizes internal scratch for steps of up to n_tok tokens in n_seq sequences with

@@ -29,6 +29,11 @@ size_t kr_backend_cache_elt_size(kr_backend_t be)
     return be->iface.cache_elt_size ? be->iface.cache_elt_size(be) : be->iface.act_size(be);
 }
 
+bool kr_backend_healthy(kr_backend_t be)
+{
+    return !be->iface.healthy || be->iface.healthy(be);
+}
+
 enum kr_status kr_backend_mem_info(kr_backend_t be, size_t *free_b, size_t *total_b)
 {
     *free_b = *total_b = 0;

@@ -62,6 +62,10 @@ int kr_backend_cuda_device_count(void);
  * one is visible, else the CPU). `threads` applies to the CPU backend. */
 enum kr_status kr_backend_create(const char *device, int threads, kr_backend_t *out, struct kr_err *err);
 
+/* False once the backend's device hit an unrecoverable error (an illegal address: the CUDA
+ * context is lost); the server then reports itself unhealthy so that it gets restarted. Any thread. */
+bool kr_backend_healthy(kr_backend_t be);
+
 /* Free and total memory of the backend's device; KR_ERR_UNSUPPORTED on the CPU. */
 enum kr_status kr_backend_mem_info(kr_backend_t be, size_t *free_b, size_t *total_b);
 

@@ -1417,11 +1417,13 @@ static enum MHD_Result dispatch(struct hreq *h, const char *url, const char *met
         return send_simple_error(h, 413, "invalid_request_error", "", "request_too_large", msg);
     }
     if (!strcmp(url, "/health") || !strcmp(url, "/ping")) {
-        if (s->ready && !s->draining) {
+        const bool dev_ok = kr_backend_healthy(s->be);
+        if (s->ready && !s->draining && dev_ok) {
             return send_body(h, 200, "application/json", "{}", 2, NULL);
         }
         return send_simple_error(h, 503, "service_unavailable", "", "",
-                                 s->draining ? "the server is shutting down" : "the model is loading");
+                                 !dev_ok ? "the compute device failed; restart the server"
+                                 : s->draining ? "the server is shutting down" : "the model is loading");
     }
     if (!strcmp(url, "/metrics") && get) {
         struct kr_engine_stats st = {0};
