@@ -176,10 +176,11 @@ static void run_free(struct run *r, int32_t n)
  * while run a's choice has a top-2 margin of at least MARGIN. Every GEMM sees the same bf16
  * operands whatever the batch (skinny and cuBLAS paths alike), so rows differ only by summation
  * order and the bf16 rounding of activations that follows from it (measured up to 0.07 on the
- * fixtures). For models with discrete decisions, at most max(1, rows / 8) rows may exceed the
- * bound, and the comparison of a sequence stops at its first such row (the branches differ). */
+ * fixtures). For models with discrete decisions the comparison of a sequence stops at its first
+ * row beyond the bound (a routing or selection flip: the branches differ from there on) and
+ * returns true; callers bound how many sequences may flip. */
 #define BATCH_TOL 0.1
-static void expect_same_seq(const struct fx *f, const struct run *a, const struct run *b, int32_t i, const char *what)
+static bool expect_same_seq(const struct fx *f, const struct run *a, const struct run *b, int32_t i, const char *what)
 {
     const struct drv_seq *sa = &a->seq[i], *sb = &b->seq[i];
     const int64_t V = f->vocab;
@@ -187,18 +188,14 @@ static void expect_same_seq(const struct fx *f, const struct run *a, const struc
     /* rows: after every prompt position, then after every generated token except the last; the
      * row n_prompt - 1 + j is the distribution gen[j] was chosen from */
     const int32_t n_rows = sa->n_prompt + sa->n_decode - 1;
-    int32_t over = 0;
     for (int32_t t = 0; t < n_rows; t++) {
         const float *ra = sa->rows + (size_t)t * (size_t)V, *rb = sb->rows + (size_t)t * (size_t)V;
         const double d = max_abs_diff(ra, rb, V);
         if (d > BATCH_TOL) {
-            over++;
             if (disc) {
                 fprintf(stderr, "  %s: sequence %d row %d differs by %.3g (a routing or selection flip)\n", what,
                         i, t, d);
-                cr_expect_leq(over, n_rows / 8 > 1 ? n_rows / 8 : 1, "%s: sequence %d: %d rows differ", what, i,
-                              over);
-                return;
+                return true;
             }
             cr_expect_leq(d, BATCH_TOL, "%s: sequence %d row %d differs by %g", what, i, t, d);
         }
@@ -214,14 +211,15 @@ static void expect_same_seq(const struct fx *f, const struct run *a, const struc
             }
         }
         if (ra[top] - second < MARGIN) {
-            return; /* beyond a near-tie either continuation is legitimate */
+            return false; /* beyond a near-tie either continuation is legitimate */
         }
         cr_expect_eq(sa->gen[j], sb->gen[j], "%s: sequence %d token %d: %d vs %d", what, i, j, sa->gen[j],
                      sb->gen[j]);
         if (sa->gen[j] != sb->gen[j]) {
-            return;
+            return false;
         }
     }
+    return false;
 }
 
 FIXTURE_PARAMS(batch_composition_independent)
@@ -253,9 +251,13 @@ ParameterizedTest(int *idx, cuda_backend, batch_composition_independent)
     struct run batched;
     memset(&batched, 0, sizeof batched);
     drive(&f, &batched, 0, N, start, chunk, DEC);
+    int32_t flips = 0;
     for (int32_t i = 0; i < N; i++) {
-        expect_same_seq(&f, &alone, &batched, i, fixtures[*idx].name);
+        flips += expect_same_seq(&f, &alone, &batched, i, fixtures[*idx].name);
     }
+    /* a flip needs a near-tie in some routing or selection decision: rare, not the rule */
+    cr_expect_leq(flips, N / 2, "%s: %d of %d sequences took a different branch batched", fixtures[*idx].name, flips,
+                  N);
     run_free(&alone, N);
     run_free(&batched, N);
     fx_free(&f);
@@ -275,9 +277,11 @@ ParameterizedTest(int *idx, cuda_backend, graphs_equal_eager)
         memset(&r[g], 0, sizeof r[g]);
         drive(&f[g], &r[g], 0, N, start, chunk, DEC);
     }
+    int32_t flips = 0;
     for (int32_t i = 0; i < N; i++) {
-        expect_same_seq(&f[0], &r[0], &r[1], i, "graphs vs eager");
+        flips += expect_same_seq(&f[0], &r[0], &r[1], i, "graphs vs eager");
     }
+    cr_expect_leq(flips, 1, "graphs vs eager: %d of %d sequences took a different branch", flips, N);
     for (int g = 0; g < 2; g++) {
         run_free(&r[g], N);
         fx_free(&f[g]);
