@@ -184,14 +184,6 @@ static enum kr_status cu_fail(struct cuda_ctx *c, cudaError_t e, const char *wha
         }                                                                                          \
     } while (0)
 
-#define TRY(expr)                                                                                  \
-    do {                                                                                           \
-        enum kr_status st_ = (expr);                                                               \
-        if (st_ != KR_OK) {                                                                        \
-            return st_;                                                                            \
-        }                                                                                          \
-    } while (0)
-
 /* ---- memory ------------------------------------------------------------------------------- */
 
 static const char *cuda_name(kr_backend_t be)
@@ -284,7 +276,7 @@ static enum kr_status cuda_buf_alloc(kr_backend_t be, size_t size, struct kr_buf
     struct cuda_ctx *c = ctx_of(be);
     memset(out, 0, sizeof *out);
     void *p;
-    TRY(dev_alloc(c, size, &p));
+    KR_TRY(dev_alloc(c, size, &p));
     cudaError_t e = cudaMemsetAsync(p, 0, size, c->stream);
     if (e == cudaSuccess) {
         e = cudaStreamSynchronize(c->stream);
@@ -325,7 +317,7 @@ static enum kr_status cuda_upload(kr_backend_t be, const struct kr_tensor *host,
     }
     const size_t esz = f32 ? 4 : 2;
     struct kr_buf b;
-    TRY(cuda_buf_alloc(be, n * esz, &b));
+    KR_TRY(cuda_buf_alloc(be, n * esz, &b));
     enum kr_status st = KR_OK;
     if ((f32 && host->dtype == KR_DTYPE_F32) || (!f32 && host->dtype == KR_DTYPE_BF16)) {
         cudaError_t e = cudaMemcpy(b.ptr, host->data, n * esz, cudaMemcpyHostToDevice);
@@ -381,7 +373,7 @@ static enum kr_status flush_pending(struct cuda_ctx *c);
 static enum kr_status cuda_copy(kr_backend_t be, void *dst, const void *src, size_t n, enum cudaMemcpyKind kind)
 {
     struct cuda_ctx *c = ctx_of(be);
-    TRY(flush_pending(c));
+    KR_TRY(flush_pending(c));
     if (n == 0) {
         return KR_OK;
     }
@@ -424,7 +416,7 @@ static enum kr_status ensure_scratch(struct cuda_ctx *c, size_t bytes)
     c->bytes_alloc -= c->scratch_size;
     c->scratch = NULL;
     c->scratch_size = 0;
-    TRY(dev_alloc(c, bytes, &c->scratch));
+    KR_TRY(dev_alloc(c, bytes, &c->scratch));
     c->scratch_size = bytes;
     graphs_clear(c); /* captured graphs point at the old scratch */
     return KR_OK;
@@ -443,7 +435,7 @@ static enum kr_status ensure_xb(struct cuda_ctx *c, size_t elems)
     c->xb = NULL;
     c->xb_cap = 0;
     void *p;
-    TRY(dev_alloc(c, elems * 2, &p));
+    KR_TRY(dev_alloc(c, elems * 2, &p));
     c->xb = p;
     c->xb_cap = elems;
     c->shadow.valid = false;
@@ -466,7 +458,7 @@ static enum kr_status ensure_meta(struct cuda_ctx *c, size_t elems)
     c->h_meta = NULL;
     c->meta_cap = 0;
     void *p;
-    TRY(dev_alloc(c, elems * 4, &p));
+    KR_TRY(dev_alloc(c, elems * 4, &p));
     c->d_meta = p;
     CU_TRY(c, cudaMallocHost((void **)&c->h_meta, elems * 4));
     c->meta_cap = elems;
@@ -515,7 +507,7 @@ static enum kr_status cuda_reserve(kr_backend_t be, const struct kr_model_config
     }
     NEED(krk_sample_workspace_bytes(n_seq, m->vocab));
 #undef NEED
-    TRY(ensure_scratch(c, need));
+    KR_TRY(ensure_scratch(c, need));
     int64_t wide = max64(m->dim, m->m_d_inner);
     wide = max64(wide, m->ffn);
     wide = max64(wide, m->shared_ffn);
@@ -524,7 +516,7 @@ static enum kr_status cuda_reserve(kr_backend_t be, const struct kr_model_config
     wide = max64(wide, m->moe_ffn);
     wide = max64(wide, m->q_lora);
     wide = max64(wide, m->mla_heads * m->v_head);
-    TRY(ensure_xb(c, (size_t)(n_tok * wide)));
+    KR_TRY(ensure_xb(c, (size_t)(n_tok * wide)));
     return ensure_meta(c, (size_t)(4 * n_tok + 4 * n_seq + 8 + n_seq * (max_ctx / 16 + 2)));
 }
 
@@ -537,11 +529,11 @@ static enum kr_status cuda_begin_batch(kr_backend_t be, const struct kr_batch *b
         KR_LOG_ERROR("cuda: the device hit an unrecoverable error earlier; refusing work");
         return KR_ERR_CUDA;
     }
-    TRY(flush_pending(c));
+    KR_TRY(flush_pending(c));
     c->shadow.valid = false;
     const size_t nt = (size_t)b->n_tok, ns = (size_t)b->n_seq, bt = ns * (size_t)b->max_blocks;
     const size_t total = 4 * nt + 3 * ns + 1 + bt + (size_t)b->n_out + 8;
-    TRY(ensure_meta(c, total));
+    KR_TRY(ensure_meta(c, total));
     int32_t *h = c->h_meta;
     size_t off = 0;
     int32_t max_tok = 0, max_ctx = 0;
@@ -632,7 +624,7 @@ static krk_bf16 *shadow_for(struct cuda_ctx *c, const float *out, int64_t n, int
 static enum kr_status cuda_embed_impl(kr_backend_t be, const struct kr_tensor *w, float *out)
 {
     struct cuda_ctx *c = ctx_of(be);
-    TRY(op_enter(c));
+    KR_TRY(op_enter(c));
     if (w->dtype != KR_DTYPE_BF16) {
         KR_LOG_ERROR("cuda: the embedding must be bf16 on the device");
         return KR_ERR_UNSUPPORTED;
@@ -649,7 +641,7 @@ static enum kr_status norm_impl(struct cuda_ctx *c, const float *x, int64_t ldx,
         res = c->pend.x;
         c->pend.on = false;
     } else {
-        TRY(flush_pending(c));
+        KR_TRY(flush_pending(c));
     }
     c->shadow.valid = false;
     struct krk_rmsnorm_params p = {.x = (float *)x, .ldx = ldx, .res = res, .w = w, .n = n, .dim = dim, .eps = eps,
@@ -682,7 +674,7 @@ static enum kr_status cuda_layernorm_impl(kr_backend_t be, const float *x, int64
                                      int64_t n, int64_t dim, float eps, float *out)
 {
     struct cuda_ctx *c = ctx_of(be);
-    TRY(op_enter(c));
+    KR_TRY(op_enter(c));
     struct krk_layernorm_params p = {.x = x, .ldx = ldx, .w = w, .b = b, .n = n, .dim = dim, .eps = eps, .out = out};
     return krk_layernorm(&p, c->stream);
 }
@@ -690,14 +682,14 @@ static enum kr_status cuda_layernorm_impl(kr_backend_t be, const float *x, int64
 static enum kr_status cuda_scale_impl(kr_backend_t be, float *y, float s, int64_t n)
 {
     struct cuda_ctx *c = ctx_of(be);
-    TRY(op_enter(c));
+    KR_TRY(op_enter(c));
     return krk_scale(y, s, n, c->stream);
 }
 
 static enum kr_status cuda_add(kr_backend_t be, float *y, const float *x, int64_t n)
 {
     struct cuda_ctx *c = ctx_of(be);
-    TRY(op_enter(c));
+    KR_TRY(op_enter(c));
     c->pend.y = y;
     c->pend.x = x;
     c->pend.n = n;
@@ -718,7 +710,7 @@ static enum kr_status cuda_matmul_impl(kr_backend_t be, const float *x, int64_t 
     if (c->failed) {
         return KR_ERR_CUDA;
     }
-    TRY(flush_pending(c));
+    KR_TRY(flush_pending(c));
     if (n <= 0) {
         return KR_OK;
     }
@@ -745,8 +737,8 @@ static enum kr_status cuda_matmul_impl(kr_backend_t be, const float *x, int64_t 
             xb = c->xb;
             ldb = c->shadow.cols;
         } else {
-            TRY(ensure_xb(c, (size_t)(n * cols)));
-            TRY(krk_cast_bf16(x, ldx, n, cols, c->xb, c->stream));
+            KR_TRY(ensure_xb(c, (size_t)(n * cols)));
+            KR_TRY(krk_cast_bf16(x, ldx, n, cols, c->xb, c->stream));
             c->shadow.src = x;
             c->shadow.ld = ldx;
             c->shadow.n = n;
@@ -771,7 +763,7 @@ static enum kr_status cuda_act_impl(kr_backend_t be, enum kr_act act, const floa
                                int64_t n, int64_t width, float *out)
 {
     struct cuda_ctx *c = ctx_of(be);
-    TRY(op_enter(c));
+    KR_TRY(op_enter(c));
     struct krk_act_params p = {.act = (enum krk_act)act, .gate = gate, .x = x, .ld_in = ld_in, .n = n,
                                .width = width, .out = out, .out_bf16 = NULL};
     p.out_bf16 = shadow_for(c, out, n, width);
@@ -781,7 +773,7 @@ static enum kr_status cuda_act_impl(kr_backend_t be, enum kr_act act, const floa
 static enum kr_status cuda_mamba(kr_backend_t be, const struct kr_mamba_params *p)
 {
     struct cuda_ctx *c = ctx_of(be);
-    TRY(op_enter(c));
+    KR_TRY(op_enter(c));
     const int64_t conv_dim = p->d_inner + 2 * p->n_group * p->d_state;
     struct krk_conv1d_params cp = {.in = p->zxbcdt, .ld_in = p->ld_in, .in_off = p->d_inner, .conv_dim = conv_dim,
                                    .d_conv = p->d_conv, .w = p->conv_w, .b = p->conv_b, .state = p->conv_state,
@@ -789,11 +781,11 @@ static enum kr_status cuda_mamba(kr_backend_t be, const struct kr_mamba_params *
     prof_begin(c, P_CONV);
     const enum kr_status cst = krk_conv1d(&cp, c->stream);
     prof_end(c);
-    TRY(cst);
+    KR_TRY(cst);
     const size_t ws = krk_ssd_workspace_bytes(c->batch.n_tok, c->batch.n_seq, p->n_head, p->head_dim, p->n_group,
                                               p->d_state, p->chunk);
     if (ws > c->scratch_size) {
-        TRY(ensure_scratch(c, ws));
+        KR_TRY(ensure_scratch(c, ws));
     }
     struct krk_ssd_params sp = {.xbc = p->xbc, .conv_dim = conv_dim, .dt = p->zxbcdt + p->d_inner + conv_dim,
                                 .ld_dt = p->ld_in, .dt_bias = p->dt_bias, .A_log = p->A_log, .D = p->D,
@@ -811,7 +803,7 @@ static enum kr_status cuda_gated_rmsnorm_impl(kr_backend_t be, const float *y, c
                                          int64_t n, int64_t dim, int64_t group, float eps, float *out)
 {
     struct cuda_ctx *c = ctx_of(be);
-    TRY(op_enter(c));
+    KR_TRY(op_enter(c));
     struct krk_gated_rmsnorm_params p = {.y = y, .z = z, .ldz = ldz, .w = w, .n = n, .dim = dim, .group = group,
                                          .eps = eps, .out = out, .out_bf16 = NULL};
     p.out_bf16 = shadow_for(c, out, n, dim);
@@ -821,10 +813,10 @@ static enum kr_status cuda_gated_rmsnorm_impl(kr_backend_t be, const float *y, c
 static enum kr_status cuda_attention_impl(kr_backend_t be, const struct kr_attn_params *p)
 {
     struct cuda_ctx *c = ctx_of(be);
-    TRY(op_enter(c));
+    KR_TRY(op_enter(c));
     const size_t ws = krk_attn_workspace_bytes(c->batch.n_tok, p->n_head, p->head_dim);
     if (ws > c->scratch_size) {
-        TRY(ensure_scratch(c, ws));
+        KR_TRY(ensure_scratch(c, ws));
     }
     struct krk_attn_params a = {.q = p->q, .k = p->k, .v = p->v, .ld_qkv = p->ld_qkv, .n_head = p->n_head,
                                 .n_kv_head = p->n_kv_head, .head_dim = p->head_dim, .scale = p->scale,
@@ -836,7 +828,7 @@ static enum kr_status cuda_attention_impl(kr_backend_t be, const struct kr_attn_
 static enum kr_status cuda_moe_route_impl(kr_backend_t be, const struct kr_route_params *p, int64_t n)
 {
     struct cuda_ctx *c = ctx_of(be);
-    TRY(op_enter(c));
+    KR_TRY(op_enter(c));
     struct krk_route_params r = {.logits = p->logits, .bias = p->bias, .n = n, .n_expert = p->n_expert,
                                  .n_used = p->n_used, .n_group = p->n_group, .topk_group = p->topk_group,
                                  .norm_topk = p->norm_topk, .scale = p->scale, .score = (int)p->score,
@@ -904,14 +896,14 @@ static enum kr_status expert_ptrs(struct cuda_ctx *c, const struct kr_tensor *t,
 static enum kr_status cuda_moe_experts_impl(kr_backend_t be, const struct kr_experts_params *p, int64_t n)
 {
     struct cuda_ctx *c = ctx_of(be);
-    TRY(op_enter(c));
+    KR_TRY(op_enter(c));
     const krk_bf16 *const *g, *const *u, *const *d;
-    TRY(expert_ptrs(c, p->gate, p->n_expert, &g));
-    TRY(expert_ptrs(c, p->up, p->n_expert, &u));
-    TRY(expert_ptrs(c, p->down, p->n_expert, &d));
+    KR_TRY(expert_ptrs(c, p->gate, p->n_expert, &g));
+    KR_TRY(expert_ptrs(c, p->up, p->n_expert, &u));
+    KR_TRY(expert_ptrs(c, p->down, p->n_expert, &d));
     const size_t ws = (size_t)n * (size_t)p->n_used * (size_t)p->d_ffn * sizeof(float);
     if (ws > c->scratch_size) {
-        TRY(ensure_scratch(c, ws));
+        KR_TRY(ensure_scratch(c, ws));
     }
     struct krk_experts_params e = {.x = p->x, .n = n, .d_in = p->d_in, .d_ffn = p->d_ffn, .d_out = p->d_out,
                                    .n_expert = p->n_expert, .n_used = p->n_used, .ids = p->ids,
@@ -923,14 +915,14 @@ static enum kr_status cuda_moe_experts_impl(kr_backend_t be, const struct kr_exp
 static enum kr_status cuda_gather_out_impl(kr_backend_t be, const float *src, int64_t width, float *dst)
 {
     struct cuda_ctx *c = ctx_of(be);
-    TRY(op_enter(c));
+    KR_TRY(op_enter(c));
     return krk_gather_rows(src, width, c->d_out_tok, c->hb->n_out, dst, c->stream);
 }
 
 static enum kr_status cuda_rope_impl(kr_backend_t be, const struct kr_rope_params *p)
 {
     struct cuda_ctx *c = ctx_of(be);
-    TRY(op_enter(c));
+    KR_TRY(op_enter(c));
     struct krk_rope_params r = {.x = p->x, .ld = p->ld, .n_vec = p->n_vec, .stride = p->stride, .off = p->off,
                                 .dim = p->dim, .interleaved = p->interleaved, .inv_freq = p->inv_freq,
                                 .factor = p->factor, .pos = c->batch.pos, .n_tok = c->batch.n_tok};
@@ -940,7 +932,7 @@ static enum kr_status cuda_rope_impl(kr_backend_t be, const struct kr_rope_param
 static enum kr_status cuda_mla_cache_write_impl(kr_backend_t be, const struct kr_mla_cache_params *p)
 {
     struct cuda_ctx *c = ctx_of(be);
-    TRY(op_enter(c));
+    KR_TRY(op_enter(c));
     struct krk_mla_cache_params w = {.c_kv = p->c_kv, .ld_ckv = p->ld_ckv, .k_pe = p->k_pe, .ld_kpe = p->ld_kpe,
                                      .ik = p->ik, .kv_lora = p->kv_lora, .rope = p->rope, .idx_dim = p->idx_dim,
                                      .cache = p->cache, .block_size = p->block_size, .batch = c->batch};
@@ -950,10 +942,10 @@ static enum kr_status cuda_mla_cache_write_impl(kr_backend_t be, const struct kr
 static enum kr_status cuda_dsa_index_impl(kr_backend_t be, const struct kr_dsa_index_params *p)
 {
     struct cuda_ctx *c = ctx_of(be);
-    TRY(op_enter(c));
+    KR_TRY(op_enter(c));
     const size_t need1 = krk_dsa_index_workspace_bytes(1, c->batch.max_ctx);
     if (need1 > c->scratch_size) {
-        TRY(ensure_scratch(c, need1));
+        KR_TRY(ensure_scratch(c, need1));
     }
     struct krk_dsa_index_params d = {.iq = p->iq, .w = p->w, .n_head = p->n_head, .head_dim = p->head_dim,
                                      .cache = p->cache, .row = p->row, .key_off = p->key_off,
@@ -965,10 +957,10 @@ static enum kr_status cuda_dsa_index_impl(kr_backend_t be, const struct kr_dsa_i
 static enum kr_status cuda_mla_attention_impl(kr_backend_t be, const struct kr_mla_attn_params *p)
 {
     struct cuda_ctx *c = ctx_of(be);
-    TRY(op_enter(c));
+    KR_TRY(op_enter(c));
     const size_t need1 = krk_mla_attn_workspace_bytes(1, p->n_head, p->kv_lora, c->batch.max_ctx);
     if (need1 > c->scratch_size) {
-        TRY(ensure_scratch(c, need1));
+        KR_TRY(ensure_scratch(c, need1));
     }
     struct krk_mla_attn_params a = {.q = p->q, .n_head = p->n_head, .nope = p->nope, .rope = p->rope,
                                     .v_dim = p->v_dim, .kv_lora = p->kv_lora, .kv_b = p->kv_b, .cache = p->cache,
@@ -994,7 +986,7 @@ static size_t align16(size_t v)
 static enum kr_status cuda_sample(kr_backend_t be, const struct kr_sample_batch *sb)
 {
     struct cuda_ctx *c = ctx_of(be);
-    TRY(op_enter(c));
+    KR_TRY(op_enter(c));
     if (c->capturing) {
         return KR_ERR_INTERNAL;
     }
@@ -1010,13 +1002,13 @@ static enum kr_status cuda_sample(kr_backend_t be, const struct kr_sample_batch 
         c->samp_d = c->samp_h = NULL;
         c->samp_cap = 0;
         const size_t cap = total + total / 2 + 4096;
-        TRY(dev_alloc(c, cap, &c->samp_d));
+        KR_TRY(dev_alloc(c, cap, &c->samp_d));
         CU_TRY(c, cudaMallocHost(&c->samp_h, cap));
         c->samp_cap = cap;
     }
     const size_t ws = krk_sample_workspace_bytes(sb->n, sb->vocab);
     if (ws > c->scratch_size) {
-        TRY(ensure_scratch(c, ws));
+        KR_TRY(ensure_scratch(c, ws));
     }
     char *h = c->samp_h, *d = c->samp_d;
     memcpy(h + o_rows, sb->rows, n * sizeof(struct krk_sample_row));
@@ -1035,7 +1027,7 @@ static enum kr_status cuda_sample(kr_backend_t be, const struct kr_sample_batch 
                                   .n_top = sb->n_top, .top_ids = nt ? (int32_t *)(d + o_tid) : NULL,
                                   .top_lp = nt ? (float *)(d + o_tlp) : NULL, .workspace = c->scratch,
                                   .workspace_bytes = c->scratch_size};
-    TRY(krk_sample(&p, c->stream));
+    KR_TRY(krk_sample(&p, c->stream));
     CU_TRY(c, cudaMemcpyAsync(h + o_out, d + o_out, total - o_out, cudaMemcpyDeviceToHost, c->stream));
     CU_TRY(c, cudaStreamSynchronize(c->stream));
     memcpy(sb->out, h + o_out, n * 4);
@@ -1215,7 +1207,7 @@ static enum kr_status cuda_graph_run(kr_backend_t be, int32_t key, bool *launche
 {
     struct cuda_ctx *c = ctx_of(be);
     *launched = false;
-    TRY(flush_pending(c));
+    KR_TRY(flush_pending(c));
     for (int i = 0; i < c->n_graphs; i++) {
         if (c->graphs[i].key == key) {
             CU_TRY(c, cudaGraphLaunch(c->graphs[i].exec, c->stream));

@@ -87,14 +87,6 @@ static enum kr_status get_bool(const struct kr_json *root, const char *path, con
         __VA_ARGS__, NULL                                                                          \
     }
 
-#define TRY(expr)                                                                                  \
-    do {                                                                                           \
-        enum kr_status st_ = (expr);                                                               \
-        if (st_ != KR_OK) {                                                                        \
-            return st_;                                                                            \
-        }                                                                                          \
-    } while (0)
-
 /* ---- layer pattern ------------------------------------------------------------------------- */
 
 /* Maps one pattern letter to a layer type; 0 for '|' (ignored), -1 when unknown. */
@@ -260,9 +252,9 @@ static enum kr_status parse_token_ids(struct kr_model_config *cfg, const struct 
                                       struct kr_err *err)
 {
     int64_t v;
-    TRY(get_int(root, path, KEYS("bos_token_id"), false, -1, &v, err));
+    KR_TRY(get_int(root, path, KEYS("bos_token_id"), false, -1, &v, err));
     cfg->bos_id = (int32_t)v;
-    TRY(get_int(root, path, KEYS("pad_token_id"), false, -1, &v, err));
+    KR_TRY(get_int(root, path, KEYS("pad_token_id"), false, -1, &v, err));
     cfg->pad_id = (int32_t)v;
     cfg->n_eos = 0;
     const struct kr_json *eos = kr_json_get(root, "eos_token_id");
@@ -307,9 +299,9 @@ static enum kr_status parse_rope(struct kr_model_config *cfg, const struct kr_js
         return kr_err_set(err, KR_ERR_FORMAT, "%s: key \"%s\" must be an object or null", path, which);
     }
     double theta;
-    TRY(get_float(root, path, KEYS("rope_theta"), 10000.0, &theta, err));
+    KR_TRY(get_float(root, path, KEYS("rope_theta"), 10000.0, &theta, err));
     if (rs && kr_json_get(rs, "rope_theta")) {
-        TRY(get_float(rs, path, KEYS("rope_theta"), theta, &theta, err));
+        KR_TRY(get_float(rs, path, KEYS("rope_theta"), theta, &theta, err));
     }
     if (!(theta > 1.0) || !isfinite(theta)) {
         return kr_err_set(err, KR_ERR_FORMAT, "%s: rope_theta must be a finite number > 1, got %g", path, theta);
@@ -331,19 +323,19 @@ static enum kr_status parse_rope(struct kr_model_config *cfg, const struct kr_js
     if (cfg->rope_yarn) {
         double factor, orig, beta_fast, beta_slow, mscale, mscale_all, attn_factor;
         int64_t orig_i;
-        TRY(get_float(rs, path, KEYS("factor"), NAN, &factor, err));
+        KR_TRY(get_float(rs, path, KEYS("factor"), NAN, &factor, err));
         if (!(factor >= 1.0) || !isfinite(factor)) {
             return kr_err_set(err, KR_ERR_FORMAT, "%s: %s.factor must be a finite number >= 1", path, which);
         }
-        TRY(get_int(rs, path, KEYS("original_max_position_embeddings"), false, cfg->max_pos, &orig_i, err));
+        KR_TRY(get_int(rs, path, KEYS("original_max_position_embeddings"), false, cfg->max_pos, &orig_i, err));
         orig = (double)orig_i;
-        TRY(get_float(rs, path, KEYS("beta_fast"), 32.0, &beta_fast, err));
-        TRY(get_float(rs, path, KEYS("beta_slow"), 1.0, &beta_slow, err));
-        TRY(get_float(rs, path, KEYS("mscale"), 0.0, &mscale, err));
-        TRY(get_float(rs, path, KEYS("mscale_all_dim"), 0.0, &mscale_all, err));
-        TRY(get_float(rs, path, KEYS("attention_factor"), NAN, &attn_factor, err));
+        KR_TRY(get_float(rs, path, KEYS("beta_fast"), 32.0, &beta_fast, err));
+        KR_TRY(get_float(rs, path, KEYS("beta_slow"), 1.0, &beta_slow, err));
+        KR_TRY(get_float(rs, path, KEYS("mscale"), 0.0, &mscale, err));
+        KR_TRY(get_float(rs, path, KEYS("mscale_all_dim"), 0.0, &mscale_all, err));
+        KR_TRY(get_float(rs, path, KEYS("attention_factor"), NAN, &attn_factor, err));
         bool truncate = true;
-        TRY(get_bool(rs, path, KEYS("truncate"), true, &truncate, err));
+        KR_TRY(get_bool(rs, path, KEYS("truncate"), true, &truncate, err));
         if (orig < 1) {
             return kr_err_set(err, KR_ERR_FORMAT, "%s: %s.original_max_position_embeddings must be >= 1", path, which);
         }
@@ -384,38 +376,38 @@ static enum kr_status parse_mla(struct kr_model_config *cfg, const struct kr_jso
                                 struct kr_err *err)
 {
     cfg->dsa_seen = true;
-    TRY(get_int(root, path, KEYS("num_attention_heads"), true, 0, &cfg->mla_heads, err));
-    TRY(need_pos(cfg->mla_heads, path, "num_attention_heads", err));
-    TRY(get_int(root, path, KEYS("q_lora_rank"), false, 0, &cfg->q_lora, err));
+    KR_TRY(get_int(root, path, KEYS("num_attention_heads"), true, 0, &cfg->mla_heads, err));
+    KR_TRY(need_pos(cfg->mla_heads, path, "num_attention_heads", err));
+    KR_TRY(get_int(root, path, KEYS("q_lora_rank"), false, 0, &cfg->q_lora, err));
     if (cfg->q_lora < 0) {
         return kr_err_set(err, KR_ERR_FORMAT, "%s: key \"q_lora_rank\" must be a positive integer or null", path);
     }
-    TRY(get_int(root, path, KEYS("kv_lora_rank"), true, 0, &cfg->kv_lora, err));
-    TRY(need_pos(cfg->kv_lora, path, "kv_lora_rank", err));
-    TRY(get_int(root, path, KEYS("qk_nope_head_dim"), true, 0, &cfg->qk_nope, err));
-    TRY(need_pos(cfg->qk_nope, path, "qk_nope_head_dim", err));
-    TRY(get_int(root, path, KEYS("qk_rope_head_dim"), true, 0, &cfg->qk_rope, err));
-    TRY(need_pos(cfg->qk_rope, path, "qk_rope_head_dim", err));
-    TRY(get_int(root, path, KEYS("v_head_dim"), true, 0, &cfg->v_head, err));
-    TRY(need_pos(cfg->v_head, path, "v_head_dim", err));
+    KR_TRY(get_int(root, path, KEYS("kv_lora_rank"), true, 0, &cfg->kv_lora, err));
+    KR_TRY(need_pos(cfg->kv_lora, path, "kv_lora_rank", err));
+    KR_TRY(get_int(root, path, KEYS("qk_nope_head_dim"), true, 0, &cfg->qk_nope, err));
+    KR_TRY(need_pos(cfg->qk_nope, path, "qk_nope_head_dim", err));
+    KR_TRY(get_int(root, path, KEYS("qk_rope_head_dim"), true, 0, &cfg->qk_rope, err));
+    KR_TRY(need_pos(cfg->qk_rope, path, "qk_rope_head_dim", err));
+    KR_TRY(get_int(root, path, KEYS("v_head_dim"), true, 0, &cfg->v_head, err));
+    KR_TRY(need_pos(cfg->v_head, path, "v_head_dim", err));
     if (cfg->qk_rope % 2 || cfg->qk_rope > 512) {
         return kr_err_set(err, KR_ERR_FORMAT, "%s: qk_rope_head_dim (%lld) must be even and at most 512", path,
                           (long long)cfg->qk_rope);
     }
     double d;
     /* the latent norms use DeepSeek's rms_norm_eps (1e-6 when absent), not the hybrid's block eps */
-    TRY(get_float(root, path, KEYS("rms_norm_eps"), 1e-6, &d, err));
+    KR_TRY(get_float(root, path, KEYS("rms_norm_eps"), 1e-6, &d, err));
     if (!(d > 0 && d < 1)) {
         return kr_err_set(err, KR_ERR_FORMAT, "%s: key \"rms_norm_eps\" must be in (0, 1), got %g", path, d);
     }
     cfg->mla_eps = (float)d;
     if (kr_model_config_count(cfg, KR_LAYER_DSA)) {
-        TRY(get_int(root, path, KEYS("index_n_heads"), true, 0, &cfg->idx_heads, err));
-        TRY(need_pos(cfg->idx_heads, path, "index_n_heads", err));
-        TRY(get_int(root, path, KEYS("index_head_dim"), true, 0, &cfg->idx_head_dim, err));
-        TRY(need_pos(cfg->idx_head_dim, path, "index_head_dim", err));
-        TRY(get_int(root, path, KEYS("index_topk"), true, 0, &cfg->idx_topk, err));
-        TRY(need_pos(cfg->idx_topk, path, "index_topk", err));
+        KR_TRY(get_int(root, path, KEYS("index_n_heads"), true, 0, &cfg->idx_heads, err));
+        KR_TRY(need_pos(cfg->idx_heads, path, "index_n_heads", err));
+        KR_TRY(get_int(root, path, KEYS("index_head_dim"), true, 0, &cfg->idx_head_dim, err));
+        KR_TRY(need_pos(cfg->idx_head_dim, path, "index_head_dim", err));
+        KR_TRY(get_int(root, path, KEYS("index_topk"), true, 0, &cfg->idx_topk, err));
+        KR_TRY(need_pos(cfg->idx_topk, path, "index_topk", err));
         if (cfg->idx_head_dim < cfg->qk_rope) {
             return kr_err_set(err, KR_ERR_FORMAT,
                               "%s: index_head_dim (%lld) must be at least qk_rope_head_dim (%lld): the indexer "
@@ -425,7 +417,7 @@ static enum kr_status parse_mla(struct kr_model_config *cfg, const struct kr_jso
         if (cfg->idx_topk > INT32_MAX) {
             return kr_err_set(err, KR_ERR_FORMAT, "%s: index_topk is too large", path);
         }
-        TRY(get_float(root, path, KEYS("index_k_norm_eps", "dsa_indexer_k_norm_epsilon"), 1e-6, &d, err));
+        KR_TRY(get_float(root, path, KEYS("index_k_norm_eps", "dsa_indexer_k_norm_epsilon"), 1e-6, &d, err));
         cfg->idx_eps = (float)d;
     }
     return parse_rope(cfg, root, path, err);
@@ -436,18 +428,18 @@ static enum kr_status parse_moe(struct kr_model_config *cfg, const struct kr_jso
                                struct kr_err *err)
 {
     double d;
-    TRY(get_int(root, path, KEYS("n_routed_experts", "num_local_experts"), true, 0, &cfg->n_expert, err));
-    TRY(need_pos(cfg->n_expert, path, "n_routed_experts", err));
-    TRY(get_int(root, path, KEYS("num_experts_per_tok"), true, 0, &cfg->n_expert_used, err));
-    TRY(need_pos(cfg->n_expert_used, path, "num_experts_per_tok", err));
-    TRY(get_int(root, path, KEYS("moe_intermediate_size"), true, 0, &cfg->moe_ffn, err));
-    TRY(need_pos(cfg->moe_ffn, path, "moe_intermediate_size", err));
+    KR_TRY(get_int(root, path, KEYS("n_routed_experts", "num_local_experts"), true, 0, &cfg->n_expert, err));
+    KR_TRY(need_pos(cfg->n_expert, path, "n_routed_experts", err));
+    KR_TRY(get_int(root, path, KEYS("num_experts_per_tok"), true, 0, &cfg->n_expert_used, err));
+    KR_TRY(need_pos(cfg->n_expert_used, path, "num_experts_per_tok", err));
+    KR_TRY(get_int(root, path, KEYS("moe_intermediate_size"), true, 0, &cfg->moe_ffn, err));
+    KR_TRY(need_pos(cfg->moe_ffn, path, "moe_intermediate_size", err));
     int64_t n_shared;
-    TRY(get_int(root, path, KEYS("n_shared_experts"), false, 1, &n_shared, err));
+    KR_TRY(get_int(root, path, KEYS("n_shared_experts"), false, 1, &n_shared, err));
     if (n_shared < 0) {
         return kr_err_set(err, KR_ERR_FORMAT, "%s: key \"n_shared_experts\" must be >= 0", path);
     }
-    TRY(get_int(root, path, KEYS("moe_shared_expert_intermediate_size"), false, n_shared * cfg->moe_ffn,
+    KR_TRY(get_int(root, path, KEYS("moe_shared_expert_intermediate_size"), false, n_shared * cfg->moe_ffn,
                 &cfg->shared_ffn, err));
     if (n_shared == 0) {
         cfg->shared_ffn = 0;
@@ -455,16 +447,16 @@ static enum kr_status parse_moe(struct kr_model_config *cfg, const struct kr_jso
     if (cfg->shared_ffn < 0) {
         return kr_err_set(err, KR_ERR_FORMAT, "%s: key \"moe_shared_expert_intermediate_size\" must be >= 0", path);
     }
-    TRY(get_int(root, path, KEYS("moe_latent_size"), false, 0, &cfg->moe_latent, err));
+    KR_TRY(get_int(root, path, KEYS("moe_latent_size"), false, 0, &cfg->moe_latent, err));
     if (cfg->moe_latent < 0) {
         return kr_err_set(err, KR_ERR_FORMAT, "%s: key \"moe_latent_size\" must be >= 0", path);
     }
-    TRY(get_int(root, path, KEYS("n_group"), false, 1, &cfg->n_group, err));
-    TRY(need_pos(cfg->n_group, path, "n_group", err));
-    TRY(get_int(root, path, KEYS("topk_group"), false, 1, &cfg->topk_group, err));
-    TRY(need_pos(cfg->topk_group, path, "topk_group", err));
-    TRY(get_bool(root, path, KEYS("norm_topk_prob"), true, &cfg->norm_topk_prob, err));
-    TRY(get_float(root, path, KEYS("routed_scaling_factor"), 1.0, &d, err));
+    KR_TRY(get_int(root, path, KEYS("n_group"), false, 1, &cfg->n_group, err));
+    KR_TRY(need_pos(cfg->n_group, path, "n_group", err));
+    KR_TRY(get_int(root, path, KEYS("topk_group"), false, 1, &cfg->topk_group, err));
+    KR_TRY(need_pos(cfg->topk_group, path, "topk_group", err));
+    KR_TRY(get_bool(root, path, KEYS("norm_topk_prob"), true, &cfg->norm_topk_prob, err));
+    KR_TRY(get_float(root, path, KEYS("routed_scaling_factor"), 1.0, &d, err));
     if (!isfinite(d)) {
         return kr_err_set(err, KR_ERR_FORMAT, "%s: key \"routed_scaling_factor\" must be finite", path);
     }
@@ -508,10 +500,10 @@ static enum kr_status parse_layers(struct kr_model_config *cfg, const struct kr_
                           kr_json_type_name(pat->type));
     }
     if (list) {
-        TRY(parse_pattern_list(cfg, list, path, list_key, err));
+        KR_TRY(parse_pattern_list(cfg, list, path, list_key, err));
         if (pat && pat->type == KR_JSON_STRING) {
             struct kr_model_config tmp;
-            TRY(parse_pattern_string(&tmp, pat->str, path, "hybrid_override_pattern", err));
+            KR_TRY(parse_pattern_string(&tmp, pat->str, path, "hybrid_override_pattern", err));
             if (strcmp(tmp.pattern, cfg->pattern) != 0) {
                 return kr_err_set(err, KR_ERR_FORMAT,
                                   "%s: \"hybrid_override_pattern\" (%s) and \"%s\" (%s) disagree", path,
@@ -519,7 +511,7 @@ static enum kr_status parse_layers(struct kr_model_config *cfg, const struct kr_
             }
         }
     } else if (pat && pat->type == KR_JSON_STRING) {
-        TRY(parse_pattern_string(cfg, pat->str, path, "hybrid_override_pattern", err));
+        KR_TRY(parse_pattern_string(cfg, pat->str, path, "hybrid_override_pattern", err));
     } else {
         return kr_err_set(err, KR_ERR_FORMAT,
                           "%s: no layer pattern: expected \"hybrid_override_pattern\" (string) or "
@@ -530,7 +522,7 @@ static enum kr_status parse_layers(struct kr_model_config *cfg, const struct kr_
         return kr_err_set(err, KR_ERR_FORMAT, "%s: the layer pattern is empty", path);
     }
     int64_t nl;
-    TRY(get_int(root, path, KEYS("num_hidden_layers"), false, cfg->n_layer, &nl, err));
+    KR_TRY(get_int(root, path, KEYS("num_hidden_layers"), false, cfg->n_layer, &nl, err));
     if (nl != cfg->n_layer) {
         KR_LOG_WARN("%s: num_hidden_layers=%lld does not match the %d layers of the pattern; using the pattern",
                     path, (long long)nl, cfg->n_layer);
@@ -550,15 +542,15 @@ static enum kr_status parse_layers(struct kr_model_config *cfg, const struct kr_
 static enum kr_status parse_dims(struct kr_model_config *cfg, const struct kr_json *root, const char *path,
                                  const char *const *eps_keys, double eps_def, struct kr_err *err)
 {
-    TRY(get_int(root, path, KEYS("vocab_size"), true, 0, &cfg->vocab, err));
-    TRY(need_pos(cfg->vocab, path, "vocab_size", err));
+    KR_TRY(get_int(root, path, KEYS("vocab_size"), true, 0, &cfg->vocab, err));
+    KR_TRY(need_pos(cfg->vocab, path, "vocab_size", err));
     if (cfg->vocab > INT32_MAX) {
         return kr_err_set(err, KR_ERR_FORMAT, "%s: vocab_size %lld does not fit token ids", path, (long long)cfg->vocab);
     }
-    TRY(get_int(root, path, KEYS("hidden_size"), true, 0, &cfg->dim, err));
-    TRY(need_pos(cfg->dim, path, "hidden_size", err));
+    KR_TRY(get_int(root, path, KEYS("hidden_size"), true, 0, &cfg->dim, err));
+    KR_TRY(need_pos(cfg->dim, path, "hidden_size", err));
     double d;
-    TRY(get_float(root, path, eps_keys, eps_def, &d, err));
+    KR_TRY(get_float(root, path, eps_keys, eps_def, &d, err));
     if (!(d > 0 && d < 1)) {
         return kr_err_set(err, KR_ERR_FORMAT, "%s: key \"%s\" must be in (0, 1), got %g", path, eps_keys[0], d);
     }
@@ -569,28 +561,28 @@ static enum kr_status parse_dims(struct kr_model_config *cfg, const struct kr_js
 static enum kr_status parse_nemotron_h(struct kr_model_config *cfg, const struct kr_json *root, const char *path,
                                        struct kr_err *err)
 {
-    TRY(parse_layers(cfg, root, path, err));
-    TRY(parse_dims(cfg, root, path, KEYS("layer_norm_epsilon", "rms_norm_eps", "norm_eps"), 1e-5, err));
-    TRY(get_bool(root, path, KEYS("tie_word_embeddings"), false, &cfg->tie_embeddings, err));
-    TRY(get_int(root, path, KEYS("max_position_embeddings"), false, 4096, &cfg->max_pos, err));
-    TRY(need_pos(cfg->max_pos, path, "max_position_embeddings", err));
-    TRY(parse_token_ids(cfg, root, path, err));
+    KR_TRY(parse_layers(cfg, root, path, err));
+    KR_TRY(parse_dims(cfg, root, path, KEYS("layer_norm_epsilon", "rms_norm_eps", "norm_eps"), 1e-5, err));
+    KR_TRY(get_bool(root, path, KEYS("tie_word_embeddings"), false, &cfg->tie_embeddings, err));
+    KR_TRY(get_int(root, path, KEYS("max_position_embeddings"), false, 4096, &cfg->max_pos, err));
+    KR_TRY(need_pos(cfg->max_pos, path, "max_position_embeddings", err));
+    KR_TRY(parse_token_ids(cfg, root, path, err));
 
     if (kr_model_config_count(cfg, KR_LAYER_MAMBA)) {
-        TRY(get_int(root, path, KEYS("mamba_num_heads"), true, 0, &cfg->m_heads, err));
-        TRY(need_pos(cfg->m_heads, path, "mamba_num_heads", err));
-        TRY(get_int(root, path, KEYS("mamba_head_dim"), true, 0, &cfg->m_head_dim, err));
-        TRY(need_pos(cfg->m_head_dim, path, "mamba_head_dim", err));
-        TRY(get_int(root, path, KEYS("n_groups", "mamba_n_groups"), false, 8, &cfg->m_groups, err));
-        TRY(need_pos(cfg->m_groups, path, "n_groups", err));
-        TRY(get_int(root, path, KEYS("ssm_state_size", "mamba_d_state"), false, 128, &cfg->m_state, err));
-        TRY(need_pos(cfg->m_state, path, "ssm_state_size", err));
-        TRY(get_int(root, path, KEYS("conv_kernel", "mamba_d_conv"), false, 4, &cfg->m_conv, err));
-        TRY(need_pos(cfg->m_conv, path, "conv_kernel", err));
-        TRY(get_int(root, path, KEYS("chunk_size", "mamba_chunk_size"), false, 128, &cfg->m_chunk, err));
-        TRY(need_pos(cfg->m_chunk, path, "chunk_size", err));
-        TRY(get_bool(root, path, KEYS("use_conv_bias", "mamba_conv_bias"), true, &cfg->m_conv_bias, err));
-        TRY(get_bool(root, path, KEYS("use_bias"), false, &cfg->m_proj_bias, err));
+        KR_TRY(get_int(root, path, KEYS("mamba_num_heads"), true, 0, &cfg->m_heads, err));
+        KR_TRY(need_pos(cfg->m_heads, path, "mamba_num_heads", err));
+        KR_TRY(get_int(root, path, KEYS("mamba_head_dim"), true, 0, &cfg->m_head_dim, err));
+        KR_TRY(need_pos(cfg->m_head_dim, path, "mamba_head_dim", err));
+        KR_TRY(get_int(root, path, KEYS("n_groups", "mamba_n_groups"), false, 8, &cfg->m_groups, err));
+        KR_TRY(need_pos(cfg->m_groups, path, "n_groups", err));
+        KR_TRY(get_int(root, path, KEYS("ssm_state_size", "mamba_d_state"), false, 128, &cfg->m_state, err));
+        KR_TRY(need_pos(cfg->m_state, path, "ssm_state_size", err));
+        KR_TRY(get_int(root, path, KEYS("conv_kernel", "mamba_d_conv"), false, 4, &cfg->m_conv, err));
+        KR_TRY(need_pos(cfg->m_conv, path, "conv_kernel", err));
+        KR_TRY(get_int(root, path, KEYS("chunk_size", "mamba_chunk_size"), false, 128, &cfg->m_chunk, err));
+        KR_TRY(need_pos(cfg->m_chunk, path, "chunk_size", err));
+        KR_TRY(get_bool(root, path, KEYS("use_conv_bias", "mamba_conv_bias"), true, &cfg->m_conv_bias, err));
+        KR_TRY(get_bool(root, path, KEYS("use_bias"), false, &cfg->m_proj_bias, err));
         if (cfg->m_heads % cfg->m_groups) {
             return kr_err_set(err, KR_ERR_FORMAT, "%s: mamba_num_heads (%lld) must be a multiple of n_groups (%lld)",
                               path, (long long)cfg->m_heads, (long long)cfg->m_groups);
@@ -623,31 +615,31 @@ static enum kr_status parse_nemotron_h(struct kr_model_config *cfg, const struct
         }
     }
     if (kr_model_config_count(cfg, KR_LAYER_ATTN)) {
-        TRY(get_int(root, path, KEYS("num_attention_heads"), true, 0, &cfg->n_head, err));
-        TRY(need_pos(cfg->n_head, path, "num_attention_heads", err));
-        TRY(get_int(root, path, KEYS("num_key_value_heads"), false, cfg->n_head, &cfg->n_kv_head, err));
-        TRY(need_pos(cfg->n_kv_head, path, "num_key_value_heads", err));
-        TRY(get_int(root, path, KEYS("head_dim", "attention_head_dim"), false, cfg->dim / cfg->n_head,
+        KR_TRY(get_int(root, path, KEYS("num_attention_heads"), true, 0, &cfg->n_head, err));
+        KR_TRY(need_pos(cfg->n_head, path, "num_attention_heads", err));
+        KR_TRY(get_int(root, path, KEYS("num_key_value_heads"), false, cfg->n_head, &cfg->n_kv_head, err));
+        KR_TRY(need_pos(cfg->n_kv_head, path, "num_key_value_heads", err));
+        KR_TRY(get_int(root, path, KEYS("head_dim", "attention_head_dim"), false, cfg->dim / cfg->n_head,
                     &cfg->head_dim, err));
-        TRY(need_pos(cfg->head_dim, path, "head_dim", err));
-        TRY(get_bool(root, path, KEYS("attention_bias"), false, &cfg->attn_bias, err));
+        KR_TRY(need_pos(cfg->head_dim, path, "head_dim", err));
+        KR_TRY(get_bool(root, path, KEYS("attention_bias"), false, &cfg->attn_bias, err));
         if (cfg->n_head % cfg->n_kv_head) {
             return kr_err_set(err, KR_ERR_FORMAT,
                               "%s: num_attention_heads (%lld) must be a multiple of num_key_value_heads (%lld)", path,
                               (long long)cfg->n_head, (long long)cfg->n_kv_head);
         }
     }
-    TRY(parse_act(root, path, &cfg->act, err));
-    TRY(get_bool(root, path, KEYS("mlp_bias"), false, &cfg->mlp_bias, err));
+    KR_TRY(parse_act(root, path, &cfg->act, err));
+    KR_TRY(get_bool(root, path, KEYS("mlp_bias"), false, &cfg->mlp_bias, err));
     if (kr_model_config_count(cfg, KR_LAYER_MLP)) {
-        TRY(get_int(root, path, KEYS("intermediate_size"), true, 0, &cfg->ffn, err));
-        TRY(need_pos(cfg->ffn, path, "intermediate_size", err));
+        KR_TRY(get_int(root, path, KEYS("intermediate_size"), true, 0, &cfg->ffn, err));
+        KR_TRY(need_pos(cfg->ffn, path, "intermediate_size", err));
     }
     if (kr_model_config_count(cfg, KR_LAYER_MOE)) {
-        TRY(parse_moe(cfg, root, path, err));
+        KR_TRY(parse_moe(cfg, root, path, err));
     }
     if (cfg->dsa_seen || kr_model_config_count(cfg, KR_LAYER_DSA) || kr_model_config_count(cfg, KR_LAYER_MLA)) {
-        TRY(parse_mla(cfg, root, path, err));
+        KR_TRY(parse_mla(cfg, root, path, err));
     }
     return KR_OK;
 }
@@ -661,15 +653,15 @@ static enum kr_status parse_ds_layers(struct kr_model_config *cfg, const struct 
                                       struct kr_err *err)
 {
     int64_t nl, k_dense, freq;
-    TRY(get_int(root, path, KEYS("num_hidden_layers"), true, 0, &nl, err));
-    TRY(need_pos(nl, path, "num_hidden_layers", err));
+    KR_TRY(get_int(root, path, KEYS("num_hidden_layers"), true, 0, &nl, err));
+    KR_TRY(need_pos(nl, path, "num_hidden_layers", err));
     if (2 * nl > KR_MAX_LAYERS) {
         return kr_err_set(err, KR_ERR_FORMAT, "%s: num_hidden_layers %lld is larger than %d", path, (long long)nl,
                           KR_MAX_LAYERS / 2);
     }
-    TRY(get_int(root, path, KEYS("first_k_dense_replace"), false, 0, &k_dense, err));
-    TRY(get_int(root, path, KEYS("moe_layer_freq"), false, 1, &freq, err));
-    TRY(need_pos(freq, path, "moe_layer_freq", err));
+    KR_TRY(get_int(root, path, KEYS("first_k_dense_replace"), false, 0, &k_dense, err));
+    KR_TRY(get_int(root, path, KEYS("moe_layer_freq"), false, 1, &freq, err));
+    KR_TRY(need_pos(freq, path, "moe_layer_freq", err));
     const struct kr_json *types = kr_json_get(root, "mlp_layer_types");
     if (types && types->type != KR_JSON_NULL && (types->type != KR_JSON_ARRAY || (int64_t)types->n != nl)) {
         return kr_err_set(err, KR_ERR_FORMAT, "%s: key \"mlp_layer_types\" must be a list of %lld entries", path,
@@ -696,27 +688,27 @@ static enum kr_status parse_ds_layers(struct kr_model_config *cfg, const struct 
 static enum kr_status parse_deepseek_v32(struct kr_model_config *cfg, const struct kr_json *root, const char *path,
                                          struct kr_err *err)
 {
-    TRY(parse_ds_layers(cfg, root, path, err));
-    TRY(parse_dims(cfg, root, path, KEYS("rms_norm_eps"), 1e-6, err));
-    TRY(get_bool(root, path, KEYS("tie_word_embeddings"), false, &cfg->tie_embeddings, err));
-    TRY(get_int(root, path, KEYS("max_position_embeddings"), false, 163840, &cfg->max_pos, err));
-    TRY(need_pos(cfg->max_pos, path, "max_position_embeddings", err));
-    TRY(parse_token_ids(cfg, root, path, err));
+    KR_TRY(parse_ds_layers(cfg, root, path, err));
+    KR_TRY(parse_dims(cfg, root, path, KEYS("rms_norm_eps"), 1e-6, err));
+    KR_TRY(get_bool(root, path, KEYS("tie_word_embeddings"), false, &cfg->tie_embeddings, err));
+    KR_TRY(get_int(root, path, KEYS("max_position_embeddings"), false, 163840, &cfg->max_pos, err));
+    KR_TRY(need_pos(cfg->max_pos, path, "max_position_embeddings", err));
+    KR_TRY(parse_token_ids(cfg, root, path, err));
     bool attn_bias = false;
-    TRY(get_bool(root, path, KEYS("attention_bias"), false, &attn_bias, err));
+    KR_TRY(get_bool(root, path, KEYS("attention_bias"), false, &attn_bias, err));
     if (attn_bias) {
         return kr_err_set(err, KR_ERR_UNSUPPORTED, "%s: attention_bias true is not supported for MLA", path);
     }
-    TRY(parse_act(root, path, &cfg->act, err));
+    KR_TRY(parse_act(root, path, &cfg->act, err));
     if (kr_model_config_count(cfg, KR_LAYER_MLP)) {
-        TRY(get_int(root, path, KEYS("intermediate_size"), true, 0, &cfg->ffn, err));
-        TRY(need_pos(cfg->ffn, path, "intermediate_size", err));
+        KR_TRY(get_int(root, path, KEYS("intermediate_size"), true, 0, &cfg->ffn, err));
+        KR_TRY(need_pos(cfg->ffn, path, "intermediate_size", err));
     }
     if (kr_model_config_count(cfg, KR_LAYER_MOE)) {
-        TRY(parse_moe(cfg, root, path, err));
+        KR_TRY(parse_moe(cfg, root, path, err));
     }
     int64_t mtp;
-    TRY(get_int(root, path, KEYS("num_nextn_predict_layers"), false, 0, &mtp, err));
+    KR_TRY(get_int(root, path, KEYS("num_nextn_predict_layers"), false, 0, &mtp, err));
     cfg->n_mtp_layers = (int32_t)(mtp > 0 && mtp < 64 ? mtp : 0);
     const struct kr_json *q = kr_json_get(root, "quantization_config");
     if (q && q->type == KR_JSON_OBJECT) {

@@ -14,14 +14,6 @@
 #include <string.h>
 #include <time.h>
 
-#define TRY_ST(expr)                                                                               \
-    do {                                                                                           \
-        enum kr_status st_ = (expr);                                                               \
-        if (st_ != KR_OK) {                                                                        \
-            return st_;                                                                            \
-        }                                                                                          \
-    } while (0)
-
 /* ---- sequence state machine --------------------------------------------------------------------
  *
  *   WAITING ──admit──▶ PREFILL ──last token fed──▶ DECODE ──EOS/stop/length──▶ DONE
@@ -585,7 +577,7 @@ static enum kr_status sample_on_backend(struct kr_engine *e, struct seq **seqs, 
         n_top = k > n_top ? k : n_top;
     }
     n_top = n_top < e->m->cfg.vocab ? n_top : (int32_t)e->m->cfg.vocab;
-    TRY_ST(ensure_sample_buffers(e, n, n_pen));
+    KR_TRY(ensure_sample_buffers(e, n, n_pen));
     int64_t at = 0;
     for (int32_t i = 0; i < n; i++) {
         struct seq *s = seqs[i];

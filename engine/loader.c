@@ -276,14 +276,6 @@ static enum kr_status load_vec(struct loader *ld, const char *name, int64_t n, b
 }
 
 #define NAME(buf, ...) snprintf(buf, sizeof buf, __VA_ARGS__)
-#define TRY(expr)                                                                                  \
-    do {                                                                                           \
-        enum kr_status st_ = (expr);                                                               \
-        if (st_ != KR_OK) {                                                                        \
-            return st_;                                                                            \
-        }                                                                                          \
-    } while (0)
-
 /* ---- layers ----------------------------------------------------------------------------------- */
 
 static enum kr_status load_mamba(struct loader *ld, const char *base, struct kr_mamba_w *w)
@@ -291,30 +283,30 @@ static enum kr_status load_mamba(struct loader *ld, const char *base, struct kr_
     const struct kr_model_config *c = &ld->m->cfg;
     char n[512];
     NAME(n, "%sin_proj.weight", base);
-    TRY(load_mat(ld, n, c->m_in_proj, c->dim, false, "Mamba in_proj [z,x,B,C,dt] x hidden", &w->in_proj));
+    KR_TRY(load_mat(ld, n, c->m_in_proj, c->dim, false, "Mamba in_proj [z,x,B,C,dt] x hidden", &w->in_proj));
     NAME(n, "%sin_proj.bias", base);
-    TRY(load_vec(ld, n, c->m_in_proj, !c->m_proj_bias, "Mamba in_proj bias (use_bias)", &w->in_proj_b));
+    KR_TRY(load_vec(ld, n, c->m_in_proj, !c->m_proj_bias, "Mamba in_proj bias (use_bias)", &w->in_proj_b));
     NAME(n, "%sconv1d.weight", base);
     if (find(ld, n) && find(ld, n)->n_dim == 2) {
-        TRY(load_vec_shaped(ld, n, 2, (const int64_t[]){c->m_conv_dim, c->m_conv}, false, "", &w->conv_w));
+        KR_TRY(load_vec_shaped(ld, n, 2, (const int64_t[]){c->m_conv_dim, c->m_conv}, false, "", &w->conv_w));
     } else {
-        TRY(load_vec_shaped(ld, n, 3, (const int64_t[]){c->m_conv_dim, 1, c->m_conv}, false,
+        KR_TRY(load_vec_shaped(ld, n, 3, (const int64_t[]){c->m_conv_dim, 1, c->m_conv}, false,
                             "depthwise conv weight [conv_dim, 1, conv_kernel]", &w->conv_w));
     }
     NAME(n, "%sconv1d.bias", base);
-    TRY(load_vec(ld, n, c->m_conv_dim, !c->m_conv_bias, "conv bias (use_conv_bias)", &w->conv_b));
+    KR_TRY(load_vec(ld, n, c->m_conv_dim, !c->m_conv_bias, "conv bias (use_conv_bias)", &w->conv_b));
     NAME(n, "%sdt_bias", base);
-    TRY(load_vec(ld, n, c->m_heads, false, "dt_bias [mamba_num_heads]", &w->dt_bias));
+    KR_TRY(load_vec(ld, n, c->m_heads, false, "dt_bias [mamba_num_heads]", &w->dt_bias));
     NAME(n, "%sA_log", base);
-    TRY(load_vec(ld, n, c->m_heads, false, "A_log [mamba_num_heads]", &w->A_log));
+    KR_TRY(load_vec(ld, n, c->m_heads, false, "A_log [mamba_num_heads]", &w->A_log));
     NAME(n, "%sD", base);
-    TRY(load_vec(ld, n, c->m_heads, false, "D [mamba_num_heads]", &w->D));
+    KR_TRY(load_vec(ld, n, c->m_heads, false, "D [mamba_num_heads]", &w->D));
     NAME(n, "%snorm.weight", base);
-    TRY(load_vec(ld, n, c->m_d_inner, false, "gated RMSNorm weight [d_inner]", &w->norm_w));
+    KR_TRY(load_vec(ld, n, c->m_d_inner, false, "gated RMSNorm weight [d_inner]", &w->norm_w));
     NAME(n, "%sout_proj.weight", base);
-    TRY(load_mat(ld, n, c->dim, c->m_d_inner, false, "Mamba out_proj [hidden, d_inner]", &w->out_proj));
+    KR_TRY(load_mat(ld, n, c->dim, c->m_d_inner, false, "Mamba out_proj [hidden, d_inner]", &w->out_proj));
     NAME(n, "%sout_proj.bias", base);
-    TRY(load_vec(ld, n, c->dim, !c->m_proj_bias, "Mamba out_proj bias (use_bias)", &w->out_proj_b));
+    KR_TRY(load_vec(ld, n, c->dim, !c->m_proj_bias, "Mamba out_proj bias (use_bias)", &w->out_proj_b));
     return KR_OK;
 }
 
@@ -324,22 +316,22 @@ static enum kr_status load_attn(struct loader *ld, const char *base, struct kr_a
     const int64_t q = c->n_head * c->head_dim, kv = c->n_kv_head * c->head_dim;
     char n[512];
     NAME(n, "%sq_proj.weight", base);
-    TRY(load_mat(ld, n, q, c->dim, false, "attention q_proj", &w->q));
+    KR_TRY(load_mat(ld, n, q, c->dim, false, "attention q_proj", &w->q));
     NAME(n, "%sk_proj.weight", base);
-    TRY(load_mat(ld, n, kv, c->dim, false, "attention k_proj", &w->k));
+    KR_TRY(load_mat(ld, n, kv, c->dim, false, "attention k_proj", &w->k));
     NAME(n, "%sv_proj.weight", base);
-    TRY(load_mat(ld, n, kv, c->dim, false, "attention v_proj", &w->v));
+    KR_TRY(load_mat(ld, n, kv, c->dim, false, "attention v_proj", &w->v));
     NAME(n, "%so_proj.weight", base);
-    TRY(load_mat(ld, n, c->dim, q, false, "attention o_proj", &w->o));
+    KR_TRY(load_mat(ld, n, c->dim, q, false, "attention o_proj", &w->o));
     bool opt = !c->attn_bias;
     NAME(n, "%sq_proj.bias", base);
-    TRY(load_vec(ld, n, q, opt, "q_proj bias (attention_bias)", &w->q_b));
+    KR_TRY(load_vec(ld, n, q, opt, "q_proj bias (attention_bias)", &w->q_b));
     NAME(n, "%sk_proj.bias", base);
-    TRY(load_vec(ld, n, kv, opt, "k_proj bias (attention_bias)", &w->k_b));
+    KR_TRY(load_vec(ld, n, kv, opt, "k_proj bias (attention_bias)", &w->k_b));
     NAME(n, "%sv_proj.bias", base);
-    TRY(load_vec(ld, n, kv, opt, "v_proj bias (attention_bias)", &w->v_b));
+    KR_TRY(load_vec(ld, n, kv, opt, "v_proj bias (attention_bias)", &w->v_b));
     NAME(n, "%so_proj.bias", base);
-    TRY(load_vec(ld, n, c->dim, opt, "o_proj bias (attention_bias)", &w->o_b));
+    KR_TRY(load_vec(ld, n, c->dim, opt, "o_proj bias (attention_bias)", &w->o_b));
     return KR_OK;
 }
 
@@ -352,30 +344,30 @@ static enum kr_status load_mla(struct loader *ld, const char *base, bool indexer
     char n[512];
     if (Rq) {
         NAME(n, "%sq_a_proj.weight", base);
-        TRY(load_mat(ld, n, Rq, c->dim, false, "MLA q down projection [q_lora_rank, hidden]", &w->q_a));
+        KR_TRY(load_mat(ld, n, Rq, c->dim, false, "MLA q down projection [q_lora_rank, hidden]", &w->q_a));
         NAME(n, "%sq_a_layernorm.weight", base);
-        TRY(load_vec(ld, n, Rq, true, "", &w->q_a_norm));
+        KR_TRY(load_vec(ld, n, Rq, true, "", &w->q_a_norm));
         NAME(n, "%sq_b_proj.weight", base);
-        TRY(load_mat(ld, n, H * (Dn + Dr), Rq, false,
+        KR_TRY(load_mat(ld, n, H * (Dn + Dr), Rq, false,
                      "MLA q up projection [num_attention_heads * (qk_nope_head_dim + qk_rope_head_dim), q_lora_rank]",
                      &w->q_b));
     } else {
         NAME(n, "%sq_proj.weight", base);
-        TRY(load_mat(ld, n, H * (Dn + Dr), c->dim, false,
+        KR_TRY(load_mat(ld, n, H * (Dn + Dr), c->dim, false,
                      "MLA q projection [num_attention_heads * (qk_nope_head_dim + qk_rope_head_dim), hidden]",
                      &w->q_a));
     }
     NAME(n, "%skv_a_proj_with_mqa.weight", base);
-    TRY(load_mat(ld, n, Rkv + Dr, c->dim, false, "MLA kv down projection [kv_lora_rank + qk_rope_head_dim, hidden]",
+    KR_TRY(load_mat(ld, n, Rkv + Dr, c->dim, false, "MLA kv down projection [kv_lora_rank + qk_rope_head_dim, hidden]",
                  &w->kv_a));
     NAME(n, "%skv_a_layernorm.weight", base);
-    TRY(load_vec(ld, n, Rkv, true, "", &w->kv_a_norm));
+    KR_TRY(load_vec(ld, n, Rkv, true, "", &w->kv_a_norm));
     NAME(n, "%skv_b_proj.weight", base);
-    TRY(load_mat_f32(ld, n, H * (Dn + Dv), Rkv,
+    KR_TRY(load_mat_f32(ld, n, H * (Dn + Dv), Rkv,
                      "MLA kv up projection [num_attention_heads * (qk_nope_head_dim + v_head_dim), kv_lora_rank]",
                      &w->kv_b));
     NAME(n, "%so_proj.weight", base);
-    TRY(load_mat(ld, n, c->dim, H * Dv, false, "MLA output projection [hidden, num_attention_heads * v_head_dim]",
+    KR_TRY(load_mat(ld, n, c->dim, H * Dv, false, "MLA output projection [hidden, num_attention_heads * v_head_dim]",
                  &w->o));
     w->has_indexer = indexer;
     if (!indexer) {
@@ -383,16 +375,16 @@ static enum kr_status load_mla(struct loader *ld, const char *base, bool indexer
     }
     const int64_t Hi = c->idx_heads, Di = c->idx_head_dim;
     NAME(n, "%sindexer.wq_b.weight", base);
-    TRY(load_mat(ld, n, Hi * Di, Rq ? Rq : c->dim, false,
+    KR_TRY(load_mat(ld, n, Hi * Di, Rq ? Rq : c->dim, false,
                  "indexer q projection [index_n_heads * index_head_dim, q_lora_rank]", &w->idx_wq_b));
     NAME(n, "%sindexer.wk.weight", base);
-    TRY(load_mat(ld, n, Di, c->dim, false, "indexer k projection [index_head_dim, hidden]", &w->idx_wk));
+    KR_TRY(load_mat(ld, n, Di, c->dim, false, "indexer k projection [index_head_dim, hidden]", &w->idx_wk));
     NAME(n, "%sindexer.k_norm.weight", base);
-    TRY(load_vec(ld, n, Di, false, "indexer key LayerNorm weight [index_head_dim]", &w->idx_k_norm_w));
+    KR_TRY(load_vec(ld, n, Di, false, "indexer key LayerNorm weight [index_head_dim]", &w->idx_k_norm_w));
     NAME(n, "%sindexer.k_norm.bias", base);
-    TRY(load_vec(ld, n, Di, false, "indexer key LayerNorm bias [index_head_dim]", &w->idx_k_norm_b));
+    KR_TRY(load_vec(ld, n, Di, false, "indexer key LayerNorm bias [index_head_dim]", &w->idx_k_norm_b));
     NAME(n, "%sindexer.weights_proj.weight", base);
-    TRY(load_mat(ld, n, Hi, c->dim, false, "indexer head weights [index_n_heads, hidden]", &w->idx_w));
+    KR_TRY(load_mat(ld, n, Hi, c->dim, false, "indexer head weights [index_n_heads, hidden]", &w->idx_w));
     return KR_OK;
 }
 
@@ -404,19 +396,19 @@ static enum kr_status load_mlp(struct loader *ld, const char *base, int64_t d_in
     const struct kr_model_config *c = &ld->m->cfg;
     char n[512];
     NAME(n, "%sup_proj.weight", base);
-    TRY(load_mat(ld, n, ffn, d_in, false, "MLP up_proj", &w->up));
+    KR_TRY(load_mat(ld, n, ffn, d_in, false, "MLP up_proj", &w->up));
     NAME(n, "%sgate_proj.weight", base);
-    TRY(load_mat(ld, n, ffn, d_in, true, "", &w->gate));
+    KR_TRY(load_mat(ld, n, ffn, d_in, true, "", &w->gate));
     NAME(n, "%sdown_proj.weight", base);
-    TRY(load_mat(ld, n, d_out, ffn, false, "MLP down_proj", &w->down));
+    KR_TRY(load_mat(ld, n, d_out, ffn, false, "MLP down_proj", &w->down));
     NAME(n, "%sup_proj.bias", base);
-    TRY(load_vec(ld, n, ffn, !c->mlp_bias, "up_proj bias (mlp_bias)", &w->up_b));
+    KR_TRY(load_vec(ld, n, ffn, !c->mlp_bias, "up_proj bias (mlp_bias)", &w->up_b));
     if (w->gate.data) {
         NAME(n, "%sgate_proj.bias", base);
-        TRY(load_vec(ld, n, ffn, !c->mlp_bias, "gate_proj bias (mlp_bias)", &w->gate_b));
+        KR_TRY(load_vec(ld, n, ffn, !c->mlp_bias, "gate_proj bias (mlp_bias)", &w->gate_b));
     }
     NAME(n, "%sdown_proj.bias", base);
-    TRY(load_vec(ld, n, d_out, !c->mlp_bias, "down_proj bias (mlp_bias)", &w->down_b));
+    KR_TRY(load_vec(ld, n, d_out, !c->mlp_bias, "down_proj bias (mlp_bias)", &w->down_b));
     return KR_OK;
 }
 
@@ -436,7 +428,7 @@ static struct kr_tensor expert_view(const struct kr_st_tensor *t, int64_t e, int
 static enum kr_status upload_view(struct loader *ld, const struct kr_tensor *host, struct kr_tensor *out)
 {
     struct kr_buf owned;
-    TRY(kr_backend_upload(ld->m->be, host, false, true, out, &owned));
+    KR_TRY(kr_backend_upload(ld->m->be, host, false, true, out, &owned));
     return own_buf(ld->m, &owned);
 }
 
@@ -454,15 +446,15 @@ static enum kr_status load_fused_experts(struct loader *ld, const char *base, in
     if (!down) {
         return missing(ld, n, "fused expert down projections [n_routed_experts, d, moe_intermediate_size]");
     }
-    TRY(check(ld, down, 3, (const int64_t[]){E, d_e, F}));
+    KR_TRY(check(ld, down, 3, (const int64_t[]){E, d_e, F}));
     if (gu) {
-        TRY(check(ld, gu, 3, (const int64_t[]){E, 2 * F, d_e}));
+        KR_TRY(check(ld, gu, 3, (const int64_t[]){E, 2 * F, d_e}));
         if (up) {
             return kr_err_set(ld->err, KR_ERR_FORMAT, "%s: both \"%sexperts.gate_up_proj\" and \"%s\" are present",
                               up->file->path, base, up->name);
         }
     } else if (up) {
-        TRY(check(ld, up, 3, (const int64_t[]){E, F, d_e}));
+        KR_TRY(check(ld, up, 3, (const int64_t[]){E, F, d_e}));
     } else {
         NAME(n, "%sexperts.up_proj", base);
         return missing(ld, n, "fused expert up projections [n_routed_experts, moe_intermediate_size, d]");
@@ -471,14 +463,14 @@ static enum kr_status load_fused_experts(struct loader *ld, const char *base, in
         struct kr_tensor v;
         if (gu) { /* rows [gate (F) | up (F)] per expert */
             v = expert_view(gu, e, 0, F);
-            TRY(upload_view(ld, &v, &w->gate[e]));
+            KR_TRY(upload_view(ld, &v, &w->gate[e]));
             v = expert_view(gu, e, F, F);
         } else {
             v = expert_view(up, e, 0, F);
         }
-        TRY(upload_view(ld, &v, &w->up[e]));
+        KR_TRY(upload_view(ld, &v, &w->up[e]));
         v = expert_view(down, e, 0, d_e);
-        TRY(upload_view(ld, &v, &w->down[e]));
+        KR_TRY(upload_view(ld, &v, &w->down[e]));
     }
     return KR_OK;
 }
@@ -491,18 +483,18 @@ static enum kr_status load_moe(struct loader *ld, const char *base, struct kr_mo
     char n[512];
     NAME(n, "%sgate.weight", base);
     /* routers run in fp32 (as HF computes them), whatever the weights' storage */
-    TRY(load_mat_f32_t(ld, n, E, c->dim, "MoE router [n_routed_experts, hidden]", &w->router));
+    KR_TRY(load_mat_f32_t(ld, n, E, c->dim, "MoE router [n_routed_experts, hidden]", &w->router));
     NAME(n, "%sgate.e_score_correction_bias", base);
-    TRY(load_vec(ld, n, E, true, "", &w->router_bias));
+    KR_TRY(load_vec(ld, n, E, true, "", &w->router_bias));
 
     int64_t d_e = c->dim;
     if (c->moe_latent) {
         w->has_latent = true;
         d_e = c->moe_latent;
         NAME(n, "%sfc1_latent_proj.weight", base);
-        TRY(load_mat(ld, n, c->moe_latent, c->dim, false, "MoE latent down projection", &w->fc1_latent));
+        KR_TRY(load_mat(ld, n, c->moe_latent, c->dim, false, "MoE latent down projection", &w->fc1_latent));
         NAME(n, "%sfc2_latent_proj.weight", base);
-        TRY(load_mat(ld, n, c->dim, c->moe_latent, false, "MoE latent up projection", &w->fc2_latent));
+        KR_TRY(load_mat(ld, n, c->dim, c->moe_latent, false, "MoE latent up projection", &w->fc2_latent));
     }
     w->up = kr_calloc((size_t)E, sizeof *w->up);
     w->down = kr_calloc((size_t)E, sizeof *w->down);
@@ -516,11 +508,11 @@ static enum kr_status load_moe(struct loader *ld, const char *base, struct kr_mo
         const bool gated = find(ld, n) != NULL;
         for (int64_t e = 0; e < E; e++) {
             NAME(n, "%sexperts.%lld.up_proj.weight", base, (long long)e);
-            TRY(load_mat(ld, n, F, d_e, false, "expert up_proj [moe_intermediate_size, d]", &w->up[e]));
+            KR_TRY(load_mat(ld, n, F, d_e, false, "expert up_proj [moe_intermediate_size, d]", &w->up[e]));
             NAME(n, "%sexperts.%lld.down_proj.weight", base, (long long)e);
-            TRY(load_mat(ld, n, d_e, F, false, "expert down_proj [d, moe_intermediate_size]", &w->down[e]));
+            KR_TRY(load_mat(ld, n, d_e, F, false, "expert down_proj [d, moe_intermediate_size]", &w->down[e]));
             NAME(n, "%sexperts.%lld.gate_proj.weight", base, (long long)e);
-            TRY(load_mat(ld, n, F, d_e, !gated, "expert gate_proj (expert 0 has one)", &w->gate[e]));
+            KR_TRY(load_mat(ld, n, F, d_e, !gated, "expert gate_proj (expert 0 has one)", &w->gate[e]));
         }
         if (!gated) {
             kr_free(w->gate);
@@ -529,7 +521,7 @@ static enum kr_status load_moe(struct loader *ld, const char *base, struct kr_mo
     } else {
         NAME(n, "%sexperts.gate_up_proj", base);
         const bool gated = find(ld, n) != NULL;
-        TRY(load_fused_experts(ld, base, d_e, w));
+        KR_TRY(load_fused_experts(ld, base, d_e, w));
         if (!gated) {
             kr_free(w->gate);
             w->gate = NULL;
@@ -538,7 +530,7 @@ static enum kr_status load_moe(struct loader *ld, const char *base, struct kr_mo
     if (c->shared_ffn) {
         w->has_shared = true;
         NAME(n, "%sshared_experts.", base);
-        TRY(load_mlp(ld, n, c->dim, c->shared_ffn, c->dim, &w->shared));
+        KR_TRY(load_mlp(ld, n, c->dim, c->shared_ffn, c->dim, &w->shared));
     }
     return KR_OK;
 }
@@ -570,26 +562,26 @@ static enum kr_status load_layers(struct loader *ld)
         struct kr_layer *L = &m->layers[i];
         L->type = (enum kr_layer_type)c->pattern[i];
         layer_names(ld, i, n, sizeof n, base, sizeof base);
-        TRY(load_vec(ld, n, c->dim, false, "block RMSNorm weight [hidden]", &L->norm));
+        KR_TRY(load_vec(ld, n, c->dim, false, "block RMSNorm weight [hidden]", &L->norm));
         switch (L->type) {
         case KR_LAYER_MAMBA:
             L->cache_idx = m->n_mamba++;
-            TRY(load_mamba(ld, base, &L->mamba));
+            KR_TRY(load_mamba(ld, base, &L->mamba));
             break;
         case KR_LAYER_ATTN:
             L->cache_idx = m->n_attn++;
-            TRY(load_attn(ld, base, &L->attn));
+            KR_TRY(load_attn(ld, base, &L->attn));
             break;
         case KR_LAYER_MLP:
-            TRY(load_mlp(ld, base, c->dim, c->ffn, c->dim, &L->mlp));
+            KR_TRY(load_mlp(ld, base, c->dim, c->ffn, c->dim, &L->mlp));
             break;
         case KR_LAYER_MOE:
-            TRY(load_moe(ld, base, &L->moe));
+            KR_TRY(load_moe(ld, base, &L->moe));
             break;
         case KR_LAYER_DSA:
         case KR_LAYER_MLA:
             L->cache_idx = m->n_mla++;
-            TRY(load_mla(ld, base, L->type == KR_LAYER_DSA, &L->mla));
+            KR_TRY(load_mla(ld, base, L->type == KR_LAYER_DSA, &L->mla));
             break;
         default:
             return kr_err_set(ld->err, KR_ERR_UNSUPPORTED, "%s: layer %d: unsupported layer type '%c'", m->dir, i,
@@ -655,36 +647,36 @@ static enum kr_status load_all(struct loader *ld)
                           "\"model.embeddings.weight\", \"backbone.embedding.weight\")",
                           m->dir);
     }
-    TRY(load_mat(ld, emb->name, c->vocab, c->dim, false, "token embedding [vocab, hidden]", &m->embed));
+    KR_TRY(load_mat(ld, emb->name, c->vocab, c->dim, false, "token embedding [vocab, hidden]", &m->embed));
     if (ld->deepseek) {
         NAME(n, "model.norm.weight");
     } else {
         NAME(n, "%snorm_f.weight", ld->prefix);
     }
-    TRY(load_vec(ld, n, c->dim, false, "final RMSNorm weight [hidden]", &m->final_norm));
+    KR_TRY(load_vec(ld, n, c->dim, false, "final RMSNorm weight [hidden]", &m->final_norm));
     m->layers = kr_calloc((size_t)c->n_layer, sizeof *m->layers);
     if (!m->layers) {
         return KR_ERR_NOMEM;
     }
-    TRY(load_layers(ld));
+    KR_TRY(load_layers(ld));
     if (c->tie_embeddings) {
         m->lm_head = m->embed;
         struct kr_st_tensor *lm = find(ld, "lm_head.weight");
         if (lm) { /* some exports keep the tied copy; it must at least have the right shape */
-            TRY(check(ld, lm, 2, (const int64_t[]){c->vocab, c->dim}));
+            KR_TRY(check(ld, lm, 2, (const int64_t[]){c->vocab, c->dim}));
         }
     } else {
-        TRY(load_mat(ld, "lm_head.weight", c->vocab, c->dim, false,
+        KR_TRY(load_mat(ld, "lm_head.weight", c->vocab, c->dim, false,
                      "output projection [vocab, hidden] (tie_word_embeddings is false)", &m->lm_head));
     }
     if (m->n_mla) {
         struct kr_tensor host = {.data = c->rope_inv_freq, .dtype = KR_DTYPE_F32, .rows = 1, .cols = c->qk_rope / 2}, dev;
         struct kr_buf owned;
-        TRY(kr_backend_upload(m->be, &host, true, false, &dev, &owned));
-        TRY(own_buf(m, &owned));
+        KR_TRY(kr_backend_upload(m->be, &host, true, false, &dev, &owned));
+        KR_TRY(own_buf(m, &owned));
         m->rope_inv_freq = dev.data;
     }
-    TRY(check_unused(ld));
+    KR_TRY(check_unused(ld));
     if (ld->deepseek && c->n_mtp_layers) {
         KR_LOG_INFO("%s: skipped %d multi-token-prediction layer(s) after layer %d", m->dir, c->n_mtp_layers,
                     c->n_layer / 2 - 1);

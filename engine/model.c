@@ -209,21 +209,13 @@ static enum kr_status validate(const struct kr_model *m, const struct kr_cache *
 
 /* ---- mixers ---------------------------------------------------------------------------------- */
 
-#define TRY(expr)                                                                                  \
-    do {                                                                                           \
-        enum kr_status st_ = (expr);                                                               \
-        if (st_ != KR_OK) {                                                                        \
-            return st_;                                                                            \
-        }                                                                                          \
-    } while (0)
-
 static enum kr_status mamba_fwd(struct kr_model *m, struct kr_cache *cache, const struct kr_layer *L, int64_t n,
                                 struct ws *ws)
 {
     const struct kr_model_config *c = &m->cfg;
     const struct kr_mamba_w *w = &L->mamba;
     kr_backend_t be = m->be;
-    TRY(kr_backend_matmul(be, ws->h, c->dim, n, &w->in_proj, w->in_proj_b, ws->big, c->m_in_proj));
+    KR_TRY(kr_backend_matmul(be, ws->h, c->dim, n, &w->in_proj, w->in_proj_b, ws->big, c->m_in_proj));
     struct kr_mamba_params p = {
         .zxbcdt = ws->big,
         .ld_in = c->m_in_proj,
@@ -246,9 +238,9 @@ static enum kr_status mamba_fwd(struct kr_model *m, struct kr_cache *cache, cons
         .xbc = ws->xbc,
         .y = ws->y,
     };
-    TRY(kr_backend_mamba(be, &p));
+    KR_TRY(kr_backend_mamba(be, &p));
     /* z is the first d_inner columns of the in_proj output */
-    TRY(kr_backend_gated_rmsnorm(be, ws->y, ws->big, c->m_in_proj, w->norm_w, n, c->m_d_inner,
+    KR_TRY(kr_backend_gated_rmsnorm(be, ws->y, ws->big, c->m_in_proj, w->norm_w, n, c->m_d_inner,
                                  c->m_d_inner / c->m_groups, c->norm_eps, ws->y2));
     return kr_backend_matmul(be, ws->y2, c->m_d_inner, n, &w->out_proj, w->out_proj_b, ws->o, c->dim);
 }
@@ -260,9 +252,9 @@ static enum kr_status attn_fwd(struct kr_model *m, struct kr_cache *cache, const
     const struct kr_attn_w *w = &L->attn;
     kr_backend_t be = m->be;
     const int64_t qd = c->n_head * c->head_dim, kvd = c->n_kv_head * c->head_dim, ld = qd + 2 * kvd;
-    TRY(kr_backend_matmul(be, ws->h, c->dim, n, &w->q, w->q_b, ws->big, ld));
-    TRY(kr_backend_matmul(be, ws->h, c->dim, n, &w->k, w->k_b, ws->big + qd, ld));
-    TRY(kr_backend_matmul(be, ws->h, c->dim, n, &w->v, w->v_b, ws->big + qd + kvd, ld));
+    KR_TRY(kr_backend_matmul(be, ws->h, c->dim, n, &w->q, w->q_b, ws->big, ld));
+    KR_TRY(kr_backend_matmul(be, ws->h, c->dim, n, &w->k, w->k_b, ws->big + qd, ld));
+    KR_TRY(kr_backend_matmul(be, ws->h, c->dim, n, &w->v, w->v_b, ws->big + qd + kvd, ld));
     struct kr_attn_params p = {
         .q = ws->big,
         .k = ws->big + qd,
@@ -277,7 +269,7 @@ static enum kr_status attn_fwd(struct kr_model *m, struct kr_cache *cache, const
         .block_size = cache->block_size,
         .out = ws->y,
     };
-    TRY(kr_backend_attention(be, &p));
+    KR_TRY(kr_backend_attention(be, &p));
     return kr_backend_matmul(be, ws->y, qd, n, &w->o, w->o_b, ws->o, c->dim);
 }
 
@@ -295,46 +287,46 @@ static enum kr_status mla_fwd(struct kr_model *m, struct kr_cache *cache, const 
     const float *cq = ws->h;
     int64_t ld_cq = c->dim;
     if (Rq) {
-        TRY(kr_backend_matmul(be, ws->h, c->dim, n, &w->q_a, NULL, ws->m_cq, Rq));
+        KR_TRY(kr_backend_matmul(be, ws->h, c->dim, n, &w->q_a, NULL, ws->m_cq, Rq));
         if (w->q_a_norm) {
-            TRY(kr_backend_rmsnorm(be, ws->m_cq, w->q_a_norm, n, Rq, c->mla_eps, ws->m_cq));
+            KR_TRY(kr_backend_rmsnorm(be, ws->m_cq, w->q_a_norm, n, Rq, c->mla_eps, ws->m_cq));
         }
         cq = ws->m_cq;
         ld_cq = Rq;
-        TRY(kr_backend_matmul(be, cq, Rq, n, &w->q_b, NULL, q, H * qd));
+        KR_TRY(kr_backend_matmul(be, cq, Rq, n, &w->q_b, NULL, q, H * qd));
     } else {
-        TRY(kr_backend_matmul(be, ws->h, c->dim, n, &w->q_a, NULL, q, H * qd));
+        KR_TRY(kr_backend_matmul(be, ws->h, c->dim, n, &w->q_a, NULL, q, H * qd));
     }
-    TRY(kr_backend_matmul(be, ws->h, c->dim, n, &w->kv_a, NULL, ws->m_kva, Rkv + Dr));
+    KR_TRY(kr_backend_matmul(be, ws->h, c->dim, n, &w->kv_a, NULL, ws->m_kva, Rkv + Dr));
     const float *ckv = ws->m_kva;
     int64_t ld_ckv = Rkv + Dr;
     if (w->kv_a_norm) {
-        TRY(kr_backend_rmsnorm_strided(be, ws->m_kva, Rkv + Dr, w->kv_a_norm, n, Rkv, c->mla_eps, ws->m_ckv));
+        KR_TRY(kr_backend_rmsnorm_strided(be, ws->m_kva, Rkv + Dr, w->kv_a_norm, n, Rkv, c->mla_eps, ws->m_ckv));
         ckv = ws->m_ckv;
         ld_ckv = Rkv;
     }
     /* interleaved RoPE on q_pe (each head's last Dr dims) and on the shared k_pe */
     struct kr_rope_params rq = {.x = q, .ld = H * qd, .n_vec = H, .stride = qd, .off = Dn, .dim = Dr,
                                 .interleaved = true, .inv_freq = m->rope_inv_freq, .factor = c->rope_attn_factor};
-    TRY(kr_backend_rope(be, &rq));
+    KR_TRY(kr_backend_rope(be, &rq));
     struct kr_rope_params rk = {.x = ws->m_kva, .ld = Rkv + Dr, .n_vec = 1, .stride = 0, .off = Rkv, .dim = Dr,
                                 .interleaved = true, .inv_freq = m->rope_inv_freq, .factor = c->rope_attn_factor};
-    TRY(kr_backend_rope(be, &rk));
+    KR_TRY(kr_backend_rope(be, &rk));
     const int64_t Hi = c->idx_heads, Di = c->idx_head_dim;
     float *iq = ws->big2;
     if (w->has_indexer) {
-        TRY(kr_backend_matmul(be, cq, ld_cq, n, &w->idx_wq_b, NULL, iq, Hi * Di));
-        TRY(kr_backend_matmul(be, ws->h, c->dim, n, &w->idx_wk, NULL, ws->m_ik, Di));
-        TRY(kr_backend_layernorm(be, ws->m_ik, Di, w->idx_k_norm_w, w->idx_k_norm_b, n, Di, c->idx_eps, ws->m_ik));
+        KR_TRY(kr_backend_matmul(be, cq, ld_cq, n, &w->idx_wq_b, NULL, iq, Hi * Di));
+        KR_TRY(kr_backend_matmul(be, ws->h, c->dim, n, &w->idx_wk, NULL, ws->m_ik, Di));
+        KR_TRY(kr_backend_layernorm(be, ws->m_ik, Di, w->idx_k_norm_w, w->idx_k_norm_b, n, Di, c->idx_eps, ws->m_ik));
         /* half-split RoPE on the first Dr dims of every indexer query head and of the key */
         struct kr_rope_params ri = {.x = iq, .ld = Hi * Di, .n_vec = Hi, .stride = Di, .off = 0, .dim = Dr,
                                     .interleaved = false, .inv_freq = m->rope_inv_freq, .factor = c->rope_attn_factor};
-        TRY(kr_backend_rope(be, &ri));
+        KR_TRY(kr_backend_rope(be, &ri));
         struct kr_rope_params rik = {.x = ws->m_ik, .ld = Di, .n_vec = 1, .stride = 0, .off = 0, .dim = Dr,
                                      .interleaved = false, .inv_freq = m->rope_inv_freq, .factor = c->rope_attn_factor};
-        TRY(kr_backend_rope(be, &rik));
-        TRY(kr_backend_matmul(be, ws->h, c->dim, n, &w->idx_w, NULL, ws->m_w, Hi));
-        TRY(kr_backend_scale(be, ws->m_w, (float)(1.0 / sqrt((double)Hi) / sqrt((double)Di)), n * Hi));
+        KR_TRY(kr_backend_rope(be, &rik));
+        KR_TRY(kr_backend_matmul(be, ws->h, c->dim, n, &w->idx_w, NULL, ws->m_w, Hi));
+        KR_TRY(kr_backend_scale(be, ws->m_w, (float)(1.0 / sqrt((double)Hi) / sqrt((double)Di)), n * Hi));
     }
     void *lat = kr_cache_mla_layer(cache, L->cache_idx);
     const int64_t row = cache->mla_row[L->cache_idx];
@@ -342,13 +334,13 @@ static enum kr_status mla_fwd(struct kr_model *m, struct kr_cache *cache, const 
                                      .ik = w->has_indexer ? ws->m_ik : NULL, .kv_lora = Rkv, .rope = Dr,
                                      .idx_dim = w->has_indexer ? Di : 0, .cache = lat,
                                      .block_size = cache->block_size};
-    TRY(kr_backend_mla_cache_write(be, &cw));
+    KR_TRY(kr_backend_mla_cache_write(be, &cw));
     const int32_t topk = (int32_t)c->idx_topk;
     if (w->has_indexer) {
         struct kr_dsa_index_params ip = {.iq = iq, .w = ws->m_w, .n_head = Hi, .head_dim = Di, .cache = lat,
                                          .row = row, .key_off = Rkv + Dr, .block_size = cache->block_size,
                                          .topk = topk, .idx = ws->m_idx};
-        TRY(kr_backend_dsa_index(be, &ip));
+        KR_TRY(kr_backend_dsa_index(be, &ip));
         if (m->on_index) {
             const size_t nb = (size_t)n * (size_t)topk * sizeof(int32_t);
             int32_t *host = kr_malloc(nb ? nb : 1);
@@ -360,14 +352,14 @@ static enum kr_status mla_fwd(struct kr_model *m, struct kr_cache *cache, const 
                 m->on_index(m->on_index_user, layer, b, host, topk);
             }
             kr_free(host);
-            TRY(st);
+            KR_TRY(st);
         }
     }
     struct kr_mla_attn_params ap = {.q = q, .n_head = H, .nope = Dn, .rope = Dr, .v_dim = c->v_head, .kv_lora = Rkv,
                                     .kv_b = w->kv_b, .cache = lat, .row = row, .block_size = cache->block_size,
                                     .idx = w->has_indexer ? ws->m_idx : NULL, .topk = topk, .scale = c->mla_scale,
                                     .out = ws->y};
-    TRY(kr_backend_mla_attention(be, &ap));
+    KR_TRY(kr_backend_mla_attention(be, &ap));
     return kr_backend_matmul(be, ws->y, H * c->v_head, n, &w->o, NULL, ws->o, c->dim);
 }
 
@@ -376,12 +368,12 @@ static enum kr_status mlp_fwd(kr_backend_t be, const struct kr_mlp_w *w, enum kr
                               int64_t d_in, int64_t n, float *t1, float *t2, float *hid, float *out, int64_t d_out)
 {
     const int64_t F = w->up.rows;
-    TRY(kr_backend_matmul(be, x, d_in, n, &w->up, w->up_b, t1, F));
+    KR_TRY(kr_backend_matmul(be, x, d_in, n, &w->up, w->up_b, t1, F));
     if (w->gate.data) {
-        TRY(kr_backend_matmul(be, x, d_in, n, &w->gate, w->gate_b, t2, F));
-        TRY(kr_backend_act(be, act, t2, t1, F, n, F, hid));
+        KR_TRY(kr_backend_matmul(be, x, d_in, n, &w->gate, w->gate_b, t2, F));
+        KR_TRY(kr_backend_act(be, act, t2, t1, F, n, F, hid));
     } else {
-        TRY(kr_backend_act(be, act, NULL, t1, F, n, F, hid));
+        KR_TRY(kr_backend_act(be, act, NULL, t1, F, n, F, hid));
     }
     return kr_backend_matmul(be, hid, F, n, &w->down, w->down_b, out, d_out);
 }
@@ -391,7 +383,7 @@ static enum kr_status moe_fwd(struct kr_model *m, const struct kr_layer *L, int6
     const struct kr_model_config *c = &m->cfg;
     const struct kr_moe_w *w = &L->moe;
     kr_backend_t be = m->be;
-    TRY(kr_backend_matmul(be, ws->h, c->dim, n, &w->router, NULL, ws->logit, c->n_expert));
+    KR_TRY(kr_backend_matmul(be, ws->h, c->dim, n, &w->router, NULL, ws->logit, c->n_expert));
     struct kr_route_params rp = {
         .logits = ws->logit,
         .bias = w->router_bias,
@@ -405,12 +397,12 @@ static enum kr_status moe_fwd(struct kr_model *m, const struct kr_layer *L, int6
         .ids = ws->ids,
         .weights = ws->rw,
     };
-    TRY(kr_backend_moe_route(be, &rp, n));
+    KR_TRY(kr_backend_moe_route(be, &rp, n));
     const float *xe = ws->h;
     int64_t d_e = c->dim;
     if (w->has_latent) {
         d_e = c->moe_latent;
-        TRY(kr_backend_matmul(be, ws->h, c->dim, n, &w->fc1_latent, NULL, ws->y, d_e));
+        KR_TRY(kr_backend_matmul(be, ws->h, c->dim, n, &w->fc1_latent, NULL, ws->y, d_e));
         xe = ws->y;
     }
     struct kr_experts_params ep = {
@@ -428,14 +420,14 @@ static enum kr_status moe_fwd(struct kr_model *m, const struct kr_layer *L, int6
         .act = c->act,
         .out = w->has_latent ? ws->y2 : ws->o,
     };
-    TRY(kr_backend_moe_experts(be, &ep, n));
+    KR_TRY(kr_backend_moe_experts(be, &ep, n));
     if (w->has_latent) {
-        TRY(kr_backend_matmul(be, ws->y2, d_e, n, &w->fc2_latent, NULL, ws->o, c->dim));
+        KR_TRY(kr_backend_matmul(be, ws->y2, d_e, n, &w->fc2_latent, NULL, ws->o, c->dim));
     }
     if (w->has_shared) {
         /* shared expert into xbc-sized scratch: reuse big/big2 for its hidden, y2 for the output */
-        TRY(mlp_fwd(be, &w->shared, c->act, ws->h, c->dim, n, ws->big, ws->big2, ws->big, ws->y2, c->dim));
-        TRY(kr_backend_add(be, ws->o, ws->y2, n * c->dim));
+        KR_TRY(mlp_fwd(be, &w->shared, c->act, ws->h, c->dim, n, ws->big, ws->big2, ws->big, ws->y2, c->dim));
+        KR_TRY(kr_backend_add(be, ws->o, ws->y2, n * c->dim));
     }
     return KR_OK;
 }
@@ -507,10 +499,10 @@ static enum kr_status run_ops(struct kr_model *m, struct kr_cache *cache, const 
     const struct kr_model_config *c = &m->cfg;
     kr_backend_t be = m->be;
     const int64_t n = b->n_tok;
-    TRY(kr_backend_embed(be, &m->embed, ws->x));
+    KR_TRY(kr_backend_embed(be, &m->embed, ws->x));
     for (int32_t i = 0; i < c->n_layer; i++) {
         const struct kr_layer *L = &m->layers[i];
-        TRY(kr_backend_rmsnorm(be, ws->x, L->norm, n, c->dim, c->norm_eps, ws->h));
+        KR_TRY(kr_backend_rmsnorm(be, ws->x, L->norm, n, c->dim, c->norm_eps, ws->h));
         enum kr_status st;
         switch (L->type) {
         case KR_LAYER_MAMBA:
@@ -532,14 +524,14 @@ static enum kr_status run_ops(struct kr_model *m, struct kr_cache *cache, const 
         default:
             st = KR_ERR_INTERNAL;
         }
-        TRY(st);
-        TRY(kr_backend_add(be, ws->x, ws->o, n * c->dim));
+        KR_TRY(st);
+        KR_TRY(kr_backend_add(be, ws->x, ws->o, n * c->dim));
     }
     if (b->n_out == 0) {
         return KR_OK;
     }
-    TRY(kr_backend_gather_out(be, ws->x, c->dim, ws->fin));
-    TRY(kr_backend_rmsnorm(be, ws->fin, m->final_norm, b->n_out, c->dim, c->norm_eps, ws->fin));
+    KR_TRY(kr_backend_gather_out(be, ws->x, c->dim, ws->fin));
+    KR_TRY(kr_backend_rmsnorm(be, ws->fin, m->final_norm, b->n_out, c->dim, c->norm_eps, ws->fin));
     return kr_backend_matmul(be, ws->fin, c->dim, b->n_out, &m->lm_head, NULL, ws->lg, c->vocab);
 }
 

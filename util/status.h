@@ -22,6 +22,15 @@ enum kr_status {
 /* Returns a static, human-readable name of a status ("ok", "out of memory", ...). */
 const char *kr_status_str(enum kr_status st);
 
+/* Returns the status of `expr` from the calling function when it is not KR_OK. */
+#define KR_TRY(expr)                                                                               \
+    do {                                                                                           \
+        enum kr_status st_ = (expr);                                                               \
+        if (st_ != KR_OK) {                                                                        \
+            return st_;                                                                            \
+        }                                                                                          \
+    } while (0)
+
 #ifdef __cplusplus
 }
 #endif
