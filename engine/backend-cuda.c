@@ -20,6 +20,7 @@
 #include <stdatomic.h>
 #include <stddef.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include <cublas_v2.h>
@@ -54,6 +55,7 @@ struct cuda_ctx {
     size_t blas_ws_size;
     atomic_bool failed;    /* a sticky CUDA error: the backend refuses further work (read by /health) */
     bool graphs_on;
+    enum krk_gemv_variant gemv_variant; /* KRAIT_GEMV=l1 reads x through L1 in the n <= 2 GEMV */
     size_t bytes_alloc;    /* device bytes taken through buf_alloc/upload */
 
     /* the current step */
@@ -727,7 +729,7 @@ static enum kr_status cuda_matmul_impl(kr_backend_t be, const float *x, int64_t 
         return KR_ERR_UNSUPPORTED;
     } else if (n <= KRK_GEMV_MAX_N && cols % 8 == 0) {
         struct krk_gemv_params p = {.x = x, .ldx = ldx, .w = w->data, .bias = bias, .n = n, .rows = rows,
-                                    .cols = cols, .y = y, .ldy = ldy};
+                                    .cols = cols, .y = y, .ldy = ldy, .variant = c->gemv_variant};
         st = krk_gemv(&p, c->stream);
     } else {
         const krk_bf16 *xb = NULL;
@@ -1360,6 +1362,8 @@ enum kr_status kr_backend_cuda_create(int dev, bool graphs, kr_backend_t *out, s
     };
     c->dev = dev;
     c->graphs_on = graphs;
+    const char *gv = getenv("KRAIT_GEMV");
+    c->gemv_variant = gv && !strcmp(gv, "l1") ? KRK_GEMV_L1 : KRK_GEMV_STAGED;
     char name[128] = "cuda";
     krk_device_describe(dev, name, sizeof name);
     snprintf(c->desc, sizeof c->desc, "cuda:%d (%s)", dev, name);

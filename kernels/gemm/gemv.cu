@@ -213,6 +213,99 @@ template <int N> enum kr_status launch_gemv(const struct krk_gemv_params *p, cud
     }
 }
 
+// Variant without shared memory (n <= 2): every lane reads its 8 x values per step straight from
+// global memory through L1 (all warps of an SM read the same x, so after the first touch these are
+// L1 hits), with no staging pass and no barrier between the weight loads. Each warp owns RW rows
+// and keeps U steps of weights in flight.
+template <int N, int RW, int U>
+__global__ void __launch_bounds__(256)
+    gemv_l1_kernel(const float *KRK_RESTRICT x, int64_t ldx, const uint16_t *KRK_RESTRICT w,
+                   const float *KRK_RESTRICT bias, int64_t rows, int64_t cols, float *KRK_RESTRICT y, int64_t ldy)
+{
+    const int lane = threadIdx.x & 31;
+    const int64_t row0 = ((int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * RW;
+    if (row0 >= rows) {
+        return;
+    }
+    float acc[RW][N];
+#pragma unroll
+    for (int r = 0; r < RW; r++) {
+#pragma unroll
+        for (int t = 0; t < N; t++) {
+            acc[r][t] = 0.0f;
+        }
+    }
+    const uint16_t *wr[RW];
+    bool rv[RW];
+#pragma unroll
+    for (int r = 0; r < RW; r++) {
+        rv[r] = row0 + r < rows;
+        wr[r] = w + (rv[r] ? row0 + r : row0) * cols;
+    }
+    for (int64_t c0 = 0; c0 < cols; c0 += (int64_t)U * 256) {
+        uint4 wv[U][RW];
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int64_t c = c0 + u * 256 + lane * 8;
+#pragma unroll
+            for (int r = 0; r < RW; r++) {
+                wv[u][r] = (c < cols && rv[r]) ? ld_stream(wr[r] + c) : make_uint4(0, 0, 0, 0);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int64_t c = c0 + u * 256 + lane * 8;
+            if (c >= cols) {
+                break;
+            }
+#pragma unroll
+            for (int t = 0; t < N; t++) {
+                float xv[8];
+#pragma unroll
+                for (int k = 0; k < 8; k++) {
+                    // rounded to bf16, the operand precision of every GEMM path
+                    xv[k] = __bfloat162float(__float2bfloat16_rn(__ldg(x + t * ldx + c + k)));
+                }
+#pragma unroll
+                for (int r = 0; r < RW; r++) {
+                    const uint4 q = wv[u][r];
+                    float a = acc[r][t];
+                    a = fmaf(xv[0], __uint_as_float(q.x << 16), a);
+                    a = fmaf(xv[1], __uint_as_float(q.x & 0xffff0000u), a);
+                    a = fmaf(xv[2], __uint_as_float(q.y << 16), a);
+                    a = fmaf(xv[3], __uint_as_float(q.y & 0xffff0000u), a);
+                    a = fmaf(xv[4], __uint_as_float(q.z << 16), a);
+                    a = fmaf(xv[5], __uint_as_float(q.z & 0xffff0000u), a);
+                    a = fmaf(xv[6], __uint_as_float(q.w << 16), a);
+                    a = fmaf(xv[7], __uint_as_float(q.w & 0xffff0000u), a);
+                    acc[r][t] = a;
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < RW; r++) {
+#pragma unroll
+        for (int t = 0; t < N; t++) {
+            const float v = warp_sum(acc[r][t]);
+            if (lane == t && rv[r]) {
+                y[t * ldy + row0 + r] = bias ? v + bias[row0 + r] : v;
+            }
+        }
+    }
+}
+
+template <int N> enum kr_status launch_gemv_l1(const struct krk_gemv_params *p, cudaStream_t stream)
+{
+    constexpr int RW = 1, U = 4, W = 8;
+    const int64_t blocks = (p->rows + (int64_t)W * RW - 1) / ((int64_t)W * RW);
+    KRK_REQUIRE(blocks <= INT32_MAX);
+    gemv_l1_kernel<N, RW, U><<<(unsigned)blocks, W * 32, 0, stream>>>(p->x, p->ldx, p->w, p->bias, p->rows, p->cols,
+                                                                       p->y, p->ldy);
+    KRK_CHECK_LAUNCH();
+    return KR_OK;
+}
+
 __global__ void add_bias_kernel(float *KRK_RESTRICT y, int64_t ldy, const float *KRK_RESTRICT bias, int64_t n,
                                 int64_t rows)
 {
@@ -238,6 +331,9 @@ extern "C" enum kr_status krk_gemv(const struct krk_gemv_params *p, cudaStream_t
         return KR_OK;
     }
     KRK_REQUIRE(p->x && p->w && p->y && ((uintptr_t)p->w & 15) == 0);
+    if (p->variant == KRK_GEMV_L1 && p->n <= 2) {
+        return p->n == 1 ? launch_gemv_l1<1>(p, stream) : launch_gemv_l1<2>(p, stream);
+    }
     switch (p->n) {
     case 1:
         return launch_gemv<1>(p, stream);

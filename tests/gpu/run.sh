@@ -65,6 +65,10 @@ if [ $bench = 1 ]; then
   if [ -f "$synth/config.json" ]; then
     timeout 400 "$build/bench/bench_cuda" --profile --json "$logs/bench.jsonl" $bench_args "$synth" > "$logs/bench.md" 2>&1
     echo "bench_cuda rc=$?" >> "$logs/bench.md"
+    # the GEMV variant that reads x through L1 (decode at 1-2 sequences), for comparison
+    KRAIT_GEMV=l1 timeout 120 "$build/bench/bench_cuda" --batches 1,2 --prefill 512 --steps 24 "$synth" \
+      > "$logs/bench-gemv-l1.md" 2>&1
+    echo "bench_cuda (KRAIT_GEMV=l1) rc=$?" >> "$logs/bench-gemv-l1.md"
     if [ $hf = 1 ]; then
       PYTHONUNBUFFERED=1 timeout 300 python3 tools/bench/synth_model.py hf-bench --model "$synth" --out "$logs/hf.json" \
         --budget-s ${HF_BUDGET_S:-150} > "$logs/hf.log" 2>&1
@@ -75,7 +79,8 @@ fi
 
 {
   echo
-  [ -f "$logs/bench.md" ] && grep -a '^|\|^device\|^model\|rc=' "$logs/bench.md"
+  [ -f "$logs/bench.md" ] && grep -a '^|\|^device\|^model\|^cache\|rc=' "$logs/bench.md"
+  [ -f "$logs/bench-gemv-l1.md" ] && { echo; echo "GEMV reading x through L1:"; grep -a '^| decode\|rc=' "$logs/bench-gemv-l1.md"; }
   [ -f "$logs/hf.log" ] && { echo; echo "HF transformers:"; grep -av '^\s*$' "$logs/hf.log" | tail -12; }
   echo
   echo "total $(( $(date +%s) - t_start )) s"

@@ -43,8 +43,9 @@ ParameterizedTestParameters(gemm, gemv_matches_cpu_matmul)
     return cr_make_param_array(int, gemv_idx, N_GEMV_SHAPES);
 }
 
-/* n = 1..8; odd n with a bias; x row strides cols, cols + 1 and cols + 2 (rows not 16-byte
- * aligned); y row stride rows + 3 for even n, whose padding must stay untouched. */
+/* n = 1..8 with x staged in shared memory, then n = 1, 2 with x read through L1; odd n with a
+ * bias; x row strides cols, cols + 1 and cols + 2 (rows not 16-byte aligned); y row stride
+ * rows + 3 for even n, whose padding must stay untouched. */
 ParameterizedTest(int *idx, gemm, gemv_matches_cpu_matmul)
 {
     GT_REQUIRE_GPU();
@@ -65,7 +66,9 @@ ParameterizedTest(int *idx, gemm, gemv_matches_cpu_matmul)
     float *bias = hrand(&rng, (size_t)s.rows, -1.0f, 1.0f);
     float *d_bias = gt_dup(bias, (size_t)s.rows * 4);
 
-    for (int64_t n = 1; n <= KRK_GEMV_MAX_N; n++) {
+    for (int64_t it = 0; it < KRK_GEMV_MAX_N + 2; it++) {
+        const int64_t n = it < KRK_GEMV_MAX_N ? it + 1 : it - KRK_GEMV_MAX_N + 1;
+        const enum krk_gemv_variant variant = it < KRK_GEMV_MAX_N ? KRK_GEMV_STAGED : KRK_GEMV_L1;
         const int64_t ldx = s.cols + n % 3, ldy = s.rows + (n % 2 ? 0 : 3);
         const bool with_bias = n % 2 == 1;
         const size_t nx = (size_t)(n * ldx), ny = (size_t)(n * ldy);
@@ -76,7 +79,8 @@ ParameterizedTest(int *idx, gemm, gemv_matches_cpu_matmul)
         memset(ref, 0xff, ny * sizeof(float)); /* the padding stays NaN on both sides */
         float *d_x = gt_dup(x, nx * 4), *d_y = gt_dalloc(ny * 4);
         const struct krk_gemv_params p = {.x = d_x, .ldx = ldx, .w = d_w, .bias = with_bias ? d_bias : NULL, .n = n,
-                                          .rows = s.rows, .cols = s.cols, .y = d_y, .ldy = ldy};
+                                          .rows = s.rows, .cols = s.cols, .y = d_y, .ldy = ldy,
+                                          .variant = variant};
         cr_assert_eq(krk_gemv(&p, 0), KR_OK);
         gt_sync();
         cr_assert_eq(kr_backend_matmul(be, x, ldx, n, &t, with_bias ? bias : NULL, ref, ldy), KR_OK);
@@ -90,8 +94,8 @@ ParameterizedTest(int *idx, gemm, gemv_matches_cpu_matmul)
             memcpy(rd + i * s.rows, ref + i * ldy, (size_t)s.rows * sizeof(float));
         }
         char what[96];
-        snprintf(what, sizeof what, "gemv %lldx%lld n=%lld%s ldx=%lld", (long long)s.rows, (long long)s.cols,
-                 (long long)n, with_bias ? " +bias" : "", (long long)ldx);
+        snprintf(what, sizeof what, "gemv%s %lldx%lld n=%lld%s ldx=%lld", variant == KRK_GEMV_L1 ? " (L1)" : "",
+                 (long long)s.rows, (long long)s.cols, (long long)n, with_bias ? " +bias" : "", (long long)ldx);
         gt_expect_close(what, gd, rd, (size_t)(n * s.rows), GEMV_NMSE, GEMV_ABS);
         bool pad_ok = true;
         for (int64_t i = 0; i < n && pad_ok; i++) {

@@ -10,8 +10,15 @@ extern "C" {
 /* Largest n krk_gemv accepts. */
 #define KRK_GEMV_MAX_N 8
 
-/* y[t, r] = sum_c x[t, c] * W[r, c] (+ bias[r]) for t < n <= KRK_GEMV_MAX_N, r < rows;
- * fp32 accumulation. */
+/* How x reaches the arithmetic: staged in shared memory per block (default), or read through L1
+ * without staging (n <= 2 only; other n use the staged kernel). */
+enum krk_gemv_variant {
+    KRK_GEMV_STAGED = 0,
+    KRK_GEMV_L1 = 1,
+};
+
+/* y[t, r] = sum_c bf16(x[t, c]) * W[r, c] (+ bias[r]) for t < n <= KRK_GEMV_MAX_N, r < rows;
+ * fp32 accumulation (x rounded to bf16 like every GEMM operand). */
 struct krk_gemv_params {
     const float *x;         /* [n, ldx] fp32 */
     int64_t ldx;
@@ -20,6 +27,7 @@ struct krk_gemv_params {
     int64_t n, rows, cols;
     float *y;               /* [n, ldy] fp32 */
     int64_t ldy;
+    enum krk_gemv_variant variant;
 };
 enum kr_status krk_gemv(const struct krk_gemv_params *p, cudaStream_t stream);
 
