@@ -18,6 +18,7 @@
 #include <microhttpd.h>
 #include <netinet/in.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -58,6 +59,12 @@ struct sub {
     char *prompt_text;         /* for echo */
     size_t prompt_text_len;
     int32_t n_left;            /* choices not finished */
+    struct evnode **spare;     /* [n_spare] nodes set aside for the terminal events (FINISH per choice,
+                                  ERROR), so that running out of memory can never lose the end of a
+                                  request; taken by the engine thread, the rest freed with the request */
+    int32_t n_spare;
+    atomic_int spare_next;
+    atomic_bool lost;          /* an event could not be queued (out of memory): the response says so */
     struct kr_oai_logprob *plp; /* [n_prompt] prompt logprobs (when requested) */
     struct kr_oai_token *plp_top; /* [n_prompt * k] */
     int32_t plp_k;
@@ -298,6 +305,11 @@ static void hreq_free(struct hreq *h)
         }
         kr_free(sb->plp);
         kr_free(sb->plp_top);
+        const int32_t used = atomic_load(&sb->spare_next);
+        for (int32_t k = used < sb->n_spare ? used : sb->n_spare; k < sb->n_spare; k++) {
+            kr_free(sb->spare[k]);
+        }
+        kr_free(sb->spare);
     }
     kr_free(h->ch);
     kr_free(h->subs);
@@ -530,8 +542,13 @@ static void on_engine_event(const struct kr_event *ev, void *user)
     struct sub *sb = user;
     struct srv *s = sb->h->s;
     struct evnode *n = kr_calloc(1, sizeof *n);
+    if (!n && (ev->type == KR_EVENT_FINISH || ev->type == KR_EVENT_ERROR)) {
+        const int32_t i = atomic_fetch_add(&sb->spare_next, 1);
+        n = i < sb->n_spare ? sb->spare[i] : NULL;
+    }
     if (!n) {
-        KR_LOG_ERROR("out of memory queueing an engine event; the request will miss it");
+        atomic_store(&sb->lost, true);
+        KR_LOG_ERROR("out of memory queueing an engine event; the response will report it");
         return;
     }
     n->sub = sb;
@@ -547,7 +564,9 @@ static void on_engine_event(const struct kr_event *ev, void *user)
         n->plp = kr_malloc(np * sizeof(float));
         n->plp_ids = kr_malloc(np * (k ? k : 1) * sizeof(int32_t));
         n->plp_top = kr_malloc(np * (k ? k : 1) * sizeof(float));
-        if (n->plp && n->plp_ids && n->plp_top) {
+        if (!n->plp || !n->plp_ids || !n->plp_top) {
+            atomic_store(&sb->lost, true);
+        } else {
             memcpy(n->plp, ev->prompt_logprobs, np * sizeof(float));
             if (k) {
                 memcpy(n->plp_ids, ev->prompt_top_ids, np * k * sizeof(int32_t));
@@ -737,6 +756,11 @@ static void process_event(struct srv *s, struct evnode *n)
     }
     case KR_EVENT_FINISH: {
         struct choice *c = &h->ch[sb->idx * h->o.n + ev->index];
+        if (atomic_load(&sb->lost) && !h->failed) {
+            h->failed = true;
+            kr_oai_error_set(&h->err, 500, "server_error", "", "",
+                             "the server ran out of memory while producing this response; it is incomplete");
+        }
         if (!c->finished) {
             const char *why = ev->finish == KR_FINISH_STOP ? "stop" : ev->finish == KR_FINISH_LENGTH ? "length" : "abort";
             c->stop_id = ev->finish == KR_FINISH_STOP ? ev->stop_token : -1;
@@ -885,7 +909,20 @@ static enum MHD_Result submit_all(struct hreq *h)
         struct kr_request_params p = {.prompt = sb->prompt, .n_prompt = sb->n_prompt, .n = h->o.n,
                                       .sampling = h->o.sampling, .cb = on_engine_event, .user = sb};
         struct kr_err err = {{0}};
-        enum kr_status st = kr_engine_submit(s->eng, &p, &sb->eng_id, &err);
+        enum kr_status st = KR_OK;
+        sb->spare = kr_calloc((size_t)h->o.n + 1, sizeof *sb->spare);
+        for (int32_t k = 0; sb->spare && k <= h->o.n; k++) {
+            if (!(sb->spare[k] = kr_calloc(1, sizeof **sb->spare))) {
+                break;
+            }
+            sb->n_spare = k + 1;
+        }
+        if (!sb->spare || sb->n_spare != h->o.n + 1) {
+            st = KR_ERR_NOMEM;
+            snprintf(err.msg, sizeof err.msg, "out of memory");
+        } else {
+            st = kr_engine_submit(s->eng, &p, &sb->eng_id, &err);
+        }
         if (st != KR_OK) {
             hreq_cancel(h); /* the prompts already queued */
             struct kr_oai_error e;
