@@ -262,6 +262,84 @@ static int cmp_desc(const void *a, const void *b)
     return (x->id > y->id) - (x->id < y->id);
 }
 
+/* a before b in the sampling order (descending logit, lower id first) */
+static bool cand_before(const struct kr_sampler_cand *a, const struct kr_sampler_cand *b)
+{
+    return a->v > b->v || (a->v == b->v && a->id < b->id);
+}
+
+static void cand_swap(struct kr_sampler_cand *a, struct kr_sampler_cand *b)
+{
+    const struct kr_sampler_cand t = *a;
+    *a = *b;
+    *b = t;
+}
+
+/* Rearranges c[lo..hi) so that c[lo..k) holds the elements that come first in the sampling order
+ * (in any order) and c[k..hi) the rest (quickselect, median of three). lo < k < hi. */
+static void select_first(struct kr_sampler_cand *c, int64_t lo, int64_t hi, int64_t k)
+{
+    while (hi - lo > 16) {
+        const int64_t mid = lo + (hi - lo) / 2;
+        if (cand_before(&c[hi - 1], &c[lo])) {
+            cand_swap(&c[hi - 1], &c[lo]);
+        }
+        if (cand_before(&c[mid], &c[lo])) {
+            cand_swap(&c[mid], &c[lo]);
+        }
+        if (cand_before(&c[hi - 1], &c[mid])) {
+            cand_swap(&c[hi - 1], &c[mid]);
+        }
+        const struct kr_sampler_cand pivot = c[mid];
+        int64_t i = lo, j = hi - 1;
+        while (i <= j) {
+            while (cand_before(&c[i], &pivot)) {
+                i++;
+            }
+            while (cand_before(&pivot, &c[j])) {
+                j--;
+            }
+            if (i <= j) {
+                cand_swap(&c[i], &c[j]);
+                i++;
+                j--;
+            }
+        }
+        /* now c[lo..j] come no later than the pivot, c[i..hi) no earlier */
+        if (k <= j + 1) {
+            hi = j + 1;
+        } else if (k >= i) {
+            lo = i;
+        } else {
+            return; /* c[j+1..i) equal the pivot: the split at k holds */
+        }
+    }
+    qsort(c + lo, (size_t)(hi - lo), sizeof *c, cmp_desc);
+}
+
+/* Makes c[0..want) the first `want` of the n candidates in the sampling order, sorted, given that
+ * c[0..sorted) already is; returns the new sorted length. Sorting happens a chunk at a time, so a
+ * draw that stops early never pays for a sort of the whole vocabulary. */
+static int64_t extend_sorted(struct kr_sampler_cand *c, int64_t n, int64_t sorted, int64_t want)
+{
+    if (want > n) {
+        want = n;
+    }
+    if (want <= sorted) {
+        return sorted;
+    }
+    if (want > n / 4) {
+        want = n; /* a deep walk: one sort of the rest is cheaper than more selections */
+    }
+    if (want < n) {
+        select_first(c, sorted, n, want);
+    }
+    qsort(c + sorted, (size_t)(want - sorted), sizeof *c, cmp_desc);
+    return want;
+}
+
+#define SAMPLE_CHUNK 512
+
 static enum kr_status scratch_reserve(struct kr_sampler_scratch *sc, int64_t vocab)
 {
     if (sc->cap < vocab) {
@@ -309,18 +387,24 @@ static enum kr_status select_token(float temperature, int32_t top_k, float top_p
     int64_t keep = n;
     if (top_k > 0 && top_k < keep) {
         keep = top_k;
+        select_first(sc->order, 0, n, keep); /* order[0..keep) holds the top k, unsorted */
     }
-    qsort(sc->order, (size_t)n, sizeof *sc->order, cmp_desc);
+    /* from here on only order[0..keep) matters; its sorted prefix grows only as far as the cuts and
+     * the draw look, so a peaked distribution never pays for sorting the whole vocabulary */
+    int64_t sorted = extend_sorted(sc->order, keep, 0, keep < SAMPLE_CHUNK ? keep : SAMPLE_CHUNK);
     const float inv_t = 1.0f / temperature;
     const float mx = sc->order[0].v * inv_t;
+#define SORTED_AT(i) ((i) < sorted ? (void)0 : (void)(sorted = extend_sorted(sc->order, keep, sorted, 2 * (i) + 1)))
     double total = 0.0;
-    for (int64_t i = 0; i < keep; i++) {
+    for (int64_t i = 0; i < keep; i++) { /* the sum needs no order */
         total += exp((double)sc->order[i].v * inv_t - mx);
     }
+    const int64_t keep0 = keep;
     if (top_p < 1.0f) { /* smallest prefix whose probability reaches top_p */
         double cum = 0.0;
         int64_t k2 = 0;
         while (k2 < keep) {
+            SORTED_AT(k2);
             cum += exp((double)sc->order[k2].v * inv_t - mx) / total;
             k2++;
             if (cum >= top_p) {
@@ -331,24 +415,33 @@ static enum kr_status select_token(float temperature, int32_t top_k, float top_p
     }
     if (min_p > 0.0f) { /* drop tokens below min_p times the top probability (top is exp(0) = 1) */
         int64_t k2 = 1;
-        while (k2 < keep && exp((double)sc->order[k2].v * inv_t - mx) >= min_p) {
+        while (k2 < keep) {
+            SORTED_AT(k2);
+            if (exp((double)sc->order[k2].v * inv_t - mx) < min_p) {
+                break;
+            }
             k2++;
         }
         keep = k2;
     }
-    total = 0.0;
-    for (int64_t i = 0; i < keep; i++) {
-        total += exp((double)sc->order[i].v * inv_t - mx);
+    if (keep < keep0) { /* cut: the kept tokens are a sorted prefix */
+        total = 0.0;
+        for (int64_t i = 0; i < keep; i++) {
+            total += exp((double)sc->order[i].v * inv_t - mx);
+        }
     }
     const double u = (rng ? kr_rng_uniform(rng) : u01) * total;
     double cum = 0.0;
     for (int64_t i = 0; i < keep; i++) {
+        SORTED_AT(i);
         cum += exp((double)sc->order[i].v * inv_t - mx);
         if (u < cum) {
             *out = sc->order[i].id;
             return KR_OK;
         }
     }
+#undef SORTED_AT
+    sorted = extend_sorted(sc->order, keep, sorted, keep);
     *out = sc->order[keep - 1].id;
     return KR_OK;
 }
