@@ -6,7 +6,9 @@
 
 #include <jansson.h>
 
+#include <errno.h>
 #include <limits.h>
+#include <stdlib.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -794,6 +796,47 @@ static enum kr_status parse_stop_ids(struct kr_oai_request *r, struct kr_oai_err
     return KR_OK;
 }
 
+/* logit_bias: {"token id": bias in [-100, 100], ...} (OpenAI: keys are token ids as strings). Ids
+ * are checked against the vocabulary by the engine. */
+static enum kr_status parse_logit_bias(struct kr_oai_request *r, struct kr_oai_error *e)
+{
+    const json_t *v = json_object_get(r->root, "logit_bias");
+    if (!v || json_is_null(v)) {
+        return KR_OK;
+    }
+    if (!json_is_object(v)) {
+        return bad(e, "logit_bias", "'logit_bias' must be an object mapping token ids to biases");
+    }
+    if (json_object_size(v) > KR_MAX_LOGIT_BIAS) {
+        return bad(e, "logit_bias", "'logit_bias' accepts at most %d tokens, got %zu", KR_MAX_LOGIT_BIAS,
+                   json_object_size(v));
+    }
+    struct kr_sampling *s = &r->sampling;
+    const char *key;
+    json_t *val;
+    int32_t n = 0;
+    json_object_foreach((json_t *)v, key, val)
+    {
+        char *end = NULL;
+        errno = 0;
+        const long long id = strtoll(key, &end, 10);
+        if (!*key || *end || errno || id < 0 || id > INT32_MAX) {
+            return bad(e, "logit_bias", "'logit_bias' keys must be token ids, got \"%.64s\"", key);
+        }
+        if (!json_is_number(val)) {
+            return bad(e, "logit_bias", "'logit_bias[\"%.64s\"]' must be a number", key);
+        }
+        const double b = json_number_value(val);
+        if (!(b >= -100.0 && b <= 100.0)) {
+            return bad(e, "logit_bias", "'logit_bias[\"%.64s\"]' must be between -100 and 100, got %g", key, b);
+        }
+        s->bias_ids[n] = (int32_t)id;
+        s->bias[n++] = (float)b;
+    }
+    s->n_bias = n;
+    return KR_OK;
+}
+
 static enum kr_status parse_sampling(struct kr_oai_request *r, struct kr_oai_error *e)
 {
     const json_t *o = r->root;
@@ -858,7 +901,7 @@ static enum kr_status parse_sampling(struct kr_oai_request *r, struct kr_oai_err
     if ((st = opt_bool(o, "ignore_eos", "ignore_eos", &s->ignore_eos, NULL, e)) != KR_OK) {
         return st;
     }
-    if ((st = parse_stop(r, e)) != KR_OK) {
+    if ((st = parse_stop(r, e)) != KR_OK || (st = parse_logit_bias(r, e)) != KR_OK) {
         return st;
     }
     return parse_stop_ids(r, e);

@@ -869,13 +869,15 @@ static void run_step(struct kr_engine *e)
     const double t1 = now_us();
     struct kr_err err = {{0}};
     /* sampling on the backend when every output row of the step is one sequence's next token
-     * (no prompt log-probability rows, no n > 1 fork sampling several choices from one row) */
+     * (no prompt log-probability rows, no n > 1 fork sampling several choices from one row, no
+     * logit_bias, which the device sampler does not apply) */
     bool dev = e->dev_sample && n_out > 0;
     for (int32_t j = 0; j < ns && dev; j++) {
         struct seq *s = e->b_seqs[j];
         const bool last = s->n_fed + e->b_nsched[j] == s->n_toks;
-        if (wants_prompt_rows(s) || (last && s->state == KR_SEQ_PREFILL && s->index == 0 && s->req->n > 1)) {
-            dev = false;
+        if (wants_prompt_rows(s) || (last && s->state == KR_SEQ_PREFILL && s->index == 0 && s->req->n > 1) ||
+            s->req->s.n_bias > 0) {
+            dev = false; /* host rows, forks and logit_bias take the host sampler */
         }
     }
     enum kr_status st = kr_model_forward(e->m, e->cache, &b, dev ? NULL : e->logits, &err);

@@ -67,6 +67,19 @@ enum kr_status kr_sampling_validate(const struct kr_sampling *s, int64_t vocab, 
                               s->stop_ids[i], (long long)vocab);
         }
     }
+    if (s->n_bias < 0 || s->n_bias > KR_MAX_LOGIT_BIAS) {
+        return kr_err_set(err, KR_ERR_INVAL, "logit_bias accepts at most %d tokens", KR_MAX_LOGIT_BIAS);
+    }
+    for (int32_t i = 0; i < s->n_bias; i++) {
+        if (s->bias_ids[i] < 0 || s->bias_ids[i] >= vocab) {
+            return kr_err_set(err, KR_ERR_INVAL, "logit_bias: token %d is outside the vocabulary [0, %lld)",
+                              s->bias_ids[i], (long long)vocab);
+        }
+        if (!(s->bias[i] >= -100.0f && s->bias[i] <= 100.0f)) {
+            return kr_err_set(err, KR_ERR_INVAL, "logit_bias: the bias of token %d must be in [-100, 100], got %g",
+                              s->bias_ids[i], s->bias[i]);
+        }
+    }
     return KR_OK;
 }
 
@@ -468,6 +481,12 @@ enum kr_status kr_sample(const struct kr_sampling *s, const float *logits, int64
     }
     float *v = sc->v;
     memcpy(v, logits, (size_t)vocab * sizeof(float));
+    /* logit bias (OpenAI: added to the model's logits before sampling) */
+    for (int32_t i = 0; i < s->n_bias; i++) {
+        if (s->bias_ids[i] >= 0 && s->bias_ids[i] < vocab) {
+            v[s->bias_ids[i]] += s->bias[i];
+        }
+    }
     /* penalties */
     if (counts && counts->cap) {
         for (int32_t i = 0; i < counts->cap; i++) {

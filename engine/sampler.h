@@ -1,7 +1,7 @@
 #pragma once
 /* Token sampling on the engine side: penalties, temperature, top-k, top-p, min-p and a seeded
  * per-sequence generator, so that a sequence samples the same tokens whatever batch it runs in.
- * Order of operations on the logits of one row: repetition penalty (prompt and output tokens),
+ * Order of operations on the logits of one row: logit bias, repetition penalty (prompt and output tokens),
  * frequency and presence penalties (output tokens), EOS/stop-id masking while below min_tokens,
  * then temperature, top-k, top-p (nucleus), min-p, and a draw. Temperature 0 is greedy (argmax,
  * lowest id on ties) after penalties. */
@@ -15,6 +15,7 @@ extern "C" {
 #endif
 
 #define KR_MAX_STOP_IDS 64
+#define KR_MAX_LOGIT_BIAS 300
 #define KR_MAX_TOP_LOGPROBS 20
 
 struct kr_sampling {
@@ -34,6 +35,9 @@ struct kr_sampling {
     bool ignore_eos;
     int32_t n_stop_ids;
     int32_t stop_ids[KR_MAX_STOP_IDS];
+    int32_t n_bias;             /* logit_bias: bias[i] is added to the raw logit of bias_ids[i] first */
+    int32_t bias_ids[KR_MAX_LOGIT_BIAS];
+    float bias[KR_MAX_LOGIT_BIAS]; /* [-100, 100] */
 };
 
 /* Fills the OpenAI/vLLM defaults: temperature 1, top_p 1, top_k off, no penalties, no logprobs,

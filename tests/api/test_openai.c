@@ -1601,3 +1601,34 @@ Test(openai, encoders_fail_cleanly_when_the_utf8_copy_cannot_be_allocated)
     free(s);
     free(t);
 }
+
+/* logit_bias: OpenAI's map of token ids (as strings) to biases in [-100, 100]. */
+Test(openai, logit_bias_is_parsed_and_checked)
+{
+    struct kr_oai_request r;
+    ok_with(KR_OAI_CHAT, "\"logit_bias\":{\"50256\":-100,\"7\":2.5,\"0\":100}", &r);
+    cr_assert_eq(r.sampling.n_bias, 3);
+    bool seen[3] = {false};
+    for (int32_t i = 0; i < 3; i++) {
+        if (r.sampling.bias_ids[i] == 50256) {
+            cr_expect_eq(r.sampling.bias[i], -100.0f);
+            seen[0] = true;
+        } else if (r.sampling.bias_ids[i] == 7) {
+            cr_expect_eq(r.sampling.bias[i], 2.5f);
+            seen[1] = true;
+        } else if (r.sampling.bias_ids[i] == 0) {
+            cr_expect_eq(r.sampling.bias[i], 100.0f);
+            seen[2] = true;
+        }
+    }
+    cr_expect(seen[0] && seen[1] && seen[2]);
+    kr_oai_request_free(&r);
+    ok_with(KR_OAI_COMPLETIONS, "\"logit_bias\":null", &r);
+    cr_expect_eq(r.sampling.n_bias, 0);
+    kr_oai_request_free(&r);
+    bad_with(KR_OAI_COMPLETIONS, "\"logit_bias\":[1,2]", "logit_bias");
+    bad_with(KR_OAI_COMPLETIONS, "\"logit_bias\":{\"abc\":1}", "logit_bias");
+    bad_with(KR_OAI_COMPLETIONS, "\"logit_bias\":{\"-3\":1}", "logit_bias");
+    bad_with(KR_OAI_COMPLETIONS, "\"logit_bias\":{\"12\":101}", "logit_bias");
+    bad_with(KR_OAI_COMPLETIONS, "\"logit_bias\":{\"12\":\"1\"}", "logit_bias");
+}

@@ -320,3 +320,53 @@ Test(sampler, large_vocabulary_matches_a_full_sort)
     free(logits);
     free(c);
 }
+
+/* logit_bias is added to the raw logits first: +100 makes a token certain, -100 removes it (up to
+ * e^-100), and a small bias shifts the softmax by exactly exp(bias). */
+Test(sampler, logit_bias_is_added_to_the_logits)
+{
+    struct kr_sampling s;
+    kr_sampling_default(&s);
+    struct kr_rng rng;
+    kr_rng_seed(&rng, 9);
+    s.n_bias = 1;
+    s.bias_ids[0] = 7; /* the least likely token */
+    s.bias[0] = 100.0f;
+    for (int i = 0; i < 50; i++) {
+        cr_expect_eq(draw(&s, base, &rng, NULL, 0), 7);
+    }
+    s.temperature = 0.0f;
+    cr_expect_eq(draw(&s, base, &rng, NULL, 0), 7);
+    s.bias_ids[0] = 0; /* the most likely token, banned */
+    s.bias[0] = -100.0f;
+    cr_expect_eq(draw(&s, base, &rng, NULL, 0), 6, "greedy after the ban takes the second most likely");
+    s.temperature = 1.0f;
+    for (int i = 0; i < 200; i++) {
+        cr_expect_neq(draw(&s, base, &rng, NULL, 0), 0);
+    }
+    /* a bias of log 4 on token 3 multiplies its odds by 4 */
+    s.bias_ids[0] = 3;
+    s.bias[0] = logf(4.0f);
+    double f[V], p[V];
+    const int n = 200000;
+    kr_rng_seed(&rng, 10);
+    memset(f, 0, sizeof f);
+    for (int i = 0; i < n; i++) {
+        f[draw(&s, base, &rng, NULL, 0)] += 1.0 / n;
+    }
+    double z = 0;
+    for (int i = 0; i < V; i++) {
+        p[i] = exp((double)base[i]) * (i == 3 ? 4.0 : 1.0);
+        z += p[i];
+    }
+    for (int i = 0; i < V; i++) {
+        cr_expect(fabs(f[i] - p[i] / z) < 0.005, "token %d: frequency %.4f, expected %.4f", i, f[i], p[i] / z);
+    }
+    struct kr_err err = {{0}};
+    s.bias[0] = 101.0f;
+    cr_expect_eq(kr_sampling_validate(&s, V, &err), KR_ERR_INVAL);
+    s.bias[0] = 1.0f;
+    s.bias_ids[0] = V;
+    cr_expect_eq(kr_sampling_validate(&s, V, &err), KR_ERR_INVAL);
+    cr_expect(strstr(err.msg, "logit_bias") != NULL, "%s", err.msg);
+}
