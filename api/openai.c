@@ -837,6 +837,43 @@ static enum kr_status parse_logit_bias(struct kr_oai_request *r, struct kr_oai_e
     return KR_OK;
 }
 
+/* Fields krait does not implement are refused with a 400 naming them rather than ignored, where
+ * ignoring would change what the client gets: response_format other than text (no constrained
+ * decoding), a non-empty suffix (no insertion), best_of beyond n (no best-of-n ranking). */
+static enum kr_status parse_unsupported(struct kr_oai_request *r, struct kr_oai_error *e)
+{
+    const json_t *o = r->root;
+    const json_t *rf = opt_get(o, "response_format");
+    if (rf) {
+        const json_t *t = json_is_object(rf) ? json_object_get(rf, "type") : NULL;
+        if (!t || !json_is_string(t)) {
+            return bad(e, "response_format", "'response_format' must be an object with a string 'type'");
+        }
+        if (strcmp(json_string_value(t), "text") != 0) {
+            return bad(e, "response_format",
+                       "response_format type '%.32s' is not supported (no constrained decoding); use 'text'",
+                       json_string_value(t));
+        }
+    }
+    const char *suffix = NULL;
+    enum kr_status st = opt_string(o, "suffix", "suffix", &suffix, e);
+    if (st != KR_OK) {
+        return st;
+    }
+    if (suffix && *suffix) {
+        return bad(e, "suffix", "'suffix' is not supported");
+    }
+    int64_t best_of;
+    bool has;
+    if ((st = opt_int(o, "best_of", "best_of", 1, OAI_MAX_N, &best_of, &has, e)) != KR_OK) {
+        return st;
+    }
+    if (has && best_of > r->n) {
+        return bad(e, "best_of", "'best_of' greater than 'n' (%d) is not supported", r->n);
+    }
+    return KR_OK;
+}
+
 static enum kr_status parse_sampling(struct kr_oai_request *r, struct kr_oai_error *e)
 {
     const json_t *o = r->root;
@@ -1042,7 +1079,7 @@ enum kr_status kr_oai_parse(enum kr_oai_kind kind, const char *body, size_t len,
     if ((st = opt_string(o, "model", "model", &out->model, err)) != KR_OK ||
         (st = opt_string(o, "user", "user", &out->user, err)) != KR_OK ||
         (st = parse_stream(out, err)) != KR_OK || (st = parse_sampling(out, err)) != KR_OK ||
-        (st = parse_logprobs(out, err)) != KR_OK ||
+        (st = parse_logprobs(out, err)) != KR_OK || (st = parse_unsupported(out, err)) != KR_OK ||
         (st = opt_bool(o, "skip_special_tokens", "skip_special_tokens", &out->skip_special_tokens, NULL,
                        err)) != KR_OK ||
         (st = opt_bool(o, "return_token_ids", "return_token_ids", &out->return_token_ids, NULL, err)) !=

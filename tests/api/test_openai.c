@@ -1632,3 +1632,22 @@ Test(openai, logit_bias_is_parsed_and_checked)
     bad_with(KR_OAI_COMPLETIONS, "\"logit_bias\":{\"12\":101}", "logit_bias");
     bad_with(KR_OAI_COMPLETIONS, "\"logit_bias\":{\"12\":\"1\"}", "logit_bias");
 }
+
+/* What krait does not implement is refused by name instead of being silently ignored. */
+Test(openai, unsupported_fields_are_refused_by_name)
+{
+    struct kr_oai_request r;
+    ok_with(KR_OAI_CHAT, "\"response_format\":{\"type\":\"text\"}", &r);
+    kr_oai_request_free(&r);
+    ok_with(KR_OAI_COMPLETIONS, "\"suffix\":\"\",\"best_of\":2,\"n\":2", &r);
+    kr_oai_request_free(&r);
+    ok_with(KR_OAI_COMPLETIONS, "\"suffix\":null,\"best_of\":null,\"response_format\":null", &r);
+    kr_oai_request_free(&r);
+    bad_with(KR_OAI_CHAT, "\"response_format\":{\"type\":\"json_object\"}", "response_format");
+    bad_with(KR_OAI_CHAT, "\"response_format\":{\"type\":\"json_schema\",\"json_schema\":{}}", "response_format");
+    bad_with(KR_OAI_CHAT, "\"response_format\":\"json\"", "response_format");
+    bad_with(KR_OAI_COMPLETIONS, "\"suffix\":\" world\"", "suffix");
+    bad_with(KR_OAI_COMPLETIONS, "\"suffix\":3", "suffix");
+    bad_with(KR_OAI_COMPLETIONS, "\"best_of\":3", "best_of");
+    bad_with(KR_OAI_COMPLETIONS, "\"best_of\":0", "best_of");
+}
