@@ -1829,14 +1829,30 @@ int kr_serve_run(const struct kr_serve_opts *o)
         KR_LOG_ERROR("out of memory at start-up");
         return 1;
     }
-    struct sockaddr_in addr = {.sin_family = AF_INET, .sin_port = htons((uint16_t)o->port)};
-    if (inet_pton(AF_INET, o->host, &addr.sin_addr) != 1) {
-        KR_LOG_ERROR("--host %s is not an IPv4 address", o->host);
+    /* IPv4 or IPv6 (brackets optional); "::" also accepts IPv4 where the system allows dual stack */
+    struct sockaddr_in a4 = {.sin_family = AF_INET, .sin_port = htons((uint16_t)o->port)};
+    struct sockaddr_in6 a6 = {.sin6_family = AF_INET6, .sin6_port = htons((uint16_t)o->port)};
+    char host6[64] = "";
+    const size_t hl = strlen(o->host);
+    if (hl >= 2 && hl < sizeof host6 + 2 && o->host[0] == '[' && o->host[hl - 1] == ']') {
+        memcpy(host6, o->host + 1, hl - 2);
+        host6[hl - 2] = 0;
+    } else {
+        snprintf(host6, sizeof host6, "%s", o->host);
+    }
+    struct sockaddr *addr = NULL;
+    unsigned int flags = MHD_USE_EPOLL | MHD_ALLOW_SUSPEND_RESUME | MHD_USE_ERROR_LOG;
+    if (inet_pton(AF_INET, o->host, &a4.sin_addr) == 1) {
+        addr = (struct sockaddr *)&a4;
+    } else if (inet_pton(AF_INET6, host6, &a6.sin6_addr) == 1) {
+        addr = (struct sockaddr *)&a6;
+        flags |= IN6_IS_ADDR_UNSPECIFIED(&a6.sin6_addr) ? MHD_USE_DUAL_STACK : MHD_USE_IPv6;
+    } else {
+        KR_LOG_ERROR("--host %s is not an IPv4 or IPv6 address", o->host);
         return 2;
     }
-    s->d = MHD_start_daemon(MHD_USE_EPOLL | MHD_ALLOW_SUSPEND_RESUME | MHD_USE_ERROR_LOG, (uint16_t)o->port, NULL,
-                            NULL, on_access, s, MHD_OPTION_NOTIFY_COMPLETED, on_completed, s,
-                            MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&addr, MHD_OPTION_CONNECTION_TIMEOUT,
+    s->d = MHD_start_daemon(flags, (uint16_t)o->port, NULL, NULL, on_access, s, MHD_OPTION_NOTIFY_COMPLETED,
+                            on_completed, s, MHD_OPTION_SOCK_ADDR, addr, MHD_OPTION_CONNECTION_TIMEOUT,
                             (unsigned int)600, MHD_OPTION_CONNECTION_LIMIT, (unsigned int)4096, MHD_OPTION_END);
     if (!s->d) {
         KR_LOG_ERROR("cannot listen on %s:%d: %s", o->host, o->port, strerror(errno));

@@ -5,6 +5,7 @@
 #include <math.h>
 #include <signal.h>
 #include <stdarg.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -44,8 +45,14 @@ void srv_start(struct srv_proc *p, const char *model, ...)
     va_list ap;
     va_start(ap, model);
     const char *a;
+    snprintf(p->host, sizeof p->host, "127.0.0.1");
+    bool host_next = false;
     while ((a = va_arg(ap, const char *)) && n < 62) {
         argv[n++] = a;
+        if (host_next) {
+            snprintf(p->host, sizeof p->host, "%s", a);
+        }
+        host_next = !strcmp(a, "--host");
     }
     va_end(ap);
     argv[n] = NULL;
@@ -158,7 +165,11 @@ static long perform(const struct srv_proc *p, const char *method, const char *pa
     CURL *c = curl_easy_init();
     cr_assert(c);
     char url[256];
-    snprintf(url, sizeof url, "http://127.0.0.1:%d%s", p->port, path);
+    if (strchr(p->host, ':')) {
+        snprintf(url, sizeof url, "http://[%s]:%d%s", p->host, p->port, path);
+    } else {
+        snprintf(url, sizeof url, "http://%s:%d%s", p->host, p->port, path);
+    }
     curl_easy_setopt(c, CURLOPT_URL, url);
     curl_easy_setopt(c, CURLOPT_CUSTOMREQUEST, method);
     struct curl_slist *hl = NULL;

@@ -10,6 +10,7 @@ struct srv_proc {
     pid_t pid;
     int port;
     char port_file[64];
+    char host[64];        /* where it listens (--host among the extra arguments, else 127.0.0.1) */
 };
 
 /* Starts `krait serve MODEL --port 0 ... extra args (NULL-terminated)` and waits until /health is

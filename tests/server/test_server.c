@@ -14,6 +14,8 @@
 #include <string.h>
 #include <sys/wait.h>
 #include <unistd.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 
 #define MODEL KR_SOURCE_DIR "/models/tiny-hybrid"
 
@@ -570,4 +572,41 @@ Test(server_flags, return_tokens_as_token_ids)
     cr_expect(!strncmp(json_string_value(json_array_get(toks, 0)), "token_id:", 9));
     json_decref(j);
     cr_expect_eq(srv_stop(&p), 0);
+}
+
+/* --host takes IPv6 addresses too. Skipped (with the reason) where the machine has no IPv6
+ * loopback. */
+static bool ipv6_loopback(void)
+{
+    const int fd = socket(AF_INET6, SOCK_STREAM, 0);
+    if (fd < 0) {
+        return false;
+    }
+    struct sockaddr_in6 a = {.sin6_family = AF_INET6, .sin6_addr = IN6ADDR_LOOPBACK_INIT};
+    const bool ok = bind(fd, (struct sockaddr *)&a, sizeof a) == 0;
+    close(fd);
+    return ok;
+}
+
+Test(server_ipv6, serves_on_the_ipv6_loopback, .timeout = 300)
+{
+    if (!ipv6_loopback()) {
+        cr_skip_test("this machine cannot bind the IPv6 loopback ::1");
+    }
+    struct srv_proc p;
+    srv_start(&p, MODEL, "--host", "::1", NULL);
+    long status = 0;
+    json_t *j = post_json(&p, "/v1/completions", "{\"prompt\":\"Hello\",\"max_tokens\":3,\"temperature\":0}", &status);
+    cr_expect_eq(status, 200);
+    cr_expect(json_is_array(json_object_get(j, "choices")));
+    json_decref(j);
+    cr_expect_eq(srv_stop(&p), 0);
+}
+
+Test(server_ipv6, rejects_a_host_that_is_no_address)
+{
+    char cmd[1024];
+    snprintf(cmd, sizeof cmd, "%s serve %s --host not-an-address --port 0 2>/dev/null", KR_KRAIT_BIN, MODEL);
+    const int st = system(cmd);
+    cr_expect(WIFEXITED(st) && WEXITSTATUS(st) == 2, "exit status %d", st);
 }
