@@ -89,6 +89,7 @@ struct cuda_ctx {
     size_t ptr_cap, ptr_used;
     struct ptr_entry {
         const struct kr_tensor *host; /* the model's array of expert tensors */
+        const void *first;             /* its first tensor's data (a new model may reuse the array's address) */
         size_t off;                    /* its pointers at ptr_table[off..off+n) */
     } *ptr_idx;
     size_t n_ptr_idx, cap_ptr_idx;
@@ -847,7 +848,7 @@ static enum kr_status expert_ptrs(struct cuda_ctx *c, const struct kr_tensor *t,
         return KR_OK;
     }
     for (size_t i = 0; i < c->n_ptr_idx; i++) {
-        if (c->ptr_idx[i].host == t) {
+        if (c->ptr_idx[i].host == t && c->ptr_idx[i].first == t[0].data) {
             *out = (const krk_bf16 *const *)(c->ptr_table + c->ptr_idx[i].off);
             return KR_OK;
         }
@@ -889,7 +890,7 @@ static enum kr_status expert_ptrs(struct cuda_ctx *c, const struct kr_tensor *t,
     }
     kr_free(h);
     CU_TRY(c, err);
-    c->ptr_idx[c->n_ptr_idx++] = (struct ptr_entry){.host = t, .off = c->ptr_used};
+    c->ptr_idx[c->n_ptr_idx++] = (struct ptr_entry){.host = t, .first = t[0].data, .off = c->ptr_used};
     *out = (const krk_bf16 *const *)(c->ptr_table + c->ptr_used);
     c->ptr_used += (size_t)n;
     return KR_OK;

@@ -81,6 +81,7 @@ enum kr_status kr_cache_create(const struct kr_model *m, int32_t n_slots, int32_
         c->free_blocks[i] = n_blocks - 1 - i;
     }
     c->n_free_blocks = n_blocks;
+    kr_backend_graph_reset(m->be); /* no captured step may outlive the pools it points into */
     *out = c;
     return KR_OK;
 fail:
@@ -93,6 +94,7 @@ void kr_cache_free(struct kr_cache *c)
     if (!c) {
         return;
     }
+    kr_backend_graph_reset(c->be); /* captured steps point into these pools */
     kr_backend_buf_free(c->be, &c->conv);
     kr_backend_buf_free(c->be, &c->ssm);
     kr_backend_buf_free(c->be, &c->k);

@@ -734,6 +734,7 @@ void kr_model_free(struct kr_model *m)
     if (!m) {
         return;
     }
+    kr_backend_graph_reset(m->be); /* captured steps point at these weights */
     if (m->layers) {
         for (int32_t i = 0; i < m->cfg.n_layer; i++) {
             kr_free(m->layers[i].moe.gate);
