@@ -64,7 +64,7 @@ enum kr_status kr_backend_graph_run(kr_backend_t be, int32_t key, bool *launched
 
 void kr_backend_graph_reset(kr_backend_t be)
 {
-    if (be->iface.graph_reset) {
+    if (be && be->iface.graph_reset) {
         be->iface.graph_reset(be);
     }
 }
