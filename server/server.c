@@ -1807,29 +1807,23 @@ static void close_cb(uv_handle_t *h)
     (void)h;
 }
 
+/* Releases what kr_serve_run took before it started serving. */
+static int start_failed(struct srv *s, bool loop, int code)
+{
+    if (loop) {
+        uv_loop_close(&s->loop);
+        pthread_mutex_destroy(&s->qmu);
+    }
+    kr_backend_free(s->be);
+    kr_free(s->model_name);
+    kr_free(s);
+    return code;
+}
+
 int kr_serve_run(const struct kr_serve_opts *o)
 {
-    struct srv *s = kr_calloc(1, sizeof *s);
-    if (!s) {
-        return 1;
-    }
-    s->o = *o;
-    s->exit_code = 0;
-    kr_metrics_init(&s->met);
-    s->started = (int64_t)time(NULL);
-    s->model_name = kr_strdup(o->served_model_name ? o->served_model_name : o->model_dir);
-    struct kr_err berr = {{0}};
-    if (kr_backend_create(o->device, o->threads, &s->be, &berr) != KR_OK) {
-        KR_LOG_ERROR("cannot start the compute backend: %s", berr.msg);
-        return 2;
-    }
-    KR_LOG_INFO("backend: %s", kr_backend_name(s->be));
-    pthread_mutex_init(&s->qmu, NULL);
-    if (!s->model_name || !s->be || uv_loop_init(&s->loop) != 0) {
-        KR_LOG_ERROR("out of memory at start-up");
-        return 1;
-    }
-    /* IPv4 or IPv6 (brackets optional); "::" also accepts IPv4 where the system allows dual stack */
+    /* the address first, so that a bad --host costs nothing to undo. IPv4 or IPv6 (brackets
+     * optional); "::" also accepts IPv4 where the system allows dual stack */
     struct sockaddr_in a4 = {.sin_family = AF_INET, .sin_port = htons((uint16_t)o->port)};
     struct sockaddr_in6 a6 = {.sin6_family = AF_INET6, .sin6_port = htons((uint16_t)o->port)};
     char host6[64] = "";
@@ -1851,12 +1845,32 @@ int kr_serve_run(const struct kr_serve_opts *o)
         KR_LOG_ERROR("--host %s is not an IPv4 or IPv6 address", o->host);
         return 2;
     }
+    struct srv *s = kr_calloc(1, sizeof *s);
+    if (!s) {
+        return 1;
+    }
+    s->o = *o;
+    s->exit_code = 0;
+    kr_metrics_init(&s->met);
+    s->started = (int64_t)time(NULL);
+    s->model_name = kr_strdup(o->served_model_name ? o->served_model_name : o->model_dir);
+    struct kr_err berr = {{0}};
+    if (kr_backend_create(o->device, o->threads, &s->be, &berr) != KR_OK) {
+        KR_LOG_ERROR("cannot start the compute backend: %s", berr.msg);
+        return start_failed(s, false, 2);
+    }
+    KR_LOG_INFO("backend: %s", kr_backend_name(s->be));
+    if (!s->model_name || uv_loop_init(&s->loop) != 0) {
+        KR_LOG_ERROR("out of memory at start-up");
+        return start_failed(s, false, 1);
+    }
+    pthread_mutex_init(&s->qmu, NULL);
     s->d = MHD_start_daemon(flags, (uint16_t)o->port, NULL, NULL, on_access, s, MHD_OPTION_NOTIFY_COMPLETED,
                             on_completed, s, MHD_OPTION_SOCK_ADDR, addr, MHD_OPTION_CONNECTION_TIMEOUT,
                             (unsigned int)600, MHD_OPTION_CONNECTION_LIMIT, (unsigned int)4096, MHD_OPTION_END);
     if (!s->d) {
         KR_LOG_ERROR("cannot listen on %s:%d: %s", o->host, o->port, strerror(errno));
-        return 1;
+        return start_failed(s, true, 1);
     }
     const union MHD_DaemonInfo *ei = MHD_get_daemon_info(s->d, MHD_DAEMON_INFO_EPOLL_FD);
     const union MHD_DaemonInfo *pi = MHD_get_daemon_info(s->d, MHD_DAEMON_INFO_BIND_PORT);
