@@ -525,8 +525,19 @@ static bool penalised(const struct kr_sampling *p)
     return p->repetition_penalty != 1.0f || p->frequency_penalty != 0.0f || p->presence_penalty != 0.0f;
 }
 
-/* Penalty and mask entries sequence s's row needs (an upper bound when `fill` is false). */
-static int64_t pen_entries(struct kr_engine *e, const struct seq *s, int64_t at, bool fill)
+/* Upper bound on the penalty and mask entries of sequence s's row (no pass over its counts). */
+static int64_t pen_bound(const struct kr_engine *e, const struct seq *s)
+{
+    const struct kr_sampling *p = &s->req->s;
+    int64_t n = penalised(p) ? s->counts.used : 0;
+    if (s->n_gen < p->min_tokens) {
+        n += (p->ignore_eos ? 0 : e->m->cfg.n_eos) + p->n_stop_ids;
+    }
+    return n;
+}
+
+/* Writes sequence s's penalty and mask entries at `at`; returns how many. */
+static int64_t pen_fill(struct kr_engine *e, const struct seq *s, int64_t at)
 {
     const struct kr_sampling *p = &s->req->s;
     const struct kr_model_config *c = &e->m->cfg;
@@ -537,28 +548,22 @@ static int64_t pen_entries(struct kr_engine *e, const struct seq *s, int64_t at,
             if (id < 0 || (!s->counts.in_prompt[i] && !s->counts.n_out[i])) {
                 continue;
             }
-            if (fill) {
-                e->pen_ids[at + n] = id;
-                e->pen_count[at + n] = s->counts.n_out[i];
-                e->pen_flags[at + n] = s->counts.in_prompt[i] ? 1 : 0;
-            }
+            e->pen_ids[at + n] = id;
+            e->pen_count[at + n] = s->counts.n_out[i];
+            e->pen_flags[at + n] = s->counts.in_prompt[i] ? 1 : 0;
             n++;
         }
     }
     if (s->n_gen < p->min_tokens) {
         for (int32_t i = 0; i < c->n_eos && !p->ignore_eos; i++, n++) {
-            if (fill) {
-                e->pen_ids[at + n] = c->eos_ids[i];
-                e->pen_count[at + n] = 0;
-                e->pen_flags[at + n] = 2;
-            }
+            e->pen_ids[at + n] = c->eos_ids[i];
+            e->pen_count[at + n] = 0;
+            e->pen_flags[at + n] = 2;
         }
         for (int32_t i = 0; i < p->n_stop_ids; i++, n++) {
-            if (fill) {
-                e->pen_ids[at + n] = p->stop_ids[i];
-                e->pen_count[at + n] = 0;
-                e->pen_flags[at + n] = 2;
-            }
+            e->pen_ids[at + n] = p->stop_ids[i];
+            e->pen_count[at + n] = 0;
+            e->pen_flags[at + n] = 2;
         }
     }
     return n;
@@ -572,7 +577,7 @@ static enum kr_status sample_on_backend(struct kr_engine *e, struct seq **seqs, 
     int64_t n_pen = 0;
     int32_t n_top = 0;
     for (int32_t i = 0; i < n; i++) {
-        n_pen += pen_entries(e, seqs[i], 0, false);
+        n_pen += pen_bound(e, seqs[i]);
         const int32_t k = seqs[i]->req->s.logprobs;
         n_top = k > n_top ? k : n_top;
     }
@@ -582,7 +587,7 @@ static enum kr_status sample_on_backend(struct kr_engine *e, struct seq **seqs, 
     for (int32_t i = 0; i < n; i++) {
         struct seq *s = seqs[i];
         const struct kr_sampling *p = &s->req->s;
-        const int64_t k = pen_entries(e, s, at, true);
+        const int64_t k = pen_fill(e, s, at);
         e->srows[i] = (struct kr_sample_row){.temperature = p->temperature, .top_k = p->top_k, .top_p = p->top_p,
                                              .min_p = p->min_p, .presence = p->presence_penalty,
                                              .frequency = p->frequency_penalty,
@@ -593,7 +598,7 @@ static enum kr_status sample_on_backend(struct kr_engine *e, struct seq **seqs, 
     }
     struct kr_sample_batch sb = {.logits = e->m->last_logits, .ld = e->m->cfg.vocab, .n = n,
                                  .vocab = e->m->cfg.vocab, .rows = e->srows, .pen_ids = e->pen_ids,
-                                 .pen_count = e->pen_count, .pen_flags = e->pen_flags, .n_pen = n_pen,
+                                 .pen_count = e->pen_count, .pen_flags = e->pen_flags, .n_pen = at,
                                  .out = e->s_out, .out_logprob = e->s_lp, .n_top = n_top,
                                  .top_ids = e->s_top_ids, .top_lp = e->s_top_lp};
     *n_top_out = n_top;
