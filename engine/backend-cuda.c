@@ -1046,149 +1046,51 @@ static enum kr_status cuda_sample(kr_backend_t be, const struct kr_sample_batch 
 
 /* ---- timed entry points (per-op timing when profiling) --------------------------------------- */
 
-static enum kr_status cuda_embed(kr_backend_t be, const struct kr_tensor *w, float *out)
-{
-    struct cuda_ctx *c = ctx_of(be);
-    prof_begin(c, P_EMBED);
-    const enum kr_status st = cuda_embed_impl(be, w, out);
-    prof_end(c);
-    return st;
-}
+/* The vtable entry NAME runs NAME_impl between two timing events of category CAT. */
+#define TIMED(name, cat, params, args)                                                             \
+    static enum kr_status name params                                                              \
+    {                                                                                              \
+        struct cuda_ctx *c = ctx_of(be);                                                           \
+        prof_begin(c, cat);                                                                        \
+        const enum kr_status st = name##_impl args;                                                \
+        prof_end(c);                                                                               \
+        return st;                                                                                 \
+    }
 
-static enum kr_status cuda_rmsnorm(kr_backend_t be, const float *x, const float *w, int64_t n, int64_t dim, float eps, float *out)
-{
-    struct cuda_ctx *c = ctx_of(be);
-    prof_begin(c, P_NORM);
-    const enum kr_status st = cuda_rmsnorm_impl(be, x, w, n, dim, eps, out);
-    prof_end(c);
-    return st;
-}
+TIMED(cuda_embed, P_EMBED, (kr_backend_t be, const struct kr_tensor *w, float *out), (be, w, out))
+TIMED(cuda_rmsnorm, P_NORM,
+      (kr_backend_t be, const float *x, const float *w, int64_t n, int64_t dim, float eps, float *out),
+      (be, x, w, n, dim, eps, out))
+TIMED(cuda_rmsnorm_strided, P_NORM,
+      (kr_backend_t be, const float *x, int64_t ldx, const float *w, int64_t n, int64_t dim, float eps, float *out),
+      (be, x, ldx, w, n, dim, eps, out))
+TIMED(cuda_layernorm, P_MLA,
+      (kr_backend_t be, const float *x, int64_t ldx, const float *w, const float *b, int64_t n, int64_t dim,
+       float eps, float *out),
+      (be, x, ldx, w, b, n, dim, eps, out))
+TIMED(cuda_scale, P_OTHER, (kr_backend_t be, float *y, float s, int64_t n), (be, y, s, n))
+TIMED(cuda_matmul, n <= KRK_GEMV_MAX_N ? P_GEMV : P_GEMM,
+      (kr_backend_t be, const float *x, int64_t ldx, int64_t n, const struct kr_tensor *w, const float *bias,
+       float *y, int64_t ldy),
+      (be, x, ldx, n, w, bias, y, ldy))
+TIMED(cuda_act, P_ACT,
+      (kr_backend_t be, enum kr_act act, const float *gate, const float *x, int64_t ld_in, int64_t n, int64_t width,
+       float *out),
+      (be, act, gate, x, ld_in, n, width, out))
+TIMED(cuda_gated_rmsnorm, P_NORM,
+      (kr_backend_t be, const float *y, const float *z, int64_t ldz, const float *w, int64_t n, int64_t dim,
+       int64_t group, float eps, float *out),
+      (be, y, z, ldz, w, n, dim, group, eps, out))
+TIMED(cuda_attention, P_ATTN, (kr_backend_t be, const struct kr_attn_params *p), (be, p))
+TIMED(cuda_moe_route, P_MOE, (kr_backend_t be, const struct kr_route_params *p, int64_t n), (be, p, n))
+TIMED(cuda_moe_experts, P_MOE, (kr_backend_t be, const struct kr_experts_params *p, int64_t n), (be, p, n))
+TIMED(cuda_gather_out, P_EMBED, (kr_backend_t be, const float *src, int64_t width, float *dst), (be, src, width, dst))
+TIMED(cuda_rope, P_EMBED, (kr_backend_t be, const struct kr_rope_params *p), (be, p))
+TIMED(cuda_mla_cache_write, P_MLA, (kr_backend_t be, const struct kr_mla_cache_params *p), (be, p))
+TIMED(cuda_dsa_index, P_MLA, (kr_backend_t be, const struct kr_dsa_index_params *p), (be, p))
+TIMED(cuda_mla_attention, P_MLA, (kr_backend_t be, const struct kr_mla_attn_params *p), (be, p))
 
-static enum kr_status cuda_rmsnorm_strided(kr_backend_t be, const float *x, int64_t ldx, const float *w, int64_t n, int64_t dim, float eps, float *out)
-{
-    struct cuda_ctx *c = ctx_of(be);
-    prof_begin(c, P_NORM);
-    const enum kr_status st = cuda_rmsnorm_strided_impl(be, x, ldx, w, n, dim, eps, out);
-    prof_end(c);
-    return st;
-}
-
-static enum kr_status cuda_layernorm(kr_backend_t be, const float *x, int64_t ldx, const float *w, const float *b, int64_t n, int64_t dim, float eps, float *out)
-{
-    struct cuda_ctx *c = ctx_of(be);
-    prof_begin(c, P_MLA);
-    const enum kr_status st = cuda_layernorm_impl(be, x, ldx, w, b, n, dim, eps, out);
-    prof_end(c);
-    return st;
-}
-
-static enum kr_status cuda_scale(kr_backend_t be, float *y, float s, int64_t n)
-{
-    struct cuda_ctx *c = ctx_of(be);
-    prof_begin(c, P_OTHER);
-    const enum kr_status st = cuda_scale_impl(be, y, s, n);
-    prof_end(c);
-    return st;
-}
-
-static enum kr_status cuda_matmul(kr_backend_t be, const float *x, int64_t ldx, int64_t n, const struct kr_tensor *w, const float *bias, float *y, int64_t ldy)
-{
-    struct cuda_ctx *c = ctx_of(be);
-    prof_begin(c, n <= KRK_GEMV_MAX_N ? P_GEMV : P_GEMM);
-    const enum kr_status st = cuda_matmul_impl(be, x, ldx, n, w, bias, y, ldy);
-    prof_end(c);
-    return st;
-}
-
-static enum kr_status cuda_act(kr_backend_t be, enum kr_act act, const float *gate, const float *x, int64_t ld_in, int64_t n, int64_t width, float *out)
-{
-    struct cuda_ctx *c = ctx_of(be);
-    prof_begin(c, P_ACT);
-    const enum kr_status st = cuda_act_impl(be, act, gate, x, ld_in, n, width, out);
-    prof_end(c);
-    return st;
-}
-
-static enum kr_status cuda_gated_rmsnorm(kr_backend_t be, const float *y, const float *z, int64_t ldz, const float *w, int64_t n, int64_t dim, int64_t group, float eps, float *out)
-{
-    struct cuda_ctx *c = ctx_of(be);
-    prof_begin(c, P_NORM);
-    const enum kr_status st = cuda_gated_rmsnorm_impl(be, y, z, ldz, w, n, dim, group, eps, out);
-    prof_end(c);
-    return st;
-}
-
-static enum kr_status cuda_attention(kr_backend_t be, const struct kr_attn_params *p)
-{
-    struct cuda_ctx *c = ctx_of(be);
-    prof_begin(c, P_ATTN);
-    const enum kr_status st = cuda_attention_impl(be, p);
-    prof_end(c);
-    return st;
-}
-
-static enum kr_status cuda_moe_route(kr_backend_t be, const struct kr_route_params *p, int64_t n)
-{
-    struct cuda_ctx *c = ctx_of(be);
-    prof_begin(c, P_MOE);
-    const enum kr_status st = cuda_moe_route_impl(be, p, n);
-    prof_end(c);
-    return st;
-}
-
-static enum kr_status cuda_moe_experts(kr_backend_t be, const struct kr_experts_params *p, int64_t n)
-{
-    struct cuda_ctx *c = ctx_of(be);
-    prof_begin(c, P_MOE);
-    const enum kr_status st = cuda_moe_experts_impl(be, p, n);
-    prof_end(c);
-    return st;
-}
-
-static enum kr_status cuda_gather_out(kr_backend_t be, const float *src, int64_t width, float *dst)
-{
-    struct cuda_ctx *c = ctx_of(be);
-    prof_begin(c, P_EMBED);
-    const enum kr_status st = cuda_gather_out_impl(be, src, width, dst);
-    prof_end(c);
-    return st;
-}
-
-static enum kr_status cuda_rope(kr_backend_t be, const struct kr_rope_params *p)
-{
-    struct cuda_ctx *c = ctx_of(be);
-    prof_begin(c, P_EMBED);
-    const enum kr_status st = cuda_rope_impl(be, p);
-    prof_end(c);
-    return st;
-}
-
-static enum kr_status cuda_mla_cache_write(kr_backend_t be, const struct kr_mla_cache_params *p)
-{
-    struct cuda_ctx *c = ctx_of(be);
-    prof_begin(c, P_MLA);
-    const enum kr_status st = cuda_mla_cache_write_impl(be, p);
-    prof_end(c);
-    return st;
-}
-
-static enum kr_status cuda_dsa_index(kr_backend_t be, const struct kr_dsa_index_params *p)
-{
-    struct cuda_ctx *c = ctx_of(be);
-    prof_begin(c, P_MLA);
-    const enum kr_status st = cuda_dsa_index_impl(be, p);
-    prof_end(c);
-    return st;
-}
-
-static enum kr_status cuda_mla_attention(kr_backend_t be, const struct kr_mla_attn_params *p)
-{
-    struct cuda_ctx *c = ctx_of(be);
-    prof_begin(c, P_MLA);
-    const enum kr_status st = cuda_mla_attention_impl(be, p);
-    prof_end(c);
-    return st;
-}
+#undef TIMED
 
 /* ---- graphs ------------------------------------------------------------------------------- */
 
