@@ -1,0 +1,136 @@
+#include "fp8.h"
+
+#include "dtype.h"
+
+#include <math.h>
+
+/* ---- E4M3 ---------------------------------------------------------------------------------- */
+
+uint8_t kr_fp8_e4m3_from_f32(float x)
+{
+    if (isnan(x)) {
+        return KR_FP8_E4M3_NAN;
+    }
+    const uint8_t sign = signbit(x) ? 0x80 : 0x00;
+    const float a = fabsf(x);
+    if (a >= KR_FP8_E4M3_MAX) { /* saturate, infinities included */
+        return sign | 0x7e;
+    }
+    /* a = f * 2^e with f in [0.5, 1) lies in binade E = e - 1, where E4M3 values are spaced 2^(E-3).
+     * Below 2^-6 (zero included) the subnormals share binade -6's spacing 2^-9. */
+    int E = -6;
+    if (a >= 0x1p-6f) {
+        int e;
+        (void)frexpf(a, &e);
+        E = e - 1;
+    }
+    /* a in units of the spacing: a power-of-two scaling, hence exact, and below 16. */
+    const float u = ldexpf(a, 3 - E);
+    const float fl = floorf(u);
+    const float frac = u - fl; /* exact: the fractional part of a float is a float */
+    int r = (int)fl;
+    if (frac > 0.5f || (frac == 0.5f && (r & 1))) {
+        r++;
+    }
+    /* The value is r * 2^(E-3) with r in [8, 16] (or [0, 16] for E = -6); its code is
+     * (E + 7) * 8 + (r - 8) = (E + 6) * 8 + r, which also carries r = 16 into the next binade and maps
+     * r < 8 at E = -6 onto the subnormal codes. a < 448 keeps the result at or below 0x7e. */
+    return sign | (uint8_t)((E + 6) * 8 + r);
+}
+
+float kr_fp8_e4m3_to_f32(uint8_t b)
+{
+    return kr_e4m3_to_f32(b);
+}
+
+/* ---- Hadamard ------------------------------------------------------------------------------ */
+
+enum kr_status kr_fp8_hadamard(float *x, int64_t n, float scale)
+{
+    if (!x || n < 1 || (n & (n - 1)) != 0) {
+        return KR_ERR_INVAL;
+    }
+    /* Butterflies a, b -> a + b, a - b at strides 1, 2, 4, ...: stage h turns blocks of h into blocks
+     * of 2h as H_2h = [[H_h, H_h], [H_h, -H_h]] does. */
+    for (int64_t h = 1; h < n; h *= 2) {
+        for (int64_t i = 0; i < n; i += 2 * h) {
+            for (int64_t j = i; j < i + h; j++) {
+                const float a = x[j], b = x[j + h];
+                x[j] = a + b;
+                x[j + h] = a - b;
+            }
+        }
+    }
+    for (int64_t i = 0; i < n; i++) {
+        x[i] *= scale;
+    }
+    return KR_OK;
+}
+
+/* ---- act_quant ----------------------------------------------------------------------------- */
+
+/* The smallest power of two s with s * 448 >= amax (amax > 0, finite), computed exactly: with
+ * amax = f * 2^e, f in [0.5, 1), and 448 = 0.875 * 2^9, s = 2^k needs 0.875 * 2^(k+9) >= f * 2^e,
+ * i.e. k = e - 9 when f <= 0.875 and k = e - 8 otherwise. amax = 448 * 2^k exactly gives 2^k (the
+ * block's maximum then encodes as ±448). */
+static float ue8m0_scale(float amax)
+{
+    int e;
+    const float f = frexpf(amax, &e);
+    return ldexpf(1.0f, f <= 0.875f ? e - 9 : e - 8);
+}
+
+enum kr_status kr_fp8_act_quant(const float *x, int64_t n, int64_t block, bool ue8m0, uint8_t *q,
+                                float *scale)
+{
+    if (!x || !q || !scale || block < 1 || n < 0 || n % block != 0) {
+        return KR_ERR_INVAL;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        if (!isfinite(x[i])) {
+            return KR_ERR_INVAL;
+        }
+    }
+    for (int64_t b = 0; b < n / block; b++) {
+        const float *xb = x + b * block;
+        float amax = 1e-4f; /* the reference's floor, so an all-zero block gets a usable scale */
+        for (int64_t i = 0; i < block; i++) {
+            amax = fmaxf(amax, fabsf(xb[i]));
+        }
+        /* The kernel computes amax * fp8_max_inv with fp8_max_inv = 1/448 as an fp32 constant. */
+        const float s = ue8m0 ? ue8m0_scale(amax) : amax * (1.0f / KR_FP8_E4M3_MAX);
+        scale[b] = s;
+        for (int64_t i = 0; i < block; i++) {
+            /* The encoder saturates at ±448, which is the reference's clamp. */
+            q[b * block + i] = kr_fp8_e4m3_from_f32(xb[i] / s);
+        }
+    }
+    return KR_OK;
+}
+
+/* ---- index score --------------------------------------------------------------------------- */
+
+enum kr_status kr_fp8_index_score(const uint8_t *q, const float *q_scale, const float *w, int64_t n_head,
+                                  int64_t head_dim, const uint8_t *k, const float *k_scale, int64_t n_kv,
+                                  float *score)
+{
+    if (!q || !q_scale || !w || !k || !k_scale || !score || n_head < 1 || head_dim < 1 || n_kv < 0) {
+        return KR_ERR_INVAL;
+    }
+    for (int64_t s = 0; s < n_kv; s++) {
+        const uint8_t *ks = k + s * head_dim; /* [head_dim] */
+        float acc = 0.0f;
+        for (int64_t h = 0; h < n_head; h++) {
+            const uint8_t *qh = q + h * head_dim; /* [head_dim] */
+            double dot = 0.0;                     /* exact: see fp8.h */
+            for (int64_t i = 0; i < head_dim; i++) {
+                dot += (double)kr_e4m3_to_f32(qh[i]) * (double)kr_e4m3_to_f32(ks[i]);
+            }
+            const float logit = (float)dot;
+            const float relu = logit < 0.0f ? 0.0f : logit; /* NaN passes through */
+            acc += relu * (w[h] * q_scale[h]);
+        }
+        score[s] = acc * k_scale[s];
+    }
+    return KR_OK;
+}
