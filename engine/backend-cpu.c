@@ -5,6 +5,7 @@
 #include "backend-impl.h"
 
 #include "alloc.h"
+#include "comm.h"
 #include "log.h"
 #include "sampler.h"
 
@@ -16,6 +17,8 @@
 struct cpu_ctx {
     int n_threads;
     const struct kr_batch *batch; /* borrowed for the current step */
+    struct kr_host_comm *comm;    /* borrowed: the tensor-parallel group, NULL alone */
+    int rank;
 };
 
 static struct cpu_ctx *ctx_of(kr_backend_t be)
@@ -956,6 +959,43 @@ static enum kr_status cpu_sample(kr_backend_t be, const struct kr_sample_batch *
     return st;
 }
 
+/* ---- tensor parallelism: ranks are threads of one process sharing a kr_host_comm ------------ */
+
+static enum kr_status cpu_set_tp(kr_backend_t be, int rank, int size, void *comm)
+{
+    struct cpu_ctx *ctx = ctx_of(be);
+    if (size > 1 && (!comm || kr_host_comm_size(comm) != size)) {
+        return KR_ERR_INVAL;
+    }
+    ctx->comm = size > 1 ? comm : NULL;
+    ctx->rank = rank;
+    return KR_OK;
+}
+
+static enum kr_status cpu_all_reduce(kr_backend_t be, float *x, int64_t n)
+{
+    struct cpu_ctx *ctx = ctx_of(be);
+    return ctx->comm ? kr_host_comm_all_reduce(ctx->comm, ctx->rank, x, n) : KR_OK;
+}
+
+static enum kr_status cpu_all_gather(kr_backend_t be, const float *src, int64_t rows, int64_t cols, float *dst)
+{
+    struct cpu_ctx *ctx = ctx_of(be);
+    if (!ctx->comm) {
+        memmove(dst, src, (size_t)(rows * cols) * sizeof(float));
+        return KR_OK;
+    }
+    return kr_host_comm_all_gather(ctx->comm, ctx->rank, src, rows, cols, dst);
+}
+
+static void cpu_tp_abort(kr_backend_t be)
+{
+    struct cpu_ctx *ctx = ctx_of(be);
+    if (ctx->comm) {
+        kr_host_comm_abort(ctx->comm);
+    }
+}
+
 kr_backend_t kr_backend_cpu_create(int n_threads)
 {
     kr_backend_t be = kr_calloc(1, sizeof *be);
@@ -996,6 +1036,10 @@ kr_backend_t kr_backend_cpu_create(int n_threads)
         .rope = cpu_rope,
         .mla_cache_write = cpu_mla_cache_write,
         .dsa_index = cpu_dsa_index,
+        .set_tp = cpu_set_tp,
+        .all_reduce = cpu_all_reduce,
+        .all_gather = cpu_all_gather,
+        .tp_abort = cpu_tp_abort,
         .mla_attention = cpu_mla_attention,
         .sample = cpu_sample,
     };

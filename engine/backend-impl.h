@@ -76,12 +76,22 @@ struct kr_backend_i {
     enum kr_status (*mla_attention)(kr_backend_t be, const struct kr_mla_attn_params *p);
     /* (optional) samples one token per logits row (see struct kr_sample_batch) */
     enum kr_status (*sample)(kr_backend_t be, const struct kr_sample_batch *sb);
+    /* (optional) tensor parallelism: set_tp joins the group `comm` (the collective object of this
+     * backend's kind: struct kr_host_comm for the CPU) as `rank` of `size`; all_reduce sums x over
+     * the ranks in place; all_gather puts the ranks' [rows, cols] blocks side by side in dst
+     * [rows, size * cols]; tp_abort releases the other ranks from a collective this rank will not
+     * join (a failed step). A backend without set_tp runs only as a single rank. */
+    enum kr_status (*set_tp)(kr_backend_t be, int rank, int size, void *comm);
+    enum kr_status (*all_reduce)(kr_backend_t be, float *x, int64_t n);
+    enum kr_status (*all_gather)(kr_backend_t be, const float *src, int64_t rows, int64_t cols, float *dst);
+    void (*tp_abort)(kr_backend_t be);
 };
 
 struct kr_backend {
     struct kr_backend_i iface;
     void *ctx;
     int api_version;
+    int tp_rank, tp_size; /* this backend's place in its tensor-parallel group (0, 1 alone) */
 };
 
 #define KR_BACKEND_API_VERSION 1

@@ -34,6 +34,58 @@ bool kr_backend_healthy(kr_backend_t be)
     return !be->iface.healthy || be->iface.healthy(be);
 }
 
+enum kr_status kr_backend_set_tp(kr_backend_t be, int rank, int size, void *comm, struct kr_err *err)
+{
+    if (size < 1 || rank < 0 || rank >= size) {
+        return kr_err_set(err, KR_ERR_INVAL, "tensor parallelism: rank %d of %d is not a valid place", rank, size);
+    }
+    if (size > 1 && (!be->iface.set_tp || !be->iface.all_reduce || !be->iface.all_gather)) {
+        return kr_err_set(err, KR_ERR_UNSUPPORTED,
+                          "tensor parallelism: the %s backend has no collectives yet (tensor-parallel size %d)",
+                          kr_backend_name(be), size);
+    }
+    if (be->iface.set_tp) {
+        enum kr_status st = be->iface.set_tp(be, rank, size, comm);
+        if (st != KR_OK) {
+            return kr_err_set(err, st, "tensor parallelism: the %s backend cannot join as rank %d of %d: %s",
+                              kr_backend_name(be), rank, size, kr_status_str(st));
+        }
+    }
+    be->tp_rank = rank;
+    be->tp_size = size;
+    return KR_OK;
+}
+
+int kr_backend_tp_rank(kr_backend_t be)
+{
+    return be->tp_size > 1 ? be->tp_rank : 0;
+}
+
+int kr_backend_tp_size(kr_backend_t be)
+{
+    return be->tp_size > 1 ? be->tp_size : 1;
+}
+
+enum kr_status kr_backend_all_reduce(kr_backend_t be, float *x, int64_t n)
+{
+    return be->tp_size > 1 ? be->iface.all_reduce(be, x, n) : KR_OK;
+}
+
+enum kr_status kr_backend_all_gather(kr_backend_t be, const float *src, int64_t rows, int64_t cols, float *dst)
+{
+    if (be->tp_size > 1) {
+        return be->iface.all_gather(be, src, rows, cols, dst);
+    }
+    return src == dst ? KR_OK : kr_backend_copy_d2d(be, dst, src, (size_t)(rows * cols) * sizeof(float));
+}
+
+void kr_backend_tp_abort(kr_backend_t be)
+{
+    if (be->tp_size > 1 && be->iface.tp_abort) {
+        be->iface.tp_abort(be);
+    }
+}
+
 enum kr_status kr_backend_mem_info(kr_backend_t be, size_t *free_b, size_t *total_b)
 {
     *free_b = *total_b = 0;

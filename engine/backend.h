@@ -66,6 +66,20 @@ enum kr_status kr_backend_create(const char *device, int threads, kr_backend_t *
  * context is lost); the server then reports itself unhealthy so that it gets restarted. Any thread. */
 bool kr_backend_healthy(kr_backend_t be);
 
+/* Tensor parallelism (DESIGN.md): one backend instance is one rank. kr_backend_set_tp joins the
+ * group `comm` as `rank` of `size`, before the model is loaded (the loader then takes only this
+ * rank's shard of each weight). For the CPU backend `comm` is a struct kr_host_comm (comm.h) shared
+ * by the ranks' threads. KR_ERR_UNSUPPORTED (with a message) for a backend without collectives. */
+enum kr_status kr_backend_set_tp(kr_backend_t be, int rank, int size, void *comm, struct kr_err *err);
+int kr_backend_tp_rank(kr_backend_t be);
+int kr_backend_tp_size(kr_backend_t be);
+/* Collectives of the group (no-ops for a single rank): x summed over the ranks in place; the
+ * ranks' [rows, cols] blocks side by side in dst [rows, size * cols]. */
+enum kr_status kr_backend_all_reduce(kr_backend_t be, float *x, int64_t n);
+enum kr_status kr_backend_all_gather(kr_backend_t be, const float *src, int64_t rows, int64_t cols, float *dst);
+/* Releases the other ranks from the collectives of a step this rank abandons (no-op alone). */
+void kr_backend_tp_abort(kr_backend_t be);
+
 /* Free and total memory of the backend's device; KR_ERR_UNSUPPORTED on the CPU. */
 enum kr_status kr_backend_mem_info(kr_backend_t be, size_t *free_b, size_t *total_b);
 

@@ -736,6 +736,7 @@ enum kr_status kr_model_config_from_json(struct kr_model_config *cfg, const stru
                                          const char *path, struct kr_err *err)
 {
     memset(cfg, 0, sizeof *cfg);
+    cfg->tp_size = 1;
     if (!root || root->type != KR_JSON_OBJECT) {
         return kr_err_set(err, KR_ERR_FORMAT, "%s: expected a JSON object at the top level", path);
     }
@@ -753,6 +754,66 @@ enum kr_status kr_model_config_from_json(struct kr_model_config *cfg, const stru
     return kr_err_set(err, KR_ERR_UNSUPPORTED,
                       "%s: unsupported model_type \"%s\" (supported: nemotron_h, deepseek_v32)", path,
                       mt->str);
+}
+
+/* Checks that `size` divides `what` = v (when the model has layers that split it). */
+static enum kr_status shard_check(int64_t v, int32_t size, bool used, const char *what, struct kr_err *err)
+{
+    if (used && v % size != 0) {
+        return kr_err_set(err, KR_ERR_UNSUPPORTED, "tensor-parallel size %d does not divide %s (%lld)", size, what,
+                          (long long)v);
+    }
+    return KR_OK;
+}
+
+enum kr_status kr_model_config_shard(struct kr_model_config *cfg, int32_t rank, int32_t size, struct kr_err *err)
+{
+    if (size < 1 || rank < 0 || rank >= size) {
+        return kr_err_set(err, KR_ERR_INVAL, "tensor parallelism: rank %d of %d is not a valid place", rank, size);
+    }
+    if (cfg->tp_size > 1) {
+        return kr_err_set(err, KR_ERR_INVAL, "tensor parallelism: the config is already a shard");
+    }
+    cfg->tp_rank = rank;
+    cfg->tp_size = size;
+    cfg->kv_head0 = 0;
+    if (size == 1) {
+        return KR_OK;
+    }
+    const bool mamba = kr_model_config_count(cfg, KR_LAYER_MAMBA) > 0, attn = kr_model_config_count(cfg, KR_LAYER_ATTN) > 0,
+               mlp = kr_model_config_count(cfg, KR_LAYER_MLP) > 0, moe = kr_model_config_count(cfg, KR_LAYER_MOE) > 0,
+               mla = kr_model_config_count(cfg, KR_LAYER_DSA) + kr_model_config_count(cfg, KR_LAYER_MLA) > 0;
+    KR_TRY(shard_check(cfg->m_heads, size, mamba, "mamba_num_heads (Mamba layers are split by heads)", err));
+    KR_TRY(shard_check(cfg->m_groups, size, mamba, "n_groups (Mamba layers are split by groups)", err));
+    KR_TRY(shard_check(cfg->n_head, size, attn, "num_attention_heads", err));
+    if (attn && cfg->n_kv_head % size != 0 && size % cfg->n_kv_head != 0) {
+        return kr_err_set(err, KR_ERR_UNSUPPORTED,
+                          "tensor-parallel size %d neither divides num_key_value_heads (%lld) nor is a multiple of it",
+                          size, (long long)cfg->n_kv_head);
+    }
+    KR_TRY(shard_check(cfg->mla_heads, size, mla, "num_attention_heads (MLA layers are split by heads)", err));
+    KR_TRY(shard_check(cfg->ffn, size, mlp, "intermediate_size (MLP layers are split by columns)", err));
+    KR_TRY(shard_check(cfg->moe_ffn, size, moe, "moe_intermediate_size (experts are split by columns)", err));
+    KR_TRY(shard_check(cfg->shared_ffn, size, moe, "the shared expert's intermediate size", err));
+    KR_TRY(shard_check(cfg->vocab, size, true, "vocab_size (the LM head is split by vocabulary rows)", err));
+    cfg->m_heads /= size;
+    cfg->m_groups /= size;
+    cfg->m_d_inner = cfg->m_heads * cfg->m_head_dim;
+    cfg->m_conv_dim = cfg->m_d_inner + 2 * cfg->m_groups * cfg->m_state;
+    cfg->m_in_proj = 2 * cfg->m_d_inner + 2 * cfg->m_groups * cfg->m_state + cfg->m_heads;
+    if (cfg->n_kv_head % size == 0) {
+        cfg->n_kv_head /= size;
+        cfg->kv_head0 = rank * cfg->n_kv_head;
+    } else if (attn) { /* size = k * n_kv: each KV head serves k ranks */
+        cfg->kv_head0 = (int64_t)rank * cfg->n_kv_head / size;
+        cfg->n_kv_head = 1;
+    }
+    cfg->n_head /= size;
+    cfg->ffn /= size;
+    cfg->moe_ffn /= size;
+    cfg->shared_ffn /= size;
+    cfg->mla_heads /= size;
+    return KR_OK;
 }
 
 enum kr_status kr_model_config_load(struct kr_model_config *cfg, const char *dir, struct kr_err *err)

@@ -106,6 +106,10 @@ struct kr_model_config {
     bool rope_yarn;            /* rope_scaling type yarn */
     bool dsa_seen;             /* the pattern holds D or + layers */
 
+    /* tensor parallelism: this rank's share (kr_model_config_shard); 0 of 1 unsharded */
+    int32_t tp_rank, tp_size;
+    int64_t kv_head0;          /* first KV head of this rank (GQA heads replicated when tp > n_kv) */
+
     /* checkpoint layout */
     int32_t n_mtp_layers;      /* num_nextn_predict_layers (deepseek_v32; tensors skipped) */
     bool fp8_weights;          /* quantization_config fp8 with block scales (dequantized at load) */
@@ -123,6 +127,13 @@ enum kr_status kr_model_config_from_json(struct kr_model_config *cfg, const stru
 
 /* Reads DIR/config.json and calls kr_model_config_from_json. */
 enum kr_status kr_model_config_load(struct kr_model_config *cfg, const char *dir, struct kr_err *err);
+
+/* Turns a whole-model config into rank `rank` of `size`'s share (DESIGN.md, Tensor
+ * parallelism): Mamba heads and groups, attention heads (KV heads split, or replicated when size is
+ * a multiple of num_key_value_heads), MLP and expert intermediate widths, and MLA heads become the
+ * rank's; the LM head is split by vocabulary rows; everything else is unchanged. A dimension that
+ * the size does not divide is KR_ERR_UNSUPPORTED naming it. size 1 changes nothing. */
+enum kr_status kr_model_config_shard(struct kr_model_config *cfg, int32_t rank, int32_t size, struct kr_err *err);
 
 /* Counts of each layer type. */
 int32_t kr_model_config_count(const struct kr_model_config *cfg, enum kr_layer_type t);

@@ -14,6 +14,8 @@
 
 struct loader {
     struct kr_model *m;
+    struct kr_model_config full; /* the whole model's config: stored shapes are checked against it */
+    int64_t rank, size;          /* tensor-parallel place (m->cfg is this rank's share) */
     kr_progress_cb progress;
     void *progress_user;
     const char *prefix; /* "backbone." or "model." */
@@ -145,20 +147,6 @@ static enum kr_status dequant_fp8(struct loader *ld, const struct kr_st_tensor *
     return KR_OK;
 }
 
-/* Uploads a transient fp32 host matrix (copied by the backend) and frees it. */
-static enum kr_status upload_host_f32(struct loader *ld, float *host, int64_t rows, int64_t cols,
-                                      struct kr_tensor *out)
-{
-    struct kr_tensor h = {.data = host, .dtype = KR_DTYPE_F32, .rows = rows, .cols = cols};
-    struct kr_buf owned;
-    enum kr_status st = kr_backend_upload(ld->m->be, &h, false, false, out, &owned);
-    kr_free(host);
-    if (st != KR_OK) {
-        return st;
-    }
-    return own_buf(ld->m, &owned);
-}
-
 /* "x.weight" -> "x.weight_scale_inv" */
 static void scale_name(char *out, size_t n, const char *wname)
 {
@@ -170,177 +158,268 @@ static enum kr_status missing(struct loader *ld, const char *name, const char *w
     return kr_err_set(ld->err, KR_ERR_FORMAT, "%s: missing tensor \"%s\" (%s)", ld->m->dir, name, what);
 }
 
-/* Loads a 2-D matrix [rows, cols] (or a 1-D vector when rows == 0) under `name`.
- * `what` describes the tensor for the missing-tensor message. With `optional`, absence leaves
- * *out zeroed and is not an error. */
-static enum kr_status load_mat(struct loader *ld, const char *name, int64_t rows, int64_t cols, bool optional,
-                               const char *what, struct kr_tensor *out)
+/* The share of a tensor a rank loads (DESIGN.md, Tensor parallelism): up to five row ranges
+ * [r0, r0 + nr) concatenated in order (n_rows 0: every row; a vector's rows are its elements),
+ * columns [c0, c0 + nc) (nc 0: every column), or nothing at all (`skip`: a row-parallel output's
+ * bias, added by rank 0 only). NULL: the whole tensor. */
+struct part {
+    int n_rows;
+    int64_t r0[5], nr[5];
+    int64_t c0, nc;
+    bool skip;
+};
+
+/* Appends this rank's 1/size of the `total` rows starting at `off` to p. */
+static void add_rows(const struct loader *ld, struct part *p, int64_t off, int64_t total)
+{
+    const int64_t per = total / ld->size;
+    p->r0[p->n_rows] = off + ld->rank * per;
+    p->nr[p->n_rows] = per;
+    p->n_rows++;
+}
+
+static struct part rows_share(const struct loader *ld, int64_t total)
+{
+    struct part p = {0};
+    if (ld->size > 1) {
+        add_rows(ld, &p, 0, total);
+    }
+    return p;
+}
+
+static struct part cols_share(const struct loader *ld, int64_t total)
+{
+    struct part p = {0};
+    if (ld->size > 1) {
+        p.c0 = ld->rank * (total / ld->size);
+        p.nc = total / ld->size;
+    }
+    return p;
+}
+
+static struct part rank0_only(const struct loader *ld)
+{
+    return (struct part){.skip = ld->rank != 0};
+}
+
+/* Loads part `pt` of tensor `name` (NULL: all of it). Its stored shape must be `shape` (n_dim
+ * dims); [R, C] is its logical matrix shape (a vector: R elements, C = 1; a conv weight: [conv_dim,
+ * K]). `vec`: the result is a row vector. `to_f32`: an fp32 copy. F8_E4M3 matrices (when `fp8_ok`)
+ * are dequantized with their block scales first. With `optional`, absence leaves *out zeroed. */
+static enum kr_status load_part(struct loader *ld, const char *name, int n_dim, const int64_t *shape, int64_t R,
+                                int64_t C, const struct part *pt, bool optional, bool fp8_ok, bool to_f32, bool vec,
+                                const char *what, struct kr_tensor *out)
 {
     memset(out, 0, sizeof *out);
     struct kr_st_tensor *t = find(ld, name);
     if (!t) {
         return optional ? KR_OK : missing(ld, name, what);
     }
-    enum kr_status st = rows ? check_any(ld, t, 2, (const int64_t[]){rows, cols}, true)
-                             : check(ld, t, 1, (const int64_t[]){cols});
-    if (st != KR_OK) {
-        return st;
+    KR_TRY(check_any(ld, t, n_dim, shape, fp8_ok));
+    if (pt && pt->skip) {
+        return KR_OK;
     }
-    if (t->dtype == KR_DTYPE_F8_E4M3) {
+    const void *src = t->data;
+    enum kr_dtype dt = t->dtype;
+    float *deq = NULL;
+    if (dt == KR_DTYPE_F8_E4M3) {
         char sname[600];
-        float *w = NULL;
         scale_name(sname, sizeof sname, name);
-        if ((st = dequant_fp8(ld, t, t->data, rows, cols, sname, 0, &w)) != KR_OK) {
-            return st;
+        KR_TRY(dequant_fp8(ld, t, t->data, R, C, sname, 0, &deq));
+        src = deq;
+        dt = KR_DTYPE_F32;
+    }
+    int n_seg = pt && pt->n_rows ? pt->n_rows : 1;
+    int64_t r0[5] = {0}, nr[5] = {R};
+    if (pt && pt->n_rows) {
+        memcpy(r0, pt->r0, sizeof r0);
+        memcpy(nr, pt->nr, sizeof nr);
+    }
+    const int64_t c0 = pt && pt->nc ? pt->c0 : 0, nc = pt && pt->nc ? pt->nc : C;
+    int64_t rows = 0;
+    for (int i = 0; i < n_seg; i++) {
+        if (r0[i] < 0 || nr[i] < 0 || r0[i] + nr[i] > R) {
+            kr_free(deq);
+            return kr_err_set(ld->err, KR_ERR_INTERNAL, "%s: row share [%lld, +%lld) outside %lld rows", name,
+                              (long long)r0[i], (long long)nr[i], (long long)R);
         }
-        return upload_host_f32(ld, w, rows, cols, out);
+        rows += nr[i];
     }
-    struct kr_tensor host = {.data = t->data, .dtype = t->dtype, .rows = rows ? rows : 1, .cols = cols};
+    if (c0 < 0 || c0 + nc > C) {
+        kr_free(deq);
+        return kr_err_set(ld->err, KR_ERR_INTERNAL, "%s: column share outside %lld columns", name, (long long)C);
+    }
+    const size_t esz = kr_dtype_size(dt);
+    void *gathered = NULL;
+    const void *data = (const char *)src + (size_t)(r0[0] * C) * esz;
+    if (n_seg > 1 || nc != C) { /* copy the share's rows (and columns) together */
+        gathered = kr_malloc((size_t)(rows * nc) * esz + 1);
+        if (!gathered) {
+            kr_free(deq);
+            return KR_ERR_NOMEM;
+        }
+        char *o = gathered;
+        for (int i = 0; i < n_seg; i++) {
+            for (int64_t r = r0[i]; r < r0[i] + nr[i]; r++) {
+                memcpy(o, (const char *)src + (size_t)(r * C + c0) * esz, (size_t)nc * esz);
+                o += (size_t)nc * esz;
+            }
+        }
+        data = gathered;
+    }
+    struct kr_tensor host = {.data = data, .dtype = dt, .rows = vec ? 1 : rows, .cols = vec ? rows * nc : nc};
     struct kr_buf owned;
-    if ((st = kr_backend_upload(ld->m->be, &host, false, true, out, &owned)) != KR_OK) {
-        return st;
-    }
-    return own_buf(ld->m, &owned);
+    enum kr_status st = kr_backend_upload(ld->m->be, &host, to_f32, !deq && !gathered, out, &owned);
+    kr_free(gathered);
+    kr_free(deq);
+    return st == KR_OK ? own_buf(ld->m, &owned) : st;
 }
 
-/* Loads a matrix as an fp32 copy in backend memory (small matrices read per head, e.g. kv_b),
- * straight from the file (FP8 dequantized on the host first). */
+/* A 2-D matrix [rows, cols] under `name` (F8_E4M3 accepted), its part `pt`. */
+static enum kr_status load_mat_p(struct loader *ld, const char *name, int64_t rows, int64_t cols,
+                                 const struct part *pt, bool optional, const char *what, struct kr_tensor *out)
+{
+    return load_part(ld, name, 2, (const int64_t[]){rows, cols}, rows, cols, pt, optional, true, false, false, what,
+                     out);
+}
+
+static enum kr_status load_mat(struct loader *ld, const char *name, int64_t rows, int64_t cols, bool optional,
+                               const char *what, struct kr_tensor *out)
+{
+    return load_mat_p(ld, name, rows, cols, NULL, optional, what, out);
+}
+
+/* A matrix as an fp32 copy in backend memory (small matrices read per head, e.g. kv_b). */
+static enum kr_status load_mat_f32_p(struct loader *ld, const char *name, int64_t rows, int64_t cols,
+                                     const struct part *pt, const char *what, struct kr_tensor *out)
+{
+    return load_part(ld, name, 2, (const int64_t[]){rows, cols}, rows, cols, pt, false, true, true, false, what, out);
+}
+
 static enum kr_status load_mat_f32_t(struct loader *ld, const char *name, int64_t rows, int64_t cols,
                                      const char *what, struct kr_tensor *out)
 {
-    struct kr_st_tensor *t = find(ld, name);
-    if (!t) {
-        return missing(ld, name, what);
-    }
-    enum kr_status st = check_any(ld, t, 2, (const int64_t[]){rows, cols}, true);
-    if (st != KR_OK) {
-        return st;
-    }
-    float *deq = NULL;
-    struct kr_tensor host = {.data = t->data, .dtype = t->dtype, .rows = rows, .cols = cols}, dev;
-    if (t->dtype == KR_DTYPE_F8_E4M3) {
-        char sname[600];
-        scale_name(sname, sizeof sname, name);
-        if ((st = dequant_fp8(ld, t, t->data, rows, cols, sname, 0, &deq)) != KR_OK) {
-            return st;
-        }
-        host.data = deq;
-        host.dtype = KR_DTYPE_F32;
-    }
-    struct kr_buf owned;
-    st = kr_backend_upload(ld->m->be, &host, true, deq == NULL, &dev, &owned);
-    kr_free(deq);
-    if (st != KR_OK) {
-        return st;
-    }
-    *out = dev;
-    return own_buf(ld->m, &owned);
+    return load_mat_f32_p(ld, name, rows, cols, NULL, what, out);
 }
 
-static enum kr_status load_mat_f32(struct loader *ld, const char *name, int64_t rows, int64_t cols, const char *what,
-                                   const float **out)
+/* A vector stored with shape `shape` (n_dim dims; conv weights [n, 1, K] or [n, K]: n rows of K)
+ * as fp32, its part `pt`; *out NULL when optional and absent or skipped. */
+static enum kr_status load_vec_shaped_p(struct loader *ld, const char *name, int n_dim, const int64_t *shape,
+                                        const struct part *pt, bool optional, const char *what, const float **out)
 {
+    const int64_t R = shape[0], C = n_dim > 1 ? shape[n_dim - 1] : 1;
     struct kr_tensor t;
-    enum kr_status st = load_mat_f32_t(ld, name, rows, cols, what, &t);
+    enum kr_status st = load_part(ld, name, n_dim, shape, R, C, pt, optional, false, true, true, what, &t);
     *out = st == KR_OK ? t.data : NULL;
     return st;
 }
 
-/* Loads a vector of n elements as fp32; *out NULL when optional and absent. Accepts a [n, 1, K]
- * style shape through `shape`/`n_dim` when given (conv weights), else [n]. */
-static enum kr_status load_vec_shaped(struct loader *ld, const char *name, int n_dim, const int64_t *shape,
-                                      bool optional, const char *what, const float **out)
+static enum kr_status load_vec_p(struct loader *ld, const char *name, int64_t n, const struct part *pt,
+                                 bool optional, const char *what, const float **out)
 {
-    *out = NULL;
-    struct kr_st_tensor *t = find(ld, name);
-    if (!t) {
-        return optional ? KR_OK : missing(ld, name, what);
-    }
-    enum kr_status st = check(ld, t, n_dim, shape);
-    if (st != KR_OK) {
-        return st;
-    }
-    struct kr_tensor host = {.data = t->data, .dtype = t->dtype, .rows = 1, .cols = t->n_elem}, dev;
-    struct kr_buf owned;
-    if ((st = kr_backend_upload(ld->m->be, &host, true, true, &dev, &owned)) != KR_OK) {
-        return st;
-    }
-    *out = dev.data;
-    return own_buf(ld->m, &owned);
+    return load_vec_shaped_p(ld, name, 1, (const int64_t[]){n}, pt, optional, what, out);
 }
 
 static enum kr_status load_vec(struct loader *ld, const char *name, int64_t n, bool optional, const char *what,
                                const float **out)
 {
-    return load_vec_shaped(ld, name, 1, (const int64_t[]){n}, optional, what, out);
+    return load_vec_p(ld, name, n, NULL, optional, what, out);
 }
 
 #define NAME(buf, ...) snprintf(buf, sizeof buf, __VA_ARGS__)
 /* ---- layers ----------------------------------------------------------------------------------- */
 
+/* Mamba: this rank's heads and groups. in_proj rows [z | x | B | C | dt] and the conv channels
+ * [x | B | C] are taken component by component; out_proj by columns; its bias on rank 0. */
 static enum kr_status load_mamba(struct loader *ld, const char *base, struct kr_mamba_w *w)
 {
-    const struct kr_model_config *c = &ld->m->cfg;
+    const struct kr_model_config *c = &ld->full;
+    const int64_t d = c->m_d_inner, g = c->m_groups * c->m_state, h = c->m_heads;
+    struct part in = {0}, conv = {0}, heads = rows_share(ld, h), inner = rows_share(ld, d);
+    if (ld->size > 1) {
+        add_rows(ld, &in, 0, d);             /* z */
+        add_rows(ld, &in, d, d);             /* x */
+        add_rows(ld, &in, 2 * d, g);         /* B */
+        add_rows(ld, &in, 2 * d + g, g);     /* C */
+        add_rows(ld, &in, 2 * d + 2 * g, h); /* dt */
+        add_rows(ld, &conv, 0, d);
+        add_rows(ld, &conv, d, g);
+        add_rows(ld, &conv, d + g, g);
+    }
+    const struct part out = cols_share(ld, d), out_b = rank0_only(ld);
     char n[512];
     NAME(n, "%sin_proj.weight", base);
-    KR_TRY(load_mat(ld, n, c->m_in_proj, c->dim, false, "Mamba in_proj [z,x,B,C,dt] x hidden", &w->in_proj));
+    KR_TRY(load_mat_p(ld, n, c->m_in_proj, c->dim, &in, false, "Mamba in_proj [z,x,B,C,dt] x hidden", &w->in_proj));
     NAME(n, "%sin_proj.bias", base);
-    KR_TRY(load_vec(ld, n, c->m_in_proj, !c->m_proj_bias, "Mamba in_proj bias (use_bias)", &w->in_proj_b));
+    KR_TRY(load_vec_p(ld, n, c->m_in_proj, &in, !c->m_proj_bias, "Mamba in_proj bias (use_bias)", &w->in_proj_b));
     NAME(n, "%sconv1d.weight", base);
     if (find(ld, n) && find(ld, n)->n_dim == 2) {
-        KR_TRY(load_vec_shaped(ld, n, 2, (const int64_t[]){c->m_conv_dim, c->m_conv}, false, "", &w->conv_w));
+        KR_TRY(load_vec_shaped_p(ld, n, 2, (const int64_t[]){c->m_conv_dim, c->m_conv}, &conv, false, "",
+                                 &w->conv_w));
     } else {
-        KR_TRY(load_vec_shaped(ld, n, 3, (const int64_t[]){c->m_conv_dim, 1, c->m_conv}, false,
-                            "depthwise conv weight [conv_dim, 1, conv_kernel]", &w->conv_w));
+        KR_TRY(load_vec_shaped_p(ld, n, 3, (const int64_t[]){c->m_conv_dim, 1, c->m_conv}, &conv, false,
+                                 "depthwise conv weight [conv_dim, 1, conv_kernel]", &w->conv_w));
     }
     NAME(n, "%sconv1d.bias", base);
-    KR_TRY(load_vec(ld, n, c->m_conv_dim, !c->m_conv_bias, "conv bias (use_conv_bias)", &w->conv_b));
+    KR_TRY(load_vec_p(ld, n, c->m_conv_dim, &conv, !c->m_conv_bias, "conv bias (use_conv_bias)", &w->conv_b));
     NAME(n, "%sdt_bias", base);
-    KR_TRY(load_vec(ld, n, c->m_heads, false, "dt_bias [mamba_num_heads]", &w->dt_bias));
+    KR_TRY(load_vec_p(ld, n, h, &heads, false, "dt_bias [mamba_num_heads]", &w->dt_bias));
     NAME(n, "%sA_log", base);
-    KR_TRY(load_vec(ld, n, c->m_heads, false, "A_log [mamba_num_heads]", &w->A_log));
+    KR_TRY(load_vec_p(ld, n, h, &heads, false, "A_log [mamba_num_heads]", &w->A_log));
     NAME(n, "%sD", base);
-    KR_TRY(load_vec(ld, n, c->m_heads, false, "D [mamba_num_heads]", &w->D));
+    KR_TRY(load_vec_p(ld, n, h, &heads, false, "D [mamba_num_heads]", &w->D));
     NAME(n, "%snorm.weight", base);
-    KR_TRY(load_vec(ld, n, c->m_d_inner, false, "gated RMSNorm weight [d_inner]", &w->norm_w));
+    KR_TRY(load_vec_p(ld, n, d, &inner, false, "gated RMSNorm weight [d_inner]", &w->norm_w));
     NAME(n, "%sout_proj.weight", base);
-    KR_TRY(load_mat(ld, n, c->dim, c->m_d_inner, false, "Mamba out_proj [hidden, d_inner]", &w->out_proj));
+    KR_TRY(load_mat_p(ld, n, c->dim, d, &out, false, "Mamba out_proj [hidden, d_inner]", &w->out_proj));
     NAME(n, "%sout_proj.bias", base);
-    KR_TRY(load_vec(ld, n, c->dim, !c->m_proj_bias, "Mamba out_proj bias (use_bias)", &w->out_proj_b));
+    KR_TRY(load_vec_p(ld, n, c->dim, &out_b, !c->m_proj_bias, "Mamba out_proj bias (use_bias)", &w->out_proj_b));
     return KR_OK;
 }
 
+/* GQA: this rank's query heads and KV heads (a KV head serves several ranks when there are
+ * fewer KV heads than ranks); o_proj by columns, its bias on rank 0. */
 static enum kr_status load_attn(struct loader *ld, const char *base, struct kr_attn_w *w)
 {
-    const struct kr_model_config *c = &ld->m->cfg;
+    const struct kr_model_config *c = &ld->full, *lc = &ld->m->cfg;
     const int64_t q = c->n_head * c->head_dim, kv = c->n_kv_head * c->head_dim;
+    struct part qs = rows_share(ld, q), kvs = {0};
+    if (ld->size > 1) {
+        kvs.n_rows = 1;
+        kvs.r0[0] = lc->kv_head0 * c->head_dim;
+        kvs.nr[0] = lc->n_kv_head * c->head_dim;
+    }
+    const struct part os = cols_share(ld, q), ob = rank0_only(ld);
     char n[512];
     NAME(n, "%sq_proj.weight", base);
-    KR_TRY(load_mat(ld, n, q, c->dim, false, "attention q_proj", &w->q));
+    KR_TRY(load_mat_p(ld, n, q, c->dim, &qs, false, "attention q_proj", &w->q));
     NAME(n, "%sk_proj.weight", base);
-    KR_TRY(load_mat(ld, n, kv, c->dim, false, "attention k_proj", &w->k));
+    KR_TRY(load_mat_p(ld, n, kv, c->dim, &kvs, false, "attention k_proj", &w->k));
     NAME(n, "%sv_proj.weight", base);
-    KR_TRY(load_mat(ld, n, kv, c->dim, false, "attention v_proj", &w->v));
+    KR_TRY(load_mat_p(ld, n, kv, c->dim, &kvs, false, "attention v_proj", &w->v));
     NAME(n, "%so_proj.weight", base);
-    KR_TRY(load_mat(ld, n, c->dim, q, false, "attention o_proj", &w->o));
+    KR_TRY(load_mat_p(ld, n, c->dim, q, &os, false, "attention o_proj", &w->o));
     bool opt = !c->attn_bias;
     NAME(n, "%sq_proj.bias", base);
-    KR_TRY(load_vec(ld, n, q, opt, "q_proj bias (attention_bias)", &w->q_b));
+    KR_TRY(load_vec_p(ld, n, q, &qs, opt, "q_proj bias (attention_bias)", &w->q_b));
     NAME(n, "%sk_proj.bias", base);
-    KR_TRY(load_vec(ld, n, kv, opt, "k_proj bias (attention_bias)", &w->k_b));
+    KR_TRY(load_vec_p(ld, n, kv, &kvs, opt, "k_proj bias (attention_bias)", &w->k_b));
     NAME(n, "%sv_proj.bias", base);
-    KR_TRY(load_vec(ld, n, kv, opt, "v_proj bias (attention_bias)", &w->v_b));
+    KR_TRY(load_vec_p(ld, n, kv, &kvs, opt, "v_proj bias (attention_bias)", &w->v_b));
     NAME(n, "%so_proj.bias", base);
-    KR_TRY(load_vec(ld, n, c->dim, opt, "o_proj bias (attention_bias)", &w->o_b));
+    KR_TRY(load_vec_p(ld, n, c->dim, &ob, opt, "o_proj bias (attention_bias)", &w->o_b));
     return KR_OK;
 }
 
-
+/* MLA/DSA: this rank's heads of the q up projection, kv_b and o_proj; the latent projections,
+ * their norms and the indexer are whole on every rank. */
 static enum kr_status load_mla(struct loader *ld, const char *base, bool indexer, struct kr_mla_w *w)
 {
-    const struct kr_model_config *c = &ld->m->cfg;
+    const struct kr_model_config *c = &ld->full;
     const int64_t H = c->mla_heads, Dn = c->qk_nope, Dr = c->qk_rope, Dv = c->v_head, Rq = c->q_lora,
                   Rkv = c->kv_lora;
+    const struct part qh = rows_share(ld, H * (Dn + Dr)), kvh = rows_share(ld, H * (Dn + Dv)),
+                      oh = cols_share(ld, H * Dv);
     char n[512];
     if (Rq) {
         NAME(n, "%sq_a_proj.weight", base);
@@ -348,12 +427,12 @@ static enum kr_status load_mla(struct loader *ld, const char *base, bool indexer
         NAME(n, "%sq_a_layernorm.weight", base);
         KR_TRY(load_vec(ld, n, Rq, true, "", &w->q_a_norm));
         NAME(n, "%sq_b_proj.weight", base);
-        KR_TRY(load_mat(ld, n, H * (Dn + Dr), Rq, false,
+        KR_TRY(load_mat_p(ld, n, H * (Dn + Dr), Rq, &qh, false,
                      "MLA q up projection [num_attention_heads * (qk_nope_head_dim + qk_rope_head_dim), q_lora_rank]",
                      &w->q_b));
     } else {
         NAME(n, "%sq_proj.weight", base);
-        KR_TRY(load_mat(ld, n, H * (Dn + Dr), c->dim, false,
+        KR_TRY(load_mat_p(ld, n, H * (Dn + Dr), c->dim, &qh, false,
                      "MLA q projection [num_attention_heads * (qk_nope_head_dim + qk_rope_head_dim), hidden]",
                      &w->q_a));
     }
@@ -363,12 +442,14 @@ static enum kr_status load_mla(struct loader *ld, const char *base, bool indexer
     NAME(n, "%skv_a_layernorm.weight", base);
     KR_TRY(load_vec(ld, n, Rkv, true, "", &w->kv_a_norm));
     NAME(n, "%skv_b_proj.weight", base);
-    KR_TRY(load_mat_f32(ld, n, H * (Dn + Dv), Rkv,
+    struct kr_tensor kv_b;
+    KR_TRY(load_mat_f32_p(ld, n, H * (Dn + Dv), Rkv, &kvh,
                      "MLA kv up projection [num_attention_heads * (qk_nope_head_dim + v_head_dim), kv_lora_rank]",
-                     &w->kv_b));
+                     &kv_b));
+    w->kv_b = kv_b.data;
     NAME(n, "%so_proj.weight", base);
-    KR_TRY(load_mat(ld, n, c->dim, H * Dv, false, "MLA output projection [hidden, num_attention_heads * v_head_dim]",
-                 &w->o));
+    KR_TRY(load_mat_p(ld, n, c->dim, H * Dv, &oh, false,
+                      "MLA output projection [hidden, num_attention_heads * v_head_dim]", &w->o));
     w->has_indexer = indexer;
     if (!indexer) {
         return KR_OK;
@@ -389,53 +470,66 @@ static enum kr_status load_mla(struct loader *ld, const char *base, bool indexer
 }
 
 /* An MLP under `base` ("...mixer." or "...mixer.shared_experts."): up/down, gate_proj when
- * present (gated), biases per mlp_bias. */
+ * present (gated), biases per mlp_bias. `ffn` is the whole width: a rank takes its share of the
+ * up/gate rows and of the down columns; the down bias lives on rank 0. */
 static enum kr_status load_mlp(struct loader *ld, const char *base, int64_t d_in, int64_t ffn, int64_t d_out,
                                struct kr_mlp_w *w)
 {
-    const struct kr_model_config *c = &ld->m->cfg;
+    const struct kr_model_config *c = &ld->full;
+    const struct part rows = rows_share(ld, ffn), cols = cols_share(ld, ffn), ob = rank0_only(ld);
     char n[512];
     NAME(n, "%sup_proj.weight", base);
-    KR_TRY(load_mat(ld, n, ffn, d_in, false, "MLP up_proj", &w->up));
+    KR_TRY(load_mat_p(ld, n, ffn, d_in, &rows, false, "MLP up_proj", &w->up));
     NAME(n, "%sgate_proj.weight", base);
-    KR_TRY(load_mat(ld, n, ffn, d_in, true, "", &w->gate));
+    KR_TRY(load_mat_p(ld, n, ffn, d_in, &rows, true, "", &w->gate));
     NAME(n, "%sdown_proj.weight", base);
-    KR_TRY(load_mat(ld, n, d_out, ffn, false, "MLP down_proj", &w->down));
+    KR_TRY(load_mat_p(ld, n, d_out, ffn, &cols, false, "MLP down_proj", &w->down));
     NAME(n, "%sup_proj.bias", base);
-    KR_TRY(load_vec(ld, n, ffn, !c->mlp_bias, "up_proj bias (mlp_bias)", &w->up_b));
+    KR_TRY(load_vec_p(ld, n, ffn, &rows, !c->mlp_bias, "up_proj bias (mlp_bias)", &w->up_b));
     if (w->gate.data) {
         NAME(n, "%sgate_proj.bias", base);
-        KR_TRY(load_vec(ld, n, ffn, !c->mlp_bias, "gate_proj bias (mlp_bias)", &w->gate_b));
+        KR_TRY(load_vec_p(ld, n, ffn, &rows, !c->mlp_bias, "gate_proj bias (mlp_bias)", &w->gate_b));
     }
     NAME(n, "%sdown_proj.bias", base);
-    KR_TRY(load_vec(ld, n, d_out, !c->mlp_bias, "down_proj bias (mlp_bias)", &w->down_b));
+    KR_TRY(load_vec_p(ld, n, d_out, &ob, !c->mlp_bias, "down_proj bias (mlp_bias)", &w->down_b));
     return KR_OK;
 }
 
-/* Views expert e of a fused 3-D tensor [E, rows, cols] (rows offset `r0` within each expert). */
-static struct kr_tensor expert_view(const struct kr_st_tensor *t, int64_t e, int64_t r0, int64_t rows)
+/* Uploads rows [r0, r0 + rows) and columns [c0, c0 + nc) (nc 0: every column) of expert e of a
+ * fused 3-D tensor [E, R, C]: a view of the file when every column is taken, else a copy. */
+static enum kr_status upload_expert(struct loader *ld, const struct kr_st_tensor *t, int64_t e, int64_t r0,
+                                    int64_t rows, int64_t c0, int64_t nc, struct kr_tensor *out)
 {
     const size_t esz = kr_dtype_size(t->dtype);
-    const int64_t per = t->shape[1] * t->shape[2];
-    return (struct kr_tensor){
-        .data = (const char *)t->data + (size_t)(e * per + r0 * t->shape[2]) * esz,
-        .dtype = t->dtype,
-        .rows = rows,
-        .cols = t->shape[2],
-    };
-}
-
-static enum kr_status upload_view(struct loader *ld, const struct kr_tensor *host, struct kr_tensor *out)
-{
+    const int64_t C = t->shape[2];
+    const char *base = (const char *)t->data + (size_t)(e * t->shape[1] * C) * esz;
+    if (!nc) {
+        c0 = 0;
+        nc = C;
+    }
+    struct kr_tensor host = {.data = base + (size_t)(r0 * C) * esz, .dtype = t->dtype, .rows = rows, .cols = nc};
+    char *g = NULL;
+    if (nc != C) {
+        if (!(g = kr_malloc((size_t)(rows * nc) * esz + 1))) {
+            return KR_ERR_NOMEM;
+        }
+        for (int64_t r = 0; r < rows; r++) {
+            memcpy(g + (size_t)(r * nc) * esz, base + (size_t)((r0 + r) * C + c0) * esz, (size_t)nc * esz);
+        }
+        host.data = g;
+    }
     struct kr_buf owned;
-    KR_TRY(kr_backend_upload(ld->m->be, host, false, true, out, &owned));
-    return own_buf(ld->m, &owned);
+    enum kr_status st = kr_backend_upload(ld->m->be, &host, false, g == NULL, out, &owned);
+    kr_free(g);
+    return st == KR_OK ? own_buf(ld->m, &owned) : st;
 }
 
+/* Fused expert tensors (transformers 5 layout): gate_up_proj [E, 2F, d] (rows [gate | up]) or
+ * up_proj [E, F, d], and down_proj [E, d, F]; a rank takes its share of F in each. */
 static enum kr_status load_fused_experts(struct loader *ld, const char *base, int64_t d_e, struct kr_moe_w *w)
 {
-    const struct kr_model_config *c = &ld->m->cfg;
-    const int64_t E = c->n_expert, F = c->moe_ffn;
+    const struct kr_model_config *c = &ld->full;
+    const int64_t E = c->n_expert, F = c->moe_ffn, Fl = F / ld->size, f0 = ld->rank * Fl;
     char n[512];
     NAME(n, "%sexperts.gate_up_proj", base);
     struct kr_st_tensor *gu = find(ld, n);
@@ -460,26 +554,22 @@ static enum kr_status load_fused_experts(struct loader *ld, const char *base, in
         return missing(ld, n, "fused expert up projections [n_routed_experts, moe_intermediate_size, d]");
     }
     for (int64_t e = 0; e < E; e++) {
-        struct kr_tensor v;
-        if (gu) { /* rows [gate (F) | up (F)] per expert */
-            v = expert_view(gu, e, 0, F);
-            KR_TRY(upload_view(ld, &v, &w->gate[e]));
-            v = expert_view(gu, e, F, F);
+        if (gu) {
+            KR_TRY(upload_expert(ld, gu, e, f0, Fl, 0, 0, &w->gate[e]));
+            KR_TRY(upload_expert(ld, gu, e, F + f0, Fl, 0, 0, &w->up[e]));
         } else {
-            v = expert_view(up, e, 0, F);
+            KR_TRY(upload_expert(ld, up, e, f0, Fl, 0, 0, &w->up[e]));
         }
-        KR_TRY(upload_view(ld, &v, &w->up[e]));
-        v = expert_view(down, e, 0, d_e);
-        KR_TRY(upload_view(ld, &v, &w->down[e]));
+        KR_TRY(upload_expert(ld, down, e, 0, d_e, f0, ld->size > 1 ? Fl : 0, &w->down[e]));
     }
     return KR_OK;
 }
 
 static enum kr_status load_moe(struct loader *ld, const char *base, struct kr_moe_w *w)
 {
-    struct kr_model *m = ld->m;
-    const struct kr_model_config *c = &m->cfg;
+    const struct kr_model_config *c = &ld->full;
     const int64_t E = c->n_expert, F = c->moe_ffn;
+    const struct part rows = rows_share(ld, F), cols = cols_share(ld, F);
     char n[512];
     NAME(n, "%sgate.weight", base);
     /* routers run in fp32 (as HF computes them), whatever the weights' storage */
@@ -508,11 +598,12 @@ static enum kr_status load_moe(struct loader *ld, const char *base, struct kr_mo
         const bool gated = find(ld, n) != NULL;
         for (int64_t e = 0; e < E; e++) {
             NAME(n, "%sexperts.%lld.up_proj.weight", base, (long long)e);
-            KR_TRY(load_mat(ld, n, F, d_e, false, "expert up_proj [moe_intermediate_size, d]", &w->up[e]));
+            KR_TRY(load_mat_p(ld, n, F, d_e, &rows, false, "expert up_proj [moe_intermediate_size, d]", &w->up[e]));
             NAME(n, "%sexperts.%lld.down_proj.weight", base, (long long)e);
-            KR_TRY(load_mat(ld, n, d_e, F, false, "expert down_proj [d, moe_intermediate_size]", &w->down[e]));
+            KR_TRY(load_mat_p(ld, n, d_e, F, &cols, false, "expert down_proj [d, moe_intermediate_size]",
+                              &w->down[e]));
             NAME(n, "%sexperts.%lld.gate_proj.weight", base, (long long)e);
-            KR_TRY(load_mat(ld, n, F, d_e, !gated, "expert gate_proj (expert 0 has one)", &w->gate[e]));
+            KR_TRY(load_mat_p(ld, n, F, d_e, &rows, !gated, "expert gate_proj (expert 0 has one)", &w->gate[e]));
         }
         if (!gated) {
             kr_free(w->gate);
@@ -556,7 +647,7 @@ static void layer_names(const struct loader *ld, int32_t i, char *norm, size_t n
 static enum kr_status load_layers(struct loader *ld)
 {
     struct kr_model *m = ld->m;
-    const struct kr_model_config *c = &m->cfg;
+    const struct kr_model_config *c = &ld->full;
     char n[512], base[256];
     for (int32_t i = 0; i < c->n_layer; i++) {
         struct kr_layer *L = &m->layers[i];
@@ -659,15 +750,23 @@ static enum kr_status load_all(struct loader *ld)
         return KR_ERR_NOMEM;
     }
     KR_TRY(load_layers(ld));
+    /* the embedding is whole on every rank; the LM head is split by vocabulary rows */
+    const struct part vocab_rows = rows_share(ld, c->vocab);
     if (c->tie_embeddings) {
-        m->lm_head = m->embed;
         struct kr_st_tensor *lm = find(ld, "lm_head.weight");
         if (lm) { /* some exports keep the tied copy; it must at least have the right shape */
             KR_TRY(check(ld, lm, 2, (const int64_t[]){c->vocab, c->dim}));
         }
+        if (ld->size > 1) {
+            const uint64_t counted = m->n_params;
+            KR_TRY(load_mat_p(ld, emb->name, c->vocab, c->dim, &vocab_rows, false, "", &m->lm_head));
+            m->n_params = counted; /* the same parameters as the embedding */
+        } else {
+            m->lm_head = m->embed;
+        }
     } else {
-        KR_TRY(load_mat(ld, "lm_head.weight", c->vocab, c->dim, false,
-                     "output projection [vocab, hidden] (tie_word_embeddings is false)", &m->lm_head));
+        KR_TRY(load_mat_p(ld, "lm_head.weight", c->vocab, c->dim, &vocab_rows, false,
+                          "output projection [vocab, hidden] (tie_word_embeddings is false)", &m->lm_head));
     }
     if (m->n_mla) {
         struct kr_tensor host = {.data = c->rope_inv_freq, .dtype = KR_DTYPE_F32, .rows = 1, .cols = c->qk_rope / 2}, dev;
@@ -709,16 +808,30 @@ enum kr_status kr_model_load_progress(const char *dir, kr_backend_t be, kr_progr
     if ((st = kr_model_config_load(&m->cfg, dir, err)) != KR_OK) {
         goto fail;
     }
+    const struct kr_model_config full = m->cfg;
+    if ((st = kr_model_config_shard(&m->cfg, kr_backend_tp_rank(be), kr_backend_tp_size(be), err)) != KR_OK) {
+        kr_err_prefix(err, "%s", dir);
+        goto fail;
+    }
     if ((st = kr_st_open_dir(dir, &m->ar, err)) != KR_OK) {
         goto fail;
     }
-    struct loader ld = {.m = m, .err = err, .progress = cb, .progress_user = user};
+    struct loader ld = {.m = m, .full = full, .rank = m->cfg.tp_rank, .size = m->cfg.tp_size, .err = err,
+                        .progress = cb, .progress_user = user};
     if ((st = load_all(&ld)) != KR_OK) {
         goto fail;
     }
-    KR_LOG_INFO("loaded %s: model_type=%s layers=%d pattern=%s hidden=%lld vocab=%lld params=%llu backend=%s", dir,
-                m->cfg.model_type, m->cfg.n_layer, m->cfg.pattern, (long long)m->cfg.dim, (long long)m->cfg.vocab,
-                (unsigned long long)m->n_params, kr_backend_name(be));
+    if (m->cfg.tp_size > 1) {
+        KR_LOG_INFO("loaded %s: model_type=%s layers=%d pattern=%s hidden=%lld vocab=%lld params=%llu backend=%s "
+                    "tensor-parallel rank %d of %d",
+                    dir, m->cfg.model_type, m->cfg.n_layer, m->cfg.pattern, (long long)m->cfg.dim,
+                    (long long)m->cfg.vocab, (unsigned long long)m->n_params, kr_backend_name(be), m->cfg.tp_rank,
+                    m->cfg.tp_size);
+    } else {
+        KR_LOG_INFO("loaded %s: model_type=%s layers=%d pattern=%s hidden=%lld vocab=%lld params=%llu backend=%s",
+                    dir, m->cfg.model_type, m->cfg.n_layer, m->cfg.pattern, (long long)m->cfg.dim,
+                    (long long)m->cfg.vocab, (unsigned long long)m->n_params, kr_backend_name(be));
+    }
     *out = m;
     return KR_OK;
 fail:

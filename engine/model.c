@@ -32,6 +32,7 @@ struct ws {
     int32_t *m_idx; /* [n, topk] selected positions */
     float *fin;    /* [n_out, dim] rows kept for the LM head */
     float *lg;     /* [n_out, vocab] logits */
+    float *lg_part; /* [n_out, vocab / tp_size] this rank's share of the logits (tensor parallel) */
 };
 
 static int64_t max64(int64_t a, int64_t b)
@@ -57,8 +58,9 @@ static size_t ws_floats(const struct kr_model_config *c, int64_t n, int64_t n_ou
     *wide = w;
     *mid = md;
     const int64_t mla = c->q_lora + 2 * c->kv_lora + c->qk_rope + c->idx_head_dim + c->idx_heads + c->idx_topk;
+    const int64_t part = c->tp_size > 1 ? c->vocab / c->tp_size : 0;
     return (size_t)(n * (3 * c->dim + 2 * w + c->m_conv_dim + 2 * md + c->n_expert + 2 * c->n_expert_used + mla) +
-                    n_out * (c->dim + c->vocab));
+                    n_out * (c->dim + c->vocab + part));
 }
 
 static int32_t batch_max_ctx(const struct kr_batch *b)
@@ -136,6 +138,7 @@ static enum kr_status ws_prepare(struct kr_model *m, const struct kr_batch *b, s
     TAKE(m_idx, n * c->idx_topk); /* int32 and float have the same size */
     TAKE(fin, (int64_t)b->n_out * c->dim);
     TAKE(lg, (int64_t)b->n_out * c->vocab);
+    ws->lg_part = c->tp_size > 1 ? p : NULL;
 #undef TAKE
     return KR_OK;
 }
@@ -525,6 +528,8 @@ static enum kr_status run_ops(struct kr_model *m, struct kr_cache *cache, const 
             st = KR_ERR_INTERNAL;
         }
         KR_TRY(st);
+        /* under tensor parallelism every mixer's output is a partial sum (row-parallel output projection) */
+        KR_TRY(kr_backend_all_reduce(be, ws->o, n * c->dim));
         KR_TRY(kr_backend_add(be, ws->x, ws->o, n * c->dim));
     }
     if (b->n_out == 0) {
@@ -532,6 +537,11 @@ static enum kr_status run_ops(struct kr_model *m, struct kr_cache *cache, const 
     }
     KR_TRY(kr_backend_gather_out(be, ws->x, c->dim, ws->fin));
     KR_TRY(kr_backend_rmsnorm(be, ws->fin, m->final_norm, b->n_out, c->dim, c->norm_eps, ws->fin));
+    if (c->tp_size > 1) { /* this rank's vocabulary rows, then every rank's side by side */
+        const int64_t part = c->vocab / c->tp_size;
+        KR_TRY(kr_backend_matmul(be, ws->fin, c->dim, b->n_out, &m->lm_head, NULL, ws->lg_part, part));
+        return kr_backend_all_gather(be, ws->lg_part, b->n_out, part, ws->lg);
+    }
     return kr_backend_matmul(be, ws->fin, c->dim, b->n_out, &m->lm_head, NULL, ws->lg, c->vocab);
 }
 
@@ -582,5 +592,6 @@ fail:
     if (begun) {
         (void)kr_backend_end_batch(be, false);
     }
+    kr_backend_tp_abort(be); /* the other ranks must not wait for this one's collectives */
     return kr_err_set(err, st, "forward pass failed: %s", kr_status_str(st));
 }
