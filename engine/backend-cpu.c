@@ -6,6 +6,7 @@
 
 #include "alloc.h"
 #include "comm.h"
+#include "fp8.h"
 #include "log.h"
 #include "sampler.h"
 
@@ -959,6 +960,41 @@ static enum kr_status cpu_sample(kr_backend_t be, const struct kr_sample_batch *
     return st;
 }
 
+/* ---- FP8 indexer path ------------------------------------------------------------------------ */
+
+static enum kr_status cpu_fp8_round(kr_backend_t be, const struct kr_fp8_round_params *p)
+{
+    if (p->dim < 1 || p->block < 1 || p->dim % p->block != 0 || p->n < 0 || p->ld < p->dim) {
+        return KR_ERR_INVAL;
+    }
+    const int n_threads = ctx_of(be)->n_threads;
+    const int64_t per = p->dim + p->dim / p->block; /* row copy + scales, in floats */
+    float *scratch = kr_malloc((size_t)n_threads * ((size_t)per * sizeof(float) + (size_t)p->dim));
+    if (!scratch) {
+        return KR_ERR_NOMEM;
+    }
+    const float hscale = (float)(1.0 / sqrt((double)p->dim));
+    int failed = 0;
+#pragma omp parallel for num_threads(n_threads) schedule(static) reduction(| : failed)
+    for (int64_t i = 0; i < p->n; i++) {
+        const int t = omp_get_thread_num();
+        float *row = scratch + (size_t)t * (size_t)per, *scale = row + p->dim;
+        uint8_t *q = (uint8_t *)(scratch + (size_t)n_threads * (size_t)per) + (size_t)t * (size_t)p->dim;
+        float *x = p->x + i * p->ld;
+        memcpy(row, x, (size_t)p->dim * sizeof(float));
+        if ((p->hadamard && kr_fp8_hadamard(row, p->dim, hscale) != KR_OK) ||
+            kr_fp8_act_quant(row, p->dim, p->block, p->ue8m0, q, scale) != KR_OK) {
+            failed |= 1;
+            continue;
+        }
+        for (int64_t j = 0; j < p->dim; j++) {
+            x[j] = kr_fp8_e4m3_to_f32(q[j]) * scale[j / p->block];
+        }
+    }
+    kr_free(scratch);
+    return failed ? KR_ERR_INVAL : KR_OK;
+}
+
 /* ---- tensor parallelism: ranks are threads of one process sharing a kr_host_comm ------------ */
 
 static enum kr_status cpu_set_tp(kr_backend_t be, int rank, int size, void *comm)
@@ -1037,6 +1073,7 @@ kr_backend_t kr_backend_cpu_create(int n_threads)
         .mla_cache_write = cpu_mla_cache_write,
         .dsa_index = cpu_dsa_index,
         .set_tp = cpu_set_tp,
+        .fp8_round = cpu_fp8_round,
         .all_reduce = cpu_all_reduce,
         .all_gather = cpu_all_gather,
         .tp_abort = cpu_tp_abort,

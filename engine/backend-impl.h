@@ -82,6 +82,8 @@ struct kr_backend_i {
      * [rows, size * cols]; tp_abort releases the other ranks from a collective this rank will not
      * join (a failed step). A backend without set_tp runs only as a single rank. */
     enum kr_status (*set_tp)(kr_backend_t be, int rank, int size, void *comm);
+    /* (optional) FP8 round trip of indexer rows (struct kr_fp8_round_params) */
+    enum kr_status (*fp8_round)(kr_backend_t be, const struct kr_fp8_round_params *p);
     enum kr_status (*all_reduce)(kr_backend_t be, float *x, int64_t n);
     enum kr_status (*all_gather)(kr_backend_t be, const float *src, int64_t rows, int64_t cols, float *dst);
     void (*tp_abort)(kr_backend_t be);

@@ -34,6 +34,16 @@ bool kr_backend_healthy(kr_backend_t be)
     return !be->iface.healthy || be->iface.healthy(be);
 }
 
+bool kr_backend_can_fp8_round(kr_backend_t be)
+{
+    return be->iface.fp8_round != NULL;
+}
+
+enum kr_status kr_backend_fp8_round(kr_backend_t be, const struct kr_fp8_round_params *p)
+{
+    return be->iface.fp8_round ? be->iface.fp8_round(be, p) : KR_ERR_UNSUPPORTED;
+}
+
 enum kr_status kr_backend_set_tp(kr_backend_t be, int rank, int size, void *comm, struct kr_err *err)
 {
     if (size < 1 || rank < 0 || rank >= size) {

@@ -277,6 +277,22 @@ struct kr_sample_batch {
     float *top_lp;                    /* [n, n_top] */
 };
 
+/* FP8 round trip of activation rows (the DSA indexer's FP8 path, MODEL_SPEC §1.5): each of the n
+ * rows of `dim` elements at x + i*ld becomes, in place, dequant(e4m3(H x)): an orthonormal
+ * Walsh-Hadamard transform (scale dim^-0.5) when `hadamard`, then per block of `block` elements the
+ * reference act_quant (amax floored at 1e-4; scale amax/448, or the power of two above it when
+ * `ue8m0`) and back to fp32 as e4m3 value x scale. dim must be a power of two and a multiple of
+ * block. Scores on the result equal the reference fp8_index on the codes and scales. */
+struct kr_fp8_round_params {
+    float *x;
+    int64_t ld, n, dim, block;
+    bool hadamard, ue8m0;
+};
+
+/* True when the backend has the FP8 indexer path (kr_backend_fp8_round). */
+bool kr_backend_can_fp8_round(kr_backend_t be);
+enum kr_status kr_backend_fp8_round(kr_backend_t be, const struct kr_fp8_round_params *p);
+
 /* True when the backend samples on its own (kr_backend_sample is available). */
 bool kr_backend_can_sample(kr_backend_t be);
 enum kr_status kr_backend_sample(kr_backend_t be, const struct kr_sample_batch *sb);

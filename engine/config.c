@@ -728,6 +728,8 @@ static enum kr_status parse_deepseek_v32(struct kr_model_config *cfg, const stru
                               "%s: quantization_config.weight_block_size must be two positive integers", path);
         }
         cfg->fp8_weights = true;
+        const struct kr_json *sf = kr_json_get(q, "scale_fmt");
+        cfg->fp8_ue8m0 = sf && sf->type == KR_JSON_STRING && !strcmp(sf->str, "ue8m0");
     }
     return parse_mla(cfg, root, path, err);
 }

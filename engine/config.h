@@ -113,6 +113,7 @@ struct kr_model_config {
     /* checkpoint layout */
     int32_t n_mtp_layers;      /* num_nextn_predict_layers (deepseek_v32; tensors skipped) */
     bool fp8_weights;          /* quantization_config fp8 with block scales (dequantized at load) */
+    bool fp8_ue8m0;            /* quantization_config.scale_fmt "ue8m0": FP8 activation scales are powers of two */
     int64_t fp8_block[2];      /* weight_block_size [rows, cols] */
 };
 

@@ -776,6 +776,7 @@ static enum kr_status load_all(struct loader *ld)
         m->rope_inv_freq = dev.data;
     }
     KR_TRY(check_unused(ld));
+    KR_TRY(kr_model_set_indexer(m, KR_INDEXER_AUTO, ld->err));
     if (ld->deepseek && c->n_mtp_layers) {
         KR_LOG_INFO("%s: skipped %d multi-token-prediction layer(s) after layer %d", m->dir, c->n_mtp_layers,
                     c->n_layer / 2 - 1);

@@ -98,6 +98,55 @@ static enum kr_status grow(struct kr_model *m, int64_t n_tok, int64_t n_out, int
     return KR_OK;
 }
 
+bool kr_indexer_parse(const char *s, enum kr_indexer *out)
+{
+    static const char *const names[] = {"auto", "bf16", "fp8"};
+    for (int i = 0; i < 3; i++) {
+        if (s && !strcmp(s, names[i])) {
+            *out = (enum kr_indexer)i;
+            return true;
+        }
+    }
+    return false;
+}
+
+enum kr_status kr_model_set_indexer(struct kr_model *m, enum kr_indexer mode, struct kr_err *err)
+{
+    const struct kr_model_config *c = &m->cfg;
+    const int64_t Di = c->idx_head_dim;
+    const bool pow2 = Di > 0 && (Di & (Di - 1)) == 0;
+    const bool has_d = kr_model_config_count(c, KR_LAYER_DSA) > 0;
+    if (mode == KR_INDEXER_FP8) {
+        if (!has_d) {
+            return kr_err_set(err, KR_ERR_UNSUPPORTED, "%s: the FP8 indexer needs DSA (D) layers; this model has none",
+                              m->dir);
+        }
+        if (!kr_backend_can_fp8_round(m->be)) {
+            return kr_err_set(err, KR_ERR_UNSUPPORTED, "%s: the %s backend has no FP8 indexer path yet (use bf16)",
+                              m->dir, kr_backend_name(m->be));
+        }
+        if (!pow2) {
+            return kr_err_set(err, KR_ERR_UNSUPPORTED,
+                              "%s: the FP8 indexer needs a power-of-two index_head_dim (Hadamard), not %lld", m->dir,
+                              (long long)Di);
+        }
+        m->idx_fp8 = true;
+    } else if (mode == KR_INDEXER_AUTO) {
+        m->idx_fp8 = has_d && c->fp8_weights && pow2 && kr_backend_can_fp8_round(m->be);
+        if (has_d && c->fp8_weights && !m->idx_fp8) {
+            KR_LOG_INFO("%s: FP8 checkpoint, but the %s backend has no FP8 indexer path: the indexer scores in bf16",
+                        m->dir, kr_backend_name(m->be));
+        }
+    } else {
+        m->idx_fp8 = false;
+    }
+    if (m->idx_fp8) {
+        KR_LOG_INFO("%s: DSA indexer: FP8 path (Hadamard, e4m3 blocks of %lld, %s scales)", m->dir,
+                    (long long)(Di < 128 ? Di : 128), c->fp8_ue8m0 ? "ue8m0" : "fp32");
+    }
+    return KR_OK;
+}
+
 enum kr_status kr_model_reserve(struct kr_model *m, int64_t n_tok, int64_t n_out, int64_t n_seq, int64_t max_ctx)
 {
     return grow(m, n_tok, n_out, n_seq, max_ctx);
@@ -289,6 +338,7 @@ static enum kr_status mla_fwd(struct kr_model *m, struct kr_cache *cache, const 
     float *q = ws->big; /* [n, H * qd] */
     const float *cq = ws->h;
     int64_t ld_cq = c->dim;
+    const int64_t Di_blk = c->idx_head_dim < 128 ? c->idx_head_dim : 128;
     if (Rq) {
         KR_TRY(kr_backend_matmul(be, ws->h, c->dim, n, &w->q_a, NULL, ws->m_cq, Rq));
         if (w->q_a_norm) {
@@ -328,6 +378,14 @@ static enum kr_status mla_fwd(struct kr_model *m, struct kr_cache *cache, const 
         struct kr_rope_params rik = {.x = ws->m_ik, .ld = Di, .n_vec = 1, .stride = 0, .off = 0, .dim = Dr,
                                      .interleaved = false, .inv_freq = m->rope_inv_freq, .factor = c->rope_attn_factor};
         KR_TRY(kr_backend_rope(be, &rik));
+        if (m->idx_fp8) { /* rotate and quantize queries and keys as the reference's FP8 kernels see them */
+            struct kr_fp8_round_params fq = {.x = iq, .ld = Di, .n = n * Hi, .dim = Di, .block = Di_blk,
+                                             .hadamard = true, .ue8m0 = c->fp8_ue8m0};
+            KR_TRY(kr_backend_fp8_round(be, &fq));
+            struct kr_fp8_round_params fk = {.x = ws->m_ik, .ld = Di, .n = n, .dim = Di, .block = Di_blk,
+                                             .hadamard = true, .ue8m0 = c->fp8_ue8m0};
+            KR_TRY(kr_backend_fp8_round(be, &fk));
+        }
         KR_TRY(kr_backend_matmul(be, ws->h, c->dim, n, &w->idx_w, NULL, ws->m_w, Hi));
         KR_TRY(kr_backend_scale(be, ws->m_w, (float)(1.0 / sqrt((double)Hi) / sqrt((double)Di)), n * Hi));
     }

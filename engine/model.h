@@ -95,6 +95,7 @@ struct kr_model {
     int32_t n_mamba, n_attn;     /* layers per cache kind */
     int32_t n_mla;               /* layers with a latent cache (D and +) */
     const float *rope_inv_freq;  /* [qk_rope/2] backend copy of cfg.rope_inv_freq (MLA layers) */
+    bool idx_fp8;                /* D layers score with the FP8 indexer path (kr_model_set_indexer) */
     /* (optional) observer of the DSA selection: called after every D layer with the batch's
      * selected positions idx [n_tok, topk] (host memory, -1 padded). Tests use it. */
     void (*on_index)(void *user, int32_t layer, const struct kr_batch *b, const int32_t *idx, int32_t topk);
@@ -122,6 +123,21 @@ void kr_model_free(struct kr_model *m);
 typedef void (*kr_progress_cb)(void *user, int done, int total);
 enum kr_status kr_model_load_progress(const char *dir, kr_backend_t be, kr_progress_cb cb, void *user,
                                       struct kr_model **out, struct kr_err *err);
+
+/* Precision of the DSA lightning indexer's scores (D layers). */
+enum kr_indexer {
+    KR_INDEXER_AUTO = 0, /* FP8 for FP8 checkpoints when the backend has that path, else BF16 */
+    KR_INDEXER_BF16 = 1, /* the scores of HF transformers and Megatron (bf16/fp32, no quantization) */
+    KR_INDEXER_FP8 = 2,  /* the DeepSeek reference's FP8 path: Hadamard-rotated indexer queries and keys
+                            quantized to e4m3 per block (ue8m0 scales when the checkpoint says so) */
+};
+
+/* Chooses the indexer path (kr_model_load applies KR_INDEXER_AUTO). Call before caches are created.
+ * KR_ERR_UNSUPPORTED with a message when FP8 is asked of a backend without it, or of an index_head_dim
+ * that is not a power of two. */
+enum kr_status kr_model_set_indexer(struct kr_model *m, enum kr_indexer mode, struct kr_err *err);
+/* "auto", "bf16" or "fp8" (what --indexer takes); false for anything else. */
+bool kr_indexer_parse(const char *s, enum kr_indexer *out);
 
 struct kr_cache;
 

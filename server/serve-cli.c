@@ -4,6 +4,7 @@
 
 #include "alloc.h"
 #include "log.h"
+#include "model.h"
 
 #include <errno.h>
 #include <getopt.h>
@@ -39,6 +40,7 @@ static void usage(FILE *f)
             "  --shutdown-timeout SECONDS      on SIGTERM, finish in-flight requests for this long (default 30)\n"
             "  --device DEV                    cpu | cuda | cuda:N | auto (default: a GPU when present) [KRAIT_DEVICE]\n"
             "  --gpu-memory-utilization F      share of GPU memory for weights + caches (default 0.9)\n"
+            "  --indexer auto|bf16|fp8         DSA indexer precision (auto: the FP8 path for FP8 checkpoints)\n"
             "  --threads N                     CPU threads (default: all cores)              [KRAIT_THREADS]\n"
             "  --log-level LEVEL               debug | info | warn | error                   [KRAIT_LOG_LEVEL]\n"
             "  --port-file FILE                write the bound port there once listening\n"
@@ -156,7 +158,7 @@ int kr_serve_main(int argc, char **argv)
     }
     enum {
         O_HOST = 256, O_PORT, O_KEY, O_KEYFILE, O_NAME, O_MAXLEN, O_SEQS, O_TOKENS, O_QUEUED, O_CACHE, O_BLOCK,
-        O_TOK, O_TPL, O_SKIP, O_TOKIDS, O_BODY, O_SHUTDOWN, O_THREADS, O_LOG, O_PORTFILE, O_HELP, O_DEVICE, O_GPUMEM,
+        O_TOK, O_TPL, O_SKIP, O_TOKIDS, O_BODY, O_SHUTDOWN, O_THREADS, O_LOG, O_PORTFILE, O_HELP, O_DEVICE, O_GPUMEM, O_INDEXER,
     };
     static const struct option longopts[] = {
         {"host", required_argument, NULL, O_HOST},
@@ -179,6 +181,7 @@ int kr_serve_main(int argc, char **argv)
         {"threads", required_argument, NULL, O_THREADS},
         {"device", required_argument, NULL, O_DEVICE},
         {"gpu-memory-utilization", required_argument, NULL, O_GPUMEM},
+        {"indexer", required_argument, NULL, O_INDEXER},
         {"log-level", required_argument, NULL, O_LOG},
         {"port-file", required_argument, NULL, O_PORTFILE},
         {"help", no_argument, NULL, O_HELP},
@@ -275,6 +278,15 @@ int kr_serve_main(int argc, char **argv)
         case O_DEVICE:
             o.device = optarg;
             break;
+        case O_INDEXER: {
+            enum kr_indexer mode;
+            if (!kr_indexer_parse(optarg, &mode)) {
+                fprintf(stderr, "krait serve: --indexer: expected auto, bf16 or fp8, got '%s'\n", optarg);
+                return 2;
+            }
+            o.indexer = (int)mode;
+            break;
+        }
         case O_GPUMEM: {
             char *end = NULL;
             const double f = strtod(optarg, &end);

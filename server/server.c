@@ -1721,6 +1721,12 @@ static void *loader_main(void *arg)
     struct srv *s = arg;
     struct kr_err err = {{0}};
     enum kr_status st = kr_model_load_progress(s->o.model_dir, s->be, progress, NULL, &s->m, &err);
+    if (st == KR_OK && s->o.indexer != KR_INDEXER_AUTO) {
+        if ((st = kr_model_set_indexer(s->m, (enum kr_indexer)s->o.indexer, &err)) != KR_OK) {
+            kr_model_free(s->m);
+            s->m = NULL;
+        }
+    }
     if (st != KR_OK) {
         KR_LOG_ERROR("cannot load the model: %s", err.msg[0] ? err.msg : kr_status_str(st));
         s->load_failed = true;

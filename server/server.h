@@ -25,6 +25,7 @@ struct kr_serve_opts {
     size_t cache_bytes;            /* cache budget; 0 = from gpu_mem_util on CUDA (512 MiB on the CPU) */
     const char *device;            /* cpu | cuda | cuda:N | auto (default: CUDA when a GPU is visible) */
     double gpu_mem_util;           /* fraction of the GPU's memory krait may hold (weights + caches) */
+    int indexer;                   /* enum kr_indexer: DSA indexer precision (0 auto, 1 bf16, 2 fp8) */
     int32_t block_size;
     const char *tokenizer_dir;     /* default: the model directory */
     const char *chat_template_file;

@@ -47,6 +47,8 @@ void fx_load_on(struct fx *f, const char *family, const char *name, kr_backend_t
     struct kr_err err = {{0}};
     enum kr_status st = kr_model_load(f->dir, f->be, &f->m, &err);
     cr_assert_eq(st, KR_OK, "loading %s: %s", f->dir, err.msg);
+    /* HF scores the DSA indexer without FP8: compare like with like (the FP8 path has its own tests) */
+    cr_assert_eq(kr_model_set_indexer(f->m, KR_INDEXER_BF16, &err), KR_OK, "%s", err.msg);
     f->vocab = f->m->cfg.vocab;
 
     char path[600];

@@ -2,6 +2,7 @@
  * alone: E4M3 values from the format's formula, encoding by a nearest-value scan, the Hadamard
  * transform as an explicit Sylvester matrix product, scales from their formulas, and index scores in
  * fp64 on dequantized and on unquantized vectors. */
+#include "backend.h"
 #include "fp8.h"
 
 #include <criterion/criterion.h>
@@ -556,4 +557,50 @@ Test(fp8, index_score_after_hadamard_tracks_the_unquantized_score)
     }
     cr_expect_gt(se / sr, 0.1, "without the keys' Hadamard transform: NMSE %g", se / sr);
     cr_log_info("negative control (keys not transformed): NMSE %.3g", se / sr);
+}
+
+/* The CPU backend's FP8 round trip (what the model runs on indexer queries and keys) is the
+ * Hadamard transform, act_quant and decode above, row by row: strided rows, one block per row and
+ * several blocks per row, with and without ue8m0, bit for bit. Bad shapes are refused. */
+Test(fp8, backend_round_trip_is_hadamard_then_act_quant_per_row)
+{
+    kr_backend_t be = kr_backend_cpu_create(2);
+    cr_assert(be);
+    cr_assert(kr_backend_can_fp8_round(be));
+    static const struct {
+        int64_t dim, block, ld, n;
+        bool ue8m0;
+    } cases[] = {{32, 32, 32, 7, true}, {128, 128, 160, 5, false}, {256, 128, 256, 3, true}, {64, 32, 100, 4, false}};
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        const int64_t dim = cases[c].dim, ld = cases[c].ld, n = cases[c].n, block = cases[c].block;
+        float *x = malloc((size_t)(n * ld) * sizeof(float)), *want = malloc((size_t)(n * ld) * sizeof(float));
+        uint64_t st = 1234 + c;
+        for (int64_t i = 0; i < n * ld; i++) {
+            x[i] = (float)rng_gauss(&st) * (i % 17 == 0 ? 30.0f : 1.0f);
+        }
+        memcpy(want, x, (size_t)(n * ld) * sizeof(float));
+        for (int64_t r = 0; r < n; r++) {
+            float *row = want + r * ld, sc[4];
+            uint8_t q[256];
+            cr_assert_eq(kr_fp8_hadamard(row, dim, (float)(1.0 / sqrt((double)dim))), KR_OK);
+            cr_assert_eq(kr_fp8_act_quant(row, dim, block, cases[c].ue8m0, q, sc), KR_OK);
+            for (int64_t j = 0; j < dim; j++) {
+                row[j] = kr_fp8_e4m3_to_f32(q[j]) * sc[j / block];
+            }
+        }
+        struct kr_fp8_round_params p = {.x = x, .ld = ld, .n = n, .dim = dim, .block = block, .hadamard = true,
+                                        .ue8m0 = cases[c].ue8m0};
+        cr_assert_eq(kr_backend_fp8_round(be, &p), KR_OK);
+        cr_expect(!memcmp(x, want, (size_t)(n * ld) * sizeof(float)),
+                  "case %zu: the backend's rows differ from the reference composition (or it touched the row gaps)", c);
+        free(x);
+        free(want);
+    }
+    float y[48] = {0};
+    struct kr_fp8_round_params bad = {.x = y, .ld = 48, .n = 1, .dim = 48, .block = 48, .hadamard = true};
+    cr_expect_eq(kr_backend_fp8_round(be, &bad), KR_ERR_INVAL, "48 is not a power of two");
+    bad.dim = 32;
+    bad.block = 24;
+    cr_expect_eq(kr_backend_fp8_round(be, &bad), KR_ERR_INVAL, "32 is not a multiple of 24");
+    kr_backend_free(be);
 }

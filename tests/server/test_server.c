@@ -610,3 +610,27 @@ Test(server_ipv6, rejects_a_host_that_is_no_address)
     const int st = system(cmd);
     cr_expect(WIFEXITED(st) && WEXITSTATUS(st) == 2, "exit status %d", st);
 }
+
+/* --indexer: a value that is no precision is a usage error (2); fp8 for a model without DSA layers
+ * stops the server at load with a message naming the problem (1); fp8 on the default model (D layers)
+ * serves. */
+Test(server_flags, indexer_precision)
+{
+    char cmd[1200];
+    snprintf(cmd, sizeof cmd, "%s serve %s --indexer fp16 --port 0 2>/dev/null", KR_KRAIT_BIN, MODEL);
+    int st = system(cmd);
+    cr_expect(WIFEXITED(st) && WEXITSTATUS(st) == 2, "exit status %d", st);
+    snprintf(cmd, sizeof cmd,
+             "%s serve %s/nemotron_h/nh_moe --skip-tokenizer-init --indexer fp8 --port 0 2>&1 | grep -q 'FP8 indexer "
+             "needs DSA'",
+             KR_KRAIT_BIN, KR_FIXTURES);
+    st = system(cmd);
+    cr_expect(WIFEXITED(st) && WEXITSTATUS(st) == 0, "the load error should name the FP8 indexer and DSA layers");
+    struct srv_proc p;
+    srv_start(&p, MODEL, "--indexer", "fp8", NULL);
+    long status = 0;
+    json_t *j = post_json(&p, "/v1/completions", "{\"prompt\":\"Hello\",\"max_tokens\":3,\"temperature\":0}", &status);
+    cr_expect_eq(status, 200);
+    json_decref(j);
+    cr_expect_eq(srv_stop(&p), 0);
+}
