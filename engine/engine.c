@@ -99,6 +99,7 @@ struct kr_engine {
     int32_t n_running, cap_running;
     uint64_t admit_counter, arrival_counter;
     uint64_t preemptions, prompt_tokens, gen_tokens, steps;
+    double t_step_done;          /* when the last step's results were back (0: the engine idled since) */
     struct kr_sampler_scratch scratch;
     /* step buffers */
     int32_t cap_tok, cap_seq, cap_bt;
@@ -119,6 +120,19 @@ struct kr_engine {
     int64_t cap_pen;
     int32_t *pen_ids, *pen_count;
     uint8_t *pen_flags;
+    /* events held back while the device works (see emit) */
+    bool defer_events;
+    struct pending_ev *outbox;
+    int32_t n_outbox, cap_outbox;
+};
+
+/* An event waiting in the outbox, with copies of what it borrows. */
+struct pending_ev {
+    struct kr_event ev;
+    kr_event_cb cb;
+    int32_t top_ids[KR_MAX_TOP_LOGPROBS];
+    float top_lps[KR_MAX_TOP_LOGPROBS];
+    char msg[512];
 };
 
 static double now_us(void)
@@ -209,10 +223,55 @@ static enum kr_status seq_append(struct seq *s, int32_t tok)
 
 /* ---- events ---------------------------------------------------------------------------------- */
 
-static void emit(struct req *r, struct kr_event *ev)
+/* Delivers the events held in the outbox, in the order they were made. */
+static void flush_events(struct kr_engine *e)
+{
+    for (int32_t i = 0; i < e->n_outbox; i++) {
+        struct pending_ev *p = &e->outbox[i];
+        p->ev.top_ids = p->top_ids;
+        p->ev.top_logprobs = p->top_lps;
+        if (p->ev.type == KR_EVENT_ERROR) {
+            p->ev.message = p->msg;
+        }
+        p->cb(&p->ev, p->ev.user);
+    }
+    e->n_outbox = 0;
+}
+
+/* Sends an event to the request's callback. When the backend works asynchronously (a GPU), token,
+ * finish and error events wait in an outbox until the next step's work has been handed to the
+ * device (run_step flushes right after launching it), so that the callbacks run while the device
+ * computes instead of between two steps; every decision (finishing, freeing) is still taken at
+ * once, only the delivery moves, and the order of events is kept. Prompt log-probabilities go at
+ * once (after what is held), as does everything when the outbox cannot grow. */
+static void emit(struct kr_engine *e, struct req *r, struct kr_event *ev)
 {
     ev->req_id = r->id;
     ev->user = r->user;
+    if (e->defer_events && ev->type != KR_EVENT_PROMPT_LOGPROBS && ev->n_top <= KR_MAX_TOP_LOGPROBS) {
+        if (e->n_outbox == e->cap_outbox) {
+            const int32_t cap = e->cap_outbox ? 2 * e->cap_outbox : 64;
+            struct pending_ev *nb = kr_realloc(e->outbox, (size_t)cap * sizeof *nb);
+            if (nb) {
+                e->outbox = nb;
+                e->cap_outbox = cap;
+            }
+        }
+        if (e->n_outbox < e->cap_outbox) {
+            struct pending_ev *p = &e->outbox[e->n_outbox++];
+            p->ev = *ev;
+            p->cb = r->cb;
+            if (ev->type == KR_EVENT_TOKEN && ev->n_top > 0) {
+                memcpy(p->top_ids, ev->top_ids, (size_t)ev->n_top * sizeof(int32_t));
+                memcpy(p->top_lps, ev->top_logprobs, (size_t)ev->n_top * sizeof(float));
+            }
+            if (ev->type == KR_EVENT_ERROR) {
+                snprintf(p->msg, sizeof p->msg, "%s", ev->message ? ev->message : kr_status_str(ev->status));
+            }
+            return;
+        }
+    }
+    flush_events(e);
     r->cb(ev, r->user);
 }
 
@@ -272,7 +331,7 @@ static void finish_seq(struct kr_engine *e, struct seq *s, enum kr_finish_reason
     struct kr_event ev = {.type = KR_EVENT_FINISH, .index = s->index, .finish = why, .stop_token = stop_token};
     ev.usage.prompt_tokens = r->n_prompt;
     ev.usage.completion_tokens = s->n_gen;
-    emit(r, &ev);
+    emit(e, r, &ev);
     if (++r->n_done == r->n) {
         retire(e, r);
     }
@@ -289,7 +348,7 @@ static void fail_req(struct kr_engine *e, struct req *r, enum kr_status st, cons
         }
     }
     struct kr_event ev = {.type = KR_EVENT_ERROR, .status = st, .message = msg};
-    emit(r, &ev);
+    emit(e, r, &ev);
     r->n_done = r->n;
     retire(e, r);
 }
@@ -442,7 +501,7 @@ static void emit_token(struct kr_engine *e, struct seq *s, int32_t tok, float lo
     }
     s->n_gen++;
     e->gen_tokens++;
-    emit(r, &ev);
+    emit(e, r, &ev);
     bool stop = !r->s.ignore_eos && is_eos(c, tok);
     for (int32_t i = 0; i < r->s.n_stop_ids && !stop; i++) {
         stop = r->s.stop_ids[i] == tok;
@@ -636,7 +695,7 @@ static void prompt_logprobs_rows(struct kr_engine *e, struct req *r, int32_t p0,
                               .prompt_top_ids = k > 0 ? r->plp_ids : NULL,
                               .prompt_top_logprobs = k > 0 ? r->plp_top : NULL,
                               .prompt_top_k = k};
-        emit(r, &ev);
+        emit(e, r, &ev);
     }
 }
 
@@ -872,6 +931,14 @@ static void run_step(struct kr_engine *e)
                          .seq_pos0 = e->b_pos0, .seq_slot = e->b_slot, .block_table = e->b_bt,
                          .max_blocks = max_blocks, .n_out = n_out, .out_tok = e->b_out};
     const double t1 = now_us();
+    if (e->t_step_done > 0) {
+        const double gap = t1 - e->t_step_done;
+        pthread_mutex_lock(&e->lock);
+        e->stats.step_gap_us_total += gap;
+        e->stats.step_gaps++;
+        pthread_mutex_unlock(&e->lock);
+    }
+    e->t_step_done = 0;
     struct kr_err err = {{0}};
     /* sampling on the backend when every output row of the step is one sequence's next token
      * (no prompt log-probability rows, no n > 1 fork sampling several choices from one row, no
@@ -886,6 +953,8 @@ static void run_step(struct kr_engine *e)
         }
     }
     enum kr_status st = kr_model_forward(e->m, e->cache, &b, dev ? NULL : e->logits, &err);
+    /* the device is busy with this step now: deliver the previous step's events meanwhile */
+    flush_events(e);
     int32_t n_top = 0;
     if (st == KR_OK && dev && (st = ensure_sample_buffers(e, n_out, 0)) == KR_OK) {
         /* the sequences of the output rows, in row order */
@@ -912,6 +981,7 @@ static void run_step(struct kr_engine *e)
         return;
     }
     e->steps++;
+    e->t_step_done = now_us();
     /* results, sequence by sequence, in batch order */
     o = 0;
     for (int32_t j = 0; j < ns; j++) {
@@ -1023,7 +1093,7 @@ static void intake(struct kr_engine *e, struct req *r)
 {
     if (PUSH(e, reqs, r, false) != KR_OK) {
         struct kr_event ev = {.type = KR_EVENT_ERROR, .status = KR_ERR_NOMEM, .message = "out of memory"};
-        emit(r, &ev);
+        emit(e, r, &ev);
         req_free(r);
         return;
     }
@@ -1096,6 +1166,7 @@ static void *engine_main(void *arg)
                 }
             }
             free_dead(e);
+            flush_events(e);
             pthread_mutex_lock(&e->lock);
             e->idle = true;
             pthread_cond_broadcast(&e->idle_cv);
@@ -1103,7 +1174,15 @@ static void *engine_main(void *arg)
         }
         free_dead(e);
         if (e->n_running > 0 || e->n_waiting > 0) {
+            const uint64_t steps = e->steps;
             run_step(e);
+            if (e->steps == steps) {
+                flush_events(e); /* no step ran: nothing else would deliver them soon */
+            }
+        }
+        if (e->n_running == 0 && e->n_waiting == 0) {
+            flush_events(e); /* nothing will run: deliver what is held before going idle */
+            e->t_step_done = 0;
         }
         if (e->cfg.debug_checks) {
             check_invariants(e);
@@ -1211,6 +1290,7 @@ enum kr_status kr_engine_create(struct kr_model *m, const struct kr_engine_confi
         where = kr_backend_mem_info(m->be, &fb, &tb) == KR_OK;
     }
     e->dev_sample = where && kr_backend_can_sample(m->be);
+    e->defer_events = e->dev_sample; /* the device works while the host delivers events */
     atomic_init(&e->next_id, 1);
     atomic_init(&e->queued, 0);
     pthread_mutex_init(&e->lock, NULL);
@@ -1248,13 +1328,15 @@ void kr_engine_free(struct kr_engine *e)
     pthread_cond_signal(&e->wake);
     pthread_mutex_unlock(&e->lock);
     pthread_join(e->thread, NULL);
+    flush_events(e);
+    e->defer_events = false;
     /* requests submitted after the thread's last look at the inbox */
     for (struct req *r = e->inbox_head; r;) {
         struct req *next = r->next_in;
         struct kr_event ev = {.type = KR_EVENT_FINISH, .finish = KR_FINISH_CANCELLED, .stop_token = -1};
         for (int32_t i = 0; i < r->n; i++) {
             ev.index = i;
-            emit(r, &ev);
+            emit(e, r, &ev);
         }
         req_free(r);
         r = next;
@@ -1290,6 +1372,7 @@ void kr_engine_free(struct kr_engine *e)
     kr_free(e->pen_ids);
     kr_free(e->pen_count);
     kr_free(e->pen_flags);
+    kr_free(e->outbox);
     kr_free(e);
 }
 

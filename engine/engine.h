@@ -131,6 +131,9 @@ struct kr_engine_stats {
     size_t slot_bytes, block_bytes;
     double step_sched_us_last;  /* host time spent planning and building the last step's batch (µs) */
     double step_sched_us_total; /* the same, summed over all steps */
+    double step_gap_us_total;   /* host time between back-to-back steps: from a step's results being back
+                                   (sampled ids or logits on the host) to the next step's launch (µs) */
+    uint64_t step_gaps;         /* steps that followed another at once (what step_gap_us_total sums over) */
 };
 void kr_engine_get_stats(struct kr_engine *e, struct kr_engine_stats *s);
 

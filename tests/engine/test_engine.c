@@ -471,8 +471,12 @@ Test(engine, cancellation_from_another_thread_frees_everything)
     kr_engine_free(e);
 }
 
-Test(engine, randomized_operations_never_leak_or_double_own)
+/* Random submissions, cancellations and pauses under heavy preemption; with `backend_sampling` the
+ * engine samples through the backend and holds events back until the next step is launched (as on
+ * a GPU), which must change neither what is delivered nor its order. */
+static void randomized_operations(int backend_sampling)
 {
+    g_backend_sampling = backend_sampling;
     size_t slot_b, block_b;
     kr_cache_unit_bytes(g_m, 4, &slot_b, &block_b);
     struct kr_engine *e = make_engine(12, 29, slot_b * 12 + block_b * 30, 4); /* 120 tokens: heavy preemption */
@@ -525,6 +529,17 @@ Test(engine, randomized_operations_never_leak_or_double_own)
     cr_expect_gt(cancelled, 0);
     expect_pools_full(e);
     kr_engine_free(e);
+}
+
+Test(engine, randomized_operations_never_leak_or_double_own)
+{
+    randomized_operations(0);
+}
+
+Test(engine, randomized_operations_with_deferred_events)
+{
+    randomized_operations(1);
+    g_backend_sampling = -1;
 }
 
 /* Sampling on the backend (one call per step for every output row, with the generators' draws

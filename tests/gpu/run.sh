@@ -6,7 +6,8 @@
 # --shape: a shape of tools/bench/synth_model.py (nemotron_h_8b, hybrid_dsa_8b, hybrid_mla_8b).
 # Build first (on any machine with nvcc):
 #   cmake -S . -B build-gpu -DKR_WITH_CUDA=ON -DCMAKE_BUILD_TYPE=Release && cmake --build build-gpu -j
-#   ../shared/device/bundle-libs build-gpu/devlibs build-gpu/tests/gpu/test_cuda build-gpu/bench/bench_cuda
+#   then put the shared libraries the GPU machine lacks (libcriterion, ...) next to test_cuda,
+#   bench_cuda and bench_sched
 set -u
 build=build-gpu tests=1 bench=1 hf=1 shape=nemotron_h_8b synth= bench_args=""
 while [ $# -gt 0 ]; do
@@ -69,6 +70,13 @@ if [ $bench = 1 ]; then
     KRAIT_GEMV=l1 timeout 120 "$build/bench/bench_cuda" --batches 1,2 --prefill 512 --steps 24 "$synth" \
       > "$logs/bench-gemv-l1.md" 2>&1
     echo "bench_cuda (KRAIT_GEMV=l1) rc=$?" >> "$logs/bench-gemv-l1.md"
+    # engine host overhead: the gap between back-to-back decode steps (16 and 64 sequences)
+    if [ -x "$build/bench/bench_sched" ]; then
+      for n in 16 64; do
+        timeout 120 "$build/bench/bench_sched" "$synth" $n 48 cuda >> "$logs/bench-sched.md" 2>&1
+        echo "bench_sched $n rc=$?" >> "$logs/bench-sched.md"
+      done
+    fi
     if [ $hf = 1 ]; then
       PYTHONUNBUFFERED=1 timeout 300 python3 tools/bench/synth_model.py hf-bench --model "$synth" --out "$logs/hf.json" \
         --budget-s ${HF_BUDGET_S:-150} > "$logs/hf.log" 2>&1
@@ -81,6 +89,7 @@ fi
   echo
   [ -f "$logs/bench.md" ] && grep -a '^|\|^device\|^model\|^cache\|rc=' "$logs/bench.md"
   [ -f "$logs/bench-gemv-l1.md" ] && { echo; echo "GEMV reading x through L1:"; grep -a '^| decode\|rc=' "$logs/bench-gemv-l1.md"; }
+  [ -f "$logs/bench-sched.md" ] && { echo; echo "Engine host overhead:"; cat "$logs/bench-sched.md"; }
   [ -f "$logs/hf.log" ] && { echo; echo "HF transformers:"; grep -av '^\s*$' "$logs/hf.log" | tail -12; }
   echo
   echo "total $(( $(date +%s) - t_start )) s"
