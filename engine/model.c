@@ -367,27 +367,40 @@ static enum kr_status mla_fwd(struct kr_model *m, struct kr_cache *cache, const 
     KR_TRY(kr_backend_rope(be, &rk));
     const int64_t Hi = c->idx_heads, Di = c->idx_head_dim;
     float *iq = ws->big2;
+    /* When no query of the step sees more than index_topk keys, the indexer would select every
+     * visible key: its query side (projections, scores, selection) is skipped and the layer attends
+     * densely over the same keys. The new keys are still indexed for later queries. */
+    const bool select = w->has_indexer && batch_max_ctx(b) > c->idx_topk;
+    m->idx_query_rows += select ? (uint64_t)n : 0;
     if (w->has_indexer) {
-        KR_TRY(kr_backend_matmul(be, cq, ld_cq, n, &w->idx_wq_b, NULL, iq, Hi * Di));
+        if (select) {
+            KR_TRY(kr_backend_matmul(be, cq, ld_cq, n, &w->idx_wq_b, NULL, iq, Hi * Di));
+        }
         KR_TRY(kr_backend_matmul(be, ws->h, c->dim, n, &w->idx_wk, NULL, ws->m_ik, Di));
         KR_TRY(kr_backend_layernorm(be, ws->m_ik, Di, w->idx_k_norm_w, w->idx_k_norm_b, n, Di, c->idx_eps, ws->m_ik));
         /* half-split RoPE on the first Dr dims of every indexer query head and of the key */
         struct kr_rope_params ri = {.x = iq, .ld = Hi * Di, .n_vec = Hi, .stride = Di, .off = 0, .dim = Dr,
                                     .interleaved = false, .inv_freq = m->rope_inv_freq, .factor = c->rope_attn_factor};
-        KR_TRY(kr_backend_rope(be, &ri));
+        if (select) {
+            KR_TRY(kr_backend_rope(be, &ri));
+        }
         struct kr_rope_params rik = {.x = ws->m_ik, .ld = Di, .n_vec = 1, .stride = 0, .off = 0, .dim = Dr,
                                      .interleaved = false, .inv_freq = m->rope_inv_freq, .factor = c->rope_attn_factor};
         KR_TRY(kr_backend_rope(be, &rik));
         if (m->idx_fp8) { /* rotate and quantize queries and keys as the reference's FP8 kernels see them */
             struct kr_fp8_round_params fq = {.x = iq, .ld = Di, .n = n * Hi, .dim = Di, .block = Di_blk,
                                              .hadamard = true, .ue8m0 = c->fp8_ue8m0};
-            KR_TRY(kr_backend_fp8_round(be, &fq));
+            if (select) {
+                KR_TRY(kr_backend_fp8_round(be, &fq));
+            }
             struct kr_fp8_round_params fk = {.x = ws->m_ik, .ld = Di, .n = n, .dim = Di, .block = Di_blk,
                                              .hadamard = true, .ue8m0 = c->fp8_ue8m0};
             KR_TRY(kr_backend_fp8_round(be, &fk));
         }
-        KR_TRY(kr_backend_matmul(be, ws->h, c->dim, n, &w->idx_w, NULL, ws->m_w, Hi));
-        KR_TRY(kr_backend_scale(be, ws->m_w, (float)(1.0 / sqrt((double)Hi) / sqrt((double)Di)), n * Hi));
+        if (select) {
+            KR_TRY(kr_backend_matmul(be, ws->h, c->dim, n, &w->idx_w, NULL, ws->m_w, Hi));
+            KR_TRY(kr_backend_scale(be, ws->m_w, (float)(1.0 / sqrt((double)Hi) / sqrt((double)Di)), n * Hi));
+        }
     }
     void *lat = kr_cache_mla_layer(cache, L->cache_idx);
     const int64_t row = cache->mla_row[L->cache_idx];
@@ -397,28 +410,37 @@ static enum kr_status mla_fwd(struct kr_model *m, struct kr_cache *cache, const 
                                      .block_size = cache->block_size};
     KR_TRY(kr_backend_mla_cache_write(be, &cw));
     const int32_t topk = (int32_t)c->idx_topk;
-    if (w->has_indexer) {
+    if (select) {
         struct kr_dsa_index_params ip = {.iq = iq, .w = ws->m_w, .n_head = Hi, .head_dim = Di, .cache = lat,
                                          .row = row, .key_off = Rkv + Dr, .block_size = cache->block_size,
                                          .topk = topk, .idx = ws->m_idx};
         KR_TRY(kr_backend_dsa_index(be, &ip));
-        if (m->on_index) {
-            const size_t nb = (size_t)n * (size_t)topk * sizeof(int32_t);
-            int32_t *host = kr_malloc(nb ? nb : 1);
-            if (!host) {
-                return KR_ERR_NOMEM;
-            }
-            enum kr_status st = kr_backend_copy_d2h(be, host, ws->m_idx, nb);
-            if (st == KR_OK) {
-                m->on_index(m->on_index_user, layer, b, host, topk);
-            }
-            kr_free(host);
-            KR_TRY(st);
+    }
+    if (w->has_indexer && m->on_index) {
+        const size_t nb = (size_t)n * (size_t)topk * sizeof(int32_t);
+        int32_t *host = kr_malloc(nb ? nb : 1);
+        if (!host) {
+            return KR_ERR_NOMEM;
         }
+        enum kr_status st = KR_OK;
+        if (select) {
+            st = kr_backend_copy_d2h(be, host, ws->m_idx, nb);
+        } else { /* what the indexer selects: every visible position, ascending, -1 padded */
+            for (int64_t t = 0; t < n; t++) {
+                for (int32_t j = 0; j < topk; j++) {
+                    host[t * topk + j] = j <= b->pos[t] ? j : -1;
+                }
+            }
+        }
+        if (st == KR_OK) {
+            m->on_index(m->on_index_user, layer, b, host, topk);
+        }
+        kr_free(host);
+        KR_TRY(st);
     }
     struct kr_mla_attn_params ap = {.q = q, .n_head = H, .nope = Dn, .rope = Dr, .v_dim = c->v_head, .kv_lora = Rkv,
                                     .kv_b = w->kv_b, .cache = lat, .row = row, .block_size = cache->block_size,
-                                    .idx = w->has_indexer ? ws->m_idx : NULL, .topk = topk, .scale = c->mla_scale,
+                                    .idx = select ? ws->m_idx : NULL, .topk = topk, .scale = c->mla_scale,
                                     .out = ws->y};
     KR_TRY(kr_backend_mla_attention(be, &ap));
     return kr_backend_matmul(be, ws->y, H * c->v_head, n, &w->o, NULL, ws->o, c->dim);

@@ -106,6 +106,8 @@ struct kr_model {
     int32_t work_tokens;         /* tokens the workspace is sized for */
     int64_t res_tok, res_seq, res_ctx; /* step size the backend scratch is reserved for */
     uint64_t n_steps;            /* forward steps run */
+    uint64_t idx_query_rows;     /* token rows for which a D layer computed its indexer queries and scores
+                                    (steps whose contexts all fit in index_topk skip them) */
     int32_t *pad;                /* host scratch for graph-padded batches */
     size_t pad_cap;
     const float *last_logits;    /* backend memory: [n_out, vocab] logits of the last step */

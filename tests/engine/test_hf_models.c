@@ -500,3 +500,40 @@ ParameterizedTest(int *idx, hf_models, fp8_indexer_stays_close_to_hf)
                   name, worst_lp);
     fx_free(&f);
 }
+
+ParameterizedTestParameters(hf_models, short_contexts_skip_the_indexer_queries)
+{
+    return cr_make_param_array(int, dsa_fixture_idx, N_DSA);
+}
+
+/* A step whose every query sees at most index_topk keys does not compute the indexer's query side
+ * (the selection would be every visible key): the model's count of indexer query rows stays 0 for
+ * prompts that fit, grows for longer ones, and both still match HF (prompt_logprobs_match_hf). */
+ParameterizedTest(int *idx, hf_models, short_contexts_skip_the_indexer_queries)
+{
+    const char *name = fixtures[*idx].name;
+    struct fx f;
+    fx_load(&f, fixtures[*idx].family, name, 2, 2);
+    const int64_t K = f.m->cfg.idx_topk;
+    const int32_t n_d = kr_model_config_count(&f.m->cfg, KR_LAYER_DSA);
+    int32_t n_short = 0;
+    for (int32_t i = 0; i < f.n_prompts; i++) {
+        struct fx_prompt *p = &f.prompts[i];
+        float *lp = kr_malloc((size_t)p->n * (size_t)f.vocab * sizeof(float));
+        struct kr_err err = {{0}};
+        const uint64_t before = f.m->idx_query_rows;
+        cr_assert_eq(kr_run_prompt_logprobs(f.m, f.c, p->ids, p->n, 0, lp, &err), KR_OK, "%s", err.msg);
+        const uint64_t rows = f.m->idx_query_rows - before;
+        if (p->n <= K) {
+            n_short++;
+            cr_expect_eq(rows, 0, "%s prompt %d (len %d <= index_topk %lld): %llu indexer query rows computed", name,
+                         i, p->n, (long long)K, (unsigned long long)rows);
+        } else {
+            cr_expect_eq(rows, (uint64_t)p->n * (uint64_t)n_d, "%s prompt %d (len %d, one step): %llu query rows", name,
+                         i, p->n, (unsigned long long)rows);
+        }
+        kr_free(lp);
+    }
+    cr_expect_gt(n_short, 0, "%s: no prompt fits in index_topk %lld", name, (long long)K);
+    fx_free(&f);
+}
