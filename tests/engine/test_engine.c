@@ -474,7 +474,7 @@ Test(engine, cancellation_from_another_thread_frees_everything)
 /* Random submissions, cancellations and pauses under heavy preemption; with `backend_sampling` the
  * engine samples through the backend and holds events back until the next step is launched (as on
  * a GPU), which must change neither what is delivered nor its order. */
-static void randomized_operations(int backend_sampling)
+static void randomized_operations(int backend_sampling, int32_t n_ops)
 {
     g_backend_sampling = backend_sampling;
     size_t slot_b, block_b;
@@ -485,7 +485,7 @@ static void randomized_operations(int backend_sampling)
     static uint64_t ids[MAX_REQ];
     static int32_t nch[MAX_REQ];
     static int32_t prompt[64];
-    int32_t n_req = 0, n_ops = 3000;
+    int32_t n_req = 0;
     for (int32_t op = 0; op < n_ops && n_req < MAX_REQ; op++) {
         const uint32_t kind = rnd(10);
         if (kind < 6) {
@@ -533,12 +533,12 @@ static void randomized_operations(int backend_sampling)
 
 Test(engine, randomized_operations_never_leak_or_double_own)
 {
-    randomized_operations(0);
+    randomized_operations(0, 3000);
 }
 
 Test(engine, randomized_operations_with_deferred_events)
 {
-    randomized_operations(1);
+    randomized_operations(1, 1000);
     g_backend_sampling = -1;
 }
 

@@ -591,3 +591,64 @@ ParameterizedTest(int *ci, mla, attention_matches_cpu)
     kr_free(cache);
     gt_batch_free(&b);
 }
+
+/* ---- FP8 round trip of indexer rows ----------------------------------------------------------- */
+
+/* krk_fp8_round against the CPU backend's fp8_round, bit for bit: head dims 32..256, one or several
+ * blocks per row, strided rows, ue8m0 and fp32 scales, rows spanning many magnitudes and all-zero
+ * rows (the 1e-4 floor). */
+Test(mla, fp8_round_matches_cpu_bitwise)
+{
+    GT_REQUIRE_GPU();
+    kr_backend_t cpu = kr_backend_cpu_create(1);
+    cr_assert(cpu);
+    static const struct {
+        int64_t dim, block, ld, n;
+        bool ue8m0;
+    } cases[] = {{32, 32, 32, 9, true},    {64, 64, 80, 33, false}, {128, 128, 128, 257, true},
+                 {128, 128, 4096, 64, false}, {256, 128, 256, 17, true}, {128, 32, 128, 5, false}};
+    struct gt_rng rng = {.s = 77};
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        const int64_t dim = cases[c].dim, ld = cases[c].ld, n = cases[c].n;
+        const size_t count = (size_t)(n * ld);
+        float *x = xalloc(count * sizeof(float)), *got = xalloc(count * sizeof(float));
+        for (int64_t r = 0; r < n; r++) {
+            const float mag = r % 7 == 3 ? 0.0f : powf(10.0f, (float)(r % 9) - 4.0f);
+            for (int64_t j = 0; j < ld; j++) {
+                x[r * ld + j] = gt_uniform(&rng, -1.0f, 1.0f) * mag * (j % 29 == 0 ? 40.0f : 1.0f);
+            }
+        }
+        float *dx = gt_dup(x, count * sizeof(float));
+        struct krk_fp8_round_params kp = {.x = dx, .ld = ld, .n = n, .dim = dim, .block = cases[c].block,
+                                          .ue8m0 = cases[c].ue8m0};
+        cr_assert_eq(krk_fp8_round(&kp, 0), KR_OK);
+        gt_sync();
+        gt_down(got, dx, count * sizeof(float));
+        struct kr_fp8_round_params cp = {.x = x, .ld = ld, .n = n, .dim = dim, .block = cases[c].block,
+                                         .hadamard = true, .ue8m0 = cases[c].ue8m0};
+        cr_assert_eq(kr_backend_fp8_round(cpu, &cp), KR_OK);
+        int64_t differ = 0, first = -1;
+        for (size_t i = 0; i < count; i++) {
+            if (memcmp(&got[i], &x[i], sizeof(float)) != 0) {
+                first = first < 0 ? (int64_t)i : first;
+                differ++;
+            }
+        }
+        cr_expect_eq(differ, 0, "case %zu (dim %lld block %lld %s): %lld of %zu values differ from the CPU, first at %lld "
+                     "(%.9g vs %.9g)", c, (long long)dim, (long long)cases[c].block, cases[c].ue8m0 ? "ue8m0" : "fp32",
+                     (long long)differ, count, (long long)first, first >= 0 ? (double)got[first] : 0.0,
+                     first >= 0 ? (double)x[first] : 0.0);
+        gt_dfree(dx);
+        kr_free(x);
+        kr_free(got);
+    }
+    float *dx = gt_dalloc(48 * sizeof(float));
+    struct krk_fp8_round_params bad = {.x = dx, .ld = 48, .n = 1, .dim = 48, .block = 48};
+    cr_expect_eq(krk_fp8_round(&bad, 0), KR_ERR_INVAL, "48 is not a power of two");
+    bad.dim = 16;
+    bad.block = 16;
+    cr_expect_eq(krk_fp8_round(&bad, 0), KR_ERR_INVAL, "rows under 32 are the CPU's alone");
+    gt_sync();
+    gt_dfree(dx);
+    kr_backend_free(cpu);
+}

@@ -59,6 +59,18 @@ struct krk_mla_attn_params {
 size_t krk_mla_attn_workspace_bytes(int64_t n_tok, int64_t n_head, int64_t kv_lora, int64_t max_ctx);
 enum kr_status krk_mla_attention(const struct krk_mla_attn_params *p, cudaStream_t stream);
 
+/* FP8 round trip of indexer rows (the DSA indexer's FP8 path), bit for bit the CPU reference's
+ * cpu_fp8_round: each of the n rows of `dim` floats at x + i*ld becomes dequant(e4m3(H x / scale))
+ * with an orthonormal Walsh-Hadamard transform and per-block scales (amax floored at 1e-4; amax/448,
+ * or the power of two above it when ue8m0). dim a power of two in [32, 1024]; block a divisor of dim,
+ * at least dim/32. */
+struct krk_fp8_round_params {
+    float *x;
+    int64_t ld, n, dim, block;
+    bool ue8m0;
+};
+enum kr_status krk_fp8_round(const struct krk_fp8_round_params *p, cudaStream_t stream);
+
 #ifdef __cplusplus
 }
 #endif
