@@ -782,7 +782,9 @@ static enum kr_status load_all(struct loader *ld)
                     c->n_layer / 2 - 1);
     }
     if (c->fp8_weights) {
-        KR_LOG_INFO("%s: FP8 block-quantized weights were dequantized to fp32 at load", m->dir);
+        KR_LOG_INFO("%s: FP8 block-quantized weights were dequantized at load (no FP8 GEMM path yet): the %s "
+                    "backend holds them in its weight precision (%s)",
+                    m->dir, kr_backend_name(m->be), kr_backend_cache_elt_size(m->be) == 2 ? "bf16" : "fp32");
     }
     return KR_OK;
 }
