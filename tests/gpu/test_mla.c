@@ -209,9 +209,11 @@ static const struct index_case index_cases[] = {
       .len = {1, 1, 13, 1, 4, 30, 1},
       .pos0 = {0, 700, 120, 127, 300, 50, 128},
       .pad = {false, false, false, false, true, false, false}}},
+    {"ctx 131072 topk 2048, 64 heads x 128 (decode)", 64, 128, 512, 64, 2048, 64, KEYS_RANDOM, 0,
+     {.n_seq = 3, .len = {1, 1, 1}, .pos0 = {131071, 70000, 2047}}},
 };
 #define N_INDEX_CASES ((int)(sizeof index_cases / sizeof index_cases[0]))
-static int index_case_ids[] = {0, 1, 2, 3, 4, 5, 6};
+static int index_case_ids[] = {0, 1, 2, 3, 4, 5, 6, 7};
 _Static_assert(sizeof index_case_ids / sizeof index_case_ids[0] == N_INDEX_CASES, "one id per index case");
 
 static int cmp_desc(const void *a, const void *b)
@@ -471,10 +473,11 @@ static const struct attn_batch attn_batches[] = {
       .len = {1, 1, 5, 1, 3, 17},
       .pos0 = {0, 332, 20, 4099, 100, 64},
       .pad = {false, false, false, false, true, false}}},
+    {"decode ctx 131072 and 2048", 2048, {.n_seq = 2, .len = {1, 1}, .pos0 = {131071, 2047}}},
 };
 #define N_ATTN_SHAPES ((int)(sizeof attn_shapes / sizeof attn_shapes[0]))
 #define N_ATTN_BATCHES ((int)(sizeof attn_batches / sizeof attn_batches[0]))
-static int attn_case_ids[] = {0, 1, 2, 3, 4, 5, 6, 7};
+static int attn_case_ids[] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9};
 _Static_assert(sizeof attn_case_ids / sizeof attn_case_ids[0] == N_ATTN_SHAPES * N_ATTN_BATCHES,
                "one id per attention case");
 
