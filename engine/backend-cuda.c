@@ -1123,8 +1123,11 @@ static enum kr_status cuda_graph_run(kr_backend_t be, int32_t key, bool *launche
     if (c->n_graphs == MAX_GRAPHS) {
         return KR_OK; /* run eagerly */
     }
-    /* the captured kernels must not depend on this step's context length */
-    c->batch.max_ctx = 0;
+    /* the captured kernels must not depend on this step's context length: they see no bound (0:
+     * attention decode then uses its fixed split-K grid), or the graph shape's bound on every
+     * context (MLA layers size their key tiles and score rows by it; each token still stops at its
+     * own position, read on the device) */
+    c->batch.max_ctx = c->hb ? c->hb->ctx_bound : 0;
     CU_TRY(c, cudaStreamBeginCapture(c->stream, cudaStreamCaptureModeThreadLocal));
     c->capturing = true;
     c->cap_key = key;

@@ -21,6 +21,9 @@ struct kr_batch {
     int32_t max_blocks;          /* row length of block_table */
     int32_t n_out;               /* tokens whose logits are wanted */
     const int32_t *out_tok;      /* [n_out] token indices (into 0..n_tok-1) whose logits are wanted */
+    int32_t ctx_bound;           /* (optional, 0: none) a bound on every sequence's context that holds for
+                                    every step replaying a captured graph of this shape; kernels of MLA
+                                    layers size their grids by it while a graph is captured */
 };
 
 #ifdef __cplusplus

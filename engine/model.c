@@ -520,7 +520,7 @@ static enum kr_status moe_fwd(struct kr_model *m, const struct kr_layer *L, int6
 /* A decode-only step (one token per sequence, every token an output) can replay a CUDA graph. */
 static bool graphable(const struct kr_model *m, const struct kr_batch *b)
 {
-    if (m->n_steps == 0 || m->n_mla || m->on_index || b->n_tok != b->n_seq || b->n_out != b->n_tok) {
+    if (m->n_steps == 0 || m->on_index || b->n_tok != b->n_seq || b->n_out != b->n_tok) {
         return false;
     }
     for (int32_t i = 0; i < b->n_out; i++) {
@@ -544,7 +544,7 @@ static int32_t pow2_at_least(int32_t v, int32_t lo)
  * slot -1 (kernels read and write no state or cache for them), token 0 at position 0, and block
  * tables of zeros. */
 static enum kr_status pad_batch(struct kr_model *m, const struct kr_batch *b, int32_t n, int32_t mb,
-                                struct kr_batch *out)
+                                int32_t ctx_bound, struct kr_batch *out)
 {
     const size_t need = (size_t)n * 6 + 1 + (size_t)n * (size_t)mb;
     if (need > m->pad_cap) {
@@ -572,7 +572,7 @@ static enum kr_status pad_batch(struct kr_model *m, const struct kr_batch *b, in
     tok0[n] = n;
     *out = (struct kr_batch){.n_tok = n, .n_seq = n, .tokens = tokens, .pos = pos, .seq_tok0 = tok0,
                              .seq_pos0 = pos0, .seq_slot = slot, .block_table = bt, .max_blocks = mb, .n_out = n,
-                             .out_tok = out_tok};
+                             .out_tok = out_tok, .ctx_bound = ctx_bound};
     return KR_OK;
 }
 
@@ -640,9 +640,19 @@ enum kr_status kr_model_forward(struct kr_model *m, struct kr_cache *cache, cons
     if (graphable(m, b)) {
         const int32_t bucket = kr_backend_graph_bucket(be, b->n_tok);
         const int32_t mb = pow2_at_least(b->max_blocks, 16);
-        if (bucket > 0 && mb < (1 << 15) && pad_batch(m, b, bucket, mb, &padded) == KR_OK) {
+        /* MLA layers: the graph's kernels are sized for contexts up to what its block tables can
+         * hold, within what the scratch is reserved for; and whether the D layers select (some
+         * context beyond index_topk) changes the ops, so it is part of the key */
+        int32_t bound = 0, selects = 0;
+        if (m->n_mla) {
+            const int64_t cap = (int64_t)mb * cache->block_size;
+            const int64_t res = m->res_ctx > batch_max_ctx(b) ? m->res_ctx : batch_max_ctx(b);
+            bound = (int32_t)(cap < res ? cap : res);
+            selects = kr_model_config_count(c, KR_LAYER_DSA) > 0 && batch_max_ctx(b) > c->idx_topk;
+        }
+        if (bucket > 0 && mb < (1 << 14) && pad_batch(m, b, bucket, mb, bound, &padded) == KR_OK) {
             run = &padded;
-            key = bucket | (mb << 16);
+            key = bucket | (mb << 16) | (selects << 30);
         }
     }
     struct ws ws;
