@@ -290,24 +290,23 @@ ParameterizedTest(int *idx, cuda_backend, graphs_equal_eager)
 
 /* A decode step padded to a graph bucket leaves the states of sequences outside the batch
  * untouched, bit for bit. */
-Test(cuda_backend, padded_graph_touches_no_other_state)
+static void padded_graph_check(int idx)
 {
-    GT_REQUIRE_GPU();
     struct fx f;
-    load_cuda(&f, 0, 6, true);
+    load_cuda(&f, idx, 6, true);
     struct kr_cache *c = f.c;
-    /* fill every slot's states and every block with recognisable random data */
+    /* fill every slot's states and every block (K/V and latent pools) with recognisable data */
     struct gt_rng rng = {.s = 77};
     const size_t conv_b = c->conv_layer_bytes * (size_t)c->n_mamba, ssm_b = c->ssm_layer_bytes * (size_t)c->n_mamba;
-    const size_t kv_b = c->kv_layer_bytes * (size_t)c->n_attn;
-    const size_t tot = conv_b + ssm_b + 2 * kv_b;
+    const size_t kv_b = c->kv_layer_bytes * (size_t)c->n_attn, mla_b = c->mla.size;
+    const size_t tot = conv_b + ssm_b + 2 * kv_b + mla_b;
     float *before = kr_malloc(tot + 16), *after = kr_malloc(tot + 16);
     cr_assert(before && after);
     gt_fill(&rng, before, tot / 4, -1, 1);
-    struct kr_buf *bufs[4] = {&c->conv, &c->ssm, &c->k, &c->v};
-    const size_t sizes[4] = {conv_b, ssm_b, kv_b, kv_b};
+    struct kr_buf *bufs[5] = {&c->conv, &c->ssm, &c->k, &c->v, &c->mla};
+    const size_t sizes[5] = {conv_b, ssm_b, kv_b, kv_b, mla_b};
     size_t off = 0;
-    for (int i = 0; i < 4; i++) {
+    for (int i = 0; i < 5; i++) {
         if (sizes[i]) {
             cr_assert_eq(kr_backend_copy_h2d(f.be, bufs[i]->ptr, (char *)before + off, sizes[i]), KR_OK);
         }
@@ -332,13 +331,13 @@ Test(cuda_backend, padded_graph_touches_no_other_state)
         cr_assert_eq(kr_model_forward(f.m, c, &b, logits, &err), KR_OK, "%s", err.msg);
     }
     off = 0;
-    for (int i = 0; i < 4; i++) {
+    for (int i = 0; i < 5; i++) {
         if (sizes[i]) {
             cr_assert_eq(kr_backend_copy_d2h(f.be, (char *)after + off, bufs[i]->ptr, sizes[i]), KR_OK);
         }
         off += sizes[i];
     }
-    /* compare everything outside slot 2's states and blocks 3..6 */
+    /* compare everything outside the three sequences' slots and blocks */
     int64_t changed = 0;
     off = 0;
     for (int i = 0; i < 4; i++) {
@@ -359,11 +358,34 @@ Test(cuda_backend, padded_graph_touches_no_other_state)
         }
         off += sizes[i];
     }
-    cr_expect_eq(changed, 0, "%lld state slots or cache blocks of other sequences changed", (long long)changed);
+    for (int32_t l = 0; l < c->n_mla; l++) { /* latent pools: [n_blocks][block_size][row] per layer */
+        const size_t unit = (size_t)c->block_size * (size_t)c->mla_row[l] * kr_backend_cache_elt_size(f.be);
+        for (int32_t u = 0; u < c->n_blocks; u++) {
+            const size_t o = off + c->mla_off[l] + (size_t)u * unit;
+            if (!(u >= 3 && u <= 5) && memcmp((char *)before + o, (char *)after + o, unit) != 0) {
+                changed++;
+            }
+        }
+    }
+    cr_expect_eq(changed, 0, "%s: %lld state slots or cache blocks of other sequences changed", fixtures[idx].name,
+                 (long long)changed);
     kr_free(logits);
     kr_free(before);
     kr_free(after);
     fx_free(&f);
+}
+
+Test(cuda_backend, padded_graph_touches_no_other_state)
+{
+    GT_REQUIRE_GPU();
+    padded_graph_check(0);
+}
+
+/* The same for a model with D layers (latent cache, indexer selection inside the graph). */
+Test(cuda_backend, padded_graph_touches_no_other_state_dsa)
+{
+    GT_REQUIRE_GPU();
+    padded_graph_check(8);
 }
 
 /* Bad input reaches the CUDA backend as a clear error, not a crash. */
