@@ -56,6 +56,7 @@ struct cuda_ctx {
     atomic_bool failed;    /* a sticky CUDA error: the backend refuses further work (read by /health) */
     bool graphs_on;
     enum krk_gemv_variant gemv_variant; /* KRAIT_GEMV=l1 reads x through L1 in the n <= 2 GEMV */
+    int32_t dsa_score;                  /* KRAIT_DSA_SCORE=mma: indexer scores on bf16 tensor cores */
     size_t bytes_alloc;    /* device bytes taken through buf_alloc/upload */
 
     /* the current step */
@@ -953,7 +954,8 @@ static enum kr_status cuda_dsa_index_impl(kr_backend_t be, const struct kr_dsa_i
     struct krk_dsa_index_params d = {.iq = p->iq, .w = p->w, .n_head = p->n_head, .head_dim = p->head_dim,
                                      .cache = p->cache, .row = p->row, .key_off = p->key_off,
                                      .block_size = p->block_size, .topk = p->topk, .idx = p->idx,
-                                     .workspace = c->scratch, .workspace_bytes = c->scratch_size, .batch = c->batch};
+                                     .workspace = c->scratch, .workspace_bytes = c->scratch_size, .batch = c->batch,
+                                     .variant = c->dsa_score};
     return krk_dsa_index(&d, c->stream);
 }
 
@@ -1268,6 +1270,8 @@ enum kr_status kr_backend_cuda_create(int dev, bool graphs, kr_backend_t *out, s
     };
     c->dev = dev;
     c->graphs_on = graphs;
+    const char *ds = getenv("KRAIT_DSA_SCORE");
+    c->dsa_score = ds && !strcmp(ds, "mma") ? KRK_DSA_SCORE_MMA : KRK_DSA_SCORE_FP32;
     const char *gv = getenv("KRAIT_GEMV");
     c->gemv_variant = gv && !strcmp(gv, "l1") ? KRK_GEMV_L1 : KRK_GEMV_STAGED;
     char name[128] = "cuda";

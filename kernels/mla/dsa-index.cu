@@ -70,6 +70,139 @@ __global__ void __launch_bounds__(kScoreThreads)
     }
 }
 
+// Tensor-core variant of the scores (KRK_DSA_SCORE_MMA): a block of 4 warps takes KT tiles of 64
+// keys of one token; the token's queries [Hi, Di] are rounded to bf16 once per block and kept in
+// shared memory, each tile of keys is copied from the paged cache with 16-byte loads, and warp w
+// computes heads [16w, 16w + 16) x 64 keys with mma.sync m16n8k16 (bf16 in, fp32 accumulate). Then
+// relu, times w[h], summed over the warp's heads by shuffles and over the warps in order. Needs
+// Hi a multiple of 16 up to 64, Di a multiple of 16 up to 256, and 16-byte aligned key rows.
+constexpr int kMmaWarps = 4;
+constexpr int kMmaKeys = 64;  // keys per tile
+constexpr int kMmaTiles = 8;  // tiles per block (512 keys): amortizes the query load
+
+__device__ __forceinline__ void mma_16816(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1)
+{
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__global__ void __launch_bounds__(kMmaWarps * 32)
+    dsa_score_mma_kernel(krk_dsa_index_params p, int32_t t0, float *__restrict__ scores, int64_t ld)
+{
+    extern __shared__ __align__(16) uint16_t smu[];
+    const krk_batch &b = p.batch;
+    const int32_t t = t0 + (int32_t)blockIdx.y;
+    const int32_t seq = b.tok_seq[t];
+    const int64_t n_keys = min((int64_t)b.pos[t] + 1, ld);
+    const int64_t s_begin = (int64_t)blockIdx.x * kMmaKeys * kMmaTiles;
+    if (b.seq_slot[seq] < 0 || n_keys <= p.topk || s_begin >= n_keys) {
+        return; // block-uniform, as in dsa_score_kernel
+    }
+    const int Hi = (int)p.n_head, Di = (int)p.head_dim, LD = Di + 8; // padded rows: conflict-free fragments
+    uint16_t *qs = smu;                    // [Hi][LD] bf16 queries
+    uint16_t *ks = qs + Hi * LD;           // [kMmaKeys][LD] bf16 keys of the current tile
+    float *ws = reinterpret_cast<float *>(ks + kMmaKeys * LD);  // [Hi] head weights
+    float *part = ws + Hi;                 // [kMmaWarps][kMmaKeys] per-warp sums
+    const float *iq = p.iq + (int64_t)t * Hi * Di;
+    for (int e = threadIdx.x; e < Hi * Di; e += blockDim.x) {
+        const int h = e / Di, d = e - h * Di;
+        qs[h * LD + d] = krk::f32_to_bf16(iq[e]);
+    }
+    for (int h = threadIdx.x; h < Hi; h += blockDim.x) {
+        ws[h] = p.w[(int64_t)t * Hi + h];
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q4 = lane & 3;
+    const int chunks = Di / 8; // 16-byte chunks per key row
+    for (int tile = 0; tile < kMmaTiles; tile++) {
+        const int64_t s0 = s_begin + (int64_t)tile * kMmaKeys;
+        if (s0 >= n_keys) {
+            break; // block-uniform
+        }
+        __syncthreads(); // the previous tile's readers are done (and the queries are in place)
+        for (int e = threadIdx.x; e < kMmaKeys * chunks; e += blockDim.x) {
+            const int j = e / chunks, c = e - j * chunks;
+            uint4 v = make_uint4(0, 0, 0, 0);
+            if (s0 + j < n_keys) {
+                const int64_t off = krk::mla::latent_row_off(b, seq, (int32_t)(s0 + j), p.block_size, p.row);
+                v = *reinterpret_cast<const uint4 *>(p.cache + off + p.key_off + c * 8);
+            }
+            *reinterpret_cast<uint4 *>(ks + j * LD + c * 8) = v;
+        }
+        __syncthreads();
+        float sum[kMmaKeys / 8][2]; // this lane's two key columns of every 8-key n-tile
+#pragma unroll
+        for (int n = 0; n < kMmaKeys / 8; n++) {
+            sum[n][0] = sum[n][1] = 0.0f;
+        }
+        for (int h0 = warp * 16; h0 < Hi; h0 += kMmaWarps * 16) {
+            float acc[kMmaKeys / 8][4];
+#pragma unroll
+            for (int n = 0; n < kMmaKeys / 8; n++) {
+                acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+            }
+            for (int k0 = 0; k0 < Di; k0 += 16) {
+                uint32_t a[4];
+                const uint16_t *qa = qs + (h0 + g) * LD + k0 + 2 * q4;
+                a[0] = *reinterpret_cast<const uint32_t *>(qa);
+                a[1] = *reinterpret_cast<const uint32_t *>(qa + 8 * LD);
+                a[2] = *reinterpret_cast<const uint32_t *>(qa + 8);
+                a[3] = *reinterpret_cast<const uint32_t *>(qa + 8 * LD + 8);
+#pragma unroll
+                for (int n = 0; n < kMmaKeys / 8; n++) {
+                    const uint16_t *kb = ks + (n * 8 + g) * LD + k0 + 2 * q4;
+                    mma_16816(acc[n], a, *reinterpret_cast<const uint32_t *>(kb),
+                              *reinterpret_cast<const uint32_t *>(kb + 8));
+                }
+            }
+            // rows h0 + g and h0 + g + 8, columns 2 q4 and 2 q4 + 1 of each n-tile
+            const float w0 = ws[h0 + g], w1 = ws[h0 + g + 8];
+#pragma unroll
+            for (int n = 0; n < kMmaKeys / 8; n++) {
+                sum[n][0] += w0 * fmaxf(acc[n][0], 0.0f) + w1 * fmaxf(acc[n][2], 0.0f);
+                sum[n][1] += w0 * fmaxf(acc[n][1], 0.0f) + w1 * fmaxf(acc[n][3], 0.0f);
+            }
+        }
+#pragma unroll
+        for (int n = 0; n < kMmaKeys / 8; n++) {
+#pragma unroll
+            for (int c = 0; c < 2; c++) {
+                float v = sum[n][c];
+                v += __shfl_xor_sync(0xffffffffu, v, 4);
+                v += __shfl_xor_sync(0xffffffffu, v, 8);
+                v += __shfl_xor_sync(0xffffffffu, v, 16);
+                if (g == 0) {
+                    part[warp * kMmaKeys + n * 8 + 2 * q4 + c] = v;
+                }
+            }
+        }
+        __syncthreads();
+        for (int j = threadIdx.x; j < kMmaKeys; j += blockDim.x) {
+            if (s0 + j < n_keys) {
+                float v = 0.0f;
+                for (int w = 0; w < kMmaWarps; w++) {
+                    v += part[w * kMmaKeys + j];
+                }
+                scores[(int64_t)blockIdx.y * ld + s0 + j] = v;
+            }
+        }
+    }
+}
+
+size_t mma_smem_bytes(int64_t n_head, int64_t head_dim)
+{
+    return (size_t)(n_head + kMmaKeys) * (size_t)(head_dim + 8) * 2 + (size_t)n_head * 4 +
+           (size_t)kMmaWarps * kMmaKeys * 4;
+}
+
+bool mma_fits(const krk_dsa_index_params *p)
+{
+    return p->n_head % 16 == 0 && p->n_head <= 64 && p->head_dim % 16 == 0 && p->head_dim <= 256 &&
+           p->key_off % 8 == 0 && p->row % 8 == 0 && ((uintptr_t)p->cache & 15) == 0 &&
+           mma_smem_bytes(p->n_head, p->head_dim) <= 48 * 1024;
+}
+
 // Order-preserving map of a float to uint32 (a > b as floats iff key(a) > key(b)); -0 maps as +0
 // so that the two zeros tie, as they compare equal in the reference.
 __device__ __forceinline__ uint32_t order_key(float f)
@@ -235,7 +368,12 @@ extern "C" enum kr_status krk_dsa_index(const struct krk_dsa_index_params *p, cu
         ((size_t)kScoreKeys * (size_t)(p->head_dim + 1) + (size_t)(kScoreThreads / 32) * kScoreKeys) * sizeof(float);
     for (int64_t t0 = 0; t0 < b.n_tok; t0 += group) {
         const int64_t g = std::min(group, (int64_t)b.n_tok - t0);
-        if (need_scores) {
+        if (need_scores && p->variant == KRK_DSA_SCORE_MMA && mma_fits(p)) {
+            const int64_t blocks = (ld + kMmaKeys * kMmaTiles - 1) / (kMmaKeys * kMmaTiles);
+            dsa_score_mma_kernel<<<dim3((unsigned)blocks, (unsigned)g), kMmaWarps * 32,
+                                   mma_smem_bytes(p->n_head, p->head_dim), stream>>>(*p, (int32_t)t0, scores, ld);
+            KRK_CHECK_LAUNCH();
+        } else if (need_scores) {
             dsa_score_kernel<<<dim3((unsigned)tiles, (unsigned)g), kScoreThreads, score_smem, stream>>>(
                 *p, (int32_t)t0, scores, ld);
             KRK_CHECK_LAUNCH();

@@ -211,9 +211,11 @@ static const struct index_case index_cases[] = {
       .pad = {false, false, false, false, true, false, false}}},
     {"ctx 131072 topk 2048, 64 heads x 128 (decode)", 64, 128, 512, 64, 2048, 64, KEYS_RANDOM, 0,
      {.n_seq = 3, .len = {1, 1, 1}, .pos0 = {131071, 70000, 2047}}},
+    {"ctx 3000 topk 256, 16 heads x 32, prefill chunk", 16, 32, 16, 8, 256, 16, KEYS_RANDOM, 0,
+     {.n_seq = 3, .len = {1, 70, 1}, .pos0 = {2999, 600, 300}}},
 };
 #define N_INDEX_CASES ((int)(sizeof index_cases / sizeof index_cases[0]))
-static int index_case_ids[] = {0, 1, 2, 3, 4, 5, 6, 7};
+static int index_case_ids[] = {0, 1, 2, 3, 4, 5, 6, 7, 8};
 _Static_assert(sizeof index_case_ids / sizeof index_case_ids[0] == N_INDEX_CASES, "one id per index case");
 
 static int cmp_desc(const void *a, const void *b)
@@ -328,11 +330,11 @@ ParameterizedTest(int *ci, mla, index_selects_cpu_topk)
     const size_t n_iq = (size_t)n_tok * (size_t)(ic->n_head * ic->head_dim), n_w = (size_t)n_tok * ic->n_head;
     float *iq = xalloc(n_iq * sizeof(float)), *w = xalloc(n_w * sizeof(float));
     gt_fill(&rng, iq, n_iq, -1.0f, 1.0f);
+    gt_round_bf16(iq, n_iq); /* the tensor-core variant rounds queries to bf16: give every side those */
     gt_fill(&rng, w, n_w, -0.5f, 1.0f); /* mostly positive, as trained weights; some negative */
     float *d_iq = gt_dup(iq, n_iq * sizeof(float)), *d_w = gt_dup(w, n_w * sizeof(float));
     const size_t n_idx = (size_t)n_tok * (size_t)topk;
     int32_t *d_idx = gt_dalloc(n_idx * sizeof(int32_t));
-    cr_assert_eq(cudaMemset(d_idx, 0x7F, n_idx * sizeof(int32_t)), cudaSuccess); /* not -1: unwritten shows */
     const size_t ws_bytes = krk_dsa_index_workspace_bytes(ic->ws_tokens ? ic->ws_tokens : n_tok, max_ctx);
     void *d_ws = gt_dalloc(ws_bytes);
 
@@ -340,9 +342,7 @@ ParameterizedTest(int *ci, mla, index_selects_cpu_topk)
                                       .cache = d_cache, .row = row, .key_off = key_off,
                                       .block_size = ic->block_size, .topk = topk, .idx = d_idx,
                                       .workspace = d_ws, .workspace_bytes = ws_bytes, .batch = b.dev};
-    cr_assert_eq(krk_dsa_index(&kp, 0), KR_OK);
     int32_t *got = xalloc(n_idx * sizeof(int32_t));
-    gt_down(got, d_idx, n_idx * sizeof(int32_t));
 
     kr_backend_t be = kr_backend_cpu_create(0);
     cr_assert(be);
@@ -356,54 +356,63 @@ ParameterizedTest(int *ci, mla, index_selects_cpu_topk)
     double *sc = xalloc((size_t)max_ctx * sizeof(double)), *sorted = xalloc((size_t)max_ctx * sizeof(double));
     bool *sel = xalloc((size_t)max_ctx);
     struct scored_pos *tmp = xalloc((size_t)max_ctx * sizeof *tmp);
-    int32_t n_all = 0, n_exact = 0, n_tol = 0, n_tol_same = 0, n_pad = 0;
-    for (int32_t t = 0; t < n_tok; t++) {
-        const int32_t *g = got + (int64_t)t * topk, *r = ref + (int64_t)t * topk;
-        const int32_t pos = b.pos[t], n_keys = pos + 1, cnt = n_keys < topk ? n_keys : topk;
-        if (tok_is_pad(&b, &ic->bs, t)) { /* unspecified, but written and harmless */
-            n_pad++;
+    /* both score variants: fp32 on CUDA cores, bf16 tensor cores (the same selection up to fp32
+     * summation order, the queries being bf16 values already) */
+    for (int variant = KRK_DSA_SCORE_FP32; variant <= KRK_DSA_SCORE_MMA; variant++) {
+        kp.variant = variant;
+        cr_assert_eq(cudaMemset(d_idx, 0x7F, n_idx * sizeof(int32_t)), cudaSuccess); /* not -1: unwritten shows */
+        cr_assert_eq(krk_dsa_index(&kp, 0), KR_OK);
+        gt_down(got, d_idx, n_idx * sizeof(int32_t));
+        int32_t n_all = 0, n_exact = 0, n_tol = 0, n_tol_same = 0, n_pad = 0;
+        for (int32_t t = 0; t < n_tok; t++) {
+            const int32_t *g = got + (int64_t)t * topk, *r = ref + (int64_t)t * topk;
+            const int32_t pos = b.pos[t], n_keys = pos + 1, cnt = n_keys < topk ? n_keys : topk;
+            if (tok_is_pad(&b, &ic->bs, t)) { /* unspecified, but written and harmless */
+                n_pad++;
+                for (int32_t j = 0; j < topk; j++) {
+                    cr_expect(g[j] >= -1 && g[j] <= pos, "%s: padding token %d idx[%d] = %d", ic->name, t, j, g[j]);
+                }
+                continue;
+            }
+            bool valid = true; /* ascending positions <= pos, then -1 */
             for (int32_t j = 0; j < topk; j++) {
-                cr_expect(g[j] >= -1 && g[j] <= pos, "%s: padding token %d idx[%d] = %d", ic->name, t, j, g[j]);
+                valid &= j < cnt ? (g[j] >= 0 && g[j] <= pos && (j == 0 || g[j] > g[j - 1])) : g[j] == -1;
             }
-            continue;
-        }
-        bool valid = true; /* ascending positions <= pos, then -1 */
-        for (int32_t j = 0; j < topk; j++) {
-            valid &= j < cnt ? (g[j] >= 0 && g[j] <= pos && (j == 0 || g[j] > g[j - 1])) : g[j] == -1;
-        }
-        cr_expect(valid, "%s: token %d (pos %d): idx row is not %d ascending positions then -1", ic->name, t, pos, cnt);
-        if (!valid) {
-            continue;
-        }
-        const bool same = memcmp(g, r, (size_t)topk * sizeof(int32_t)) == 0;
-        if (n_keys <= topk) {
-            n_all++;
-            cr_expect(same, "%s: token %d (pos %d): short context must take every position", ic->name, t, pos);
-            continue;
-        }
-        index_scores(ic, iq, w, cache, &b, t, row, key_off, sc);
-        memcpy(sorted, sc, (size_t)n_keys * sizeof(double));
-        qsort(sorted, (size_t)n_keys, sizeof(double), cmp_desc);
-        const double v_k = sorted[topk - 1], v_k1 = sorted[topk];
-        const double band = 1e-4 * fmax(fabs(v_k), fabs(v_k1));
-        if (v_k - v_k1 > band) {
-            n_exact++;
-            cr_expect(same, "%s: token %d (pos %d): selection differs from the CPU's", ic->name, t, pos);
-        } else {
-            n_tol++;
-            n_tol_same += same;
-            const int64_t bad = check_tolerant(g, topk, sc, n_keys, v_k, band, sel, tmp);
-            cr_expect_eq(bad, 0, "%s: token %d (pos %d): %lld violations of the near-tie selection", ic->name, t,
-                         pos, (long long)bad);
-            if (ic->keys != KEYS_RANDOM) { /* exact ties by construction: the tie rule decides all */
-                cr_expect(same, "%s: token %d (pos %d): tie resolution differs from the CPU's", ic->name, t, pos);
+            cr_expect(valid, "%s: token %d (pos %d): idx row is not %d ascending positions then -1", ic->name, t, pos, cnt);
+            if (!valid) {
+                continue;
+            }
+            const bool same = memcmp(g, r, (size_t)topk * sizeof(int32_t)) == 0;
+            if (n_keys <= topk) {
+                n_all++;
+                cr_expect(same, "%s: token %d (pos %d): short context must take every position", ic->name, t, pos);
+                continue;
+            }
+            index_scores(ic, iq, w, cache, &b, t, row, key_off, sc);
+            memcpy(sorted, sc, (size_t)n_keys * sizeof(double));
+            qsort(sorted, (size_t)n_keys, sizeof(double), cmp_desc);
+            const double v_k = sorted[topk - 1], v_k1 = sorted[topk];
+            const double band = 1e-4 * fmax(fabs(v_k), fabs(v_k1));
+            if (v_k - v_k1 > band) {
+                n_exact++;
+                cr_expect(same, "%s: token %d (pos %d): selection differs from the CPU's", ic->name, t, pos);
+            } else {
+                n_tol++;
+                n_tol_same += same;
+                const int64_t bad = check_tolerant(g, topk, sc, n_keys, v_k, band, sel, tmp);
+                cr_expect_eq(bad, 0, "%s: token %d (pos %d): %lld violations of the near-tie selection", ic->name, t,
+                             pos, (long long)bad);
+                if (ic->keys != KEYS_RANDOM) { /* exact ties by construction: the tie rule decides all */
+                    cr_expect(same, "%s: token %d (pos %d): tie resolution differs from the CPU's", ic->name, t, pos);
+                }
             }
         }
+        fprintf(stderr,
+                "  index %-45s %s topk=%d n_tok=%d: %d all-positions, %d compared exactly, %d near-tie compared "
+                "tie-tolerantly (%d of them equal to the CPU), %d padding\n",
+                ic->name, variant == KRK_DSA_SCORE_MMA ? "mma " : "fp32", topk, n_tok, n_all, n_exact, n_tol, n_tol_same,
+                n_pad);
     }
-    fprintf(stderr,
-            "  index %-45s topk=%d n_tok=%d: %d all-positions, %d compared exactly, %d near-tie compared "
-            "tie-tolerantly (%d of them equal to the CPU), %d padding\n",
-            ic->name, topk, n_tok, n_all, n_exact, n_tol, n_tol_same, n_pad);
 
     kr_backend_free(be);
     kr_free(tmp);

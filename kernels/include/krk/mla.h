@@ -36,7 +36,12 @@ struct krk_dsa_index_params {
     void *workspace;        /* krk_dsa_index_workspace_bytes() bytes */
     size_t workspace_bytes;
     struct krk_batch batch; /* batch.max_ctx must be set */
+    int32_t variant;        /* KRK_DSA_SCORE_*: how the scores are computed */
 };
+/* Score variants: fp32 on CUDA cores (default); bf16 tensor cores (queries rounded to bf16, fp32
+ * accumulation; index heads a multiple of 16 up to 64, head_dim a multiple of 16, aligned key rows;
+ * otherwise the default runs). */
+enum { KRK_DSA_SCORE_FP32 = 0, KRK_DSA_SCORE_MMA = 1 };
 size_t krk_dsa_index_workspace_bytes(int64_t n_tok, int64_t max_ctx);
 enum kr_status krk_dsa_index(const struct krk_dsa_index_params *p, cudaStream_t stream);
 
