@@ -57,6 +57,7 @@ struct cuda_ctx {
     bool graphs_on;
     enum krk_gemv_variant gemv_variant; /* KRAIT_GEMV=l1 reads x through L1 in the n <= 2 GEMV */
     int32_t dsa_score;                  /* KRAIT_DSA_SCORE=mma: indexer scores on bf16 tensor cores */
+    bool graphs_mla;                    /* KRAIT_CUDA_GRAPHS_MLA=1: capture steps of models with MLA layers */
     size_t bytes_alloc;    /* device bytes taken through buf_alloc/upload */
 
     /* the current step */
@@ -1125,6 +1126,9 @@ static enum kr_status cuda_graph_run(kr_backend_t be, int32_t key, bool *launche
     if (c->n_graphs == MAX_GRAPHS) {
         return KR_OK; /* run eagerly */
     }
+    if (c->hb && c->hb->ctx_bound > 0 && !c->graphs_mla) {
+        return KR_OK; /* MLA layers run eagerly until their captured steps have been validated on a GPU */
+    }
     /* the captured kernels must not depend on this step's context length: they see no bound (0:
      * attention decode then uses its fixed split-K grid), or the graph shape's bound on every
      * context (MLA layers size their key tiles and score rows by it; each token still stops at its
@@ -1270,6 +1274,8 @@ enum kr_status kr_backend_cuda_create(int dev, bool graphs, kr_backend_t *out, s
     };
     c->dev = dev;
     c->graphs_on = graphs;
+    const char *gm = getenv("KRAIT_CUDA_GRAPHS_MLA");
+    c->graphs_mla = gm && !strcmp(gm, "1");
     const char *ds = getenv("KRAIT_DSA_SCORE");
     c->dsa_score = ds && !strcmp(ds, "mma") ? KRK_DSA_SCORE_MMA : KRK_DSA_SCORE_FP32;
     const char *gv = getenv("KRAIT_GEMV");

@@ -58,6 +58,7 @@ static int fixture_idx[N_FIXTURES] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9};
 
 static void load_cuda(struct fx *f, int idx, int n_slots, bool graphs)
 {
+    setenv("KRAIT_CUDA_GRAPHS_MLA", "1", 1); /* graph tests cover the MLA captures too */
     kr_backend_t be = NULL;
     struct kr_err err = {{0}};
     cr_assert_eq(kr_backend_cuda_create(0, graphs, &be, &err), KR_OK, "%s", err.msg);
