@@ -128,6 +128,14 @@ char *kr_metrics_render(const struct kr_metrics *m, const struct kr_engine_stats
     put(&b, "# HELP krait:generation_tokens_total Tokens generated.\n"
             "# TYPE krait:generation_tokens_total counter\nkrait:generation_tokens_total{%s} %llu\n",
         lbl, (unsigned long long)st->generation_tokens);
+    put(&b, "# HELP krait:engine_steps_total Forward steps run by the engine.\n"
+            "# TYPE krait:engine_steps_total counter\nkrait:engine_steps_total{%s} %llu\n",
+        lbl, (unsigned long long)st->steps);
+    put(&b, "# HELP krait:engine_step_host_gap_seconds Host time between back-to-back steps, from a step's "
+            "results to the next launch (the device idles meanwhile).\n"
+            "# TYPE krait:engine_step_host_gap_seconds summary\n"
+            "krait:engine_step_host_gap_seconds_sum{%s} %.9g\nkrait:engine_step_host_gap_seconds_count{%s} %llu\n",
+        lbl, st->step_gap_us_total / 1e6, lbl, (unsigned long long)st->step_gaps);
     const double kv = st->blocks_total ? 1.0 - (double)st->blocks_free / st->blocks_total : 0.0;
     const double ss = st->slots_total ? 1.0 - (double)st->slots_free / st->slots_total : 0.0;
     put(&b, "# HELP krait:kv_cache_usage_perc Fraction of attention/latent cache blocks in use.\n"

@@ -449,12 +449,17 @@ Test(server, metrics_are_prometheus_text)
         "# TYPE krait:time_to_first_token_seconds histogram", "# TYPE krait:inter_token_latency_seconds histogram",
         "# TYPE krait:e2e_request_latency_seconds histogram", "# TYPE krait:request_queue_time_seconds histogram",
         "# TYPE krait:kv_cache_usage_perc gauge", "# TYPE krait:num_preemptions_total counter",
+        "# TYPE krait:engine_steps_total counter", "# TYPE krait:engine_step_host_gap_seconds summary",
     };
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
         cr_expect(strstr(r.body, names[i]), "missing %s", names[i]);
     }
     cr_expect(strstr(r.body, "krait:time_to_first_token_seconds_count{model_name=\"tiny\"} "));
     http_free(&r);
+    /* the 2-token completion ran back-to-back steps: the gap summary counts them */
+    cr_expect_gt(metric(&S, "krait:engine_steps_total"), 1);
+    cr_expect_gt(metric(&S, "krait:engine_step_host_gap_seconds_count"), 0);
+    cr_expect_geq(metric(&S, "krait:engine_step_host_gap_seconds_sum"), 0);
 }
 
 /* ---- servers with other flags -------------------------------------------------------------------- */
