@@ -7,6 +7,7 @@
 //     position scoring above that threshold and the lowest positions scoring equal to it (ties go
 //     to the lower position, as in the CPU reference).
 // Tokens whose context fits in topk take every position without scoring.
+#include "common/mma.cuh"
 #include "mla/mla-common.cuh"
 
 #include <algorithm>
@@ -80,14 +81,6 @@ constexpr int kMmaWarps = 4;
 constexpr int kMmaKeys = 64;  // keys per tile
 constexpr int kMmaTiles = 8;  // tiles per block (512 keys): amortizes the query load
 
-__device__ __forceinline__ void mma_16816(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1)
-{
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-                 "{%8, %9}, {%0, %1, %2, %3};\n"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 __global__ void __launch_bounds__(kMmaWarps * 32)
     dsa_score_mma_kernel(krk_dsa_index_params p, int32_t t0, float *__restrict__ scores, int64_t ld)
 {
@@ -152,7 +145,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
 #pragma unroll
                 for (int n = 0; n < kMmaKeys / 8; n++) {
                     const uint16_t *kb = ks + (n * 8 + g) * LD + k0 + 2 * q4;
-                    mma_16816(acc[n], a, *reinterpret_cast<const uint32_t *>(kb),
+                    krk::mma_bf16(acc[n], a, *reinterpret_cast<const uint32_t *>(kb),
                               *reinterpret_cast<const uint32_t *>(kb + 8));
                 }
             }
