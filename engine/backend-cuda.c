@@ -58,6 +58,7 @@ struct cuda_ctx {
     enum krk_gemv_variant gemv_variant; /* KRAIT_GEMV=l1 reads x through L1 in the n <= 2 GEMV */
     int32_t dsa_score;                  /* KRAIT_DSA_SCORE=mma: indexer scores on bf16 tensor cores */
     bool graphs_mla;                    /* KRAIT_CUDA_GRAPHS_MLA=1: capture steps of models with MLA layers */
+    int32_t mla_attn;                   /* KRAIT_MLA_ATTN=heads: all heads of a token per block, tensor cores */
     size_t bytes_alloc;    /* device bytes taken through buf_alloc/upload */
 
     /* the current step */
@@ -972,7 +973,7 @@ static enum kr_status cuda_mla_attention_impl(kr_backend_t be, const struct kr_m
                                     .v_dim = p->v_dim, .kv_lora = p->kv_lora, .kv_b = p->kv_b, .cache = p->cache,
                                     .row = p->row, .block_size = p->block_size, .idx = p->idx, .topk = p->topk,
                                     .scale = p->scale, .out = p->out, .workspace = c->scratch,
-                                    .workspace_bytes = c->scratch_size, .batch = c->batch};
+                                    .workspace_bytes = c->scratch_size, .batch = c->batch, .variant = c->mla_attn};
     return krk_mla_attention(&a, c->stream);
 }
 
@@ -1276,6 +1277,8 @@ enum kr_status kr_backend_cuda_create(int dev, bool graphs, kr_backend_t *out, s
     c->graphs_on = graphs;
     const char *gm = getenv("KRAIT_CUDA_GRAPHS_MLA");
     c->graphs_mla = gm && !strcmp(gm, "1");
+    const char *ma = getenv("KRAIT_MLA_ATTN");
+    c->mla_attn = ma && !strcmp(ma, "heads") ? KRK_MLA_ATTN_HEADS : KRK_MLA_ATTN_PER_HEAD;
     const char *ds = getenv("KRAIT_DSA_SCORE");
     c->dsa_score = ds && !strcmp(ds, "mma") ? KRK_DSA_SCORE_MMA : KRK_DSA_SCORE_FP32;
     const char *gv = getenv("KRAIT_GEMV");

@@ -137,6 +137,9 @@ __global__ void __launch_bounds__(kThreads) mla_attn_kernel(krk_mla_attn_params 
 
 } // namespace
 
+// The head-batched kernel (mla-heads.cu).
+extern "C" enum kr_status krk_mla_heads(const struct krk_mla_attn_params *p, cudaStream_t stream);
+
 // The kernel keeps q_abs, o_lat and one tile of scores in shared memory and needs
 // no workspace.
 extern "C" size_t krk_mla_attn_workspace_bytes(int64_t n_tok, int64_t n_head, int64_t kv_lora, int64_t max_ctx)
@@ -161,6 +164,9 @@ extern "C" enum kr_status krk_mla_attention(const struct krk_mla_attn_params *p,
     KRK_REQUIRE(p->n_head > 0 && p->nope > 0 && p->rope >= 0 && p->v_dim > 0 && p->kv_lora > 0);
     KRK_REQUIRE(p->row >= p->kv_lora + p->rope && p->block_size > 0);
     KRK_REQUIRE(p->idx == nullptr || p->topk > 0);
+    if (p->variant == KRK_MLA_ATTN_HEADS && krk_mla_heads_fits(p)) {
+        return krk_mla_heads(p, stream);
+    }
     const size_t smem = attn_smem_bytes(p->nope, p->rope, p->kv_lora);
     KRK_REQUIRE(smem <= kMaxSmem); // kv_lora up to about 5800 with nope + rope = 192
     const int64_t blocks = (int64_t)b.n_tok * p->n_head;

@@ -70,10 +70,11 @@ if [ $bench = 1 ]; then
     KRAIT_GEMV=l1 timeout 120 "$build/bench/bench_cuda" --batches 1,2 --prefill 512 --steps 24 "$synth" \
       > "$logs/bench-gemv-l1.md" 2>&1
     echo "bench_cuda (KRAIT_GEMV=l1) rc=$?" >> "$logs/bench-gemv-l1.md"
-    # DSA shapes: the indexer scores on bf16 tensor cores, same benchmark
-    if [ "$shape" = hybrid_dsa_8b ]; then
-      KRAIT_DSA_SCORE=mma timeout 400 "$build/bench/bench_cuda" $bench_args "$synth" > "$logs/bench-dsa-mma.md" 2>&1
-      echo "bench_cuda (KRAIT_DSA_SCORE=mma) rc=$?" >> "$logs/bench-dsa-mma.md"
+    # MLA shapes: the tensor-core variants (indexer scores, head-batched attention), same benchmark
+    if [ "$shape" = hybrid_dsa_8b ] || [ "$shape" = hybrid_mla_8b ]; then
+      KRAIT_DSA_SCORE=mma KRAIT_MLA_ATTN=heads timeout 400 "$build/bench/bench_cuda" $bench_args "$synth" \
+        > "$logs/bench-dsa-mma.md" 2>&1
+      echo "bench_cuda (KRAIT_DSA_SCORE=mma KRAIT_MLA_ATTN=heads) rc=$?" >> "$logs/bench-dsa-mma.md"
     fi
     # engine host overhead: the gap between back-to-back decode steps (16 and 64 sequences)
     if [ -x "$build/bench/bench_sched" ]; then
@@ -94,7 +95,7 @@ fi
   echo
   [ -f "$logs/bench.md" ] && grep -a '^|\|^device\|^model\|^cache\|rc=' "$logs/bench.md"
   [ -f "$logs/bench-gemv-l1.md" ] && { echo; echo "GEMV reading x through L1:"; grep -a '^| decode\|rc=' "$logs/bench-gemv-l1.md"; }
-  [ -f "$logs/bench-dsa-mma.md" ] && { echo; echo "Indexer scores on tensor cores:"; grep -a '^| \|rc=' "$logs/bench-dsa-mma.md"; }
+  [ -f "$logs/bench-dsa-mma.md" ] && { echo; echo "Tensor-core indexer scores and head-batched MLA attention:"; grep -a '^| \|rc=' "$logs/bench-dsa-mma.md"; }
   [ -f "$logs/bench-sched.md" ] && { echo; echo "Engine host overhead:"; cat "$logs/bench-sched.md"; }
   [ -f "$logs/hf.log" ] && { echo; echo "HF transformers:"; grep -av '^\s*$' "$logs/hf.log" | tail -12; }
   echo

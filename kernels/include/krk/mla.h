@@ -60,7 +60,13 @@ struct krk_mla_attn_params {
     void *workspace;        /* krk_mla_attn_workspace_bytes() bytes */
     size_t workspace_bytes;
     struct krk_batch batch; /* batch.max_ctx must be set when idx is NULL */
+    int32_t variant;        /* KRK_MLA_ATTN_*: which kernel */
 };
+/* Kernels: a block per (token, head), fp32 (default); all heads of a token in one block on bf16
+ * tensor cores, reading each latent once per token (kv_lora 512, rope 64, up to 64 heads, aligned
+ * rows: krk_mla_heads_fits; otherwise the default runs). */
+enum { KRK_MLA_ATTN_PER_HEAD = 0, KRK_MLA_ATTN_HEADS = 1 };
+bool krk_mla_heads_fits(const struct krk_mla_attn_params *p);
 size_t krk_mla_attn_workspace_bytes(int64_t n_tok, int64_t n_head, int64_t kv_lora, int64_t max_ctx);
 enum kr_status krk_mla_attention(const struct krk_mla_attn_params *p, cudaStream_t stream);
 
