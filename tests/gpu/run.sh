@@ -72,9 +72,9 @@ if [ $bench = 1 ]; then
     echo "bench_cuda (KRAIT_GEMV=l1) rc=$?" >> "$logs/bench-gemv-l1.md"
     # MLA shapes: the tensor-core variants (indexer scores, head-batched attention), same benchmark
     if [ "$shape" = hybrid_dsa_8b ] || [ "$shape" = hybrid_mla_8b ]; then
-      KRAIT_DSA_SCORE=mma KRAIT_MLA_ATTN=heads timeout 400 "$build/bench/bench_cuda" $bench_args "$synth" \
+      KRAIT_CUDA_GRAPHS_MLA=1 KRAIT_DSA_SCORE=mma KRAIT_MLA_ATTN=heads timeout 400 "$build/bench/bench_cuda" $bench_args "$synth" \
         > "$logs/bench-dsa-mma.md" 2>&1
-      echo "bench_cuda (KRAIT_DSA_SCORE=mma KRAIT_MLA_ATTN=heads) rc=$?" >> "$logs/bench-dsa-mma.md"
+      echo "bench_cuda (KRAIT_CUDA_GRAPHS_MLA=1 KRAIT_DSA_SCORE=mma KRAIT_MLA_ATTN=heads) rc=$?" >> "$logs/bench-dsa-mma.md"
     fi
     # engine host overhead: the gap between back-to-back decode steps (16 and 64 sequences)
     if [ -x "$build/bench/bench_sched" ]; then
