@@ -32,11 +32,14 @@
 #define PROF_MAX_EV 4096
 
 enum prof_cat {
-    P_GEMM, P_GEMV, P_NORM, P_ACT, P_CONV, P_SSD, P_ATTN, P_MOE, P_MLA, P_EMBED, P_OTHER, PROF_N_CAT
+    P_GEMM, P_GEMV, P_NORM, P_ACT, P_CONV, P_SSD, P_ATTN, P_MOE, P_MLA, P_EMBED, P_OTHER,
+    /* parts of P_SSD (names start with "ssd:": not to be added to the total again) */
+    P_SSD_DECODE, P_SSD_STATE, P_SSD_PASS, P_SSD_BMM, P_SSD_SCAN, PROF_N_CAT
 };
 static const char *const prof_names[PROF_N_CAT] = {
     "gemm (cuBLAS)", "gemv", "norm+residual", "activation", "conv1d", "ssd", "attention", "moe", "mla/dsa",
-    "embed/gather/rope", "other",
+    "embed/gather/rope", "other", "ssd: one-token update", "ssd: chunk state", "ssd: state passing",
+    "ssd: C.B^T", "ssd: chunk scan",
 };
 
 static const int32_t graph_buckets[] = {1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256};
@@ -799,9 +802,19 @@ static enum kr_status cuda_mamba(kr_backend_t be, const struct kr_mamba_params *
                                 .head_dim = p->head_dim, .n_group = p->n_group, .d_state = p->d_state,
                                 .chunk = p->chunk, .state = p->ssm_state, .y = p->y, .workspace = c->scratch,
                                 .batch = c->batch};
+    /* profiling: the phases get the next five event pairs after the whole op's */
+    cudaEvent_t phase_ev[10];
+    const bool phases = c->prof.on && !c->capturing && c->prof.n + 6 <= PROF_MAX_EV;
+    for (int k = 0; phases && k < 10; k++) {
+        phase_ev[k] = c->prof.ev[2 * (c->prof.n + 1) + k];
+    }
+    sp.events = phases ? phase_ev : NULL;
     prof_begin(c, P_SSD);
     const enum kr_status sst = krk_ssd(&sp, c->stream);
     prof_end(c);
+    for (int k = 0; phases && sst == KR_OK && k < 5; k++) {
+        c->prof.cat[c->prof.n++] = P_SSD_DECODE + k;
+    }
     return sst;
 }
 

@@ -123,7 +123,14 @@ extern "C" enum kr_status krk_ssd(const struct krk_ssd_params *p, cudaStream_t s
     a.n_chunk_slot = (int)slots;
     a.batch = b;
 
+    // (profiling) events around phase k
+    auto mark = [&](int k, int end) {
+        if (p->events) {
+            cudaEventRecord(p->events[2 * k + end], stream);
+        }
+    };
     // decode: sequences of at most one token (every sequence when max_seq_tok == 1)
+    mark(0, 0);
     {
         const dim3 grid((unsigned)((p->head_dim + kDecodeRows - 1) / kDecodeRows), (unsigned)p->n_head,
                         (unsigned)b.n_seq);
@@ -134,25 +141,38 @@ extern "C" enum kr_status krk_ssd(const struct krk_ssd_params *p, cudaStream_t s
         }
         KRK_CHECK_LAUNCH();
     }
+    mark(0, 1);
     if (slots == 0) {
+        for (int k = 1; k < 5; k++) {
+            mark(k, 0);
+            mark(k, 1);
+        }
         return KR_OK;
     }
     // chunked: sequences of two tokens or more
     const unsigned tiles_n = (unsigned)((p->d_state + kStateTile - 1) / kStateTile);
     const unsigned tiles_p = (unsigned)((p->head_dim + kStateTile - 1) / kStateTile);
+    mark(1, 0);
     ssd_chunk_state_kernel<<<dim3((unsigned)slots, (unsigned)p->n_head, tiles_n * tiles_p), kStateThreads, 0,
                              stream>>>(a);
     KRK_CHECK_LAUNCH();
+    mark(1, 1);
+    mark(2, 0);
     const int64_t pn = p->head_dim * p->d_state;
     ssd_state_passing_kernel<<<dim3((unsigned)((pn + kPassTile - 1) / kPassTile), (unsigned)p->n_head,
                                     (unsigned)b.n_seq),
                                kPassThreads, 0, stream>>>(a);
     KRK_CHECK_LAUNCH();
+    mark(2, 1);
+    mark(3, 0);
     ssd_bmm_kernel<<<dim3((unsigned)slots, (unsigned)p->n_group), kBmmThreads, 0, stream>>>(a);
     KRK_CHECK_LAUNCH();
+    mark(3, 1);
+    mark(4, 0);
     ssd_chunk_scan_kernel<<<dim3((unsigned)slots, (unsigned)p->n_head,
                                  (unsigned)((p->head_dim + kScanP - 1) / kScanP)),
                             kScanThreads, 0, stream>>>(a);
     KRK_CHECK_LAUNCH();
+    mark(4, 1);
     return KR_OK;
 }
