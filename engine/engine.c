@@ -931,13 +931,7 @@ static void run_step(struct kr_engine *e)
                          .seq_pos0 = e->b_pos0, .seq_slot = e->b_slot, .block_table = e->b_bt,
                          .max_blocks = max_blocks, .n_out = n_out, .out_tok = e->b_out};
     const double t1 = now_us();
-    if (e->t_step_done > 0) {
-        const double gap = t1 - e->t_step_done;
-        pthread_mutex_lock(&e->lock);
-        e->stats.step_gap_us_total += gap;
-        e->stats.step_gaps++;
-        pthread_mutex_unlock(&e->lock);
-    }
+    const double gap = e->t_step_done > 0 ? t1 - e->t_step_done : -1.0; /* counted with the step's stats */
     e->t_step_done = 0;
     struct kr_err err = {{0}};
     /* sampling on the backend when every output row of the step is one sequence's next token
@@ -1042,6 +1036,10 @@ static void run_step(struct kr_engine *e)
     pthread_mutex_lock(&e->lock);
     e->stats.step_sched_us_last = t1 - t0;
     e->stats.step_sched_us_total += t1 - t0;
+    if (gap >= 0) {
+        e->stats.step_gap_us_total += gap;
+        e->stats.step_gaps++;
+    }
     pthread_mutex_unlock(&e->lock);
 }
 
