@@ -33,6 +33,7 @@ struct ws {
     float *fin;    /* [n_out, dim] rows kept for the LM head */
     float *lg;     /* [n_out, vocab] logits */
     float *lg_part; /* [n_out, vocab / tp_size] this rank's share of the logits (tensor parallel) */
+    bool dsa_select; /* some context of the step exceeds index_topk: D layers select (see mla_fwd) */
 };
 
 static int64_t max64(int64_t a, int64_t b)
@@ -157,7 +158,9 @@ static enum kr_status ws_prepare(struct kr_model *m, const struct kr_batch *b, s
     const struct kr_model_config *c = &m->cfg;
     int64_t wide, mid;
     (void)ws_floats(c, b->n_tok, b->n_out, &wide, &mid);
-    enum kr_status st = grow(m, b->n_tok, b->n_out, b->n_seq, batch_max_ctx(b));
+    const int32_t max_ctx = batch_max_ctx(b);
+    ws->dsa_select = max_ctx > c->idx_topk;
+    enum kr_status st = grow(m, b->n_tok, b->n_out, b->n_seq, max_ctx);
     if (st != KR_OK) {
         return st;
     }
@@ -370,7 +373,7 @@ static enum kr_status mla_fwd(struct kr_model *m, struct kr_cache *cache, const 
     /* When no query of the step sees more than index_topk keys, the indexer would select every
      * visible key: its query side (projections, scores, selection) is skipped and the layer attends
      * densely over the same keys. The new keys are still indexed for later queries. */
-    const bool select = w->has_indexer && batch_max_ctx(b) > c->idx_topk;
+    const bool select = w->has_indexer && ws->dsa_select;
     m->idx_query_rows += select ? (uint64_t)n : 0;
     if (w->has_indexer) {
         if (select) {
@@ -645,10 +648,10 @@ enum kr_status kr_model_forward(struct kr_model *m, struct kr_cache *cache, cons
          * context beyond index_topk) changes the ops, so it is part of the key */
         int32_t bound = 0, selects = 0;
         if (m->n_mla) {
-            const int64_t cap = (int64_t)mb * cache->block_size;
-            const int64_t res = m->res_ctx > batch_max_ctx(b) ? m->res_ctx : batch_max_ctx(b);
+            const int64_t cap = (int64_t)mb * cache->block_size, mc = batch_max_ctx(b);
+            const int64_t res = m->res_ctx > mc ? m->res_ctx : mc;
             bound = (int32_t)(cap < res ? cap : res);
-            selects = kr_model_config_count(c, KR_LAYER_DSA) > 0 && batch_max_ctx(b) > c->idx_topk;
+            selects = mc > c->idx_topk; /* ws->dsa_select of this step (always set without D layers: topk 0) */
         }
         if (bucket > 0 && mb < (1 << 14) && pad_batch(m, b, bucket, mb, bound, &padded) == KR_OK) {
             run = &padded;
