@@ -242,6 +242,22 @@ static void on_index(void *user, int32_t layer, const struct kr_batch *b, const 
     memcpy(cap->idx[i], idx, (size_t)b->n_tok * (size_t)topk * sizeof(int32_t));
 }
 
+/* Ordinal of layer `layer` among the D layers (calls come per step in layer order). */
+static int32_t d_ordinal(const struct kr_model_config *c, int32_t layer)
+{
+    int32_t ord = 0;
+    for (int32_t l = 0; l < layer; l++) {
+        ord += c->pattern[l] == KR_LAYER_DSA;
+    }
+    return ord;
+}
+
+/* HF's selection [K] for query position t of D layer `ord`. */
+static const int32_t *hf_set(const struct fx_prompt *p, int32_t ord, int32_t t, int32_t K)
+{
+    return p->sets + ((size_t)ord * (size_t)p->n + (size_t)t) * (size_t)K;
+}
+
 static void capture_free(struct capture *cap)
 {
     for (int32_t i = 0; i < cap->n_calls; i++) {
@@ -278,17 +294,13 @@ ParameterizedTest(int *idx, hf_models, index_sets_match_hf)
             struct kr_err err = {{0}};
             cr_assert_eq(kr_run_prompt_logprobs(f.m, f.c, p->ids, p->n, chunks[ci], lp, &err), KR_OK, "%s", err.msg);
             f.m->on_index = NULL;
-            /* calls come per step in layer order: map each to its D-layer ordinal */
             int32_t mismatches = 0, compared = 0;
             for (int32_t k = 0; k < cap.n_calls; k++) {
-                int32_t ord = 0;
-                for (int32_t l = 0; l < cap.layer[k]; l++) {
-                    ord += f.m->cfg.pattern[l] == KR_LAYER_DSA;
-                }
+                const int32_t ord = d_ordinal(&f.m->cfg, cap.layer[k]);
                 for (int32_t j = 0; j < cap.n_tok[k]; j++) {
                     const int32_t t = cap.pos0[k] + j;
                     const int32_t *ours = cap.idx[k] + (size_t)j * K;
-                    const int32_t *hf = p->sets + ((size_t)ord * (size_t)p->n + (size_t)t) * (size_t)K;
+                    const int32_t *hf = hf_set(p, ord, t, K);
                     compared++;
                     if (memcmp(ours, hf, (size_t)K * sizeof(int32_t)) != 0) {
                         if (mismatches++ < 3) {
@@ -461,14 +473,11 @@ ParameterizedTest(int *idx, hf_models, fp8_indexer_stays_close_to_hf)
         cr_assert_eq(kr_run_prompt_logprobs(f.m, f.c, p->ids, p->n, 0, lp, &err), KR_OK, "%s", err.msg);
         f.m->on_index = NULL;
         for (int32_t k = 0; k < cap.n_calls; k++) {
-            int32_t ord = 0;
-            for (int32_t l = 0; l < cap.layer[k]; l++) {
-                ord += f.m->cfg.pattern[l] == KR_LAYER_DSA;
-            }
+            const int32_t ord = d_ordinal(&f.m->cfg, cap.layer[k]);
             for (int32_t j = 0; j < cap.n_tok[k]; j++) {
                 const int32_t t = cap.pos0[k] + j;
                 const int32_t *ours = cap.idx[k] + (size_t)j * K;
-                const int32_t *hf = p->sets + ((size_t)ord * (size_t)p->n + (size_t)t) * (size_t)K;
+                const int32_t *hf = hf_set(p, ord, t, K);
                 int32_t n_sel = 0, n_same = 0;
                 for (int32_t a = 0; a < K; a++) {
                     if (hf[a] < 0) {
