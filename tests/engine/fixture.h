@@ -39,6 +39,15 @@ void fx_load_on(struct fx *f, const char *family, const char *name, kr_backend_t
 const char *fx_root(void);
 void fx_free(struct fx *f);
 
+/* Every HF fixture, in a fixed order: tests parameterized over fixtures take indices into it (test
+ * processes may be fresh executions of the binary, where pointers mean nothing). Indices 5..9 have
+ * D layers. */
+struct fx_id {
+    const char *family, *name;
+};
+#define FX_N_ALL 10
+extern const struct fx_id fx_all[FX_N_ALL];
+
 /* One sequence for the multi-sequence driver. */
 struct drv_seq {
     const int32_t *prompt;   /* [n_prompt] */

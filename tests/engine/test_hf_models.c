@@ -20,17 +20,7 @@
 #define SELF_TOL 1e-4
 #define FP8_MIN_OVERLAP 0.85
 
-static const struct {
-    const char *family, *name;
-} fixtures[] = {
-    {"nemotron_h", "nh_mamba_attn_mlp"}, {"nemotron_h", "nh_moe"},       {"nemotron_h", "nh_tied_f32"},
-    {"nemotron_h", "nh_gated"},          {"nemotron_h", "nh_long_chunks"}, {"deepseek_v32", "ds_yarn"},
-    {"deepseek_v32", "ds_fp8"},          {"deepseek_v32", "ds_short"},   {"hybrid", "hy_mdme"},
-    {"hybrid", "hy_plus"},
-};
-#define N_FIXTURES ((int)(sizeof fixtures / sizeof fixtures[0]))
-/* Parameters are fixture indices: test processes may be fresh executions of the binary, where
- * pointers from the parent's address space mean nothing. */
+#define N_FIXTURES FX_N_ALL
 static int fixture_idx[N_FIXTURES] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9};
 _Static_assert(sizeof fixture_idx / sizeof fixture_idx[0] == N_FIXTURES, "one index per fixture");
 
@@ -43,9 +33,9 @@ _Static_assert(sizeof fixture_idx / sizeof fixture_idx[0] == N_FIXTURES, "one in
 FIXTURE_PARAMS(prompt_logprobs_match_hf)
 ParameterizedTest(int *idx, hf_models, prompt_logprobs_match_hf)
 {
-    const char *const *name = &fixtures[*idx].name;
+    const char *const *name = &fx_all[*idx].name;
     struct fx f;
-    fx_load(&f, fixtures[*idx].family, *name, 2, 2);
+    fx_load(&f, fx_all[*idx].family, *name, 2, 2);
     for (int32_t i = 0; i < f.n_prompts; i++) {
         struct fx_prompt *p = &f.prompts[i];
         float *lp = kr_malloc((size_t)p->n * (size_t)f.vocab * sizeof(float));
@@ -63,9 +53,9 @@ ParameterizedTest(int *idx, hf_models, prompt_logprobs_match_hf)
 FIXTURE_PARAMS(greedy_matches_hf)
 ParameterizedTest(int *idx, hf_models, greedy_matches_hf)
 {
-    const char *const *name = &fixtures[*idx].name;
+    const char *const *name = &fx_all[*idx].name;
     struct fx f;
-    fx_load(&f, fixtures[*idx].family, *name, 2, 2);
+    fx_load(&f, fx_all[*idx].family, *name, 2, 2);
     for (int32_t i = 0; i < f.n_prompts; i++) {
         struct fx_prompt *p = &f.prompts[i];
         int32_t out[64], n_out = 0;
@@ -91,9 +81,9 @@ ParameterizedTest(int *idx, hf_models, greedy_matches_hf)
 FIXTURE_PARAMS(prefill_then_decode_equals_prefill)
 ParameterizedTest(int *idx, hf_models, prefill_then_decode_equals_prefill)
 {
-    const char *const *name = &fixtures[*idx].name;
+    const char *const *name = &fx_all[*idx].name;
     struct fx f;
-    fx_load(&f, fixtures[*idx].family, *name, 2, 2);
+    fx_load(&f, fx_all[*idx].family, *name, 2, 2);
     for (int32_t i = 0; i < f.n_prompts; i++) {
         struct fx_prompt *p = &f.prompts[i];
         if (p->n < 3) {
@@ -143,9 +133,9 @@ ParameterizedTest(int *idx, hf_models, prefill_then_decode_equals_prefill)
 FIXTURE_PARAMS(any_chunking_equals_one_shot)
 ParameterizedTest(int *idx, hf_models, any_chunking_equals_one_shot)
 {
-    const char *const *name = &fixtures[*idx].name;
+    const char *const *name = &fx_all[*idx].name;
     struct fx f;
-    fx_load(&f, fixtures[*idx].family, *name, 2, 2);
+    fx_load(&f, fx_all[*idx].family, *name, 2, 2);
     static const int32_t chunks[] = {1, 2, 3, 5, 7, 8, 13, 16, 17, 31, 64};
     for (int32_t i = 0; i < f.n_prompts; i++) {
         struct fx_prompt *p = &f.prompts[i];
@@ -173,9 +163,9 @@ ParameterizedTest(int *idx, hf_models, any_chunking_equals_one_shot)
 FIXTURE_PARAMS(mixed_batch_equals_alone)
 ParameterizedTest(int *idx, hf_models, mixed_batch_equals_alone)
 {
-    const char *const *name = &fixtures[*idx].name;
+    const char *const *name = &fx_all[*idx].name;
     struct fx f;
-    fx_load(&f, fixtures[*idx].family, *name, 2, 16);
+    fx_load(&f, fx_all[*idx].family, *name, 2, 16);
     const int32_t ns = f.n_prompts;
     struct drv_seq together[16], alone;
     static const int32_t chunk_of[] = {3, 64, 1, 7, 16, 5};
@@ -275,9 +265,9 @@ ParameterizedTestParameters(hf_models, index_sets_match_hf)
  * prompt is prefilled at once or in chunks (queries see every cached key). */
 ParameterizedTest(int *idx, hf_models, index_sets_match_hf)
 {
-    const char *name = fixtures[*idx].name;
+    const char *name = fx_all[*idx].name;
     struct fx f;
-    fx_load(&f, fixtures[*idx].family, name, 2, 2);
+    fx_load(&f, fx_all[*idx].family, name, 2, 2);
     const int32_t K = (int32_t)f.m->cfg.idx_topk;
     int32_t n_d = kr_model_config_count(&f.m->cfg, KR_LAYER_DSA);
     cr_assert_gt(n_d, 0);
@@ -359,9 +349,9 @@ ParameterizedTestParameters(hf_models, dsa_equals_dense_mla_when_context_fits)
  * different ones on prompts longer than the original index_topk (the selection matters there). */
 ParameterizedTest(int *idx, hf_models, dsa_equals_dense_mla_when_context_fits)
 {
-    const char *name = fixtures[*idx].name;
+    const char *name = fx_all[*idx].name;
     struct fx f, dense;
-    fx_load(&f, fixtures[*idx].family, name, 2, 2);
+    fx_load(&f, fx_all[*idx].family, name, 2, 2);
     const int64_t K = f.m->cfg.idx_topk;
     char tmp[64];
     copy_with_topk(f.dir, tmp, sizeof tmp, 1000000);
@@ -456,9 +446,9 @@ ParameterizedTestParameters(hf_models, fp8_indexer_stays_close_to_hf)
  * so they bound nothing useful.) */
 ParameterizedTest(int *idx, hf_models, fp8_indexer_stays_close_to_hf)
 {
-    const char *name = fixtures[*idx].name;
+    const char *name = fx_all[*idx].name;
     struct fx f;
-    fx_load(&f, fixtures[*idx].family, name, 2, 2);
+    fx_load(&f, fx_all[*idx].family, name, 2, 2);
     struct kr_err err = {{0}};
     cr_assert_eq(kr_model_set_indexer(f.m, KR_INDEXER_FP8, &err), KR_OK, "%s", err.msg);
     const int32_t K = (int32_t)f.m->cfg.idx_topk;
@@ -520,9 +510,9 @@ ParameterizedTestParameters(hf_models, short_contexts_skip_the_indexer_queries)
  * prompts that fit, grows for longer ones, and both still match HF (prompt_logprobs_match_hf). */
 ParameterizedTest(int *idx, hf_models, short_contexts_skip_the_indexer_queries)
 {
-    const char *name = fixtures[*idx].name;
+    const char *name = fx_all[*idx].name;
     struct fx f;
-    fx_load(&f, fixtures[*idx].family, name, 2, 2);
+    fx_load(&f, fx_all[*idx].family, name, 2, 2);
     const int64_t K = f.m->cfg.idx_topk;
     const int32_t n_d = kr_model_config_count(&f.m->cfg, KR_LAYER_DSA);
     int32_t n_short = 0;

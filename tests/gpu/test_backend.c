@@ -39,15 +39,7 @@ static bool discrete(const struct kr_model *m)
     return m->cfg.n_expert > 0 || strchr(m->cfg.pattern, 'D') != NULL;
 }
 
-static const struct {
-    const char *family, *name;
-} fixtures[] = {
-    {"nemotron_h", "nh_mamba_attn_mlp"}, {"nemotron_h", "nh_moe"},         {"nemotron_h", "nh_tied_f32"},
-    {"nemotron_h", "nh_gated"},          {"nemotron_h", "nh_long_chunks"}, {"deepseek_v32", "ds_yarn"},
-    {"deepseek_v32", "ds_fp8"},          {"deepseek_v32", "ds_short"},     {"hybrid", "hy_mdme"},
-    {"hybrid", "hy_plus"},
-};
-#define N_FIXTURES ((int)(sizeof fixtures / sizeof fixtures[0]))
+#define N_FIXTURES FX_N_ALL
 static int fixture_idx[N_FIXTURES] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9};
 
 #define FIXTURE_PARAMS(test)                                                                       \
@@ -62,7 +54,7 @@ static void load_cuda(struct fx *f, int idx, int n_slots, bool graphs)
     kr_backend_t be = NULL;
     struct kr_err err = {{0}};
     cr_assert_eq(kr_backend_cuda_create(0, graphs, &be, &err), KR_OK, "%s", err.msg);
-    fx_load_on(f, fixtures[idx].family, fixtures[idx].name, be, n_slots);
+    fx_load_on(f, fx_all[idx].family, fx_all[idx].name, be, n_slots);
 }
 
 FIXTURE_PARAMS(prompt_logprobs_match_hf)
@@ -71,7 +63,7 @@ ParameterizedTest(int *idx, cuda_backend, prompt_logprobs_match_hf)
     GT_REQUIRE_GPU();
     struct fx f;
     load_cuda(&f, *idx, 2, true);
-    const char *name = fixtures[*idx].name;
+    const char *name = fx_all[*idx].name;
     for (int32_t i = 0; i < f.n_prompts; i++) {
         struct fx_prompt *p = &f.prompts[i];
         float *lp = kr_malloc((size_t)p->n * (size_t)f.vocab * sizeof(float));
@@ -116,7 +108,7 @@ ParameterizedTest(int *idx, cuda_backend, greedy_matches_hf)
     GT_REQUIRE_GPU();
     struct fx f;
     load_cuda(&f, *idx, 2, true);
-    const char *name = fixtures[*idx].name;
+    const char *name = fx_all[*idx].name;
     int32_t compared_all = 0;
     for (int32_t i = 0; i < f.n_prompts; i++) {
         struct fx_prompt *p = &f.prompts[i];
@@ -254,10 +246,10 @@ ParameterizedTest(int *idx, cuda_backend, batch_composition_independent)
     drive(&f, &batched, 0, N, start, chunk, DEC);
     int32_t flips = 0;
     for (int32_t i = 0; i < N; i++) {
-        flips += expect_same_seq(&f, &alone, &batched, i, fixtures[*idx].name);
+        flips += expect_same_seq(&f, &alone, &batched, i, fx_all[*idx].name);
     }
     /* a flip needs a near-tie in some routing or selection decision: rare, not the rule */
-    cr_expect_leq(flips, N / 2, "%s: %d of %d sequences took a different branch batched", fixtures[*idx].name, flips,
+    cr_expect_leq(flips, N / 2, "%s: %d of %d sequences took a different branch batched", fx_all[*idx].name, flips,
                   N);
     run_free(&alone, N);
     run_free(&batched, N);
@@ -368,7 +360,7 @@ static void padded_graph_check(int idx)
             }
         }
     }
-    cr_expect_eq(changed, 0, "%s: %lld state slots or cache blocks of other sequences changed", fixtures[idx].name,
+    cr_expect_eq(changed, 0, "%s: %lld state slots or cache blocks of other sequences changed", fx_all[idx].name,
                  (long long)changed);
     kr_free(logits);
     kr_free(before);
