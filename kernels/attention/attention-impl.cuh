@@ -48,14 +48,6 @@ struct Args {
     struct krk_batch b;
 };
 
-// 2^x by the hardware approximation (relative error ~2^-22); exp2(-inf) = +0.
-__device__ __forceinline__ float exp2_approx(float x)
-{
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-
 // Offset (elements) of the cache row holding position `pos` of the sequence whose block table row
 // is `bt`, KV head 0 (int64: caches exceed 2^31 elements).
 __device__ __forceinline__ int64_t cache_row(const int32_t *bt, int pos, int block_size, int64_t row_len)

@@ -159,8 +159,7 @@ template <int DP, int BN> __global__ void __launch_bounds__(PF_THREADS) prefill_
                     }
                 }
             }
-            // scale to base 2, causal mask, running max
-            float mx[2] = {m_r[0], m_r[1]};
+            // scale to base 2, causal mask; then the online softmax
 #pragma unroll
             for (int n = 0; n < BN / 8; n++) {
 #pragma unroll
@@ -168,32 +167,9 @@ template <int DP, int BN> __global__ void __launch_bounds__(PF_THREADS) prefill_
                     const int j = kt * BN + n * 8 + (lane & 3) * 2 + (e & 1);
                     const int pq = e < 2 ? pos_lo : pos_hi;
                     sc[n][e] = j <= pq ? sc[n][e] * a.scale_log2 : -INFINITY;
-                    mx[e >> 1] = fmaxf(mx[e >> 1], sc[n][e]);
                 }
             }
-            float mref[2];
-#pragma unroll
-            for (int r = 0; r < 2; r++) {
-                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-                mref[r] = mx[r] == -INFINITY ? 0.0f : mx[r]; // row with no key yet
-                const float corr = exp2_approx(m_r[r] - mref[r]);
-                m_r[r] = mx[r];
-                l_r[r] *= corr;
-#pragma unroll
-                for (int n = 0; n < DP / 8; n++) {
-                    o_acc[n][2 * r] *= corr;
-                    o_acc[n][2 * r + 1] *= corr;
-                }
-            }
-#pragma unroll
-            for (int n = 0; n < BN / 8; n++) {
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    sc[n][e] = exp2_approx(sc[n][e] - mref[e >> 1]);
-                    l_r[e >> 1] += sc[n][e];
-                }
-            }
+            flash_softmax_step(sc, m_r, l_r, o_acc);
             // O += P V: the score accumulators of two key octets form one A fragment
 #pragma unroll
             for (int kk = 0; kk < BN / 16; kk++) {

@@ -56,4 +56,45 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi)
     return (uint32_t)f32_to_bf16(lo) | ((uint32_t)f32_to_bf16(hi) << 16);
 }
 
+// One online-softmax step of flash attention for the two rows a thread holds in m16 accumulator
+// tiles (row g = lane / 4 in elements 0-1, row g + 8 in elements 2-3). sc: the key tile's scores in
+// base 2, masked keys -inf (NS tiles of 8 keys); m, l: the rows' running max and sum; o: the NO output
+// tiles, rescaled to the new max. sc becomes the probabilities, added to l (this thread's share:
+// sum l over the 4 lanes of a row at the end).
+template <int NS, int NO>
+__device__ __forceinline__ void flash_softmax_step(float (&sc)[NS][4], float (&m)[2], float (&l)[2], float (&o)[NO][4])
+{
+    float mx[2] = {m[0], m[1]};
+#pragma unroll
+    for (int n = 0; n < NS; n++) {
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            mx[e >> 1] = fmaxf(mx[e >> 1], sc[n][e]);
+        }
+    }
+    float mref[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+        mref[r] = mx[r] == -INFINITY ? 0.0f : mx[r]; // a row with no key yet
+        const float corr = exp2_approx(m[r] - mref[r]); // 0 while m is -inf
+        m[r] = mx[r];
+        l[r] *= corr;
+#pragma unroll
+        for (int n = 0; n < NO; n++) {
+            o[n][2 * r] *= corr;
+            o[n][2 * r + 1] *= corr;
+        }
+    }
+#pragma unroll
+    for (int n = 0; n < NS; n++) {
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            sc[n][e] = exp2_approx(sc[n][e] - mref[e >> 1]); // masked: exp2(-inf) = 0
+            l[e >> 1] += sc[n][e];
+        }
+    }
+}
+
 } // namespace krk

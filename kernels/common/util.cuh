@@ -49,6 +49,14 @@ __device__ __forceinline__ uint16_t f32_to_bf16(float f)
     return __bfloat16_as_ushort(__float2bfloat16_rn(f));
 }
 
+// 2^x by the hardware approximation (relative error ~2^-22); exp2(-inf) = +0.
+__device__ __forceinline__ float exp2_approx(float x)
+{
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
 __device__ __forceinline__ float warp_sum(float v)
 {
 #pragma unroll

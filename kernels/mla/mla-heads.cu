@@ -145,40 +145,16 @@ template <int R, int ROPE> __global__ void __launch_bounds__(256) mla_heads_kern
                 krk::mma_bf16(sc[2 * nn + 1], qa, kb[2], kb[3]);
             }
         }
-        // scale to base 2, mask, running max per row (rows r_lo and r_lo + 8 of the group)
-        float mx[2] = {m_r[0], m_r[1]};
+        // scale to base 2, mask; then the online softmax of the rows r_lo and r_lo + 8 of the group
 #pragma unroll
         for (int n = 0; n < kBN / 8; n++) {
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 const int jj = n * 8 + (lane & 3) * 2 + (e & 1);
                 sc[n][e] = valid[jj] ? sc[n][e] * scale_log2 : -INFINITY;
-                mx[e >> 1] = fmaxf(mx[e >> 1], sc[n][e]);
             }
         }
-        float mref[2];
-#pragma unroll
-        for (int r = 0; r < 2; r++) {
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-            mref[r] = mx[r] == -INFINITY ? 0.0f : mx[r]; // no visible key yet
-            const float corr = exp2f(m_r[r] - mref[r]);  // 0 while m_r is -inf
-            m_r[r] = mx[r];
-            l_r[r] *= corr;
-#pragma unroll
-            for (int n = 0; n < HALF / 8; n++) {
-                o_acc[n][2 * r] *= corr;
-                o_acc[n][2 * r + 1] *= corr;
-            }
-        }
-#pragma unroll
-        for (int n = 0; n < kBN / 8; n++) {
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                sc[n][e] = exp2f(sc[n][e] - mref[e >> 1]); // masked: exp2(-inf) = 0
-                l_r[e >> 1] += sc[n][e];
-            }
-        }
+        krk::flash_softmax_step(sc, m_r, l_r, o_acc);
         // O[:, half] += P V: two key octets of scores form one A fragment; V = c_kv columns
 #pragma unroll
         for (int kk = 0; kk < kBN / 16; kk++) {
