@@ -43,7 +43,7 @@ test-cuda-build:
 	  cmake -S . -B $(CUDA_BUILD) -DCMAKE_BUILD_TYPE=Release -DKR_WITH_CUDA=ON -DKR_WERROR=ON -DKR_BUILD_TESTS=ON && \
 	  cmake --build $(CUDA_BUILD) -j $(JOBS) && \
 	  (cd $(CUDA_BUILD) && ctest --output-on-failure -V -L gpu > gpu-tests.log 2>&1; rc=$$?; \
-	   grep -aE "test_cuda:|Synthesis|tests passed|Failed" gpu-tests.log; exit $$rc); \
+	   grep -aE "test_cuda:|Synthesis|tests passed|Failed|Skipped|did not run" gpu-tests.log; exit $$rc); \
 	else echo "nvcc not found: skipping the CUDA build check"; fi
 
 bench: build

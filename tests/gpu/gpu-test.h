@@ -21,6 +21,8 @@
     } while (0)
 
 bool gt_have_gpu(void);
+/* Exit status of test_cuda when it ran on a machine without a GPU (every test skipped). */
+#define GT_SKIPPED 77
 /* Fixture directory: $KR_FIXTURES when set (the tree moved), else the build-time path. */
 const char *gt_fixtures(void);
 
