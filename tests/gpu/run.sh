@@ -2,14 +2,16 @@
 # Runs every GPU test and benchmark on a GPU machine, from a build made elsewhere (it builds
 # nothing) and prints a summary table last. Logs go to $OUT (or ./gpu-out) as one archive.
 #   tests/gpu/run.sh [--build DIR] [--no-tests] [--no-bench] [--no-hf] [--shape NAME] [--synth DIR]
-#                    [--bench-args "..."]
+#                    [--bench-args "..."] [--deadline SECONDS]
+# --deadline: the whole run's time (default 560 s); each stage gets at most what is left, a stage
+# that would start with under 20 s left is skipped, and the logs are packed even when it is cut.
 # --shape: a shape of tools/bench/synth_model.py (nemotron_h_8b, hybrid_dsa_8b, hybrid_mla_8b).
 # Build first (on any machine with nvcc):
 #   cmake -S . -B build-gpu -DKR_WITH_CUDA=ON -DCMAKE_BUILD_TYPE=Release && cmake --build build-gpu -j
 #   then put the shared libraries the GPU machine lacks (libcriterion, ...) next to test_cuda,
 #   bench_cuda and bench_sched
 set -u
-build=build-gpu tests=1 bench=1 hf=1 shape=nemotron_h_8b synth= bench_args=""
+build=build-gpu tests=1 bench=1 hf=1 shape=nemotron_h_8b synth= bench_args="" deadline=560
 while [ $# -gt 0 ]; do
   case $1 in
     --build) build=$2; shift ;;
@@ -19,6 +21,7 @@ while [ $# -gt 0 ]; do
     --synth) synth=$2; shift ;;
     --shape) shape=$2; shift ;;
     --bench-args) bench_args=$2; shift ;;
+    --deadline) deadline=$2; shift ;;
     *) echo "run.sh: unknown option $1" >&2; exit 2 ;;
   esac
   shift
@@ -30,6 +33,19 @@ export LD_LIBRARY_PATH=$PWD/$build/devlibs:${LD_LIBRARY_PATH:-}
 export KR_FIXTURES=$PWD/tests/fixtures
 summary=$logs/summary.md
 t_start=$(date +%s)
+# seconds a stage may take: at most $1, at most what is left of the deadline; 0 when under 20 s
+left() {
+  local r=$(( deadline - ($(date +%s) - t_start) ))
+  [ $r -lt 20 ] && { echo 0; return; }
+  [ $r -gt $1 ] && r=$1
+  echo $r
+}
+# runs "$@" under timeout with a budget of at most $1 seconds; skipped (rc 125) past the deadline
+run_for() {
+  local b; b=$(left $1); shift
+  [ "$b" = 0 ] && { echo "skipped: deadline reached"; return 125; }
+  timeout "$b" "$@"
+}
 {
   echo "# GPU run $(date -u +%Y-%m-%dT%H:%MZ)"
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader 2>/dev/null | sed 's/^/device: /'
@@ -42,7 +58,7 @@ if [ $tests = 1 ]; then
   bin=$build/tests/gpu/test_cuda
   for suite in $("$bin" --list 2>/dev/null | grep -av '^[│├└ ]' | cut -d: -f1); do
     s=$(date +%s)
-    timeout 300 "$bin" --filter "$suite/*" --jobs 4 --verbose=1 > "$logs/$suite.log" 2>&1
+    run_for 300 "$bin" --filter "$suite/*" --jobs 4 --verbose=1 > "$logs/$suite.log" 2>&1
     rc=$?
     e=$(( $(date +%s) - s ))
     syn=$(grep -a "Synthesis:" "$logs/$suite.log" | tail -1)
@@ -59,32 +75,32 @@ fi
 if [ $bench = 1 ]; then
   if [ ! -f "$synth/config.json" ]; then
     s=$(date +%s)
-    PYTHONUNBUFFERED=1 python3 tools/bench/synth_model.py make --shape "$shape" --out "$synth" > "$logs/synth.log" 2>&1 \
+    PYTHONUNBUFFERED=1 run_for 300 python3 tools/bench/synth_model.py make --shape "$shape" --out "$synth" > "$logs/synth.log" 2>&1 \
       || echo "synthetic checkpoint failed (see synth.log)"
     echo "synthetic checkpoint: $(( $(date +%s) - s )) s" >> "$logs/synth.log"
   fi
   if [ -f "$synth/config.json" ]; then
-    timeout 400 "$build/bench/bench_cuda" --profile --json "$logs/bench.jsonl" $bench_args "$synth" > "$logs/bench.md" 2>&1
+    run_for 400 "$build/bench/bench_cuda" --profile --json "$logs/bench.jsonl" $bench_args "$synth" > "$logs/bench.md" 2>&1
     echo "bench_cuda rc=$?" >> "$logs/bench.md"
     # the GEMV variant that reads x through L1 (decode at 1-2 sequences), for comparison
-    KRAIT_GEMV=l1 timeout 120 "$build/bench/bench_cuda" --batches 1,2 --prefill 512 --steps 24 "$synth" \
+    KRAIT_GEMV=l1 run_for 120 "$build/bench/bench_cuda" --batches 1,2 --prefill 512 --steps 24 "$synth" \
       > "$logs/bench-gemv-l1.md" 2>&1
     echo "bench_cuda (KRAIT_GEMV=l1) rc=$?" >> "$logs/bench-gemv-l1.md"
     # MLA shapes: the tensor-core variants (indexer scores, head-batched attention), same benchmark
     if [ "$shape" = hybrid_dsa_8b ] || [ "$shape" = hybrid_mla_8b ]; then
-      KRAIT_CUDA_GRAPHS_MLA=1 KRAIT_DSA_SCORE=mma KRAIT_MLA_ATTN=heads timeout 400 "$build/bench/bench_cuda" $bench_args "$synth" \
+      KRAIT_CUDA_GRAPHS_MLA=1 KRAIT_DSA_SCORE=mma KRAIT_MLA_ATTN=heads run_for 400 "$build/bench/bench_cuda" $bench_args "$synth" \
         > "$logs/bench-dsa-mma.md" 2>&1
       echo "bench_cuda (KRAIT_CUDA_GRAPHS_MLA=1 KRAIT_DSA_SCORE=mma KRAIT_MLA_ATTN=heads) rc=$?" >> "$logs/bench-dsa-mma.md"
     fi
     # engine host overhead: the gap between back-to-back decode steps (16 and 64 sequences)
     if [ -x "$build/bench/bench_sched" ]; then
       for n in 16 64; do
-        timeout 120 "$build/bench/bench_sched" "$synth" $n 48 cuda >> "$logs/bench-sched.md" 2>&1
+        run_for 120 "$build/bench/bench_sched" "$synth" $n 48 cuda >> "$logs/bench-sched.md" 2>&1
         echo "bench_sched $n rc=$?" >> "$logs/bench-sched.md"
       done
     fi
     if [ $hf = 1 ]; then
-      PYTHONUNBUFFERED=1 timeout 300 python3 tools/bench/synth_model.py hf-bench --model "$synth" --out "$logs/hf.json" \
+      PYTHONUNBUFFERED=1 run_for 300 python3 tools/bench/synth_model.py hf-bench --model "$synth" --out "$logs/hf.json" \
         --budget-s ${HF_BUDGET_S:-150} > "$logs/hf.log" 2>&1
       echo "hf-bench rc=$?" >> "$logs/hf.log"
     fi
