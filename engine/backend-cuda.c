@@ -59,8 +59,9 @@ struct cuda_ctx {
     atomic_bool failed;    /* a sticky CUDA error: the backend refuses further work (read by /health) */
     bool graphs_on;
     enum krk_gemv_variant gemv_variant; /* KRAIT_GEMV=l1 reads x through L1 in the n <= 2 GEMV */
+    bool pdl;                           /* KRAIT_PDL=1: GEMVs launch as programmatic dependents */
     int32_t dsa_score;                  /* KRAIT_DSA_SCORE=mma: indexer scores on bf16 tensor cores */
-    bool graphs_mla;                    /* KRAIT_CUDA_GRAPHS_MLA=1: capture steps of models with MLA layers */
+    bool graphs_mla;                    /* capture steps of models with MLA layers (KRAIT_CUDA_GRAPHS_MLA=0: not) */
     int32_t mla_attn;                   /* KRAIT_MLA_ATTN=heads: all heads of a token per block, tensor cores */
     size_t bytes_alloc;    /* device bytes taken through buf_alloc/upload */
 
@@ -695,6 +696,27 @@ static enum kr_status cuda_scale_impl(kr_backend_t be, float *y, float s, int64_
     return krk_scale(y, s, n, c->stream);
 }
 
+/* The DSA indexer's FP8 path: krk_fp8_round is the CPU reference's fp8_round bit for bit (tested);
+ * it always applies the Hadamard transform, as the indexer does. */
+static enum kr_status cuda_fp8_round_impl(kr_backend_t be, const struct kr_fp8_round_params *p)
+{
+    struct cuda_ctx *c = ctx_of(be);
+    if (!p->hadamard) {
+        return KR_ERR_UNSUPPORTED;
+    }
+    if (p->n < 0 || p->ld < p->dim || p->dim < 32 || p->dim > 1024 || (p->dim & (p->dim - 1)) != 0 ||
+        p->block < 1 || p->dim % p->block != 0 || p->block * 32 < p->dim) {
+        return KR_ERR_INVAL;
+    }
+    if (p->n == 0) {
+        return KR_OK;
+    }
+    KR_TRY(op_enter(c));
+    const struct krk_fp8_round_params k = {.x = p->x, .ld = p->ld, .n = p->n, .dim = p->dim, .block = p->block,
+                                           .ue8m0 = p->ue8m0};
+    return krk_fp8_round(&k, c->stream);
+}
+
 static enum kr_status cuda_add(kr_backend_t be, float *y, const float *x, int64_t n)
 {
     struct cuda_ctx *c = ctx_of(be);
@@ -736,7 +758,8 @@ static enum kr_status cuda_matmul_impl(kr_backend_t be, const float *x, int64_t 
         return KR_ERR_UNSUPPORTED;
     } else if (n <= KRK_GEMV_MAX_N && cols % 8 == 0) {
         struct krk_gemv_params p = {.x = x, .ldx = ldx, .w = w->data, .bias = bias, .n = n, .rows = rows,
-                                    .cols = cols, .y = y, .ldy = ldy, .variant = c->gemv_variant};
+                                    .cols = cols, .y = y, .ldy = ldy, .variant = c->gemv_variant,
+                                    .pdl = c->pdl && !c->prof.on};
         st = krk_gemv(&p, c->stream);
     } else {
         const krk_bf16 *xb = NULL;
@@ -1106,6 +1129,7 @@ TIMED(cuda_rope, P_EMBED, (kr_backend_t be, const struct kr_rope_params *p), (be
 TIMED(cuda_mla_cache_write, P_MLA, (kr_backend_t be, const struct kr_mla_cache_params *p), (be, p))
 TIMED(cuda_dsa_index, P_MLA, (kr_backend_t be, const struct kr_dsa_index_params *p), (be, p))
 TIMED(cuda_mla_attention, P_MLA, (kr_backend_t be, const struct kr_mla_attn_params *p), (be, p))
+TIMED(cuda_fp8_round, P_MLA, (kr_backend_t be, const struct kr_fp8_round_params *p), (be, p))
 
 #undef TIMED
 
@@ -1284,18 +1308,21 @@ enum kr_status kr_backend_cuda_create(int dev, bool graphs, kr_backend_t *out, s
         .mla_cache_write = cuda_mla_cache_write,
         .dsa_index = cuda_dsa_index,
         .mla_attention = cuda_mla_attention,
+        .fp8_round = cuda_fp8_round,
         .sample = cuda_sample,
     };
     c->dev = dev;
     c->graphs_on = graphs;
     const char *gm = getenv("KRAIT_CUDA_GRAPHS_MLA");
-    c->graphs_mla = gm && !strcmp(gm, "1");
+    c->graphs_mla = !(gm && !strcmp(gm, "0"));
     const char *ma = getenv("KRAIT_MLA_ATTN");
     c->mla_attn = ma && !strcmp(ma, "heads") ? KRK_MLA_ATTN_HEADS : KRK_MLA_ATTN_PER_HEAD;
     const char *ds = getenv("KRAIT_DSA_SCORE");
     c->dsa_score = ds && !strcmp(ds, "mma") ? KRK_DSA_SCORE_MMA : KRK_DSA_SCORE_FP32;
     const char *gv = getenv("KRAIT_GEMV");
     c->gemv_variant = gv && !strcmp(gv, "l1") ? KRK_GEMV_L1 : KRK_GEMV_STAGED;
+    const char *pd = getenv("KRAIT_PDL");
+    c->pdl = pd && !strcmp(pd, "1");
     char name[128] = "cuda";
     krk_device_describe(dev, name, sizeof name);
     snprintf(c->desc, sizeof c->desc, "cuda:%d (%s)", dev, name);

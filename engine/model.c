@@ -115,7 +115,8 @@ enum kr_status kr_model_set_indexer(struct kr_model *m, enum kr_indexer mode, st
 {
     const struct kr_model_config *c = &m->cfg;
     const int64_t Di = c->idx_head_dim;
-    const bool pow2 = Di > 0 && (Di & (Di - 1)) == 0;
+    /* the Hadamard transform needs a power of two; kernels handle 32..1024 (real models: 128) */
+    const bool pow2 = Di >= 32 && Di <= 1024 && (Di & (Di - 1)) == 0;
     const bool has_d = kr_model_config_count(c, KR_LAYER_DSA) > 0;
     if (mode == KR_INDEXER_FP8) {
         if (!has_d) {
@@ -128,7 +129,7 @@ enum kr_status kr_model_set_indexer(struct kr_model *m, enum kr_indexer mode, st
         }
         if (!pow2) {
             return kr_err_set(err, KR_ERR_UNSUPPORTED,
-                              "%s: the FP8 indexer needs a power-of-two index_head_dim (Hadamard), not %lld", m->dir,
+                              "%s: the FP8 indexer needs index_head_dim a power of two in 32..1024 (Hadamard), not %lld", m->dir,
                               (long long)Di);
         }
         m->idx_fp8 = true;

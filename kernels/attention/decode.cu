@@ -26,6 +26,7 @@ __device__ __forceinline__ void bf16x8_to_f32(const uint4 &w, float f[8])
 // throughout, from fp32 queries and the bf16 cache.
 template <int NT, int L, int HB, int KB> __global__ void __launch_bounds__(NT) decode_kernel(Args a)
 {
+    pdl_trigger();
     constexpr int NG = NT / L;  // lane groups in the block
     constexpr int GPW = 32 / L; // lane groups in a warp
     __shared__ float sh_m[NG][HB], sh_l[NG][HB];
@@ -211,6 +212,7 @@ template <int NT, int L, int HB, int KB> __global__ void __launch_bounds__(NT) d
 // One block per (token, query head): merges the active splits' partial sums.
 __global__ void __launch_bounds__(COMBINE_THREADS) combine_kernel(Args a)
 {
+    pdl_trigger();
     const int t = blockIdx.x, h = blockIdx.y;
     const int hd = a.head_dim;
     float *o = a.out + (int64_t)t * a.n_head * hd + (int64_t)h * hd;

@@ -38,6 +38,25 @@
 
 namespace krk {
 
+// Launches kernel<<<grid, block, smem, stream>>>(args...), as a programmatic dependent of the
+// previous kernel in the stream when `pdl` (see pdl_wait).
+template <typename... K, typename... A>
+cudaError_t launch_maybe_pdl(bool pdl, void (*kernel)(K...), dim3 grid, dim3 block, size_t smem,
+                             cudaStream_t stream, A... args)
+{
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = pdl ? 1 : 0;
+    return cudaLaunchKernelEx(&cfg, kernel, static_cast<K>(args)...);
+}
+
 __device__ __forceinline__ float bf16_to_f32(uint16_t h)
 {
     return __uint_as_float((uint32_t)h << 16);
@@ -47,6 +66,20 @@ __device__ __forceinline__ float bf16_to_f32(uint16_t h)
 __device__ __forceinline__ uint16_t f32_to_bf16(float f)
 {
     return __bfloat16_as_ushort(__float2bfloat16_rn(f));
+}
+
+// Programmatic dependent launch (sm_90): a kernel launched as a programmatic dependent of the one
+// before it (krk_launch_pdl) may start while that one drains; pdl_wait() blocks until it has
+// completed and its writes are visible, so everything before the wait must read only data no
+// earlier kernel writes (weights). pdl_trigger() lets the next kernel launch once every block of
+// this one has called it or exited. Both are no-ops for kernels launched normally.
+__device__ __forceinline__ void pdl_wait()
+{
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+__device__ __forceinline__ void pdl_trigger()
+{
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
 
 // 2^x by the hardware approximation (relative error ~2^-22); exp2(-inf) = +0.

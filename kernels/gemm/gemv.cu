@@ -90,6 +90,8 @@ __global__ void __launch_bounds__(W * 32)
         const int len = (int)(cols < ch ? cols : ch);
         load_steps<RW, U>(cur, wr, rv, all_rows, 0, 0, (len + 255) / 256, len, lane);
     }
+    pdl_trigger();
+    pdl_wait(); // x and y belong to earlier kernels; the weights above do not
     for (int64_t c0 = 0; c0 < cols; c0 += ch) {
         const int len = (int)(cols - c0 < ch ? cols - c0 : ch); // a multiple of 8
         const int padded = (len + 255) / 256 * 256;             // <= ch
@@ -189,9 +191,8 @@ enum kr_status launch_gemv_cfg(const struct krk_gemv_params *p, cudaStream_t str
     const int64_t blocks = (p->rows + rows_per_block - 1) / rows_per_block;
     KRK_REQUIRE(blocks <= INT32_MAX);
     const size_t smem = (size_t)N * (size_t)ch * sizeof(float);
-    gemv_kernel<N, RW, U, W>
-        <<<(unsigned)blocks, W * 32, smem, stream>>>(p->x, p->ldx, p->w, p->bias, p->rows, p->cols, ch, p->y, p->ldy);
-    KRK_CHECK_LAUNCH();
+    KRK_CUDA_TRY(launch_maybe_pdl(p->pdl, gemv_kernel<N, RW, U, W>, dim3((unsigned)blocks), dim3(W * 32), smem, stream,
+                                  p->x, p->ldx, p->w, p->bias, p->rows, p->cols, ch, p->y, p->ldy));
     return KR_OK;
 }
 

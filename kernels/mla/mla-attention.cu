@@ -137,18 +137,17 @@ __global__ void __launch_bounds__(kThreads) mla_attn_kernel(krk_mla_attn_params 
 
 } // namespace
 
-// The head-batched kernel (mla-heads.cu).
+// The head-batched kernels (mla-heads.cu).
 extern "C" enum kr_status krk_mla_heads(const struct krk_mla_attn_params *p, cudaStream_t stream);
+extern "C" size_t krk_mla_heads_workspace_bytes(int64_t n_tok, int64_t n_head, int64_t kv_lora);
 
-// The kernel keeps q_abs, o_lat and one tile of scores in shared memory and needs
-// no workspace.
+// The per-head kernel keeps q_abs, o_lat and one tile of scores in shared memory and needs no
+// workspace; the head-batched kernels keep Q rows and per-split partial results there (a fixed
+// amount: tokens beyond what fits run in groups, long contexts in fewer, longer splits).
 extern "C" size_t krk_mla_attn_workspace_bytes(int64_t n_tok, int64_t n_head, int64_t kv_lora, int64_t max_ctx)
 {
-    (void)n_tok;
-    (void)n_head;
-    (void)kv_lora;
     (void)max_ctx;
-    return 0;
+    return krk_mla_heads_workspace_bytes(n_tok, n_head, kv_lora);
 }
 
 extern "C" enum kr_status krk_mla_attention(const struct krk_mla_attn_params *p, cudaStream_t stream)

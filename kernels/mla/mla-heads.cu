@@ -1,21 +1,28 @@
 // Absorbed MLA attention with every head of a token in one block, on bf16 tensor cores
-// (KRK_MLA_ATTN_HEADS), so that each cached latent is read once per token instead of once per head.
-// Same semantics as mla_attn_kernel (mla-attention.cu), at bf16 precision of the products:
-//   q_abs[h] = W_UK[h]^T q_nope[h]      fp32 on CUDA cores, then rounded to bf16
-//   Q[h] = [q_abs[h] | q_pe[h]]          a row of D = R + rope bf16 values; padding heads are zero rows
-//   S = Q K^T over tiles of BN keys      K rows are the cached latents [c_kv | k_pe] (bf16), selected by
-//                                        idx or every position <= pos
-//   online softmax per head (fp32, base 2), P rounded to bf16, O += P V with V = c_kv (first R columns)
-//   out[h] = W_UV[h] (O[h] / l[h])       fp32 on CUDA cores
-// The flash-attention structure is that of attention/prefill.cu: warps own 16 head rows (and here
-// one half of O's R columns, so that a thread holds R/2/8 accumulator tiles; both halves compute
-// the same scores), key tiles stream through two cp.async stages.
+// (KRK_MLA_ATTN_HEADS), so that each cached latent is read once per token instead of once per head,
+// and with the keys of a token split over several blocks when there are too few tokens to fill the
+// GPU (flash-decoding). Same semantics as mla_attn_kernel (mla-attention.cu), at bf16 precision of
+// the products. Three kernels per group of tokens:
+//   absorb   Q[t][h] = [bf16(W_UK[h]^T q_nope[t][h]) | bf16(q_pe[t][h])]   fp32 sums, 8 tokens a block
+//            sharing each weight read
+//   split    for each (token, split): S = Q K^T over tiles of BN of the split's keys (K rows are the
+//            cached latents [c_kv | k_pe], selected by idx or every position <= pos), online softmax
+//            per head (fp32, base 2), P rounded to bf16, O += P V with V = c_kv; writes O unnormalized
+//            with its running max m and sum l
+//   combine  O[t][h] = sum_s 2^(m_s - M) O_s / sum_s 2^(m_s - M) l_s, then out[t][h] = W_UV[h] O[t][h]
+//            (fp32), 8 tokens a block sharing each weight read
+// The split kernel's flash-attention structure is that of attention/prefill.cu: warps own 16 head
+// rows (and one half of O's R columns, so that a thread holds R/2/8 accumulator tiles; both halves
+// compute the same scores), key tiles stream through two cp.async stages.
 #include "common/mma.cuh"
 #include "mla/mla-common.cuh"
 
 namespace {
 
-constexpr int kBN = 32; // keys per tile
+constexpr int kBN = 32;         // keys per tile
+constexpr int kTokTile = 8;     // tokens per absorb / combine block
+constexpr int kMaxParts = 512;  // (token, split) partial results per launch group
+constexpr int kMinSplitTiles = 4; // a split covers at least this many key tiles
 
 template <int R, int ROPE> struct HeadsShape {
     static constexpr int D = R + ROPE; // score width
@@ -26,67 +33,120 @@ template <int R, int ROPE> struct HeadsShape {
 template <int R, int ROPE> __host__ __device__ size_t heads_smem_bytes(int hg)
 {
     using S = HeadsShape<R, ROPE>;
-    const size_t tiles = (size_t)(hg * 16 + 2 * kBN) * S::LD * 2; // Q + two key stages, bf16
-    const size_t o_buf = (size_t)hg * 16 * R * 4;                  // O rows (fp32) after the loop
-    return (tiles > o_buf ? tiles : o_buf) + 2 * kBN * 4;          // + key validity of both stages
+    return (size_t)(hg * 16 + 2 * kBN) * S::LD * 2 + 2 * kBN * 4; // Q + two key stages (bf16), key validity
 }
 
-// Grid: one block per token; blockDim = hg * 64 (hg groups of 16 head rows, two column halves).
-template <int R, int ROPE> __global__ void __launch_bounds__(256) mla_heads_kernel(krk_mla_attn_params p, int hg)
+// Workspace of one launch group of tc tokens and ns splits: Q rows [tc][hp][D] bf16, then per part
+// (token, split) O [hp][R] fp32 and (m, l) [hp][2] fp32.
+struct HeadsWs {
+    uint16_t *q;
+    float *o, *ml;
+};
+__host__ __device__ inline size_t heads_ws_bytes(int64_t tc, int64_t ns, int64_t hp, int64_t r, int64_t d)
+{
+    return (size_t)tc * (size_t)(hp * d * 2) + (size_t)tc * (size_t)ns * (size_t)(hp * r * 4 + hp * 8);
+}
+inline HeadsWs heads_ws(void *base, int64_t tc, int64_t ns, int64_t hp, int64_t r, int64_t d)
+{
+    HeadsWs w;
+    w.q = static_cast<uint16_t *>(base);
+    w.o = reinterpret_cast<float *>(static_cast<unsigned char *>(base) + (size_t)tc * (size_t)(hp * d * 2));
+    w.ml = w.o + (size_t)tc * (size_t)ns * (size_t)(hp * r);
+    return w;
+}
+
+// Grid (ceil(tc / kTokTile), n_head), 256 threads; dynamic smem kTokTile * nope floats.
+template <int R, int ROPE>
+__global__ void __launch_bounds__(256) mla_absorb_kernel(krk_mla_attn_params p, int64_t t0, int tc, int hp,
+                                                          uint16_t *qb)
+{
+    constexpr int D = R + ROPE;
+    extern __shared__ float qs[]; // [kTokTile][nope]
+    const int h = blockIdx.y, H = (int)p.n_head, tid = threadIdx.x;
+    const int tt0 = blockIdx.x * kTokTile, nt = tc - tt0 < kTokTile ? tc - tt0 : kTokTile;
+    const int64_t qd = p.nope + ROPE, nope = p.nope;
+    for (int64_t e = tid; e < (int64_t)kTokTile * nope; e += blockDim.x) {
+        const int tt = (int)(e / nope);
+        const int64_t d = e - (int64_t)tt * nope;
+        qs[e] = tt < nt ? p.q[((t0 + tt0 + tt) * H + h) * qd + d] : 0.0f;
+    }
+    __syncthreads();
+    const float *wk = p.kv_b + (int64_t)h * (p.nope + p.v_dim) * R; // W_UK [nope][R]
+    for (int r = tid; r < R; r += blockDim.x) {
+        float acc[kTokTile];
+#pragma unroll
+        for (int tt = 0; tt < kTokTile; tt++) {
+            acc[tt] = 0.0f;
+        }
+        for (int64_t d = 0; d < nope; d++) {
+            const float w = wk[d * R + r];
+#pragma unroll
+            for (int tt = 0; tt < kTokTile; tt++) {
+                acc[tt] = fmaf(qs[tt * nope + d], w, acc[tt]);
+            }
+        }
+        for (int tt = 0; tt < nt; tt++) {
+            qb[((int64_t)(tt0 + tt) * hp + h) * D + r] = krk::f32_to_bf16(acc[tt]);
+        }
+    }
+    for (int e = tid; e < nt * ROPE; e += blockDim.x) {
+        const int tt = e / ROPE, i = e - tt * ROPE;
+        qb[((int64_t)(tt0 + tt) * hp + h) * D + R + i] =
+            krk::f32_to_bf16(p.q[((t0 + tt0 + tt) * H + h) * qd + p.nope + i]);
+    }
+}
+
+// Grid (tc, ns): block (token t0 + x, split y) takes keys [y * spl, (y + 1) * spl) of the token's
+// candidates; blockDim = hg * 64 (hg groups of 16 head rows, two column halves).
+template <int R, int ROPE>
+__global__ void __launch_bounds__(256) mla_split_kernel(krk_mla_attn_params p, int64_t t0, int hg, int ns, int spl,
+                                                         HeadsWs ws)
 {
     using S = HeadsShape<R, ROPE>;
     constexpr int D = S::D, LD = S::LD, CH = S::CH, HALF = R / 2;
     extern __shared__ __align__(16) unsigned char smem[];
     uint16_t *sQ = reinterpret_cast<uint16_t *>(smem); // [hg * 16][LD]
     uint16_t *sK = sQ + hg * 16 * LD;                   // [2][kBN][LD]
-    float *oBuf = reinterpret_cast<float *>(smem);      // [hg * 16][R] after the loop (aliases Q, K)
     int *sValid = reinterpret_cast<int *>(smem + heads_smem_bytes<R, ROPE>(hg) - 2 * kBN * 4); // [2][kBN]
 
     const krk_batch &b = p.batch;
-    const int64_t t = blockIdx.x;
+    const int64_t tl = blockIdx.x, t = t0 + tl;
+    const int split = blockIdx.y;
     const int H = (int)p.n_head, HP = hg * 16;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int nthreads = blockDim.x;
     const int32_t seq = b.tok_seq[t], pos = b.pos[t];
-    float *out = p.out + t * H * p.v_dim;
-    if (b.seq_slot[seq] < 0) { // padding: read no cache, write zeros
-        for (int64_t i = tid; i < (int64_t)H * p.v_dim; i += nthreads) {
-            out[i] = 0.0f;
+    const int64_t part = tl * ns + split;
+    float *o_part = ws.o + part * HP * R, *ml = ws.ml + part * HP * 2;
+
+    const int64_t n_cand = b.seq_slot[seq] < 0 ? 0 : p.idx ? p.topk : (int64_t)pos + 1; // padding: no keys
+    const int64_t j0 = (int64_t)split * spl, j1 = n_cand < j0 + spl ? n_cand : j0 + spl;
+    const int n_kt = j1 > j0 ? (int)((j1 - j0 + kBN - 1) / kBN) : 0;
+    const int rg = warp >> 1, half = warp & 1; // this warp's 16 head rows and half of O's columns
+    if (n_kt == 0) { // nothing to attend: l = 0 marks the part empty for the combine
+        for (int i = tid; i < HP; i += nthreads) {
+            ml[2 * i] = -INFINITY;
+            ml[2 * i + 1] = 0.0f;
         }
         return;
     }
-    const int64_t qd = p.nope + ROPE;
-    const float *kv_b = p.kv_b; // per head: W_UK [nope][R], then W_UV [v_dim][R]
 
-    // Q rows: q_abs in fp32, rounded once; q_pe copied; padding rows zero
-    for (int64_t e = tid; e < (int64_t)HP * R; e += nthreads) {
-        const int h = (int)(e / R), r = (int)(e - (int64_t)h * R);
-        float acc = 0.0f;
-        if (h < H) {
-            const float *qn = p.q + (t * H + h) * qd;
-            const float *wk = kv_b + (int64_t)h * (p.nope + p.v_dim) * R + r;
-            for (int64_t d = 0; d < p.nope; d++) {
-                acc = fmaf(qn[d], wk[d * R], acc);
-            }
-        }
-        sQ[h * LD + r] = krk::f32_to_bf16(acc);
+    // Q rows (padding heads zero), as the first cp.async group
+    for (int i = tid; i < HP * CH; i += nthreads) {
+        const int h = i / CH, c = (i - h * CH) * 8;
+        const bool ok = h < H;
+        krk::cp_async16(sQ + h * LD + c, ok ? ws.q + (tl * HP + h) * D + c : ws.q, ok ? 16 : 0);
     }
-    for (int e = tid; e < HP * (LD - R); e += nthreads) {
-        const int h = e / (LD - R), i = e - h * (LD - R);
-        const float v = h < H && i < ROPE ? p.q[(t * H + h) * qd + p.nope + i] : 0.0f;
-        sQ[h * LD + R + i] = krk::f32_to_bf16(v);
-    }
+    krk::cp_async_commit();
 
-    const int64_t n_cand = p.idx ? p.topk : (int64_t)pos + 1;
-    const int n_kt = (int)((n_cand + kBN - 1) / kBN);
     // latent rows of key tile kt into stage st (zeros for masked keys: V must be finite where P is 0)
     auto load_tile = [&](int st, int kt) {
         uint16_t *dk = sK + st * kBN * LD;
         for (int i = tid; i < kBN * CH; i += nthreads) {
             const int jj = i / CH, c = (i - jj * CH) * 8;
-            const int64_t j = (int64_t)kt * kBN + jj;
+            const int64_t j = j0 + (int64_t)kt * kBN + jj;
             int32_t key = -1;
-            if (j < n_cand) {
+            if (j < j1) {
                 key = p.idx ? p.idx[t * p.topk + j] : (int32_t)j;
             }
             const bool ok = key >= 0 && key <= pos;
@@ -101,7 +161,6 @@ template <int R, int ROPE> __global__ void __launch_bounds__(256) mla_heads_kern
         }
     };
 
-    const int rg = warp >> 1, half = warp & 1; // this warp's 16 head rows and half of O's columns
     float o_acc[HALF / 8][4];
 #pragma unroll
     for (int n = 0; n < HALF / 8; n++) {
@@ -110,10 +169,8 @@ template <int R, int ROPE> __global__ void __launch_bounds__(256) mla_heads_kern
     float m_r[2] = {-INFINITY, -INFINITY}, l_r[2] = {0.0f, 0.0f};
     const float scale_log2 = p.scale * 1.4426950408889634f;
 
-    if (n_kt > 0) {
-        load_tile(0, 0);
-        krk::cp_async_commit();
-    }
+    load_tile(0, 0);
+    krk::cp_async_commit();
     for (int kt = 0; kt < n_kt; kt++) {
         if (kt + 1 < n_kt) {
             load_tile((kt + 1) & 1, kt + 1); // that stage was released by the barrier ending kt - 1
@@ -122,7 +179,7 @@ template <int R, int ROPE> __global__ void __launch_bounds__(256) mla_heads_kern
         } else {
             krk::cp_async_wait<0>();
         }
-        __syncthreads(); // (also: the Q rows are written before the first tile is read)
+        __syncthreads(); // (also: the Q rows are in before the first tile is read)
         const uint16_t *cK = sK + (kt & 1) * kBN * LD;
         const int *valid = sValid + (kt & 1) * kBN;
 
@@ -180,57 +237,192 @@ template <int R, int ROPE> __global__ void __launch_bounds__(256) mla_heads_kern
         l_r[r] += __shfl_xor_sync(0xffffffffu, l_r[r], 1);
         l_r[r] += __shfl_xor_sync(0xffffffffu, l_r[r], 2);
     }
-    const float inv[2] = {l_r[0] > 0.0f ? 1.0f / l_r[0] : 0.0f, l_r[1] > 0.0f ? 1.0f / l_r[1] : 0.0f};
-    __syncthreads(); // Q and the key stages are dead: O rows take their place
+    // unnormalized O of this split, with the rows' max and sum (rows of padding heads are zeros)
     const int r_lo = rg * 16 + (lane >> 2);
 #pragma unroll
     for (int n = 0; n < HALF / 8; n++) {
         const int c = half * HALF + n * 8 + (lane & 3) * 2;
 #pragma unroll
         for (int r = 0; r < 2; r++) {
-            float *op = oBuf + (int64_t)(r_lo + r * 8) * R + c;
-            op[0] = o_acc[n][2 * r] * inv[r];
-            op[1] = o_acc[n][2 * r + 1] * inv[r];
+            *reinterpret_cast<float2 *>(o_part + (int64_t)(r_lo + r * 8) * R + c) =
+                make_float2(o_acc[n][2 * r], o_acc[n][2 * r + 1]);
         }
     }
-    __syncthreads();
-    // out[h][v] = W_UV[h][v] . O[h]: a warp per output, lanes over R
-    const int n_warp = nthreads >> 5;
-    for (int64_t e = warp; e < (int64_t)H * p.v_dim; e += n_warp) {
-        const int h = (int)(e / p.v_dim);
-        const int64_t v = e - (int64_t)h * p.v_dim;
-        const float *wv = kv_b + ((int64_t)h * (p.nope + p.v_dim) + p.nope + v) * R;
-        const float *o = oBuf + (int64_t)h * R;
-        float acc = 0.0f;
-        for (int r = lane; r < R; r += 32) {
-            acc = fmaf(wv[r], o[r], acc);
-        }
-        acc = krk::warp_sum(acc);
-        if (lane == 0) {
-            out[e] = acc;
+    if (half == 0 && (lane & 3) == 0) {
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            ml[2 * (r_lo + r * 8)] = m_r[r];
+            ml[2 * (r_lo + r * 8) + 1] = l_r[r];
         }
     }
 }
 
+// Grid (ceil(tc / kTokTile), n_head), 256 threads: merges the splits of kTokTile tokens of head h
+// and applies W_UV[h] (one weight read for the tile).
+template <int R>
+__global__ void __launch_bounds__(256) mla_combine_kernel(krk_mla_attn_params p, int64_t t0, int tc, int hp, int ns,
+                                                           HeadsWs ws)
+{
+    __shared__ float os[kTokTile][R];
+    const krk_batch &b = p.batch;
+    const int h = blockIdx.y, H = (int)p.n_head, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int tt0 = blockIdx.x * kTokTile, nt = tc - tt0 < kTokTile ? tc - tt0 : kTokTile;
+    for (int tt = 0; tt < kTokTile; tt++) {
+        const int64_t tl = tt0 + tt;
+        float mx = -INFINITY, den = 0.0f;
+        if (tt < nt) {
+            for (int s = 0; s < ns; s++) {
+                const float *ml = ws.ml + ((tl * ns + s) * hp + h) * 2;
+                mx = ml[1] > 0.0f && ml[0] > mx ? ml[0] : mx;
+            }
+            for (int s = 0; s < ns; s++) {
+                const float *ml = ws.ml + ((tl * ns + s) * hp + h) * 2;
+                den += ml[1] > 0.0f ? exp2f(ml[0] - mx) * ml[1] : 0.0f;
+            }
+        }
+        const float inv = den > 0.0f ? 1.0f / den : 0.0f; // padding tokens and empty rows: zeros
+        for (int r = tid; r < R; r += blockDim.x) {
+            float acc = 0.0f;
+            for (int s = 0; den > 0.0f && s < ns; s++) {
+                const float *ml = ws.ml + ((tl * ns + s) * hp + h) * 2;
+                if (ml[1] > 0.0f) {
+                    acc = fmaf(exp2f(ml[0] - mx), ws.o[((tl * ns + s) * hp + h) * R + r], acc);
+                }
+            }
+            os[tt][r] = acc * inv;
+        }
+    }
+    __syncthreads();
+    // out[t][h][v] = W_UV[h][v] . O[t][h]: a warp per output row v, lanes over R
+    const int n_warp = blockDim.x >> 5;
+    for (int64_t v = warp; v < p.v_dim; v += n_warp) {
+        const float *wv = p.kv_b + ((int64_t)h * (p.nope + p.v_dim) + p.nope + v) * R;
+        float acc[kTokTile];
+#pragma unroll
+        for (int tt = 0; tt < kTokTile; tt++) {
+            acc[tt] = 0.0f;
+        }
+        for (int r = lane; r < R; r += 32) {
+            const float w = wv[r];
+#pragma unroll
+            for (int tt = 0; tt < kTokTile; tt++) {
+                acc[tt] = fmaf(w, os[tt][r], acc[tt]);
+            }
+        }
+#pragma unroll
+        for (int tt = 0; tt < kTokTile; tt++) {
+            acc[tt] = krk::warp_sum(acc[tt]);
+        }
+        if (lane == 0) {
+            for (int tt = 0; tt < nt; tt++) {
+                p.out[((t0 + tt0 + tt) * H + h) * p.v_dim + v] = acc[tt];
+            }
+        }
+    }
+    (void)b;
+}
+
+int sm_count()
+{
+    static int n = 0;
+    if (n == 0) {
+        int dev = 0, v = 0;
+        if (cudaGetDevice(&dev) == cudaSuccess &&
+            cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess && v > 0) {
+            n = v;
+        } else {
+            return 132;
+        }
+    }
+    return n;
+}
+
+// Splits and launch groups: enough (token, split) blocks to give every SM two, each split keeping at
+// least kMinSplitTiles key tiles; at most kMaxParts parts per group, within the workspace.
+struct HeadsPlan {
+    int ns, spl, tc;
+};
+template <int R, int ROPE> bool heads_plan(const krk_mla_attn_params &p, HeadsPlan *pl)
+{
+    constexpr int D = R + ROPE;
+    const int64_t hp = (p.n_head + 15) / 16 * 16;
+    const int64_t n_tok = p.batch.n_tok;
+    const int64_t max_cand = p.idx ? p.topk : p.batch.max_ctx;
+    if (n_tok < 1 || max_cand < 1) {
+        return false;
+    }
+    const int64_t n_kt = (max_cand + kBN - 1) / kBN;
+    int64_t ns = (2 * (int64_t)sm_count() + n_tok - 1) / n_tok;
+    const int64_t ns_max = (n_kt + kMinSplitTiles - 1) / kMinSplitTiles;
+    ns = ns < ns_max ? ns : ns_max;
+    ns = ns < kMaxParts ? ns : kMaxParts;
+    ns = ns < 1 ? 1 : ns;
+    int64_t tc = kMaxParts / ns;
+    tc = tc < n_tok ? tc : n_tok;
+    tc = tc < 1 ? 1 : tc;
+    while (heads_ws_bytes(tc, ns, hp, R, D) > p.workspace_bytes) {
+        if (tc > 1) {
+            tc = (tc + 1) / 2;
+        } else if (ns > 1) {
+            ns = (ns + 1) / 2;
+        } else {
+            return false;
+        }
+    }
+    const int64_t tiles_per = (n_kt + ns - 1) / ns;
+    pl->ns = (int)ns;
+    pl->spl = (int)(tiles_per * kBN);
+    pl->tc = (int)tc;
+    return true;
+}
+
 template <int R, int ROPE> enum kr_status heads_launch(const krk_mla_attn_params &p, cudaStream_t stream)
 {
-    const int hg = (int)((p.n_head + 15) / 16);
+    HeadsPlan pl;
+    const bool planned = heads_plan<R, ROPE>(p, &pl);
+    KRK_REQUIRE(planned);
+    const int hg = (int)((p.n_head + 15) / 16), hp = hg * 16;
     const size_t smem = heads_smem_bytes<R, ROPE>(hg);
-    KRK_CUDA_TRY(cudaFuncSetAttribute(mla_heads_kernel<R, ROPE>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    KRK_CUDA_TRY(cudaFuncSetAttribute(mla_split_kernel<R, ROPE>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       (int)smem));
-    mla_heads_kernel<R, ROPE><<<(unsigned)p.batch.n_tok, (unsigned)(hg * 64), smem, stream>>>(p, hg);
-    KRK_CHECK_LAUNCH();
+    const HeadsWs ws = heads_ws(p.workspace, pl.tc, pl.ns, hp, R, R + ROPE);
+    const size_t absorb_smem = (size_t)kTokTile * (size_t)p.nope * sizeof(float);
+    for (int64_t t0 = 0; t0 < p.batch.n_tok; t0 += pl.tc) {
+        const int tc = (int)(p.batch.n_tok - t0 < pl.tc ? p.batch.n_tok - t0 : pl.tc);
+        const dim3 tiles((unsigned)((tc + kTokTile - 1) / kTokTile), (unsigned)p.n_head);
+        mla_absorb_kernel<R, ROPE><<<tiles, 256, absorb_smem, stream>>>(p, t0, tc, hp, ws.q);
+        KRK_CHECK_LAUNCH();
+        mla_split_kernel<R, ROPE><<<dim3((unsigned)tc, (unsigned)pl.ns), (unsigned)(hg * 64), smem, stream>>>(
+            p, t0, hg, pl.ns, pl.spl, ws);
+        KRK_CHECK_LAUNCH();
+        mla_combine_kernel<R><<<tiles, 256, 0, stream>>>(p, t0, tc, hp, pl.ns, ws);
+        KRK_CHECK_LAUNCH();
+    }
     return KR_OK;
 }
 
 } // namespace
 
-// The head-batched kernel runs the DeepSeek-V3.2 latent shape (kv_lora 512, rope 64) with up to 64
-// heads per token and 16-byte aligned latent rows; true when it takes `p`.
+// Workspace the head-batched kernels want for n_tok tokens (0 for shapes they do not take): Q rows
+// of up to kMaxParts tokens and kMaxParts partial results.
+extern "C" size_t krk_mla_heads_workspace_bytes(int64_t n_tok, int64_t n_head, int64_t kv_lora)
+{
+    if (kv_lora != 512 || n_head < 1 || n_head > 64) {
+        return 0;
+    }
+    const int64_t hp = (n_head + 15) / 16 * 16, tc = n_tok < kMaxParts ? n_tok : kMaxParts;
+    return heads_ws_bytes(tc < 1 ? 1 : tc, kMaxParts / (tc < 1 ? 1 : tc), hp, 512, 576);
+}
+
+// The head-batched kernels run the DeepSeek-V3.2 latent shape (kv_lora 512, rope 64) with up to 64
+// heads per token, nope at most 256 and 16-byte aligned latent rows, within the given workspace;
+// true when they take `p`.
 extern "C" bool krk_mla_heads_fits(const struct krk_mla_attn_params *p)
 {
-    return p->kv_lora == 512 && p->rope == 64 && p->n_head >= 1 && p->n_head <= 64 && p->row % 8 == 0 &&
-           ((uintptr_t)p->cache & 15) == 0 && p->batch.n_tok <= 0x7fffffff;
+    HeadsPlan pl;
+    return p->kv_lora == 512 && p->rope == 64 && p->n_head >= 1 && p->n_head <= 64 && p->nope >= 1 &&
+           p->nope <= 256 && p->row % 8 == 0 && ((uintptr_t)p->cache & 15) == 0 && p->batch.n_tok <= 0x7fffffff &&
+           p->workspace != nullptr && heads_plan<512, 64>(*p, &pl);
 }
 
 extern "C" enum kr_status krk_mla_heads(const struct krk_mla_attn_params *p, cudaStream_t stream)

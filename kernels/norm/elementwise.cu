@@ -126,6 +126,7 @@ template <int V, bool GATED>
 __global__ void act_kernel(int act, const float *KRK_RESTRICT gate, const float *KRK_RESTRICT x, int64_t ld_in,
                            int64_t n, int64_t width, float *out, uint16_t *out_bf16)
 {
+    pdl_trigger();
     const int64_t nv = width / V;
     for (int64_t t = blockIdx.y; t < n; t += gridDim.y) {
         for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < nv; i += (int64_t)gridDim.x * blockDim.x) {

@@ -16,6 +16,7 @@ template <int V, bool RES>
 __global__ void rmsnorm_kernel(float *x, int64_t ldx, const float *KRK_RESTRICT res, const float *KRK_RESTRICT w,
                                int64_t dim, float eps, float *out, uint16_t *out_bf16)
 {
+    pdl_trigger(); // a GEMV launched after this one may start loading its weights
     __shared__ float sh[32];
     const int64_t row = blockIdx.x;
     float *xr = x + row * ldx;
@@ -116,6 +117,7 @@ __global__ void gated_rmsnorm_kernel(const float *KRK_RESTRICT y, const float *K
                                      const float *KRK_RESTRICT w, int64_t dim, int64_t group, int64_t n_group,
                                      float eps, float *out, uint16_t *out_bf16)
 {
+    pdl_trigger();
     __shared__ float sh[32];
     const int64_t row = blockIdx.x / n_group, g0 = (blockIdx.x % n_group) * group;
     const float *yr = y + row * dim + g0, *zr = z + row * ldz + g0;

@@ -2,7 +2,10 @@
 # Runs every GPU test and benchmark on a GPU machine, from a build made elsewhere (it builds
 # nothing) and prints a summary table last. Logs go to $OUT (or ./gpu-out) as one archive.
 #   tests/gpu/run.sh [--build DIR] [--no-tests] [--no-bench] [--no-hf] [--shape NAME] [--synth DIR]
-#                    [--bench-args "..."] [--deadline SECONDS]
+#                    [--bench-args "..."] [--deadline SECONDS] [--no-extras]
+# --suites "a b": only these test suites (default: all).
+# --no-extras: only the main benchmark (and the MLA variants' on MLA shapes), not the GEMV and
+# launch comparisons or the engine host-overhead runs.
 # --deadline: the whole run's time (default 560 s); each stage gets at most what is left, a stage
 # that would start with under 20 s left is skipped, and the logs are packed even when it is cut.
 # --shape: a shape of tools/bench/synth_model.py (nemotron_h_8b, hybrid_dsa_8b, hybrid_mla_8b).
@@ -11,13 +14,15 @@
 #   then put the shared libraries the GPU machine lacks (libcriterion, ...) next to test_cuda,
 #   bench_cuda and bench_sched
 set -u
-build=build-gpu tests=1 bench=1 hf=1 shape=nemotron_h_8b synth= bench_args="" deadline=560
+build=build-gpu suites="" tests=1 bench=1 extras=1 hf=1 shape=nemotron_h_8b synth= bench_args="" deadline=560
 while [ $# -gt 0 ]; do
   case $1 in
     --build) build=$2; shift ;;
     --no-tests) tests=0 ;;
     --no-bench) bench=0 ;;
     --no-hf) hf=0 ;;
+    --no-extras) extras=0 ;;
+    --suites) suites=$2; shift ;;
     --synth) synth=$2; shift ;;
     --shape) shape=$2; shift ;;
     --bench-args) bench_args=$2; shift ;;
@@ -56,7 +61,8 @@ run_for() {
 
 if [ $tests = 1 ]; then
   bin=$build/tests/gpu/test_cuda
-  for suite in $("$bin" --list 2>/dev/null | grep -av '^[│├└ ]' | cut -d: -f1); do
+  [ -n "$suites" ] || suites=$("$bin" --list 2>/dev/null | grep -av '^[│├└ ]' | cut -d: -f1)
+  for suite in $suites; do
     s=$(date +%s)
     run_for 300 "$bin" --filter "$suite/*" --jobs 4 --verbose=1 > "$logs/$suite.log" 2>&1
     rc=$?
@@ -82,22 +88,31 @@ if [ $bench = 1 ]; then
   if [ -f "$synth/config.json" ]; then
     run_for 400 "$build/bench/bench_cuda" --profile --json "$logs/bench.jsonl" $bench_args "$synth" > "$logs/bench.md" 2>&1
     echo "bench_cuda rc=$?" >> "$logs/bench.md"
+  fi
+  if [ -f "$synth/config.json" ] && [ $extras = 1 ]; then
     # the GEMV variant that reads x through L1 (decode at 1-2 sequences), for comparison
     KRAIT_GEMV=l1 run_for 120 "$build/bench/bench_cuda" --batches 1,2 --prefill 512 --steps 24 "$synth" \
       > "$logs/bench-gemv-l1.md" 2>&1
     echo "bench_cuda (KRAIT_GEMV=l1) rc=$?" >> "$logs/bench-gemv-l1.md"
-    # MLA shapes: the tensor-core variants (indexer scores, head-batched attention), same benchmark
-    if [ "$shape" = hybrid_dsa_8b ] || [ "$shape" = hybrid_mla_8b ]; then
-      KRAIT_CUDA_GRAPHS_MLA=1 KRAIT_DSA_SCORE=mma KRAIT_MLA_ATTN=heads run_for 400 "$build/bench/bench_cuda" $bench_args "$synth" \
-        > "$logs/bench-dsa-mma.md" 2>&1
-      echo "bench_cuda (KRAIT_CUDA_GRAPHS_MLA=1 KRAIT_DSA_SCORE=mma KRAIT_MLA_ATTN=heads) rc=$?" >> "$logs/bench-dsa-mma.md"
-    fi
+    # GEMVs launched as programmatic dependents (their first weight loads overlap the previous
+    # kernel's tail), for comparison
+    KRAIT_PDL=1 run_for 150 "$build/bench/bench_cuda" --batches 1,16,64 --prefill 512 --steps 24 "$synth" \
+      > "$logs/bench-pdl.md" 2>&1
+    echo "bench_cuda (KRAIT_PDL=1) rc=$?" >> "$logs/bench-pdl.md"
     # engine host overhead: the gap between back-to-back decode steps (16 and 64 sequences)
     if [ -x "$build/bench/bench_sched" ]; then
       for n in 16 64; do
         run_for 120 "$build/bench/bench_sched" "$synth" $n 48 cuda >> "$logs/bench-sched.md" 2>&1
         echo "bench_sched $n rc=$?" >> "$logs/bench-sched.md"
       done
+    fi
+  fi
+  if [ -f "$synth/config.json" ]; then
+    # MLA shapes: the tensor-core variants (indexer scores, head-batched attention), same benchmark
+    if [ "$shape" = hybrid_dsa_8b ] || [ "$shape" = hybrid_mla_8b ]; then
+      KRAIT_CUDA_GRAPHS_MLA=1 KRAIT_DSA_SCORE=mma KRAIT_MLA_ATTN=heads run_for 400 "$build/bench/bench_cuda" $bench_args "$synth" \
+        > "$logs/bench-dsa-mma.md" 2>&1
+      echo "bench_cuda (KRAIT_CUDA_GRAPHS_MLA=1 KRAIT_DSA_SCORE=mma KRAIT_MLA_ATTN=heads) rc=$?" >> "$logs/bench-dsa-mma.md"
     fi
     if [ $hf = 1 ]; then
       PYTHONUNBUFFERED=1 run_for 300 python3 tools/bench/synth_model.py hf-bench --model "$synth" --out "$logs/hf.json" \
@@ -111,6 +126,7 @@ fi
   echo
   [ -f "$logs/bench.md" ] && grep -a '^|\|^device\|^model\|^cache\|rc=' "$logs/bench.md"
   [ -f "$logs/bench-gemv-l1.md" ] && { echo; echo "GEMV reading x through L1:"; grep -a '^| decode\|rc=' "$logs/bench-gemv-l1.md"; }
+  [ -f "$logs/bench-pdl.md" ] && { echo; echo "GEMVs as programmatic dependents:"; grep -a '^| decode\|rc=' "$logs/bench-pdl.md"; }
   [ -f "$logs/bench-dsa-mma.md" ] && { echo; echo "Tensor-core indexer scores and head-batched MLA attention:"; grep -a '^| \|rc=' "$logs/bench-dsa-mma.md"; }
   [ -f "$logs/bench-sched.md" ] && { echo; echo "Engine host overhead:"; cat "$logs/bench-sched.md"; }
   [ -f "$logs/hf.log" ] && { echo; echo "HF transformers:"; grep -av '^\s*$' "$logs/hf.log" | tail -12; }

@@ -31,9 +31,13 @@
 
 /* Models with discrete decisions (MoE routing, DSA top-k selection) can take a different branch
  * where HF's decision is a near-tie that bf16 rounding tips over; the output at that position then
- * moves by O(1) legitimately. For them, at most max(1, n / 8) positions of a prompt may exceed
- * LP_TOL, the mean bound applies to the other positions, and greedy tokens are compared up to the
- * first divergence only where it is the first token. */
+ * moves by O(1) legitimately, and later positions by less as the difference carried in the states
+ * fades (measured on an H200: a routing flip at position 17 of nh_tied_f32's 40-token prompt moves
+ * positions 17..22 by 3.9, 1.3, 0.7, 0.3, 0.2, 0.2, identically whole or in chunks; the DSA fixtures,
+ * with index_topk 8, flip at up to 9 of 40 positions). For them, at most max(1, n / 4) positions of
+ * a prompt may exceed LP_TOL (a wrong kernel moves nearly all), the mean bound applies to the other
+ * positions, and greedy tokens are compared up to the first divergence only where it is the first
+ * token. */
 static bool discrete(const struct kr_model *m)
 {
     return m->cfg.n_expert > 0 || strchr(m->cfg.pattern, 'D') != NULL;
@@ -64,16 +68,18 @@ ParameterizedTest(int *idx, cuda_backend, prompt_logprobs_match_hf)
     struct fx f;
     load_cuda(&f, *idx, 2, true);
     const char *name = fx_all[*idx].name;
-    for (int32_t i = 0; i < f.n_prompts; i++) {
+    /* every prompt whole and in chunks of 7 (chunked prefill with carried states) */
+    for (int32_t run = 0; run < 2 * f.n_prompts; run++) {
+        const int32_t i = run / 2, chunk = run % 2 ? 7 : 0;
         struct fx_prompt *p = &f.prompts[i];
         float *lp = kr_malloc((size_t)p->n * (size_t)f.vocab * sizeof(float));
         cr_assert(lp);
         struct kr_err err = {{0}};
-        /* odd chunks exercise chunked prefill with carried states */
-        cr_assert_eq(kr_run_prompt_logprobs(f.m, f.c, p->ids, p->n, i % 2 ? 7 : 0, lp, &err), KR_OK, "%s",
-                     err.msg);
+        cr_assert_eq(kr_run_prompt_logprobs(f.m, f.c, p->ids, p->n, chunk, lp, &err), KR_OK, "%s", err.msg);
         double worst = 0, sum = 0, worst_kept = 0;
         int32_t flipped = 0;
+        char where[512] = "";
+        size_t wl = 0;
         for (int32_t t = 0; t < p->n; t++) {
             double wt = 0, st = 0;
             for (int64_t v = 0; v < f.vocab; v++) {
@@ -85,17 +91,21 @@ ParameterizedTest(int *idx, cuda_backend, prompt_logprobs_match_hf)
             worst = wt > worst ? wt : worst;
             if (wt > LP_TOL) {
                 flipped++;
+                if (wl + 24 < sizeof where) {
+                    wl += (size_t)snprintf(where + wl, sizeof where - wl, " %d:%.2f", t, wt);
+                }
             } else {
                 worst_kept = wt > worst_kept ? wt : worst_kept;
                 sum += st;
             }
         }
-        const int32_t kept = p->n - flipped, allowed = discrete(f.m) ? (p->n / 8 > 1 ? p->n / 8 : 1) : 0;
+        const int32_t kept = p->n - flipped, allowed = discrete(f.m) ? (p->n / 4 > 1 ? p->n / 4 : 1) : 0;
         const double mean = kept ? sum / ((double)kept * (double)f.vocab) : 0;
-        fprintf(stderr, "  %-20s prompt %d (len %3d): max |lp - HF| %.3g; %d positions over %.2f (allowed %d); "
-                        "others max %.3g mean %.3g\n", name, i, p->n, worst, flipped, LP_TOL, allowed, worst_kept, mean);
-        cr_expect_leq(flipped, allowed, "%s prompt %d: %d positions deviate from HF by more than %g (max %g)", name,
-                      i, flipped, LP_TOL, worst);
+        fprintf(stderr, "  %-20s prompt %d (len %3d, chunk %d): max |lp - HF| %.3g; %d positions over %.2f (allowed %d); "
+                        "others max %.3g mean %.3g%s%s\n", name, i, p->n, chunk, worst, flipped, LP_TOL, allowed, worst_kept, mean,
+                flipped ? "; position:deviation" : "", where);
+        cr_expect_leq(flipped, allowed, "%s prompt %d chunk %d: %d positions deviate from HF by more than %g (max %g)",
+                      name, i, chunk, flipped, LP_TOL, worst);
         cr_expect_leq(mean, LP_MEAN_TOL, "%s prompt %d: mean |logprob - HF| = %g", name, i, mean);
         kr_free(lp);
     }
@@ -486,4 +496,80 @@ Test(cuda_backend, gpu_sampling_equals_host_sampling)
         }
     }
     fx_free(&f);
+}
+
+/* The FP8 indexer path (Hadamard, e4m3 blocks) on the GPU against the CPU reference's FP8 path, on
+ * every fixture with D layers. The rounding itself is bit for bit the CPU's (mla suite); here its
+ * inputs come from bf16 GEMMs, so a code can land one e4m3 step away, and with 3 mantissa bits
+ * scores tie often: selections then legitimately differ (measured on an H200: up to 20 of 40
+ * positions of a prompt move by O(1) on fixtures with index_topk 8). So: positions whose query
+ * sees at most index_topk keys (every key selected) must match within LP_TOL (up to a quarter of
+ * them may take another MoE routing branch, as against HF), every output must be
+ * finite, and the path must be in use: somewhere beyond index_topk the GPU's FP8 results differ
+ * from its bf16 indexer's. */
+static int dsa_fixture_idx[] = {5, 6, 7, 8, 9};
+ParameterizedTestParameters(cuda_backend, fp8_indexer_matches_cpu)
+{
+    return cr_make_param_array(int, dsa_fixture_idx, sizeof dsa_fixture_idx / sizeof dsa_fixture_idx[0]);
+}
+ParameterizedTest(int *idx, cuda_backend, fp8_indexer_matches_cpu)
+{
+    GT_REQUIRE_GPU();
+    struct fx g, h;
+    load_cuda(&g, *idx, 2, true);
+    fx_load(&h, fx_all[*idx].family, fx_all[*idx].name, 2, 2);
+    const char *name = fx_all[*idx].name;
+    const int64_t K = g.m->cfg.idx_topk, V = g.vocab;
+    struct kr_err err = {{0}};
+    cr_assert_eq(kr_model_set_indexer(h.m, KR_INDEXER_FP8, &err), KR_OK, "%s", err.msg);
+    int32_t selecting = 0, differs_bf16 = 0;
+    for (int32_t i = 0; i < g.n_prompts; i++) {
+        const struct fx_prompt *p = &g.prompts[i];
+        const size_t n = (size_t)p->n * (size_t)V;
+        float *a = kr_malloc(n * sizeof(float)), *b = kr_malloc(n * sizeof(float)), *c = kr_malloc(n * sizeof(float));
+        cr_assert(a && b && c);
+        cr_assert_eq(kr_model_set_indexer(g.m, KR_INDEXER_FP8, &err), KR_OK, "%s", err.msg);
+        cr_assert(g.m->idx_fp8 && h.m->idx_fp8);
+        cr_assert_eq(kr_run_prompt_logprobs(g.m, g.c, p->ids, p->n, 0, a, &err), KR_OK, "%s", err.msg);
+        cr_assert_eq(kr_run_prompt_logprobs(h.m, h.c, p->ids, p->n, 0, b, &err), KR_OK, "%s", err.msg);
+        cr_assert_eq(kr_model_set_indexer(g.m, KR_INDEXER_BF16, &err), KR_OK, "%s", err.msg);
+        cr_assert_eq(kr_run_prompt_logprobs(g.m, g.c, p->ids, p->n, 0, c, &err), KR_OK, "%s", err.msg);
+        double worst_all = 0, worst_sel = 0;
+        int32_t over = 0, over_all = 0, n_all = 0, nonfinite = 0;
+        for (int32_t t = 0; t < p->n; t++) {
+            const float *at = a + (size_t)t * (size_t)V, *bt = b + (size_t)t * (size_t)V;
+            for (int64_t v = 0; v < V; v++) {
+                nonfinite += !isfinite(at[v]);
+            }
+            const double d = max_abs_diff(at, bt, V);
+            if (t + 1 <= K) {
+                worst_all = d > worst_all ? d : worst_all;
+                over_all += d > LP_TOL;
+                n_all++;
+            } else {
+                worst_sel = d > worst_sel ? d : worst_sel;
+                over += d > LP_TOL;
+                differs_bf16 += max_abs_diff(at, c + (size_t)t * (size_t)V, V) > 1e-3;
+            }
+        }
+        selecting += p->n > K;
+        fprintf(stderr, "  %-20s prompt %d (len %3d): FP8 indexer GPU vs CPU: max %.3g where every key is selected; "
+                        "where it selects max %.3g, %d positions over %.2f\n", name, i, p->n, worst_all, worst_sel,
+                over, LP_TOL);
+        /* MoE routing can still flip there (as against HF) */
+        const int32_t allowed = g.m->cfg.n_expert > 0 ? (n_all / 4 > 1 ? n_all / 4 : 1) : 0;
+        cr_expect_leq(over_all, allowed, "%s prompt %d: FP8 path differs from the CPU's by up to %g at %d positions "
+                      "where every key is selected", name, i, worst_all, over_all);
+        cr_expect_eq(nonfinite, 0, "%s prompt %d: %d non-finite log-probabilities", name, i, nonfinite);
+        kr_free(a);
+        kr_free(b);
+        kr_free(c);
+    }
+    fprintf(stderr, "  %-20s %d prompts longer than index_topk; %d positions where the GPU's FP8 and bf16 indexers "
+                    "give different results\n", name, selecting, differs_bf16);
+    if (selecting > 0) {
+        cr_expect_gt(differs_bf16, 0, "%s: the FP8 indexer path changes nothing on the GPU (not in use?)", name);
+    }
+    fx_free(&g);
+    fx_free(&h);
 }

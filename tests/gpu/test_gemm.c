@@ -8,6 +8,7 @@
  * and max |err| <= 1e-3 leave a wide margin, while a missed or repeated chunk of columns or a
  * wrong row gives errors of order 1. */
 #include "gpu-test.h"
+#include "krk/norm.h"
 
 #include <criterion/criterion.h>
 #include <criterion/parameterized.h>
@@ -66,9 +67,12 @@ ParameterizedTest(int *idx, gemm, gemv_matches_cpu_matmul)
     float *bias = hrand(&rng, (size_t)s.rows, -1.0f, 1.0f);
     float *d_bias = gt_dup(bias, (size_t)s.rows * 4);
 
-    for (int64_t it = 0; it < KRK_GEMV_MAX_N + 2; it++) {
-        const int64_t n = it < KRK_GEMV_MAX_N ? it + 1 : it - KRK_GEMV_MAX_N + 1;
-        const enum krk_gemv_variant variant = it < KRK_GEMV_MAX_N ? KRK_GEMV_STAGED : KRK_GEMV_L1;
+    /* n = 1..MAX_N staged, n = 1, 2 through L1, then n = 1, 4 staged as programmatic dependents of
+     * a kernel that writes x (the GEMV must wait for it before reading x) */
+    for (int64_t it = 0; it < KRK_GEMV_MAX_N + 4; it++) {
+        const bool pdl = it >= KRK_GEMV_MAX_N + 2;
+        const int64_t n = it < KRK_GEMV_MAX_N ? it + 1 : pdl ? 1 + 3 * (it - KRK_GEMV_MAX_N - 2) : it - KRK_GEMV_MAX_N + 1;
+        const enum krk_gemv_variant variant = it < KRK_GEMV_MAX_N || pdl ? KRK_GEMV_STAGED : KRK_GEMV_L1;
         const int64_t ldx = s.cols + n % 3, ldy = s.rows + (n % 2 ? 0 : 3);
         const bool with_bias = n % 2 == 1;
         const size_t nx = (size_t)(n * ldx), ny = (size_t)(n * ldy);
@@ -77,11 +81,28 @@ ParameterizedTest(int *idx, gemm, gemv_matches_cpu_matmul)
         float *ref = kr_malloc(ny * sizeof(float)), *got = kr_malloc(ny * sizeof(float));
         cr_assert(ref && got);
         memset(ref, 0xff, ny * sizeof(float)); /* the padding stays NaN on both sides */
-        float *d_x = gt_dup(x, nx * 4), *d_y = gt_dalloc(ny * 4);
+        /* with pdl, x goes up halved (exact) at the end of a large buffer that a kernel then
+         * doubles: a GEMV that read x before that kernel finished would see halves */
+        const size_t lead = pdl ? (size_t)48 << 20 : 0;
+        float *d_buf = gt_dalloc((lead + nx) * 4), *d_x = d_buf + lead, *d_y = gt_dalloc(ny * 4);
+        for (size_t i = 0; i < nx; i++) {
+            x[i] *= pdl ? 0.5f : 1.0f;
+        }
+        cr_assert_eq(cudaMemcpy(d_x, x, nx * 4, cudaMemcpyHostToDevice), cudaSuccess);
+        for (size_t i = 0; i < nx; i++) {
+            x[i] *= pdl ? 2.0f : 1.0f;
+        }
+        cudaStream_t st;
+        cr_assert_eq(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), cudaSuccess);
+        if (pdl) {
+            cr_assert_eq(krk_scale(d_buf, 2.0f, (int64_t)(lead + nx), st), KR_OK);
+        }
         const struct krk_gemv_params p = {.x = d_x, .ldx = ldx, .w = d_w, .bias = with_bias ? d_bias : NULL, .n = n,
                                           .rows = s.rows, .cols = s.cols, .y = d_y, .ldy = ldy,
-                                          .variant = variant};
-        cr_assert_eq(krk_gemv(&p, 0), KR_OK);
+                                          .variant = variant, .pdl = pdl};
+        cr_assert_eq(krk_gemv(&p, st), KR_OK);
+        cr_assert_eq(cudaStreamSynchronize(st), cudaSuccess);
+        cr_assert_eq(cudaStreamDestroy(st), cudaSuccess);
         gt_sync();
         cr_assert_eq(kr_backend_matmul(be, x, ldx, n, &t, with_bias ? bias : NULL, ref, ldy), KR_OK);
         gt_down(got, d_y, ny * 4);
@@ -94,7 +115,8 @@ ParameterizedTest(int *idx, gemm, gemv_matches_cpu_matmul)
             memcpy(rd + i * s.rows, ref + i * ldy, (size_t)s.rows * sizeof(float));
         }
         char what[96];
-        snprintf(what, sizeof what, "gemv%s %lldx%lld n=%lld%s ldx=%lld", variant == KRK_GEMV_L1 ? " (L1)" : "",
+        snprintf(what, sizeof what, "gemv%s %lldx%lld n=%lld%s ldx=%lld",
+                 variant == KRK_GEMV_L1 ? " (L1)" : pdl ? " (programmatic dependent)" : "",
                  (long long)s.rows, (long long)s.cols, (long long)n, with_bias ? " +bias" : "", (long long)ldx);
         gt_expect_close(what, gd, rd, (size_t)(n * s.rows), GEMV_NMSE, GEMV_ABS);
         bool pad_ok = true;
@@ -108,7 +130,7 @@ ParameterizedTest(int *idx, gemm, gemv_matches_cpu_matmul)
         kr_free(x);
         kr_free(ref);
         kr_free(got);
-        gt_dfree(d_x);
+        gt_dfree(d_buf);
         gt_dfree(d_y);
     }
     gt_dfree(d_w);

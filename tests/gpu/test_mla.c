@@ -492,14 +492,16 @@ _Static_assert(sizeof attn_case_ids / sizeof attn_case_ids[0] == N_ATTN_SHAPES *
 
 /* Error bounds: both sides compute in fp32 from identical inputs; only the summation order, fma
  * contraction and the GPU's online softmax (rescaling by exp(m_old - m_new)) differ, so errors
- * stay near fp32 rounding (~1e-6 relative even over 4100 keys). Outputs are O(0.1-1). */
+ * stay near fp32 rounding (~1e-6 relative over 4100 keys). A dense output over n keys is an
+ * average of n random values: it shrinks as n^-1/2 while the rounding of its terms does not, so
+ * the normalized error grows as n; the bound is ATTN_NMSE per 4096 keys of the longest context
+ * (H200: 3e-12 at 4100 keys, 4.5e-9 at 131072 against 3.2e-8). */
 #define ATTN_NMSE 1e-9
 #define ATTN_ABS 1e-4
-/* The head-batched tensor-core kernel rounds q_abs and the probabilities to bf16 (relative 2^-9):
- * a bound a layout or masking error exceeds by orders of magnitude; to be tightened to what the
- * GPU measures (printed). */
-#define ATTN_HEADS_NMSE 1e-4
-#define ATTN_HEADS_ABS 5e-2
+/* The head-batched tensor-core kernel rounds q_abs and the probabilities to bf16 (relative 2^-9).
+ * H200: NMSE at most 1.3e-5 and max |error| 0.014 over every case up to 131072 keys. */
+#define ATTN_HEADS_NMSE 5e-5
+#define ATTN_HEADS_ABS 3e-2
 
 ParameterizedTestParameters(mla, attention_matches_cpu)
 {
@@ -595,7 +597,8 @@ ParameterizedTest(int *ci, mla, attention_matches_cpu)
         if (variant == KRK_MLA_ATTN_HEADS) {
             gt_expect_close(what, got_c, ref_c, n_cmp, ATTN_HEADS_NMSE, ATTN_HEADS_ABS);
         } else {
-            gt_expect_close(what, got_c, ref_c, n_cmp, ATTN_NMSE, ATTN_ABS);
+            const double keys = b.dev.max_ctx > 4096 ? (double)b.dev.max_ctx / 4096.0 : 1.0;
+            gt_expect_close(what, got_c, ref_c, n_cmp, ATTN_NMSE * keys, ATTN_ABS);
         }
         cr_expect_eq(n_pad_bad, 0, "%s: %lld padding outputs not written", what, (long long)n_pad_bad);
     }

@@ -28,6 +28,8 @@ struct krk_gemv_params {
     float *y;               /* [n, ldy] fp32 */
     int64_t ldy;
     enum krk_gemv_variant variant;
+    bool pdl;               /* launch as a programmatic dependent of the previous kernel: the first
+                               weight loads overlap its tail (x is read only after it completes) */
 };
 enum kr_status krk_gemv(const struct krk_gemv_params *p, cudaStream_t stream);
 

@@ -62,9 +62,12 @@ struct krk_mla_attn_params {
     struct krk_batch batch; /* batch.max_ctx must be set when idx is NULL */
     int32_t variant;        /* KRK_MLA_ATTN_*: which kernel */
 };
-/* Kernels: a block per (token, head), fp32 (default); all heads of a token in one block on bf16
- * tensor cores, reading each latent once per token (kv_lora 512, rope 64, up to 64 heads, aligned
- * rows: krk_mla_heads_fits; otherwise the default runs). */
+/* Kernels: a block per (token, head), fp32 (default); or all heads of a token in one block on bf16
+ * tensor cores, reading each latent once per token, with a token's keys split over several blocks
+ * when there are too few tokens to fill the GPU (kv_lora 512, rope 64, up to 64 heads, nope up to
+ * 256, aligned rows, workspace of krk_mla_attn_workspace_bytes: krk_mla_heads_fits; otherwise the
+ * default runs). Dense attention (idx NULL) with the head-batched kernels sizes its splits by
+ * batch.max_ctx. */
 enum { KRK_MLA_ATTN_PER_HEAD = 0, KRK_MLA_ATTN_HEADS = 1 };
 bool krk_mla_heads_fits(const struct krk_mla_attn_params *p);
 size_t krk_mla_attn_workspace_bytes(int64_t n_tok, int64_t n_head, int64_t kv_lora, int64_t max_ctx);
