@@ -60,9 +60,10 @@ struct cuda_ctx {
     bool graphs_on;
     enum krk_gemv_variant gemv_variant; /* KRAIT_GEMV=l1 reads x through L1 in the n <= 2 GEMV */
     bool pdl;                           /* KRAIT_PDL=1: GEMVs launch as programmatic dependents */
-    int32_t dsa_score;                  /* KRAIT_DSA_SCORE=mma: indexer scores on bf16 tensor cores */
+    int32_t dsa_score;                  /* indexer scores on bf16 tensor cores (KRAIT_DSA_SCORE=fp32: CUDA cores) */
     bool graphs_mla;                    /* capture steps of models with MLA layers (KRAIT_CUDA_GRAPHS_MLA=0: not) */
-    int32_t mla_attn;                   /* KRAIT_MLA_ATTN=heads: all heads of a token per block, tensor cores */
+    int32_t mla_attn;                   /* all heads of a token per block, tensor cores, split over keys
+                                           (KRAIT_MLA_ATTN=per-head: a block per head, fp32) */
     size_t bytes_alloc;    /* device bytes taken through buf_alloc/upload */
 
     /* the current step */
@@ -1316,9 +1317,9 @@ enum kr_status kr_backend_cuda_create(int dev, bool graphs, kr_backend_t *out, s
     const char *gm = getenv("KRAIT_CUDA_GRAPHS_MLA");
     c->graphs_mla = !(gm && !strcmp(gm, "0"));
     const char *ma = getenv("KRAIT_MLA_ATTN");
-    c->mla_attn = ma && !strcmp(ma, "heads") ? KRK_MLA_ATTN_HEADS : KRK_MLA_ATTN_PER_HEAD;
+    c->mla_attn = ma && !strcmp(ma, "per-head") ? KRK_MLA_ATTN_PER_HEAD : KRK_MLA_ATTN_HEADS;
     const char *ds = getenv("KRAIT_DSA_SCORE");
-    c->dsa_score = ds && !strcmp(ds, "mma") ? KRK_DSA_SCORE_MMA : KRK_DSA_SCORE_FP32;
+    c->dsa_score = ds && !strcmp(ds, "fp32") ? KRK_DSA_SCORE_FP32 : KRK_DSA_SCORE_MMA;
     const char *gv = getenv("KRAIT_GEMV");
     c->gemv_variant = gv && !strcmp(gv, "l1") ? KRK_GEMV_L1 : KRK_GEMV_STAGED;
     const char *pd = getenv("KRAIT_PDL");

@@ -108,12 +108,6 @@ if [ $bench = 1 ]; then
     fi
   fi
   if [ -f "$synth/config.json" ]; then
-    # MLA shapes: the tensor-core variants (indexer scores, head-batched attention), same benchmark
-    if [ "$shape" = hybrid_dsa_8b ] || [ "$shape" = hybrid_mla_8b ]; then
-      KRAIT_CUDA_GRAPHS_MLA=1 KRAIT_DSA_SCORE=mma KRAIT_MLA_ATTN=heads run_for 400 "$build/bench/bench_cuda" $bench_args "$synth" \
-        > "$logs/bench-dsa-mma.md" 2>&1
-      echo "bench_cuda (KRAIT_CUDA_GRAPHS_MLA=1 KRAIT_DSA_SCORE=mma KRAIT_MLA_ATTN=heads) rc=$?" >> "$logs/bench-dsa-mma.md"
-    fi
     if [ $hf = 1 ]; then
       PYTHONUNBUFFERED=1 run_for 300 python3 tools/bench/synth_model.py hf-bench --model "$synth" --out "$logs/hf.json" \
         --budget-s ${HF_BUDGET_S:-150} > "$logs/hf.log" 2>&1
@@ -127,7 +121,6 @@ fi
   [ -f "$logs/bench.md" ] && grep -a '^|\|^device\|^model\|^cache\|rc=' "$logs/bench.md"
   [ -f "$logs/bench-gemv-l1.md" ] && { echo; echo "GEMV reading x through L1:"; grep -a '^| decode\|rc=' "$logs/bench-gemv-l1.md"; }
   [ -f "$logs/bench-pdl.md" ] && { echo; echo "GEMVs as programmatic dependents:"; grep -a '^| decode\|rc=' "$logs/bench-pdl.md"; }
-  [ -f "$logs/bench-dsa-mma.md" ] && { echo; echo "Tensor-core indexer scores and head-batched MLA attention:"; grep -a '^| \|rc=' "$logs/bench-dsa-mma.md"; }
   [ -f "$logs/bench-sched.md" ] && { echo; echo "Engine host overhead:"; cat "$logs/bench-sched.md"; }
   [ -f "$logs/hf.log" ] && { echo; echo "HF transformers:"; grep -av '^\s*$' "$logs/hf.log" | tail -12; }
   echo
