@@ -32,12 +32,13 @@
 #define PROF_MAX_EV 4096
 
 enum prof_cat {
-    P_GEMM, P_GEMV, P_NORM, P_ACT, P_CONV, P_SSD, P_ATTN, P_MOE, P_MLA, P_EMBED, P_OTHER,
+    P_GEMM, P_GEMV, P_NORM, P_ACT, P_CONV, P_SSD, P_ATTN, P_MOE, P_MLA, P_DSA, P_EMBED, P_OTHER,
     /* parts of P_SSD (names start with "ssd:": not to be added to the total again) */
     P_SSD_DECODE, P_SSD_STATE, P_SSD_PASS, P_SSD_BMM, P_SSD_SCAN, PROF_N_CAT
 };
 static const char *const prof_names[PROF_N_CAT] = {
-    "gemm (cuBLAS)", "gemv", "norm+residual", "activation", "conv1d", "ssd", "attention", "moe", "mla/dsa",
+    "gemm (cuBLAS)", "gemv", "norm+residual", "activation", "conv1d", "ssd", "attention", "moe",
+    "mla attention + latent cache", "dsa indexer (scores, top-k)",
     "embed/gather/rope", "other", "ssd: one-token update", "ssd: chunk state", "ssd: state passing",
     "ssd: C.B^T", "ssd: chunk scan",
 };
@@ -1105,7 +1106,7 @@ TIMED(cuda_rmsnorm, P_NORM,
 TIMED(cuda_rmsnorm_strided, P_NORM,
       (kr_backend_t be, const float *x, int64_t ldx, const float *w, int64_t n, int64_t dim, float eps, float *out),
       (be, x, ldx, w, n, dim, eps, out))
-TIMED(cuda_layernorm, P_MLA,
+TIMED(cuda_layernorm, P_DSA,
       (kr_backend_t be, const float *x, int64_t ldx, const float *w, const float *b, int64_t n, int64_t dim,
        float eps, float *out),
       (be, x, ldx, w, b, n, dim, eps, out))
@@ -1128,9 +1129,9 @@ TIMED(cuda_moe_experts, P_MOE, (kr_backend_t be, const struct kr_experts_params 
 TIMED(cuda_gather_out, P_EMBED, (kr_backend_t be, const float *src, int64_t width, float *dst), (be, src, width, dst))
 TIMED(cuda_rope, P_EMBED, (kr_backend_t be, const struct kr_rope_params *p), (be, p))
 TIMED(cuda_mla_cache_write, P_MLA, (kr_backend_t be, const struct kr_mla_cache_params *p), (be, p))
-TIMED(cuda_dsa_index, P_MLA, (kr_backend_t be, const struct kr_dsa_index_params *p), (be, p))
+TIMED(cuda_dsa_index, P_DSA, (kr_backend_t be, const struct kr_dsa_index_params *p), (be, p))
 TIMED(cuda_mla_attention, P_MLA, (kr_backend_t be, const struct kr_mla_attn_params *p), (be, p))
-TIMED(cuda_fp8_round, P_MLA, (kr_backend_t be, const struct kr_fp8_round_params *p), (be, p))
+TIMED(cuda_fp8_round, P_DSA, (kr_backend_t be, const struct kr_fp8_round_params *p), (be, p))
 
 #undef TIMED
 

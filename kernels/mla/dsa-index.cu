@@ -3,9 +3,10 @@
 //     s <= pos(t), fp32, into the workspace [group, max_ctx]. Grid (key tiles, tokens); a block
 //     loads its tile of 32 keys once and scores it against every head of its token.
 //  2. dsa_select_kernel: one block per token finds the exact k-th largest score by a 4-pass radix
-//     select on order-preserving 32-bit keys, then writes, in ascending position order, every
-//     position scoring above that threshold and the lowest positions scoring equal to it (ties go
-//     to the lower position, as in the CPU reference).
+//     select on order-preserving 32-bit keys (no sort), then writes, in ascending position order,
+//     every position scoring above that threshold and the lowest positions scoring equal to it
+//     (ties go to the lower position, as in the CPU reference): threads own contiguous runs of
+//     positions, placed by two block scans.
 // Tokens whose context fits in topk take every position without scoring.
 #include "common/mma.cuh"
 #include "mla/mla-common.cuh"
@@ -298,23 +299,27 @@ __global__ void __launch_bounds__(kSelectThreads)
         // no barrier needed here: sel_* are rewritten only after the next pass's two barriers
     }
 
-    // Positions in ascending order, chunk by chunk: greater than the threshold, or equal to it
-    // and among the first `remaining` equal ones.
-    int eq_base = 0, out_base = 0;
-    for (int32_t c0 = 0; c0 < n_keys && out_base < k; c0 += kSelectThreads) {
-        const int32_t s = c0 + (int32_t)threadIdx.x;
-        const uint32_t key = s < n_keys ? order_key(sc[s]) : 0u;
-        const int eq = s < n_keys && key == prefix;
-        const int gt = s < n_keys && key > prefix;
-        int eq_tot, sel_tot;
-        const int eq_rank = eq_base + block_excl_scan(eq, scan_sh, &eq_tot);
-        const int sel = gt || (eq && eq_rank < remaining);
-        const int o = out_base + block_excl_scan(sel, scan_sh, &sel_tot);
-        if (sel) {
-            out[o] = s;
+    // Positions in ascending order: each thread owns a contiguous run of positions and takes those
+    // greater than the threshold, and those equal to it while the equal ones before (in earlier
+    // runs, then in its own) number fewer than `remaining`. Two block scans place the runs.
+    const int32_t per = (n_keys + kSelectThreads - 1) / kSelectThreads;
+    const int32_t s0 = min((int32_t)threadIdx.x * per, n_keys), s1 = min(s0 + per, n_keys);
+    int eq_c = 0, gt_c = 0;
+    for (int32_t s = s0; s < s1; s++) {
+        const uint32_t key = order_key(sc[s]);
+        eq_c += key == prefix;
+        gt_c += key > prefix;
+    }
+    int tot;
+    const int eq_before = block_excl_scan(eq_c, scan_sh, &tot);
+    const int take_eq = min(max(remaining - eq_before, 0), eq_c);
+    int o = block_excl_scan(gt_c + take_eq, scan_sh, &tot);
+    for (int32_t s = s0, taken = 0; s < s1; s++) {
+        const uint32_t key = order_key(sc[s]);
+        if (key > prefix || (key == prefix && taken < take_eq)) {
+            taken += key == prefix;
+            out[o++] = s;
         }
-        eq_base += eq_tot;
-        out_base += sel_tot;
     }
 }
 
