@@ -4,13 +4,13 @@
 // GPU (flash-decoding). Same semantics as mla_attn_kernel (mla-attention.cu), at bf16 precision of
 // the products. Three kernels per group of tokens:
 //   absorb   Q[t][h] = [bf16(W_UK[h]^T q_nope[t][h]) | bf16(q_pe[t][h])]   fp32 sums, 8 tokens a block
-//            sharing each weight read
+//            sharing each weight read, 128 columns a block
 //   split    for each (token, split): S = Q K^T over tiles of BN of the split's keys (K rows are the
 //            cached latents [c_kv | k_pe], selected by idx or every position <= pos), online softmax
 //            per head (fp32, base 2), P rounded to bf16, O += P V with V = c_kv; writes O unnormalized
 //            with its running max m and sum l
 //   combine  O[t][h] = sum_s 2^(m_s - M) O_s / sum_s 2^(m_s - M) l_s, then out[t][h] = W_UV[h] O[t][h]
-//            (fp32), 8 tokens a block sharing each weight read
+//            (fp32), 8 tokens and 32 output rows a block sharing each weight read
 // The split kernel's flash-attention structure is that of attention/prefill.cu: warps own 16 head
 // rows (and one half of O's R columns, so that a thread holds R/2/8 accumulator tiles; both halves
 // compute the same scores), key tiles stream through two cp.async stages.
@@ -55,12 +55,17 @@ inline HeadsWs heads_ws(void *base, int64_t tc, int64_t ns, int64_t hp, int64_t 
     return w;
 }
 
-// Grid (ceil(tc / kTokTile), n_head), 256 threads; dynamic smem kTokTile * nope floats.
+constexpr int kAbsorbCols = 128; // q_abs columns per absorb block (one per thread)
+constexpr int kCombineRows = 32; // W_UV rows per combine block
+
+// Grid (ceil(tc / kTokTile), n_head, R / kAbsorbCols), kAbsorbCols threads; dynamic smem
+// kTokTile * nope floats. Small batches still get n_head * R / kAbsorbCols blocks.
 template <int R, int ROPE>
-__global__ void __launch_bounds__(256) mla_absorb_kernel(krk_mla_attn_params p, int64_t t0, int tc, int hp,
-                                                          uint16_t *qb)
+__global__ void __launch_bounds__(kAbsorbCols) mla_absorb_kernel(krk_mla_attn_params p, int64_t t0, int tc, int hp,
+                                                                  uint16_t *qb)
 {
     constexpr int D = R + ROPE;
+    static_assert(R % kAbsorbCols == 0, "absorb blocks tile R");
     extern __shared__ float qs[]; // [kTokTile][nope]
     const int h = blockIdx.y, H = (int)p.n_head, tid = threadIdx.x;
     const int tt0 = blockIdx.x * kTokTile, nt = tc - tt0 < kTokTile ? tc - tt0 : kTokTile;
@@ -72,12 +77,14 @@ __global__ void __launch_bounds__(256) mla_absorb_kernel(krk_mla_attn_params p, 
     }
     __syncthreads();
     const float *wk = p.kv_b + (int64_t)h * (p.nope + p.v_dim) * R; // W_UK [nope][R]
-    for (int r = tid; r < R; r += blockDim.x) {
+    {
+        const int r = blockIdx.z * kAbsorbCols + tid;
         float acc[kTokTile];
 #pragma unroll
         for (int tt = 0; tt < kTokTile; tt++) {
             acc[tt] = 0.0f;
         }
+#pragma unroll 8
         for (int64_t d = 0; d < nope; d++) {
             const float w = wk[d * R + r];
 #pragma unroll
@@ -89,7 +96,7 @@ __global__ void __launch_bounds__(256) mla_absorb_kernel(krk_mla_attn_params p, 
             qb[((int64_t)(tt0 + tt) * hp + h) * D + r] = krk::f32_to_bf16(acc[tt]);
         }
     }
-    for (int e = tid; e < nt * ROPE; e += blockDim.x) {
+    for (int e = tid; blockIdx.z == 0 && e < nt * ROPE; e += blockDim.x) {
         const int tt = e / ROPE, i = e - tt * ROPE;
         qb[((int64_t)(tt0 + tt) * hp + h) * D + R + i] =
             krk::f32_to_bf16(p.q[((t0 + tt0 + tt) * H + h) * qd + p.nope + i]);
@@ -257,8 +264,8 @@ __global__ void __launch_bounds__(256) mla_split_kernel(krk_mla_attn_params p, i
     }
 }
 
-// Grid (ceil(tc / kTokTile), n_head), 256 threads: merges the splits of kTokTile tokens of head h
-// and applies W_UV[h] (one weight read for the tile).
+// Grid (ceil(tc / kTokTile), n_head, ceil(v_dim / kCombineRows)), 256 threads: merges the splits of
+// kTokTile tokens of head h and applies kCombineRows rows of W_UV[h] (one weight read for the tile).
 template <int R>
 __global__ void __launch_bounds__(256) mla_combine_kernel(krk_mla_attn_params p, int64_t t0, int tc, int hp, int ns,
                                                            HeadsWs ws)
@@ -295,7 +302,9 @@ __global__ void __launch_bounds__(256) mla_combine_kernel(krk_mla_attn_params p,
     __syncthreads();
     // out[t][h][v] = W_UV[h][v] . O[t][h]: a warp per output row v, lanes over R
     const int n_warp = blockDim.x >> 5;
-    for (int64_t v = warp; v < p.v_dim; v += n_warp) {
+    const int64_t v1 = (int64_t)(blockIdx.z + 1) * kCombineRows < p.v_dim ? (int64_t)(blockIdx.z + 1) * kCombineRows
+                                                                          : p.v_dim;
+    for (int64_t v = (int64_t)blockIdx.z * kCombineRows + warp; v < v1; v += n_warp) {
         const float *wv = p.kv_b + ((int64_t)h * (p.nope + p.v_dim) + p.nope + v) * R;
         float acc[kTokTile];
 #pragma unroll
@@ -389,13 +398,16 @@ template <int R, int ROPE> enum kr_status heads_launch(const krk_mla_attn_params
     const size_t absorb_smem = (size_t)kTokTile * (size_t)p.nope * sizeof(float);
     for (int64_t t0 = 0; t0 < p.batch.n_tok; t0 += pl.tc) {
         const int tc = (int)(p.batch.n_tok - t0 < pl.tc ? p.batch.n_tok - t0 : pl.tc);
-        const dim3 tiles((unsigned)((tc + kTokTile - 1) / kTokTile), (unsigned)p.n_head);
-        mla_absorb_kernel<R, ROPE><<<tiles, 256, absorb_smem, stream>>>(p, t0, tc, hp, ws.q);
+        const unsigned tok_tiles = (unsigned)((tc + kTokTile - 1) / kTokTile);
+        mla_absorb_kernel<R, ROPE><<<dim3(tok_tiles, (unsigned)p.n_head, R / kAbsorbCols), kAbsorbCols, absorb_smem,
+                                     stream>>>(p, t0, tc, hp, ws.q);
         KRK_CHECK_LAUNCH();
         mla_split_kernel<R, ROPE><<<dim3((unsigned)tc, (unsigned)pl.ns), (unsigned)(hg * 64), smem, stream>>>(
             p, t0, hg, pl.ns, pl.spl, ws);
         KRK_CHECK_LAUNCH();
-        mla_combine_kernel<R><<<tiles, 256, 0, stream>>>(p, t0, tc, hp, pl.ns, ws);
+        mla_combine_kernel<R><<<dim3(tok_tiles, (unsigned)p.n_head,
+                                     (unsigned)((p.v_dim + kCombineRows - 1) / kCombineRows)),
+                                256, 0, stream>>>(p, t0, tc, hp, pl.ns, ws);
         KRK_CHECK_LAUNCH();
     }
     return KR_OK;
