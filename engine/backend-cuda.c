@@ -59,7 +59,8 @@ struct cuda_ctx {
     size_t blas_ws_size;
     atomic_bool failed;    /* a sticky CUDA error: the backend refuses further work (read by /health) */
     bool graphs_on;
-    enum krk_gemv_variant gemv_variant; /* KRAIT_GEMV=l1 reads x through L1 in the n <= 2 GEMV */
+    enum krk_gemv_variant gemv_variant; /* KRAIT_GEMV=l1: x through L1 in the n <= 2 GEMV; =mma: the
+                                           tensor-core GEMV for n <= 32 */
     bool pdl;                           /* KRAIT_PDL=1: GEMVs launch as programmatic dependents */
     int32_t dsa_score;                  /* indexer scores on bf16 tensor cores (KRAIT_DSA_SCORE=fp32: CUDA cores) */
     bool graphs_mla;                    /* capture steps of models with MLA layers (KRAIT_CUDA_GRAPHS_MLA=0: not) */
@@ -618,9 +619,15 @@ static enum kr_status op_enter(struct cuda_ctx *c)
 
 /* Sets up the bf16 copy an op may write of its n x cols output (for the GEMM that reads it next);
  * NULL when the next GEMM will not want it (decode rows go through krk_gemv in fp32). */
+/* Rows up to this many take krk_gemv (fp32 x), more take cuBLAS (bf16 x). */
+static int64_t gemv_max_n(const struct cuda_ctx *c)
+{
+    return c->gemv_variant == KRK_GEMV_MMA ? KRK_GEMV_MMA_MAX_N : KRK_GEMV_MAX_N;
+}
+
 static krk_bf16 *shadow_for(struct cuda_ctx *c, const float *out, int64_t n, int64_t cols)
 {
-    if (n <= KRK_GEMV_MAX_N || (size_t)(n * cols) > c->xb_cap) {
+    if (n <= gemv_max_n(c) || (size_t)(n * cols) > c->xb_cap) {
         return NULL;
     }
     c->shadow.src = out;
@@ -758,7 +765,7 @@ static enum kr_status cuda_matmul_impl(kr_backend_t be, const float *x, int64_t 
     } else if (w->dtype != KR_DTYPE_BF16) {
         KR_LOG_ERROR("cuda: matmul weight of dtype %s", kr_dtype_name(w->dtype));
         return KR_ERR_UNSUPPORTED;
-    } else if (n <= KRK_GEMV_MAX_N && cols % 8 == 0) {
+    } else if (n <= gemv_max_n(c) && cols % 8 == 0) {
         struct krk_gemv_params p = {.x = x, .ldx = ldx, .w = w->data, .bias = bias, .n = n, .rows = rows,
                                     .cols = cols, .y = y, .ldy = ldy, .variant = c->gemv_variant,
                                     .pdl = c->pdl && !c->prof.on};
@@ -1111,7 +1118,7 @@ TIMED(cuda_layernorm, P_DSA,
        float eps, float *out),
       (be, x, ldx, w, b, n, dim, eps, out))
 TIMED(cuda_scale, P_OTHER, (kr_backend_t be, float *y, float s, int64_t n), (be, y, s, n))
-TIMED(cuda_matmul, n <= KRK_GEMV_MAX_N ? P_GEMV : P_GEMM,
+TIMED(cuda_matmul, n <= gemv_max_n(c) ? P_GEMV : P_GEMM,
       (kr_backend_t be, const float *x, int64_t ldx, int64_t n, const struct kr_tensor *w, const float *bias,
        float *y, int64_t ldy),
       (be, x, ldx, n, w, bias, y, ldy))
@@ -1322,7 +1329,7 @@ enum kr_status kr_backend_cuda_create(int dev, bool graphs, kr_backend_t *out, s
     const char *ds = getenv("KRAIT_DSA_SCORE");
     c->dsa_score = ds && !strcmp(ds, "fp32") ? KRK_DSA_SCORE_FP32 : KRK_DSA_SCORE_MMA;
     const char *gv = getenv("KRAIT_GEMV");
-    c->gemv_variant = gv && !strcmp(gv, "l1") ? KRK_GEMV_L1 : KRK_GEMV_STAGED;
+    c->gemv_variant = gv && !strcmp(gv, "l1") ? KRK_GEMV_L1 : gv && !strcmp(gv, "mma") ? KRK_GEMV_MMA : KRK_GEMV_STAGED;
     const char *pd = getenv("KRAIT_PDL");
     c->pdl = pd && !strcmp(pd, "1");
     char name[128] = "cuda";

@@ -11,7 +11,7 @@
 // with the two halves of every other 8-column group swapped, and lanes 4..7 of each quarter warp
 // read their second float4 first, so that each 16-byte shared-memory phase covers 32 distinct
 // banks.
-#include "common/util.cuh"
+#include "common/mma.cuh"
 
 namespace krk {
 namespace {
@@ -318,6 +318,148 @@ __global__ void add_bias_kernel(float *KRK_RESTRICT y, int64_t ldy, const float 
     }
 }
 
+// Tensor-core variant (KRK_GEMV_MMA, n <= KRK_GEMV_MMA_MAX_N): a block owns 16 weight rows and its
+// kMmaWarps warps split the columns; every warp streams its slice of the 16 rows with one 16-byte
+// load per lane and row pair per 32 columns, straight into mma.m16n8k16 A fragments, with x (fp32,
+// rounded to bf16) as the B operand, NT tiles of 8 rows of x. There is no shared-memory staging and
+// no barrier in the loop. The 32 columns of a step are permuted consistently for A and B: lane l
+// (q = l % 4) loads columns 8q..8q+7 of its rows, which the first mma takes as its k slots 2q, 2q+1,
+// 2q+8, 2q+9 (columns 8q..8q+3) and the second as the same slots (8q+4..8q+7); the dot product does
+// not depend on the order. The warps' partial sums meet in shared memory and are added in warp
+// order.
+constexpr int kMmaWarps = 8;
+constexpr int kMmaU = 4; // 32-column steps in flight per warp
+
+template <int NT>
+__device__ __forceinline__ void mma_load_x(uint32_t (&b)[NT][4], const float *KRK_RESTRICT x, int64_t ldx, int n,
+                                           int64_t c, bool in_cols, bool x_vec, int lane)
+{
+#pragma unroll
+    for (int j = 0; j < NT; j++) {
+        const int t = j * 8 + (lane >> 2);
+        float v[8];
+        if (t < n && in_cols) {
+            const float *xp = x + (int64_t)t * ldx + c;
+            if (x_vec) {
+                const float4 lo = *reinterpret_cast<const float4 *>(xp), hi = *reinterpret_cast<const float4 *>(xp + 4);
+                v[0] = lo.x, v[1] = lo.y, v[2] = lo.z, v[3] = lo.w, v[4] = hi.x, v[5] = hi.y, v[6] = hi.z, v[7] = hi.w;
+            } else {
+#pragma unroll
+                for (int i = 0; i < 8; i++) {
+                    v[i] = xp[i];
+                }
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                v[i] = 0.0f;
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            b[j][i] = pack_bf16(v[2 * i], v[2 * i + 1]);
+        }
+    }
+}
+
+template <int NT>
+__global__ void __launch_bounds__(kMmaWarps * 32)
+    gemv_mma_kernel(const float *KRK_RESTRICT x, int64_t ldx, const uint16_t *KRK_RESTRICT w,
+                    const float *KRK_RESTRICT bias, int n, int64_t rows, int64_t cols, bool x_vec,
+                    float *KRK_RESTRICT y, int64_t ldy)
+{
+    __shared__ float red[kMmaWarps][16][NT * 8];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, q = lane & 3;
+    const int64_t row0 = (int64_t)blockIdx.x * 16;
+    const int64_t r_lo = row0 + (lane >> 2), r_hi = r_lo + 8;
+    const uint16_t *w_lo = w + (r_lo < rows ? r_lo : row0) * cols, *w_hi = w + (r_hi < rows ? r_hi : row0) * cols;
+    const bool ok_lo = r_lo < rows, ok_hi = r_hi < rows;
+    // this warp's 32-column steps
+    const int64_t n_steps = (cols + 31) / 32, per = (n_steps + kMmaWarps - 1) / kMmaWarps;
+    const int64_t s0 = (int64_t)warp * per, s1 = s0 + per < n_steps ? s0 + per : n_steps;
+
+    float acc[NT][4];
+#pragma unroll
+    for (int j = 0; j < NT; j++) {
+        acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+    }
+    uint4 a_lo[kMmaU], a_hi[kMmaU];
+    auto load_w = [&](int64_t s_base) {
+#pragma unroll
+        for (int u = 0; u < kMmaU; u++) {
+            const int64_t c = (s_base + u) * 32 + q * 8;
+            const bool in = s_base + u < s1 && c < cols;
+            a_lo[u] = in && ok_lo ? ld_stream(w_lo + c) : make_uint4(0, 0, 0, 0);
+            a_hi[u] = in && ok_hi ? ld_stream(w_hi + c) : make_uint4(0, 0, 0, 0);
+        }
+    };
+    if (s0 < s1) {
+        load_w(s0);
+    }
+    pdl_trigger();
+    pdl_wait(); // x and y belong to earlier kernels; the weights above do not
+    for (int64_t s = s0; s < s1; s += kMmaU) {
+        uint4 cur_lo[kMmaU], cur_hi[kMmaU];
+#pragma unroll
+        for (int u = 0; u < kMmaU; u++) {
+            cur_lo[u] = a_lo[u];
+            cur_hi[u] = a_hi[u];
+        }
+        if (s + kMmaU < s1) {
+            load_w(s + kMmaU); // the next steps' weights are in flight while these are used
+        }
+#pragma unroll
+        for (int u = 0; u < kMmaU; u++) {
+            const int64_t c = (s + u) * 32 + q * 8;
+            if (s + u >= s1) {
+                break;
+            }
+            uint32_t b[NT][4];
+            mma_load_x<NT>(b, x, ldx, n, c, c < cols, x_vec, lane);
+            const uint32_t f0[4] = {cur_lo[u].x, cur_hi[u].x, cur_lo[u].y, cur_hi[u].y};
+            const uint32_t f1[4] = {cur_lo[u].z, cur_hi[u].z, cur_lo[u].w, cur_hi[u].w};
+#pragma unroll
+            for (int j = 0; j < NT; j++) {
+                mma_bf16(acc[j], f0, b[j][0], b[j][1]);
+                mma_bf16(acc[j], f1, b[j][2], b[j][3]);
+            }
+        }
+    }
+    // partial sums: c0, c1 are (row lane/4, x rows 8j + 2q, +1), c2, c3 the same for row lane/4 + 8
+#pragma unroll
+    for (int j = 0; j < NT; j++) {
+        red[warp][lane >> 2][j * 8 + 2 * q] = acc[j][0];
+        red[warp][lane >> 2][j * 8 + 2 * q + 1] = acc[j][1];
+        red[warp][(lane >> 2) + 8][j * 8 + 2 * q] = acc[j][2];
+        red[warp][(lane >> 2) + 8][j * 8 + 2 * q + 1] = acc[j][3];
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < 16 * n; e += blockDim.x) {
+        const int r = e % 16, t = e / 16;
+        const int64_t row = row0 + r;
+        if (row >= rows) {
+            continue;
+        }
+        float v = 0.0f;
+#pragma unroll
+        for (int k = 0; k < kMmaWarps; k++) {
+            v += red[k][r][t];
+        }
+        y[(int64_t)t * ldy + row] = bias ? v + bias[row] : v;
+    }
+}
+
+template <int NT> enum kr_status launch_gemv_mma(const struct krk_gemv_params *p, cudaStream_t stream)
+{
+    const int64_t blocks = (p->rows + 15) / 16;
+    KRK_REQUIRE(blocks <= INT32_MAX);
+    const bool x_vec = p->ldx % 4 == 0 && ((uintptr_t)p->x & 15) == 0;
+    KRK_CUDA_TRY(launch_maybe_pdl(p->pdl, gemv_mma_kernel<NT>, dim3((unsigned)blocks), dim3(kMmaWarps * 32), 0,
+                                  stream, p->x, p->ldx, p->w, p->bias, (int)p->n, p->rows, p->cols, x_vec, p->y,
+                                  p->ldy));
+    return KR_OK;
+}
+
 } // namespace
 } // namespace krk
 
@@ -326,12 +468,17 @@ using namespace krk;
 extern "C" enum kr_status krk_gemv(const struct krk_gemv_params *p, cudaStream_t stream)
 {
     KRK_REQUIRE(p);
-    KRK_REQUIRE(p->n >= 0 && p->n <= KRK_GEMV_MAX_N && p->rows >= 1 && p->cols >= 8 && p->cols % 8 == 0);
+    const int64_t max_n = p->variant == KRK_GEMV_MMA ? KRK_GEMV_MMA_MAX_N : KRK_GEMV_MAX_N;
+    KRK_REQUIRE(p->n >= 0 && p->n <= max_n && p->rows >= 1 && p->cols >= 8 && p->cols % 8 == 0);
     KRK_REQUIRE(p->ldx >= p->cols && p->ldy >= p->rows);
     if (p->n == 0) {
         return KR_OK;
     }
     KRK_REQUIRE(p->x && p->w && p->y && ((uintptr_t)p->w & 15) == 0);
+    if (p->variant == KRK_GEMV_MMA) {
+        return p->n <= 8 ? launch_gemv_mma<1>(p, stream) : p->n <= 16 ? launch_gemv_mma<2>(p, stream)
+                                                                       : launch_gemv_mma<4>(p, stream);
+    }
     if (p->variant == KRK_GEMV_L1 && p->n <= 2) {
         return p->n == 1 ? launch_gemv_l1<1>(p, stream) : launch_gemv_l1<2>(p, stream);
     }

@@ -94,6 +94,10 @@ if [ $bench = 1 ]; then
     KRAIT_GEMV=l1 run_for 120 "$build/bench/bench_cuda" --batches 1,2 --prefill 512 --steps 24 "$synth" \
       > "$logs/bench-gemv-l1.md" 2>&1
     echo "bench_cuda (KRAIT_GEMV=l1) rc=$?" >> "$logs/bench-gemv-l1.md"
+    # the tensor-core GEMV (steps of up to 32 rows), for comparison
+    KRAIT_GEMV=mma run_for 150 "$build/bench/bench_cuda" --batches 1,16,32 --prefill 512 --steps 24 "$synth" \
+      > "$logs/bench-gemv-mma.md" 2>&1
+    echo "bench_cuda (KRAIT_GEMV=mma) rc=$?" >> "$logs/bench-gemv-mma.md"
     # GEMVs launched as programmatic dependents (their first weight loads overlap the previous
     # kernel's tail), for comparison
     KRAIT_PDL=1 run_for 150 "$build/bench/bench_cuda" --batches 1,16,64 --prefill 512 --steps 24 "$synth" \
@@ -120,6 +124,7 @@ fi
   echo
   [ -f "$logs/bench.md" ] && grep -a '^|\|^device\|^model\|^cache\|rc=' "$logs/bench.md"
   [ -f "$logs/bench-gemv-l1.md" ] && { echo; echo "GEMV reading x through L1:"; grep -a '^| decode\|rc=' "$logs/bench-gemv-l1.md"; }
+  [ -f "$logs/bench-gemv-mma.md" ] && { echo; echo "Tensor-core GEMV:"; grep -a '^| decode\|rc=' "$logs/bench-gemv-mma.md"; }
   [ -f "$logs/bench-pdl.md" ] && { echo; echo "GEMVs as programmatic dependents:"; grep -a '^| decode\|rc=' "$logs/bench-pdl.md"; }
   [ -f "$logs/bench-sched.md" ] && { echo; echo "Engine host overhead:"; cat "$logs/bench-sched.md"; }
   [ -f "$logs/hf.log" ] && { echo; echo "HF transformers:"; grep -av '^\s*$' "$logs/hf.log" | tail -12; }

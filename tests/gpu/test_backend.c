@@ -573,3 +573,51 @@ ParameterizedTest(int *idx, cuda_backend, fp8_indexer_matches_cpu)
     fx_free(&g);
     fx_free(&h);
 }
+
+/* The tensor-core GEMV (KRAIT_GEMV=mma, steps of up to 32 rows) against the default kernels on the
+ * fixtures without discrete decisions: prompts in chunks of 7 and of 20 (both under 32 rows, so
+ * every GEMM of the step takes the GEMV; with the default, the 20-row chunks take cuBLAS), compared
+ * position by position within BATCH_TOL_MMA, HF's bound for one path (both round the same bf16
+ * operands; only summation order differs). */
+#define BATCH_TOL_MMA LP_TOL
+static int plain_fixture_idx[] = {0, 3, 4};
+ParameterizedTestParameters(cuda_backend, gemv_mma_matches_default)
+{
+    return cr_make_param_array(int, plain_fixture_idx, sizeof plain_fixture_idx / sizeof plain_fixture_idx[0]);
+}
+ParameterizedTest(int *idx, cuda_backend, gemv_mma_matches_default)
+{
+    GT_REQUIRE_GPU();
+    struct fx a, b;
+    unsetenv("KRAIT_GEMV");
+    load_cuda(&a, *idx, 2, true);
+    setenv("KRAIT_GEMV", "mma", 1);
+    load_cuda(&b, *idx, 2, true);
+    unsetenv("KRAIT_GEMV");
+    const char *name = fx_all[*idx].name;
+    for (int32_t i = 0; i < a.n_prompts; i++) {
+        const struct fx_prompt *p = &a.prompts[i];
+        const size_t n = (size_t)p->n * (size_t)a.vocab;
+        float *la = kr_malloc(n * sizeof(float)), *lb = kr_malloc(n * sizeof(float));
+        cr_assert(la && lb);
+        for (int32_t chunk = 7; chunk <= 20; chunk += 13) {
+            struct kr_err err = {{0}};
+            cr_assert_eq(kr_run_prompt_logprobs(a.m, a.c, p->ids, p->n, chunk, la, &err), KR_OK, "%s", err.msg);
+            cr_assert_eq(kr_run_prompt_logprobs(b.m, b.c, p->ids, p->n, chunk, lb, &err), KR_OK, "%s", err.msg);
+            double worst = 0;
+            for (int32_t t = 0; t < p->n; t++) {
+                const double d = max_abs_diff(la + (size_t)t * (size_t)a.vocab, lb + (size_t)t * (size_t)a.vocab,
+                                              a.vocab);
+                worst = isnan(d) ? INFINITY : (d > worst ? d : worst);
+            }
+            fprintf(stderr, "  %-20s prompt %d (len %3d, chunk %d): tensor-core GEMV vs default max %.3g\n", name, i,
+                    p->n, chunk, worst);
+            cr_expect_leq(worst, BATCH_TOL_MMA, "%s prompt %d chunk %d: KRAIT_GEMV=mma differs by %g", name, i,
+                          chunk, worst);
+        }
+        kr_free(la);
+        kr_free(lb);
+    }
+    fx_free(&a);
+    fx_free(&b);
+}

@@ -20,6 +20,10 @@
 
 #define GEMV_NMSE 1e-10
 #define GEMV_ABS 1e-3
+/* The tensor-core variant: the same exact bf16 products, summed by the tensor cores (whose fp32
+ * accumulation aligns and truncates within each k16 product) and then across 8 warps: a looser
+ * bound, printed for tightening. */
+#define GEMV_MMA_NMSE 1e-9
 
 struct gemv_shape {
     int64_t rows, cols;
@@ -67,12 +71,21 @@ ParameterizedTest(int *idx, gemm, gemv_matches_cpu_matmul)
     float *bias = hrand(&rng, (size_t)s.rows, -1.0f, 1.0f);
     float *d_bias = gt_dup(bias, (size_t)s.rows * 4);
 
-    /* n = 1..MAX_N staged, n = 1, 2 through L1, then n = 1, 4 staged as programmatic dependents of
-     * a kernel that writes x (the GEMV must wait for it before reading x) */
-    for (int64_t it = 0; it < KRK_GEMV_MAX_N + 4; it++) {
-        const bool pdl = it >= KRK_GEMV_MAX_N + 2;
-        const int64_t n = it < KRK_GEMV_MAX_N ? it + 1 : pdl ? 1 + 3 * (it - KRK_GEMV_MAX_N - 2) : it - KRK_GEMV_MAX_N + 1;
-        const enum krk_gemv_variant variant = it < KRK_GEMV_MAX_N || pdl ? KRK_GEMV_STAGED : KRK_GEMV_L1;
+    /* n = 1..MAX_N staged; n = 1, 2 through L1; n = 1, 4 staged as programmatic dependents of a
+     * kernel that writes x (the GEMV must wait for it before reading x); the tensor-core variant at
+     * n = 1, 3, 8, 9, 16, 17, 32 (one, two and four tiles of 8 x rows, partial tiles), and at n = 5
+     * as a programmatic dependent */
+    static const int64_t mma_n[] = {1, 3, 8, 9, 16, 17, 32, 5};
+    enum { N_MMA = sizeof mma_n / sizeof mma_n[0] };
+    for (int64_t it = 0; it < KRK_GEMV_MAX_N + 4 + N_MMA; it++) {
+        const bool mma = it >= KRK_GEMV_MAX_N + 4;
+        const bool pdl = (it >= KRK_GEMV_MAX_N + 2 && !mma) || it == KRK_GEMV_MAX_N + 4 + N_MMA - 1;
+        const int64_t n = mma ? mma_n[it - KRK_GEMV_MAX_N - 4]
+                          : it < KRK_GEMV_MAX_N ? it + 1
+                          : pdl ? 1 + 3 * (it - KRK_GEMV_MAX_N - 2)
+                                : it - KRK_GEMV_MAX_N + 1;
+        const enum krk_gemv_variant variant = mma ? KRK_GEMV_MMA
+                                              : it < KRK_GEMV_MAX_N || pdl ? KRK_GEMV_STAGED : KRK_GEMV_L1;
         const int64_t ldx = s.cols + n % 3, ldy = s.rows + (n % 2 ? 0 : 3);
         const bool with_bias = n % 2 == 1;
         const size_t nx = (size_t)(n * ldx), ny = (size_t)(n * ldy);
@@ -114,11 +127,12 @@ ParameterizedTest(int *idx, gemm, gemv_matches_cpu_matmul)
             memcpy(gd + i * s.rows, got + i * ldy, (size_t)s.rows * sizeof(float));
             memcpy(rd + i * s.rows, ref + i * ldy, (size_t)s.rows * sizeof(float));
         }
-        char what[96];
+        char what[128];
         snprintf(what, sizeof what, "gemv%s %lldx%lld n=%lld%s ldx=%lld",
-                 variant == KRK_GEMV_L1 ? " (L1)" : pdl ? " (programmatic dependent)" : "",
+                 variant == KRK_GEMV_L1 ? " (L1)" : variant == KRK_GEMV_MMA ? (pdl ? " (mma, programmatic dependent)" : " (mma)")
+                 : pdl ? " (programmatic dependent)" : "",
                  (long long)s.rows, (long long)s.cols, (long long)n, with_bias ? " +bias" : "", (long long)ldx);
-        gt_expect_close(what, gd, rd, (size_t)(n * s.rows), GEMV_NMSE, GEMV_ABS);
+        gt_expect_close(what, gd, rd, (size_t)(n * s.rows), mma ? GEMV_MMA_NMSE : GEMV_NMSE, GEMV_ABS);
         bool pad_ok = true;
         for (int64_t i = 0; i < n && pad_ok; i++) {
             const size_t pad = (size_t)(ldy - s.rows) * sizeof(float);
@@ -149,6 +163,11 @@ Test(gemm, gemv_rejects_bad_parameters)
     cr_expect_eq(krk_gemv(&p, 0), KR_OK);
     p.n = KRK_GEMV_MAX_N + 1;
     cr_expect_eq(krk_gemv(&p, 0), KR_ERR_INVAL);
+    p.variant = KRK_GEMV_MMA; /* takes up to KRK_GEMV_MMA_MAX_N rows of x */
+    cr_expect_eq(krk_gemv(&p, 0), KR_OK);
+    p.n = KRK_GEMV_MMA_MAX_N + 1;
+    cr_expect_eq(krk_gemv(&p, 0), KR_ERR_INVAL);
+    p.variant = KRK_GEMV_STAGED;
     p.n = 2;
     p.cols = 60; /* not a multiple of 8 */
     p.ldx = 60;

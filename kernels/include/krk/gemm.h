@@ -10,11 +10,17 @@ extern "C" {
 /* Largest n krk_gemv accepts. */
 #define KRK_GEMV_MAX_N 8
 
-/* How x reaches the arithmetic: staged in shared memory per block (default), or read through L1
- * without staging (n <= 2 only; other n use the staged kernel). */
+/* Largest n the tensor-core variant accepts. */
+#define KRK_GEMV_MMA_MAX_N 32
+
+/* How x reaches the arithmetic: staged in shared memory per block (default), read through L1
+ * without staging (n <= 2 only; other n use the staged kernel), or as the B operand of bf16 tensor
+ * core products with the weights streamed into A fragments and the columns split over a block's
+ * warps (n <= KRK_GEMV_MMA_MAX_N). */
 enum krk_gemv_variant {
     KRK_GEMV_STAGED = 0,
     KRK_GEMV_L1 = 1,
+    KRK_GEMV_MMA = 2,
 };
 
 /* y[t, r] = sum_c bf16(x[t, c]) * W[r, c] (+ bias[r]) for t < n <= KRK_GEMV_MAX_N, r < rows;
