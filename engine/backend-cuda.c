@@ -63,6 +63,7 @@ struct cuda_ctx {
                                            tensor-core GEMV for n <= 32 */
     bool pdl;                           /* KRAIT_PDL=1: GEMVs launch as programmatic dependents */
     int32_t dsa_score;                  /* indexer scores on bf16 tensor cores (KRAIT_DSA_SCORE=fp32: CUDA cores) */
+    int32_t dsa_select;                 /* KRAIT_DSA_SELECT=agg: warp-aggregated top-k histograms */
     bool graphs_mla;                    /* capture steps of models with MLA layers (KRAIT_CUDA_GRAPHS_MLA=0: not) */
     int32_t mla_attn;                   /* all heads of a token per block, tensor cores, split over keys
                                            (KRAIT_MLA_ATTN=per-head: a block per head, fp32) */
@@ -1002,7 +1003,7 @@ static enum kr_status cuda_dsa_index_impl(kr_backend_t be, const struct kr_dsa_i
                                      .cache = p->cache, .row = p->row, .key_off = p->key_off,
                                      .block_size = p->block_size, .topk = p->topk, .idx = p->idx,
                                      .workspace = c->scratch, .workspace_bytes = c->scratch_size, .batch = c->batch,
-                                     .variant = c->dsa_score};
+                                     .variant = c->dsa_score, .select = c->dsa_select};
     return krk_dsa_index(&d, c->stream);
 }
 
@@ -1328,6 +1329,8 @@ enum kr_status kr_backend_cuda_create(int dev, bool graphs, kr_backend_t *out, s
     c->mla_attn = ma && !strcmp(ma, "per-head") ? KRK_MLA_ATTN_PER_HEAD : KRK_MLA_ATTN_HEADS;
     const char *ds = getenv("KRAIT_DSA_SCORE");
     c->dsa_score = ds && !strcmp(ds, "fp32") ? KRK_DSA_SCORE_FP32 : KRK_DSA_SCORE_MMA;
+    const char *dl = getenv("KRAIT_DSA_SELECT");
+    c->dsa_select = dl && !strcmp(dl, "agg") ? KRK_DSA_SELECT_AGG : KRK_DSA_SELECT_BLOCK;
     const char *gv = getenv("KRAIT_GEMV");
     c->gemv_variant = gv && !strcmp(gv, "l1") ? KRK_GEMV_L1 : gv && !strcmp(gv, "mma") ? KRK_GEMV_MMA : KRK_GEMV_STAGED;
     const char *pd = getenv("KRAIT_PDL");

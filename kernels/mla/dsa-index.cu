@@ -243,10 +243,50 @@ __device__ __forceinline__ int block_excl_scan(int v, int *sh, int *total)
     return before + x - v;
 }
 
+// One pass's histogram of the keys matching `prefix` under `mask`, bins of 8 bits at `shift`, into
+// hist[256]. AGG: lanes of a warp with the same bin add once (match.any), into per-warp copies
+// summed afterwards, so that the few bins most scores share do not serialize the block's atomics.
+template <bool AGG>
+__device__ __forceinline__ void select_histogram(const float *__restrict__ sc, int32_t n_keys, uint32_t prefix,
+                                                 uint32_t mask, int shift, int *hist, int (*whist)[256])
+{
+    if constexpr (!AGG) {
+        for (int32_t s = threadIdx.x; s < n_keys; s += kSelectThreads) {
+            const uint32_t key = order_key(sc[s]);
+            if ((key & mask) == prefix) {
+                atomicAdd(&hist[(key >> shift) & 255u], 1);
+            }
+        }
+    } else {
+        const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+        for (int32_t base = 0; base < n_keys; base += kSelectThreads) { // uniform trip count: full warps
+            const int32_t s = base + (int32_t)threadIdx.x;
+            const uint32_t key = s < n_keys ? order_key(sc[s]) : 0u;
+            const bool ok = s < n_keys && (key & mask) == prefix;
+            const int bin = ok ? (int)((key >> shift) & 255u) : 256 + lane; // unmatched lanes stay alone
+            const unsigned peers = __match_any_sync(0xffffffffu, bin);
+            if (ok && __ffs(peers) - 1 == lane) {
+                atomicAdd(&whist[warp][bin], __popc(peers));
+            }
+        }
+        __syncthreads();
+        for (int i = threadIdx.x; i < 256; i += kSelectThreads) {
+            int v = 0;
+#pragma unroll
+            for (int w = 0; w < kSelectThreads / 32; w++) {
+                v += whist[w][i];
+            }
+            hist[i] = v;
+        }
+    }
+}
+
+template <bool AGG>
 __global__ void __launch_bounds__(kSelectThreads)
     dsa_select_kernel(krk_dsa_index_params p, int32_t t0, const float *__restrict__ scores, int64_t ld)
 {
     __shared__ int hist[256];
+    __shared__ int whist[AGG ? kSelectThreads / 32 : 1][256];
     __shared__ int scan_sh[32];
     __shared__ uint32_t sel_prefix;
     __shared__ int sel_remaining;
@@ -273,15 +313,42 @@ __global__ void __launch_bounds__(kSelectThreads)
         for (int i = threadIdx.x; i < 256; i += kSelectThreads) {
             hist[i] = 0;
         }
-        __syncthreads();
-        for (int32_t s = threadIdx.x; s < n_keys; s += kSelectThreads) {
-            const uint32_t key = order_key(sc[s]);
-            if ((key & mask) == prefix) {
-                atomicAdd(&hist[(key >> shift) & 255u], 1);
-            }
+        for (int i = threadIdx.x; AGG && i < (kSelectThreads / 32) * 256; i += kSelectThreads) {
+            whist[i / 256][i % 256] = 0;
         }
         __syncthreads();
-        if (threadIdx.x == 0) {
+        select_histogram<AGG>(sc, n_keys, prefix, mask, shift, hist, whist);
+        __syncthreads();
+        if (AGG && threadIdx.x < 32) {
+            // warp 0: lane j holds bins 255 - 8j down to 248 - 8j; the first lane (from the top)
+            // whose running count reaches `remaining` holds the bin, found within its eight
+            const int lane = threadIdx.x, hi = 255 - 8 * lane;
+            int own = 0;
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                own += hist[hi - i];
+            }
+            int cum = own;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const int y = __shfl_up_sync(0xffffffffu, cum, o);
+                cum += lane >= o ? y : 0;
+            }
+            const unsigned reach = __ballot_sync(0xffffffffu, cum >= remaining);
+            const int found = reach ? __ffs(reach) - 1 : 31; // none: bin 0 takes the rest
+            if (lane == found) {
+                int before = cum - own, bin = hi;
+                for (int i = 0; i < 8; i++) {
+                    bin = hi - i;
+                    if (bin == 0 || before + hist[bin] >= remaining) {
+                        break;
+                    }
+                    before += hist[bin];
+                }
+                sel_prefix = prefix | ((uint32_t)bin << shift);
+                sel_remaining = remaining - before;
+            }
+        } else if (!AGG && threadIdx.x == 0) {
             int cum = 0, bin = 255;
             for (; bin > 0; bin--) { // bins from the largest; bin 0 holds the rest
                 if (cum + hist[bin] >= remaining) {
@@ -376,7 +443,11 @@ extern "C" enum kr_status krk_dsa_index(const struct krk_dsa_index_params *p, cu
                 *p, (int32_t)t0, scores, ld);
             KRK_CHECK_LAUNCH();
         }
-        dsa_select_kernel<<<(unsigned)g, kSelectThreads, 0, stream>>>(*p, (int32_t)t0, scores, ld);
+        if (p->select == KRK_DSA_SELECT_AGG) {
+            dsa_select_kernel<true><<<(unsigned)g, kSelectThreads, 0, stream>>>(*p, (int32_t)t0, scores, ld);
+        } else {
+            dsa_select_kernel<false><<<(unsigned)g, kSelectThreads, 0, stream>>>(*p, (int32_t)t0, scores, ld);
+        }
         KRK_CHECK_LAUNCH();
     }
     return KR_OK;

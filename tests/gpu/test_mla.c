@@ -357,9 +357,12 @@ ParameterizedTest(int *ci, mla, index_selects_cpu_topk)
     bool *sel = xalloc((size_t)max_ctx);
     struct scored_pos *tmp = xalloc((size_t)max_ctx * sizeof *tmp);
     /* both score variants: fp32 on CUDA cores, bf16 tensor cores (the same selection up to fp32
-     * summation order, the queries being bf16 values already) */
-    for (int variant = KRK_DSA_SCORE_FP32; variant <= KRK_DSA_SCORE_MMA; variant++) {
+     * summation order, the queries being bf16 values already); the tensor-core scores also with
+     * the warp-aggregated top-k histograms */
+    for (int run = 0; run < 3; run++) {
+        const int variant = run == 0 ? KRK_DSA_SCORE_FP32 : KRK_DSA_SCORE_MMA;
         kp.variant = variant;
+        kp.select = run == 2 ? KRK_DSA_SELECT_AGG : KRK_DSA_SELECT_BLOCK;
         cr_assert_eq(cudaMemset(d_idx, 0x7F, n_idx * sizeof(int32_t)), cudaSuccess); /* not -1: unwritten shows */
         cr_assert_eq(krk_dsa_index(&kp, 0), KR_OK);
         gt_down(got, d_idx, n_idx * sizeof(int32_t));
@@ -410,7 +413,8 @@ ParameterizedTest(int *ci, mla, index_selects_cpu_topk)
         fprintf(stderr,
                 "  index %-45s %s topk=%d n_tok=%d: %d all-positions, %d compared exactly, %d near-tie compared "
                 "tie-tolerantly (%d of them equal to the CPU), %d padding\n",
-                ic->name, variant == KRK_DSA_SCORE_MMA ? "mma " : "fp32", topk, n_tok, n_all, n_exact, n_tol, n_tol_same,
+                ic->name, run == 2 ? "mma+agg" : variant == KRK_DSA_SCORE_MMA ? "mma    " : "fp32   ", topk, n_tok, n_all,
+                n_exact, n_tol, n_tol_same,
                 n_pad);
     }
 

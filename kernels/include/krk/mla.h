@@ -37,7 +37,12 @@ struct krk_dsa_index_params {
     size_t workspace_bytes;
     struct krk_batch batch; /* batch.max_ctx must be set */
     int32_t variant;        /* KRK_DSA_SCORE_*: how the scores are computed */
+    int32_t select;         /* KRK_DSA_SELECT_*: how the top-k histograms are built */
 };
+/* Top-k: a radix select, one block per query, 4 passes of 8 bits; its histograms take one shared
+ * atomic per key (default), or one per distinct bin of a warp into per-warp copies, with the bin of
+ * each pass found by a warp scan (KRK_DSA_SELECT_AGG). Both give the same selection. */
+enum { KRK_DSA_SELECT_BLOCK = 0, KRK_DSA_SELECT_AGG = 1 };
 /* Score variants: fp32 on CUDA cores (default); bf16 tensor cores (queries rounded to bf16, fp32
  * accumulation; index heads a multiple of 16 up to 64, head_dim a multiple of 16, aligned key rows;
  * otherwise the default runs). */
