@@ -12,6 +12,7 @@
  *    and matmul uses that copy instead of converting again ("shadow" below).
  * One instance drives one device: a tensor-parallel rank is one instance holding its shard. */
 #include "backend-impl.h"
+#include "sampler.h"
 
 #include "alloc.h"
 #include "log.h"
@@ -68,6 +69,7 @@ struct cuda_ctx {
     int32_t mla_attn;                   /* all heads of a token per block, tensor cores, split over keys
                                            (KRAIT_MLA_ATTN=per-head: a block per head, fp32) */
     size_t bytes_alloc;    /* device bytes taken through buf_alloc/upload */
+    uint64_t n_alloc;      /* device allocations made (kr_backend_cuda_alloc_count) */
 
     /* the current step */
     const struct kr_batch *hb;
@@ -282,6 +284,7 @@ static enum kr_status dev_alloc(struct cuda_ctx *c, size_t size, void **out)
     }
     CU_TRY(c, e);
     c->bytes_alloc += size;
+    c->n_alloc++;
     return KR_OK;
 }
 
@@ -485,6 +488,33 @@ static int64_t max64(int64_t a, int64_t b)
     return a > b ? a : b;
 }
 
+/* One staging layout for sampling, host and device alike: rows | pen ids | pen counts | pen flags |
+ * out | lp | top ids | top lps. Inputs go over in one copy, results come back in one. */
+static size_t align16(size_t v)
+{
+    return (v + 15) & ~(size_t)15;
+}
+
+struct samp_layout {
+    size_t o_rows, o_ids, o_cnt, o_flg, o_out, o_lp, o_tid, o_tlp, total;
+};
+static struct samp_layout samp_layout(size_t n, size_t np, size_t nt)
+{
+    struct samp_layout l;
+    l.o_rows = 0;
+    l.o_ids = align16(l.o_rows + n * sizeof(struct krk_sample_row));
+    l.o_cnt = align16(l.o_ids + np * 4);
+    l.o_flg = align16(l.o_cnt + np * 4);
+    l.o_out = align16(l.o_flg + np);
+    l.o_lp = align16(l.o_out + n * 4);
+    l.o_tid = align16(l.o_lp + n * 4);
+    l.o_tlp = align16(l.o_tid + n * nt * 4);
+    l.total = align16(l.o_tlp + n * nt * 4);
+    return l;
+}
+
+static enum kr_status ensure_samp(struct cuda_ctx *c, size_t total);
+
 /* Sizes the scratch for steps of up to n_tok tokens in n_seq sequences and contexts up to max_ctx. */
 static enum kr_status cuda_reserve(kr_backend_t be, const struct kr_model_config *m, int64_t n_tok, int64_t n_seq,
                                    int64_t max_ctx)
@@ -531,7 +561,17 @@ static enum kr_status cuda_reserve(kr_backend_t be, const struct kr_model_config
     wide = max64(wide, m->q_lora);
     wide = max64(wide, m->mla_heads * m->v_head);
     KR_TRY(ensure_xb(c, (size_t)(n_tok * wide)));
+    /* sampling staging for every sequence at once: the most top log-probabilities, and penalty
+     * entries for every distinct token a sequence can hold (its context, at most the vocabulary) */
+    const int64_t pen_per_seq = max_ctx < m->vocab ? max_ctx : m->vocab;
+    KR_TRY(ensure_samp(c, samp_layout((size_t)n_seq, (size_t)(n_seq * max64(pen_per_seq, 1)),
+                                      (size_t)KR_MAX_TOP_LOGPROBS).total));
     return ensure_meta(c, (size_t)(4 * n_tok + 4 * n_seq + 8 + n_seq * (max_ctx / 16 + 2)));
+}
+
+uint64_t kr_backend_cuda_alloc_count(kr_backend_t be)
+{
+    return ctx_of(be)->n_alloc;
 }
 
 /* ---- batch -------------------------------------------------------------------------------- */
@@ -1029,13 +1069,27 @@ _Static_assert(sizeof(struct kr_sample_row) == sizeof(struct krk_sample_row), "s
 _Static_assert(offsetof(struct kr_sample_row, u) == offsetof(struct krk_sample_row, u), "sample row layouts");
 _Static_assert(offsetof(struct kr_sample_row, pen_n) == offsetof(struct krk_sample_row, pen_n), "sample row layouts");
 
-static size_t align16(size_t v)
+
+/* Staging for sampling `total` bytes (reserved at start for the largest step; see cuda_reserve). */
+static enum kr_status ensure_samp(struct cuda_ctx *c, size_t total)
 {
-    return (v + 15) & ~(size_t)15;
+    if (total <= c->samp_cap) {
+        return KR_OK;
+    }
+    if (c->stream) {
+        CU_TRY(c, cudaStreamSynchronize(c->stream));
+    }
+    cudaFree(c->samp_d);
+    cudaFreeHost(c->samp_h);
+    c->bytes_alloc -= c->samp_cap < c->bytes_alloc ? c->samp_cap : c->bytes_alloc;
+    c->samp_d = c->samp_h = NULL;
+    c->samp_cap = 0;
+    KR_TRY(dev_alloc(c, total, &c->samp_d));
+    CU_TRY(c, cudaMallocHost(&c->samp_h, total));
+    c->samp_cap = total;
+    return KR_OK;
 }
 
-/* One staging layout, host and device alike: rows | pen ids | pen counts | pen flags | out | lp |
- * top ids | top lps. Inputs go over in one copy, results come back in one. */
 static enum kr_status cuda_sample(kr_backend_t be, const struct kr_sample_batch *sb)
 {
     struct cuda_ctx *c = ctx_of(be);
@@ -1044,21 +1098,10 @@ static enum kr_status cuda_sample(kr_backend_t be, const struct kr_sample_batch 
         return KR_ERR_INTERNAL;
     }
     const size_t n = (size_t)sb->n, np = (size_t)sb->n_pen, nt = (size_t)sb->n_top;
-    const size_t o_rows = 0, o_ids = align16(o_rows + n * sizeof(struct krk_sample_row)),
-                 o_cnt = align16(o_ids + np * 4), o_flg = align16(o_cnt + np * 4), o_out = align16(o_flg + np),
-                 o_lp = align16(o_out + n * 4), o_tid = align16(o_lp + n * 4), o_tlp = align16(o_tid + n * nt * 4),
-                 total = align16(o_tlp + n * nt * 4);
-    if (total > c->samp_cap) {
-        CU_TRY(c, cudaStreamSynchronize(c->stream));
-        cudaFree(c->samp_d);
-        cudaFreeHost(c->samp_h);
-        c->samp_d = c->samp_h = NULL;
-        c->samp_cap = 0;
-        const size_t cap = total + total / 2 + 4096;
-        KR_TRY(dev_alloc(c, cap, &c->samp_d));
-        CU_TRY(c, cudaMallocHost(&c->samp_h, cap));
-        c->samp_cap = cap;
-    }
+    const struct samp_layout lay = samp_layout(n, np, nt);
+    const size_t o_rows = lay.o_rows, o_ids = lay.o_ids, o_cnt = lay.o_cnt, o_flg = lay.o_flg, o_out = lay.o_out,
+                 o_lp = lay.o_lp, o_tid = lay.o_tid, o_tlp = lay.o_tlp, total = lay.total;
+    KR_TRY(ensure_samp(c, total)); /* within the reservation unless the step exceeds what was reserved */
     const size_t ws = krk_sample_workspace_bytes(sb->n, sb->vocab);
     if (ws > c->scratch_size) {
         KR_TRY(ensure_scratch(c, ws));

@@ -621,3 +621,69 @@ ParameterizedTest(int *idx, cuda_backend, gemv_mma_matches_default)
     fx_free(&a);
     fx_free(&b);
 }
+
+/* Serving allocates no device memory: the engine reserves every workspace, cache and staging buffer
+ * when it is created. A mixed workload afterwards (staggered prompts of every length, chunked
+ * prefill, decode graphs of several sizes, parallel choices, the most top log-probabilities,
+ * penalties, sampling on the device) must leave the backend's allocation count unchanged. */
+static int alloc_fixture_idx[] = {0, 1, 5, 8};
+ParameterizedTestParameters(cuda_backend, no_device_allocation_while_serving)
+{
+    return cr_make_param_array(int, alloc_fixture_idx, sizeof alloc_fixture_idx / sizeof alloc_fixture_idx[0]);
+}
+ParameterizedTest(int *idx, cuda_backend, no_device_allocation_while_serving)
+{
+    GT_REQUIRE_GPU();
+    struct fx f;
+    load_cuda(&f, *idx, 2, true);
+    enum { N = 16 };
+    static struct gen got[N];
+    memset(got, 0, sizeof got);
+    struct kr_engine_config cfg;
+    kr_engine_config_default(&cfg);
+    cfg.max_num_seqs = 8;
+    cfg.max_num_batched_tokens = 48;
+    cfg.cache_bytes = 64 << 20;
+    cfg.backend_sampling = 1;
+    cfg.debug_checks = true;
+    struct kr_engine *e = NULL;
+    struct kr_err err = {{0}};
+    cr_assert_eq(kr_engine_create(f.m, &cfg, &e, &err), KR_OK, "%s", err.msg);
+    const uint64_t before = kr_backend_cuda_alloc_count(f.be);
+    int32_t choices = 0;
+    for (int32_t i = 0; i < N; i++) {
+        const struct fx_prompt *p = &f.prompts[i % f.n_prompts];
+        struct kr_sampling s;
+        kr_sampling_default(&s);
+        s.max_tokens = 12;
+        s.ignore_eos = true;
+        s.has_seed = true;
+        s.seed = 11 + (uint64_t)i;
+        s.temperature = i % 3 == 0 ? 0.0f : 0.9f;
+        s.top_k = i % 2 ? 20 : 0;
+        s.top_p = i % 4 == 1 ? 0.8f : 1.0f;
+        s.repetition_penalty = i % 3 == 1 ? 1.3f : 1.0f;
+        s.presence_penalty = i % 5 == 2 ? 0.5f : 0.0f;
+        s.logprobs = i % 3 == 0 ? KR_MAX_TOP_LOGPROBS : i % 3;
+        const int32_t n = i % 4 == 3 ? 2 : 1;
+        struct kr_request_params rp = {.prompt = p->ids, .n_prompt = p->n, .n = n, .sampling = s, .cb = on_gen,
+                                       .user = &got[i]};
+        uint64_t id;
+        cr_assert_eq(kr_engine_submit(e, &rp, &id, &err), KR_OK, "%s", err.msg);
+        choices += n;
+        if (i % 5 == 4) {
+            kr_engine_wait_idle(e); /* later requests meet an idle engine and a smaller batch */
+        }
+    }
+    kr_engine_wait_idle(e);
+    int32_t finished = 0;
+    for (int32_t i = 0; i < N; i++) {
+        finished += got[i].n_finish;
+    }
+    cr_expect_eq(finished, choices, "%s: %d of %d choices finished", fx_all[*idx].name, finished, choices);
+    const uint64_t after = kr_backend_cuda_alloc_count(f.be);
+    cr_expect_eq(after, before, "%s: %llu device allocations while serving", fx_all[*idx].name,
+                 (unsigned long long)(after - before));
+    kr_engine_free(e);
+    fx_free(&f);
+}
