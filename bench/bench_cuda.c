@@ -445,7 +445,7 @@ static void profile_report(struct ctx *x, const char *what, int steps)
     const int n = kr_backend_cuda_profile_read(x->be, names, ms, calls, 32);
     double tot = 0;
     for (int i = 0; i < n; i++) {
-        tot += strncmp(names[i], "ssd:", 4) ? ms[i] : 0.0; /* "ssd: ..." rows are parts of "ssd" */
+        tot += strchr(names[i], ':') ? 0.0 : ms[i]; /* "ssd: ...", "dsa: ..." rows are parts of a family */
     }
     printf("\n%s: kernel time per step by family (eager, CUDA events around each op)\n\n| family | ms/step | share | launches/step |\n|---|---|---|---|\n", what);
     for (int i = 0; i < n; i++) {

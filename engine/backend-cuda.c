@@ -35,13 +35,13 @@
 enum prof_cat {
     P_GEMM, P_GEMV, P_NORM, P_ACT, P_CONV, P_SSD, P_ATTN, P_MOE, P_MLA, P_DSA, P_EMBED, P_OTHER,
     /* parts of P_SSD (names start with "ssd:": not to be added to the total again) */
-    P_SSD_DECODE, P_SSD_STATE, P_SSD_PASS, P_SSD_BMM, P_SSD_SCAN, PROF_N_CAT
+    P_SSD_DECODE, P_SSD_STATE, P_SSD_PASS, P_SSD_BMM, P_SSD_SCAN, P_DSA_SCORE, P_DSA_SELECT, PROF_N_CAT
 };
 static const char *const prof_names[PROF_N_CAT] = {
     "gemm (cuBLAS)", "gemv", "norm+residual", "activation", "conv1d", "ssd", "attention", "moe",
     "mla attention + latent cache", "dsa indexer (scores, top-k)",
     "embed/gather/rope", "other", "ssd: one-token update", "ssd: chunk state", "ssd: state passing",
-    "ssd: C.B^T", "ssd: chunk scan",
+    "ssd: C.B^T", "ssd: chunk scan", "dsa: scores", "dsa: top-k",
 };
 
 static const int32_t graph_buckets[] = {1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256};
@@ -1031,7 +1031,7 @@ static enum kr_status cuda_mla_cache_write_impl(kr_backend_t be, const struct kr
     return krk_mla_cache_write(&w, c->stream);
 }
 
-static enum kr_status cuda_dsa_index_impl(kr_backend_t be, const struct kr_dsa_index_params *p)
+static enum kr_status cuda_dsa_index(kr_backend_t be, const struct kr_dsa_index_params *p)
 {
     struct cuda_ctx *c = ctx_of(be);
     KR_TRY(op_enter(c));
@@ -1044,7 +1044,20 @@ static enum kr_status cuda_dsa_index_impl(kr_backend_t be, const struct kr_dsa_i
                                      .block_size = p->block_size, .topk = p->topk, .idx = p->idx,
                                      .workspace = c->scratch, .workspace_bytes = c->scratch_size, .batch = c->batch,
                                      .variant = c->dsa_score, .select = c->dsa_select};
-    return krk_dsa_index(&d, c->stream);
+    /* profiling: the two phases get the next two event pairs after the whole op's */
+    cudaEvent_t phase_ev[4];
+    const bool phases = c->prof.on && !c->capturing && c->prof.n + 3 <= PROF_MAX_EV;
+    for (int k = 0; phases && k < 4; k++) {
+        phase_ev[k] = c->prof.ev[2 * (c->prof.n + 1) + k];
+    }
+    d.events = phases ? phase_ev : NULL;
+    prof_begin(c, P_DSA);
+    const enum kr_status st = krk_dsa_index(&d, c->stream);
+    prof_end(c);
+    for (int k = 0; phases && st == KR_OK && k < 2; k++) {
+        c->prof.cat[c->prof.n++] = P_DSA_SCORE + k;
+    }
+    return st;
 }
 
 static enum kr_status cuda_mla_attention_impl(kr_backend_t be, const struct kr_mla_attn_params *p)
@@ -1180,7 +1193,6 @@ TIMED(cuda_moe_experts, P_MOE, (kr_backend_t be, const struct kr_experts_params 
 TIMED(cuda_gather_out, P_EMBED, (kr_backend_t be, const float *src, int64_t width, float *dst), (be, src, width, dst))
 TIMED(cuda_rope, P_EMBED, (kr_backend_t be, const struct kr_rope_params *p), (be, p))
 TIMED(cuda_mla_cache_write, P_MLA, (kr_backend_t be, const struct kr_mla_cache_params *p), (be, p))
-TIMED(cuda_dsa_index, P_DSA, (kr_backend_t be, const struct kr_dsa_index_params *p), (be, p))
 TIMED(cuda_mla_attention, P_MLA, (kr_backend_t be, const struct kr_mla_attn_params *p), (be, p))
 TIMED(cuda_fp8_round, P_DSA, (kr_backend_t be, const struct kr_fp8_round_params *p), (be, p))
 

@@ -431,8 +431,15 @@ extern "C" enum kr_status krk_dsa_index(const struct krk_dsa_index_params *p, cu
     const int64_t tiles = (ld + kScoreKeys - 1) / kScoreKeys;
     const size_t score_smem =
         ((size_t)kScoreKeys * (size_t)(p->head_dim + 1) + (size_t)(kScoreThreads / 32) * kScoreKeys) * sizeof(float);
+    // (profiling) events around the two phases of the first group
+    auto mark = [&](int64_t t0, int k) {
+        if (p->events && t0 == 0) {
+            cudaEventRecord(p->events[k], stream);
+        }
+    };
     for (int64_t t0 = 0; t0 < b.n_tok; t0 += group) {
         const int64_t g = std::min(group, (int64_t)b.n_tok - t0);
+        mark(t0, 0);
         if (need_scores && p->variant == KRK_DSA_SCORE_MMA && mma_fits(p)) {
             const int64_t blocks = (ld + kMmaKeys * kMmaTiles - 1) / (kMmaKeys * kMmaTiles);
             dsa_score_mma_kernel<<<dim3((unsigned)blocks, (unsigned)g), kMmaWarps * 32,
@@ -443,11 +450,14 @@ extern "C" enum kr_status krk_dsa_index(const struct krk_dsa_index_params *p, cu
                 *p, (int32_t)t0, scores, ld);
             KRK_CHECK_LAUNCH();
         }
+        mark(t0, 1);
+        mark(t0, 2);
         if (p->select == KRK_DSA_SELECT_AGG) {
             dsa_select_kernel<true><<<(unsigned)g, kSelectThreads, 0, stream>>>(*p, (int32_t)t0, scores, ld);
         } else {
             dsa_select_kernel<false><<<(unsigned)g, kSelectThreads, 0, stream>>>(*p, (int32_t)t0, scores, ld);
         }
+        mark(t0, 3);
         KRK_CHECK_LAUNCH();
     }
     return KR_OK;

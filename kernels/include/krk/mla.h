@@ -38,6 +38,8 @@ struct krk_dsa_index_params {
     struct krk_batch batch; /* batch.max_ctx must be set */
     int32_t variant;        /* KRK_DSA_SCORE_*: how the scores are computed */
     int32_t select;         /* KRK_DSA_SELECT_*: how the top-k histograms are built */
+    cudaEvent_t *events;    /* (optional, profiling) [4]: (begin, end) around the scores, then around
+                               the top-k, of the first group of tokens */
 };
 /* Top-k: a radix select, one block per query, 4 passes of 8 bits; its histograms take one shared
  * atomic per key (default), or one per distinct bin of a warp into per-warp copies, with the bin of
