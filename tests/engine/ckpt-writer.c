@@ -203,3 +203,69 @@ void ckw_rmtree(const char *dir)
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
     cr_assert_eq(system(cmd), 0);
 }
+
+void ckw_dsa_real_shapes(const char *dir)
+{
+    static struct ckw W;
+    memset(&W, 0, sizeof W);
+    const int64_t H = 256, V = 512, NH = 16, QL = 256, KVL = 512, NOPE = 128, ROPE = 64, VD = 128, IH = 16, ID = 128;
+    const int64_t MH = 8, MP = 32, MS = 64, MG = 4, DI = MH * MP, CONV = DI + 2 * MG * MS, FF = 512;
+#define T1(name, a) ckw_add(&W, name, KR_DTYPE_BF16, 1, (const int64_t[]){a})
+#define T2(name, a, b) ckw_add(&W, name, KR_DTYPE_BF16, 2, (const int64_t[]){a, b})
+    T2("backbone.embeddings.weight", V, H);
+    char n[160];
+    for (int l = 0; l < 4; l++) {
+        const char type = "MD-D"[l];
+#define L(suffix) (snprintf(n, sizeof n, "backbone.layers.%d.%s", l, suffix), n)
+        T1(L("norm.weight"), H);
+        if (type == 'M') {
+            T1(L("mixer.A_log"), MH);
+            T1(L("mixer.D"), MH);
+            T1(L("mixer.dt_bias"), MH);
+            T1(L("mixer.conv1d.bias"), CONV);
+            ckw_add(&W, L("mixer.conv1d.weight"), KR_DTYPE_BF16, 3, (const int64_t[]){CONV, 1, 4});
+            T2(L("mixer.in_proj.weight"), 2 * DI + 2 * MG * MS + MH, H);
+            T1(L("mixer.norm.weight"), DI);
+            T2(L("mixer.out_proj.weight"), H, DI);
+        } else if (type == 'D') {
+            T2(L("mixer.q_a_proj.weight"), QL, H);
+            T1(L("mixer.q_a_layernorm.weight"), QL);
+            T2(L("mixer.q_b_proj.weight"), NH * (NOPE + ROPE), QL);
+            T2(L("mixer.kv_a_proj_with_mqa.weight"), KVL + ROPE, H);
+            T1(L("mixer.kv_a_layernorm.weight"), KVL);
+            T2(L("mixer.kv_b_proj.weight"), NH * (NOPE + VD), KVL);
+            T2(L("mixer.o_proj.weight"), H, NH * VD);
+            T2(L("mixer.indexer.wq_b.weight"), IH * ID, QL);
+            T2(L("mixer.indexer.wk.weight"), ID, H);
+            T1(L("mixer.indexer.k_norm.weight"), ID);
+            T1(L("mixer.indexer.k_norm.bias"), ID);
+            T2(L("mixer.indexer.weights_proj.weight"), IH, H);
+        } else {
+            T2(L("mixer.up_proj.weight"), FF, H);
+            T2(L("mixer.down_proj.weight"), H, FF);
+        }
+#undef L
+    }
+    T1("backbone.norm_f.weight", H);
+    T2("lm_head.weight", V, H);
+#undef T1
+#undef T2
+    char path[512];
+    snprintf(path, sizeof path, "%s/model.safetensors", dir);
+    ckw_write(&W, path);
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    ckw_write_text(path,
+        "{\"architectures\": [\"NemotronHForCausalLM\"], \"model_type\": \"nemotron_h\", \"vocab_size\": 512,\n"
+        " \"hidden_size\": 256, \"num_hidden_layers\": 4, \"hybrid_override_pattern\": \"MD-D\",\n"
+        " \"num_attention_heads\": 16, \"num_key_value_heads\": 16, \"attention_bias\": false,\n"
+        " \"q_lora_rank\": 256, \"kv_lora_rank\": 512, \"qk_nope_head_dim\": 128, \"qk_rope_head_dim\": 64,\n"
+        " \"v_head_dim\": 128, \"index_n_heads\": 16, \"index_head_dim\": 128, \"index_topk\": 64,\n"
+        " \"rope_theta\": 10000.0, \"max_position_embeddings\": 4096, \"intermediate_size\": 512,\n"
+        " \"mlp_hidden_act\": \"relu2\", \"mlp_bias\": false, \"mamba_num_heads\": 8, \"mamba_head_dim\": 32,\n"
+        " \"ssm_state_size\": 64, \"n_groups\": 4, \"conv_kernel\": 4, \"chunk_size\": 32, \"use_conv_bias\": true,\n"
+        " \"mamba_hidden_act\": \"silu\", \"time_step_min\": 0.001, \"time_step_max\": 0.1,\n"
+        " \"time_step_floor\": 0.0001, \"time_step_limit\": [0.0, \"Infinity\"], \"layer_norm_epsilon\": 1e-05,\n"
+        " \"use_bias\": false, \"residual_in_fp32\": false, \"rescale_prenorm_residual\": true,\n"
+        " \"mamba_ssm_cache_dtype\": \"float32\", \"tie_word_embeddings\": false, \"bos_token_id\": 1,\n"
+        " \"eos_token_id\": 2, \"pad_token_id\": 0, \"torch_dtype\": \"bfloat16\"}\n");
+}

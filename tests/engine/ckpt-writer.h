@@ -40,3 +40,8 @@ void ckw_rmtree(const char *dir);
 /* config.json of the tiny model; %s is replaced by the time_step_limit upper bound spelling and
  * the pattern: use ckw_tiny_config(). */
 void ckw_tiny_config(char *out, size_t n, const char *pattern_json, const char *limit_hi);
+
+/* Writes into `dir` a synthetic hybrid checkpoint (pattern "MD-D", hidden 256, vocab 512) whose D
+ * layers have DeepSeek-V3.2's attention dimensions: q_lora 256, kv_lora 512, nope 128, rope 64,
+ * v 128, 16 heads, an indexer of 16 heads x 128, index_topk 64; random weights as ckw_write. */
+void ckw_dsa_real_shapes(const char *dir);

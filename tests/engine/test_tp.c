@@ -330,6 +330,18 @@ Test(tp, tied_embeddings_2_ranks)
     ckw_rmtree(dir);
 }
 
+/* DeepSeek-V3.2's attention dimensions (kv_lora 512, 16 heads, an indexer of 16 x 128), which the
+ * HF fixtures are too small to reach, at 2 and 4 ranks. */
+Test(tp, dsa_real_shapes_2_and_4_ranks, .timeout = 300)
+{
+    char dir[256];
+    ckw_tmpdir(dir, sizeof dir);
+    ckw_dsa_real_shapes(dir);
+    check_tp(dir, 2);
+    check_tp(dir, 4);
+    ckw_rmtree(dir);
+}
+
 /* Shapes the size does not divide, a rank outside the group and a backend without collectives
  * are refused with a message naming what is wrong. */
 static void expect_refused(const char *rel, int size, const char *needle)
