@@ -64,7 +64,8 @@ struct cuda_ctx {
                                            tensor-core GEMV for n <= 32 */
     bool pdl;                           /* KRAIT_PDL=1: GEMVs launch as programmatic dependents */
     int32_t dsa_score;                  /* indexer scores on bf16 tensor cores (KRAIT_DSA_SCORE=fp32: CUDA cores) */
-    int32_t dsa_select;                 /* KRAIT_DSA_SELECT=agg: warp-aggregated top-k histograms */
+    int32_t dsa_select;                 /* KRAIT_DSA_SELECT=agg: warp-aggregated top-k histograms;
+                                           =split: top-k per chunk of positions, then of those */
     bool graphs_mla;                    /* capture steps of models with MLA layers (KRAIT_CUDA_GRAPHS_MLA=0: not) */
     int32_t mla_attn;                   /* all heads of a token per block, tensor cores, split over keys
                                            (KRAIT_MLA_ATTN=per-head: a block per head, fp32) */
@@ -1385,7 +1386,9 @@ enum kr_status kr_backend_cuda_create(int dev, bool graphs, kr_backend_t *out, s
     const char *ds = getenv("KRAIT_DSA_SCORE");
     c->dsa_score = ds && !strcmp(ds, "fp32") ? KRK_DSA_SCORE_FP32 : KRK_DSA_SCORE_MMA;
     const char *dl = getenv("KRAIT_DSA_SELECT");
-    c->dsa_select = dl && !strcmp(dl, "agg") ? KRK_DSA_SELECT_AGG : KRK_DSA_SELECT_BLOCK;
+    c->dsa_select = dl && !strcmp(dl, "agg")     ? KRK_DSA_SELECT_AGG
+                    : dl && !strcmp(dl, "split") ? KRK_DSA_SELECT_SPLIT
+                                                 : KRK_DSA_SELECT_BLOCK;
     const char *gv = getenv("KRAIT_GEMV");
     c->gemv_variant = gv && !strcmp(gv, "l1") ? KRK_GEMV_L1 : gv && !strcmp(gv, "mma") ? KRK_GEMV_MMA : KRK_GEMV_STAGED;
     const char *pd = getenv("KRAIT_PDL");

@@ -390,17 +390,182 @@ __global__ void __launch_bounds__(kSelectThreads)
     }
 }
 
+// ---- split top-k (KRK_DSA_SELECT_SPLIT) -------------------------------------------------------
+// For long contexts one block per query leaves most of the GPU idle (batch 1) or spends a block's
+// lifetime on 4 passes over 128K scores. Split: the positions of a query are cut into chunks of
+// `chunk` (>= 4 topk); a block per (chunk, query) keeps the chunk's own top-k (ties to lower
+// positions), then one block per query selects the top-k of the candidates. Exact: an element of
+// the query's top-k has fewer than k elements before it in (score desc, position asc) order, so
+// fewer than k in its chunk, and is among the chunk's candidates; the candidates keep the order
+// of positions, so ties resolve as in the CPU reference.
+
+// The k largest of n items (order keys key(i); ties to the lower i) in ascending i: emit(o, i) for
+// o = 0..k-1. n > k. Block of kSelectThreads; warp-aggregated histograms. Call from every thread.
+struct TopkSmem {
+    int hist[256];
+    int whist[kSelectThreads / 32][256];
+    int scan[32];
+    uint32_t sel_prefix;
+    int sel_remaining;
+};
+template <class Key, class Emit>
+__device__ void block_topk(int32_t n, int32_t k, Key key, Emit emit, TopkSmem &sm)
+{
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    uint32_t prefix = 0, mask = 0;
+    int remaining = k;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        for (int i = threadIdx.x; i < (kSelectThreads / 32) * 256; i += kSelectThreads) {
+            sm.whist[i / 256][i % 256] = 0;
+        }
+        __syncthreads();
+        for (int32_t base = 0; base < n; base += kSelectThreads) {
+            const int32_t i = base + (int32_t)threadIdx.x;
+            const uint32_t kv = i < n ? key(i) : 0u;
+            const bool ok = i < n && (kv & mask) == prefix;
+            const int bin = ok ? (int)((kv >> shift) & 255u) : 256 + lane;
+            const unsigned peers = __match_any_sync(0xffffffffu, bin);
+            if (ok && __ffs(peers) - 1 == lane) {
+                atomicAdd(&sm.whist[warp][bin], __popc(peers));
+            }
+        }
+        __syncthreads();
+        for (int i = threadIdx.x; i < 256; i += kSelectThreads) {
+            int v = 0;
+#pragma unroll
+            for (int w = 0; w < kSelectThreads / 32; w++) {
+                v += sm.whist[w][i];
+            }
+            sm.hist[i] = v;
+        }
+        __syncthreads();
+        if (threadIdx.x < 32) { // the bin holding the remaining-th largest, as in dsa_select_kernel
+            const int hi = 255 - 8 * lane;
+            int own = 0;
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                own += sm.hist[hi - i];
+            }
+            int cum = own;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const int y = __shfl_up_sync(0xffffffffu, cum, o);
+                cum += lane >= o ? y : 0;
+            }
+            const unsigned reach = __ballot_sync(0xffffffffu, cum >= remaining);
+            const int found = reach ? __ffs(reach) - 1 : 31;
+            if (lane == found) {
+                int before = cum - own, bin = hi;
+                for (int i = 0; i < 8; i++) {
+                    bin = hi - i;
+                    if (bin == 0 || before + sm.hist[bin] >= remaining) {
+                        break;
+                    }
+                    before += sm.hist[bin];
+                }
+                sm.sel_prefix = prefix | ((uint32_t)bin << shift);
+                sm.sel_remaining = remaining - before;
+            }
+        }
+        __syncthreads();
+        prefix = sm.sel_prefix;
+        remaining = sm.sel_remaining;
+        mask |= 255u << shift;
+    }
+    const int32_t per = (n + kSelectThreads - 1) / kSelectThreads;
+    const int32_t i0 = min((int32_t)threadIdx.x * per, n), i1 = min(i0 + per, n);
+    int eq_c = 0, gt_c = 0;
+    for (int32_t i = i0; i < i1; i++) {
+        const uint32_t kv = key(i);
+        eq_c += kv == prefix;
+        gt_c += kv > prefix;
+    }
+    int tot;
+    const int eq_before = block_excl_scan(eq_c, sm.scan, &tot);
+    const int take_eq = min(max(remaining - eq_before, 0), eq_c);
+    int o = block_excl_scan(gt_c + take_eq, sm.scan, &tot);
+    for (int32_t i = i0, taken = 0; i < i1; i++) {
+        const uint32_t kv = key(i);
+        if (kv > prefix || (kv == prefix && taken < take_eq)) {
+            taken += kv == prefix;
+            emit(o++, i);
+        }
+    }
+}
+
+// Grid (chunks, tokens): the candidates of chunk c of token t0 + y, cand[y][c * k ...]: its
+// min(len, k) best positions in ascending order.
+__global__ void __launch_bounds__(kSelectThreads)
+    dsa_chunk_topk_kernel(krk_dsa_index_params p, int32_t t0, const float *__restrict__ scores, int64_t ld,
+                          int32_t chunk, int32_t *__restrict__ cand, int64_t ld_cand)
+{
+    __shared__ TopkSmem sm;
+    const krk_batch &b = p.batch;
+    const int32_t t = t0 + (int32_t)blockIdx.y, k = p.topk;
+    const int32_t seq = b.tok_seq[t];
+    const int32_t n_keys = b.seq_slot[seq] < 0 ? 0 : (int32_t)min((int64_t)b.pos[t] + 1, ld);
+    const int32_t lo = (int32_t)blockIdx.x * chunk;
+    if (n_keys <= k || lo >= n_keys) {
+        return; // block-uniform: nothing to select, or past the token's positions
+    }
+    const int32_t len = min(chunk, n_keys - lo);
+    const float *sc = scores + (int64_t)blockIdx.y * ld + lo;
+    int32_t *out = cand + (int64_t)blockIdx.y * ld_cand + (int64_t)blockIdx.x * k;
+    if (len <= k) {
+        for (int32_t i = threadIdx.x; i < len; i += kSelectThreads) {
+            out[i] = lo + i;
+        }
+        return;
+    }
+    block_topk(len, k, [&](int32_t i) { return order_key(sc[i]); }, [&](int o, int32_t i) { out[o] = lo + i; },
+               sm);
+}
+
+// Grid (tokens): the top-k of the candidates of every chunk, or every position when the context
+// fits in topk (then -1), as dsa_select_kernel writes it.
+__global__ void __launch_bounds__(kSelectThreads)
+    dsa_merge_topk_kernel(krk_dsa_index_params p, int32_t t0, const float *__restrict__ scores, int64_t ld,
+                          int32_t chunk, const int32_t *__restrict__ cand, int64_t ld_cand)
+{
+    __shared__ TopkSmem sm;
+    const krk_batch &b = p.batch;
+    const int32_t t = t0 + (int32_t)blockIdx.x, k = p.topk;
+    int32_t *out = p.idx + (int64_t)t * k;
+    const int32_t seq = b.tok_seq[t];
+    const int32_t n_keys = b.seq_slot[seq] < 0 ? 0 : (int32_t)min((int64_t)b.pos[t] + 1, ld);
+    if (n_keys <= k) {
+        for (int32_t j = threadIdx.x; j < k; j += kSelectThreads) {
+            out[j] = j < n_keys ? j : -1;
+        }
+        return;
+    }
+    const int32_t n_chunk = (n_keys + chunk - 1) / chunk, last = n_keys - (n_chunk - 1) * chunk;
+    const int32_t n = (n_chunk - 1) * k + min(last, k); // candidates, contiguous (full chunks give k)
+    const float *sc = scores + (int64_t)blockIdx.x * ld;
+    const int32_t *cd = cand + (int64_t)blockIdx.x * ld_cand;
+    block_topk(n, k, [&](int32_t i) { return order_key(sc[cd[i]]); }, [&](int o, int32_t i) { out[o] = cd[i]; }, sm);
+}
+
+// Chunk length of the split top-k for contexts up to ld: at least 4 topk, at most 16 chunks.
+int32_t split_chunk(int64_t ld, int32_t k)
+{
+    const int64_t c = std::max((int64_t)4 * k, (ld + 15) / 16);
+    return (int32_t)std::min(c, (int64_t)INT32_MAX);
+}
+
 } // namespace
 
-// Scores of a token take one fp32 row of max_ctx; the launcher processes tokens in groups of as
-// many rows as the workspace holds (at least one row, 4 * max_ctx bytes, is needed when
-// max_ctx > topk; none otherwise).
+// Scores of a token take one fp32 row of max_ctx (and the split top-k n_chunk * topk candidate
+// positions); the launcher processes tokens in groups of as many rows as the workspace holds (at
+// least one score row, 4 * max_ctx bytes, is needed when max_ctx > topk; none otherwise; the split
+// top-k falls back to one block per query when its candidates do not fit).
 extern "C" size_t krk_dsa_index_workspace_bytes(int64_t n_tok, int64_t max_ctx)
 {
     if (n_tok <= 0 || max_ctx <= 0) {
         return 0;
     }
-    return (size_t)n_tok * (size_t)max_ctx * sizeof(float);
+    // + the split top-k's candidates, at most max_ctx / 4 + 2048 positions a token (topk <= 2048)
+    return (size_t)n_tok * (size_t)(max_ctx + max_ctx / 4 + 2048) * sizeof(float);
 }
 
 extern "C" enum kr_status krk_dsa_index(const struct krk_dsa_index_params *p, cudaStream_t stream)
@@ -416,6 +581,10 @@ extern "C" enum kr_status krk_dsa_index(const struct krk_dsa_index_params *p, cu
     KRK_REQUIRE(b.max_ctx > 0); // sizes the score grid and the workspace rows
     const int64_t ld = b.max_ctx;
     const bool need_scores = ld > p->topk; // otherwise every token takes all its positions
+    // split top-k: candidate rows of n_chunk * topk positions (used when the workspace holds them)
+    const int32_t chunk = split_chunk(ld, p->topk);
+    const int64_t n_chunk = (ld + chunk - 1) / chunk, ld_cand = n_chunk * p->topk;
+    bool split = p->select == KRK_DSA_SELECT_SPLIT && need_scores && n_chunk > 1;
     int64_t group = b.n_tok;
     if (need_scores) {
         KRK_REQUIRE(p->iq && p->w && p->cache);
@@ -424,6 +593,11 @@ extern "C" enum kr_status krk_dsa_index(const struct krk_dsa_index_params *p, cu
         KRK_REQUIRE(p->workspace && (uintptr_t)p->workspace % alignof(float) == 0);
         group = (int64_t)(p->workspace_bytes / ((size_t)ld * sizeof(float)));
         KRK_REQUIRE(group >= 1); // workspace below krk_dsa_index_workspace_bytes(1, max_ctx)
+        if (split) { // candidates after the score rows, when at least one token's worth fits
+            const int64_t g2 = (int64_t)(p->workspace_bytes / ((size_t)(ld + ld_cand) * sizeof(float)));
+            split = g2 >= 1;
+            group = split ? g2 : group;
+        }
         group = std::min(group, (int64_t)b.n_tok);
         group = std::min(group, (int64_t)65535); // gridDim.y limit of the score kernel
     }
@@ -452,7 +626,14 @@ extern "C" enum kr_status krk_dsa_index(const struct krk_dsa_index_params *p, cu
         }
         mark(t0, 1);
         mark(t0, 2);
-        if (p->select == KRK_DSA_SELECT_AGG) {
+        if (split) {
+            int32_t *cand = reinterpret_cast<int32_t *>(scores + g * ld);
+            dsa_chunk_topk_kernel<<<dim3((unsigned)n_chunk, (unsigned)g), kSelectThreads, 0, stream>>>(
+                *p, (int32_t)t0, scores, ld, chunk, cand, ld_cand);
+            KRK_CHECK_LAUNCH();
+            dsa_merge_topk_kernel<<<(unsigned)g, kSelectThreads, 0, stream>>>(*p, (int32_t)t0, scores, ld, chunk,
+                                                                             cand, ld_cand);
+        } else if (p->select == KRK_DSA_SELECT_AGG) {
             dsa_select_kernel<true><<<(unsigned)g, kSelectThreads, 0, stream>>>(*p, (int32_t)t0, scores, ld);
         } else {
             dsa_select_kernel<false><<<(unsigned)g, kSelectThreads, 0, stream>>>(*p, (int32_t)t0, scores, ld);

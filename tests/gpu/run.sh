@@ -103,9 +103,9 @@ if [ $bench = 1 ]; then
     KRAIT_PDL=1 run_for 150 "$build/bench/bench_cuda" --batches 1,16,64 --prefill 512 --steps 24 "$synth" \
       > "$logs/bench-pdl.md" 2>&1
     echo "bench_cuda (KRAIT_PDL=1) rc=$?" >> "$logs/bench-pdl.md"
-    # DSA shape: the warp-aggregated top-k histograms at long context, for comparison
+    # DSA shape: the top-k variants (one block per query, aggregated histograms, split) at 128K
     if [ "$shape" = hybrid_dsa_8b ]; then
-      for sel in block agg; do
+      for sel in block agg split; do
         KRAIT_DSA_SELECT=$sel run_for 120 "$build/bench/bench_cuda" --fill --batches 1,32 --ctxs 131072 --prefill 2048 \
           --steps 16 "$synth" > "$logs/bench-select-$sel.md" 2>&1
         echo "bench_cuda (KRAIT_DSA_SELECT=$sel) rc=$?" >> "$logs/bench-select-$sel.md"
@@ -133,7 +133,7 @@ fi
   [ -f "$logs/bench.md" ] && grep -a '^|\|^device\|^model\|^cache\|rc=' "$logs/bench.md"
   [ -f "$logs/bench-gemv-l1.md" ] && { echo; echo "GEMV reading x through L1:"; grep -a '^| decode\|rc=' "$logs/bench-gemv-l1.md"; }
   [ -f "$logs/bench-gemv-mma.md" ] && { echo; echo "Tensor-core GEMV:"; grep -a '^| decode\|rc=' "$logs/bench-gemv-mma.md"; }
-  for sel in block agg; do
+  for sel in block agg split; do
     [ -f "$logs/bench-select-$sel.md" ] && { echo; echo "DSA top-k histograms ($sel):"; grep -a '^| decode\|rc=' "$logs/bench-select-$sel.md"; }
   done
   [ -f "$logs/bench-pdl.md" ] && { echo; echo "GEMVs as programmatic dependents:"; grep -a '^| decode\|rc=' "$logs/bench-pdl.md"; }

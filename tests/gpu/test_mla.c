@@ -358,11 +358,11 @@ ParameterizedTest(int *ci, mla, index_selects_cpu_topk)
     struct scored_pos *tmp = xalloc((size_t)max_ctx * sizeof *tmp);
     /* both score variants: fp32 on CUDA cores, bf16 tensor cores (the same selection up to fp32
      * summation order, the queries being bf16 values already); the tensor-core scores also with
-     * the warp-aggregated top-k histograms */
-    for (int run = 0; run < 3; run++) {
+     * the warp-aggregated top-k histograms and with the split top-k */
+    for (int run = 0; run < 4; run++) {
         const int variant = run == 0 ? KRK_DSA_SCORE_FP32 : KRK_DSA_SCORE_MMA;
         kp.variant = variant;
-        kp.select = run == 2 ? KRK_DSA_SELECT_AGG : KRK_DSA_SELECT_BLOCK;
+        kp.select = run == 2 ? KRK_DSA_SELECT_AGG : run == 3 ? KRK_DSA_SELECT_SPLIT : KRK_DSA_SELECT_BLOCK;
         cr_assert_eq(cudaMemset(d_idx, 0x7F, n_idx * sizeof(int32_t)), cudaSuccess); /* not -1: unwritten shows */
         cr_assert_eq(krk_dsa_index(&kp, 0), KR_OK);
         gt_down(got, d_idx, n_idx * sizeof(int32_t));
@@ -413,7 +413,7 @@ ParameterizedTest(int *ci, mla, index_selects_cpu_topk)
         fprintf(stderr,
                 "  index %-45s %s topk=%d n_tok=%d: %d all-positions, %d compared exactly, %d near-tie compared "
                 "tie-tolerantly (%d of them equal to the CPU), %d padding\n",
-                ic->name, run == 2 ? "mma+agg" : variant == KRK_DSA_SCORE_MMA ? "mma    " : "fp32   ", topk, n_tok, n_all,
+                ic->name, run == 3 ? "mma+split" : run == 2 ? "mma+agg  " : variant == KRK_DSA_SCORE_MMA ? "mma      " : "fp32     ", topk, n_tok, n_all,
                 n_exact, n_tol, n_tol_same,
                 n_pad);
     }

@@ -43,8 +43,10 @@ struct krk_dsa_index_params {
 };
 /* Top-k: a radix select, one block per query, 4 passes of 8 bits; its histograms take one shared
  * atomic per key (default), or one per distinct bin of a warp into per-warp copies, with the bin of
- * each pass found by a warp scan (KRK_DSA_SELECT_AGG). Both give the same selection. */
-enum { KRK_DSA_SELECT_BLOCK = 0, KRK_DSA_SELECT_AGG = 1 };
+ * each pass found by a warp scan (KRK_DSA_SELECT_AGG); or the positions cut into chunks of at least
+ * 4 topk (at most 16), a block per chunk keeping its top-k and one per query selecting among those
+ * (KRK_DSA_SELECT_SPLIT, aggregated histograms). All give the same selection. */
+enum { KRK_DSA_SELECT_BLOCK = 0, KRK_DSA_SELECT_AGG = 1, KRK_DSA_SELECT_SPLIT = 2 };
 /* Score variants: fp32 on CUDA cores (default); bf16 tensor cores (queries rounded to bf16, fp32
  * accumulation; index heads a multiple of 16 up to 64, head_dim a multiple of 16, aligned key rows;
  * otherwise the default runs). */
