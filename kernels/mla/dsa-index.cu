@@ -80,17 +80,18 @@ __global__ void __launch_bounds__(kScoreThreads)
 // Hi a multiple of 16 up to 64, Di a multiple of 16 up to 256, and 16-byte aligned key rows.
 constexpr int kMmaWarps = 4;
 constexpr int kMmaKeys = 64;  // keys per tile
-constexpr int kMmaTiles = 8;  // tiles per block (512 keys): amortizes the query load
+constexpr int kMmaTiles = 8;  // most tiles per block (512 keys): amortizes the query load
+constexpr int kMmaBlocksWanted = 264; // fewer tiles per block while the grid would be smaller (2 per SM)
 
 __global__ void __launch_bounds__(kMmaWarps * 32)
-    dsa_score_mma_kernel(krk_dsa_index_params p, int32_t t0, float *__restrict__ scores, int64_t ld)
+    dsa_score_mma_kernel(krk_dsa_index_params p, int32_t t0, float *__restrict__ scores, int64_t ld, int tiles)
 {
     extern __shared__ __align__(16) uint16_t smu[];
     const krk_batch &b = p.batch;
     const int32_t t = t0 + (int32_t)blockIdx.y;
     const int32_t seq = b.tok_seq[t];
     const int64_t n_keys = min((int64_t)b.pos[t] + 1, ld);
-    const int64_t s_begin = (int64_t)blockIdx.x * kMmaKeys * kMmaTiles;
+    const int64_t s_begin = (int64_t)blockIdx.x * kMmaKeys * tiles;
     if (b.seq_slot[seq] < 0 || n_keys <= p.topk || s_begin >= n_keys) {
         return; // block-uniform, as in dsa_score_kernel
     }
@@ -109,7 +110,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
     }
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q4 = lane & 3;
     const int chunks = Di / 8; // 16-byte chunks per key row
-    for (int tile = 0; tile < kMmaTiles; tile++) {
+    for (int tile = 0; tile < tiles; tile++) {
         const int64_t s0 = s_begin + (int64_t)tile * kMmaKeys;
         if (s0 >= n_keys) {
             break; // block-uniform
@@ -615,9 +616,15 @@ extern "C" enum kr_status krk_dsa_index(const struct krk_dsa_index_params *p, cu
         const int64_t g = std::min(group, (int64_t)b.n_tok - t0);
         mark(t0, 0);
         if (need_scores && p->variant == KRK_DSA_SCORE_MMA && mma_fits(p)) {
-            const int64_t blocks = (ld + kMmaKeys * kMmaTiles - 1) / (kMmaKeys * kMmaTiles);
+            // tiles per block: kMmaTiles, fewer when the grid would not give every SM two blocks
+            // (short contexts, few tokens), at least one
+            const int64_t key_tiles = (ld + kMmaKeys - 1) / kMmaKeys;
+            const int64_t want = std::max((int64_t)1, kMmaBlocksWanted / g);
+            const int tiles = (int)std::max((int64_t)1, std::min((int64_t)kMmaTiles, key_tiles / want));
+            const int64_t blocks = (key_tiles + tiles - 1) / tiles;
             dsa_score_mma_kernel<<<dim3((unsigned)blocks, (unsigned)g), kMmaWarps * 32,
-                                   mma_smem_bytes(p->n_head, p->head_dim), stream>>>(*p, (int32_t)t0, scores, ld);
+                                   mma_smem_bytes(p->n_head, p->head_dim), stream>>>(*p, (int32_t)t0, scores, ld,
+                                                                                      tiles);
             KRK_CHECK_LAUNCH();
         } else if (need_scores) {
             dsa_score_kernel<<<dim3((unsigned)tiles, (unsigned)g), kScoreThreads, score_smem, stream>>>(
