@@ -154,6 +154,28 @@ static void prof_end(struct cuda_ctx *c)
     c->prof.open_cat = -1;
 }
 
+/* Phases inside one timed op (profiling): the next n event pairs after the op's own go to the
+ * kernels, which record (begin, end) around each phase. Returns them in ev[2n], or NULL when not
+ * profiling. */
+static cudaEvent_t *prof_phases(struct cuda_ctx *c, int n, cudaEvent_t *ev)
+{
+    if (!c->prof.on || c->capturing || c->prof.n + n + 1 > PROF_MAX_EV) {
+        return NULL;
+    }
+    for (int k = 0; k < 2 * n; k++) {
+        ev[k] = c->prof.ev[2 * (c->prof.n + 1) + k];
+    }
+    return ev;
+}
+
+/* After the op's prof_end: its phases count as categories first_cat .. first_cat + n - 1. */
+static void prof_phases_done(struct cuda_ctx *c, const cudaEvent_t *ev, enum kr_status st, int first_cat, int n)
+{
+    for (int k = 0; ev && st == KR_OK && k < n; k++) {
+        c->prof.cat[c->prof.n++] = first_cat + k;
+    }
+}
+
 /* Adds the timed ops of the finished step to the totals. */
 static void prof_collect(struct cuda_ctx *c)
 {
@@ -876,19 +898,12 @@ static enum kr_status cuda_mamba(kr_backend_t be, const struct kr_mamba_params *
                                 .head_dim = p->head_dim, .n_group = p->n_group, .d_state = p->d_state,
                                 .chunk = p->chunk, .state = p->ssm_state, .y = p->y, .workspace = c->scratch,
                                 .batch = c->batch};
-    /* profiling: the phases get the next five event pairs after the whole op's */
     cudaEvent_t phase_ev[10];
-    const bool phases = c->prof.on && !c->capturing && c->prof.n + 6 <= PROF_MAX_EV;
-    for (int k = 0; phases && k < 10; k++) {
-        phase_ev[k] = c->prof.ev[2 * (c->prof.n + 1) + k];
-    }
-    sp.events = phases ? phase_ev : NULL;
+    sp.events = prof_phases(c, 5, phase_ev);
     prof_begin(c, P_SSD);
     const enum kr_status sst = krk_ssd(&sp, c->stream);
     prof_end(c);
-    for (int k = 0; phases && sst == KR_OK && k < 5; k++) {
-        c->prof.cat[c->prof.n++] = P_SSD_DECODE + k;
-    }
+    prof_phases_done(c, sp.events, sst, P_SSD_DECODE, 5);
     return sst;
 }
 
@@ -1045,19 +1060,12 @@ static enum kr_status cuda_dsa_index(kr_backend_t be, const struct kr_dsa_index_
                                      .block_size = p->block_size, .topk = p->topk, .idx = p->idx,
                                      .workspace = c->scratch, .workspace_bytes = c->scratch_size, .batch = c->batch,
                                      .variant = c->dsa_score, .select = c->dsa_select};
-    /* profiling: the two phases get the next two event pairs after the whole op's */
     cudaEvent_t phase_ev[4];
-    const bool phases = c->prof.on && !c->capturing && c->prof.n + 3 <= PROF_MAX_EV;
-    for (int k = 0; phases && k < 4; k++) {
-        phase_ev[k] = c->prof.ev[2 * (c->prof.n + 1) + k];
-    }
-    d.events = phases ? phase_ev : NULL;
+    d.events = prof_phases(c, 2, phase_ev);
     prof_begin(c, P_DSA);
     const enum kr_status st = krk_dsa_index(&d, c->stream);
     prof_end(c);
-    for (int k = 0; phases && st == KR_OK && k < 2; k++) {
-        c->prof.cat[c->prof.n++] = P_DSA_SCORE + k;
-    }
+    prof_phases_done(c, d.events, st, P_DSA_SCORE, 2);
     return st;
 }
 

@@ -244,164 +244,17 @@ __device__ __forceinline__ int block_excl_scan(int v, int *sh, int *total)
     return before + x - v;
 }
 
-// One pass's histogram of the keys matching `prefix` under `mask`, bins of 8 bits at `shift`, into
-// hist[256]. AGG: lanes of a warp with the same bin add once (match.any), into per-warp copies
-// summed afterwards, so that the few bins most scores share do not serialize the block's atomics.
-template <bool AGG>
-__device__ __forceinline__ void select_histogram(const float *__restrict__ sc, int32_t n_keys, uint32_t prefix,
-                                                 uint32_t mask, int shift, int *hist, int (*whist)[256])
-{
-    if constexpr (!AGG) {
-        for (int32_t s = threadIdx.x; s < n_keys; s += kSelectThreads) {
-            const uint32_t key = order_key(sc[s]);
-            if ((key & mask) == prefix) {
-                atomicAdd(&hist[(key >> shift) & 255u], 1);
-            }
-        }
-    } else {
-        const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-        for (int32_t base = 0; base < n_keys; base += kSelectThreads) { // uniform trip count: full warps
-            const int32_t s = base + (int32_t)threadIdx.x;
-            const uint32_t key = s < n_keys ? order_key(sc[s]) : 0u;
-            const bool ok = s < n_keys && (key & mask) == prefix;
-            const int bin = ok ? (int)((key >> shift) & 255u) : 256 + lane; // unmatched lanes stay alone
-            const unsigned peers = __match_any_sync(0xffffffffu, bin);
-            if (ok && __ffs(peers) - 1 == lane) {
-                atomicAdd(&whist[warp][bin], __popc(peers));
-            }
-        }
-        __syncthreads();
-        for (int i = threadIdx.x; i < 256; i += kSelectThreads) {
-            int v = 0;
-#pragma unroll
-            for (int w = 0; w < kSelectThreads / 32; w++) {
-                v += whist[w][i];
-            }
-            hist[i] = v;
-        }
-    }
-}
+// ---- top-k --------------------------------------------------------------------------------
 
-template <bool AGG>
-__global__ void __launch_bounds__(kSelectThreads)
-    dsa_select_kernel(krk_dsa_index_params p, int32_t t0, const float *__restrict__ scores, int64_t ld)
-{
-    __shared__ int hist[256];
-    __shared__ int whist[AGG ? kSelectThreads / 32 : 1][256];
-    __shared__ int scan_sh[32];
-    __shared__ uint32_t sel_prefix;
-    __shared__ int sel_remaining;
-    const krk_batch &b = p.batch;
-    const int32_t t = t0 + (int32_t)blockIdx.x;
-    const int32_t k = p.topk;
-    int32_t *out = p.idx + (int64_t)t * k;
-    const int32_t seq = b.tok_seq[t];
-    const int32_t n_keys = b.seq_slot[seq] < 0 ? 0 : (int32_t)min((int64_t)b.pos[t] + 1, ld);
-    if (n_keys <= k) { // every visible position (none for padding), then -1
-        for (int32_t j = threadIdx.x; j < k; j += kSelectThreads) {
-            out[j] = j < n_keys ? j : -1;
-        }
-        return;
-    }
-    const float *sc = scores + (int64_t)blockIdx.x * ld;
-
-    // Radix select of the k-th largest key, 8 bits per pass from the top. After the passes,
-    // `prefix` is that key and `remaining` the number of positions equal to it to be taken
-    // (k minus the count of strictly greater keys).
-    uint32_t prefix = 0, mask = 0;
-    int remaining = k;
-    for (int shift = 24; shift >= 0; shift -= 8) {
-        for (int i = threadIdx.x; i < 256; i += kSelectThreads) {
-            hist[i] = 0;
-        }
-        for (int i = threadIdx.x; AGG && i < (kSelectThreads / 32) * 256; i += kSelectThreads) {
-            whist[i / 256][i % 256] = 0;
-        }
-        __syncthreads();
-        select_histogram<AGG>(sc, n_keys, prefix, mask, shift, hist, whist);
-        __syncthreads();
-        if (AGG && threadIdx.x < 32) {
-            // warp 0: lane j holds bins 255 - 8j down to 248 - 8j; the first lane (from the top)
-            // whose running count reaches `remaining` holds the bin, found within its eight
-            const int lane = threadIdx.x, hi = 255 - 8 * lane;
-            int own = 0;
-#pragma unroll
-            for (int i = 0; i < 8; i++) {
-                own += hist[hi - i];
-            }
-            int cum = own;
-#pragma unroll
-            for (int o = 1; o < 32; o <<= 1) {
-                const int y = __shfl_up_sync(0xffffffffu, cum, o);
-                cum += lane >= o ? y : 0;
-            }
-            const unsigned reach = __ballot_sync(0xffffffffu, cum >= remaining);
-            const int found = reach ? __ffs(reach) - 1 : 31; // none: bin 0 takes the rest
-            if (lane == found) {
-                int before = cum - own, bin = hi;
-                for (int i = 0; i < 8; i++) {
-                    bin = hi - i;
-                    if (bin == 0 || before + hist[bin] >= remaining) {
-                        break;
-                    }
-                    before += hist[bin];
-                }
-                sel_prefix = prefix | ((uint32_t)bin << shift);
-                sel_remaining = remaining - before;
-            }
-        } else if (!AGG && threadIdx.x == 0) {
-            int cum = 0, bin = 255;
-            for (; bin > 0; bin--) { // bins from the largest; bin 0 holds the rest
-                if (cum + hist[bin] >= remaining) {
-                    break;
-                }
-                cum += hist[bin];
-            }
-            sel_prefix = prefix | ((uint32_t)bin << shift);
-            sel_remaining = remaining - cum;
-        }
-        __syncthreads();
-        prefix = sel_prefix;
-        remaining = sel_remaining;
-        mask |= 255u << shift;
-        // no barrier needed here: sel_* are rewritten only after the next pass's two barriers
-    }
-
-    // Positions in ascending order: each thread owns a contiguous run of positions and takes those
-    // greater than the threshold, and those equal to it while the equal ones before (in earlier
-    // runs, then in its own) number fewer than `remaining`. Two block scans place the runs.
-    const int32_t per = (n_keys + kSelectThreads - 1) / kSelectThreads;
-    const int32_t s0 = min((int32_t)threadIdx.x * per, n_keys), s1 = min(s0 + per, n_keys);
-    int eq_c = 0, gt_c = 0;
-    for (int32_t s = s0; s < s1; s++) {
-        const uint32_t key = order_key(sc[s]);
-        eq_c += key == prefix;
-        gt_c += key > prefix;
-    }
-    int tot;
-    const int eq_before = block_excl_scan(eq_c, scan_sh, &tot);
-    const int take_eq = min(max(remaining - eq_before, 0), eq_c);
-    int o = block_excl_scan(gt_c + take_eq, scan_sh, &tot);
-    for (int32_t s = s0, taken = 0; s < s1; s++) {
-        const uint32_t key = order_key(sc[s]);
-        if (key > prefix || (key == prefix && taken < take_eq)) {
-            taken += key == prefix;
-            out[o++] = s;
-        }
-    }
-}
-
-// ---- split top-k (KRK_DSA_SELECT_SPLIT) -------------------------------------------------------
-// For long contexts one block per query leaves most of the GPU idle (batch 1) or spends a block's
-// lifetime on 4 passes over 128K scores. Split: the positions of a query are cut into chunks of
-// `chunk` (>= 4 topk); a block per (chunk, query) keeps the chunk's own top-k (ties to lower
-// positions), then one block per query selects the top-k of the candidates. Exact: an element of
-// the query's top-k has fewer than k elements before it in (score desc, position asc) order, so
-// fewer than k in its chunk, and is among the chunk's candidates; the candidates keep the order
-// of positions, so ties resolve as in the CPU reference.
-
-// The k largest of n items (order keys key(i); ties to the lower i) in ascending i: emit(o, i) for
-// o = 0..k-1. n > k. Block of kSelectThreads; warp-aggregated histograms. Call from every thread.
+// The k largest of n >= k items (order keys key(i); ties to the lower i) in ascending i:
+// emit(o, i) for o = 0..k-1. A radix select of the k-th largest key, 8 bits per pass from the top
+// (after the passes `prefix` is that key and `remaining` the number of items equal to it to take),
+// then the write-out: each thread owns a contiguous run of items and takes those greater than the
+// threshold, and those equal to it while the equal ones before (in earlier runs, then in its own)
+// number fewer than `remaining`; two block scans place the runs. Histograms: one shared atomic per
+// key into one copy (AGG false), or one per distinct bin of a warp (match.any) into per-warp
+// copies, with the bin found by a warp scan (AGG true): the scores of a query crowd into few bins,
+// which serializes the first. Block of kSelectThreads; call from every thread.
 struct TopkSmem {
     int hist[256];
     int whist[kSelectThreads / 32][256];
@@ -409,69 +262,97 @@ struct TopkSmem {
     uint32_t sel_prefix;
     int sel_remaining;
 };
-template <class Key, class Emit>
+template <bool AGG, class Key, class Emit>
 __device__ void block_topk(int32_t n, int32_t k, Key key, Emit emit, TopkSmem &sm)
 {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     uint32_t prefix = 0, mask = 0;
     int remaining = k;
     for (int shift = 24; shift >= 0; shift -= 8) {
-        for (int i = threadIdx.x; i < (kSelectThreads / 32) * 256; i += kSelectThreads) {
-            sm.whist[i / 256][i % 256] = 0;
-        }
-        __syncthreads();
-        for (int32_t base = 0; base < n; base += kSelectThreads) {
-            const int32_t i = base + (int32_t)threadIdx.x;
-            const uint32_t kv = i < n ? key(i) : 0u;
-            const bool ok = i < n && (kv & mask) == prefix;
-            const int bin = ok ? (int)((kv >> shift) & 255u) : 256 + lane;
-            const unsigned peers = __match_any_sync(0xffffffffu, bin);
-            if (ok && __ffs(peers) - 1 == lane) {
-                atomicAdd(&sm.whist[warp][bin], __popc(peers));
+        if constexpr (AGG) {
+            for (int i = threadIdx.x; i < (kSelectThreads / 32) * 256; i += kSelectThreads) {
+                sm.whist[i / 256][i % 256] = 0;
             }
-        }
-        __syncthreads();
-        for (int i = threadIdx.x; i < 256; i += kSelectThreads) {
-            int v = 0;
+            __syncthreads();
+            for (int32_t base = 0; base < n; base += kSelectThreads) { // uniform trip count: full warps
+                const int32_t i = base + (int32_t)threadIdx.x;
+                const uint32_t kv = i < n ? key(i) : 0u;
+                const bool ok = i < n && (kv & mask) == prefix;
+                const int bin = ok ? (int)((kv >> shift) & 255u) : 256 + lane; // unmatched lanes stay alone
+                const unsigned peers = __match_any_sync(0xffffffffu, bin);
+                if (ok && __ffs(peers) - 1 == lane) {
+                    atomicAdd(&sm.whist[warp][bin], __popc(peers));
+                }
+            }
+            __syncthreads();
+            for (int i = threadIdx.x; i < 256; i += kSelectThreads) {
+                int v = 0;
 #pragma unroll
-            for (int w = 0; w < kSelectThreads / 32; w++) {
-                v += sm.whist[w][i];
+                for (int w = 0; w < kSelectThreads / 32; w++) {
+                    v += sm.whist[w][i];
+                }
+                sm.hist[i] = v;
             }
-            sm.hist[i] = v;
-        }
-        __syncthreads();
-        if (threadIdx.x < 32) { // the bin holding the remaining-th largest, as in dsa_select_kernel
-            const int hi = 255 - 8 * lane;
-            int own = 0;
+            __syncthreads();
+            if (threadIdx.x < 32) {
+                // lane j holds bins 255 - 8j down to 248 - 8j; the first lane (from the top) whose
+                // running count reaches `remaining` holds the bin, found within its eight
+                const int hi = 255 - 8 * lane;
+                int own = 0;
 #pragma unroll
-            for (int i = 0; i < 8; i++) {
-                own += sm.hist[hi - i];
-            }
-            int cum = own;
-#pragma unroll
-            for (int o = 1; o < 32; o <<= 1) {
-                const int y = __shfl_up_sync(0xffffffffu, cum, o);
-                cum += lane >= o ? y : 0;
-            }
-            const unsigned reach = __ballot_sync(0xffffffffu, cum >= remaining);
-            const int found = reach ? __ffs(reach) - 1 : 31;
-            if (lane == found) {
-                int before = cum - own, bin = hi;
                 for (int i = 0; i < 8; i++) {
-                    bin = hi - i;
-                    if (bin == 0 || before + sm.hist[bin] >= remaining) {
+                    own += sm.hist[hi - i];
+                }
+                int cum = own;
+#pragma unroll
+                for (int o = 1; o < 32; o <<= 1) {
+                    const int y = __shfl_up_sync(0xffffffffu, cum, o);
+                    cum += lane >= o ? y : 0;
+                }
+                const unsigned reach = __ballot_sync(0xffffffffu, cum >= remaining);
+                const int found = reach ? __ffs(reach) - 1 : 31; // none: bin 0 takes the rest
+                if (lane == found) {
+                    int before = cum - own, bin = hi;
+                    for (int i = 0; i < 8; i++) {
+                        bin = hi - i;
+                        if (bin == 0 || before + sm.hist[bin] >= remaining) {
+                            break;
+                        }
+                        before += sm.hist[bin];
+                    }
+                    sm.sel_prefix = prefix | ((uint32_t)bin << shift);
+                    sm.sel_remaining = remaining - before;
+                }
+            }
+        } else {
+            for (int i = threadIdx.x; i < 256; i += kSelectThreads) {
+                sm.hist[i] = 0;
+            }
+            __syncthreads();
+            for (int32_t i = threadIdx.x; i < n; i += kSelectThreads) {
+                const uint32_t kv = key(i);
+                if ((kv & mask) == prefix) {
+                    atomicAdd(&sm.hist[(kv >> shift) & 255u], 1);
+                }
+            }
+            __syncthreads();
+            if (threadIdx.x == 0) {
+                int cum = 0, bin = 255;
+                for (; bin > 0; bin--) { // bins from the largest; bin 0 holds the rest
+                    if (cum + sm.hist[bin] >= remaining) {
                         break;
                     }
-                    before += sm.hist[bin];
+                    cum += sm.hist[bin];
                 }
                 sm.sel_prefix = prefix | ((uint32_t)bin << shift);
-                sm.sel_remaining = remaining - before;
+                sm.sel_remaining = remaining - cum;
             }
         }
         __syncthreads();
         prefix = sm.sel_prefix;
         remaining = sm.sel_remaining;
         mask |= 255u << shift;
+        // no barrier needed here: sel_* are rewritten only after the next pass's barriers
     }
     const int32_t per = (n + kSelectThreads - 1) / kSelectThreads;
     const int32_t i0 = min((int32_t)threadIdx.x * per, n), i1 = min(i0 + per, n);
@@ -493,6 +374,39 @@ __device__ void block_topk(int32_t n, int32_t k, Key key, Emit emit, TopkSmem &s
         }
     }
 }
+
+// One block per token: every visible position when the context fits in topk (none for padding),
+// then -1; otherwise the top-k of its scores.
+template <bool AGG>
+__global__ void __launch_bounds__(kSelectThreads)
+    dsa_select_kernel(krk_dsa_index_params p, int32_t t0, const float *__restrict__ scores, int64_t ld)
+{
+    __shared__ TopkSmem sm;
+    const krk_batch &b = p.batch;
+    const int32_t t = t0 + (int32_t)blockIdx.x;
+    const int32_t k = p.topk;
+    int32_t *out = p.idx + (int64_t)t * k;
+    const int32_t seq = b.tok_seq[t];
+    const int32_t n_keys = b.seq_slot[seq] < 0 ? 0 : (int32_t)min((int64_t)b.pos[t] + 1, ld);
+    if (n_keys <= k) {
+        for (int32_t j = threadIdx.x; j < k; j += kSelectThreads) {
+            out[j] = j < n_keys ? j : -1;
+        }
+        return;
+    }
+    const float *sc = scores + (int64_t)blockIdx.x * ld;
+    block_topk<AGG>(n_keys, k, [&](int32_t i) { return order_key(sc[i]); }, [&](int o, int32_t i) { out[o] = i; },
+                    sm);
+}
+
+// ---- split top-k (KRK_DSA_SELECT_SPLIT) -------------------------------------------------------
+// For long contexts one block per query leaves most of the GPU idle (batch 1) or spends a block's
+// lifetime on 4 passes over 128K scores. Split: the positions of a query are cut into chunks of
+// `chunk` (>= 4 topk); a block per (chunk, query) keeps the chunk's own top-k (ties to lower
+// positions), then one block per query selects the top-k of the candidates. Exact: an element of
+// the query's top-k has fewer than k elements before it in (score desc, position asc) order, so
+// fewer than k in its chunk, and is among the chunk's candidates; the candidates keep the order
+// of positions, so ties resolve as in the CPU reference.
 
 // Grid (chunks, tokens): the candidates of chunk c of token t0 + y, cand[y][c * k ...]: its
 // min(len, k) best positions in ascending order.
@@ -518,8 +432,8 @@ __global__ void __launch_bounds__(kSelectThreads)
         }
         return;
     }
-    block_topk(len, k, [&](int32_t i) { return order_key(sc[i]); }, [&](int o, int32_t i) { out[o] = lo + i; },
-               sm);
+    block_topk<true>(len, k, [&](int32_t i) { return order_key(sc[i]); },
+                     [&](int o, int32_t i) { out[o] = lo + i; }, sm);
 }
 
 // Grid (tokens): the top-k of the candidates of every chunk, or every position when the context
@@ -544,7 +458,8 @@ __global__ void __launch_bounds__(kSelectThreads)
     const int32_t n = (n_chunk - 1) * k + min(last, k); // candidates, contiguous (full chunks give k)
     const float *sc = scores + (int64_t)blockIdx.x * ld;
     const int32_t *cd = cand + (int64_t)blockIdx.x * ld_cand;
-    block_topk(n, k, [&](int32_t i) { return order_key(sc[cd[i]]); }, [&](int o, int32_t i) { out[o] = cd[i]; }, sm);
+    block_topk<true>(n, k, [&](int32_t i) { return order_key(sc[cd[i]]); },
+                     [&](int o, int32_t i) { out[o] = cd[i]; }, sm);
 }
 
 // Chunk length of the split top-k for contexts up to ld: at least 4 topk, at most 16 chunks.

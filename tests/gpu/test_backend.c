@@ -435,6 +435,26 @@ static void on_gen(const struct kr_event *ev, void *user)
     pthread_mutex_unlock(&g_gen_mu);
 }
 
+/* Request i of a mixed workload: greedy and seeded draws, top-k, top-p, min-p, repetition and
+ * frequency penalties, 2 top log-probabilities, 16 tokens whatever EOS. */
+static struct kr_sampling varied_sampling(int32_t i)
+{
+    struct kr_sampling s;
+    kr_sampling_default(&s);
+    s.max_tokens = 16;
+    s.ignore_eos = true;
+    s.has_seed = true;
+    s.seed = 5 + (uint64_t)i;
+    s.temperature = i % 3 == 0 ? 0.0f : 0.8f;
+    s.top_k = i % 2 ? 40 : 0;
+    s.top_p = i % 4 == 1 ? 0.9f : 1.0f;
+    s.min_p = i % 5 == 2 ? 0.05f : 0.0f;
+    s.repetition_penalty = i % 3 == 1 ? 1.2f : 1.0f;
+    s.frequency_penalty = i % 4 == 2 ? 0.3f : 0.0f;
+    s.logprobs = 2;
+    return s;
+}
+
 /* The same requests through the engine on the GPU, drawn once by the host sampler (logits copied
  * back) and once by krk_sample on the device: identical tokens and log-probabilities (up to the
  * 1e-6 of a different log-sum-exp order), for greedy and seeded requests with penalties, top-k/p,
@@ -463,19 +483,7 @@ Test(cuda_backend, gpu_sampling_equals_host_sampling)
         cr_assert_eq(kr_engine_create(f.m, &cfg, &e, &err), KR_OK, "%s", err.msg);
         for (int32_t i = 0; i < N; i++) {
             const struct fx_prompt *p = &f.prompts[i % f.n_prompts];
-            struct kr_sampling s;
-            kr_sampling_default(&s);
-            s.max_tokens = 16;
-            s.ignore_eos = true;
-            s.has_seed = true;
-            s.seed = 5 + (uint64_t)i;
-            s.temperature = i % 3 == 0 ? 0.0f : 0.8f;
-            s.top_k = i % 2 ? 40 : 0;
-            s.top_p = i % 4 == 1 ? 0.9f : 1.0f;
-            s.min_p = i % 5 == 2 ? 0.05f : 0.0f;
-            s.repetition_penalty = i % 3 == 1 ? 1.2f : 1.0f;
-            s.frequency_penalty = i % 4 == 2 ? 0.3f : 0.0f;
-            s.logprobs = 2;
+            const struct kr_sampling s = varied_sampling(i);
             struct kr_request_params rp = {.prompt = p->ids, .n_prompt = p->n, .n = 1, .sampling = s,
                                            .cb = on_gen, .user = &got[pass][i]};
             uint64_t id;
@@ -654,17 +662,8 @@ ParameterizedTest(int *idx, cuda_backend, no_device_allocation_while_serving)
     int32_t choices = 0;
     for (int32_t i = 0; i < N; i++) {
         const struct fx_prompt *p = &f.prompts[i % f.n_prompts];
-        struct kr_sampling s;
-        kr_sampling_default(&s);
-        s.max_tokens = 12;
-        s.ignore_eos = true;
-        s.has_seed = true;
-        s.seed = 11 + (uint64_t)i;
-        s.temperature = i % 3 == 0 ? 0.0f : 0.9f;
-        s.top_k = i % 2 ? 20 : 0;
-        s.top_p = i % 4 == 1 ? 0.8f : 1.0f;
-        s.repetition_penalty = i % 3 == 1 ? 1.3f : 1.0f;
-        s.presence_penalty = i % 5 == 2 ? 0.5f : 0.0f;
+        struct kr_sampling s = varied_sampling(i);
+        s.presence_penalty = i % 5 == 3 ? 0.5f : 0.0f;
         s.logprobs = i % 3 == 0 ? KR_MAX_TOP_LOGPROBS : i % 3;
         const int32_t n = i % 4 == 3 ? 2 : 1;
         struct kr_request_params rp = {.prompt = p->ids, .n_prompt = p->n, .n = n, .sampling = s, .cb = on_gen,
