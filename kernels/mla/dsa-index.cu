@@ -375,6 +375,23 @@ __device__ void block_topk(int32_t n, int32_t k, Key key, Emit emit, TopkSmem &s
     }
 }
 
+// Token t's visible positions (none for padding) into *n_keys; when they fit in topk, writes them
+// all, then -1, to out and returns true (the block is done). Call from every thread.
+__device__ __forceinline__ bool take_all_positions(const krk_dsa_index_params &p, int32_t t, int64_t ld,
+                                                   int32_t *out, int32_t *n_keys)
+{
+    const krk_batch &b = p.batch;
+    const int32_t seq = b.tok_seq[t];
+    *n_keys = b.seq_slot[seq] < 0 ? 0 : (int32_t)min((int64_t)b.pos[t] + 1, ld);
+    if (*n_keys > p.topk) {
+        return false;
+    }
+    for (int32_t j = threadIdx.x; j < p.topk; j += kSelectThreads) {
+        out[j] = j < *n_keys ? j : -1;
+    }
+    return true;
+}
+
 // One block per token: every visible position when the context fits in topk (none for padding),
 // then -1; otherwise the top-k of its scores.
 template <bool AGG>
@@ -382,16 +399,10 @@ __global__ void __launch_bounds__(kSelectThreads)
     dsa_select_kernel(krk_dsa_index_params p, int32_t t0, const float *__restrict__ scores, int64_t ld)
 {
     __shared__ TopkSmem sm;
-    const krk_batch &b = p.batch;
-    const int32_t t = t0 + (int32_t)blockIdx.x;
-    const int32_t k = p.topk;
+    const int32_t t = t0 + (int32_t)blockIdx.x, k = p.topk;
     int32_t *out = p.idx + (int64_t)t * k;
-    const int32_t seq = b.tok_seq[t];
-    const int32_t n_keys = b.seq_slot[seq] < 0 ? 0 : (int32_t)min((int64_t)b.pos[t] + 1, ld);
-    if (n_keys <= k) {
-        for (int32_t j = threadIdx.x; j < k; j += kSelectThreads) {
-            out[j] = j < n_keys ? j : -1;
-        }
+    int32_t n_keys;
+    if (take_all_positions(p, t, ld, out, &n_keys)) {
         return;
     }
     const float *sc = scores + (int64_t)blockIdx.x * ld;
@@ -443,15 +454,10 @@ __global__ void __launch_bounds__(kSelectThreads)
                           int32_t chunk, const int32_t *__restrict__ cand, int64_t ld_cand)
 {
     __shared__ TopkSmem sm;
-    const krk_batch &b = p.batch;
     const int32_t t = t0 + (int32_t)blockIdx.x, k = p.topk;
     int32_t *out = p.idx + (int64_t)t * k;
-    const int32_t seq = b.tok_seq[t];
-    const int32_t n_keys = b.seq_slot[seq] < 0 ? 0 : (int32_t)min((int64_t)b.pos[t] + 1, ld);
-    if (n_keys <= k) {
-        for (int32_t j = threadIdx.x; j < k; j += kSelectThreads) {
-            out[j] = j < n_keys ? j : -1;
-        }
+    int32_t n_keys;
+    if (take_all_positions(p, t, ld, out, &n_keys)) {
         return;
     }
     const int32_t n_chunk = (n_keys + chunk - 1) / chunk, last = n_keys - (n_chunk - 1) * chunk;
