@@ -571,7 +571,8 @@ int main(int argc, char **argv)
     }
     const int64_t max_tok = fill ? (max_p > max_b ? max_p : max_b)
                                  : (max_p > (int64_t)max_b * ctx ? max_p : (max_b * ctx < 8192 ? max_b * ctx : 8192));
-    if (kr_model_reserve(x.m, max_tok > max_b ? max_tok : max_b, max_b, max_b, ctx + steps + 16 > max_p ? ctx + steps + 16 : max_p) != KR_OK) {
+    if (kr_model_reserve(x.m, max_tok > max_b ? max_tok : max_b, max_b, max_b,
+                         ctx + steps + 16 > max_p ? ctx + steps + 16 : max_p, bs) != KR_OK) {
         fprintf(stderr, "bench_cuda: cannot reserve the workspace\n");
         return 1;
     }

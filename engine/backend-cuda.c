@@ -538,9 +538,10 @@ static struct samp_layout samp_layout(size_t n, size_t np, size_t nt)
 
 static enum kr_status ensure_samp(struct cuda_ctx *c, size_t total);
 
-/* Sizes the scratch for steps of up to n_tok tokens in n_seq sequences and contexts up to max_ctx. */
+/* Sizes the scratch for steps of up to n_tok tokens in n_seq sequences and contexts up to max_ctx in
+ * cache blocks of block_size positions (the model has rounded n_seq up to the graph batch size). */
 static enum kr_status cuda_reserve(kr_backend_t be, const struct kr_model_config *m, int64_t n_tok, int64_t n_seq,
-                                   int64_t max_ctx)
+                                   int64_t max_ctx, int32_t block_size)
 {
     struct cuda_ctx *c = ctx_of(be);
     n_tok = max64(n_tok, 1);
@@ -589,7 +590,16 @@ static enum kr_status cuda_reserve(kr_backend_t be, const struct kr_model_config
     const int64_t pen_per_seq = max_ctx < m->vocab ? max_ctx : m->vocab;
     KR_TRY(ensure_samp(c, samp_layout((size_t)n_seq, (size_t)(n_seq * max64(pen_per_seq, 1)),
                                       (size_t)KR_MAX_TOP_LOGPROBS).total));
-    return ensure_meta(c, (size_t)(4 * n_tok + 4 * n_seq + 8 + n_seq * (max_ctx / 16 + 2)));
+    /* batch metadata (cuda_begin_batch): block tables of a sequence's blocks, or in a decode graph
+     * rounded up to a power of two of at least 16 (below 2^14, the largest a graph takes) */
+    const int64_t bs = block_size > 0 ? block_size : 16;
+    const int64_t blocks = (max_ctx + bs - 1) / bs + 1;
+    int64_t graph_blocks = 16;
+    while (graph_blocks < blocks) {
+        graph_blocks *= 2;
+    }
+    const int64_t bt = graph_blocks < (1 << 14) ? graph_blocks : blocks;
+    return ensure_meta(c, (size_t)(4 * n_tok + 3 * n_seq + 1 + n_seq * bt + n_tok + 8));
 }
 
 uint64_t kr_backend_cuda_alloc_count(kr_backend_t be)

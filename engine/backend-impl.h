@@ -25,9 +25,10 @@ struct kr_backend_i {
     /* (optional) free and total device memory in bytes */
     enum kr_status (*mem_info)(kr_backend_t be, size_t *free_b, size_t *total_b);
     /* (optional) sizes internal scratch for steps of up to n_tok tokens in n_seq sequences with
-     * contexts up to max_ctx, so that no allocation happens while serving */
+     * contexts up to max_ctx in cache blocks of block_size positions, so that no allocation happens
+     * while serving */
     enum kr_status (*reserve)(kr_backend_t be, const struct kr_model_config *c, int64_t n_tok, int64_t n_seq,
-                              int64_t max_ctx);
+                              int64_t max_ctx, int32_t block_size);
     enum kr_status (*begin_batch)(kr_backend_t be, const struct kr_batch *b);
     /* (optional) ends the step begun by begin_batch (ok: every op succeeded): deferred work runs,
      * a graph being captured is instantiated and launched */

@@ -103,9 +103,9 @@ enum kr_status kr_backend_mem_info(kr_backend_t be, size_t *free_b, size_t *tota
 }
 
 enum kr_status kr_backend_reserve(kr_backend_t be, const struct kr_model_config *c, int64_t n_tok, int64_t n_seq,
-                                  int64_t max_ctx)
+                                  int64_t max_ctx, int32_t block_size)
 {
-    return be->iface.reserve ? be->iface.reserve(be, c, n_tok, n_seq, max_ctx) : KR_OK;
+    return be->iface.reserve ? be->iface.reserve(be, c, n_tok, n_seq, max_ctx, block_size) : KR_OK;
 }
 
 enum kr_status kr_backend_end_batch(kr_backend_t be, bool ok)

@@ -87,9 +87,10 @@ void kr_backend_tp_abort(kr_backend_t be);
 enum kr_status kr_backend_mem_info(kr_backend_t be, size_t *free_b, size_t *total_b);
 
 /* Sizes backend scratch for steps of up to n_tok tokens in n_seq sequences and contexts up to
- * max_ctx (no-op on the CPU). Called at start-up so that serving allocates nothing. */
+ * max_ctx in cache blocks of block_size positions (no-op on the CPU). Called at start-up so that
+ * serving allocates nothing. */
 enum kr_status kr_backend_reserve(kr_backend_t be, const struct kr_model_config *c, int64_t n_tok, int64_t n_seq,
-                                  int64_t max_ctx);
+                                  int64_t max_ctx, int32_t block_size);
 /* Ends the step begun by kr_backend_begin_batch (`ok`: every op of it succeeded). */
 enum kr_status kr_backend_end_batch(kr_backend_t be, bool ok);
 /* Decode-step graphs (see backend-impl.h); 0 / no-ops on backends without them. */

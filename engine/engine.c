@@ -1232,7 +1232,7 @@ enum kr_status kr_engine_create(struct kr_model *m, const struct kr_engine_confi
     const int32_t n_slots = cfg.n_slots > 0 ? cfg.n_slots : cfg.max_num_seqs;
     /* the step workspace and backend scratch for the largest step, so that serving allocates nothing */
     enum kr_status rst = kr_model_reserve(m, cfg.max_num_batched_tokens + cfg.max_num_seqs, cfg.max_num_seqs,
-                                          cfg.max_num_seqs, cfg.max_model_len);
+                                          cfg.max_num_seqs, cfg.max_model_len, cfg.block_size);
     if (rst != KR_OK) {
         return kr_err_set(err, rst, "engine: cannot reserve the forward workspace for %d tokens per step",
                           cfg.max_num_batched_tokens);

@@ -94,7 +94,7 @@ static enum kr_status grow(struct kr_model *m, int64_t n_tok, int64_t n_out, int
         m->res_tok = n_tok > m->res_tok ? n_tok : m->res_tok;
         m->res_seq = n_seq > m->res_seq ? n_seq : m->res_seq;
         m->res_ctx = max_ctx > m->res_ctx ? max_ctx : m->res_ctx;
-        return kr_backend_reserve(m->be, c, m->res_tok, m->res_seq, m->res_ctx);
+        return kr_backend_reserve(m->be, c, m->res_tok, m->res_seq, m->res_ctx, m->res_block > 0 ? m->res_block : 16);
     }
     return KR_OK;
 }
@@ -149,8 +149,20 @@ enum kr_status kr_model_set_indexer(struct kr_model *m, enum kr_indexer mode, st
     return KR_OK;
 }
 
-enum kr_status kr_model_reserve(struct kr_model *m, int64_t n_tok, int64_t n_out, int64_t n_seq, int64_t max_ctx)
+enum kr_status kr_model_reserve(struct kr_model *m, int64_t n_tok, int64_t n_out, int64_t n_seq, int64_t max_ctx,
+                                int32_t block_size)
 {
+    if (block_size > 0 && (m->res_block == 0 || block_size < m->res_block)) {
+        m->res_block = block_size;
+        m->res_seq = 0; /* the backend's block-table room depends on it: reserve again */
+    }
+    /* decode steps of n_seq sequences may run padded to the graph batch size above it */
+    const int64_t bucket = n_seq > 0 && n_seq <= INT32_MAX ? kr_backend_graph_bucket(m->be, (int32_t)n_seq) : 0;
+    if (bucket > n_seq) {
+        n_tok = n_tok > bucket ? n_tok : bucket;
+        n_out = n_out > bucket ? n_out : bucket;
+        n_seq = bucket;
+    }
     return grow(m, n_tok, n_out, n_seq, max_ctx);
 }
 

@@ -105,6 +105,7 @@ struct kr_model {
     struct kr_buf work;          /* forward workspace */
     int32_t work_tokens;         /* tokens the workspace is sized for */
     int64_t res_tok, res_seq, res_ctx; /* step size the backend scratch is reserved for */
+    int32_t res_block;           /* smallest cache block size reserved for (0: none yet) */
     uint64_t n_steps;            /* forward steps run */
     uint64_t idx_query_rows;     /* token rows for which a D layer computed its indexer queries and scores
                                     (steps whose contexts all fit in index_topk skip them) */
@@ -144,9 +145,11 @@ bool kr_indexer_parse(const char *s, enum kr_indexer *out);
 struct kr_cache;
 
 /* Sizes the forward workspace and the backend's scratch for steps of up to n_tok tokens (n_out of
- * them with logits) in n_seq sequences with contexts up to max_ctx, so that serving allocates no
+ * them with logits) in n_seq sequences with contexts up to max_ctx in cache blocks of block_size
+ * positions, decode steps padded to a graph's batch size included, so that serving allocates no
  * backend memory. Larger steps still work (the workspace grows). */
-enum kr_status kr_model_reserve(struct kr_model *m, int64_t n_tok, int64_t n_out, int64_t n_seq, int64_t max_ctx);
+enum kr_status kr_model_reserve(struct kr_model *m, int64_t n_tok, int64_t n_out, int64_t n_seq, int64_t max_ctx,
+                                int32_t block_size);
 
 /* Runs one step over `b` and writes the raw logits (fp32) of the b->n_out selected tokens to
  * `logits` ([n_out, vocab], host memory; NULL leaves them in backend memory at m->last_logits). Token ids, positions, slots and block tables are validated against the model and cache:

@@ -1763,7 +1763,8 @@ static void *loader_main(void *arg)
     cfg.cache_bytes = s->o.cache_bytes;
     /* the step workspace first, so that the cache budget sees what is left */
     const int64_t max_len = s->o.max_model_len > 0 ? s->o.max_model_len : s->m->cfg.max_pos;
-    if (kr_model_reserve(s->m, cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.max_num_seqs, max_len) != KR_OK) {
+    if (kr_model_reserve(s->m, cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.max_num_seqs, max_len,
+                         cfg.block_size) != KR_OK) {
         KR_LOG_ERROR("cannot reserve the forward workspace (%d tokens per step)", cfg.max_num_batched_tokens);
         s->load_failed = true;
         uv_async_send(&g_loaded);
