@@ -256,6 +256,18 @@ static void capture_free(struct capture *cap)
     memset(cap, 0, sizeof *cap);
 }
 
+/* Runs prompt p (in chunks of `chunk`, 0: whole) into lp [p->n, vocab], recording every D layer's
+ * selections into cap. */
+static void run_capturing(struct fx *f, const struct fx_prompt *p, int32_t chunk, float *lp, struct capture *cap)
+{
+    memset(cap, 0, sizeof *cap);
+    f->m->on_index = on_index;
+    f->m->on_index_user = cap;
+    struct kr_err err = {{0}};
+    cr_assert_eq(kr_run_prompt_logprobs(f->m, f->c, p->ids, p->n, chunk, lp, &err), KR_OK, "%s", err.msg);
+    f->m->on_index = NULL;
+}
+
 ParameterizedTestParameters(hf_models, index_sets_match_hf)
 {
     return cr_make_param_array(int, dsa_fixture_idx, N_DSA);
@@ -277,13 +289,9 @@ ParameterizedTest(int *idx, hf_models, index_sets_match_hf)
             struct fx_prompt *p = &f.prompts[i];
             cr_assert_eq(p->n_dsa, n_d, "%s prompt %d: HF recorded %d D layers, the model has %d", name, i, p->n_dsa,
                          n_d);
-            struct capture cap = {0};
-            f.m->on_index = on_index;
-            f.m->on_index_user = &cap;
+            struct capture cap;
             float *lp = kr_malloc((size_t)p->n * (size_t)f.vocab * sizeof(float));
-            struct kr_err err = {{0}};
-            cr_assert_eq(kr_run_prompt_logprobs(f.m, f.c, p->ids, p->n, chunks[ci], lp, &err), KR_OK, "%s", err.msg);
-            f.m->on_index = NULL;
+            run_capturing(&f, p, chunks[ci], lp, &cap);
             int32_t mismatches = 0, compared = 0;
             for (int32_t k = 0; k < cap.n_calls; k++) {
                 const int32_t ord = d_ordinal(&f.m->cfg, cap.layer[k]);
@@ -456,12 +464,9 @@ ParameterizedTest(int *idx, hf_models, fp8_indexer_stays_close_to_hf)
     double worst_lp = 0.0, worst_overlap = 1.0;
     for (int32_t i = 0; i < f.n_prompts; i++) {
         struct fx_prompt *p = &f.prompts[i];
-        struct capture cap = {0};
-        f.m->on_index = on_index;
-        f.m->on_index_user = &cap;
+        struct capture cap;
         float *lp = kr_malloc((size_t)p->n * (size_t)f.vocab * sizeof(float));
-        cr_assert_eq(kr_run_prompt_logprobs(f.m, f.c, p->ids, p->n, 0, lp, &err), KR_OK, "%s", err.msg);
-        f.m->on_index = NULL;
+        run_capturing(&f, p, 0, lp, &cap);
         for (int32_t k = 0; k < cap.n_calls; k++) {
             const int32_t ord = d_ordinal(&f.m->cfg, cap.layer[k]);
             for (int32_t j = 0; j < cap.n_tok[k]; j++) {
