@@ -136,8 +136,15 @@ enum kr_status kr_model_set_indexer(struct kr_model *m, enum kr_indexer mode, st
     } else if (mode == KR_INDEXER_AUTO) {
         m->idx_fp8 = has_d && c->fp8_weights && pow2 && kr_backend_can_fp8_round(m->be);
         if (has_d && c->fp8_weights && !m->idx_fp8) {
-            KR_LOG_INFO("%s: FP8 checkpoint, but the %s backend has no FP8 indexer path: the indexer scores in bf16",
-                        m->dir, kr_backend_name(m->be));
+            if (!pow2) {
+                KR_LOG_INFO("%s: FP8 checkpoint, but index_head_dim %lld is not a power of two in 32..1024 (the "
+                            "FP8 path's Hadamard transform): the indexer scores in bf16",
+                            m->dir, (long long)Di);
+            } else {
+                KR_LOG_INFO("%s: FP8 checkpoint, but the %s backend has no FP8 indexer path: the indexer scores in "
+                            "bf16",
+                            m->dir, kr_backend_name(m->be));
+            }
         }
     } else {
         m->idx_fp8 = false;
