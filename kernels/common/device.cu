@@ -14,6 +14,21 @@ extern "C" int krk_device_count(void)
     return n;
 }
 
+extern "C" int krk_device_sm_count(void)
+{
+    static int n = 0;
+    if (n == 0) {
+        int dev = 0, v = 0;
+        if (cudaGetDevice(&dev) != cudaSuccess ||
+            cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || v <= 0) {
+            (void)cudaGetLastError();
+            return 132;
+        }
+        n = v;
+    }
+    return n;
+}
+
 extern "C" enum kr_status krk_device_describe(int dev, char *name, int n)
 {
     cudaDeviceProp prop;

@@ -81,7 +81,6 @@ __global__ void __launch_bounds__(kScoreThreads)
 constexpr int kMmaWarps = 4;
 constexpr int kMmaKeys = 64;  // keys per tile
 constexpr int kMmaTiles = 8;  // most tiles per block (512 keys): amortizes the query load
-constexpr int kMmaBlocksWanted = 264; // fewer tiles per block while the grid would be smaller (2 per SM)
 
 __global__ void __launch_bounds__(kMmaWarps * 32)
     dsa_score_mma_kernel(krk_dsa_index_params p, int32_t t0, float *__restrict__ scores, int64_t ld, int tiles)
@@ -540,7 +539,7 @@ extern "C" enum kr_status krk_dsa_index(const struct krk_dsa_index_params *p, cu
             // tiles per block: kMmaTiles, fewer when the grid would not give every SM two blocks
             // (short contexts, few tokens), at least one
             const int64_t key_tiles = (ld + kMmaKeys - 1) / kMmaKeys;
-            const int64_t want = std::max((int64_t)1, kMmaBlocksWanted / g);
+            const int64_t want = std::max((int64_t)1, 2 * (int64_t)krk_device_sm_count() / g);
             const int tiles = (int)std::max((int64_t)1, std::min((int64_t)kMmaTiles, key_tiles / want));
             const int64_t blocks = (key_tiles + tiles - 1) / tiles;
             dsa_score_mma_kernel<<<dim3((unsigned)blocks, (unsigned)g), kMmaWarps * 32,

@@ -271,7 +271,6 @@ __global__ void __launch_bounds__(256) mla_combine_kernel(krk_mla_attn_params p,
                                                            HeadsWs ws)
 {
     __shared__ float os[kTokTile][R];
-    const krk_batch &b = p.batch;
     const int h = blockIdx.y, H = (int)p.n_head, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int tt0 = blockIdx.x * kTokTile, nt = tc - tt0 < kTokTile ? tc - tt0 : kTokTile;
     for (int tt = 0; tt < kTokTile; tt++) {
@@ -328,22 +327,6 @@ __global__ void __launch_bounds__(256) mla_combine_kernel(krk_mla_attn_params p,
             }
         }
     }
-    (void)b;
-}
-
-int sm_count()
-{
-    static int n = 0;
-    if (n == 0) {
-        int dev = 0, v = 0;
-        if (cudaGetDevice(&dev) == cudaSuccess &&
-            cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess && v > 0) {
-            n = v;
-        } else {
-            return 132;
-        }
-    }
-    return n;
 }
 
 // Splits and launch groups: enough (token, split) blocks to give every SM two, each split keeping at
@@ -361,7 +344,7 @@ template <int R, int ROPE> bool heads_plan(const krk_mla_attn_params &p, HeadsPl
         return false;
     }
     const int64_t n_kt = (max_cand + kBN - 1) / kBN;
-    int64_t ns = (2 * (int64_t)sm_count() + n_tok - 1) / n_tok;
+    int64_t ns = (2 * (int64_t)krk_device_sm_count() + n_tok - 1) / n_tok;
     const int64_t ns_max = (n_kt + kMinSplitTiles - 1) / kMinSplitTiles;
     ns = ns < ns_max ? ns : ns_max;
     ns = ns < kMaxParts ? ns : kMaxParts;

@@ -53,6 +53,9 @@ int krk_device_count(void);
 /* Fills `name` (at most `n` bytes) with the name of device `dev` and its compute capability
  * ("NVIDIA H200 sm_90"). Returns KR_ERR_CUDA when the device cannot be queried. */
 enum kr_status krk_device_describe(int dev, char *name, int n);
+/* Streaming multiprocessors of the current device (132 when it cannot be read); launchers size
+ * grids that must fill the GPU by it. */
+int krk_device_sm_count(void);
 
 #ifdef __cplusplus
 }
