@@ -18,6 +18,7 @@
 #include <microhttpd.h>
 #include <netinet/in.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -1655,6 +1656,11 @@ static void stop_everything(struct srv *s)
     uv_timer_stop(&s->drain_timer);
     uv_signal_stop(&s->sig_term);
     uv_signal_stop(&s->sig_int);
+    /* the shutdown is under way and bounded (work is cancelled, nothing waits on clients): a further
+     * SIGTERM or SIGINT must not kill the process on its way out with a signal status instead of
+     * its exit code (uv_signal_stop put back the default action) */
+    signal(SIGTERM, SIG_IGN);
+    signal(SIGINT, SIG_IGN);
     uv_stop(&s->loop);
 }
 

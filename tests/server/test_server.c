@@ -547,6 +547,27 @@ Test(server_flags, full_queue_is_429_with_retry_after_and_sigterm_drains)
     cr_expect_eq(srv_stop(&p), 0);
 }
 
+/* Signals that keep coming while the server shuts down (a supervisor repeating SIGTERM) end it
+ * with its exit status 0, never with a signal status: once the shutdown is under way a further
+ * signal is ignored. SIGTERM is sent every 2 ms from the first one until the process is gone. */
+Test(server_flags, repeated_sigterm_during_shutdown_exits_0)
+{
+    struct srv_proc p;
+    srv_start(&p, MODEL, NULL);
+    int st = 0;
+    pid_t r = 0;
+    for (int i = 0; i < 30000 && r == 0; i++) { /* up to 60 s under sanitizers */
+        kill(p.pid, SIGTERM);
+        usleep(2000);
+        r = waitpid(p.pid, &st, WNOHANG);
+    }
+    cr_assert_eq(r, p.pid, "krait serve did not exit");
+    p.pid = 0;
+    cr_expect(WIFEXITED(st), "krait serve ended by signal %d instead of exiting", WIFSIGNALED(st) ? WTERMSIG(st) : 0);
+    cr_expect(WIFEXITED(st) && WEXITSTATUS(st) == 0, "exit status %d", WIFEXITED(st) ? WEXITSTATUS(st) : -1);
+    unlink(p.port_file);
+}
+
 Test(server_flags, skip_tokenizer_init_serves_token_ids)
 {
     struct srv_proc p;
