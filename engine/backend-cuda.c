@@ -62,7 +62,11 @@ struct cuda_ctx {
     bool graphs_on;
     enum krk_gemv_variant gemv_variant; /* KRAIT_GEMV=l1: x through L1 in the n <= 2 GEMV; =mma: the
                                            tensor-core GEMV for n <= 32 */
-    bool pdl;                           /* KRAIT_PDL=1: GEMVs launch as programmatic dependents */
+    int gemv_config;                    /* KRAIT_GEMV_CONFIG: a GEMV tiling other than the default
+                                           (krk_gemv_params.config; for measurements) */
+    bool pdl;                           /* KRAIT_PDL=1: every kernel launches as a programmatic
+                                           dependent of the one before it (krk_set_pdl), except
+                                           while profiling */
     int32_t dsa_score;                  /* indexer scores on bf16 tensor cores (KRAIT_DSA_SCORE=fp32: CUDA cores) */
     int32_t dsa_select;                 /* KRAIT_DSA_SELECT=agg: warp-aggregated top-k histograms;
                                            =split: top-k per chunk of positions, then of those */
@@ -842,7 +846,7 @@ static enum kr_status cuda_matmul_impl(kr_backend_t be, const float *x, int64_t 
     } else if (n <= gemv_max_n(c) && cols % 8 == 0) {
         struct krk_gemv_params p = {.x = x, .ldx = ldx, .w = w->data, .bias = bias, .n = n, .rows = rows,
                                     .cols = cols, .y = y, .ldy = ldy, .variant = c->gemv_variant,
-                                    .pdl = c->pdl && !c->prof.on};
+                                    .config = c->gemv_config};
         st = krk_gemv(&p, c->stream);
     } else {
         const krk_bf16 *xb = NULL;
@@ -1315,6 +1319,7 @@ void kr_backend_cuda_profile(kr_backend_t be, bool on)
     c->prof.n = 0;
     c->prof.open_cat = -1;
     c->prof.on = on;
+    krk_set_pdl(c->pdl && !on); /* overlapping kernels would blur the per-op times */
 }
 
 int kr_backend_cuda_profile_read(kr_backend_t be, const char **names, double *ms, int64_t *calls, int cap)
@@ -1409,12 +1414,20 @@ enum kr_status kr_backend_cuda_create(int dev, bool graphs, kr_backend_t *out, s
                                                  : KRK_DSA_SELECT_BLOCK;
     const char *gv = getenv("KRAIT_GEMV");
     c->gemv_variant = gv && !strcmp(gv, "l1") ? KRK_GEMV_L1 : gv && !strcmp(gv, "mma") ? KRK_GEMV_MMA : KRK_GEMV_STAGED;
+    const char *gc = getenv("KRAIT_GEMV_CONFIG");
+    c->gemv_config = gc ? atoi(gc) : 0;
+    enum kr_status st = KR_ERR_INVAL;
+    if (c->gemv_config < 0 || c->gemv_config >= KRK_GEMV_CONFIGS) {
+        kr_err_set(err, KR_ERR_INVAL, "cuda: KRAIT_GEMV_CONFIG=%s is not in 0..%d", gc, KRK_GEMV_CONFIGS - 1);
+        goto fail;
+    }
     const char *pd = getenv("KRAIT_PDL");
     c->pdl = pd && !strcmp(pd, "1");
+    krk_set_pdl(c->pdl);
     char name[128] = "cuda";
     krk_device_describe(dev, name, sizeof name);
     snprintf(c->desc, sizeof c->desc, "cuda:%d (%s)", dev, name);
-    enum kr_status st = KR_ERR_CUDA;
+    st = KR_ERR_CUDA;
     cudaError_t e;
     if ((e = cudaSetDevice(dev)) != cudaSuccess ||
         (e = cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking)) != cudaSuccess) {

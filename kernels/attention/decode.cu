@@ -26,7 +26,7 @@ __device__ __forceinline__ void bf16x8_to_f32(const uint4 &w, float f[8])
 // throughout, from fp32 queries and the bf16 cache.
 template <int NT, int L, int HB, int KB> __global__ void __launch_bounds__(NT) decode_kernel(Args a)
 {
-    pdl_trigger();
+    krk::kernel_prologue();
     constexpr int NG = NT / L;  // lane groups in the block
     constexpr int GPW = 32 / L; // lane groups in a warp
     __shared__ float sh_m[NG][HB], sh_l[NG][HB];
@@ -212,7 +212,7 @@ template <int NT, int L, int HB, int KB> __global__ void __launch_bounds__(NT) d
 // One block per (token, query head): merges the active splits' partial sums.
 __global__ void __launch_bounds__(COMBINE_THREADS) combine_kernel(Args a)
 {
-    pdl_trigger();
+    krk::kernel_prologue();
     const int t = blockIdx.x, h = blockIdx.y;
     const int hd = a.head_dim;
     float *o = a.out + (int64_t)t * a.n_head * hd + (int64_t)h * hd;
@@ -253,7 +253,7 @@ template <int L, int HB> static void decode_launch(const Args &a, cudaStream_t s
     constexpr int KB = HB >= 8 || HB * L >= 128 ? 2 : 4;
     const int n_chunk = (a.group + HB - 1) / HB;
     const dim3 grid((unsigned)a.b.n_tok, (unsigned)(a.n_kv_head * n_chunk), (unsigned)a.n_split);
-    decode_kernel<DEC_THREADS, L, HB, KB><<<grid, DEC_THREADS, 0, stream>>>(a);
+    krk::launch_maybe_pdl(krk::pdl_enabled(), decode_kernel<DEC_THREADS, L, HB, KB>, grid, DEC_THREADS, 0, stream, a);
 }
 
 template <int L> static void decode_launch_heads(const Args &a, cudaStream_t stream)
@@ -284,7 +284,8 @@ enum kr_status launch_decode(const Args &a, cudaStream_t stream)
     }
     KRK_CHECK_LAUNCH();
     if (a.n_split > 1) {
-        combine_kernel<<<dim3((unsigned)a.b.n_tok, (unsigned)a.n_head), COMBINE_THREADS, 0, stream>>>(a);
+        krk::launch_maybe_pdl(krk::pdl_enabled(), combine_kernel, dim3((unsigned)a.b.n_tok, (unsigned)a.n_head),
+                              COMBINE_THREADS, 0, stream, a);
         KRK_CHECK_LAUNCH();
     }
     return KR_OK;

@@ -11,6 +11,7 @@ constexpr int WRITE_THREADS = 128;
 // them at its position in its sequence's cache blocks. Padding sequences write nothing.
 __global__ void __launch_bounds__(WRITE_THREADS) cache_write_kernel(Args a)
 {
+    krk::kernel_prologue();
     const int t = blockIdx.x;
     const int s = a.b.tok_seq[t];
     if (a.b.seq_slot[s] < 0) {
@@ -101,7 +102,7 @@ extern "C" enum kr_status krk_attn(const struct krk_attn_params *p, cudaStream_t
         }
     }
 
-    cache_write_kernel<<<b.n_tok, WRITE_THREADS, 0, stream>>>(a);
+    krk::launch_maybe_pdl(krk::pdl_enabled(), cache_write_kernel, b.n_tok, WRITE_THREADS, 0, stream, a);
     KRK_CHECK_LAUNCH();
     return decode ? launch_decode(a, stream) : launch_prefill(a, stream);
 }

@@ -22,6 +22,7 @@ template <int DP, int BN> constexpr int prefill_smem_bytes()
 // DP: head_dim rounded up to a supported tile width (extra columns are zero); BN: keys per tile.
 template <int DP, int BN> __global__ void __launch_bounds__(PF_THREADS) prefill_kernel(Args a)
 {
+    krk::kernel_prologue();
     constexpr int BM = PF_BM, LD = DP + 8, CH = DP / 8; // CH: 16-byte chunks of a tile row
     extern __shared__ __align__(16) unsigned char smem[];
     uint16_t *sQ = reinterpret_cast<uint16_t *>(smem);
@@ -224,7 +225,7 @@ template <int DP, int BN> static enum kr_status prefill_launch(const Args &a, cu
         cudaFuncSetAttribute(prefill_kernel<DP, BN>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     const dim3 grid((unsigned)((a.b.max_seq_tok + PF_BM - 1) / PF_BM), (unsigned)a.n_head,
                     (unsigned)a.b.n_seq);
-    prefill_kernel<DP, BN><<<grid, PF_THREADS, smem, stream>>>(a);
+    krk::launch_maybe_pdl(krk::pdl_enabled(), prefill_kernel<DP, BN>, grid, PF_THREADS, smem, stream, a);
     KRK_CHECK_LAUNCH();
     return KR_OK;
 }

@@ -1,6 +1,7 @@
 // Device discovery helpers shared by every kernel family.
 #include "krk.h"
 
+#include <atomic>
 #include <cstdio>
 #include <cuda_runtime.h>
 
@@ -38,4 +39,16 @@ extern "C" enum kr_status krk_device_describe(int dev, char *name, int n)
     }
     snprintf(name, (size_t)n, "%s sm_%d%d", prop.name, prop.major, prop.minor);
     return KR_OK;
+}
+
+static std::atomic<bool> g_pdl{false};
+
+extern "C" void krk_set_pdl(bool on)
+{
+    g_pdl.store(on, std::memory_order_relaxed);
+}
+
+extern "C" bool krk_pdl(void)
+{
+    return g_pdl.load(std::memory_order_relaxed);
 }

@@ -82,6 +82,25 @@ __device__ __forceinline__ void pdl_trigger()
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
 
+// The first statement of every kernel but the GEMVs (which load weights first): lets the next
+// kernel launch (it waits the same way) and waits for the kernel before this one. With krk_set_pdl
+// off both are no-ops; on, the next kernel becomes resident while this one runs, so that a chain of
+// small kernels and GEMVs overlaps launch latency and the GEMVs' first weight loads with the work
+// before them. Every kernel launched as a dependent executes the wait in every thread before it
+// exits, which keeps completion transitive: a kernel past its wait sees every earlier kernel's
+// writes.
+__device__ __forceinline__ void kernel_prologue()
+{
+    pdl_trigger();
+    pdl_wait();
+}
+
+// Whether launchers launch kernels as programmatic dependents (krk_set_pdl).
+inline bool pdl_enabled()
+{
+    return krk_pdl();
+}
+
 // 2^x by the hardware approximation (relative error ~2^-22); exp2(-inf) = +0.
 __device__ __forceinline__ float exp2_approx(float x)
 {

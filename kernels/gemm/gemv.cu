@@ -191,8 +191,9 @@ enum kr_status launch_gemv_cfg(const struct krk_gemv_params *p, cudaStream_t str
     const int64_t blocks = (p->rows + rows_per_block - 1) / rows_per_block;
     KRK_REQUIRE(blocks <= INT32_MAX);
     const size_t smem = (size_t)N * (size_t)ch * sizeof(float);
-    KRK_CUDA_TRY(launch_maybe_pdl(p->pdl, gemv_kernel<N, RW, U, W>, dim3((unsigned)blocks), dim3(W * 32), smem, stream,
-                                  p->x, p->ldx, p->w, p->bias, p->rows, p->cols, ch, p->y, p->ldy));
+    KRK_CUDA_TRY(launch_maybe_pdl(p->pdl || pdl_enabled(), gemv_kernel<N, RW, U, W>, dim3((unsigned)blocks),
+                                  dim3(W * 32), smem, stream, p->x, p->ldx, p->w, p->bias, p->rows, p->cols, ch, p->y,
+                                  p->ldy));
     return KR_OK;
 }
 
@@ -204,7 +205,18 @@ enum kr_status launch_gemv_cfg(const struct krk_gemv_params *p, cudaStream_t str
 template <int N> enum kr_status launch_gemv(const struct krk_gemv_params *p, cudaStream_t stream)
 {
     if constexpr (N == 1) {
-        return launch_gemv_cfg<N, 1, 4, 8>(p, stream);
+        switch (p->config) { // alternatives measured against the default by bench_gemv
+        case 1:
+            return launch_gemv_cfg<N, 1, 8, 8>(p, stream);
+        case 2:
+            return launch_gemv_cfg<N, 2, 4, 8>(p, stream);
+        case 3:
+            return launch_gemv_cfg<N, 1, 4, 16>(p, stream);
+        case 4:
+            return launch_gemv_cfg<N, 2, 4, 4>(p, stream);
+        default:
+            return launch_gemv_cfg<N, 1, 4, 8>(p, stream);
+        }
     } else if constexpr (N <= 4) {
         return launch_gemv_cfg<N, 2, 2, 8>(p, stream);
     } else if constexpr (N <= 6) {
@@ -223,6 +235,7 @@ __global__ void __launch_bounds__(256)
     gemv_l1_kernel(const float *KRK_RESTRICT x, int64_t ldx, const uint16_t *KRK_RESTRICT w,
                    const float *KRK_RESTRICT bias, int64_t rows, int64_t cols, float *KRK_RESTRICT y, int64_t ldy)
 {
+    krk::kernel_prologue();
     const int lane = threadIdx.x & 31;
     const int64_t row0 = ((int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * RW;
     if (row0 >= rows) {
@@ -301,8 +314,8 @@ template <int N> enum kr_status launch_gemv_l1(const struct krk_gemv_params *p, 
     constexpr int RW = 1, U = 4, W = 8;
     const int64_t blocks = (p->rows + (int64_t)W * RW - 1) / ((int64_t)W * RW);
     KRK_REQUIRE(blocks <= INT32_MAX);
-    gemv_l1_kernel<N, RW, U><<<(unsigned)blocks, W * 32, 0, stream>>>(p->x, p->ldx, p->w, p->bias, p->rows, p->cols,
-                                                                       p->y, p->ldy);
+    launch_maybe_pdl(p->pdl || pdl_enabled(), gemv_l1_kernel<N, RW, U>, dim3((unsigned)blocks), dim3(W * 32), 0, stream,
+                     p->x, p->ldx, p->w, p->bias, p->rows, p->cols, p->y, p->ldy);
     KRK_CHECK_LAUNCH();
     return KR_OK;
 }
@@ -310,6 +323,7 @@ template <int N> enum kr_status launch_gemv_l1(const struct krk_gemv_params *p, 
 __global__ void add_bias_kernel(float *KRK_RESTRICT y, int64_t ldy, const float *KRK_RESTRICT bias, int64_t n,
                                 int64_t rows)
 {
+    krk::kernel_prologue();
     for (int64_t t = blockIdx.y; t < n; t += gridDim.y) {
         for (int64_t r = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; r < rows;
              r += (int64_t)gridDim.x * blockDim.x) {
@@ -318,18 +332,16 @@ __global__ void add_bias_kernel(float *KRK_RESTRICT y, int64_t ldy, const float 
     }
 }
 
-// Tensor-core variant (KRK_GEMV_MMA, n <= KRK_GEMV_MMA_MAX_N): a block owns 16 weight rows and its
-// kMmaWarps warps split the columns; every warp streams its slice of the 16 rows with one 16-byte
-// load per lane and row pair per 32 columns, straight into mma.m16n8k16 A fragments, with x (fp32,
-// rounded to bf16) as the B operand, NT tiles of 8 rows of x. There is no shared-memory staging and
-// no barrier in the loop. The 32 columns of a step are permuted consistently for A and B: lane l
-// (q = l % 4) loads columns 8q..8q+7 of its rows, which the first mma takes as its k slots 2q, 2q+1,
-// 2q+8, 2q+9 (columns 8q..8q+3) and the second as the same slots (8q+4..8q+7); the dot product does
-// not depend on the order. The warps' partial sums meet in shared memory and are added in warp
-// order.
-constexpr int kMmaWarps = 8;
-constexpr int kMmaU = 4; // 32-column steps in flight per warp
-
+// Tensor-core variant (KRK_GEMV_MMA, n <= KRK_GEMV_MMA_MAX_N): a block owns RT tiles of 16 weight
+// rows and its W warps split the columns; every warp streams its slice of the block's rows with one
+// 16-byte load per lane, tile and row pair per 32 columns, straight into mma.m16n8k16 A fragments,
+// with x (fp32, rounded to bf16) as the B operand, NT tiles of 8 rows of x. The x fragment of a
+// step serves all RT row tiles, so x is read from L1/L2 once per 16 RT weight rows. There is no
+// shared-memory staging and no barrier in the loop. The 32 columns of a step are permuted
+// consistently for A and B: lane l (q = l % 4) loads columns 8q..8q+7 of its rows, which the first
+// mma takes as its k slots 2q, 2q+1, 2q+8, 2q+9 (columns 8q..8q+3) and the second as the same slots
+// (8q+4..8q+7); the dot product does not depend on the order. The warps' partial sums meet in
+// shared memory and are added in warp order.
 template <int NT>
 __device__ __forceinline__ void mma_load_x(uint32_t (&b)[NT][4], const float *KRK_RESTRICT x, int64_t ldx, int n,
                                            int64_t c, bool in_cols, bool x_vec, int lane)
@@ -362,35 +374,51 @@ __device__ __forceinline__ void mma_load_x(uint32_t (&b)[NT][4], const float *KR
     }
 }
 
-template <int NT>
-__global__ void __launch_bounds__(kMmaWarps * 32)
+// NT tiles of 8 x rows, RT tiles of 16 weight rows per block, W warps splitting the columns, U
+// 32-column steps in flight per warp.
+template <int NT, int RT, int W, int U>
+__global__ void __launch_bounds__(W * 32)
     gemv_mma_kernel(const float *KRK_RESTRICT x, int64_t ldx, const uint16_t *KRK_RESTRICT w,
                     const float *KRK_RESTRICT bias, int n, int64_t rows, int64_t cols, bool x_vec,
                     float *KRK_RESTRICT y, int64_t ldy)
 {
-    __shared__ float red[kMmaWarps][16][NT * 8];
+    static_assert((size_t)W * 16 * RT * NT * 8 * sizeof(float) <= 48 * 1024, "partial sums fit static smem");
+    __shared__ float red[W][16 * RT][NT * 8];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, q = lane & 3;
-    const int64_t row0 = (int64_t)blockIdx.x * 16;
-    const int64_t r_lo = row0 + (lane >> 2), r_hi = r_lo + 8;
-    const uint16_t *w_lo = w + (r_lo < rows ? r_lo : row0) * cols, *w_hi = w + (r_hi < rows ? r_hi : row0) * cols;
-    const bool ok_lo = r_lo < rows, ok_hi = r_hi < rows;
+    const int64_t row0 = (int64_t)blockIdx.x * 16 * RT;
+    const uint16_t *w_lo[RT], *w_hi[RT];
+    bool ok_lo[RT], ok_hi[RT];
+#pragma unroll
+    for (int rt = 0; rt < RT; rt++) {
+        const int64_t r_lo = row0 + rt * 16 + (lane >> 2), r_hi = r_lo + 8;
+        ok_lo[rt] = r_lo < rows;
+        ok_hi[rt] = r_hi < rows;
+        w_lo[rt] = w + (ok_lo[rt] ? r_lo : row0) * cols;
+        w_hi[rt] = w + (ok_hi[rt] ? r_hi : row0) * cols;
+    }
     // this warp's 32-column steps
-    const int64_t n_steps = (cols + 31) / 32, per = (n_steps + kMmaWarps - 1) / kMmaWarps;
+    const int64_t n_steps = (cols + 31) / 32, per = (n_steps + W - 1) / W;
     const int64_t s0 = (int64_t)warp * per, s1 = s0 + per < n_steps ? s0 + per : n_steps;
 
-    float acc[NT][4];
+    float acc[RT][NT][4];
 #pragma unroll
-    for (int j = 0; j < NT; j++) {
-        acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+    for (int rt = 0; rt < RT; rt++) {
+#pragma unroll
+        for (int j = 0; j < NT; j++) {
+            acc[rt][j][0] = acc[rt][j][1] = acc[rt][j][2] = acc[rt][j][3] = 0.0f;
+        }
     }
-    uint4 a_lo[kMmaU], a_hi[kMmaU];
+    uint4 a_lo[U][RT], a_hi[U][RT];
     auto load_w = [&](int64_t s_base) {
 #pragma unroll
-        for (int u = 0; u < kMmaU; u++) {
+        for (int u = 0; u < U; u++) {
             const int64_t c = (s_base + u) * 32 + q * 8;
             const bool in = s_base + u < s1 && c < cols;
-            a_lo[u] = in && ok_lo ? ld_stream(w_lo + c) : make_uint4(0, 0, 0, 0);
-            a_hi[u] = in && ok_hi ? ld_stream(w_hi + c) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+            for (int rt = 0; rt < RT; rt++) {
+                a_lo[u][rt] = in && ok_lo[rt] ? ld_stream(w_lo[rt] + c) : make_uint4(0, 0, 0, 0);
+                a_hi[u][rt] = in && ok_hi[rt] ? ld_stream(w_hi[rt] + c) : make_uint4(0, 0, 0, 0);
+            }
         }
     };
     if (s0 < s1) {
@@ -398,66 +426,96 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
     }
     pdl_trigger();
     pdl_wait(); // x and y belong to earlier kernels; the weights above do not
-    for (int64_t s = s0; s < s1; s += kMmaU) {
-        uint4 cur_lo[kMmaU], cur_hi[kMmaU];
+    for (int64_t s = s0; s < s1; s += U) {
+        uint4 cur_lo[U][RT], cur_hi[U][RT];
 #pragma unroll
-        for (int u = 0; u < kMmaU; u++) {
-            cur_lo[u] = a_lo[u];
-            cur_hi[u] = a_hi[u];
+        for (int u = 0; u < U; u++) {
+#pragma unroll
+            for (int rt = 0; rt < RT; rt++) {
+                cur_lo[u][rt] = a_lo[u][rt];
+                cur_hi[u][rt] = a_hi[u][rt];
+            }
         }
-        if (s + kMmaU < s1) {
-            load_w(s + kMmaU); // the next steps' weights are in flight while these are used
+        if (s + U < s1) {
+            load_w(s + U); // the next steps' weights are in flight while these are used
         }
 #pragma unroll
-        for (int u = 0; u < kMmaU; u++) {
+        for (int u = 0; u < U; u++) {
             const int64_t c = (s + u) * 32 + q * 8;
             if (s + u >= s1) {
                 break;
             }
             uint32_t b[NT][4];
             mma_load_x<NT>(b, x, ldx, n, c, c < cols, x_vec, lane);
-            const uint32_t f0[4] = {cur_lo[u].x, cur_hi[u].x, cur_lo[u].y, cur_hi[u].y};
-            const uint32_t f1[4] = {cur_lo[u].z, cur_hi[u].z, cur_lo[u].w, cur_hi[u].w};
 #pragma unroll
-            for (int j = 0; j < NT; j++) {
-                mma_bf16(acc[j], f0, b[j][0], b[j][1]);
-                mma_bf16(acc[j], f1, b[j][2], b[j][3]);
+            for (int rt = 0; rt < RT; rt++) {
+                const uint4 lo = cur_lo[u][rt], hi = cur_hi[u][rt];
+                const uint32_t f0[4] = {lo.x, hi.x, lo.y, hi.y};
+                const uint32_t f1[4] = {lo.z, hi.z, lo.w, hi.w};
+#pragma unroll
+                for (int j = 0; j < NT; j++) {
+                    mma_bf16(acc[rt][j], f0, b[j][0], b[j][1]);
+                    mma_bf16(acc[rt][j], f1, b[j][2], b[j][3]);
+                }
             }
         }
     }
     // partial sums: c0, c1 are (row lane/4, x rows 8j + 2q, +1), c2, c3 the same for row lane/4 + 8
 #pragma unroll
-    for (int j = 0; j < NT; j++) {
-        red[warp][lane >> 2][j * 8 + 2 * q] = acc[j][0];
-        red[warp][lane >> 2][j * 8 + 2 * q + 1] = acc[j][1];
-        red[warp][(lane >> 2) + 8][j * 8 + 2 * q] = acc[j][2];
-        red[warp][(lane >> 2) + 8][j * 8 + 2 * q + 1] = acc[j][3];
+    for (int rt = 0; rt < RT; rt++) {
+#pragma unroll
+        for (int j = 0; j < NT; j++) {
+            const int r = rt * 16 + (lane >> 2);
+            red[warp][r][j * 8 + 2 * q] = acc[rt][j][0];
+            red[warp][r][j * 8 + 2 * q + 1] = acc[rt][j][1];
+            red[warp][r + 8][j * 8 + 2 * q] = acc[rt][j][2];
+            red[warp][r + 8][j * 8 + 2 * q + 1] = acc[rt][j][3];
+        }
     }
     __syncthreads();
-    for (int e = threadIdx.x; e < 16 * n; e += blockDim.x) {
-        const int r = e % 16, t = e / 16;
+    for (int e = threadIdx.x; e < 16 * RT * n; e += blockDim.x) {
+        const int r = e % (16 * RT), t = e / (16 * RT);
         const int64_t row = row0 + r;
         if (row >= rows) {
             continue;
         }
         float v = 0.0f;
 #pragma unroll
-        for (int k = 0; k < kMmaWarps; k++) {
+        for (int k = 0; k < W; k++) {
             v += red[k][r][t];
         }
         y[(int64_t)t * ldy + row] = bias ? v + bias[row] : v;
     }
 }
 
-template <int NT> enum kr_status launch_gemv_mma(const struct krk_gemv_params *p, cudaStream_t stream)
+template <int NT, int RT, int W, int U>
+enum kr_status launch_gemv_mma_cfg(const struct krk_gemv_params *p, cudaStream_t stream)
 {
-    const int64_t blocks = (p->rows + 15) / 16;
+    const int64_t blocks = (p->rows + 16 * RT - 1) / (16 * RT);
     KRK_REQUIRE(blocks <= INT32_MAX);
     const bool x_vec = p->ldx % 4 == 0 && ((uintptr_t)p->x & 15) == 0;
-    KRK_CUDA_TRY(launch_maybe_pdl(p->pdl, gemv_mma_kernel<NT>, dim3((unsigned)blocks), dim3(kMmaWarps * 32), 0,
-                                  stream, p->x, p->ldx, p->w, p->bias, (int)p->n, p->rows, p->cols, x_vec, p->y,
-                                  p->ldy));
+    KRK_CUDA_TRY(launch_maybe_pdl(p->pdl || pdl_enabled(), gemv_mma_kernel<NT, RT, W, U>, dim3((unsigned)blocks),
+                                  dim3(W * 32), 0, stream, p->x, p->ldx, p->w, p->bias, (int)p->n, p->rows, p->cols,
+                                  x_vec, p->y, p->ldy));
     return KR_OK;
+}
+
+// Configurations (RT, W, U) of the tensor-core GEMV: 0 is the default, the others are measured
+// against it by bench_gemv.
+template <int NT> enum kr_status launch_gemv_mma(const struct krk_gemv_params *p, cudaStream_t stream)
+{
+    switch (p->config) {
+    case 1:
+        return launch_gemv_mma_cfg<NT, 2, 8, 2>(p, stream);
+    case 2:
+        return launch_gemv_mma_cfg<NT, 4, 4, 2>(p, stream);
+    case 3:
+        return launch_gemv_mma_cfg<NT, 2, 4, 4>(p, stream);
+    case 4:
+        return launch_gemv_mma_cfg<NT, 2, 8, 4>(p, stream);
+    default:
+        return launch_gemv_mma_cfg<NT, 1, 8, 4>(p, stream);
+    }
 }
 
 } // namespace
@@ -471,6 +529,7 @@ extern "C" enum kr_status krk_gemv(const struct krk_gemv_params *p, cudaStream_t
     const int64_t max_n = p->variant == KRK_GEMV_MMA ? KRK_GEMV_MMA_MAX_N : KRK_GEMV_MAX_N;
     KRK_REQUIRE(p->n >= 0 && p->n <= max_n && p->rows >= 1 && p->cols >= 8 && p->cols % 8 == 0);
     KRK_REQUIRE(p->ldx >= p->cols && p->ldy >= p->rows);
+    KRK_REQUIRE(p->config >= 0 && p->config < KRK_GEMV_CONFIGS);
     if (p->n == 0) {
         return KR_OK;
     }
@@ -513,7 +572,7 @@ extern "C" enum kr_status krk_add_bias(float *y, int64_t ldy, const float *bias,
     int64_t bx = (rows + 255) / 256;
     bx = bx > 65535 ? 65535 : bx;
     const dim3 grid((unsigned)bx, (unsigned)(n < 65535 ? n : 65535));
-    add_bias_kernel<<<grid, 256, 0, stream>>>(y, ldy, bias, n, rows);
+    krk::launch_maybe_pdl(krk::pdl_enabled(), add_bias_kernel, grid, dim3(256), 0, stream, y, ldy, bias, n, rows);
     KRK_CHECK_LAUNCH();
     return KR_OK;
 }

@@ -39,6 +39,7 @@ __device__ __forceinline__ float conv_input(const ConvArgs &a, int64_t c, int t0
 template <int K, int TT>
 __global__ void __launch_bounds__(kConvThreads) conv1d_out_kernel(ConvArgs a)
 {
+    krk::kernel_prologue();
     const int64_t c = (int64_t)blockIdx.y * kConvThreads + threadIdx.x;
     if (c >= a.conv_dim) {
         return;
@@ -99,6 +100,7 @@ __global__ void __launch_bounds__(kConvThreads) conv1d_out_kernel(ConvArgs a)
 template <int K>
 __global__ void __launch_bounds__(kConvThreads) conv1d_state_kernel(ConvArgs a)
 {
+    krk::kernel_prologue();
     const int64_t c = (int64_t)blockIdx.x * kConvThreads + threadIdx.x;
     const int s = blockIdx.y;
     const int slot = a.batch.seq_slot[s];
@@ -122,7 +124,7 @@ template <int K, int TT>
 void conv1d_out_launch(const ConvArgs &a, unsigned cblocks, cudaStream_t stream)
 {
     const dim3 grid((unsigned)((a.batch.n_tok + TT - 1) / TT), cblocks);
-    conv1d_out_kernel<K, TT><<<grid, kConvThreads, 0, stream>>>(a);
+    krk::launch_maybe_pdl(krk::pdl_enabled(), conv1d_out_kernel<K, TT>, grid, kConvThreads, 0, stream, a);
 }
 
 template <int K>
@@ -138,7 +140,8 @@ cudaError_t conv1d_launch(const ConvArgs &a, cudaStream_t stream)
             conv1d_out_launch<K, 1>(a, cblocks, stream);
         }
     }
-    conv1d_state_kernel<K><<<dim3(cblocks, (unsigned)a.batch.n_seq), kConvThreads, 0, stream>>>(a);
+    krk::launch_maybe_pdl(krk::pdl_enabled(), conv1d_state_kernel<K>, dim3(cblocks, (unsigned)a.batch.n_seq),
+                          kConvThreads, 0, stream, a);
     return cudaGetLastError();
 }
 

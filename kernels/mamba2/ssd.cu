@@ -135,9 +135,9 @@ extern "C" enum kr_status krk_ssd(const struct krk_ssd_params *p, cudaStream_t s
         const dim3 grid((unsigned)((p->head_dim + kDecodeRows - 1) / kDecodeRows), (unsigned)p->n_head,
                         (unsigned)b.n_seq);
         if (p->d_state % 4 == 0) {
-            ssd_decode_kernel<true><<<grid, kDecodeThreads, 0, stream>>>(a);
+            krk::launch_maybe_pdl(krk::pdl_enabled(), ssd_decode_kernel<true>, grid, kDecodeThreads, 0, stream, a);
         } else {
-            ssd_decode_kernel<false><<<grid, kDecodeThreads, 0, stream>>>(a);
+            krk::launch_maybe_pdl(krk::pdl_enabled(), ssd_decode_kernel<false>, grid, kDecodeThreads, 0, stream, a);
         }
         KRK_CHECK_LAUNCH();
     }
@@ -153,25 +153,25 @@ extern "C" enum kr_status krk_ssd(const struct krk_ssd_params *p, cudaStream_t s
     const unsigned tiles_n = (unsigned)((p->d_state + kStateTile - 1) / kStateTile);
     const unsigned tiles_p = (unsigned)((p->head_dim + kStateTile - 1) / kStateTile);
     mark(1, 0);
-    ssd_chunk_state_kernel<<<dim3((unsigned)slots, (unsigned)p->n_head, tiles_n * tiles_p), kStateThreads, 0,
-                             stream>>>(a);
+    krk::launch_maybe_pdl(krk::pdl_enabled(), ssd_chunk_state_kernel,
+                          dim3((unsigned)slots, (unsigned)p->n_head, tiles_n * tiles_p), kStateThreads, 0, stream, a);
     KRK_CHECK_LAUNCH();
     mark(1, 1);
     mark(2, 0);
     const int64_t pn = p->head_dim * p->d_state;
-    ssd_state_passing_kernel<<<dim3((unsigned)((pn + kPassTile - 1) / kPassTile), (unsigned)p->n_head,
-                                    (unsigned)b.n_seq),
-                               kPassThreads, 0, stream>>>(a);
+    krk::launch_maybe_pdl(krk::pdl_enabled(), ssd_state_passing_kernel,
+                          dim3((unsigned)((pn + kPassTile - 1) / kPassTile), (unsigned)p->n_head,
+                                    (unsigned)b.n_seq), kPassThreads, 0, stream, a);
     KRK_CHECK_LAUNCH();
     mark(2, 1);
     mark(3, 0);
-    ssd_bmm_kernel<<<dim3((unsigned)slots, (unsigned)p->n_group), kBmmThreads, 0, stream>>>(a);
+    krk::launch_maybe_pdl(krk::pdl_enabled(), ssd_bmm_kernel,
+                          dim3((unsigned)slots, (unsigned)p->n_group), kBmmThreads, 0, stream, a);
     KRK_CHECK_LAUNCH();
     mark(3, 1);
     mark(4, 0);
-    ssd_chunk_scan_kernel<<<dim3((unsigned)slots, (unsigned)p->n_head,
-                                 (unsigned)((p->head_dim + kScanP - 1) / kScanP)),
-                            kScanThreads, 0, stream>>>(a);
+    krk::launch_maybe_pdl(krk::pdl_enabled(), ssd_chunk_scan_kernel, dim3((unsigned)slots, (unsigned)p->n_head,
+                                 (unsigned)((p->head_dim + kScanP - 1) / kScanP)), kScanThreads, 0, stream, a);
     KRK_CHECK_LAUNCH();
     mark(4, 1);
     return KR_OK;

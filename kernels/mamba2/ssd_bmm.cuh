@@ -14,6 +14,7 @@ constexpr int kBmmLd = kBmmK + 4;  // padded row (float4 reads, no bank conflict
 
 __global__ void __launch_bounds__(kBmmThreads) ssd_bmm_kernel(SsdArgs a)
 {
+    krk::kernel_prologue();
     const int j = blockIdx.x, g = blockIdx.y;
     const int N = a.d_state;
     int s, c, t0, len;

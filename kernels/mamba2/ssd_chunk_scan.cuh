@@ -30,6 +30,7 @@ __device__ __forceinline__ float f4(const float4 &v, int i)
 
 __global__ void __launch_bounds__(kScanThreads, 4) ssd_chunk_scan_kernel(SsdArgs a)
 {
+    krk::kernel_prologue();
     const int j = blockIdx.x, h = blockIdx.y, p0 = blockIdx.z * kScanP;
     const int P = a.head_dim, N = a.d_state;
     int s, c, t0, len;

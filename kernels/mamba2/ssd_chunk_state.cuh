@@ -15,6 +15,7 @@ static_assert(kStateThreads / 16 * 8 == kStateTile, "rows n = ty * 8 + i cover t
 
 __global__ void __launch_bounds__(kStateThreads) ssd_chunk_state_kernel(SsdArgs a)
 {
+    krk::kernel_prologue();
     const int j = blockIdx.x, h = blockIdx.y;
     const int P = a.head_dim, N = a.d_state;
     const int tiles_p = (P + kStateTile - 1) / kStateTile;

@@ -21,6 +21,7 @@ constexpr int kMaxState = 256;
 template <bool VEC>
 __global__ void __launch_bounds__(kDecodeThreads) ssd_decode_kernel(SsdArgs a)
 {
+    krk::kernel_prologue();
     const int s = blockIdx.z, h = blockIdx.y, q0 = blockIdx.x * kDecodeRows;
     const int t = a.batch.seq_tok0[s], nt = a.batch.seq_tok0[s + 1] - t;
     if (nt > 1) {

@@ -15,6 +15,7 @@ constexpr int kPassTile = kPassThreads * kPassPer;
 
 __global__ void __launch_bounds__(kPassThreads) ssd_state_passing_kernel(SsdArgs a)
 {
+    krk::kernel_prologue();
     const int s = blockIdx.z, h = blockIdx.y;
     const int t0 = a.batch.seq_tok0[s], nt = a.batch.seq_tok0[s + 1] - t0;
     if (nt < 2) {

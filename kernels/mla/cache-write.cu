@@ -8,6 +8,7 @@ constexpr int kThreads = 256;
 
 __global__ void __launch_bounds__(kThreads) mla_cache_write_kernel(krk_mla_cache_params p)
 {
+    krk::kernel_prologue();
     const int64_t row = p.kv_lora + p.rope + p.idx_dim;
     const int64_t i = (int64_t)blockIdx.x * kThreads + threadIdx.x;
     if (i >= (int64_t)p.batch.n_tok * row) {
@@ -50,7 +51,7 @@ extern "C" enum kr_status krk_mla_cache_write(const struct krk_mla_cache_params 
     const int64_t n = (int64_t)b.n_tok * (p->kv_lora + p->rope + p->idx_dim);
     const int64_t blocks = (n + kThreads - 1) / kThreads;
     KRK_REQUIRE(blocks <= INT32_MAX);
-    mla_cache_write_kernel<<<(unsigned)blocks, kThreads, 0, stream>>>(*p);
+    krk::launch_maybe_pdl(krk::pdl_enabled(), mla_cache_write_kernel, (unsigned)blocks, kThreads, 0, stream, *p);
     KRK_CHECK_LAUNCH();
     return KR_OK;
 }

@@ -23,6 +23,7 @@ constexpr int64_t kMaxHeadDim = 256; // keeps the score block's key tile within 
 __global__ void __launch_bounds__(kScoreThreads)
     dsa_score_kernel(krk_dsa_index_params p, int32_t t0, float *__restrict__ scores, int64_t ld)
 {
+    krk::kernel_prologue();
     extern __shared__ float sh[];
     const krk_batch &b = p.batch;
     const int32_t t = t0 + (int32_t)blockIdx.y;
@@ -85,6 +86,7 @@ constexpr int kMmaTiles = 8;  // most tiles per block (512 keys): amortizes the 
 __global__ void __launch_bounds__(kMmaWarps * 32)
     dsa_score_mma_kernel(krk_dsa_index_params p, int32_t t0, float *__restrict__ scores, int64_t ld, int tiles)
 {
+    krk::kernel_prologue();
     extern __shared__ __align__(16) uint16_t smu[];
     const krk_batch &b = p.batch;
     const int32_t t = t0 + (int32_t)blockIdx.y;
@@ -397,6 +399,7 @@ template <bool AGG>
 __global__ void __launch_bounds__(kSelectThreads)
     dsa_select_kernel(krk_dsa_index_params p, int32_t t0, const float *__restrict__ scores, int64_t ld)
 {
+    krk::kernel_prologue();
     __shared__ TopkSmem sm;
     const int32_t t = t0 + (int32_t)blockIdx.x, k = p.topk;
     int32_t *out = p.idx + (int64_t)t * k;
@@ -424,6 +427,7 @@ __global__ void __launch_bounds__(kSelectThreads)
     dsa_chunk_topk_kernel(krk_dsa_index_params p, int32_t t0, const float *__restrict__ scores, int64_t ld,
                           int32_t chunk, int32_t *__restrict__ cand, int64_t ld_cand)
 {
+    krk::kernel_prologue();
     __shared__ TopkSmem sm;
     const krk_batch &b = p.batch;
     const int32_t t = t0 + (int32_t)blockIdx.y, k = p.topk;
@@ -452,6 +456,7 @@ __global__ void __launch_bounds__(kSelectThreads)
     dsa_merge_topk_kernel(krk_dsa_index_params p, int32_t t0, const float *__restrict__ scores, int64_t ld,
                           int32_t chunk, const int32_t *__restrict__ cand, int64_t ld_cand)
 {
+    krk::kernel_prologue();
     __shared__ TopkSmem sm;
     const int32_t t = t0 + (int32_t)blockIdx.x, k = p.topk;
     int32_t *out = p.idx + (int64_t)t * k;
@@ -542,12 +547,14 @@ extern "C" enum kr_status krk_dsa_index(const struct krk_dsa_index_params *p, cu
             const int64_t want = std::max((int64_t)1, 2 * (int64_t)krk_device_sm_count() / g);
             const int tiles = (int)std::max((int64_t)1, std::min((int64_t)kMmaTiles, key_tiles / want));
             const int64_t blocks = (key_tiles + tiles - 1) / tiles;
-            dsa_score_mma_kernel<<<dim3((unsigned)blocks, (unsigned)g), kMmaWarps * 32,
-                                   mma_smem_bytes(p->n_head, p->head_dim), stream>>>(*p, (int32_t)t0, scores, ld,
+            krk::launch_maybe_pdl(krk::pdl_enabled(), dsa_score_mma_kernel, dim3((unsigned)blocks, (unsigned)g),
+                                  kMmaWarps * 32,
+                                  mma_smem_bytes(p->n_head, p->head_dim), stream, *p, (int32_t)t0, scores, ld,
                                                                                       tiles);
             KRK_CHECK_LAUNCH();
         } else if (need_scores) {
-            dsa_score_kernel<<<dim3((unsigned)tiles, (unsigned)g), kScoreThreads, score_smem, stream>>>(
+            krk::launch_maybe_pdl(krk::pdl_enabled(), dsa_score_kernel, dim3((unsigned)tiles, (unsigned)g),
+                                  kScoreThreads, score_smem, stream,
                 *p, (int32_t)t0, scores, ld);
             KRK_CHECK_LAUNCH();
         }
@@ -555,15 +562,19 @@ extern "C" enum kr_status krk_dsa_index(const struct krk_dsa_index_params *p, cu
         mark(t0, 2);
         if (split) {
             int32_t *cand = reinterpret_cast<int32_t *>(scores + g * ld);
-            dsa_chunk_topk_kernel<<<dim3((unsigned)n_chunk, (unsigned)g), kSelectThreads, 0, stream>>>(
+            krk::launch_maybe_pdl(krk::pdl_enabled(), dsa_chunk_topk_kernel, dim3((unsigned)n_chunk, (unsigned)g),
+                                  kSelectThreads, 0, stream,
                 *p, (int32_t)t0, scores, ld, chunk, cand, ld_cand);
             KRK_CHECK_LAUNCH();
-            dsa_merge_topk_kernel<<<(unsigned)g, kSelectThreads, 0, stream>>>(*p, (int32_t)t0, scores, ld, chunk,
+            krk::launch_maybe_pdl(krk::pdl_enabled(), dsa_merge_topk_kernel, (unsigned)g, kSelectThreads, 0, stream,
+                                  *p, (int32_t)t0, scores, ld, chunk,
                                                                              cand, ld_cand);
         } else if (p->select == KRK_DSA_SELECT_AGG) {
-            dsa_select_kernel<true><<<(unsigned)g, kSelectThreads, 0, stream>>>(*p, (int32_t)t0, scores, ld);
+            krk::launch_maybe_pdl(krk::pdl_enabled(), dsa_select_kernel<true>, (unsigned)g, kSelectThreads, 0, stream,
+                                  *p, (int32_t)t0, scores, ld);
         } else {
-            dsa_select_kernel<false><<<(unsigned)g, kSelectThreads, 0, stream>>>(*p, (int32_t)t0, scores, ld);
+            krk::launch_maybe_pdl(krk::pdl_enabled(), dsa_select_kernel<false>, (unsigned)g, kSelectThreads, 0,
+                                  stream, *p, (int32_t)t0, scores, ld);
         }
         mark(t0, 3);
         KRK_CHECK_LAUNCH();

@@ -19,6 +19,7 @@ template <int E>
 __global__ void fp8_round_kernel(float *KRK_RESTRICT x, int64_t ld, int64_t n, int block, bool ue8m0,
                                  float hscale)
 {
+    krk::kernel_prologue();
     const int lane = threadIdx.x & 31;
     const int64_t row = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (row >= n) {
@@ -88,7 +89,8 @@ enum kr_status launch(const struct krk_fp8_round_params *p, cudaStream_t stream)
     const int64_t blocks = (p->n + kWarps - 1) / kWarps;
     KRK_REQUIRE(blocks <= INT32_MAX);
     const float hscale = (float)(1.0 / sqrt((double)p->dim));
-    fp8_round_kernel<E><<<(unsigned)blocks, kWarps * 32, 0, stream>>>(p->x, p->ld, p->n, (int)p->block, p->ue8m0,
+    krk::launch_maybe_pdl(krk::pdl_enabled(), fp8_round_kernel<E>, (unsigned)blocks, kWarps * 32, 0, stream,
+                          p->x, p->ld, p->n, (int)p->block, p->ue8m0,
                                                                       hscale);
     KRK_CHECK_LAUNCH();
     return KR_OK;

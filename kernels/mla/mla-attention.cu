@@ -20,6 +20,7 @@ size_t attn_smem_bytes(int64_t nope, int64_t rope, int64_t kv_lora)
 
 __global__ void __launch_bounds__(kThreads) mla_attn_kernel(krk_mla_attn_params p)
 {
+    krk::kernel_prologue();
     extern __shared__ __align__(16) unsigned char smem[];
     const int64_t R = p.kv_lora, qd = p.nope + p.rope;
     int64_t *rowoff = reinterpret_cast<int64_t *>(smem); // [kTile] cache row offsets, -1: masked
@@ -170,7 +171,7 @@ extern "C" enum kr_status krk_mla_attention(const struct krk_mla_attn_params *p,
     KRK_REQUIRE(smem <= kMaxSmem); // kv_lora up to about 5800 with nope + rope = 192
     const int64_t blocks = (int64_t)b.n_tok * p->n_head;
     KRK_REQUIRE(blocks <= INT32_MAX);
-    mla_attn_kernel<<<(unsigned)blocks, kThreads, smem, stream>>>(*p);
+    krk::launch_maybe_pdl(krk::pdl_enabled(), mla_attn_kernel, (unsigned)blocks, kThreads, smem, stream, *p);
     KRK_CHECK_LAUNCH();
     return KR_OK;
 }

@@ -64,6 +64,7 @@ template <int R, int ROPE>
 __global__ void __launch_bounds__(kAbsorbCols) mla_absorb_kernel(krk_mla_attn_params p, int64_t t0, int tc, int hp,
                                                                   uint16_t *qb)
 {
+    krk::kernel_prologue();
     constexpr int D = R + ROPE;
     static_assert(R % kAbsorbCols == 0, "absorb blocks tile R");
     extern __shared__ float qs[]; // [kTokTile][nope]
@@ -109,6 +110,7 @@ template <int R, int ROPE>
 __global__ void __launch_bounds__(256) mla_split_kernel(krk_mla_attn_params p, int64_t t0, int hg, int ns, int spl,
                                                          HeadsWs ws)
 {
+    krk::kernel_prologue();
     using S = HeadsShape<R, ROPE>;
     constexpr int D = S::D, LD = S::LD, CH = S::CH, HALF = R / 2;
     extern __shared__ __align__(16) unsigned char smem[];
@@ -270,6 +272,7 @@ template <int R>
 __global__ void __launch_bounds__(256) mla_combine_kernel(krk_mla_attn_params p, int64_t t0, int tc, int hp, int ns,
                                                            HeadsWs ws)
 {
+    krk::kernel_prologue();
     __shared__ float os[kTokTile][R];
     const int h = blockIdx.y, H = (int)p.n_head, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int tt0 = blockIdx.x * kTokTile, nt = tc - tt0 < kTokTile ? tc - tt0 : kTokTile;
@@ -382,15 +385,17 @@ template <int R, int ROPE> enum kr_status heads_launch(const krk_mla_attn_params
     for (int64_t t0 = 0; t0 < p.batch.n_tok; t0 += pl.tc) {
         const int tc = (int)(p.batch.n_tok - t0 < pl.tc ? p.batch.n_tok - t0 : pl.tc);
         const unsigned tok_tiles = (unsigned)((tc + kTokTile - 1) / kTokTile);
-        mla_absorb_kernel<R, ROPE><<<dim3(tok_tiles, (unsigned)p.n_head, R / kAbsorbCols), kAbsorbCols, absorb_smem,
-                                     stream>>>(p, t0, tc, hp, ws.q);
+        krk::launch_maybe_pdl(krk::pdl_enabled(), mla_absorb_kernel<R, ROPE>,
+                              dim3(tok_tiles, (unsigned)p.n_head, R / kAbsorbCols), kAbsorbCols, absorb_smem, stream,
+                              p, t0, tc, hp, ws.q);
         KRK_CHECK_LAUNCH();
-        mla_split_kernel<R, ROPE><<<dim3((unsigned)tc, (unsigned)pl.ns), (unsigned)(hg * 64), smem, stream>>>(
-            p, t0, hg, pl.ns, pl.spl, ws);
+        krk::launch_maybe_pdl(krk::pdl_enabled(), mla_split_kernel<R, ROPE>, dim3((unsigned)tc, (unsigned)pl.ns),
+                              (unsigned)(hg * 64), smem, stream, p, t0, hg, pl.ns, pl.spl, ws);
         KRK_CHECK_LAUNCH();
-        mla_combine_kernel<R><<<dim3(tok_tiles, (unsigned)p.n_head,
-                                     (unsigned)((p.v_dim + kCombineRows - 1) / kCombineRows)),
-                                256, 0, stream>>>(p, t0, tc, hp, pl.ns, ws);
+        krk::launch_maybe_pdl(krk::pdl_enabled(), mla_combine_kernel<R>,
+                              dim3(tok_tiles, (unsigned)p.n_head,
+                                   (unsigned)((p.v_dim + kCombineRows - 1) / kCombineRows)),
+                              256, 0, stream, p, t0, tc, hp, pl.ns, ws);
         KRK_CHECK_LAUNCH();
     }
     return KR_OK;

@@ -46,6 +46,7 @@ __global__ void __launch_bounds__(kExpWarps * 32)
                           const int32_t *KRK_RESTRICT ids, const uint16_t *const *KRK_RESTRICT gate,
                           const uint16_t *const *KRK_RESTRICT up, int act, float *KRK_RESTRICT hidden)
 {
+    krk::kernel_prologue();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int64_t pk = blockIdx.x; // token-expert pair t * n_used + k
     const int64_t j = (int64_t)blockIdx.y * kExpWarps + warp;
@@ -75,6 +76,7 @@ __global__ void __launch_bounds__(kExpWarps * 32)
                        const int32_t *KRK_RESTRICT ids, const float *KRK_RESTRICT weights,
                        const uint16_t *const *KRK_RESTRICT down, float *KRK_RESTRICT out)
 {
+    krk::kernel_prologue();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int64_t t = blockIdx.x;
     const int64_t o = (int64_t)blockIdx.y * kExpWarps + warp;
@@ -112,11 +114,13 @@ extern "C" enum kr_status krk_moe_experts(const struct krk_experts_params *p, cu
     }
     KRK_REQUIRE(p->x && p->ids && p->weights && p->up && p->down && p->hidden && p->out);
     const dim3 g1((unsigned)(p->n * p->n_used), (unsigned)ffn_tiles);
-    experts_hidden_kernel<<<g1, kExpWarps * 32, 0, stream>>>(p->x, p->d_in, p->d_ffn, p->n_expert, p->n_used, p->ids,
+    krk::launch_maybe_pdl(krk::pdl_enabled(), experts_hidden_kernel, g1, kExpWarps * 32, 0, stream,
+                          p->x, p->d_in, p->d_ffn, p->n_expert, p->n_used, p->ids,
                                                              p->gate, p->up, (int)p->act, p->hidden);
     KRK_CHECK_LAUNCH();
     const dim3 g2((unsigned)p->n, (unsigned)out_tiles);
-    experts_out_kernel<<<g2, kExpWarps * 32, 0, stream>>>(p->hidden, p->d_ffn, p->d_out, p->n_expert, p->n_used, p->ids,
+    krk::launch_maybe_pdl(krk::pdl_enabled(), experts_out_kernel, g2, kExpWarps * 32, 0, stream,
+                          p->hidden, p->d_ffn, p->d_out, p->n_expert, p->n_used, p->ids,
                                                           p->weights, p->down, p->out);
     KRK_CHECK_LAUNCH();
     return KR_OK;

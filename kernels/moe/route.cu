@@ -13,6 +13,7 @@ __global__ void __launch_bounds__(kRouteWarps * 32)
                  int n_group, int topk_group, bool norm_topk, float scale, int score_fn, int32_t *KRK_RESTRICT ids,
                  float *KRK_RESTRICT weights)
 {
+    krk::kernel_prologue();
     extern __shared__ float sm[]; // per warp: score[E], masked[E], gscore[n_group]
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int64_t t = (int64_t)blockIdx.x * kRouteWarps + warp;
@@ -154,7 +155,7 @@ extern "C" enum kr_status krk_moe_route(const struct krk_route_params *p, cudaSt
     const int64_t blocks = (p->n + kRouteWarps - 1) / kRouteWarps;
     KRK_REQUIRE(blocks <= INT32_MAX);
     const size_t smem = (size_t)kRouteWarps * (size_t)(2 * p->n_expert + p->n_group) * sizeof(float);
-    route_kernel<<<(unsigned)blocks, kRouteWarps * 32, smem, stream>>>(
+    krk::launch_maybe_pdl(krk::pdl_enabled(), route_kernel, (unsigned)blocks, kRouteWarps * 32, smem, stream, 
         p->logits, p->bias, p->n, (int)p->n_expert, (int)p->n_used, (int)p->n_group,
         (int)(p->n_group > 1 ? p->topk_group : 1), p->norm_topk, p->scale, p->score, p->ids, p->weights);
     KRK_CHECK_LAUNCH();

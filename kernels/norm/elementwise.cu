@@ -63,6 +63,7 @@ __device__ __forceinline__ float f16_to_f32_exact(uint16_t h)
 
 template <int V> __global__ void add_kernel(float *KRK_RESTRICT y, const float *KRK_RESTRICT x, int64_t n)
 {
+    krk::kernel_prologue();
     const int64_t nv = n / V;
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < nv; i += (int64_t)gridDim.x * blockDim.x) {
         float a[V], b[V];
@@ -82,6 +83,7 @@ template <int V> __global__ void add_kernel(float *KRK_RESTRICT y, const float *
 
 template <int V> __global__ void scale_kernel(float *KRK_RESTRICT y, float s, int64_t n)
 {
+    krk::kernel_prologue();
     const int64_t nv = n / V;
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < nv; i += (int64_t)gridDim.x * blockDim.x) {
         float a[V];
@@ -102,6 +104,7 @@ template <int V>
 __global__ void embed_kernel(const uint16_t *KRK_RESTRICT w, const int32_t *KRK_RESTRICT tokens, int64_t n, int64_t dim,
                              float *KRK_RESTRICT out)
 {
+    krk::kernel_prologue();
     const int64_t nv = dim / V;
     for (int64_t t = blockIdx.y; t < n; t += gridDim.y) {
         const uint16_t *row = w + (int64_t)tokens[t] * dim;
@@ -126,7 +129,7 @@ template <int V, bool GATED>
 __global__ void act_kernel(int act, const float *KRK_RESTRICT gate, const float *KRK_RESTRICT x, int64_t ld_in,
                            int64_t n, int64_t width, float *out, uint16_t *out_bf16)
 {
-    pdl_trigger();
+    krk::kernel_prologue();
     const int64_t nv = width / V;
     for (int64_t t = blockIdx.y; t < n; t += gridDim.y) {
         for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < nv; i += (int64_t)gridDim.x * blockDim.x) {
@@ -159,6 +162,7 @@ template <int V>
 __global__ void gather_rows_kernel(const float *KRK_RESTRICT src, int64_t width, const int32_t *KRK_RESTRICT rows,
                                    int64_t n, float *KRK_RESTRICT dst)
 {
+    krk::kernel_prologue();
     const int64_t nv = width / V;
     for (int64_t t = blockIdx.y; t < n; t += gridDim.y) {
         const float *s = src + (int64_t)rows[t] * width;
@@ -174,6 +178,7 @@ template <int V>
 __global__ void cast_bf16_kernel(const float *KRK_RESTRICT x, int64_t ldx, int64_t n, int64_t cols,
                                  uint16_t *KRK_RESTRICT out)
 {
+    krk::kernel_prologue();
     const int64_t nv = cols / V;
     for (int64_t t = blockIdx.y; t < n; t += gridDim.y) {
         for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < nv; i += (int64_t)gridDim.x * blockDim.x) {
@@ -215,6 +220,7 @@ template <int SRC, bool ALIGNED> __device__ __forceinline__ float load_src(const
 template <int SRC, bool ALIGNED, bool TO_BF16>
 __global__ void convert_kernel(const void *KRK_RESTRICT src, int64_t n, void *KRK_RESTRICT dst)
 {
+    krk::kernel_prologue();
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
         // through fp32 as util/dtype.h does: bf16 -> bf16 keeps every value and quiets NaNs
         const float f = load_src<SRC, ALIGNED>(src, i);
@@ -238,22 +244,28 @@ enum kr_status convert(const void *src, int src_dtype, int64_t n, void *dst, cud
     const unsigned blocks = blocks_for(n);
     switch (src_dtype * 2 + (al ? 1 : 0)) {
     case 0:
-        convert_kernel<0, false, TO_BF16><<<blocks, kThreads, 0, stream>>>(src, n, dst);
+        krk::launch_maybe_pdl(krk::pdl_enabled(), convert_kernel<0, false, TO_BF16>, blocks, kThreads, 0, stream, src,
+                              n, dst);
         break;
     case 1:
-        convert_kernel<0, true, TO_BF16><<<blocks, kThreads, 0, stream>>>(src, n, dst);
+        krk::launch_maybe_pdl(krk::pdl_enabled(), convert_kernel<0, true, TO_BF16>, blocks, kThreads, 0, stream, src,
+                              n, dst);
         break;
     case 2:
-        convert_kernel<1, false, TO_BF16><<<blocks, kThreads, 0, stream>>>(src, n, dst);
+        krk::launch_maybe_pdl(krk::pdl_enabled(), convert_kernel<1, false, TO_BF16>, blocks, kThreads, 0, stream, src,
+                              n, dst);
         break;
     case 3:
-        convert_kernel<1, true, TO_BF16><<<blocks, kThreads, 0, stream>>>(src, n, dst);
+        krk::launch_maybe_pdl(krk::pdl_enabled(), convert_kernel<1, true, TO_BF16>, blocks, kThreads, 0, stream, src,
+                              n, dst);
         break;
     case 4:
-        convert_kernel<2, false, TO_BF16><<<blocks, kThreads, 0, stream>>>(src, n, dst);
+        krk::launch_maybe_pdl(krk::pdl_enabled(), convert_kernel<2, false, TO_BF16>, blocks, kThreads, 0, stream, src,
+                              n, dst);
         break;
     default:
-        convert_kernel<2, true, TO_BF16><<<blocks, kThreads, 0, stream>>>(src, n, dst);
+        krk::launch_maybe_pdl(krk::pdl_enabled(), convert_kernel<2, true, TO_BF16>, blocks, kThreads, 0, stream, src,
+                              n, dst);
         break;
     }
     KRK_CHECK_LAUNCH();
@@ -273,9 +285,9 @@ extern "C" enum kr_status krk_add(float *y, const float *x, int64_t n, cudaStrea
     }
     KRK_REQUIRE(y && x);
     if (is_aligned(y, 16) && is_aligned(x, 16)) {
-        add_kernel<4><<<blocks_for(n / 4), kThreads, 0, stream>>>(y, x, n);
+        krk::launch_maybe_pdl(krk::pdl_enabled(), add_kernel<4>, blocks_for(n / 4), kThreads, 0, stream, y, x, n);
     } else {
-        add_kernel<1><<<blocks_for(n), kThreads, 0, stream>>>(y, x, n);
+        krk::launch_maybe_pdl(krk::pdl_enabled(), add_kernel<1>, blocks_for(n), kThreads, 0, stream, y, x, n);
     }
     KRK_CHECK_LAUNCH();
     return KR_OK;
@@ -289,9 +301,9 @@ extern "C" enum kr_status krk_scale(float *y, float s, int64_t n, cudaStream_t s
     }
     KRK_REQUIRE(y);
     if (is_aligned(y, 16)) {
-        scale_kernel<4><<<blocks_for(n / 4), kThreads, 0, stream>>>(y, s, n);
+        krk::launch_maybe_pdl(krk::pdl_enabled(), scale_kernel<4>, blocks_for(n / 4), kThreads, 0, stream, y, s, n);
     } else {
-        scale_kernel<1><<<blocks_for(n), kThreads, 0, stream>>>(y, s, n);
+        krk::launch_maybe_pdl(krk::pdl_enabled(), scale_kernel<1>, blocks_for(n), kThreads, 0, stream, y, s, n);
     }
     KRK_CHECK_LAUNCH();
     return KR_OK;
@@ -306,9 +318,11 @@ extern "C" enum kr_status krk_embed(const krk_bf16 *w, const int32_t *tokens, in
     }
     KRK_REQUIRE(w && tokens && out);
     if (dim % 8 == 0 && is_aligned(w, 16) && is_aligned(out, 16)) {
-        embed_kernel<8><<<row_grid(n, dim / 8), kThreads, 0, stream>>>(w, tokens, n, dim, out);
+        krk::launch_maybe_pdl(krk::pdl_enabled(), embed_kernel<8>, row_grid(n, dim / 8), kThreads, 0, stream, w,
+                              tokens, n, dim, out);
     } else {
-        embed_kernel<1><<<row_grid(n, dim), kThreads, 0, stream>>>(w, tokens, n, dim, out);
+        krk::launch_maybe_pdl(krk::pdl_enabled(), embed_kernel<1>, row_grid(n, dim), kThreads, 0, stream, w, tokens,
+                              n, dim, out);
     }
     KRK_CHECK_LAUNCH();
     return KR_OK;
@@ -329,20 +343,20 @@ extern "C" enum kr_status krk_act(const struct krk_act_params *p, cudaStream_t s
     if (v4) {
         const dim3 grid = row_grid(p->n, p->width / 4);
         if (p->gate) {
-            act_kernel<4, true>
-                <<<grid, kThreads, 0, stream>>>(a, p->gate, p->x, p->ld_in, p->n, p->width, p->out, p->out_bf16);
+            krk::launch_maybe_pdl(krk::pdl_enabled(), act_kernel<4, true>, grid, kThreads, 0, stream, a,
+                                  p->gate, p->x, p->ld_in, p->n, p->width, p->out, p->out_bf16);
         } else {
-            act_kernel<4, false>
-                <<<grid, kThreads, 0, stream>>>(a, p->gate, p->x, p->ld_in, p->n, p->width, p->out, p->out_bf16);
+            krk::launch_maybe_pdl(krk::pdl_enabled(), act_kernel<4, false>, grid, kThreads, 0, stream, a,
+                                  p->gate, p->x, p->ld_in, p->n, p->width, p->out, p->out_bf16);
         }
     } else {
         const dim3 grid = row_grid(p->n, p->width);
         if (p->gate) {
-            act_kernel<1, true>
-                <<<grid, kThreads, 0, stream>>>(a, p->gate, p->x, p->ld_in, p->n, p->width, p->out, p->out_bf16);
+            krk::launch_maybe_pdl(krk::pdl_enabled(), act_kernel<1, true>, grid, kThreads, 0, stream, a,
+                                  p->gate, p->x, p->ld_in, p->n, p->width, p->out, p->out_bf16);
         } else {
-            act_kernel<1, false>
-                <<<grid, kThreads, 0, stream>>>(a, p->gate, p->x, p->ld_in, p->n, p->width, p->out, p->out_bf16);
+            krk::launch_maybe_pdl(krk::pdl_enabled(), act_kernel<1, false>, grid, kThreads, 0, stream, a,
+                                  p->gate, p->x, p->ld_in, p->n, p->width, p->out, p->out_bf16);
         }
     }
     KRK_CHECK_LAUNCH();
@@ -358,9 +372,11 @@ extern "C" enum kr_status krk_gather_rows(const float *src, int64_t width, const
     }
     KRK_REQUIRE(src && rows && dst);
     if (width % 4 == 0 && is_aligned(src, 16) && is_aligned(dst, 16)) {
-        gather_rows_kernel<4><<<row_grid(n, width / 4), kThreads, 0, stream>>>(src, width, rows, n, dst);
+        krk::launch_maybe_pdl(krk::pdl_enabled(), gather_rows_kernel<4>, row_grid(n, width / 4), kThreads, 0, stream,
+                              src, width, rows, n, dst);
     } else {
-        gather_rows_kernel<1><<<row_grid(n, width), kThreads, 0, stream>>>(src, width, rows, n, dst);
+        krk::launch_maybe_pdl(krk::pdl_enabled(), gather_rows_kernel<1>, row_grid(n, width), kThreads, 0, stream, src,
+                              width, rows, n, dst);
     }
     KRK_CHECK_LAUNCH();
     return KR_OK;
@@ -375,9 +391,11 @@ extern "C" enum kr_status krk_cast_bf16(const float *x, int64_t ldx, int64_t n, 
     }
     KRK_REQUIRE(x && out);
     if (cols % 4 == 0 && ldx % 4 == 0 && is_aligned(x, 16) && is_aligned(out, 8)) {
-        cast_bf16_kernel<4><<<row_grid(n, cols / 4), kThreads, 0, stream>>>(x, ldx, n, cols, out);
+        krk::launch_maybe_pdl(krk::pdl_enabled(), cast_bf16_kernel<4>, row_grid(n, cols / 4), kThreads, 0, stream, x,
+                              ldx, n, cols, out);
     } else {
-        cast_bf16_kernel<1><<<row_grid(n, cols), kThreads, 0, stream>>>(x, ldx, n, cols, out);
+        krk::launch_maybe_pdl(krk::pdl_enabled(), cast_bf16_kernel<1>, row_grid(n, cols), kThreads, 0, stream, x, ldx,
+                              n, cols, out);
     }
     KRK_CHECK_LAUNCH();
     return KR_OK;

@@ -16,7 +16,7 @@ template <int V, bool RES>
 __global__ void rmsnorm_kernel(float *x, int64_t ldx, const float *KRK_RESTRICT res, const float *KRK_RESTRICT w,
                                int64_t dim, float eps, float *out, uint16_t *out_bf16)
 {
-    pdl_trigger(); // a GEMV launched after this one may start loading its weights
+    krk::kernel_prologue();
     __shared__ float sh[32];
     const int64_t row = blockIdx.x;
     float *xr = x + row * ldx;
@@ -64,6 +64,7 @@ template <int V>
 __global__ void layernorm_kernel(const float *x, int64_t ldx, const float *KRK_RESTRICT w, const float *KRK_RESTRICT b,
                                  int64_t dim, float eps, float *out)
 {
+    krk::kernel_prologue();
     __shared__ float sh[32];
     const int64_t row = blockIdx.x;
     const float *xr = x + row * ldx;
@@ -117,7 +118,7 @@ __global__ void gated_rmsnorm_kernel(const float *KRK_RESTRICT y, const float *K
                                      const float *KRK_RESTRICT w, int64_t dim, int64_t group, int64_t n_group,
                                      float eps, float *out, uint16_t *out_bf16)
 {
-    pdl_trigger();
+    krk::kernel_prologue();
     __shared__ float sh[32];
     const int64_t row = blockIdx.x / n_group, g0 = (blockIdx.x % n_group) * group;
     const float *yr = y + row * dim + g0, *zr = z + row * ldz + g0;
@@ -176,20 +177,20 @@ extern "C" enum kr_status krk_rmsnorm(const struct krk_rmsnorm_params *p, cudaSt
     if (v4) {
         const int threads = row_threads(p->dim / 4);
         if (p->res) {
-            rmsnorm_kernel<4, true>
-                <<<grid, threads, 0, stream>>>(p->x, p->ldx, p->res, p->w, p->dim, p->eps, p->out, p->out_bf16);
+            krk::launch_maybe_pdl(krk::pdl_enabled(), rmsnorm_kernel<4, true>, grid, threads, 0, stream,
+                                  p->x, p->ldx, p->res, p->w, p->dim, p->eps, p->out, p->out_bf16);
         } else {
-            rmsnorm_kernel<4, false>
-                <<<grid, threads, 0, stream>>>(p->x, p->ldx, p->res, p->w, p->dim, p->eps, p->out, p->out_bf16);
+            krk::launch_maybe_pdl(krk::pdl_enabled(), rmsnorm_kernel<4, false>, grid, threads, 0, stream,
+                                  p->x, p->ldx, p->res, p->w, p->dim, p->eps, p->out, p->out_bf16);
         }
     } else {
         const int threads = row_threads(p->dim);
         if (p->res) {
-            rmsnorm_kernel<1, true>
-                <<<grid, threads, 0, stream>>>(p->x, p->ldx, p->res, p->w, p->dim, p->eps, p->out, p->out_bf16);
+            krk::launch_maybe_pdl(krk::pdl_enabled(), rmsnorm_kernel<1, true>, grid, threads, 0, stream,
+                                  p->x, p->ldx, p->res, p->w, p->dim, p->eps, p->out, p->out_bf16);
         } else {
-            rmsnorm_kernel<1, false>
-                <<<grid, threads, 0, stream>>>(p->x, p->ldx, p->res, p->w, p->dim, p->eps, p->out, p->out_bf16);
+            krk::launch_maybe_pdl(krk::pdl_enabled(), rmsnorm_kernel<1, false>, grid, threads, 0, stream,
+                                  p->x, p->ldx, p->res, p->w, p->dim, p->eps, p->out, p->out_bf16);
         }
     }
     KRK_CHECK_LAUNCH();
@@ -210,10 +211,11 @@ extern "C" enum kr_status krk_layernorm(const struct krk_layernorm_params *p, cu
                     (!p->b || is_aligned(p->b, 16)) && is_aligned(p->out, 16);
     const dim3 grid((unsigned)p->n);
     if (v4) {
-        layernorm_kernel<4>
-            <<<grid, row_threads(p->dim / 4), 0, stream>>>(p->x, p->ldx, p->w, p->b, p->dim, p->eps, p->out);
+        krk::launch_maybe_pdl(krk::pdl_enabled(), layernorm_kernel<4>, grid,
+                              row_threads(p->dim / 4), 0, stream, p->x, p->ldx, p->w, p->b, p->dim, p->eps, p->out);
     } else {
-        layernorm_kernel<1><<<grid, row_threads(p->dim), 0, stream>>>(p->x, p->ldx, p->w, p->b, p->dim, p->eps, p->out);
+        krk::launch_maybe_pdl(krk::pdl_enabled(), layernorm_kernel<1>, grid,
+                              row_threads(p->dim), 0, stream, p->x, p->ldx, p->w, p->b, p->dim, p->eps, p->out);
     }
     KRK_CHECK_LAUNCH();
     return KR_OK;
@@ -234,10 +236,11 @@ extern "C" enum kr_status krk_gated_rmsnorm(const struct krk_gated_rmsnorm_param
                     (!p->out_bf16 || is_aligned(p->out_bf16, 8));
     const dim3 grid((unsigned)(p->n * n_group));
     if (v4) {
-        gated_rmsnorm_kernel<4><<<grid, row_threads(p->group / 4), 0, stream>>>(
+        krk::launch_maybe_pdl(krk::pdl_enabled(), gated_rmsnorm_kernel<4>, grid, row_threads(p->group / 4), 0, stream,
             p->y, p->z, p->ldz, p->w, p->dim, p->group, n_group, p->eps, p->out, p->out_bf16);
     } else {
-        gated_rmsnorm_kernel<1><<<grid, row_threads(p->group), 0, stream>>>(p->y, p->z, p->ldz, p->w, p->dim, p->group,
+        krk::launch_maybe_pdl(krk::pdl_enabled(), gated_rmsnorm_kernel<1>, grid,
+                              row_threads(p->group), 0, stream, p->y, p->z, p->ldz, p->w, p->dim, p->group,
                                                                             n_group, p->eps, p->out, p->out_bf16);
     }
     KRK_CHECK_LAUNCH();

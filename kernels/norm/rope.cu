@@ -15,6 +15,7 @@ __global__ void rope_kernel(float *x, int64_t ld, int64_t n_vec, int64_t stride,
                             bool interleaved, const float *KRK_RESTRICT inv_freq, float factor,
                             const int32_t *KRK_RESTRICT pos, int64_t n_tok)
 {
+    krk::kernel_prologue();
     __shared__ float cs[kRopeChunk], sn[kRopeChunk];
     const int64_t half = dim / 2;
     for (int64_t t = blockIdx.x; t < n_tok; t += gridDim.x) {
@@ -60,7 +61,8 @@ extern "C" enum kr_status krk_rope(const struct krk_rope_params *p, cudaStream_t
     }
     KRK_REQUIRE(p->x && p->inv_freq && p->pos);
     const unsigned blocks = (unsigned)(p->n_tok < (1 << 20) ? p->n_tok : (1 << 20));
-    rope_kernel<<<blocks, kRopeThreads, 0, stream>>>(p->x, p->ld, p->n_vec, p->stride, p->off, p->dim, p->interleaved,
+    krk::launch_maybe_pdl(krk::pdl_enabled(), rope_kernel, blocks, kRopeThreads, 0, stream,
+                          p->x, p->ld, p->n_vec, p->stride, p->off, p->dim, p->interleaved,
                                                      p->inv_freq, p->factor, p->pos, p->n_tok);
     KRK_CHECK_LAUNCH();
     return KR_OK;

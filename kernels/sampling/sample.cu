@@ -746,6 +746,7 @@ __device__ __forceinline__ bool finitef(float x)
 // greedy rows, invalid rows and rows with every logit masked.
 __global__ void __launch_bounds__(kBlock, 1) prep_kernel(const Args a)
 {
+    krk::kernel_prologue();
     extern __shared__ __align__(16) unsigned char smem_raw[];
     Shared &sm = *reinterpret_cast<Shared *>(smem_raw);
     u32 *bm = reinterpret_cast<u32 *>(smem_raw + sizeof(Shared));
@@ -882,6 +883,7 @@ __global__ void __launch_bounds__(kBlock, 1) prep_kernel(const Args a)
 // Kernel 2: the cuts and the draw of the sampling rows left by kernel 1.
 __global__ void __launch_bounds__(kBlock, 1) draw_kernel(const Args a)
 {
+    krk::kernel_prologue();
     extern __shared__ __align__(16) unsigned char smem_raw[];
     Shared &sm = *reinterpret_cast<Shared *>(smem_raw);
 
@@ -985,6 +987,7 @@ __global__ void __launch_bounds__(kBlock, 1) draw_kernel(const Args a)
 // Kernel 3: the n_top largest raw log-probabilities of every row.
 __global__ void __launch_bounds__(kBlock, 1) topn_kernel(const Args a)
 {
+    krk::kernel_prologue();
     extern __shared__ __align__(16) unsigned char smem_raw[];
     Shared &sm = *reinterpret_cast<Shared *>(smem_raw);
     const krk_sample_params &p = a.p;
@@ -1042,14 +1045,14 @@ extern "C" enum kr_status krk_sample(const struct krk_sample_params *p, cudaStre
     const unsigned grid = (unsigned)p->n;
     const size_t smem_prep = sizeof(Shared) + (size_t)a.nbm * sizeof(u32);
     KRK_CUDA_TRY(cudaFuncSetAttribute(prep_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem_prep));
-    prep_kernel<<<grid, kBlock, smem_prep, stream>>>(a);
+    krk::launch_maybe_pdl(krk::pdl_enabled(), prep_kernel, grid, kBlock, smem_prep, stream, a);
     KRK_CHECK_LAUNCH();
     KRK_CUDA_TRY(cudaFuncSetAttribute(draw_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sizeof(Shared)));
-    draw_kernel<<<grid, kBlock, sizeof(Shared), stream>>>(a);
+    krk::launch_maybe_pdl(krk::pdl_enabled(), draw_kernel, grid, kBlock, sizeof(Shared), stream, a);
     KRK_CHECK_LAUNCH();
     if (p->n_top > 0) {
         KRK_CUDA_TRY(cudaFuncSetAttribute(topn_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sizeof(Shared)));
-        topn_kernel<<<grid, kBlock, sizeof(Shared), stream>>>(a);
+        krk::launch_maybe_pdl(krk::pdl_enabled(), topn_kernel, grid, kBlock, sizeof(Shared), stream, a);
         KRK_CHECK_LAUNCH();
     }
     return KR_OK;

@@ -1,6 +1,7 @@
 #include "ckpt-writer.h"
 
 #include <criterion/criterion.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -163,8 +164,13 @@ void ckw_write(const struct ckw *w, const char *path)
         for (int d = 0; d < t->n_dim; d++) {
             ne *= (size_t)t->shape[d];
         }
+        /* uniform on [-0.25, 0.25] (standard deviation 0.25 / sqrt(3)), or scaled to 1/sqrt(columns) */
+        float scale = 0.5f;
+        if (w->fan_in_scale && t->n_dim == 2 && !strstr(t->name, "embed")) {
+            scale = (float)(sqrt(12.0) / sqrt((double)t->shape[1]));
+        }
         for (size_t j = 0; j < ne; j++) {
-            float v = (float)((double)(rng_next(&seed) >> 11) / 9007199254740992.0 - 0.5) * 0.5f;
+            float v = (float)((double)(rng_next(&seed) >> 11) / 9007199254740992.0 - 0.5) * scale;
             if (strstr(t->name, "norm")) {
                 v += 1.0f;
             }
@@ -208,6 +214,7 @@ void ckw_dsa_real_shapes(const char *dir)
 {
     static struct ckw W;
     memset(&W, 0, sizeof W);
+    W.fan_in_scale = true;
     const int64_t H = 256, V = 512, NH = 16, QL = 256, KVL = 512, NOPE = 128, ROPE = 64, VD = 128, IH = 16, ID = 128;
     const int64_t MH = 8, MP = 32, MS = 64, MG = 4, DI = MH * MP, CONV = DI + 2 * MG * MS, FF = 512;
 #define T1(name, a) ckw_add(&W, name, KR_DTYPE_BF16, 1, (const int64_t[]){a})

@@ -2,6 +2,7 @@
 /* Writes small synthetic checkpoints (config.json + safetensors) for loader tests: a tensor list
  * that tests mutate (drop, rename, reshape, retype) before writing, filled with seeded random
  * values. */
+#include <stdbool.h>
 #include <stdint.h>
 
 #include "dtype.h"
@@ -18,6 +19,10 @@ struct ckw_tensor {
 struct ckw {
     struct ckw_tensor t[CKW_MAX];
     int n;
+    /* projections (2-D tensors other than the embedding) get values of standard deviation
+     * 1/sqrt(columns), as trained models have, instead of the fixed +-0.25: activations then stay
+     * O(1) through wide layers */
+    bool fan_in_scale;
 };
 
 /* The tensors of the tiny nemotron_h model described by CKW_TINY_CONFIG (pattern "M*-E"),

@@ -56,6 +56,12 @@ enum kr_status krk_device_describe(int dev, char *name, int n);
 /* Streaming multiprocessors of the current device (132 when it cannot be read); launchers size
  * grids that must fill the GPU by it. */
 int krk_device_sm_count(void);
+/* Launch mode of every kernel launcher (process-wide, off at start): when on, each kernel is
+ * launched as a programmatic dependent of the kernel before it in the stream (sm_90): it may become
+ * resident and start reading weights while that one drains, and waits for it before touching
+ * anything an earlier kernel writes. Set it before issuing or capturing work. */
+void krk_set_pdl(bool on);
+bool krk_pdl(void);
 
 #ifdef __cplusplus
 }

@@ -35,8 +35,13 @@ struct krk_gemv_params {
     int64_t ldy;
     enum krk_gemv_variant variant;
     bool pdl;               /* launch as a programmatic dependent of the previous kernel: the first
-                               weight loads overlap its tail (x is read only after it completes) */
+                               weight loads overlap its tail (x is read only after it completes);
+                               also when krk_set_pdl is on */
+    int config;             /* 0: the default tiling; 1..KRK_GEMV_CONFIGS - 1: alternative tilings of
+                               the n = 1 staged and the tensor-core kernels, for bench_gemv (others
+                               ignore it) */
 };
+#define KRK_GEMV_CONFIGS 5
 enum kr_status krk_gemv(const struct krk_gemv_params *p, cudaStream_t stream);
 
 /* y[t, r] += bias[r] for t < n, r < rows (after a cuBLAS product). */

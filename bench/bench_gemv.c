@@ -1,0 +1,237 @@
+/* Skinny products of decode at the weight read rate: every weight shape of the Nemotron-H-8B
+ * benchmark model's decode step (tools/bench/synth_model.py, nemotron_h_8b), n activation rows, for
+ * each configuration of the GEMV kernels (krk_gemv_params.config) and for cuBLAS (bf16 GEMM on x
+ * cast to bf16, as the CUDA backend runs n > KRK_GEMV_MAX_N). Each launch reads a different copy
+ * of the weight from a pool of at least 1 GiB, so that nothing comes from L2; launches are issued
+ * back to back (as in a decode step's graph) and timed with events over all repetitions.
+ *
+ * Output: one markdown row per (kernel, configuration, n): microseconds per product for each
+ * shape, the weight read rate (TB/s) for each shape, and the GEMV time of one decode step (each
+ * shape times the number of times the step runs it).
+ *   bench_gemv [--n 1,16,32] [--reps N] [--json FILE] */
+#include "krk.h"
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+#include <getopt.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+struct shape {
+    const char *name;
+    int64_t rows, cols;
+    int per_step; /* how many times a decode step of the 52-layer model runs it */
+};
+
+/* hidden 4096; Mamba in_proj 2 * 8192 + 2 * 8 * 128 + 128 rows; MLP 21504 relu2; attention
+ * 32 + 2 * 8 heads of 128; vocab 131072; 24 M, 24 -, 4 * layers */
+static const struct shape shapes[] = {
+    {"in_proj", 18560, 4096, 24}, {"out_proj", 4096, 8192, 24}, {"up", 21504, 4096, 24},
+    {"down", 4096, 21504, 24},    {"qkv", 6144, 4096, 4},      {"o", 4096, 4096, 4},
+    {"lm_head", 131072, 4096, 1},
+};
+#define N_SHAPES (int)(sizeof shapes / sizeof shapes[0])
+
+#define CUDA_OK(x)                                                                                 \
+    do {                                                                                           \
+        cudaError_t e_ = (x);                                                                      \
+        if (e_ != cudaSuccess) {                                                                   \
+            fprintf(stderr, "bench_gemv: %s: %s\n", #x, cudaGetErrorString(e_));                   \
+            exit(1);                                                                               \
+        }                                                                                          \
+    } while (0)
+
+enum kind { K_STAGED, K_MMA, K_CUBLAS };
+
+struct ctx {
+    char *pool;       /* weight copies */
+    size_t pool_bytes;
+    float *x, *y;
+    krk_bf16 *xb;
+    cublasHandle_t blas;
+    cudaStream_t stream;
+    int reps;
+};
+
+/* One product; the copy of the weight read is `rep` modulo the copies that fit in the pool. */
+static int run_one(struct ctx *c, enum kind k, int config, const struct shape *s, int n, int rep)
+{
+    const size_t wbytes = (size_t)s->rows * (size_t)s->cols * 2;
+    const size_t copies = c->pool_bytes / wbytes;
+    const krk_bf16 *w = (const krk_bf16 *)(c->pool + (size_t)rep % copies * wbytes);
+    if (k == K_CUBLAS) {
+        if (krk_cast_bf16(c->x, s->cols, n, s->cols, c->xb, c->stream) != KR_OK) {
+            return -1;
+        }
+        const float one = 1.0f, zero = 0.0f;
+        return cublasGemmEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)s->rows, n, (int)s->cols, &one, w, CUDA_R_16BF,
+                            (int)s->cols, c->xb, CUDA_R_16BF, (int)s->cols, &zero, c->y, CUDA_R_32F, (int)s->rows,
+                            CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT) == CUBLAS_STATUS_SUCCESS
+                   ? 0
+                   : -1;
+    }
+    struct krk_gemv_params p = {.x = c->x, .ldx = s->cols, .w = w, .n = n, .rows = s->rows, .cols = s->cols,
+                                .y = c->y, .ldy = s->rows, .variant = k == K_MMA ? KRK_GEMV_MMA : KRK_GEMV_STAGED,
+                                .config = config};
+    return krk_gemv(&p, c->stream) == KR_OK ? 0 : -1;
+}
+
+/* Microseconds per product (mean over reps after a warm-up), or -1 when the kernel refuses. */
+static double time_one(struct ctx *c, enum kind k, int config, const struct shape *s, int n)
+{
+    for (int r = 0; r < 3; r++) {
+        if (run_one(c, k, config, s, n, r) != 0) {
+            return -1;
+        }
+    }
+    cudaEvent_t e0, e1;
+    CUDA_OK(cudaEventCreate(&e0));
+    CUDA_OK(cudaEventCreate(&e1));
+    CUDA_OK(cudaEventRecord(e0, c->stream));
+    for (int r = 0; r < c->reps; r++) {
+        run_one(c, k, config, s, n, r);
+    }
+    CUDA_OK(cudaEventRecord(e1, c->stream));
+    CUDA_OK(cudaEventSynchronize(e1));
+    float ms = 0;
+    CUDA_OK(cudaEventElapsedTime(&ms, e0, e1));
+    CUDA_OK(cudaEventDestroy(e0));
+    CUDA_OK(cudaEventDestroy(e1));
+    return 1000.0 * ms / c->reps;
+}
+
+int main(int argc, char **argv)
+{
+    int ns[16] = {1, 16, 32}, n_ns = 3, reps = 40;
+    const char *json = NULL;
+    static const struct option lo[] = {{"n", required_argument, 0, 'n'},
+                                       {"reps", required_argument, 0, 'r'},
+                                       {"json", required_argument, 0, 'j'},
+                                       {0, 0, 0, 0}};
+    int ch;
+    while ((ch = getopt_long(argc, argv, "", lo, NULL)) != -1) {
+        if (ch == 'n') {
+            n_ns = 0;
+            for (char *t = strtok(optarg, ","); t && n_ns < 16; t = strtok(NULL, ",")) {
+                ns[n_ns++] = atoi(t);
+            }
+        } else if (ch == 'r') {
+            reps = atoi(optarg);
+        } else if (ch == 'j') {
+            json = optarg;
+        } else {
+            fprintf(stderr, "usage: bench_gemv [--n 1,16,32] [--reps N] [--json FILE]\n");
+            return 2;
+        }
+    }
+    if (reps < 1 || n_ns == 0) {
+        fprintf(stderr, "bench_gemv: --reps and --n need positive values\n");
+        return 2;
+    }
+    for (int i = 0; i < n_ns; i++) {
+        if (ns[i] < 1 || ns[i] > KRK_GEMV_MMA_MAX_N) {
+            fprintf(stderr, "bench_gemv: n = %d is outside 1..%d\n", ns[i], KRK_GEMV_MMA_MAX_N);
+            return 2;
+        }
+    }
+    if (krk_device_count() < 1) {
+        fprintf(stderr, "bench_gemv: no CUDA device\n");
+        return 1;
+    }
+    struct ctx c = {.reps = reps};
+    int64_t max_rows = 0, max_cols = 0;
+    size_t max_w = 0;
+    for (int i = 0; i < N_SHAPES; i++) {
+        max_rows = shapes[i].rows > max_rows ? shapes[i].rows : max_rows;
+        max_cols = shapes[i].cols > max_cols ? shapes[i].cols : max_cols;
+        const size_t wb = (size_t)shapes[i].rows * (size_t)shapes[i].cols * 2;
+        max_w = wb > max_w ? wb : max_w;
+    }
+    c.pool_bytes = max_w * 2 > ((size_t)1 << 30) ? max_w * 2 : (size_t)1 << 30;
+    CUDA_OK(cudaMalloc((void **)&c.pool, c.pool_bytes));
+    CUDA_OK(cudaMemset(c.pool, 0x3c, c.pool_bytes)); /* bf16 0x3c3c: 0.0115 */
+    CUDA_OK(cudaMalloc((void **)&c.x, (size_t)KRK_GEMV_MMA_MAX_N * (size_t)max_cols * 4));
+    CUDA_OK(cudaMemset(c.x, 0, (size_t)KRK_GEMV_MMA_MAX_N * (size_t)max_cols * 4));
+    CUDA_OK(cudaMalloc((void **)&c.xb, (size_t)KRK_GEMV_MMA_MAX_N * (size_t)max_cols * 2));
+    CUDA_OK(cudaMalloc((void **)&c.y, (size_t)KRK_GEMV_MMA_MAX_N * (size_t)max_rows * 4));
+    CUDA_OK(cudaStreamCreateWithFlags(&c.stream, cudaStreamNonBlocking));
+    void *blas_ws = NULL;
+    CUDA_OK(cudaMalloc(&blas_ws, 32u << 20));
+    if (cublasCreate(&c.blas) != CUBLAS_STATUS_SUCCESS || cublasSetStream(c.blas, c.stream) != CUBLAS_STATUS_SUCCESS ||
+        cublasSetWorkspace(c.blas, blas_ws, 32u << 20) != CUBLAS_STATUS_SUCCESS) {
+        fprintf(stderr, "bench_gemv: cannot create the cuBLAS handle\n");
+        return 1;
+    }
+    char dev[128] = "cuda";
+    krk_device_describe(0, dev, sizeof dev);
+    FILE *jf = json ? fopen(json, "w") : NULL;
+    printf("device: %s; %d products per figure, each on a different copy of the weight (pool %.1f GiB)%s\n\n", dev,
+           reps, (double)c.pool_bytes / (1u << 30), getenv("KRAIT_PDL") ? "; KRAIT_PDL set" : "");
+    printf("| kernel | n |");
+    for (int i = 0; i < N_SHAPES; i++) {
+        printf(" %s %lldx%lld |", shapes[i].name, (long long)shapes[i].rows, (long long)shapes[i].cols);
+    }
+    printf(" GEMVs of a step |\n|---|---|");
+    for (int i = 0; i <= N_SHAPES; i++) {
+        printf("---|");
+    }
+    printf("\n");
+    for (int in = 0; in < n_ns; in++) {
+        const int n = ns[in];
+        for (int k = 0; k < 3; k++) {
+            const int n_cfg = k == K_CUBLAS ? 1 : k == K_STAGED ? (n == 1 ? KRK_GEMV_CONFIGS : 1) : KRK_GEMV_CONFIGS;
+            if (k == K_STAGED && n > KRK_GEMV_MAX_N) {
+                continue;
+            }
+            for (int cfg = 0; cfg < n_cfg; cfg++) {
+                char label[64];
+                snprintf(label, sizeof label, "%s%s%.0d", k == K_CUBLAS ? "cuBLAS" : k == K_MMA ? "mma" : "staged",
+                         cfg ? " config " : "", cfg);
+                printf("| %s | %d |", label, n);
+                double step_us = 0;
+                bool ok = true;
+                for (int i = 0; i < N_SHAPES; i++) {
+                    const double us = time_one(&c, (enum kind)k, cfg, &shapes[i], n);
+                    const double tbs = (double)shapes[i].rows * (double)shapes[i].cols * 2 / (us * 1e-6) / 1e12;
+                    if (us < 0) {
+                        printf(" refused |");
+                        ok = false;
+                        continue;
+                    }
+                    printf(" %.1f us, %.2f TB/s |", us, tbs);
+                    step_us += us * shapes[i].per_step;
+                    if (jf) {
+                        fprintf(jf,
+                                "{\"kernel\": \"%s\", \"config\": %d, \"n\": %d, \"shape\": \"%s\", \"rows\": %lld, "
+                                "\"cols\": %lld, \"us\": %.3f, \"tb_s\": %.4f}\n",
+                                k == K_CUBLAS ? "cublas" : k == K_MMA ? "mma" : "staged", cfg, n, shapes[i].name,
+                                (long long)shapes[i].rows, (long long)shapes[i].cols, us, tbs);
+                    }
+                }
+                if (ok) {
+                    printf(" %.3f ms |\n", step_us / 1000.0);
+                } else {
+                    printf(" - |\n");
+                }
+                fflush(stdout);
+            }
+        }
+    }
+    const cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) {
+        fprintf(stderr, "bench_gemv: %s\n", cudaGetErrorString(e));
+        return 1;
+    }
+    if (jf) {
+        fclose(jf);
+    }
+    cublasDestroy(c.blas);
+    cudaFree(blas_ws);
+    cudaFree(c.pool);
+    cudaFree(c.x);
+    cudaFree(c.xb);
+    cudaFree(c.y);
+    cudaStreamDestroy(c.stream);
+    return 0;
+}
