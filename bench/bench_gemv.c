@@ -8,7 +8,7 @@
  * Output: one markdown row per (kernel, configuration, n): microseconds per product for each
  * shape, the weight read rate (TB/s) for each shape, and the GEMV time of one decode step (each
  * shape times the number of times the step runs it).
- *   bench_gemv [--n 1,16,32] [--reps N] [--json FILE] */
+ *   bench_gemv [--n 1,16,32] [--reps N] [--json FILE]   (n <= 64; the GEMV runs n <= KRK_GEMV_MAX_N) */
 #include "krk.h"
 
 #include <cublas_v2.h>
@@ -42,7 +42,8 @@ static const struct shape shapes[] = {
         }                                                                                          \
     } while (0)
 
-enum kind { K_STAGED, K_MMA, K_CUBLAS };
+enum kind { K_STAGED, K_CUBLAS };
+#define MAX_N 64 /* rows of x benchmarked at most (cuBLAS; the GEMV takes KRK_GEMV_MAX_N) */
 
 struct ctx {
     char *pool;       /* weight copies */
@@ -72,8 +73,7 @@ static int run_one(struct ctx *c, enum kind k, int config, const struct shape *s
                    : -1;
     }
     struct krk_gemv_params p = {.x = c->x, .ldx = s->cols, .w = w, .n = n, .rows = s->rows, .cols = s->cols,
-                                .y = c->y, .ldy = s->rows, .variant = k == K_MMA ? KRK_GEMV_MMA : KRK_GEMV_STAGED,
-                                .config = config};
+                                .y = c->y, .ldy = s->rows, .config = config};
     return krk_gemv(&p, c->stream) == KR_OK ? 0 : -1;
 }
 
@@ -130,8 +130,8 @@ int main(int argc, char **argv)
         return 2;
     }
     for (int i = 0; i < n_ns; i++) {
-        if (ns[i] < 1 || ns[i] > KRK_GEMV_MMA_MAX_N) {
-            fprintf(stderr, "bench_gemv: n = %d is outside 1..%d\n", ns[i], KRK_GEMV_MMA_MAX_N);
+        if (ns[i] < 1 || ns[i] > MAX_N) {
+            fprintf(stderr, "bench_gemv: n = %d is outside 1..%d\n", ns[i], MAX_N);
             return 2;
         }
     }
@@ -151,10 +151,10 @@ int main(int argc, char **argv)
     c.pool_bytes = max_w * 2 > ((size_t)1 << 30) ? max_w * 2 : (size_t)1 << 30;
     CUDA_OK(cudaMalloc((void **)&c.pool, c.pool_bytes));
     CUDA_OK(cudaMemset(c.pool, 0x3c, c.pool_bytes)); /* bf16 0x3c3c: 0.0115 */
-    CUDA_OK(cudaMalloc((void **)&c.x, (size_t)KRK_GEMV_MMA_MAX_N * (size_t)max_cols * 4));
-    CUDA_OK(cudaMemset(c.x, 0, (size_t)KRK_GEMV_MMA_MAX_N * (size_t)max_cols * 4));
-    CUDA_OK(cudaMalloc((void **)&c.xb, (size_t)KRK_GEMV_MMA_MAX_N * (size_t)max_cols * 2));
-    CUDA_OK(cudaMalloc((void **)&c.y, (size_t)KRK_GEMV_MMA_MAX_N * (size_t)max_rows * 4));
+    CUDA_OK(cudaMalloc((void **)&c.x, (size_t)MAX_N * (size_t)max_cols * 4));
+    CUDA_OK(cudaMemset(c.x, 0, (size_t)MAX_N * (size_t)max_cols * 4));
+    CUDA_OK(cudaMalloc((void **)&c.xb, (size_t)MAX_N * (size_t)max_cols * 2));
+    CUDA_OK(cudaMalloc((void **)&c.y, (size_t)MAX_N * (size_t)max_rows * 4));
     CUDA_OK(cudaStreamCreateWithFlags(&c.stream, cudaStreamNonBlocking));
     void *blas_ws = NULL;
     CUDA_OK(cudaMalloc(&blas_ws, 32u << 20));
@@ -179,15 +179,15 @@ int main(int argc, char **argv)
     printf("\n");
     for (int in = 0; in < n_ns; in++) {
         const int n = ns[in];
-        for (int k = 0; k < 3; k++) {
-            const int n_cfg = k == K_CUBLAS ? 1 : k == K_STAGED ? (n == 1 ? KRK_GEMV_CONFIGS : 1) : KRK_GEMV_CONFIGS;
+        for (int k = 0; k < 2; k++) {
+            const int n_cfg = k == K_STAGED && n == 1 ? KRK_GEMV_CONFIGS : 1;
             if (k == K_STAGED && n > KRK_GEMV_MAX_N) {
                 continue;
             }
             for (int cfg = 0; cfg < n_cfg; cfg++) {
                 char label[64];
-                snprintf(label, sizeof label, "%s%s%.0d", k == K_CUBLAS ? "cuBLAS" : k == K_MMA ? "mma" : "staged",
-                         cfg ? " config " : "", cfg);
+                snprintf(label, sizeof label, "%s%s%.0d", k == K_CUBLAS ? "cuBLAS" : "GEMV", cfg ? " config " : "",
+                         cfg);
                 printf("| %s | %d |", label, n);
                 double step_us = 0;
                 bool ok = true;
@@ -205,7 +205,7 @@ int main(int argc, char **argv)
                         fprintf(jf,
                                 "{\"kernel\": \"%s\", \"config\": %d, \"n\": %d, \"shape\": \"%s\", \"rows\": %lld, "
                                 "\"cols\": %lld, \"us\": %.3f, \"tb_s\": %.4f}\n",
-                                k == K_CUBLAS ? "cublas" : k == K_MMA ? "mma" : "staged", cfg, n, shapes[i].name,
+                                k == K_CUBLAS ? "cublas" : "gemv", cfg, n, shapes[i].name,
                                 (long long)shapes[i].rows, (long long)shapes[i].cols, us, tbs);
                     }
                 }

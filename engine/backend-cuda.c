@@ -60,13 +60,11 @@ struct cuda_ctx {
     size_t blas_ws_size;
     atomic_bool failed;    /* a sticky CUDA error: the backend refuses further work (read by /health) */
     bool graphs_on;
-    enum krk_gemv_variant gemv_variant; /* KRAIT_GEMV=l1: x through L1 in the n <= 2 GEMV; =mma: the
-                                           tensor-core GEMV for n <= 32 */
     int gemv_config;                    /* KRAIT_GEMV_CONFIG: a GEMV tiling other than the default
                                            (krk_gemv_params.config; for measurements) */
-    bool pdl;                           /* KRAIT_PDL=1: every kernel launches as a programmatic
-                                           dependent of the one before it (krk_set_pdl), except
-                                           while profiling */
+    bool pdl;                           /* every kernel launches as a programmatic dependent of the
+                                           one before it (krk_set_pdl), except while profiling;
+                                           KRAIT_PDL=0 turns it off */
     int32_t dsa_score;                  /* indexer scores on bf16 tensor cores (KRAIT_DSA_SCORE=fp32: CUDA cores) */
     int32_t dsa_select;                 /* KRAIT_DSA_SELECT=agg: warp-aggregated top-k histograms;
                                            =split: top-k per chunk of positions, then of those */
@@ -697,15 +695,14 @@ static enum kr_status op_enter(struct cuda_ctx *c)
 
 /* Sets up the bf16 copy an op may write of its n x cols output (for the GEMM that reads it next);
  * NULL when the next GEMM will not want it (decode rows go through krk_gemv in fp32). */
-/* Rows up to this many take krk_gemv (fp32 x), more take cuBLAS (bf16 x). */
-static int64_t gemv_max_n(const struct cuda_ctx *c)
-{
-    return c->gemv_variant == KRK_GEMV_MMA ? KRK_GEMV_MMA_MAX_N : KRK_GEMV_MAX_N;
-}
+/* Rows up to this many take krk_gemv (fp32 x), more take cuBLAS (bf16 x): on an H200 the GEMV reads
+ * the decode step's weights faster at n = 1 (3.98 vs 4.40 ms a Nemotron-H-8B step), as fast at n = 2,
+ * and slower from n = 4 (5.47 vs 4.45 ms; bench_gemv, docs/PERF.md). */
+#define GEMV_ROWS 2
 
 static krk_bf16 *shadow_for(struct cuda_ctx *c, const float *out, int64_t n, int64_t cols)
 {
-    if (n <= gemv_max_n(c) || (size_t)(n * cols) > c->xb_cap) {
+    if (n <= GEMV_ROWS || (size_t)(n * cols) > c->xb_cap) {
         return NULL;
     }
     c->shadow.src = out;
@@ -843,10 +840,9 @@ static enum kr_status cuda_matmul_impl(kr_backend_t be, const float *x, int64_t 
     } else if (w->dtype != KR_DTYPE_BF16) {
         KR_LOG_ERROR("cuda: matmul weight of dtype %s", kr_dtype_name(w->dtype));
         return KR_ERR_UNSUPPORTED;
-    } else if (n <= gemv_max_n(c) && cols % 8 == 0) {
+    } else if (n <= GEMV_ROWS && cols % 8 == 0) {
         struct krk_gemv_params p = {.x = x, .ldx = ldx, .w = w->data, .bias = bias, .n = n, .rows = rows,
-                                    .cols = cols, .y = y, .ldy = ldy, .variant = c->gemv_variant,
-                                    .config = c->gemv_config};
+                                    .cols = cols, .y = y, .ldy = ldy, .config = c->gemv_config};
         st = krk_gemv(&p, c->stream);
     } else {
         const krk_bf16 *xb = NULL;
@@ -1198,7 +1194,7 @@ TIMED(cuda_layernorm, P_DSA,
        float eps, float *out),
       (be, x, ldx, w, b, n, dim, eps, out))
 TIMED(cuda_scale, P_OTHER, (kr_backend_t be, float *y, float s, int64_t n), (be, y, s, n))
-TIMED(cuda_matmul, n <= gemv_max_n(c) ? P_GEMV : P_GEMM,
+TIMED(cuda_matmul, n <= GEMV_ROWS ? P_GEMV : P_GEMM,
       (kr_backend_t be, const float *x, int64_t ldx, int64_t n, const struct kr_tensor *w, const float *bias,
        float *y, int64_t ldy),
       (be, x, ldx, n, w, bias, y, ldy))
@@ -1412,8 +1408,6 @@ enum kr_status kr_backend_cuda_create(int dev, bool graphs, kr_backend_t *out, s
     c->dsa_select = dl && !strcmp(dl, "agg")     ? KRK_DSA_SELECT_AGG
                     : dl && !strcmp(dl, "split") ? KRK_DSA_SELECT_SPLIT
                                                  : KRK_DSA_SELECT_BLOCK;
-    const char *gv = getenv("KRAIT_GEMV");
-    c->gemv_variant = gv && !strcmp(gv, "l1") ? KRK_GEMV_L1 : gv && !strcmp(gv, "mma") ? KRK_GEMV_MMA : KRK_GEMV_STAGED;
     const char *gc = getenv("KRAIT_GEMV_CONFIG");
     c->gemv_config = gc ? atoi(gc) : 0;
     enum kr_status st = KR_ERR_INVAL;
@@ -1422,7 +1416,7 @@ enum kr_status kr_backend_cuda_create(int dev, bool graphs, kr_backend_t *out, s
         goto fail;
     }
     const char *pd = getenv("KRAIT_PDL");
-    c->pdl = pd && !strcmp(pd, "1");
+    c->pdl = !(pd && !strcmp(pd, "0"));
     krk_set_pdl(c->pdl);
     char name[128] = "cuda";
     krk_device_describe(dev, name, sizeof name);

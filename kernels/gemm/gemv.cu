@@ -11,7 +11,7 @@
 // with the two halves of every other 8-column group swapped, and lanes 4..7 of each quarter warp
 // read their second float4 first, so that each 16-byte shared-memory phase covers 32 distinct
 // banks.
-#include "common/mma.cuh"
+#include "common/util.cuh"
 
 namespace krk {
 namespace {
@@ -200,22 +200,25 @@ enum kr_status launch_gemv_cfg(const struct krk_gemv_params *p, cudaStream_t str
 // Rows per warp RW, steps in flight U, warps per block W. Each lane reads 32 N bytes of x from
 // shared memory per 16 bytes of weight and row; RW rows share those reads, which keeps them within
 // the shared-memory bandwidth as N grows, at the price of fewer blocks. Chosen by measurement on
-// an H200 over the target shapes (weight read rate at n = 1: 3.1-3.9 TB/s for 4096-18560 rows,
-// 4.4 TB/s for the 131072-row head; n = 8 is bound by the FMA issue rate, ~1.2-2.2 TB/s).
+// an H200 (bench_gemv, each product on weights not in L2): at n = 1, 16 warps of one row each read
+// 3.4-4.0 TB/s on the 4096-21504-row decode shapes and 4.4 TB/s on the 131072-row head (3.98 ms for
+// the GEMVs of a Nemotron-H-8B step; 8 warps: 4.34 ms). For n >= 3 cuBLAS reads faster than this
+// kernel (n = 4: 4.45 vs 5.47 ms a step; n = 8 is bound by the FMA issue rate here), so the CUDA
+// backend takes it only for n <= 2.
 template <int N> enum kr_status launch_gemv(const struct krk_gemv_params *p, cudaStream_t stream)
 {
     if constexpr (N == 1) {
         switch (p->config) { // alternatives measured against the default by bench_gemv
         case 1:
-            return launch_gemv_cfg<N, 1, 8, 8>(p, stream);
-        case 2:
-            return launch_gemv_cfg<N, 2, 4, 8>(p, stream);
-        case 3:
-            return launch_gemv_cfg<N, 1, 4, 16>(p, stream);
-        case 4:
-            return launch_gemv_cfg<N, 2, 4, 4>(p, stream);
-        default:
             return launch_gemv_cfg<N, 1, 4, 8>(p, stream);
+        case 2:
+            return launch_gemv_cfg<N, 1, 8, 8>(p, stream);
+        case 3:
+            return launch_gemv_cfg<N, 2, 4, 8>(p, stream);
+        case 4:
+            return launch_gemv_cfg<N, 1, 8, 16>(p, stream);
+        default:
+            return launch_gemv_cfg<N, 1, 4, 16>(p, stream);
         }
     } else if constexpr (N <= 4) {
         return launch_gemv_cfg<N, 2, 2, 8>(p, stream);
@@ -224,100 +227,6 @@ template <int N> enum kr_status launch_gemv(const struct krk_gemv_params *p, cud
     } else {
         return launch_gemv_cfg<N, 4, 1, 8>(p, stream);
     }
-}
-
-// Variant without shared memory (n <= 2): every lane reads its 8 x values per step straight from
-// global memory through L1 (all warps of an SM read the same x, so after the first touch these are
-// L1 hits), with no staging pass and no barrier between the weight loads. Each warp owns RW rows
-// and keeps U steps of weights in flight.
-template <int N, int RW, int U>
-__global__ void __launch_bounds__(256)
-    gemv_l1_kernel(const float *KRK_RESTRICT x, int64_t ldx, const uint16_t *KRK_RESTRICT w,
-                   const float *KRK_RESTRICT bias, int64_t rows, int64_t cols, float *KRK_RESTRICT y, int64_t ldy)
-{
-    krk::kernel_prologue();
-    const int lane = threadIdx.x & 31;
-    const int64_t row0 = ((int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * RW;
-    if (row0 >= rows) {
-        return;
-    }
-    float acc[RW][N];
-#pragma unroll
-    for (int r = 0; r < RW; r++) {
-#pragma unroll
-        for (int t = 0; t < N; t++) {
-            acc[r][t] = 0.0f;
-        }
-    }
-    const uint16_t *wr[RW];
-    bool rv[RW];
-#pragma unroll
-    for (int r = 0; r < RW; r++) {
-        rv[r] = row0 + r < rows;
-        wr[r] = w + (rv[r] ? row0 + r : row0) * cols;
-    }
-    for (int64_t c0 = 0; c0 < cols; c0 += (int64_t)U * 256) {
-        uint4 wv[U][RW];
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-            const int64_t c = c0 + u * 256 + lane * 8;
-#pragma unroll
-            for (int r = 0; r < RW; r++) {
-                wv[u][r] = (c < cols && rv[r]) ? ld_stream(wr[r] + c) : make_uint4(0, 0, 0, 0);
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-            const int64_t c = c0 + u * 256 + lane * 8;
-            if (c >= cols) {
-                break;
-            }
-#pragma unroll
-            for (int t = 0; t < N; t++) {
-                float xv[8];
-#pragma unroll
-                for (int k = 0; k < 8; k++) {
-                    // rounded to bf16, the operand precision of every GEMM path
-                    xv[k] = __bfloat162float(__float2bfloat16_rn(__ldg(x + t * ldx + c + k)));
-                }
-#pragma unroll
-                for (int r = 0; r < RW; r++) {
-                    const uint4 q = wv[u][r];
-                    float a = acc[r][t];
-                    a = fmaf(xv[0], __uint_as_float(q.x << 16), a);
-                    a = fmaf(xv[1], __uint_as_float(q.x & 0xffff0000u), a);
-                    a = fmaf(xv[2], __uint_as_float(q.y << 16), a);
-                    a = fmaf(xv[3], __uint_as_float(q.y & 0xffff0000u), a);
-                    a = fmaf(xv[4], __uint_as_float(q.z << 16), a);
-                    a = fmaf(xv[5], __uint_as_float(q.z & 0xffff0000u), a);
-                    a = fmaf(xv[6], __uint_as_float(q.w << 16), a);
-                    a = fmaf(xv[7], __uint_as_float(q.w & 0xffff0000u), a);
-                    acc[r][t] = a;
-                }
-            }
-        }
-    }
-#pragma unroll
-    for (int r = 0; r < RW; r++) {
-#pragma unroll
-        for (int t = 0; t < N; t++) {
-            const float v = warp_sum(acc[r][t]);
-            if (lane == t && rv[r]) {
-                y[t * ldy + row0 + r] = bias ? v + bias[row0 + r] : v;
-            }
-        }
-    }
-}
-
-template <int N> enum kr_status launch_gemv_l1(const struct krk_gemv_params *p, cudaStream_t stream)
-{
-    constexpr int RW = 1, U = 4, W = 8;
-    const int64_t blocks = (p->rows + (int64_t)W * RW - 1) / ((int64_t)W * RW);
-    KRK_REQUIRE(blocks <= INT32_MAX);
-    launch_maybe_pdl(p->pdl || pdl_enabled(), gemv_l1_kernel<N, RW, U>, dim3((unsigned)blocks), dim3(W * 32), 0, stream,
-                     p->x, p->ldx, p->w, p->bias, p->rows, p->cols, p->y, p->ldy);
-    KRK_CHECK_LAUNCH();
-    return KR_OK;
 }
 
 __global__ void add_bias_kernel(float *KRK_RESTRICT y, int64_t ldy, const float *KRK_RESTRICT bias, int64_t n,
@@ -332,192 +241,6 @@ __global__ void add_bias_kernel(float *KRK_RESTRICT y, int64_t ldy, const float 
     }
 }
 
-// Tensor-core variant (KRK_GEMV_MMA, n <= KRK_GEMV_MMA_MAX_N): a block owns RT tiles of 16 weight
-// rows and its W warps split the columns; every warp streams its slice of the block's rows with one
-// 16-byte load per lane, tile and row pair per 32 columns, straight into mma.m16n8k16 A fragments,
-// with x (fp32, rounded to bf16) as the B operand, NT tiles of 8 rows of x. The x fragment of a
-// step serves all RT row tiles, so x is read from L1/L2 once per 16 RT weight rows. There is no
-// shared-memory staging and no barrier in the loop. The 32 columns of a step are permuted
-// consistently for A and B: lane l (q = l % 4) loads columns 8q..8q+7 of its rows, which the first
-// mma takes as its k slots 2q, 2q+1, 2q+8, 2q+9 (columns 8q..8q+3) and the second as the same slots
-// (8q+4..8q+7); the dot product does not depend on the order. The warps' partial sums meet in
-// shared memory and are added in warp order.
-template <int NT>
-__device__ __forceinline__ void mma_load_x(uint32_t (&b)[NT][4], const float *KRK_RESTRICT x, int64_t ldx, int n,
-                                           int64_t c, bool in_cols, bool x_vec, int lane)
-{
-#pragma unroll
-    for (int j = 0; j < NT; j++) {
-        const int t = j * 8 + (lane >> 2);
-        float v[8];
-        if (t < n && in_cols) {
-            const float *xp = x + (int64_t)t * ldx + c;
-            if (x_vec) {
-                const float4 lo = *reinterpret_cast<const float4 *>(xp), hi = *reinterpret_cast<const float4 *>(xp + 4);
-                v[0] = lo.x, v[1] = lo.y, v[2] = lo.z, v[3] = lo.w, v[4] = hi.x, v[5] = hi.y, v[6] = hi.z, v[7] = hi.w;
-            } else {
-#pragma unroll
-                for (int i = 0; i < 8; i++) {
-                    v[i] = xp[i];
-                }
-            }
-        } else {
-#pragma unroll
-            for (int i = 0; i < 8; i++) {
-                v[i] = 0.0f;
-            }
-        }
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            b[j][i] = pack_bf16(v[2 * i], v[2 * i + 1]);
-        }
-    }
-}
-
-// NT tiles of 8 x rows, RT tiles of 16 weight rows per block, W warps splitting the columns, U
-// 32-column steps in flight per warp.
-template <int NT, int RT, int W, int U>
-__global__ void __launch_bounds__(W * 32)
-    gemv_mma_kernel(const float *KRK_RESTRICT x, int64_t ldx, const uint16_t *KRK_RESTRICT w,
-                    const float *KRK_RESTRICT bias, int n, int64_t rows, int64_t cols, bool x_vec,
-                    float *KRK_RESTRICT y, int64_t ldy)
-{
-    static_assert((size_t)W * 16 * RT * NT * 8 * sizeof(float) <= 48 * 1024, "partial sums fit static smem");
-    __shared__ float red[W][16 * RT][NT * 8];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, q = lane & 3;
-    const int64_t row0 = (int64_t)blockIdx.x * 16 * RT;
-    const uint16_t *w_lo[RT], *w_hi[RT];
-    bool ok_lo[RT], ok_hi[RT];
-#pragma unroll
-    for (int rt = 0; rt < RT; rt++) {
-        const int64_t r_lo = row0 + rt * 16 + (lane >> 2), r_hi = r_lo + 8;
-        ok_lo[rt] = r_lo < rows;
-        ok_hi[rt] = r_hi < rows;
-        w_lo[rt] = w + (ok_lo[rt] ? r_lo : row0) * cols;
-        w_hi[rt] = w + (ok_hi[rt] ? r_hi : row0) * cols;
-    }
-    // this warp's 32-column steps
-    const int64_t n_steps = (cols + 31) / 32, per = (n_steps + W - 1) / W;
-    const int64_t s0 = (int64_t)warp * per, s1 = s0 + per < n_steps ? s0 + per : n_steps;
-
-    float acc[RT][NT][4];
-#pragma unroll
-    for (int rt = 0; rt < RT; rt++) {
-#pragma unroll
-        for (int j = 0; j < NT; j++) {
-            acc[rt][j][0] = acc[rt][j][1] = acc[rt][j][2] = acc[rt][j][3] = 0.0f;
-        }
-    }
-    uint4 a_lo[U][RT], a_hi[U][RT];
-    auto load_w = [&](int64_t s_base) {
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-            const int64_t c = (s_base + u) * 32 + q * 8;
-            const bool in = s_base + u < s1 && c < cols;
-#pragma unroll
-            for (int rt = 0; rt < RT; rt++) {
-                a_lo[u][rt] = in && ok_lo[rt] ? ld_stream(w_lo[rt] + c) : make_uint4(0, 0, 0, 0);
-                a_hi[u][rt] = in && ok_hi[rt] ? ld_stream(w_hi[rt] + c) : make_uint4(0, 0, 0, 0);
-            }
-        }
-    };
-    if (s0 < s1) {
-        load_w(s0);
-    }
-    pdl_trigger();
-    pdl_wait(); // x and y belong to earlier kernels; the weights above do not
-    for (int64_t s = s0; s < s1; s += U) {
-        uint4 cur_lo[U][RT], cur_hi[U][RT];
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-#pragma unroll
-            for (int rt = 0; rt < RT; rt++) {
-                cur_lo[u][rt] = a_lo[u][rt];
-                cur_hi[u][rt] = a_hi[u][rt];
-            }
-        }
-        if (s + U < s1) {
-            load_w(s + U); // the next steps' weights are in flight while these are used
-        }
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-            const int64_t c = (s + u) * 32 + q * 8;
-            if (s + u >= s1) {
-                break;
-            }
-            uint32_t b[NT][4];
-            mma_load_x<NT>(b, x, ldx, n, c, c < cols, x_vec, lane);
-#pragma unroll
-            for (int rt = 0; rt < RT; rt++) {
-                const uint4 lo = cur_lo[u][rt], hi = cur_hi[u][rt];
-                const uint32_t f0[4] = {lo.x, hi.x, lo.y, hi.y};
-                const uint32_t f1[4] = {lo.z, hi.z, lo.w, hi.w};
-#pragma unroll
-                for (int j = 0; j < NT; j++) {
-                    mma_bf16(acc[rt][j], f0, b[j][0], b[j][1]);
-                    mma_bf16(acc[rt][j], f1, b[j][2], b[j][3]);
-                }
-            }
-        }
-    }
-    // partial sums: c0, c1 are (row lane/4, x rows 8j + 2q, +1), c2, c3 the same for row lane/4 + 8
-#pragma unroll
-    for (int rt = 0; rt < RT; rt++) {
-#pragma unroll
-        for (int j = 0; j < NT; j++) {
-            const int r = rt * 16 + (lane >> 2);
-            red[warp][r][j * 8 + 2 * q] = acc[rt][j][0];
-            red[warp][r][j * 8 + 2 * q + 1] = acc[rt][j][1];
-            red[warp][r + 8][j * 8 + 2 * q] = acc[rt][j][2];
-            red[warp][r + 8][j * 8 + 2 * q + 1] = acc[rt][j][3];
-        }
-    }
-    __syncthreads();
-    for (int e = threadIdx.x; e < 16 * RT * n; e += blockDim.x) {
-        const int r = e % (16 * RT), t = e / (16 * RT);
-        const int64_t row = row0 + r;
-        if (row >= rows) {
-            continue;
-        }
-        float v = 0.0f;
-#pragma unroll
-        for (int k = 0; k < W; k++) {
-            v += red[k][r][t];
-        }
-        y[(int64_t)t * ldy + row] = bias ? v + bias[row] : v;
-    }
-}
-
-template <int NT, int RT, int W, int U>
-enum kr_status launch_gemv_mma_cfg(const struct krk_gemv_params *p, cudaStream_t stream)
-{
-    const int64_t blocks = (p->rows + 16 * RT - 1) / (16 * RT);
-    KRK_REQUIRE(blocks <= INT32_MAX);
-    const bool x_vec = p->ldx % 4 == 0 && ((uintptr_t)p->x & 15) == 0;
-    KRK_CUDA_TRY(launch_maybe_pdl(p->pdl || pdl_enabled(), gemv_mma_kernel<NT, RT, W, U>, dim3((unsigned)blocks),
-                                  dim3(W * 32), 0, stream, p->x, p->ldx, p->w, p->bias, (int)p->n, p->rows, p->cols,
-                                  x_vec, p->y, p->ldy));
-    return KR_OK;
-}
-
-// Configurations (RT, W, U) of the tensor-core GEMV: 0 is the default, the others are measured
-// against it by bench_gemv.
-template <int NT> enum kr_status launch_gemv_mma(const struct krk_gemv_params *p, cudaStream_t stream)
-{
-    switch (p->config) {
-    case 1:
-        return launch_gemv_mma_cfg<NT, 2, 8, 2>(p, stream);
-    case 2:
-        return launch_gemv_mma_cfg<NT, 4, 4, 2>(p, stream);
-    case 3:
-        return launch_gemv_mma_cfg<NT, 2, 4, 4>(p, stream);
-    case 4:
-        return launch_gemv_mma_cfg<NT, 2, 8, 4>(p, stream);
-    default:
-        return launch_gemv_mma_cfg<NT, 1, 8, 4>(p, stream);
-    }
-}
-
 } // namespace
 } // namespace krk
 
@@ -526,21 +249,13 @@ using namespace krk;
 extern "C" enum kr_status krk_gemv(const struct krk_gemv_params *p, cudaStream_t stream)
 {
     KRK_REQUIRE(p);
-    const int64_t max_n = p->variant == KRK_GEMV_MMA ? KRK_GEMV_MMA_MAX_N : KRK_GEMV_MAX_N;
-    KRK_REQUIRE(p->n >= 0 && p->n <= max_n && p->rows >= 1 && p->cols >= 8 && p->cols % 8 == 0);
+    KRK_REQUIRE(p->n >= 0 && p->n <= KRK_GEMV_MAX_N && p->rows >= 1 && p->cols >= 8 && p->cols % 8 == 0);
     KRK_REQUIRE(p->ldx >= p->cols && p->ldy >= p->rows);
     KRK_REQUIRE(p->config >= 0 && p->config < KRK_GEMV_CONFIGS);
     if (p->n == 0) {
         return KR_OK;
     }
     KRK_REQUIRE(p->x && p->w && p->y && ((uintptr_t)p->w & 15) == 0);
-    if (p->variant == KRK_GEMV_MMA) {
-        return p->n <= 8 ? launch_gemv_mma<1>(p, stream) : p->n <= 16 ? launch_gemv_mma<2>(p, stream)
-                                                                       : launch_gemv_mma<4>(p, stream);
-    }
-    if (p->variant == KRK_GEMV_L1 && p->n <= 2) {
-        return p->n == 1 ? launch_gemv_l1<1>(p, stream) : launch_gemv_l1<2>(p, stream);
-    }
     switch (p->n) {
     case 1:
         return launch_gemv<1>(p, stream);

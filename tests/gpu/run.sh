@@ -4,9 +4,8 @@
 #   tests/gpu/run.sh [--build DIR] [--no-tests] [--no-bench] [--no-hf] [--shape NAME] [--synth DIR]
 #                    [--bench-args "..."] [--deadline SECONDS] [--no-extras]
 # --suites "a b": only these test suites (default: all).
-# --no-extras: only the main benchmark, not the GEMV kernel comparison (bench_gemv), the
-# tensor-core GEMV and programmatic-launch runs, the DSA top-k variants or the engine host-overhead
-# runs.
+# --no-extras: only the main benchmark, not the GEMV kernel comparison (bench_gemv), the run
+# without programmatic dependent launch, the DSA top-k variants or the engine host-overhead runs.
 # --deadline: the whole run's time (default 560 s); each stage gets at most what is left, a stage
 # that would start with under 20 s left is skipped, and the logs are packed even when it is cut.
 # --shape: a shape of tools/bench/synth_model.py (nemotron_h_8b, hybrid_dsa_8b, hybrid_mla_8b).
@@ -91,31 +90,15 @@ if [ $bench = 1 ]; then
     echo "bench_cuda rc=$?" >> "$logs/bench.md"
   fi
   if [ -f "$synth/config.json" ] && [ $extras = 1 ]; then
-    # the GEMV kernels' configurations and cuBLAS on the decode step's weight shapes (no model needed)
+    # the GEMV kernel's configurations and cuBLAS on the decode step's weight shapes (no model needed)
     if [ -x "$build/bench/bench_gemv" ] && [ "$shape" = nemotron_h_8b ]; then
-      run_for 120 "$build/bench/bench_gemv" --n 1,2,4,8,16,32 --json "$logs/gemv.jsonl" > "$logs/bench-gemv.md" 2>&1
+      run_for 120 "$build/bench/bench_gemv" --n 1,2,3,4,8,16,32,64 --json "$logs/gemv.jsonl" > "$logs/bench-gemv.md" 2>&1
       echo "bench_gemv rc=$?" >> "$logs/bench-gemv.md"
     fi
-    # the tensor-core GEMV (steps of up to 32 rows) in its fastest configuration at n = 16 there
-    mma_cfg=0
-    [ -f "$logs/gemv.jsonl" ] && mma_cfg=$(python3 -c '
-import json, sys, collections
-t = collections.defaultdict(float)
-for line in open(sys.argv[1]):
-    r = json.loads(line)
-    if r["kernel"] == "mma" and r["n"] == 16:
-        t[r["config"]] += r["us"] * {"in_proj": 24, "out_proj": 24, "up": 24, "down": 24, "qkv": 4, "o": 4}.get(r["shape"], 1)
-print(min(t, key=t.get) if t else 0)' "$logs/gemv.jsonl" 2>/dev/null || echo 0)
-    KRAIT_GEMV=mma KRAIT_GEMV_CONFIG=$mma_cfg run_for 150 "$build/bench/bench_cuda" --batches 1,16,32 --prefill 512 \
-      --steps 24 "$synth" > "$logs/bench-gemv-mma.md" 2>&1
-    echo "bench_cuda (KRAIT_GEMV=mma KRAIT_GEMV_CONFIG=$mma_cfg) rc=$?" >> "$logs/bench-gemv-mma.md"
-    # every kernel launched as a programmatic dependent of the one before it, for comparison
-    KRAIT_PDL=1 run_for 150 "$build/bench/bench_cuda" --batches 1,16,64 --prefill 512 --steps 24 "$synth" \
+    # without programmatic dependent launch (the default launches every kernel as one), for comparison
+    KRAIT_PDL=0 run_for 150 "$build/bench/bench_cuda" --batches 1,16,64 --prefill 512 --steps 24 "$synth" \
       > "$logs/bench-pdl.md" 2>&1
-    echo "bench_cuda (KRAIT_PDL=1) rc=$?" >> "$logs/bench-pdl.md"
-    KRAIT_PDL=1 KRAIT_GEMV=mma KRAIT_GEMV_CONFIG=$mma_cfg run_for 150 "$build/bench/bench_cuda" --batches 1,16,32 \
-      --prefill 512 --steps 24 "$synth" > "$logs/bench-pdl-mma.md" 2>&1
-    echo "bench_cuda (KRAIT_PDL=1 KRAIT_GEMV=mma KRAIT_GEMV_CONFIG=$mma_cfg) rc=$?" >> "$logs/bench-pdl-mma.md"
+    echo "bench_cuda (KRAIT_PDL=0) rc=$?" >> "$logs/bench-pdl.md"
     # DSA shape: the top-k variants (one block per query, aggregated histograms, split) at 128K
     if [ "$shape" = hybrid_dsa_8b ]; then
       for sel in block agg split; do
@@ -145,12 +128,10 @@ fi
   echo
   [ -f "$logs/bench.md" ] && grep -a '^|\|^device\|^model\|^cache\|rc=' "$logs/bench.md"
   [ -f "$logs/bench-gemv.md" ] && { echo; echo "GEMV kernels by weight shape:"; cat "$logs/bench-gemv.md"; }
-  [ -f "$logs/bench-gemv-mma.md" ] && { echo; echo "Tensor-core GEMV:"; grep -a '^| decode\|rc=' "$logs/bench-gemv-mma.md"; }
   for sel in block agg split; do
     [ -f "$logs/bench-select-$sel.md" ] && { echo; echo "DSA top-k histograms ($sel):"; grep -a '^| decode\|rc=' "$logs/bench-select-$sel.md"; }
   done
-  [ -f "$logs/bench-pdl.md" ] && { echo; echo "Every kernel a programmatic dependent:"; grep -a '^| decode\|rc=' "$logs/bench-pdl.md"; }
-  [ -f "$logs/bench-pdl-mma.md" ] && { echo; echo "Programmatic dependents and the tensor-core GEMV:"; grep -a '^| decode\|rc=' "$logs/bench-pdl-mma.md"; }
+  [ -f "$logs/bench-pdl.md" ] && { echo; echo "Without programmatic dependent launch (KRAIT_PDL=0):"; grep -a '^| prefill\|^| decode\|rc=' "$logs/bench-pdl.md"; }
   [ -f "$logs/bench-sched.md" ] && { echo; echo "Engine host overhead:"; cat "$logs/bench-sched.md"; }
   [ -f "$logs/hf.log" ] && { echo; echo "HF transformers:"; grep -av '^\s*$' "$logs/hf.log" | tail -12; }
   echo

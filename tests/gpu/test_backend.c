@@ -329,9 +329,10 @@ static int32_t count_differing_rows(const struct fx *f, const struct run *a, con
     return differ;
 }
 
-/* KRAIT_PDL=1 (every kernel launched as a programmatic dependent of the one before it) changes when
- * kernels start, never what they compute: the same schedule (prefill chunks next to decodes, then
- * decode graphs) gives bit-identical log-probabilities with and without it. A kernel that touched
+/* Programmatic dependent launch (the default: every kernel launched as a programmatic dependent of
+ * the one before it; KRAIT_PDL=0 turns it off) changes when kernels start, never what they compute:
+ * the same schedule (prefill chunks next to decodes, then decode graphs) gives bit-identical
+ * log-probabilities with and without it. A kernel that touched
  * an earlier kernel's output before its wait would show up here as differing rows. */
 FIXTURE_PARAMS(pdl_equals_plain)
 ParameterizedTest(int *idx, cuda_backend, pdl_equals_plain)
@@ -341,23 +342,21 @@ ParameterizedTest(int *idx, cuda_backend, pdl_equals_plain)
     struct run r[2];
     struct fx f[2];
     for (int g = 0; g < 2; g++) {
-        if (g == 1) {
-            setenv("KRAIT_PDL", "1", 1);
+        if (g == 0) {
+            setenv("KRAIT_PDL", "0", 1);
         } else {
-            unsetenv("KRAIT_PDL");
+            unsetenv("KRAIT_PDL"); /* the default: on */
         }
         load_cuda(&f[g], *idx, 4, true);
         const int32_t start[N] = {0, 0, 2}, chunk[N] = {100, 5, 100};
         memset(&r[g], 0, sizeof r[g]);
         drive(&f[g], &r[g], 0, N, start, chunk, DEC);
     }
-    unsetenv("KRAIT_PDL");
-    krk_set_pdl(false);
     int32_t differ = 0;
     for (int32_t i = 0; i < N; i++) {
         differ += count_differing_rows(&f[0], &r[0], &r[1], i, "programmatic launch vs plain");
     }
-    cr_expect_eq(differ, 0, "%s: %d rows differ under KRAIT_PDL=1", fx_all[*idx].name, differ);
+    cr_expect_eq(differ, 0, "%s: %d rows differ between KRAIT_PDL=0 and the default", fx_all[*idx].name, differ);
     for (int g = 0; g < 2; g++) {
         run_free(&r[g], N);
         fx_free(&f[g]);
@@ -655,54 +654,6 @@ ParameterizedTest(int *idx, cuda_backend, fp8_indexer_matches_cpu)
     fx_free(&h);
 }
 
-/* The tensor-core GEMV (KRAIT_GEMV=mma, steps of up to 32 rows) against the default kernels on the
- * fixtures without discrete decisions: prompts in chunks of 7 and of 20 (both under 32 rows, so
- * every GEMM of the step takes the GEMV; with the default, the 20-row chunks take cuBLAS), compared
- * position by position within BATCH_TOL_MMA, HF's bound for one path (both round the same bf16
- * operands; only summation order differs). */
-#define BATCH_TOL_MMA LP_TOL
-static int plain_fixture_idx[] = {0, 3, 4};
-ParameterizedTestParameters(cuda_backend, gemv_mma_matches_default)
-{
-    return cr_make_param_array(int, plain_fixture_idx, sizeof plain_fixture_idx / sizeof plain_fixture_idx[0]);
-}
-ParameterizedTest(int *idx, cuda_backend, gemv_mma_matches_default)
-{
-    GT_REQUIRE_GPU();
-    struct fx a, b;
-    unsetenv("KRAIT_GEMV");
-    load_cuda(&a, *idx, 2, true);
-    setenv("KRAIT_GEMV", "mma", 1);
-    load_cuda(&b, *idx, 2, true);
-    unsetenv("KRAIT_GEMV");
-    const char *name = fx_all[*idx].name;
-    for (int32_t i = 0; i < a.n_prompts; i++) {
-        const struct fx_prompt *p = &a.prompts[i];
-        const size_t n = (size_t)p->n * (size_t)a.vocab;
-        float *la = kr_malloc(n * sizeof(float)), *lb = kr_malloc(n * sizeof(float));
-        cr_assert(la && lb);
-        for (int32_t chunk = 7; chunk <= 20; chunk += 13) {
-            struct kr_err err = {{0}};
-            cr_assert_eq(kr_run_prompt_logprobs(a.m, a.c, p->ids, p->n, chunk, la, &err), KR_OK, "%s", err.msg);
-            cr_assert_eq(kr_run_prompt_logprobs(b.m, b.c, p->ids, p->n, chunk, lb, &err), KR_OK, "%s", err.msg);
-            double worst = 0;
-            for (int32_t t = 0; t < p->n; t++) {
-                const double d = max_abs_diff(la + (size_t)t * (size_t)a.vocab, lb + (size_t)t * (size_t)a.vocab,
-                                              a.vocab);
-                worst = isnan(d) ? INFINITY : (d > worst ? d : worst);
-            }
-            fprintf(stderr, "  %-20s prompt %d (len %3d, chunk %d): tensor-core GEMV vs default max %.3g\n", name, i,
-                    p->n, chunk, worst);
-            cr_expect_leq(worst, BATCH_TOL_MMA, "%s prompt %d chunk %d: KRAIT_GEMV=mma differs by %g", name, i,
-                          chunk, worst);
-        }
-        kr_free(la);
-        kr_free(lb);
-    }
-    fx_free(&a);
-    fx_free(&b);
-}
-
 /* Serving allocates no device memory: the engine reserves every workspace, cache and staging buffer
  * when it is created. A mixed workload afterwards (staggered prompts of every length, chunked
  * prefill, decode graphs of several sizes, parallel choices, the most top log-probabilities,
@@ -839,22 +790,21 @@ Test(cuda_backend, dsa_real_shapes_match_cpu)
                 lens[i], worst);
     }
     cr_expect_leq(flips, N / 2, "%d of %d sequences took a different selection branch on the GPU", flips, N);
-    /* the same on the GPU with every kernel a programmatic dependent: bit-identical */
+    /* the same on the GPU without programmatic dependent launch: bit-identical */
     struct fx p;
     struct run c;
     memset(&c, 0, sizeof c);
-    setenv("KRAIT_PDL", "1", 1);
+    setenv("KRAIT_PDL", "0", 1);
     kr_backend_t be2 = NULL;
     cr_assert_eq(kr_backend_cuda_create(0, true, &be2, &err), KR_OK, "%s", err.msg);
     unsetenv("KRAIT_PDL");
     load_synth(&p, dir, be2, lens, N, DEC);
     drive(&p, &c, 0, N, start, chunk, DEC);
-    krk_set_pdl(false);
     int32_t differ = 0;
     for (int32_t i = 0; i < N; i++) {
         differ += count_differing_rows(&g, &b, &c, i, "dsa real shapes, programmatic launch vs plain");
     }
-    cr_expect_eq(differ, 0, "dsa real shapes: %d rows differ under KRAIT_PDL=1", differ);
+    cr_expect_eq(differ, 0, "dsa real shapes: %d rows differ between KRAIT_PDL=0 and the default", differ);
     run_free(&a, N);
     run_free(&b, N);
     run_free(&c, N);

@@ -20,10 +20,6 @@
 
 #define GEMV_NMSE 1e-10
 #define GEMV_ABS 1e-3
-/* The tensor-core variant: the same exact bf16 products, summed by the tensor cores (whose fp32
- * accumulation aligns and truncates within each k16 product) and then across 8 warps: a looser
- * bound, printed for tightening. */
-#define GEMV_MMA_NMSE 1e-9
 
 struct gemv_shape {
     int64_t rows, cols;
@@ -71,21 +67,26 @@ ParameterizedTest(int *idx, gemm, gemv_matches_cpu_matmul)
     float *bias = hrand(&rng, (size_t)s.rows, -1.0f, 1.0f);
     float *d_bias = gt_dup(bias, (size_t)s.rows * 4);
 
-    /* n = 1..MAX_N staged; n = 1, 2 through L1; n = 1, 4 staged as programmatic dependents of a
-     * kernel that writes x (the GEMV must wait for it before reading x); the tensor-core variant at
-     * n = 1, 3, 8, 9, 16, 17, 32 (one, two and four tiles of 8 x rows, partial tiles), and at n = 5
-     * as a programmatic dependent */
-    static const int64_t mma_n[] = {1, 3, 8, 9, 16, 17, 32, 5};
-    enum { N_MMA = sizeof mma_n / sizeof mma_n[0] };
-    for (int64_t it = 0; it < KRK_GEMV_MAX_N + 4 + N_MMA; it++) {
-        const bool mma = it >= KRK_GEMV_MAX_N + 4;
-        const bool pdl = (it >= KRK_GEMV_MAX_N + 2 && !mma) || it == KRK_GEMV_MAX_N + 4 + N_MMA - 1;
-        const int64_t n = mma ? mma_n[it - KRK_GEMV_MAX_N - 4]
-                          : it < KRK_GEMV_MAX_N ? it + 1
-                          : pdl ? 1 + 3 * (it - KRK_GEMV_MAX_N - 2)
-                                : it - KRK_GEMV_MAX_N + 1;
-        const enum krk_gemv_variant variant = mma ? KRK_GEMV_MMA
-                                              : it < KRK_GEMV_MAX_N || pdl ? KRK_GEMV_STAGED : KRK_GEMV_L1;
+    /* n = 1..MAX_N in the default tiling; n = 1 in each alternative tiling (bench_gemv's); n = 1, 4
+     * as programmatic dependents of a kernel that writes x (the GEMV must wait for it before
+     * reading x) */
+    struct gcase {
+        int64_t n;
+        int config;
+        bool pdl;
+    } cases[KRK_GEMV_MAX_N + KRK_GEMV_CONFIGS + 1];
+    int n_cases = 0;
+    for (int64_t n = 1; n <= KRK_GEMV_MAX_N; n++) {
+        cases[n_cases++] = (struct gcase){n, 0, false};
+    }
+    for (int cfg = 1; cfg < KRK_GEMV_CONFIGS; cfg++) {
+        cases[n_cases++] = (struct gcase){1, cfg, false};
+    }
+    cases[n_cases++] = (struct gcase){1, 0, true};
+    cases[n_cases++] = (struct gcase){4, 0, true};
+    for (int ci = 0; ci < n_cases; ci++) {
+        const int64_t n = cases[ci].n;
+        const bool pdl = cases[ci].pdl;
         const int64_t ldx = s.cols + n % 3, ldy = s.rows + (n % 2 ? 0 : 3);
         const bool with_bias = n % 2 == 1;
         const size_t nx = (size_t)(n * ldx), ny = (size_t)(n * ldy);
@@ -112,7 +113,7 @@ ParameterizedTest(int *idx, gemm, gemv_matches_cpu_matmul)
         }
         const struct krk_gemv_params p = {.x = d_x, .ldx = ldx, .w = d_w, .bias = with_bias ? d_bias : NULL, .n = n,
                                           .rows = s.rows, .cols = s.cols, .y = d_y, .ldy = ldy,
-                                          .variant = variant, .pdl = pdl};
+                                          .pdl = pdl, .config = cases[ci].config};
         cr_assert_eq(krk_gemv(&p, st), KR_OK);
         cr_assert_eq(cudaStreamSynchronize(st), cudaSuccess);
         cr_assert_eq(cudaStreamDestroy(st), cudaSuccess);
@@ -128,11 +129,10 @@ ParameterizedTest(int *idx, gemm, gemv_matches_cpu_matmul)
             memcpy(rd + i * s.rows, ref + i * ldy, (size_t)s.rows * sizeof(float));
         }
         char what[128];
-        snprintf(what, sizeof what, "gemv%s %lldx%lld n=%lld%s ldx=%lld",
-                 variant == KRK_GEMV_L1 ? " (L1)" : variant == KRK_GEMV_MMA ? (pdl ? " (mma, programmatic dependent)" : " (mma)")
-                 : pdl ? " (programmatic dependent)" : "",
-                 (long long)s.rows, (long long)s.cols, (long long)n, with_bias ? " +bias" : "", (long long)ldx);
-        gt_expect_close(what, gd, rd, (size_t)(n * s.rows), mma ? GEMV_MMA_NMSE : GEMV_NMSE, GEMV_ABS);
+        snprintf(what, sizeof what, "gemv %lldx%lld n=%lld%s ldx=%lld config %d%s", (long long)s.rows,
+                 (long long)s.cols, (long long)n, with_bias ? " +bias" : "", (long long)ldx, cases[ci].config,
+                 pdl ? " (programmatic dependent)" : "");
+        gt_expect_close(what, gd, rd, (size_t)(n * s.rows), GEMV_NMSE, GEMV_ABS);
         bool pad_ok = true;
         for (int64_t i = 0; i < n && pad_ok; i++) {
             const size_t pad = (size_t)(ldy - s.rows) * sizeof(float);
@@ -163,11 +163,12 @@ Test(gemm, gemv_rejects_bad_parameters)
     cr_expect_eq(krk_gemv(&p, 0), KR_OK);
     p.n = KRK_GEMV_MAX_N + 1;
     cr_expect_eq(krk_gemv(&p, 0), KR_ERR_INVAL);
-    p.variant = KRK_GEMV_MMA; /* takes up to KRK_GEMV_MMA_MAX_N rows of x */
-    cr_expect_eq(krk_gemv(&p, 0), KR_OK);
-    p.n = KRK_GEMV_MMA_MAX_N + 1;
+    p.n = 1;
+    p.config = KRK_GEMV_CONFIGS; /* no such tiling */
     cr_expect_eq(krk_gemv(&p, 0), KR_ERR_INVAL);
-    p.variant = KRK_GEMV_STAGED;
+    p.config = -1;
+    cr_expect_eq(krk_gemv(&p, 0), KR_ERR_INVAL);
+    p.config = 0;
     p.n = 2;
     p.cols = 60; /* not a multiple of 8 */
     p.ldx = 60;

@@ -10,19 +10,6 @@ extern "C" {
 /* Largest n krk_gemv accepts. */
 #define KRK_GEMV_MAX_N 8
 
-/* Largest n the tensor-core variant accepts. */
-#define KRK_GEMV_MMA_MAX_N 32
-
-/* How x reaches the arithmetic: staged in shared memory per block (default), read through L1
- * without staging (n <= 2 only; other n use the staged kernel), or as the B operand of bf16 tensor
- * core products with the weights streamed into A fragments and the columns split over a block's
- * warps (n <= KRK_GEMV_MMA_MAX_N). */
-enum krk_gemv_variant {
-    KRK_GEMV_STAGED = 0,
-    KRK_GEMV_L1 = 1,
-    KRK_GEMV_MMA = 2,
-};
-
 /* y[t, r] = sum_c bf16(x[t, c]) * W[r, c] (+ bias[r]) for t < n <= KRK_GEMV_MAX_N, r < rows;
  * fp32 accumulation (x rounded to bf16 like every GEMM operand). */
 struct krk_gemv_params {
@@ -33,13 +20,11 @@ struct krk_gemv_params {
     int64_t n, rows, cols;
     float *y;               /* [n, ldy] fp32 */
     int64_t ldy;
-    enum krk_gemv_variant variant;
     bool pdl;               /* launch as a programmatic dependent of the previous kernel: the first
                                weight loads overlap its tail (x is read only after it completes);
                                also when krk_set_pdl is on */
     int config;             /* 0: the default tiling; 1..KRK_GEMV_CONFIGS - 1: alternative tilings of
-                               the n = 1 staged and the tensor-core kernels, for bench_gemv (others
-                               ignore it) */
+                               the n = 1 kernel, for bench_gemv (other n ignore it) */
 };
 #define KRK_GEMV_CONFIGS 5
 enum kr_status krk_gemv(const struct krk_gemv_params *p, cudaStream_t stream);
