@@ -180,7 +180,7 @@ int main(int argc, char **argv)
     for (int in = 0; in < n_ns; in++) {
         const int n = ns[in];
         for (int k = 0; k < 2; k++) {
-            const int n_cfg = k == K_STAGED && n == 1 ? KRK_GEMV_CONFIGS : 1;
+            const int n_cfg = k == K_STAGED && n <= 2 ? KRK_GEMV_CONFIGS : 1;
             if (k == K_STAGED && n > KRK_GEMV_MAX_N) {
                 continue;
             }

@@ -220,6 +220,19 @@ template <int N> enum kr_status launch_gemv(const struct krk_gemv_params *p, cud
         default:
             return launch_gemv_cfg<N, 1, 4, 16>(p, stream);
         }
+    } else if constexpr (N == 2) {
+        switch (p->config) { // alternatives measured against the default by bench_gemv
+        case 1:
+            return launch_gemv_cfg<N, 1, 4, 16>(p, stream);
+        case 2:
+            return launch_gemv_cfg<N, 2, 2, 16>(p, stream);
+        case 3:
+            return launch_gemv_cfg<N, 1, 4, 8>(p, stream);
+        case 4:
+            return launch_gemv_cfg<N, 2, 4, 8>(p, stream);
+        default:
+            return launch_gemv_cfg<N, 2, 2, 8>(p, stream);
+        }
     } else if constexpr (N <= 4) {
         return launch_gemv_cfg<N, 2, 2, 8>(p, stream);
     } else if constexpr (N <= 6) {

@@ -67,20 +67,21 @@ ParameterizedTest(int *idx, gemm, gemv_matches_cpu_matmul)
     float *bias = hrand(&rng, (size_t)s.rows, -1.0f, 1.0f);
     float *d_bias = gt_dup(bias, (size_t)s.rows * 4);
 
-    /* n = 1..MAX_N in the default tiling; n = 1 in each alternative tiling (bench_gemv's); n = 1, 4
+    /* n = 1..MAX_N in the default tiling; n = 1, 2 in each alternative tiling (bench_gemv's); n = 1, 4
      * as programmatic dependents of a kernel that writes x (the GEMV must wait for it before
      * reading x) */
     struct gcase {
         int64_t n;
         int config;
         bool pdl;
-    } cases[KRK_GEMV_MAX_N + KRK_GEMV_CONFIGS + 1];
+    } cases[KRK_GEMV_MAX_N + 2 * KRK_GEMV_CONFIGS + 2];
     int n_cases = 0;
     for (int64_t n = 1; n <= KRK_GEMV_MAX_N; n++) {
         cases[n_cases++] = (struct gcase){n, 0, false};
     }
     for (int cfg = 1; cfg < KRK_GEMV_CONFIGS; cfg++) {
         cases[n_cases++] = (struct gcase){1, cfg, false};
+        cases[n_cases++] = (struct gcase){2, cfg, false};
     }
     cases[n_cases++] = (struct gcase){1, 0, true};
     cases[n_cases++] = (struct gcase){4, 0, true};

@@ -24,7 +24,7 @@ struct krk_gemv_params {
                                weight loads overlap its tail (x is read only after it completes);
                                also when krk_set_pdl is on */
     int config;             /* 0: the default tiling; 1..KRK_GEMV_CONFIGS - 1: alternative tilings of
-                               the n = 1 kernel, for bench_gemv (other n ignore it) */
+                               the n = 1 and n = 2 kernels, for bench_gemv (other n ignore it) */
 };
 #define KRK_GEMV_CONFIGS 5
 enum kr_status krk_gemv(const struct krk_gemv_params *p, cudaStream_t stream);
