@@ -343,6 +343,18 @@ static void cuda_buf_free(kr_backend_t be, struct kr_buf *buf)
     buf->size = 0;
 }
 
+/* Copies n bytes of host memory to the device in the order of the backend's stream and waits for
+ * them to land (a plain cudaMemcpy from pageable memory may return before its DMA completes, and the
+ * non-blocking stream does not wait for the legacy stream). */
+static enum kr_status upload_bytes(struct cuda_ctx *c, void *dst, const void *src, size_t n)
+{
+    cudaError_t e = cudaMemcpyAsync(dst, src, n, cudaMemcpyHostToDevice, c->stream);
+    if (e == cudaSuccess) {
+        e = cudaStreamSynchronize(c->stream);
+    }
+    return e == cudaSuccess ? KR_OK : cu_fail(c, e, "cudaMemcpy (upload)", __FILE__, __LINE__);
+}
+
 /* Uploads a weight: an fp32 copy with `to_f32` (vectors, routers, kv_b: what the model computes
  * in fp32), bf16 otherwise (F16 and F32 sources are rounded to bf16; FP8 checkpoints arrive here
  * dequantized to F32). Conversions run on the host. */
@@ -362,10 +374,7 @@ static enum kr_status cuda_upload(kr_backend_t be, const struct kr_tensor *host,
     KR_TRY(cuda_buf_alloc(be, n * esz, &b));
     enum kr_status st = KR_OK;
     if ((f32 && host->dtype == KR_DTYPE_F32) || (!f32 && host->dtype == KR_DTYPE_BF16)) {
-        cudaError_t e = cudaMemcpy(b.ptr, host->data, n * esz, cudaMemcpyHostToDevice);
-        if (e != cudaSuccess) {
-            st = cu_fail(c, e, "cudaMemcpy (upload)", __FILE__, __LINE__);
-        }
+        st = upload_bytes(c, b.ptr, host->data, n * esz);
     } else {
         const size_t slice = (size_t)1 << 22;
         void *tmp = kr_malloc(slice * esz);
@@ -392,10 +401,7 @@ static enum kr_status cuda_upload(kr_backend_t be, const struct kr_tensor *host,
                     t[j] = kr_f32_to_bf16(v);
                 }
             }
-            cudaError_t e = cudaMemcpy((char *)b.ptr + i * esz, tmp, k * esz, cudaMemcpyHostToDevice);
-            if (e != cudaSuccess) {
-                st = cu_fail(c, e, "cudaMemcpy (upload)", __FILE__, __LINE__);
-            }
+            st = upload_bytes(c, (char *)b.ptr + i * esz, tmp, k * esz);
         }
         kr_free(tmp);
     }

@@ -201,8 +201,9 @@ enum kr_status launch_gemv_cfg(const struct krk_gemv_params *p, cudaStream_t str
 // shared memory per 16 bytes of weight and row; RW rows share those reads, which keeps them within
 // the shared-memory bandwidth as N grows, at the price of fewer blocks. Chosen by measurement on
 // an H200 (bench_gemv, each product on weights not in L2): at n = 1, 16 warps of one row each read
-// 3.4-4.0 TB/s on the 4096-21504-row decode shapes and 4.4 TB/s on the 131072-row head (3.98 ms for
-// the GEMVs of a Nemotron-H-8B step; 8 warps: 4.34 ms). For n >= 3 cuBLAS reads faster than this
+// 3.4-3.7 TB/s on the 4096-row decode shapes, and 8 warps with 8 steps in flight 3.9-4.0 TB/s on the
+// 18560-21504-row ones and 4.5 TB/s on the 131072-row head (3.95 ms for the GEMVs of a
+// Nemotron-H-8B step; 8 warps with 4 steps everywhere: 4.34 ms). For n >= 3 cuBLAS reads faster than this
 // kernel (n = 4: 4.45 vs 5.47 ms a step; n = 8 is bound by the FMA issue rate here), so the CUDA
 // backend takes it only for n <= 2.
 template <int N> enum kr_status launch_gemv(const struct krk_gemv_params *p, cudaStream_t stream)
@@ -216,8 +217,12 @@ template <int N> enum kr_status launch_gemv(const struct krk_gemv_params *p, cud
         case 3:
             return launch_gemv_cfg<N, 2, 4, 8>(p, stream);
         case 4:
-            return launch_gemv_cfg<N, 1, 8, 16>(p, stream);
-        default:
+            return launch_gemv_cfg<N, 1, 4, 16>(p, stream);
+        default: // tall weights (the Mamba input, MLP up and output heads) stream best with more
+                 // steps in flight per warp, the 4096-row ones with more warps per staged x
+            if (p->rows >= 16384) {
+                return launch_gemv_cfg<N, 1, 8, 8>(p, stream);
+            }
             return launch_gemv_cfg<N, 1, 4, 16>(p, stream);
         }
     } else if constexpr (N == 2) {

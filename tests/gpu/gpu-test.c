@@ -37,6 +37,8 @@ void *gt_dalloc(size_t bytes)
     void *p = NULL;
     GT_CUDA(cudaMalloc(&p, bytes ? bytes : 16));
     GT_CUDA(cudaMemset(p, 0xFF, bytes ? bytes : 16));
+    /* the fill runs on the legacy stream, which kernels on non-blocking streams do not wait for */
+    GT_CUDA(cudaDeviceSynchronize());
     return p;
 }
 
@@ -52,6 +54,8 @@ void *gt_dup(const void *host, size_t bytes)
     void *p = gt_dalloc(bytes);
     if (bytes) {
         GT_CUDA(cudaMemcpy(p, host, bytes, cudaMemcpyHostToDevice));
+        /* from pageable memory the call may return before the data lands */
+        GT_CUDA(cudaDeviceSynchronize());
     }
     return p;
 }
@@ -233,6 +237,7 @@ void gt_batch_make(struct gt_batch *b, struct gt_rng *r, int32_t n_seq, const in
         dp[i] = d;
         d += sz[i] + 1;
     }
+    GT_CUDA(cudaDeviceSynchronize()); /* the copies from pageable memory have landed */
     b->dev = (struct krk_batch){.n_tok = n_tok, .n_seq = n_seq, .tokens = dp[0], .pos = dp[1], .tok_seq = dp[2],
                                 .seq_tok0 = dp[3], .seq_pos0 = dp[4], .seq_slot = dp[5], .block_table = dp[6],
                                 .max_blocks = max_blocks, .max_seq_tok = max_tok, .max_ctx = max_ctx};

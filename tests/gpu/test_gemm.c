@@ -104,6 +104,9 @@ ParameterizedTest(int *idx, gemm, gemv_matches_cpu_matmul)
             x[i] *= pdl ? 0.5f : 1.0f;
         }
         cr_assert_eq(cudaMemcpy(d_x, x, nx * 4, cudaMemcpyHostToDevice), cudaSuccess);
+        /* a copy from pageable memory may return before it lands, and the stream below does not
+         * wait for the legacy stream */
+        gt_sync();
         for (size_t i = 0; i < nx; i++) {
             x[i] *= pdl ? 2.0f : 1.0f;
         }
