@@ -702,9 +702,9 @@ static enum kr_status op_enter(struct cuda_ctx *c)
 /* Sets up the bf16 copy an op may write of its n x cols output (for the GEMM that reads it next);
  * NULL when the next GEMM will not want it (decode rows go through krk_gemv in fp32). */
 /* Rows up to this many take krk_gemv (fp32 x), more take cuBLAS (bf16 x): on an H200 the GEMV reads
- * the decode step's weights faster at n = 1 (3.98 vs 4.40 ms a Nemotron-H-8B step), as fast at n = 2,
- * and slower from n = 4 (5.47 vs 4.45 ms; bench_gemv, docs/PERF.md). */
-#define GEMV_ROWS 2
+ * the decode step's weights faster at n = 1 (3.92 vs 4.28 ms a Nemotron-H-8B step), 1-2 % slower at
+ * n = 2 (4.40 vs 4.30) and far slower from n = 3 (bench_gemv, docs/PERF.md). */
+#define GEMV_ROWS 1
 
 static krk_bf16 *shadow_for(struct cuda_ctx *c, const float *out, int64_t n, int64_t cols)
 {

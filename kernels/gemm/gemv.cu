@@ -202,10 +202,10 @@ enum kr_status launch_gemv_cfg(const struct krk_gemv_params *p, cudaStream_t str
 // the shared-memory bandwidth as N grows, at the price of fewer blocks. Chosen by measurement on
 // an H200 (bench_gemv, each product on weights not in L2): at n = 1, 16 warps of one row each read
 // 3.4-3.7 TB/s on the 4096-row decode shapes, and 8 warps with 8 steps in flight 3.9-4.0 TB/s on the
-// 18560-21504-row ones and 4.5 TB/s on the 131072-row head (3.95 ms for the GEMVs of a
-// Nemotron-H-8B step; 8 warps with 4 steps everywhere: 4.34 ms). For n >= 3 cuBLAS reads faster than this
-// kernel (n = 4: 4.45 vs 5.47 ms a step; n = 8 is bound by the FMA issue rate here), so the CUDA
-// backend takes it only for n <= 2.
+// 18560-21504-row ones and 4.6 TB/s on the 131072-row head (3.92 ms for the GEMVs of a
+// Nemotron-H-8B step; 8 warps with 4 steps everywhere: 4.29 ms). From n = 2 cuBLAS reads as fast or
+// faster (n = 2: 4.30 vs 4.40 ms a step; n = 4: 4.34 vs 5.44; n = 8 is bound by the FMA issue rate
+// here), so the CUDA backend takes this kernel only for n = 1; n <= KRK_GEMV_MAX_N stay supported.
 template <int N> enum kr_status launch_gemv(const struct krk_gemv_params *p, cudaStream_t stream)
 {
     if constexpr (N == 1) {
