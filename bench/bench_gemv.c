@@ -11,6 +11,8 @@
  *   bench_gemv [--n 1,16,32] [--reps N] [--json FILE]   (n <= 64; the GEMV runs n <= KRK_GEMV_MAX_N) */
 #include "krk.h"
 
+#include <stdbool.h>
+
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 #include <getopt.h>
@@ -99,6 +101,80 @@ static double time_one(struct ctx *c, enum kind k, int config, const struct shap
     CUDA_OK(cudaEventDestroy(e0));
     CUDA_OK(cudaEventDestroy(e1));
     return 1000.0 * ms / c->reps;
+}
+
+/* The decode step's GEMV sequence of the 52-layer model (pattern below), captured as one CUDA
+ * graph: the GEMVs alone, then with `small` small kernels (an elementwise add over 4096 floats,
+ * the size of a norm's row) before each GEMV, as a step has its norms, convolutions and
+ * activations in between. Weights are taken in order from the pool, so consecutive layers read
+ * different memory. Returns ms per replay (mean of 10 after a warm-up), or -1. */
+static double time_chain(struct ctx *c, int small, int *n_gemv)
+{
+    static const char pattern[] = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-";
+    float *tmp = NULL;
+    CUDA_OK(cudaMalloc((void **)&tmp, 2 * 4096 * sizeof(float)));
+    CUDA_OK(cudaMemset(tmp, 0, 2 * 4096 * sizeof(float)));
+    CUDA_OK(cudaStreamSynchronize(c->stream));
+    cudaGraph_t g = NULL;
+    cudaGraphExec_t exec = NULL;
+    size_t off = 0;
+    int ok = 1;
+    *n_gemv = 0;
+    CUDA_OK(cudaStreamBeginCapture(c->stream, cudaStreamCaptureModeThreadLocal));
+    for (int l = 0; l <= (int)sizeof pattern - 1 && ok; l++) {
+        const char t = l < (int)sizeof pattern - 1 ? pattern[l] : 'H';
+        const struct shape *sh[2] = {NULL, NULL};
+        if (t == 'M') {
+            sh[0] = &shapes[0], sh[1] = &shapes[1];
+        } else if (t == '-') {
+            sh[0] = &shapes[2], sh[1] = &shapes[3];
+        } else if (t == '*') {
+            sh[0] = &shapes[4], sh[1] = &shapes[5];
+        } else {
+            sh[0] = &shapes[6];
+        }
+        for (int k = 0; k < 2 && sh[k]; k++) {
+            for (int i = 0; i < small; i++) {
+                ok &= krk_add(tmp, tmp + 4096, 4096, c->stream) == KR_OK;
+            }
+            const size_t wb = (size_t)sh[k]->rows * (size_t)sh[k]->cols * 2;
+            if (off + wb > c->pool_bytes) {
+                off = 0;
+            }
+            struct krk_gemv_params p = {.x = c->x, .ldx = sh[k]->cols, .w = (const krk_bf16 *)(c->pool + off),
+                                        .n = 1, .rows = sh[k]->rows, .cols = sh[k]->cols, .y = c->y,
+                                        .ldy = sh[k]->rows};
+            ok &= krk_gemv(&p, c->stream) == KR_OK;
+            off += (wb + 255) / 256 * 256;
+            ++*n_gemv;
+        }
+    }
+    CUDA_OK(cudaStreamEndCapture(c->stream, &g));
+    double ms = -1;
+    if (ok && cudaGraphInstantiate(&exec, g, 0) == cudaSuccess) {
+        cudaEvent_t e0, e1;
+        CUDA_OK(cudaEventCreate(&e0));
+        CUDA_OK(cudaEventCreate(&e1));
+        CUDA_OK(cudaGraphLaunch(exec, c->stream));
+        CUDA_OK(cudaEventRecord(e0, c->stream));
+        for (int r = 0; r < 10; r++) {
+            CUDA_OK(cudaGraphLaunch(exec, c->stream));
+        }
+        CUDA_OK(cudaEventRecord(e1, c->stream));
+        CUDA_OK(cudaEventSynchronize(e1));
+        float f = 0;
+        CUDA_OK(cudaEventElapsedTime(&f, e0, e1));
+        ms = f / 10.0;
+        cudaEventDestroy(e0);
+        cudaEventDestroy(e1);
+        cudaGraphExecDestroy(exec);
+    }
+    if (g) {
+        cudaGraphDestroy(g);
+    }
+    (void)cudaGetLastError();
+    cudaFree(tmp);
+    return ms;
 }
 
 int main(int argc, char **argv)
@@ -218,6 +294,27 @@ int main(int argc, char **argv)
             }
         }
     }
+    /* the GEMV chain of one decode step at n = 1, alone and with small kernels in between, with and
+     * without programmatic dependent launch */
+    printf("\nThe decode step's GEMVs (n = 1; q, k and v as one) replayed as one graph, with k small kernels\n"
+           "(an add over 4096 floats) before each GEMV:\n\n| GEMVs | small kernels per GEMV | programmatic launch | "
+           "ms per step | us per small kernel |\n|---|---|---|---|---|\n");
+    for (int pdl = 1; pdl >= 0; pdl--) {
+        krk_set_pdl(pdl != 0);
+        int n_gemv = 0;
+        const double t0 = time_chain(&c, 0, &n_gemv);
+        for (int small = 0; small <= 4; small += 2) {
+            const double t = small ? time_chain(&c, small, &n_gemv) : t0;
+            printf("| %d | %d | %s | %.3f | %s", n_gemv, small, pdl ? "on" : "off", t, small ? "" : "- |\n");
+            if (small) {
+                printf("%.2f |\n", (t - t0) * 1000.0 / ((double)n_gemv * small));
+            }
+            if (jf) {
+                fprintf(jf, "{\"chain\": true, \"small\": %d, \"pdl\": %d, \"ms\": %.4f}\n", small, pdl, t);
+            }
+        }
+    }
+    krk_set_pdl(false);
     const cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) {
         fprintf(stderr, "bench_gemv: %s\n", cudaGetErrorString(e));
