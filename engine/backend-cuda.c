@@ -1223,34 +1223,6 @@ TIMED(cuda_fp8_round, P_DSA, (kr_backend_t be, const struct kr_fp8_round_params 
 
 #undef TIMED
 
-/* act then matmul; at up to GEMV_ROWS rows one GEMV that applies the activation while it stages x
- * (one launch and one pass over the activation fewer; the same fp32 activation, then the same bf16
- * rounding, as the activation kernel followed by the GEMV). */
-static enum kr_status cuda_matmul_act(kr_backend_t be, enum kr_act act, const float *gate, const float *x,
-                                      int64_t ld_in, int64_t n, const struct kr_tensor *w, const float *bias,
-                                      float *hid, float *y, int64_t ldy)
-{
-    struct cuda_ctx *c = ctx_of(be);
-    if (n < 1 || n > GEMV_ROWS || w->dtype != KR_DTYPE_BF16 || w->cols % 8 != 0) {
-        KR_TRY(cuda_act(be, act, gate, x, ld_in, n, w->cols, hid));
-        return cuda_matmul(be, hid, w->cols, n, w, bias, y, ldy);
-    }
-    if (c->failed) {
-        return KR_ERR_CUDA;
-    }
-    KR_TRY(flush_pending(c));
-    struct krk_gemv_params p = {.x = x, .ldx = ld_in, .w = w->data, .bias = bias, .n = n, .rows = w->rows,
-                                .cols = w->cols, .y = y, .ldy = ldy, .config = c->gemv_config, .apply_act = true,
-                                .act = (enum krk_act)act, .gate = gate};
-    prof_begin(c, P_GEMV);
-    const enum kr_status st = krk_gemv(&p, c->stream);
-    prof_end(c);
-    if (c->shadow.valid && overlaps(y, (size_t)(n * ldy) * 4, c->shadow.src, (size_t)(c->shadow.n * c->shadow.ld) * 4)) {
-        c->shadow.valid = false;
-    }
-    return st;
-}
-
 /* ---- graphs ------------------------------------------------------------------------------- */
 
 static int32_t cuda_graph_bucket(kr_backend_t be, int32_t n)
@@ -1413,7 +1385,6 @@ enum kr_status kr_backend_cuda_create(int dev, bool graphs, kr_backend_t *out, s
         .rmsnorm = cuda_rmsnorm,
         .add = cuda_add,
         .matmul = cuda_matmul,
-        .matmul_act = cuda_matmul_act,
         .act = cuda_act,
         .mamba = cuda_mamba,
         .gated_rmsnorm = cuda_gated_rmsnorm,

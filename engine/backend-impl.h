@@ -54,11 +54,6 @@ struct kr_backend_i {
      * stride ld_in, out is [n, width] dense. */
     enum kr_status (*act)(kr_backend_t be, enum kr_act act, const float *gate, const float *x, int64_t ld_in,
                           int64_t n, int64_t width, float *out);
-    /* Optional: y = act(gate, x) * w^T (+ bias), the act op followed by matmul; `hid` [n, w.cols] is
-     * scratch for act's output, which the backend may skip writing (NULL: act then matmul). */
-    enum kr_status (*matmul_act)(kr_backend_t be, enum kr_act act, const float *gate, const float *x, int64_t ld_in,
-                                 int64_t n, const struct kr_tensor *w, const float *bias, float *hid, float *y,
-                                 int64_t ldy);
     /* Causal depthwise conv (+SiLU) with carried state, then the selective state space update over
      * every sequence of the batch (chunked SSD for several tokens, the exact recurrence for one).
      * A sequence whose seq_pos0 is 0 starts from zero conv and SSM state. Final states are

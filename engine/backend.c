@@ -207,17 +207,6 @@ enum kr_status kr_backend_act(kr_backend_t be, enum kr_act act, const float *gat
     return be->iface.act(be, act, gate, x, ld_in, n, width, out);
 }
 
-enum kr_status kr_backend_matmul_act(kr_backend_t be, enum kr_act act, const float *gate, const float *x,
-                                     int64_t ld_in, int64_t n, const struct kr_tensor *w, const float *bias,
-                                     float *hid, float *y, int64_t ldy)
-{
-    if (be->iface.matmul_act) {
-        return be->iface.matmul_act(be, act, gate, x, ld_in, n, w, bias, hid, y, ldy);
-    }
-    KR_TRY(be->iface.act(be, act, gate, x, ld_in, n, w->cols, hid));
-    return be->iface.matmul(be, hid, w->cols, n, w, bias, y, ldy);
-}
-
 enum kr_status kr_backend_mamba(kr_backend_t be, const struct kr_mamba_params *p)
 {
     return be->iface.mamba(be, p);

@@ -309,13 +309,6 @@ enum kr_status kr_backend_matmul(kr_backend_t be, const float *x, int64_t ldx, i
                                  const float *bias, float *y, int64_t ldy);
 enum kr_status kr_backend_act(kr_backend_t be, enum kr_act act, const float *gate, const float *x, int64_t ld_in,
                               int64_t n, int64_t width, float *out);
-/* y[t, :w.rows] = act(gate, x)[t, :w.cols] * w^T (+ bias): kr_backend_act into `hid` ([n, w.cols],
- * dense) then kr_backend_matmul, or both in one pass where the backend can (CUDA at one token: the
- * activation is applied while the GEMV stages x). `hid` is scratch: it may not hold the activation
- * afterwards. Results equal act followed by matmul. */
-enum kr_status kr_backend_matmul_act(kr_backend_t be, enum kr_act act, const float *gate, const float *x,
-                                     int64_t ld_in, int64_t n, const struct kr_tensor *w, const float *bias,
-                                     float *hid, float *y, int64_t ldy);
 enum kr_status kr_backend_mamba(kr_backend_t be, const struct kr_mamba_params *p);
 enum kr_status kr_backend_gated_rmsnorm(kr_backend_t be, const float *y, const float *z, int64_t ldz, const float *w,
                                         int64_t n, int64_t dim, int64_t group, float eps, float *out);

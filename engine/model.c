@@ -477,8 +477,11 @@ static enum kr_status mlp_fwd(kr_backend_t be, const struct kr_mlp_w *w, enum kr
     KR_TRY(kr_backend_matmul(be, x, d_in, n, &w->up, w->up_b, t1, F));
     if (w->gate.data) {
         KR_TRY(kr_backend_matmul(be, x, d_in, n, &w->gate, w->gate_b, t2, F));
+        KR_TRY(kr_backend_act(be, act, t2, t1, F, n, F, hid));
+    } else {
+        KR_TRY(kr_backend_act(be, act, NULL, t1, F, n, F, hid));
     }
-    return kr_backend_matmul_act(be, act, w->gate.data ? t2 : NULL, t1, F, n, &w->down, w->down_b, hid, out, d_out);
+    return kr_backend_matmul(be, hid, F, n, &w->down, w->down_b, out, d_out);
 }
 
 static enum kr_status moe_fwd(struct kr_model *m, const struct kr_layer *L, int64_t n, struct ws *ws)

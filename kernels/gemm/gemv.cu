@@ -11,7 +11,7 @@
 // with the two halves of every other 8-column group swapped, and lanes 4..7 of each quarter warp
 // read their second float4 first, so that each 16-byte shared-memory phase covers 32 distinct
 // banks.
-#include "norm/act.cuh"
+#include "common/util.cuh"
 
 namespace krk {
 namespace {
@@ -57,8 +57,7 @@ __device__ __forceinline__ void load_steps(uint4 (&wv)[U][RW], const uint16_t *c
 template <int N, int RW, int U, int W>
 __global__ void __launch_bounds__(W * 32)
     gemv_kernel(const float *KRK_RESTRICT x, int64_t ldx, const uint16_t *KRK_RESTRICT w,
-                const float *KRK_RESTRICT bias, int64_t rows, int64_t cols, int ch, float *KRK_RESTRICT y, int64_t ldy,
-                int act, const float *KRK_RESTRICT gate)
+                const float *KRK_RESTRICT bias, int64_t rows, int64_t cols, int ch, float *KRK_RESTRICT y, int64_t ldy)
 {
     extern __shared__ float4 xs4[]; // [N][ch / 4], halves of 8-column groups swizzled (see staging)
     float *xs = reinterpret_cast<float *>(xs4);
@@ -105,17 +104,9 @@ __global__ void __launch_bounds__(W * 32)
         for (int t = 0; t < N; t++) {
             for (int c = threadIdx.x; c < padded; c += W * 32) {
                 // x is rounded to bf16, the operand precision of the cuBLAS path, so that a row's result
-                // does not depend on whether its batch takes this kernel or a GEMM; an activation
-                // (act >= 0) is applied first, as the activation kernel would have written it
-                float v = 0.0f;
-                if (c < len) {
-                    v = x[t * ldx + c0 + c];
-                    if (act >= 0) {
-                        v = gate ? act_apply(act, gate[t * ldx + c0 + c]) * v : act_apply(act, v);
-                    }
-                    v = __bfloat162float(__float2bfloat16_rn(v));
-                }
-                xs[t * ch + (c ^ (((c >> 5) & 1) << 2))] = v;
+                // does not depend on whether its batch takes this kernel or a GEMM
+                xs[t * ch + (c ^ (((c >> 5) & 1) << 2))] =
+                    c < len ? __bfloat162float(__float2bfloat16_rn(x[t * ldx + c0 + c])) : 0.0f;
             }
         }
         __syncthreads();
@@ -202,7 +193,7 @@ enum kr_status launch_gemv_cfg(const struct krk_gemv_params *p, cudaStream_t str
     const size_t smem = (size_t)N * (size_t)ch * sizeof(float);
     KRK_CUDA_TRY(launch_maybe_pdl(p->pdl || pdl_enabled(), gemv_kernel<N, RW, U, W>, dim3((unsigned)blocks),
                                   dim3(W * 32), smem, stream, p->x, p->ldx, p->w, p->bias, p->rows, p->cols, ch, p->y,
-                                  p->ldy, p->apply_act ? (int)p->act : -1, p->apply_act ? p->gate : nullptr));
+                                  p->ldy));
     return KR_OK;
 }
 
@@ -279,7 +270,6 @@ extern "C" enum kr_status krk_gemv(const struct krk_gemv_params *p, cudaStream_t
     KRK_REQUIRE(p->n >= 0 && p->n <= KRK_GEMV_MAX_N && p->rows >= 1 && p->cols >= 8 && p->cols % 8 == 0);
     KRK_REQUIRE(p->ldx >= p->cols && p->ldy >= p->rows);
     KRK_REQUIRE(p->config >= 0 && p->config < KRK_GEMV_CONFIGS);
-    KRK_REQUIRE(!p->apply_act || act_valid(p->act));
     if (p->n == 0) {
         return KR_OK;
     }

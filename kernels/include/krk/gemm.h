@@ -25,10 +25,6 @@ struct krk_gemv_params {
                                also when krk_set_pdl is on */
     int config;             /* 0: the default tiling; 1..KRK_GEMV_CONFIGS - 1: alternative tilings of
                                the n = 1 and n = 2 kernels, for bench_gemv (other n ignore it) */
-    bool apply_act;         /* x stands for act(gate) * x (gate given) or act(x), computed in fp32 as
-                               krk_act computes it, while x is staged (before the bf16 rounding) */
-    enum krk_act act;
-    const float *gate;      /* [n, ldx] fp32, or NULL */
 };
 #define KRK_GEMV_CONFIGS 5
 enum kr_status krk_gemv(const struct krk_gemv_params *p, cudaStream_t stream);
