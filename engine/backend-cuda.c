@@ -491,27 +491,38 @@ static enum kr_status ensure_xb(struct cuda_ctx *c, size_t elems)
     return KR_OK;
 }
 
+/* Replaces a device buffer and its pinned host twin of *cap bytes by ones of `bytes` (after the
+ * stream is idle: work in flight may still use the old ones). */
+static enum kr_status regrow_staging(struct cuda_ctx *c, void **dev, void **host, size_t *cap, size_t bytes)
+{
+    if (c->stream) {
+        CU_TRY(c, cudaStreamSynchronize(c->stream));
+    }
+    cudaFree(*dev);
+    cudaFreeHost(*host);
+    c->bytes_alloc -= *cap < c->bytes_alloc ? *cap : c->bytes_alloc;
+    *dev = *host = NULL;
+    *cap = 0;
+    KR_TRY(dev_alloc(c, bytes, dev));
+    CU_TRY(c, cudaMallocHost(host, bytes));
+    *cap = bytes;
+    return KR_OK;
+}
+
 static enum kr_status ensure_meta(struct cuda_ctx *c, size_t elems)
 {
     if (elems <= c->meta_cap) {
         return KR_OK;
     }
     elems += elems / 2 + 64;
-    if (c->stream) {
-        CU_TRY(c, cudaStreamSynchronize(c->stream));
-    }
-    cudaFree(c->d_meta);
-    cudaFreeHost(c->h_meta);
-    c->d_meta = NULL;
-    c->h_meta = NULL;
-    c->meta_cap = 0;
-    void *p;
-    KR_TRY(dev_alloc(c, elems * 4, &p));
-    c->d_meta = p;
-    CU_TRY(c, cudaMallocHost((void **)&c->h_meta, elems * 4));
-    c->meta_cap = elems;
-    graphs_clear(c);
-    return KR_OK;
+    void *d = c->d_meta, *h = c->h_meta;
+    size_t cap = c->meta_cap * 4;
+    const enum kr_status st = regrow_staging(c, &d, &h, &cap, elems * 4);
+    c->d_meta = d;
+    c->h_meta = h;
+    c->meta_cap = cap / 4;
+    graphs_clear(c); /* captured graphs read the old metadata buffer */
+    return st;
 }
 
 static int64_t max64(int64_t a, int64_t b)
@@ -1107,25 +1118,10 @@ _Static_assert(sizeof(struct kr_sample_row) == sizeof(struct krk_sample_row), "s
 _Static_assert(offsetof(struct kr_sample_row, u) == offsetof(struct krk_sample_row, u), "sample row layouts");
 _Static_assert(offsetof(struct kr_sample_row, pen_n) == offsetof(struct krk_sample_row, pen_n), "sample row layouts");
 
-
 /* Staging for sampling `total` bytes (reserved at start for the largest step; see cuda_reserve). */
 static enum kr_status ensure_samp(struct cuda_ctx *c, size_t total)
 {
-    if (total <= c->samp_cap) {
-        return KR_OK;
-    }
-    if (c->stream) {
-        CU_TRY(c, cudaStreamSynchronize(c->stream));
-    }
-    cudaFree(c->samp_d);
-    cudaFreeHost(c->samp_h);
-    c->bytes_alloc -= c->samp_cap < c->bytes_alloc ? c->samp_cap : c->bytes_alloc;
-    c->samp_d = c->samp_h = NULL;
-    c->samp_cap = 0;
-    KR_TRY(dev_alloc(c, total, &c->samp_d));
-    CU_TRY(c, cudaMallocHost(&c->samp_h, total));
-    c->samp_cap = total;
-    return KR_OK;
+    return total <= c->samp_cap ? KR_OK : regrow_staging(c, &c->samp_d, &c->samp_h, &c->samp_cap, total);
 }
 
 static enum kr_status cuda_sample(kr_backend_t be, const struct kr_sample_batch *sb)
@@ -1415,9 +1411,11 @@ enum kr_status kr_backend_cuda_create(int dev, bool graphs, kr_backend_t *out, s
                     : dl && !strcmp(dl, "split") ? KRK_DSA_SELECT_SPLIT
                                                  : KRK_DSA_SELECT_BLOCK;
     const char *gc = getenv("KRAIT_GEMV_CONFIG");
-    c->gemv_config = gc ? atoi(gc) : 0;
+    char *gc_end = NULL;
+    const long gcv = gc ? strtol(gc, &gc_end, 10) : 0;
+    c->gemv_config = gcv >= 0 && gcv < KRK_GEMV_CONFIGS ? (int)gcv : -1;
     enum kr_status st = KR_ERR_INVAL;
-    if (c->gemv_config < 0 || c->gemv_config >= KRK_GEMV_CONFIGS) {
+    if (c->gemv_config < 0 || (gc && (gc_end == gc || *gc_end != '\0'))) {
         kr_err_set(err, KR_ERR_INVAL, "cuda: KRAIT_GEMV_CONFIG=%s is not in 0..%d", gc, KRK_GEMV_CONFIGS - 1);
         goto fail;
     }
