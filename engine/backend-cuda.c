@@ -583,9 +583,9 @@ static enum kr_status cuda_reserve(kr_backend_t be, const struct kr_model_config
     if (m->kv_lora) {
         /* MLA / DSA scratch grows with the context; the kernels process queries in groups that fit */
         const size_t cap = (size_t)256 << 20;
-        size_t a = krk_dsa_index_workspace_bytes(n_tok, max_ctx);
+        size_t a = krk_dsa_index_workspace_bytes(n_tok, max_ctx, c->dsa_select);
         size_t b = krk_mla_attn_workspace_bytes(n_tok, m->mla_heads, m->kv_lora, max_ctx);
-        const size_t a1 = krk_dsa_index_workspace_bytes(1, max_ctx);
+        const size_t a1 = krk_dsa_index_workspace_bytes(1, max_ctx, c->dsa_select);
         const size_t b1 = krk_mla_attn_workspace_bytes(1, m->mla_heads, m->kv_lora, max_ctx);
         a = a > cap ? (a1 > cap ? a1 : cap) : a;
         b = b > cap ? (b1 > cap ? b1 : cap) : b;
@@ -1078,7 +1078,7 @@ static enum kr_status cuda_dsa_index(kr_backend_t be, const struct kr_dsa_index_
 {
     struct cuda_ctx *c = ctx_of(be);
     KR_TRY(op_enter(c));
-    const size_t need1 = krk_dsa_index_workspace_bytes(1, c->batch.max_ctx);
+    const size_t need1 = krk_dsa_index_workspace_bytes(1, c->batch.max_ctx, c->dsa_select);
     if (need1 > c->scratch_size) {
         KR_TRY(ensure_scratch(c, need1));
     }

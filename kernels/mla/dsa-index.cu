@@ -481,17 +481,18 @@ int32_t split_chunk(int64_t ld, int32_t k)
 
 } // namespace
 
-// Scores of a token take one fp32 row of max_ctx (and the split top-k n_chunk * topk candidate
-// positions); the launcher processes tokens in groups of as many rows as the workspace holds (at
-// least one score row, 4 * max_ctx bytes, is needed when max_ctx > topk; none otherwise; the split
-// top-k falls back to one block per query when its candidates do not fit).
-extern "C" size_t krk_dsa_index_workspace_bytes(int64_t n_tok, int64_t max_ctx)
+// Scores of a token take one fp32 row of max_ctx (and, for the split top-k, n_chunk * topk
+// candidate positions); the launcher processes tokens in groups of as many rows as the workspace
+// holds (at least one score row, 4 * max_ctx bytes, is needed when max_ctx > topk; none otherwise;
+// the split top-k falls back to one block per query when its candidates do not fit).
+extern "C" size_t krk_dsa_index_workspace_bytes(int64_t n_tok, int64_t max_ctx, int32_t select)
 {
     if (n_tok <= 0 || max_ctx <= 0) {
         return 0;
     }
-    // + the split top-k's candidates, at most max_ctx / 4 + 2048 positions a token (topk <= 2048)
-    return (size_t)n_tok * (size_t)(max_ctx + max_ctx / 4 + 2048) * sizeof(float);
+    // the split top-k's candidates: at most max_ctx / 4 + 2048 positions a token (topk <= 2048)
+    const int64_t cand = select == KRK_DSA_SELECT_SPLIT ? max_ctx / 4 + 2048 : 0;
+    return (size_t)n_tok * (size_t)(max_ctx + cand) * sizeof(float);
 }
 
 extern "C" enum kr_status krk_dsa_index(const struct krk_dsa_index_params *p, cudaStream_t stream)
@@ -518,7 +519,7 @@ extern "C" enum kr_status krk_dsa_index(const struct krk_dsa_index_params *p, cu
         KRK_REQUIRE(p->key_off >= 0 && p->row >= p->key_off + p->head_dim && p->block_size > 0);
         KRK_REQUIRE(p->workspace && (uintptr_t)p->workspace % alignof(float) == 0);
         group = (int64_t)(p->workspace_bytes / ((size_t)ld * sizeof(float)));
-        KRK_REQUIRE(group >= 1); // workspace below krk_dsa_index_workspace_bytes(1, max_ctx)
+        KRK_REQUIRE(group >= 1); // workspace below one score row
         if (split) { // candidates after the score rows, when at least one token's worth fits
             const int64_t g2 = (int64_t)(p->workspace_bytes / ((size_t)(ld + ld_cand) * sizeof(float)));
             split = g2 >= 1;

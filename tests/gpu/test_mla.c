@@ -335,7 +335,9 @@ ParameterizedTest(int *ci, mla, index_selects_cpu_topk)
     float *d_iq = gt_dup(iq, n_iq * sizeof(float)), *d_w = gt_dup(w, n_w * sizeof(float));
     const size_t n_idx = (size_t)n_tok * (size_t)topk;
     int32_t *d_idx = gt_dalloc(n_idx * sizeof(int32_t));
-    const size_t ws_bytes = krk_dsa_index_workspace_bytes(ic->ws_tokens ? ic->ws_tokens : n_tok, max_ctx);
+    /* sized for the split top-k, the variant that needs the most (the runs below take every variant) */
+    const size_t ws_bytes =
+        krk_dsa_index_workspace_bytes(ic->ws_tokens ? ic->ws_tokens : n_tok, max_ctx, KRK_DSA_SELECT_SPLIT);
     void *d_ws = gt_dalloc(ws_bytes);
 
     struct krk_dsa_index_params kp = {.iq = d_iq, .w = d_w, .n_head = ic->n_head, .head_dim = ic->head_dim,
@@ -443,10 +445,10 @@ Test(mla, index_rejects_short_workspace)
     struct gt_rng rng = {.s = 5};
     struct gt_batch b;
     batch_make(&b, &rng, &bs, 64, 16);
-    /* the kernel needs at least one token's row of scores; the advertised size adds the split
-     * top-k's candidates */
+    /* the kernel needs at least one token's row of scores (the split top-k's size adds its
+     * candidates) */
     const size_t row = (size_t)b.dev.max_ctx * sizeof(float);
-    const size_t need = krk_dsa_index_workspace_bytes(1, b.dev.max_ctx);
+    const size_t need = krk_dsa_index_workspace_bytes(1, b.dev.max_ctx, KRK_DSA_SELECT_BLOCK);
     cr_assert_geq(need, row);
     void *d_ws = gt_dalloc(need);
     struct krk_dsa_index_params kp = {.iq = d_ws, .w = d_ws, .n_head = 1, .head_dim = 8, .cache = d_ws, .row = 8,

@@ -47,11 +47,13 @@ struct krk_dsa_index_params {
  * 4 topk (at most 16), a block per chunk keeping its top-k and one per query selecting among those
  * (KRK_DSA_SELECT_SPLIT, aggregated histograms). All give the same selection. */
 enum { KRK_DSA_SELECT_BLOCK = 0, KRK_DSA_SELECT_AGG = 1, KRK_DSA_SELECT_SPLIT = 2 };
-/* Score variants: fp32 on CUDA cores (default); bf16 tensor cores (queries rounded to bf16, fp32
+/* Score variants: fp32 on CUDA cores (0); bf16 tensor cores (queries rounded to bf16, fp32
  * accumulation; index heads a multiple of 16 up to 64, head_dim a multiple of 16, aligned key rows;
  * otherwise the default runs). */
 enum { KRK_DSA_SCORE_FP32 = 0, KRK_DSA_SCORE_MMA = 1 };
-size_t krk_dsa_index_workspace_bytes(int64_t n_tok, int64_t max_ctx);
+/* Workspace for n_tok tokens at contexts up to max_ctx with top-k variant `select` (KRK_DSA_SELECT_*;
+ * less still works: tokens go in smaller groups, and the split variant falls back). */
+size_t krk_dsa_index_workspace_bytes(int64_t n_tok, int64_t max_ctx, int32_t select);
 enum kr_status krk_dsa_index(const struct krk_dsa_index_params *p, cudaStream_t stream);
 
 /* Absorbed MLA attention over selected (idx) or all causal (idx NULL) cached positions. */
