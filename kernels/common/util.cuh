@@ -69,7 +69,7 @@ __device__ __forceinline__ uint16_t f32_to_bf16(float f)
 }
 
 // Programmatic dependent launch (sm_90): a kernel launched as a programmatic dependent of the one
-// before it (krk_launch_pdl) may start while that one drains; pdl_wait() blocks until it has
+// before it (launch_maybe_pdl) may start while that one drains; pdl_wait() blocks until it has
 // completed and its writes are visible, so everything before the wait must read only data no
 // earlier kernel writes (weights). pdl_trigger() lets the next kernel launch once every block of
 // this one has called it or exited. Both are no-ops for kernels launched normally.

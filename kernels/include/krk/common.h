@@ -53,8 +53,8 @@ int krk_device_count(void);
 /* Fills `name` (at most `n` bytes) with the name of device `dev` and its compute capability
  * ("NVIDIA H200 sm_90"). Returns KR_ERR_CUDA when the device cannot be queried. */
 enum kr_status krk_device_describe(int dev, char *name, int n);
-/* Streaming multiprocessors of the current device (132 when it cannot be read); launchers size
- * grids that must fill the GPU by it. */
+/* Streaming multiprocessors of the device current at the first call (read once; 132 when it cannot
+ * be read); launchers size grids that must fill the GPU by it. */
 int krk_device_sm_count(void);
 /* Launch mode of every kernel launcher (process-wide, off at start): when on, each kernel is
  * launched as a programmatic dependent of the kernel before it in the stream (sm_90): it may become
