@@ -160,18 +160,19 @@ extern "C" enum kr_status krk_ssd(const struct krk_ssd_params *p, cudaStream_t s
     mark(2, 0);
     const int64_t pn = p->head_dim * p->d_state;
     krk::launch_maybe_pdl(krk::pdl_enabled(), ssd_state_passing_kernel,
-                          dim3((unsigned)((pn + kPassTile - 1) / kPassTile), (unsigned)p->n_head,
-                                    (unsigned)b.n_seq), kPassThreads, 0, stream, a);
+                          dim3((unsigned)((pn + kPassTile - 1) / kPassTile), (unsigned)p->n_head, (unsigned)b.n_seq),
+                          kPassThreads, 0, stream, a);
     KRK_CHECK_LAUNCH();
     mark(2, 1);
     mark(3, 0);
-    krk::launch_maybe_pdl(krk::pdl_enabled(), ssd_bmm_kernel,
-                          dim3((unsigned)slots, (unsigned)p->n_group), kBmmThreads, 0, stream, a);
+    krk::launch_maybe_pdl(krk::pdl_enabled(), ssd_bmm_kernel, dim3((unsigned)slots, (unsigned)p->n_group), kBmmThreads,
+                          0, stream, a);
     KRK_CHECK_LAUNCH();
     mark(3, 1);
     mark(4, 0);
-    krk::launch_maybe_pdl(krk::pdl_enabled(), ssd_chunk_scan_kernel, dim3((unsigned)slots, (unsigned)p->n_head,
-                                 (unsigned)((p->head_dim + kScanP - 1) / kScanP)), kScanThreads, 0, stream, a);
+    krk::launch_maybe_pdl(krk::pdl_enabled(), ssd_chunk_scan_kernel,
+                          dim3((unsigned)slots, (unsigned)p->n_head, (unsigned)((p->head_dim + kScanP - 1) / kScanP)),
+                          kScanThreads, 0, stream, a);
     KRK_CHECK_LAUNCH();
     mark(4, 1);
     return KR_OK;

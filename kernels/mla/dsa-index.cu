@@ -549,14 +549,12 @@ extern "C" enum kr_status krk_dsa_index(const struct krk_dsa_index_params *p, cu
             const int tiles = (int)std::max((int64_t)1, std::min((int64_t)kMmaTiles, key_tiles / want));
             const int64_t blocks = (key_tiles + tiles - 1) / tiles;
             krk::launch_maybe_pdl(krk::pdl_enabled(), dsa_score_mma_kernel, dim3((unsigned)blocks, (unsigned)g),
-                                  kMmaWarps * 32,
-                                  mma_smem_bytes(p->n_head, p->head_dim), stream, *p, (int32_t)t0, scores, ld,
-                                                                                      tiles);
+                                  kMmaWarps * 32, mma_smem_bytes(p->n_head, p->head_dim), stream, *p, (int32_t)t0,
+                                  scores, ld, tiles);
             KRK_CHECK_LAUNCH();
         } else if (need_scores) {
             krk::launch_maybe_pdl(krk::pdl_enabled(), dsa_score_kernel, dim3((unsigned)tiles, (unsigned)g),
-                                  kScoreThreads, score_smem, stream,
-                *p, (int32_t)t0, scores, ld);
+                                  kScoreThreads, score_smem, stream, *p, (int32_t)t0, scores, ld);
             KRK_CHECK_LAUNCH();
         }
         mark(t0, 1);
@@ -564,18 +562,16 @@ extern "C" enum kr_status krk_dsa_index(const struct krk_dsa_index_params *p, cu
         if (split) {
             int32_t *cand = reinterpret_cast<int32_t *>(scores + g * ld);
             krk::launch_maybe_pdl(krk::pdl_enabled(), dsa_chunk_topk_kernel, dim3((unsigned)n_chunk, (unsigned)g),
-                                  kSelectThreads, 0, stream,
-                *p, (int32_t)t0, scores, ld, chunk, cand, ld_cand);
+                                  kSelectThreads, 0, stream, *p, (int32_t)t0, scores, ld, chunk, cand, ld_cand);
             KRK_CHECK_LAUNCH();
-            krk::launch_maybe_pdl(krk::pdl_enabled(), dsa_merge_topk_kernel, (unsigned)g, kSelectThreads, 0, stream,
-                                  *p, (int32_t)t0, scores, ld, chunk,
-                                                                             cand, ld_cand);
+            krk::launch_maybe_pdl(krk::pdl_enabled(), dsa_merge_topk_kernel, (unsigned)g, kSelectThreads, 0, stream, *p,
+                                  (int32_t)t0, scores, ld, chunk, cand, ld_cand);
         } else if (p->select == KRK_DSA_SELECT_AGG) {
             krk::launch_maybe_pdl(krk::pdl_enabled(), dsa_select_kernel<true>, (unsigned)g, kSelectThreads, 0, stream,
                                   *p, (int32_t)t0, scores, ld);
         } else {
-            krk::launch_maybe_pdl(krk::pdl_enabled(), dsa_select_kernel<false>, (unsigned)g, kSelectThreads, 0,
-                                  stream, *p, (int32_t)t0, scores, ld);
+            krk::launch_maybe_pdl(krk::pdl_enabled(), dsa_select_kernel<false>, (unsigned)g, kSelectThreads, 0, stream,
+                                  *p, (int32_t)t0, scores, ld);
         }
         mark(t0, 3);
         KRK_CHECK_LAUNCH();

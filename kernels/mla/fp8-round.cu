@@ -89,9 +89,8 @@ enum kr_status launch(const struct krk_fp8_round_params *p, cudaStream_t stream)
     const int64_t blocks = (p->n + kWarps - 1) / kWarps;
     KRK_REQUIRE(blocks <= INT32_MAX);
     const float hscale = (float)(1.0 / sqrt((double)p->dim));
-    krk::launch_maybe_pdl(krk::pdl_enabled(), fp8_round_kernel<E>, (unsigned)blocks, kWarps * 32, 0, stream,
-                          p->x, p->ld, p->n, (int)p->block, p->ue8m0,
-                                                                      hscale);
+    krk::launch_maybe_pdl(krk::pdl_enabled(), fp8_round_kernel<E>, (unsigned)blocks, kWarps * 32, 0, stream, p->x,
+                          p->ld, p->n, (int)p->block, p->ue8m0, hscale);
     KRK_CHECK_LAUNCH();
     return KR_OK;
 }

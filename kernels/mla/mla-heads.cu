@@ -386,16 +386,15 @@ template <int R, int ROPE> enum kr_status heads_launch(const krk_mla_attn_params
         const int tc = (int)(p.batch.n_tok - t0 < pl.tc ? p.batch.n_tok - t0 : pl.tc);
         const unsigned tok_tiles = (unsigned)((tc + kTokTile - 1) / kTokTile);
         krk::launch_maybe_pdl(krk::pdl_enabled(), mla_absorb_kernel<R, ROPE>,
-                              dim3(tok_tiles, (unsigned)p.n_head, R / kAbsorbCols), kAbsorbCols, absorb_smem, stream,
-                              p, t0, tc, hp, ws.q);
+                              dim3(tok_tiles, (unsigned)p.n_head, R / kAbsorbCols), kAbsorbCols, absorb_smem, stream, p,
+                              t0, tc, hp, ws.q);
         KRK_CHECK_LAUNCH();
         krk::launch_maybe_pdl(krk::pdl_enabled(), mla_split_kernel<R, ROPE>, dim3((unsigned)tc, (unsigned)pl.ns),
                               (unsigned)(hg * 64), smem, stream, p, t0, hg, pl.ns, pl.spl, ws);
         KRK_CHECK_LAUNCH();
-        krk::launch_maybe_pdl(krk::pdl_enabled(), mla_combine_kernel<R>,
-                              dim3(tok_tiles, (unsigned)p.n_head,
-                                   (unsigned)((p.v_dim + kCombineRows - 1) / kCombineRows)),
-                              256, 0, stream, p, t0, tc, hp, pl.ns, ws);
+        const dim3 combine_grid(tok_tiles, (unsigned)p.n_head, (unsigned)((p.v_dim + kCombineRows - 1) / kCombineRows));
+        krk::launch_maybe_pdl(krk::pdl_enabled(), mla_combine_kernel<R>, combine_grid, 256, 0, stream, p, t0, tc, hp,
+                              pl.ns, ws);
         KRK_CHECK_LAUNCH();
     }
     return KR_OK;

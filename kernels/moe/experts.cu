@@ -114,14 +114,12 @@ extern "C" enum kr_status krk_moe_experts(const struct krk_experts_params *p, cu
     }
     KRK_REQUIRE(p->x && p->ids && p->weights && p->up && p->down && p->hidden && p->out);
     const dim3 g1((unsigned)(p->n * p->n_used), (unsigned)ffn_tiles);
-    krk::launch_maybe_pdl(krk::pdl_enabled(), experts_hidden_kernel, g1, kExpWarps * 32, 0, stream,
-                          p->x, p->d_in, p->d_ffn, p->n_expert, p->n_used, p->ids,
-                                                             p->gate, p->up, (int)p->act, p->hidden);
+    krk::launch_maybe_pdl(krk::pdl_enabled(), experts_hidden_kernel, g1, kExpWarps * 32, 0, stream, p->x, p->d_in,
+                          p->d_ffn, p->n_expert, p->n_used, p->ids, p->gate, p->up, (int)p->act, p->hidden);
     KRK_CHECK_LAUNCH();
     const dim3 g2((unsigned)p->n, (unsigned)out_tiles);
-    krk::launch_maybe_pdl(krk::pdl_enabled(), experts_out_kernel, g2, kExpWarps * 32, 0, stream,
-                          p->hidden, p->d_ffn, p->d_out, p->n_expert, p->n_used, p->ids,
-                                                          p->weights, p->down, p->out);
+    krk::launch_maybe_pdl(krk::pdl_enabled(), experts_out_kernel, g2, kExpWarps * 32, 0, stream, p->hidden, p->d_ffn,
+                          p->d_out, p->n_expert, p->n_used, p->ids, p->weights, p->down, p->out);
     KRK_CHECK_LAUNCH();
     return KR_OK;
 }

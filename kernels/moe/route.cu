@@ -155,9 +155,10 @@ extern "C" enum kr_status krk_moe_route(const struct krk_route_params *p, cudaSt
     const int64_t blocks = (p->n + kRouteWarps - 1) / kRouteWarps;
     KRK_REQUIRE(blocks <= INT32_MAX);
     const size_t smem = (size_t)kRouteWarps * (size_t)(2 * p->n_expert + p->n_group) * sizeof(float);
-    krk::launch_maybe_pdl(krk::pdl_enabled(), route_kernel, (unsigned)blocks, kRouteWarps * 32, smem, stream, 
-        p->logits, p->bias, p->n, (int)p->n_expert, (int)p->n_used, (int)p->n_group,
-        (int)(p->n_group > 1 ? p->topk_group : 1), p->norm_topk, p->scale, p->score, p->ids, p->weights);
+    krk::launch_maybe_pdl(krk::pdl_enabled(), route_kernel, (unsigned)blocks, kRouteWarps * 32, smem, stream, p->logits,
+                          p->bias, p->n, (int)p->n_expert, (int)p->n_used, (int)p->n_group,
+                          (int)(p->n_group > 1 ? p->topk_group : 1), p->norm_topk, p->scale, p->score, p->ids,
+                          p->weights);
     KRK_CHECK_LAUNCH();
     return KR_OK;
 }

@@ -248,24 +248,24 @@ enum kr_status convert(const void *src, int src_dtype, int64_t n, void *dst, cud
                               n, dst);
         break;
     case 1:
-        krk::launch_maybe_pdl(krk::pdl_enabled(), convert_kernel<0, true, TO_BF16>, blocks, kThreads, 0, stream, src,
-                              n, dst);
+        krk::launch_maybe_pdl(krk::pdl_enabled(), convert_kernel<0, true, TO_BF16>, blocks, kThreads, 0, stream, src, n,
+                              dst);
         break;
     case 2:
         krk::launch_maybe_pdl(krk::pdl_enabled(), convert_kernel<1, false, TO_BF16>, blocks, kThreads, 0, stream, src,
                               n, dst);
         break;
     case 3:
-        krk::launch_maybe_pdl(krk::pdl_enabled(), convert_kernel<1, true, TO_BF16>, blocks, kThreads, 0, stream, src,
-                              n, dst);
+        krk::launch_maybe_pdl(krk::pdl_enabled(), convert_kernel<1, true, TO_BF16>, blocks, kThreads, 0, stream, src, n,
+                              dst);
         break;
     case 4:
         krk::launch_maybe_pdl(krk::pdl_enabled(), convert_kernel<2, false, TO_BF16>, blocks, kThreads, 0, stream, src,
                               n, dst);
         break;
     default:
-        krk::launch_maybe_pdl(krk::pdl_enabled(), convert_kernel<2, true, TO_BF16>, blocks, kThreads, 0, stream, src,
-                              n, dst);
+        krk::launch_maybe_pdl(krk::pdl_enabled(), convert_kernel<2, true, TO_BF16>, blocks, kThreads, 0, stream, src, n,
+                              dst);
         break;
     }
     KRK_CHECK_LAUNCH();
@@ -318,11 +318,11 @@ extern "C" enum kr_status krk_embed(const krk_bf16 *w, const int32_t *tokens, in
     }
     KRK_REQUIRE(w && tokens && out);
     if (dim % 8 == 0 && is_aligned(w, 16) && is_aligned(out, 16)) {
-        krk::launch_maybe_pdl(krk::pdl_enabled(), embed_kernel<8>, row_grid(n, dim / 8), kThreads, 0, stream, w,
-                              tokens, n, dim, out);
-    } else {
-        krk::launch_maybe_pdl(krk::pdl_enabled(), embed_kernel<1>, row_grid(n, dim), kThreads, 0, stream, w, tokens,
+        krk::launch_maybe_pdl(krk::pdl_enabled(), embed_kernel<8>, row_grid(n, dim / 8), kThreads, 0, stream, w, tokens,
                               n, dim, out);
+    } else {
+        krk::launch_maybe_pdl(krk::pdl_enabled(), embed_kernel<1>, row_grid(n, dim), kThreads, 0, stream, w, tokens, n,
+                              dim, out);
     }
     KRK_CHECK_LAUNCH();
     return KR_OK;
@@ -343,20 +343,20 @@ extern "C" enum kr_status krk_act(const struct krk_act_params *p, cudaStream_t s
     if (v4) {
         const dim3 grid = row_grid(p->n, p->width / 4);
         if (p->gate) {
-            krk::launch_maybe_pdl(krk::pdl_enabled(), act_kernel<4, true>, grid, kThreads, 0, stream, a,
-                                  p->gate, p->x, p->ld_in, p->n, p->width, p->out, p->out_bf16);
+            krk::launch_maybe_pdl(krk::pdl_enabled(), act_kernel<4, true>, grid, kThreads, 0, stream, a, p->gate, p->x,
+                                  p->ld_in, p->n, p->width, p->out, p->out_bf16);
         } else {
-            krk::launch_maybe_pdl(krk::pdl_enabled(), act_kernel<4, false>, grid, kThreads, 0, stream, a,
-                                  p->gate, p->x, p->ld_in, p->n, p->width, p->out, p->out_bf16);
+            krk::launch_maybe_pdl(krk::pdl_enabled(), act_kernel<4, false>, grid, kThreads, 0, stream, a, p->gate, p->x,
+                                  p->ld_in, p->n, p->width, p->out, p->out_bf16);
         }
     } else {
         const dim3 grid = row_grid(p->n, p->width);
         if (p->gate) {
-            krk::launch_maybe_pdl(krk::pdl_enabled(), act_kernel<1, true>, grid, kThreads, 0, stream, a,
-                                  p->gate, p->x, p->ld_in, p->n, p->width, p->out, p->out_bf16);
+            krk::launch_maybe_pdl(krk::pdl_enabled(), act_kernel<1, true>, grid, kThreads, 0, stream, a, p->gate, p->x,
+                                  p->ld_in, p->n, p->width, p->out, p->out_bf16);
         } else {
-            krk::launch_maybe_pdl(krk::pdl_enabled(), act_kernel<1, false>, grid, kThreads, 0, stream, a,
-                                  p->gate, p->x, p->ld_in, p->n, p->width, p->out, p->out_bf16);
+            krk::launch_maybe_pdl(krk::pdl_enabled(), act_kernel<1, false>, grid, kThreads, 0, stream, a, p->gate, p->x,
+                                  p->ld_in, p->n, p->width, p->out, p->out_bf16);
         }
     }
     KRK_CHECK_LAUNCH();

@@ -177,20 +177,20 @@ extern "C" enum kr_status krk_rmsnorm(const struct krk_rmsnorm_params *p, cudaSt
     if (v4) {
         const int threads = row_threads(p->dim / 4);
         if (p->res) {
-            krk::launch_maybe_pdl(krk::pdl_enabled(), rmsnorm_kernel<4, true>, grid, threads, 0, stream,
-                                  p->x, p->ldx, p->res, p->w, p->dim, p->eps, p->out, p->out_bf16);
+            krk::launch_maybe_pdl(krk::pdl_enabled(), rmsnorm_kernel<4, true>, grid, threads, 0, stream, p->x, p->ldx,
+                                  p->res, p->w, p->dim, p->eps, p->out, p->out_bf16);
         } else {
-            krk::launch_maybe_pdl(krk::pdl_enabled(), rmsnorm_kernel<4, false>, grid, threads, 0, stream,
-                                  p->x, p->ldx, p->res, p->w, p->dim, p->eps, p->out, p->out_bf16);
+            krk::launch_maybe_pdl(krk::pdl_enabled(), rmsnorm_kernel<4, false>, grid, threads, 0, stream, p->x, p->ldx,
+                                  p->res, p->w, p->dim, p->eps, p->out, p->out_bf16);
         }
     } else {
         const int threads = row_threads(p->dim);
         if (p->res) {
-            krk::launch_maybe_pdl(krk::pdl_enabled(), rmsnorm_kernel<1, true>, grid, threads, 0, stream,
-                                  p->x, p->ldx, p->res, p->w, p->dim, p->eps, p->out, p->out_bf16);
+            krk::launch_maybe_pdl(krk::pdl_enabled(), rmsnorm_kernel<1, true>, grid, threads, 0, stream, p->x, p->ldx,
+                                  p->res, p->w, p->dim, p->eps, p->out, p->out_bf16);
         } else {
-            krk::launch_maybe_pdl(krk::pdl_enabled(), rmsnorm_kernel<1, false>, grid, threads, 0, stream,
-                                  p->x, p->ldx, p->res, p->w, p->dim, p->eps, p->out, p->out_bf16);
+            krk::launch_maybe_pdl(krk::pdl_enabled(), rmsnorm_kernel<1, false>, grid, threads, 0, stream, p->x, p->ldx,
+                                  p->res, p->w, p->dim, p->eps, p->out, p->out_bf16);
         }
     }
     KRK_CHECK_LAUNCH();
@@ -211,11 +211,11 @@ extern "C" enum kr_status krk_layernorm(const struct krk_layernorm_params *p, cu
                     (!p->b || is_aligned(p->b, 16)) && is_aligned(p->out, 16);
     const dim3 grid((unsigned)p->n);
     if (v4) {
-        krk::launch_maybe_pdl(krk::pdl_enabled(), layernorm_kernel<4>, grid,
-                              row_threads(p->dim / 4), 0, stream, p->x, p->ldx, p->w, p->b, p->dim, p->eps, p->out);
+        krk::launch_maybe_pdl(krk::pdl_enabled(), layernorm_kernel<4>, grid, row_threads(p->dim / 4), 0, stream, p->x,
+                              p->ldx, p->w, p->b, p->dim, p->eps, p->out);
     } else {
-        krk::launch_maybe_pdl(krk::pdl_enabled(), layernorm_kernel<1>, grid,
-                              row_threads(p->dim), 0, stream, p->x, p->ldx, p->w, p->b, p->dim, p->eps, p->out);
+        krk::launch_maybe_pdl(krk::pdl_enabled(), layernorm_kernel<1>, grid, row_threads(p->dim), 0, stream, p->x,
+                              p->ldx, p->w, p->b, p->dim, p->eps, p->out);
     }
     KRK_CHECK_LAUNCH();
     return KR_OK;
@@ -237,11 +237,10 @@ extern "C" enum kr_status krk_gated_rmsnorm(const struct krk_gated_rmsnorm_param
     const dim3 grid((unsigned)(p->n * n_group));
     if (v4) {
         krk::launch_maybe_pdl(krk::pdl_enabled(), gated_rmsnorm_kernel<4>, grid, row_threads(p->group / 4), 0, stream,
-            p->y, p->z, p->ldz, p->w, p->dim, p->group, n_group, p->eps, p->out, p->out_bf16);
+                              p->y, p->z, p->ldz, p->w, p->dim, p->group, n_group, p->eps, p->out, p->out_bf16);
     } else {
-        krk::launch_maybe_pdl(krk::pdl_enabled(), gated_rmsnorm_kernel<1>, grid,
-                              row_threads(p->group), 0, stream, p->y, p->z, p->ldz, p->w, p->dim, p->group,
-                                                                            n_group, p->eps, p->out, p->out_bf16);
+        krk::launch_maybe_pdl(krk::pdl_enabled(), gated_rmsnorm_kernel<1>, grid, row_threads(p->group), 0, stream, p->y,
+                              p->z, p->ldz, p->w, p->dim, p->group, n_group, p->eps, p->out, p->out_bf16);
     }
     KRK_CHECK_LAUNCH();
     return KR_OK;

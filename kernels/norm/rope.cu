@@ -61,9 +61,8 @@ extern "C" enum kr_status krk_rope(const struct krk_rope_params *p, cudaStream_t
     }
     KRK_REQUIRE(p->x && p->inv_freq && p->pos);
     const unsigned blocks = (unsigned)(p->n_tok < (1 << 20) ? p->n_tok : (1 << 20));
-    krk::launch_maybe_pdl(krk::pdl_enabled(), rope_kernel, blocks, kRopeThreads, 0, stream,
-                          p->x, p->ld, p->n_vec, p->stride, p->off, p->dim, p->interleaved,
-                                                     p->inv_freq, p->factor, p->pos, p->n_tok);
+    krk::launch_maybe_pdl(krk::pdl_enabled(), rope_kernel, blocks, kRopeThreads, 0, stream, p->x, p->ld, p->n_vec,
+                          p->stride, p->off, p->dim, p->interleaved, p->inv_freq, p->factor, p->pos, p->n_tok);
     KRK_CHECK_LAUNCH();
     return KR_OK;
 }
