@@ -348,6 +348,7 @@ ParameterizedTest(int *idx, cuda_backend, pdl_equals_plain)
             unsetenv("KRAIT_PDL"); /* the default: on */
         }
         load_cuda(&f[g], *idx, 4, true);
+        cr_assert_eq(krk_pdl(), g == 1, "the launch mode follows KRAIT_PDL"); /* else plain vs plain */
         const int32_t start[N] = {0, 0, 2}, chunk[N] = {100, 5, 100};
         memset(&r[g], 0, sizeof r[g]);
         drive(&f[g], &r[g], 0, N, start, chunk, DEC);
@@ -777,7 +778,10 @@ Test(cuda_backend, dsa_real_shapes_match_cpu)
     memset(&a, 0, sizeof a);
     memset(&b, 0, sizeof b);
     drive(&h, &a, 0, N, start, chunk, DEC);
+    cr_assert(krk_pdl(), "programmatic launch is the default");
     drive(&g, &b, 0, N, start, chunk, DEC);
+    /* the schedule reaches contexts beyond index_topk: the D layers did select */
+    cr_expect_gt(g.m->idx_query_rows, 0, "dsa real shapes: no step selected keys");
     /* rows before index_topk see every key selected on both (no discrete decision): they must be
      * within LP_TOL; from there a row beyond it is a selection flip, which a bf16 score near the
      * threshold may cause */
@@ -798,6 +802,7 @@ Test(cuda_backend, dsa_real_shapes_match_cpu)
     kr_backend_t be2 = NULL;
     cr_assert_eq(kr_backend_cuda_create(0, true, &be2, &err), KR_OK, "%s", err.msg);
     unsetenv("KRAIT_PDL");
+    cr_assert(!krk_pdl(), "KRAIT_PDL=0 launches plainly");
     load_synth(&p, dir, be2, lens, N, DEC);
     drive(&p, &c, 0, N, start, chunk, DEC);
     int32_t differ = 0;
