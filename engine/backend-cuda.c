@@ -35,12 +35,12 @@
 enum prof_cat {
     P_GEMM, P_GEMV, P_NORM, P_ACT, P_CONV, P_SSD, P_ATTN, P_MOE, P_MLA, P_DSA, P_EMBED, P_OTHER,
     /* parts of P_SSD (names start with "ssd:": not to be added to the total again) */
-    P_SSD_DECODE, P_SSD_STATE, P_SSD_PASS, P_SSD_BMM, P_SSD_SCAN, P_DSA_SCORE, P_DSA_SELECT, PROF_N_CAT
+    P_SSD_DECODE, P_SSD_BMM, P_SSD_SCAN, P_DSA_SCORE, P_DSA_SELECT, PROF_N_CAT
 };
 static const char *const prof_names[PROF_N_CAT] = {
     "gemm (cuBLAS)", "gemv", "norm+residual", "activation", "conv1d", "ssd", "attention", "moe",
     "mla attention + latent cache", "dsa indexer (scores, top-k)",
-    "embed/gather/rope", "other", "ssd: one-token update", "ssd: chunk state", "ssd: state passing",
+    "embed/gather/rope", "other", "ssd: one-token update",
     "ssd: C.B^T", "ssd: chunk scan", "dsa: scores", "dsa: top-k",
 };
 
@@ -925,12 +925,12 @@ static enum kr_status cuda_mamba(kr_backend_t be, const struct kr_mamba_params *
                                 .head_dim = p->head_dim, .n_group = p->n_group, .d_state = p->d_state,
                                 .chunk = p->chunk, .state = p->ssm_state, .y = p->y, .workspace = c->scratch,
                                 .batch = c->batch};
-    cudaEvent_t phase_ev[10];
-    sp.events = prof_phases(c, 5, phase_ev);
+    cudaEvent_t phase_ev[6];
+    sp.events = prof_phases(c, 3, phase_ev);
     prof_begin(c, P_SSD);
     const enum kr_status sst = krk_ssd(&sp, c->stream);
     prof_end(c);
-    prof_phases_done(c, sp.events, sst, P_SSD_DECODE, 5);
+    prof_phases_done(c, sp.events, sst, P_SSD_DECODE, 3);
     return sst;
 }
 

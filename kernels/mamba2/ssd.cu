@@ -1,13 +1,11 @@
 // krk_ssd: the SSD selective state space update. Sequences with one token take the exact
-// recurrence (ssd_decode.cuh); sequences with several take the chunked algorithm in phases as
-// mamba_ssm splits it (chunk state -> state passing; C B^T per group -> chunk scan), whose chunk
-// states live in the workspace. A mixed batch launches both; each kernel skips the other's
-// sequences.
+// recurrence (ssd_decode.cuh); sequences with several take the chunked algorithm: C B^T per chunk
+// and group for all chunks at once (ssd_bmm.cuh, into the workspace), then one block per
+// (sequence, head, column tile) walks the sequence's chunks carrying the state (ssd_scan.cuh). A
+// mixed batch launches both; each kernel skips the other's sequences.
 #include "mamba2/ssd_bmm.cuh"
-#include "mamba2/ssd_chunk_scan.cuh"
-#include "mamba2/ssd_chunk_state.cuh"
 #include "mamba2/ssd_decode.cuh"
-#include "mamba2/ssd_state_passing.cuh"
+#include "mamba2/ssd_scan.cuh"
 
 #include <cmath>
 
@@ -36,13 +34,7 @@ size_t ws_round(size_t b)
     return (b + kWsAlign - 1) / kWsAlign * kWsAlign;
 }
 
-// Workspace layout: chunk states [slots, n_head, d_state, head_dim], then C B^T
-// [slots, n_group, kChunk, kChunk], then decays [slots, n_head]; each part 256-byte aligned.
-size_t ssd_state_bytes(int64_t slots, int64_t n_head, int64_t head_dim, int64_t d_state)
-{
-    return ws_round((size_t)slots * (size_t)n_head * (size_t)head_dim * (size_t)d_state * sizeof(float));
-}
-
+// Workspace: C B^T [slots, n_group, kChunk, kChunk].
 size_t ssd_cb_bytes(int64_t slots, int64_t n_group)
 {
     return ws_round((size_t)slots * (size_t)n_group * kChunk * kChunk * sizeof(float));
@@ -64,8 +56,10 @@ extern "C" size_t krk_ssd_workspace_bytes(int64_t n_tok, int64_t n_seq, int64_t 
     if (slots == 0) {
         return 0;
     }
-    return ssd_state_bytes(slots, n_head, head_dim, d_state) + ssd_cb_bytes(slots, n_group) +
-           (size_t)slots * (size_t)n_head * sizeof(float);
+    (void)n_head;
+    (void)head_dim;
+    (void)d_state;
+    return ssd_cb_bytes(slots, n_group);
 }
 
 extern "C" enum kr_status krk_ssd(const struct krk_ssd_params *p, cudaStream_t stream)
@@ -97,15 +91,7 @@ extern "C" enum kr_status krk_ssd(const struct krk_ssd_params *p, cudaStream_t s
     a.D = p->D;
     a.state = p->state;
     a.y = p->y;
-    a.ws_state = static_cast<float *>(p->workspace);
-    a.ws_cb = nullptr;
-    a.ws_decay = nullptr;
-    if (slots) {
-        char *ws = static_cast<char *>(p->workspace);
-        const size_t state_b = ssd_state_bytes(slots, p->n_head, p->head_dim, p->d_state);
-        a.ws_cb = reinterpret_cast<float *>(ws + state_b);
-        a.ws_decay = reinterpret_cast<float *>(ws + state_b + ssd_cb_bytes(slots, p->n_group));
-    }
+    a.ws_cb = static_cast<float *>(p->workspace);
     a.conv_dim = p->conv_dim;
     a.ld_dt = p->ld_dt;
     a.n_head = (int)p->n_head;
@@ -143,37 +129,25 @@ extern "C" enum kr_status krk_ssd(const struct krk_ssd_params *p, cudaStream_t s
     }
     mark(0, 1);
     if (slots == 0) {
-        for (int k = 1; k < 5; k++) {
+        for (int k = 1; k < 3; k++) {
             mark(k, 0);
             mark(k, 1);
         }
         return KR_OK;
     }
     // chunked: sequences of two tokens or more
-    const unsigned tiles_n = (unsigned)((p->d_state + kStateTile - 1) / kStateTile);
-    const unsigned tiles_p = (unsigned)((p->head_dim + kStateTile - 1) / kStateTile);
     mark(1, 0);
-    krk::launch_maybe_pdl(krk::pdl_enabled(), ssd_chunk_state_kernel,
-                          dim3((unsigned)slots, (unsigned)p->n_head, tiles_n * tiles_p), kStateThreads, 0, stream, a);
-    KRK_CHECK_LAUNCH();
-    mark(1, 1);
-    mark(2, 0);
-    const int64_t pn = p->head_dim * p->d_state;
-    krk::launch_maybe_pdl(krk::pdl_enabled(), ssd_state_passing_kernel,
-                          dim3((unsigned)((pn + kPassTile - 1) / kPassTile), (unsigned)p->n_head, (unsigned)b.n_seq),
-                          kPassThreads, 0, stream, a);
-    KRK_CHECK_LAUNCH();
-    mark(2, 1);
-    mark(3, 0);
     krk::launch_maybe_pdl(krk::pdl_enabled(), ssd_bmm_kernel, dim3((unsigned)slots, (unsigned)p->n_group), kBmmThreads,
                           0, stream, a);
     KRK_CHECK_LAUNCH();
-    mark(3, 1);
-    mark(4, 0);
-    krk::launch_maybe_pdl(krk::pdl_enabled(), ssd_chunk_scan_kernel,
-                          dim3((unsigned)slots, (unsigned)p->n_head, (unsigned)((p->head_dim + kScanP - 1) / kScanP)),
-                          kScanThreads, 0, stream, a);
+    mark(1, 1);
+    mark(2, 0);
+    const size_t smem = ssd_scan_smem_bytes(a.d_state);
+    KRK_CUDA_TRY(cudaFuncSetAttribute(ssd_scan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    krk::launch_maybe_pdl(krk::pdl_enabled(), ssd_scan_kernel,
+                          dim3((unsigned)((p->head_dim + kScanP - 1) / kScanP), (unsigned)p->n_head, (unsigned)b.n_seq),
+                          kScanThreads, smem, stream, a);
     KRK_CHECK_LAUNCH();
-    mark(4, 1);
+    mark(2, 1);
     return KR_OK;
 }

@@ -8,7 +8,7 @@ namespace mamba2 {
 
 // Chunk length of the chunked SSD inside the kernels. The maths does not depend on it (only
 // rounding does), so it need not equal the model's chunk: 64 keeps the intra-chunk work (which
-// grows with the chunk) small and the shared-memory tiles of one block under 48 KiB.
+// grows with the chunk) small and two scan blocks' tiles on one SM at d_state 128.
 constexpr int kChunk = 64;
 
 // SSD parameters as the kernels see them (copied from krk_ssd_params, with derived sizes).
@@ -18,9 +18,7 @@ struct SsdArgs {
     const float *__restrict__ dt_bias, *__restrict__ A_log, *__restrict__ D; // [n_head]
     float *__restrict__ state;     // [n_slot, n_head, head_dim, d_state]
     float *__restrict__ y;         // [n_tok, n_head * head_dim]
-    float *__restrict__ ws_state;  // [n_chunk_slot, n_head, d_state, head_dim] chunk states
     float *__restrict__ ws_cb;     // [n_chunk_slot, n_group, kChunk, kChunk] C B^T per chunk and group
-    float *__restrict__ ws_decay;  // [n_chunk_slot, n_head] exp(sum of dt*A over the chunk)
     int64_t conv_dim, ld_dt;
     int n_head, head_dim, n_group, d_state;
     int heads_per_group;

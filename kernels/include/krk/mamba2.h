@@ -45,9 +45,9 @@ struct krk_ssd_params {
     float *y;               /* [n_tok, n_head * head_dim] (D skip included) */
     void *workspace;        /* scratch of krk_ssd_workspace_bytes() bytes, may be NULL when that is 0 */
     struct krk_batch batch;
-    cudaEvent_t *events;    /* (optional, profiling) [10]: a (begin, end) pair recorded around each phase:
-                               one-token update, chunk state, state passing, C.B^T, chunk scan (a phase
-                               that does not run gets both at the same point) */
+    cudaEvent_t *events;    /* (optional, profiling) [6]: a (begin, end) pair recorded around each phase:
+                               one-token update, C.B^T, chunked scan (a phase that does not run gets
+                               both at the same point) */
 };
 /* Scratch bytes krk_ssd needs for a batch of up to n_tok tokens in up to n_seq sequences. */
 size_t krk_ssd_workspace_bytes(int64_t n_tok, int64_t n_seq, int64_t n_head, int64_t head_dim, int64_t n_group,
