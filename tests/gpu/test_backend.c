@@ -364,6 +364,106 @@ ParameterizedTest(int *idx, cuda_backend, pdl_equals_plain)
     }
 }
 
+/* The one-token fusions (on by default, KRAIT_FUSE=0 turns them off: at n = 1 a GEMV takes the
+ * residual add of its output and the RMSNorm of its input) compute what the separate kernels
+ * compute: the add bit for bit, the norm up to the summation order of its sum of squares (bit for
+ * bit as well where the GEMV's block has at least krk_rmsnorm's threads, as on these small models).
+ * So the same schedules with and without them must give rows within BATCH_TOL and equal greedy
+ * tokens before any near-tie (expect_close_seq; models with discrete decisions may flip there, at
+ * most one sequence of a schedule). Schedules: two sequences one at a time, so that every decode
+ * step has one token, on a backend without graphs (eager steps) and one with (captured and
+ * replayed), the second sequence prefilling one token per step; then the batched schedule of
+ * pdl_equals_plain, whose steps fuse where a single sequence is left. The runs must have run in
+ * their modes: some fused launches by default, none with KRAIT_FUSE=0. Also printed, not
+ * asserted: how many rows differ at all. */
+static void drive_alone(struct fx *f, struct run *r, int32_t n, int32_t n_dec)
+{
+    memset(r, 0, sizeof *r);
+    for (int32_t i = 0; i < n; i++) {
+        const int32_t st = 0, ch = i % 2 ? 1 : 1 << 20;
+        struct run one;
+        memset(&one, 0, sizeof one);
+        drive(f, &one, i, 1, &st, &ch, n_dec);
+        r->seq[i] = one.seq[0];
+        memcpy(r->gen[i], one.gen[0], sizeof one.gen[0]);
+        r->seq[i].gen = r->gen[i];
+    }
+}
+
+FIXTURE_PARAMS(fusion_equals_unfused)
+ParameterizedTest(int *idx, cuda_backend, fusion_equals_unfused)
+{
+    GT_REQUIRE_GPU();
+    enum { N = 3, N_ALONE = 2, DEC = 16 };
+    const char *name = fx_all[*idx].name;
+    /* [fused][graphs]: sequences alone on both backends, the batched schedule with graphs */
+    static struct run alone[2][2], batched[2];
+    struct fx f[2][2];
+    for (int fu = 0; fu < 2; fu++) {
+        for (int gr = 0; gr < 2; gr++) {
+            if (fu == 0) {
+                setenv("KRAIT_FUSE", "0", 1);
+            } else {
+                unsetenv("KRAIT_FUSE"); /* the default: on */
+            }
+            load_cuda(&f[fu][gr], *idx, 4, gr == 1);
+            unsetenv("KRAIT_FUSE");
+            drive_alone(&f[fu][gr], &alone[fu][gr], N_ALONE, DEC);
+            if (gr == 1) {
+                const int32_t start[N] = {0, 0, 2}, chunk[N] = {100, 5, 100};
+                memset(&batched[fu], 0, sizeof batched[fu]);
+                drive(&f[fu][gr], &batched[fu], 0, N, start, chunk, DEC);
+            }
+            const uint64_t fused = kr_backend_cuda_fused_count(f[fu][gr].be);
+            fprintf(stderr, "  %-20s %s, graphs %s: %llu fused launches\n", name, fu ? "fused" : "KRAIT_FUSE=0",
+                    gr ? "on" : "off", (unsigned long long)fused);
+            if (fu) {
+                cr_expect_gt(fused, 0, "%s: no GEMV took an add or a norm with the fusions on", name);
+            } else {
+                cr_expect_eq(fused, 0, "%s: %llu fused launches with KRAIT_FUSE=0", name, (unsigned long long)fused);
+            }
+        }
+    }
+    int32_t flips = 0, differ = 0, rows = 0;
+    const struct fx *fa = &f[0][0];
+    for (int gr = 0; gr < 2; gr++) {
+        for (int32_t i = 0; i < N_ALONE; i++) {
+            flips += expect_close_seq(fa, &alone[0][gr], &alone[1][gr], i,
+                                      gr ? "fused vs unfused, alone, graphs" : "fused vs unfused, alone, eager",
+                                      BATCH_TOL, discrete(fa->m) ? 0 : INT32_MAX, NULL);
+        }
+    }
+    cr_expect_leq(flips, 1, "%s: %d sequences alone took a different branch fused", name, flips);
+    flips = 0;
+    for (int32_t i = 0; i < N; i++) {
+        flips += expect_close_seq(fa, &batched[0], &batched[1], i, "fused vs unfused, batched", BATCH_TOL,
+                                  discrete(fa->m) ? 0 : INT32_MAX, NULL);
+    }
+    cr_expect_leq(flips, 1, "%s: %d batched sequences took a different branch fused", name, flips);
+    /* the report: rows that differ at all */
+    const struct run *ra[3] = {&alone[0][0], &alone[0][1], &batched[0]};
+    const struct run *rb[3] = {&alone[1][0], &alone[1][1], &batched[1]};
+    const int32_t n_of[3] = {N_ALONE, N_ALONE, N};
+    for (int k = 0; k < 3; k++) {
+        for (int32_t i = 0; i < n_of[k]; i++) {
+            const struct drv_seq *sa = &ra[k]->seq[i], *sb = &rb[k]->seq[i];
+            for (int32_t t = 0; t < sa->n_prompt + sa->n_decode - 1; t++) {
+                const size_t off = (size_t)t * (size_t)fa->vocab;
+                differ += memcmp(sa->rows + off, sb->rows + off, (size_t)fa->vocab * sizeof(float)) != 0;
+                rows++;
+            }
+        }
+    }
+    fprintf(stderr, "  %-20s fused vs unfused: %d of %d rows differ at all\n", name, differ, rows);
+    for (int fu = 0; fu < 2; fu++) {
+        for (int gr = 0; gr < 2; gr++) {
+            run_free(&alone[fu][gr], N_ALONE);
+            fx_free(&f[fu][gr]);
+        }
+        run_free(&batched[fu], N);
+    }
+}
+
 /* A decode step padded to a graph bucket leaves the states of sequences outside the batch
  * untouched, bit for bit. */
 static void padded_graph_check(int idx)
