@@ -55,8 +55,8 @@ __device__ __forceinline__ float round_bf16(float v)
 // krk_rmsnorm's vector kernel does (thread t of T = nm.threads takes the 4-column groups t, t + T,
 // ... in order, then a block sum): with T <= the block's threads, whose extra threads add zeros,
 // the sum is that kernel's bit for bit (when it takes its vector path: 16-byte aligned rows); with
-// more, a thread takes several of its threads' groups and only the summation order differs. Pass
-// 2 scales in place, v * r * w as krk_rmsnorm does. Contains barriers: every thread calls it.
+// more, a thread takes several of its threads' groups and only the summation order differs. Pass 2 scales in place, v * r * w as krk_rmsnorm does.
+// Contains barriers: every thread of the block calls it.
 template <int W>
 __device__ __forceinline__ void stage_norm(float *xs, const float *KRK_RESTRICT x, int cols, int padded,
                                            const gemv_norm &nm)
