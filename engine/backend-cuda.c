@@ -5,19 +5,11 @@
  * scratch reserved for the largest step), never while serving. Decode steps are captured as CUDA
  * graphs per batch-size bucket and replayed.
  *
- * Internal fusions keep the op interface unchanged:
+ * Two internal fusions keep the op interface unchanged:
  *  - a residual add (kr_backend_add) is deferred and fused into the RMSNorm that reads its result
  *    (the next layer's pre-norm), and executed by any other op first;
  *  - the ops that produce a GEMM input (RMSNorm, gated RMSNorm, activation) also write it in bf16,
- *    and matmul uses that copy instead of converting again ("shadow" below);
- *  - at one token (decode at batch 1, every product a krk_gemv) a GEMV is deferred to the next op:
- *    a residual add of its output becomes part of it (krk_gemv_params.acc), any other op launches
- *    it first; and an RMSNorm without residual is deferred to the next op: a GEMV reading its
- *    output normalises x itself (krk_gemv_params.norm_w) and writes that output for later readers,
- *    any other op launches the norm first. KRAIT_FUSE=0 turns both off.
- * At most one op is deferred at any time (each deferral starts by executing or absorbing the one
- * before it), and every entry point that launches work or lets the host see device memory runs it
- * first (flush_pending, op_enter).
+ *    and matmul uses that copy instead of converting again ("shadow" below).
  * One instance drives one device: a tensor-parallel rank is one instance holding its shard. */
 #include "backend-impl.h"
 #include "sampler.h"
@@ -73,11 +65,6 @@ struct cuda_ctx {
     bool pdl;                           /* every kernel launches as a programmatic dependent of the
                                            one before it (krk_set_pdl), except while profiling;
                                            KRAIT_PDL=0 turns it off */
-    bool fuse;                          /* the one-token fusions through krk_gemv (deferred GEMV and
-                                           RMSNorm, see the top of the file); KRAIT_FUSE=0 turns
-                                           them off, and they are off while profiling */
-    uint64_t n_fused;                   /* adds and norms fused into GEMVs
-                                           (kr_backend_cuda_fused_count) */
     int32_t dsa_score;                  /* indexer scores on bf16 tensor cores (KRAIT_DSA_SCORE=fp32: CUDA cores) */
     int32_t dsa_select;                 /* KRAIT_DSA_SELECT=agg: warp-aggregated top-k histograms;
                                            =split: top-k per chunk of positions, then of those */
@@ -113,20 +100,6 @@ struct cuda_ctx {
         int64_t n;
         bool on;
     } pend;
-    /* deferred RMSNorm of one row without residual: out = x / sqrt(mean(x^2) + eps) * w */
-    struct {
-        const float *x;    /* [dim] */
-        const float *w;    /* [dim] */
-        float *out;        /* [dim], overlaps no byte of x */
-        int64_t dim;
-        float eps;
-        bool on;
-    } pnorm;
-    /* deferred one-token GEMV (its complete launch parameters) */
-    struct {
-        struct krk_gemv_params p;
-        bool on;
-    } pgemv;
     /* device arrays of expert weight pointers, filled on first use */
     void **ptr_table;      /* device [ptr_cap] */
     size_t ptr_cap, ptr_used;
@@ -653,11 +626,6 @@ uint64_t kr_backend_cuda_alloc_count(kr_backend_t be)
     return ctx_of(be)->n_alloc;
 }
 
-uint64_t kr_backend_cuda_fused_count(kr_backend_t be)
-{
-    return ctx_of(be)->n_fused;
-}
-
 /* ---- batch -------------------------------------------------------------------------------- */
 
 static enum kr_status cuda_begin_batch(kr_backend_t be, const struct kr_batch *b)
@@ -721,38 +689,18 @@ static enum kr_status cuda_begin_batch(kr_backend_t be, const struct kr_batch *b
     return KR_OK;
 }
 
-/* Executes the deferred op, if any: a GEMV, an RMSNorm or a residual add (never more than one). */
+/* Executes a deferred residual add. */
 static enum kr_status flush_pending(struct cuda_ctx *c)
 {
-    KR_ASSERT(c->pgemv.on + c->pnorm.on + c->pend.on <= 1);
-    if (c->pgemv.on) {
-        c->pgemv.on = false;
-        return krk_gemv(&c->pgemv.p, c->stream);
+    if (!c->pend.on) {
+        return KR_OK;
     }
-    if (c->pnorm.on) {
-        c->pnorm.on = false;
-        struct krk_rmsnorm_params p = {.x = (float *)c->pnorm.x, .ldx = c->pnorm.dim, .res = NULL, .w = c->pnorm.w,
-                                       .n = 1, .dim = c->pnorm.dim, .eps = c->pnorm.eps, .out = c->pnorm.out,
-                                       .out_bf16 = NULL};
-        return krk_rmsnorm(&p, c->stream);
-    }
-    if (c->pend.on) {
-        c->pend.on = false;
-        return krk_add(c->pend.y, c->pend.x, c->pend.n, c->stream);
-    }
-    return KR_OK;
-}
-
-/* Forgets the deferred op (a failed step). */
-static void drop_pending(struct cuda_ctx *c)
-{
-    c->pgemv.on = false;
-    c->pnorm.on = false;
     c->pend.on = false;
+    return krk_add(c->pend.y, c->pend.x, c->pend.n, c->stream);
 }
 
-/* Every op but matmul, RMSNorm and add starts here: the deferred op runs first and the bf16 shadow
- * is forgotten (the op may overwrite its source). */
+/* Every op but matmul and the fused RMSNorm starts here: the deferred add runs first and the
+ * bf16 shadow is forgotten (the op may overwrite its source). */
 static enum kr_status op_enter(struct cuda_ctx *c)
 {
     if (c->failed) {
@@ -795,19 +743,6 @@ static enum kr_status cuda_embed_impl(kr_backend_t be, const struct kr_tensor *w
     return krk_embed(w->data, c->batch.tokens, c->batch.n_tok, w->cols, out, c->stream);
 }
 
-static bool overlaps(const void *a, size_t an, const void *b, size_t bn)
-{
-    const char *pa = a, *pb = b;
-    return pa < pb + bn && pb < pa + an;
-}
-
-/* Whether the deferrals of one-token decode (deferred GEMV and RMSNorm) are on. Profiling times
- * each op as issued, so it sees the unfused ops. */
-static bool fusing(const struct cuda_ctx *c)
-{
-    return c->fuse && !c->prof.on;
-}
-
 static enum kr_status norm_impl(struct cuda_ctx *c, const float *x, int64_t ldx, const float *w, int64_t n,
                                 int64_t dim, float eps, float *out)
 {
@@ -820,19 +755,6 @@ static enum kr_status norm_impl(struct cuda_ctx *c, const float *x, int64_t ldx,
         KR_TRY(flush_pending(c));
     }
     c->shadow.valid = false;
-    /* one row without residual: deferred, for a GEMV that reads `out` to normalise x itself (see
-     * cuda_matmul_impl); only where such a GEMV could take it (a row that fits its staging, out
-     * apart from x since the GEMV's blocks write out while others still read x) */
-    if (fusing(c) && !res && n == 1 && ldx == dim && dim % 8 == 0 && dim <= KRK_GEMV_NORM_MAX_COLS &&
-        !overlaps(out, (size_t)dim * 4, x, (size_t)dim * 4)) {
-        c->pnorm.x = x;
-        c->pnorm.w = w;
-        c->pnorm.out = out;
-        c->pnorm.dim = dim;
-        c->pnorm.eps = eps;
-        c->pnorm.on = true;
-        return KR_OK;
-    }
     struct krk_rmsnorm_params p = {.x = (float *)x, .ldx = ldx, .res = res, .w = w, .n = n, .dim = dim, .eps = eps,
                                    .out = out, .out_bf16 = NULL};
     p.out_bf16 = shadow_for(c, out, n, dim);
@@ -896,40 +818,21 @@ static enum kr_status cuda_fp8_round_impl(kr_backend_t be, const struct kr_fp8_r
     return krk_fp8_round(&k, c->stream);
 }
 
-/* Whether y[0..n) += x[0..n) is the residual add of the deferred GEMV's output: x is that output,
- * and y is apart from everything the GEMV reads or writes (its blocks add into y while others
- * still read x). */
-static bool add_fuses(const struct cuda_ctx *c, const float *y, const float *x, int64_t n)
-{
-    const struct krk_gemv_params *p = &c->pgemv.p;
-    if (!c->pgemv.on || p->n != 1 || p->acc || x != p->y || n != p->rows) {
-        return false;
-    }
-    const size_t yb = (size_t)n * 4, rowb = (size_t)p->cols * 4;
-    return !overlaps(y, yb, p->y, yb) && !overlaps(y, yb, p->x, rowb) &&
-           !(p->norm_w && overlaps(y, yb, p->norm_out, rowb));
-}
-
 static enum kr_status cuda_add(kr_backend_t be, float *y, const float *x, int64_t n)
 {
     struct cuda_ctx *c = ctx_of(be);
-    if (c->failed) {
-        return KR_ERR_CUDA;
-    }
-    if (add_fuses(c, y, x, n)) {
-        /* the GEMV writes x and adds it into y (y[r] += x[r], the same fp32 sum as krk_add) */
-        c->shadow.valid = false;
-        c->pgemv.on = false;
-        c->pgemv.p.acc = y;
-        c->n_fused++;
-        return krk_gemv(&c->pgemv.p, c->stream);
-    }
     KR_TRY(op_enter(c));
     c->pend.y = y;
     c->pend.x = x;
     c->pend.n = n;
     c->pend.on = true;
     return KR_OK;
+}
+
+static bool overlaps(const void *a, size_t an, const void *b, size_t bn)
+{
+    const char *pa = a, *pb = b;
+    return pa < pb + bn && pb < pa + an;
 }
 
 static enum kr_status cuda_matmul_impl(kr_backend_t be, const float *x, int64_t ldx, int64_t n, const struct kr_tensor *w,
@@ -939,27 +842,11 @@ static enum kr_status cuda_matmul_impl(kr_backend_t be, const float *x, int64_t 
     if (c->failed) {
         return KR_ERR_CUDA;
     }
-    const int64_t rows = w->rows, cols = w->cols;
-    const bool gemv = w->dtype == KR_DTYPE_BF16 && n >= 1 && n <= GEMV_ROWS && cols % 8 == 0;
-    struct krk_gemv_params gp = {.x = x, .ldx = ldx, .w = w->data, .bias = bias, .n = n, .rows = rows, .cols = cols,
-                                 .y = y, .ldy = ldy, .config = c->gemv_config};
-    /* the deferred RMSNorm's output is this GEMV's input: the GEMV normalises the norm's input
-     * itself and writes the output (y must be apart from both) */
-    const size_t row_bytes = (size_t)cols * 4, y_bytes = (size_t)rows * 4;
-    if (gemv && c->pnorm.on && n == 1 && x == c->pnorm.out && ldx == c->pnorm.dim && cols == c->pnorm.dim &&
-        !overlaps(y, y_bytes, c->pnorm.x, row_bytes) && !overlaps(y, y_bytes, c->pnorm.out, row_bytes)) {
-        gp.x = c->pnorm.x;
-        gp.norm_w = c->pnorm.w;
-        gp.norm_eps = c->pnorm.eps;
-        gp.norm_out = c->pnorm.out;
-        c->pnorm.on = false;
-        c->n_fused++;
-    } else {
-        KR_TRY(flush_pending(c));
-    }
+    KR_TRY(flush_pending(c));
     if (n <= 0) {
         return KR_OK;
     }
+    const int64_t rows = w->rows, cols = w->cols;
     enum kr_status st = KR_OK;
     if (w->dtype == KR_DTYPE_F32) {
         /* full-precision weights (routers of mixed checkpoints): fp32 GEMM, no TF32 */
@@ -970,14 +857,10 @@ static enum kr_status cuda_matmul_impl(kr_backend_t be, const float *x, int64_t 
     } else if (w->dtype != KR_DTYPE_BF16) {
         KR_LOG_ERROR("cuda: matmul weight of dtype %s", kr_dtype_name(w->dtype));
         return KR_ERR_UNSUPPORTED;
-    } else if (gemv) {
-        if (fusing(c) && n == 1) {
-            /* launched by the next op, which may add its output into the residual stream */
-            c->pgemv.p = gp;
-            c->pgemv.on = true;
-        } else {
-            st = krk_gemv(&gp, c->stream);
-        }
+    } else if (n <= GEMV_ROWS && cols % 8 == 0) {
+        struct krk_gemv_params p = {.x = x, .ldx = ldx, .w = w->data, .bias = bias, .n = n, .rows = rows,
+                                    .cols = cols, .y = y, .ldy = ldy, .config = c->gemv_config};
+        st = krk_gemv(&p, c->stream);
     } else {
         const krk_bf16 *xb = NULL;
         int64_t ldb = cols;
@@ -1385,7 +1268,7 @@ static enum kr_status cuda_end_batch(kr_backend_t be, bool ok)
 {
     struct cuda_ctx *c = ctx_of(be);
     enum kr_status st = ok ? flush_pending(c) : KR_OK;
-    drop_pending(c);
+    c->pend.on = false;
     if (!c->capturing) {
         prof_collect(c);
         return st;
@@ -1539,8 +1422,6 @@ enum kr_status kr_backend_cuda_create(int dev, bool graphs, kr_backend_t *out, s
     const char *pd = getenv("KRAIT_PDL");
     c->pdl = !(pd && !strcmp(pd, "0"));
     krk_set_pdl(c->pdl);
-    const char *fu = getenv("KRAIT_FUSE");
-    c->fuse = !(fu && !strcmp(fu, "0"));
     char name[128] = "cuda";
     krk_device_describe(dev, name, sizeof name);
     snprintf(c->desc, sizeof c->desc, "cuda:%d (%s)", dev, name);

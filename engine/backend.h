@@ -58,9 +58,6 @@ void kr_backend_cuda_profile(kr_backend_t be, bool on);
 /* Device allocations the backend has made so far: serving after start-up makes none (the engine
  * reserves every workspace, cache and staging buffer at creation). */
 uint64_t kr_backend_cuda_alloc_count(kr_backend_t be);
-/* Residual adds and RMSNorms a CUDA backend has fused into GEMVs so far (decode steps of one
- * token; none with KRAIT_FUSE=0). */
-uint64_t kr_backend_cuda_fused_count(kr_backend_t be);
 int kr_backend_cuda_profile_read(kr_backend_t be, const char **names, double *ms, int64_t *calls, int cap);
 /* CUDA devices visible (0 in a build without CUDA). */
 int kr_backend_cuda_device_count(void);
