@@ -11,83 +11,13 @@
 // with the two halves of every other 8-column group swapped, and lanes 4..7 of each quarter warp
 // read their second float4 first, so that each 16-byte shared-memory phase covers 32 distinct
 // banks.
-//
-// Fusions (krk_gemv_params): with `acc` the epilogue also adds each result into acc (the residual
-// add that follows an output projection); with `norm_w` (n = 1, x in one chunk) x is RMS-normalised
-// while it is staged, every block computing the sum of squares itself, and each block writes its
-// share of the normalised row to norm_out for the later readers of the norm's output.
 #include "common/util.cuh"
-#include "norm/vec.cuh"
 
 namespace krk {
 namespace {
 
 constexpr int kGemvWarps = 8;          // default warps per block
 constexpr int kGemvSmemFloats = 12288; // 48 KB of staged x
-static_assert(KRK_GEMV_NORM_MAX_COLS <= kGemvSmemFloats / 256 * 256, "a normalised x is staged in one chunk at n = 1");
-
-// The fused RMSNorm of an n = 1 GEMV (norm_w in krk_gemv_params); threads is krk_rmsnorm's block
-// size for the row (row_threads of its 4-column groups), whose summation order the sum of squares
-// follows.
-struct gemv_norm {
-    const float *w; // [cols] fp32
-    float eps;
-    float *out;     // [cols] fp32
-    int threads;
-};
-
-// Where column c of a chunk sits in shared memory: c ^ 4 when bit 5 of c is set. Lanes with h = 1
-// then find their first 4 values in the second float4 of their group, which keeps each quarter
-// warp's 16-byte reads on distinct banks, and every lane combines x[c..c+3] with weights 0..3.
-__device__ __forceinline__ int staged(int c)
-{
-    return c ^ (((c >> 5) & 1) << 2);
-}
-
-__device__ __forceinline__ float round_bf16(float v)
-{
-    return __bfloat162float(__float2bfloat16_rn(v));
-}
-
-// Stages the one row of x (cols <= the chunk, zero-padded to `padded`) normalised and rounded to
-// bf16, and writes this block's share of the fp32 normalised values (columns [b k, (b + 1) k) of
-// block b, k = ceil(cols / blocks)) to nm.out. Pass 1 stages x raw and sums its squares the way
-// krk_rmsnorm's vector kernel does (thread t of T = nm.threads takes the 4-column groups t, t + T,
-// ... in order, then a block sum): with T <= the block's threads, whose extra threads add zeros,
-// the sum is that kernel's bit for bit (when it takes its vector path: 16-byte aligned rows); with
-// more, a thread takes several of its threads' groups and only the summation order differs. Pass 2 scales in place, v * r * w as krk_rmsnorm does.
-// Contains barriers: every thread of the block calls it.
-template <int W>
-__device__ __forceinline__ void stage_norm(float *xs, const float *KRK_RESTRICT x, int cols, int padded,
-                                           const gemv_norm &nm)
-{
-    __shared__ float red[32];
-    float ss = 0.0f;
-    for (int t = threadIdx.x; t < nm.threads; t += W * 32) {
-        for (int g = t; g < cols / 4; g += nm.threads) {
-#pragma unroll
-            for (int k = 0; k < 4; k++) {
-                const float v = x[4 * g + k];
-                xs[staged(4 * g + k)] = v;
-                ss += v * v;
-            }
-        }
-    }
-    for (int c = cols + threadIdx.x; c < padded; c += W * 32) {
-        xs[staged(c)] = 0.0f;
-    }
-    // block_sum starts with a barrier: every raw value is staged before pass 2 reads it
-    const float r = 1.0f / sqrtf(block_sum(ss, red) / (float)cols + nm.eps);
-    const int64_t share = (cols + (int64_t)gridDim.x - 1) / (int64_t)gridDim.x;
-    const int64_t lo = (int64_t)blockIdx.x * share, hi = lo + share;
-    for (int c = threadIdx.x; c < cols; c += W * 32) {
-        const float v = xs[staged(c)] * r * nm.w[c];
-        if (c >= lo && c < hi) {
-            nm.out[c] = v;
-        }
-        xs[staged(c)] = round_bf16(v);
-    }
-}
 
 __device__ __forceinline__ uint4 ld_stream(const uint16_t *p)
 {
@@ -124,15 +54,12 @@ __device__ __forceinline__ void load_steps(uint4 (&wv)[U][RW], const uint16_t *c
     }
 }
 
-// NORM: x is one row (N = 1) in one chunk, normalised while staged (stage_norm).
-template <int N, int RW, int U, int W, bool NORM>
+template <int N, int RW, int U, int W>
 __global__ void __launch_bounds__(W * 32)
     gemv_kernel(const float *KRK_RESTRICT x, int64_t ldx, const uint16_t *KRK_RESTRICT w,
-                const float *KRK_RESTRICT bias, int64_t rows, int64_t cols, int ch, float *KRK_RESTRICT y, int64_t ldy,
-                float *KRK_RESTRICT res, gemv_norm nm)
+                const float *KRK_RESTRICT bias, int64_t rows, int64_t cols, int ch, float *KRK_RESTRICT y, int64_t ldy)
 {
-    static_assert(!NORM || N == 1, "the fused norm takes one row");
-    extern __shared__ float4 xs4[]; // [N][ch / 4], halves of 8-column groups swizzled (staged())
+    extern __shared__ float4 xs4[]; // [N][ch / 4], halves of 8-column groups swizzled (see staging)
     float *xs = reinterpret_cast<float *>(xs4);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int64_t row0 = ((int64_t)blockIdx.x * W + warp) * RW;
@@ -164,22 +91,22 @@ __global__ void __launch_bounds__(W * 32)
         load_steps<RW, U>(cur, wr, rv, all_rows, 0, 0, (len + 255) / 256, len, lane);
     }
     pdl_trigger();
-    pdl_wait(); // x, y, res and norm_out belong to earlier kernels; the weights above do not
+    pdl_wait(); // x and y belong to earlier kernels; the weights above do not
     for (int64_t c0 = 0; c0 < cols; c0 += ch) {
         const int len = (int)(cols - c0 < ch ? cols - c0 : ch); // a multiple of 8
         const int padded = (len + 255) / 256 * 256;             // <= ch
         const int steps = padded / 256;
         __syncthreads(); // the previous chunk's readers are done
-        if constexpr (NORM) {
-            stage_norm<W>(xs, x, len, padded, nm); // len == cols: one chunk
-        } else {
+                         // Column c goes to c ^ 4 when bit 5 of c is set: lanes with h = 1 then find their first
+                         // 4 values in the second float4 of their group, which keeps each quarter warp's 16-byte
+                         // reads on distinct banks, and every lane combines x[c..c+3] with weights 0..3.
 #pragma unroll
-            for (int t = 0; t < N; t++) {
-                for (int c = threadIdx.x; c < padded; c += W * 32) {
-                    // x is rounded to bf16, the operand precision of the cuBLAS path, so that a row's
-                    // result does not depend on whether its batch takes this kernel or a GEMM
-                    xs[t * ch + staged(c)] = c < len ? round_bf16(x[t * ldx + c0 + c]) : 0.0f;
-                }
+        for (int t = 0; t < N; t++) {
+            for (int c = threadIdx.x; c < padded; c += W * 32) {
+                // x is rounded to bf16, the operand precision of the cuBLAS path, so that a row's result
+                // does not depend on whether its batch takes this kernel or a GEMM
+                xs[t * ch + (c ^ (((c >> 5) & 1) << 2))] =
+                    c < len ? __bfloat162float(__float2bfloat16_rn(x[t * ldx + c0 + c])) : 0.0f;
             }
         }
         __syncthreads();
@@ -248,11 +175,7 @@ __global__ void __launch_bounds__(W * 32)
         for (int t = 0; t < N; t++) {
             const float v = warp_sum(acc[r][t]);
             if (lane == t && rv[r]) {
-                const float o = bias ? v + bias[row0 + r] : v;
-                y[t * ldy + row0 + r] = o;
-                if (res) {
-                    res[t * ldy + row0 + r] += o; // krk_gemv_params.acc; the row is this lane's alone
-                }
+                y[t * ldy + row0 + r] = bias ? v + bias[row0 + r] : v;
             }
         }
     }
@@ -268,17 +191,9 @@ enum kr_status launch_gemv_cfg(const struct krk_gemv_params *p, cudaStream_t str
     const int64_t blocks = (p->rows + rows_per_block - 1) / rows_per_block;
     KRK_REQUIRE(blocks <= INT32_MAX);
     const size_t smem = (size_t)N * (size_t)ch * sizeof(float);
-    auto kernel = gemv_kernel<N, RW, U, W, false>;
-    gemv_norm nm = {};
-    if constexpr (N == 1) {
-        if (p->norm_w) {
-            KRK_REQUIRE(p->cols <= ch); // one chunk
-            kernel = gemv_kernel<N, RW, U, W, true>;
-            nm = gemv_norm{p->norm_w, p->norm_eps, p->norm_out, row_threads(p->cols / 4)};
-        }
-    }
-    KRK_CUDA_TRY(launch_maybe_pdl(p->pdl || pdl_enabled(), kernel, dim3((unsigned)blocks), dim3(W * 32), smem, stream,
-                                  p->x, p->ldx, p->w, p->bias, p->rows, p->cols, ch, p->y, p->ldy, p->acc, nm));
+    KRK_CUDA_TRY(launch_maybe_pdl(p->pdl || pdl_enabled(), gemv_kernel<N, RW, U, W>, dim3((unsigned)blocks),
+                                  dim3(W * 32), smem, stream, p->x, p->ldx, p->w, p->bias, p->rows, p->cols, ch, p->y,
+                                  p->ldy));
     return KR_OK;
 }
 
@@ -344,13 +259,6 @@ __global__ void add_bias_kernel(float *KRK_RESTRICT y, int64_t ldy, const float 
     }
 }
 
-// Whether the byte ranges [a, a + an) and [b, b + bn) share a byte.
-bool overlaps(const void *a, size_t an, const void *b, size_t bn)
-{
-    const char *pa = static_cast<const char *>(a), *pb = static_cast<const char *>(b);
-    return pa < pb + bn && pb < pa + an;
-}
-
 } // namespace
 } // namespace krk
 
@@ -362,19 +270,10 @@ extern "C" enum kr_status krk_gemv(const struct krk_gemv_params *p, cudaStream_t
     KRK_REQUIRE(p->n >= 0 && p->n <= KRK_GEMV_MAX_N && p->rows >= 1 && p->cols >= 8 && p->cols % 8 == 0);
     KRK_REQUIRE(p->ldx >= p->cols && p->ldy >= p->rows);
     KRK_REQUIRE(p->config >= 0 && p->config < KRK_GEMV_CONFIGS);
-    KRK_REQUIRE(!p->norm_w || (p->n == 1 && p->cols <= KRK_GEMV_NORM_MAX_COLS));
     if (p->n == 0) {
         return KR_OK;
     }
     KRK_REQUIRE(p->x && p->w && p->y && ((uintptr_t)p->w & 15) == 0);
-    // other blocks still read x (and, with the norm, write norm_out) while a block writes its results
-    const size_t x_bytes = (size_t)((p->n - 1) * p->ldx + p->cols) * sizeof(float);
-    const size_t y_bytes = (size_t)((p->n - 1) * p->ldy + p->rows) * sizeof(float);
-    const size_t row_bytes = (size_t)p->cols * sizeof(float);
-    KRK_REQUIRE(!p->norm_w || (p->norm_out && !overlaps(p->norm_out, row_bytes, p->x, x_bytes) &&
-                               !overlaps(p->norm_out, row_bytes, p->y, y_bytes)));
-    KRK_REQUIRE(!p->acc || (!overlaps(p->acc, y_bytes, p->x, x_bytes) && !overlaps(p->acc, y_bytes, p->y, y_bytes) &&
-                            !(p->norm_w && overlaps(p->acc, y_bytes, p->norm_out, row_bytes))));
     switch (p->n) {
     case 1:
         return launch_gemv<1>(p, stream);
