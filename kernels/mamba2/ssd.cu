@@ -143,10 +143,28 @@ extern "C" enum kr_status krk_ssd(const struct krk_ssd_params *p, cudaStream_t s
     mark(1, 1);
     mark(2, 0);
     const size_t smem = ssd_scan_smem_bytes(a.d_state);
-    KRK_CUDA_TRY(cudaFuncSetAttribute(ssd_scan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    krk::launch_maybe_pdl(krk::pdl_enabled(), ssd_scan_kernel,
-                          dim3((unsigned)((p->head_dim + kScanP - 1) / kScanP), (unsigned)p->n_head, (unsigned)b.n_seq),
-                          kScanThreads, smem, stream, a);
+    const dim3 scan_grid((unsigned)((p->head_dim + kScanP - 1) / kScanP), (unsigned)p->n_head, (unsigned)b.n_seq);
+    const bool vec = p->conv_dim % 4 == 0 && p->d_state % 4 == 0 && p->head_dim % 4 == 0 &&
+                     (p->n_head * p->head_dim) % 4 == 0 && aligned16(p->xbc);
+    auto scan = [&](auto kernel) -> enum kr_status {
+        KRK_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+        // all of the unified L1 as shared memory, so that two blocks fit on an SM at d_state 128
+        KRK_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                          cudaSharedmemCarveoutMaxShared));
+        krk::launch_maybe_pdl(krk::pdl_enabled(), kernel, scan_grid, kScanThreads, smem, stream, a);
+        return KR_OK;
+    };
+    enum kr_status st;
+    if (ssd_scan_np(a.d_state) == 128 && vec) {
+        st = scan(ssd_scan_kernel<128, true>);
+    } else if (vec) {
+        st = scan(ssd_scan_kernel<0, true>);
+    } else {
+        st = scan(ssd_scan_kernel<0, false>);
+    }
+    if (st != KR_OK) {
+        return st;
+    }
     KRK_CHECK_LAUNCH();
     mark(2, 1);
     return KR_OK;

@@ -11,8 +11,11 @@
 // state leaves the block, so the chunk states never go through memory; the chunks of one
 // sequence run one after another, and the parallelism is sequences x heads x column tiles.
 //
-// Threads: tx = tid % 8 owns columns 4 tx .. 4 tx + 3 of the tile; ty = tid / 8 owns rows ty and
-// ty + 32 of the chunk's outputs, and state rows 4 ty + 128 k .. + 3 in the update.
+// The three products run on tensor cores (mma m16n8k8) in three-pass TF32: every fp32 operand is
+// split into a TF32 high part and a TF32 remainder, and hi*hi + hi*lo + lo*hi keeps the products
+// to about fp32 accuracy (the dropped lo*lo term is below 2^-21 of them), with fp32 accumulation.
+// Warps: in the outputs, warp w owns rows 16 (w % 4) .. + 15 and columns 16 (w / 4) .. + 15; in
+// the state update, rows n = 16 w (+ 128 k) .. + 15 and all kScanP columns.
 #include "common/mma.cuh"
 #include "mamba2/ssd_common.cuh"
 
@@ -20,33 +23,83 @@ namespace krk {
 namespace mamba2 {
 
 constexpr int kScanThreads = 256;
-constexpr int kScanP = 32;             // head_dim columns per block
-constexpr int kScanLdM = kChunk + 4;   // padded row of M (float4 reads, no bank conflicts)
+constexpr int kScanP = 32;  // head_dim columns per block
+constexpr int kScanLdS = 40; // padded rows of S and x: fragment reads (k = t, n = g) on distinct banks
 
-static_assert(kScanThreads == 8 * 32 && kScanP == 8 * 4 && kChunk == 64, "thread layout of ssd_scan_kernel");
+static_assert(kScanThreads == 8 * 32 && kScanP == 32 && kChunk == 64, "warp layout of ssd_scan_kernel");
 
-// Floats of one row of the C and B tiles: d_state rounded up to 4, plus 4 of padding so that the
-// rows ty .. ty + 3 read by one warp fall on distinct banks.
+// d_state padded to whole 16-row tiles (zeros past d_state).
+__host__ __device__ constexpr int ssd_scan_np(int d_state)
+{
+    return (d_state + 15) / 16 * 16;
+}
+// Row strides of C (read as row-major A fragments: stride = 4 mod 8) and of B (read transposed:
+// stride = 8 mod 32), in floats.
+__host__ __device__ constexpr int ssd_scan_ldc(int d_state)
+{
+    return ssd_scan_np(d_state) + 4;
+}
+__host__ __device__ constexpr int ssd_scan_ldb(int d_state)
+{
+    return (ssd_scan_np(d_state) + 31) / 32 * 32 + 8;
+}
+
+// Dynamic shared memory of ssd_scan_kernel: S [np][kScanLdS], C [kChunk][ldc], B [kChunk][ldb],
+// x [kChunk][kScanLdS], dt, cum and w [kChunk].
+__host__ __device__ constexpr size_t ssd_scan_smem_bytes(int d_state)
+{
+    return sizeof(float) * ((size_t)ssd_scan_np(d_state) * kScanLdS + (size_t)kChunk * ssd_scan_ldc(d_state) +
+                            (size_t)kChunk * ssd_scan_ldb(d_state) + (size_t)kChunk * kScanLdS + 3 * kChunk);
+}
+
 // 4-byte global->shared copy; src_bytes = 0 fills zeros and reads nothing.
 __device__ __forceinline__ void cp_async4(float *dst, const float *src, int src_bytes)
 {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(src_bytes));
 }
 
-__host__ __device__ constexpr int ssd_scan_ldbc(int d_state)
+// x = hi + lo with hi and lo TF32 (bit patterns of fp32 with the low 13 mantissa bits clear).
+__device__ __forceinline__ void tf32_split(float x, uint32_t &hi, uint32_t &lo)
 {
-    return (d_state + 3) / 4 * 4 + 4;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(hi) : "f"(x));
+    const float r = x - __uint_as_float(hi);
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(lo) : "f"(r));
 }
 
-// Dynamic shared memory of ssd_scan_kernel: S [N4][kScanP], C and B [kChunk][ldbc], x
-// [kChunk][kScanP], M [kChunk][kScanLdM], dt, cum and w [kChunk].
-__host__ __device__ constexpr size_t ssd_scan_smem_bytes(int d_state)
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1)
 {
-    return sizeof(float) * ((size_t)(d_state + 3) / 4 * 4 * kScanP + 2 * (size_t)kChunk * ssd_scan_ldbc(d_state) +
-                            (size_t)kChunk * kScanP + (size_t)kChunk * kScanLdM + 3 * kChunk);
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-__global__ void __launch_bounds__(kScanThreads, 2) ssd_scan_kernel(SsdArgs a)
+// d += a b in three TF32 passes; a is the A fragment (rows g, g + 8; columns t, t + 4) and b0, b1
+// the B fragment (rows t, t + 4; column g) as fp32.
+struct Tf32A {
+    uint32_t hi[4], lo[4];
+    __device__ __forceinline__ void set(float a0, float a1, float a2, float a3)
+    {
+        tf32_split(a0, hi[0], lo[0]);
+        tf32_split(a1, hi[1], lo[1]);
+        tf32_split(a2, hi[2], lo[2]);
+        tf32_split(a3, hi[3], lo[3]);
+    }
+};
+__device__ __forceinline__ void mma_3xtf32(float (&d)[4], const Tf32A &a, float b0, float b1)
+{
+    uint32_t bh0, bl0, bh1, bl1;
+    tf32_split(b0, bh0, bl0);
+    tf32_split(b1, bh1, bl1);
+    mma_tf32(d, a.lo, bh0, bh1);
+    mma_tf32(d, a.hi, bl0, bl1);
+    mma_tf32(d, a.hi, bh0, bh1);
+}
+
+// NPC: d_state padded (ssd_scan_np) when known at compile time (loops fully unrolled), else 0.
+// VEC: 16-byte copies (conv_dim, d_state, head_dim and n_head * head_dim multiples of 4, xbc
+// 16-byte aligned).
+template <int NPC, bool VEC> __global__ void __launch_bounds__(kScanThreads, 2) ssd_scan_kernel(SsdArgs a)
 {
     krk::kernel_prologue();
     const int s = blockIdx.z, h = blockIdx.y, p0 = blockIdx.x * kScanP;
@@ -54,34 +107,37 @@ __global__ void __launch_bounds__(kScanThreads, 2) ssd_scan_kernel(SsdArgs a)
     if (nt < 2) {
         return; // decode path
     }
-    const int P = a.head_dim, N = a.d_state, N4 = (N + 3) / 4 * 4, ldbc = ssd_scan_ldbc(N);
+    const int P = a.head_dim, N = a.d_state;
+    const int NP = NPC ? NPC : ssd_scan_np(N);
+    const int ldc = NP + 4, ldb = (NP + 31) / 32 * 32 + 8; // ssd_scan_ldc / ssd_scan_ldb
     const int g = h / a.heads_per_group;
     const int slot = a.batch.seq_slot[s];
     const bool fresh = a.batch.seq_pos0[s] == 0 || slot < 0;
     float *st_head = slot >= 0 ? a.state + ((int64_t)slot * a.n_head + h) * (int64_t)P * N : nullptr;
 
     extern __shared__ __align__(16) float ssd_scan_sm[];
-    float *S_sh = ssd_scan_sm;                   // [N4][kScanP]
-    float *C_sh = S_sh + (size_t)N4 * kScanP;    // [kChunk][ldbc]
-    float *B_sh = C_sh + (size_t)kChunk * ldbc;  // [kChunk][ldbc]
-    float *x_sh = B_sh + (size_t)kChunk * ldbc;  // [kChunk][kScanP]
-    float *M_sh = x_sh + kChunk * kScanP;        // [kChunk][kScanLdM]
-    float *dt_sh = M_sh + kChunk * kScanLdM;     // [kChunk]
-    float *cum_sh = dt_sh + kChunk;              // [kChunk]
-    float *w_sh = cum_sh + kChunk;               // [kChunk]
+    float *S_sh = ssd_scan_sm;                    // [NP][kScanLdS]
+    float *C_sh = S_sh + (size_t)NP * kScanLdS;   // [kChunk][ldc]
+    float *B_sh = C_sh + (size_t)kChunk * ldc;    // [kChunk][ldb]
+    float *x_sh = B_sh + (size_t)kChunk * ldb;    // [kChunk][kScanLdS]
+    float *dt_sh = x_sh + kChunk * kScanLdS;      // [kChunk]
+    float *cum_sh = dt_sh + kChunk;               // [kChunk]
+    float *w_sh = cum_sh + kChunk;                // [kChunk]
 
-    const int tid = threadIdx.x, tx = tid & 7, ty = tid >> 3, warp = tid >> 5, lane = tid & 31;
-    const int pl = tx * 4; // this thread's first column in the tile
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int fg = lane >> 2, ft = lane & 3; // fragment row / column of this lane
+    const int mt = warp & 3, nh = warp >> 2; // output tile of this warp: rows 16 mt, columns 16 nh
+    const int r0 = 16 * mt + fg, r1 = r0 + 8; // output rows of this lane's accumulators
 
     // entering state, transposed from the slot's [head_dim][d_state] (zeros when fresh, past N and
     // past head_dim)
-    for (int e = tid; e < N4 * kScanP; e += kScanThreads) {
-        const int pc = e / N4, n = e % N4; // n fastest: the slot's rows are read contiguously
+    for (int e = tid; e < NP * kScanP; e += kScanThreads) {
+        const int pc = e / NP, n = e % NP; // n fastest: the slot's rows are read contiguously
         float v = 0.0f;
         if (!fresh && n < N && p0 + pc < P) {
             v = st_head[(int64_t)(p0 + pc) * N + n];
         }
-        S_sh[n * kScanP + pc] = v;
+        S_sh[n * kScanLdS + pc] = v;
     }
 
     const float A = -expf(a.A_log[h]);
@@ -95,168 +151,179 @@ __global__ void __launch_bounds__(kScanThreads, 2) ssd_scan_kernel(SsdArgs a)
     // computes its outputs; only x waits with dt and C.B^T.
     const float *const Bseq = a.xbc + (int64_t)t0 * a.conv_dim + (int64_t)a.n_head * P + (int64_t)g * N;
     const float *const Cseq = Bseq + (int64_t)a.n_group * N;
-    auto copy_bc = [&](float *dst, const float *src_seq, int c) {
+    auto copy_bc = [&](float *dst, int ld, const float *src_seq, int c) {
         const int len = min(kChunk, nt - c * kChunk);
         const float *src = src_seq + (int64_t)c * kChunk * a.conv_dim;
         for (int l = warp; l < kChunk; l += kScanThreads / 32) {
             const bool lin = l < len;
             const float *r = src + (int64_t)(lin ? l : 0) * a.conv_dim;
-            for (int n = lane; n < N4; n += 32) {
-                const bool in = lin && n < N;
-                cp_async4(&dst[l * ldbc + n], in ? r + n : src, in ? 4 : 0);
+            if constexpr (VEC) { // lane i: float4s i, i + 32, ... of the row
+#pragma unroll
+                for (int n = lane * 4; n < NP; n += 128) {
+                    const bool in = lin && n < N;
+                    cp_async16(&dst[l * ld + n], in ? r + n : src, in ? 16 : 0);
+                }
+            } else {
+#pragma unroll
+                for (int n = lane; n < NP; n += 32) {
+                    const bool in = lin && n < N;
+                    cp_async4(&dst[l * ld + n], in ? r + n : src, in ? 4 : 0);
+                }
             }
         }
         cp_async_commit();
     };
-    copy_bc(C_sh, Cseq, 0);
+    copy_bc(C_sh, ldc, Cseq, 0);
     for (int c = 0; c < nc; c++) {
         const int tc = t0 + c * kChunk, len = min(kChunk, nt - c * kChunk);
         __syncthreads(); // the previous chunk is done with B and x (and the entering state is stored)
         {
             const float *xh = a.xbc + (int64_t)tc * a.conv_dim + (int64_t)h * P + p0;
-            static_assert(kScanP == 32, "one lane per column of x");
+            if constexpr (VEC) { // 8 float4s a row, 4 rows a warp
 #pragma unroll
-            for (int l = warp; l < kChunk; l += kScanThreads / 32) {
-                const bool in = l < len && p0 + lane < P;
-                cp_async4(&x_sh[l * kScanP + lane], in ? xh + (int64_t)l * a.conv_dim + lane : xh, in ? 4 : 0);
+                for (int e = tid; e < kChunk * kScanP / 4; e += kScanThreads) {
+                    const int l = e >> 3, q = (e & 7) * 4;
+                    const bool in = l < len && p0 + q < P;
+                    cp_async16(&x_sh[l * kScanLdS + q], in ? xh + (int64_t)l * a.conv_dim + q : xh, in ? 16 : 0);
+                }
+            } else {
+#pragma unroll
+                for (int l = warp; l < kChunk; l += kScanThreads / 32) {
+                    const bool in = l < len && p0 + lane < P;
+                    cp_async4(&x_sh[l * kScanLdS + lane], in ? xh + (int64_t)l * a.conv_dim + lane : xh, in ? 4 : 0);
+                }
             }
             cp_async_commit();
         }
-        copy_bc(B_sh, Bseq, c);
+        copy_bc(B_sh, ldb, Bseq, c);
+        // this lane's elements of C.B^T for the intra-chunk product: k-steps ks <= 2 mt + 1 (the
+        // columns s <= 16 mt + 15 that rows of this warp can see), at (r0 | r1, 8 ks + ft (+ 4))
         const float *cbg = a.ws_cb + ((int64_t)(base + c) * a.n_group + g) * (kChunk * kChunk);
-        float cb[kChunk * kChunk / kScanThreads];
+        float cb[8][4];
 #pragma unroll
-        for (int r = 0; r < kChunk * kChunk / kScanThreads; r++) {
-            cb[r] = cbg[tid + r * kScanThreads];
+        for (int ks = 0; ks < 8; ks++) {
+            if (ks <= 2 * mt + 1) {
+                cb[ks][0] = cbg[r0 * kChunk + 8 * ks + ft];
+                cb[ks][1] = cbg[r1 * kChunk + 8 * ks + ft];
+                cb[ks][2] = cbg[r0 * kChunk + 8 * ks + ft + 4];
+                cb[ks][3] = cbg[r1 * kChunk + 8 * ks + ft + 4];
+            }
         }
         ssd_chunk_dt(a, tc, len, h, A, dt_sh, cum_sh); // ends with __syncthreads()
         const float cend = cum_sh[len - 1];
         if (tid < kChunk) {
             w_sh[tid] = tid < len ? expf(cend - cum_sh[tid]) * dt_sh[tid] : 0.0f;
         }
-        // M[l][s] = (C_l . B_s) exp(cum_l - cum_s) dt_s for s <= l < len, else 0
-#pragma unroll
-        for (int r = 0; r < kChunk * kChunk / kScanThreads; r++) {
-            const int e = tid + r * kScanThreads;
-            const int l = e / kChunk, sj = e % kChunk;
-            M_sh[l * kScanLdM + sj] = sj <= l && l < len ? cb[r] * expf(cum_sh[l] - cum_sh[sj]) * dt_sh[sj] : 0.0f;
-        }
         cp_async_wait<1>(); // this thread's copies of C and x have landed (B may be in flight)
         __syncthreads();
 
-        // outputs of rows l0 = ty and l1 = ty + 32: C S over the entering state ...
-        const int l0 = ty, l1 = ty + 32;
-        float y0[4] = {}, y1[4] = {};
-#pragma unroll 4
-        for (int n = 0; n < N4; n += 4) {
-            const float4 c0 = *reinterpret_cast<const float4 *>(&C_sh[l0 * ldbc + n]);
-            const float4 c1 = *reinterpret_cast<const float4 *>(&C_sh[l1 * ldbc + n]);
-            const float ca[4] = {c0.x, c0.y, c0.z, c0.w}, cc[4] = {c1.x, c1.y, c1.z, c1.w};
+        // outputs: exp(cum_l) C S over the entering state ...
+        float acc[2][4] = {};
 #pragma unroll
-            for (int k = 0; k < 4; k++) {
-                const float4 sv = *reinterpret_cast<const float4 *>(&S_sh[(n + k) * kScanP + pl]);
-                y0[0] += ca[k] * sv.x;
-                y0[1] += ca[k] * sv.y;
-                y0[2] += ca[k] * sv.z;
-                y0[3] += ca[k] * sv.w;
-                y1[0] += cc[k] * sv.x;
-                y1[1] += cc[k] * sv.y;
-                y1[2] += cc[k] * sv.z;
-                y1[3] += cc[k] * sv.w;
+        for (int k0 = 0; k0 < NP; k0 += 8) {
+            Tf32A fa;
+            fa.set(C_sh[r0 * ldc + k0 + ft], C_sh[r1 * ldc + k0 + ft], C_sh[r0 * ldc + k0 + ft + 4],
+                   C_sh[r1 * ldc + k0 + ft + 4]);
+#pragma unroll
+            for (int j = 0; j < 2; j++) {
+                const int col = 16 * nh + 8 * j + fg;
+                mma_3xtf32(acc[j], fa, S_sh[(k0 + ft) * kScanLdS + col], S_sh[(k0 + ft + 4) * kScanLdS + col]);
             }
         }
-        const float e0 = expf(cum_sh[l0]), e1 = expf(cum_sh[l1]);
+        {
+            const float e0 = expf(cum_sh[r0]), e1 = expf(cum_sh[r1]);
 #pragma unroll
-        for (int j = 0; j < 4; j++) {
-            y0[j] *= e0;
-            y1[j] *= e1;
-        }
-        // ... plus M x over this chunk (M is zero above the diagonal: groups of 4 columns up to
-        // the one holding the row's own column suffice)
-        const int end0 = (l0 & ~3) + 4, end1 = (l1 & ~3) + 4;
-        for (int sj = 0; sj < end1; sj += 4) {
-            const float4 m1 = *reinterpret_cast<const float4 *>(&M_sh[l1 * kScanLdM + sj]);
-            const float mb[4] = {m1.x, m1.y, m1.z, m1.w};
-            float ma[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            const bool row0_in = sj < end0;
-            if (row0_in) {
-                const float4 m0 = *reinterpret_cast<const float4 *>(&M_sh[l0 * kScanLdM + sj]);
-                ma[0] = m0.x;
-                ma[1] = m0.y;
-                ma[2] = m0.z;
-                ma[3] = m0.w;
+            for (int j = 0; j < 2; j++) {
+                acc[j][0] *= e0;
+                acc[j][1] *= e0;
+                acc[j][2] *= e1;
+                acc[j][3] *= e1;
             }
+        }
+        // ... plus M x over this chunk, M[l][s] = (C_l . B_s) exp(cum_l - cum_s) dt_s for s <= l < len
+        {
+            const float cr0 = cum_sh[r0], cr1 = cum_sh[r1];
+            const bool in0 = r0 < len, in1 = r1 < len;
 #pragma unroll
-            for (int k = 0; k < 4; k++) {
-                const float4 xv = *reinterpret_cast<const float4 *>(&x_sh[(sj + k) * kScanP + pl]);
-                y0[0] += ma[k] * xv.x;
-                y0[1] += ma[k] * xv.y;
-                y0[2] += ma[k] * xv.z;
-                y0[3] += ma[k] * xv.w;
-                y1[0] += mb[k] * xv.x;
-                y1[1] += mb[k] * xv.y;
-                y1[2] += mb[k] * xv.z;
-                y1[3] += mb[k] * xv.w;
+            for (int ks = 0; ks < 8; ks++) {
+                if (ks > 2 * mt + 1) {
+                    break; // warp-uniform
+                }
+                const int sa = 8 * ks + ft, sb = sa + 4;
+                const float da = dt_sh[sa], db = dt_sh[sb], ca = cum_sh[sa], cbv = cum_sh[sb];
+                Tf32A fa;
+                fa.set(in0 && sa <= r0 ? cb[ks][0] * expf(cr0 - ca) * da : 0.0f,
+                       in1 && sa <= r1 ? cb[ks][1] * expf(cr1 - ca) * da : 0.0f,
+                       in0 && sb <= r0 ? cb[ks][2] * expf(cr0 - cbv) * db : 0.0f,
+                       in1 && sb <= r1 ? cb[ks][3] * expf(cr1 - cbv) * db : 0.0f);
+#pragma unroll
+                for (int j = 0; j < 2; j++) {
+                    const int col = 16 * nh + 8 * j + fg;
+                    mma_3xtf32(acc[j], fa, x_sh[sa * kScanLdS + col], x_sh[sb * kScanLdS + col]);
+                }
             }
         }
         // ... plus D x; stored for rows inside the chunk and columns inside head_dim
-        const int p = p0 + pl;
 #pragma unroll
-        for (int i = 0; i < 2; i++) {
-            const int l = i == 0 ? l0 : l1;
-            if (l >= len) {
-                continue;
-            }
-            const float *yv = i == 0 ? y0 : y1;
-            const float4 xl = *reinterpret_cast<const float4 *>(&x_sh[l * kScanP + pl]);
-            const float out[4] = {yv[0] + Dh * xl.x, yv[1] + Dh * xl.y, yv[2] + Dh * xl.z, yv[3] + Dh * xl.w};
-            float *yo = a.y + (int64_t)(tc + l) * ld_y + (int64_t)h * P + p;
-            if (a.vec_y) { // p and the row start are multiples of 4: one aligned float4
-                if (p < P) {
-                    *reinterpret_cast<float4 *>(yo) = make_float4(out[0], out[1], out[2], out[3]);
+        for (int j = 0; j < 2; j++) {
+            const int pc = 16 * nh + 8 * j + 2 * ft, p = p0 + pc;
+#pragma unroll
+            for (int half = 0; half < 2; half++) {
+                const int l = half ? r1 : r0;
+                if (l >= len) {
+                    continue;
                 }
-            } else {
-#pragma unroll
-                for (int j = 0; j < 4; j++) {
-                    if (p + j < P) {
-                        yo[j] = out[j];
+                const float o0 = acc[j][2 * half] + Dh * x_sh[l * kScanLdS + pc];
+                const float o1 = acc[j][2 * half + 1] + Dh * x_sh[l * kScanLdS + pc + 1];
+                float *yo = a.y + (int64_t)(tc + l) * ld_y + (int64_t)h * P + p;
+                if (a.vec_y) { // p even, P and the row start multiples of 4: one aligned float2
+                    if (p < P) {
+                        *reinterpret_cast<float2 *>(yo) = make_float2(o0, o1);
+                    }
+                } else {
+                    if (p < P) {
+                        yo[0] = o0;
+                    }
+                    if (p + 1 < P) {
+                        yo[1] = o1;
                     }
                 }
             }
         }
-        __syncthreads(); // every row has read S and C
+        __syncthreads(); // every warp has read S and C
         if (c + 1 < nc) {
-            copy_bc(C_sh, Cseq, c + 1);
+            copy_bc(C_sh, ldc, Cseq, c + 1);
             cp_async_wait<1>(); // B of this chunk has landed (C of the next may be in flight)
         } else {
             cp_async_wait<0>();
         }
         __syncthreads();
 
-        // state update: S <- exp(cend) S + sum_s w_s B_s x_s^T, rows n = 4 ty + 128 k .. + 3
+        // state update: S <- exp(cend) S + (B w)^T x over the chunk's tokens, 16 rows of n a warp
         const float decay = expf(cend);
-        for (int n = 4 * ty; n < N4; n += 4 * 32) {
-            float acc[4][4] = {};
-#pragma unroll 4
-            for (int l = 0; l < len; l++) {
-                const float wl = w_sh[l];
-                const float4 bv = *reinterpret_cast<const float4 *>(&B_sh[l * ldbc + n]);
-                const float4 xv = *reinterpret_cast<const float4 *>(&x_sh[l * kScanP + pl]);
-                const float bw[4] = {bv.x * wl, bv.y * wl, bv.z * wl, bv.w * wl};
+        const int kend = (len + 7) & ~7; // w is zero past len
+        for (int n0 = 16 * warp; n0 < NP; n0 += 16 * (kScanThreads / 32)) {
+            float u[4][4] = {};
 #pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    acc[i][0] += bw[i] * xv.x;
-                    acc[i][1] += bw[i] * xv.y;
-                    acc[i][2] += bw[i] * xv.z;
-                    acc[i][3] += bw[i] * xv.w;
+            for (int k0 = 0; k0 < kend; k0 += 8) {
+                const float wa = w_sh[k0 + ft], wb = w_sh[k0 + ft + 4];
+                const float *ba = B_sh + (k0 + ft) * ldb + n0 + fg, *bb = B_sh + (k0 + ft + 4) * ldb + n0 + fg;
+                Tf32A fa;
+                fa.set(ba[0] * wa, ba[8] * wa, bb[0] * wb, bb[8] * wb);
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    mma_3xtf32(u[j], fa, x_sh[(k0 + ft) * kScanLdS + 8 * j + fg],
+                               x_sh[(k0 + ft + 4) * kScanLdS + 8 * j + fg]);
                 }
             }
 #pragma unroll
-            for (int i = 0; i < 4; i++) {
-                float4 *sp = reinterpret_cast<float4 *>(&S_sh[(n + i) * kScanP + pl]);
-                const float4 sv = *sp;
-                *sp = make_float4(decay * sv.x + acc[i][0], decay * sv.y + acc[i][1], decay * sv.z + acc[i][2],
-                                  decay * sv.w + acc[i][3]);
+            for (int j = 0; j < 4; j++) {
+                const int pc = 8 * j + 2 * ft;
+                float2 *sa = reinterpret_cast<float2 *>(&S_sh[(n0 + fg) * kScanLdS + pc]);
+                float2 *sb = reinterpret_cast<float2 *>(&S_sh[(n0 + fg + 8) * kScanLdS + pc]);
+                const float2 va = *sa, vb = *sb;
+                *sa = make_float2(decay * va.x + u[j][0], decay * va.y + u[j][1]);
+                *sb = make_float2(decay * vb.x + u[j][2], decay * vb.y + u[j][3]);
             }
         }
     }
@@ -264,10 +331,10 @@ __global__ void __launch_bounds__(kScanThreads, 2) ssd_scan_kernel(SsdArgs a)
         return;
     }
     __syncthreads();
-    for (int e = tid; e < N4 * kScanP; e += kScanThreads) {
-        const int pc = e / N4, n = e % N4;
+    for (int e = tid; e < NP * kScanP; e += kScanThreads) {
+        const int pc = e / NP, n = e % NP;
         if (n < N && p0 + pc < P) {
-            st_head[(int64_t)(p0 + pc) * N + n] = S_sh[n * kScanP + pc];
+            st_head[(int64_t)(p0 + pc) * N + n] = S_sh[n * kScanLdS + pc];
         }
     }
 }
