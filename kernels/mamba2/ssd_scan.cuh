@@ -12,8 +12,9 @@
 // sequence run one after another, and the parallelism is sequences x heads x column tiles.
 //
 // The three products run on tensor cores (mma m16n8k8) in three-pass TF32: every fp32 operand is
-// split into a TF32 high part and a TF32 remainder, and hi*hi + hi*lo + lo*hi keeps the products
-// to about fp32 accuracy (the dropped lo*lo term is below 2^-21 of them), with fp32 accumulation.
+// split into a TF32 high part and a remainder (tf32_split), and hi*hi + hi*lo + lo*hi keeps the
+// products to about fp32 accuracy (the dropped lo*lo term is below 2^-20 of them), with fp32
+// accumulation.
 // Warps: in the outputs, warp w owns rows 16 (w % 4) .. + 15 and columns 16 (w / 4) .. + 15; in
 // the state update, rows n = 16 w (+ 128 k) .. + 15 and all kScanP columns.
 #include "common/mma.cuh"
@@ -58,12 +59,14 @@ __device__ __forceinline__ void cp_async4(float *dst, const float *src, int src_
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(src_bytes));
 }
 
-// x = hi + lo with hi and lo TF32 (bit patterns of fp32 with the low 13 mantissa bits clear).
+// x = hi + lo, hi = x with the low 13 mantissa bits cleared (TF32, exact) and lo = x - hi (exact
+// in fp32), which the tensor core reads truncated to TF32: |lo| < 2^-10 |x|, so the truncation
+// costs under 2^-20 |x|. Masking and a subtraction run at full rate, where cvt.rna.tf32 would be a
+// conversion at a fraction of it.
 __device__ __forceinline__ void tf32_split(float x, uint32_t &hi, uint32_t &lo)
 {
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(hi) : "f"(x));
-    const float r = x - __uint_as_float(hi);
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(lo) : "f"(r));
+    hi = __float_as_uint(x) & 0xffffe000u;
+    lo = __float_as_uint(x - __uint_as_float(hi));
 }
 
 __device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1)
