@@ -7,12 +7,15 @@
  *
  * Output: one markdown row per (kernel, configuration, n): microseconds per product for each
  * shape, the weight read rate (TB/s) for each shape, and the GEMV time of one decode step (each
- * shape times the number of times the step runs it).
+ * shape times the number of times the step runs it). For n > 1 also cuBLASLt: every algorithm its
+ * heuristic offers (up to 16, 32 MiB of workspace) is timed on each shape and the fastest shown,
+ * with its index in the heuristic's order and its split-K factor.
  *   bench_gemv [--n 1,16,32] [--reps N] [--json FILE]   (n <= 64; the GEMV runs n <= KRK_GEMV_MAX_N) */
 #include "krk.h"
 
 #include <stdbool.h>
 
+#include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 #include <getopt.h>
@@ -44,7 +47,17 @@ static const struct shape shapes[] = {
         }                                                                                          \
     } while (0)
 
-enum kind { K_STAGED, K_CUBLAS };
+enum kind { K_STAGED, K_CUBLAS, K_LT };
+#define LT_ALGOS 16
+#define LT_WS ((size_t)32 << 20)
+
+/* A cuBLASLt product y = W x of one shape and n, with the heuristic's candidate algorithms. */
+struct lt_plan {
+    cublasLtMatmulDesc_t op;
+    cublasLtMatrixLayout_t a, b, cd;
+    cublasLtMatmulHeuristicResult_t res[LT_ALGOS];
+    int n_res, cur;
+};
 #define MAX_N 64 /* rows of x benchmarked at most (cuBLAS; the GEMV takes KRK_GEMV_MAX_N) */
 
 struct ctx {
@@ -53,6 +66,9 @@ struct ctx {
     float *x, *y;
     krk_bf16 *xb;
     cublasHandle_t blas;
+    cublasLtHandle_t lt;
+    void *lt_ws;
+    struct lt_plan *plan; /* the K_LT product being timed */
     cudaStream_t stream;
     int reps;
 };
@@ -63,6 +79,17 @@ static int run_one(struct ctx *c, enum kind k, int config, const struct shape *s
     const size_t wbytes = (size_t)s->rows * (size_t)s->cols * 2;
     const size_t copies = c->pool_bytes / wbytes;
     const krk_bf16 *w = (const krk_bf16 *)(c->pool + (size_t)rep % copies * wbytes);
+    if (k == K_LT) {
+        if (krk_cast_bf16(c->x, s->cols, n, s->cols, c->xb, c->stream) != KR_OK) {
+            return -1;
+        }
+        const float one = 1.0f, zero = 0.0f;
+        const struct lt_plan *p = c->plan;
+        return cublasLtMatmul(c->lt, p->op, &one, w, p->a, c->xb, p->b, &zero, c->y, p->cd, c->y, p->cd,
+                              &p->res[p->cur].algo, c->lt_ws, LT_WS, c->stream) == CUBLAS_STATUS_SUCCESS
+                   ? 0
+                   : -1;
+    }
     if (k == K_CUBLAS) {
         if (krk_cast_bf16(c->x, s->cols, n, s->cols, c->xb, c->stream) != KR_OK) {
             return -1;
@@ -101,6 +128,57 @@ static double time_one(struct ctx *c, enum kind k, int config, const struct shap
     CUDA_OK(cudaEventDestroy(e0));
     CUDA_OK(cudaEventDestroy(e1));
     return 1000.0 * ms / c->reps;
+}
+
+/* Fastest of the cuBLASLt heuristic's algorithms for y = W x (W [rows, cols] bf16 row-major, x n
+ * rows of bf16, y fp32): microseconds, or -1; *best and *split_k describe the algorithm. */
+static double time_lt(struct ctx *c, const struct shape *s, int n, int *best, int *split_k)
+{
+    struct lt_plan p = {0};
+    const cublasOperation_t opt = CUBLAS_OP_T;
+    double best_us = -1;
+    *best = -1;
+    *split_k = 0;
+    cublasLtMatmulPreference_t pref = NULL;
+    const size_t ws = LT_WS;
+    if (cublasLtMatmulDescCreate(&p.op, CUBLAS_COMPUTE_32F, CUDA_R_32F) != CUBLAS_STATUS_SUCCESS ||
+        cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSA, &opt, sizeof opt) != CUBLAS_STATUS_SUCCESS ||
+        cublasLtMatrixLayoutCreate(&p.a, CUDA_R_16BF, (uint64_t)s->cols, (uint64_t)s->rows, s->cols) !=
+            CUBLAS_STATUS_SUCCESS ||
+        cublasLtMatrixLayoutCreate(&p.b, CUDA_R_16BF, (uint64_t)s->cols, (uint64_t)n, s->cols) !=
+            CUBLAS_STATUS_SUCCESS ||
+        cublasLtMatrixLayoutCreate(&p.cd, CUDA_R_32F, (uint64_t)s->rows, (uint64_t)n, s->rows) !=
+            CUBLAS_STATUS_SUCCESS ||
+        cublasLtMatmulPreferenceCreate(&pref) != CUBLAS_STATUS_SUCCESS ||
+        cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws) !=
+            CUBLAS_STATUS_SUCCESS ||
+        cublasLtMatmulAlgoGetHeuristic(c->lt, p.op, p.a, p.b, p.cd, p.cd, pref, LT_ALGOS, p.res, &p.n_res) !=
+            CUBLAS_STATUS_SUCCESS) {
+        p.n_res = 0;
+    }
+    c->plan = &p;
+    for (p.cur = 0; p.cur < p.n_res; p.cur++) {
+        if (p.res[p.cur].state != CUBLAS_STATUS_SUCCESS) {
+            continue;
+        }
+        const double us = time_one(c, K_LT, 0, s, n);
+        if (us > 0 && (best_us < 0 || us < best_us)) {
+            best_us = us;
+            *best = p.cur;
+            int sk = 0;
+            size_t got = 0;
+            cublasLtMatmulAlgoConfigGetAttribute(&p.res[p.cur].algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &sk, sizeof sk,
+                                                 &got);
+            *split_k = sk;
+        }
+    }
+    c->plan = NULL;
+    cublasLtMatmulPreferenceDestroy(pref);
+    cublasLtMatrixLayoutDestroy(p.a);
+    cublasLtMatrixLayoutDestroy(p.b);
+    cublasLtMatrixLayoutDestroy(p.cd);
+    cublasLtMatmulDescDestroy(p.op);
+    return best_us;
 }
 
 /* The decode step's GEMV sequence of the 52-layer model (pattern below), captured as one CUDA
@@ -239,6 +317,11 @@ int main(int argc, char **argv)
         fprintf(stderr, "bench_gemv: cannot create the cuBLAS handle\n");
         return 1;
     }
+    CUDA_OK(cudaMalloc(&c.lt_ws, LT_WS));
+    if (cublasLtCreate(&c.lt) != CUBLAS_STATUS_SUCCESS) {
+        fprintf(stderr, "bench_gemv: cannot create the cuBLASLt handle\n");
+        return 1;
+    }
     char dev[128] = "cuda";
     krk_device_describe(0, dev, sizeof dev);
     FILE *jf = json ? fopen(json, "w") : NULL;
@@ -293,6 +376,36 @@ int main(int argc, char **argv)
                 fflush(stdout);
             }
         }
+        if (n > 1) {
+            printf("| cuBLASLt (fastest of its heuristic's algorithms: index, split-K) | %d |", n);
+            double step_us = 0;
+            bool ok = true;
+            for (int i = 0; i < N_SHAPES; i++) {
+                int best = -1, split_k = 0;
+                const double us = time_lt(&c, &shapes[i], n, &best, &split_k);
+                if (us < 0) {
+                    printf(" none |");
+                    ok = false;
+                    continue;
+                }
+                const double tbs = (double)shapes[i].rows * (double)shapes[i].cols * 2 / (us * 1e-6) / 1e12;
+                printf(" %.1f us, %.2f TB/s (#%d, %d) |", us, tbs, best, split_k);
+                step_us += us * shapes[i].per_step;
+                if (jf) {
+                    fprintf(jf,
+                            "{\"kernel\": \"cublaslt\", \"algo\": %d, \"split_k\": %d, \"n\": %d, \"shape\": \"%s\", "
+                            "\"rows\": %lld, \"cols\": %lld, \"us\": %.3f, \"tb_s\": %.4f}\n",
+                            best, split_k, n, shapes[i].name, (long long)shapes[i].rows, (long long)shapes[i].cols,
+                            us, tbs);
+                }
+            }
+            if (ok) {
+                printf(" %.3f ms |\n", step_us / 1000.0);
+            } else {
+                printf(" - |\n");
+            }
+            fflush(stdout);
+        }
     }
     /* the GEMV chain of one decode step at n = 1, alone and with small kernels in between, with and
      * without programmatic dependent launch */
@@ -323,6 +436,8 @@ int main(int argc, char **argv)
     if (jf) {
         fclose(jf);
     }
+    cublasLtDestroy(c.lt);
+    cudaFree(c.lt_ws);
     cublasDestroy(c.blas);
     cudaFree(blas_ws);
     cudaFree(c.pool);
