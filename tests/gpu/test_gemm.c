@@ -1,5 +1,6 @@
 /* Skinny products (kernels/gemm/) against kr_backend_matmul of the CPU reference with the same bf16
- * weights, for every n = 1..8 on the target model's shapes and a ragged small one.
+ * weights: the GEMV for every n = 1..8 and the tensor-core kernel for n = 2..32, on the target
+ * model's shapes and ragged small ones.
  *
  * Error bound: the kernel rounds x to bf16 (the operand precision of the GEMM path), so x is drawn
  * bf16-exact; both sides then accumulate the same x times W (exact bf16 values) in fp32, in different
@@ -156,6 +157,225 @@ ParameterizedTest(int *idx, gemm, gemv_matches_cpu_matmul)
     kr_free(wb);
     kr_free(bias);
     kr_backend_free(be);
+}
+
+/* Shapes of the skinny kernel: the four above plus the LM head's width and the attention output
+ * (rows not a multiple of 128 in the ragged one; 21504 columns take 21 column blocks). */
+static const struct gemv_shape skinny_shapes[] = {{4096, 4096}, {18560, 4096}, {4096, 21504}, {131, 264},
+                                                  {4000, 1000}};
+#define N_SKINNY_SHAPES ((int)(sizeof skinny_shapes / sizeof skinny_shapes[0]))
+static int skinny_idx[N_SKINNY_SHAPES] = {0, 1, 2, 3, 4};
+_Static_assert(sizeof skinny_idx / sizeof skinny_idx[0] == N_SKINNY_SHAPES, "one index per shape");
+#define SKINNY_WS ((size_t)64 << 20)
+
+ParameterizedTestParameters(gemm, skinny_matches_cpu_matmul)
+{
+    return cr_make_param_array(int, skinny_idx, N_SKINNY_SHAPES);
+}
+
+/* krk_skinny against the CPU matmul (same bound as the GEMV: both accumulate exact bf16 products in
+ * fp32 in different orders) for n on both sides of each token tile (2, 3, 8, 9, 16, 17, 32), every
+ * configuration at n = 5, x as fp32 (row strides cols and cols + 1: the unaligned staging path)
+ * and as bf16, odd n with a bias, y with padding that must stay untouched, one case as a
+ * programmatic dependent of the kernel that writes x. One workspace serves every product, so a
+ * counter not left at zero would corrupt the next. Then a token's result must be bit-identical
+ * whatever the other rows of x and their number (the batch-composition independence of decode). */
+ParameterizedTest(int *idx, gemm, skinny_matches_cpu_matmul)
+{
+    GT_REQUIRE_GPU();
+    const struct gemv_shape s = skinny_shapes[*idx];
+    struct gt_rng rng = {.s = 300 + (uint64_t)*idx};
+    kr_backend_t be = kr_backend_cpu_create(0);
+    cr_assert(be);
+    const size_t nw = (size_t)(s.rows * s.cols);
+    float *wf = hrand(&rng, nw, -1.0f, 1.0f);
+    uint16_t *wb = kr_malloc(nw * sizeof(uint16_t));
+    cr_assert(wb);
+    for (size_t i = 0; i < nw; i++) {
+        wb[i] = kr_f32_to_bf16(wf[i]);
+    }
+    kr_free(wf);
+    krk_bf16 *d_w = gt_dup(wb, nw * 2);
+    const struct kr_tensor t = {.data = wb, .dtype = KR_DTYPE_BF16, .rows = s.rows, .cols = s.cols};
+    float *bias = hrand(&rng, (size_t)s.rows, -1.0f, 1.0f);
+    float *d_bias = gt_dup(bias, (size_t)s.rows * 4);
+    void *d_ws = gt_dalloc(SKINNY_WS);
+    cr_assert_eq(cudaMemset(d_ws, 0, SKINNY_WS), cudaSuccess);
+
+    struct scase {
+        int64_t n;
+        int config;
+        bool bf16_x, pdl;
+    } cases[16];
+    int n_cases = 0;
+    static const int64_t ns[] = {2, 3, 8, 9, 16, 17, 32};
+    for (size_t i = 0; i < sizeof ns / sizeof ns[0]; i++) {
+        cases[n_cases++] = (struct scase){ns[i], 0, ns[i] % 4 == 0, false};
+    }
+    for (int cfg = 1; cfg < KRK_SKINNY_CONFIGS; cfg++) {
+        cases[n_cases++] = (struct scase){5, cfg, cfg % 2 == 0, false};
+    }
+    cases[n_cases++] = (struct scase){12, 0, false, true};
+    cr_assert(n_cases <= (int)(sizeof cases / sizeof cases[0]));
+    for (int ci = 0; ci < n_cases; ci++) {
+        const int64_t n = cases[ci].n;
+        const bool pdl = cases[ci].pdl, bx = cases[ci].bf16_x;
+        const int64_t ldx = bx ? s.cols + 8 : s.cols + n % 2, ldy = s.rows + (n % 2 ? 0 : 3);
+        const bool with_bias = n % 2 == 1;
+        cr_assert(krk_skinny_ws_bytes(n, s.rows, s.cols, cases[ci].config) <= SKINNY_WS);
+        const size_t nx = (size_t)(n * ldx), ny = (size_t)(n * ldy);
+        float *x = hrand(&rng, nx, -1.0f, 1.0f);
+        gt_round_bf16(x, nx);
+        float *ref = kr_malloc(ny * sizeof(float)), *got = kr_malloc(ny * sizeof(float));
+        cr_assert(ref && got);
+        memset(ref, 0xff, ny * sizeof(float));
+        const size_t lead = pdl ? (size_t)48 << 20 : 0;
+        float *d_buf = gt_dalloc((lead + nx) * 4), *d_x = d_buf + lead, *d_y = gt_dalloc(ny * 4);
+        uint16_t *xh = NULL;
+        krk_bf16 *d_xb = NULL;
+        if (bx) {
+            xh = kr_malloc(nx * sizeof(uint16_t));
+            cr_assert(xh);
+            for (size_t i = 0; i < nx; i++) {
+                xh[i] = kr_f32_to_bf16(x[i]);
+            }
+            d_xb = gt_dup(xh, nx * 2);
+        }
+        for (size_t i = 0; i < nx; i++) {
+            x[i] *= pdl ? 0.5f : 1.0f;
+        }
+        cr_assert_eq(cudaMemcpy(d_x, x, nx * 4, cudaMemcpyHostToDevice), cudaSuccess);
+        cr_assert_eq(cudaMemcpy(d_y, ref, ny * 4, cudaMemcpyHostToDevice), cudaSuccess); /* NaN padding */
+        gt_sync();
+        for (size_t i = 0; i < nx; i++) {
+            x[i] *= pdl ? 2.0f : 1.0f;
+        }
+        cudaStream_t st;
+        cr_assert_eq(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), cudaSuccess);
+        if (pdl) {
+            cr_assert_eq(krk_scale(d_buf, 2.0f, (int64_t)(lead + nx), st), KR_OK);
+        }
+        const struct krk_skinny_params p = {.x = bx ? NULL : d_x, .ldx = ldx, .xb = d_xb, .ldxb = ldx, .w = d_w,
+                                            .bias = with_bias ? d_bias : NULL, .n = n, .rows = s.rows,
+                                            .cols = s.cols, .y = d_y, .ldy = ldy, .ws = d_ws,
+                                            .ws_bytes = SKINNY_WS, .pdl = pdl, .config = cases[ci].config};
+        cr_assert_eq(krk_skinny(&p, st), KR_OK);
+        cr_assert_eq(cudaStreamSynchronize(st), cudaSuccess);
+        cr_assert_eq(cudaStreamDestroy(st), cudaSuccess);
+        gt_sync();
+        cr_assert_eq(kr_backend_matmul(be, x, ldx, n, &t, with_bias ? bias : NULL, ref, ldy), KR_OK);
+        gt_down(got, d_y, ny * 4);
+        float *gd = kr_malloc((size_t)(n * s.rows) * sizeof(float));
+        float *rd = kr_malloc((size_t)(n * s.rows) * sizeof(float));
+        cr_assert(gd && rd);
+        for (int64_t i = 0; i < n; i++) {
+            memcpy(gd + i * s.rows, got + i * ldy, (size_t)s.rows * sizeof(float));
+            memcpy(rd + i * s.rows, ref + i * ldy, (size_t)s.rows * sizeof(float));
+        }
+        char what[160];
+        snprintf(what, sizeof what, "skinny %lldx%lld n=%lld%s x %s ldx=%lld config %d%s", (long long)s.rows,
+                 (long long)s.cols, (long long)n, with_bias ? " +bias" : "", bx ? "bf16" : "fp32", (long long)ldx,
+                 cases[ci].config, pdl ? " (programmatic dependent)" : "");
+        gt_expect_close(what, gd, rd, (size_t)(n * s.rows), GEMV_NMSE, GEMV_ABS);
+        bool pad_ok = true;
+        for (int64_t i = 0; i < n && pad_ok; i++) {
+            const size_t pad = (size_t)(ldy - s.rows) * sizeof(float);
+            pad_ok = memcmp(got + i * ldy + s.rows, ref + i * ldy + s.rows, pad) == 0;
+        }
+        cr_expect(pad_ok, "%s: y written outside its rows", what);
+        kr_free(gd);
+        kr_free(rd);
+        kr_free(x);
+        kr_free(xh);
+        kr_free(ref);
+        kr_free(got);
+        gt_dfree(d_buf);
+        gt_dfree(d_y);
+        if (d_xb) {
+            gt_dfree(d_xb);
+        }
+    }
+
+    /* batch-composition independence: token 0 alone among 2, 7, 16, 25 and 32 rows */
+    {
+        const int64_t nmax = 32;
+        float *x = hrand(&rng, (size_t)(nmax * s.cols), -1.0f, 1.0f);
+        float *d_x = gt_dup(x, (size_t)(nmax * s.cols) * 4), *d_y = gt_dalloc((size_t)(nmax * s.rows) * 4);
+        float *y0 = kr_malloc((size_t)s.rows * sizeof(float)), *yn = kr_malloc((size_t)s.rows * sizeof(float));
+        cr_assert(y0 && yn);
+        static const int64_t sizes[] = {2, 7, 16, 25, 32};
+        for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) {
+            const struct krk_skinny_params p = {.x = d_x, .ldx = s.cols, .w = d_w, .n = sizes[i], .rows = s.rows,
+                                                .cols = s.cols, .y = d_y, .ldy = s.rows, .ws = d_ws,
+                                                .ws_bytes = SKINNY_WS};
+            cr_assert_eq(krk_skinny(&p, 0), KR_OK);
+            gt_sync();
+            gt_down(i == 0 ? y0 : yn, d_y, (size_t)s.rows * 4);
+            if (i > 0) {
+                cr_expect(memcmp(y0, yn, (size_t)s.rows * sizeof(float)) == 0,
+                          "skinny %lldx%lld: token 0 differs between n = 2 and n = %lld", (long long)s.rows,
+                          (long long)s.cols, (long long)sizes[i]);
+            }
+        }
+        kr_free(x);
+        kr_free(y0);
+        kr_free(yn);
+        gt_dfree(d_x);
+        gt_dfree(d_y);
+    }
+    gt_dfree(d_ws);
+    gt_dfree(d_w);
+    gt_dfree(d_bias);
+    kr_free(wb);
+    kr_free(bias);
+    kr_backend_free(be);
+}
+
+Test(gemm, skinny_rejects_bad_parameters)
+{
+    GT_REQUIRE_GPU();
+    krk_bf16 *d_w = gt_dalloc(64 * 4096 * 2 + 16);
+    float *d_x = gt_dalloc(64 * 4096 * 4), *d_y = gt_dalloc(64 * 4096 * 4);
+    void *d_ws = gt_dalloc(1 << 20);
+    cr_assert_eq(cudaMemset(d_ws, 0, 1 << 20), cudaSuccess);
+    struct krk_skinny_params p = {.x = d_x, .ldx = 4096, .w = d_w, .n = 4, .rows = 64, .cols = 4096, .y = d_y,
+                                  .ldy = 64, .ws = d_ws, .ws_bytes = 1 << 20};
+    cr_expect_gt(krk_skinny_ws_bytes(4, 64, 4096, 0), 0, "4096 columns take several column blocks");
+    cr_expect_eq(krk_skinny(&p, 0), KR_OK);
+    p.ws_bytes = krk_skinny_ws_bytes(4, 64, 4096, 0) - 1; /* too small */
+    cr_expect_eq(krk_skinny(&p, 0), KR_ERR_INVAL);
+    p.ws = NULL;
+    p.ws_bytes = 0;
+    cr_expect_eq(krk_skinny(&p, 0), KR_ERR_INVAL);
+    p.cols = 512; /* one column block: no workspace needed */
+    p.ldx = 512;
+    cr_expect_eq(krk_skinny_ws_bytes(4, 64, 512, 0), 0);
+    cr_expect_eq(krk_skinny(&p, 0), KR_OK);
+    p.n = KRK_SKINNY_MAX_N + 1;
+    cr_expect_eq(krk_skinny(&p, 0), KR_ERR_INVAL);
+    p.n = 4;
+    p.config = KRK_SKINNY_CONFIGS;
+    cr_expect_eq(krk_skinny(&p, 0), KR_ERR_INVAL);
+    p.config = 0;
+    p.cols = 500; /* not a multiple of 8 */
+    p.ldx = 500;
+    cr_expect_eq(krk_skinny(&p, 0), KR_ERR_INVAL);
+    p.cols = 512;
+    p.ldx = 512;
+    p.w = d_w + 4; /* 8-byte aligned only */
+    cr_expect_eq(krk_skinny(&p, 0), KR_ERR_INVAL);
+    p.w = d_w;
+    p.x = NULL;
+    p.xb = d_w;
+    p.ldxb = 516; /* bf16 rows must be 16-byte multiples */
+    cr_expect_eq(krk_skinny(&p, 0), KR_ERR_INVAL);
+    p.ldxb = 512;
+    cr_expect_eq(krk_skinny(&p, 0), KR_OK);
+    gt_sync();
+    gt_dfree(d_w);
+    gt_dfree(d_x);
+    gt_dfree(d_y);
+    gt_dfree(d_ws);
 }
 
 Test(gemm, gemv_rejects_bad_parameters)
