@@ -7,12 +7,10 @@
  *
  * Output: one markdown row per (kernel, configuration, n): microseconds per product for each
  * shape, the weight read rate (TB/s) for each shape, and the GEMV time of one decode step (each
- * shape times the number of times the step runs it); the tensor-core skinny kernel (krk_skinny) for
- * 2 <= n <= KRK_SKINNY_MAX_N in each of its configurations. For n > 1 also cuBLASLt: every algorithm its
+ * shape times the number of times the step runs it). For n > 1 also cuBLASLt: every algorithm its
  * heuristic offers (up to 16, 32 MiB of workspace) is timed on each shape and the fastest shown,
  * with its index in the heuristic's order and its split-K factor.
- *   bench_gemv [--n 1,16,32] [--reps N] [--json FILE] [--no-lt] [--no-chain]
- *   (n <= 64; the GEMV runs n <= KRK_GEMV_MAX_N; --no-lt skips cuBLASLt, --no-chain the graph chain) */
+ *   bench_gemv [--n 1,16,32] [--reps N] [--json FILE]   (n <= 64; the GEMV runs n <= KRK_GEMV_MAX_N) */
 #include "krk.h"
 
 #include <stdbool.h>
@@ -49,8 +47,7 @@ static const struct shape shapes[] = {
         }                                                                                          \
     } while (0)
 
-enum kind { K_STAGED, K_CUBLAS, K_LT, K_SKINNY };
-#define SK_WS ((size_t)64 << 20)
+enum kind { K_STAGED, K_CUBLAS, K_LT };
 #define LT_ALGOS 16
 #define LT_WS ((size_t)32 << 20)
 
@@ -71,7 +68,6 @@ struct ctx {
     cublasHandle_t blas;
     cublasLtHandle_t lt;
     void *lt_ws;
-    void *sk_ws;      /* krk_skinny's workspace (zeroed once) */
     struct lt_plan *plan; /* the K_LT product being timed */
     cudaStream_t stream;
     int reps;
@@ -104,12 +100,6 @@ static int run_one(struct ctx *c, enum kind k, int config, const struct shape *s
                             CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT) == CUBLAS_STATUS_SUCCESS
                    ? 0
                    : -1;
-    }
-    if (k == K_SKINNY) {
-        const struct krk_skinny_params q = {.x = c->x, .ldx = s->cols, .w = w, .n = n, .rows = s->rows,
-                                            .cols = s->cols, .y = c->y, .ldy = s->rows, .ws = c->sk_ws,
-                                            .ws_bytes = SK_WS, .config = config};
-        return krk_skinny(&q, c->stream) == KR_OK ? 0 : -1;
     }
     struct krk_gemv_params p = {.x = c->x, .ldx = s->cols, .w = w, .n = n, .rows = s->rows, .cols = s->cols,
                                 .y = c->y, .ldy = s->rows, .config = config};
@@ -269,12 +259,9 @@ int main(int argc, char **argv)
 {
     int ns[16] = {1, 16, 32}, n_ns = 3, reps = 40;
     const char *json = NULL;
-    bool no_lt = false, no_chain = false;
     static const struct option lo[] = {{"n", required_argument, 0, 'n'},
                                        {"reps", required_argument, 0, 'r'},
                                        {"json", required_argument, 0, 'j'},
-                                       {"no-lt", no_argument, 0, 'L'},
-                                       {"no-chain", no_argument, 0, 'C'},
                                        {0, 0, 0, 0}};
     int ch;
     while ((ch = getopt_long(argc, argv, "", lo, NULL)) != -1) {
@@ -287,12 +274,8 @@ int main(int argc, char **argv)
             reps = atoi(optarg);
         } else if (ch == 'j') {
             json = optarg;
-        } else if (ch == 'L') {
-            no_lt = true;
-        } else if (ch == 'C') {
-            no_chain = true;
         } else {
-            fprintf(stderr, "usage: bench_gemv [--n 1,16,32] [--reps N] [--json FILE] [--no-lt] [--no-chain]\n");
+            fprintf(stderr, "usage: bench_gemv [--n 1,16,32] [--reps N] [--json FILE]\n");
             return 2;
         }
     }
@@ -335,8 +318,6 @@ int main(int argc, char **argv)
         return 1;
     }
     CUDA_OK(cudaMalloc(&c.lt_ws, LT_WS));
-    CUDA_OK(cudaMalloc(&c.sk_ws, SK_WS));
-    CUDA_OK(cudaMemset(c.sk_ws, 0, SK_WS));
     if (cublasLtCreate(&c.lt) != CUBLAS_STATUS_SUCCESS) {
         fprintf(stderr, "bench_gemv: cannot create the cuBLASLt handle\n");
         return 1;
@@ -357,23 +338,20 @@ int main(int argc, char **argv)
     printf("\n");
     for (int in = 0; in < n_ns; in++) {
         const int n = ns[in];
-        static const enum kind kinds[] = {K_STAGED, K_SKINNY, K_CUBLAS};
-        for (int ki = 0; ki < 3; ki++) {
-            const enum kind k = kinds[ki];
-            const int n_cfg = k == K_STAGED && n <= 2 ? KRK_GEMV_CONFIGS : k == K_SKINNY ? KRK_SKINNY_CONFIGS : 1;
-            if ((k == K_STAGED && n > KRK_GEMV_MAX_N) || (k == K_SKINNY && (n < 2 || n > KRK_SKINNY_MAX_N))) {
+        for (int k = 0; k < 2; k++) {
+            const int n_cfg = k == K_STAGED && n <= 2 ? KRK_GEMV_CONFIGS : 1;
+            if (k == K_STAGED && n > KRK_GEMV_MAX_N) {
                 continue;
             }
             for (int cfg = 0; cfg < n_cfg; cfg++) {
                 char label[64];
-                snprintf(label, sizeof label, "%s%s%.0d",
-                         k == K_CUBLAS ? "cuBLAS" : k == K_SKINNY ? "skinny (tensor cores)" : "GEMV",
-                         cfg ? " config " : "", cfg);
+                snprintf(label, sizeof label, "%s%s%.0d", k == K_CUBLAS ? "cuBLAS" : "GEMV", cfg ? " config " : "",
+                         cfg);
                 printf("| %s | %d |", label, n);
                 double step_us = 0;
                 bool ok = true;
                 for (int i = 0; i < N_SHAPES; i++) {
-                    const double us = time_one(&c, k, cfg, &shapes[i], n);
+                    const double us = time_one(&c, (enum kind)k, cfg, &shapes[i], n);
                     const double tbs = (double)shapes[i].rows * (double)shapes[i].cols * 2 / (us * 1e-6) / 1e12;
                     if (us < 0) {
                         printf(" refused |");
@@ -386,7 +364,7 @@ int main(int argc, char **argv)
                         fprintf(jf,
                                 "{\"kernel\": \"%s\", \"config\": %d, \"n\": %d, \"shape\": \"%s\", \"rows\": %lld, "
                                 "\"cols\": %lld, \"us\": %.3f, \"tb_s\": %.4f}\n",
-                                k == K_CUBLAS ? "cublas" : k == K_SKINNY ? "skinny" : "gemv", cfg, n, shapes[i].name,
+                                k == K_CUBLAS ? "cublas" : "gemv", cfg, n, shapes[i].name,
                                 (long long)shapes[i].rows, (long long)shapes[i].cols, us, tbs);
                     }
                 }
@@ -398,7 +376,7 @@ int main(int argc, char **argv)
                 fflush(stdout);
             }
         }
-        if (n > 1 && !no_lt) {
+        if (n > 1) {
             printf("| cuBLASLt (fastest of its heuristic's algorithms: index, split-K) | %d |", n);
             double step_us = 0;
             bool ok = true;
@@ -431,12 +409,10 @@ int main(int argc, char **argv)
     }
     /* the GEMV chain of one decode step at n = 1, alone and with small kernels in between, with and
      * without programmatic dependent launch */
-    if (!no_chain) {
-        printf("\nThe decode step's GEMVs (n = 1; q, k and v as one) replayed as one graph, with k small kernels\n"
-               "(an add over 4096 floats) before each GEMV:\n\n| GEMVs | small kernels per GEMV | programmatic launch | "
-               "ms per step | us per small kernel |\n|---|---|---|---|---|\n");
-    }
-    for (int pdl = 1; pdl >= 0 && !no_chain; pdl--) {
+    printf("\nThe decode step's GEMVs (n = 1; q, k and v as one) replayed as one graph, with k small kernels\n"
+           "(an add over 4096 floats) before each GEMV:\n\n| GEMVs | small kernels per GEMV | programmatic launch | "
+           "ms per step | us per small kernel |\n|---|---|---|---|---|\n");
+    for (int pdl = 1; pdl >= 0; pdl--) {
         krk_set_pdl(pdl != 0);
         int n_gemv = 0;
         const double t0 = time_chain(&c, 0, &n_gemv);
@@ -462,7 +438,6 @@ int main(int argc, char **argv)
     }
     cublasLtDestroy(c.lt);
     cudaFree(c.lt_ws);
-    cudaFree(c.sk_ws);
     cublasDestroy(c.blas);
     cudaFree(blas_ws);
     cudaFree(c.pool);

@@ -38,7 +38,7 @@ enum prof_cat {
     P_SSD_DECODE, P_SSD_BMM, P_SSD_SCAN, P_DSA_SCORE, P_DSA_SELECT, PROF_N_CAT
 };
 static const char *const prof_names[PROF_N_CAT] = {
-    "gemm (cuBLAS)", "gemv + skinny (tensor cores)", "norm+residual", "activation", "conv1d", "ssd", "attention", "moe",
+    "gemm (cuBLAS)", "gemv", "norm+residual", "activation", "conv1d", "ssd", "attention", "moe",
     "mla attention + latent cache", "dsa indexer (scores, top-k)",
     "embed/gather/rope", "other", "ssd: one-token update",
     "ssd: C.B^T", "ssd: chunk scan", "dsa: scores", "dsa: top-k",
@@ -60,10 +60,6 @@ struct cuda_ctx {
     size_t blas_ws_size;
     atomic_bool failed;    /* a sticky CUDA error: the backend refuses further work (read by /health) */
     bool graphs_on;
-    int skinny_max;                     /* products of 2..skinny_max rows take krk_skinny (tensor
-                                           cores), more take cuBLAS (KRAIT_SKINNY_MAX, 0 = never) */
-    void *sk_ws;                        /* krk_skinny's workspace (zeroed when allocated) */
-    size_t sk_ws_size;
     int gemv_config;                    /* KRAIT_GEMV_CONFIG: a GEMV tiling other than the default
                                            (krk_gemv_params.config; for measurements) */
     bool pdl;                           /* every kernel launches as a programmatic dependent of the
@@ -259,7 +255,6 @@ static void cuda_free(kr_backend_t be)
         cudaFree(c->blas_ws);
         cudaFree(c->scratch);
         cudaFree(c->xb);
-        cudaFree(c->sk_ws);
         cudaFree(c->d_meta);
         cudaFree(c->ptr_table);
         cudaFreeHost(c->h_meta);
@@ -496,26 +491,6 @@ static enum kr_status ensure_xb(struct cuda_ctx *c, size_t elems)
     return KR_OK;
 }
 
-/* krk_skinny's workspace of at least `bytes`, zeroed (it holds counters every product leaves at 0). */
-static enum kr_status ensure_skinny_ws(struct cuda_ctx *c, size_t bytes)
-{
-    if (bytes <= c->sk_ws_size) {
-        return KR_OK;
-    }
-    if (c->stream) {
-        CU_TRY(c, cudaStreamSynchronize(c->stream));
-    }
-    cudaFree(c->sk_ws);
-    c->bytes_alloc -= c->sk_ws_size;
-    c->sk_ws = NULL;
-    c->sk_ws_size = 0;
-    KR_TRY(dev_alloc(c, bytes, &c->sk_ws));
-    CU_TRY(c, cudaMemsetAsync(c->sk_ws, 0, bytes, c->stream));
-    c->sk_ws_size = bytes;
-    graphs_clear(c); /* captured graphs point at the old workspace */
-    return KR_OK;
-}
-
 /* Replaces a device buffer and its pinned host twin of *cap bytes by ones of `bytes` (after the
  * stream is idle: work in flight may still use the old ones). */
 static enum kr_status regrow_staging(struct cuda_ctx *c, void **dev, void **host, size_t *cap, size_t bytes)
@@ -629,18 +604,6 @@ static enum kr_status cuda_reserve(kr_backend_t be, const struct kr_model_config
     wide = max64(wide, m->q_lora);
     wide = max64(wide, m->mla_heads * m->v_head);
     KR_TRY(ensure_xb(c, (size_t)(n_tok * wide)));
-    if (c->skinny_max >= 2) {
-        /* partial sums of the skinny products: the output head, tall projections of the hidden
-         * state (at most 4 x the widest activation rows) and the projections back to it; a product
-         * whose partials would not fit takes cuBLAS */
-        const int64_t sn = n_tok < c->skinny_max ? n_tok : c->skinny_max;
-        size_t sk = krk_skinny_ws_bytes(sn, max64(m->vocab, 1), max64(m->dim, 8), 0);
-        const size_t tall = krk_skinny_ws_bytes(sn, max64(4 * wide, 1), max64(m->dim, 8), 0);
-        const size_t back = krk_skinny_ws_bytes(sn, max64(m->dim, 1), max64(wide, 8), 0);
-        sk = tall > sk ? tall : sk;
-        sk = back > sk ? back : sk;
-        KR_TRY(ensure_skinny_ws(c, sk));
-    }
     /* sampling staging for every sequence at once: the most top log-probabilities, and penalty
      * entries for every distinct token a sequence can hold (its context, at most the vocabulary) */
     const int64_t pen_per_seq = max_ctx < m->vocab ? max_ctx : m->vocab;
@@ -753,9 +716,6 @@ static enum kr_status op_enter(struct cuda_ctx *c)
  * the decode step's weights faster at n = 1 (3.92 vs 4.28 ms a Nemotron-H-8B step), 1-2 % slower at
  * n = 2 (4.40 vs 4.30) and far slower from n = 3 (bench_gemv, docs/PERF.md). */
 #define GEMV_ROWS 1
-/* Rows from 2 up to this many take krk_skinny (bf16 tensor cores, weight streamed once; x from the
- * bf16 copy when there is one); more take cuBLAS. See docs/PERF.md. */
-#define SKINNY_MAX_DEFAULT 32
 
 static krk_bf16 *shadow_for(struct cuda_ctx *c, const float *out, int64_t n, int64_t cols)
 {
@@ -901,15 +861,6 @@ static enum kr_status cuda_matmul_impl(kr_backend_t be, const float *x, int64_t 
         struct krk_gemv_params p = {.x = x, .ldx = ldx, .w = w->data, .bias = bias, .n = n, .rows = rows,
                                     .cols = cols, .y = y, .ldy = ldy, .config = c->gemv_config};
         st = krk_gemv(&p, c->stream);
-    } else if (n <= c->skinny_max && cols % 8 == 0 && krk_skinny_ws_bytes(n, rows, cols, 0) <= c->sk_ws_size) {
-        /* the bf16 copy of x when an op wrote one, else x itself (rounded while staged) */
-        const bool sh = c->shadow.valid && c->shadow.src == x && c->shadow.ld == ldx && c->shadow.n >= n &&
-                        c->shadow.cols >= cols && c->shadow.cols % 8 == 0;
-        struct krk_skinny_params p = {.x = sh ? NULL : x, .ldx = ldx, .xb = sh ? c->xb : NULL,
-                                      .ldxb = sh ? c->shadow.cols : 0, .w = w->data, .bias = bias, .n = n,
-                                      .rows = rows, .cols = cols, .y = y, .ldy = ldy, .ws = c->sk_ws,
-                                      .ws_bytes = c->sk_ws_size};
-        st = krk_skinny(&p, c->stream);
     } else {
         const krk_bf16 *xb = NULL;
         int64_t ldb = cols;
@@ -1245,7 +1196,7 @@ TIMED(cuda_layernorm, P_DSA,
        float eps, float *out),
       (be, x, ldx, w, b, n, dim, eps, out))
 TIMED(cuda_scale, P_OTHER, (kr_backend_t be, float *y, float s, int64_t n), (be, y, s, n))
-TIMED(cuda_matmul, n <= GEMV_ROWS || n <= ctx_of(be)->skinny_max ? P_GEMV : P_GEMM,
+TIMED(cuda_matmul, n <= GEMV_ROWS ? P_GEMV : P_GEMM,
       (kr_backend_t be, const float *x, int64_t ldx, int64_t n, const struct kr_tensor *w, const float *bias,
        float *y, int64_t ldy),
       (be, x, ldx, n, w, bias, y, ldy))
@@ -1468,14 +1419,6 @@ enum kr_status kr_backend_cuda_create(int dev, bool graphs, kr_backend_t *out, s
         kr_err_set(err, KR_ERR_INVAL, "cuda: KRAIT_GEMV_CONFIG=%s is not in 0..%d", gc, KRK_GEMV_CONFIGS - 1);
         goto fail;
     }
-    const char *sm = getenv("KRAIT_SKINNY_MAX");
-    char *sm_end = NULL;
-    const long smv = sm ? strtol(sm, &sm_end, 10) : SKINNY_MAX_DEFAULT;
-    if (smv < 0 || smv > KRK_SKINNY_MAX_N || (sm && (sm_end == sm || *sm_end != '\0'))) {
-        kr_err_set(err, KR_ERR_INVAL, "cuda: KRAIT_SKINNY_MAX=%s is not in 0..%d", sm, KRK_SKINNY_MAX_N);
-        goto fail;
-    }
-    c->skinny_max = (int)smv;
     const char *pd = getenv("KRAIT_PDL");
     c->pdl = !(pd && !strcmp(pd, "0"));
     krk_set_pdl(c->pdl);

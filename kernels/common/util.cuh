@@ -68,17 +68,6 @@ __device__ __forceinline__ uint16_t f32_to_bf16(float f)
     return __bfloat16_as_ushort(__float2bfloat16_rn(f));
 }
 
-// 16 bytes of a weight that is read once (not cached in L1); only for data no kernel of the
-// current stream writes.
-__device__ __forceinline__ uint4 ld_stream(const uint16_t *p)
-{
-    uint4 r;
-    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-        : "l"(p));
-    return r;
-}
-
 // Programmatic dependent launch (sm_90): a kernel launched as a programmatic dependent of the one
 // before it (launch_maybe_pdl) may start while that one drains; pdl_wait() blocks until it has
 // completed and its writes are visible, so everything before the wait must read only data no

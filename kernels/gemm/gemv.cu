@@ -19,6 +19,15 @@ namespace {
 constexpr int kGemvWarps = 8;          // default warps per block
 constexpr int kGemvSmemFloats = 12288; // 48 KB of staged x
 
+__device__ __forceinline__ uint4 ld_stream(const uint16_t *p)
+{
+    uint4 r;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+        : "l"(p));
+    return r;
+}
+
 // Loads the weights of steps s..s+U-1 of a chunk (zeros past the chunk or the matrix). The test
 // is done once for the whole group when it lies inside the chunk and the matrix (all_rows).
 template <int RW, int U>

@@ -29,35 +29,6 @@ struct krk_gemv_params {
 #define KRK_GEMV_CONFIGS 5
 enum kr_status krk_gemv(const struct krk_gemv_params *p, cudaStream_t stream);
 
-/* Skinny products on tensor cores for 2 <= n <= KRK_SKINNY_MAX_N activation rows (decode of a few
- * to a few dozen sequences): y[t, r] = sum_c bf16(x[t, c]) * W[r, c] (+ bias[r]), bf16 products
- * accumulated in fp32 (mma.sync m16n8k16), the weight streamed once. A block owns 128 weight rows
- * and `krb` columns; when the columns take several blocks, each writes its partial sums to `ws`
- * and the last block of a row range to finish adds them up in a fixed order (results do not depend
- * on timing, nor a token's on the other rows of x). */
-#define KRK_SKINNY_MAX_N 32
-struct krk_skinny_params {
-    const float *x;         /* [n, ldx] fp32, rounded to bf16 when staged; or NULL when xb is given */
-    int64_t ldx;
-    const krk_bf16 *xb;     /* [n, ldxb] bf16 (x already rounded), or NULL; ldxb % 8 == 0, 16-byte aligned */
-    int64_t ldxb;
-    const krk_bf16 *w;      /* [rows, cols] bf16 row-major; cols % 8 == 0, 16-byte aligned */
-    const float *bias;      /* [rows] fp32, may be NULL */
-    int64_t n, rows, cols;
-    float *y;               /* [n, ldy] fp32 */
-    int64_t ldy;
-    void *ws;               /* krk_skinny_ws_bytes(...) bytes, zeroed once when allocated (it holds
-                               counters that every product leaves at zero) */
-    size_t ws_bytes;
-    bool pdl;               /* as krk_gemv_params.pdl */
-    int config;             /* 0: default; 1..KRK_SKINNY_CONFIGS - 1: alternative column ranges and
-                               pipeline depths, for bench_gemv */
-};
-#define KRK_SKINNY_CONFIGS 4
-/* Workspace a product of this shape needs (0 when one block covers all columns). */
-size_t krk_skinny_ws_bytes(int64_t n, int64_t rows, int64_t cols, int config);
-enum kr_status krk_skinny(const struct krk_skinny_params *p, cudaStream_t stream);
-
 /* y[t, r] += bias[r] for t < n, r < rows (after a cuBLAS product). */
 enum kr_status krk_add_bias(float *y, int64_t ldy, const float *bias, int64_t n, int64_t rows, cudaStream_t stream);
 
