@@ -2,6 +2,9 @@
 // bf16 conv state per sequence. Two kernels so that no output reads a state already replaced:
 // conv1d_out_kernel computes every output (reading old states), then conv1d_state_kernel writes
 // each sequence's new state (its last K-1 inputs, older state rows where it has fewer tokens).
+// Steps of at most one token per sequence (decode) take one kernel instead, conv1d_decode_kernel:
+// each thread owns one channel of one sequence, so it can read the old state, write the output and
+// then the new state with no other thread involved.
 #include "common/util.cuh"
 
 namespace {
@@ -120,6 +123,54 @@ __global__ void __launch_bounds__(kConvThreads) conv1d_state_kernel(ConvArgs a)
     }
 }
 
+// One token per sequence: output and new state of channel c of sequence blockIdx.y, the same
+// arithmetic as the two kernels above. The weights are read before the wait for the previous kernel
+// (no kernel writes them).
+template <int K>
+__global__ void __launch_bounds__(kConvThreads) conv1d_decode_kernel(ConvArgs a)
+{
+    const int64_t c = (int64_t)blockIdx.x * kConvThreads + threadIdx.x;
+    const int s = blockIdx.y;
+    float w[K];
+    float bias = 0.0f;
+    if (c < a.conv_dim) {
+#pragma unroll
+        for (int k = 0; k < K; k++) {
+            w[k] = a.w[c * K + k];
+        }
+        bias = a.b ? a.b[c] : 0.0f;
+    }
+    krk::pdl_trigger();
+    krk::pdl_wait();
+    if (c >= a.conv_dim) {
+        return;
+    }
+    const int t0 = a.batch.seq_tok0[s];
+    if (a.batch.seq_tok0[s + 1] - t0 != 1) {
+        return; // no token this step (the launcher takes this kernel only when none has more)
+    }
+    const int slot = a.batch.seq_slot[s];
+    const bool fresh = a.batch.seq_pos0[s] == 0 || slot < 0;
+    float win[K]; // oldest first
+#pragma unroll
+    for (int k = 0; k < K - 1; k++) {
+        win[k] = fresh ? 0.0f : krk::bf16_to_f32(a.state[((int64_t)slot * (K - 1) + k) * a.conv_dim + c]);
+    }
+    win[K - 1] = a.in[(int64_t)t0 * a.ld_in + a.in_off + c];
+    float acc = bias;
+#pragma unroll
+    for (int k = 0; k < K; k++) {
+        acc += w[k] * win[k];
+    }
+    a.out[(int64_t)t0 * a.conv_dim + c] = acc / (1.0f + expf(-acc));
+    if (slot >= 0) {
+#pragma unroll
+        for (int r = 0; r < K - 1; r++) {
+            a.state[((int64_t)slot * (K - 1) + r) * a.conv_dim + c] = krk::f32_to_bf16(win[r + 1]);
+        }
+    }
+}
+
 template <int K, int TT>
 void conv1d_out_launch(const ConvArgs &a, unsigned cblocks, cudaStream_t stream)
 {
@@ -131,6 +182,11 @@ template <int K>
 cudaError_t conv1d_launch(const ConvArgs &a, cudaStream_t stream)
 {
     const unsigned cblocks = (unsigned)((a.conv_dim + kConvThreads - 1) / kConvThreads);
+    if (a.batch.max_seq_tok <= 1) {
+        krk::launch_maybe_pdl(krk::pdl_enabled(), conv1d_decode_kernel<K>, dim3(cblocks, (unsigned)a.batch.n_seq),
+                              kConvThreads, 0, stream, a);
+        return cudaGetLastError();
+    }
     if (a.batch.n_tok > 0) {
         if (a.batch.max_seq_tok >= kConvTokensMax) {
             conv1d_out_launch<K, kConvTokensMax>(a, cblocks, stream);

@@ -1,8 +1,8 @@
 // Row normalisations: RMSNorm (with fused residual add), LayerNorm and the gated grouped RMSNorm of
 // Mamba-2. One block per row (per group for the gated norm); each thread walks the row in strides
-// of the block, in vectors of 4 floats where alignment allows. The row is read twice (three times
-// for LayerNorm): the second pass hits L1/L2, and nothing has to be held in registers, so any
-// dim works with the same code.
+// of the block, in vectors of 4 floats where alignment allows. Rows of up to 4 units per thread
+// stay in registers (rmsnorm_reg_kernel); longer ones are read twice (three times for LayerNorm):
+// the second pass hits L1/L2, and nothing has to be held in registers, so any dim works.
 #include "common/util.cuh"
 #include "norm/act.cuh"
 #include "norm/vec.cuh"
@@ -54,6 +54,83 @@ __global__ void rmsnorm_kernel(float *x, int64_t ldx, const float *KRK_RESTRICT 
         }
         if (out_bf16) {
             store_bf16<V>(out_bf16 + row * dim + i * V, v);
+        }
+    }
+}
+
+// Register-resident variants for rows of at most 4 vector units per thread (dim up to 16384 with
+// V = 4): every load of the row is issued at once, the weights before the wait for the previous
+// kernel (no kernel writes them), and the second pass works on the registers. A decode step runs
+// ~50 of these norms on single rows, where the two-pass kernels' chains of dependent loads (unit by
+// unit, then again for the second pass) were most of their time. Each thread takes the same units
+// in the same order as in the two-pass kernels (i = tid + j * blockDim.x), so the results are
+// bit-identical to theirs.
+template <int V, int NPT, bool RES>
+__global__ void __launch_bounds__(1024)
+    rmsnorm_reg_kernel(float *x, int64_t ldx, const float *KRK_RESTRICT res, const float *KRK_RESTRICT w, int64_t dim,
+                       float eps, float *out, uint16_t *out_bf16)
+{
+    __shared__ float sh[32];
+    const int64_t row = blockIdx.x;
+    const int64_t nv = dim / V;
+    const int tid = threadIdx.x, nt = blockDim.x;
+    float g[NPT][V];
+#pragma unroll
+    for (int j = 0; j < NPT; j++) {
+        const int64_t i = tid + (int64_t)j * nt;
+        if (i < nv) {
+            load_f<V>(w + i * V, g[j]);
+        }
+    }
+    pdl_trigger();
+    pdl_wait();
+    float *xr = x + row * ldx;
+    float v[NPT][V];
+#pragma unroll
+    for (int j = 0; j < NPT; j++) {
+        const int64_t i = tid + (int64_t)j * nt;
+        if (i < nv) {
+            load_f<V>(xr + i * V, v[j]);
+            if constexpr (RES) {
+                float r[V];
+                load_f<V>(res + row * dim + i * V, r);
+#pragma unroll
+                for (int k = 0; k < V; k++) {
+                    v[j][k] += r[k];
+                }
+            }
+        }
+    }
+    float ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < NPT; j++) {
+        const int64_t i = tid + (int64_t)j * nt;
+        if (i < nv) {
+            if constexpr (RES) {
+                store_f<V>(xr + i * V, v[j]);
+            }
+#pragma unroll
+            for (int k = 0; k < V; k++) {
+                ss += v[j][k] * v[j][k];
+            }
+        }
+    }
+    ss = block_sum(ss, sh);
+    const float r = 1.0f / sqrtf(ss / (float)dim + eps);
+#pragma unroll
+    for (int j = 0; j < NPT; j++) {
+        const int64_t i = tid + (int64_t)j * nt;
+        if (i < nv) {
+#pragma unroll
+            for (int k = 0; k < V; k++) {
+                v[j][k] = v[j][k] * r * g[j][k];
+            }
+            if (out) {
+                store_f<V>(out + row * dim + i * V, v[j]);
+            }
+            if (out_bf16) {
+                store_bf16<V>(out_bf16 + row * dim + i * V, v[j]);
+            }
         }
     }
 }
@@ -154,6 +231,133 @@ __global__ void gated_rmsnorm_kernel(const float *KRK_RESTRICT y, const float *K
     }
 }
 
+// The gated norm's register-resident variant (see rmsnorm_reg_kernel).
+template <int V, int NPT>
+__global__ void __launch_bounds__(1024)
+    gated_rmsnorm_reg_kernel(const float *KRK_RESTRICT y, const float *KRK_RESTRICT z, int64_t ldz,
+                             const float *KRK_RESTRICT w, int64_t dim, int64_t group, int64_t n_group, float eps,
+                             float *out, uint16_t *out_bf16)
+{
+    __shared__ float sh[32];
+    const int64_t row = blockIdx.x / n_group, g0 = (blockIdx.x % n_group) * group;
+    const int64_t nv = group / V;
+    const int tid = threadIdx.x, nt = blockDim.x;
+    float g[NPT][V];
+#pragma unroll
+    for (int j = 0; j < NPT; j++) {
+        const int64_t i = tid + (int64_t)j * nt;
+        if (i < nv) {
+            load_f<V>(w + g0 + i * V, g[j]);
+        }
+    }
+    pdl_trigger();
+    pdl_wait();
+    const float *yr = y + row * dim + g0, *zr = z + row * ldz + g0;
+    float a[NPT][V]; // y * silu(z), which the two-pass kernel recomputes (same value)
+#pragma unroll
+    for (int j = 0; j < NPT; j++) {
+        const int64_t i = tid + (int64_t)j * nt;
+        if (i < nv) {
+            float c[V];
+            load_f<V>(yr + i * V, a[j]);
+            load_f<V>(zr + i * V, c);
+#pragma unroll
+            for (int k = 0; k < V; k++) {
+                a[j][k] = a[j][k] * silu(c[k]);
+            }
+        }
+    }
+    float ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < NPT; j++) {
+        const int64_t i = tid + (int64_t)j * nt;
+        if (i < nv) {
+#pragma unroll
+            for (int k = 0; k < V; k++) {
+                ss += a[j][k] * a[j][k];
+            }
+        }
+    }
+    ss = block_sum(ss, sh);
+    const float r = 1.0f / sqrtf(ss / (float)group + eps);
+#pragma unroll
+    for (int j = 0; j < NPT; j++) {
+        const int64_t i = tid + (int64_t)j * nt;
+        if (i < nv) {
+#pragma unroll
+            for (int k = 0; k < V; k++) {
+                a[j][k] = a[j][k] * r * g[j][k];
+            }
+            if (out) {
+                store_f<V>(out + row * dim + g0 + i * V, a[j]);
+            }
+            if (out_bf16) {
+                store_bf16<V>(out_bf16 + row * dim + g0 + i * V, a[j]);
+            }
+        }
+    }
+}
+
+// Units per thread of a row of `units` walked by row_threads(units) threads.
+inline int units_per_thread(int64_t units)
+{
+    const int t = row_threads(units);
+    return (int)((units + t - 1) / t);
+}
+
+template <int V, bool RES>
+void launch_rmsnorm(const struct krk_rmsnorm_params *p, cudaStream_t stream)
+{
+    const dim3 grid((unsigned)p->n);
+    const int64_t nv = p->dim / V;
+    const int threads = row_threads(nv);
+    const bool pdl = pdl_enabled();
+    switch (units_per_thread(nv)) {
+    case 1:
+        launch_maybe_pdl(pdl, rmsnorm_reg_kernel<V, 1, RES>, grid, threads, 0, stream, p->x, p->ldx, p->res, p->w,
+                         p->dim, p->eps, p->out, p->out_bf16);
+        break;
+    case 2:
+        launch_maybe_pdl(pdl, rmsnorm_reg_kernel<V, 2, RES>, grid, threads, 0, stream, p->x, p->ldx, p->res, p->w,
+                         p->dim, p->eps, p->out, p->out_bf16);
+        break;
+    case 3:
+    case 4:
+        launch_maybe_pdl(pdl, rmsnorm_reg_kernel<V, 4, RES>, grid, threads, 0, stream, p->x, p->ldx, p->res, p->w,
+                         p->dim, p->eps, p->out, p->out_bf16);
+        break;
+    default:
+        launch_maybe_pdl(pdl, rmsnorm_kernel<V, RES>, grid, threads, 0, stream, p->x, p->ldx, p->res, p->w, p->dim,
+                         p->eps, p->out, p->out_bf16);
+    }
+}
+
+template <int V> void launch_gated(const struct krk_gated_rmsnorm_params *p, int64_t n_group, cudaStream_t stream)
+{
+    const dim3 grid((unsigned)(p->n * n_group));
+    const int64_t nv = p->group / V;
+    const int threads = row_threads(nv);
+    const bool pdl = pdl_enabled();
+    switch (units_per_thread(nv)) {
+    case 1:
+        launch_maybe_pdl(pdl, gated_rmsnorm_reg_kernel<V, 1>, grid, threads, 0, stream, p->y, p->z, p->ldz, p->w,
+                         p->dim, p->group, n_group, p->eps, p->out, p->out_bf16);
+        break;
+    case 2:
+        launch_maybe_pdl(pdl, gated_rmsnorm_reg_kernel<V, 2>, grid, threads, 0, stream, p->y, p->z, p->ldz, p->w,
+                         p->dim, p->group, n_group, p->eps, p->out, p->out_bf16);
+        break;
+    case 3:
+    case 4:
+        launch_maybe_pdl(pdl, gated_rmsnorm_reg_kernel<V, 4>, grid, threads, 0, stream, p->y, p->z, p->ldz, p->w,
+                         p->dim, p->group, n_group, p->eps, p->out, p->out_bf16);
+        break;
+    default:
+        launch_maybe_pdl(pdl, gated_rmsnorm_kernel<V>, grid, threads, 0, stream, p->y, p->z, p->ldz, p->w, p->dim,
+                         p->group, n_group, p->eps, p->out, p->out_bf16);
+    }
+}
+
 } // namespace
 } // namespace krk
 
@@ -173,25 +377,10 @@ extern "C" enum kr_status krk_rmsnorm(const struct krk_rmsnorm_params *p, cudaSt
     const bool v4 = p->dim % 4 == 0 && p->ldx % 4 == 0 && is_aligned(p->x, 16) && is_aligned(p->w, 16) &&
                     (!p->res || is_aligned(p->res, 16)) && (!p->out || is_aligned(p->out, 16)) &&
                     (!p->out_bf16 || is_aligned(p->out_bf16, 8));
-    const dim3 grid((unsigned)p->n);
     if (v4) {
-        const int threads = row_threads(p->dim / 4);
-        if (p->res) {
-            krk::launch_maybe_pdl(krk::pdl_enabled(), rmsnorm_kernel<4, true>, grid, threads, 0, stream, p->x, p->ldx,
-                                  p->res, p->w, p->dim, p->eps, p->out, p->out_bf16);
-        } else {
-            krk::launch_maybe_pdl(krk::pdl_enabled(), rmsnorm_kernel<4, false>, grid, threads, 0, stream, p->x, p->ldx,
-                                  p->res, p->w, p->dim, p->eps, p->out, p->out_bf16);
-        }
+        p->res ? launch_rmsnorm<4, true>(p, stream) : launch_rmsnorm<4, false>(p, stream);
     } else {
-        const int threads = row_threads(p->dim);
-        if (p->res) {
-            krk::launch_maybe_pdl(krk::pdl_enabled(), rmsnorm_kernel<1, true>, grid, threads, 0, stream, p->x, p->ldx,
-                                  p->res, p->w, p->dim, p->eps, p->out, p->out_bf16);
-        } else {
-            krk::launch_maybe_pdl(krk::pdl_enabled(), rmsnorm_kernel<1, false>, grid, threads, 0, stream, p->x, p->ldx,
-                                  p->res, p->w, p->dim, p->eps, p->out, p->out_bf16);
-        }
+        p->res ? launch_rmsnorm<1, true>(p, stream) : launch_rmsnorm<1, false>(p, stream);
     }
     KRK_CHECK_LAUNCH();
     return KR_OK;
@@ -234,13 +423,10 @@ extern "C" enum kr_status krk_gated_rmsnorm(const struct krk_gated_rmsnorm_param
     const bool v4 = p->group % 4 == 0 && p->ldz % 4 == 0 && is_aligned(p->y, 16) && is_aligned(p->z, 16) &&
                     is_aligned(p->w, 16) && (!p->out || is_aligned(p->out, 16)) &&
                     (!p->out_bf16 || is_aligned(p->out_bf16, 8));
-    const dim3 grid((unsigned)(p->n * n_group));
     if (v4) {
-        krk::launch_maybe_pdl(krk::pdl_enabled(), gated_rmsnorm_kernel<4>, grid, row_threads(p->group / 4), 0, stream,
-                              p->y, p->z, p->ldz, p->w, p->dim, p->group, n_group, p->eps, p->out, p->out_bf16);
+        launch_gated<4>(p, n_group, stream);
     } else {
-        krk::launch_maybe_pdl(krk::pdl_enabled(), gated_rmsnorm_kernel<1>, grid, row_threads(p->group), 0, stream, p->y,
-                              p->z, p->ldz, p->w, p->dim, p->group, n_group, p->eps, p->out, p->out_bf16);
+        launch_gated<1>(p, n_group, stream);
     }
     KRK_CHECK_LAUNCH();
     return KR_OK;

@@ -34,6 +34,7 @@ using u32 = uint32_t;
 using u64 = unsigned long long;
 
 constexpr int kBlock = 1024;
+constexpr int kPrepLoads = 16; // logits loaded at once per thread in prep_kernel
 constexpr int kWarps = kBlock / 32;
 constexpr int kBins = 2048;                 // radix digit of 11 bits
 constexpr int kPer = kBins / kBlock;        // bins per thread in the bin scans
@@ -791,15 +792,17 @@ __global__ void __launch_bounds__(kBlock, 1) prep_kernel(const Args a)
     u64 gbest = 0;
     Lse ls = {-INFINITY, 0.0};
     const int vp = (int)a.vp;
-    for (int base = 0; base < vp; base += 4 * kBlock) {
-        float xs[4]; // four loads in flight per thread
+    // kPrepLoads loads in flight per thread: one block reads the whole row (a 131072-entry row in 8
+    // rounds of memory latency instead of 32 with four)
+    for (int base = 0; base < vp; base += kPrepLoads * kBlock) {
+        float xs[kPrepLoads];
 #pragma unroll
-        for (int u = 0; u < 4; u++) {
+        for (int u = 0; u < kPrepLoads; u++) {
             const int i = base + u * kBlock + tid;
             xs[u] = i < vocab ? lrow[i] : -INFINITY;
         }
 #pragma unroll
-        for (int u = 0; u < 4; u++) {
+        for (int u = 0; u < kPrepLoads; u++) {
             const int i = base + u * kBlock + tid;
             const float x = xs[u];
             if (want_lp) {
