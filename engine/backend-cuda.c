@@ -1153,7 +1153,8 @@ static enum kr_status cuda_sample(kr_backend_t be, const struct kr_sample_batch 
                                   .pen_ids = np ? (const int32_t *)(d + o_ids) : NULL,
                                   .pen_count = np ? (const int32_t *)(d + o_cnt) : NULL,
                                   .pen_flags = np ? (const uint8_t *)(d + o_flg) : NULL, .n_pen = sb->n_pen,
-                                  .out = (int32_t *)(d + o_out), .out_logprob = (float *)(d + o_lp),
+                                  .out = (int32_t *)(d + o_out),
+                                  .out_logprob = sb->out_logprob ? (float *)(d + o_lp) : NULL,
                                   .n_top = sb->n_top, .top_ids = nt ? (int32_t *)(d + o_tid) : NULL,
                                   .top_lp = nt ? (float *)(d + o_tlp) : NULL, .workspace = c->scratch,
                                   .workspace_bytes = c->scratch_size};

@@ -630,15 +630,18 @@ static int64_t pen_fill(struct kr_engine *e, const struct seq *s, int64_t at)
 
 /* Samples the rows of the step's output on the backend: row i of the model's last logits belongs
  * to seqs[i]. The generator of each sequence advances exactly as on the host path (one draw per
- * non-greedy row). Results in e->s_out / s_lp / s_top_*. */
+ * non-greedy row). Results in e->s_out / s_lp / s_top_* (s_lp only when a sequence asked for
+ * log-probabilities). */
 static enum kr_status sample_on_backend(struct kr_engine *e, struct seq **seqs, int32_t n, int32_t *n_top_out)
 {
     int64_t n_pen = 0;
     int32_t n_top = 0;
+    bool want_lp = false; /* the chosen tokens' log-probabilities cost a log-sum-exp over each row */
     for (int32_t i = 0; i < n; i++) {
         n_pen += pen_bound(e, seqs[i]);
         const int32_t k = seqs[i]->req->s.logprobs;
         n_top = k > n_top ? k : n_top;
+        want_lp |= k >= 0;
     }
     n_top = n_top < e->m->cfg.vocab ? n_top : (int32_t)e->m->cfg.vocab;
     KR_TRY(ensure_sample_buffers(e, n, n_pen));
@@ -658,7 +661,7 @@ static enum kr_status sample_on_backend(struct kr_engine *e, struct seq **seqs, 
     struct kr_sample_batch sb = {.logits = e->m->last_logits, .ld = e->m->cfg.vocab, .n = n,
                                  .vocab = e->m->cfg.vocab, .rows = e->srows, .pen_ids = e->pen_ids,
                                  .pen_count = e->pen_count, .pen_flags = e->pen_flags, .n_pen = at,
-                                 .out = e->s_out, .out_logprob = e->s_lp, .n_top = n_top,
+                                 .out = e->s_out, .out_logprob = want_lp ? e->s_lp : NULL, .n_top = n_top,
                                  .top_ids = e->s_top_ids, .top_lp = e->s_top_lp};
     *n_top_out = n_top;
     return kr_backend_sample(e->m->be, &sb);

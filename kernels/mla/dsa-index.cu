@@ -18,6 +18,7 @@ namespace {
 constexpr int kScoreThreads = 256; // 8 warps; heads are split across warps
 constexpr int kScoreKeys = 32;     // keys per score block: one per lane
 constexpr int kSelectThreads = 512;
+constexpr int kSelectCache = 4096; // most keys dsa_select_kernel keeps in shared memory (16 KB)
 constexpr int64_t kMaxHeadDim = 256; // keeps the score block's key tile within 48 KB of shared memory
 
 __global__ void __launch_bounds__(kScoreThreads)
@@ -102,9 +103,21 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
     float *ws = reinterpret_cast<float *>(ks + kMmaKeys * LD);  // [Hi] head weights
     float *part = ws + Hi;                 // [kMmaWarps][kMmaKeys] per-warp sums
     const float *iq = p.iq + (int64_t)t * Hi * Di;
-    for (int e = threadIdx.x; e < Hi * Di; e += blockDim.x) {
-        const int h = e / Di, d = e - h * Di;
-        qs[h * LD + d] = krk::f32_to_bf16(iq[e]);
+    if ((reinterpret_cast<uintptr_t>(iq) & 15) == 0) {
+        // 16-byte loads, sixteen in flight per thread (Di % 16 == 0: a vector stays in one head)
+#pragma unroll 16
+        for (int e4 = threadIdx.x; e4 < Hi * Di / 4; e4 += blockDim.x) {
+            const float4 v = reinterpret_cast<const float4 *>(iq)[e4];
+            const int h = 4 * e4 / Di, d = 4 * e4 - h * Di;
+            *reinterpret_cast<uint2 *>(qs + h * LD + d) =
+                make_uint2(krk::pack_bf16(v.x, v.y), krk::pack_bf16(v.z, v.w));
+        }
+    } else {
+#pragma unroll 16
+        for (int e = threadIdx.x; e < Hi * Di; e += blockDim.x) {
+            const int h = e / Di, d = e - h * Di;
+            qs[h * LD + d] = krk::f32_to_bf16(iq[e]);
+        }
     }
     for (int h = threadIdx.x; h < Hi; h += blockDim.x) {
         ws[h] = p.w[(int64_t)t * Hi + h];
@@ -117,6 +130,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
             break; // block-uniform
         }
         __syncthreads(); // the previous tile's readers are done (and the queries are in place)
+#pragma unroll 8
         for (int e = threadIdx.x; e < kMmaKeys * chunks; e += blockDim.x) {
             const int j = e / chunks, c = e - j * chunks;
             uint4 v = make_uint4(0, 0, 0, 0);
@@ -254,8 +268,9 @@ __device__ __forceinline__ int block_excl_scan(int v, int *sh, int *total)
 // threshold, and those equal to it while the equal ones before (in earlier runs, then in its own)
 // number fewer than `remaining`; two block scans place the runs. Histograms: one shared atomic per
 // key into one copy (AGG false), or one per distinct bin of a warp (match.any) into per-warp
-// copies, with the bin found by a warp scan (AGG true): the scores of a query crowd into few bins,
-// which serializes the first. Block of kSelectThreads; call from every thread.
+// copies (AGG true): the scores of a query crowd into few bins, which serializes the first. Either
+// way the bin is found by one warp's scan of the 256 counts (a thread walking them one by one took
+// ~4 us a pass). Block of kSelectThreads; call from every thread.
 struct TopkSmem {
     int hist[256];
     int whist[kSelectThreads / 32][256];
@@ -295,36 +310,6 @@ __device__ void block_topk(int32_t n, int32_t k, Key key, Emit emit, TopkSmem &s
                 sm.hist[i] = v;
             }
             __syncthreads();
-            if (threadIdx.x < 32) {
-                // lane j holds bins 255 - 8j down to 248 - 8j; the first lane (from the top) whose
-                // running count reaches `remaining` holds the bin, found within its eight
-                const int hi = 255 - 8 * lane;
-                int own = 0;
-#pragma unroll
-                for (int i = 0; i < 8; i++) {
-                    own += sm.hist[hi - i];
-                }
-                int cum = own;
-#pragma unroll
-                for (int o = 1; o < 32; o <<= 1) {
-                    const int y = __shfl_up_sync(0xffffffffu, cum, o);
-                    cum += lane >= o ? y : 0;
-                }
-                const unsigned reach = __ballot_sync(0xffffffffu, cum >= remaining);
-                const int found = reach ? __ffs(reach) - 1 : 31; // none: bin 0 takes the rest
-                if (lane == found) {
-                    int before = cum - own, bin = hi;
-                    for (int i = 0; i < 8; i++) {
-                        bin = hi - i;
-                        if (bin == 0 || before + sm.hist[bin] >= remaining) {
-                            break;
-                        }
-                        before += sm.hist[bin];
-                    }
-                    sm.sel_prefix = prefix | ((uint32_t)bin << shift);
-                    sm.sel_remaining = remaining - before;
-                }
-            }
         } else {
             for (int i = threadIdx.x; i < 256; i += kSelectThreads) {
                 sm.hist[i] = 0;
@@ -337,16 +322,36 @@ __device__ void block_topk(int32_t n, int32_t k, Key key, Emit emit, TopkSmem &s
                 }
             }
             __syncthreads();
-            if (threadIdx.x == 0) {
-                int cum = 0, bin = 255;
-                for (; bin > 0; bin--) { // bins from the largest; bin 0 holds the rest
-                    if (cum + sm.hist[bin] >= remaining) {
+        }
+        // the bin holding the remaining-th largest key, from the largest; bin 0 takes the rest
+        if (threadIdx.x < 32) {
+            // lane j holds bins 255 - 8j down to 248 - 8j; the first lane (from the top) whose
+            // running count reaches `remaining` holds the bin, found within its eight
+            const int hi = 255 - 8 * lane;
+            int own = 0;
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                own += sm.hist[hi - i];
+            }
+            int cum = own;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const int y = __shfl_up_sync(0xffffffffu, cum, o);
+                cum += lane >= o ? y : 0;
+            }
+            const unsigned reach = __ballot_sync(0xffffffffu, cum >= remaining);
+            const int found = reach ? __ffs(reach) - 1 : 31; // none: bin 0 takes the rest
+            if (lane == found) {
+                int before = cum - own, bin = hi;
+                for (int i = 0; i < 8; i++) {
+                    bin = hi - i;
+                    if (bin == 0 || before + sm.hist[bin] >= remaining) {
                         break;
                     }
-                    cum += sm.hist[bin];
+                    before += sm.hist[bin];
                 }
                 sm.sel_prefix = prefix | ((uint32_t)bin << shift);
-                sm.sel_remaining = remaining - cum;
+                sm.sel_remaining = remaining - before;
             }
         }
         __syncthreads();
@@ -408,6 +413,18 @@ __global__ void __launch_bounds__(kSelectThreads)
         return;
     }
     const float *sc = scores + (int64_t)blockIdx.x * ld;
+    if (n_keys <= kSelectCache) {
+        // short contexts: the keys go to shared memory once (all loads in flight together) instead
+        // of being read from memory by each of the radix passes and the write-out
+        __shared__ uint32_t kc[kSelectCache];
+#pragma unroll 8
+        for (int32_t i = threadIdx.x; i < n_keys; i += kSelectThreads) {
+            kc[i] = order_key(sc[i]);
+        }
+        __syncthreads();
+        block_topk<AGG>(n_keys, k, [&](int32_t i) { return kc[i]; }, [&](int o, int32_t i) { out[o] = i; }, sm);
+        return;
+    }
     block_topk<AGG>(n_keys, k, [&](int32_t i) { return order_key(sc[i]); }, [&](int o, int32_t i) { out[o] = i; },
                     sm);
 }

@@ -4,7 +4,7 @@
 // GPU (flash-decoding). Same semantics as mla_attn_kernel (mla-attention.cu), at bf16 precision of
 // the products. Three kernels per group of tokens:
 //   absorb   Q[t][h] = [bf16(W_UK[h]^T q_nope[t][h]) | bf16(q_pe[t][h])]   fp32 sums, 8 tokens a block
-//            sharing each weight read, 128 columns a block
+//            sharing each weight read, 128 columns a block (four threads a column)
 //   split    for each (token, split): S = Q K^T over tiles of BN of the split's keys (K rows are the
 //            cached latents [c_kv | k_pe], selected by idx or every position <= pos), online softmax
 //            per head (fp32, base 2), P rounded to bf16, O += P V with V = c_kv; writes O unnormalized
@@ -22,7 +22,7 @@ namespace {
 constexpr int kBN = 32;         // keys per tile
 constexpr int kTokTile = 8;     // tokens per absorb / combine block
 constexpr int kMaxParts = 512;  // (token, split) partial results per launch group
-constexpr int kMinSplitTiles = 4; // a split covers at least this many key tiles
+constexpr int kMinSplitTiles = 2; // a split covers at least this many key tiles
 
 template <int R, int ROPE> struct HeadsShape {
     static constexpr int D = R + ROPE; // score width
@@ -55,46 +55,65 @@ inline HeadsWs heads_ws(void *base, int64_t tc, int64_t ns, int64_t hp, int64_t 
     return w;
 }
 
-constexpr int kAbsorbCols = 128; // q_abs columns per absorb block (one per thread)
+constexpr int kAbsorbCols = 128;   // q_abs columns per absorb block
+constexpr int kAbsorbQuarters = 4; // threads per column, each a quarter of W_UK's rows
 constexpr int kCombineRows = 32; // W_UV rows per combine block
+constexpr int kCombineParts = 256; // most splits a combine block merges (one per thread)
 
-// Grid (ceil(tc / kTokTile), n_head, R / kAbsorbCols), kAbsorbCols threads; dynamic smem
-// kTokTile * nope floats. Small batches still get n_head * R / kAbsorbCols blocks.
+// Grid (ceil(tc / kTokTile), n_head, R / kAbsorbCols), kAbsorbQuarters * kAbsorbCols threads;
+// dynamic smem kTokTile * nope floats. Small batches still get n_head * R / kAbsorbCols blocks.
+// Thread (column c, quarter k) sums a quarter of the nope rows of W_UK (all its weight loads in
+// flight at once), then the quarters are added in order.
 template <int R, int ROPE>
-__global__ void __launch_bounds__(kAbsorbCols) mla_absorb_kernel(krk_mla_attn_params p, int64_t t0, int tc, int hp,
-                                                                  uint16_t *qb)
+__global__ void __launch_bounds__(kAbsorbQuarters *kAbsorbCols)
+    mla_absorb_kernel(krk_mla_attn_params p, int64_t t0, int tc, int hp, uint16_t *qb)
 {
     krk::kernel_prologue();
     constexpr int D = R + ROPE;
     static_assert(R % kAbsorbCols == 0, "absorb blocks tile R");
     extern __shared__ float qs[]; // [kTokTile][nope]
+    __shared__ float part[kAbsorbQuarters][kTokTile][kAbsorbCols];
     const int h = blockIdx.y, H = (int)p.n_head, tid = threadIdx.x;
+    const int col = tid % kAbsorbCols, quarter = tid / kAbsorbCols;
     const int tt0 = blockIdx.x * kTokTile, nt = tc - tt0 < kTokTile ? tc - tt0 : kTokTile;
     const int64_t qd = p.nope + ROPE, nope = p.nope;
-    for (int64_t e = tid; e < (int64_t)kTokTile * nope; e += blockDim.x) {
+    for (int64_t e = tid; e < (int64_t)nt * nope; e += blockDim.x) {
         const int tt = (int)(e / nope);
         const int64_t d = e - (int64_t)tt * nope;
-        qs[e] = tt < nt ? p.q[((t0 + tt0 + tt) * H + h) * qd + d] : 0.0f;
+        qs[e] = p.q[((t0 + tt0 + tt) * H + h) * qd + d];
     }
     __syncthreads();
     const float *wk = p.kv_b + (int64_t)h * (p.nope + p.v_dim) * R; // W_UK [nope][R]
-    {
-        const int r = blockIdx.z * kAbsorbCols + tid;
-        float acc[kTokTile];
+    const int r = blockIdx.z * kAbsorbCols + col;
+    const int64_t d0 = nope * quarter / kAbsorbQuarters, d1 = nope * (quarter + 1) / kAbsorbQuarters;
+    float acc[kTokTile];
+#pragma unroll
+    for (int tt = 0; tt < kTokTile; tt++) {
+        acc[tt] = 0.0f;
+    }
+#pragma unroll 32
+    for (int64_t d = d0; d < d1; d++) {
+        const float w = wk[d * R + r];
 #pragma unroll
         for (int tt = 0; tt < kTokTile; tt++) {
-            acc[tt] = 0.0f;
-        }
-#pragma unroll 8
-        for (int64_t d = 0; d < nope; d++) {
-            const float w = wk[d * R + r];
-#pragma unroll
-            for (int tt = 0; tt < kTokTile; tt++) {
+            if (tt < nt) {
                 acc[tt] = fmaf(qs[tt * nope + d], w, acc[tt]);
             }
         }
+    }
+#pragma unroll
+    for (int tt = 0; tt < kTokTile; tt++) {
+        part[quarter][tt][col] = acc[tt];
+    }
+    __syncthreads();
+    if (quarter == 0) {
         for (int tt = 0; tt < nt; tt++) {
-            qb[((int64_t)(tt0 + tt) * hp + h) * D + r] = krk::f32_to_bf16(acc[tt]);
+            float v = part[0][tt][col];
+#pragma unroll
+            for (int k = 1; k < kAbsorbQuarters; k++) {
+                v += part[k][tt][col];
+            }
+            qb[((int64_t)(tt0 + tt) * hp + h) * D + r] = krk::f32_to_bf16(v);
         }
     }
     for (int e = tid; blockIdx.z == 0 && e < nt * ROPE; e += blockDim.x) {
@@ -274,34 +293,62 @@ __global__ void __launch_bounds__(256) mla_combine_kernel(krk_mla_attn_params p,
 {
     krk::kernel_prologue();
     __shared__ float os[kTokTile][R];
+    __shared__ float es[kCombineParts]; // 2^(m_s - M) of each part (0 for empty parts)
+    __shared__ float red[2][8];
     const int h = blockIdx.y, H = (int)p.n_head, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int tt0 = blockIdx.x * kTokTile, nt = tc - tt0 < kTokTile ? tc - tt0 : kTokTile;
     for (int tt = 0; tt < kTokTile; tt++) {
         const int64_t tl = tt0 + tt;
-        float mx = -INFINITY, den = 0.0f;
-        if (tt < nt) {
-            for (int s = 0; s < ns; s++) {
-                const float *ml = ws.ml + ((tl * ns + s) * hp + h) * 2;
-                mx = ml[1] > 0.0f && ml[0] > mx ? ml[0] : mx;
+        if (tt >= nt) { // padding rows of the tile
+            for (int r = tid; r < R; r += blockDim.x) {
+                os[tt][r] = 0.0f;
             }
-            for (int s = 0; s < ns; s++) {
-                const float *ml = ws.ml + ((tl * ns + s) * hp + h) * 2;
-                den += ml[1] > 0.0f ? exp2f(ml[0] - mx) * ml[1] : 0.0f;
-            }
+            continue;
+        }
+        // every part's (m, l) at once (one thread each), then the block's max and denominator
+        float m = -INFINITY, l = 0.0f;
+        if (tid < ns) {
+            const float *ml = ws.ml + ((tl * ns + tid) * hp + h) * 2;
+            m = ml[0];
+            l = ml[1];
+        }
+        float mx = l > 0.0f ? m : -INFINITY;
+        mx = krk::warp_max(mx);
+        if (lane == 0) {
+            red[0][warp] = mx;
+        }
+        __syncthreads();
+        mx = red[0][0];
+        for (int w = 1; w < (int)(blockDim.x >> 5); w++) {
+            mx = fmaxf(mx, red[0][w]);
+        }
+        const float e = l > 0.0f ? exp2f(m - mx) : 0.0f;
+        float den = krk::warp_sum(e * l);
+        if (lane == 0) {
+            red[1][warp] = den;
+        }
+        __syncthreads();
+        den = 0.0f;
+        for (int w = 0; w < (int)(blockDim.x >> 5); w++) {
+            den += red[1][w];
         }
         const float inv = den > 0.0f ? 1.0f / den : 0.0f; // padding tokens and empty rows: zeros
+        if (tid < ns) {
+            es[tid] = e;
+        }
+        __syncthreads();
+        const float *o = ws.o + (tl * ns * hp + h) * R;
         for (int r = tid; r < R; r += blockDim.x) {
             float acc = 0.0f;
-            for (int s = 0; den > 0.0f && s < ns; s++) {
-                const float *ml = ws.ml + ((tl * ns + s) * hp + h) * 2;
-                if (ml[1] > 0.0f) {
-                    acc = fmaf(exp2f(ml[0] - mx), ws.o[((tl * ns + s) * hp + h) * R + r], acc);
-                }
+#pragma unroll 8
+            for (int s = 0; s < ns; s++) { // independent loads, eight in flight
+                const float ov = o[(int64_t)s * hp * R + r]; // unwritten (any bits) for empty parts
+                acc = es[s] != 0.0f ? fmaf(es[s], ov, acc) : acc;
             }
             os[tt][r] = acc * inv;
         }
+        __syncthreads(); // es and red are rewritten for the next token
     }
-    __syncthreads();
     // out[t][h][v] = W_UV[h][v] . O[t][h]: a warp per output row v, lanes over R
     const int n_warp = blockDim.x >> 5;
     const int64_t v1 = (int64_t)(blockIdx.z + 1) * kCombineRows < p.v_dim ? (int64_t)(blockIdx.z + 1) * kCombineRows
@@ -313,7 +360,8 @@ __global__ void __launch_bounds__(256) mla_combine_kernel(krk_mla_attn_params p,
         for (int tt = 0; tt < kTokTile; tt++) {
             acc[tt] = 0.0f;
         }
-        for (int r = lane; r < R; r += 32) {
+#pragma unroll
+        for (int r = lane; r < R; r += 32) { // all of the row's weight loads in flight
             const float w = wv[r];
 #pragma unroll
             for (int tt = 0; tt < kTokTile; tt++) {
@@ -351,6 +399,7 @@ template <int R, int ROPE> bool heads_plan(const krk_mla_attn_params &p, HeadsPl
     const int64_t ns_max = (n_kt + kMinSplitTiles - 1) / kMinSplitTiles;
     ns = ns < ns_max ? ns : ns_max;
     ns = ns < kMaxParts ? ns : kMaxParts;
+    ns = ns < kCombineParts ? ns : kCombineParts;
     ns = ns < 1 ? 1 : ns;
     int64_t tc = kMaxParts / ns;
     tc = tc < n_tok ? tc : n_tok;
@@ -386,7 +435,8 @@ template <int R, int ROPE> enum kr_status heads_launch(const krk_mla_attn_params
         const int tc = (int)(p.batch.n_tok - t0 < pl.tc ? p.batch.n_tok - t0 : pl.tc);
         const unsigned tok_tiles = (unsigned)((tc + kTokTile - 1) / kTokTile);
         krk::launch_maybe_pdl(krk::pdl_enabled(), mla_absorb_kernel<R, ROPE>,
-                              dim3(tok_tiles, (unsigned)p.n_head, R / kAbsorbCols), kAbsorbCols, absorb_smem, stream, p,
+                              dim3(tok_tiles, (unsigned)p.n_head, R / kAbsorbCols), kAbsorbQuarters * kAbsorbCols,
+                              absorb_smem, stream, p,
                               t0, tc, hp, ws.q);
         KRK_CHECK_LAUNCH();
         krk::launch_maybe_pdl(krk::pdl_enabled(), mla_split_kernel<R, ROPE>, dim3((unsigned)tc, (unsigned)pl.ns),

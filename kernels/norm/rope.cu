@@ -1,6 +1,6 @@
-// Rotary embedding at the positions of the batch. One block per token: the block computes cos/sin
-// of a chunk of frequencies into shared memory once, then rotates that chunk in every vector of
-// the token. Angles and products are rounded exactly as cpu_rope computes them (fp32 angle
+// Rotary embedding at the positions of the batch. Blocks per token and range of its vectors: the
+// block computes cos/sin of a chunk of frequencies into shared memory once, then rotates that chunk
+// in each of its vectors. Angles and products are rounded exactly as cpu_rope computes them (fp32 angle
 // pos * inv_freq, fp32 cos/sin, no fused multiply-add), so large positions (128K) agree with the
 // CPU up to the last-ulp differences of the cos/sin implementations.
 #include "common/util.cuh"
@@ -8,19 +8,29 @@
 namespace krk {
 namespace {
 
-constexpr int kRopeThreads = 128;
+constexpr int kRopeThreads = 256;
 constexpr int kRopeChunk = 256; // frequencies per shared-memory chunk
+constexpr int kRopeItems = 4;   // pairs per thread whose loads are issued together
 
-__global__ void rope_kernel(float *x, int64_t ld, int64_t n_vec, int64_t stride, int64_t off, int64_t dim,
-                            bool interleaved, const float *KRK_RESTRICT inv_freq, float factor,
-                            const int32_t *KRK_RESTRICT pos, int64_t n_tok)
+// Grid (tokens, vector ranges): block (x, y) rotates vectors [y * vpb, (y + 1) * vpb) of its tokens,
+// so that a single token's many heads spread over several blocks, and each thread loads all its
+// pairs before rotating any (one round of memory latency instead of one per pair).
+__global__ void __launch_bounds__(kRopeThreads)
+    rope_kernel(float *x, int64_t ld, int64_t n_vec, int64_t vpb, int64_t stride, int64_t off, int64_t dim,
+                bool interleaved, const float *KRK_RESTRICT inv_freq, float factor, const int32_t *KRK_RESTRICT pos,
+                int64_t n_tok)
 {
     krk::kernel_prologue();
     __shared__ float cs[kRopeChunk], sn[kRopeChunk];
     const int64_t half = dim / 2;
+    const int64_t v_begin = (int64_t)blockIdx.y * vpb;
+    const int64_t nv = n_vec - v_begin < vpb ? n_vec - v_begin : vpb;
+    if (nv <= 0) {
+        return; // block-uniform
+    }
     for (int64_t t = blockIdx.x; t < n_tok; t += gridDim.x) {
         const float p = (float)pos[t];
-        float *xt = x + t * ld + off;
+        float *xt = x + t * ld + off + v_begin * stride;
         for (int64_t j0 = 0; j0 < half; j0 += kRopeChunk) {
             const int jn = (int)(half - j0 < kRopeChunk ? half - j0 : kRopeChunk);
             for (int i = threadIdx.x; i < jn; i += blockDim.x) {
@@ -31,16 +41,33 @@ __global__ void rope_kernel(float *x, int64_t ld, int64_t n_vec, int64_t stride,
                 sn[i] = __fmul_rn(s, factor);
             }
             __syncthreads();
-            const int64_t items = n_vec * jn;
-            for (int64_t k = threadIdx.x; k < items; k += blockDim.x) {
-                const int64_t v = k / jn;
-                const int jj = (int)(k - v * jn);
-                const int64_t j = j0 + jj;
-                float *xv = xt + v * stride;
-                const int64_t i0 = interleaved ? 2 * j : j, i1 = interleaved ? 2 * j + 1 : j + half;
-                const float a = xv[i0], b = xv[i1];
-                xv[i0] = __fsub_rn(__fmul_rn(a, cs[jj]), __fmul_rn(b, sn[jj]));
-                xv[i1] = __fadd_rn(__fmul_rn(a, sn[jj]), __fmul_rn(b, cs[jj]));
+            const int64_t items = nv * jn;
+            for (int64_t k0 = threadIdx.x; k0 < items; k0 += (int64_t)kRopeItems * blockDim.x) {
+                float a[kRopeItems], b[kRopeItems];
+                float *xv[kRopeItems];
+                int jj[kRopeItems];
+                int64_t i0[kRopeItems], i1[kRopeItems];
+#pragma unroll
+                for (int u = 0; u < kRopeItems; u++) {
+                    const int64_t k = k0 + (int64_t)u * blockDim.x;
+                    const int64_t v = k < items ? k / jn : 0;
+                    jj[u] = (int)(k - v * jn);
+                    const int64_t j = j0 + jj[u];
+                    xv[u] = xt + v * stride;
+                    i0[u] = interleaved ? 2 * j : j;
+                    i1[u] = interleaved ? 2 * j + 1 : j + half;
+                    if (k < items) {
+                        a[u] = xv[u][i0[u]];
+                        b[u] = xv[u][i1[u]];
+                    }
+                }
+#pragma unroll
+                for (int u = 0; u < kRopeItems; u++) {
+                    if (k0 + (int64_t)u * blockDim.x < items) {
+                        xv[u][i0[u]] = __fsub_rn(__fmul_rn(a[u], cs[jj[u]]), __fmul_rn(b[u], sn[jj[u]]));
+                        xv[u][i1[u]] = __fadd_rn(__fmul_rn(a[u], sn[jj[u]]), __fmul_rn(b[u], cs[jj[u]]));
+                    }
+                }
             }
             __syncthreads(); // the next chunk overwrites cs/sn
         }
@@ -61,8 +88,15 @@ extern "C" enum kr_status krk_rope(const struct krk_rope_params *p, cudaStream_t
     }
     KRK_REQUIRE(p->x && p->inv_freq && p->pos);
     const unsigned blocks = (unsigned)(p->n_tok < (1 << 20) ? p->n_tok : (1 << 20));
-    krk::launch_maybe_pdl(krk::pdl_enabled(), rope_kernel, blocks, kRopeThreads, 0, stream, p->x, p->ld, p->n_vec,
-                          p->stride, p->off, p->dim, p->interleaved, p->inv_freq, p->factor, p->pos, p->n_tok);
+    // vectors per block: one round of kRopeItems pairs per thread over a chunk of frequencies
+    const int64_t jn = p->dim / 2 < kRopeChunk ? p->dim / 2 : kRopeChunk;
+    int64_t vpb = (int64_t)kRopeItems * kRopeThreads / jn;
+    vpb = vpb < 1 ? 1 : vpb;
+    const int64_t vblocks = (p->n_vec + vpb - 1) / vpb;
+    KRK_REQUIRE(vblocks <= 65535);
+    krk::launch_maybe_pdl(krk::pdl_enabled(), rope_kernel, dim3(blocks, (unsigned)vblocks), kRopeThreads, 0, stream,
+                          p->x, p->ld, p->n_vec, vpb, p->stride, p->off, p->dim, p->interleaved, p->inv_freq,
+                          p->factor, p->pos, p->n_tok);
     KRK_CHECK_LAUNCH();
     return KR_OK;
 }
