@@ -794,7 +794,31 @@ __global__ void __launch_bounds__(kBlock, 1) prep_kernel(const Args a)
     const int vp = (int)a.vp;
     // kPrepLoads loads in flight per thread: one block reads the whole row (a 131072-entry row in 8
     // rounds of memory latency instead of 32 with four)
-    for (int base = 0; base < vp; base += kPrepLoads * kBlock) {
+    const bool plain_greedy = mode == ROW_GREEDY && pen_n == 0 && !want_lp;
+    if (plain_greedy) {
+        // the argmax alone (the common greedy row): a float compare per logit. A thread's first
+        // strictly larger value wins, which keeps its lowest id among equal values (-0 equals +0)
+        // and never takes a NaN; its key then enters the block's maximum as in the loop below.
+        float best = -INFINITY;
+        int besti = tid < vocab ? tid : -1;
+        for (int base = 0; base < vocab; base += kPrepLoads * kBlock) {
+            float xs[kPrepLoads];
+#pragma unroll
+            for (int u = 0; u < kPrepLoads; u++) {
+                const int i = base + u * kBlock + tid;
+                xs[u] = i < vocab ? lrow[i] : -INFINITY;
+            }
+#pragma unroll
+            for (int u = 0; u < kPrepLoads; u++) {
+                if (xs[u] > best) {
+                    best = xs[u];
+                    besti = base + u * kBlock + tid;
+                }
+            }
+        }
+        gbest = besti >= 0 ? greedy_key(canon(best), besti) : 0;
+    }
+    for (int base = 0; !plain_greedy && base < vp; base += kPrepLoads * kBlock) {
         float xs[kPrepLoads];
 #pragma unroll
         for (int u = 0; u < kPrepLoads; u++) {
