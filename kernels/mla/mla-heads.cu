@@ -58,7 +58,8 @@ inline HeadsWs heads_ws(void *base, int64_t tc, int64_t ns, int64_t hp, int64_t 
 constexpr int kAbsorbCols = 128;   // q_abs columns per absorb block
 constexpr int kAbsorbQuarters = 4; // threads per column, each a quarter of W_UK's rows
 constexpr int kCombineRows = 32; // W_UV rows per combine block
-constexpr int kCombineParts = 256; // most splits a combine block merges (one per thread)
+constexpr int kCombineThreads = 256; // threads of a combine block
+constexpr int kCombineParts = kCombineThreads; // most splits a combine block merges (one per thread)
 
 // Grid (ceil(tc / kTokTile), n_head, R / kAbsorbCols), kAbsorbQuarters * kAbsorbCols threads;
 // dynamic smem kTokTile * nope floats. Small batches still get n_head * R / kAbsorbCols blocks.
@@ -285,16 +286,17 @@ __global__ void __launch_bounds__(256) mla_split_kernel(krk_mla_attn_params p, i
     }
 }
 
-// Grid (ceil(tc / kTokTile), n_head, ceil(v_dim / kCombineRows)), 256 threads: merges the splits of
-// kTokTile tokens of head h and applies kCombineRows rows of W_UV[h] (one weight read for the tile).
+// Grid (ceil(tc / kTokTile), n_head, ceil(v_dim / kCombineRows)), kCombineThreads threads: merges
+// the splits of kTokTile tokens of head h and applies kCombineRows rows of W_UV[h] (one weight read
+// for the tile).
 template <int R>
-__global__ void __launch_bounds__(256) mla_combine_kernel(krk_mla_attn_params p, int64_t t0, int tc, int hp, int ns,
-                                                           HeadsWs ws)
+__global__ void __launch_bounds__(kCombineThreads)
+    mla_combine_kernel(krk_mla_attn_params p, int64_t t0, int tc, int hp, int ns, HeadsWs ws)
 {
     krk::kernel_prologue();
     __shared__ float os[kTokTile][R];
     __shared__ float es[kCombineParts]; // 2^(m_s - M) of each part (0 for empty parts)
-    __shared__ float red[2][8];
+    __shared__ float red[2][kCombineThreads / 32];
     const int h = blockIdx.y, H = (int)p.n_head, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int tt0 = blockIdx.x * kTokTile, nt = tc - tt0 < kTokTile ? tc - tt0 : kTokTile;
     for (int tt = 0; tt < kTokTile; tt++) {
@@ -443,8 +445,8 @@ template <int R, int ROPE> enum kr_status heads_launch(const krk_mla_attn_params
                               (unsigned)(hg * 64), smem, stream, p, t0, hg, pl.ns, pl.spl, ws);
         KRK_CHECK_LAUNCH();
         const dim3 combine_grid(tok_tiles, (unsigned)p.n_head, (unsigned)((p.v_dim + kCombineRows - 1) / kCombineRows));
-        krk::launch_maybe_pdl(krk::pdl_enabled(), mla_combine_kernel<R>, combine_grid, 256, 0, stream, p, t0, tc, hp,
-                              pl.ns, ws);
+        krk::launch_maybe_pdl(krk::pdl_enabled(), mla_combine_kernel<R>, combine_grid, kCombineThreads, 0, stream, p,
+                              t0, tc, hp, pl.ns, ws);
         KRK_CHECK_LAUNCH();
     }
     return KR_OK;
