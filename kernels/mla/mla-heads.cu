@@ -296,7 +296,7 @@ __global__ void __launch_bounds__(kCombineThreads)
     krk::kernel_prologue();
     __shared__ float os[kTokTile][R];
     __shared__ float es[kCombineParts]; // 2^(m_s - M) of each part (0 for empty parts)
-    __shared__ float red[2][kCombineThreads / 32];
+    __shared__ float red[32];
     const int h = blockIdx.y, H = (int)p.n_head, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int tt0 = blockIdx.x * kTokTile, nt = tc - tt0 < kTokTile ? tc - tt0 : kTokTile;
     for (int tt = 0; tt < kTokTile; tt++) {
@@ -314,26 +314,9 @@ __global__ void __launch_bounds__(kCombineThreads)
             m = ml[0];
             l = ml[1];
         }
-        float mx = l > 0.0f ? m : -INFINITY;
-        mx = krk::warp_max(mx);
-        if (lane == 0) {
-            red[0][warp] = mx;
-        }
-        __syncthreads();
-        mx = red[0][0];
-        for (int w = 1; w < (int)(blockDim.x >> 5); w++) {
-            mx = fmaxf(mx, red[0][w]);
-        }
+        const float mx = krk::block_max(l > 0.0f ? m : -INFINITY, red);
         const float e = l > 0.0f ? exp2f(m - mx) : 0.0f;
-        float den = krk::warp_sum(e * l);
-        if (lane == 0) {
-            red[1][warp] = den;
-        }
-        __syncthreads();
-        den = 0.0f;
-        for (int w = 0; w < (int)(blockDim.x >> 5); w++) {
-            den += red[1][w];
-        }
+        const float den = krk::block_sum(e * l, red);
         const float inv = den > 0.0f ? 1.0f / den : 0.0f; // padding tokens and empty rows: zeros
         if (tid < ns) {
             es[tid] = e;
@@ -349,7 +332,7 @@ __global__ void __launch_bounds__(kCombineThreads)
             }
             os[tt][r] = acc * inv;
         }
-        __syncthreads(); // es and red are rewritten for the next token
+        __syncthreads(); // es is rewritten for the next token
     }
     // out[t][h][v] = W_UV[h][v] . O[t][h]: a warp per output row v, lanes over R
     const int n_warp = blockDim.x >> 5;
