@@ -891,6 +891,45 @@ static enum kr_status cuda_matmul_impl(kr_backend_t be, const float *x, int64_t 
     return st;
 }
 
+/* Weights that one krk_gemv launch can take for n rows of x (bf16, cols a multiple of 8). */
+static bool gemv_takes(int64_t n, const struct kr_tensor *w)
+{
+    return n <= GEMV_ROWS && w->dtype == KR_DTYPE_BF16 && w->cols % 8 == 0 && ((uintptr_t)w->data & 15) == 0;
+}
+
+/* Decode rows: the products run as one GEMV launch (the small projections of one input then fill the
+ * GPU together); otherwise one matmul after the other. */
+static enum kr_status cuda_matmul_multi_impl(kr_backend_t be, const float *x, int64_t ldx, int64_t n, int k,
+                                             const struct kr_matmul_part *parts)
+{
+    struct cuda_ctx *c = ctx_of(be);
+    if (c->failed) {
+        return KR_ERR_CUDA;
+    }
+    bool fused = n > 0 && k >= 1 && k <= KRK_GEMV_MAX_PARTS;
+    for (int i = 0; fused && i < k; i++) {
+        const struct kr_matmul_part *q = &parts[i];
+        fused = gemv_takes(n, q->w) && q->w->cols == parts[0].w->cols && q->ldy >= q->w->rows &&
+                !overlaps(q->y, (size_t)(n * q->ldy) * 4, x, (size_t)(n * ldx) * 4);
+    }
+    if (!fused) {
+        for (int i = 0; i < k; i++) {
+            KR_TRY(cuda_matmul_impl(be, x, ldx, n, parts[i].w, parts[i].bias, parts[i].y, parts[i].ldy));
+        }
+        return KR_OK;
+    }
+    KR_TRY(flush_pending(c));
+    struct krk_gemv_params p = {.x = x, .ldx = ldx, .w = parts[0].w->data, .bias = parts[0].bias, .n = n,
+                                .rows = parts[0].w->rows, .cols = parts[0].w->cols, .y = parts[0].y,
+                                .ldy = parts[0].ldy, .config = c->gemv_config, .n_more = k - 1};
+    for (int i = 1; i < k; i++) {
+        p.more[i - 1] = (struct krk_gemv_part){.w = parts[i].w->data, .bias = parts[i].bias,
+                                               .rows = parts[i].w->rows, .y = parts[i].y, .ldy = parts[i].ldy};
+    }
+    c->shadow.valid = false; /* decode rows: no GEMM reads a bf16 shadow */
+    return krk_gemv(&p, c->stream);
+}
+
 static enum kr_status cuda_act_impl(kr_backend_t be, enum kr_act act, const float *gate, const float *x, int64_t ld_in,
                                int64_t n, int64_t width, float *out)
 {
@@ -900,6 +939,30 @@ static enum kr_status cuda_act_impl(kr_backend_t be, enum kr_act act, const floa
                                .width = width, .out = out, .out_bf16 = NULL};
     p.out_bf16 = shadow_for(c, out, n, width);
     return krk_act(&p, c->stream);
+}
+
+/* Decode rows: the activation is written by the GEMV's epilogue from the value it stores in y. */
+static enum kr_status cuda_matmul_act_impl(kr_backend_t be, const float *x, int64_t ldx, int64_t n,
+                                           const struct kr_tensor *w, const float *bias, float *y, int64_t ldy,
+                                           enum kr_act act, float *out)
+{
+    struct cuda_ctx *c = ctx_of(be);
+    if (c->failed) {
+        return KR_ERR_CUDA;
+    }
+    if (n > 0 && gemv_takes(n, w) && ldy >= w->rows && (int)act >= (int)KR_ACT_RELU2 && (int)act <= (int)KR_ACT_RELU &&
+        !overlaps(y, (size_t)(n * ldy) * 4, x, (size_t)(n * ldx) * 4) &&
+        !overlaps(out, (size_t)(n * w->rows) * 4, x, (size_t)(n * ldx) * 4) &&
+        !overlaps(out, (size_t)(n * w->rows) * 4, y, (size_t)(n * ldy) * 4)) {
+        KR_TRY(flush_pending(c));
+        struct krk_gemv_params p = {.x = x, .ldx = ldx, .w = w->data, .bias = bias, .n = n, .rows = w->rows,
+                                    .cols = w->cols, .y = y, .ldy = ldy, .config = c->gemv_config,
+                                    .act_out = out, .ld_act = w->rows, .act = (int)act};
+        c->shadow.valid = false;
+        return krk_gemv(&p, c->stream);
+    }
+    KR_TRY(cuda_matmul_impl(be, x, ldx, n, w, bias, y, ldy));
+    return cuda_act_impl(be, act, NULL, y, ldy, n, w->rows, out);
 }
 
 static enum kr_status cuda_mamba(kr_backend_t be, const struct kr_mamba_params *p)
@@ -1201,6 +1264,13 @@ TIMED(cuda_matmul, n <= GEMV_ROWS ? P_GEMV : P_GEMM,
       (kr_backend_t be, const float *x, int64_t ldx, int64_t n, const struct kr_tensor *w, const float *bias,
        float *y, int64_t ldy),
       (be, x, ldx, n, w, bias, y, ldy))
+TIMED(cuda_matmul_multi, n <= GEMV_ROWS ? P_GEMV : P_GEMM,
+      (kr_backend_t be, const float *x, int64_t ldx, int64_t n, int k, const struct kr_matmul_part *parts),
+      (be, x, ldx, n, k, parts))
+TIMED(cuda_matmul_act, n <= GEMV_ROWS ? P_GEMV : P_GEMM,
+      (kr_backend_t be, const float *x, int64_t ldx, int64_t n, const struct kr_tensor *w, const float *bias,
+       float *y, int64_t ldy, enum kr_act act, float *out),
+      (be, x, ldx, n, w, bias, y, ldy, act, out))
 TIMED(cuda_act, P_ACT,
       (kr_backend_t be, enum kr_act act, const float *gate, const float *x, int64_t ld_in, int64_t n, int64_t width,
        float *out),
@@ -1383,6 +1453,8 @@ enum kr_status kr_backend_cuda_create(int dev, bool graphs, kr_backend_t *out, s
         .add = cuda_add,
         .matmul = cuda_matmul,
         .act = cuda_act,
+        .matmul_multi = cuda_matmul_multi,
+        .matmul_act = cuda_matmul_act,
         .mamba = cuda_mamba,
         .gated_rmsnorm = cuda_gated_rmsnorm,
         .attention = cuda_attention,

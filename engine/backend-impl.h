@@ -50,6 +50,12 @@ struct kr_backend_i {
     /* y[t, :w.rows] = x[t, :w.cols] * w^T (+ bias) for t < n; row strides ldx, ldy. */
     enum kr_status (*matmul)(kr_backend_t be, const float *x, int64_t ldx, int64_t n, const struct kr_tensor *w,
                              const float *bias, float *y, int64_t ldy);
+    /* (optional) kr_backend_matmul_multi / kr_backend_matmul_act (backend.h); when NULL they run
+     * as matmul calls and act */
+    enum kr_status (*matmul_multi)(kr_backend_t be, const float *x, int64_t ldx, int64_t n, int k,
+                                   const struct kr_matmul_part *parts);
+    enum kr_status (*matmul_act)(kr_backend_t be, const float *x, int64_t ldx, int64_t n, const struct kr_tensor *w,
+                                 const float *bias, float *y, int64_t ldy, enum kr_act act, float *out);
     /* out[t, j] = act(gate[t, j]) * x[t, j] when gate is given, else act(x[t, j]); inputs have row
      * stride ld_in, out is [n, width] dense. */
     enum kr_status (*act)(kr_backend_t be, enum kr_act act, const float *gate, const float *x, int64_t ld_in,

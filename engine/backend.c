@@ -207,6 +207,32 @@ enum kr_status kr_backend_act(kr_backend_t be, enum kr_act act, const float *gat
     return be->iface.act(be, act, gate, x, ld_in, n, width, out);
 }
 
+enum kr_status kr_backend_matmul_multi(kr_backend_t be, const float *x, int64_t ldx, int64_t n, int k,
+                                       const struct kr_matmul_part *parts)
+{
+    if (k < 0 || (k > 0 && !parts)) {
+        return KR_ERR_INVAL;
+    }
+    if (be->iface.matmul_multi && k > 1) {
+        return be->iface.matmul_multi(be, x, ldx, n, k, parts);
+    }
+    for (int i = 0; i < k; i++) {
+        KR_TRY(be->iface.matmul(be, x, ldx, n, parts[i].w, parts[i].bias, parts[i].y, parts[i].ldy));
+    }
+    return KR_OK;
+}
+
+enum kr_status kr_backend_matmul_act(kr_backend_t be, const float *x, int64_t ldx, int64_t n,
+                                     const struct kr_tensor *w, const float *bias, float *y, int64_t ldy,
+                                     enum kr_act act, float *out)
+{
+    if (be->iface.matmul_act) {
+        return be->iface.matmul_act(be, x, ldx, n, w, bias, y, ldy, act, out);
+    }
+    KR_TRY(be->iface.matmul(be, x, ldx, n, w, bias, y, ldy));
+    return be->iface.act(be, act, NULL, y, ldy, n, w->rows, out);
+}
+
 enum kr_status kr_backend_mamba(kr_backend_t be, const struct kr_mamba_params *p)
 {
     return be->iface.mamba(be, p);

@@ -29,6 +29,14 @@ struct kr_tensor {
     int64_t cols;
 };
 
+/* One product of kr_backend_matmul_multi: y[t, :w->rows] = x[t, :] * w^T (+ bias), row stride ldy. */
+struct kr_matmul_part {
+    const struct kr_tensor *w;
+    const float *bias;
+    float *y;
+    int64_t ldy;
+};
+
 /* A block of backend memory. Owned by the caller of kr_backend_buf_alloc. */
 struct kr_buf {
     void *ptr;
@@ -309,6 +317,15 @@ enum kr_status kr_backend_matmul(kr_backend_t be, const float *x, int64_t ldx, i
                                  const float *bias, float *y, int64_t ldy);
 enum kr_status kr_backend_act(kr_backend_t be, enum kr_act act, const float *gate, const float *x, int64_t ld_in,
                               int64_t n, int64_t width, float *out);
+/* The k products of `parts` on the same x (weights of equal cols), as k kr_backend_matmul calls in
+ * order; outputs must not overlap x or each other. A backend may run them as one launch. */
+enum kr_status kr_backend_matmul_multi(kr_backend_t be, const float *x, int64_t ldx, int64_t n, int k,
+                                       const struct kr_matmul_part *parts);
+/* kr_backend_matmul, then out[t, j] = act(y[t, j]) for j < w->rows (out [n, w->rows] dense, not
+ * overlapping y), as kr_backend_act without a gate. A backend may fuse the two. */
+enum kr_status kr_backend_matmul_act(kr_backend_t be, const float *x, int64_t ldx, int64_t n,
+                                     const struct kr_tensor *w, const float *bias, float *y, int64_t ldy,
+                                     enum kr_act act, float *out);
 enum kr_status kr_backend_mamba(kr_backend_t be, const struct kr_mamba_params *p);
 enum kr_status kr_backend_gated_rmsnorm(kr_backend_t be, const float *y, const float *z, int64_t ldz, const float *w,
                                         int64_t n, int64_t dim, int64_t group, float eps, float *out);

@@ -327,9 +327,10 @@ static enum kr_status attn_fwd(struct kr_model *m, struct kr_cache *cache, const
     const struct kr_attn_w *w = &L->attn;
     kr_backend_t be = m->be;
     const int64_t qd = c->n_head * c->head_dim, kvd = c->n_kv_head * c->head_dim, ld = qd + 2 * kvd;
-    KR_TRY(kr_backend_matmul(be, ws->h, c->dim, n, &w->q, w->q_b, ws->big, ld));
-    KR_TRY(kr_backend_matmul(be, ws->h, c->dim, n, &w->k, w->k_b, ws->big + qd, ld));
-    KR_TRY(kr_backend_matmul(be, ws->h, c->dim, n, &w->v, w->v_b, ws->big + qd + kvd, ld));
+    const struct kr_matmul_part qkv[3] = {{&w->q, w->q_b, ws->big, ld},
+                                          {&w->k, w->k_b, ws->big + qd, ld},
+                                          {&w->v, w->v_b, ws->big + qd + kvd, ld}};
+    KR_TRY(kr_backend_matmul_multi(be, ws->h, c->dim, n, 3, qkv));
     struct kr_attn_params p = {
         .q = ws->big,
         .k = ws->big + qd,
@@ -362,18 +363,35 @@ static enum kr_status mla_fwd(struct kr_model *m, struct kr_cache *cache, const 
     const float *cq = ws->h;
     int64_t ld_cq = c->dim;
     const int64_t Di_blk = c->idx_head_dim < 128 ? c->idx_head_dim : 128;
+    const int64_t Hi = c->idx_heads, Di = c->idx_head_dim;
+    float *iq = ws->big2;
+    /* When no query of the step sees more than index_topk keys, the indexer would select every
+     * visible key: its query side (projections, scores, selection) is skipped and the layer attends
+     * densely over the same keys. The new keys are still indexed for later queries. */
+    const bool select = w->has_indexer && ws->dsa_select;
+    /* every product of the layer input at once: q_a (or q), kv_a, the indexer key and head weights */
+    struct kr_matmul_part in[4] = {{&w->q_a, NULL, Rq ? ws->m_cq : q, Rq ? Rq : H * qd},
+                                   {&w->kv_a, NULL, ws->m_kva, Rkv + Dr}};
+    int n_in = 2;
+    if (w->has_indexer) {
+        in[n_in++] = (struct kr_matmul_part){&w->idx_wk, NULL, ws->m_ik, Di};
+        if (select) {
+            in[n_in++] = (struct kr_matmul_part){&w->idx_w, NULL, ws->m_w, Hi};
+        }
+    }
+    KR_TRY(kr_backend_matmul_multi(be, ws->h, c->dim, n, n_in, in));
     if (Rq) {
-        KR_TRY(kr_backend_matmul(be, ws->h, c->dim, n, &w->q_a, NULL, ws->m_cq, Rq));
         if (w->q_a_norm) {
             KR_TRY(kr_backend_rmsnorm(be, ws->m_cq, w->q_a_norm, n, Rq, c->mla_eps, ws->m_cq));
         }
         cq = ws->m_cq;
         ld_cq = Rq;
-        KR_TRY(kr_backend_matmul(be, cq, Rq, n, &w->q_b, NULL, q, H * qd));
-    } else {
-        KR_TRY(kr_backend_matmul(be, ws->h, c->dim, n, &w->q_a, NULL, q, H * qd));
+        /* q_b and the indexer's query projection read the same normalised q latent */
+        const struct kr_matmul_part qp[2] = {{&w->q_b, NULL, q, H * qd}, {&w->idx_wq_b, NULL, iq, Hi * Di}};
+        KR_TRY(kr_backend_matmul_multi(be, cq, Rq, n, select ? 2 : 1, qp));
+    } else if (select) {
+        KR_TRY(kr_backend_matmul(be, cq, ld_cq, n, &w->idx_wq_b, NULL, iq, Hi * Di));
     }
-    KR_TRY(kr_backend_matmul(be, ws->h, c->dim, n, &w->kv_a, NULL, ws->m_kva, Rkv + Dr));
     const float *ckv = ws->m_kva;
     int64_t ld_ckv = Rkv + Dr;
     if (w->kv_a_norm) {
@@ -388,18 +406,8 @@ static enum kr_status mla_fwd(struct kr_model *m, struct kr_cache *cache, const 
     struct kr_rope_params rk = {.x = ws->m_kva, .ld = Rkv + Dr, .n_vec = 1, .stride = 0, .off = Rkv, .dim = Dr,
                                 .interleaved = true, .inv_freq = m->rope_inv_freq, .factor = c->rope_attn_factor};
     KR_TRY(kr_backend_rope(be, &rk));
-    const int64_t Hi = c->idx_heads, Di = c->idx_head_dim;
-    float *iq = ws->big2;
-    /* When no query of the step sees more than index_topk keys, the indexer would select every
-     * visible key: its query side (projections, scores, selection) is skipped and the layer attends
-     * densely over the same keys. The new keys are still indexed for later queries. */
-    const bool select = w->has_indexer && ws->dsa_select;
     m->idx_query_rows += select ? (uint64_t)n : 0;
     if (w->has_indexer) {
-        if (select) {
-            KR_TRY(kr_backend_matmul(be, cq, ld_cq, n, &w->idx_wq_b, NULL, iq, Hi * Di));
-        }
-        KR_TRY(kr_backend_matmul(be, ws->h, c->dim, n, &w->idx_wk, NULL, ws->m_ik, Di));
         KR_TRY(kr_backend_layernorm(be, ws->m_ik, Di, w->idx_k_norm_w, w->idx_k_norm_b, n, Di, c->idx_eps, ws->m_ik));
         /* half-split RoPE on the first Dr dims of every indexer query head and of the key */
         struct kr_rope_params ri = {.x = iq, .ld = Hi * Di, .n_vec = Hi, .stride = Di, .off = 0, .dim = Dr,
@@ -421,7 +429,6 @@ static enum kr_status mla_fwd(struct kr_model *m, struct kr_cache *cache, const 
             KR_TRY(kr_backend_fp8_round(be, &fk));
         }
         if (select) {
-            KR_TRY(kr_backend_matmul(be, ws->h, c->dim, n, &w->idx_w, NULL, ws->m_w, Hi));
             KR_TRY(kr_backend_scale(be, ws->m_w, (float)(1.0 / sqrt((double)Hi) / sqrt((double)Di)), n * Hi));
         }
     }
@@ -474,12 +481,12 @@ static enum kr_status mlp_fwd(kr_backend_t be, const struct kr_mlp_w *w, enum kr
                               int64_t d_in, int64_t n, float *t1, float *t2, float *hid, float *out, int64_t d_out)
 {
     const int64_t F = w->up.rows;
-    KR_TRY(kr_backend_matmul(be, x, d_in, n, &w->up, w->up_b, t1, F));
     if (w->gate.data) {
-        KR_TRY(kr_backend_matmul(be, x, d_in, n, &w->gate, w->gate_b, t2, F));
+        const struct kr_matmul_part ug[2] = {{&w->up, w->up_b, t1, F}, {&w->gate, w->gate_b, t2, F}};
+        KR_TRY(kr_backend_matmul_multi(be, x, d_in, n, 2, ug));
         KR_TRY(kr_backend_act(be, act, t2, t1, F, n, F, hid));
-    } else {
-        KR_TRY(kr_backend_act(be, act, NULL, t1, F, n, F, hid));
+    } else { /* the activation may come out of the up projection's epilogue */
+        KR_TRY(kr_backend_matmul_act(be, x, d_in, n, &w->up, w->up_b, t1, F, act, hid));
     }
     return kr_backend_matmul(be, hid, F, n, &w->down, w->down_b, out, d_out);
 }

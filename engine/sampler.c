@@ -375,11 +375,13 @@ static enum kr_status select_token(float temperature, int32_t top_k, float top_p
                                    int64_t vocab, struct kr_sampler_scratch *sc, struct kr_rng *rng, double u01,
                                    int32_t *out)
 {
-    if (temperature == 0.0f) {
+    if (temperature == 0.0f) { /* NaN counts as -inf (a bad row must not pin the argmax to id 0) */
         int64_t best = 0;
+        float bv = isnan(v[0]) ? -INFINITY : v[0];
         for (int64_t i = 1; i < vocab; i++) {
-            if (v[i] > v[best]) {
+            if (v[i] > bv) {
                 best = i;
+                bv = v[i];
             }
         }
         *out = (int32_t)best;

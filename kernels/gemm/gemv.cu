@@ -11,10 +11,31 @@
 // with the two halves of every other 8-column group swapped, and lanes 4..7 of each quarter warp
 // read their second float4 first, so that each 16-byte shared-memory phase covers 32 distinct
 // banks.
+// Several weights sharing x (krk_gemv_params.more) run as one grid: consecutive ranges of blocks
+// take consecutive weights, so small projections of one input (q, k, v) fill the GPU together
+// instead of leaving most SMs idle in launches of their own. An activation of the output can be
+// written next to it (act_out), sparing an elementwise kernel after the up projection.
 #include "common/util.cuh"
+#include "norm/act.cuh"
 
 namespace krk {
 namespace {
+
+// The launch's weights: part i takes blocks [blk0[i], blk0[i + 1]).
+struct GemvArgs {
+    const float *x;
+    int64_t ldx, cols;
+    int ch, n_parts;
+    int blk0[KRK_GEMV_MAX_PARTS + 1];
+    const uint16_t *w[KRK_GEMV_MAX_PARTS];
+    const float *bias[KRK_GEMV_MAX_PARTS];
+    int64_t rows[KRK_GEMV_MAX_PARTS];
+    float *y[KRK_GEMV_MAX_PARTS];
+    int64_t ldy[KRK_GEMV_MAX_PARTS];
+    float *act_out;
+    int64_t ld_act;
+    int act;
+};
 
 constexpr int kGemvWarps = 8;          // default warps per block
 constexpr int kGemvSmemFloats = 12288; // 48 KB of staged x
@@ -54,15 +75,37 @@ __device__ __forceinline__ void load_steps(uint4 (&wv)[U][RW], const uint16_t *c
     }
 }
 
-template <int N, int RW, int U, int W>
-__global__ void __launch_bounds__(W * 32)
-    gemv_kernel(const float *KRK_RESTRICT x, int64_t ldx, const uint16_t *KRK_RESTRICT w,
-                const float *KRK_RESTRICT bias, int64_t rows, int64_t cols, int ch, float *KRK_RESTRICT y, int64_t ldy)
+template <int N, int RW, int U, int W> __global__ void __launch_bounds__(W * 32) gemv_kernel(const GemvArgs a)
 {
     extern __shared__ float4 xs4[]; // [N][ch / 4], halves of 8-column groups swizzled (see staging)
     float *xs = reinterpret_cast<float *>(xs4);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int64_t row0 = ((int64_t)blockIdx.x * W + warp) * RW;
+    // this block's weight (block-uniform; constant indices keep the arguments in the parameter bank)
+    int part = 0;
+#pragma unroll
+    for (int i = 1; i < KRK_GEMV_MAX_PARTS; i++) {
+        part = i < a.n_parts && (int)blockIdx.x >= a.blk0[i] ? i : part;
+    }
+    const uint16_t *KRK_RESTRICT w = a.w[0];
+    const float *KRK_RESTRICT bias = a.bias[0];
+    int64_t rows = a.rows[0], ldy = a.ldy[0];
+    float *KRK_RESTRICT y = a.y[0];
+    int blk = (int)blockIdx.x;
+#pragma unroll
+    for (int i = 1; i < KRK_GEMV_MAX_PARTS; i++) {
+        if (part == i) {
+            w = a.w[i];
+            bias = a.bias[i];
+            rows = a.rows[i];
+            ldy = a.ldy[i];
+            y = a.y[i];
+            blk -= a.blk0[i];
+        }
+    }
+    const float *KRK_RESTRICT x = a.x;
+    const int64_t ldx = a.ldx, cols = a.cols;
+    const int ch = a.ch;
+    const int64_t row0 = ((int64_t)blk * W + warp) * RW;
     const int h = (lane >> 2) & 1; // which float4 of its 8 values this lane reads first
     const int ch4 = ch / 4;
 
@@ -173,9 +216,13 @@ __global__ void __launch_bounds__(W * 32)
     for (int r = 0; r < RW; r++) {
 #pragma unroll
         for (int t = 0; t < N; t++) {
-            const float v = warp_sum(acc[r][t]);
+            float v = warp_sum(acc[r][t]);
             if (lane == t && rv[r]) {
-                y[t * ldy + row0 + r] = bias ? v + bias[row0 + r] : v;
+                v = bias ? v + bias[row0 + r] : v;
+                y[t * ldy + row0 + r] = v;
+                if (a.act_out) { // one weight only (krk_gemv checks)
+                    a.act_out[t * a.ld_act + row0 + r] = act_apply(a.act, v);
+                }
             }
         }
     }
@@ -186,14 +233,32 @@ enum kr_status launch_gemv_cfg(const struct krk_gemv_params *p, cudaStream_t str
 {
     constexpr int cap = kGemvSmemFloats / N / 256 * 256;
     const int64_t cols_padded = (p->cols + 255) / 256 * 256;
-    const int ch = (int)(cols_padded < cap ? cols_padded : cap);
+    GemvArgs a = {};
+    a.x = p->x;
+    a.ldx = p->ldx;
+    a.cols = p->cols;
+    a.ch = (int)(cols_padded < cap ? cols_padded : cap);
+    a.n_parts = 1 + p->n_more;
+    a.act_out = p->act_out;
+    a.ld_act = p->ld_act;
+    a.act = p->act;
     const int64_t rows_per_block = (int64_t)W * RW;
-    const int64_t blocks = (p->rows + rows_per_block - 1) / rows_per_block;
-    KRK_REQUIRE(blocks <= INT32_MAX);
-    const size_t smem = (size_t)N * (size_t)ch * sizeof(float);
+    int64_t blocks = 0;
+    for (int i = 0; i < a.n_parts; i++) {
+        const struct krk_gemv_part q = i == 0 ? krk_gemv_part{p->w, p->bias, p->rows, p->y, p->ldy} : p->more[i - 1];
+        a.blk0[i] = (int)blocks;
+        a.w[i] = q.w;
+        a.bias[i] = q.bias;
+        a.rows[i] = q.rows;
+        a.y[i] = q.y;
+        a.ldy[i] = q.ldy;
+        blocks += (q.rows + rows_per_block - 1) / rows_per_block;
+        KRK_REQUIRE(blocks <= INT32_MAX);
+    }
+    a.blk0[a.n_parts] = (int)blocks;
+    const size_t smem = (size_t)N * (size_t)a.ch * sizeof(float);
     KRK_CUDA_TRY(launch_maybe_pdl(p->pdl || pdl_enabled(), gemv_kernel<N, RW, U, W>, dim3((unsigned)blocks),
-                                  dim3(W * 32), smem, stream, p->x, p->ldx, p->w, p->bias, p->rows, p->cols, ch, p->y,
-                                  p->ldy));
+                                  dim3(W * 32), smem, stream, a));
     return KR_OK;
 }
 
@@ -206,6 +271,15 @@ enum kr_status launch_gemv_cfg(const struct krk_gemv_params *p, cudaStream_t str
 // Nemotron-H-8B step; 8 warps with 4 steps everywhere: 4.29 ms). From n = 2 cuBLAS reads as fast or
 // faster (n = 2: 4.30 vs 4.40 ms a step; n = 4: 4.34 vs 5.44; n = 8 is bound by the FMA issue rate
 // here), so the CUDA backend takes this kernel only for n = 1; n <= KRK_GEMV_MAX_N stay supported.
+int64_t total_rows(const struct krk_gemv_params *p)
+{
+    int64_t r = p->rows;
+    for (int i = 0; i < p->n_more; i++) {
+        r += p->more[i].rows;
+    }
+    return r;
+}
+
 template <int N> enum kr_status launch_gemv(const struct krk_gemv_params *p, cudaStream_t stream)
 {
     if constexpr (N == 1) {
@@ -220,7 +294,7 @@ template <int N> enum kr_status launch_gemv(const struct krk_gemv_params *p, cud
             return launch_gemv_cfg<N, 1, 4, 16>(p, stream);
         default: // tall weights (the Mamba input, MLP up and output heads) stream best with more
                  // steps in flight per warp, the 4096-row ones with more warps per staged x
-            if (p->rows >= 16384) {
+            if (total_rows(p) >= 16384) {
                 return launch_gemv_cfg<N, 1, 8, 8>(p, stream);
             }
             return launch_gemv_cfg<N, 1, 4, 16>(p, stream);
@@ -274,6 +348,12 @@ extern "C" enum kr_status krk_gemv(const struct krk_gemv_params *p, cudaStream_t
         return KR_OK;
     }
     KRK_REQUIRE(p->x && p->w && p->y && ((uintptr_t)p->w & 15) == 0);
+    KRK_REQUIRE(p->n_more >= 0 && p->n_more < KRK_GEMV_MAX_PARTS);
+    for (int i = 0; i < p->n_more; i++) {
+        const struct krk_gemv_part &q = p->more[i];
+        KRK_REQUIRE(q.w && q.y && ((uintptr_t)q.w & 15) == 0 && q.rows >= 1 && q.ldy >= q.rows);
+    }
+    KRK_REQUIRE(p->act_out == nullptr || (p->n_more == 0 && p->ld_act >= p->rows && act_valid(p->act)));
     switch (p->n) {
     case 1:
         return launch_gemv<1>(p, stream);

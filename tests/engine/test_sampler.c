@@ -55,6 +55,13 @@ Test(sampler, greedy_takes_the_argmax_with_lowest_id_on_ties)
     cr_expect_eq(draw(&s, base, &rng, NULL, 0), 0);
     float tie[V] = {0, 5, 1, 5, 0, 0, 0, 0};
     cr_expect_eq(draw(&s, tie, &rng, NULL, 0), 1);
+    /* NaN counts as -inf wherever it stands (as the GPU sampler's canonical logit) */
+    float nan0[V] = {NAN, 1, 3, NAN, 2, 3, 0, -1};
+    cr_expect_eq(draw(&s, nan0, &rng, NULL, 0), 2, "a NaN first logit must not win the argmax");
+    float nan_mid[V] = {-2, -1, NAN, -3, NAN, -1, -4, -5};
+    cr_expect_eq(draw(&s, nan_mid, &rng, NULL, 0), 1);
+    float all_low[V] = {NAN, -INFINITY, NAN, -INFINITY, NAN, NAN, -INFINITY, NAN};
+    cr_expect_eq(draw(&s, all_low, &rng, NULL, 0), 0, "no finite logit: the lowest id");
 }
 
 Test(sampler, temperature_sampling_follows_the_softmax)

@@ -13,6 +13,7 @@
 #include <criterion/criterion.h>
 #include <criterion/parameterized.h>
 #include <stdio.h>
+#include <math.h>
 #include <string.h>
 
 #include "alloc.h"
@@ -158,6 +159,189 @@ ParameterizedTest(int *idx, gemm, gemv_matches_cpu_matmul)
     kr_backend_free(be);
 }
 
+/* A random bf16 weight of rows x cols: the device copy, and a host tensor of the same values. */
+struct hw {
+    uint16_t *host;
+    krk_bf16 *dev;
+    struct kr_tensor t;
+};
+static struct hw hw_make(struct gt_rng *r, int64_t rows, int64_t cols)
+{
+    const size_t nw = (size_t)(rows * cols);
+    float *wf = hrand(r, nw, -1.0f, 1.0f);
+    struct hw h = {.host = kr_malloc(nw * sizeof(uint16_t))};
+    cr_assert(h.host);
+    for (size_t i = 0; i < nw; i++) {
+        h.host[i] = kr_f32_to_bf16(wf[i]);
+    }
+    kr_free(wf);
+    h.dev = gt_dup(h.host, nw * 2);
+    h.t = (struct kr_tensor){.data = h.host, .dtype = KR_DTYPE_BF16, .rows = rows, .cols = cols};
+    return h;
+}
+static void hw_free(struct hw *h)
+{
+    gt_dfree(h->dev);
+    kr_free(h->host);
+}
+
+/* Several weights sharing x in one launch: each part's output against the CPU's product with that
+ * weight (bounds of gemv_matches_cpu_matmul), for the projections of a DSA layer input (q_a, kv_a,
+ * indexer key and head weights: parts of 96, 36, 8 and 4 blocks), a Nemotron-H q/k/v, and ragged
+ * parts smaller than a block; n = 1, 2, 5, every n = 1 tiling, biases on some parts, output row
+ * strides with padding that must stay untouched. A part reading another's weight or writing another's
+ * rows gives errors of order 1. */
+Test(gemm, gemv_parts_match_cpu_matmul)
+{
+    GT_REQUIRE_GPU();
+    static const struct {
+        int n_parts;
+        int64_t cols, rows[KRK_GEMV_MAX_PARTS];
+    } sets[] = {{4, 4096, {1536, 576, 128, 64}}, {3, 4096, {4096, 1024, 1024}}, {3, 264, {131, 20, 7}},
+                {2, 1536, {6144, 8192}}};
+    struct gt_rng rng = {.s = 300};
+    kr_backend_t be = kr_backend_cpu_create(0);
+    cr_assert(be);
+    for (size_t si = 0; si < sizeof sets / sizeof sets[0]; si++) {
+        const int np = sets[si].n_parts;
+        const int64_t cols = sets[si].cols;
+        struct hw w[KRK_GEMV_MAX_PARTS];
+        float *bias[KRK_GEMV_MAX_PARTS], *d_bias[KRK_GEMV_MAX_PARTS];
+        for (int i = 0; i < np; i++) {
+            w[i] = hw_make(&rng, sets[si].rows[i], cols);
+            bias[i] = hrand(&rng, (size_t)sets[si].rows[i], -1.0f, 1.0f);
+            d_bias[i] = gt_dup(bias[i], (size_t)sets[si].rows[i] * 4);
+        }
+        static const struct {
+            int64_t n;
+            int config;
+        } cases[] = {{1, 0}, {1, 1}, {1, 2}, {1, 3}, {1, 4}, {2, 0}, {5, 0}};
+        for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
+            const int64_t n = cases[ci].n, ldx = cols + 1;
+            const size_t nx = (size_t)(n * ldx);
+            float *x = hrand(&rng, nx, -1.0f, 1.0f);
+            gt_round_bf16(x, nx);
+            float *d_x = gt_dup(x, nx * 4);
+            float *d_y[KRK_GEMV_MAX_PARTS];
+            int64_t ldy[KRK_GEMV_MAX_PARTS];
+            struct krk_gemv_params p = {.x = d_x, .ldx = ldx, .n = n, .cols = cols, .config = cases[ci].config,
+                                        .n_more = np - 1};
+            for (int i = 0; i < np; i++) {
+                ldy[i] = sets[si].rows[i] + i; /* padding of i floats a row */
+                d_y[i] = gt_dalloc((size_t)(n * ldy[i]) * 4);
+                cr_assert_eq(cudaMemset(d_y[i], 0xff, (size_t)(n * ldy[i]) * 4), cudaSuccess);
+                const float *b = i % 2 ? d_bias[i] : NULL;
+                if (i == 0) {
+                    p.w = w[0].dev;
+                    p.bias = b;
+                    p.rows = sets[si].rows[0];
+                    p.y = d_y[0];
+                    p.ldy = ldy[0];
+                } else {
+                    p.more[i - 1] = (struct krk_gemv_part){.w = w[i].dev, .bias = b, .rows = sets[si].rows[i],
+                                                           .y = d_y[i], .ldy = ldy[i]};
+                }
+            }
+            cr_assert_eq(krk_gemv(&p, 0), KR_OK);
+            gt_sync();
+            for (int i = 0; i < np; i++) {
+                const int64_t rows = sets[si].rows[i];
+                const size_t ny = (size_t)(n * ldy[i]);
+                float *ref = kr_malloc(ny * 4), *got = kr_malloc(ny * 4);
+                cr_assert(ref && got);
+                memset(ref, 0xff, ny * 4);
+                cr_assert_eq(kr_backend_matmul(be, x, ldx, n, &w[i].t, i % 2 ? bias[i] : NULL, ref, ldy[i]), KR_OK);
+                gt_down(got, d_y[i], ny * 4);
+                char what[128];
+                snprintf(what, sizeof what, "gemv part %d of %d (%lldx%lld) n=%lld config %d", i, np,
+                         (long long)rows, (long long)cols, (long long)n, cases[ci].config);
+                for (int64_t t = 0; t < n; t++) {
+                    gt_expect_close(what, got + t * ldy[i], ref + t * ldy[i], (size_t)rows, GEMV_NMSE, GEMV_ABS);
+                    cr_expect(memcmp(got + t * ldy[i] + rows, ref + t * ldy[i] + rows, (size_t)i * 4) == 0,
+                              "%s: y written outside its rows", what);
+                }
+                kr_free(ref);
+                kr_free(got);
+                gt_dfree(d_y[i]);
+            }
+            kr_free(x);
+            gt_dfree(d_x);
+        }
+        for (int i = 0; i < np; i++) {
+            hw_free(&w[i]);
+            kr_free(bias[i]);
+            gt_dfree(d_bias[i]);
+        }
+    }
+    kr_backend_free(be);
+}
+
+/* The activation epilogue: y as without it (against the CPU's product), and act_out equal to the
+ * CPU's activation of the GPU's own y: bit for bit for relu2 and relu, within 2 ulp-ish (1e-6
+ * relative + 1e-7 absolute: expf / erff of the two math libraries) for silu and gelu. */
+Test(gemm, gemv_act_epilogue_matches_cpu)
+{
+    GT_REQUIRE_GPU();
+    static const int64_t shapes[][2] = {{21504, 4096}, {131, 264}};
+    static const enum kr_act acts[] = {KR_ACT_RELU2, KR_ACT_SILU, KR_ACT_GELU, KR_ACT_RELU};
+    struct gt_rng rng = {.s = 400};
+    kr_backend_t be = kr_backend_cpu_create(0);
+    cr_assert(be);
+    for (size_t si = 0; si < 2; si++) {
+        const int64_t rows = shapes[si][0], cols = shapes[si][1];
+        struct hw w = hw_make(&rng, rows, cols);
+        for (size_t ai = 0; ai < sizeof acts / sizeof acts[0]; ai++) {
+            const int64_t n = ai % 2 ? 3 : 1, ldy = rows + 2, ld_act = rows + 1;
+            const size_t nx = (size_t)(n * cols), ny = (size_t)(n * ldy), na = (size_t)(n * ld_act);
+            float *x = hrand(&rng, nx, -1.0f, 1.0f);
+            gt_round_bf16(x, nx);
+            float *d_x = gt_dup(x, nx * 4), *d_y = gt_dalloc(ny * 4), *d_a = gt_dalloc(na * 4);
+            cr_assert_eq(cudaMemset(d_a, 0xff, na * 4), cudaSuccess);
+            const struct krk_gemv_params p = {.x = d_x, .ldx = cols, .w = w.dev, .n = n, .rows = rows, .cols = cols,
+                                              .y = d_y, .ldy = ldy, .act_out = d_a, .ld_act = ld_act,
+                                              .act = (int)acts[ai]};
+            cr_assert_eq(krk_gemv(&p, 0), KR_OK);
+            gt_sync();
+            float *y = kr_malloc(ny * 4), *ref = kr_malloc(ny * 4), *a = kr_malloc(na * 4);
+            float *ra = kr_malloc((size_t)(n * rows) * 4);
+            cr_assert(y && ref && a && ra);
+            gt_down(y, d_y, ny * 4);
+            gt_down(a, d_a, na * 4);
+            cr_assert_eq(kr_backend_matmul(be, x, cols, n, &w.t, NULL, ref, ldy), KR_OK);
+            cr_assert_eq(kr_backend_act(be, acts[ai], NULL, y, ldy, n, rows, ra), KR_OK);
+            const bool exact = acts[ai] == KR_ACT_RELU2 || acts[ai] == KR_ACT_RELU;
+            int64_t bad = 0, pad_bad = 0;
+            for (int64_t t = 0; t < n; t++) {
+                char what[96];
+                snprintf(what, sizeof what, "gemv y with act %d %lldx%lld n=%lld", (int)acts[ai], (long long)rows,
+                         (long long)cols, (long long)n);
+                gt_expect_close(what, y + t * ldy, ref + t * ldy, (size_t)rows, GEMV_NMSE, GEMV_ABS);
+                for (int64_t r = 0; r < rows; r++) {
+                    const float g = a[t * ld_act + r], e = ra[t * rows + r];
+                    const bool ok = exact ? memcmp(&g, &e, 4) == 0 : fabsf(g - e) <= 1e-6f * fabsf(e) + 1e-7f;
+                    bad += !ok;
+                }
+                const float pad = a[t * ld_act + rows];
+                pad_bad += !isnan(pad);
+            }
+            fprintf(stderr, "  gemv act %d %lldx%lld n=%lld: %lld of %lld activations differ\n", (int)acts[ai],
+                    (long long)rows, (long long)cols, (long long)n, (long long)bad, (long long)(n * rows));
+            cr_expect_eq(bad, 0, "act %d: %lld activations differ from the CPU's", (int)acts[ai], (long long)bad);
+            cr_expect_eq(pad_bad, 0, "act %d: act_out written outside its rows", (int)acts[ai]);
+            kr_free(y);
+            kr_free(ref);
+            kr_free(a);
+            kr_free(ra);
+            kr_free(x);
+            gt_dfree(d_x);
+            gt_dfree(d_y);
+            gt_dfree(d_a);
+        }
+        hw_free(&w);
+    }
+    kr_backend_free(be);
+}
+
 Test(gemm, gemv_rejects_bad_parameters)
 {
     GT_REQUIRE_GPU();
@@ -183,6 +367,27 @@ Test(gemm, gemv_rejects_bad_parameters)
     cr_expect_eq(krk_gemv(&p, 0), KR_ERR_INVAL);
     p.w = d_w;
     p.ldy = 8; /* ldy < rows */
+    cr_expect_eq(krk_gemv(&p, 0), KR_ERR_INVAL);
+    p.ldy = 16;
+    p.n_more = KRK_GEMV_MAX_PARTS; /* one weight too many */
+    cr_expect_eq(krk_gemv(&p, 0), KR_ERR_INVAL);
+    p.n_more = 1;
+    p.more[0] = (struct krk_gemv_part){.w = d_w + 4, .rows = 16, .y = d_y + 64, .ldy = 16}; /* misaligned */
+    cr_expect_eq(krk_gemv(&p, 0), KR_ERR_INVAL);
+    p.more[0].w = d_w;
+    p.more[0].ldy = 8; /* ldy < rows */
+    cr_expect_eq(krk_gemv(&p, 0), KR_ERR_INVAL);
+    p.more[0].ldy = 16;
+    cr_expect_eq(krk_gemv(&p, 0), KR_OK);
+    p.act_out = d_y + 512; /* an activation with two weights */
+    p.ld_act = 16;
+    cr_expect_eq(krk_gemv(&p, 0), KR_ERR_INVAL);
+    p.n_more = 0;
+    cr_expect_eq(krk_gemv(&p, 0), KR_OK);
+    p.act = 7; /* no such activation */
+    cr_expect_eq(krk_gemv(&p, 0), KR_ERR_INVAL);
+    p.act = KRK_ACT_SILU;
+    p.ld_act = 8; /* ld_act < rows */
     cr_expect_eq(krk_gemv(&p, 0), KR_ERR_INVAL);
     gt_sync();
     gt_dfree(d_w);

@@ -490,9 +490,28 @@ Test(sampling, greedy_matches_the_host_argmax_with_and_without_penalties)
             if (i % 4 == 3) {
                 add_min_tokens(&b, i);
             }
+            if (i % 3 == 0) { /* NaN logits (a broken checkpoint) count as -inf, the first one too */
+                float *row = b.logits + i * b.ld;
+                row[0] = NAN;
+                for (int64_t j = 1 + i; j < b.vocab; j += 97) {
+                    row[j] = NAN;
+                }
+            }
         }
         struct gpu_res g;
         gpu_sample(&b, 0, false, &g);
+        for (int64_t i = 0; i < b.n; i += 3) { /* the chosen logit is the largest non-NaN one */
+            const float *row = b.logits + i * b.ld;
+            float mx = -INFINITY;
+            for (int64_t j = 0; j < b.vocab; j++) {
+                mx = isnan(row[j]) || row[j] <= mx ? mx : row[j];
+            }
+            if (i % 2 == 0 && i % 4 != 3) { /* rows without penalties or masks */
+                cr_expect(g.ids[i] >= 0 && g.ids[i] < b.vocab && row[g.ids[i]] == mx,
+                          "greedy row %lld with NaN logits: token %d is not the largest non-NaN logit", (long long)i,
+                          g.ids[i]);
+            }
+        }
         struct tally t = {0};
         char what[64];
         snprintf(what, sizeof what, "greedy, vocab %lld", (long long)b.vocab);

@@ -9,9 +9,23 @@ extern "C" {
 
 /* Largest n krk_gemv accepts. */
 #define KRK_GEMV_MAX_N 8
+/* Most weights one krk_gemv launch takes (parts sharing x). */
+#define KRK_GEMV_MAX_PARTS 4
+
+/* One more weight of a krk_gemv launch: y[t, r] = x[t, :] . w[r, :] (+ bias[r]) for r < rows. */
+struct krk_gemv_part {
+    const krk_bf16 *w;      /* [rows, cols] bf16, the launch's cols; 16-byte aligned */
+    const float *bias;      /* [rows] fp32, may be NULL */
+    int64_t rows;
+    float *y;               /* [n, ldy] fp32, ldy >= rows */
+    int64_t ldy;
+};
 
 /* y[t, r] = sum_c bf16(x[t, c]) * W[r, c] (+ bias[r]) for t < n <= KRK_GEMV_MAX_N, r < rows;
- * fp32 accumulation (x rounded to bf16 like every GEMM operand). */
+ * fp32 accumulation (x rounded to bf16 like every GEMM operand). The products of up to
+ * KRK_GEMV_MAX_PARTS - 1 more weights of the same cols (`more`) run in the same launch, each with
+ * its own bias and output; outputs must not overlap x or each other. With act_out (one weight
+ * only), act_out[t, r] = act(y[t, r]) is written too: the activation of krk_act on the same value. */
 struct krk_gemv_params {
     const float *x;         /* [n, ldx] fp32 */
     int64_t ldx;
@@ -25,6 +39,11 @@ struct krk_gemv_params {
                                also when krk_set_pdl is on */
     int config;             /* 0: the default tiling; 1..KRK_GEMV_CONFIGS - 1: alternative tilings of
                                the n = 1 and n = 2 kernels, for bench_gemv (other n ignore it) */
+    int n_more;             /* weights in `more`, 0..KRK_GEMV_MAX_PARTS - 1 */
+    struct krk_gemv_part more[KRK_GEMV_MAX_PARTS - 1];
+    float *act_out;         /* [n, ld_act] fp32 or NULL */
+    int64_t ld_act;         /* >= rows */
+    int act;                /* enum krk_act, with act_out */
 };
 #define KRK_GEMV_CONFIGS 5
 enum kr_status krk_gemv(const struct krk_gemv_params *p, cudaStream_t stream);
