@@ -131,20 +131,19 @@ __global__ void __launch_bounds__(kConvThreads) conv1d_decode_kernel(ConvArgs a)
 {
     const int64_t c = (int64_t)blockIdx.x * kConvThreads + threadIdx.x;
     const int s = blockIdx.y;
-    float w[K];
-    float bias = 0.0f;
-    if (c < a.conv_dim) {
-#pragma unroll
-        for (int k = 0; k < K; k++) {
-            w[k] = a.w[c * K + k];
-        }
-        bias = a.b ? a.b[c] : 0.0f;
-    }
     krk::pdl_trigger();
-    krk::pdl_wait();
+    // Before the wait: the weights, the batch arrays (uploaded before the step's first kernel) and
+    // the sequence's conv state (written only by this layer's conv of an earlier step), so that
+    // their loads overlap the previous kernel; the input comes from that kernel, after the wait.
     if (c >= a.conv_dim) {
         return;
     }
+    float w[K];
+#pragma unroll
+    for (int k = 0; k < K; k++) {
+        w[k] = a.w[c * K + k];
+    }
+    const float bias = a.b ? a.b[c] : 0.0f;
     const int t0 = a.batch.seq_tok0[s];
     if (a.batch.seq_tok0[s + 1] - t0 != 1) {
         return; // no token this step (the launcher takes this kernel only when none has more)
@@ -156,6 +155,7 @@ __global__ void __launch_bounds__(kConvThreads) conv1d_decode_kernel(ConvArgs a)
     for (int k = 0; k < K - 1; k++) {
         win[k] = fresh ? 0.0f : krk::bf16_to_f32(a.state[((int64_t)slot * (K - 1) + k) * a.conv_dim + c]);
     }
+    krk::pdl_wait();
     win[K - 1] = a.in[(int64_t)t0 * a.ld_in + a.in_off + c];
     float acc = bias;
 #pragma unroll

@@ -21,7 +21,10 @@ constexpr int kMaxState = 256;
 template <bool VEC>
 __global__ void __launch_bounds__(kDecodeThreads) ssd_decode_kernel(SsdArgs a)
 {
-    krk::kernel_prologue();
+    // Until the wait only what no kernel of this step writes is read: the batch arrays (uploaded
+    // before the step's first kernel), A and D, and the sequence's state (written only by this
+    // layer's update of an earlier step), so that the state's loads overlap the previous kernel.
+    krk::pdl_trigger();
     const int s = blockIdx.z, h = blockIdx.y, q0 = blockIdx.x * kDecodeRows;
     const int t = a.batch.seq_tok0[s], nt = a.batch.seq_tok0[s + 1] - t;
     if (nt > 1) {
@@ -34,6 +37,7 @@ __global__ void __launch_bounds__(kDecodeThreads) ssd_decode_kernel(SsdArgs a)
     float *st_head = slot >= 0 ? a.state + ((int64_t)slot * a.n_head + h) * (int64_t)P * N : nullptr;
     if (nt == 0) {
         // no token: a fresh sequence still starts from the zero state (as the reference does)
+        krk::pdl_wait();
         if (slot >= 0 && a.batch.seq_pos0[s] == 0) {
             for (int q = q0; q < min(q0 + kDecodeRows, P); q++) {
                 for (int n = threadIdx.x; n < N; n += kDecodeThreads) {
@@ -73,6 +77,9 @@ __global__ void __launch_bounds__(kDecodeThreads) ssd_decode_kernel(SsdArgs a)
             }
         }
     }
+    const float A = -expf(a.A_log[h]);
+    const float Dh = a.D[h];
+    krk::pdl_wait(); // x, B, C and dt come from the previous kernel
     float xq[kDecodeRowsPerWarp];
 #pragma unroll
     for (int r = 0; r < kDecodeRowsPerWarp; r++) {
@@ -83,8 +90,7 @@ __global__ void __launch_bounds__(kDecodeThreads) ssd_decode_kernel(SsdArgs a)
         C_sh[n] = Cg[n];
     }
     const float dt = ssd_dt(a, t, h);
-    const float dA = expf(dt * -expf(a.A_log[h]));
-    const float Dh = a.D[h];
+    const float dA = expf(dt * A);
     __syncthreads();
 
     if constexpr (VEC) {

@@ -57,6 +57,8 @@ inline HeadsWs heads_ws(void *base, int64_t tc, int64_t ns, int64_t hp, int64_t 
 
 constexpr int kAbsorbCols = 128;   // q_abs columns per absorb block
 constexpr int kAbsorbQuarters = 4; // threads per column, each a quarter of W_UK's rows
+constexpr int kAbsorbMaxNope = 256; // the largest nope the head-batched kernels take
+constexpr int kAbsorbMaxRows = kAbsorbMaxNope / kAbsorbQuarters; // W_UK rows a thread holds
 constexpr int kCombineRows = 32; // W_UV rows per combine block
 constexpr int kCombineThreads = 256; // threads of a combine block
 constexpr int kCombineParts = kCombineThreads; // most splits a combine block merges (one per thread)
@@ -69,7 +71,6 @@ template <int R, int ROPE>
 __global__ void __launch_bounds__(kAbsorbQuarters *kAbsorbCols)
     mla_absorb_kernel(krk_mla_attn_params p, int64_t t0, int tc, int hp, uint16_t *qb)
 {
-    krk::kernel_prologue();
     constexpr int D = R + ROPE;
     static_assert(R % kAbsorbCols == 0, "absorb blocks tile R");
     extern __shared__ float qs[]; // [kTokTile][nope]
@@ -78,27 +79,35 @@ __global__ void __launch_bounds__(kAbsorbQuarters *kAbsorbCols)
     const int col = tid % kAbsorbCols, quarter = tid / kAbsorbCols;
     const int tt0 = blockIdx.x * kTokTile, nt = tc - tt0 < kTokTile ? tc - tt0 : kTokTile;
     const int64_t qd = p.nope + ROPE, nope = p.nope;
+    // this thread's weights first, before the wait: their loads overlap the previous kernel
+    const float *wk = p.kv_b + (int64_t)h * (p.nope + p.v_dim) * R; // W_UK [nope][R]
+    const int r = blockIdx.z * kAbsorbCols + col;
+    const int d0 = (int)(nope * quarter / kAbsorbQuarters), nd = (int)(nope * (quarter + 1) / kAbsorbQuarters) - d0;
+    float wv[kAbsorbMaxRows];
+#pragma unroll
+    for (int i = 0; i < kAbsorbMaxRows; i++) {
+        wv[i] = i < nd ? wk[(int64_t)(d0 + i) * R + r] : 0.0f;
+    }
+    krk::kernel_prologue();
     for (int64_t e = tid; e < (int64_t)nt * nope; e += blockDim.x) {
         const int tt = (int)(e / nope);
         const int64_t d = e - (int64_t)tt * nope;
         qs[e] = p.q[((t0 + tt0 + tt) * H + h) * qd + d];
     }
     __syncthreads();
-    const float *wk = p.kv_b + (int64_t)h * (p.nope + p.v_dim) * R; // W_UK [nope][R]
-    const int r = blockIdx.z * kAbsorbCols + col;
-    const int64_t d0 = nope * quarter / kAbsorbQuarters, d1 = nope * (quarter + 1) / kAbsorbQuarters;
     float acc[kTokTile];
 #pragma unroll
     for (int tt = 0; tt < kTokTile; tt++) {
         acc[tt] = 0.0f;
     }
-#pragma unroll 32
-    for (int64_t d = d0; d < d1; d++) {
-        const float w = wk[d * R + r];
 #pragma unroll
-        for (int tt = 0; tt < kTokTile; tt++) {
-            if (tt < nt) {
-                acc[tt] = fmaf(qs[tt * nope + d], w, acc[tt]);
+    for (int i = 0; i < kAbsorbMaxRows; i++) {
+        if (i < nd) {
+#pragma unroll
+            for (int tt = 0; tt < kTokTile; tt++) {
+                if (tt < nt) {
+                    acc[tt] = fmaf(qs[tt * nope + d0 + i], wv[i], acc[tt]);
+                }
             }
         }
     }
@@ -293,12 +302,26 @@ template <int R>
 __global__ void __launch_bounds__(kCombineThreads)
     mla_combine_kernel(krk_mla_attn_params p, int64_t t0, int tc, int hp, int ns, HeadsWs ws)
 {
-    krk::kernel_prologue();
     __shared__ float os[kTokTile][R];
     __shared__ float es[kCombineParts]; // 2^(m_s - M) of each part (0 for empty parts)
     __shared__ float red[32];
     const int h = blockIdx.y, H = (int)p.n_head, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int tt0 = blockIdx.x * kTokTile, nt = tc - tt0 < kTokTile ? tc - tt0 : kTokTile;
+    // this warp's rows of W_UV[h] first, before the wait: their loads overlap the split kernel
+    constexpr int n_warp = kCombineThreads / 32, kRowsPerWarp = kCombineRows / n_warp;
+    static_assert(kCombineRows % n_warp == 0 && R % 32 == 0, "combine rows tile the warps, R the lanes");
+    const int64_t vb = (int64_t)blockIdx.z * kCombineRows + warp;
+    float wv[kRowsPerWarp][R / 32];
+#pragma unroll
+    for (int k = 0; k < kRowsPerWarp; k++) {
+        const int64_t v = vb + (int64_t)k * n_warp;
+        const float *w = p.kv_b + ((int64_t)h * (p.nope + p.v_dim) + p.nope + (v < p.v_dim ? v : 0)) * R;
+#pragma unroll
+        for (int j = 0; j < R / 32; j++) {
+            wv[k][j] = w[lane + 32 * j];
+        }
+    }
+    krk::kernel_prologue();
     for (int tt = 0; tt < kTokTile; tt++) {
         const int64_t tl = tt0 + tt;
         if (tt >= nt) { // padding rows of the tile
@@ -335,22 +358,23 @@ __global__ void __launch_bounds__(kCombineThreads)
         __syncthreads(); // es is rewritten for the next token
     }
     // out[t][h][v] = W_UV[h][v] . O[t][h]: a warp per output row v, lanes over R
-    const int n_warp = blockDim.x >> 5;
-    const int64_t v1 = (int64_t)(blockIdx.z + 1) * kCombineRows < p.v_dim ? (int64_t)(blockIdx.z + 1) * kCombineRows
-                                                                          : p.v_dim;
-    for (int64_t v = (int64_t)blockIdx.z * kCombineRows + warp; v < v1; v += n_warp) {
-        const float *wv = p.kv_b + ((int64_t)h * (p.nope + p.v_dim) + p.nope + v) * R;
+#pragma unroll
+    for (int k = 0; k < kRowsPerWarp; k++) {
+        const int64_t v = vb + (int64_t)k * n_warp;
+        if (v >= p.v_dim) {
+            break;
+        }
         float acc[kTokTile];
 #pragma unroll
         for (int tt = 0; tt < kTokTile; tt++) {
             acc[tt] = 0.0f;
         }
 #pragma unroll
-        for (int r = lane; r < R; r += 32) { // all of the row's weight loads in flight
-            const float w = wv[r];
+        for (int j = 0; j < R / 32; j++) {
+            const int r = lane + 32 * j;
 #pragma unroll
             for (int tt = 0; tt < kTokTile; tt++) {
-                acc[tt] = fmaf(w, os[tt][r], acc[tt]);
+                acc[tt] = fmaf(wv[k][j], os[tt][r], acc[tt]);
             }
         }
 #pragma unroll
@@ -455,7 +479,7 @@ extern "C" bool krk_mla_heads_fits(const struct krk_mla_attn_params *p)
 {
     HeadsPlan pl;
     return p->kv_lora == 512 && p->rope == 64 && p->n_head >= 1 && p->n_head <= 64 && p->nope >= 1 &&
-           p->nope <= 256 && p->row % 8 == 0 && ((uintptr_t)p->cache & 15) == 0 && p->batch.n_tok <= 0x7fffffff &&
+           p->nope <= kAbsorbMaxNope && p->row % 8 == 0 && ((uintptr_t)p->cache & 15) == 0 && p->batch.n_tok <= 0x7fffffff &&
            p->workspace != nullptr && heads_plan<512, 64>(*p, &pl);
 }
 

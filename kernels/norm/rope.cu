@@ -20,7 +20,11 @@ __global__ void __launch_bounds__(kRopeThreads)
                 bool interleaved, const float *KRK_RESTRICT inv_freq, float factor, const int32_t *KRK_RESTRICT pos,
                 int64_t n_tok)
 {
-    krk::kernel_prologue();
+    // The angles depend only on the positions (uploaded before the step's first kernel) and the
+    // frequencies: the first chunk's cos/sin are computed before the wait, overlapping the previous
+    // kernel; x is read after it.
+    krk::pdl_trigger();
+    bool waited = false;
     __shared__ float cs[kRopeChunk], sn[kRopeChunk];
     const int64_t half = dim / 2;
     const int64_t v_begin = (int64_t)blockIdx.y * vpb;
@@ -39,6 +43,10 @@ __global__ void __launch_bounds__(kRopeThreads)
                 sincosf(ang, &s, &c);
                 cs[i] = __fmul_rn(c, factor);
                 sn[i] = __fmul_rn(s, factor);
+            }
+            if (!waited) {
+                krk::pdl_wait();
+                waited = true;
             }
             __syncthreads();
             const int64_t items = nv * jn;
