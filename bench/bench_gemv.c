@@ -35,6 +35,9 @@ static const struct shape shapes[] = {
     {"in_proj", 18560, 4096, 24}, {"out_proj", 4096, 8192, 24}, {"up", 21504, 4096, 24},
     {"down", 4096, 21504, 24},    {"qkv", 6144, 4096, 4},      {"o", 4096, 4096, 4},
     {"lm_head", 131072, 4096, 1},
+    /* the DSA hybrid's D-layer products (not in the Nemotron-H step): q_a, kv_a and the indexer's
+     * key and head weights of the layer input; q_b with the indexer's query projection */
+    {"dsa_in", 2304, 4096, 0},    {"dsa_qb", 14336, 1536, 0},
 };
 #define N_SHAPES (int)(sizeof shapes / sizeof shapes[0])
 

@@ -57,8 +57,6 @@ inline HeadsWs heads_ws(void *base, int64_t tc, int64_t ns, int64_t hp, int64_t 
 
 constexpr int kAbsorbCols = 128;   // q_abs columns per absorb block
 constexpr int kAbsorbQuarters = 4; // threads per column, each a quarter of W_UK's rows
-constexpr int kAbsorbMaxNope = 256; // the largest nope the head-batched kernels take
-constexpr int kAbsorbMaxRows = kAbsorbMaxNope / kAbsorbQuarters; // W_UK rows a thread holds
 constexpr int kCombineRows = 32; // W_UV rows per combine block
 constexpr int kCombineThreads = 256; // threads of a combine block
 constexpr int kCombineParts = kCombineThreads; // most splits a combine block merges (one per thread)
@@ -71,6 +69,7 @@ template <int R, int ROPE>
 __global__ void __launch_bounds__(kAbsorbQuarters *kAbsorbCols)
     mla_absorb_kernel(krk_mla_attn_params p, int64_t t0, int tc, int hp, uint16_t *qb)
 {
+    krk::kernel_prologue();
     constexpr int D = R + ROPE;
     static_assert(R % kAbsorbCols == 0, "absorb blocks tile R");
     extern __shared__ float qs[]; // [kTokTile][nope]
@@ -79,35 +78,27 @@ __global__ void __launch_bounds__(kAbsorbQuarters *kAbsorbCols)
     const int col = tid % kAbsorbCols, quarter = tid / kAbsorbCols;
     const int tt0 = blockIdx.x * kTokTile, nt = tc - tt0 < kTokTile ? tc - tt0 : kTokTile;
     const int64_t qd = p.nope + ROPE, nope = p.nope;
-    // this thread's weights first, before the wait: their loads overlap the previous kernel
-    const float *wk = p.kv_b + (int64_t)h * (p.nope + p.v_dim) * R; // W_UK [nope][R]
-    const int r = blockIdx.z * kAbsorbCols + col;
-    const int d0 = (int)(nope * quarter / kAbsorbQuarters), nd = (int)(nope * (quarter + 1) / kAbsorbQuarters) - d0;
-    float wv[kAbsorbMaxRows];
-#pragma unroll
-    for (int i = 0; i < kAbsorbMaxRows; i++) {
-        wv[i] = i < nd ? wk[(int64_t)(d0 + i) * R + r] : 0.0f;
-    }
-    krk::kernel_prologue();
     for (int64_t e = tid; e < (int64_t)nt * nope; e += blockDim.x) {
         const int tt = (int)(e / nope);
         const int64_t d = e - (int64_t)tt * nope;
         qs[e] = p.q[((t0 + tt0 + tt) * H + h) * qd + d];
     }
     __syncthreads();
+    const float *wk = p.kv_b + (int64_t)h * (p.nope + p.v_dim) * R; // W_UK [nope][R]
+    const int r = blockIdx.z * kAbsorbCols + col;
+    const int64_t d0 = nope * quarter / kAbsorbQuarters, d1 = nope * (quarter + 1) / kAbsorbQuarters;
     float acc[kTokTile];
 #pragma unroll
     for (int tt = 0; tt < kTokTile; tt++) {
         acc[tt] = 0.0f;
     }
+#pragma unroll 32
+    for (int64_t d = d0; d < d1; d++) {
+        const float w = wk[d * R + r];
 #pragma unroll
-    for (int i = 0; i < kAbsorbMaxRows; i++) {
-        if (i < nd) {
-#pragma unroll
-            for (int tt = 0; tt < kTokTile; tt++) {
-                if (tt < nt) {
-                    acc[tt] = fmaf(qs[tt * nope + d0 + i], wv[i], acc[tt]);
-                }
+        for (int tt = 0; tt < kTokTile; tt++) {
+            if (tt < nt) {
+                acc[tt] = fmaf(qs[tt * nope + d], w, acc[tt]);
             }
         }
     }
@@ -479,7 +470,7 @@ extern "C" bool krk_mla_heads_fits(const struct krk_mla_attn_params *p)
 {
     HeadsPlan pl;
     return p->kv_lora == 512 && p->rope == 64 && p->n_head >= 1 && p->n_head <= 64 && p->nope >= 1 &&
-           p->nope <= kAbsorbMaxNope && p->row % 8 == 0 && ((uintptr_t)p->cache & 15) == 0 && p->batch.n_tok <= 0x7fffffff &&
+           p->nope <= 256 && p->row % 8 == 0 && ((uintptr_t)p->cache & 15) == 0 && p->batch.n_tok <= 0x7fffffff &&
            p->workspace != nullptr && heads_plan<512, 64>(*p, &pl);
 }
 
