@@ -1137,6 +1137,27 @@ static enum kr_status cuda_mla_cache_write_impl(kr_backend_t be, const struct kr
     return krk_mla_cache_write(&w, c->stream);
 }
 
+/* The key side of an MLA / DSA layer (and its q latent's norm) as one kernel; the FP8 round trip of
+ * the index key runs as the individual ops. */
+static enum kr_status cuda_mla_prep_impl(kr_backend_t be, const struct kr_mla_prep_params *p)
+{
+    struct cuda_ctx *c = ctx_of(be);
+    const int64_t row = p->kv_lora + p->rope + (p->ik ? p->idx_dim : 0);
+    if (p->ik_fp8 || p->n != c->batch.n_tok || row > KRK_MLA_PREP_MAX_ROW ||
+        (p->q_norm && p->q_dim > KRK_MLA_PREP_MAX_ROW)) {
+        return KR_ERR_UNSUPPORTED;
+    }
+    KR_TRY(op_enter(c));
+    const struct krk_mla_prep_params k = {.q_lat = p->q_lat, .q_dim = p->q_dim, .q_norm = p->q_norm, .kva = p->kva,
+                                          .kv_lora = p->kv_lora, .rope = p->rope, .kv_norm = p->kv_norm,
+                                          .ckv = p->ckv, .eps = p->eps, .inv_freq = p->inv_freq,
+                                          .factor = p->factor, .ik = p->ik, .idx_dim = p->idx_dim,
+                                          .ik_w = p->ik_norm_w, .ik_b = p->ik_norm_b, .idx_eps = p->idx_eps,
+                                          .w = p->w, .n_w = p->n_w, .w_scale = p->w_scale, .cache = p->cache,
+                                          .block_size = p->block_size, .batch = c->batch};
+    return krk_mla_prep(&k, c->stream);
+}
+
 static enum kr_status cuda_dsa_index(kr_backend_t be, const struct kr_dsa_index_params *p)
 {
     struct cuda_ctx *c = ctx_of(be);
@@ -1286,6 +1307,7 @@ TIMED(cuda_gather_out, P_EMBED, (kr_backend_t be, const float *src, int64_t widt
 TIMED(cuda_rope, P_EMBED, (kr_backend_t be, const struct kr_rope_params *p), (be, p))
 TIMED(cuda_mla_cache_write, P_MLA, (kr_backend_t be, const struct kr_mla_cache_params *p), (be, p))
 TIMED(cuda_mla_attention, P_MLA, (kr_backend_t be, const struct kr_mla_attn_params *p), (be, p))
+TIMED(cuda_mla_prep, P_MLA, (kr_backend_t be, const struct kr_mla_prep_params *p), (be, p))
 TIMED(cuda_fp8_round, P_DSA, (kr_backend_t be, const struct kr_fp8_round_params *p), (be, p))
 
 #undef TIMED
@@ -1455,6 +1477,7 @@ enum kr_status kr_backend_cuda_create(int dev, bool graphs, kr_backend_t *out, s
         .act = cuda_act,
         .matmul_multi = cuda_matmul_multi,
         .matmul_act = cuda_matmul_act,
+        .mla_prep = cuda_mla_prep,
         .mamba = cuda_mamba,
         .gated_rmsnorm = cuda_gated_rmsnorm,
         .attention = cuda_attention,

@@ -89,6 +89,8 @@ struct kr_backend_i {
      * [rows, size * cols]; tp_abort releases the other ranks from a collective this rank will not
      * join (a failed step). A backend without set_tp runs only as a single rank. */
     enum kr_status (*set_tp)(kr_backend_t be, int rank, int size, void *comm);
+    /* (optional) kr_backend_mla_prep in one go; KR_ERR_UNSUPPORTED: run as the individual ops */
+    enum kr_status (*mla_prep)(kr_backend_t be, const struct kr_mla_prep_params *p);
     /* (optional) FP8 round trip of indexer rows (struct kr_fp8_round_params) */
     enum kr_status (*fp8_round)(kr_backend_t be, const struct kr_fp8_round_params *p);
     enum kr_status (*all_reduce)(kr_backend_t be, float *x, int64_t n);

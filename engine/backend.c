@@ -233,6 +233,53 @@ enum kr_status kr_backend_matmul_act(kr_backend_t be, const float *x, int64_t ld
     return be->iface.act(be, act, NULL, y, ldy, n, w->rows, out);
 }
 
+enum kr_status kr_backend_mla_prep(kr_backend_t be, const struct kr_mla_prep_params *p)
+{
+    if (!p || p->n < 0 || !p->kva || p->kv_lora < 1 || p->rope < 0 || p->rope % 2 || !p->cache ||
+        (p->q_norm && (!p->q_lat || p->q_dim < 1)) || (p->kv_norm && !p->ckv) || (p->rope && !p->inv_freq) ||
+        (p->ik && (p->idx_dim < p->rope || !p->ik_norm_w || !p->ik_norm_b)) || (p->w && p->n_w < 1) ||
+        (p->ik_fp8 && (!p->ik || p->ik_fp8->x != p->ik))) {
+        return KR_ERR_INVAL;
+    }
+    if (be->iface.mla_prep) {
+        const enum kr_status st = be->iface.mla_prep(be, p);
+        if (st != KR_ERR_UNSUPPORTED) {
+            return st;
+        }
+    }
+    const int64_t n = p->n, ld = p->kv_lora + p->rope;
+    if (p->q_norm) {
+        KR_TRY(be->iface.rmsnorm(be, p->q_lat, p->q_norm, n, p->q_dim, p->eps, p->q_lat));
+    }
+    if (p->kv_norm) {
+        KR_TRY(be->iface.rmsnorm_strided(be, p->kva, ld, p->kv_norm, n, p->kv_lora, p->eps, p->ckv));
+    }
+    const struct kr_rope_params rk = {.x = p->kva, .ld = ld, .n_vec = 1, .stride = 0, .off = p->kv_lora,
+                                      .dim = p->rope, .interleaved = true, .inv_freq = p->inv_freq,
+                                      .factor = p->factor};
+    KR_TRY(be->iface.rope(be, &rk));
+    if (p->ik) {
+        KR_TRY(be->iface.layernorm(be, p->ik, p->idx_dim, p->ik_norm_w, p->ik_norm_b, n, p->idx_dim, p->idx_eps,
+                                   p->ik));
+        const struct kr_rope_params ri = {.x = p->ik, .ld = p->idx_dim, .n_vec = 1, .stride = 0, .off = 0,
+                                          .dim = p->rope, .interleaved = false, .inv_freq = p->inv_freq,
+                                          .factor = p->factor};
+        KR_TRY(be->iface.rope(be, &ri));
+        if (p->ik_fp8) {
+            KR_TRY(kr_backend_fp8_round(be, p->ik_fp8));
+        }
+    }
+    if (p->w) {
+        KR_TRY(be->iface.scale(be, p->w, p->w_scale, n * p->n_w));
+    }
+    const struct kr_mla_cache_params cw = {.c_kv = p->kv_norm ? p->ckv : p->kva, .ld_ckv = p->kv_norm ? p->kv_lora : ld,
+                                           .k_pe = p->kva + p->kv_lora, .ld_kpe = ld, .ik = p->ik,
+                                           .kv_lora = p->kv_lora, .rope = p->rope,
+                                           .idx_dim = p->ik ? p->idx_dim : 0, .cache = p->cache,
+                                           .block_size = p->block_size};
+    return be->iface.mla_cache_write(be, &cw);
+}
+
 enum kr_status kr_backend_mamba(kr_backend_t be, const struct kr_mamba_params *p)
 {
     return be->iface.mamba(be, p);

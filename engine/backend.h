@@ -301,6 +301,41 @@ struct kr_fp8_round_params {
     bool hadamard, ue8m0;
 };
 
+/* The small per-token steps of an MLA / DSA layer between its input projections and attention,
+ * for n tokens of the current batch, in this order (each in place unless said):
+ *   q_lat = rmsnorm(q_lat) * q_norm                       (when q_norm; rows of q_dim)
+ *   ckv = rmsnorm(kva[:, :kv_lora]) * kv_norm            (when kv_norm; else c_kv is kva's)
+ *   kva[:, kv_lora:] = rope_interleaved(k_pe)
+ *   ik = rope_half(layernorm(ik) * ik_norm_w + ik_norm_b) on its first `rope` dims (when ik), then
+ *        the FP8 round trip of ik_fp8 (when given)
+ *   w *= w_scale                                          (when w; rows of n_w)
+ *   latent cache rows [c_kv | k_pe | ik] written at each token's position
+ * as the individual ops compute them. A backend may run it as one kernel. */
+struct kr_mla_prep_params {
+    int64_t n;
+    float *q_lat;
+    int64_t q_dim;
+    const float *q_norm;
+    float *kva;                 /* [n, kv_lora + rope] */
+    int64_t kv_lora, rope;
+    const float *kv_norm;
+    float *ckv;                 /* [n, kv_lora] with kv_norm */
+    float eps;
+    const float *inv_freq;      /* [rope / 2] */
+    float factor;
+    float *ik;                  /* [n, idx_dim] or NULL */
+    int64_t idx_dim;
+    const float *ik_norm_w, *ik_norm_b;
+    float idx_eps;
+    const struct kr_fp8_round_params *ik_fp8; /* x = ik; NULL: none */
+    float *w;                   /* [n, n_w] or NULL */
+    int64_t n_w;
+    float w_scale;
+    void *cache;
+    int32_t block_size;
+};
+enum kr_status kr_backend_mla_prep(kr_backend_t be, const struct kr_mla_prep_params *p);
+
 /* True when the backend has the FP8 indexer path (kr_backend_fp8_round). */
 bool kr_backend_can_fp8_round(kr_backend_t be);
 enum kr_status kr_backend_fp8_round(kr_backend_t be, const struct kr_fp8_round_params *p);

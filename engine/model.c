@@ -380,10 +380,38 @@ static enum kr_status mla_fwd(struct kr_model *m, struct kr_cache *cache, const 
         }
     }
     KR_TRY(kr_backend_matmul_multi(be, ws->h, c->dim, n, n_in, in));
+    /* the per-token steps of the key side (and the q latent's norm) up to the cache write */
+    void *lat = kr_cache_mla_layer(cache, L->cache_idx);
+    const int64_t row = cache->mla_row[L->cache_idx];
+    const struct kr_fp8_round_params fk = {.x = ws->m_ik, .ld = Di, .n = n, .dim = Di, .block = Di_blk,
+                                           .hadamard = true, .ue8m0 = c->fp8_ue8m0};
+    const struct kr_mla_prep_params pp = {
+        .n = n,
+        .q_lat = Rq ? ws->m_cq : NULL,
+        .q_dim = Rq,
+        .q_norm = Rq ? w->q_a_norm : NULL,
+        .kva = ws->m_kva,
+        .kv_lora = Rkv,
+        .rope = Dr,
+        .kv_norm = w->kv_a_norm,
+        .ckv = ws->m_ckv,
+        .eps = c->mla_eps,
+        .inv_freq = m->rope_inv_freq,
+        .factor = c->rope_attn_factor,
+        .ik = w->has_indexer ? ws->m_ik : NULL,
+        .idx_dim = Di,
+        .ik_norm_w = w->idx_k_norm_w,
+        .ik_norm_b = w->idx_k_norm_b,
+        .idx_eps = c->idx_eps,
+        .ik_fp8 = w->has_indexer && m->idx_fp8 ? &fk : NULL,
+        .w = select ? ws->m_w : NULL,
+        .n_w = Hi,
+        .w_scale = (float)(1.0 / sqrt((double)Hi) / sqrt((double)Di)),
+        .cache = lat,
+        .block_size = cache->block_size,
+    };
+    KR_TRY(kr_backend_mla_prep(be, &pp));
     if (Rq) {
-        if (w->q_a_norm) {
-            KR_TRY(kr_backend_rmsnorm(be, ws->m_cq, w->q_a_norm, n, Rq, c->mla_eps, ws->m_cq));
-        }
         cq = ws->m_cq;
         ld_cq = Rq;
         /* q_b and the indexer's query projection read the same normalised q latent */
@@ -392,53 +420,22 @@ static enum kr_status mla_fwd(struct kr_model *m, struct kr_cache *cache, const 
     } else if (select) {
         KR_TRY(kr_backend_matmul(be, cq, ld_cq, n, &w->idx_wq_b, NULL, iq, Hi * Di));
     }
-    const float *ckv = ws->m_kva;
-    int64_t ld_ckv = Rkv + Dr;
-    if (w->kv_a_norm) {
-        KR_TRY(kr_backend_rmsnorm_strided(be, ws->m_kva, Rkv + Dr, w->kv_a_norm, n, Rkv, c->mla_eps, ws->m_ckv));
-        ckv = ws->m_ckv;
-        ld_ckv = Rkv;
-    }
-    /* interleaved RoPE on q_pe (each head's last Dr dims) and on the shared k_pe */
+    /* interleaved RoPE on q_pe (each head's last Dr dims) */
     struct kr_rope_params rq = {.x = q, .ld = H * qd, .n_vec = H, .stride = qd, .off = Dn, .dim = Dr,
                                 .interleaved = true, .inv_freq = m->rope_inv_freq, .factor = c->rope_attn_factor};
     KR_TRY(kr_backend_rope(be, &rq));
-    struct kr_rope_params rk = {.x = ws->m_kva, .ld = Rkv + Dr, .n_vec = 1, .stride = 0, .off = Rkv, .dim = Dr,
-                                .interleaved = true, .inv_freq = m->rope_inv_freq, .factor = c->rope_attn_factor};
-    KR_TRY(kr_backend_rope(be, &rk));
     m->idx_query_rows += select ? (uint64_t)n : 0;
-    if (w->has_indexer) {
-        KR_TRY(kr_backend_layernorm(be, ws->m_ik, Di, w->idx_k_norm_w, w->idx_k_norm_b, n, Di, c->idx_eps, ws->m_ik));
-        /* half-split RoPE on the first Dr dims of every indexer query head and of the key */
+    if (select) {
+        /* half-split RoPE on the first Dr dims of every indexer query head */
         struct kr_rope_params ri = {.x = iq, .ld = Hi * Di, .n_vec = Hi, .stride = Di, .off = 0, .dim = Dr,
                                     .interleaved = false, .inv_freq = m->rope_inv_freq, .factor = c->rope_attn_factor};
-        if (select) {
-            KR_TRY(kr_backend_rope(be, &ri));
-        }
-        struct kr_rope_params rik = {.x = ws->m_ik, .ld = Di, .n_vec = 1, .stride = 0, .off = 0, .dim = Dr,
-                                     .interleaved = false, .inv_freq = m->rope_inv_freq, .factor = c->rope_attn_factor};
-        KR_TRY(kr_backend_rope(be, &rik));
-        if (m->idx_fp8) { /* rotate and quantize queries and keys as the reference's FP8 kernels see them */
+        KR_TRY(kr_backend_rope(be, &ri));
+        if (m->idx_fp8) { /* rotate and quantize queries as the reference's FP8 kernels see them */
             struct kr_fp8_round_params fq = {.x = iq, .ld = Di, .n = n * Hi, .dim = Di, .block = Di_blk,
                                              .hadamard = true, .ue8m0 = c->fp8_ue8m0};
-            if (select) {
-                KR_TRY(kr_backend_fp8_round(be, &fq));
-            }
-            struct kr_fp8_round_params fk = {.x = ws->m_ik, .ld = Di, .n = n, .dim = Di, .block = Di_blk,
-                                             .hadamard = true, .ue8m0 = c->fp8_ue8m0};
-            KR_TRY(kr_backend_fp8_round(be, &fk));
-        }
-        if (select) {
-            KR_TRY(kr_backend_scale(be, ws->m_w, (float)(1.0 / sqrt((double)Hi) / sqrt((double)Di)), n * Hi));
+            KR_TRY(kr_backend_fp8_round(be, &fq));
         }
     }
-    void *lat = kr_cache_mla_layer(cache, L->cache_idx);
-    const int64_t row = cache->mla_row[L->cache_idx];
-    struct kr_mla_cache_params cw = {.c_kv = ckv, .ld_ckv = ld_ckv, .k_pe = ws->m_kva + Rkv, .ld_kpe = Rkv + Dr,
-                                     .ik = w->has_indexer ? ws->m_ik : NULL, .kv_lora = Rkv, .rope = Dr,
-                                     .idx_dim = w->has_indexer ? Di : 0, .cache = lat,
-                                     .block_size = cache->block_size};
-    KR_TRY(kr_backend_mla_cache_write(be, &cw));
     const int32_t topk = (int32_t)c->idx_topk;
     if (select) {
         struct kr_dsa_index_params ip = {.iq = iq, .w = ws->m_w, .n_head = Hi, .head_dim = Di, .cache = lat,

@@ -49,24 +49,6 @@ __device__ __forceinline__ uint4 ld_stream(const uint16_t *p)
     return r;
 }
 
-// Asks for `bytes` (a multiple of 16) of a weight row at p to be brought into L2, without
-// registers: more of the weight in flight than the register pipeline holds.
-__device__ __forceinline__ void prefetch_l2(const uint16_t *p, uint32_t bytes)
-{
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
-}
-
-// With PF, lane 0 of a warp prefetches its row (RW = 1) into L2 kPfGroups groups of U steps ahead
-// of the group its registers load next.
-constexpr int kPfGroups = 2;
-template <int U> __device__ __forceinline__ void prefetch_ahead(const uint16_t *row, int64_t col, int64_t cols, int groups)
-{
-    if (col < cols) {
-        const int64_t n = (cols - col < (int64_t)groups * U * 256 ? cols - col : (int64_t)groups * U * 256);
-        prefetch_l2(row + col, (uint32_t)(n * 2));
-    }
-}
-
 // Loads the weights of steps s..s+U-1 of a chunk (zeros past the chunk or the matrix). The test
 // is done once for the whole group when it lies inside the chunk and the matrix (all_rows).
 template <int RW, int U>
@@ -95,7 +77,7 @@ __device__ __forceinline__ void load_steps(uint4 (&wv)[U][RW], const uint16_t *c
 
 // At n = 1 (the decode path) two blocks must fit an SM: the 4096-row products have too few blocks
 // to fill the GPU otherwise (the register cap keeps them from falling to one block per SM).
-template <int N, int RW, int U, int W, bool PF = false>
+template <int N, int RW, int U, int W>
 __global__ void __launch_bounds__(W * 32, N == 1 ? 2 : 1) gemv_kernel(const GemvArgs a)
 {
     extern __shared__ float4 xs4[]; // [N][ch / 4], halves of 8-column groups swizzled (see staging)
@@ -154,12 +136,6 @@ __global__ void __launch_bounds__(W * 32, N == 1 ? 2 : 1) gemv_kernel(const Gemv
         const int len = (int)(cols < ch ? cols : ch);
         load_steps<RW, U>(cur, wr, rv, all_rows, 0, 0, (len + 255) / 256, len, lane);
     }
-    if constexpr (PF) {
-        static_assert(RW == 1, "the prefetch follows one row per warp");
-        if (lane == 0 && rv[0]) { // the groups after the first, up to kPfGroups + 1 of them
-            prefetch_ahead<U>(wr[0], (int64_t)U * 256, cols, kPfGroups + 1);
-        }
-    }
     pdl_trigger();
     pdl_wait(); // x and y belong to earlier kernels; the weights above do not
     for (int64_t c0 = 0; c0 < cols; c0 += ch) {
@@ -184,11 +160,6 @@ __global__ void __launch_bounds__(W * 32, N == 1 ? 2 : 1) gemv_kernel(const Gemv
             continue; // warp-uniform; the warp still takes part in the barriers
         }
         for (int s = 0; s < steps; s += U) {
-            if constexpr (PF) {
-                if (lane == 0 && rv[0]) { // the group kPfGroups after the one loaded next
-                    prefetch_ahead<U>(wr[0], c0 + (int64_t)(s + (kPfGroups + 2) * U) * 256, cols, 1);
-                }
-            }
             if (s + U < steps) {
                 load_steps<RW, U>(nxt, wr, rv, all_rows, c0, s + U, steps, len, lane);
             } else if (c0 + ch < cols) {
@@ -260,7 +231,7 @@ __global__ void __launch_bounds__(W * 32, N == 1 ? 2 : 1) gemv_kernel(const Gemv
     }
 }
 
-template <int N, int RW, int U, int W = kGemvWarps, bool PF = false>
+template <int N, int RW, int U, int W = kGemvWarps>
 enum kr_status launch_gemv_cfg(const struct krk_gemv_params *p, cudaStream_t stream)
 {
     constexpr int cap = kGemvSmemFloats / N / 256 * 256;
@@ -289,7 +260,7 @@ enum kr_status launch_gemv_cfg(const struct krk_gemv_params *p, cudaStream_t str
     }
     a.blk0[a.n_parts] = (int)blocks;
     const size_t smem = (size_t)N * (size_t)a.ch * sizeof(float);
-    KRK_CUDA_TRY(launch_maybe_pdl(p->pdl || pdl_enabled(), gemv_kernel<N, RW, U, W, PF>, dim3((unsigned)blocks),
+    KRK_CUDA_TRY(launch_maybe_pdl(p->pdl || pdl_enabled(), gemv_kernel<N, RW, U, W>, dim3((unsigned)blocks),
                                   dim3(W * 32), smem, stream, a));
     return KR_OK;
 }
@@ -324,10 +295,6 @@ template <int N> enum kr_status launch_gemv(const struct krk_gemv_params *p, cud
             return launch_gemv_cfg<N, 2, 4, 8>(p, stream);
         case 4:
             return launch_gemv_cfg<N, 1, 4, 16>(p, stream);
-        case 5:
-            return launch_gemv_cfg<N, 1, 4, 16, true>(p, stream);
-        case 6:
-            return launch_gemv_cfg<N, 1, 8, 8, true>(p, stream);
         default: // tall weights (the Mamba input, MLP up and output heads) stream best with more
                  // steps in flight per warp, the 4096-row ones with more warps per staged x
             if (total_rows(p) >= 16384) {

@@ -174,6 +174,181 @@ Test(mla, cache_write_matches_cpu)
     }
 }
 
+/* ---- per-token steps of the layer up to the cache write ------------------------------------- */
+
+/* Largest |got - ref| over n values, relative to the largest |ref| (0 when both are zero). */
+static double max_rel(const float *got, const float *ref, size_t n)
+{
+    double e = 0, m = 0;
+    for (size_t i = 0; i < n; i++) {
+        const double d = fabs((double)got[i] - (double)ref[i]);
+        e = d > e || isnan(d) ? d : e;
+        m = fabs((double)ref[i]) > m ? fabs((double)ref[i]) : m;
+    }
+    return m > 0 ? e / m : e;
+}
+
+/* krk_mla_prep against the CPU backend's kr_backend_mla_prep (the individual ops one after the
+ * other): the q latent and c_kv norms, k_pe and the index key rotated, the index key's LayerNorm, the
+ * head-weight scale, and the cache rows. Bounds: the norms sum in another order (a few fp32 ulp:
+ * 1e-5 of the largest value), the rotations differ by the last-ulp errors of sinf/cosf at positions
+ * up to 131071 (1e-5 as well); the scale is one product on both sides (exact); cache rows are
+ * bf16 of those values, so an element may round to the neighbouring bf16 (one bf16 ulp, 2^-8
+ * relative) and no more. Padding tokens write no cache row. A missed step, a wrong position or a
+ * swapped half of a rotation gives errors of order 1. */
+Test(mla, prep_matches_cpu)
+{
+    GT_REQUIRE_GPU();
+    static const struct {
+        int64_t q_dim, kv_lora, rope, idx_dim, n_w;
+        bool q_norm, kv_norm;
+        int32_t block_size;
+    } shapes[] = {{1536, 512, 64, 128, 64, true, true, 64},
+                  {0, 40, 8, 0, 0, false, false, 16},
+                  {33, 17, 6, 10, 5, true, true, 7}};
+    const struct batch_shape bs = {.n_seq = 6,
+                                   .len = {1, 100, 37, 1, 3, 2},
+                                   .pos0 = {0, 4000, 5, 131071, 10, 63},
+                                   .pad = {false, false, false, false, true, false}};
+    for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) {
+        const int64_t Q = shapes[i].q_dim, R = shapes[i].kv_lora, Dr = shapes[i].rope, Di = shapes[i].idx_dim,
+                      Hw = shapes[i].n_w, ld = R + Dr, row = ld + Di;
+        const int32_t block_size = shapes[i].block_size;
+        struct gt_rng rng = {.s = 900 + i};
+        const int32_t n_blocks = blocks_needed(&bs, block_size) + 3;
+        struct gt_batch b;
+        batch_make(&b, &rng, &bs, block_size, n_blocks);
+        const int64_t n = b.host.n_tok;
+        const size_t nq = (size_t)(n * Q), nkva = (size_t)(n * ld), nik = (size_t)(n * Di), nw = (size_t)(n * Hw),
+                     nckv = (size_t)(n * R), n_cache = (size_t)n_blocks * (size_t)block_size * (size_t)row;
+        float *q = xalloc((nq ? nq : 1) * 4), *kva = xalloc(nkva * 4), *ik = xalloc((nik ? nik : 1) * 4);
+        float *w = xalloc((nw ? nw : 1) * 4), *ckv = xalloc(nckv * 4), *cpu_cache = xalloc(n_cache * 4);
+        float *qn = xalloc(Q ? (size_t)Q * 4 : 4), *kvn = xalloc((size_t)R * 4), *ikw = xalloc(Di ? (size_t)Di * 4 : 4);
+        float *ikb = xalloc(Di ? (size_t)Di * 4 : 4), *inv = xalloc((size_t)(Dr / 2 + 1) * 4);
+        gt_fill(&rng, q, nq, -3.0f, 3.0f);
+        gt_fill(&rng, kva, nkva, -3.0f, 3.0f);
+        gt_fill(&rng, ik, nik, -3.0f, 3.0f);
+        gt_fill(&rng, w, nw, -2.0f, 2.0f);
+        gt_fill(&rng, qn, (size_t)Q, 0.5f, 1.5f);
+        gt_fill(&rng, kvn, (size_t)R, 0.5f, 1.5f);
+        gt_fill(&rng, ikw, (size_t)Di, 0.5f, 1.5f);
+        gt_fill(&rng, ikb, (size_t)Di, -0.5f, 0.5f);
+        for (int64_t j = 0; j < Dr / 2; j++) {
+            inv[j] = powf(10000.0f, -2.0f * (float)j / (float)Dr);
+        }
+        float *d_q = gt_dup(q, (nq ? nq : 1) * 4), *d_kva = gt_dup(kva, nkva * 4), *d_ik = gt_dup(ik, (nik ? nik : 1) * 4);
+        float *d_w = gt_dup(w, (nw ? nw : 1) * 4), *d_ckv = gt_dalloc(nckv * 4);
+        float *d_qn = gt_dup(qn, Q ? (size_t)Q * 4 : 4), *d_kvn = gt_dup(kvn, (size_t)R * 4);
+        float *d_ikw = gt_dup(ikw, Di ? (size_t)Di * 4 : 4), *d_ikb = gt_dup(ikb, Di ? (size_t)Di * 4 : 4);
+        float *d_inv = gt_dup(inv, (size_t)(Dr / 2 + 1) * 4);
+        krk_bf16 *d_cache = gt_dalloc(n_cache * sizeof(krk_bf16)); /* poisoned: 0xFFFF everywhere */
+        const float scale = 0.0883883476f;
+        const struct krk_mla_prep_params kp = {
+            .q_lat = Q ? d_q : NULL, .q_dim = Q, .q_norm = shapes[i].q_norm ? d_qn : NULL, .kva = d_kva,
+            .kv_lora = R, .rope = Dr, .kv_norm = shapes[i].kv_norm ? d_kvn : NULL, .ckv = d_ckv, .eps = 1e-6f,
+            .inv_freq = d_inv, .factor = 1.0f, .ik = Di ? d_ik : NULL, .idx_dim = Di, .ik_w = d_ikw, .ik_b = d_ikb,
+            .idx_eps = 1e-6f, .w = Hw ? d_w : NULL, .n_w = Hw, .w_scale = scale, .cache = d_cache,
+            .block_size = block_size, .batch = b.dev};
+        cr_assert_eq(krk_mla_prep(&kp, 0), KR_OK);
+        gt_sync();
+        kr_backend_t be = kr_backend_cpu_create(0);
+        cr_assert(be);
+        cr_assert_eq(kr_backend_begin_batch(be, &b.host), KR_OK);
+        const struct kr_mla_prep_params cp = {
+            .n = n, .q_lat = Q ? q : NULL, .q_dim = Q, .q_norm = shapes[i].q_norm ? qn : NULL, .kva = kva,
+            .kv_lora = R, .rope = Dr, .kv_norm = shapes[i].kv_norm ? kvn : NULL, .ckv = ckv, .eps = 1e-6f,
+            .inv_freq = inv, .factor = 1.0f, .ik = Di ? ik : NULL, .idx_dim = Di, .ik_norm_w = ikw,
+            .ik_norm_b = ikb, .idx_eps = 1e-6f, .w = Hw ? w : NULL, .n_w = Hw, .w_scale = scale,
+            .cache = cpu_cache, .block_size = block_size};
+        cr_assert_eq(kr_backend_mla_prep(be, &cp), KR_OK);
+
+        float *g = xalloc((nkva > nq ? (nkva > nik ? nkva : nik) : (nq > nik ? nq : nik)) * 4 + nw * 4 + nckv * 4 + 4);
+        char what[96];
+        snprintf(what, sizeof what, "prep R=%lld rope=%lld idx=%lld q=%lld", (long long)R, (long long)Dr,
+                 (long long)Di, (long long)Q);
+        double e;
+        if (Q) {
+            gt_down(g, d_q, nq * 4);
+            e = max_rel(g, q, nq);
+            fprintf(stderr, "  %s: q latent %.2e\n", what, e);
+            cr_expect_leq(e, 1e-5, "%s: q latent off by %.3g", what, e);
+        }
+        gt_down(g, d_kva, nkva * 4);
+        e = max_rel(g, kva, nkva);
+        fprintf(stderr, "  %s: kva (k_pe rotated) %.2e\n", what, e);
+        cr_expect_leq(e, 1e-5, "%s: kva off by %.3g", what, e);
+        if (shapes[i].kv_norm) {
+            gt_down(g, d_ckv, nckv * 4);
+            e = max_rel(g, ckv, nckv);
+            fprintf(stderr, "  %s: c_kv %.2e\n", what, e);
+            cr_expect_leq(e, 1e-5, "%s: c_kv off by %.3g", what, e);
+        }
+        if (Di) {
+            gt_down(g, d_ik, nik * 4);
+            e = max_rel(g, ik, nik);
+            fprintf(stderr, "  %s: index key %.2e\n", what, e);
+            cr_expect_leq(e, 1e-5, "%s: index key off by %.3g", what, e);
+        }
+        if (Hw) {
+            gt_down(g, d_w, nw * 4);
+            cr_expect(memcmp(g, w, nw * 4) == 0, "%s: head weights differ from the CPU's product", what);
+        }
+        uint16_t *got = xalloc(n_cache * sizeof(uint16_t));
+        gt_down(got, d_cache, n_cache * sizeof(uint16_t));
+        bool *written = xalloc((size_t)n_blocks * (size_t)block_size);
+        int64_t n_wrong = 0, n_stray = 0;
+        for (int32_t t = 0; t < (int32_t)n; t++) {
+            const int32_t s = b.tok_seq[t];
+            if (bs.pad[s]) {
+                continue;
+            }
+            const int64_t off = row_off(&b, s, b.pos[t], block_size, row);
+            written[off / row] = true;
+            for (int64_t c = 0; c < row; c++) {
+                const float gv = kr_bf16_to_f32(got[off + c]), rv = cpu_cache[off + c];
+                n_wrong += !(fabsf(gv - rv) <= fabsf(rv) * 0.0078125f + 1e-30f);
+            }
+        }
+        for (int64_t rr = 0; rr < (int64_t)n_blocks * block_size; rr++) {
+            for (int64_t c = 0; !written[rr] && c < row; c++) {
+                n_stray += got[rr * row + c] != 0xFFFFu;
+            }
+        }
+        fprintf(stderr, "  %s: cache rows %lld off by more than a bf16 ulp, %lld stray elements\n", what,
+                (long long)n_wrong, (long long)n_stray);
+        cr_expect_eq(n_wrong, 0, "%s: %lld cache elements differ from the CPU's", what, (long long)n_wrong);
+        cr_expect_eq(n_stray, 0, "%s: %lld elements written outside the batch's rows", what, (long long)n_stray);
+
+        kr_backend_free(be);
+        kr_free(got);
+        kr_free(written);
+        kr_free(g);
+        kr_free(q);
+        kr_free(kva);
+        kr_free(ik);
+        kr_free(w);
+        kr_free(ckv);
+        kr_free(cpu_cache);
+        kr_free(qn);
+        kr_free(kvn);
+        kr_free(ikw);
+        kr_free(ikb);
+        kr_free(inv);
+        gt_dfree(d_q);
+        gt_dfree(d_kva);
+        gt_dfree(d_ik);
+        gt_dfree(d_w);
+        gt_dfree(d_ckv);
+        gt_dfree(d_qn);
+        gt_dfree(d_kvn);
+        gt_dfree(d_ikw);
+        gt_dfree(d_ikb);
+        gt_dfree(d_inv);
+        gt_dfree(d_cache);
+        gt_batch_free(&b);
+    }
+}
+
 /* ---- lightning indexer + top-k ---------------------------------------------------------------- */
 
 enum key_mode {

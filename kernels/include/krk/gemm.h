@@ -45,7 +45,7 @@ struct krk_gemv_params {
     int64_t ld_act;         /* >= rows */
     int act;                /* enum krk_act, with act_out */
 };
-#define KRK_GEMV_CONFIGS 7
+#define KRK_GEMV_CONFIGS 5
 enum kr_status krk_gemv(const struct krk_gemv_params *p, cudaStream_t stream);
 
 /* y[t, r] += bias[r] for t < n, r < rows (after a cuBLAS product). */

@@ -21,6 +21,39 @@ struct krk_mla_cache_params {
 };
 enum kr_status krk_mla_cache_write(const struct krk_mla_cache_params *p, cudaStream_t stream);
 
+/* The per-token steps of an MLA / DSA layer from its input projections to the latent cache write, in
+ * one launch (the engine's kr_mla_prep_params, without the FP8 round trip):
+ *   q_lat = rmsnorm(q_lat) * q_norm (when q_norm); ckv = rmsnorm(kva[:, :kv_lora]) * kv_norm (when
+ *   kv_norm; else c_kv is read from kva); k_pe = kva[:, kv_lora:] rotated (interleaved) in place;
+ *   ik = layernorm(ik) * ik_w + ik_b, its first `rope` dims rotated (half-split), in place (when ik);
+ *   w *= w_scale (when w); then the cache rows [c_kv | k_pe | ik] in bf16 at each token's position
+ *   (none for padding). Angles as krk_rope (fp32 pos * inv_freq, no fused multiply-add). */
+struct krk_mla_prep_params {
+    float *q_lat;           /* [n_tok, q_dim] or NULL */
+    int64_t q_dim;
+    const float *q_norm;
+    float *kva;             /* [n_tok, kv_lora + rope] */
+    int64_t kv_lora, rope;
+    const float *kv_norm;   /* [kv_lora] or NULL */
+    float *ckv;             /* [n_tok, kv_lora], with kv_norm */
+    float eps;
+    const float *inv_freq;  /* [rope / 2] */
+    float factor;
+    float *ik;              /* [n_tok, idx_dim] or NULL */
+    int64_t idx_dim;
+    const float *ik_w, *ik_b;
+    float idx_eps;
+    float *w;               /* [n_tok, n_w] or NULL */
+    int64_t n_w;
+    float w_scale;
+    krk_bf16 *cache;        /* [n_block, block_size, kv_lora + rope + (ik ? idx_dim : 0)] */
+    int32_t block_size;
+    struct krk_batch batch;
+};
+/* Largest kv_lora + rope + idx_dim and q_dim krk_mla_prep takes. */
+#define KRK_MLA_PREP_MAX_ROW 8192
+enum kr_status krk_mla_prep(const struct krk_mla_prep_params *p, cudaStream_t stream);
+
 /* Lightning indexer + top-k: for token t at position p, the top min(topk, p+1) positions s <= p by
  * I[t,s] = sum_h w[t,h] relu(iq[t,h] . ik[s]) (ties: lower position first), ascending in
  * idx[t, 0..], -1 padded. When p+1 <= topk every position is taken without scoring. */

@@ -1,0 +1,146 @@
+// The per-token steps of an MLA / DSA layer between its input projections and attention, in one
+// launch (krk_mla_prep): the q latent's RMSNorm, the c_kv RMSNorm, RoPE on k_pe, the indexer key's
+// LayerNorm and RoPE, the indexer head weights' scale and the latent cache write. Grid (n_tok, 2):
+// block (t, 0) normalises token t's q latent, block (t, 1) takes its key side through shared memory.
+// Each step computes as its own kernel does (norm.cu, rope.cu, cache-write.cu): fp32 sums over
+// the block, the same formulas, rotation without fused multiply-add.
+#include "mla/mla-common.cuh"
+
+namespace {
+
+constexpr int kThreads = 256;
+
+// x <- rmsnorm(x) * w over n values of shared memory (the result may go elsewhere: out)
+__device__ void rms_rows(const float *x, int64_t n, const float *KRK_RESTRICT w, float eps, float *out, float *red)
+{
+    float ss = 0.0f;
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+        ss += x[i] * x[i];
+    }
+    const float r = 1.0f / sqrtf(krk::block_sum(ss, red) / (float)n + eps);
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+        out[i] = x[i] * r * w[i];
+    }
+}
+
+// Rotates the pairs of x (interleaved: (2j, 2j + 1); else (j, j + dim / 2)) at position pos.
+__device__ void rope_vec(float *x, int64_t dim, bool interleaved, const float *KRK_RESTRICT inv_freq, float factor,
+                         float pos)
+{
+    const int64_t half = dim / 2;
+    for (int64_t j = threadIdx.x; j < half; j += blockDim.x) {
+        float s, c;
+        sincosf(__fmul_rn(pos, inv_freq[j]), &s, &c);
+        c = __fmul_rn(c, factor);
+        s = __fmul_rn(s, factor);
+        const int64_t i0 = interleaved ? 2 * j : j, i1 = interleaved ? 2 * j + 1 : j + half;
+        const float a = x[i0], b = x[i1];
+        x[i0] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+        x[i1] = __fadd_rn(__fmul_rn(a, s), __fmul_rn(b, c));
+    }
+}
+
+__global__ void __launch_bounds__(kThreads) mla_prep_kernel(krk_mla_prep_params p)
+{
+    krk::kernel_prologue();
+    extern __shared__ float sm[]; // the token's key row [c_kv | k_pe | ik] (or its q latent)
+    __shared__ float red[32];
+    const int32_t t = blockIdx.x;
+    if (blockIdx.y == 0) {
+        if (!p.q_norm) {
+            return;
+        }
+        float *q = p.q_lat + (int64_t)t * p.q_dim;
+        for (int64_t i = threadIdx.x; i < p.q_dim; i += blockDim.x) {
+            sm[i] = q[i];
+        }
+        rms_rows(sm, p.q_dim, p.q_norm, p.eps, q, red); // block_sum's barrier orders the loads above
+        return;
+    }
+    const int64_t R = p.kv_lora, Dr = p.rope, ld = R + Dr, Di = p.ik ? p.idx_dim : 0, row = ld + Di;
+    float *kva = p.kva + (int64_t)t * ld;
+    float *ik = p.ik ? p.ik + (int64_t)t * Di : nullptr;
+    for (int64_t i = threadIdx.x; i < ld; i += blockDim.x) {
+        sm[i] = kva[i];
+    }
+    for (int64_t i = threadIdx.x; i < Di; i += blockDim.x) {
+        sm[ld + i] = ik[i];
+    }
+    if (p.w) {
+        float *w = p.w + (int64_t)t * p.n_w;
+        for (int64_t i = threadIdx.x; i < p.n_w; i += blockDim.x) {
+            w[i] = w[i] * p.w_scale;
+        }
+    }
+    __syncthreads();
+    const float pos = (float)p.batch.pos[t];
+    if (p.kv_norm) { // normalised in place in shared memory (each thread rewrites what it read)
+        rms_rows(sm, R, p.kv_norm, p.eps, sm, red);
+    }
+    rope_vec(sm + R, Dr, true, p.inv_freq, p.factor, pos);
+    if (Di) { // LayerNorm as layernorm_kernel: mean, then the centred sum of squares
+        float s = 0.0f;
+        for (int64_t i = threadIdx.x; i < Di; i += blockDim.x) {
+            s += sm[ld + i];
+        }
+        const float mean = krk::block_sum(s, red) / (float)Di;
+        float q = 0.0f;
+        for (int64_t i = threadIdx.x; i < Di; i += blockDim.x) {
+            q += (sm[ld + i] - mean) * (sm[ld + i] - mean);
+        }
+        const float r = 1.0f / sqrtf(krk::block_sum(q, red) / (float)Di + p.idx_eps);
+        for (int64_t i = threadIdx.x; i < Di; i += blockDim.x) {
+            sm[ld + i] = (sm[ld + i] - mean) * r * p.ik_w[i] + p.ik_b[i];
+        }
+        __syncthreads();
+        rope_vec(sm + ld, Dr, false, p.inv_freq, p.factor, pos);
+    }
+    __syncthreads();
+    // outputs: the normalised c_kv, the rotated k_pe and index key in place, the cache row
+    for (int64_t i = threadIdx.x; i < Dr; i += blockDim.x) {
+        kva[R + i] = sm[R + i];
+    }
+    if (p.kv_norm) {
+        for (int64_t i = threadIdx.x; i < R; i += blockDim.x) {
+            p.ckv[(int64_t)t * R + i] = sm[i];
+        }
+    }
+    for (int64_t i = threadIdx.x; i < Di; i += blockDim.x) {
+        ik[i] = sm[ld + i];
+    }
+    const int32_t seq = p.batch.tok_seq[t];
+    if (p.batch.seq_slot[seq] < 0) {
+        return; // padding: no cache row
+    }
+    krk_bf16 *dst = p.cache + krk::mla::latent_row_off(p.batch, seq, p.batch.pos[t], p.block_size, row);
+    for (int64_t i = threadIdx.x; i < row; i += blockDim.x) {
+        dst[i] = krk::f32_to_bf16(sm[i]);
+    }
+}
+
+} // namespace
+
+extern "C" enum kr_status krk_mla_prep(const struct krk_mla_prep_params *p, cudaStream_t stream)
+{
+    KRK_REQUIRE(p != nullptr);
+    const krk_batch &b = p->batch;
+    KRK_REQUIRE(b.n_tok >= 0);
+    if (b.n_tok == 0) {
+        return KR_OK;
+    }
+    KRK_REQUIRE(p->kva && p->cache && p->kv_lora >= 1 && p->rope >= 0 && p->rope % 2 == 0);
+    KRK_REQUIRE(b.pos && b.tok_seq && b.seq_slot && b.block_table && b.max_blocks > 0 && p->block_size > 0);
+    KRK_REQUIRE(p->rope == 0 || p->inv_freq);
+    KRK_REQUIRE(!p->q_norm || (p->q_lat && p->q_dim >= 1 && p->q_dim <= KRK_MLA_PREP_MAX_ROW));
+    KRK_REQUIRE(!p->kv_norm || p->ckv);
+    KRK_REQUIRE(!p->ik || (p->idx_dim >= p->rope && p->ik_w && p->ik_b));
+    KRK_REQUIRE(!p->w || p->n_w >= 1);
+    const int64_t row = p->kv_lora + p->rope + (p->ik ? p->idx_dim : 0);
+    KRK_REQUIRE(row <= KRK_MLA_PREP_MAX_ROW && b.n_tok <= 0x7fffffff);
+    const int64_t sm_floats = row > (p->q_norm ? p->q_dim : 0) ? row : p->q_dim;
+    const size_t smem = (size_t)sm_floats * sizeof(float);
+    KRK_CUDA_TRY(cudaFuncSetAttribute(mla_prep_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    krk::launch_maybe_pdl(krk::pdl_enabled(), mla_prep_kernel, dim3((unsigned)b.n_tok, 2), kThreads, smem, stream, *p);
+    KRK_CHECK_LAUNCH();
+    return KR_OK;
+}
