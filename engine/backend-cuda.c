@@ -1127,6 +1127,19 @@ static enum kr_status cuda_rope_impl(kr_backend_t be, const struct kr_rope_param
     return krk_rope(&r, c->stream);
 }
 
+/* Two sets of vectors with the same frequencies in one launch (krk_rope_params.also). */
+static enum kr_status cuda_rope_pair_impl(kr_backend_t be, const struct kr_rope_params *a, const struct kr_rope_params *b)
+{
+    struct cuda_ctx *c = ctx_of(be);
+    KR_TRY(op_enter(c));
+    struct krk_rope_params r = {.x = a->x, .ld = a->ld, .n_vec = a->n_vec, .stride = a->stride, .off = a->off,
+                                .dim = a->dim, .interleaved = a->interleaved, .inv_freq = a->inv_freq,
+                                .factor = a->factor, .pos = c->batch.pos, .n_tok = c->batch.n_tok};
+    r.also = (struct krk_rope_vecs){.x = b->x, .ld = b->ld, .n_vec = b->n_vec, .stride = b->stride, .off = b->off,
+                                    .dim = b->dim, .interleaved = b->interleaved};
+    return krk_rope(&r, c->stream);
+}
+
 static enum kr_status cuda_mla_cache_write_impl(kr_backend_t be, const struct kr_mla_cache_params *p)
 {
     struct cuda_ctx *c = ctx_of(be);
@@ -1307,6 +1320,8 @@ TIMED(cuda_gather_out, P_EMBED, (kr_backend_t be, const float *src, int64_t widt
 TIMED(cuda_rope, P_EMBED, (kr_backend_t be, const struct kr_rope_params *p), (be, p))
 TIMED(cuda_mla_cache_write, P_MLA, (kr_backend_t be, const struct kr_mla_cache_params *p), (be, p))
 TIMED(cuda_mla_attention, P_MLA, (kr_backend_t be, const struct kr_mla_attn_params *p), (be, p))
+TIMED(cuda_rope_pair, P_EMBED,
+      (kr_backend_t be, const struct kr_rope_params *a, const struct kr_rope_params *b), (be, a, b))
 TIMED(cuda_mla_prep, P_MLA, (kr_backend_t be, const struct kr_mla_prep_params *p), (be, p))
 TIMED(cuda_fp8_round, P_DSA, (kr_backend_t be, const struct kr_fp8_round_params *p), (be, p))
 
@@ -1478,6 +1493,7 @@ enum kr_status kr_backend_cuda_create(int dev, bool graphs, kr_backend_t *out, s
         .matmul_multi = cuda_matmul_multi,
         .matmul_act = cuda_matmul_act,
         .mla_prep = cuda_mla_prep,
+        .rope_pair = cuda_rope_pair,
         .mamba = cuda_mamba,
         .gated_rmsnorm = cuda_gated_rmsnorm,
         .attention = cuda_attention,

@@ -333,6 +333,21 @@ enum kr_status kr_backend_rope(kr_backend_t be, const struct kr_rope_params *p)
     return be->iface.rope(be, p);
 }
 
+enum kr_status kr_backend_rope_pair(kr_backend_t be, const struct kr_rope_params *a, const struct kr_rope_params *b)
+{
+    if (!a || !b) {
+        return KR_ERR_INVAL;
+    }
+    if (be->iface.rope_pair && a->inv_freq == b->inv_freq && a->factor == b->factor) {
+        const enum kr_status st = be->iface.rope_pair(be, a, b);
+        if (st != KR_ERR_UNSUPPORTED) {
+            return st;
+        }
+    }
+    KR_TRY(kr_backend_rope(be, a));
+    return kr_backend_rope(be, b);
+}
+
 enum kr_status kr_backend_mla_cache_write(kr_backend_t be, const struct kr_mla_cache_params *p)
 {
     return be->iface.mla_cache_write(be, p);

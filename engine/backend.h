@@ -374,6 +374,9 @@ enum kr_status kr_backend_layernorm(kr_backend_t be, const float *x, int64_t ldx
 enum kr_status kr_backend_rmsnorm_strided(kr_backend_t be, const float *x, int64_t ldx, const float *w, int64_t n,
                                           int64_t dim, float eps, float *out);
 enum kr_status kr_backend_rope(kr_backend_t be, const struct kr_rope_params *p);
+/* kr_backend_rope on a, then on b (vectors that do not overlap a's); a backend may rotate both in
+ * one launch when they share frequencies and factor. */
+enum kr_status kr_backend_rope_pair(kr_backend_t be, const struct kr_rope_params *a, const struct kr_rope_params *b);
 enum kr_status kr_backend_mla_cache_write(kr_backend_t be, const struct kr_mla_cache_params *p);
 enum kr_status kr_backend_dsa_index(kr_backend_t be, const struct kr_dsa_index_params *p);
 enum kr_status kr_backend_mla_attention(kr_backend_t be, const struct kr_mla_attn_params *p);

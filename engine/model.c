@@ -420,16 +420,17 @@ static enum kr_status mla_fwd(struct kr_model *m, struct kr_cache *cache, const 
     } else if (select) {
         KR_TRY(kr_backend_matmul(be, cq, ld_cq, n, &w->idx_wq_b, NULL, iq, Hi * Di));
     }
-    /* interleaved RoPE on q_pe (each head's last Dr dims) */
-    struct kr_rope_params rq = {.x = q, .ld = H * qd, .n_vec = H, .stride = qd, .off = Dn, .dim = Dr,
-                                .interleaved = true, .inv_freq = m->rope_inv_freq, .factor = c->rope_attn_factor};
-    KR_TRY(kr_backend_rope(be, &rq));
+    /* interleaved RoPE on q_pe (each head's last Dr dims); with the indexer, half-split RoPE on the
+     * first Dr dims of every indexer query head alongside */
+    const struct kr_rope_params rq = {.x = q, .ld = H * qd, .n_vec = H, .stride = qd, .off = Dn, .dim = Dr,
+                                      .interleaved = true, .inv_freq = m->rope_inv_freq,
+                                      .factor = c->rope_attn_factor};
+    const struct kr_rope_params ri = {.x = iq, .ld = Hi * Di, .n_vec = Hi, .stride = Di, .off = 0, .dim = Dr,
+                                      .interleaved = false, .inv_freq = m->rope_inv_freq,
+                                      .factor = c->rope_attn_factor};
+    KR_TRY(select ? kr_backend_rope_pair(be, &rq, &ri) : kr_backend_rope(be, &rq));
     m->idx_query_rows += select ? (uint64_t)n : 0;
     if (select) {
-        /* half-split RoPE on the first Dr dims of every indexer query head */
-        struct kr_rope_params ri = {.x = iq, .ld = Hi * Di, .n_vec = Hi, .stride = Di, .off = 0, .dim = Dr,
-                                    .interleaved = false, .inv_freq = m->rope_inv_freq, .factor = c->rope_attn_factor};
-        KR_TRY(kr_backend_rope(be, &ri));
         if (m->idx_fp8) { /* rotate and quantize queries as the reference's FP8 kernels see them */
             struct kr_fp8_round_params fq = {.x = iq, .ld = Di, .n = n * Hi, .dim = Di, .block = Di_blk,
                                              .hadamard = true, .ue8m0 = c->fp8_ue8m0};

@@ -1,7 +1,9 @@
 // The per-token steps of an MLA / DSA layer between its input projections and attention, in one
 // launch (krk_mla_prep): the q latent's RMSNorm, the c_kv RMSNorm, RoPE on k_pe, the indexer key's
-// LayerNorm and RoPE, the indexer head weights' scale and the latent cache write. Grid (n_tok, 2):
-// block (t, 0) normalises token t's q latent, block (t, 1) takes its key side through shared memory.
+// LayerNorm and RoPE, the indexer head weights' scale and the latent cache write. Grid (n_tok, 3),
+// three independent chains per token, each through shared memory: block (t, 0) normalises token t's
+// q latent, block (t, 1) takes c_kv and k_pe, block (t, 2) the head weights and the index key; blocks
+// 1 and 2 write their columns of the token's cache row.
 // Each step computes as its own kernel does (norm.cu, rope.cu, cache-write.cu): fp32 sums over
 // the block, the same formulas, rotation without fused multiply-add.
 #include "mla/mla-common.cuh"
@@ -43,10 +45,11 @@ __device__ void rope_vec(float *x, int64_t dim, bool interleaved, const float *K
 __global__ void __launch_bounds__(kThreads) mla_prep_kernel(krk_mla_prep_params p)
 {
     krk::kernel_prologue();
-    extern __shared__ float sm[]; // the token's key row [c_kv | k_pe | ik] (or its q latent)
+    extern __shared__ float sm[]; // this block's part of the token's row
     __shared__ float red[32];
     const int32_t t = blockIdx.x;
-    if (blockIdx.y == 0) {
+    const int64_t R = p.kv_lora, Dr = p.rope, ld = R + Dr, Di = p.ik ? p.idx_dim : 0, row = ld + Di;
+    if (blockIdx.y == 0) { // the q latent's norm
         if (!p.q_norm) {
             return;
         }
@@ -57,64 +60,68 @@ __global__ void __launch_bounds__(kThreads) mla_prep_kernel(krk_mla_prep_params 
         rms_rows(sm, p.q_dim, p.q_norm, p.eps, q, red); // block_sum's barrier orders the loads above
         return;
     }
-    const int64_t R = p.kv_lora, Dr = p.rope, ld = R + Dr, Di = p.ik ? p.idx_dim : 0, row = ld + Di;
-    float *kva = p.kva + (int64_t)t * ld;
-    float *ik = p.ik ? p.ik + (int64_t)t * Di : nullptr;
-    for (int64_t i = threadIdx.x; i < ld; i += blockDim.x) {
-        sm[i] = kva[i];
+    const int32_t seq = p.batch.tok_seq[t];
+    const bool pad = p.batch.seq_slot[seq] < 0; // padding: no cache row
+    krk_bf16 *dst = pad ? nullptr : p.cache + krk::mla::latent_row_off(p.batch, seq, p.batch.pos[t], p.block_size, row);
+    const float pos = (float)p.batch.pos[t];
+    if (blockIdx.y == 1) { // c_kv's norm and k_pe's rotation, and their part of the cache row
+        float *kva = p.kva + (int64_t)t * ld;
+        for (int64_t i = threadIdx.x; i < ld; i += blockDim.x) {
+            sm[i] = kva[i];
+        }
+        __syncthreads();
+        if (p.kv_norm) { // in place in shared memory (each thread rewrites what it read)
+            rms_rows(sm, R, p.kv_norm, p.eps, sm, red);
+        }
+        rope_vec(sm + R, Dr, true, p.inv_freq, p.factor, pos);
+        __syncthreads();
+        for (int64_t i = threadIdx.x; i < Dr; i += blockDim.x) {
+            kva[R + i] = sm[R + i];
+        }
+        if (p.kv_norm) {
+            for (int64_t i = threadIdx.x; i < R; i += blockDim.x) {
+                p.ckv[(int64_t)t * R + i] = sm[i];
+            }
+        }
+        for (int64_t i = threadIdx.x; dst && i < ld; i += blockDim.x) {
+            dst[i] = krk::f32_to_bf16(sm[i]);
+        }
+        return;
     }
-    for (int64_t i = threadIdx.x; i < Di; i += blockDim.x) {
-        sm[ld + i] = ik[i];
-    }
+    // blockIdx.y == 2: the head weights' scale, the index key's LayerNorm (as layernorm_kernel: the
+    // mean, then the centred sum of squares) and rotation, and its part of the cache row
     if (p.w) {
         float *w = p.w + (int64_t)t * p.n_w;
         for (int64_t i = threadIdx.x; i < p.n_w; i += blockDim.x) {
             w[i] = w[i] * p.w_scale;
         }
     }
-    __syncthreads();
-    const float pos = (float)p.batch.pos[t];
-    if (p.kv_norm) { // normalised in place in shared memory (each thread rewrites what it read)
-        rms_rows(sm, R, p.kv_norm, p.eps, sm, red);
+    if (!Di) {
+        return;
     }
-    rope_vec(sm + R, Dr, true, p.inv_freq, p.factor, pos);
-    if (Di) { // LayerNorm as layernorm_kernel: mean, then the centred sum of squares
-        float s = 0.0f;
-        for (int64_t i = threadIdx.x; i < Di; i += blockDim.x) {
-            s += sm[ld + i];
-        }
-        const float mean = krk::block_sum(s, red) / (float)Di;
-        float q = 0.0f;
-        for (int64_t i = threadIdx.x; i < Di; i += blockDim.x) {
-            q += (sm[ld + i] - mean) * (sm[ld + i] - mean);
-        }
-        const float r = 1.0f / sqrtf(krk::block_sum(q, red) / (float)Di + p.idx_eps);
-        for (int64_t i = threadIdx.x; i < Di; i += blockDim.x) {
-            sm[ld + i] = (sm[ld + i] - mean) * r * p.ik_w[i] + p.ik_b[i];
-        }
-        __syncthreads();
-        rope_vec(sm + ld, Dr, false, p.inv_freq, p.factor, pos);
-    }
-    __syncthreads();
-    // outputs: the normalised c_kv, the rotated k_pe and index key in place, the cache row
-    for (int64_t i = threadIdx.x; i < Dr; i += blockDim.x) {
-        kva[R + i] = sm[R + i];
-    }
-    if (p.kv_norm) {
-        for (int64_t i = threadIdx.x; i < R; i += blockDim.x) {
-            p.ckv[(int64_t)t * R + i] = sm[i];
-        }
-    }
+    float *ik = p.ik + (int64_t)t * Di;
+    float s = 0.0f;
     for (int64_t i = threadIdx.x; i < Di; i += blockDim.x) {
-        ik[i] = sm[ld + i];
+        sm[i] = ik[i];
+        s += sm[i];
     }
-    const int32_t seq = p.batch.tok_seq[t];
-    if (p.batch.seq_slot[seq] < 0) {
-        return; // padding: no cache row
+    const float mean = krk::block_sum(s, red) / (float)Di;
+    float q = 0.0f;
+    for (int64_t i = threadIdx.x; i < Di; i += blockDim.x) {
+        q += (sm[i] - mean) * (sm[i] - mean);
     }
-    krk_bf16 *dst = p.cache + krk::mla::latent_row_off(p.batch, seq, p.batch.pos[t], p.block_size, row);
-    for (int64_t i = threadIdx.x; i < row; i += blockDim.x) {
-        dst[i] = krk::f32_to_bf16(sm[i]);
+    const float r = 1.0f / sqrtf(krk::block_sum(q, red) / (float)Di + p.idx_eps);
+    for (int64_t i = threadIdx.x; i < Di; i += blockDim.x) {
+        sm[i] = (sm[i] - mean) * r * p.ik_w[i] + p.ik_b[i];
+    }
+    __syncthreads();
+    rope_vec(sm, Dr, false, p.inv_freq, p.factor, pos);
+    __syncthreads();
+    for (int64_t i = threadIdx.x; i < Di; i += blockDim.x) {
+        ik[i] = sm[i];
+        if (dst) {
+            dst[ld + i] = krk::f32_to_bf16(sm[i]);
+        }
     }
 }
 
@@ -137,10 +144,11 @@ extern "C" enum kr_status krk_mla_prep(const struct krk_mla_prep_params *p, cuda
     KRK_REQUIRE(!p->w || p->n_w >= 1);
     const int64_t row = p->kv_lora + p->rope + (p->ik ? p->idx_dim : 0);
     KRK_REQUIRE(row <= KRK_MLA_PREP_MAX_ROW && b.n_tok <= 0x7fffffff);
-    const int64_t sm_floats = row > (p->q_norm ? p->q_dim : 0) ? row : p->q_dim;
+    const int64_t qn = p->q_norm ? p->q_dim : 0, kd = p->kv_lora + p->rope, id = p->ik ? p->idx_dim : 0;
+    const int64_t sm_floats = qn > kd ? (qn > id ? qn : id) : (kd > id ? kd : id);
     const size_t smem = (size_t)sm_floats * sizeof(float);
     KRK_CUDA_TRY(cudaFuncSetAttribute(mla_prep_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    krk::launch_maybe_pdl(krk::pdl_enabled(), mla_prep_kernel, dim3((unsigned)b.n_tok, 2), kThreads, smem, stream, *p);
+    krk::launch_maybe_pdl(krk::pdl_enabled(), mla_prep_kernel, dim3((unsigned)b.n_tok, 3), kThreads, smem, stream, *p);
     KRK_CHECK_LAUNCH();
     return KR_OK;
 }

@@ -15,11 +15,23 @@ constexpr int kRopeItems = 4;   // pairs per thread whose loads are issued toget
 // Grid (tokens, vector ranges): block (x, y) rotates vectors [y * vpb, (y + 1) * vpb) of its tokens,
 // so that a single token's many heads spread over several blocks, and each thread loads all its
 // pairs before rotating any (one round of memory latency instead of one per pair).
+// Block rows [0, y0) take the first set of vectors, the rest the second (krk_rope_params.also).
+struct RopeSet {
+    float *x;
+    int64_t ld, n_vec, vpb, stride, off, dim;
+    bool interleaved;
+};
+
 __global__ void __launch_bounds__(kRopeThreads)
-    rope_kernel(float *x, int64_t ld, int64_t n_vec, int64_t vpb, int64_t stride, int64_t off, int64_t dim,
-                bool interleaved, const float *KRK_RESTRICT inv_freq, float factor, const int32_t *KRK_RESTRICT pos,
-                int64_t n_tok)
+    rope_kernel(RopeSet s0, RopeSet s1, unsigned y0, const float *KRK_RESTRICT inv_freq, float factor,
+                const int32_t *KRK_RESTRICT pos, int64_t n_tok)
 {
+    const bool second = blockIdx.y >= y0;
+    const RopeSet &st = second ? s1 : s0;
+    float *x = st.x;
+    const int64_t ld = st.ld, n_vec = st.n_vec, vpb = st.vpb, stride = st.stride, off = st.off, dim = st.dim;
+    const bool interleaved = st.interleaved;
+    const unsigned by = second ? blockIdx.y - y0 : blockIdx.y;
     // The angles depend only on the positions (uploaded before the step's first kernel) and the
     // frequencies: the first chunk's cos/sin are computed before the wait, overlapping the previous
     // kernel; x is read after it.
@@ -27,7 +39,7 @@ __global__ void __launch_bounds__(kRopeThreads)
     bool waited = false;
     __shared__ float cs[kRopeChunk], sn[kRopeChunk];
     const int64_t half = dim / 2;
-    const int64_t v_begin = (int64_t)blockIdx.y * vpb;
+    const int64_t v_begin = (int64_t)by * vpb;
     const int64_t nv = n_vec - v_begin < vpb ? n_vec - v_begin : vpb;
     if (nv <= 0) {
         return; // block-uniform
@@ -91,20 +103,44 @@ extern "C" enum kr_status krk_rope(const struct krk_rope_params *p, cudaStream_t
 {
     KRK_REQUIRE(p);
     KRK_REQUIRE(p->n_tok >= 0 && p->n_vec >= 0 && p->dim >= 0 && p->dim % 2 == 0 && p->off >= 0);
+    if ((p->n_vec == 0 || p->dim == 0) && p->also.x) { // only the second set: it becomes the first
+        krk_rope_params q = *p;
+        q.x = p->also.x;
+        q.ld = p->also.ld;
+        q.n_vec = p->also.n_vec;
+        q.stride = p->also.stride;
+        q.off = p->also.off;
+        q.dim = p->also.dim;
+        q.interleaved = p->also.interleaved;
+        q.also.x = nullptr;
+        return krk_rope(&q, stream);
+    }
     if (p->n_tok == 0 || p->n_vec == 0 || p->dim == 0) {
         return KR_OK;
     }
     KRK_REQUIRE(p->x && p->inv_freq && p->pos);
     const unsigned blocks = (unsigned)(p->n_tok < (1 << 20) ? p->n_tok : (1 << 20));
     // vectors per block: one round of kRopeItems pairs per thread over a chunk of frequencies
-    const int64_t jn = p->dim / 2 < kRopeChunk ? p->dim / 2 : kRopeChunk;
-    int64_t vpb = (int64_t)kRopeItems * kRopeThreads / jn;
-    vpb = vpb < 1 ? 1 : vpb;
-    const int64_t vblocks = (p->n_vec + vpb - 1) / vpb;
-    KRK_REQUIRE(vblocks <= 65535);
-    krk::launch_maybe_pdl(krk::pdl_enabled(), rope_kernel, dim3(blocks, (unsigned)vblocks), kRopeThreads, 0, stream,
-                          p->x, p->ld, p->n_vec, vpb, p->stride, p->off, p->dim, p->interleaved, p->inv_freq,
-                          p->factor, p->pos, p->n_tok);
+    auto set_of = [](float *x, int64_t ld, int64_t n_vec, int64_t stride, int64_t off, int64_t dim,
+                     bool interleaved) {
+        const int64_t jn = dim / 2 < kRopeChunk ? dim / 2 : kRopeChunk;
+        int64_t vpb = jn > 0 ? (int64_t)kRopeItems * kRopeThreads / jn : 1;
+        vpb = vpb < 1 ? 1 : vpb;
+        return RopeSet{x, ld, n_vec, vpb, stride, off, dim, interleaved};
+    };
+    const RopeSet s0 = set_of(p->x, p->ld, p->n_vec, p->stride, p->off, p->dim, p->interleaved);
+    const int64_t vb0 = (p->n_vec + s0.vpb - 1) / s0.vpb;
+    RopeSet s1 = s0;
+    int64_t vb1 = 0;
+    const krk_rope_params::krk_rope_vecs &a = p->also;
+    if (a.x && a.n_vec > 0 && a.dim > 0) {
+        KRK_REQUIRE(a.dim % 2 == 0 && a.off >= 0 && a.n_vec >= 0);
+        s1 = set_of(a.x, a.ld, a.n_vec, a.stride, a.off, a.dim, a.interleaved);
+        vb1 = (a.n_vec + s1.vpb - 1) / s1.vpb;
+    }
+    KRK_REQUIRE(vb0 + vb1 <= 65535);
+    krk::launch_maybe_pdl(krk::pdl_enabled(), rope_kernel, dim3(blocks, (unsigned)(vb0 + vb1)), kRopeThreads, 0,
+                          stream, s0, s1, (unsigned)vb0, p->inv_freq, p->factor, p->pos, p->n_tok);
     KRK_CHECK_LAUNCH();
     return KR_OK;
 }

@@ -692,3 +692,61 @@ ParameterizedTest(int *idx, rope, matches_cpu_up_to_128k_positions)
     }
     kr_backend_free(be);
 }
+
+/* Two sets of vectors in one launch (krk_rope_params.also), as a DSA layer rotates its q_pe
+ * (interleaved, the last 64 of each 192) and its indexer queries (half-split, the first 64 of each
+ * 128): each against the CPU's rope of that set, same bounds as above; the second set alone (an
+ * empty first set) too. */
+Test(rope, two_sets_in_one_launch_match_cpu)
+{
+    GT_REQUIRE_GPU();
+    static const int32_t seq_len[3] = {1, 40, 1}, pos0[3] = {131071, 5000, 3};
+    struct gt_rng rng = {.s = 10100};
+    kr_backend_t be = kr_backend_cpu_create(1);
+    cr_assert(be);
+    struct gt_batch b;
+    gt_batch_make(&b, &rng, 3, seq_len, pos0, 4096, 256, 4, 10);
+    const int32_t n_tok = b.host.n_tok;
+    const int64_t ld_a = 32 * 192, ld_b = 64 * 128 + 5, half = 32;
+    const size_t na = (size_t)n_tok * (size_t)ld_a, nb = (size_t)n_tok * (size_t)ld_b;
+    float *inv = kr_malloc((size_t)half * sizeof(float));
+    cr_assert(inv);
+    for (int64_t j = 0; j < half; j++) {
+        inv[j] = 1.0f / powf(10000.0f, (float)(2 * j) / 64.0f);
+    }
+    float *d_inv = gt_dup(inv, (size_t)half * 4);
+    for (int first_empty = 0; first_empty < 2; first_empty++) {
+        float *xa = hrand(&rng, na, -2.0f, 2.0f), *xb = hrand(&rng, nb, -2.0f, 2.0f);
+        float *d_a = gt_dup(xa, na * 4), *d_b = gt_dup(xb, nb * 4);
+        struct krk_rope_params p = {.x = d_a, .ld = ld_a, .n_vec = first_empty ? 0 : 32, .stride = 192, .off = 128,
+                                    .dim = 64, .interleaved = true, .inv_freq = d_inv, .factor = 0.9f,
+                                    .pos = b.dev.pos, .n_tok = n_tok};
+        p.also = (struct krk_rope_vecs){.x = d_b, .ld = ld_b, .n_vec = 64, .stride = 128, .off = 0, .dim = 64,
+                                        .interleaved = false};
+        cr_assert_eq(krk_rope(&p, 0), KR_OK);
+        gt_sync();
+        cr_assert_eq(kr_backend_begin_batch(be, &b.host), KR_OK);
+        const struct kr_rope_params ca = {.x = xa, .ld = ld_a, .n_vec = first_empty ? 0 : 32, .stride = 192,
+                                          .off = 128, .dim = 64, .interleaved = true, .inv_freq = inv,
+                                          .factor = 0.9f};
+        const struct kr_rope_params cb = {.x = xb, .ld = ld_b, .n_vec = 64, .stride = 128, .off = 0, .dim = 64,
+                                          .interleaved = false, .inv_freq = inv, .factor = 0.9f};
+        cr_assert_eq(kr_backend_rope(be, &ca), KR_OK);
+        cr_assert_eq(kr_backend_rope(be, &cb), KR_OK);
+        float *ga = hdown(d_a, na), *gb = hdown(d_b, nb);
+        gt_expect_close(first_empty ? "rope pair (first set empty): q_pe" : "rope pair: q_pe", ga, xa, na, 1e-12,
+                        1e-5);
+        gt_expect_close(first_empty ? "rope pair (first set empty): indexer q" : "rope pair: indexer q", gb, xb, nb,
+                        1e-12, 1e-5);
+        kr_free(ga);
+        kr_free(gb);
+        kr_free(xa);
+        kr_free(xb);
+        gt_dfree(d_a);
+        gt_dfree(d_b);
+    }
+    gt_dfree(d_inv);
+    kr_free(inv);
+    gt_batch_free(&b);
+    kr_backend_free(be);
+}

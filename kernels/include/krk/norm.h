@@ -93,6 +93,13 @@ struct krk_rope_params {
     float factor;
     const int32_t *pos;     /* [n_tok] */
     int64_t n_tok;
+    /* (optional, x NULL: none) more vectors rotated in the same launch, with the same positions,
+     * frequencies (inv_freq covers both dims) and factor; must not overlap the first set */
+    struct krk_rope_vecs {
+        float *x;
+        int64_t ld, n_vec, stride, off, dim;
+        bool interleaved;
+    } also;
 };
 enum kr_status krk_rope(const struct krk_rope_params *p, cudaStream_t stream);
 
