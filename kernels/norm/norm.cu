@@ -65,6 +65,54 @@ __global__ void rmsnorm_kernel(float *x, int64_t ldx, const float *KRK_RESTRICT 
 // unit, then again for the second pass) were most of their time. Each thread takes the same units
 // in the same order as in the two-pass kernels (i = tid + j * blockDim.x), so the results are
 // bit-identical to theirs.
+// Units i = tid + j * blockDim.x (those below nv) of src into v[j].
+template <int V, int NPT> __device__ __forceinline__ void load_units(const float *src, int64_t nv, float (&v)[NPT][V])
+{
+#pragma unroll
+    for (int j = 0; j < NPT; j++) {
+        const int64_t i = threadIdx.x + (int64_t)j * blockDim.x;
+        if (i < nv) {
+            load_f<V>(src + i * V, v[j]);
+        }
+    }
+}
+
+// The second half of a register-resident norm over n values: the sum of squares of the units (in
+// unit order), then v * r * g stored to out and out_bf16 (either may be NULL).
+template <int V, int NPT>
+__device__ __forceinline__ void reg_norm_store(float (&v)[NPT][V], const float (&g)[NPT][V], int64_t nv, int64_t n,
+                                               float eps, float *sh, float *out, uint16_t *out_bf16)
+{
+    float ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < NPT; j++) {
+        if (threadIdx.x + (int64_t)j * blockDim.x < nv) {
+#pragma unroll
+            for (int k = 0; k < V; k++) {
+                ss += v[j][k] * v[j][k];
+            }
+        }
+    }
+    ss = block_sum(ss, sh);
+    const float r = 1.0f / sqrtf(ss / (float)n + eps);
+#pragma unroll
+    for (int j = 0; j < NPT; j++) {
+        const int64_t i = threadIdx.x + (int64_t)j * blockDim.x;
+        if (i < nv) {
+#pragma unroll
+            for (int k = 0; k < V; k++) {
+                v[j][k] = v[j][k] * r * g[j][k];
+            }
+            if (out) {
+                store_f<V>(out + i * V, v[j]);
+            }
+            if (out_bf16) {
+                store_bf16<V>(out_bf16 + i * V, v[j]);
+            }
+        }
+    }
+}
+
 template <int V, int NPT, bool RES>
 __global__ void __launch_bounds__(1024)
     rmsnorm_reg_kernel(float *x, int64_t ldx, const float *KRK_RESTRICT res, const float *KRK_RESTRICT w, int64_t dim,
@@ -73,66 +121,30 @@ __global__ void __launch_bounds__(1024)
     __shared__ float sh[32];
     const int64_t row = blockIdx.x;
     const int64_t nv = dim / V;
-    const int tid = threadIdx.x, nt = blockDim.x;
     float g[NPT][V];
-#pragma unroll
-    for (int j = 0; j < NPT; j++) {
-        const int64_t i = tid + (int64_t)j * nt;
-        if (i < nv) {
-            load_f<V>(w + i * V, g[j]);
-        }
-    }
+    load_units<V, NPT>(w, nv, g);
     pdl_trigger();
     pdl_wait();
     float *xr = x + row * ldx;
     float v[NPT][V];
+    load_units<V, NPT>(xr, nv, v);
+    if constexpr (RES) { // x += res, written back: the residual stream
+        float rs[NPT][V];
+        load_units<V, NPT>(res + row * dim, nv, rs);
 #pragma unroll
-    for (int j = 0; j < NPT; j++) {
-        const int64_t i = tid + (int64_t)j * nt;
-        if (i < nv) {
-            load_f<V>(xr + i * V, v[j]);
-            if constexpr (RES) {
-                float r[V];
-                load_f<V>(res + row * dim + i * V, r);
+        for (int j = 0; j < NPT; j++) {
+            const int64_t i = threadIdx.x + (int64_t)j * blockDim.x;
+            if (i < nv) {
 #pragma unroll
                 for (int k = 0; k < V; k++) {
-                    v[j][k] += r[k];
+                    v[j][k] += rs[j][k];
                 }
-            }
-        }
-    }
-    float ss = 0.0f;
-#pragma unroll
-    for (int j = 0; j < NPT; j++) {
-        const int64_t i = tid + (int64_t)j * nt;
-        if (i < nv) {
-            if constexpr (RES) {
                 store_f<V>(xr + i * V, v[j]);
             }
-#pragma unroll
-            for (int k = 0; k < V; k++) {
-                ss += v[j][k] * v[j][k];
-            }
         }
     }
-    ss = block_sum(ss, sh);
-    const float r = 1.0f / sqrtf(ss / (float)dim + eps);
-#pragma unroll
-    for (int j = 0; j < NPT; j++) {
-        const int64_t i = tid + (int64_t)j * nt;
-        if (i < nv) {
-#pragma unroll
-            for (int k = 0; k < V; k++) {
-                v[j][k] = v[j][k] * r * g[j][k];
-            }
-            if (out) {
-                store_f<V>(out + row * dim + i * V, v[j]);
-            }
-            if (out_bf16) {
-                store_bf16<V>(out_bf16 + row * dim + i * V, v[j]);
-            }
-        }
-    }
+    reg_norm_store<V, NPT>(v, g, nv, dim, eps, sh, out ? out + row * dim : nullptr,
+                           out_bf16 ? out_bf16 + row * dim : nullptr);
 }
 
 // out = (x - mean) / sqrt(var + eps) * w + b, mean and (biased) variance in two passes as the CPU
@@ -241,61 +253,24 @@ __global__ void __launch_bounds__(1024)
     __shared__ float sh[32];
     const int64_t row = blockIdx.x / n_group, g0 = (blockIdx.x % n_group) * group;
     const int64_t nv = group / V;
-    const int tid = threadIdx.x, nt = blockDim.x;
     float g[NPT][V];
-#pragma unroll
-    for (int j = 0; j < NPT; j++) {
-        const int64_t i = tid + (int64_t)j * nt;
-        if (i < nv) {
-            load_f<V>(w + g0 + i * V, g[j]);
-        }
-    }
+    load_units<V, NPT>(w + g0, nv, g);
     pdl_trigger();
     pdl_wait();
-    const float *yr = y + row * dim + g0, *zr = z + row * ldz + g0;
-    float a[NPT][V]; // y * silu(z), which the two-pass kernel recomputes (same value)
+    float a[NPT][V], c[NPT][V]; // a = y * silu(z), which the two-pass kernel recomputes (same value)
+    load_units<V, NPT>(y + row * dim + g0, nv, a);
+    load_units<V, NPT>(z + row * ldz + g0, nv, c);
 #pragma unroll
     for (int j = 0; j < NPT; j++) {
-        const int64_t i = tid + (int64_t)j * nt;
-        if (i < nv) {
-            float c[V];
-            load_f<V>(yr + i * V, a[j]);
-            load_f<V>(zr + i * V, c);
+        if (threadIdx.x + (int64_t)j * blockDim.x < nv) {
 #pragma unroll
             for (int k = 0; k < V; k++) {
-                a[j][k] = a[j][k] * silu(c[k]);
+                a[j][k] = a[j][k] * silu(c[j][k]);
             }
         }
     }
-    float ss = 0.0f;
-#pragma unroll
-    for (int j = 0; j < NPT; j++) {
-        const int64_t i = tid + (int64_t)j * nt;
-        if (i < nv) {
-#pragma unroll
-            for (int k = 0; k < V; k++) {
-                ss += a[j][k] * a[j][k];
-            }
-        }
-    }
-    ss = block_sum(ss, sh);
-    const float r = 1.0f / sqrtf(ss / (float)group + eps);
-#pragma unroll
-    for (int j = 0; j < NPT; j++) {
-        const int64_t i = tid + (int64_t)j * nt;
-        if (i < nv) {
-#pragma unroll
-            for (int k = 0; k < V; k++) {
-                a[j][k] = a[j][k] * r * g[j][k];
-            }
-            if (out) {
-                store_f<V>(out + row * dim + g0 + i * V, a[j]);
-            }
-            if (out_bf16) {
-                store_bf16<V>(out_bf16 + row * dim + g0 + i * V, a[j]);
-            }
-        }
-    }
+    reg_norm_store<V, NPT>(a, g, nv, group, eps, sh, out ? out + row * dim + g0 : nullptr,
+                           out_bf16 ? out_bf16 + row * dim + g0 : nullptr);
 }
 
 // Units per thread of a row of `units` walked by row_threads(units) threads.
@@ -305,57 +280,40 @@ inline int units_per_thread(int64_t units)
     return (int)((units + t - 1) / t);
 }
 
+// Rows of up to 4 units per thread take a register-resident kernel (3 units run as 4), longer
+// ones the two-pass kernel; the kernels of each norm share one parameter list.
+template <typename K> K pick_by_units(int64_t units, K one, K two, K four, K two_pass)
+{
+    switch (units_per_thread(units)) {
+    case 1:
+        return one;
+    case 2:
+        return two;
+    case 3:
+    case 4:
+        return four;
+    default:
+        return two_pass;
+    }
+}
+
 template <int V, bool RES>
 void launch_rmsnorm(const struct krk_rmsnorm_params *p, cudaStream_t stream)
 {
-    const dim3 grid((unsigned)p->n);
     const int64_t nv = p->dim / V;
-    const int threads = row_threads(nv);
-    const bool pdl = pdl_enabled();
-    switch (units_per_thread(nv)) {
-    case 1:
-        launch_maybe_pdl(pdl, rmsnorm_reg_kernel<V, 1, RES>, grid, threads, 0, stream, p->x, p->ldx, p->res, p->w,
-                         p->dim, p->eps, p->out, p->out_bf16);
-        break;
-    case 2:
-        launch_maybe_pdl(pdl, rmsnorm_reg_kernel<V, 2, RES>, grid, threads, 0, stream, p->x, p->ldx, p->res, p->w,
-                         p->dim, p->eps, p->out, p->out_bf16);
-        break;
-    case 3:
-    case 4:
-        launch_maybe_pdl(pdl, rmsnorm_reg_kernel<V, 4, RES>, grid, threads, 0, stream, p->x, p->ldx, p->res, p->w,
-                         p->dim, p->eps, p->out, p->out_bf16);
-        break;
-    default:
-        launch_maybe_pdl(pdl, rmsnorm_kernel<V, RES>, grid, threads, 0, stream, p->x, p->ldx, p->res, p->w, p->dim,
-                         p->eps, p->out, p->out_bf16);
-    }
+    const auto kernel = pick_by_units(nv, rmsnorm_reg_kernel<V, 1, RES>, rmsnorm_reg_kernel<V, 2, RES>,
+                                      rmsnorm_reg_kernel<V, 4, RES>, rmsnorm_kernel<V, RES>);
+    launch_maybe_pdl(pdl_enabled(), kernel, dim3((unsigned)p->n), row_threads(nv), 0, stream, p->x, p->ldx, p->res,
+                     p->w, p->dim, p->eps, p->out, p->out_bf16);
 }
 
 template <int V> void launch_gated(const struct krk_gated_rmsnorm_params *p, int64_t n_group, cudaStream_t stream)
 {
-    const dim3 grid((unsigned)(p->n * n_group));
     const int64_t nv = p->group / V;
-    const int threads = row_threads(nv);
-    const bool pdl = pdl_enabled();
-    switch (units_per_thread(nv)) {
-    case 1:
-        launch_maybe_pdl(pdl, gated_rmsnorm_reg_kernel<V, 1>, grid, threads, 0, stream, p->y, p->z, p->ldz, p->w,
-                         p->dim, p->group, n_group, p->eps, p->out, p->out_bf16);
-        break;
-    case 2:
-        launch_maybe_pdl(pdl, gated_rmsnorm_reg_kernel<V, 2>, grid, threads, 0, stream, p->y, p->z, p->ldz, p->w,
-                         p->dim, p->group, n_group, p->eps, p->out, p->out_bf16);
-        break;
-    case 3:
-    case 4:
-        launch_maybe_pdl(pdl, gated_rmsnorm_reg_kernel<V, 4>, grid, threads, 0, stream, p->y, p->z, p->ldz, p->w,
-                         p->dim, p->group, n_group, p->eps, p->out, p->out_bf16);
-        break;
-    default:
-        launch_maybe_pdl(pdl, gated_rmsnorm_kernel<V>, grid, threads, 0, stream, p->y, p->z, p->ldz, p->w, p->dim,
-                         p->group, n_group, p->eps, p->out, p->out_bf16);
-    }
+    const auto kernel = pick_by_units(nv, gated_rmsnorm_reg_kernel<V, 1>, gated_rmsnorm_reg_kernel<V, 2>,
+                                      gated_rmsnorm_reg_kernel<V, 4>, gated_rmsnorm_kernel<V>);
+    launch_maybe_pdl(pdl_enabled(), kernel, dim3((unsigned)(p->n * n_group)), row_threads(nv), 0, stream, p->y,
+                     p->z, p->ldz, p->w, p->dim, p->group, n_group, p->eps, p->out, p->out_bf16);
 }
 
 } // namespace
