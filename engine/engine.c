@@ -1023,7 +1023,9 @@ static void run_step(struct kr_engine *e)
         if (!dev) {
             sample_and_emit(e, s, row);
         } else if (e->s_out[row_i] >= 0) {
-            emit_token(e, s, e->s_out[row_i], e->s_lp[row_i], e->s_top_ids + (size_t)row_i * (size_t)n_top,
+            /* s_lp holds this step's values only when a sequence of it asked for log-probabilities */
+            emit_token(e, s, e->s_out[row_i], r->s.logprobs >= 0 ? e->s_lp[row_i] : NAN,
+                       e->s_top_ids + (size_t)row_i * (size_t)n_top,
                        e->s_top_lp + (size_t)row_i * (size_t)n_top);
         } else {
             /* a row the backend refused (all logits masked, ...): the host sampler says why */
