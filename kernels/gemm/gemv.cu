@@ -265,15 +265,7 @@ enum kr_status launch_gemv_cfg(const struct krk_gemv_params *p, cudaStream_t str
     return KR_OK;
 }
 
-// Rows per warp RW, steps in flight U, warps per block W. Each lane reads 32 N bytes of x from
-// shared memory per 16 bytes of weight and row; RW rows share those reads, which keeps them within
-// the shared-memory bandwidth as N grows, at the price of fewer blocks. Chosen by measurement on
-// an H200 (bench_gemv, each product on weights not in L2): at n = 1, 16 warps of one row each read
-// 3.4-3.7 TB/s on the 4096-row decode shapes, and 8 warps with 8 steps in flight 3.9-4.0 TB/s on the
-// 18560-21504-row ones and 4.6 TB/s on the 131072-row head (3.92 ms for the GEMVs of a
-// Nemotron-H-8B step; 8 warps with 4 steps everywhere: 4.29 ms). From n = 2 cuBLAS reads as fast or
-// faster (n = 2: 4.30 vs 4.40 ms a step; n = 4: 4.34 vs 5.44; n = 8 is bound by the FMA issue rate
-// here), so the CUDA backend takes this kernel only for n = 1; n <= KRK_GEMV_MAX_N stay supported.
+// Rows of all the launch's weights (the tiling is chosen by their sum).
 int64_t total_rows(const struct krk_gemv_params *p)
 {
     int64_t r = p->rows;
@@ -283,6 +275,15 @@ int64_t total_rows(const struct krk_gemv_params *p)
     return r;
 }
 
+// Rows per warp RW, steps in flight U, warps per block W. Each lane reads 32 N bytes of x from
+// shared memory per 16 bytes of weight and row; RW rows share those reads, which keeps them within
+// the shared-memory bandwidth as N grows, at the price of fewer blocks. Chosen by measurement on
+// an H200 (bench_gemv, each product on weights not in L2): at n = 1, 16 warps of one row each read
+// 3.4-3.7 TB/s on the 4096-row decode shapes, and 8 warps with 8 steps in flight 3.9-4.0 TB/s on the
+// 18560-21504-row ones and 4.6 TB/s on the 131072-row head (3.92 ms for the GEMVs of a
+// Nemotron-H-8B step; 8 warps with 4 steps everywhere: 4.29 ms). From n = 2 cuBLAS reads as fast or
+// faster (n = 2: 4.30 vs 4.40 ms a step; n = 4: 4.34 vs 5.44; n = 8 is bound by the FMA issue rate
+// here), so the CUDA backend takes this kernel only for n = 1; n <= KRK_GEMV_MAX_N stay supported.
 template <int N> enum kr_status launch_gemv(const struct krk_gemv_params *p, cudaStream_t stream)
 {
     if constexpr (N == 1) {
