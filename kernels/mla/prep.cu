@@ -7,10 +7,13 @@
 // Each step computes as its own kernel does (norm.cu, rope.cu, cache-write.cu): fp32 sums over
 // the block, the same formulas, rotation without fused multiply-add.
 #include "mla/mla-common.cuh"
+#include "norm/rope.cuh"
 
 namespace {
 
 constexpr int kThreads = 256;
+// the largest row lives in dynamic shared memory without the opt-in above 48 KB
+static_assert(KRK_MLA_PREP_MAX_ROW * sizeof(float) <= 48 * 1024, "prep rows fit the default shared memory");
 
 // x <- rmsnorm(x) * w over n values of shared memory (the result may go elsewhere: out)
 __device__ void rms_rows(const float *x, int64_t n, const float *KRK_RESTRICT w, float eps, float *out, float *red)
@@ -31,14 +34,13 @@ __device__ void rope_vec(float *x, int64_t dim, bool interleaved, const float *K
 {
     const int64_t half = dim / 2;
     for (int64_t j = threadIdx.x; j < half; j += blockDim.x) {
-        float s, c;
-        sincosf(__fmul_rn(pos, inv_freq[j]), &s, &c);
-        c = __fmul_rn(c, factor);
-        s = __fmul_rn(s, factor);
+        float c, s;
+        krk::rope_cos_sin(pos, inv_freq[j], factor, &c, &s);
         const int64_t i0 = interleaved ? 2 * j : j, i1 = interleaved ? 2 * j + 1 : j + half;
-        const float a = x[i0], b = x[i1];
-        x[i0] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
-        x[i1] = __fadd_rn(__fmul_rn(a, s), __fmul_rn(b, c));
+        float a = x[i0], b = x[i1];
+        krk::rope_rotate(a, b, c, s);
+        x[i0] = a;
+        x[i1] = b;
     }
 }
 
@@ -147,7 +149,6 @@ extern "C" enum kr_status krk_mla_prep(const struct krk_mla_prep_params *p, cuda
     const int64_t qn = p->q_norm ? p->q_dim : 0, kd = p->kv_lora + p->rope, id = p->ik ? p->idx_dim : 0;
     const int64_t sm_floats = qn > kd ? (qn > id ? qn : id) : (kd > id ? kd : id);
     const size_t smem = (size_t)sm_floats * sizeof(float);
-    KRK_CUDA_TRY(cudaFuncSetAttribute(mla_prep_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     krk::launch_maybe_pdl(krk::pdl_enabled(), mla_prep_kernel, dim3((unsigned)b.n_tok, 3), kThreads, smem, stream, *p);
     KRK_CHECK_LAUNCH();
     return KR_OK;

@@ -4,6 +4,7 @@
 // pos * inv_freq, fp32 cos/sin, no fused multiply-add), so large positions (128K) agree with the
 // CPU up to the last-ulp differences of the cos/sin implementations.
 #include "common/util.cuh"
+#include "norm/rope.cuh"
 
 namespace krk {
 namespace {
@@ -50,11 +51,7 @@ __global__ void __launch_bounds__(kRopeThreads)
         for (int64_t j0 = 0; j0 < half; j0 += kRopeChunk) {
             const int jn = (int)(half - j0 < kRopeChunk ? half - j0 : kRopeChunk);
             for (int i = threadIdx.x; i < jn; i += blockDim.x) {
-                const float ang = __fmul_rn(p, inv_freq[j0 + i]);
-                float s, c;
-                sincosf(ang, &s, &c);
-                cs[i] = __fmul_rn(c, factor);
-                sn[i] = __fmul_rn(s, factor);
+                krk::rope_cos_sin(p, inv_freq[j0 + i], factor, &cs[i], &sn[i]);
             }
             if (!waited) {
                 krk::pdl_wait();
@@ -84,8 +81,9 @@ __global__ void __launch_bounds__(kRopeThreads)
 #pragma unroll
                 for (int u = 0; u < kRopeItems; u++) {
                     if (k0 + (int64_t)u * blockDim.x < items) {
-                        xv[u][i0[u]] = __fsub_rn(__fmul_rn(a[u], cs[jj[u]]), __fmul_rn(b[u], sn[jj[u]]));
-                        xv[u][i1[u]] = __fadd_rn(__fmul_rn(a[u], sn[jj[u]]), __fmul_rn(b[u], cs[jj[u]]));
+                        krk::rope_rotate(a[u], b[u], cs[jj[u]], sn[jj[u]]);
+                        xv[u][i0[u]] = a[u];
+                        xv[u][i1[u]] = b[u];
                     }
                 }
             }
