@@ -1,7 +1,8 @@
 /* Skinny products of decode at the weight read rate: every weight shape of the Nemotron-H-8B
  * benchmark model's decode step (tools/bench/synth_model.py, nemotron_h_8b), n activation rows, for
  * each configuration of the GEMV kernels (krk_gemv_params.config) and for cuBLAS (bf16 GEMM on x
- * cast to bf16, as the CUDA backend runs n > KRK_GEMV_MAX_N). Each launch reads a different copy
+ * cast to bf16) and the tensor-core skinny kernel (krk_skinny, every configuration, x cast to bf16
+ * as for cuBLAS; n = 2..KRK_SKINNY_MAX_N). Each launch reads a different copy
  * of the weight from a pool of at least 1 GiB, so that nothing comes from L2; launches are issued
  * back to back (as in a decode step's graph) and timed with events over all repetitions.
  *
@@ -50,7 +51,7 @@ static const struct shape shapes[] = {
         }                                                                                          \
     } while (0)
 
-enum kind { K_STAGED, K_CUBLAS, K_LT };
+enum kind { K_STAGED, K_CUBLAS, K_LT, K_SKINNY };
 #define LT_ALGOS 16
 #define LT_WS ((size_t)32 << 20)
 
@@ -72,6 +73,8 @@ struct ctx {
     cublasLtHandle_t lt;
     void *lt_ws;
     struct lt_plan *plan; /* the K_LT product being timed */
+    void *sk_ws;          /* krk_skinny's workspace */
+    size_t sk_ws_bytes;
     cudaStream_t stream;
     int reps;
 };
@@ -103,6 +106,15 @@ static int run_one(struct ctx *c, enum kind k, int config, const struct shape *s
                             CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT) == CUBLAS_STATUS_SUCCESS
                    ? 0
                    : -1;
+    }
+    if (k == K_SKINNY) { /* x cast to bf16 included, as for cuBLAS */
+        if (krk_cast_bf16(c->x, s->cols, n, s->cols, c->xb, c->stream) != KR_OK) {
+            return -1;
+        }
+        struct krk_skinny_params p = {.xb = c->xb, .ldxb = s->cols, .n = n, .cols = s->cols, .n_parts = 1,
+                                      .ws = c->sk_ws, .ws_bytes = c->sk_ws_bytes, .config = config};
+        p.parts[0] = (struct krk_gemv_part){.w = w, .rows = s->rows, .y = c->y, .ldy = s->rows};
+        return krk_skinny(&p, c->stream) == KR_OK ? 0 : -1;
     }
     struct krk_gemv_params p = {.x = c->x, .ldx = s->cols, .w = w, .n = n, .rows = s->rows, .cols = s->cols,
                                 .y = c->y, .ldy = s->rows, .config = config};
@@ -321,6 +333,9 @@ int main(int argc, char **argv)
         return 1;
     }
     CUDA_OK(cudaMalloc(&c.lt_ws, LT_WS));
+    c.sk_ws_bytes = krk_skinny_ws_bytes(max_rows + 128);
+    CUDA_OK(cudaMalloc(&c.sk_ws, c.sk_ws_bytes));
+    CUDA_OK(cudaMemset(c.sk_ws, 0, c.sk_ws_bytes));
     if (cublasLtCreate(&c.lt) != CUBLAS_STATUS_SUCCESS) {
         fprintf(stderr, "bench_gemv: cannot create the cuBLASLt handle\n");
         return 1;
@@ -341,20 +356,22 @@ int main(int argc, char **argv)
     printf("\n");
     for (int in = 0; in < n_ns; in++) {
         const int n = ns[in];
-        for (int k = 0; k < 2; k++) {
-            const int n_cfg = k == K_STAGED && n <= 2 ? KRK_GEMV_CONFIGS : 1;
-            if (k == K_STAGED && n > KRK_GEMV_MAX_N) {
+        static const enum kind kinds[] = {K_STAGED, K_CUBLAS, K_SKINNY};
+        for (int ki = 0; ki < 3; ki++) {
+            const enum kind k = kinds[ki];
+            const int n_cfg = k == K_STAGED && n <= 2 ? KRK_GEMV_CONFIGS : k == K_SKINNY ? KRK_SKINNY_CONFIGS : 1;
+            if ((k == K_STAGED && n > KRK_GEMV_MAX_N) || (k == K_SKINNY && (n < 2 || n > KRK_SKINNY_MAX_N))) {
                 continue;
             }
+            static const char *const names[] = {"GEMV", "cuBLAS", "cuBLASLt", "skinny (tensor cores)"};
             for (int cfg = 0; cfg < n_cfg; cfg++) {
                 char label[64];
-                snprintf(label, sizeof label, "%s%s%.0d", k == K_CUBLAS ? "cuBLAS" : "GEMV", cfg ? " config " : "",
-                         cfg);
+                snprintf(label, sizeof label, "%s%s%.0d", names[k], cfg ? " config " : "", cfg);
                 printf("| %s | %d |", label, n);
                 double step_us = 0;
                 bool ok = true;
                 for (int i = 0; i < N_SHAPES; i++) {
-                    const double us = time_one(&c, (enum kind)k, cfg, &shapes[i], n);
+                    const double us = time_one(&c, k, cfg, &shapes[i], n);
                     const double tbs = (double)shapes[i].rows * (double)shapes[i].cols * 2 / (us * 1e-6) / 1e12;
                     if (us < 0) {
                         printf(" refused |");
@@ -367,7 +384,7 @@ int main(int argc, char **argv)
                         fprintf(jf,
                                 "{\"kernel\": \"%s\", \"config\": %d, \"n\": %d, \"shape\": \"%s\", \"rows\": %lld, "
                                 "\"cols\": %lld, \"us\": %.3f, \"tb_s\": %.4f}\n",
-                                k == K_CUBLAS ? "cublas" : "gemv", cfg, n, shapes[i].name,
+                                k == K_CUBLAS ? "cublas" : k == K_SKINNY ? "skinny" : "gemv", cfg, n, shapes[i].name,
                                 (long long)shapes[i].rows, (long long)shapes[i].cols, us, tbs);
                     }
                 }
@@ -441,6 +458,7 @@ int main(int argc, char **argv)
     }
     cublasLtDestroy(c.lt);
     cudaFree(c.lt_ws);
+    cudaFree(c.sk_ws);
     cublasDestroy(c.blas);
     cudaFree(blas_ws);
     cudaFree(c.pool);

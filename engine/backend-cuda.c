@@ -38,7 +38,7 @@ enum prof_cat {
     P_SSD_DECODE, P_SSD_BMM, P_SSD_SCAN, P_DSA_SCORE, P_DSA_SELECT, PROF_N_CAT
 };
 static const char *const prof_names[PROF_N_CAT] = {
-    "gemm (cuBLAS)", "gemv", "norm+residual", "activation", "conv1d", "ssd", "attention", "moe",
+    "gemm (cuBLAS)", "gemv + skinny (tensor cores)", "norm+residual", "activation", "conv1d", "ssd", "attention", "moe",
     "mla attention + latent cache", "dsa indexer (scores, top-k)",
     "embed/gather/rope", "other", "ssd: one-token update",
     "ssd: C.B^T", "ssd: chunk scan", "dsa: scores", "dsa: top-k",
@@ -60,6 +60,10 @@ struct cuda_ctx {
     size_t blas_ws_size;
     atomic_bool failed;    /* a sticky CUDA error: the backend refuses further work (read by /health) */
     bool graphs_on;
+    int skinny_max;                     /* products of 2..skinny_max rows take krk_skinny (tensor
+                                           cores), more take cuBLAS (KRAIT_SKINNY_MAX, 0 = never) */
+    void *sk_ws;                        /* krk_skinny's workspace (zeroed when allocated) */
+    size_t sk_ws_size;
     int gemv_config;                    /* KRAIT_GEMV_CONFIG: a GEMV tiling other than the default
                                            (krk_gemv_params.config; for measurements) */
     bool pdl;                           /* every kernel launches as a programmatic dependent of the
@@ -255,6 +259,7 @@ static void cuda_free(kr_backend_t be)
         cudaFree(c->blas_ws);
         cudaFree(c->scratch);
         cudaFree(c->xb);
+        cudaFree(c->sk_ws);
         cudaFree(c->d_meta);
         cudaFree(c->ptr_table);
         cudaFreeHost(c->h_meta);
@@ -491,6 +496,26 @@ static enum kr_status ensure_xb(struct cuda_ctx *c, size_t elems)
     return KR_OK;
 }
 
+/* krk_skinny's workspace of at least `bytes`, zeroed (it holds counters every product leaves at 0). */
+static enum kr_status ensure_skinny_ws(struct cuda_ctx *c, size_t bytes)
+{
+    if (bytes <= c->sk_ws_size) {
+        return KR_OK;
+    }
+    if (c->stream) {
+        CU_TRY(c, cudaStreamSynchronize(c->stream));
+    }
+    cudaFree(c->sk_ws);
+    c->bytes_alloc -= c->sk_ws_size;
+    c->sk_ws = NULL;
+    c->sk_ws_size = 0;
+    KR_TRY(dev_alloc(c, bytes, &c->sk_ws));
+    CU_TRY(c, cudaMemsetAsync(c->sk_ws, 0, bytes, c->stream));
+    c->sk_ws_size = bytes;
+    graphs_clear(c); /* captured graphs point at the old workspace */
+    return KR_OK;
+}
+
 /* Replaces a device buffer and its pinned host twin of *cap bytes by ones of `bytes` (after the
  * stream is idle: work in flight may still use the old ones). */
 static enum kr_status regrow_staging(struct cuda_ctx *c, void **dev, void **host, size_t *cap, size_t bytes)
@@ -604,6 +629,11 @@ static enum kr_status cuda_reserve(kr_backend_t be, const struct kr_model_config
     wide = max64(wide, m->q_lora);
     wide = max64(wide, m->mla_heads * m->v_head);
     KR_TRY(ensure_xb(c, (size_t)(n_tok * wide)));
+    if (c->skinny_max >= 2) {
+        /* counters for products of up to the vocabulary's or 16 activations' rows (a product with
+         * more takes cuBLAS), and the partial sums of the resident blocks */
+        KR_TRY(ensure_skinny_ws(c, krk_skinny_ws_bytes(max64(m->vocab, 16 * wide) + 4 * 128)));
+    }
     /* sampling staging for every sequence at once: the most top log-probabilities, and penalty
      * entries for every distinct token a sequence can hold (its context, at most the vocabulary) */
     const int64_t pen_per_seq = max_ctx < m->vocab ? max_ctx : m->vocab;
@@ -716,6 +746,9 @@ static enum kr_status op_enter(struct cuda_ctx *c)
  * the decode step's weights faster at n = 1 (3.92 vs 4.28 ms a Nemotron-H-8B step), 1-2 % slower at
  * n = 2 (4.40 vs 4.30) and far slower from n = 3 (bench_gemv, docs/PERF.md). */
 #define GEMV_ROWS 1
+/* Rows from 2 up to this many take krk_skinny (bf16 tensor cores, each weight streamed once, x from
+ * the bf16 copy an op wrote); more take cuBLAS. See docs/PERF.md. */
+#define SKINNY_MAX_DEFAULT 16
 
 static krk_bf16 *shadow_for(struct cuda_ctx *c, const float *out, int64_t n, int64_t cols)
 {
@@ -835,6 +868,68 @@ static bool overlaps(const void *a, size_t an, const void *b, size_t bn)
     return pa < pb + bn && pb < pa + an;
 }
 
+/* x as bf16 for a tensor-core product: the copy an op wrote next to it (the shadow) when it covers
+ * these rows and columns, else a cast of x into the staging buffer (which becomes the shadow). */
+static enum kr_status bf16_x(struct cuda_ctx *c, const float *x, int64_t ldx, int64_t n, int64_t cols,
+                             const krk_bf16 **xb, int64_t *ldb)
+{
+    if (c->shadow.valid && c->shadow.src == x && c->shadow.ld == ldx && c->shadow.n >= n && c->shadow.cols >= cols) {
+        *xb = c->xb;
+        *ldb = c->shadow.cols;
+        return KR_OK;
+    }
+    KR_TRY(ensure_xb(c, (size_t)(n * cols)));
+    KR_TRY(krk_cast_bf16(x, ldx, n, cols, c->xb, c->stream));
+    c->shadow.src = x;
+    c->shadow.ld = ldx;
+    c->shadow.n = n;
+    c->shadow.cols = cols;
+    c->shadow.valid = true;
+    *xb = c->xb;
+    *ldb = cols;
+    return KR_OK;
+}
+
+/* Weights krk_skinny takes for n rows of x: bf16, 16-byte aligned, columns a multiple of its step. */
+static bool skinny_takes(const struct cuda_ctx *c, int64_t n, const struct kr_tensor *w)
+{
+    return n >= 2 && n <= c->skinny_max && n <= KRK_SKINNY_MAX_N && w->dtype == KR_DTYPE_BF16 &&
+           w->cols % krk_skinny_cols_step(0) == 0 && ((uintptr_t)w->data & 15) == 0;
+}
+
+/* One krk_skinny launch over k parts (their weights share cols); KR_ERR_UNSUPPORTED when the
+ * workspace is too small for their rows (the caller takes cuBLAS). */
+static enum kr_status skinny_run(struct cuda_ctx *c, const float *x, int64_t ldx, int64_t n, int k,
+                                 const struct kr_matmul_part *parts, enum kr_act act, float *act_out)
+{
+    struct krk_skinny_params p = {.n = n, .cols = parts[0].w->cols, .n_parts = k, .ws = c->sk_ws,
+                                  .ws_bytes = c->sk_ws_size, .act_out = act_out, .act = (int)act};
+    for (int i = 0; i < k; i++) {
+        p.parts[i] = (struct krk_gemv_part){.w = parts[i].w->data, .bias = parts[i].bias, .rows = parts[i].w->rows,
+                                            .y = parts[i].y, .ldy = parts[i].ldy};
+    }
+    p.ld_act = act_out ? parts[0].w->rows : 0;
+    if (krk_skinny_ws_bytes(krk_skinny_tile_rows(&p)) > c->sk_ws_size) {
+        return KR_ERR_UNSUPPORTED;
+    }
+    int64_t ldb = 0;
+    KR_TRY(bf16_x(c, x, ldx, n, p.cols, &p.xb, &ldb));
+    if (ldb % 8 != 0) {
+        return KR_ERR_UNSUPPORTED;
+    }
+    p.ldxb = ldb;
+    KR_TRY(krk_skinny(&p, c->stream));
+    /* an output may have overwritten the activation the shadow copies */
+    for (int i = 0; i < k && c->shadow.valid; i++) {
+        if (overlaps(parts[i].y, (size_t)(n * parts[i].ldy) * 4, c->shadow.src, (size_t)(c->shadow.n * c->shadow.ld) * 4) ||
+            (act_out && overlaps(act_out, (size_t)(n * p.ld_act) * 4, c->shadow.src,
+                                 (size_t)(c->shadow.n * c->shadow.ld) * 4))) {
+            c->shadow.valid = false;
+        }
+    }
+    return KR_OK;
+}
+
 static enum kr_status cuda_matmul_impl(kr_backend_t be, const float *x, int64_t ldx, int64_t n, const struct kr_tensor *w,
                                   const float *bias, float *y, int64_t ldy)
 {
@@ -862,22 +957,16 @@ static enum kr_status cuda_matmul_impl(kr_backend_t be, const float *x, int64_t 
                                     .cols = cols, .y = y, .ldy = ldy, .config = c->gemv_config};
         st = krk_gemv(&p, c->stream);
     } else {
+        if (skinny_takes(c, n, w)) {
+            const struct kr_matmul_part part = {.w = w, .bias = bias, .y = y, .ldy = ldy};
+            st = skinny_run(c, x, ldx, n, 1, &part, KR_ACT_RELU2, NULL);
+            if (st != KR_ERR_UNSUPPORTED) {
+                return st;
+            }
+        }
         const krk_bf16 *xb = NULL;
         int64_t ldb = cols;
-        if (c->shadow.valid && c->shadow.src == x && c->shadow.ld == ldx && c->shadow.n >= n &&
-            c->shadow.cols >= cols) {
-            xb = c->xb;
-            ldb = c->shadow.cols;
-        } else {
-            KR_TRY(ensure_xb(c, (size_t)(n * cols)));
-            KR_TRY(krk_cast_bf16(x, ldx, n, cols, c->xb, c->stream));
-            c->shadow.src = x;
-            c->shadow.ld = ldx;
-            c->shadow.n = n;
-            c->shadow.cols = cols;
-            c->shadow.valid = true;
-            xb = c->xb;
-        }
+        KR_TRY(bf16_x(c, x, ldx, n, cols, &xb, &ldb));
         const float one = 1.0f, zero = 0.0f;
         BLAS_TRY(cublasGemmEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)rows, (int)n, (int)cols, &one, w->data,
                               CUDA_R_16BF, (int)cols, xb, CUDA_R_16BF, (int)ldb, &zero, y, CUDA_R_32F, (int)ldy,
@@ -906,11 +995,20 @@ static enum kr_status cuda_matmul_multi_impl(kr_backend_t be, const float *x, in
     if (c->failed) {
         return KR_ERR_CUDA;
     }
-    bool fused = n > 0 && k >= 1 && k <= KRK_GEMV_MAX_PARTS;
-    for (int i = 0; fused && i < k; i++) {
+    bool fused = n > 0 && k >= 1 && k <= KRK_GEMV_MAX_PARTS, sk = fused;
+    for (int i = 0; (fused || sk) && i < k; i++) {
         const struct kr_matmul_part *q = &parts[i];
-        fused = gemv_takes(n, q->w) && q->w->cols == parts[0].w->cols && q->ldy >= q->w->rows &&
-                !overlaps(q->y, (size_t)(n * q->ldy) * 4, x, (size_t)(n * ldx) * 4);
+        const bool ok = q->w->cols == parts[0].w->cols && q->ldy >= q->w->rows &&
+                        !overlaps(q->y, (size_t)(n * q->ldy) * 4, x, (size_t)(n * ldx) * 4);
+        fused = fused && ok && gemv_takes(n, q->w);
+        sk = sk && ok && skinny_takes(c, n, q->w);
+    }
+    if (sk && k > 1) {
+        KR_TRY(flush_pending(c));
+        const enum kr_status st = skinny_run(c, x, ldx, n, k, parts, KR_ACT_RELU2, NULL);
+        if (st != KR_ERR_UNSUPPORTED) {
+            return st;
+        }
     }
     if (!fused) {
         for (int i = 0; i < k; i++) {
@@ -960,6 +1058,15 @@ static enum kr_status cuda_matmul_act_impl(kr_backend_t be, const float *x, int6
                                     .act_out = out, .ld_act = w->rows, .act = (int)act};
         c->shadow.valid = false;
         return krk_gemv(&p, c->stream);
+    }
+    if (n > 0 && skinny_takes(c, n, w) && ldy >= w->rows && (int)act >= (int)KR_ACT_RELU2 &&
+        (int)act <= (int)KR_ACT_RELU && !overlaps(out, (size_t)(n * w->rows) * 4, y, (size_t)(n * ldy) * 4)) {
+        KR_TRY(flush_pending(c));
+        const struct kr_matmul_part part = {.w = w, .bias = bias, .y = y, .ldy = ldy};
+        const enum kr_status st = skinny_run(c, x, ldx, n, 1, &part, act, out);
+        if (st != KR_ERR_UNSUPPORTED) {
+            return st;
+        }
     }
     KR_TRY(cuda_matmul_impl(be, x, ldx, n, w, bias, y, ldy));
     return cuda_act_impl(be, act, NULL, y, ldy, n, w->rows, out);
@@ -1294,14 +1401,14 @@ TIMED(cuda_layernorm, P_DSA,
        float eps, float *out),
       (be, x, ldx, w, b, n, dim, eps, out))
 TIMED(cuda_scale, P_OTHER, (kr_backend_t be, float *y, float s, int64_t n), (be, y, s, n))
-TIMED(cuda_matmul, n <= GEMV_ROWS ? P_GEMV : P_GEMM,
+TIMED(cuda_matmul, n <= GEMV_ROWS || n <= ctx_of(be)->skinny_max ? P_GEMV : P_GEMM,
       (kr_backend_t be, const float *x, int64_t ldx, int64_t n, const struct kr_tensor *w, const float *bias,
        float *y, int64_t ldy),
       (be, x, ldx, n, w, bias, y, ldy))
-TIMED(cuda_matmul_multi, n <= GEMV_ROWS ? P_GEMV : P_GEMM,
+TIMED(cuda_matmul_multi, n <= GEMV_ROWS || n <= ctx_of(be)->skinny_max ? P_GEMV : P_GEMM,
       (kr_backend_t be, const float *x, int64_t ldx, int64_t n, int k, const struct kr_matmul_part *parts),
       (be, x, ldx, n, k, parts))
-TIMED(cuda_matmul_act, n <= GEMV_ROWS ? P_GEMV : P_GEMM,
+TIMED(cuda_matmul_act, n <= GEMV_ROWS || n <= ctx_of(be)->skinny_max ? P_GEMV : P_GEMM,
       (kr_backend_t be, const float *x, int64_t ldx, int64_t n, const struct kr_tensor *w, const float *bias,
        float *y, int64_t ldy, enum kr_act act, float *out),
       (be, x, ldx, n, w, bias, y, ldy, act, out))
@@ -1531,6 +1638,14 @@ enum kr_status kr_backend_cuda_create(int dev, bool graphs, kr_backend_t *out, s
         kr_err_set(err, KR_ERR_INVAL, "cuda: KRAIT_GEMV_CONFIG=%s is not in 0..%d", gc, KRK_GEMV_CONFIGS - 1);
         goto fail;
     }
+    const char *sm = getenv("KRAIT_SKINNY_MAX");
+    char *sm_end = NULL;
+    const long smv = sm ? strtol(sm, &sm_end, 10) : SKINNY_MAX_DEFAULT;
+    if (smv < 0 || smv > KRK_SKINNY_MAX_N || (sm && (sm_end == sm || *sm_end != '\0'))) {
+        kr_err_set(err, KR_ERR_INVAL, "cuda: KRAIT_SKINNY_MAX=%s is not in 0..%d", sm, KRK_SKINNY_MAX_N);
+        goto fail;
+    }
+    c->skinny_max = (int)smv;
     const char *pd = getenv("KRAIT_PDL");
     c->pdl = !(pd && !strcmp(pd, "0"));
     krk_set_pdl(c->pdl);

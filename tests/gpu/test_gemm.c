@@ -1,5 +1,6 @@
 /* Skinny products (kernels/gemm/) against kr_backend_matmul of the CPU reference with the same bf16
- * weights, for every n = 1..8 on the target model's shapes and a ragged small one.
+ * weights: the GEMV for every n = 1..8 and the tensor-core kernel for n = 2..16, on the target
+ * model's shapes and ragged small ones.
  *
  * Error bound: the kernel rounds x to bf16 (the operand precision of the GEMM path), so x is drawn
  * bf16-exact; both sides then accumulate the same x times W (exact bf16 values) in fp32, in different
@@ -346,6 +347,401 @@ Test(gemm, gemv_act_epilogue_matches_cpu)
         hw_free(&w);
     }
     kr_backend_free(be);
+}
+
+/* ---- krk_skinny: 2..16 rows on tensor cores ---------------------------------------------- */
+
+/* The model's shapes (square, Mamba in_proj, MLP down) and ragged ones: rows not a multiple of any
+ * tile, a matrix of one row; columns multiples of the 256-column step. The work is
+ * split over the resident blocks, so the 4096-row shapes share every tile between several blocks
+ * (partials summed by the last) and the small ones give each block a single column step. */
+static const struct gemv_shape skinny_shapes[] = {{4096, 4096}, {18560, 4096}, {4096, 21504}, {131, 512},
+                                                  {4000, 1024}, {1, 512}};
+#define N_SKINNY_SHAPES ((int)(sizeof skinny_shapes / sizeof skinny_shapes[0]))
+static int skinny_idx[N_SKINNY_SHAPES] = {0, 1, 2, 3, 4, 5};
+_Static_assert(sizeof skinny_idx / sizeof skinny_idx[0] == N_SKINNY_SHAPES, "one index per shape");
+#define SKINNY_WS ((size_t)16 << 20)
+/* The tensor cores add each k16 product to the fp32 accumulator with its addends aligned by
+ * truncation: up to ~1 ulp of |y| per step, cols / 16 steps. At 21504 columns (|y| ~ 50, ulp 3.8e-6)
+ * that is ~5e-3 in the worst case (1.3e-3 measured); NMSE stays far below the GEMV's bound. */
+#define SKINNY_ABS 5e-3
+
+/* x as bf16 on the device (values bf16-exact on the host) */
+static krk_bf16 *skinny_x(const float *x, size_t n)
+{
+    uint16_t *h = kr_malloc((n ? n : 1) * sizeof(uint16_t));
+    cr_assert(h);
+    for (size_t i = 0; i < n; i++) {
+        h[i] = kr_f32_to_bf16(x[i]);
+    }
+    krk_bf16 *d = gt_dup(h, (n ? n : 1) * 2);
+    kr_free(h);
+    return d;
+}
+
+ParameterizedTestParameters(gemm, skinny_matches_cpu_matmul)
+{
+    return cr_make_param_array(int, skinny_idx, N_SKINNY_SHAPES);
+}
+
+/* krk_skinny against the CPU matmul (the bound of the GEMV: both sides accumulate the same exact
+ * bf16 products in fp32, in different orders) for n = 2, 3, 8, 9, 15, 16 (both halves of the
+ * 16-token tile), every configuration at n = 5, odd n with a bias, x row stride cols + 8 and y row
+ * stride with padding that must stay untouched, one case as a programmatic dependent of the kernel
+ * that writes x. One workspace serves every product, so a counter not left at zero would corrupt
+ * the next. Then: the same product twice is bit-identical, and a token's result is bit-identical
+ * whatever the other rows of x and their number (the batch-composition independence of decode). */
+ParameterizedTest(int *idx, gemm, skinny_matches_cpu_matmul)
+{
+    GT_REQUIRE_GPU();
+    const struct gemv_shape s = skinny_shapes[*idx];
+    struct gt_rng rng = {.s = 300 + (uint64_t)*idx};
+    kr_backend_t be = kr_backend_cpu_create(0);
+    cr_assert(be);
+    struct hw w = hw_make(&rng, s.rows, s.cols);
+    float *bias = hrand(&rng, (size_t)s.rows, -1.0f, 1.0f);
+    float *d_bias = gt_dup(bias, (size_t)s.rows * 4);
+    void *d_ws = gt_dalloc(SKINNY_WS);
+    cr_assert_eq(cudaMemset(d_ws, 0, SKINNY_WS), cudaSuccess);
+    cr_assert(krk_skinny_ws_bytes(s.rows) <= SKINNY_WS, "the test's workspace is too small");
+
+    struct scase {
+        int64_t n;
+        int config;
+        bool pdl;
+    } cases[16];
+    int n_cases = 0;
+    static const int64_t ns[] = {2, 3, 8, 9, 15, 16};
+    for (size_t i = 0; i < sizeof ns / sizeof ns[0]; i++) {
+        cases[n_cases++] = (struct scase){ns[i], 0, false};
+    }
+    for (int cfg = 1; cfg < KRK_SKINNY_CONFIGS; cfg++) {
+        cases[n_cases++] = (struct scase){5, cfg, false};
+    }
+    cases[n_cases++] = (struct scase){12, 0, true};
+    for (int ci = 0; ci < n_cases; ci++) {
+        const int64_t n = cases[ci].n;
+        const bool pdl = cases[ci].pdl;
+        const int64_t ldx = s.cols + 8, ldy = s.rows + (n % 2 ? 0 : 3);
+        const bool with_bias = n % 2 == 1;
+        const size_t nx = (size_t)(n * ldx), ny = (size_t)(n * ldy);
+        float *x = hrand(&rng, nx, -1.0f, 1.0f);
+        gt_round_bf16(x, nx);
+        float *ref = kr_malloc(ny * sizeof(float)), *got = kr_malloc(ny * sizeof(float));
+        cr_assert(ref && got);
+        memset(ref, 0xff, ny * sizeof(float)); /* the padding stays NaN on both sides */
+        float *d_y = gt_dup(ref, ny * 4);
+        /* with pdl, the bf16 x the product reads is the end of a long cast (fp32 -> bf16) that the
+         * product depends on, and holds half of x before that cast: a product that read x before
+         * the cast finished would see halves */
+        const size_t lead = pdl ? (size_t)64 << 20 : 0;
+        for (size_t i = 0; i < nx; i++) {
+            x[i] *= pdl ? 0.5f : 1.0f;
+        }
+        krk_bf16 *d_xall = NULL, *d_xb = NULL;
+        float *d_f = NULL;
+        if (pdl) {
+            d_xall = gt_dalloc((lead + nx) * 2);
+            krk_bf16 *d_half = skinny_x(x, nx);
+            cr_assert_eq(cudaMemcpy(d_xall + lead, d_half, nx * 2, cudaMemcpyDeviceToDevice), cudaSuccess);
+            gt_dfree(d_half);
+            d_f = gt_dalloc((lead + nx) * 4);
+            cr_assert_eq(cudaMemset(d_f, 0, lead * 4), cudaSuccess);
+            d_xb = d_xall + lead;
+        } else {
+            d_xb = skinny_x(x, nx);
+        }
+        for (size_t i = 0; i < nx; i++) {
+            x[i] *= pdl ? 2.0f : 1.0f;
+        }
+        if (pdl) {
+            cr_assert_eq(cudaMemcpy(d_f + lead, x, nx * 4, cudaMemcpyHostToDevice), cudaSuccess);
+        }
+        gt_sync();
+        cudaStream_t st;
+        cr_assert_eq(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), cudaSuccess);
+        if (pdl) {
+            cr_assert_eq(krk_cast_bf16(d_f, (int64_t)(lead + nx), 1, (int64_t)(lead + nx), d_xall, st), KR_OK);
+        }
+        struct krk_skinny_params p = {.xb = d_xb, .ldxb = ldx, .n = n, .cols = s.cols, .n_parts = 1, .ws = d_ws,
+                                      .ws_bytes = SKINNY_WS, .pdl = pdl, .config = cases[ci].config};
+        p.parts[0] = (struct krk_gemv_part){.w = w.dev, .bias = with_bias ? d_bias : NULL, .rows = s.rows, .y = d_y,
+                                            .ldy = ldy};
+        cr_assert_eq(krk_skinny(&p, st), KR_OK);
+        cr_assert_eq(cudaStreamSynchronize(st), cudaSuccess);
+        cr_assert_eq(cudaStreamDestroy(st), cudaSuccess);
+        gt_sync();
+        cr_assert_eq(kr_backend_matmul(be, x, ldx, n, &w.t, with_bias ? bias : NULL, ref, ldy), KR_OK);
+        gt_down(got, d_y, ny * 4);
+        float *gd = kr_malloc((size_t)(n * s.rows) * sizeof(float));
+        float *rd = kr_malloc((size_t)(n * s.rows) * sizeof(float));
+        cr_assert(gd && rd);
+        for (int64_t i = 0; i < n; i++) {
+            memcpy(gd + i * s.rows, got + i * ldy, (size_t)s.rows * sizeof(float));
+            memcpy(rd + i * s.rows, ref + i * ldy, (size_t)s.rows * sizeof(float));
+        }
+        char what[160];
+        snprintf(what, sizeof what, "skinny %lldx%lld n=%lld%s config %d%s", (long long)s.rows, (long long)s.cols,
+                 (long long)n, with_bias ? " +bias" : "", cases[ci].config, pdl ? " (programmatic dependent)" : "");
+        gt_expect_close(what, gd, rd, (size_t)(n * s.rows), GEMV_NMSE, SKINNY_ABS);
+        bool pad_ok = true;
+        for (int64_t i = 0; i < n && pad_ok; i++) {
+            const size_t pad = (size_t)(ldy - s.rows) * sizeof(float);
+            pad_ok = memcmp(got + i * ldy + s.rows, ref + i * ldy + s.rows, pad) == 0;
+        }
+        cr_expect(pad_ok, "%s: y written outside its rows", what);
+        kr_free(gd);
+        kr_free(rd);
+        kr_free(x);
+        kr_free(ref);
+        kr_free(got);
+        if (pdl) {
+            gt_dfree(d_xall);
+            gt_dfree(d_f);
+        } else {
+            gt_dfree(d_xb);
+        }
+        gt_dfree(d_y);
+    }
+
+    /* repeatability and batch-composition independence: token 0 among 2, 7 and 16 rows */
+    {
+        const int64_t nmax = 16;
+        float *x = hrand(&rng, (size_t)(nmax * s.cols), -1.0f, 1.0f);
+        krk_bf16 *d_xb = skinny_x(x, (size_t)(nmax * s.cols));
+        float *d_y = gt_dalloc((size_t)(nmax * s.rows) * 4);
+        float *y0 = kr_malloc((size_t)s.rows * sizeof(float)), *yn = kr_malloc((size_t)s.rows * sizeof(float));
+        cr_assert(y0 && yn);
+        static const int64_t sizes[] = {2, 2, 7, 16};
+        for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) {
+            struct krk_skinny_params p = {.xb = d_xb, .ldxb = s.cols, .n = sizes[i], .cols = s.cols, .n_parts = 1,
+                                          .ws = d_ws, .ws_bytes = SKINNY_WS};
+            p.parts[0] = (struct krk_gemv_part){.w = w.dev, .rows = s.rows, .y = d_y, .ldy = s.rows};
+            cr_assert_eq(krk_skinny(&p, 0), KR_OK);
+            gt_sync();
+            gt_down(i == 0 ? y0 : yn, d_y, (size_t)s.rows * 4);
+            if (i > 0) {
+                cr_expect(memcmp(y0, yn, (size_t)s.rows * sizeof(float)) == 0,
+                          "skinny %lldx%lld: token 0 differs between n = 2 and n = %lld (run %zu)",
+                          (long long)s.rows, (long long)s.cols, (long long)sizes[i], i);
+            }
+        }
+        kr_free(x);
+        kr_free(y0);
+        kr_free(yn);
+        gt_dfree(d_xb);
+        gt_dfree(d_y);
+    }
+    gt_dfree(d_ws);
+    hw_free(&w);
+    gt_dfree(d_bias);
+    kr_free(bias);
+    kr_backend_free(be);
+}
+
+/* Several weights sharing x in one launch, each part against the CPU's product with its weight
+ * (bounds as above): a DSA layer's input projections, a q/k/v, ragged parts smaller than a tile;
+ * n = 2, 6 and 16; biases on some parts; padded output strides that must stay untouched. Then the
+ * activation epilogue: act_out must be act(y) bit for bit for relu2 and relu (the CPU's formula on
+ * the same value), within a few ulp for silu and gelu. */
+Test(gemm, skinny_parts_and_act_match_cpu)
+{
+    GT_REQUIRE_GPU();
+    static const struct {
+        int n_parts;
+        int64_t cols, rows[KRK_GEMV_MAX_PARTS];
+    } sets[] = {{4, 4096, {1536, 576, 128, 64}}, {3, 4096, {4096, 1024, 1024}}, {3, 512, {131, 20, 7}},
+                {2, 1536, {12288, 2048}}};
+    struct gt_rng rng = {.s = 500};
+    kr_backend_t be = kr_backend_cpu_create(0);
+    cr_assert(be);
+    void *d_ws = gt_dalloc(SKINNY_WS);
+    cr_assert_eq(cudaMemset(d_ws, 0, SKINNY_WS), cudaSuccess);
+    static const int64_t ns[] = {2, 6, 16};
+    for (size_t si = 0; si < sizeof sets / sizeof sets[0]; si++) {
+        const int k = sets[si].n_parts;
+        const int64_t cols = sets[si].cols;
+        struct hw ws[KRK_GEMV_MAX_PARTS];
+        float *bias[KRK_GEMV_MAX_PARTS] = {0}, *d_bias[KRK_GEMV_MAX_PARTS] = {0};
+        for (int i = 0; i < k; i++) {
+            ws[i] = hw_make(&rng, sets[si].rows[i], cols);
+            if (i % 2 == 0) {
+                bias[i] = hrand(&rng, (size_t)sets[si].rows[i], -1.0f, 1.0f);
+                d_bias[i] = gt_dup(bias[i], (size_t)sets[si].rows[i] * 4);
+            }
+        }
+        for (size_t ni = 0; ni < sizeof ns / sizeof ns[0]; ni++) {
+            const int64_t n = ns[ni];
+            const size_t nx = (size_t)(n * cols);
+            float *x = hrand(&rng, nx, -1.0f, 1.0f);
+            gt_round_bf16(x, nx);
+            krk_bf16 *d_xb = skinny_x(x, nx);
+            struct krk_skinny_params p = {.xb = d_xb, .ldxb = cols, .n = n, .cols = cols, .n_parts = k, .ws = d_ws,
+                                          .ws_bytes = SKINNY_WS};
+            float *d_y[KRK_GEMV_MAX_PARTS];
+            for (int i = 0; i < k; i++) {
+                const int64_t rows = sets[si].rows[i], ldy = rows + i;
+                d_y[i] = gt_dalloc((size_t)(n * ldy) * 4);
+                cr_assert_eq(cudaMemset(d_y[i], 0xff, (size_t)(n * ldy) * 4), cudaSuccess);
+                p.parts[i] = (struct krk_gemv_part){.w = ws[i].dev, .bias = d_bias[i], .rows = rows, .y = d_y[i],
+                                                    .ldy = ldy};
+            }
+            cr_assert(krk_skinny_ws_bytes(krk_skinny_tile_rows(&p)) <= SKINNY_WS);
+            cr_assert_eq(krk_skinny(&p, 0), KR_OK);
+            gt_sync();
+            for (int i = 0; i < k; i++) {
+                const int64_t rows = sets[si].rows[i], ldy = rows + i;
+                float *got = kr_malloc((size_t)(n * ldy) * 4), *ref = kr_malloc((size_t)(n * ldy) * 4);
+                cr_assert(got && ref);
+                memset(ref, 0xff, (size_t)(n * ldy) * 4);
+                gt_down(got, d_y[i], (size_t)(n * ldy) * 4);
+                cr_assert_eq(kr_backend_matmul(be, x, cols, n, &ws[i].t, bias[i], ref, ldy), KR_OK);
+                char what[128];
+                snprintf(what, sizeof what, "skinny part %d of %d (%lldx%lld) n=%lld", i, k, (long long)rows,
+                         (long long)cols, (long long)n);
+                for (int64_t t = 0; t < n; t++) {
+                    gt_expect_close(what, got + t * ldy, ref + t * ldy, (size_t)rows, GEMV_NMSE, SKINNY_ABS);
+                    cr_expect(memcmp(got + t * ldy + rows, ref + t * ldy + rows, (size_t)i * 4) == 0,
+                              "%s: y written outside its rows", what);
+                }
+                kr_free(got);
+                kr_free(ref);
+                gt_dfree(d_y[i]);
+            }
+            kr_free(x);
+            gt_dfree(d_xb);
+        }
+        for (int i = 0; i < k; i++) {
+            hw_free(&ws[i]);
+            kr_free(bias[i]);
+            if (d_bias[i]) {
+                gt_dfree(d_bias[i]);
+            }
+        }
+    }
+
+    static const enum kr_act acts[] = {KR_ACT_RELU2, KR_ACT_SILU, KR_ACT_GELU, KR_ACT_RELU};
+    static const int64_t act_shapes[][2] = {{21504, 4096}, {131, 512}};
+    for (size_t si = 0; si < 2; si++) {
+        const int64_t rows = act_shapes[si][0], cols = act_shapes[si][1];
+        struct hw w = hw_make(&rng, rows, cols);
+        for (size_t ai = 0; ai < sizeof acts / sizeof acts[0]; ai++) {
+            const int64_t n = ai % 2 ? 3 : 16, ldy = rows + 2, ld_act = rows + 1;
+            const size_t nx = (size_t)(n * cols), ny = (size_t)(n * ldy), na = (size_t)(n * ld_act);
+            float *x = hrand(&rng, nx, -1.0f, 1.0f);
+            gt_round_bf16(x, nx);
+            krk_bf16 *d_xb = skinny_x(x, nx);
+            float *d_y = gt_dalloc(ny * 4), *d_a = gt_dalloc(na * 4);
+            cr_assert_eq(cudaMemset(d_a, 0xff, na * 4), cudaSuccess);
+            struct krk_skinny_params p = {.xb = d_xb, .ldxb = cols, .n = n, .cols = cols, .n_parts = 1, .ws = d_ws,
+                                          .ws_bytes = SKINNY_WS, .act_out = d_a, .ld_act = ld_act,
+                                          .act = (int)acts[ai]};
+            p.parts[0] = (struct krk_gemv_part){.w = w.dev, .rows = rows, .y = d_y, .ldy = ldy};
+            cr_assert_eq(krk_skinny(&p, 0), KR_OK);
+            gt_sync();
+            float *y = kr_malloc(ny * 4), *ref = kr_malloc(ny * 4), *a = kr_malloc(na * 4);
+            float *ra = kr_malloc((size_t)(n * rows) * 4);
+            cr_assert(y && ref && a && ra);
+            gt_down(y, d_y, ny * 4);
+            gt_down(a, d_a, na * 4);
+            cr_assert_eq(kr_backend_matmul(be, x, cols, n, &w.t, NULL, ref, ldy), KR_OK);
+            cr_assert_eq(kr_backend_act(be, acts[ai], NULL, y, ldy, n, rows, ra), KR_OK);
+            const bool exact = acts[ai] == KR_ACT_RELU2 || acts[ai] == KR_ACT_RELU;
+            int64_t bad = 0, pad_bad = 0;
+            for (int64_t t = 0; t < n; t++) {
+                char what[96];
+                snprintf(what, sizeof what, "skinny y with act %d %lldx%lld n=%lld", (int)acts[ai], (long long)rows,
+                         (long long)cols, (long long)n);
+                gt_expect_close(what, y + t * ldy, ref + t * ldy, (size_t)rows, GEMV_NMSE, SKINNY_ABS);
+                for (int64_t r = 0; r < rows; r++) {
+                    const float g = a[t * ld_act + r], e = ra[t * rows + r];
+                    const float yv = fabsf(y[t * ldy + r]);
+                    const bool ok = exact ? memcmp(&g, &e, 4) == 0
+                                          : fabsf(g - e) <= 1e-6f * fabsf(e) + 5e-7f * yv + 1e-30f;
+                    bad += !ok;
+                }
+                pad_bad += !isnan(a[t * ld_act + rows]);
+            }
+            cr_expect_eq(bad, 0, "skinny act %d: %lld activations differ from the CPU's", (int)acts[ai],
+                         (long long)bad);
+            cr_expect_eq(pad_bad, 0, "skinny act %d: act_out written outside its rows", (int)acts[ai]);
+            kr_free(y);
+            kr_free(ref);
+            kr_free(a);
+            kr_free(ra);
+            kr_free(x);
+            gt_dfree(d_xb);
+            gt_dfree(d_y);
+            gt_dfree(d_a);
+        }
+        hw_free(&w);
+    }
+    gt_dfree(d_ws);
+    kr_backend_free(be);
+}
+
+Test(gemm, skinny_rejects_bad_parameters)
+{
+    GT_REQUIRE_GPU();
+    krk_bf16 *d_w = gt_dalloc(256 * 512 * 2 + 16), *d_x = gt_dalloc(16 * 520 * 2 + 16);
+    float *d_y = gt_dalloc(16 * 512 * 4);
+    const size_t ws = krk_skinny_ws_bytes(256);
+    cr_assert_gt(ws, 0);
+    void *d_ws = gt_dalloc(ws);
+    cr_assert_eq(cudaMemset(d_ws, 0, ws), cudaSuccess);
+    struct krk_skinny_params p = {.xb = d_x, .ldxb = 512, .n = 4, .cols = 512, .n_parts = 1, .ws = d_ws,
+                                  .ws_bytes = ws};
+    p.parts[0] = (struct krk_gemv_part){.w = d_w, .rows = 256, .y = d_y, .ldy = 256};
+    cr_expect_eq(krk_skinny(&p, 0), KR_OK);
+    p.ws_bytes = ws - 1; /* too small */
+    cr_expect_eq(krk_skinny(&p, 0), KR_ERR_INVAL);
+    p.ws_bytes = ws;
+    p.n = KRK_SKINNY_MAX_N + 1;
+    cr_expect_eq(krk_skinny(&p, 0), KR_ERR_INVAL);
+    p.n = 4;
+    p.config = KRK_SKINNY_CONFIGS;
+    cr_expect_eq(krk_skinny(&p, 0), KR_ERR_INVAL);
+    p.config = 0;
+    p.cols = 500; /* not a multiple of the column step */
+    cr_expect_eq(krk_skinny(&p, 0), KR_ERR_INVAL);
+    p.cols = 256; /* one step */
+    cr_expect_eq(krk_skinny_cols_step(0), 256);
+    cr_expect_eq(krk_skinny(&p, 0), KR_OK);
+    p.cols = 128; /* less than a step */
+    cr_expect_eq(krk_skinny(&p, 0), KR_ERR_INVAL);
+    p.cols = 512;
+    p.ldxb = 516; /* bf16 rows of a multiple of 8 values */
+    cr_expect_eq(krk_skinny(&p, 0), KR_ERR_INVAL);
+    p.ldxb = 512;
+    p.xb = d_x + 4; /* 8-byte aligned only */
+    cr_expect_eq(krk_skinny(&p, 0), KR_ERR_INVAL);
+    p.xb = d_x;
+    p.parts[0].w = d_w + 4;
+    cr_expect_eq(krk_skinny(&p, 0), KR_ERR_INVAL);
+    p.parts[0].w = d_w;
+    p.parts[0].ldy = 255; /* ldy < rows */
+    cr_expect_eq(krk_skinny(&p, 0), KR_ERR_INVAL);
+    p.parts[0].ldy = 256;
+    p.n_parts = KRK_GEMV_MAX_PARTS + 1;
+    cr_expect_eq(krk_skinny(&p, 0), KR_ERR_INVAL);
+    p.n_parts = 0;
+    cr_expect_eq(krk_skinny(&p, 0), KR_ERR_INVAL);
+    p.n_parts = 2; /* an activation with two parts */
+    p.parts[1] = (struct krk_gemv_part){.w = d_w, .rows = 64, .y = d_y + 4096, .ldy = 64};
+    p.act_out = d_y + 8192;
+    p.ld_act = 256;
+    p.act = KRK_ACT_RELU2;
+    cr_expect_eq(krk_skinny(&p, 0), KR_ERR_INVAL);
+    p.n_parts = 1;
+    p.act = 7; /* no such activation */
+    cr_expect_eq(krk_skinny(&p, 0), KR_ERR_INVAL);
+    p.act = KRK_ACT_RELU2;
+    cr_expect_eq(krk_skinny(&p, 0), KR_OK);
+    gt_sync();
+    gt_dfree(d_w);
+    gt_dfree(d_x);
+    gt_dfree(d_y);
+    gt_dfree(d_ws);
 }
 
 Test(gemm, gemv_rejects_bad_parameters)

@@ -48,6 +48,43 @@ struct krk_gemv_params {
 #define KRK_GEMV_CONFIGS 5
 enum kr_status krk_gemv(const struct krk_gemv_params *p, cudaStream_t stream);
 
+/* Skinny products on tensor cores for 2 <= n <= KRK_SKINNY_MAX_N activation rows (the decode step
+ * of a few to sixteen sequences): y_p[t, r] = sum_c x[t, c] * W_p[r, c] (+ bias_p[r]) for each part
+ * p, bf16 products accumulated in fp32 (mma.sync m16n8k16), every weight streamed once. The parts
+ * (1..KRK_GEMV_MAX_PARTS weights of the same cols sharing x) run in one launch. The work (tiles of
+ * weight rows by column steps) is split evenly over blocks resident at once; a tile that several
+ * blocks share is summed by the last of them in a fixed order from partials in `ws`, so results do
+ * not depend on timing, nor a token's on the other rows of x. With act_out (one part only),
+ * act_out[t, r] = act(y[t, r]) too. */
+#define KRK_SKINNY_MAX_N 16
+struct krk_skinny_params {
+    const krk_bf16 *xb;     /* [n, ldxb] bf16; ldxb % 8 == 0, 16-byte aligned */
+    int64_t ldxb;
+    int64_t n, cols;        /* cols a multiple of the configuration's column step
+                               (krk_skinny_cols_step: 256 by default) */
+    int n_parts;            /* 1..KRK_GEMV_MAX_PARTS */
+    struct krk_gemv_part parts[KRK_GEMV_MAX_PARTS]; /* w 16-byte aligned; outputs must not overlap
+                                                      x or each other */
+    float *act_out;         /* [n, ld_act] fp32 or NULL */
+    int64_t ld_act;
+    int act;                /* enum krk_act, with act_out */
+    void *ws;               /* krk_skinny_ws_bytes(krk_skinny_tile_rows(p)) bytes or more, 256-byte
+                               aligned, zeroed once when allocated (it holds counters every product
+                               leaves at zero); one workspace serves products of any shape */
+    size_t ws_bytes;
+    bool pdl;               /* as krk_gemv_params.pdl */
+    int config;             /* 0: default; 1..KRK_SKINNY_CONFIGS - 1: other tile shapes, pipeline
+                               depths and blocks per SM, for bench_gemv */
+};
+#define KRK_SKINNY_CONFIGS 4
+/* The parts' rows, each rounded up to the largest tile. */
+int64_t krk_skinny_tile_rows(const struct krk_skinny_params *p);
+/* Workspace for products of up to tile_rows rows (krk_skinny_tile_rows) on the current device. */
+size_t krk_skinny_ws_bytes(int64_t tile_rows);
+/* Columns of one step of a configuration (cols must be a multiple); 0 for no such configuration. */
+int krk_skinny_cols_step(int config);
+enum kr_status krk_skinny(const struct krk_skinny_params *p, cudaStream_t stream);
+
 /* y[t, r] += bias[r] for t < n, r < rows (after a cuBLAS product). */
 enum kr_status krk_add_bias(float *y, int64_t ldy, const float *bias, int64_t n, int64_t rows, cudaStream_t stream);
 
