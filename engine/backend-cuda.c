@@ -62,6 +62,8 @@ struct cuda_ctx {
     bool graphs_on;
     int skinny_max;                     /* products of 2..skinny_max rows take krk_skinny (tensor
                                            cores), more take cuBLAS (KRAIT_SKINNY_MAX, 0 = never) */
+    int skinny_config;                  /* KRAIT_SKINNY_CONFIG: a krk_skinny configuration other than
+                                           the default (for measurements) */
     void *sk_ws;                        /* krk_skinny's workspace (zeroed when allocated) */
     size_t sk_ws_size;
     int gemv_config;                    /* KRAIT_GEMV_CONFIG: a GEMV tiling other than the default
@@ -894,7 +896,7 @@ static enum kr_status bf16_x(struct cuda_ctx *c, const float *x, int64_t ldx, in
 static bool skinny_takes(const struct cuda_ctx *c, int64_t n, const struct kr_tensor *w)
 {
     return n >= 2 && n <= c->skinny_max && n <= KRK_SKINNY_MAX_N && w->dtype == KR_DTYPE_BF16 &&
-           w->cols % krk_skinny_cols_step(0) == 0 && ((uintptr_t)w->data & 15) == 0;
+           w->cols % krk_skinny_cols_step(c->skinny_config) == 0 && ((uintptr_t)w->data & 15) == 0;
 }
 
 /* One krk_skinny launch over k parts (their weights share cols); KR_ERR_UNSUPPORTED when the
@@ -903,6 +905,7 @@ static enum kr_status skinny_run(struct cuda_ctx *c, const float *x, int64_t ldx
                                  const struct kr_matmul_part *parts, enum kr_act act, float *act_out)
 {
     struct krk_skinny_params p = {.n = n, .cols = parts[0].w->cols, .n_parts = k, .ws = c->sk_ws,
+                                  .config = c->skinny_config,
                                   .ws_bytes = c->sk_ws_size, .act_out = act_out, .act = (int)act};
     for (int i = 0; i < k; i++) {
         p.parts[i] = (struct krk_gemv_part){.w = parts[i].w->data, .bias = parts[i].bias, .rows = parts[i].w->rows,
@@ -1646,6 +1649,14 @@ enum kr_status kr_backend_cuda_create(int dev, bool graphs, kr_backend_t *out, s
         goto fail;
     }
     c->skinny_max = (int)smv;
+    const char *sc = getenv("KRAIT_SKINNY_CONFIG");
+    char *sc_end = NULL;
+    const long scv = sc ? strtol(sc, &sc_end, 10) : 0;
+    if (scv < 0 || scv >= KRK_SKINNY_CONFIGS || (sc && (sc_end == sc || *sc_end != '\0'))) {
+        kr_err_set(err, KR_ERR_INVAL, "cuda: KRAIT_SKINNY_CONFIG=%s is not in 0..%d", sc, KRK_SKINNY_CONFIGS - 1);
+        goto fail;
+    }
+    c->skinny_config = (int)scv;
     const char *pd = getenv("KRAIT_PDL");
     c->pdl = !(pd && !strcmp(pd, "0"));
     krk_set_pdl(c->pdl);
