@@ -749,8 +749,9 @@ static enum kr_status op_enter(struct cuda_ctx *c)
  * n = 2 (4.40 vs 4.30) and far slower from n = 3 (bench_gemv, docs/PERF.md). */
 #define GEMV_ROWS 1
 /* Rows from 2 up to this many take krk_skinny (bf16 tensor cores, each weight streamed once, x from
- * the bf16 copy an op wrote); more take cuBLAS. See docs/PERF.md. */
-#define SKINNY_MAX_DEFAULT 16
+ * the bf16 copy an op wrote); more take cuBLAS. In decode steps of the Nemotron-H-8B shape it beat
+ * cuBLAS by 2.5-3.5 % at 2 rows and was 0.3-1 % slower at 16 (docs/PERF.md). */
+#define SKINNY_MAX_DEFAULT 8
 
 static krk_bf16 *shadow_for(struct cuda_ctx *c, const float *out, int64_t n, int64_t cols)
 {

@@ -2,32 +2,31 @@
 // by streaming each weight once. The decode step of a few to sixteen sequences.
 //
 // Roles: x (bf16, the tokens) is the mma's A operand (m16 x k16: rows past n are zeros), the weight
-// its B operand (k16 x n8: eight weight rows, each a row of W as stored). A work item is 128 weight
-// rows (a tile; 16 per warp) by 64 columns (an iteration). The tiles of every part, in order, times
-// the column iterations of a tile make one sequence of iterations that is cut into equal
-// contiguous ranges, one per block (stream-K), the blocks being resident at once (one or two per SM):
-// every block streams the same number of bytes whatever the shape, and its copy pipeline runs on
-// across tile boundaries.
+// its B operand (k16 x n8: eight weight rows, each a row of W as stored). A work item is R weight
+// rows (a tile: 32, 64 or 128 by configuration) by 256 columns (an iteration). The tiles of every
+// part, in order, times the column iterations of a tile make one sequence of iterations that is cut
+// into equal contiguous ranges, one per block (stream-K), the blocks being resident at once (one
+// or two per SM): every block streams the same number of bytes whatever the shape, and its copy
+// pipeline runs on across tile boundaries. The 8 warps split a tile as R / 16 row groups times
+// 8 / (R / 16) column splits, whose sums are added in a fixed order at the end of a segment.
 //
-// Pipeline: S stages of shared memory, each one iteration's weight tile (128 rows x 128 bytes) and x
-// tile (16 rows x 128 bytes), filled with cp.async S - 1 iterations ahead. 16-byte chunks are
-// stored XOR-swizzled (chunk c of row r at c ^ (r % 8)) so that the 8 rows an ldmatrix phase reads
-// hit distinct banks. The first S - 1 weight tiles are requested before the programmatic-launch
-// wait (weights are written by no kernel); x only after it.
+// Pipeline: S stages of shared memory, each one iteration's weight tile (R rows x 512 bytes) and x
+// tile (16 rows x 512 bytes), filled with cp.async S - 1 iterations ahead; warp w copies rows
+// w, w + 8, ..., so each copy instruction reads 512 contiguous bytes of one row (whole rows per
+// request matter: tiles of 128 rows x 128 bytes streamed at 2.1-2.8 TB/s, these at 3-4.3). 16-byte
+// chunks are stored XOR-swizzled (chunk c of row r at c ^ (r % 8)) so that the 8 rows an ldmatrix
+// phase reads hit distinct banks. The first S - 1 weight tiles are requested before the
+// programmatic-launch wait (weights are written by no kernel); x only after it.
 //
 // Results: a block that covers all columns of a tile writes y (+ bias, + activation) from its
 // accumulators. Otherwise each block that has a segment of the tile writes its partial sums to the
-// workspace (two slots per block: its first tile and its last) and counts itself in on the tile's
-// counter; the last to arrive adds the partials in block order (the order of the columns, fixed by
-// the shape and the grid: results do not depend on timing, nor a token's on the other rows of x),
-// writes y and sets the counter back to zero for the next product.
+// workspace (two slots per block: its first tile and its last) and, after its loop, counts itself
+// in on the tile's counter; the last to arrive adds the partials in block order (the order of the
+// columns, fixed by the shape and the grid: results do not depend on timing, nor a token's on the
+// other rows of x), writes y and sets the counter back to zero for the next product.
 #include "common/mma.cuh"
 #include "common/util.cuh"
 #include "norm/act.cuh"
-
-#include <cstdio>
-#include <cstring>
-#include <cuda.h>
 
 namespace krk {
 namespace {
@@ -41,12 +40,9 @@ struct sk_cfg {
     int k;      // columns of an iteration
     int stages;
     int per_sm; // resident blocks per SM (the grid is this many per SM)
-    bool tma;   // copies by the tensor-memory accelerator (four 64-column boxes of the weight tile
-                // and of x per stage, 128-byte swizzle, mbarrier completion) instead of cp.async
 };
 // 0 is the default; the others are alternatives measured by bench_gemv.
-constexpr sk_cfg kSkCfg[KRK_SKINNY_CONFIGS] = {{64, 256, 5, 1, false}, {32, 256, 4, 2, false}, {64, 256, 5, 1, true},
-                                               {32, 256, 4, 2, true},   {64, 256, 4, 1, true},   {128, 256, 3, 1, true}};
+constexpr sk_cfg kSkCfg[KRK_SKINNY_CONFIGS] = {{64, 256, 5, 1}, {32, 256, 4, 2}, {64, 256, 4, 1}, {128, 256, 3, 1}};
 
 __host__ __device__ constexpr int64_t sk_div_up(int64_t a, int64_t b)
 {
@@ -124,15 +120,12 @@ struct SkLd {
     int tile, kcol;
     const uint16_t *w;  // this thread's chunk of row `warp` of the tile at column step kcol
     int64_t nvalid;     // rows of the part from row `warp` of the tile on
-    int q, row0;        // the tile's part and first row in it
 };
 
 __device__ __forceinline__ void sk_ld_tile(const SkArgs &a, int R, SkLd &l)
 {
     const int q = sk_part_of(a, l.tile);
-    l.q = q;
-    l.row0 = (l.tile - a.tile0[q]) * R;
-    const int64_t row = (int64_t)l.row0 + (threadIdx.x >> 5);
+    const int64_t row = (int64_t)(l.tile - a.tile0[q]) * R + (threadIdx.x >> 5);
     l.nvalid = a.rows[q] - row;
     l.w = a.w[q] + row * a.cols + (int64_t)l.kcol * kSkK + (threadIdx.x & 31) * 8;
 }
@@ -176,64 +169,6 @@ __device__ __forceinline__ void sk_load(const SkArgs &a, const SkLd &l, uint32_t
     }
 }
 
-// The TMA path: a stage is four 64-column boxes of the weight tile ([R rows][128 bytes] each) and
-// four of x ([16][128 bytes]; rows past n lie outside x's tensor map and arrive as zeros), stored
-// with the 128-byte swizzle (chunk c of row r at c ^ (r % 8)). One mbarrier per stage counts the
-// bytes.
-struct SkMaps {
-    CUtensorMap w[KRK_GEMV_MAX_PARTS];
-    CUtensorMap x;
-};
-
-__device__ __forceinline__ void mbar_init(uint32_t bar, unsigned count)
-{
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
-}
-
-__device__ __forceinline__ void mbar_expect(uint32_t bar, unsigned bytes)
-{
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-
-__device__ __forceinline__ void mbar_wait(uint32_t bar, unsigned parity)
-{
-    asm volatile("{\n"
-                 ".reg .pred p;\n"
-                 "SK_WAIT:\n"
-                 "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-                 "@!p bra SK_WAIT;\n"
-                 "}\n" ::"r"(bar),
-                 "r"(parity)
-                 : "memory");
-}
-
-__device__ __forceinline__ void tma_2d(uint32_t dst, const CUtensorMap *map, int c0, int c1, uint32_t bar)
-{
-    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], "
-                 "[%4];\n" ::"r"(dst),
-                 "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
-                 : "memory");
-}
-
-// Thread 0 requests the weight boxes of the tile at l (and, with_x, x's) into stage buffer sw; the
-// stage's barrier is told the whole stage's bytes first (x's included: before the programmatic-
-// launch wait they are requested later).
-template <int R>
-__device__ __forceinline__ void sk_tma_load(const SkMaps &m, const SkLd &l, uint32_t sw, uint32_t bar, bool with_x)
-{
-    mbar_expect(bar, (unsigned)((R + 16) * kSkRowBytes));
-#pragma unroll
-    for (int sub = 0; sub < 4; sub++) {
-        tma_2d(sw + sub * R * 128, &m.w[l.q], l.kcol * kSkK + sub * 64, l.row0, bar);
-    }
-    if (with_x) {
-#pragma unroll
-        for (int sub = 0; sub < 4; sub++) {
-            tma_2d(sw + R * kSkRowBytes + sub * 16 * 128, &m.x, l.kcol * kSkK + sub * 64, 0, bar);
-        }
-    }
-}
-
 __device__ __forceinline__ void sk_store(const SkArgs &a, int q, int64_t row0, int tok, int64_t row, float v)
 {
     if (tok < a.n && row0 + row < a.rows[q]) {
@@ -254,9 +189,8 @@ __device__ __forceinline__ void ldsm_x4(uint32_t r[4], uint32_t addr)
 }
 
 // Warps: RG = R / 16 row groups of 16 weight rows times KS = 8 / RG column splits of an iteration.
-template <int R, int S, bool TMA>
-__global__ void __launch_bounds__(kSkThreads) skinny_kernel(const __grid_constant__ SkArgs a,
-                                                             const __grid_constant__ SkMaps maps)
+template <int R, int S>
+__global__ void __launch_bounds__(kSkThreads) skinny_kernel(const __grid_constant__ SkArgs a)
 {
     constexpr int K = kSkK;
     constexpr int RG = R / 16, KS = kSkWarps / RG, KW = K / KS; // columns of an iteration per warp
@@ -265,14 +199,12 @@ __global__ void __launch_bounds__(kSkThreads) skinny_kernel(const __grid_constan
     extern __shared__ __align__(128) unsigned char sk_smem[];
     __shared__ float red[(KS - 1) * RG * 32 * 8 + 1]; // the column splits' sums, combined in order
     __shared__ unsigned sk_last[2];
-    __shared__ __align__(8) uint64_t full[S]; // TMA path: a stage's bytes have landed
     int pend0 = -1, pend1 = -1; // tiles whose partial sums this block left in its two slots
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int rg = warp % RG, ks = warp / RG;
     const int b = blockIdx.x;
     const int it0 = sk_begin(a, b), count = sk_begin(a, b + 1) - it0;
-    // the TMA path's swizzle repeats every 1024 bytes: its stages start on such a boundary
-    const uint32_t sbase = TMA ? (smem_addr(sk_smem) + 1023u) & ~1023u : smem_addr(sk_smem);
+    const uint32_t sbase = smem_addr(sk_smem);
     const uint32_t soff = sk_swz(warp, lane); // this thread's copy destination in row `warp`
 
     // weights of the first S - 1 iterations, one group each
@@ -281,57 +213,20 @@ __global__ void __launch_bounds__(kSkThreads) skinny_kernel(const __grid_constan
     ld.kcol = it0 - ld.tile * a.kc;
     sk_ld_tile(a, R, ld);
     const SkLd first = ld;
-    const uint32_t fbar = smem_addr(full);
-    if (TMA) {
-        if (threadIdx.x == 0) {
 #pragma unroll
-            for (int s = 0; s < S; s++) {
-                mbar_init(fbar + 8 * s, 1);
-            }
-            asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    for (int s = 0; s < S - 1; s++) {
+        if (s < count) {
+            sk_load<R>(a, ld, sbase + s * SB, soff, false);
+            sk_ld_next(a, R, ld);
         }
-        __syncthreads();
-#pragma unroll
-        for (int s = 0; s < S - 1; s++) {
-            if (s < count) {
-                if (threadIdx.x == 0) {
-                    sk_tma_load<R>(maps, ld, sbase + s * SB, fbar + 8 * s, false);
-                }
-                sk_ld_next(a, R, ld);
-            }
-        }
-    } else {
-#pragma unroll
-        for (int s = 0; s < S - 1; s++) {
-            if (s < count) {
-                sk_load<R>(a, ld, sbase + s * SB, soff, false);
-                sk_ld_next(a, R, ld);
-            }
-            cp_async_commit();
-        }
+        cp_async_commit();
     }
     pdl_trigger();
     pdl_wait(); // x, y, the counters and the partials belong to earlier kernels
 
-    // x of those iterations: TMA path, requested by thread 0 (their barriers already count the
-    // bytes; rows past n arrive as zeros)
-    if (TMA) {
-        if (threadIdx.x == 0) {
-            SkLd xp = first;
-#pragma unroll
-            for (int s = 0; s < S - 1; s++) {
-                if (s < count) {
-#pragma unroll
-                    for (int sub = 0; sub < 4; sub++) {
-                        tma_2d(sbase + s * SB + WB + sub * 16 * 128, &maps.x, xp.kcol * K + sub * 64, 0, fbar + 8 * s);
-                    }
-                    sk_ld_next(a, R, xp);
-                }
-            }
-        }
-    } else {
-        // cp.async path: x read directly (every load issued before the first store to shared
-        // memory, which the compiler would otherwise order them behind)
+    // x of those iterations, read directly (every load issued before the first store to shared
+    // memory, which the compiler would otherwise order them behind); rows past n zero in every stage
+    {
         uint4 xv[S - 1][2];
         SkLd xp = first;
 #pragma unroll
@@ -365,44 +260,27 @@ __global__ void __launch_bounds__(kSkThreads) skinny_kernel(const __grid_constan
 #pragma unroll
     for (int k4 = 0; k4 < 4; k4++) {
         const int ra = (j & 1) * 8 + r7, rb = rg * 16 + (j >> 1) * 8 + r7;
-        if (TMA) { // 64-column boxes of 128-byte rows: chunk c in box c / 8
-            offA[k4] = (uint32_t)(WB + ks * (KW / 64) * 16 * 128 + ra * 128 + ((((j >> 1) ^ r7) ^ (2 * k4)) << 4));
-            offB[k4] = (uint32_t)(ks * (KW / 64) * R * 128 + rb * 128 + ((((j & 1) ^ r7) ^ (2 * k4)) << 4));
-        } else {
-            offA[k4] = (uint32_t)(WB + ra * kSkRowBytes + (ks * (KW / 8) + (((j >> 1) ^ r7) ^ (2 * k4))) * 16);
-            offB[k4] = (uint32_t)(rb * kSkRowBytes + (ks * (KW / 8) + (((j & 1) ^ r7) ^ (2 * k4))) * 16);
-        }
+        offA[k4] = (uint32_t)(WB + ra * kSkRowBytes + (ks * (KW / 8) + (((j >> 1) ^ r7) ^ (2 * k4))) * 16);
+        offB[k4] = (uint32_t)(rb * kSkRowBytes + (ks * (KW / 8) + (((j & 1) ^ r7) ^ (2 * k4))) * 16);
     }
 
     float acc[2][4] = {};
     int cur_tile = first.tile, cur_kcol = first.kcol;
     int seg = it0; // first iteration of the current tile's segment
     for (int i = 0; i < count; i++) {
-        if (TMA) {
-            mbar_wait(fbar + 8 * (i % S), (unsigned)((i / S) & 1)); // iteration i's bytes have landed
-            __syncthreads(); // the stage refilled below is no longer read
-            if (i + S - 1 < count) {
-                if (threadIdx.x == 0) {
-                    const int s2 = (i + S - 1) % S;
-                    sk_tma_load<R>(maps, ld, sbase + s2 * SB, fbar + 8 * s2, true);
-                }
-                sk_ld_next(a, R, ld);
-            }
-        } else {
-            cp_async_wait<S - 2>(); // this thread's copies of iteration i have landed
-            __syncthreads();        // everyone's; and the stage refilled below is no longer read
-            if (i + S - 1 < count) {
-                sk_load<R>(a, ld, sbase + ((i + S - 1) % S) * SB, soff, true);
-                sk_ld_next(a, R, ld);
-            }
-            cp_async_commit();
+        cp_async_wait<S - 2>(); // this thread's copies of iteration i have landed
+        __syncthreads();        // everyone's; and the stage refilled below is no longer read
+        if (i + S - 1 < count) {
+            sk_load<R>(a, ld, sbase + ((i + S - 1) % S) * SB, soff, true);
+            sk_ld_next(a, R, ld);
         }
+        cp_async_commit();
         const uint32_t st = sbase + (i % S) * SB;
 #pragma unroll
         for (int kk = 0; kk < KW / 16; kk++) {
             uint32_t af[4], bf[4];
-            ldsm_x4(af, st + offA[kk & 3] + (kk >> 2) * (TMA ? 16 * 128 : 128));
-            ldsm_x4(bf, st + offB[kk & 3] + (kk >> 2) * (TMA ? R * 128 : 128));
+            ldsm_x4(af, st + offA[kk & 3] + (kk >> 2) * 128);
+            ldsm_x4(bf, st + offB[kk & 3] + (kk >> 2) * 128);
             mma_bf16(acc[0], af, bf[0], bf[1]);
             mma_bf16(acc[1], af, bf[2], bf[3]);
         }
@@ -535,72 +413,21 @@ __global__ void __launch_bounds__(kSkThreads) skinny_kernel(const __grid_constan
     }
 }
 
-// cuTensorMapEncodeTiled from the driver, found once through the runtime.
-using EncodeTiled = CUresult (*)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *, const cuuint64_t *,
-                                 const cuuint64_t *, const cuuint32_t *, const cuuint32_t *, CUtensorMapInterleave,
-                                 CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-EncodeTiled encode_tiled()
+template <int R, int S, int PS> enum kr_status launch_skinny(const SkArgs &a, int iters, bool pdl, cudaStream_t stream)
 {
-    static EncodeTiled fn = nullptr;
-    if (!fn) {
-        void *p = nullptr;
-        cudaDriverEntryPointQueryResult q;
-        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q) ==
-                cudaSuccess &&
-            q == cudaDriverEntryPointSuccess) {
-            fn = reinterpret_cast<EncodeTiled>(p);
-        }
-    }
-    return fn;
-}
-
-// A bf16 matrix [rows, cols] with row stride ld (elements) as boxes of [box_rows][64 columns].
-bool encode_map(CUtensorMap *m, const void *base, int64_t rows, int64_t cols, int64_t ld, int box_rows)
-{
-    EncodeTiled fn = encode_tiled();
-    if (!fn) {
-        return false;
-    }
-    const cuuint64_t dim[2] = {(cuuint64_t)cols, (cuuint64_t)rows};
-    const cuuint64_t stride[1] = {(cuuint64_t)ld * 2};
-    const cuuint32_t box[2] = {64, (cuuint32_t)box_rows};
-    const cuuint32_t estride[2] = {1, 1};
-    return fn(m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void *>(base), dim, stride, box, estride,
-              CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
-}
-
-template <int R, int S, int PS, bool TMA>
-enum kr_status launch_skinny(const SkArgs &a, const struct krk_skinny_params *p, int iters, bool pdl,
-                             cudaStream_t stream)
-{
-    constexpr size_t smem = (size_t)S * (R + 16) * kSkRowBytes + (TMA ? 1024 : 0);
+    constexpr size_t smem = (size_t)S * (R + 16) * kSkRowBytes;
     static_assert(smem * PS <= 220 * 1024, "stages fit the shared memory of an SM");
     static bool smem_set = false; // one opt-in per instantiation
     if (!smem_set) {
-        KRK_CUDA_TRY(
-            cudaFuncSetAttribute(skinny_kernel<R, S, TMA>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+        KRK_CUDA_TRY(cudaFuncSetAttribute(skinny_kernel<R, S>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
         smem_set = true;
-    }
-    SkMaps maps;
-    memset(&maps, 0, sizeof maps);
-    if (TMA) {
-        bool ok = encode_map(&maps.x, p->xb, p->n, p->cols, p->ldxb, 16);
-        for (int i = 0; ok && i < p->n_parts; i++) {
-            ok = encode_map(&maps.w[i], p->parts[i].w, p->parts[i].rows, p->cols, p->cols, R);
-        }
-        if (!ok) {
-            fprintf(stderr, "krk_skinny: cannot describe the operands for the tensor-memory accelerator\n");
-            return KR_ERR_CUDA;
-        }
     }
     SkArgs b = a;
     const int g = krk_device_sm_count() * PS;
     const int grid = iters < g ? iters : g;
     b.q = iters / grid;
     b.r = iters % grid;
-    KRK_CUDA_TRY(launch_maybe_pdl(pdl, skinny_kernel<R, S, TMA>, dim3((unsigned)grid), dim3(kSkThreads), smem, stream,
-                                  b, maps));
+    KRK_CUDA_TRY(launch_maybe_pdl(pdl, skinny_kernel<R, S>, dim3((unsigned)grid), dim3(kSkThreads), smem, stream, b));
     return KR_OK;
 }
 
@@ -688,16 +515,12 @@ extern "C" enum kr_status krk_skinny(const struct krk_skinny_params *p, cudaStre
     const bool pdl = p->pdl || pdl_enabled();
     switch (p->config) {
     case 1:
-        return launch_skinny<32, 4, 2, false>(a, p, iters, pdl, stream);
+        return launch_skinny<32, 4, 2>(a, iters, pdl, stream);
     case 2:
-        return launch_skinny<64, 5, 1, true>(a, p, iters, pdl, stream);
+        return launch_skinny<64, 4, 1>(a, iters, pdl, stream);
     case 3:
-        return launch_skinny<32, 4, 2, true>(a, p, iters, pdl, stream);
-    case 4:
-        return launch_skinny<64, 4, 1, true>(a, p, iters, pdl, stream);
-    case 5:
-        return launch_skinny<128, 3, 1, true>(a, p, iters, pdl, stream);
+        return launch_skinny<128, 3, 1>(a, iters, pdl, stream);
     default:
-        return launch_skinny<64, 5, 1, false>(a, p, iters, pdl, stream);
+        return launch_skinny<64, 5, 1>(a, iters, pdl, stream);
     }
 }

@@ -419,7 +419,7 @@ ParameterizedTest(int *idx, gemm, skinny_matches_cpu_matmul)
         cases[n_cases++] = (struct scase){5, cfg, false};
     }
     cases[n_cases++] = (struct scase){12, 0, true};
-    cases[n_cases++] = (struct scase){12, 2, true}; /* the bulk-copy path */
+    cases[n_cases++] = (struct scase){12, 1, true}; /* two blocks per SM */
     for (int ci = 0; ci < n_cases; ci++) {
         const int64_t n = cases[ci].n;
         const bool pdl = cases[ci].pdl;

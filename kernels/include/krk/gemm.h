@@ -76,7 +76,7 @@ struct krk_skinny_params {
     int config;             /* 0: default; 1..KRK_SKINNY_CONFIGS - 1: other tile shapes, pipeline
                                depths and blocks per SM, for bench_gemv */
 };
-#define KRK_SKINNY_CONFIGS 6
+#define KRK_SKINNY_CONFIGS 4
 /* The parts' rows, each rounded up to the largest tile. */
 int64_t krk_skinny_tile_rows(const struct krk_skinny_params *p);
 /* Workspace for products of up to tile_rows rows (krk_skinny_tile_rows) on the current device. */
