@@ -1658,6 +1658,8 @@ enum kr_status kr_backend_cuda_create(int dev, bool graphs, kr_backend_t *out, s
         goto fail;
     }
     c->skinny_config = (int)scv;
+    const char *ss = getenv("KRAIT_SSD_STREAM");
+    krk_set_state_streaming(!(ss && !strcmp(ss, "0")));
     const char *pd = getenv("KRAIT_PDL");
     c->pdl = !(pd && !strcmp(pd, "0"));
     krk_set_pdl(c->pdl);

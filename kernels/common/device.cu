@@ -52,3 +52,15 @@ extern "C" bool krk_pdl(void)
 {
     return g_pdl.load(std::memory_order_relaxed);
 }
+
+static std::atomic<bool> g_state_stream{true};
+
+extern "C" void krk_set_state_streaming(bool on)
+{
+    g_state_stream.store(on, std::memory_order_relaxed);
+}
+
+extern "C" bool krk_state_streaming(void)
+{
+    return g_state_stream.load(std::memory_order_relaxed);
+}

@@ -120,10 +120,13 @@ extern "C" enum kr_status krk_ssd(const struct krk_ssd_params *p, cudaStream_t s
     {
         const dim3 grid((unsigned)((p->head_dim + kDecodeRows - 1) / kDecodeRows), (unsigned)p->n_head,
                         (unsigned)b.n_seq);
+        const bool cs = krk_state_streaming();
         if (p->d_state % 4 == 0) {
-            krk::launch_maybe_pdl(krk::pdl_enabled(), ssd_decode_kernel<true>, grid, kDecodeThreads, 0, stream, a);
+            krk::launch_maybe_pdl(krk::pdl_enabled(), cs ? ssd_decode_kernel<true, true> : ssd_decode_kernel<true, false>,
+                                  grid, kDecodeThreads, 0, stream, a);
         } else {
-            krk::launch_maybe_pdl(krk::pdl_enabled(), ssd_decode_kernel<false>, grid, kDecodeThreads, 0, stream, a);
+            krk::launch_maybe_pdl(krk::pdl_enabled(), cs ? ssd_decode_kernel<false, true> : ssd_decode_kernel<false, false>,
+                                  grid, kDecodeThreads, 0, stream, a);
         }
         KRK_CHECK_LAUNCH();
     }

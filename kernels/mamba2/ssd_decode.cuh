@@ -17,8 +17,22 @@ constexpr int kDecodeRows = kDecodeThreads / 32 * kDecodeRowsPerWarp; // 16
 constexpr int kMaxState = 256;
 
 // VEC: d_state % 4 == 0 (16-byte state rows); lane i owns float4 i and i + 32 of a row.
-// Otherwise lane i owns elements i, i + 32, ... (d_state <= 256: at most 8).
-template <bool VEC>
+// Otherwise lane i owns elements i, i + 32, ... (d_state <= 256: at most 8). CS: the state is loaded
+// and stored with the streaming (evict-first) hints.
+template <typename T> __device__ __forceinline__ T st_load(const T *p, bool cs)
+{
+    return cs ? __ldcs(p) : *p;
+}
+template <typename T> __device__ __forceinline__ void st_store(T *p, T v, bool cs)
+{
+    if (cs) {
+        __stcs(p, v);
+    } else {
+        *p = v;
+    }
+}
+
+template <bool VEC, bool CS>
 __global__ void __launch_bounds__(kDecodeThreads) ssd_decode_kernel(SsdArgs a)
 {
     // Until the wait only what no kernel of this step writes is read: the batch arrays (uploaded
@@ -67,12 +81,12 @@ __global__ void __launch_bounds__(kDecodeThreads) ssd_decode_kernel(SsdArgs a)
             if constexpr (VEC) {
                 v[r][k] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
                 if (!fresh && qw + r < P && i < (N >> 2)) {
-                    v[r][k] = reinterpret_cast<const float4 *>(st_head + (int64_t)(qw + r) * N)[i];
+                    v[r][k] = st_load(reinterpret_cast<const float4 *>(st_head + (int64_t)(qw + r) * N) + i, CS);
                 }
             } else {
                 v[r][k] = 0.0f;
                 if (!fresh && qw + r < P && i < N) {
-                    v[r][k] = st_head[(int64_t)(qw + r) * N + i];
+                    v[r][k] = st_load(st_head + (int64_t)(qw + r) * N + i, CS);
                 }
             }
         }
@@ -112,7 +126,7 @@ __global__ void __launch_bounds__(kDecodeThreads) ssd_decode_kernel(SsdArgs a)
                     u.w = u.w * dA + dx * b.w;
                     acc += u.x * c.x + u.y * c.y + u.z * c.z + u.w * c.w;
                     if (slot >= 0 && qw + r < P) {
-                        reinterpret_cast<float4 *>(st_head + (int64_t)(qw + r) * N)[i] = u;
+                        st_store(reinterpret_cast<float4 *>(st_head + (int64_t)(qw + r) * N) + i, u, CS);
                     }
                 }
             }
@@ -133,7 +147,7 @@ __global__ void __launch_bounds__(kDecodeThreads) ssd_decode_kernel(SsdArgs a)
                     const float u = v[r][k] * dA + dx * B_sh[n];
                     acc += u * C_sh[n];
                     if (slot >= 0 && qw + r < P) {
-                        st_head[(int64_t)(qw + r) * N + n] = u;
+                        st_store(st_head + (int64_t)(qw + r) * N + n, u, CS);
                     }
                 }
             }

@@ -62,6 +62,11 @@ int krk_device_sm_count(void);
  * anything an earlier kernel writes. Set it before issuing or capturing work. */
 void krk_set_pdl(bool on);
 bool krk_pdl(void);
+/* Cache policy of the one-token SSM state update (process-wide, on at start): when on, the state
+ * (read and written once a step, never again within it) is loaded and stored with the streaming
+ * cache hints (evict first) instead of the default ones. Results are the same either way. */
+void krk_set_state_streaming(bool on);
+bool krk_state_streaming(void);
 
 #ifdef __cplusplus
 }
