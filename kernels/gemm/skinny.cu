@@ -28,6 +28,8 @@
 #include "common/util.cuh"
 #include "norm/act.cuh"
 
+#include <atomic>
+
 namespace krk {
 namespace {
 
@@ -417,10 +419,14 @@ template <int R, int S, int PS> enum kr_status launch_skinny(const SkArgs &a, in
 {
     constexpr size_t smem = (size_t)S * (R + 16) * kSkRowBytes;
     static_assert(smem * PS <= 220 * 1024, "stages fit the shared memory of an SM");
-    static bool smem_set = false; // one opt-in per instantiation
-    if (!smem_set) {
+    // the shared-memory opt-in, once per instantiation and device (devices 0..63; others every launch)
+    static std::atomic<uint64_t> opted{0};
+    int dev = 0;
+    KRK_CUDA_TRY(cudaGetDevice(&dev));
+    const uint64_t bit = dev >= 0 && dev < 64 ? (uint64_t)1 << dev : 0;
+    if (bit == 0 || !(opted.load(std::memory_order_relaxed) & bit)) {
         KRK_CUDA_TRY(cudaFuncSetAttribute(skinny_kernel<R, S>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-        smem_set = true;
+        opted.fetch_or(bit, std::memory_order_relaxed);
     }
     SkArgs b = a;
     const int g = krk_device_sm_count() * PS;
