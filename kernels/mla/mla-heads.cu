@@ -339,14 +339,27 @@ __global__ void __launch_bounds__(kCombineThreads)
         }
         __syncthreads();
         const float *o = ws.o + (tl * ns * hp + h) * R;
-        for (int r = tid; r < R; r += blockDim.x) {
-            float acc = 0.0f;
-#pragma unroll 8
-            for (int s = 0; s < ns; s++) { // independent loads, eight in flight
-                const float ov = o[(int64_t)s * hp * R + r]; // unwritten (any bits) for empty parts
-                acc = es[s] != 0.0f ? fmaf(es[s], ov, acc) : acc;
+        // a thread's RPT columns at once: their loads of 16 parts (RPT x 16 independent loads) in
+        // flight together; each column still adds the parts in order
+        constexpr int RPT = R / kCombineThreads;
+        static_assert(R % kCombineThreads == 0, "columns tile the threads");
+        float acc[RPT];
+#pragma unroll
+        for (int u = 0; u < RPT; u++) {
+            acc[u] = 0.0f;
+        }
+#pragma unroll 16
+        for (int s = 0; s < ns; s++) {
+            const float e_s = es[s];
+#pragma unroll
+            for (int u = 0; u < RPT; u++) {
+                const float ov = o[(int64_t)s * hp * R + tid + u * kCombineThreads]; // any bits for empty parts
+                acc[u] = e_s != 0.0f ? fmaf(e_s, ov, acc[u]) : acc[u];
             }
-            os[tt][r] = acc * inv;
+        }
+#pragma unroll
+        for (int u = 0; u < RPT; u++) {
+            os[tt][tid + u * kCombineThreads] = acc[u] * inv;
         }
         __syncthreads(); // es is rewritten for the next token
     }
