@@ -277,6 +277,50 @@ Test(gemm, gemv_parts_match_cpu_matmul)
     kr_backend_free(be);
 }
 
+/* Checks a product with an activation epilogue (d_y [n, ldy], d_a [n, ld_act] on the device, x the
+ * host copy of its bf16-exact input): y against the CPU's product (NMSE 1e-10, max |err| abs_bound),
+ * and act_out against the CPU's activation of the GPU's own y, as explained below; act_out's first
+ * padding column must still hold the NaN it was filled with. */
+static void expect_act_epilogue(const char *kernel, kr_backend_t be, const struct hw *w, const float *x, int64_t n,
+                                int64_t ldy, int64_t ld_act, enum kr_act act, const float *d_y, const float *d_a,
+                                double abs_bound)
+{
+    const int64_t rows = w->t.rows, cols = w->t.cols;
+    const size_t ny = (size_t)(n * ldy), na = (size_t)(n * ld_act);
+    float *y = kr_malloc(ny * 4), *ref = kr_malloc(ny * 4), *a = kr_malloc(na * 4);
+    float *ra = kr_malloc((size_t)(n * rows) * 4);
+    cr_assert(y && ref && a && ra);
+    gt_down(y, d_y, ny * 4);
+    gt_down(a, d_a, na * 4);
+    cr_assert_eq(kr_backend_matmul(be, x, cols, n, &w->t, NULL, ref, ldy), KR_OK);
+    cr_assert_eq(kr_backend_act(be, act, NULL, y, ldy, n, rows, ra), KR_OK);
+    const bool exact = act == KR_ACT_RELU2 || act == KR_ACT_RELU;
+    int64_t bad = 0, pad_bad = 0;
+    for (int64_t t = 0; t < n; t++) {
+        char what[96];
+        snprintf(what, sizeof what, "%s y with act %d %lldx%lld n=%lld", kernel, (int)act, (long long)rows,
+                 (long long)cols, (long long)n);
+        gt_expect_close(what, y + t * ldy, ref + t * ldy, (size_t)rows, GEMV_NMSE, abs_bound);
+        for (int64_t r = 0; r < rows; r++) {
+            const float g = a[t * ld_act + r], e = ra[t * rows + r];
+            /* silu and gelu: a few ulp of the result, or of expf / erff near +-1 times the
+             * 0.5 |y| or |y| in front (gelu's 1 + erf cancels for negative y) */
+            const float yv = fabsf(y[t * ldy + r]);
+            const bool ok = exact ? memcmp(&g, &e, 4) == 0 : fabsf(g - e) <= 1e-6f * fabsf(e) + 5e-7f * yv + 1e-30f;
+            bad += !ok;
+        }
+        pad_bad += !isnan(a[t * ld_act + rows]);
+    }
+    fprintf(stderr, "  %s act %d %lldx%lld n=%lld: %lld of %lld activations differ\n", kernel, (int)act,
+            (long long)rows, (long long)cols, (long long)n, (long long)bad, (long long)(n * rows));
+    cr_expect_eq(bad, 0, "%s act %d: %lld activations differ from the CPU's", kernel, (int)act, (long long)bad);
+    cr_expect_eq(pad_bad, 0, "%s act %d: act_out written outside its rows", kernel, (int)act);
+    kr_free(y);
+    kr_free(ref);
+    kr_free(a);
+    kr_free(ra);
+}
+
 /* The activation epilogue: y as without it (against the CPU's product), and act_out equal to the
  * CPU's activation of the GPU's own y: bit for bit for relu2 and relu; for silu and gelu within the
  * last-ulp differences of expf / erff of the two math libraries (1e-6 relative, plus 5e-7 |y| for
@@ -305,40 +349,7 @@ Test(gemm, gemv_act_epilogue_matches_cpu)
                                               .act = (int)acts[ai]};
             cr_assert_eq(krk_gemv(&p, 0), KR_OK);
             gt_sync();
-            float *y = kr_malloc(ny * 4), *ref = kr_malloc(ny * 4), *a = kr_malloc(na * 4);
-            float *ra = kr_malloc((size_t)(n * rows) * 4);
-            cr_assert(y && ref && a && ra);
-            gt_down(y, d_y, ny * 4);
-            gt_down(a, d_a, na * 4);
-            cr_assert_eq(kr_backend_matmul(be, x, cols, n, &w.t, NULL, ref, ldy), KR_OK);
-            cr_assert_eq(kr_backend_act(be, acts[ai], NULL, y, ldy, n, rows, ra), KR_OK);
-            const bool exact = acts[ai] == KR_ACT_RELU2 || acts[ai] == KR_ACT_RELU;
-            int64_t bad = 0, pad_bad = 0;
-            for (int64_t t = 0; t < n; t++) {
-                char what[96];
-                snprintf(what, sizeof what, "gemv y with act %d %lldx%lld n=%lld", (int)acts[ai], (long long)rows,
-                         (long long)cols, (long long)n);
-                gt_expect_close(what, y + t * ldy, ref + t * ldy, (size_t)rows, GEMV_NMSE, GEMV_ABS);
-                for (int64_t r = 0; r < rows; r++) {
-                    const float g = a[t * ld_act + r], e = ra[t * rows + r];
-                    /* silu and gelu: a few ulp of the result, or of expf / erff near +-1 times the
-                     * 0.5 |y| or |y| in front (gelu's 1 + erf cancels for negative y) */
-                    const float yv = fabsf(y[t * ldy + r]);
-                    const bool ok = exact ? memcmp(&g, &e, 4) == 0
-                                          : fabsf(g - e) <= 1e-6f * fabsf(e) + 5e-7f * yv + 1e-30f;
-                    bad += !ok;
-                }
-                const float pad = a[t * ld_act + rows];
-                pad_bad += !isnan(pad);
-            }
-            fprintf(stderr, "  gemv act %d %lldx%lld n=%lld: %lld of %lld activations differ\n", (int)acts[ai],
-                    (long long)rows, (long long)cols, (long long)n, (long long)bad, (long long)(n * rows));
-            cr_expect_eq(bad, 0, "act %d: %lld activations differ from the CPU's", (int)acts[ai], (long long)bad);
-            cr_expect_eq(pad_bad, 0, "act %d: act_out written outside its rows", (int)acts[ai]);
-            kr_free(y);
-            kr_free(ref);
-            kr_free(a);
-            kr_free(ra);
+            expect_act_epilogue("gemv", be, &w, x, n, ldy, ld_act, acts[ai], d_y, d_a, GEMV_ABS);
             kr_free(x);
             gt_dfree(d_x);
             gt_dfree(d_y);
@@ -640,36 +651,7 @@ Test(gemm, skinny_parts_and_act_match_cpu)
             p.parts[0] = (struct krk_gemv_part){.w = w.dev, .rows = rows, .y = d_y, .ldy = ldy};
             cr_assert_eq(krk_skinny(&p, 0), KR_OK);
             gt_sync();
-            float *y = kr_malloc(ny * 4), *ref = kr_malloc(ny * 4), *a = kr_malloc(na * 4);
-            float *ra = kr_malloc((size_t)(n * rows) * 4);
-            cr_assert(y && ref && a && ra);
-            gt_down(y, d_y, ny * 4);
-            gt_down(a, d_a, na * 4);
-            cr_assert_eq(kr_backend_matmul(be, x, cols, n, &w.t, NULL, ref, ldy), KR_OK);
-            cr_assert_eq(kr_backend_act(be, acts[ai], NULL, y, ldy, n, rows, ra), KR_OK);
-            const bool exact = acts[ai] == KR_ACT_RELU2 || acts[ai] == KR_ACT_RELU;
-            int64_t bad = 0, pad_bad = 0;
-            for (int64_t t = 0; t < n; t++) {
-                char what[96];
-                snprintf(what, sizeof what, "skinny y with act %d %lldx%lld n=%lld", (int)acts[ai], (long long)rows,
-                         (long long)cols, (long long)n);
-                gt_expect_close(what, y + t * ldy, ref + t * ldy, (size_t)rows, GEMV_NMSE, SKINNY_ABS);
-                for (int64_t r = 0; r < rows; r++) {
-                    const float g = a[t * ld_act + r], e = ra[t * rows + r];
-                    const float yv = fabsf(y[t * ldy + r]);
-                    const bool ok = exact ? memcmp(&g, &e, 4) == 0
-                                          : fabsf(g - e) <= 1e-6f * fabsf(e) + 5e-7f * yv + 1e-30f;
-                    bad += !ok;
-                }
-                pad_bad += !isnan(a[t * ld_act + rows]);
-            }
-            cr_expect_eq(bad, 0, "skinny act %d: %lld activations differ from the CPU's", (int)acts[ai],
-                         (long long)bad);
-            cr_expect_eq(pad_bad, 0, "skinny act %d: act_out written outside its rows", (int)acts[ai]);
-            kr_free(y);
-            kr_free(ref);
-            kr_free(a);
-            kr_free(ra);
+            expect_act_epilogue("skinny", be, &w, x, n, ldy, ld_act, acts[ai], d_y, d_a, SKINNY_ABS);
             kr_free(x);
             gt_dfree(d_xb);
             gt_dfree(d_y);
