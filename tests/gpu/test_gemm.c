@@ -395,11 +395,11 @@ ParameterizedTestParameters(gemm, skinny_matches_cpu_matmul)
     return cr_make_param_array(int, skinny_idx, N_SKINNY_SHAPES);
 }
 
-/* krk_skinny against the CPU matmul (the bound of the GEMV: both sides accumulate the same exact
- * bf16 products in fp32, in different orders) for n = 2, 3, 8, 9, 15, 16 (both halves of the
- * 16-token tile), every configuration at n = 5, odd n with a bias, x row stride cols + 8 and y row
- * stride with padding that must stay untouched, one case as a programmatic dependent of the kernel
- * that writes x. One workspace serves every product, so a counter not left at zero would corrupt
+/* krk_skinny against the CPU matmul (both sides accumulate the same exact bf16 products in fp32, in
+ * different orders: the GEMV's NMSE bound, and SKINNY_ABS for the tensor cores' truncation) for
+ * n = 2, 3, 8, 9, 15, 16 (both halves of the 16-token tile), every configuration at n = 5, odd n
+ * with a bias, x row stride cols + 8 and y row stride with padding that must stay untouched, two
+ * cases (configurations 0 and 1) as programmatic dependents of the kernel that writes x. One workspace serves every product, so a counter not left at zero would corrupt
  * the next. Then: the same product twice is bit-identical, and a token's result is bit-identical
  * whatever the other rows of x and their number (the batch-composition independence of decode). */
 ParameterizedTest(int *idx, gemm, skinny_matches_cpu_matmul)
