@@ -17,6 +17,12 @@ __device__ __forceinline__ void cp_async16(void *dst, const void *src, int src_b
                  "r"(src_bytes));
 }
 
+// 16-byte global->shared copy of a whole chunk to a shared-space address.
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void *src)
+{
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+}
+
 __device__ __forceinline__ void cp_async_commit()
 {
     asm volatile("cp.async.commit_group;\n" ::);
@@ -27,11 +33,17 @@ template <int N> __device__ __forceinline__ void cp_async_wait()
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
-__device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], const void *p)
+// ldmatrix from a shared-space address (kernels that keep their stage offsets as addresses).
+__device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], uint32_t addr)
 {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_addr(p)));
+                 : "r"(addr));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], const void *p)
+{
+    ldmatrix_x4(r, smem_addr(p));
 }
 
 __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t r[4], const void *p)

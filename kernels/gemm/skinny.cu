@@ -39,12 +39,11 @@ constexpr int kSkMaxRows = 128; // largest tile of any configuration
 
 struct sk_cfg {
     int rows;   // weight rows of a tile (16 per row group of warps)
-    int k;      // columns of an iteration
     int stages;
     int per_sm; // resident blocks per SM (the grid is this many per SM)
 };
 // 0 is the default; the others are alternatives measured by bench_gemv.
-constexpr sk_cfg kSkCfg[KRK_SKINNY_CONFIGS] = {{64, 256, 5, 1}, {32, 256, 4, 2}, {64, 256, 4, 1}, {128, 256, 3, 1}};
+constexpr sk_cfg kSkCfg[KRK_SKINNY_CONFIGS] = {{64, 5, 1}, {32, 4, 2}, {64, 4, 1}, {128, 3, 1}};
 
 __host__ __device__ constexpr int64_t sk_div_up(int64_t a, int64_t b)
 {
@@ -153,8 +152,7 @@ __device__ __forceinline__ void sk_load(const SkArgs &a, const SkLd &l, uint32_t
 #pragma unroll
     for (int u = 0; u < R / 8; u++) {
         if (8 * u < l.nvalid) {
-            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(sw + soff + u * 8 * kSkRowBytes),
-                         "l"(l.w + u * stride));
+            cp_async16(sw + soff + u * 8 * kSkRowBytes, l.w + u * stride);
         }
     }
     if (with_x) {
@@ -163,9 +161,7 @@ __device__ __forceinline__ void sk_load(const SkArgs &a, const SkLd &l, uint32_t
 #pragma unroll
         for (int u = 0; u < 2; u++) {
             if (m + 8 * u < a.n) {
-                asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(sw + R * kSkRowBytes + soff +
-                                                                                 u * 8 * kSkRowBytes),
-                             "l"(xs + u * 8 * a.ldxb));
+                cp_async16(sw + R * kSkRowBytes + soff + u * 8 * kSkRowBytes, xs + u * 8 * a.ldxb);
             }
         }
     }
@@ -181,13 +177,6 @@ __device__ __forceinline__ void sk_store(const SkArgs &a, int q, int64_t row0, i
             a.act_out[tok * a.ld_act + rr] = act_apply(a.act, v);
         }
     }
-}
-
-__device__ __forceinline__ void ldsm_x4(uint32_t r[4], uint32_t addr)
-{
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
 }
 
 // Warps: RG = R / 16 row groups of 16 weight rows times KS = 8 / RG column splits of an iteration.
@@ -281,8 +270,8 @@ __global__ void __launch_bounds__(kSkThreads) skinny_kernel(const __grid_constan
 #pragma unroll
         for (int kk = 0; kk < KW / 16; kk++) {
             uint32_t af[4], bf[4];
-            ldsm_x4(af, st + offA[kk & 3] + (kk >> 2) * 128);
-            ldsm_x4(bf, st + offB[kk & 3] + (kk >> 2) * 128);
+            ldmatrix_x4(af, st + offA[kk & 3] + (kk >> 2) * 128);
+            ldmatrix_x4(bf, st + offB[kk & 3] + (kk >> 2) * 128);
             mma_bf16(acc[0], af, bf[0], bf[1]);
             mma_bf16(acc[1], af, bf[2], bf[3]);
         }
@@ -437,6 +426,13 @@ template <int R, int S, int PS> enum kr_status launch_skinny(const SkArgs &a, in
     return KR_OK;
 }
 
+// The kernel of configuration C (its tile rows, stages and blocks per SM from the table).
+template <int C> enum kr_status launch_cfg(const SkArgs &a, int iters, bool pdl, cudaStream_t stream)
+{
+    return launch_skinny<kSkCfg[C].rows, kSkCfg[C].stages, kSkCfg[C].per_sm>(a, iters, pdl, stream);
+}
+static_assert(KRK_SKINNY_CONFIGS == 4, "krk_skinny's switch names every configuration");
+
 } // namespace
 } // namespace krk
 
@@ -467,7 +463,7 @@ extern "C" int64_t krk_skinny_tile_rows(const struct krk_skinny_params *p)
 
 extern "C" int krk_skinny_cols_step(int config)
 {
-    return config >= 0 && config < KRK_SKINNY_CONFIGS ? kSkCfg[config].k : 0;
+    return config >= 0 && config < KRK_SKINNY_CONFIGS ? kSkK : 0;
 }
 
 extern "C" enum kr_status krk_skinny(const struct krk_skinny_params *p, cudaStream_t stream)
@@ -475,7 +471,7 @@ extern "C" enum kr_status krk_skinny(const struct krk_skinny_params *p, cudaStre
     KRK_REQUIRE(p);
     KRK_REQUIRE(p->config >= 0 && p->config < KRK_SKINNY_CONFIGS);
     const sk_cfg cfg = kSkCfg[p->config];
-    KRK_REQUIRE(p->n >= 0 && p->n <= KRK_SKINNY_MAX_N && p->cols >= cfg.k && p->cols % cfg.k == 0);
+    KRK_REQUIRE(p->n >= 0 && p->n <= KRK_SKINNY_MAX_N && p->cols >= kSkK && p->cols % kSkK == 0);
     KRK_REQUIRE(p->n_parts >= 1 && p->n_parts <= KRK_GEMV_MAX_PARTS);
     KRK_REQUIRE(p->ldxb >= p->cols && p->ldxb % 8 == 0);
     KRK_REQUIRE(p->act_out == nullptr || (p->n_parts == 1 && p->ld_act >= p->parts[0].rows && act_valid(p->act)));
@@ -495,7 +491,7 @@ extern "C" enum kr_status krk_skinny(const struct krk_skinny_params *p, cudaStre
     a.ldxb = p->ldxb;
     a.n = (int)p->n;
     a.cols = p->cols;
-    a.kc = (int)(p->cols / cfg.k);
+    a.kc = (int)(p->cols / kSkK);
     a.n_parts = p->n_parts;
     int64_t tiles = 0;
     for (int i = 0; i < p->n_parts; i++) {
@@ -521,12 +517,12 @@ extern "C" enum kr_status krk_skinny(const struct krk_skinny_params *p, cudaStre
     const bool pdl = p->pdl || pdl_enabled();
     switch (p->config) {
     case 1:
-        return launch_skinny<32, 4, 2>(a, iters, pdl, stream);
+        return launch_cfg<1>(a, iters, pdl, stream);
     case 2:
-        return launch_skinny<64, 4, 1>(a, iters, pdl, stream);
+        return launch_cfg<2>(a, iters, pdl, stream);
     case 3:
-        return launch_skinny<128, 3, 1>(a, iters, pdl, stream);
+        return launch_cfg<3>(a, iters, pdl, stream);
     default:
-        return launch_skinny<64, 5, 1>(a, iters, pdl, stream);
+        return launch_cfg<0>(a, iters, pdl, stream);
     }
 }
