@@ -43,7 +43,7 @@ extern "C" enum kr_status krk_mla_cache_write(const struct krk_mla_cache_params 
         return KR_OK;
     }
     KRK_REQUIRE(p->c_kv && p->k_pe && p->cache);
-    KRK_REQUIRE(b.pos && b.tok_seq && b.seq_slot && b.block_table && b.max_blocks > 0);
+    KRK_REQUIRE(krk::mla::paged_batch_ok(b));
     KRK_REQUIRE(p->kv_lora > 0 && p->rope >= 0 && p->idx_dim >= 0);
     KRK_REQUIRE(p->ld_ckv >= p->kv_lora && p->ld_kpe >= p->rope);
     KRK_REQUIRE(p->idx_dim == 0 || p->ik != nullptr);

@@ -521,7 +521,7 @@ extern "C" enum kr_status krk_dsa_index(const struct krk_dsa_index_params *p, cu
         return KR_OK;
     }
     KRK_REQUIRE(p->idx && p->topk > 0);
-    KRK_REQUIRE(b.pos && b.tok_seq && b.seq_slot && b.block_table && b.max_blocks > 0);
+    KRK_REQUIRE(krk::mla::paged_batch_ok(b));
     KRK_REQUIRE(b.max_ctx > 0); // sizes the score grid and the workspace rows
     const int64_t ld = b.max_ctx;
     const bool need_scores = ld > p->topk; // otherwise every token takes all its positions

@@ -160,7 +160,7 @@ extern "C" enum kr_status krk_mla_attention(const struct krk_mla_attn_params *p,
         return KR_OK;
     }
     KRK_REQUIRE(p->q && p->kv_b && p->cache && p->out);
-    KRK_REQUIRE(b.pos && b.tok_seq && b.seq_slot && b.block_table && b.max_blocks > 0);
+    KRK_REQUIRE(krk::mla::paged_batch_ok(b));
     KRK_REQUIRE(p->n_head > 0 && p->nope > 0 && p->rope >= 0 && p->v_dim > 0 && p->kv_lora > 0);
     KRK_REQUIRE(p->row >= p->kv_lora + p->rope && p->block_size > 0);
     KRK_REQUIRE(p->idx == nullptr || p->topk > 0);

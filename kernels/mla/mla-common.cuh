@@ -15,5 +15,11 @@ __device__ __forceinline__ int64_t latent_row_off(const krk_batch &b, int32_t se
     return ((int64_t)blk * block_size + pos % block_size) * row;
 }
 
+// A batch carries what latent_row_off reads: positions, token sequences, slots and block tables.
+inline bool paged_batch_ok(const krk_batch &b)
+{
+    return b.pos && b.tok_seq && b.seq_slot && b.block_table && b.max_blocks > 0;
+}
+
 } // namespace mla
 } // namespace krk

@@ -9,6 +9,8 @@
 #include "mla/mla-common.cuh"
 #include "norm/rope.cuh"
 
+#include <algorithm>
+
 namespace {
 
 constexpr int kThreads = 256;
@@ -138,7 +140,7 @@ extern "C" enum kr_status krk_mla_prep(const struct krk_mla_prep_params *p, cuda
         return KR_OK;
     }
     KRK_REQUIRE(p->kva && p->cache && p->kv_lora >= 1 && p->rope >= 0 && p->rope % 2 == 0);
-    KRK_REQUIRE(b.pos && b.tok_seq && b.seq_slot && b.block_table && b.max_blocks > 0 && p->block_size > 0);
+    KRK_REQUIRE(krk::mla::paged_batch_ok(b) && p->block_size > 0);
     KRK_REQUIRE(p->rope == 0 || p->inv_freq);
     KRK_REQUIRE(!p->q_norm || (p->q_lat && p->q_dim >= 1 && p->q_dim <= KRK_MLA_PREP_MAX_ROW));
     KRK_REQUIRE(!p->kv_norm || p->ckv);
@@ -147,7 +149,7 @@ extern "C" enum kr_status krk_mla_prep(const struct krk_mla_prep_params *p, cuda
     const int64_t row = p->kv_lora + p->rope + (p->ik ? p->idx_dim : 0);
     KRK_REQUIRE(row <= KRK_MLA_PREP_MAX_ROW && b.n_tok <= 0x7fffffff);
     const int64_t qn = p->q_norm ? p->q_dim : 0, kd = p->kv_lora + p->rope, id = p->ik ? p->idx_dim : 0;
-    const int64_t sm_floats = qn > kd ? (qn > id ? qn : id) : (kd > id ? kd : id);
+    const int64_t sm_floats = std::max({qn, kd, id}); // the longest of the three chains' rows
     const size_t smem = (size_t)sm_floats * sizeof(float);
     krk::launch_maybe_pdl(krk::pdl_enabled(), mla_prep_kernel, dim3((unsigned)b.n_tok, 3), kThreads, smem, stream, *p);
     KRK_CHECK_LAUNCH();
