@@ -1558,6 +1558,21 @@ int kr_backend_cuda_device_count(void)
     return krk_device_count();
 }
 
+/* An integer switch from the environment: def when unset; false, with *err naming it, when it is not
+ * a whole number in lo..hi. */
+static bool env_int(const char *name, long def, long lo, long hi, int *out, struct kr_err *err)
+{
+    const char *s = getenv(name);
+    char *end = NULL;
+    const long v = s ? strtol(s, &end, 10) : def;
+    if (v < lo || v > hi || (s && (end == s || *end != '\0'))) {
+        kr_err_set(err, KR_ERR_INVAL, "cuda: %s=%s is not in %ld..%ld", name, s ? s : "", lo, hi);
+        return false;
+    }
+    *out = (int)v;
+    return true;
+}
+
 enum kr_status kr_backend_cuda_create(int dev, bool graphs, kr_backend_t *out, struct kr_err *err)
 {
     *out = NULL;
@@ -1633,31 +1648,12 @@ enum kr_status kr_backend_cuda_create(int dev, bool graphs, kr_backend_t *out, s
     c->dsa_select = dl && !strcmp(dl, "agg")     ? KRK_DSA_SELECT_AGG
                     : dl && !strcmp(dl, "split") ? KRK_DSA_SELECT_SPLIT
                                                  : KRK_DSA_SELECT_BLOCK;
-    const char *gc = getenv("KRAIT_GEMV_CONFIG");
-    char *gc_end = NULL;
-    const long gcv = gc ? strtol(gc, &gc_end, 10) : 0;
-    c->gemv_config = gcv >= 0 && gcv < KRK_GEMV_CONFIGS ? (int)gcv : -1;
     enum kr_status st = KR_ERR_INVAL;
-    if (c->gemv_config < 0 || (gc && (gc_end == gc || *gc_end != '\0'))) {
-        kr_err_set(err, KR_ERR_INVAL, "cuda: KRAIT_GEMV_CONFIG=%s is not in 0..%d", gc, KRK_GEMV_CONFIGS - 1);
+    if (!env_int("KRAIT_GEMV_CONFIG", 0, 0, KRK_GEMV_CONFIGS - 1, &c->gemv_config, err) ||
+        !env_int("KRAIT_SKINNY_MAX", SKINNY_MAX_DEFAULT, 0, KRK_SKINNY_MAX_N, &c->skinny_max, err) ||
+        !env_int("KRAIT_SKINNY_CONFIG", 0, 0, KRK_SKINNY_CONFIGS - 1, &c->skinny_config, err)) {
         goto fail;
     }
-    const char *sm = getenv("KRAIT_SKINNY_MAX");
-    char *sm_end = NULL;
-    const long smv = sm ? strtol(sm, &sm_end, 10) : SKINNY_MAX_DEFAULT;
-    if (smv < 0 || smv > KRK_SKINNY_MAX_N || (sm && (sm_end == sm || *sm_end != '\0'))) {
-        kr_err_set(err, KR_ERR_INVAL, "cuda: KRAIT_SKINNY_MAX=%s is not in 0..%d", sm, KRK_SKINNY_MAX_N);
-        goto fail;
-    }
-    c->skinny_max = (int)smv;
-    const char *sc = getenv("KRAIT_SKINNY_CONFIG");
-    char *sc_end = NULL;
-    const long scv = sc ? strtol(sc, &sc_end, 10) : 0;
-    if (scv < 0 || scv >= KRK_SKINNY_CONFIGS || (sc && (sc_end == sc || *sc_end != '\0'))) {
-        kr_err_set(err, KR_ERR_INVAL, "cuda: KRAIT_SKINNY_CONFIG=%s is not in 0..%d", sc, KRK_SKINNY_CONFIGS - 1);
-        goto fail;
-    }
-    c->skinny_config = (int)scv;
     const char *ss = getenv("KRAIT_SSD_STREAM");
     krk_set_state_streaming(!(ss && !strcmp(ss, "0")));
     const char *pd = getenv("KRAIT_PDL");
