@@ -1,6 +1,7 @@
 #include "backend.h"
 
 #include "backend-impl.h"
+#include "log.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -239,6 +240,10 @@ enum kr_status kr_backend_mla_prep(kr_backend_t be, const struct kr_mla_prep_par
         (p->q_norm && (!p->q_lat || p->q_dim < 1)) || (p->kv_norm && !p->ckv) || (p->rope && !p->inv_freq) ||
         (p->ik && (p->idx_dim < p->rope || !p->ik_norm_w || !p->ik_norm_b)) || (p->w && p->n_w < 1) ||
         (p->ik_fp8 && (!p->ik || p->ik_fp8->x != p->ik))) {
+        KR_LOG_ERROR("mla_prep: inconsistent parameters (n %lld, kv_lora %lld, rope %lld, q_dim %lld, idx_dim %lld, "
+                     "n_w %lld, or a missing buffer)",
+                     p ? (long long)p->n : -1LL, p ? (long long)p->kv_lora : -1LL, p ? (long long)p->rope : -1LL,
+                     p ? (long long)p->q_dim : -1LL, p ? (long long)p->idx_dim : -1LL, p ? (long long)p->n_w : -1LL);
         return KR_ERR_INVAL;
     }
     if (be->iface.mla_prep) {
