@@ -841,6 +841,9 @@ static enum kr_status cpu_dsa_index(kr_backend_t be, const struct kr_dsa_index_p
 
 static enum kr_status cpu_mla_attention(kr_backend_t be, const struct kr_mla_attn_params *p)
 {
+    if (p->select) {
+        KR_TRY(cpu_dsa_index(be, p->select));
+    }
     struct cpu_ctx *ctx = ctx_of(be);
     const struct kr_batch *b = ctx->batch;
     int32_t max_ctx = 1;

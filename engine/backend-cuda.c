@@ -77,6 +77,12 @@ struct cuda_ctx {
     bool graphs_mla;                    /* capture steps of models with MLA layers (KRAIT_CUDA_GRAPHS_MLA=0: not) */
     int32_t mla_attn;                   /* all heads of a token per block, tensor cores, split over keys
                                            (KRAIT_MLA_ATTN=per-head: a block per head, fp32) */
+    bool mla_overlap;                   /* a DSA layer's selection runs on `side` while `stream` absorbs
+                                           the queries (KRAIT_MLA_OVERLAP=0: one after the other) */
+    cudaStream_t side;                  /* second stream of the overlapped selection (forked from and
+                                           joined back into `stream` within one op, captured alike) */
+    cudaEvent_t ev_fork, ev_join;
+    uint64_t n_overlap;                 /* kr_backend_cuda_overlap_count */
     size_t bytes_alloc;    /* device bytes taken through buf_alloc/upload */
     uint64_t n_alloc;      /* device allocations made (kr_backend_cuda_alloc_count) */
 
@@ -269,6 +275,16 @@ static void cuda_free(kr_backend_t be)
         cudaFreeHost(c->samp_h);
         for (int i = 0; i < 2 * PROF_MAX_EV && c->prof.ev[i]; i++) {
             cudaEventDestroy(c->prof.ev[i]);
+        }
+        if (c->ev_fork) {
+            cudaEventDestroy(c->ev_fork);
+        }
+        if (c->ev_join) {
+            cudaEventDestroy(c->ev_join);
+        }
+        if (c->side) {
+            cudaStreamSynchronize(c->side);
+            cudaStreamDestroy(c->side);
         }
         if (c->stream) {
             cudaStreamDestroy(c->stream);
@@ -584,6 +600,29 @@ static struct samp_layout samp_layout(size_t n, size_t np, size_t nt)
 
 static enum kr_status ensure_samp(struct cuda_ctx *c, size_t total);
 
+/* Workspaces of the MLA attention and the DSA selection for steps of n_tok tokens and contexts up to
+ * max_ctx: what the kernels want, but at most 256 MB unless one token alone needs more (they
+ * process their queries in groups that fit). */
+static size_t ws_capped(size_t all, size_t one)
+{
+    const size_t cap = (size_t)256 << 20;
+    return all > cap ? (one > cap ? one : cap) : all;
+}
+static size_t dsa_ws_bytes(const struct cuda_ctx *c, int64_t n_tok, int64_t max_ctx)
+{
+    return ws_capped(krk_dsa_index_workspace_bytes(n_tok, max_ctx, c->dsa_select),
+                     krk_dsa_index_workspace_bytes(1, max_ctx, c->dsa_select));
+}
+static size_t mla_ws_bytes(int64_t n_head, int64_t kv_lora, int64_t n_tok, int64_t max_ctx)
+{
+    return ws_capped(krk_mla_attn_workspace_bytes(n_tok, n_head, kv_lora, max_ctx),
+                     krk_mla_attn_workspace_bytes(1, n_head, kv_lora, max_ctx));
+}
+static size_t align256(size_t v)
+{
+    return (v + 255) & ~(size_t)255;
+}
+
 /* Sizes the scratch for steps of up to n_tok tokens in n_seq sequences and contexts up to max_ctx in
  * cache blocks of block_size positions (the model has rounded n_seq up to the graph batch size). */
 static enum kr_status cuda_reserve(kr_backend_t be, const struct kr_model_config *m, int64_t n_tok, int64_t n_seq,
@@ -608,16 +647,12 @@ static enum kr_status cuda_reserve(kr_backend_t be, const struct kr_model_config
         NEED((size_t)n_tok * (size_t)m->n_expert_used * (size_t)m->moe_ffn * sizeof(float));
     }
     if (m->kv_lora) {
-        /* MLA / DSA scratch grows with the context; the kernels process queries in groups that fit */
-        const size_t cap = (size_t)256 << 20;
-        size_t a = krk_dsa_index_workspace_bytes(n_tok, max_ctx, c->dsa_select);
-        size_t b = krk_mla_attn_workspace_bytes(n_tok, m->mla_heads, m->kv_lora, max_ctx);
-        const size_t a1 = krk_dsa_index_workspace_bytes(1, max_ctx, c->dsa_select);
-        const size_t b1 = krk_mla_attn_workspace_bytes(1, m->mla_heads, m->kv_lora, max_ctx);
-        a = a > cap ? (a1 > cap ? a1 : cap) : a;
-        b = b > cap ? (b1 > cap ? b1 : cap) : b;
-        NEED(a);
-        NEED(b);
+        /* MLA / DSA scratch grows with the context; the kernels process queries in groups that fit.
+         * With an indexer, the selection and the attention's first kernels may run at once: room
+         * for both. */
+        const size_t a = dsa_ws_bytes(c, n_tok, max_ctx);
+        const size_t b = mla_ws_bytes(m->mla_heads, m->kv_lora, n_tok, max_ctx);
+        NEED(m->idx_heads > 0 ? align256(a) + b : (a > b ? a : b));
     }
     NEED(krk_sample_workspace_bytes(n_seq, m->vocab));
 #undef NEED
@@ -656,6 +691,11 @@ static enum kr_status cuda_reserve(kr_backend_t be, const struct kr_model_config
 uint64_t kr_backend_cuda_alloc_count(kr_backend_t be)
 {
     return ctx_of(be)->n_alloc;
+}
+
+uint64_t kr_backend_cuda_overlap_count(kr_backend_t be)
+{
+    return ctx_of(be)->n_overlap;
 }
 
 /* ---- batch -------------------------------------------------------------------------------- */
@@ -1282,6 +1322,16 @@ static enum kr_status cuda_mla_prep_impl(kr_backend_t be, const struct kr_mla_pr
     return krk_mla_prep(&k, c->stream);
 }
 
+static struct krk_dsa_index_params dsa_index_args(const struct cuda_ctx *c, const struct kr_dsa_index_params *p,
+                                                  void *ws, size_t ws_bytes)
+{
+    return (struct krk_dsa_index_params){.iq = p->iq, .w = p->w, .n_head = p->n_head, .head_dim = p->head_dim,
+                                         .cache = p->cache, .row = p->row, .key_off = p->key_off,
+                                         .block_size = p->block_size, .topk = p->topk, .idx = p->idx,
+                                         .workspace = ws, .workspace_bytes = ws_bytes, .batch = c->batch,
+                                         .variant = c->dsa_score, .select = c->dsa_select};
+}
+
 static enum kr_status cuda_dsa_index(kr_backend_t be, const struct kr_dsa_index_params *p)
 {
     struct cuda_ctx *c = ctx_of(be);
@@ -1290,11 +1340,7 @@ static enum kr_status cuda_dsa_index(kr_backend_t be, const struct kr_dsa_index_
     if (need1 > c->scratch_size) {
         KR_TRY(ensure_scratch(c, need1));
     }
-    struct krk_dsa_index_params d = {.iq = p->iq, .w = p->w, .n_head = p->n_head, .head_dim = p->head_dim,
-                                     .cache = p->cache, .row = p->row, .key_off = p->key_off,
-                                     .block_size = p->block_size, .topk = p->topk, .idx = p->idx,
-                                     .workspace = c->scratch, .workspace_bytes = c->scratch_size, .batch = c->batch,
-                                     .variant = c->dsa_score, .select = c->dsa_select};
+    struct krk_dsa_index_params d = dsa_index_args(c, p, c->scratch, c->scratch_size);
     cudaEvent_t phase_ev[4];
     d.events = prof_phases(c, 2, phase_ev);
     prof_begin(c, P_DSA);
@@ -1304,20 +1350,69 @@ static enum kr_status cuda_dsa_index(kr_backend_t be, const struct kr_dsa_index_
     return st;
 }
 
-static enum kr_status cuda_mla_attention_impl(kr_backend_t be, const struct kr_mla_attn_params *p)
+/* Where the overlapped selection's workspace starts in the scratch (the attention's is before it), or
+ * 0 when the selection runs first: overlap off, profiling (the ops are timed one by one), or a
+ * scratch without room for both. */
+static size_t overlap_split(const struct cuda_ctx *c, const struct kr_mla_attn_params *p)
+{
+    if (!c->mla_overlap || (c->prof.on && !c->capturing) || !c->side) {
+        return 0;
+    }
+    const int64_t n = c->batch.n_tok, ctx = c->batch.max_ctx;
+    const size_t a = dsa_ws_bytes(c, n, ctx), b = mla_ws_bytes(p->n_head, p->kv_lora, n, ctx);
+    if (a == 0 || b == 0 || a > c->scratch_size) {
+        return 0;
+    }
+    const size_t off = (c->scratch_size - a) & ~(size_t)255; /* the selection's part: the last a bytes */
+    return off >= b ? off : 0;
+}
+
+static enum kr_status cuda_mla_attention_impl(kr_backend_t be, const struct kr_mla_attn_params *p, size_t split)
 {
     struct cuda_ctx *c = ctx_of(be);
     KR_TRY(op_enter(c));
     const size_t need1 = krk_mla_attn_workspace_bytes(1, p->n_head, p->kv_lora, c->batch.max_ctx);
-    if (need1 > c->scratch_size) {
+    if (split == 0 && need1 > c->scratch_size) {
         KR_TRY(ensure_scratch(c, need1));
     }
     struct krk_mla_attn_params a = {.q = p->q, .n_head = p->n_head, .nope = p->nope, .rope = p->rope,
                                     .v_dim = p->v_dim, .kv_lora = p->kv_lora, .kv_b = p->kv_b, .cache = p->cache,
                                     .row = p->row, .block_size = p->block_size, .idx = p->idx, .topk = p->topk,
                                     .scale = p->scale, .out = p->out, .workspace = c->scratch,
-                                    .workspace_bytes = c->scratch_size, .batch = c->batch, .variant = c->mla_attn};
-    return krk_mla_attention(&a, c->stream);
+                                    .workspace_bytes = split ? split : c->scratch_size, .batch = c->batch,
+                                    .variant = c->mla_attn};
+    if (split == 0) {
+        return krk_mla_attention(&a, c->stream);
+    }
+    /* fork: the selection on the side stream (its workspace after the attention's) while the
+     * attention absorbs the queries; the attention waits for it before its first kernel reading idx */
+    CU_TRY(c, cudaEventRecord(c->ev_fork, c->stream));
+    CU_TRY(c, cudaStreamWaitEvent(c->side, c->ev_fork, 0));
+    const struct krk_dsa_index_params d =
+        dsa_index_args(c, p->select, (unsigned char *)c->scratch + split, c->scratch_size - split);
+    const enum kr_status si = krk_dsa_index(&d, c->side);
+    CU_TRY(c, cudaEventRecord(c->ev_join, c->side));
+    a.idx_ready = c->ev_join;
+    const enum kr_status st = si == KR_OK ? krk_mla_attention(&a, c->stream) : si;
+    c->n_overlap += st == KR_OK;
+    if (st != KR_OK) { /* join anyway: a capture must not end with the side stream forked */
+        cudaStreamWaitEvent(c->stream, c->ev_join, 0);
+    }
+    return st;
+}
+
+/* With a selection: in parallel with the absorption where it may (overlap_split), else first. */
+static enum kr_status cuda_mla_attention(kr_backend_t be, const struct kr_mla_attn_params *p)
+{
+    struct cuda_ctx *c = ctx_of(be);
+    const size_t split = p->select ? overlap_split(c, p) : 0;
+    if (p->select && split == 0) {
+        KR_TRY(cuda_dsa_index(be, p->select));
+    }
+    prof_begin(c, P_MLA);
+    const enum kr_status st = cuda_mla_attention_impl(be, p, split);
+    prof_end(c);
+    return st;
 }
 
 /* ---- sampling ----------------------------------------------------------------------------- */
@@ -1430,7 +1525,6 @@ TIMED(cuda_moe_experts, P_MOE, (kr_backend_t be, const struct kr_experts_params 
 TIMED(cuda_gather_out, P_EMBED, (kr_backend_t be, const float *src, int64_t width, float *dst), (be, src, width, dst))
 TIMED(cuda_rope, P_EMBED, (kr_backend_t be, const struct kr_rope_params *p), (be, p))
 TIMED(cuda_mla_cache_write, P_MLA, (kr_backend_t be, const struct kr_mla_cache_params *p), (be, p))
-TIMED(cuda_mla_attention, P_MLA, (kr_backend_t be, const struct kr_mla_attn_params *p), (be, p))
 TIMED(cuda_rope_pair, P_EMBED,
       (kr_backend_t be, const struct kr_rope_params *a, const struct kr_rope_params *b), (be, a, b))
 TIMED(cuda_mla_prep, P_MLA, (kr_backend_t be, const struct kr_mla_prep_params *p), (be, p))
@@ -1644,6 +1738,8 @@ enum kr_status kr_backend_cuda_create(int dev, bool graphs, kr_backend_t *out, s
     c->mla_attn = ma && !strcmp(ma, "per-head") ? KRK_MLA_ATTN_PER_HEAD : KRK_MLA_ATTN_HEADS;
     const char *ds = getenv("KRAIT_DSA_SCORE");
     c->dsa_score = ds && !strcmp(ds, "fp32") ? KRK_DSA_SCORE_FP32 : KRK_DSA_SCORE_MMA;
+    const char *mo = getenv("KRAIT_MLA_OVERLAP");
+    c->mla_overlap = !(mo && !strcmp(mo, "0"));
     const char *dl = getenv("KRAIT_DSA_SELECT");
     c->dsa_select = dl && !strcmp(dl, "agg")     ? KRK_DSA_SELECT_AGG
                     : dl && !strcmp(dl, "split") ? KRK_DSA_SELECT_SPLIT
@@ -1665,7 +1761,10 @@ enum kr_status kr_backend_cuda_create(int dev, bool graphs, kr_backend_t *out, s
     st = KR_ERR_CUDA;
     cudaError_t e;
     if ((e = cudaSetDevice(dev)) != cudaSuccess ||
-        (e = cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking)) != cudaSuccess) {
+        (e = cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking)) != cudaSuccess ||
+        (e = cudaStreamCreateWithFlags(&c->side, cudaStreamNonBlocking)) != cudaSuccess ||
+        (e = cudaEventCreateWithFlags(&c->ev_fork, cudaEventDisableTiming)) != cudaSuccess ||
+        (e = cudaEventCreateWithFlags(&c->ev_join, cudaEventDisableTiming)) != cudaSuccess) {
         kr_err_set(err, KR_ERR_CUDA, "cuda: cannot initialise device %d: %s", dev, cudaGetErrorString(e));
         goto fail;
     }

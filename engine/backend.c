@@ -365,6 +365,11 @@ enum kr_status kr_backend_dsa_index(kr_backend_t be, const struct kr_dsa_index_p
 
 enum kr_status kr_backend_mla_attention(kr_backend_t be, const struct kr_mla_attn_params *p)
 {
+    if (p->select && (p->select->idx != p->idx || p->select->topk != p->topk || !p->idx)) {
+        KR_LOG_ERROR("mla attention: the selection writes %p (top %d) but the attention reads %p (top %d)",
+                     (void *)p->select->idx, (int)p->select->topk, (const void *)p->idx, (int)p->topk);
+        return KR_ERR_INVAL;
+    }
     return be->iface.mla_attention(be, p);
 }
 

@@ -66,6 +66,9 @@ void kr_backend_cuda_profile(kr_backend_t be, bool on);
 /* Device allocations the backend has made so far: serving after start-up makes none (the engine
  * reserves every workspace, cache and staging buffer at creation). */
 uint64_t kr_backend_cuda_alloc_count(kr_backend_t be);
+/* DSA selections the backend has run alongside the attention's absorption (KRAIT_MLA_OVERLAP), one
+ * per D layer of each eager step or captured graph. */
+uint64_t kr_backend_cuda_overlap_count(kr_backend_t be);
 int kr_backend_cuda_profile_read(kr_backend_t be, const char **names, double *ms, int64_t *calls, int cap);
 /* CUDA devices visible (0 in a build without CUDA). */
 int kr_backend_cuda_device_count(void);
@@ -232,7 +235,10 @@ struct kr_dsa_index_params {
 
 /* Absorbed-form MLA attention over the latent cache: per head h, q_abs = W_UK[h]^T q_nope,
  * score(s) = scale (q_abs . c_kv[s] + q_pe . k_pe[s]) over the selected positions (idx, or every
- * position <= p when idx is NULL), o_lat = softmax-weighted sum of c_kv, out = W_UV[h] o_lat. */
+ * position <= p when idx is NULL), o_lat = softmax-weighted sum of c_kv, out = W_UV[h] o_lat.
+ * With `select` set, the positions are selected first, exactly as kr_backend_dsa_index(select)
+ * would (select->idx must be idx, select->topk topk): a backend may overlap that selection with
+ * the work on q that does not depend on it. */
 struct kr_mla_attn_params {
     const float *q;         /* [n_tok, n_head * (nope + rope)] queries, rope part rotated */
     int64_t n_head, nope, rope, v_dim, kv_lora;
@@ -244,6 +250,7 @@ struct kr_mla_attn_params {
     int32_t topk;
     float scale;
     float *out;             /* [n_tok, n_head * v_dim] */
+    const struct kr_dsa_index_params *select; /* or NULL: idx is already filled (or NULL) */
 };
 
 /* Rotary embedding of the current batch's tokens at their positions: for every token, n_vec

@@ -157,6 +157,9 @@ extern "C" enum kr_status krk_mla_attention(const struct krk_mla_attn_params *p,
     const krk_batch &b = p->batch;
     KRK_REQUIRE(b.n_tok >= 0);
     if (b.n_tok == 0) {
+        if (p->idx_ready) {
+            KRK_CUDA_TRY(cudaStreamWaitEvent(stream, p->idx_ready, 0));
+        }
         return KR_OK;
     }
     KRK_REQUIRE(p->q && p->kv_b && p->cache && p->out);
@@ -171,6 +174,9 @@ extern "C" enum kr_status krk_mla_attention(const struct krk_mla_attn_params *p,
     KRK_REQUIRE(smem <= kMaxSmem); // kv_lora up to about 5800 with nope + rope = 192
     const int64_t blocks = (int64_t)b.n_tok * p->n_head;
     KRK_REQUIRE(blocks <= INT32_MAX);
+    if (p->idx_ready) { // this kernel absorbs each head's query itself: nothing to overlap
+        KRK_CUDA_TRY(cudaStreamWaitEvent(stream, p->idx_ready, 0));
+    }
     krk::launch_maybe_pdl(krk::pdl_enabled(), mla_attn_kernel, (unsigned)blocks, kThreads, smem, stream, *p);
     KRK_CHECK_LAUNCH();
     return KR_OK;

@@ -10,7 +10,9 @@
 //            per head (fp32, base 2), P rounded to bf16, O += P V with V = c_kv; writes O unnormalized
 //            with its running max m and sum l
 //   combine  O[t][h] = sum_s 2^(m_s - M) O_s / sum_s 2^(m_s - M) l_s, then out[t][h] = W_UV[h] O[t][h]
-//            (fp32), 8 tokens and 32 output rows a block sharing each weight read
+//            (fp32): a block merges 128 of O's columns for 8 tokens and applies those columns of
+//            W_UV[h]; the last of a head's R / 128 blocks to finish adds their products in column
+//            order (deterministic)
 // The split kernel's flash-attention structure is that of attention/prefill.cu: warps own 16 head
 // rows (and one half of O's R columns, so that a thread holds R/2/8 accumulator tiles; both halves
 // compute the same scores), key tiles stream through two cp.async stages.
@@ -39,14 +41,18 @@ template <int R, int ROPE> __host__ __device__ size_t heads_smem_bytes(int hg)
 }
 
 // Workspace of one launch group of tc tokens and ns splits: Q rows [tc][hp][D] bf16, then per part
-// (token, split) O [hp][R] fp32 and (m, l) [hp][2] fp32.
+// (token, split) O [hp][R] fp32 and (m, l) [hp][2] fp32, then the combine's arrival counters
+// [ceil(tc / kTokTile)][hp] (zeroed by the split kernel). Once a combine block has merged its
+// columns of a (token, head), it keeps its share of W_UV O in those columns of split 0's O row.
 struct HeadsWs {
     uint16_t *q;
     float *o, *ml;
+    unsigned *cnt;
 };
 __host__ __device__ inline size_t heads_ws_bytes(int64_t tc, int64_t ns, int64_t hp, int64_t r, int64_t d)
 {
-    return (size_t)tc * (size_t)(hp * d * 2) + (size_t)tc * (size_t)ns * (size_t)(hp * r * 4 + hp * 8);
+    return (size_t)tc * (size_t)(hp * d * 2) + (size_t)tc * (size_t)ns * (size_t)(hp * r * 4 + hp * 8) +
+           (size_t)((tc + kTokTile - 1) / kTokTile) * (size_t)hp * sizeof(unsigned);
 }
 inline HeadsWs heads_ws(void *base, int64_t tc, int64_t ns, int64_t hp, int64_t r, int64_t d)
 {
@@ -54,13 +60,14 @@ inline HeadsWs heads_ws(void *base, int64_t tc, int64_t ns, int64_t hp, int64_t 
     w.q = static_cast<uint16_t *>(base);
     w.o = reinterpret_cast<float *>(static_cast<unsigned char *>(base) + (size_t)tc * (size_t)(hp * d * 2));
     w.ml = w.o + (size_t)tc * (size_t)ns * (size_t)(hp * r);
+    w.cnt = reinterpret_cast<unsigned *>(w.ml + (size_t)tc * (size_t)ns * (size_t)(hp * 2));
     return w;
 }
 
 constexpr int kAbsorbCols = 128;   // q_abs columns per absorb block
 constexpr int kAbsorbQuarters = 4; // threads per column, each a quarter of W_UK's rows
-constexpr int kCombineRows = 32; // W_UV rows per combine block
-constexpr int kCombineThreads = 256; // threads of a combine block
+constexpr int kCombineCols = 128;    // O columns a combine block merges; also the most W_UV rows (v_dim)
+constexpr int kCombineThreads = 256; // threads of a combine block: two per column, two per W_UV row
 constexpr int kCombineParts = kCombineThreads; // most splits a combine block merges (one per thread)
 
 // Grid (ceil(tc / kTokTile), n_head, R / kAbsorbCols), kAbsorbQuarters * kAbsorbCols threads;
@@ -149,6 +156,11 @@ __global__ void __launch_bounds__(256) mla_split_kernel(krk_mla_attn_params p, i
     const int32_t seq = b.tok_seq[t], pos = b.pos[t];
     const int64_t part = tl * ns + split;
     float *o_part = ws.o + part * HP * R, *ml = ws.ml + part * HP * 2;
+    if (split == 0 && tl % kTokTile == 0) { // the combine's arrival counters of this token tile
+        for (int i = tid; i < HP; i += nthreads) {
+            ws.cnt[tl / kTokTile * HP + i] = 0u;
+        }
+    }
 
     const int64_t n_cand = b.seq_slot[seq] < 0 ? 0 : p.idx ? p.topk : (int64_t)pos + 1; // padding: no keys
     const int64_t j0 = (int64_t)split * spl, j1 = n_cand < j0 + spl ? n_cand : j0 + spl;
@@ -288,41 +300,39 @@ __global__ void __launch_bounds__(256) mla_split_kernel(krk_mla_attn_params p, i
     }
 }
 
-// Grid (ceil(tc / kTokTile), n_head, ceil(v_dim / kCombineRows)), kCombineThreads threads: merges
-// the splits of kTokTile tokens of head h and applies kCombineRows rows of W_UV[h] (one weight read
-// for the tile).
+// Grid (ceil(tc / kTokTile), n_head, R / kCombineCols), kCombineThreads threads: block (x, h, k)
+// merges columns [k * kCombineCols, (k + 1) * kCombineCols) of O over the splits of kTokTile tokens of
+// head h (two threads a column, each half of the splits in order, then the halves added) and applies
+// those columns of W_UV[h] (a thread pair per output row, v_dim <= kCombineCols). Its products go to
+// the workspace; the last of the head's R / kCombineCols blocks to arrive adds them in column order.
 template <int R>
 __global__ void __launch_bounds__(kCombineThreads)
     mla_combine_kernel(krk_mla_attn_params p, int64_t t0, int tc, int hp, int ns, HeadsWs ws)
 {
-    __shared__ float os[kTokTile][R];
-    __shared__ float es[kCombineParts]; // 2^(m_s - M) of each part (0 for empty parts)
+    constexpr int NK = R / kCombineCols, NJ = kCombineCols / 4;
+    static_assert(R % kCombineCols == 0 && kCombineThreads == 2 * kCombineCols, "combine geometry");
+    __shared__ __align__(16) float os[kTokTile][kCombineCols];
+    __shared__ float hi[kTokTile][kCombineCols]; // the second half of the splits' sums
+    __shared__ float es[kCombineParts];          // 2^(m_s - M) of each part (0 for empty parts)
     __shared__ float red[32];
-    const int h = blockIdx.y, H = (int)p.n_head, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    __shared__ bool last;
+    const int h = blockIdx.y, H = (int)p.n_head, tid = threadIdx.x, c0 = (int)blockIdx.z * kCombineCols;
     const int tt0 = blockIdx.x * kTokTile, nt = tc - tt0 < kTokTile ? tc - tt0 : kTokTile;
-    // this warp's rows of W_UV[h] first, before the wait: their loads overlap the split kernel
-    constexpr int n_warp = kCombineThreads / 32, kRowsPerWarp = kCombineRows / n_warp;
-    static_assert(kCombineRows % n_warp == 0 && R % 32 == 0, "combine rows tile the warps, R the lanes");
-    const int64_t vb = (int64_t)blockIdx.z * kCombineRows + warp;
-    float wv[kRowsPerWarp][R / 32];
+    // this thread's half of W_UV row v over the block's columns (pairs 4j + 2 sub, + 1), loaded
+    // before the wait: their loads overlap the split kernel
+    const int v = tid >> 1, sub = tid & 1;
+    const bool has_v = v < p.v_dim;
+    const float *wrow = p.kv_b + ((int64_t)h * (p.nope + p.v_dim) + p.nope + (has_v ? v : 0)) * R + c0 + 2 * sub;
+    float2 wv[NJ];
 #pragma unroll
-    for (int k = 0; k < kRowsPerWarp; k++) {
-        const int64_t v = vb + (int64_t)k * n_warp;
-        const float *w = p.kv_b + ((int64_t)h * (p.nope + p.v_dim) + p.nope + (v < p.v_dim ? v : 0)) * R;
-#pragma unroll
-        for (int j = 0; j < R / 32; j++) {
-            wv[k][j] = w[lane + 32 * j];
-        }
+    for (int j = 0; j < NJ; j++) {
+        wv[j] = *reinterpret_cast<const float2 *>(wrow + 4 * j);
     }
     krk::kernel_prologue();
-    for (int tt = 0; tt < kTokTile; tt++) {
+    const int col = tid % kCombineCols, half = tid / kCombineCols, s_mid = (ns + 1) / 2;
+    const int s0 = half ? s_mid : 0, s1 = half ? ns : s_mid;
+    for (int tt = 0; tt < nt; tt++) {
         const int64_t tl = tt0 + tt;
-        if (tt >= nt) { // padding rows of the tile
-            for (int r = tid; r < R; r += blockDim.x) {
-                os[tt][r] = 0.0f;
-            }
-            continue;
-        }
         // every part's (m, l) at once (one thread each), then the block's max and denominator
         float m = -INFINITY, l = 0.0f;
         if (tid < ns) {
@@ -338,60 +348,69 @@ __global__ void __launch_bounds__(kCombineThreads)
             es[tid] = e;
         }
         __syncthreads();
-        const float *o = ws.o + (tl * ns * hp + h) * R;
-        // a thread's RPT columns at once: their loads of 16 parts (RPT x 16 independent loads) in
-        // flight together; each column still adds the parts in order
-        constexpr int RPT = R / kCombineThreads;
-        static_assert(R % kCombineThreads == 0, "columns tile the threads");
-        float acc[RPT];
-#pragma unroll
-        for (int u = 0; u < RPT; u++) {
-            acc[u] = 0.0f;
-        }
+        // this half's parts of the column, 16 loads in flight, in order
+        const float *o = ws.o + (tl * ns * hp + h) * R + c0 + col;
+        float acc = 0.0f;
 #pragma unroll 16
-        for (int s = 0; s < ns; s++) {
+        for (int s = s0; s < s1; s++) {
             const float e_s = es[s];
-#pragma unroll
-            for (int u = 0; u < RPT; u++) {
-                const float ov = o[(int64_t)s * hp * R + tid + u * kCombineThreads]; // any bits for empty parts
-                acc[u] = e_s != 0.0f ? fmaf(e_s, ov, acc[u]) : acc[u];
-            }
+            const float ov = o[(int64_t)s * hp * R]; // any bits for empty parts
+            acc = e_s != 0.0f ? fmaf(e_s, ov, acc) : acc;
         }
-#pragma unroll
-        for (int u = 0; u < RPT; u++) {
-            os[tt][tid + u * kCombineThreads] = acc[u] * inv;
+        if (half) {
+            hi[tt][col] = acc;
         }
-        __syncthreads(); // es is rewritten for the next token
+        __syncthreads(); // (also: every read of es is done before the next token rewrites it)
+        if (!half) {
+            os[tt][col] = (acc + hi[tt][col]) * inv;
+        }
     }
-    // out[t][h][v] = W_UV[h][v] . O[t][h]: a warp per output row v, lanes over R
+    __syncthreads();
+    // this block's share of out[t][h][v] = W_UV[h][v] . O[t][h]: a thread pair per row v
+    float acc[kTokTile];
 #pragma unroll
-    for (int k = 0; k < kRowsPerWarp; k++) {
-        const int64_t v = vb + (int64_t)k * n_warp;
-        if (v >= p.v_dim) {
-            break;
-        }
-        float acc[kTokTile];
+    for (int tt = 0; tt < kTokTile; tt++) {
+        acc[tt] = 0.0f;
+    }
 #pragma unroll
-        for (int tt = 0; tt < kTokTile; tt++) {
-            acc[tt] = 0.0f;
-        }
-#pragma unroll
-        for (int j = 0; j < R / 32; j++) {
-            const int r = lane + 32 * j;
-#pragma unroll
-            for (int tt = 0; tt < kTokTile; tt++) {
-                acc[tt] = fmaf(wv[k][j], os[tt][r], acc[tt]);
-            }
-        }
+    for (int j = 0; j < NJ; j++) {
 #pragma unroll
         for (int tt = 0; tt < kTokTile; tt++) {
-            acc[tt] = krk::warp_sum(acc[tt]);
-        }
-        if (lane == 0) {
-            for (int tt = 0; tt < nt; tt++) {
-                p.out[((t0 + tt0 + tt) * H + h) * p.v_dim + v] = acc[tt];
+            if (tt < nt) {
+                const float2 x = *reinterpret_cast<const float2 *>(&os[tt][4 * j + 2 * sub]);
+                acc[tt] = fmaf(wv[j].y, x.y, fmaf(wv[j].x, x.x, acc[tt]));
             }
         }
+    }
+#pragma unroll
+    for (int tt = 0; tt < kTokTile; tt++) {
+        acc[tt] += __shfl_xor_sync(0xffffffffu, acc[tt], 1); // both of the pair: the same sum
+    }
+    // kept in this block's columns of split 0's O row (merged above; no other block reads them)
+    if (has_v && sub == 0) {
+        for (int tt = 0; tt < nt; tt++) {
+            ws.o[((int64_t)(tt0 + tt) * ns * hp + h) * R + c0 + v] = acc[tt];
+        }
+    }
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) {
+        last = atomicAdd(&ws.cnt[blockIdx.x * hp + h], 1u) == (unsigned)(NK - 1);
+    }
+    __syncthreads();
+    if (!last) {
+        return;
+    }
+    __threadfence();
+    for (int e = tid; e < nt * (int)p.v_dim; e += blockDim.x) {
+        const int tt = e / (int)p.v_dim, vv = e - tt * (int)p.v_dim;
+        const float *part = ws.o + ((int64_t)(tt0 + tt) * ns * hp + h) * R + vv;
+        float sum = __ldcg(part);
+#pragma unroll
+        for (int k = 1; k < NK; k++) {
+            sum += __ldcg(part + k * kCombineCols);
+        }
+        p.out[((t0 + tt0 + tt) * H + h) * p.v_dim + vv] = sum;
     }
 }
 
@@ -454,10 +473,13 @@ template <int R, int ROPE> enum kr_status heads_launch(const krk_mla_attn_params
                               absorb_smem, stream, p,
                               t0, tc, hp, ws.q);
         KRK_CHECK_LAUNCH();
+        if (t0 == 0 && p.idx_ready) { // the absorption overlaps the selection; the splits read idx
+            KRK_CUDA_TRY(cudaStreamWaitEvent(stream, p.idx_ready, 0));
+        }
         krk::launch_maybe_pdl(krk::pdl_enabled(), mla_split_kernel<R, ROPE>, dim3((unsigned)tc, (unsigned)pl.ns),
                               (unsigned)(hg * 64), smem, stream, p, t0, hg, pl.ns, pl.spl, ws);
         KRK_CHECK_LAUNCH();
-        const dim3 combine_grid(tok_tiles, (unsigned)p.n_head, (unsigned)((p.v_dim + kCombineRows - 1) / kCombineRows));
+        const dim3 combine_grid(tok_tiles, (unsigned)p.n_head, (unsigned)(R / kCombineCols));
         krk::launch_maybe_pdl(krk::pdl_enabled(), mla_combine_kernel<R>, combine_grid, kCombineThreads, 0, stream, p,
                               t0, tc, hp, pl.ns, ws);
         KRK_CHECK_LAUNCH();
@@ -485,7 +507,7 @@ extern "C" bool krk_mla_heads_fits(const struct krk_mla_attn_params *p)
 {
     HeadsPlan pl;
     return p->kv_lora == 512 && p->rope == 64 && p->n_head >= 1 && p->n_head <= 64 && p->nope >= 1 &&
-           p->nope <= 256 && p->row % 8 == 0 && ((uintptr_t)p->cache & 15) == 0 && p->batch.n_tok <= 0x7fffffff &&
+           p->nope <= 256 && p->v_dim >= 1 && p->v_dim <= kCombineCols && p->row % 8 == 0 && ((uintptr_t)p->cache & 15) == 0 && p->batch.n_tok <= 0x7fffffff &&
            p->workspace != nullptr && heads_plan<512, 64>(*p, &pl);
 }
 

@@ -810,11 +810,32 @@ Test(cuda_backend, dsa_real_shapes_match_cpu)
         differ += count_differing_rows(&g, &b, &c, i, "dsa real shapes, programmatic launch vs plain");
     }
     cr_expect_eq(differ, 0, "dsa real shapes: %d rows differ between KRAIT_PDL=0 and the default", differ);
+    /* the selection alongside the absorption (the default, eager steps and graphs) against one after
+     * the other: the same kernels on the same inputs, bit-identical */
+    cr_expect_gt(kr_backend_cuda_overlap_count(be), 0, "dsa real shapes: no selection ran alongside the attention");
+    struct fx o;
+    struct run d;
+    memset(&d, 0, sizeof d);
+    setenv("KRAIT_MLA_OVERLAP", "0", 1);
+    kr_backend_t be3 = NULL;
+    cr_assert_eq(kr_backend_cuda_create(0, true, &be3, &err), KR_OK, "%s", err.msg);
+    unsetenv("KRAIT_MLA_OVERLAP");
+    load_synth(&o, dir, be3, lens, N, DEC);
+    drive(&o, &d, 0, N, start, chunk, DEC);
+    cr_expect_eq(kr_backend_cuda_overlap_count(be3), 0, "KRAIT_MLA_OVERLAP=0 selects first");
+    cr_expect_gt(o.m->idx_query_rows, 0, "dsa real shapes: no step selected keys");
+    differ = 0;
+    for (int32_t i = 0; i < N; i++) {
+        differ += count_differing_rows(&g, &b, &d, i, "dsa real shapes, overlapped selection vs serial");
+    }
+    cr_expect_eq(differ, 0, "dsa real shapes: %d rows differ between KRAIT_MLA_OVERLAP=0 and the default", differ);
     run_free(&a, N);
     run_free(&b, N);
     run_free(&c, N);
+    run_free(&d, N);
     fx_free(&g);
     fx_free(&h);
     fx_free(&p);
+    fx_free(&o);
     ckw_rmtree(dir);
 }

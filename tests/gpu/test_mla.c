@@ -651,6 +651,7 @@ struct attn_shape {
 static const struct attn_shape attn_shapes[] = {
     {16, 512, 64, 128, 128, 64, 0.5f}, /* DeepSeek-V3.2 head dims, 16 heads */
     {3, 40, 8, 16, 24, 16, 2.0f},      /* small and odd: nothing a multiple of a tile */
+    {5, 512, 64, 64, 96, 16, 0.3f},    /* the latent shape with 5 heads (padded to 16) and 96 v rows */
 };
 
 struct attn_batch {
@@ -672,7 +673,7 @@ static const struct attn_batch attn_batches[] = {
 };
 #define N_ATTN_SHAPES ((int)(sizeof attn_shapes / sizeof attn_shapes[0]))
 #define N_ATTN_BATCHES ((int)(sizeof attn_batches / sizeof attn_batches[0]))
-static int attn_case_ids[] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9};
+static int attn_case_ids[] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14};
 _Static_assert(sizeof attn_case_ids / sizeof attn_case_ids[0] == N_ATTN_SHAPES * N_ATTN_BATCHES,
                "one id per attention case");
 
@@ -749,6 +750,8 @@ ParameterizedTest(int *ci, mla, attention_matches_cpu)
                                          .out = d_out, .workspace = d_ws, .workspace_bytes = ws_bytes,
                                          .batch = b.dev, .variant = variant};
         if (variant == KRK_MLA_ATTN_HEADS && !krk_mla_heads_fits(&kp)) {
+            cr_expect_neq(R, 512, "the head-batched kernels refuse the latent shape (%lld heads, v_dim %lld)",
+                          (long long)H, (long long)Dv);
             continue;
         }
         cr_assert_eq(krk_mla_attention(&kp, 0), KR_OK);

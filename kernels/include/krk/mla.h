@@ -105,12 +105,16 @@ struct krk_mla_attn_params {
     size_t workspace_bytes;
     struct krk_batch batch; /* batch.max_ctx must be set when idx is NULL */
     int32_t variant;        /* KRK_MLA_ATTN_*: which kernel */
+    cudaEvent_t idx_ready;  /* or NULL: an event recorded after the work that writes idx (on another
+                               stream); the launcher makes `stream` wait on it after the kernels that
+                               do not read idx (the absorption of the queries) and before the first
+                               that does (whenever krk_mla_attention returns KR_OK) */
 };
 /* Kernels: a block per (token, head), fp32 (default); or all heads of a token in one block on bf16
  * tensor cores, reading each latent once per token, with a token's keys split over several blocks
  * when there are too few tokens to fill the GPU (kv_lora 512, rope 64, up to 64 heads, nope up to
- * 256, aligned rows, workspace of krk_mla_attn_workspace_bytes: krk_mla_heads_fits; otherwise the
- * default runs). Dense attention (idx NULL) with the head-batched kernels sizes its splits by
+ * 256, v_dim up to 128, aligned rows, workspace of krk_mla_attn_workspace_bytes:
+ * krk_mla_heads_fits; otherwise the default runs). Dense attention (idx NULL) with the head-batched kernels sizes its splits by
  * batch.max_ctx. */
 enum { KRK_MLA_ATTN_PER_HEAD = 0, KRK_MLA_ATTN_HEADS = 1 };
 bool krk_mla_heads_fits(const struct krk_mla_attn_params *p);
