@@ -611,3 +611,22 @@ Test(engine, backend_sampling_equals_host_sampling)
     }
     cr_expect_gt(compared, N * 6, "too few tokens compared (%d)", compared);
 }
+
+/* An attention op that carries its selection must read the buffer the selection writes: anything
+ * else is refused with an error before a backend sees it. */
+Test(engine, attention_refuses_a_selection_it_would_not_read)
+{
+    kr_backend_t be = kr_backend_cpu_create(1);
+    cr_assert(be);
+    int32_t idx[8], other[8];
+    const struct kr_dsa_index_params sel = {.topk = 8, .idx = idx};
+    struct kr_mla_attn_params ap = {.idx = other, .topk = 8, .select = &sel};
+    cr_expect_eq(kr_backend_mla_attention(be, &ap), KR_ERR_INVAL, "selection into another buffer");
+    ap.idx = idx;
+    ap.topk = 4;
+    cr_expect_eq(kr_backend_mla_attention(be, &ap), KR_ERR_INVAL, "selection of another size");
+    ap.idx = NULL;
+    ap.topk = 8;
+    cr_expect_eq(kr_backend_mla_attention(be, &ap), KR_ERR_INVAL, "selection for a dense attention");
+    kr_backend_free(be);
+}
