@@ -130,15 +130,18 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
             break; // block-uniform
         }
         __syncthreads(); // the previous tile's readers are done (and the queries are in place)
+        {   // two threads a key: each finds the key's row once and copies every other 16-byte chunk
+            static_assert(kMmaWarps * 32 == 2 * kMmaKeys, "two threads per key of a tile");
+            const int j = threadIdx.x >> 1;
+            const bool ok = s0 + j < n_keys;
+            const krk_bf16 *src =
+                ok ? p.cache + krk::mla::latent_row_off(b, seq, (int32_t)(s0 + j), p.block_size, p.row) + p.key_off
+                   : p.cache;
 #pragma unroll 8
-        for (int e = threadIdx.x; e < kMmaKeys * chunks; e += blockDim.x) {
-            const int j = e / chunks, c = e - j * chunks;
-            uint4 v = make_uint4(0, 0, 0, 0);
-            if (s0 + j < n_keys) {
-                const int64_t off = krk::mla::latent_row_off(b, seq, (int32_t)(s0 + j), p.block_size, p.row);
-                v = *reinterpret_cast<const uint4 *>(p.cache + off + p.key_off + c * 8);
+            for (int c = threadIdx.x & 1; c < chunks; c += 2) {
+                const uint4 v = ok ? *reinterpret_cast<const uint4 *>(src + c * 8) : make_uint4(0, 0, 0, 0);
+                *reinterpret_cast<uint4 *>(ks + j * LD + c * 8) = v;
             }
-            *reinterpret_cast<uint4 *>(ks + j * LD + c * 8) = v;
         }
         __syncthreads();
         float sum[kMmaKeys / 8][2]; // this lane's two key columns of every 8-key n-tile

@@ -134,7 +134,8 @@ __global__ void __launch_bounds__(kAbsorbQuarters *kAbsorbCols)
 }
 
 // Grid (tc, ns): block (token t0 + x, split y) takes keys [y * spl, (y + 1) * spl) of the token's
-// candidates; blockDim = hg * 64 (hg groups of 16 head rows, two column halves).
+// candidates; blockDim = hg * 64 (hg groups of 16 head rows, two column halves; 2 hg threads per
+// key of a tile when loading it).
 template <int R, int ROPE>
 __global__ void __launch_bounds__(256) mla_split_kernel(krk_mla_attn_params p, int64_t t0, int hg, int ns, int spl,
                                                          HeadsWs ws)
@@ -182,25 +183,24 @@ __global__ void __launch_bounds__(256) mla_split_kernel(krk_mla_attn_params p, i
     }
     krk::cp_async_commit();
 
-    // latent rows of key tile kt into stage st (zeros for masked keys: V must be finite where P is 0)
+    // latent rows of key tile kt into stage st (zeros for masked keys: V must be finite where P is 0).
+    // tpk threads per key: each finds its key's row once (the selection, then the block table) and
+    // copies every tpk-th 16-byte chunk of it, so that a warp's copies cover whole 64-byte runs.
+    const int tpk = nthreads / kBN, kj = tid / tpk, kpart = tid - kj * tpk;
     auto load_tile = [&](int st, int kt) {
-        uint16_t *dk = sK + st * kBN * LD;
-        for (int i = tid; i < kBN * CH; i += nthreads) {
-            const int jj = i / CH, c = (i - jj * CH) * 8;
-            const int64_t j = j0 + (int64_t)kt * kBN + jj;
-            int32_t key = -1;
-            if (j < j1) {
-                key = p.idx ? p.idx[t * p.topk + j] : (int32_t)j;
-            }
-            const bool ok = key >= 0 && key <= pos;
-            const krk_bf16 *src = p.cache;
-            if (ok) {
-                src = p.cache + krk::mla::latent_row_off(b, seq, key, p.block_size, p.row) + c;
-            }
-            krk::cp_async16(dk + jj * LD + c, src, ok ? 16 : 0);
-            if (c == 0) {
-                sValid[st * kBN + jj] = ok;
-            }
+        uint16_t *dk = sK + st * kBN * LD + kj * LD;
+        const int64_t j = j0 + (int64_t)kt * kBN + kj;
+        int32_t key = -1;
+        if (j < j1) {
+            key = p.idx ? p.idx[t * p.topk + j] : (int32_t)j;
+        }
+        const bool ok = key >= 0 && key <= pos;
+        const krk_bf16 *src = ok ? p.cache + krk::mla::latent_row_off(b, seq, key, p.block_size, p.row) : p.cache;
+        for (int c = kpart; c < CH; c += tpk) {
+            krk::cp_async16(dk + c * 8, ok ? src + c * 8 : src, ok ? 16 : 0);
+        }
+        if (kpart == 0) {
+            sValid[st * kBN + kj] = ok;
         }
     };
 
