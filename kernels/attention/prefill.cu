@@ -82,22 +82,20 @@ template <int DP, int BN> __global__ void __launch_bounds__(PF_THREADS) prefill_
     const uint16_t *vc = a.v_cache + (int64_t)g * hd;
 
     // K and V rows of key tile kt into stage st; keys past kv_end and columns past hd are zeros
-    // (V must be finite where P is 0).
+    // (V must be finite where P is 0). TPK threads per key: each looks its row up in the block table
+    // once and copies every TPK-th 16-byte chunk of it.
+    constexpr int TPK = PF_THREADS / BN;
+    static_assert(PF_THREADS % BN == 0, "whole threads per key of a tile");
+    const int kr = tid / TPK, kpart = tid - kr * TPK;
     auto load_kv = [&](int st, int kt) {
-        uint16_t *dk = sK + st * BN * LD, *dv = sV + st * BN * LD;
-        for (int i = tid; i < BN * CH; i += PF_THREADS) {
-            const int r = i / CH, c = (i % CH) * 8;
-            const int j = kt * BN + r;
-            const uint16_t *srck = a.k_cache, *srcv = a.v_cache;
-            int bytes = 0;
-            if (j < kv_end && c < hd) {
-                const int64_t off = cache_row(bt, j, a.block_size, row_len) + c;
-                srck = kc + off;
-                srcv = vc + off;
-                bytes = 16;
-            }
-            cp_async16(dk + r * LD + c, srck, bytes);
-            cp_async16(dv + r * LD + c, srcv, bytes);
+        uint16_t *dk = sK + st * BN * LD + kr * LD, *dv = sV + st * BN * LD + kr * LD;
+        const int j = kt * BN + kr;
+        const int64_t off = j < kv_end ? cache_row(bt, j, a.block_size, row_len) : 0;
+        for (int ci = kpart; ci < CH; ci += TPK) {
+            const int c = ci * 8;
+            const bool in = j < kv_end && c < hd;
+            cp_async16(dk + c, in ? kc + off + c : a.k_cache, in ? 16 : 0);
+            cp_async16(dv + c, in ? vc + off + c : a.v_cache, in ? 16 : 0);
         }
     };
 
