@@ -1351,8 +1351,9 @@ static enum kr_status cuda_dsa_index(kr_backend_t be, const struct kr_dsa_index_
 }
 
 /* Where the overlapped selection's workspace starts in the scratch (the attention's is before it), or
- * 0 when the selection runs first: overlap off, profiling (the ops are timed one by one), or a
- * scratch without room for both. */
+ * 0 when the selection runs first: overlap off, profiling (the ops are timed one by one), shapes
+ * the head-batched kernels do not take (no attention workspace: the per-head kernel absorbs inside
+ * its own blocks, so there is nothing to overlap), or a scratch without room for both. */
 static size_t overlap_split(const struct cuda_ctx *c, const struct kr_mla_attn_params *p)
 {
     if (!c->mla_overlap || (c->prof.on && !c->capturing) || !c->side) {
