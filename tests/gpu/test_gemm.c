@@ -41,6 +41,55 @@ static float *hrand(struct gt_rng *r, size_t n, float lo, float hi)
     return p;
 }
 
+/* A random bf16 weight of rows x cols: the device copy, and a host tensor of the same values. */
+struct hw {
+    uint16_t *host;
+    krk_bf16 *dev;
+    struct kr_tensor t;
+};
+static struct hw hw_make(struct gt_rng *r, int64_t rows, int64_t cols)
+{
+    const size_t nw = (size_t)(rows * cols);
+    float *wf = hrand(r, nw, -1.0f, 1.0f);
+    struct hw h = {.host = kr_malloc(nw * sizeof(uint16_t))};
+    cr_assert(h.host);
+    for (size_t i = 0; i < nw; i++) {
+        h.host[i] = kr_f32_to_bf16(wf[i]);
+    }
+    kr_free(wf);
+    h.dev = gt_dup(h.host, nw * 2);
+    h.t = (struct kr_tensor){.data = h.host, .dtype = KR_DTYPE_BF16, .rows = rows, .cols = cols};
+    return h;
+}
+static void hw_free(struct hw *h)
+{
+    gt_dfree(h->dev);
+    kr_free(h->host);
+}
+
+/* The n rows of y (row stride ldy) against the reference within (nmse, abs), then the padding
+ * after each row, which must hold what the reference's does (untouched). */
+static void expect_rows_and_padding(const char *what, const float *got, const float *ref, int64_t n, int64_t rows,
+                                    int64_t ldy, double nmse, double abs)
+{
+    float *gd = kr_malloc((size_t)(n * rows) * sizeof(float));
+    float *rd = kr_malloc((size_t)(n * rows) * sizeof(float));
+    cr_assert(gd && rd);
+    for (int64_t i = 0; i < n; i++) {
+        memcpy(gd + i * rows, got + i * ldy, (size_t)rows * sizeof(float));
+        memcpy(rd + i * rows, ref + i * ldy, (size_t)rows * sizeof(float));
+    }
+    gt_expect_close(what, gd, rd, (size_t)(n * rows), nmse, abs);
+    bool pad_ok = true;
+    for (int64_t i = 0; i < n && pad_ok; i++) {
+        const size_t pad = (size_t)(ldy - rows) * sizeof(float);
+        pad_ok = memcmp(got + i * ldy + rows, ref + i * ldy + rows, pad) == 0;
+    }
+    cr_expect(pad_ok, "%s: y written outside its rows", what);
+    kr_free(gd);
+    kr_free(rd);
+}
+
 ParameterizedTestParameters(gemm, gemv_matches_cpu_matmul)
 {
     return cr_make_param_array(int, gemv_idx, N_GEMV_SHAPES);
@@ -56,16 +105,7 @@ ParameterizedTest(int *idx, gemm, gemv_matches_cpu_matmul)
     struct gt_rng rng = {.s = 100 + (uint64_t)*idx};
     kr_backend_t be = kr_backend_cpu_create(0); /* results do not depend on the thread count */
     cr_assert(be);
-    const size_t nw = (size_t)(s.rows * s.cols);
-    float *wf = hrand(&rng, nw, -1.0f, 1.0f);
-    uint16_t *wb = kr_malloc(nw * sizeof(uint16_t));
-    cr_assert(wb);
-    for (size_t i = 0; i < nw; i++) {
-        wb[i] = kr_f32_to_bf16(wf[i]);
-    }
-    kr_free(wf);
-    krk_bf16 *d_w = gt_dup(wb, nw * 2);
-    const struct kr_tensor t = {.data = wb, .dtype = KR_DTYPE_BF16, .rows = s.rows, .cols = s.cols};
+    struct hw w = hw_make(&rng, s.rows, s.cols);
     float *bias = hrand(&rng, (size_t)s.rows, -1.0f, 1.0f);
     float *d_bias = gt_dup(bias, (size_t)s.rows * 4);
 
@@ -117,73 +157,30 @@ ParameterizedTest(int *idx, gemm, gemv_matches_cpu_matmul)
         if (pdl) {
             cr_assert_eq(krk_scale(d_buf, 2.0f, (int64_t)(lead + nx), st), KR_OK);
         }
-        const struct krk_gemv_params p = {.x = d_x, .ldx = ldx, .w = d_w, .bias = with_bias ? d_bias : NULL, .n = n,
+        const struct krk_gemv_params p = {.x = d_x, .ldx = ldx, .w = w.dev, .bias = with_bias ? d_bias : NULL, .n = n,
                                           .rows = s.rows, .cols = s.cols, .y = d_y, .ldy = ldy,
                                           .pdl = pdl, .config = cases[ci].config};
         cr_assert_eq(krk_gemv(&p, st), KR_OK);
         cr_assert_eq(cudaStreamSynchronize(st), cudaSuccess);
         cr_assert_eq(cudaStreamDestroy(st), cudaSuccess);
         gt_sync();
-        cr_assert_eq(kr_backend_matmul(be, x, ldx, n, &t, with_bias ? bias : NULL, ref, ldy), KR_OK);
+        cr_assert_eq(kr_backend_matmul(be, x, ldx, n, &w.t, with_bias ? bias : NULL, ref, ldy), KR_OK);
         gt_down(got, d_y, ny * 4);
-        /* compare the rows of y, then the padding bytes */
-        float *gd = kr_malloc((size_t)(n * s.rows) * sizeof(float));
-        float *rd = kr_malloc((size_t)(n * s.rows) * sizeof(float));
-        cr_assert(gd && rd);
-        for (int64_t i = 0; i < n; i++) {
-            memcpy(gd + i * s.rows, got + i * ldy, (size_t)s.rows * sizeof(float));
-            memcpy(rd + i * s.rows, ref + i * ldy, (size_t)s.rows * sizeof(float));
-        }
         char what[128];
         snprintf(what, sizeof what, "gemv %lldx%lld n=%lld%s ldx=%lld config %d%s", (long long)s.rows,
                  (long long)s.cols, (long long)n, with_bias ? " +bias" : "", (long long)ldx, cases[ci].config,
                  pdl ? " (programmatic dependent)" : "");
-        gt_expect_close(what, gd, rd, (size_t)(n * s.rows), GEMV_NMSE, GEMV_ABS);
-        bool pad_ok = true;
-        for (int64_t i = 0; i < n && pad_ok; i++) {
-            const size_t pad = (size_t)(ldy - s.rows) * sizeof(float);
-            pad_ok = memcmp(got + i * ldy + s.rows, ref + i * ldy + s.rows, pad) == 0;
-        }
-        cr_expect(pad_ok, "%s: y written outside its rows", what);
-        kr_free(gd);
-        kr_free(rd);
+        expect_rows_and_padding(what, got, ref, n, s.rows, ldy, GEMV_NMSE, GEMV_ABS);
         kr_free(x);
         kr_free(ref);
         kr_free(got);
         gt_dfree(d_buf);
         gt_dfree(d_y);
     }
-    gt_dfree(d_w);
+    hw_free(&w);
     gt_dfree(d_bias);
-    kr_free(wb);
     kr_free(bias);
     kr_backend_free(be);
-}
-
-/* A random bf16 weight of rows x cols: the device copy, and a host tensor of the same values. */
-struct hw {
-    uint16_t *host;
-    krk_bf16 *dev;
-    struct kr_tensor t;
-};
-static struct hw hw_make(struct gt_rng *r, int64_t rows, int64_t cols)
-{
-    const size_t nw = (size_t)(rows * cols);
-    float *wf = hrand(r, nw, -1.0f, 1.0f);
-    struct hw h = {.host = kr_malloc(nw * sizeof(uint16_t))};
-    cr_assert(h.host);
-    for (size_t i = 0; i < nw; i++) {
-        h.host[i] = kr_f32_to_bf16(wf[i]);
-    }
-    kr_free(wf);
-    h.dev = gt_dup(h.host, nw * 2);
-    h.t = (struct kr_tensor){.data = h.host, .dtype = KR_DTYPE_BF16, .rows = rows, .cols = cols};
-    return h;
-}
-static void hw_free(struct hw *h)
-{
-    gt_dfree(h->dev);
-    kr_free(h->host);
 }
 
 /* Several weights sharing x in one launch: each part's output against the CPU's product with that
@@ -485,25 +482,10 @@ ParameterizedTest(int *idx, gemm, skinny_matches_cpu_matmul)
         gt_sync();
         cr_assert_eq(kr_backend_matmul(be, x, ldx, n, &w.t, with_bias ? bias : NULL, ref, ldy), KR_OK);
         gt_down(got, d_y, ny * 4);
-        float *gd = kr_malloc((size_t)(n * s.rows) * sizeof(float));
-        float *rd = kr_malloc((size_t)(n * s.rows) * sizeof(float));
-        cr_assert(gd && rd);
-        for (int64_t i = 0; i < n; i++) {
-            memcpy(gd + i * s.rows, got + i * ldy, (size_t)s.rows * sizeof(float));
-            memcpy(rd + i * s.rows, ref + i * ldy, (size_t)s.rows * sizeof(float));
-        }
         char what[160];
         snprintf(what, sizeof what, "skinny %lldx%lld n=%lld%s config %d%s", (long long)s.rows, (long long)s.cols,
                  (long long)n, with_bias ? " +bias" : "", cases[ci].config, pdl ? " (programmatic dependent)" : "");
-        gt_expect_close(what, gd, rd, (size_t)(n * s.rows), GEMV_NMSE, SKINNY_ABS);
-        bool pad_ok = true;
-        for (int64_t i = 0; i < n && pad_ok; i++) {
-            const size_t pad = (size_t)(ldy - s.rows) * sizeof(float);
-            pad_ok = memcmp(got + i * ldy + s.rows, ref + i * ldy + s.rows, pad) == 0;
-        }
-        cr_expect(pad_ok, "%s: y written outside its rows", what);
-        kr_free(gd);
-        kr_free(rd);
+        expect_rows_and_padding(what, got, ref, n, s.rows, ldy, GEMV_NMSE, SKINNY_ABS);
         kr_free(x);
         kr_free(ref);
         kr_free(got);
