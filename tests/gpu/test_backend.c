@@ -752,6 +752,31 @@ static void load_synth(struct fx *f, const char *dir, kr_backend_t be, const int
     cr_assert_eq(kr_cache_create(f->m, n_prompts, total / 16 + 2 * n_prompts, 16, &f->c), KR_OK);
 }
 
+/* The real-shape schedule again on a fresh CUDA backend created with the switch `env`=0 (the
+ * variable unset again after), into *f and *r. */
+static void dsa_rerun(const char *env, const char *dir, const int32_t *lens, int32_t n, int32_t dec,
+                      const int32_t *start, const int32_t *chunk, struct fx *f, struct run *r)
+{
+    memset(r, 0, sizeof *r);
+    setenv(env, "0", 1);
+    kr_backend_t be = NULL;
+    struct kr_err err = {{0}};
+    cr_assert_eq(kr_backend_cuda_create(0, true, &be, &err), KR_OK, "%s", err.msg);
+    unsetenv(env);
+    load_synth(f, dir, be, lens, n, dec);
+    drive(f, r, 0, n, start, chunk, dec);
+}
+
+/* Rows of sequences 0..n-1 that differ bit for bit between runs b and c (of model g). */
+static int32_t rows_differing(struct fx *g, struct run *b, struct run *c, int32_t n, const char *what)
+{
+    int32_t differ = 0;
+    for (int32_t i = 0; i < n; i++) {
+        differ += count_differing_rows(g, b, c, i, what);
+    }
+    return differ;
+}
+
 Test(cuda_backend, dsa_real_shapes_match_cpu)
 {
     GT_REQUIRE_GPU();
@@ -797,37 +822,19 @@ Test(cuda_backend, dsa_real_shapes_match_cpu)
     /* the same on the GPU without programmatic dependent launch: bit-identical */
     struct fx p;
     struct run c;
-    memset(&c, 0, sizeof c);
-    setenv("KRAIT_PDL", "0", 1);
-    kr_backend_t be2 = NULL;
-    cr_assert_eq(kr_backend_cuda_create(0, true, &be2, &err), KR_OK, "%s", err.msg);
-    unsetenv("KRAIT_PDL");
+    dsa_rerun("KRAIT_PDL", dir, lens, N, DEC, start, chunk, &p, &c);
     cr_assert(!krk_pdl(), "KRAIT_PDL=0 launches plainly");
-    load_synth(&p, dir, be2, lens, N, DEC);
-    drive(&p, &c, 0, N, start, chunk, DEC);
-    int32_t differ = 0;
-    for (int32_t i = 0; i < N; i++) {
-        differ += count_differing_rows(&g, &b, &c, i, "dsa real shapes, programmatic launch vs plain");
-    }
+    int32_t differ = rows_differing(&g, &b, &c, N, "dsa real shapes, programmatic launch vs plain");
     cr_expect_eq(differ, 0, "dsa real shapes: %d rows differ between KRAIT_PDL=0 and the default", differ);
     /* the selection alongside the absorption (the default, eager steps and graphs) against one after
      * the other: the same kernels on the same inputs, bit-identical */
     cr_expect_gt(kr_backend_cuda_overlap_count(be), 0, "dsa real shapes: no selection ran alongside the attention");
     struct fx o;
     struct run d;
-    memset(&d, 0, sizeof d);
-    setenv("KRAIT_MLA_OVERLAP", "0", 1);
-    kr_backend_t be3 = NULL;
-    cr_assert_eq(kr_backend_cuda_create(0, true, &be3, &err), KR_OK, "%s", err.msg);
-    unsetenv("KRAIT_MLA_OVERLAP");
-    load_synth(&o, dir, be3, lens, N, DEC);
-    drive(&o, &d, 0, N, start, chunk, DEC);
-    cr_expect_eq(kr_backend_cuda_overlap_count(be3), 0, "KRAIT_MLA_OVERLAP=0 selects first");
+    dsa_rerun("KRAIT_MLA_OVERLAP", dir, lens, N, DEC, start, chunk, &o, &d);
+    cr_expect_eq(kr_backend_cuda_overlap_count(o.be), 0, "KRAIT_MLA_OVERLAP=0 selects first");
     cr_expect_gt(o.m->idx_query_rows, 0, "dsa real shapes: no step selected keys");
-    differ = 0;
-    for (int32_t i = 0; i < N; i++) {
-        differ += count_differing_rows(&g, &b, &d, i, "dsa real shapes, overlapped selection vs serial");
-    }
+    differ = rows_differing(&g, &b, &d, N, "dsa real shapes, overlapped selection vs serial");
     cr_expect_eq(differ, 0, "dsa real shapes: %d rows differ between KRAIT_MLA_OVERLAP=0 and the default", differ);
     run_free(&a, N);
     run_free(&b, N);
