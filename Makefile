@@ -1,6 +1,8 @@
-# krait: the two commands of the README, and a few helpers.
-#   make serve   install missing Debian packages, build, serve the embedded default model (OpenAI API on :8000)
+# krait: what the README's two commands (./bootstrap.sh serve|test) run once make exists, and a few helpers.
+#   make serve   install missing Debian packages, build the krait executable only, serve the embedded
+#                default model (OpenAI API on :8000)
 #   make test    install missing Debian packages, build (warnings as errors, ASan+UBSan), run every test
+#   make build   everything in Release: krait, the tests and the benchmarks (what docs/PERF.md measures)
 JOBS ?= $(shell nproc)
 BUILD ?= build
 TEST_BUILD ?= build-test
@@ -8,16 +10,23 @@ CUDA_BUILD ?= build-cuda
 MODEL ?= models/tiny-hybrid
 PORT ?= 8000
 
-.PHONY: deps build serve test test-sdk test-cuda-build bench clean
+.PHONY: deps build build-krait serve test test-sdk test-cuda-build bench clean
 
 deps:
 	@./tools/install-deps.sh
 
+# Tests and benchmarks are set ON explicitly: build-krait leaves them OFF in the same cache.
 build: deps
-	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release
+	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release -DKR_BUILD_TESTS=ON -DKR_BUILD_BENCH=ON
 	cmake --build $(BUILD) -j $(JOBS)
 
-serve: build
+# Only what serving needs: no test, benchmark or GPU test target is configured, and only krait is
+# built (with the CUDA backend when nvcc is found, as KR_WITH_CUDA=AUTO decides).
+build-krait: deps
+	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release -DKR_BUILD_TESTS=OFF -DKR_BUILD_BENCH=OFF
+	cmake --build $(BUILD) -j $(JOBS) --target krait
+
+serve: build-krait
 	./$(BUILD)/krait serve $(MODEL) --port $(PORT)
 
 test: deps
