@@ -81,9 +81,17 @@ struct kr_engine {
     bool stop;
     bool idle;
     struct req *inbox_head, *inbox_tail; /* submitted, not yet seen by the engine thread */
-    uint64_t *cancels;           /* ids to cancel */
-    int32_t *cancel_idx;         /* [cap_cancels] choice index, -1 = whole request */
+    struct cancel *cancels;      /* [cap_cancels] cancellations queued by any thread */
     int32_t n_cancels, cap_cancels;
+    struct cancel *cancels_w;    /* [cap_cancels_w] the engine thread's batch: swapped with `cancels`
+                                    under the lock, so that every pending cancel is taken each
+                                    iteration without copying or allocating */
+    int32_t cap_cancels_w;
+    bool failed;                 /* the device failed for good: every request fails, submit refuses */
+    char failed_msg[256];
+    int64_t fault_step;          /* KRAIT_FAULT_STEP: the step attempt that fails (0 = none; tests) */
+    bool fault_fatal;            /* ... as a device that is lost for good */
+    uint64_t step_attempts;
     atomic_uint_fast64_t next_id;
     atomic_int queued;           /* requests submitted and not yet admitted (admission limit) */
     struct kr_engine_stats stats; /* under lock */
@@ -124,6 +132,12 @@ struct kr_engine {
     bool defer_events;
     struct pending_ev *outbox;
     int32_t n_outbox, cap_outbox;
+};
+
+/* A cancellation: a whole request (index -1) or one choice. */
+struct cancel {
+    uint64_t id;
+    int32_t index;
 };
 
 /* An event waiting in the outbox, with copies of what it borrows. */
@@ -306,9 +320,8 @@ static void req_free(struct req *r)
 static void retire(struct kr_engine *e, struct req *r)
 {
     REMOVE(e, reqs, r);
-    if (PUSH(e, dead, r, false) != KR_OK) {
-        KR_LOG_ERROR("out of memory retiring request %llu; leaking it", (unsigned long long)r->id);
-    }
+    KR_ASSERT(e->n_dead < e->cap_dead); /* intake made room for every live request */
+    e->dead[e->n_dead++] = r;
 }
 
 static void free_dead(struct kr_engine *e)
@@ -879,6 +892,8 @@ static int32_t plan(struct kr_engine *e, int32_t *n_tok_out)
     return ns;
 }
 
+static void fail_everything(struct kr_engine *e, const char *why);
+
 static void run_step(struct kr_engine *e)
 {
     const double t0 = now_us();
@@ -950,6 +965,11 @@ static void run_step(struct kr_engine *e)
         }
     }
     enum kr_status st = kr_model_forward(e->m, e->cache, &b, dev ? NULL : e->logits, &err);
+    if (++e->step_attempts == (uint64_t)e->fault_step && st == KR_OK) {
+        st = KR_ERR_CUDA; /* KRAIT_FAULT_STEP: this step fails as a device error would */
+        snprintf(err.msg, sizeof err.msg, "injected %s failure of step %lld", e->fault_fatal ? "fatal" : "transient",
+                 (long long)e->fault_step);
+    }
     /* the device is busy with this step now: deliver the previous step's events meanwhile */
     flush_events(e);
     int32_t n_top = 0;
@@ -967,7 +987,13 @@ static void run_step(struct kr_engine *e)
             snprintf(err.msg, sizeof err.msg, "sampling on the backend failed: %s", kr_status_str(st));
         }
     }
+    if (st != KR_OK && (!kr_backend_healthy(e->m->be) || (e->fault_fatal && e->step_attempts == (uint64_t)e->fault_step))) {
+        /* a sticky device error: the context cannot recover, nothing else will run */
+        fail_everything(e, err.msg[0] ? err.msg : kr_status_str(st));
+        return;
+    }
     if (st != KR_OK) {
+        /* not sticky: only the requests of this step fail */
         KR_LOG_ERROR("step failed: %s", err.msg);
         for (int32_t j = 0; j < ns; j++) {
             if (e->b_seqs[j]->state != KR_SEQ_DONE) {
@@ -1094,8 +1120,20 @@ static void check_invariants(struct kr_engine *e)
  * to fork from it. */
 static void intake(struct kr_engine *e, struct req *r)
 {
-    if (PUSH(e, reqs, r, false) != KR_OK) {
-        struct kr_event ev = {.type = KR_EVENT_ERROR, .status = KR_ERR_NOMEM, .message = "out of memory"};
+    /* the retired list holds at most every live request and the ones retired this step: room for
+     * all of them now, so that retiring never allocates */
+    const int32_t need_dead = e->n_reqs + e->n_dead + 1;
+    if (e->cap_dead < need_dead) {
+        const int32_t nc = need_dead > 2 * e->cap_dead ? need_dead : 2 * e->cap_dead;
+        struct req **nd = kr_realloc(e->dead, (size_t)nc * sizeof *nd);
+        if (nd) {
+            e->dead = nd;
+            e->cap_dead = nc;
+        }
+    }
+    if (e->failed || e->cap_dead < need_dead || PUSH(e, reqs, r, false) != KR_OK) {
+        struct kr_event ev = {.type = KR_EVENT_ERROR, .status = e->failed ? KR_ERR_CUDA : KR_ERR_NOMEM,
+                              .message = e->failed ? e->failed_msg : "out of memory"};
         emit(e, r, &ev);
         req_free(r);
         return;
@@ -1133,6 +1171,46 @@ static void cancel_id(struct kr_engine *e, uint64_t id, int32_t index)
     }
 }
 
+static int cancel_cmp(const void *a, const void *b)
+{
+    const struct cancel *x = a, *y = b;
+    if (x->id != y->id) {
+        return x->id < y->id ? -1 : 1;
+    }
+    return (x->index > y->index) - (x->index < y->index);
+}
+
+/* Applies a batch of cancellations: sorted so that repeats of one id cost nothing, each distinct
+ * request looked up once. */
+static void apply_cancels(struct kr_engine *e, struct cancel *c, int32_t n)
+{
+    if (n > 1) {
+        qsort(c, (size_t)n, sizeof *c, cancel_cmp);
+    }
+    for (int32_t i = 0; i < n; i++) {
+        if (i > 0 && c[i].id == c[i - 1].id && (c[i].index == c[i - 1].index || c[i - 1].index < 0)) {
+            continue; /* the same cancellation again, or a choice of a request cancelled whole */
+        }
+        cancel_id(e, c[i].id, c[i].index);
+    }
+}
+
+/* The device failed for good: every request ends with an error naming it, and so will every later
+ * one (the server reports itself unhealthy and exits so that it is restarted). */
+static void fail_everything(struct kr_engine *e, const char *why)
+{
+    pthread_mutex_lock(&e->lock);
+    e->failed = true;
+    snprintf(e->failed_msg, sizeof e->failed_msg, "the compute device failed (%.180s); the server must be restarted", why);
+    pthread_mutex_unlock(&e->lock);
+    KR_LOG_ERROR("%s", e->failed_msg);
+    while (e->n_reqs > 0) {
+        fail_req(e, e->reqs[0], KR_ERR_CUDA, e->failed_msg);
+    }
+    free_dead(e);
+    flush_events(e);
+}
+
 static void *engine_main(void *arg)
 {
     struct kr_engine *e = arg;
@@ -1140,14 +1218,14 @@ static void *engine_main(void *arg)
     for (;;) {
         struct req *in = e->inbox_head;
         e->inbox_head = e->inbox_tail = NULL;
-        uint64_t cancels[64];
-        int32_t cancel_idx[64];
-        int32_t n_c = e->n_cancels < 64 ? e->n_cancels : 64;
-        memcpy(cancels, e->cancels, (size_t)n_c * sizeof(uint64_t));
-        memcpy(cancel_idx, e->cancel_idx, (size_t)n_c * sizeof(int32_t));
-        memmove(e->cancels, e->cancels + n_c, (size_t)(e->n_cancels - n_c) * sizeof(uint64_t));
-        memmove(e->cancel_idx, e->cancel_idx + n_c, (size_t)(e->n_cancels - n_c) * sizeof(int32_t));
-        e->n_cancels -= n_c;
+        /* every pending cancel, by swapping the queue with the engine's own array */
+        struct cancel *batch = e->cancels;
+        const int32_t n_c = e->n_cancels, cap_c = e->cap_cancels;
+        e->cancels = e->cancels_w;
+        e->cap_cancels = e->cap_cancels_w;
+        e->cancels_w = batch;
+        e->cap_cancels_w = cap_c;
+        e->n_cancels = 0;
         const bool stop = e->stop;
         pthread_mutex_unlock(&e->lock);
 
@@ -1156,9 +1234,7 @@ static void *engine_main(void *arg)
             intake(e, in);
             in = next;
         }
-        for (int32_t i = 0; i < n_c; i++) {
-            cancel_id(e, cancels[i], cancel_idx[i]);
-        }
+        apply_cancels(e, batch, n_c);
         if (stop) {
             while (e->n_reqs > 0) {
                 struct req *r = e->reqs[0];
@@ -1271,14 +1347,14 @@ enum kr_status kr_engine_create(struct kr_model *m, const struct kr_engine_confi
     e->block_bytes = block_bytes;
     enum kr_status st = kr_cache_create(m, n_slots, (int32_t)n_blocks, cfg.block_size, &e->cache);
     e->lp_row = kr_malloc((size_t)m->cfg.vocab * sizeof(float));
-    e->cancels = kr_malloc(64 * sizeof(uint64_t));
-    e->cancel_idx = kr_malloc(64 * sizeof(int32_t));
-    e->cap_cancels = 64;
-    if (st != KR_OK || !e->lp_row || !e->cancels || !e->cancel_idx) {
+    e->cancels = kr_malloc(64 * sizeof *e->cancels);
+    e->cancels_w = kr_malloc(64 * sizeof *e->cancels_w);
+    e->cap_cancels = e->cap_cancels_w = 64;
+    if (st != KR_OK || !e->lp_row || !e->cancels || !e->cancels_w) {
         kr_cache_free(e->cache);
         kr_free(e->lp_row);
         kr_free(e->cancels);
-        kr_free(e->cancel_idx);
+        kr_free(e->cancels_w);
         kr_free(e);
         return kr_err_set(err, st != KR_OK ? st : KR_ERR_NOMEM, "engine: cannot allocate the cache pools");
     }
@@ -1293,6 +1369,18 @@ enum kr_status kr_engine_create(struct kr_model *m, const struct kr_engine_confi
         where = kr_backend_mem_info(m->be, &fb, &tb) == KR_OK;
     }
     e->dev_sample = where && kr_backend_can_sample(m->be);
+    const char *fs = getenv("KRAIT_FAULT_STEP"); /* "N" or "N:fatal": step attempt N fails (tests) */
+    if (fs && *fs) {
+        char *end = NULL;
+        const long long n = strtoll(fs, &end, 10);
+        if (n > 0 && end && (!*end || !strcmp(end, ":fatal"))) {
+            e->fault_step = n;
+            e->fault_fatal = *end != 0;
+            KR_LOG_WARN("KRAIT_FAULT_STEP=%s: step %lld will fail%s", fs, n, e->fault_fatal ? " as a lost device" : "");
+        } else {
+            KR_LOG_WARN("KRAIT_FAULT_STEP=%s ignored (want N or N:fatal, N >= 1)", fs);
+        }
+    }
     e->defer_events = e->dev_sample; /* the device works while the host delivers events */
     atomic_init(&e->next_id, 1);
     atomic_init(&e->queued, 0);
@@ -1313,7 +1401,7 @@ enum kr_status kr_engine_create(struct kr_model *m, const struct kr_engine_confi
         kr_cache_free(e->cache);
         kr_free(e->lp_row);
         kr_free(e->cancels);
-        kr_free(e->cancel_idx);
+        kr_free(e->cancels_w);
         kr_free(e);
         return kr_err_set(err, KR_ERR_NOMEM, "engine: cannot start its thread");
     }
@@ -1354,7 +1442,7 @@ void kr_engine_free(struct kr_engine *e)
     kr_free(e->waiting);
     kr_free(e->running);
     kr_free(e->cancels);
-    kr_free(e->cancel_idx);
+    kr_free(e->cancels_w);
     kr_free(e->b_tokens);
     kr_free(e->b_pos);
     kr_free(e->b_out);
@@ -1478,10 +1566,14 @@ enum kr_status kr_engine_submit(struct kr_engine *e, const struct kr_request_par
     r->id = atomic_fetch_add(&e->next_id, 1);
     r->submitted_us = now_us();
     pthread_mutex_lock(&e->lock);
-    if (e->stop) {
+    if (e->stop || e->failed) {
+        const bool failed = e->failed;
+        char msg[sizeof e->failed_msg];
+        snprintf(msg, sizeof msg, "%s", e->failed_msg);
         pthread_mutex_unlock(&e->lock);
         req_free(r);
-        return kr_err_set(err, KR_ERR_BUSY, "the engine is shutting down");
+        return failed ? kr_err_set(err, KR_ERR_CUDA, "%s", msg)
+                      : kr_err_set(err, KR_ERR_BUSY, "the engine is shutting down");
     }
     if (e->inbox_tail) {
         e->inbox_tail->next_in = r;
@@ -1501,21 +1593,17 @@ void kr_engine_cancel_choice(struct kr_engine *e, uint64_t req_id, int32_t index
 {
     pthread_mutex_lock(&e->lock);
     if (e->n_cancels == e->cap_cancels) {
-        uint64_t *nc = kr_realloc(e->cancels, (size_t)e->cap_cancels * 2 * sizeof(uint64_t));
-        int32_t *ni = nc ? kr_realloc(e->cancel_idx, (size_t)e->cap_cancels * 2 * sizeof(int32_t)) : NULL;
-        if (nc) {
-            e->cancels = nc;
-        }
-        if (!ni) {
+        const int32_t nc = e->cap_cancels ? 2 * e->cap_cancels : 64;
+        struct cancel *na = kr_realloc(e->cancels, (size_t)nc * sizeof *na);
+        if (!na) {
             pthread_mutex_unlock(&e->lock);
             KR_LOG_ERROR("out of memory queueing the cancellation of request %llu", (unsigned long long)req_id);
             return;
         }
-        e->cancel_idx = ni;
-        e->cap_cancels *= 2;
+        e->cancels = na;
+        e->cap_cancels = nc;
     }
-    e->cancel_idx[e->n_cancels] = index;
-    e->cancels[e->n_cancels++] = req_id;
+    e->cancels[e->n_cancels++] = (struct cancel){.id = req_id, .index = index};
     e->idle = false;
     pthread_cond_signal(&e->wake);
     pthread_mutex_unlock(&e->lock);
@@ -1545,4 +1633,12 @@ void kr_engine_get_stats(struct kr_engine *e, struct kr_engine_stats *s)
 struct kr_cache *kr_engine_cache(struct kr_engine *e)
 {
     return e->cache;
+}
+
+bool kr_engine_failed(struct kr_engine *e)
+{
+    pthread_mutex_lock(&e->lock);
+    const bool f = e->failed;
+    pthread_mutex_unlock(&e->lock);
+    return f;
 }

@@ -137,6 +137,12 @@ struct kr_engine_stats {
 };
 void kr_engine_get_stats(struct kr_engine *e, struct kr_engine_stats *s);
 
+/* Whether the device failed for good (a sticky error): every request since ended with
+ * KR_EVENT_ERROR of status KR_ERR_CUDA and submit refuses with KR_ERR_CUDA. Any thread.
+ * KRAIT_FAULT_STEP=N (or N:fatal) makes step attempt N fail as a transient (or lost-device)
+ * error would, for tests of both paths. */
+bool kr_engine_failed(struct kr_engine *e);
+
 /* The engine's caches (for tests that check that pools are full again). Engine must be idle. */
 struct kr_cache *kr_engine_cache(struct kr_engine *e);
 

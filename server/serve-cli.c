@@ -25,7 +25,10 @@ static void usage(FILE *f)
             "                                                                              [KRAIT_API_KEY]\n"
             "  --api-key-file FILE             one accepted key per line\n"
             "  --served-model-name NAME        the model name clients use (default MODEL_DIR)\n"
-            "  --max-model-len N               context length limit (default: the model's)\n"
+            "  --max-model-len N               context length limit (default: the model's max_position_embeddings;\n"
+            "                                  more is refused unless --allow-long-max-model-len)\n"
+            "  --allow-long-max-model-len      accept --max-model-len beyond the checkpoint's trained length\n"
+            "                                  (positions past it may give poor output)\n"
             "  --max-num-seqs N                sequences running at once (default 256)\n"
             "  --max-num-batched-tokens N      tokens per engine step (default 2048)\n"
             "  --max-queued-requests N         waiting requests before 429 (default: unbounded)\n"
@@ -37,7 +40,8 @@ static void usage(FILE *f)
             "  --skip-tokenizer-init           no tokenizer: prompts are token ids, outputs carry ids\n"
             "  --return-tokens-as-token-ids    logprobs name tokens as token_id:N\n"
             "  --max-request-bytes N           request bodies above this get 413 (default 32 MiB)\n"
-            "  --shutdown-timeout SECONDS      on SIGTERM, finish in-flight requests for this long (default 30)\n"
+            "  --shutdown-timeout SECONDS      on SIGTERM, finish in-flight requests for this long (default 30);\n"
+            "                                  then they end with a 503 error and the process exits within 5 s\n"
             "  --device DEV                    cpu | cuda | cuda:N | auto (default: a GPU when present) [KRAIT_DEVICE]\n"
             "  --gpu-memory-utilization F      share of GPU memory for weights + caches (default 0.9)\n"
             "  --indexer auto|bf16|fp8         DSA indexer precision (auto: the FP8 path for FP8 checkpoints)\n"
@@ -46,7 +50,9 @@ static void usage(FILE *f)
             "  --port-file FILE                write the bound port there once listening\n"
             "\n"
             "A full waiting queue answers 429 Too Many Requests with Retry-After: 1 (503 means loading or\n"
-            "draining). /health and /metrics stay open without an API key.\n");
+            "draining). /health and /metrics stay open without an API key. Exit status: 0 after SIGTERM,\n"
+            "1 when the model cannot load, 2 for bad flags, 3 when the compute device failed for good\n"
+            "(restart the process).\n");
 }
 
 static int parse_size(const char *opt, const char *s, size_t *out)
@@ -159,6 +165,7 @@ int kr_serve_main(int argc, char **argv)
     enum {
         O_HOST = 256, O_PORT, O_KEY, O_KEYFILE, O_NAME, O_MAXLEN, O_SEQS, O_TOKENS, O_QUEUED, O_CACHE, O_BLOCK,
         O_TOK, O_TPL, O_SKIP, O_TOKIDS, O_BODY, O_SHUTDOWN, O_THREADS, O_LOG, O_PORTFILE, O_HELP, O_DEVICE, O_GPUMEM, O_INDEXER,
+        O_ALLOW_LONG,
     };
     static const struct option longopts[] = {
         {"host", required_argument, NULL, O_HOST},
@@ -167,6 +174,7 @@ int kr_serve_main(int argc, char **argv)
         {"api-key-file", required_argument, NULL, O_KEYFILE},
         {"served-model-name", required_argument, NULL, O_NAME},
         {"max-model-len", required_argument, NULL, O_MAXLEN},
+        {"allow-long-max-model-len", no_argument, NULL, O_ALLOW_LONG},
         {"max-num-seqs", required_argument, NULL, O_SEQS},
         {"max-num-batched-tokens", required_argument, NULL, O_TOKENS},
         {"max-queued-requests", required_argument, NULL, O_QUEUED},
@@ -219,6 +227,9 @@ int kr_serve_main(int argc, char **argv)
             if (parse_i32("--max-model-len", optarg, 1, INT32_MAX, &o.max_model_len)) {
                 return 2;
             }
+            break;
+        case O_ALLOW_LONG:
+            o.allow_long_max_model_len = true;
             break;
         case O_SEQS:
             if (parse_i32("--max-num-seqs", optarg, 1, 1 << 20, &o.max_num_seqs)) {

@@ -4,6 +4,7 @@
 
 #include "alloc.h"
 #include "chat.h"
+#include "config.h"
 #include "engine.h"
 #include "log.h"
 #include "metrics.h"
@@ -13,6 +14,7 @@
 
 #include <arpa/inet.h>
 #include <errno.h>
+#include <stdarg.h>
 #include <jansson.h>
 #include <math.h>
 #include <microhttpd.h>
@@ -142,6 +144,13 @@ struct hreq {
     double t_arrival;
     uv_poll_t hup;             /* watches the socket for a hang-up while suspended */
     bool hup_active, hup_init;
+    bool gone;                 /* the client hung up: never park again, close at the next chance */
+    bool cancelled;            /* the engine was told to cancel (once) */
+    bool cut;                  /* ended by the shutdown deadline or a failed device: answers 503 */
+    unsigned status;           /* HTTP status sent (0: none yet), for the access log */
+    char method[8];
+    char path[96];
+    char peer[64];             /* client address:port */
 };
 
 struct evnode {
@@ -168,6 +177,10 @@ struct srv {
     bool ready;
     bool load_failed;
     bool draining;
+    bool cut_done;             /* the drain deadline passed: what was in flight got its 503 */
+    double cut_at;
+    bool device_failed;        /* the engine reported a lost device: 503 everywhere, exit 3 */
+    bool stopping;             /* stop_everything ran */
     int exit_code;
     kr_backend_t be;
     struct kr_model *m;
@@ -185,6 +198,8 @@ struct srv {
     struct kr_metrics met;
     int64_t started;
 };
+
+static int g_exit_code; /* the process's exit status, for the shutdown watchdog's _exit */
 
 static double now_s(void)
 {
@@ -215,9 +230,13 @@ static enum MHD_Result send_body(struct hreq *h, unsigned status, const char *ct
     if (status == 401) {
         MHD_add_response_header(r, "WWW-Authenticate", "Bearer");
     }
+    if (h->id[0]) {
+        MHD_add_response_header(r, "X-Request-Id", h->id);
+    }
     enum MHD_Result ret = MHD_queue_response(h->conn, status, r);
     MHD_destroy_response(r);
     h->responded = true;
+    h->status = status;
     count_status(h->s, status);
     return ret;
 }
@@ -339,9 +358,10 @@ static void hreq_unref(struct hreq *h)
  * sub-requests must not be read. */
 static void hreq_cancel(struct hreq *h)
 {
-    if (h->prep_state != PREP_STARTED) {
+    if (h->prep_state != PREP_STARTED || h->cancelled) {
         return;
     }
+    h->cancelled = true; /* once: a cancellation is final, repeating it would only queue duplicates */
     for (int32_t i = 0; i < h->n_sub; i++) {
         if (h->subs[i].live) {
             kr_engine_cancel(h->s->eng, h->subs[i].eng_id);
@@ -442,6 +462,9 @@ static size_t sendable(const struct hreq *h, const struct choice *c)
 static void stream_choice(struct hreq *h, struct choice *c)
 {
     struct srv *s = h->s;
+    if (h->out_eof) {
+        return; /* the stream already ended (cut by the shutdown deadline) */
+    }
     const size_t upto = sendable(h, c);
     const bool new_text = upto > c->sent, new_lp = c->lps && c->lp_sent < c->n_ids;
     const bool final = c->finished;
@@ -782,7 +805,11 @@ static void process_event(struct srv *s, struct evnode *n)
     case KR_EVENT_ERROR:
         if (!h->failed) {
             h->failed = true;
-            kr_oai_error_set(&h->err, 500, "server_error", "", "", "generation failed: %s", ev->message);
+            if (ev->status == KR_ERR_CUDA && s->eng && kr_engine_failed(s->eng)) {
+                kr_oai_error_set(&h->err, 503, "service_unavailable", "", "", "%s", ev->message);
+            } else {
+                kr_oai_error_set(&h->err, 500, "server_error", "", "", "generation failed: %s", ev->message);
+            }
         }
         for (int32_t i = 0; i < h->o.n; i++) {
             struct choice *c = &h->ch[sb->idx * h->o.n + i];
@@ -817,6 +844,8 @@ static void mhd_kick(struct srv *s)
     }
 }
 
+static void on_device_failed(struct srv *s);
+
 static void on_wake(uv_async_t *a)
 {
     struct srv *s = a->data;
@@ -830,6 +859,9 @@ static void on_wake(uv_async_t *a)
         free_node(n);
         n = next;
     }
+    if (s->eng && !s->device_failed && !s->stopping && kr_engine_failed(s->eng)) {
+        on_device_failed(s);
+    }
     mhd_kick(s);
 }
 
@@ -840,17 +872,19 @@ static void on_hup(uv_poll_t *p, int status, int events)
     struct hreq *h = p->data;
     if (status < 0 || (events & UV_DISCONNECT)) {
         hup_stop(h);
+        h->gone = true; /* never parked again: the poll would fire at once on the dead socket */
+        KR_LOG_DEBUG("%s: the client hung up", h->id);
         if (!h->done) {
             hreq_cancel(h); /* the client is gone: free its caches now, not at the end */
         }
-        resume(h);
+        resume(h); /* MHD then closes the connection (the reader or the handler refuses it) */
         mhd_kick(h->s);
     }
 }
 
 static void hup_start(struct hreq *h)
 {
-    if (!h->conn || h->hup_active) {
+    if (!h->conn || h->hup_active || h->gone) {
         return;
     }
     if (!h->hup_init) {
@@ -868,7 +902,7 @@ static void hup_start(struct hreq *h)
 
 static void park(struct hreq *h)
 {
-    if (!h->suspended) {
+    if (!h->suspended && !h->gone) {
         h->suspended = true;
         MHD_suspend_connection(h->conn);
         hup_start(h);
@@ -892,6 +926,9 @@ static ssize_t stream_reader(void *cls, uint64_t pos, char *buf, size_t max)
     }
     if (h->out_eof) {
         return MHD_CONTENT_READER_END_OF_STREAM;
+    }
+    if (h->gone) {
+        return MHD_CONTENT_READER_END_WITH_ERROR; /* the client left: MHD closes the connection */
     }
     park(h); /* nothing queued: sleep until the next event resumes us (returning 0 alone would spin) */
     return 0;
@@ -929,6 +966,8 @@ static enum MHD_Result submit_all(struct hreq *h)
             struct kr_oai_error e;
             if (st == KR_ERR_BUSY) {
                 kr_oai_error_set(&e, 429, "rate_limit_error", "", "queue_full", "%s", err.msg);
+            } else if (st == KR_ERR_CUDA && kr_engine_failed(s->eng)) {
+                kr_oai_error_set(&e, 503, "service_unavailable", "", "", "%s", err.msg);
             } else if (st == KR_ERR_INVAL) {
                 const bool ctx = strstr(err.msg, "context length") != NULL;
                 kr_oai_error_set(&e, 400, "invalid_request_error", ctx ? "max_tokens" : "",
@@ -958,9 +997,11 @@ static enum MHD_Result submit_all(struct hreq *h)
         }
         MHD_add_response_header(r, "Content-Type", "text/event-stream");
         MHD_add_response_header(r, "Cache-Control", "no-cache");
+        MHD_add_response_header(r, "X-Request-Id", h->id);
         enum MHD_Result ret = MHD_queue_response(h->conn, 200, r);
         MHD_destroy_response(r);
         h->responded = true;
+        h->status = 200;
         count_status(s, 200);
         return ret;
     }
@@ -1455,7 +1496,7 @@ static enum MHD_Result dispatch(struct hreq *h, const char *url, const char *met
         return send_simple_error(h, 413, "invalid_request_error", "", "request_too_large", msg);
     }
     if (!strcmp(url, "/health") || !strcmp(url, "/ping")) {
-        const bool dev_ok = kr_backend_healthy(s->be);
+        const bool dev_ok = kr_backend_healthy(s->be) && !s->device_failed && !(s->eng && kr_engine_failed(s->eng));
         if (s->ready && !s->draining && dev_ok) {
             return send_body(h, 200, "application/json", "{}", 2, NULL);
         }
@@ -1504,7 +1545,9 @@ static enum MHD_Result dispatch(struct hreq *h, const char *url, const char *met
         }
         if (!s->ready || s->draining) {
             return send_simple_error(h, 503, "service_unavailable", "", "",
-                                     s->draining ? "the server is shutting down" : "the model is loading");
+                                     s->device_failed ? "the compute device failed; the server is restarting"
+                                     : s->draining    ? "the server is shutting down"
+                                                      : "the model is loading");
         }
         h->route = routes[i].r;
         switch (h->route) {
@@ -1538,10 +1581,30 @@ static enum MHD_Result on_access(void *cls, struct MHD_Connection *conn, const c
         if (!h) {
             return MHD_NO;
         }
+        static uint64_t arrivals;
         h->s = s;
         h->conn = conn;
         h->refs = 1;
         h->t_arrival = now_s();
+        snprintf(h->id, sizeof h->id, "req-%llx", (unsigned long long)++arrivals); /* generation renames it */
+        snprintf(h->method, sizeof h->method, "%s", method);
+        snprintf(h->path, sizeof h->path, "%s", url);
+        const union MHD_ConnectionInfo *ci = MHD_get_connection_info(conn, MHD_CONNECTION_INFO_CLIENT_ADDRESS);
+        if (ci && ci->client_addr) {
+            char ip[INET6_ADDRSTRLEN] = "?";
+            unsigned port = 0;
+            if (ci->client_addr->sa_family == AF_INET) {
+                const struct sockaddr_in *a = (const struct sockaddr_in *)ci->client_addr;
+                inet_ntop(AF_INET, &a->sin_addr, ip, sizeof ip);
+                port = ntohs(a->sin_port);
+                snprintf(h->peer, sizeof h->peer, "%s:%u", ip, port);
+            } else if (ci->client_addr->sa_family == AF_INET6) {
+                const struct sockaddr_in6 *a = (const struct sockaddr_in6 *)ci->client_addr;
+                inet_ntop(AF_INET6, &a->sin6_addr, ip, sizeof ip);
+                port = ntohs(a->sin6_port);
+                snprintf(h->peer, sizeof h->peer, "[%s]:%u", ip, port);
+            }
+        }
         h->next = s->reqs;
         if (s->reqs) {
             s->reqs->prev = h;
@@ -1567,6 +1630,9 @@ static enum MHD_Result on_access(void *cls, struct MHD_Connection *conn, const c
     if (h->responded) {
         return MHD_YES;
     }
+    if (h->gone) {
+        return MHD_NO; /* the client hung up before its answer: close (on_completed cancels) */
+    }
     switch (h->prep_state) {
     case PREP_RUNNING: /* woken early: keep waiting for the worker */
         park(h);
@@ -1576,14 +1642,20 @@ static enum MHD_Result on_access(void *cls, struct MHD_Connection *conn, const c
         if (h->prep_failed) {
             return send_error(h, &h->err);
         }
+        if (s->cut_done || s->device_failed) {
+            /* prepared after the drain deadline or a device failure: never started */
+            return send_simple_error(h, 503, "service_unavailable", "", "",
+                                     s->device_failed ? "the compute device failed; the server is restarting"
+                                                      : "the server shut down before this request could start");
+        }
         if (h->route == R_TOKENIZE || h->route == R_DETOKENIZE) {
             char *body = h->def_body;
             h->def_body = NULL;
             return send_json_str(h, 200, body);
         }
         return start_generation(h);
-    case PREP_STARTED: /* resumed: the generation is over */
-        if (h->done) {
+    case PREP_STARTED: /* resumed: the generation is over, or was cut */
+        if (h->done || h->cut) {
             return send_result(h);
         }
         park(h);
@@ -1592,6 +1664,54 @@ static enum MHD_Result on_access(void *cls, struct MHD_Connection *conn, const c
         break;
     }
     return dispatch(h, url, method);
+}
+
+static const char *termination_name(enum MHD_RequestTerminationCode toe)
+{
+    switch (toe) {
+    case MHD_REQUEST_TERMINATED_COMPLETED_OK:
+        return "completed";
+    case MHD_REQUEST_TERMINATED_WITH_ERROR:
+        return "write error or closed by the server";
+    case MHD_REQUEST_TERMINATED_TIMEOUT_REACHED:
+        return "idle timeout";
+    case MHD_REQUEST_TERMINATED_DAEMON_SHUTDOWN:
+        return "server shutdown";
+    case MHD_REQUEST_TERMINATED_READ_ERROR:
+        return "read error";
+    case MHD_REQUEST_TERMINATED_CLIENT_ABORT:
+        return "client closed the connection";
+    }
+    return "unknown";
+}
+
+/* One line per request at info: who, what, the status (499 when the client left before any
+ * answer, as nginx logs it), how long, the tokens, the request id and how the connection ended
+ * when it did not end cleanly. */
+static void access_log(const struct hreq *h, enum MHD_RequestTerminationCode toe)
+{
+    if (kr_log_get_level() > KR_LOG_LEVEL_INFO) {
+        return;
+    }
+    int64_t prompt = 0, completion = 0;
+    for (int32_t i = 0; h->subs && i < h->n_sub; i++) {
+        prompt += h->subs[i].n_prompt;
+    }
+    for (int32_t i = 0; h->ch && i < h->n_choices; i++) {
+        completion += h->ch[i].n_ids;
+    }
+    const bool clean = toe == MHD_REQUEST_TERMINATED_COMPLETED_OK;
+    const unsigned status = h->status ? h->status : 499;
+    char tail[96] = "";
+    if (!clean) {
+        snprintf(tail, sizeof tail, " (%s%s)", h->gone ? "the client went away" : termination_name(toe),
+                 h->status && h->stream && !h->out_eof ? ", stream cut" : "");
+    } else if (h->cut) {
+        snprintf(tail, sizeof tail, " (cut by the shutdown)");
+    }
+    KR_LOG_INFO("%s \"%s %s\" %u %.3fs prompt_tokens=%lld completion_tokens=%lld id=%s%s", h->peer[0] ? h->peer : "-",
+                h->method, h->path, status, now_s() - h->t_arrival, (long long)prompt, (long long)completion, h->id,
+                tail);
 }
 
 static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls, enum MHD_RequestTerminationCode toe)
@@ -1605,14 +1725,39 @@ static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
     hup_stop(h);
     h->conn = NULL;
     h->suspended = false;
-    if (!h->done && h->prep_state == PREP_STARTED) {
+    const bool early = !h->done && h->prep_state == PREP_STARTED;
+    if (early) {
         if (toe != MHD_REQUEST_TERMINATED_COMPLETED_OK) {
-            KR_LOG_INFO("client of %s went away (code %d): cancelling", h->id, (int)toe);
+            KR_LOG_DEBUG("%s: the client went away (%s): cancelling", h->id, termination_name(toe));
         }
         hreq_cancel(h);
     }
+    access_log(h, toe);
     *con_cls = NULL;
     hreq_unref(h);
+}
+
+/* libmicrohttpd's own messages, through krait's log. Its logger is not told which connection a
+ * message is about; the request id of a connection that ends badly is in the access line that
+ * on_completed writes for it. A client that goes away mid-answer is ordinary traffic (debug);
+ * anything else is a warning. */
+static void mhd_logger(void *cls, const char *fmt, va_list ap)
+{
+    (void)cls;
+    char line[512];
+    vsnprintf(line, sizeof line, fmt, ap);
+    size_t n = strlen(line);
+    while (n > 0 && (line[n - 1] == '\n' || line[n - 1] == '\r')) {
+        line[--n] = 0;
+    }
+    static const char *const ordinary[] = {"Failed to send", "Failed to receive", "closed", "reset", "disconnect",
+                                           "Connection timed out", "timed out",
+                                           "application error generating response" /* our reader, client gone */};
+    bool debug = false;
+    for (size_t i = 0; i < sizeof ordinary / sizeof ordinary[0]; i++) {
+        debug |= strstr(line, ordinary[i]) != NULL;
+    }
+    kr_log(debug ? KR_LOG_LEVEL_DEBUG : KR_LOG_LEVEL_WARN, "http: %s", line);
 }
 
 /* ---- the loop ------------------------------------------------------------------------------------------ */
@@ -1646,6 +1791,10 @@ static void arm_timer(struct srv *s)
 
 static void stop_everything(struct srv *s)
 {
+    if (s->stopping) {
+        return;
+    }
+    s->stopping = true;
     /* park nothing: MHD_stop_daemon needs every connection resumed to close it */
     for (struct hreq *h = s->reqs; h; h = h->next) {
         hreq_cancel(h);
@@ -1664,19 +1813,117 @@ static void stop_everything(struct srv *s)
     uv_stop(&s->loop);
 }
 
+/* ---- drain ------------------------------------------------------------------------------------------
+ *
+ *   SIGTERM ─▶ draining: /health and new /v1 requests answer 503; in-flight requests go on
+ *     ├─ every request answered (no connection holds one) ───────────────────────────▶ stop, exit 0
+ *     └─ --shutdown-timeout passed ─▶ cut: each unfinished request ends with a 503 (an error event
+ *          and [DONE] on a stream), its engine work cancelled; up to CUT_GRACE_S for those
+ *          answers to leave ─▶ stop, exit 0
+ * A watchdog thread ends the process at --shutdown-timeout + 4.5 s whatever the loop is doing
+ * (a client that never reads, a stuck worker), so that SIGTERM always ends within the timeout + 5 s.
+ * A failed device takes the same path with no timeout and exit status 3. */
+#define CUT_GRACE_S 2.0
+
 static double g_drain_started;
+
+/* Requests whose connection is still open (headers received, the answer not completely sent). */
+static int open_requests(const struct srv *s)
+{
+    int n = 0;
+    for (const struct hreq *h = s->reqs; h; h = h->next) {
+        n += h->conn != NULL;
+    }
+    return n;
+}
+
+/* Ends every unfinished request with a 503 naming why and cancels its engine work. */
+static void cut_all(struct srv *s, const char *why)
+{
+    int n = 0;
+    for (struct hreq *h = s->reqs; h; h = h->next) {
+        if (h->prep_state != PREP_STARTED || h->done || h->cut) {
+            continue;
+        }
+        h->cut = true;
+        n++;
+        if (!h->failed) {
+            h->failed = true;
+            kr_oai_error_set(&h->err, 503, "service_unavailable", "", "", "%s", why);
+        }
+        hreq_cancel(h);
+        if (h->stream && h->responded && !h->out_eof) {
+            stream_finish(h); /* the error event, then [DONE] */
+        }
+        resume(h);
+    }
+    if (n) {
+        KR_LOG_WARN("%s: ended %d unfinished request(s) with 503", why, n);
+    }
+    mhd_kick(s);
+}
 
 static void on_drain_tick(uv_timer_t *t)
 {
     struct srv *s = t->data;
-    const double waited = now_s() - g_drain_started;
-    if (s->n_gen == 0 || waited >= s->o.drain_timeout_s) {
-        if (s->n_gen) {
-            KR_LOG_WARN("drain timeout (%.0f s): cancelling %d in-flight request(s)", s->o.drain_timeout_s, s->n_gen);
+    const double now = now_s(), waited = now - g_drain_started;
+    const int open = open_requests(s);
+    if (open == 0 && s->n_gen == 0) {
+        KR_LOG_INFO("shutting down: every request answered (%.1f s into the drain)", waited);
+        stop_everything(s);
+        return;
+    }
+    if (!s->cut_done && (waited >= s->o.drain_timeout_s || s->device_failed)) {
+        s->cut_done = true;
+        s->cut_at = now;
+        char why[160];
+        if (s->device_failed) {
+            snprintf(why, sizeof why, "the compute device failed; the server is restarting");
+        } else {
+            snprintf(why, sizeof why, "the server shut down before this request finished (--shutdown-timeout %.0f s)",
+                     s->o.drain_timeout_s);
         }
-        KR_LOG_INFO("shutting down");
+        cut_all(s, why);
+        return;
+    }
+    if (s->cut_done && now - s->cut_at >= CUT_GRACE_S) {
+        KR_LOG_WARN("shutting down: %d connection(s) still open %.0f s after their 503; closing them", open,
+                    CUT_GRACE_S);
         stop_everything(s);
     }
+}
+
+static void *watchdog_main(void *arg)
+{
+    const double deadline = *(const double *)arg;
+    for (;;) {
+        const double left = deadline - now_s();
+        if (left <= 0) {
+            break;
+        }
+        struct timespec ts = {.tv_sec = (time_t)left, .tv_nsec = (long)((left - (double)(time_t)left) * 1e9)};
+        nanosleep(&ts, NULL);
+    }
+    KR_LOG_ERROR("shutdown deadline passed and the process is still running: exiting now");
+    _exit(g_exit_code);
+}
+
+/* Starts draining: no new work, a deadline for what is in flight and for the process itself. */
+static void begin_drain(struct srv *s, double timeout_s)
+{
+    s->draining = true;
+    g_drain_started = now_s();
+    static double deadline;
+    deadline = g_drain_started + timeout_s + CUT_GRACE_S + 2.5;
+    pthread_t wd;
+    pthread_attr_t at;
+    pthread_attr_init(&at);
+    pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+    if (pthread_create(&wd, &at, watchdog_main, &deadline) != 0) {
+        KR_LOG_WARN("cannot start the shutdown watchdog");
+    }
+    pthread_attr_destroy(&at);
+    uv_timer_start(&s->drain_timer, on_drain_tick, 0, 50);
 }
 
 static void on_signal(uv_signal_t *sig, int signum)
@@ -1684,19 +1931,32 @@ static void on_signal(uv_signal_t *sig, int signum)
     struct srv *s = sig->data;
     if (s->draining) {
         KR_LOG_WARN("second signal: stopping now");
+        cut_all(s, "the server was stopped before this request finished");
         stop_everything(s);
         return;
     }
-    KR_LOG_INFO("signal %d: draining (no new requests; in-flight ones get up to %.0f s)", signum, s->o.drain_timeout_s);
-    s->draining = true;
-    g_drain_started = now_s();
-    if (s->d) {
-        MHD_socket fd = MHD_quiesce_daemon(s->d); /* stop accepting */
-        if (fd != MHD_INVALID_SOCKET) {
-            close(fd);
-        }
+    KR_LOG_INFO("signal %d: draining (/health answers 503, no new requests; in-flight ones get up to %.0f s)", signum,
+                s->o.drain_timeout_s);
+    if (!s->ready) {
+        /* still loading: nothing is in flight */
+        begin_drain(s, 0);
+        return;
     }
-    uv_timer_start(&s->drain_timer, on_drain_tick, 0, 100);
+    begin_drain(s, s->o.drain_timeout_s);
+}
+
+/* The engine lost its device: every request failed with 503; report unhealthy and exit 3 so that
+ * the process is restarted. */
+static void on_device_failed(struct srv *s)
+{
+    s->device_failed = true;
+    s->exit_code = 3;
+    g_exit_code = 3;
+    KR_LOG_ERROR("the compute device failed for good: failing every request with 503 and exiting with status 3 "
+                 "(restart the process)");
+    if (!s->draining) {
+        begin_drain(s, 0);
+    }
 }
 
 /* ---- loading (its own thread: /health answers 503 meanwhile) ------------------------------------------------ */
@@ -1738,6 +1998,9 @@ static void *loader_main(void *arg)
         s->load_failed = true;
         uv_async_send(&g_loaded);
         return NULL;
+    }
+    if (s->o.max_model_len > s->m->cfg.max_pos && s->o.allow_long_max_model_len) {
+        s->m->cfg.max_pos = s->o.max_model_len; /* accepted at start with a warning */
     }
     if (!s->o.skip_tokenizer_init) {
         const char *tdir = s->o.tokenizer_dir ? s->o.tokenizer_dir : s->o.model_dir;
@@ -1858,6 +2121,23 @@ int kr_serve_run(const struct kr_serve_opts *o)
         KR_LOG_ERROR("--host %s is not an IPv4 or IPv6 address", o->host);
         return 2;
     }
+    if (o->max_model_len > 0) {
+        /* beyond the checkpoint's trained length: refused before anything is loaded, unless asked */
+        struct kr_model_config mc;
+        struct kr_err cerr = {{0}};
+        if (kr_model_config_load(&mc, o->model_dir, &cerr) == KR_OK && o->max_model_len > mc.max_pos) {
+            if (!o->allow_long_max_model_len) {
+                KR_LOG_ERROR("--max-model-len %d is more than the %lld positions %s/config.json declares "
+                             "(max_position_embeddings); lower it, or pass --allow-long-max-model-len to serve "
+                             "positions beyond the trained length",
+                             o->max_model_len, (long long)mc.max_pos, o->model_dir);
+                return 2;
+            }
+            KR_LOG_WARN("--max-model-len %d is more than the %lld positions the checkpoint was trained for "
+                        "(--allow-long-max-model-len): outputs past position %lld may be poor",
+                        o->max_model_len, (long long)mc.max_pos, (long long)mc.max_pos);
+        }
+    }
     struct srv *s = kr_calloc(1, sizeof *s);
     if (!s) {
         return 1;
@@ -1878,8 +2158,8 @@ int kr_serve_run(const struct kr_serve_opts *o)
         return start_failed(s, false, 1);
     }
     pthread_mutex_init(&s->qmu, NULL);
-    s->d = MHD_start_daemon(flags, (uint16_t)o->port, NULL, NULL, on_access, s, MHD_OPTION_NOTIFY_COMPLETED,
-                            on_completed, s, MHD_OPTION_SOCK_ADDR, addr, MHD_OPTION_CONNECTION_TIMEOUT,
+    s->d = MHD_start_daemon(flags, (uint16_t)o->port, NULL, NULL, on_access, s, MHD_OPTION_EXTERNAL_LOGGER, mhd_logger,
+                            s, MHD_OPTION_NOTIFY_COMPLETED, on_completed, s, MHD_OPTION_SOCK_ADDR, addr, MHD_OPTION_CONNECTION_TIMEOUT,
                             (unsigned int)600, MHD_OPTION_CONNECTION_LIMIT, (unsigned int)4096, MHD_OPTION_END);
     if (!s->d) {
         KR_LOG_ERROR("cannot listen on %s:%d: %s", o->host, o->port, strerror(errno));

@@ -18,7 +18,8 @@ struct kr_serve_opts {
     const char **api_keys;         /* [n_api_keys] accepted Bearer tokens; none = open */
     int n_api_keys;
     const char *served_model_name; /* default: the model directory */
-    int32_t max_model_len;         /* 0 = the model's */
+    int32_t max_model_len;         /* 0 = the model's max_position_embeddings; more is refused at start */
+    bool allow_long_max_model_len; /* ... unless this is set (then a warning) */
     int32_t max_num_seqs;
     int32_t max_num_batched_tokens;
     int32_t max_queued_requests;   /* 0 = unbounded */

@@ -1,9 +1,12 @@
+#define _POSIX_C_SOURCE 200809L /* gmtime_r */
 #include "log.h"
 
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <strings.h>
+#include <sys/time.h>
+#include <time.h>
 
 static kr_log_cb g_cb;
 static void *g_user;
@@ -70,7 +73,13 @@ void kr_logv(enum kr_log_level level, const char *fmt, va_list ap)
     if (g_cb) {
         g_cb(level, line, g_user);
     } else {
-        fprintf(stderr, "%s %s\n", level_name(level), line);
+        /* "2026-12-01T23:50:01.123Z INFO message": UTC, milliseconds */
+        struct timeval tv;
+        gettimeofday(&tv, NULL);
+        struct tm tm;
+        gmtime_r(&tv.tv_sec, &tm);
+        fprintf(stderr, "%04d-%02d-%02dT%02d:%02d:%02d.%03dZ %s %s\n", tm.tm_year + 1900, tm.tm_mon + 1, tm.tm_mday,
+                tm.tm_hour, tm.tm_min, tm.tm_sec, (int)(tv.tv_usec / 1000), level_name(level), line);
     }
     pthread_mutex_unlock(&g_lock);
 }

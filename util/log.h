@@ -1,6 +1,6 @@
 #pragma once
 /* Logging: one sink, replaceable callback (tests capture output through it). Each event is
- * one line. The default sink writes "LEVEL message" to stderr. Thread-safe. */
+ * one line. The default sink writes "2026-12-01T23:50:01.123Z LEVEL message" (UTC) to stderr. Thread-safe. */
 #include <stdarg.h>
 
 #ifdef __cplusplus
