@@ -19,6 +19,8 @@ static void sleep_ms(int ms)
     nanosleep(&ts, NULL);
 }
 
+const char *srv_log_path;
+
 void srv_start(struct srv_proc *p, const char *model, ...)
 {
     memset(p, 0, sizeof *p);
@@ -59,6 +61,9 @@ void srv_start(struct srv_proc *p, const char *model, ...)
     p->pid = fork();
     cr_assert(p->pid >= 0);
     if (p->pid == 0) {
+        if (srv_log_path && !freopen(srv_log_path, "w", stderr)) {
+            _exit(126);
+        }
         execv(argv[0], (char *const *)argv);
         _exit(127);
     }

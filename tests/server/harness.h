@@ -14,8 +14,10 @@ struct srv_proc {
 };
 
 /* Starts `krait serve MODEL --port 0 ... extra args (NULL-terminated)` and waits until /health is
- * 200 (cr_assert on failure). */
+ * 200 (cr_assert on failure). The server inherits the environment; its stderr goes to
+ * srv_log_path when that is set (a test's own process: Criterion runs each test in one). */
 void srv_start(struct srv_proc *p, const char *model, ...);
+extern const char *srv_log_path;
 /* SIGTERM and wait; returns the exit status (or -1). */
 int srv_stop(struct srv_proc *p);
 
