@@ -22,6 +22,7 @@ struct kr_backend_i {
 
     /* (optional) false once the device hit an unrecoverable error; any thread may ask */
     bool (*healthy)(kr_backend_t be);
+    bool (*check)(kr_backend_t be);
     /* (optional) free and total device memory in bytes */
     enum kr_status (*mem_info)(kr_backend_t be, size_t *free_b, size_t *total_b);
     /* (optional) sizes internal scratch for steps of up to n_tok tokens in n_seq sequences with

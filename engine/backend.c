@@ -30,6 +30,11 @@ size_t kr_backend_cache_elt_size(kr_backend_t be)
     return be->iface.cache_elt_size ? be->iface.cache_elt_size(be) : be->iface.act_size(be);
 }
 
+bool kr_backend_check(kr_backend_t be)
+{
+    return be->iface.check ? be->iface.check(be) : kr_backend_healthy(be);
+}
+
 bool kr_backend_healthy(kr_backend_t be)
 {
     return !be->iface.healthy || be->iface.healthy(be);

@@ -80,6 +80,12 @@ enum kr_status kr_backend_create(const char *device, int threads, kr_backend_t *
  * context is lost); the server then reports itself unhealthy so that it gets restarted. Any thread. */
 bool kr_backend_healthy(kr_backend_t be);
 
+/* After a failed step: waits for the device's queued work and tells whether the failure left the
+ * device unusable (then kr_backend_healthy turns false). An error reported by a library call (a
+ * cuBLAS status) may be the echo of an illegal access by an earlier kernel; this finds out.
+ * Engine thread. True when the device is still usable. */
+bool kr_backend_check(kr_backend_t be);
+
 /* Tensor parallelism (DESIGN.md): one backend instance is one rank. kr_backend_set_tp joins the
  * group `comm` as `rank` of `size`, before the model is loaded (the loader then takes only this
  * rank's shard of each weight). For the CPU backend `comm` is a struct kr_host_comm (comm.h) shared

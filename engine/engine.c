@@ -987,7 +987,7 @@ static void run_step(struct kr_engine *e)
             snprintf(err.msg, sizeof err.msg, "sampling on the backend failed: %s", kr_status_str(st));
         }
     }
-    if (st != KR_OK && (!kr_backend_healthy(e->m->be) || (e->fault_fatal && e->step_attempts == (uint64_t)e->fault_step))) {
+    if (st != KR_OK && (!kr_backend_check(e->m->be) || (e->fault_fatal && e->step_attempts == (uint64_t)e->fault_step))) {
         /* a sticky device error: the context cannot recover, nothing else will run */
         fail_everything(e, err.msg[0] ? err.msg : kr_status_str(st));
         return;
