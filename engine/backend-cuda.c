@@ -300,6 +300,27 @@ static bool cuda_healthy(kr_backend_t be)
     return !atomic_load(&ctx_of(be)->failed);
 }
 
+/* Synchronizes both streams: a sticky error (an illegal access, a kernel trap) surfaces there
+ * whatever call first reported the failure, and marks the backend failed. */
+static bool cuda_check(kr_backend_t be)
+{
+    struct cuda_ctx *c = ctx_of(be);
+    if (!c->failed) {
+        cudaError_t e = c->side ? cudaStreamSynchronize(c->side) : cudaSuccess;
+        if (e == cudaSuccess) {
+            e = cudaStreamSynchronize(c->stream);
+        }
+        if (e == cudaSuccess) {
+            e = cudaDeviceSynchronize();
+        }
+        if (e != cudaSuccess) {
+            (void)cu_fail(c, e, "checking the device after a failed step", __FILE__, __LINE__);
+            (void)cudaGetLastError(); /* a non-sticky error is consumed; a sticky one stays */
+        }
+    }
+    return !c->failed;
+}
+
 static enum kr_status cuda_mem_info(kr_backend_t be, size_t *free_b, size_t *total_b)
 {
     struct cuda_ctx *c = ctx_of(be);
@@ -1701,6 +1722,7 @@ enum kr_status kr_backend_cuda_create(int dev, bool graphs, kr_backend_t *out, s
         .reserve = cuda_reserve,
         .mem_info = cuda_mem_info,
         .healthy = cuda_healthy,
+        .check = cuda_check,
         .begin_batch = cuda_begin_batch,
         .end_batch = cuda_end_batch,
         .graph_bucket = cuda_graph_bucket,
