@@ -846,3 +846,30 @@ Test(cuda_backend, dsa_real_shapes_match_cpu)
     fx_free(&o);
     ckw_rmtree(dir);
 }
+
+/* A kernel that writes through a wild pointer leaves the CUDA context unusable (an illegal
+ * address is sticky): the check after a failed step must find it, whatever call reported the
+ * failure first, and the backend must then report itself unhealthy and refuse work. A transient
+ * error (a copy of an invalid size) must not. */
+Test(cuda_backend, a_sticky_error_marks_the_device_lost, .timeout = 120)
+{
+    GT_REQUIRE_GPU();
+    kr_backend_t be = NULL;
+    struct kr_err err = {{0}};
+    cr_assert_eq(kr_backend_cuda_create(0, false, &be, &err), KR_OK, "%s", err.msg);
+    cr_expect(kr_backend_check(be), "a fresh device checks as usable");
+    /* transient: a copy between null pointers is refused (cudaErrorInvalidValue) */
+    (void)kr_backend_copy_d2d(be, NULL, NULL, 16);
+    cr_expect(kr_backend_check(be), "a refused copy does not lose the device");
+    cr_expect(kr_backend_healthy(be));
+    /* sticky: a kernel storing to an unmapped device address */
+    float *wild = (float *)(uintptr_t)0x1000;
+    (void)kr_backend_scale(be, wild, 2.0f, 1 << 20);
+    (void)kr_backend_add(be, wild, wild, 1 << 20);
+    (void)kr_backend_scale(be, wild, 2.0f, 1 << 20);
+    cr_expect(!kr_backend_check(be), "the check did not find the illegal address");
+    cr_expect(!kr_backend_healthy(be), "the backend still reports itself healthy");
+    struct kr_batch b = {0};
+    cr_expect_neq(kr_backend_begin_batch(be, &b), KR_OK, "a lost device accepted a batch");
+    kr_backend_free(be);
+}
