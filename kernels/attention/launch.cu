@@ -62,11 +62,21 @@ extern "C" enum kr_status krk_attn(const struct krk_attn_params *p, cudaStream_t
     }
     KRK_REQUIRE(p->q && p->k && p->v && p->out && p->k_cache && p->v_cache);
     KRK_REQUIRE(b.pos && b.tok_seq && b.seq_tok0 && b.seq_slot && b.block_table);
-    KRK_REQUIRE(b.n_seq >= 1 && b.n_seq <= 65535 && b.max_blocks >= 1 && b.max_seq_tok >= 1);
-    KRK_REQUIRE(p->n_head >= 1 && p->n_kv_head >= 1 && p->n_head % p->n_kv_head == 0 && p->n_head <= 65535);
-    KRK_REQUIRE(p->head_dim >= 8 && p->head_dim <= 256 && p->head_dim % 8 == 0);
+    KRK_REQUIRE(b.n_seq >= 1 && b.max_blocks >= 1 && b.max_seq_tok >= 1);
+    KRK_REQUIRE(p->n_head >= 1 && p->n_kv_head >= 1 && p->n_head % p->n_kv_head == 0);
+    // grid limits: the prefill grid is (query tiles, n_head, n_seq), the decode grid's y is at most n_head
+    KRK_REQUIRE_MSG(b.n_seq <= 65535, "attention: %d sequences in one step, at most 65535 (gridDim.z)", b.n_seq);
+    KRK_REQUIRE_MSG(p->n_head <= 65535, "attention: %lld query heads, at most 65535 (gridDim.y)",
+                    (long long)p->n_head);
+    KRK_REQUIRE_MSG(p->head_dim >= 8 && p->head_dim <= 256 && p->head_dim % 8 == 0,
+                    "attention: head_dim %lld, supported: multiples of 8 in 8..256", (long long)p->head_dim);
     KRK_REQUIRE(p->ld_qkv >= p->n_head * p->head_dim);
     KRK_REQUIRE(p->block_size >= 1);
+    // every position a token reads or writes has a block table entry (host-known bound; 0 while a
+    // graph is captured, where the engine pads the tables to the widest context they replay)
+    KRK_REQUIRE_MSG(b.max_ctx <= (int64_t)b.max_blocks * p->block_size,
+                    "attention: contexts up to %d positions, but block tables of %d blocks of %d hold %lld",
+                    b.max_ctx, b.max_blocks, p->block_size, (long long)b.max_blocks * p->block_size);
     KRK_REQUIRE(p->scale > 0.0f && p->scale < INFINITY);
     // 16-byte loads and stores of bf16 cache rows
     KRK_REQUIRE((uintptr_t)p->k_cache % 16 == 0 && (uintptr_t)p->v_cache % 16 == 0);

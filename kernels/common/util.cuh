@@ -17,6 +17,18 @@
         }                                                                                          \
     } while (0)
 
+// The same for a shape a launcher cannot handle (a grid or index limit, a workspace too small): the
+// message, printf-style, names the shape and the limit.
+#define KRK_REQUIRE_MSG(cond, ...)                                                                 \
+    do {                                                                                           \
+        if (!(cond)) {                                                                             \
+            fprintf(stderr, "krk: %s:%d: unsupported shape: ", __FILE__, __LINE__);                \
+            fprintf(stderr, __VA_ARGS__);                                                          \
+            fputc('\n', stderr);                                                                   \
+            return KR_ERR_INVAL;                                                                   \
+        }                                                                                          \
+    } while (0)
+
 // Checks the launch just made; KR_ERR_CUDA with the CUDA error logged.
 #define KRK_CHECK_LAUNCH()                                                                         \
     do {                                                                                           \

@@ -209,8 +209,10 @@ extern "C" enum kr_status krk_conv1d(const struct krk_conv1d_params *p, cudaStre
     const krk_batch &b = p->batch;
     KRK_REQUIRE(p->d_conv >= 2 && p->d_conv <= 8);
     KRK_REQUIRE(p->conv_dim >= 1 && p->in_off >= 0 && p->ld_in >= p->in_off + p->conv_dim);
-    KRK_REQUIRE(b.n_tok >= 0 && b.n_seq >= 0 && b.n_seq <= 65535);
-    KRK_REQUIRE(p->conv_dim <= 65535 * (int64_t)kConvThreads);
+    KRK_REQUIRE(b.n_tok >= 0 && b.n_seq >= 0);
+    KRK_REQUIRE_MSG(b.n_seq <= 65535, "conv1d: %d sequences in one step, at most 65535 (gridDim.y)", b.n_seq);
+    KRK_REQUIRE_MSG(p->conv_dim <= 65535 * (int64_t)kConvThreads, "conv1d: %lld channels, at most %lld (gridDim.y)",
+                    (long long)p->conv_dim, 65535 * (long long)kConvThreads);
     if (b.n_seq == 0) {
         return KR_OK;
     }

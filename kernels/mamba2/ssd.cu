@@ -66,12 +66,17 @@ extern "C" enum kr_status krk_ssd(const struct krk_ssd_params *p, cudaStream_t s
 {
     KRK_REQUIRE(p != nullptr);
     const krk_batch &b = p->batch;
-    KRK_REQUIRE(p->n_head >= 1 && p->n_head <= 65535 && p->head_dim >= 1 && p->head_dim <= 4096);
+    KRK_REQUIRE(p->n_head >= 1 && p->head_dim >= 1);
+    // grids: (head_dim tiles, n_head, n_seq) for the update and the scan, (chunk slots, n_group) for C.B^T
+    KRK_REQUIRE_MSG(p->n_head <= 65535 && p->head_dim <= 4096, "ssd: %lld heads x %lld, at most 65535 heads "
+                    "(gridDim.y) of at most 4096", (long long)p->n_head, (long long)p->head_dim);
     KRK_REQUIRE(p->n_group >= 1 && p->n_head % p->n_group == 0);
-    KRK_REQUIRE(p->d_state >= 1 && p->d_state <= kMaxState);
+    KRK_REQUIRE_MSG(p->d_state >= 1 && p->d_state <= kMaxState, "ssd: d_state %lld, supported: 1..%d",
+                    (long long)p->d_state, kMaxState);
     KRK_REQUIRE(p->conv_dim == p->n_head * p->head_dim + 2 * p->n_group * p->d_state);
     KRK_REQUIRE(p->conv_dim <= INT32_MAX && p->ld_dt >= p->n_head && p->chunk >= 1);
-    KRK_REQUIRE(b.n_tok >= 0 && b.n_seq >= 0 && b.n_seq <= 65535);
+    KRK_REQUIRE(b.n_tok >= 0 && b.n_seq >= 0);
+    KRK_REQUIRE_MSG(b.n_seq <= 65535, "ssd: %d sequences in one step, at most 65535 (gridDim.z)", b.n_seq);
     if (b.n_seq == 0) {
         return KR_OK;
     }
@@ -80,7 +85,8 @@ extern "C" enum kr_status krk_ssd(const struct krk_ssd_params *p, cudaStream_t s
     KRK_REQUIRE(p->dt_bias && p->A_log && p->D && p->state && aligned16(p->state));
     bool per_seq;
     const int64_t slots = b.max_seq_tok > 1 ? ssd_chunk_slots(b.n_tok, b.n_seq, &per_seq) : 0;
-    KRK_REQUIRE(slots <= INT32_MAX);
+    KRK_REQUIRE_MSG(slots <= INT32_MAX, "ssd: %d tokens in %d sequences need %lld chunk slots, at most %d", b.n_tok,
+                    b.n_seq, (long long)slots, INT32_MAX);
     KRK_REQUIRE(slots == 0 || (p->workspace && aligned16(p->workspace)));
 
     SsdArgs a;

@@ -48,9 +48,13 @@ extern "C" enum kr_status krk_mla_cache_write(const struct krk_mla_cache_params 
     KRK_REQUIRE(p->ld_ckv >= p->kv_lora && p->ld_kpe >= p->rope);
     KRK_REQUIRE(p->idx_dim == 0 || p->ik != nullptr);
     KRK_REQUIRE(p->block_size > 0);
+    KRK_REQUIRE_MSG(krk::mla::paged_ctx_ok(b, p->block_size),
+                    "mla cache write: contexts up to %d positions, but block tables of %d blocks of %d hold %lld", b.max_ctx,
+                    b.max_blocks, p->block_size, (long long)b.max_blocks * p->block_size);
     const int64_t n = (int64_t)b.n_tok * (p->kv_lora + p->rope + p->idx_dim);
     const int64_t blocks = (n + kThreads - 1) / kThreads;
-    KRK_REQUIRE(blocks <= INT32_MAX);
+    KRK_REQUIRE_MSG(blocks <= INT32_MAX, "mla cache write: %d tokens of %lld elements need %lld blocks, at most %d",
+                    b.n_tok, (long long)(p->kv_lora + p->rope + p->idx_dim), (long long)blocks, INT32_MAX);
     krk::launch_maybe_pdl(krk::pdl_enabled(), mla_cache_write_kernel, (unsigned)blocks, kThreads, 0, stream, *p);
     KRK_CHECK_LAUNCH();
     return KR_OK;

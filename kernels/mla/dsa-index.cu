@@ -526,6 +526,9 @@ extern "C" enum kr_status krk_dsa_index(const struct krk_dsa_index_params *p, cu
     KRK_REQUIRE(p->idx && p->topk > 0);
     KRK_REQUIRE(krk::mla::paged_batch_ok(b));
     KRK_REQUIRE(b.max_ctx > 0); // sizes the score grid and the workspace rows
+    KRK_REQUIRE_MSG(krk::mla::paged_ctx_ok(b, p->block_size),
+                    "dsa index: contexts up to %d positions, but block tables of %d blocks of %d hold %lld",
+                    b.max_ctx, b.max_blocks, p->block_size, (long long)b.max_blocks * p->block_size);
     const int64_t ld = b.max_ctx;
     const bool need_scores = ld > p->topk; // otherwise every token takes all its positions
     // split top-k: candidate rows of n_chunk * topk positions (used when the workspace holds them)
@@ -535,11 +538,14 @@ extern "C" enum kr_status krk_dsa_index(const struct krk_dsa_index_params *p, cu
     int64_t group = b.n_tok;
     if (need_scores) {
         KRK_REQUIRE(p->iq && p->w && p->cache);
-        KRK_REQUIRE(p->n_head > 0 && p->head_dim > 0 && p->head_dim <= kMaxHeadDim);
+        KRK_REQUIRE(p->n_head > 0 && p->head_dim > 0);
+        KRK_REQUIRE_MSG(p->head_dim <= kMaxHeadDim, "dsa index: index head_dim %lld, at most %lld",
+                        (long long)p->head_dim, (long long)kMaxHeadDim);
         KRK_REQUIRE(p->key_off >= 0 && p->row >= p->key_off + p->head_dim && p->block_size > 0);
         KRK_REQUIRE(p->workspace && (uintptr_t)p->workspace % alignof(float) == 0);
         group = (int64_t)(p->workspace_bytes / ((size_t)ld * sizeof(float)));
-        KRK_REQUIRE(group >= 1); // workspace below one score row
+        KRK_REQUIRE_MSG(group >= 1, "dsa index: a workspace of %zu bytes holds no score row of a %d-position context "
+                        "(%zu bytes)", p->workspace_bytes, b.max_ctx, (size_t)ld * sizeof(float));
         if (split) { // candidates after the score rows, when at least one token's worth fits
             const int64_t g2 = (int64_t)(p->workspace_bytes / ((size_t)(ld + ld_cand) * sizeof(float)));
             split = g2 >= 1;

@@ -166,14 +166,20 @@ extern "C" enum kr_status krk_mla_attention(const struct krk_mla_attn_params *p,
     KRK_REQUIRE(krk::mla::paged_batch_ok(b));
     KRK_REQUIRE(p->n_head > 0 && p->nope > 0 && p->rope >= 0 && p->v_dim > 0 && p->kv_lora > 0);
     KRK_REQUIRE(p->row >= p->kv_lora + p->rope && p->block_size > 0);
+    KRK_REQUIRE_MSG(krk::mla::paged_ctx_ok(b, p->block_size),
+                    "mla attention: contexts up to %d positions, but block tables of %d blocks of %d hold %lld",
+                    b.max_ctx, b.max_blocks, p->block_size, (long long)b.max_blocks * p->block_size);
     KRK_REQUIRE(p->idx == nullptr || p->topk > 0);
     if (p->variant == KRK_MLA_ATTN_HEADS && krk_mla_heads_fits(p)) {
         return krk_mla_heads(p, stream);
     }
     const size_t smem = attn_smem_bytes(p->nope, p->rope, p->kv_lora);
-    KRK_REQUIRE(smem <= kMaxSmem); // kv_lora up to about 5800 with nope + rope = 192
+    KRK_REQUIRE_MSG(smem <= kMaxSmem, "mla attention: kv_lora %lld with nope %lld and rope %lld needs %zu bytes of "
+                    "shared memory, at most %zu", (long long)p->kv_lora, (long long)p->nope, (long long)p->rope, smem,
+                    kMaxSmem); // kv_lora up to about 5800 with nope + rope = 192
     const int64_t blocks = (int64_t)b.n_tok * p->n_head;
-    KRK_REQUIRE(blocks <= INT32_MAX);
+    KRK_REQUIRE_MSG(blocks <= INT32_MAX, "mla attention: %d tokens x %lld heads = %lld blocks, at most %d", b.n_tok,
+                    (long long)p->n_head, (long long)blocks, INT32_MAX);
     if (p->idx_ready) { // this kernel absorbs each head's query itself: nothing to overlap
         KRK_CUDA_TRY(cudaStreamWaitEvent(stream, p->idx_ready, 0));
     }

@@ -21,5 +21,12 @@ inline bool paged_batch_ok(const krk_batch &b)
     return b.pos && b.tok_seq && b.seq_slot && b.block_table && b.max_blocks > 0;
 }
 
+// Every position the batch's tokens read or write has a block table entry: max_ctx (the host-known
+// bound on pos + 1; during a graph capture the bound the padded tables hold) fits the tables.
+inline bool paged_ctx_ok(const krk_batch &b, int32_t block_size)
+{
+    return block_size > 0 && b.max_ctx <= (int64_t)b.max_blocks * block_size;
+}
+
 } // namespace mla
 } // namespace krk

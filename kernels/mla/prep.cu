@@ -141,13 +141,17 @@ extern "C" enum kr_status krk_mla_prep(const struct krk_mla_prep_params *p, cuda
     }
     KRK_REQUIRE(p->kva && p->cache && p->kv_lora >= 1 && p->rope >= 0 && p->rope % 2 == 0);
     KRK_REQUIRE(krk::mla::paged_batch_ok(b) && p->block_size > 0);
+    KRK_REQUIRE_MSG(krk::mla::paged_ctx_ok(b, p->block_size),
+                    "mla prep: contexts up to %d positions, but block tables of %d blocks of %d hold %lld", b.max_ctx,
+                    b.max_blocks, p->block_size, (long long)b.max_blocks * p->block_size);
     KRK_REQUIRE(p->rope == 0 || p->inv_freq);
     KRK_REQUIRE(!p->q_norm || (p->q_lat && p->q_dim >= 1 && p->q_dim <= KRK_MLA_PREP_MAX_ROW));
     KRK_REQUIRE(!p->kv_norm || p->ckv);
     KRK_REQUIRE(!p->ik || (p->idx_dim >= p->rope && p->ik_w && p->ik_b));
     KRK_REQUIRE(!p->w || p->n_w >= 1);
     const int64_t row = p->kv_lora + p->rope + (p->ik ? p->idx_dim : 0);
-    KRK_REQUIRE(row <= KRK_MLA_PREP_MAX_ROW && b.n_tok <= 0x7fffffff);
+    KRK_REQUIRE_MSG(row <= KRK_MLA_PREP_MAX_ROW, "mla prep: cache rows of %lld elements, at most %d", (long long)row,
+                    KRK_MLA_PREP_MAX_ROW);
     const int64_t qn = p->q_norm ? p->q_dim : 0, kd = p->kv_lora + p->rope, id = p->ik ? p->idx_dim : 0;
     const int64_t sm_floats = std::max({qn, kd, id}); // the longest of the three chains' rows
     const size_t smem = (size_t)sm_floats * sizeof(float);
