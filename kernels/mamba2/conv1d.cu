@@ -146,7 +146,10 @@ __global__ void __launch_bounds__(kConvThreads) conv1d_decode_kernel(ConvArgs a)
     const float bias = a.b ? a.b[c] : 0.0f;
     const int t0 = a.batch.seq_tok0[s];
     if (a.batch.seq_tok0[s + 1] - t0 != 1) {
-        return; // no token this step (the launcher takes this kernel only when none has more)
+        // no token this step (the launcher takes this kernel only when none has more); the wait
+        // keeps completion transitive when no sequence has one
+        krk::pdl_wait();
+        return;
     }
     const int slot = a.batch.seq_slot[s];
     const bool fresh = a.batch.seq_pos0[s] == 0 || slot < 0;

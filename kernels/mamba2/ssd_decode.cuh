@@ -42,7 +42,11 @@ __global__ void __launch_bounds__(kDecodeThreads) ssd_decode_kernel(SsdArgs a)
     const int s = blockIdx.z, h = blockIdx.y, q0 = blockIdx.x * kDecodeRows;
     const int t = a.batch.seq_tok0[s], nt = a.batch.seq_tok0[s + 1] - t;
     if (nt > 1) {
-        return; // chunked path
+        // chunked path. Wait all the same: in a step of prefill chunks only, no block of this grid
+        // would reach a wait, the grid could complete before the conv kernels it follows, and the
+        // C.B^T kernel (which waits only for this grid) would read xBC while they still write it.
+        krk::pdl_wait();
+        return;
     }
     const int N = a.d_state, P = a.head_dim;
     const int slot = a.batch.seq_slot[s];
