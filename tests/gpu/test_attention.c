@@ -401,6 +401,46 @@ ParameterizedTest(struct attn_shape *sh, attention, decode_replays_from_graph)
     run_free(&r);
 }
 
+/* Long contexts: prefill chunks of the server's 2048 tokens whose contexts cross 32768 and 65536
+ * positions, over a random cached prefix. The first shape has the target model's 32 query and 8 KV
+ * heads (narrow heads keep the CPU reference fast): 2048 tokens x 34816 positions x 32 heads is
+ * above 2^31, the product a 32-bit index of (token, head, key) would overflow. The last batch is the
+ * last chunk of a 40,000-token prompt next to a decode at 100,000 and a chunk crossing 65536. */
+static struct attn_shape long_shapes[] = {{32, 8, 8, 16}, {4, 2, 40, 64}};
+
+ParameterizedTestParameters(attention, long_context_prefill_matches_cpu)
+{
+    return cr_make_param_array(struct attn_shape, long_shapes, sizeof long_shapes / sizeof long_shapes[0]);
+}
+
+ParameterizedTest(struct attn_shape *sh, attention, long_context_prefill_matches_cpu, .timeout = 600)
+{
+    GT_REQUIRE_GPU();
+    {
+        const int32_t len = 2048, pos0 = 32768 - 1024;
+        check_step(sh, 700, 1, &len, &pos0, -1, "prefill 2048 crossing 32768");
+    }
+    {
+        const int32_t len = 2048, pos0 = 65536 - 1024;
+        check_step(sh, 701, 1, &len, &pos0, -1, "prefill 2048 crossing 65536");
+    }
+    {
+        static const int32_t len[] = {1088, 1, 300, 1};
+        static const int32_t pos0[] = {40000 - 1088, 99999, 65536 - 150, 3};
+        check_step(sh, 702, 4, len, pos0, 3, "last chunk of 40000 + decode 100000 + chunk crossing 65536");
+    }
+}
+
+/* The largest chunk the server takes (--max-num-batched-tokens 16384) crossing 65536: 128 query tiles
+ * of one sequence, every one over more than 49,000 keys. */
+Test(attention, long_context_largest_chunk_matches_cpu, .timeout = 600)
+{
+    GT_REQUIRE_GPU();
+    static const struct attn_shape sh = {2, 1, 8, 16};
+    const int32_t len = 16384, pos0 = 65536 - 8192;
+    check_step(&sh, 710, 1, &len, &pos0, -1, "prefill 16384 crossing 65536");
+}
+
 Test(attention, rejects_invalid_parameters)
 {
     GT_REQUIRE_GPU();
@@ -428,6 +468,18 @@ Test(attention, rejects_invalid_parameters)
     p = run_params(&r);
     p.k_cache = NULL;
     cr_expect_eq(krk_attn(&p, 0), KR_ERR_INVAL);
+    /* contexts beyond what the block tables hold (the kernels would read past a table row) */
+    p = run_params(&r);
+    p.batch.max_ctx = p.batch.max_blocks * p.block_size + 1;
+    cr_expect_eq(krk_attn(&p, 0), KR_ERR_INVAL, "a context beyond the block tables must be refused");
+    /* grid limits: more sequences than gridDim.z, more heads than gridDim.y */
+    p = run_params(&r);
+    p.batch.n_seq = 65536;
+    cr_expect_eq(krk_attn(&p, 0), KR_ERR_INVAL, "65536 sequences exceed gridDim.z");
+    p = run_params(&r);
+    p.n_head = 65536 * 8;
+    p.ld_qkv = p.n_head * p.head_dim;
+    cr_expect_eq(krk_attn(&p, 0), KR_ERR_INVAL, "524288 heads exceed gridDim.y");
     gt_sync();
     run_free(&r);
 }

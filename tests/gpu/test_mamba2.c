@@ -75,6 +75,12 @@ static const struct m2_case cases[] = {
     {"wide: decode 37", SHAPE_WIDE, 0, {0}, {0}, 0, 37},
     {"wide: prefill 3000 from state", SHAPE_WIDE, 1, {3000}, {21}, 0, 0},
     {"wide: mixed with padding", SHAPE_WIDE, 4, {1, 257, 1, 7}, {6, 0, 2, 0}, 1u << 2, 0},
+    /* long contexts: chunks of the server's 2048 tokens whose positions cross 32768 and 65536 from
+     * carried states (the SSD itself does not depend on the position: only whether a state is
+     * carried), the last chunk of a 40,000-token prompt next to a decode at 100,000 */
+    {"odd: chunk 2048 crossing 32768", SHAPE_ODD, 1, {2048}, {32768 - 1024}, 0, 0},
+    {"odd: chunk 2048 crossing 65536 + decode", SHAPE_ODD, 2, {2048, 1}, {65536 - 1024, 99999}, 0, 0},
+    {"real: last chunk of 40000 + decode 100000", SHAPE_REAL, 2, {1088, 1}, {40000 - 1088, 99999}, 0, 0},
 };
 #define N_CASES ((int)(sizeof cases / sizeof cases[0]))
 
@@ -335,6 +341,17 @@ ParameterizedTest(int *idx, mamba2, matches_the_cpu_reference, .timeout = 300)
 Test(mamba2, rejects_invalid_parameters)
 {
     GT_REQUIRE_GPU();
+    {
+        /* grid limits: more sequences than gridDim.z of the update and the scan (y of the conv) */
+        struct krk_ssd_params sp = {.conv_dim = 6 * 24 + 2 * 3 * 40, .ld_dt = 6, .n_head = 6, .head_dim = 24,
+                                    .n_group = 3, .d_state = 40, .chunk = 128};
+        sp.batch.n_seq = 65536;
+        sp.batch.n_tok = 65536;
+        cr_expect_eq(krk_ssd(&sp, 0), KR_ERR_INVAL, "65536 sequences exceed gridDim.z");
+        struct krk_conv1d_params cp = {.ld_in = 100, .in_off = 0, .conv_dim = 100, .d_conv = 4};
+        cp.batch.n_seq = 65536;
+        cr_expect_eq(krk_conv1d(&cp, 0), KR_ERR_INVAL, "65536 sequences exceed gridDim.y");
+    }
     struct krk_ssd_params sp = {.conv_dim = 6 * 24 + 2 * 4 * 40, .ld_dt = 6, .n_head = 6, .head_dim = 24,
                                 .n_group = 4, .d_state = 40, .chunk = 128};
     cr_expect_eq(krk_ssd(&sp, 0), KR_ERR_INVAL, "n_group must divide n_head");

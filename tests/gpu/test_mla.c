@@ -390,9 +390,17 @@ static const struct index_case index_cases[] = {
      {.n_seq = 3, .len = {1, 1, 1}, .pos0 = {131071, 70000, 2047}}},
     {"ctx 3000 topk 256, 16 heads x 32, prefill chunk", 16, 32, 16, 8, 256, 16, KEYS_RANDOM, 0,
      {.n_seq = 3, .len = {1, 70, 1}, .pos0 = {2999, 600, 300}}},
+    /* long contexts: prefill chunks crossing 32768 and 65536 next to a decode at 100,000, with a
+     * workspace of 24 score rows so that the chunk's tokens go in groups (as the CUDA backend's
+     * 256 MB cap makes a 2048-token chunk do beyond 32768 positions), group edges inside sequences */
+    {"chunks crossing 32768 and 65536, grouped workspace", 16, 16, 16, 8, 256, 16, KEYS_RANDOM, 24,
+     {.n_seq = 3, .len = {64, 64, 1}, .pos0 = {32768 - 32, 65536 - 32, 99999}}},
+    /* the real indexer (64 heads x 128, top 2048) on a chunk crossing 32768, grouped */
+    {"ctx 32776 topk 2048, 64 heads x 128, grouped chunk", 64, 128, 512, 64, 2048, 16, KEYS_RANDOM, 5,
+     {.n_seq = 1, .len = {16}, .pos0 = {32768 - 8}}},
 };
 #define N_INDEX_CASES ((int)(sizeof index_cases / sizeof index_cases[0]))
-static int index_case_ids[] = {0, 1, 2, 3, 4, 5, 6, 7, 8};
+static int index_case_ids[] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10};
 _Static_assert(sizeof index_case_ids / sizeof index_case_ids[0] == N_INDEX_CASES, "one id per index case");
 
 static int cmp_desc(const void *a, const void *b)
@@ -535,6 +543,20 @@ ParameterizedTest(int *ci, mla, index_selects_cpu_topk)
     double *sc = xalloc((size_t)max_ctx * sizeof(double)), *sorted = xalloc((size_t)max_ctx * sizeof(double));
     bool *sel = xalloc((size_t)max_ctx);
     struct scored_pos *tmp = xalloc((size_t)max_ctx * sizeof *tmp);
+    /* the CPU's k-th and (k+1)-th scores of every token that selects, once for every run below
+     * (scoring long contexts in double dominates the test's time) */
+    double *v_k = xalloc((size_t)n_tok * sizeof(double)), *v_k1 = xalloc((size_t)n_tok * sizeof(double));
+    for (int32_t t = 0; t < n_tok; t++) {
+        if (tok_is_pad(&b, &ic->bs, t) || b.pos[t] + 1 <= topk) {
+            continue;
+        }
+        const int32_t n_keys = b.pos[t] + 1;
+        index_scores(ic, iq, w, cache, &b, t, row, key_off, sc);
+        memcpy(sorted, sc, (size_t)n_keys * sizeof(double));
+        qsort(sorted, (size_t)n_keys, sizeof(double), cmp_desc);
+        v_k[t] = sorted[topk - 1];
+        v_k1[t] = sorted[topk];
+    }
     /* both score variants: fp32 on CUDA cores, bf16 tensor cores (the same selection up to fp32
      * summation order, the queries being bf16 values already); the tensor-core scores also with
      * the warp-aggregated top-k histograms and with the split top-k */
@@ -570,18 +592,15 @@ ParameterizedTest(int *ci, mla, index_selects_cpu_topk)
                 cr_expect(same, "%s: token %d (pos %d): short context must take every position", ic->name, t, pos);
                 continue;
             }
-            index_scores(ic, iq, w, cache, &b, t, row, key_off, sc);
-            memcpy(sorted, sc, (size_t)n_keys * sizeof(double));
-            qsort(sorted, (size_t)n_keys, sizeof(double), cmp_desc);
-            const double v_k = sorted[topk - 1], v_k1 = sorted[topk];
-            const double band = 1e-4 * fmax(fabs(v_k), fabs(v_k1));
-            if (v_k - v_k1 > band) {
+            const double band = 1e-4 * fmax(fabs(v_k[t]), fabs(v_k1[t]));
+            if (v_k[t] - v_k1[t] > band) {
                 n_exact++;
                 cr_expect(same, "%s: token %d (pos %d): selection differs from the CPU's", ic->name, t, pos);
             } else {
                 n_tol++;
                 n_tol_same += same;
-                const int64_t bad = check_tolerant(g, topk, sc, n_keys, v_k, band, sel, tmp);
+                index_scores(ic, iq, w, cache, &b, t, row, key_off, sc);
+                const int64_t bad = check_tolerant(g, topk, sc, n_keys, v_k[t], band, sel, tmp);
                 cr_expect_eq(bad, 0, "%s: token %d (pos %d): %lld violations of the near-tie selection", ic->name, t,
                              pos, (long long)bad);
                 if (ic->keys != KEYS_RANDOM) { /* exact ties by construction: the tie rule decides all */
@@ -598,6 +617,8 @@ ParameterizedTest(int *ci, mla, index_selects_cpu_topk)
     }
 
     kr_backend_free(be);
+    kr_free(v_k);
+    kr_free(v_k1);
     kr_free(tmp);
     kr_free(sel);
     kr_free(sorted);
@@ -640,6 +661,45 @@ Test(mla, index_rejects_short_workspace)
     gt_batch_free(&b);
 }
 
+/* A batch whose contexts go beyond its block tables (max_ctx > max_blocks x block_size) would make
+ * the kernels read table entries past a sequence's row: every latent-cache launcher refuses it
+ * before launching. */
+Test(mla, launchers_refuse_contexts_beyond_block_tables)
+{
+    GT_REQUIRE_GPU();
+    const struct batch_shape bs = {.n_seq = 1, .len = {2}, .pos0 = {600}};
+    struct gt_rng rng = {.s = 6};
+    struct gt_batch b;
+    batch_make(&b, &rng, &bs, 64, 16);
+    struct krk_batch over = b.dev;
+    over.max_ctx = over.max_blocks * 64 + 1;
+    void *d = gt_dalloc(1 << 20);
+    const struct krk_mla_cache_params cw = {.c_kv = d, .ld_ckv = 8, .k_pe = d, .ld_kpe = 0, .kv_lora = 8,
+                                            .cache = d, .block_size = 64, .batch = over};
+    cr_expect_eq(krk_mla_cache_write(&cw, 0), KR_ERR_INVAL, "cache write past the block tables");
+    const struct krk_mla_prep_params pp = {.kva = d, .kv_lora = 8, .cache = d, .block_size = 64, .batch = over};
+    cr_expect_eq(krk_mla_prep(&pp, 0), KR_ERR_INVAL, "prep past the block tables");
+    const struct krk_dsa_index_params ip = {.iq = d, .w = d, .n_head = 1, .head_dim = 8, .cache = d, .row = 8,
+                                            .block_size = 64, .topk = 16, .idx = d, .workspace = d,
+                                            .workspace_bytes = 1 << 20, .batch = over};
+    cr_expect_eq(krk_dsa_index(&ip, 0), KR_ERR_INVAL, "indexer past the block tables");
+    const struct krk_mla_attn_params ap = {.q = d, .n_head = 1, .nope = 8, .v_dim = 8, .kv_lora = 8, .kv_b = d,
+                                           .cache = d, .row = 8, .block_size = 64, .out = d, .batch = over};
+    cr_expect_eq(krk_mla_attention(&ap, 0), KR_ERR_INVAL, "attention past the block tables");
+    /* the same launches with the tables' own bound are taken (checked elsewhere); here only that the
+     * bound itself is accepted by the check: max_ctx equal to what the tables hold */
+    struct krk_dsa_index_params ok = ip;
+    ok.batch.max_ctx = ok.batch.max_blocks * 64;
+    ok.topk = ok.batch.max_ctx; /* every position taken: no score is computed */
+    int32_t *d_idx = gt_dalloc((size_t)b.dev.n_tok * (size_t)ok.topk * sizeof(int32_t));
+    ok.idx = d_idx;
+    cr_expect_eq(krk_dsa_index(&ok, 0), KR_OK, "a context filling the block tables exactly");
+    gt_sync();
+    gt_dfree(d_idx);
+    gt_dfree(d);
+    gt_batch_free(&b);
+}
+
 /* ---- absorbed MLA attention ------------------------------------------------------------------- */
 
 struct attn_shape {
@@ -671,6 +731,10 @@ static const struct attn_batch attn_batches[] = {
       .pad = {false, false, false, false, true, false}}},
     {"decode ctx 131072 and 2048", 2048, {.n_seq = 2, .len = {1, 1}, .pos0 = {131071, 2047}}},
 };
+/* long contexts: prefill chunks crossing 32768 and 65536 (dense: every key; sparse: the selection
+ * over them) next to a decode at 100,000 (attention_long_context_matches_cpu) */
+static const struct attn_batch attn_long_batch = {
+    "chunks crossing 32768 and 65536", 256, {.n_seq = 3, .len = {24, 8, 1}, .pos0 = {32768 - 12, 65536 - 4, 99999}}};
 #define N_ATTN_SHAPES ((int)(sizeof attn_shapes / sizeof attn_shapes[0]))
 #define N_ATTN_BATCHES ((int)(sizeof attn_batches / sizeof attn_batches[0]))
 static int attn_case_ids[] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14};
@@ -695,12 +759,10 @@ ParameterizedTestParameters(mla, attention_matches_cpu)
     return cr_make_param_array(int, attn_case_ids, N_ATTN_SHAPES * N_ATTN_BATCHES);
 }
 
-ParameterizedTest(int *ci, mla, attention_matches_cpu)
+/* Every kernel and both modes of one (shape, batch) against the CPU reference. */
+static void attention_case(const struct attn_shape *sh, const struct attn_batch *ab, uint64_t seed)
 {
-    GT_REQUIRE_GPU();
-    const struct attn_shape *sh = &attn_shapes[*ci / N_ATTN_BATCHES];
-    const struct attn_batch *ab = &attn_batches[*ci % N_ATTN_BATCHES];
-    struct gt_rng rng = {.s = 2000 + (uint64_t)*ci};
+    struct gt_rng rng = {.s = seed};
     const int64_t H = sh->n_head, R = sh->kv_lora, Dr = sh->rope, Dn = sh->nope, Dv = sh->v_dim, qd = Dn + Dr;
     /* indexer keys after [c_kv | k_pe], so rows are wider than the attention reads */
     const int64_t idx_heads = 4, idx_dim = 32, key_off = R + Dr, row = key_off + idx_dim;
@@ -810,6 +872,26 @@ ParameterizedTest(int *ci, mla, attention_matches_cpu)
     kr_free(kv_b);
     kr_free(cache);
     gt_batch_free(&b);
+}
+
+ParameterizedTest(int *ci, mla, attention_matches_cpu)
+{
+    GT_REQUIRE_GPU();
+    attention_case(&attn_shapes[*ci / N_ATTN_BATCHES], &attn_batches[*ci % N_ATTN_BATCHES], 2000 + (uint64_t)*ci);
+}
+
+static int attn_shape_ids[] = {0, 1, 2};
+_Static_assert(sizeof attn_shape_ids / sizeof attn_shape_ids[0] == N_ATTN_SHAPES, "one id per attention shape");
+
+ParameterizedTestParameters(mla, attention_long_context_matches_cpu)
+{
+    return cr_make_param_array(int, attn_shape_ids, N_ATTN_SHAPES);
+}
+
+ParameterizedTest(int *si, mla, attention_long_context_matches_cpu, .timeout = 600)
+{
+    GT_REQUIRE_GPU();
+    attention_case(&attn_shapes[*si], &attn_long_batch, 2100 + (uint64_t)*si);
 }
 
 /* ---- FP8 round trip of indexer rows ----------------------------------------------------------- */
