@@ -13,7 +13,8 @@ while [ $# -gt 0 ] && [ "$1" != "--" ]; do lens+=("$1"); shift; done
 [ $# -gt 0 ] && shift
 pf=$(mktemp)
 rm -f "$pf"
-"$krait" serve "$model" --port 0 --port-file "$pf" --max-model-len "$maxlen" --log-level info "$@" > "$log" 2>&1 &
+"$krait" serve "$model" --port 0 --port-file "$pf" --max-model-len "$maxlen" --skip-tokenizer-init --log-level info "$@" \
+  > "$log" 2>&1 &
 pid=$!
 python3 - "$pf" "$pid" "$maxlen" "${lens[@]}" <<'EOF'
 import json, os, random, socket, sys, threading, time
@@ -50,6 +51,12 @@ while True:
             break
     except OSError:
         pass
+    try:
+        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        state = "gone"
+    if state in ("Z", "X", "gone"):
+        print("serve-long: krait serve exited while loading"); sys.exit(1)
     if time.time() - t0 > 900:
         print("serve-long: not healthy after 900 s"); sys.exit(1)
     time.sleep(0.5)

@@ -4,10 +4,11 @@
  * blocks of 16), then a 70,000-token prompt prefilled in chunks of 2048 tokens, so that the chunks'
  * contexts cross 32768 and 65536 positions, and greedy decode steps (captured graphs) after it.
  *
- * The checkpoint is small in width (written here, random weights) but has every mixer of the two
- * 8B shapes: Mamba-2 (M), GQA attention (*), a DSA layer with DeepSeek-V3.2's latent shape (kv_lora
+ * The checkpoints are small in width (written here, random weights) but have every mixer of the two
+ * 8B shapes, in two models since GQA and MLA layers cannot share one: Mamba-2 (M) and an MLP (-)
+ * in both, GQA attention (*) in one, and in the other a DSA layer with DeepSeek-V3.2's latent shape (kv_lora
  * 512, rope 64: the head-batched MLA kernels, the selection overlapped with the absorption, the
- * tensor-core indexer) and top 2048, and an MLP (-). The sizes that grow with the context (indexer
+ * tensor-core indexer) and top 2048. The sizes that grow with the context (indexer
  * score rows, block tables, the 256 MB cap on the selection's workspace that puts a 2048-token chunk
  * into several groups beyond 32768 positions) do not depend on the width, so these runs take the
  * paths the 8B models take at these contexts.
@@ -41,7 +42,11 @@ enum {
     QL = 64, KVL = 512, NOPE = 32, ROPE = 64, VD = 32, IH = 16, ID = 64, /* DSA */
     MH = 4, MP = 16, MS = 16, MG = 2, DI = MH * MP, CONV = DI + 2 * MG * MS, FF = 128,
 };
-#define PATTERN "M*MD-"
+/* GQA ('*') and MLA/DSA layers cannot share a model (they share num_attention_heads): each test
+ * runs a DSA pattern and a GQA one. */
+#define PATTERN_DSA "MDM-"
+#define PATTERN_GQA "M*M-"
+static const char *PATTERN = PATTERN_DSA;
 
 static void write_model(const char *dir)
 {
@@ -201,6 +206,7 @@ Test(long_context, serving_chunked_prefill_crosses_32k_and_64k, .timeout = 900)
     GT_REQUIRE_GPU();
     char dir[256];
     ckw_tmpdir(dir, sizeof dir);
+    PATTERN = PATTERN_DSA;
     write_model(dir);
     int32_t *prompt = kr_malloc((size_t)PROMPT * sizeof(int32_t));
     cr_assert(prompt);
@@ -221,21 +227,48 @@ Test(long_context, serving_chunked_prefill_crosses_32k_and_64k, .timeout = 900)
     ckw_rmtree(dir);
 }
 
-/* The largest step the server takes (--max-num-batched-tokens 16384): the chunks' contexts cross
- * 32768 and 65536 as well, with eight times the tokens per step. */
-Test(long_context, serving_largest_chunks, .timeout = 900)
+/* The same serving path through GQA attention layers. */
+Test(long_context, serving_chunked_prefill_gqa, .timeout = 900)
 {
     GT_REQUIRE_GPU();
     char dir[256];
     ckw_tmpdir(dir, sizeof dir);
+    PATTERN = PATTERN_GQA;
     write_model(dir);
     int32_t *prompt = kr_malloc((size_t)PROMPT * sizeof(int32_t));
     cr_assert(prompt);
     make_prompt(prompt);
-    struct lc_run a;
-    lc_serve(dir, prompt, 16384, NULL, &a);
+    struct lc_run a, c;
+    lc_serve(dir, prompt, 2048, NULL, &a);
     cr_expect_eq(a.allocs, 0, "%llu device allocations after the reservation", (unsigned long long)a.allocs);
-    cr_expect_gt(a.selected, 0, "the D layer never selected");
+    lc_serve(dir, prompt, 2048, "KRAIT_PDL", &c);
+    expect_same(&a, &c, "programmatic launch vs plain");
     kr_free(prompt);
     ckw_rmtree(dir);
+}
+
+/* The largest step the server takes (--max-num-batched-tokens 16384): the chunks' contexts cross
+ * 32768 and 65536 as well, with eight times the tokens per step; DSA and GQA. */
+Test(long_context, serving_largest_chunks, .timeout = 900)
+{
+    GT_REQUIRE_GPU();
+    int32_t *prompt = kr_malloc((size_t)PROMPT * sizeof(int32_t));
+    cr_assert(prompt);
+    make_prompt(prompt);
+    const char *patterns[] = {PATTERN_DSA, PATTERN_GQA};
+    for (int i = 0; i < 2; i++) {
+        char dir[256];
+        ckw_tmpdir(dir, sizeof dir);
+        PATTERN = patterns[i];
+        write_model(dir);
+        struct lc_run a;
+        lc_serve(dir, prompt, 16384, NULL, &a);
+        cr_expect_eq(a.allocs, 0, "%s: %llu device allocations after the reservation", PATTERN,
+                     (unsigned long long)a.allocs);
+        if (i == 0) {
+            cr_expect_gt(a.selected, 0, "the D layer never selected");
+        }
+        ckw_rmtree(dir);
+    }
+    kr_free(prompt);
 }
