@@ -82,6 +82,8 @@ struct cuda_ctx {
     cudaStream_t side;                  /* second stream of the overlapped selection (forked from and
                                            joined back into `stream` within one op, captured alike) */
     cudaEvent_t ev_fork, ev_join;
+    cudaEvent_t ev_meta;   /* the last upload of h_meta: its bytes may be rewritten once it completed */
+    bool meta_pending;
     uint64_t n_overlap;                 /* kr_backend_cuda_overlap_count */
     size_t bytes_alloc;    /* device bytes taken through buf_alloc/upload */
     uint64_t n_alloc;      /* device allocations made (kr_backend_cuda_alloc_count) */
@@ -278,6 +280,9 @@ static void cuda_free(kr_backend_t be)
         }
         if (c->ev_fork) {
             cudaEventDestroy(c->ev_fork);
+        }
+        if (c->ev_meta) {
+            cudaEventDestroy(c->ev_meta);
         }
         if (c->ev_join) {
             cudaEventDestroy(c->ev_join);
@@ -733,6 +738,16 @@ static enum kr_status cuda_begin_batch(kr_backend_t be, const struct kr_batch *b
     const size_t nt = (size_t)b->n_tok, ns = (size_t)b->n_seq, bt = ns * (size_t)b->max_blocks;
     const size_t total = 4 * nt + 3 * ns + 1 + bt + (size_t)b->n_out + 8;
     KR_TRY(ensure_meta(c, total));
+    /* The previous step's upload from this pinned buffer is asynchronous and waits behind that
+     * step's predecessor on the stream. A step with no output rows (a prefill chunk that is not a
+     * prompt's last) ends with no synchronization, so the host reaches here while its upload may
+     * not have run yet: rewriting the buffer now would hand that step this step's arrays (wrong
+     * positions, a shifted layout when the token count differs: state slots read from the wrong
+     * place, an illegal address). Wait for it; the host still runs one step ahead. */
+    if (c->meta_pending) {
+        CU_TRY(c, cudaEventSynchronize(c->ev_meta));
+        c->meta_pending = false;
+    }
     int32_t *h = c->h_meta;
     size_t off = 0;
     int32_t max_tok = 0, max_ctx = 0;
@@ -771,6 +786,8 @@ static enum kr_status cuda_begin_batch(kr_backend_t be, const struct kr_batch *b
 #undef PUT
     if (off) {
         CU_TRY(c, cudaMemcpyAsync(c->d_meta, h, off * 4, cudaMemcpyHostToDevice, c->stream));
+        CU_TRY(c, cudaEventRecord(c->ev_meta, c->stream));
+        c->meta_pending = true;
     }
     int32_t *d = c->d_meta;
     c->hb = b;
@@ -1787,7 +1804,8 @@ enum kr_status kr_backend_cuda_create(int dev, bool graphs, kr_backend_t *out, s
         (e = cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking)) != cudaSuccess ||
         (e = cudaStreamCreateWithFlags(&c->side, cudaStreamNonBlocking)) != cudaSuccess ||
         (e = cudaEventCreateWithFlags(&c->ev_fork, cudaEventDisableTiming)) != cudaSuccess ||
-        (e = cudaEventCreateWithFlags(&c->ev_join, cudaEventDisableTiming)) != cudaSuccess) {
+        (e = cudaEventCreateWithFlags(&c->ev_join, cudaEventDisableTiming)) != cudaSuccess ||
+        (e = cudaEventCreateWithFlags(&c->ev_meta, cudaEventDisableTiming)) != cudaSuccess) {
         kr_err_set(err, KR_ERR_CUDA, "cuda: cannot initialise device %d: %s", dev, cudaGetErrorString(e));
         goto fail;
     }
