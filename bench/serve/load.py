@@ -375,6 +375,8 @@ class StreamState:
         self.problem = None
         self.after_error = False
         self.last_t = {}
+        self.finish_event = {}
+        self.payload = b""
 
     def on_event(self, payload, t):
         res = self.res
@@ -411,6 +413,7 @@ class StreamState:
         want_obj = "chat.completion.chunk" if res.req.chat else "text_completion"
         if obj.get("object") != want_obj:
             self._bad(f"event #{res.events} has object {obj.get('object')!r}, expected {want_obj!r}")
+        self.payload = payload
         for c in choices:
             self._choice(c, t)
 
@@ -468,8 +471,11 @@ class StreamState:
         if fr is not None:
             res.stop_reason[i] = c.get("stop_reason")
             if i in res.finish:
-                self._bad(f"choice {i} got a second finish_reason ({res.finish[i]!r}, then {fr!r})")
+                self._bad(f"choice {i} got a second finish_reason ({res.finish[i]!r} in event "
+                          f"{self.finish_event[i][0]}: {self.finish_event[i][1]!r}; then {fr!r} in event "
+                          f"{res.events}: {self.payload[:300]!r})")
             res.finish[i] = fr
+            self.finish_event.setdefault(i, (res.events, self.payload[:300]))
 
     def _bad(self, msg):
         if self.problem is None:
