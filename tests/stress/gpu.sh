@@ -123,6 +123,11 @@ EOF
       $stress_args > "$sl/stress.log" 2>&1
     rc=$?
     [ $rc != 0 ] && status=1
+    # a server left behind (the suite cut by the timeout) would hold the GPU: end it by its pid
+    pid=$(cat "$sl/server.pid" 2>/dev/null)
+    if [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null && grep -q krait "/proc/$pid/cmdline" 2>/dev/null; then
+      kill -9 "$pid"; say "stress: its server $pid was still running: killed"
+    fi
     say "stress: rc=$rc in $(( $(date +%s) - s )) s"
     { echo; sed -n '/^| phase |/,$p' "$sl/stress.log"; echo; } >> "$summary"
     grep -a "^  \[" "$sl/stress.log" | cut -c1-400 > "$sl/notes.txt"

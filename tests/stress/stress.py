@@ -165,6 +165,8 @@ class Server:
         self.proc = subprocess.Popen(self.cmd(), stdout=self.log, stderr=subprocess.STDOUT, env=env,
                                      stdin=subprocess.DEVNULL)
         self.pid = self.proc.pid
+        with open(os.path.join(os.path.dirname(self.log_path), "server.pid"), "w") as fp:
+            fp.write(f"{self.pid}\n")
 
     async def wait_ready(self, timeout):
         t0 = time.monotonic()
@@ -1041,12 +1043,18 @@ def main(argv=None):
         os.unlink(a.log)
     L.raise_nofile()
     s = Suite(a)
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt  # a timeout around the suite: the server goes with it
+
+    signal.signal(signal.SIGTERM, on_term)
     try:
         asyncio.run(s.run())
     except KeyboardInterrupt:
         if s.srv:
             s.srv.kill()
-        raise
+        print(f"stress: interrupted; server log {a.log}", flush=True)
+        return 130
     s.report["summary_rows"] = s.rows
     s.report["config"] = {k: v for k, v in vars(a).items()}
     with open(a.json or os.path.join(out, "report.json"), "w") as fp:
