@@ -19,6 +19,8 @@ It starts `krait serve MODEL --port 0 --port-file F` itself (flags from the prof
   mixed       mixed sampling parameters (temperature, top_p, top_k, seed, penalties, logprobs),
               stop strings, n, streaming and not, chat and completions, several prompts at once, and
               requests that must be refused with a clean error object
+  bench       (only when named in --phases) serving figures at each --bench-concurrency, random
+              prompts of --bench-input-len tokens, --bench-output-len out (tests/stress/gpu.sh)
   sigterm     SIGTERM while streams are open (some clients never read): /health must answer 503
               (not refuse the connection) and new requests 503 while draining; the process must
               exit with status 0 within --shutdown-timeout + 5 s; requests cut by the timeout
@@ -37,6 +39,9 @@ anything else fails with what was received). After every phase but sigterm:
   - GET /health answers 200.
 Engine steps/s (krait:engine_steps_total deltas) of the storm and of the same load without
 disconnects are reported. At the end the server log is searched for sanitizer reports.
+
+With --deadline, a phase that would start too late is skipped and a running one is cut, time being
+kept for the sigterm phase; the summary says which.
 
 The exit status is 1 when any assertion failed (each printed as FAIL [phase] ...: which request,
 what was received), 2 on a usage or start-up problem. A summary table comes last; --out DIR keeps
