@@ -91,6 +91,7 @@ struct choice {
     size_t sent;               /* stream: text bytes sent */
     int32_t lp_sent;           /* stream: logprob entries sent */
     bool first_sent;
+    bool final_sent;           /* stream: the chunk with finish_reason went out (once) */
     double t_first, t_last;
 };
 
@@ -462,8 +463,9 @@ static size_t sendable(const struct hreq *h, const struct choice *c)
 static void stream_choice(struct hreq *h, struct choice *c)
 {
     struct srv *s = h->s;
-    if (h->out_eof) {
-        return; /* the stream already ended (cut by the shutdown deadline) */
+    if (h->out_eof || c->final_sent) {
+        return; /* the stream already ended (cut by the shutdown deadline), or this choice did: a stop
+                   string finishes it before the engine's FINISH of the cancelled choice arrives */
     }
     const size_t upto = sendable(h, c);
     const bool new_text = upto > c->sent, new_lp = c->lps && c->lp_sent < c->n_ids;
@@ -511,6 +513,7 @@ static void stream_choice(struct hreq *h, struct choice *c)
         c->sent = upto;
         c->lp_sent = c->n_ids;
         c->first_sent = true;
+        c->final_sent = final;
     }
 }
 
