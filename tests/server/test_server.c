@@ -292,6 +292,29 @@ Test(server, stop_strings_and_stop_token_ids)
     cr_expect_str_eq(str(kc, "finish_reason"), "stop");
     cr_expect_str_eq(str(kc, "stop_reason"), stop);
     json_decref(k);
+    /* the same streamed: the text before the stop string, and exactly one chunk with a finish_reason
+     * (the choice ends on the stop string, then again when the engine's cancel comes back) */
+    req = json_pack("{s:s, s:i, s:f, s:[s], s:b}", "prompt", "The quick brown fox", "max_tokens", 12, "temperature",
+                    0.0, "stop", stop, "stream", 1);
+    body = json_dumps(req, 0);
+    char *raw = post_stream(&S, "/v1/completions", body, 0, &st);
+    free(body);
+    json_decref(req);
+    bool done = false;
+    json_t *evs = sse_events(raw, &done);
+    cr_expect(done);
+    int finishes = 0;
+    size_t streamed = 0;
+    for (size_t i = 0; i < json_array_size(evs); i++) {
+        json_t *ch = json_array_get(json_object_get(json_array_get(evs, i), "choices"), 0);
+        const char *piece = str(ch, "text");
+        streamed += piece ? strlen(piece) : 0;
+        finishes += json_is_string(json_object_get(ch, "finish_reason"));
+    }
+    cr_expect_eq(finishes, 1, "%d chunks carry a finish_reason", finishes);
+    cr_expect_eq(streamed, cut, "streamed %zu bytes, want the %zu before the stop string", streamed, cut);
+    json_decref(evs);
+    free(raw);
     /* a stop token id: generation ends on it */
     json_int_t third = json_integer_value(json_array_get(ids, 2));
     req = json_pack("{s:s, s:i, s:f, s:[I]}", "prompt", "The quick brown fox", "max_tokens", 12, "temperature", 0.0,
