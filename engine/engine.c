@@ -1493,12 +1493,12 @@ enum kr_status kr_engine_submit(struct kr_engine *e, const struct kr_request_par
     }
     const int64_t total = (int64_t)p->n_prompt + p->sampling.max_tokens;
     if (p->n_prompt >= e->cfg.max_model_len) {
-        return kr_err_set(err, KR_ERR_INVAL,
+        return kr_err_set(err, KR_ERR_TOO_LONG,
                           "the prompt has %d tokens; this model's maximum context length is %d tokens", p->n_prompt,
                           e->cfg.max_model_len);
     }
     if (total > e->cfg.max_model_len) {
-        return kr_err_set(err, KR_ERR_INVAL,
+        return kr_err_set(err, KR_ERR_TOO_LONG,
                           "the prompt (%d tokens) plus max_tokens (%d) exceeds the maximum context length of %d tokens",
                           p->n_prompt, p->sampling.max_tokens, e->cfg.max_model_len);
     }
@@ -1506,7 +1506,7 @@ enum kr_status kr_engine_submit(struct kr_engine *e, const struct kr_request_par
     if (c->n_attn || c->n_mla) {
         const int64_t need = (total + c->block_size - 1) / c->block_size;
         if (need > c->n_blocks) {
-            return kr_err_set(err, KR_ERR_INVAL,
+            return kr_err_set(err, KR_ERR_TOO_LONG,
                               "the request needs %lld cache blocks (%lld tokens) but the whole pool holds %d blocks",
                               (long long)need, (long long)total, c->n_blocks);
         }

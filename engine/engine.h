@@ -101,8 +101,9 @@ enum kr_status kr_engine_create(struct kr_model *m, const struct kr_engine_confi
 void kr_engine_free(struct kr_engine *e);
 
 /* Queues a request; any thread. Checks it synchronously: KR_ERR_INVAL (with a message) for
- * invalid parameters or a request that can never fit (prompt + max_tokens beyond max_model_len, or
- * more cache than the whole pool); KR_ERR_BUSY when max_queued_requests are already waiting.
+ * invalid parameters, KR_ERR_TOO_LONG for a request that can never fit (prompt + max_tokens beyond
+ * max_model_len, or more cache than the whole pool); KR_ERR_BUSY when max_queued_requests are
+ * already waiting; KR_ERR_CUDA once the device failed for good (kr_engine_failed).
  * On success *req_id identifies it and events follow on the engine thread. */
 enum kr_status kr_engine_submit(struct kr_engine *e, const struct kr_request_params *p, uint64_t *req_id,
                                 struct kr_err *err);

@@ -266,6 +266,32 @@ static enum MHD_Result send_error(struct hreq *h, const struct kr_oai_error *e)
     return r;
 }
 
+/* The one place where an engine status becomes an HTTP status and an OpenAI error object.
+ * `device_failed`: the engine reported a lost device (kr_engine_failed). */
+static void engine_error(struct kr_oai_error *e, enum kr_status st, bool device_failed, const char *msg)
+{
+    switch (st) {
+    case KR_ERR_BUSY:
+        kr_oai_error_set(e, 429, "rate_limit_error", "", "queue_full", "%s", msg);
+        return;
+    case KR_ERR_TOO_LONG:
+        kr_oai_error_set(e, 400, "invalid_request_error", "max_tokens", "context_length_exceeded", "%s", msg);
+        return;
+    case KR_ERR_INVAL:
+        kr_oai_error_set(e, 400, "invalid_request_error", "", "", "%s", msg);
+        return;
+    case KR_ERR_CUDA:
+        if (device_failed) {
+            kr_oai_error_set(e, 503, "service_unavailable", "", "", "%s", msg);
+            return;
+        }
+        break;
+    default:
+        break;
+    }
+    kr_oai_error_set(e, 500, "server_error", "", "", "%s", msg[0] ? msg : kr_status_str(st));
+}
+
 static enum MHD_Result send_simple_error(struct hreq *h, int status, const char *type, const char *param,
                                          const char *code, const char *msg)
 {
@@ -808,11 +834,11 @@ static void process_event(struct srv *s, struct evnode *n)
     case KR_EVENT_ERROR:
         if (!h->failed) {
             h->failed = true;
-            if (ev->status == KR_ERR_CUDA && s->eng && kr_engine_failed(s->eng)) {
-                kr_oai_error_set(&h->err, 503, "service_unavailable", "", "", "%s", ev->message);
-            } else {
-                kr_oai_error_set(&h->err, 500, "server_error", "", "", "generation failed: %s", ev->message);
-            }
+            const bool lost = ev->status == KR_ERR_CUDA && s->eng && kr_engine_failed(s->eng);
+            char msg[600];
+            snprintf(msg, sizeof msg, lost ? "%s" : "generation failed: %s", ev->message);
+            /* a step that failed is the server's fault (500) whatever its status, unless the device is lost */
+            engine_error(&h->err, lost ? KR_ERR_CUDA : KR_ERR_INTERNAL, lost, msg);
         }
         for (int32_t i = 0; i < h->o.n; i++) {
             struct choice *c = &h->ch[sb->idx * h->o.n + i];
@@ -967,17 +993,7 @@ static enum MHD_Result submit_all(struct hreq *h)
         if (st != KR_OK) {
             hreq_cancel(h); /* the prompts already queued */
             struct kr_oai_error e;
-            if (st == KR_ERR_BUSY) {
-                kr_oai_error_set(&e, 429, "rate_limit_error", "", "queue_full", "%s", err.msg);
-            } else if (st == KR_ERR_CUDA && kr_engine_failed(s->eng)) {
-                kr_oai_error_set(&e, 503, "service_unavailable", "", "", "%s", err.msg);
-            } else if (st == KR_ERR_INVAL) {
-                const bool ctx = strstr(err.msg, "context length") != NULL;
-                kr_oai_error_set(&e, 400, "invalid_request_error", ctx ? "max_tokens" : "",
-                                 ctx ? "context_length_exceeded" : "", "%s", err.msg);
-            } else {
-                kr_oai_error_set(&e, 500, "server_error", "", "", "%s", err.msg[0] ? err.msg : kr_status_str(st));
-            }
+            engine_error(&e, st, st == KR_ERR_CUDA && kr_engine_failed(s->eng), err.msg);
             if (i > 0) {
                 /* the earlier prompts hold references and will finish as cancelled */
                 h->failed = true;

@@ -25,6 +25,8 @@ const char *kr_status_str(enum kr_status st)
         return "internal error";
     case KR_ERR_BUSY:
         return "busy";
+    case KR_ERR_TOO_LONG:
+        return "beyond the context length";
     }
     return "unknown status";
 }

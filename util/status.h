@@ -17,6 +17,8 @@ enum kr_status {
     KR_ERR_CANCELLED = -7,   /* the request was cancelled */
     KR_ERR_INTERNAL = -8,    /* a bug: an invariant did not hold */
     KR_ERR_BUSY = -9,        /* admission limit reached: retry later (HTTP 429/503) */
+    KR_ERR_TOO_LONG = -10,   /* a request beyond the context length or the whole cache (HTTP 400,
+                                context_length_exceeded) */
 };
 
 /* Returns a static, human-readable name of a status ("ok", "out of memory", ...). */

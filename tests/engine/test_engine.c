@@ -356,10 +356,10 @@ Test(engine, rejects_requests_that_can_never_fit)
                                   .user = &g_recs[0]};
     uint64_t id;
     struct kr_err err = {{0}};
-    cr_expect_eq(kr_engine_submit(e, &p, &id, &err), KR_ERR_INVAL);
+    cr_expect_eq(kr_engine_submit(e, &p, &id, &err), KR_ERR_TOO_LONG);
     cr_expect(strstr(err.msg, "blocks"), "%s", err.msg);
     p.sampling.max_tokens = 5000; /* beyond max_position_embeddings (4096) */
-    cr_expect_eq(kr_engine_submit(e, &p, &id, &err), KR_ERR_INVAL);
+    cr_expect_eq(kr_engine_submit(e, &p, &id, &err), KR_ERR_TOO_LONG);
     cr_expect(strstr(err.msg, "context length"), "%s", err.msg);
     p.sampling.max_tokens = 8;
     p.sampling.temperature = -1.0f;
