@@ -8,6 +8,7 @@
 #include "synth.h"
 
 #include "alloc.h"
+#include "clock.h"
 #include "log.h"
 
 #include <getopt.h>
@@ -15,14 +16,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
 
 /* Read bandwidth of a 1 GiB buffer summed by all threads (GB/s), best of 3. */
 static double read_bandwidth(int threads)
@@ -38,12 +31,12 @@ static double read_bandwidth(int threads)
     }
     double best = 0, sink = 0;
     for (int r = 0; r < 3; r++) {
-        double t0 = now_s(), s = 0;
+        double t0 = kr_clock_s(), s = 0;
 #pragma omp parallel for num_threads(threads) reduction(+ : s)
         for (size_t i = 0; i < n; i++) {
             s += a[i];
         }
-        double dt = now_s() - t0;
+        double dt = kr_clock_s() - t0;
         sink += s;
         double bw = (double)(n * sizeof(float)) / dt / 1e9;
         best = bw > best ? bw : best;
@@ -122,16 +115,16 @@ static int bench_model(const char *dir, int threads, int32_t n_prefill, int32_t 
     enum kr_status st = KR_OK;
     double t_prefill = 1e30, t_total = 1e30;
     for (int rep = 0; rep < 3 && st == KR_OK; rep++) {
-        double t0 = now_s();
+        double t0 = kr_clock_s();
         st = kr_run_greedy(m, c, ids, n_prefill, 0, 1, true, out, NULL, &n_out, &err);
-        double dt = now_s() - t0;
+        double dt = kr_clock_s() - t0;
         t_prefill = dt < t_prefill ? dt : t_prefill;
         if (st != KR_OK) {
             break;
         }
-        t0 = now_s();
+        t0 = kr_clock_s();
         st = kr_run_greedy(m, c, ids, n_prefill, 0, n_decode + 1, true, out, NULL, &n_out, &err);
-        dt = now_s() - t0;
+        dt = kr_clock_s() - t0;
         t_total = dt < t_total ? dt : t_total;
     }
     if (st != KR_OK) {

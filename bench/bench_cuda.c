@@ -13,6 +13,7 @@
 #include "model.h"
 
 #include "alloc.h"
+#include "clock.h"
 #include "log.h"
 
 #include <cublas_v2.h>
@@ -22,16 +23,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "krk.h"
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
 
 #define CK(expr)                                                                                   \
     do {                                                                                           \
@@ -350,7 +343,7 @@ static double bench_decode(struct ctx *x, int32_t B, int32_t ctx, int32_t steps,
     for (int32_t st = 0; st < warm + steps; st++) {
         if (st == warm) {
             CK(cudaDeviceSynchronize());
-            t0 = now_s();
+            t0 = kr_clock_s();
         }
         for (int32_t i = 0; i < B; i++) {
             pos[i] = pos0[i] = ctx + st;
@@ -360,7 +353,7 @@ static double bench_decode(struct ctx *x, int32_t B, int32_t ctx, int32_t steps,
         forward(x, &b);
         gpu_greedy(x, B, tok);
     }
-    const double ms = (now_s() - t0) / steps * 1e3;
+    const double ms = (kr_clock_s() - t0) / steps * 1e3;
     for (int32_t i = 0; i < B; i++) {
         kr_seq_cache_release(x->c, &sc[i]);
     }
@@ -409,11 +402,11 @@ static double bench_prefill(struct ctx *x, int32_t L, int reps, bool quiet)
                              .seq_slot = &sc.slot, .block_table = sc.blocks, .max_blocks = sc.n_blocks, .n_out = 1,
                              .out_tok = &out};
         CK(cudaDeviceSynchronize());
-        const double t0 = now_s();
+        const double t0 = kr_clock_s();
         forward(x, &b);
         CK(cudaDeviceSynchronize());
         if (r > 0) {
-            t_s[r - 1] = now_s() - t0;
+            t_s[r - 1] = kr_clock_s() - t0;
         }
         kr_seq_cache_release(x->c, &sc);
     }
@@ -549,13 +542,13 @@ int main(int argc, char **argv)
         fprintf(stderr, "bench_cuda: %s\n", err.msg);
         return 1;
     }
-    double t0 = now_s();
+    double t0 = kr_clock_s();
     if (kr_model_load(dir, x.be, &x.m, &err) != KR_OK) {
         fprintf(stderr, "bench_cuda: %s\n", err.msg);
         return 1;
     }
     printf("model: %s (%s, %.2fB parameters) loaded in %.1f s\n", dir, x.m->cfg.pattern, (double)x.m->n_params / 1e9,
-           now_s() - t0);
+           kr_clock_s() - t0);
     int32_t max_b = 1, max_p = 1;
     for (int i = 0; i < nb; i++) {
         max_b = batches[i] > max_b ? batches[i] : max_b;

@@ -3,30 +3,24 @@
  * a greedy draw (one pass over the logits: the floor). Each figure is the mean of DRAWS draws. */
 #include "sampler.h"
 
+#include "clock.h"
+
 #include <stdio.h>
 #include <stdlib.h>
-#include <time.h>
-
-static double now_s(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
-}
 
 static double time_draws(struct kr_sampling *s, const float *l, int64_t nv, int n, struct kr_rng *r,
                          struct kr_sampler_scratch *sc)
 {
     int32_t out;
     kr_sample(s, l, nv, NULL, 0, NULL, 0, r, sc, &out); /* warm the scratch */
-    const double t0 = now_s();
+    const double t0 = kr_clock_s();
     for (int i = 0; i < n; i++) {
         if (kr_sample(s, l, nv, NULL, 0, NULL, 0, r, sc, &out) != KR_OK) {
             fprintf(stderr, "bench_sampler: kr_sample failed\n");
             exit(1);
         }
     }
-    return (now_s() - t0) / n * 1e3;
+    return (kr_clock_s() - t0) / n * 1e3;
 }
 
 int main(int argc, char **argv)

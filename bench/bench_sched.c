@@ -8,9 +8,9 @@
  * left after loading. */
 #include "engine.h"
 
-#include <time.h>
 
 #include "alloc.h"
+#include "clock.h"
 #include "log.h"
 
 #include <stdio.h>
@@ -64,8 +64,7 @@ int main(int argc, char **argv)
     s.temperature = 0.0f;
     s.max_tokens = n_gen;
     s.ignore_eos = true;
-    struct timespec w0, w1;
-    clock_gettime(CLOCK_MONOTONIC, &w0);
+    const double w0 = kr_clock_us();
     for (int32_t i = 0; i < n_seq; i++) {
         struct kr_request_params p = {.prompt = prompt, .n_prompt = 32, .n = 1, .sampling = s, .cb = on_event};
         uint64_t id;
@@ -75,8 +74,7 @@ int main(int argc, char **argv)
         }
     }
     kr_engine_wait_idle(e);
-    clock_gettime(CLOCK_MONOTONIC, &w1);
-    const double wall_us = (double)(w1.tv_sec - w0.tv_sec) * 1e6 + (double)(w1.tv_nsec - w0.tv_nsec) / 1e3;
+    const double wall_us = kr_clock_us() - w0;
     struct kr_engine_stats st;
     kr_engine_get_stats(e, &st);
     const double gap = st.step_gaps ? st.step_gap_us_total / (double)st.step_gaps : 0.0;

@@ -7,6 +7,7 @@
 
 #include "log.h"
 #include "alloc.h"
+#include "clock.h"
 #include "tokenizer.h"
 
 #include <curl/curl.h>
@@ -16,15 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
-#include <time.h>
 #include <unistd.h>
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
 
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
@@ -37,7 +30,7 @@ static void on_event(const struct kr_event *ev, void *user)
     (void)user;
     pthread_mutex_lock(&mu);
     if (ev->type == KR_EVENT_TOKEN && n_tok < 4096) {
-        tok_times[n_tok++] = now_s();
+        tok_times[n_tok++] = kr_clock_s();
     }
     if (ev->type == KR_EVENT_FINISH || ev->type == KR_EVENT_ERROR) {
         done_flag = 1;
@@ -80,7 +73,7 @@ struct sbuf {
 static size_t on_data(char *ptr, size_t size, size_t nmemb, void *ud)
 {
     struct sbuf *b = ud;
-    const double t = now_s();
+    const double t = kr_clock_s();
     for (size_t i = 0; i + 5 < size * nmemb; i++) {
         if (!memcmp(ptr + i, "data:", 5)) {
             if (!b->chunks++) {
@@ -104,9 +97,9 @@ static double http_post(int port, const char *body, struct sbuf *b)
     curl_easy_setopt(c, CURLOPT_POSTFIELDS, body);
     curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, on_data);
     curl_easy_setopt(c, CURLOPT_WRITEDATA, b);
-    const double t0 = now_s();
+    const double t0 = kr_clock_s();
     curl_easy_perform(c);
-    const double dt = now_s() - t0;
+    const double dt = kr_clock_s() - t0;
     curl_slist_free_all(h);
     curl_easy_cleanup(c);
     return dt;
@@ -148,11 +141,11 @@ int main(int argc, char **argv)
         return 1;
     }
     run_engine(e, prompt, np, 1); /* warm-up */
-    double t0 = now_s();
+    double t0 = kr_clock_s();
     for (int i = 0; i < reps; i++) {
         run_engine(e, prompt, np, 1);
     }
-    const double eng_req = (now_s() - t0) / reps;
+    const double eng_req = (kr_clock_s() - t0) / reps;
     run_engine(e, prompt, np, gen);
     const double eng_tok = (tok_times[n_tok - 1] - tok_times[0]) / (n_tok - 1);
     kr_engine_free(e);

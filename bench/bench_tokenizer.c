@@ -8,20 +8,13 @@
  * tools/reference/tokenizer/bench_hf.mjs (HF tokenizers' Rust core through node) on the same text
  * file when node and the npm packages are installed, and prints both figures in MB/s. */
 #include "alloc.h"
+#include "clock.h"
 #include "tokenizer.h"
 
 #include <jansson.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
 
 int main(int argc, char **argv)
 {
@@ -58,12 +51,12 @@ int main(int argc, char **argv)
     int64_t n_ids = 0;
     for (int r = 0; r < 3; r++) {
         int32_t *ids;
-        double t0 = now_s();
+        double t0 = kr_clock_s();
         if (kr_tokenizer_encode(tok, text, len, false, &ids, &n_ids, &err) != KR_OK) {
             fprintf(stderr, "%s\n", err.msg);
             return 1;
         }
-        double dt = now_s() - t0;
+        double dt = kr_clock_s() - t0;
         best = dt < best ? dt : best;
         kr_free(ids);
     }

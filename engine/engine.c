@@ -4,6 +4,7 @@
 
 #include "alloc.h"
 #include "cache.h"
+#include "clock.h"
 #include "log.h"
 
 #include <math.h>
@@ -12,7 +13,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 /* ---- sequence state machine --------------------------------------------------------------------
  *
@@ -148,13 +148,6 @@ struct pending_ev {
     float top_lps[KR_MAX_TOP_LOGPROBS];
     char msg[512];
 };
-
-static double now_us(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec * 1e6 + (double)ts.tv_nsec / 1e3;
-}
 
 void kr_engine_config_default(struct kr_engine_config *c)
 {
@@ -881,7 +874,7 @@ static int32_t plan(struct kr_engine *e, int32_t *n_tok_out)
         s->n_fed = 0;
         s->admit_seq = ++e->admit_counter;
         if (s->admitted_us == 0) {
-            s->admitted_us = now_us();
+            s->admitted_us = kr_clock_us();
         }
         e->b_seqs[ns] = s;
         e->b_nsched[ns++] = k;
@@ -896,7 +889,7 @@ static void fail_everything(struct kr_engine *e, const char *why);
 
 static void run_step(struct kr_engine *e)
 {
-    const double t0 = now_us();
+    const double t0 = kr_clock_us();
     const int64_t V = e->m->cfg.vocab;
     const int32_t max_seqs = e->n_running + e->n_waiting + 1;
     if (ensure_step_buffers(e, 1, max_seqs, 1, 1) != KR_OK) {
@@ -948,7 +941,7 @@ static void run_step(struct kr_engine *e)
     struct kr_batch b = {.n_tok = nt, .n_seq = ns, .tokens = e->b_tokens, .pos = e->b_pos, .seq_tok0 = e->b_tok0,
                          .seq_pos0 = e->b_pos0, .seq_slot = e->b_slot, .block_table = e->b_bt,
                          .max_blocks = max_blocks, .n_out = n_out, .out_tok = e->b_out};
-    const double t1 = now_us();
+    const double t1 = kr_clock_us();
     const double gap = e->t_step_done > 0 ? t1 - e->t_step_done : -1.0; /* counted with the step's stats */
     e->t_step_done = 0;
     struct kr_err err = {{0}};
@@ -1004,7 +997,7 @@ static void run_step(struct kr_engine *e)
         return;
     }
     e->steps++;
-    e->t_step_done = now_us();
+    e->t_step_done = kr_clock_us();
     /* results, sequence by sequence, in batch order */
     o = 0;
     for (int32_t j = 0; j < ns; j++) {
@@ -1543,9 +1536,8 @@ enum kr_status kr_engine_submit(struct kr_engine *e, const struct kr_request_par
     }
     uint64_t base_seed = r->s.has_seed ? r->s.seed : 0;
     if (!r->s.has_seed) { /* unseeded: a fresh stream per request */
-        struct timespec ts;
-        clock_gettime(CLOCK_MONOTONIC, &ts);
-        base_seed = (uint64_t)ts.tv_nsec ^ ((uint64_t)ts.tv_sec << 32) ^ (atomic_load(&e->next_id) * 0x9e3779b97f4a7c15ull);
+        const uint64_t ns = kr_clock_ns();
+        base_seed = (ns % 1000000000u) ^ ((ns / 1000000000u) << 32) ^ (atomic_load(&e->next_id) * 0x9e3779b97f4a7c15ull);
     }
     for (int32_t i = 0; i < p->n; i++) {
         struct seq *s = &r->seqs[i];
@@ -1564,7 +1556,7 @@ enum kr_status kr_engine_submit(struct kr_engine *e, const struct kr_request_par
         }
     }
     r->id = atomic_fetch_add(&e->next_id, 1);
-    r->submitted_us = now_us();
+    r->submitted_us = kr_clock_us();
     pthread_mutex_lock(&e->lock);
     if (e->stop || e->failed) {
         const bool failed = e->failed;

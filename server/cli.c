@@ -3,6 +3,7 @@
 #include "alloc.h"
 #include "cache.h"
 #include "cli-output.h"
+#include "clock.h"
 #include "log.h"
 #include "model.h"
 #include "runner.h"
@@ -13,7 +14,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #define KR_CLI_MAX_PROMPT (1 << 20)
 
@@ -38,13 +38,6 @@ static void usage(FILE *f)
             "  --threads N          CPU threads (default: all cores)\n"
             "  --device DEV         cpu (default) | cuda | cuda:N | auto\n"
             "  --log-level LEVEL    debug | info | warn | error (default info)\n");
-}
-
-static double now_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec / 1e6;
 }
 
 /* Parses "1,2,3" into a new array (caller frees). Returns 0, or -1 with a message on stderr. */
@@ -152,9 +145,9 @@ static int run(const char *cmd, const struct opts *o)
             goto out;
         }
         int32_t n_gen = 0;
-        double t0 = now_ms();
+        double t0 = kr_clock_s() * 1e3;
         st = kr_run_greedy(m, c, ids, n, o->chunk, o->max_tokens, o->ignore_eos, gen, lp, &n_gen, &err);
-        double t1 = now_ms();
+        double t1 = kr_clock_s() * 1e3;
         if (st != KR_OK) {
             fprintf(stderr, "krait: generation failed: %s\n", err.msg[0] ? err.msg : kr_status_str(st));
             goto out;
