@@ -3,6 +3,7 @@
 #include "openai.h"
 
 #include "alloc.h"
+#include "utf8.h"
 
 #include <jansson.h>
 
@@ -77,48 +78,6 @@ static enum kr_status oom(struct kr_oai_error *e)
 
 /* ---- UTF-8 ----------------------------------------------------------------------------------- */
 
-/* Length of the valid UTF-8 sequence at s[0..n), or 0 when s starts a maximal invalid subpart,
- * whose length is then stored in *bad_len (Unicode §3.9 "best practice", as Python and WHATWG:
- * overlongs, surrogates and code points above U+10FFFF are invalid). */
-static size_t utf8_seq(const unsigned char *s, size_t n, size_t *bad_len)
-{
-    unsigned char b = s[0];
-    size_t need;
-    unsigned char lo = 0x80, hi = 0xBF; /* allowed range of the second byte */
-    if (b < 0x80) {
-        return 1;
-    } else if (b >= 0xC2 && b <= 0xDF) {
-        need = 1;
-    } else if (b == 0xE0) {
-        need = 2;
-        lo = 0xA0;
-    } else if ((b >= 0xE1 && b <= 0xEC) || b == 0xEE || b == 0xEF) {
-        need = 2;
-    } else if (b == 0xED) {
-        need = 2;
-        hi = 0x9F;
-    } else if (b == 0xF0) {
-        need = 3;
-        lo = 0x90;
-    } else if (b >= 0xF1 && b <= 0xF3) {
-        need = 3;
-    } else if (b == 0xF4) {
-        need = 3;
-        hi = 0x8F;
-    } else {
-        *bad_len = 1;
-        return 0;
-    }
-    for (size_t k = 1; k <= need; k++) {
-        unsigned char lo_k = k == 1 ? lo : 0x80, hi_k = k == 1 ? hi : 0xBF;
-        if (k >= n || s[k] < lo_k || s[k] > hi_k) {
-            *bad_len = k;
-            return 0;
-        }
-    }
-    return need + 1;
-}
-
 /* Scans s[0..n): returns the byte length of its sanitized form (invalid subparts become U+FFFD),
  * writing it to `dst` when not NULL (dst needs 3 * n bytes at most). Counts code points in *n_cp
  * and reports whether the input was already valid. */
@@ -128,9 +87,9 @@ static size_t utf8_sanitize(const char *s, size_t n, char *dst, size_t *n_cp, bo
     size_t i = 0, out = 0, cp = 0;
     bool ok = true;
     while (i < n) {
-        size_t bad_len = 0;
-        size_t len = utf8_seq(u + i, n - i, &bad_len);
-        if (len) {
+        size_t len; /* of the character, or of the maximal invalid subpart (Unicode §3.9, as Python) */
+        uint32_t c;
+        if (kr_utf8_scan(u + i, n - i, &len, &c) == KR_UTF8_CHAR) {
             if (dst) {
                 memcpy(dst + out, s + i, len);
             }
@@ -141,7 +100,7 @@ static size_t utf8_sanitize(const char *s, size_t n, char *dst, size_t *n_cp, bo
                 memcpy(dst + out, "\xEF\xBF\xBD", 3);
             }
             out += 3;
-            i += bad_len;
+            i += len;
             ok = false;
         }
         cp++;

@@ -3,6 +3,7 @@
 #include "json.h"
 
 #include "alloc.h"
+#include "utf8.h"
 
 #include <errno.h>
 #include <math.h>
@@ -162,67 +163,6 @@ static bool read_u_escape(const char *at, const char *lim, unsigned *out)
     return true;
 }
 
-static size_t utf8_encode(unsigned cp, char *dst)
-{
-    if (cp < 0x80) {
-        dst[0] = (char)cp;
-        return 1;
-    }
-    if (cp < 0x800) {
-        dst[0] = (char)(0xc0 | cp >> 6);
-        dst[1] = (char)(0x80 | (cp & 0x3f));
-        return 2;
-    }
-    if (cp < 0x10000) {
-        dst[0] = (char)(0xe0 | cp >> 12);
-        dst[1] = (char)(0x80 | (cp >> 6 & 0x3f));
-        dst[2] = (char)(0x80 | (cp & 0x3f));
-        return 3;
-    }
-    dst[0] = (char)(0xf0 | cp >> 18);
-    dst[1] = (char)(0x80 | (cp >> 12 & 0x3f));
-    dst[2] = (char)(0x80 | (cp >> 6 & 0x3f));
-    dst[3] = (char)(0x80 | (cp & 0x3f));
-    return 4;
-}
-
-/* Length of the well-formed UTF-8 sequence starting at `s` (a byte >= 0x80) and ending before `lim`,
- * or 0 when it is malformed (overlong forms, surrogates, values above U+10FFFF, truncation). */
-static size_t utf8_valid_len(const unsigned char *s, const unsigned char *lim)
-{
-    unsigned char c = s[0];
-    size_t n;
-    unsigned char lo = 0x80, hi = 0xbf; /* allowed range of the second byte */
-    if (c >= 0xc2 && c <= 0xdf) {
-        n = 2;
-    } else if (c >= 0xe0 && c <= 0xef) {
-        n = 3;
-        if (c == 0xe0) {
-            lo = 0xa0; /* overlong */
-        } else if (c == 0xed) {
-            hi = 0x9f; /* U+D800..U+DFFF */
-        }
-    } else if (c >= 0xf0 && c <= 0xf4) {
-        n = 4;
-        if (c == 0xf0) {
-            lo = 0x90; /* overlong */
-        } else if (c == 0xf4) {
-            hi = 0x8f; /* above U+10FFFF */
-        }
-    } else {
-        return 0; /* continuation byte, C0/C1 (overlong) or F5..FF */
-    }
-    if ((size_t)(lim - s) < n || s[1] < lo || s[1] > hi) {
-        return 0;
-    }
-    for (size_t i = 2; i < n; i++) {
-        if (s[i] < 0x80 || s[i] > 0xbf) {
-            return 0;
-        }
-    }
-    return n;
-}
-
 /* ---- values ---------------------------------------------------------------------------------- */
 
 /* Parses a string at ps->p (which is '"') into a new NUL-terminated buffer (caller frees). */
@@ -295,7 +235,7 @@ static enum kr_status parse_string(struct json_parser *ps, char **out, size_t *o
                 cp = 0x10000 + ((cp - 0xd800) << 10) + (lo - 0xdc00);
                 s += 6;
             }
-            n += utf8_encode(cp, buf + n);
+            n += kr_utf8_put(cp, buf + n);
             s += 6;
         } else if (c < 0x20) {
             st = parse_error(ps, s, "control character 0x%02x in string (expected it escaped)", c);
@@ -304,8 +244,9 @@ static enum kr_status parse_string(struct json_parser *ps, char **out, size_t *o
             buf[n++] = (char)c;
             s++;
         } else {
-            size_t len = utf8_valid_len((const unsigned char *)s, (const unsigned char *)q);
-            if (len == 0) {
+            size_t len;
+            uint32_t ch;
+            if (kr_utf8_scan((const unsigned char *)s, (size_t)(q - s), &len, &ch) != KR_UTF8_CHAR) {
                 st =
                     parse_error(ps, s, "invalid UTF-8 byte 0x%02x in string (expected well-formed UTF-8)", c);
                 goto fail;
