@@ -10,6 +10,7 @@
 #include "metrics.h"
 #include "model.h"
 #include "openai.h"
+#include "stops.h"
 #include "tokenizer.h"
 
 #include <arpa/inet.h>
@@ -133,7 +134,7 @@ struct hreq {
     struct sub *subs;
     int32_t n_choices;
     struct choice *ch;
-    int32_t max_stop;          /* longest stop string */
+    struct kr_stops stops;     /* the request's stop strings */
     bool stream;
     bool done;                 /* every choice finished, or failed */
     bool failed;
@@ -471,19 +472,10 @@ static void choice_view(struct hreq *h, struct choice *c, struct kr_oai_choice *
     v->stop_reason_id = c->stop_id;
 }
 
-/* Bytes of c's text that may be sent now: all when finished, else all but a tail that could still
- * be the start of a stop string, cut back to a UTF-8 character boundary. */
+/* Bytes of c's text that may be sent now (see kr_stops_sendable). */
 static size_t sendable(const struct hreq *h, const struct choice *c)
 {
-    if (c->finished || h->max_stop <= 1) {
-        return c->len;
-    }
-    size_t keep = (size_t)(h->max_stop - 1);
-    size_t n = c->len > keep ? c->len - keep : 0;
-    while (n > 0 && n < c->len && ((unsigned char)c->text[n] & 0xc0) == 0x80) {
-        n--;
-    }
-    return n < c->sent ? c->sent : n;
+    return kr_stops_sendable(&h->stops, c->text, c->len, c->sent, c->finished);
 }
 
 static void stream_choice(struct hreq *h, struct choice *c)
@@ -650,26 +642,19 @@ static void free_node(struct evnode *n)
     kr_free(n);
 }
 
-/* Checks the tail of c's text for a stop string; on a match truncates the text there. */
+/* Checks the text appended to c since byte `from` for a stop string; on a match truncates the
+ * text there. */
 static bool check_stop(struct hreq *h, struct choice *c, size_t from)
 {
-    for (int32_t i = 0; i < h->o.n_stop; i++) {
-        const char *st = h->o.stop[i];
-        const size_t sl = strlen(st);
-        if (sl == 0 || c->len < sl) {
-            continue;
-        }
-        size_t start = from >= sl - 1 ? from - (sl - 1) : 0;
-        for (size_t p = start; p + sl <= c->len; p++) {
-            if (!memcmp(c->text + p, st, sl)) {
-                c->len = p;
-                c->text[p] = 0;
-                c->stop_str = kr_strdup(st);
-                return true;
-            }
-        }
+    size_t at = 0;
+    const int32_t i = kr_stops_find(&h->stops, c->text, c->len, from, &at);
+    if (i < 0) {
+        return false;
     }
-    return false;
+    c->len = at;
+    c->text[at] = 0;
+    c->stop_str = kr_strdup(h->o.stop[i]);
+    return true;
 }
 
 static void finish_choice(struct hreq *h, struct choice *c, const char *why)
@@ -1181,10 +1166,7 @@ static enum MHD_Result start_generation(struct hreq *h)
     h->created = (int64_t)time(NULL);
     snprintf(h->id, sizeof h->id, "%s-%llx%06llx", kind == KR_OAI_CHAT ? "chatcmpl" : "cmpl",
              (unsigned long long)time(NULL), (unsigned long long)(++counter & 0xffffff));
-    for (int32_t i = 0; i < h->o.n_stop; i++) {
-        int32_t l = (int32_t)strlen(h->o.stop[i]);
-        h->max_stop = l > h->max_stop ? l : h->max_stop;
-    }
+    kr_stops_init(&h->stops, (const char *const *)h->o.stop, h->o.n_stop);
     h->n_choices = h->n_sub * h->o.n;
     h->ch = kr_calloc((size_t)h->n_choices, sizeof *h->ch);
     if (!h->ch) {
