@@ -3,6 +3,7 @@
 #include "tokenizer.h"
 
 #include "alloc.h"
+#include "file.h"
 #include "unicode.h"
 
 #include <utf8proc.h>
@@ -3229,36 +3230,9 @@ fail:
     return st;
 }
 
-/* Reads a whole file into a kr_malloc'd buffer. */
-static enum kr_status read_file(const char *path, char **out, size_t *len, struct kr_err *err)
-{
-    FILE *f = fopen(path, "rb");
-    *out = NULL;
-    if (!f) {
-        return kr_err_set(err, KR_ERR_IO, "%s: %s", path, strerror(errno));
-    }
-    struct kr_buf_s b = {0};
-    char tmp[65536];
-    size_t n;
-    enum kr_status st = KR_OK;
-    while (st == KR_OK && (n = fread(tmp, 1, sizeof(tmp), f)) > 0) {
-        st = kr_bs_append(&b, tmp, n);
-    }
-    if (st == KR_OK && ferror(f)) {
-        st = kr_err_set(err, KR_ERR_IO, "%s: read error", path);
-    }
-    fclose(f);
-    if (st == KR_OK && !b.p) {
-        st = kr_bs_reserve(&b, 0);
-    }
-    if (st != KR_OK) {
-        kr_bs_free(&b);
-        return st == KR_ERR_NOMEM ? kr_err_set(err, st, "%s: out of memory", path) : st;
-    }
-    *out = b.p;
-    *len = b.len;
-    return KR_OK;
-}
+/* The largest tokenizer file read (tokenizer.json of large vocabularies is tens of MB; the limit
+ * only stops a wrong path from reading something huge). */
+#define KR_TOK_FILE_MAX ((size_t)1 << 30)
 
 static bool file_exists(const char *path)
 {
@@ -3313,10 +3287,11 @@ enum kr_status kr_tokenizer_load(const char *path, const char *config_path, stru
         goto fail;
     }
     snprintf(tpl_path, strlen(dir) + 32, "%s/chat_template.jinja", dir);
-    if ((st = read_file(tok_path, &text, &len, err)) != KR_OK) {
+    if ((st = kr_file_read(tok_path, KR_TOK_FILE_MAX, &text, &len, err)) != KR_OK) {
         goto fail;
     }
-    if ((config_path || file_exists(cfg_path)) && (st = read_file(cfg_path, &cfg, &cfg_len, err)) != KR_OK) {
+    if ((config_path || file_exists(cfg_path)) &&
+        (st = kr_file_read(cfg_path, KR_TOK_FILE_MAX, &cfg, &cfg_len, err)) != KR_OK) {
         goto fail;
     }
     if ((st = kr_tokenizer_load_mem(text, len, cfg, cfg_len, out, err)) != KR_OK) {
@@ -3325,7 +3300,7 @@ enum kr_status kr_tokenizer_load(const char *path, const char *config_path, stru
     }
     /* transformers >= 4.43 may keep the template in its own file */
     if (!(*out)->chat_template && file_exists(tpl_path)) {
-        if ((st = read_file(tpl_path, &tpl, &tpl_len, err)) != KR_OK) {
+        if ((st = kr_file_read(tpl_path, KR_TOK_FILE_MAX, &tpl, &tpl_len, err)) != KR_OK) {
             kr_tokenizer_free(*out);
             *out = NULL;
             goto fail;

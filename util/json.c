@@ -3,6 +3,7 @@
 #include "json.h"
 
 #include "alloc.h"
+#include "file.h"
 #include "utf8.h"
 
 #include <errno.h>
@@ -17,6 +18,9 @@
  * `NaN` that Python's json module writes. Strings are decoded to UTF-8 (escapes, surrogate pairs)
  * and raw bytes inside strings must be well-formed UTF-8. Errors name a 1-based line and a 1-based
  * column counted in bytes. */
+
+/* The largest file kr_json_parse_file() reads (config.json and safetensors indexes are far smaller). */
+#define KR_JSON_FILE_MAX ((size_t)1 << 30)
 
 /* Nesting limit (arrays and objects together); bounds the recursion depth. */
 #define KR_JSON_MAX_DEPTH 256
@@ -596,44 +600,16 @@ fail:
 
 enum kr_status kr_json_parse_file(const char *path, struct kr_json **out, struct kr_err *err)
 {
-    enum kr_status st;
-    char *buf = NULL;
-    size_t len = 0, cap = 0;
+    char *buf;
+    size_t len;
     *out = NULL;
-    FILE *f = fopen(path, "rb");
-    if (!f) {
-        return kr_err_set(err, KR_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
+    enum kr_status st = kr_file_read(path, KR_JSON_FILE_MAX, &buf, &len, err);
+    if (st != KR_OK) {
+        return st;
     }
-    for (;;) {
-        if (len == cap) {
-            size_t new_cap = cap ? cap * 2 : 65536;
-            char *nb = new_cap > cap ? kr_realloc(buf, new_cap) : NULL;
-            if (!nb) {
-                st = kr_err_set(err, KR_ERR_NOMEM, "%s: out of memory reading the file", path);
-                goto fail;
-            }
-            buf = nb;
-            cap = new_cap;
-        }
-        size_t got = fread(buf + len, 1, cap - len, f);
-        len += got;
-        if (got == 0) {
-            if (ferror(f)) {
-                st = kr_err_set(err, KR_ERR_IO, "%s: read error: %s", path, strerror(errno));
-                goto fail;
-            }
-            break;
-        }
-    }
-    fclose(f);
-    f = NULL;
     st = kr_json_parse(buf, len, out, err);
     if (st != KR_OK) {
         kr_err_prefix(err, "%s", path);
-    }
-fail:
-    if (f) {
-        fclose(f);
     }
     kr_free(buf);
     return st;
