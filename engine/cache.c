@@ -1,6 +1,7 @@
 #include "cache.h"
 
 #include "alloc.h"
+#include "array.h"
 #include "log.h"
 
 #include <string.h>
@@ -255,17 +256,8 @@ enum kr_status kr_seq_cache_reserve(struct kr_cache *c, struct kr_seq_cache *s, 
     if (need <= s->n_blocks) {
         return KR_OK;
     }
-    if (need > s->cap_blocks) {
-        int32_t cap = s->cap_blocks ? s->cap_blocks : 4;
-        while (cap < need) {
-            cap *= 2;
-        }
-        int32_t *nb = kr_realloc(s->blocks, (size_t)cap * sizeof(int32_t));
-        if (!nb) {
-            return KR_ERR_NOMEM;
-        }
-        s->blocks = nb;
-        s->cap_blocks = cap;
+    if (KR_ARRAY_RESERVE(s->blocks, s->cap_blocks, need, 4) != KR_OK) {
+        return KR_ERR_NOMEM;
     }
     enum kr_status st = kr_cache_blocks_alloc(c, need - s->n_blocks, s->blocks + s->n_blocks);
     if (st == KR_OK) {

@@ -3,6 +3,7 @@
 #include "engine.h"
 
 #include "alloc.h"
+#include "array.h"
 #include "cache.h"
 #include "clock.h"
 #include "log.h"
@@ -163,14 +164,8 @@ void kr_engine_config_default(struct kr_engine_config *c)
 
 static enum kr_status ptr_push(void ***arr, int32_t *n, int32_t *cap, void *p, bool front)
 {
-    if (*n == *cap) {
-        int32_t nc = *cap ? 2 * *cap : 16;
-        void **na = kr_realloc(*arr, (size_t)nc * sizeof(void *));
-        if (!na) {
-            return KR_ERR_NOMEM;
-        }
-        *arr = na;
-        *cap = nc;
+    if (kr_array_reserve(arr, cap, (int64_t)*n + 1, sizeof(void *), 16) != KR_OK) {
+        return KR_ERR_NOMEM;
     }
     if (front) {
         memmove(*arr + 1, *arr, (size_t)*n * sizeof(void *));
@@ -215,14 +210,8 @@ static enum kr_status waiting_insert(struct kr_engine *e, struct seq *s)
 
 static enum kr_status seq_append(struct seq *s, int32_t tok)
 {
-    if (s->n_toks == s->cap_toks) {
-        int32_t nc = s->cap_toks ? 2 * s->cap_toks : 64;
-        int32_t *nt = kr_realloc(s->toks, (size_t)nc * sizeof(int32_t));
-        if (!nt) {
-            return KR_ERR_NOMEM;
-        }
-        s->toks = nt;
-        s->cap_toks = nc;
+    if (KR_ARRAY_RESERVE(s->toks, s->cap_toks, (int64_t)s->n_toks + 1, 64) != KR_OK) {
+        return KR_ERR_NOMEM;
     }
     s->toks[s->n_toks++] = tok;
     return KR_OK;
@@ -256,14 +245,7 @@ static void emit(struct kr_engine *e, struct req *r, struct kr_event *ev)
     ev->req_id = r->id;
     ev->user = r->user;
     if (e->defer_events && ev->type != KR_EVENT_PROMPT_LOGPROBS && ev->n_top <= KR_MAX_TOP_LOGPROBS) {
-        if (e->n_outbox == e->cap_outbox) {
-            const int32_t cap = e->cap_outbox ? 2 * e->cap_outbox : 64;
-            struct pending_ev *nb = kr_realloc(e->outbox, (size_t)cap * sizeof *nb);
-            if (nb) {
-                e->outbox = nb;
-                e->cap_outbox = cap;
-            }
-        }
+        (void)KR_ARRAY_RESERVE(e->outbox, e->cap_outbox, (int64_t)e->n_outbox + 1, 64); /* or deliver now */
         if (e->n_outbox < e->cap_outbox) {
             struct pending_ev *p = &e->outbox[e->n_outbox++];
             p->ev = *ev;
@@ -1584,16 +1566,10 @@ enum kr_status kr_engine_submit(struct kr_engine *e, const struct kr_request_par
 void kr_engine_cancel_choice(struct kr_engine *e, uint64_t req_id, int32_t index)
 {
     pthread_mutex_lock(&e->lock);
-    if (e->n_cancels == e->cap_cancels) {
-        const int32_t nc = e->cap_cancels ? 2 * e->cap_cancels : 64;
-        struct cancel *na = kr_realloc(e->cancels, (size_t)nc * sizeof *na);
-        if (!na) {
-            pthread_mutex_unlock(&e->lock);
-            KR_LOG_ERROR("out of memory queueing the cancellation of request %llu", (unsigned long long)req_id);
-            return;
-        }
-        e->cancels = na;
-        e->cap_cancels = nc;
+    if (KR_ARRAY_RESERVE(e->cancels, e->cap_cancels, (int64_t)e->n_cancels + 1, 64) != KR_OK) {
+        pthread_mutex_unlock(&e->lock);
+        KR_LOG_ERROR("out of memory queueing the cancellation of request %llu", (unsigned long long)req_id);
+        return;
     }
     e->cancels[e->n_cancels++] = (struct cancel){.id = req_id, .index = index};
     e->idle = false;

@@ -1,0 +1,29 @@
+#pragma once
+/* Growable arrays: a pointer, a count and an int32_t capacity kept by the caller; this makes room.
+ *
+ *     if (KR_ARRAY_RESERVE(s->toks, s->cap_toks, s->n_toks + 1, 64) != KR_OK) {
+ *         return KR_ERR_NOMEM;
+ *     }
+ *     s->toks[s->n_toks++] = tok;
+ */
+#include <stddef.h>
+#include <stdint.h>
+
+#include "status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Makes *arrp (a pointer to the array's pointer, of elements of `elem` bytes, `*cap` of them
+ * allocated with kr_malloc) hold at least `need` elements: when need > *cap the capacity becomes
+ * min_cap (when it was 0) or twice the old one, doubled until it holds `need`. KR_ERR_NOMEM leaves
+ * the array and *cap as they were. */
+enum kr_status kr_array_reserve(void *arrp, int32_t *cap, int64_t need, size_t elem, int32_t min_cap);
+
+#define KR_ARRAY_RESERVE(arr, cap, need, min_cap) \
+    kr_array_reserve(&(arr), &(cap), (need), sizeof *(arr), (min_cap))
+
+#ifdef __cplusplus
+}
+#endif
