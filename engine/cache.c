@@ -278,3 +278,77 @@ void kr_seq_cache_release(struct kr_cache *c, struct kr_seq_cache *s)
     memset(s, 0, sizeof *s);
     s->slot = -1;
 }
+
+enum kr_status kr_seq_cache_fork(struct kr_cache *c, const struct kr_seq_cache *src, int32_t n_pos,
+                                 struct kr_seq_cache *dst)
+{
+    enum kr_status st = kr_seq_cache_init(c, dst);
+    if (st != KR_OK) {
+        dst->slot = -1;
+        return st;
+    }
+    st = kr_cache_slot_copy(c, src->slot, dst->slot);
+    if (st == KR_OK && (c->n_attn || c->n_mla)) {
+        const int32_t full = n_pos / c->block_size;
+        const bool partial = n_pos % c->block_size != 0;
+        const int32_t need = full + (partial ? 1 : 0);
+        int32_t *nb = kr_malloc((size_t)(need ? need : 1) * sizeof(int32_t));
+        st = nb ? KR_OK : KR_ERR_NOMEM;
+        if (st == KR_OK && partial) {
+            st = kr_cache_blocks_alloc(c, 1, nb + full);
+            if (st == KR_OK && (st = kr_cache_block_copy(c, src->blocks[full], nb[full])) != KR_OK) {
+                kr_cache_blocks_free(c, 1, nb + full);
+            }
+        }
+        if (st == KR_OK) {
+            for (int32_t j = 0; j < full; j++) {
+                nb[j] = src->blocks[j];
+                kr_cache_block_ref(c, nb[j]);
+            }
+            kr_free(dst->blocks);
+            dst->blocks = nb;
+            dst->n_blocks = need;
+            dst->cap_blocks = need;
+        } else {
+            kr_free(nb);
+        }
+    }
+    if (st != KR_OK) {
+        kr_seq_cache_release(c, dst);
+        return st;
+    }
+    dst->n_pos = n_pos;
+    return KR_OK;
+}
+
+void kr_cache_check_owners(const struct kr_cache *c, int32_t n_held,
+                           const struct kr_seq_cache *(*held)(void *user, int32_t i), void *user)
+{
+    int32_t *slot_owner = kr_calloc((size_t)c->n_slots, sizeof(int32_t));
+    int32_t *refs = kr_calloc((size_t)(c->n_blocks ? c->n_blocks : 1), sizeof(int32_t));
+    KR_ASSERT(slot_owner && refs);
+    for (int32_t i = 0; i < c->n_free_slots; i++) {
+        KR_ASSERT(slot_owner[c->free_slots[i]]++ == 0);
+    }
+    for (int32_t i = 0; i < n_held; i++) {
+        const struct kr_seq_cache *s = held(user, i);
+        KR_ASSERT(s->slot >= 0 && slot_owner[s->slot]++ == 0);
+        for (int32_t j = 0; j < s->n_blocks; j++) {
+            refs[s->blocks[j]]++;
+        }
+    }
+    for (int32_t i = 0; i < c->n_slots; i++) {
+        KR_ASSERT(slot_owner[i] == 1); /* free or owned, exactly once */
+    }
+    for (int32_t i = 0; i < c->n_free_blocks; i++) {
+        KR_ASSERT(refs[c->free_blocks[i]] == 0 && c->block_ref[c->free_blocks[i]] == 0);
+        refs[c->free_blocks[i]] = -1; /* listed once */
+    }
+    for (int32_t b = 0; b < c->n_blocks; b++) {
+        if (refs[b] >= 0) {
+            KR_ASSERT(refs[b] == c->block_ref[b] && refs[b] > 0);
+        }
+    }
+    kr_free(slot_owner);
+    kr_free(refs);
+}

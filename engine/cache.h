@@ -94,6 +94,18 @@ enum kr_status kr_seq_cache_reserve(struct kr_cache *c, struct kr_seq_cache *s, 
 /* Returns everything the sequence holds to the pools. Safe to call again on a released struct
  * (slot -1); a struct never passed to kr_seq_cache_init must not be released. */
 void kr_seq_cache_release(struct kr_cache *c, struct kr_seq_cache *s);
+/* Gives `dst` (a struct holding nothing) what a forked sequence needs to go on from the first
+ * `n_pos` positions of `src`: a slot with a copy of src's state, src's full blocks shared (one more
+ * reference each) and a copy of its partial last block. On failure (KR_AGAIN when the pools are
+ * short, or the copy's error) dst holds nothing (slot -1). */
+enum kr_status kr_seq_cache_fork(struct kr_cache *c, const struct kr_seq_cache *src, int32_t n_pos,
+                                 struct kr_seq_cache *dst);
+
+/* Debug check of the pools' ownership, through KR_ASSERT: every slot is either free or held by
+ * exactly one of the `n_held` sequence caches held(user, 0..n_held) returns, every block's
+ * reference count equals the number of block-table entries naming it, and free blocks have none. */
+void kr_cache_check_owners(const struct kr_cache *c, int32_t n_held,
+                           const struct kr_seq_cache *(*held)(void *user, int32_t i), void *user);
 
 #ifdef __cplusplus
 }

@@ -394,40 +394,8 @@ static void fork_children(struct kr_engine *e, struct seq *leader)
         if (ch->state != KR_SEQ_FORK_WAIT) {
             continue;
         }
-        bool ok = e->n_running < e->cfg.max_num_seqs;
-        if (ok && kr_seq_cache_init(c, &ch->cache) != KR_OK) {
-            ok = false;
-            ch->cache.slot = -1;
-        }
-        const int32_t full = (c->n_attn || c->n_mla) ? leader->n_fed / c->block_size : 0;
-        const bool partial = (c->n_attn || c->n_mla) && leader->n_fed % c->block_size != 0;
-        if (ok) {
-            ok = kr_cache_slot_copy(c, leader->cache.slot, ch->cache.slot) == KR_OK;
-        }
-        if (ok && (c->n_attn || c->n_mla)) {
-            int32_t need = full + (partial ? 1 : 0);
-            int32_t *nb = kr_malloc((size_t)(need ? need : 1) * sizeof(int32_t));
-            ok = nb != NULL;
-            if (ok && partial) {
-                ok = kr_cache_blocks_alloc(c, 1, nb + full) == KR_OK;
-                if (ok && kr_cache_block_copy(c, leader->cache.blocks[full], nb[full]) != KR_OK) {
-                    kr_cache_blocks_free(c, 1, nb + full);
-                    ok = false;
-                }
-            }
-            if (ok) {
-                for (int32_t j = 0; j < full; j++) {
-                    nb[j] = leader->cache.blocks[j];
-                    kr_cache_block_ref(c, nb[j]);
-                }
-                kr_free(ch->cache.blocks);
-                ch->cache.blocks = nb;
-                ch->cache.n_blocks = need;
-                ch->cache.cap_blocks = need;
-            } else {
-                kr_free(nb);
-            }
-        }
+        bool ok = e->n_running < e->cfg.max_num_seqs &&
+                  kr_seq_cache_fork(c, &leader->cache, leader->n_fed, &ch->cache) == KR_OK;
         if (ok && PUSH(e, running, ch, false) != KR_OK) {
             ok = false;
         }
@@ -442,7 +410,6 @@ static void fork_children(struct kr_engine *e, struct seq *leader)
             }
             continue;
         }
-        ch->cache.n_pos = leader->n_fed;
         ch->n_fed = leader->n_fed;
         ch->state = KR_SEQ_DECODE;
         ch->admit_seq = ++e->admit_counter;
@@ -1052,41 +1019,22 @@ static void run_step(struct kr_engine *e)
 /* ---- ownership invariants (debug_checks) ------------------------------------------------------------
  * Every slot is either free or held by exactly one admitted sequence; every block's reference count
  * equals the number of block-table entries naming it, and free blocks have none. */
+static const struct kr_seq_cache *running_cache(void *user, int32_t i)
+{
+    return &((const struct kr_engine *)user)->running[i]->cache;
+}
+
 static void check_invariants(struct kr_engine *e)
 {
-    struct kr_cache *c = e->cache;
-    int32_t *slot_owner = kr_calloc((size_t)c->n_slots, sizeof(int32_t));
-    int32_t *refs = kr_calloc((size_t)(c->n_blocks ? c->n_blocks : 1), sizeof(int32_t));
-    KR_ASSERT(slot_owner && refs);
-    for (int32_t i = 0; i < c->n_free_slots; i++) {
-        KR_ASSERT(slot_owner[c->free_slots[i]]++ == 0);
-    }
     for (int32_t i = 0; i < e->n_running; i++) {
         const struct seq *s = e->running[i];
         KR_ASSERT(s->state == KR_SEQ_PREFILL || s->state == KR_SEQ_DECODE);
-        KR_ASSERT(s->cache.slot >= 0 && slot_owner[s->cache.slot]++ == 0);
-        for (int32_t j = 0; j < s->cache.n_blocks; j++) {
-            refs[s->cache.blocks[j]]++;
-        }
         KR_ASSERT(s->n_fed <= s->n_toks);
     }
-    for (int32_t i = 0; i < c->n_slots; i++) {
-        KR_ASSERT(slot_owner[i] == 1); /* free or owned, exactly once */
-    }
-    for (int32_t i = 0; i < c->n_free_blocks; i++) {
-        KR_ASSERT(refs[c->free_blocks[i]] == 0 && c->block_ref[c->free_blocks[i]] == 0);
-        refs[c->free_blocks[i]] = -1; /* listed once */
-    }
-    for (int32_t b = 0; b < c->n_blocks; b++) {
-        if (refs[b] >= 0) {
-            KR_ASSERT(refs[b] == c->block_ref[b] && refs[b] > 0);
-        }
-    }
+    kr_cache_check_owners(e->cache, e->n_running, running_cache, e);
     for (int32_t i = 0; i < e->n_waiting; i++) {
         KR_ASSERT(e->waiting[i]->state == KR_SEQ_WAITING);
     }
-    kr_free(slot_owner);
-    kr_free(refs);
 }
 
 /* ---- intake and cancellation (engine thread) ------------------------------------------------------ */
