@@ -13,6 +13,7 @@
  * with its index in the heuristic's order and its split-K factor.
  *   bench_gemv [--n 1,16,32] [--reps N] [--json FILE]   (n <= 64; the GEMV runs n <= KRK_GEMV_MAX_N) */
 #include "krk.h"
+#include "switches.h"
 
 #include <stdbool.h>
 
@@ -298,6 +299,12 @@ int main(int argc, char **argv)
         fprintf(stderr, "bench_gemv: --reps and --n need positive values\n");
         return 2;
     }
+    struct kr_switches sw; /* the KRAIT_* table: a refused value is an error here too */
+    struct kr_err serr = {{0}};
+    if (kr_switches_from_env(&sw, &serr) != KR_OK) {
+        fprintf(stderr, "bench_gemv: %s\n", serr.msg);
+        return 2;
+    }
     for (int i = 0; i < n_ns; i++) {
         if (ns[i] < 1 || ns[i] > MAX_N) {
             fprintf(stderr, "bench_gemv: n = %d is outside 1..%d\n", ns[i], MAX_N);
@@ -344,7 +351,7 @@ int main(int argc, char **argv)
     krk_device_describe(0, dev, sizeof dev);
     FILE *jf = json ? fopen(json, "w") : NULL;
     printf("device: %s; %d products per figure, each on a different copy of the weight (pool %.1f GiB)%s\n\n", dev,
-           reps, (double)c.pool_bytes / (1u << 30), getenv("KRAIT_PDL") ? "; KRAIT_PDL set" : "");
+           reps, (double)c.pool_bytes / (1u << 30), kr_switches_given(&sw, "KRAIT_PDL") ? "; KRAIT_PDL set" : "");
     printf("| kernel | n |");
     for (int i = 0; i < N_SHAPES; i++) {
         printf(" %s %lldx%lld |", shapes[i].name, (long long)shapes[i].rows, (long long)shapes[i].cols);

@@ -16,6 +16,7 @@
 
 #include "alloc.h"
 #include "log.h"
+#include "switches.h"
 
 #include <math.h>
 #include <stdatomic.h>
@@ -830,6 +831,21 @@ static enum kr_status op_enter(struct cuda_ctx *c)
  * the bf16 copy an op wrote); more take cuBLAS. In decode steps of the Nemotron-H-8B shape it beat
  * cuBLAS by 2.5-3.5 % at 2 rows and was 0.3-1 % slower at 16 (docs/PERF.md). */
 #define SKINNY_MAX_DEFAULT 8
+
+/* The switch table (util/switches.h) states the kernel library's bounds and enum values without
+ * including krk.h: they must agree. */
+_Static_assert(SKINNY_MAX_DEFAULT == KR_SKINNY_MAX_DEFAULT, "KRAIT_SKINNY_MAX default");
+_Static_assert(KRK_SKINNY_MAX_N == KR_SKINNY_MAX_N && KRK_SKINNY_CONFIGS == KR_SKINNY_CONFIGS &&
+                   KRK_GEMV_CONFIGS == KR_GEMV_CONFIGS,
+               "KRAIT_SKINNY_MAX, KRAIT_SKINNY_CONFIG and KRAIT_GEMV_CONFIG ranges");
+_Static_assert((int)KRK_MLA_ATTN_PER_HEAD == (int)KR_MLA_ATTN_PER_HEAD &&
+                   (int)KRK_MLA_ATTN_HEADS == (int)KR_MLA_ATTN_HEADS &&
+                   (int)KRK_DSA_SCORE_FP32 == (int)KR_DSA_SCORE_FP32 &&
+                   (int)KRK_DSA_SCORE_MMA == (int)KR_DSA_SCORE_MMA &&
+                   (int)KRK_DSA_SELECT_BLOCK == (int)KR_DSA_SELECT_BLOCK &&
+                   (int)KRK_DSA_SELECT_AGG == (int)KR_DSA_SELECT_AGG &&
+                   (int)KRK_DSA_SELECT_SPLIT == (int)KR_DSA_SELECT_SPLIT,
+               "KRAIT_MLA_ATTN, KRAIT_DSA_SCORE and KRAIT_DSA_SELECT values");
 
 static krk_bf16 *shadow_for(struct cuda_ctx *c, const float *out, int64_t n, int64_t cols)
 {
@@ -1691,22 +1707,14 @@ int kr_backend_cuda_device_count(void)
     return krk_device_count();
 }
 
-/* An integer switch from the environment: def when unset; false, with *err naming it, when it is not
- * a whole number in lo..hi. */
-static bool env_int(const char *name, long def, long lo, long hi, int *out, struct kr_err *err)
+void kr_backend_cuda_setup(const struct kr_switches *sw)
 {
-    const char *s = getenv(name);
-    char *end = NULL;
-    const long v = s ? strtol(s, &end, 10) : def;
-    if (v < lo || v > hi || (s && (end == s || *end != '\0'))) {
-        kr_err_set(err, KR_ERR_INVAL, "cuda: %s=%s is not in %ld..%ld", name, s ? s : "", lo, hi);
-        return false;
-    }
-    *out = (int)v;
-    return true;
+    krk_set_state_streaming(sw->ssd_stream != 0);
+    krk_set_pdl(sw->pdl != 0);
 }
 
-enum kr_status kr_backend_cuda_create(int dev, bool graphs, kr_backend_t *out, struct kr_err *err)
+enum kr_status kr_backend_cuda_create_with(int dev, const struct kr_switches *sw, kr_backend_t *out,
+                                           struct kr_err *err)
 {
     *out = NULL;
     const int n = krk_device_count();
@@ -1771,30 +1779,25 @@ enum kr_status kr_backend_cuda_create(int dev, bool graphs, kr_backend_t *out, s
         .sample = cuda_sample,
     };
     c->dev = dev;
-    c->graphs_on = graphs;
-    const char *gm = getenv("KRAIT_CUDA_GRAPHS_MLA");
-    c->graphs_mla = !(gm && !strcmp(gm, "0"));
-    const char *ma = getenv("KRAIT_MLA_ATTN");
-    c->mla_attn = ma && !strcmp(ma, "per-head") ? KRK_MLA_ATTN_PER_HEAD : KRK_MLA_ATTN_HEADS;
-    const char *ds = getenv("KRAIT_DSA_SCORE");
-    c->dsa_score = ds && !strcmp(ds, "fp32") ? KRK_DSA_SCORE_FP32 : KRK_DSA_SCORE_MMA;
-    const char *mo = getenv("KRAIT_MLA_OVERLAP");
-    c->mla_overlap = !(mo && !strcmp(mo, "0"));
-    const char *dl = getenv("KRAIT_DSA_SELECT");
-    c->dsa_select = dl && !strcmp(dl, "agg")     ? KRK_DSA_SELECT_AGG
-                    : dl && !strcmp(dl, "split") ? KRK_DSA_SELECT_SPLIT
-                                                 : KRK_DSA_SELECT_BLOCK;
+    c->graphs_on = sw->cuda_graphs != 0;
+    c->graphs_mla = sw->cuda_graphs_mla != 0;
+    c->mla_attn = sw->mla_attn;
+    c->dsa_score = sw->dsa_score;
+    c->mla_overlap = sw->mla_overlap != 0;
+    c->dsa_select = sw->dsa_select;
+    c->gemv_config = sw->gemv_config;
+    c->skinny_max = sw->skinny_max;
+    c->skinny_config = sw->skinny_config;
+    /* the process-wide launch mode and state hints are kr_backend_cuda_setup's, not the device's */
+    c->pdl = sw->pdl != 0;
     enum kr_status st = KR_ERR_INVAL;
-    if (!env_int("KRAIT_GEMV_CONFIG", 0, 0, KRK_GEMV_CONFIGS - 1, &c->gemv_config, err) ||
-        !env_int("KRAIT_SKINNY_MAX", SKINNY_MAX_DEFAULT, 0, KRK_SKINNY_MAX_N, &c->skinny_max, err) ||
-        !env_int("KRAIT_SKINNY_CONFIG", 0, 0, KRK_SKINNY_CONFIGS - 1, &c->skinny_config, err)) {
+    if (sw->mla_attn < 0 || sw->mla_attn > KR_MLA_ATTN_HEADS || sw->dsa_score < 0 || sw->dsa_score > KR_DSA_SCORE_MMA ||
+        sw->dsa_select < 0 || sw->dsa_select > KR_DSA_SELECT_SPLIT || sw->gemv_config < 0 ||
+        sw->gemv_config >= KRK_GEMV_CONFIGS || sw->skinny_max < 0 || sw->skinny_max > KRK_SKINNY_MAX_N ||
+        sw->skinny_config < 0 || sw->skinny_config >= KRK_SKINNY_CONFIGS) {
+        kr_err_set(err, st, "cuda: a tuning switch is out of its range (see krait serve --help-env)");
         goto fail;
     }
-    const char *ss = getenv("KRAIT_SSD_STREAM");
-    krk_set_state_streaming(!(ss && !strcmp(ss, "0")));
-    const char *pd = getenv("KRAIT_PDL");
-    c->pdl = !(pd && !strcmp(pd, "0"));
-    krk_set_pdl(c->pdl);
     char name[128] = "cuda";
     krk_device_describe(dev, name, sizeof name);
     snprintf(c->desc, sizeof c->desc, "cuda:%d (%s)", dev, name);
@@ -1827,7 +1830,7 @@ enum kr_status kr_backend_cuda_create(int dev, bool graphs, kr_backend_t *out, s
         kr_err_set(err, st, "cuda: cannot configure cuBLAS");
         goto fail;
     }
-    KR_LOG_INFO("cuda: using %s, graphs %s", c->desc, graphs ? "on" : "off");
+    KR_LOG_INFO("cuda: using %s, graphs %s", c->desc, c->graphs_on ? "on" : "off");
     *out = be;
     return KR_OK;
 fail:

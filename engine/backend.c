@@ -2,6 +2,7 @@
 
 #include "backend-impl.h"
 #include "log.h"
+#include "switches.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -379,12 +380,18 @@ enum kr_status kr_backend_mla_attention(kr_backend_t be, const struct kr_mla_att
 }
 
 #ifndef KR_WITH_CUDA
-enum kr_status kr_backend_cuda_create(int dev, bool graphs, kr_backend_t *out, struct kr_err *err)
+enum kr_status kr_backend_cuda_create_with(int dev, const struct kr_switches *sw, kr_backend_t *out,
+                                           struct kr_err *err)
 {
     (void)dev;
-    (void)graphs;
+    (void)sw;
     *out = NULL;
     return kr_err_set(err, KR_ERR_UNSUPPORTED, "this build of krait has no CUDA support (rebuild with CUDA)");
+}
+
+void kr_backend_cuda_setup(const struct kr_switches *sw)
+{
+    (void)sw;
 }
 
 int kr_backend_cuda_device_count(void)
@@ -393,12 +400,26 @@ int kr_backend_cuda_device_count(void)
 }
 #endif
 
+enum kr_status kr_backend_cuda_create(int dev, bool graphs, kr_backend_t *out, struct kr_err *err)
+{
+    *out = NULL;
+    struct kr_switches sw;
+    KR_TRY(kr_switches_from_env(&sw, err));
+    sw.cuda_graphs = graphs;
+    kr_backend_cuda_setup(&sw);
+    return kr_backend_cuda_create_with(dev, &sw, out, err);
+}
+
 enum kr_status kr_backend_create(const char *device, int threads, kr_backend_t *out, struct kr_err *err)
 {
     *out = NULL;
+    struct kr_switches sw;
+    KR_TRY(kr_switches_from_env(&sw, err));
     if (!device || !strcmp(device, "auto")) {
         if (kr_backend_cuda_device_count() > 0) {
-            return kr_backend_cuda_create(0, true, out, err);
+            sw.cuda_graphs = 1; /* "auto" has always taken graphs whatever KRAIT_CUDA_GRAPHS says */
+            kr_backend_cuda_setup(&sw);
+            return kr_backend_cuda_create_with(0, &sw, out, err);
         }
         device = "cpu";
     }
@@ -419,8 +440,8 @@ enum kr_status kr_backend_create(const char *device, int threads, kr_backend_t *
         } else if (device[4]) {
             return kr_err_set(err, KR_ERR_INVAL, "invalid device '%s' (expected cpu, cuda, cuda:N or auto)", device);
         }
-        const char *g = getenv("KRAIT_CUDA_GRAPHS");
-        return kr_backend_cuda_create(dev, !(g && !strcmp(g, "0")), out, err);
+        kr_backend_cuda_setup(&sw);
+        return kr_backend_cuda_create_with(dev, &sw, out, err);
     }
     return kr_err_set(err, KR_ERR_INVAL, "invalid device '%s' (expected cpu, cuda, cuda:N or auto)", device);
 }

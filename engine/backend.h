@@ -56,8 +56,19 @@ size_t kr_backend_act_size(kr_backend_t be);
 /* Bytes per cached element (conv states, K/V rows, latent rows): 4 on the CPU, 2 (bf16) on CUDA. */
 size_t kr_backend_cache_elt_size(kr_backend_t be);
 
-/* The CUDA backend on device `dev` (CUDA graphs for decode steps when `graphs`). Fails with a
- * message when the build has no CUDA or no device is usable. */
+/* The CUDA backend on device `dev` with the tuning switches `sw` (util/switches.h; the backend
+ * keeps a copy). Sets no process-wide state: kr_backend_cuda_setup does. Fails with a message when
+ * the build has no CUDA or no device is usable. */
+struct kr_switches;
+enum kr_status kr_backend_cuda_create_with(int dev, const struct kr_switches *sw, kr_backend_t *out,
+                                           struct kr_err *err);
+/* The kernel library's process-wide settings from `sw` (KRAIT_PDL: programmatic dependent launch,
+ * KRAIT_SSD_STREAM: the SSM state's cache hints), set once before the first CUDA backend is created
+ * (kr_backend_create and kr_backend_cuda_create do it). A no-op in a build without CUDA. */
+void kr_backend_cuda_setup(const struct kr_switches *sw);
+/* Parses the tuning switches from the environment now (KR_ERR_INVAL with the message when one is
+ * refused), applies the process-wide ones (kr_backend_cuda_setup) and creates the backend on
+ * device `dev`, with CUDA graphs for decode steps when `graphs` (in place of KRAIT_CUDA_GRAPHS). */
 enum kr_status kr_backend_cuda_create(int dev, bool graphs, kr_backend_t *out, struct kr_err *err);
 /* Per-op timing of a CUDA backend's eager steps (graphs are off while it is on): turning it on or
  * off resets the totals; _read fills up to cap categories (name, total ms, launches) and returns
@@ -73,7 +84,9 @@ int kr_backend_cuda_profile_read(kr_backend_t be, const char **names, double *ms
 /* CUDA devices visible (0 in a build without CUDA). */
 int kr_backend_cuda_device_count(void);
 /* Creates the backend named by `device`: "cpu", "cuda" or "cuda:N", or "auto" (CUDA device 0 when
- * one is visible, else the CPU). `threads` applies to the CPU backend. */
+ * one is visible, else the CPU). `threads` applies to the CPU backend. The tuning switches are
+ * parsed from the environment first (util/switches.h): a refused value fails with KR_ERR_INVAL and
+ * a message naming the variable, the value and what is accepted, whatever the device. */
 enum kr_status kr_backend_create(const char *device, int threads, kr_backend_t *out, struct kr_err *err);
 
 /* False once the backend's device hit an unrecoverable error (an illegal address: the CUDA

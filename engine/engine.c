@@ -7,6 +7,7 @@
 #include "cache.h"
 #include "clock.h"
 #include "log.h"
+#include "switches.h"
 
 #include <math.h>
 #include <pthread.h>
@@ -1282,27 +1283,26 @@ enum kr_status kr_engine_create(struct kr_model *m, const struct kr_engine_confi
         return kr_err_set(err, st != KR_OK ? st : KR_ERR_NOMEM, "engine: cannot allocate the cache pools");
     }
     /* where tokens are drawn: on a GPU backend by default (the logits stay on the device) */
-    int32_t where = cfg.backend_sampling;
-    const char *bs = getenv("KRAIT_BACKEND_SAMPLING");
-    if (bs && (!strcmp(bs, "0") || !strcmp(bs, "1"))) {
-        where = bs[0] - '0';
+    struct kr_switches sw; /* KRAIT_BACKEND_SAMPLING, KRAIT_FAULT_STEP (util/switches.h) */
+    if ((st = kr_switches_from_env(&sw, err)) != KR_OK) {
+        kr_cache_free(e->cache);
+        kr_free(e->lp_row);
+        kr_free(e->cancels);
+        kr_free(e->cancels_w);
+        kr_free(e);
+        return st;
     }
+    int32_t where = sw.backend_sampling >= 0 ? sw.backend_sampling : cfg.backend_sampling;
     if (where < 0) {
         size_t fb, tb;
         where = kr_backend_mem_info(m->be, &fb, &tb) == KR_OK;
     }
     e->dev_sample = where && kr_backend_can_sample(m->be);
-    const char *fs = getenv("KRAIT_FAULT_STEP"); /* "N" or "N:fatal": step attempt N fails (tests) */
-    if (fs && *fs) {
-        char *end = NULL;
-        const long long n = strtoll(fs, &end, 10);
-        if (n > 0 && end && (!*end || !strcmp(end, ":fatal"))) {
-            e->fault_step = n;
-            e->fault_fatal = *end != 0;
-            KR_LOG_WARN("KRAIT_FAULT_STEP=%s: step %lld will fail%s", fs, n, e->fault_fatal ? " as a lost device" : "");
-        } else {
-            KR_LOG_WARN("KRAIT_FAULT_STEP=%s ignored (want N or N:fatal, N >= 1)", fs);
-        }
+    if (sw.fault_step > 0) { /* step attempt N fails (tests) */
+        e->fault_step = sw.fault_step;
+        e->fault_fatal = sw.fault_fatal != 0;
+        KR_LOG_WARN("KRAIT_FAULT_STEP=%lld%s: step %lld will fail%s", (long long)sw.fault_step,
+                    e->fault_fatal ? ":fatal" : "", (long long)sw.fault_step, e->fault_fatal ? " as a lost device" : "");
     }
     e->defer_events = e->dev_sample; /* the device works while the host delivers events */
     atomic_init(&e->next_id, 1);
