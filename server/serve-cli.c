@@ -5,6 +5,7 @@
 #include "alloc.h"
 #include "log.h"
 #include "model.h"
+#include "switches.h"
 
 #include <errno.h>
 #include <getopt.h>
@@ -48,6 +49,7 @@ static void usage(FILE *f)
             "  --threads N                     CPU threads (default: all cores)              [KRAIT_THREADS]\n"
             "  --log-level LEVEL               debug | info | warn | error                   [KRAIT_LOG_LEVEL]\n"
             "  --port-file FILE                write the bound port there once listening\n"
+            "  --help-env                      the KRAIT_* tuning switches: values, defaults, what each does\n"
             "\n"
             "A full waiting queue answers 429 Too Many Requests with Retry-After: 1 (503 means loading or\n"
             "draining). /health and /metrics stay open without an API key. Exit status: 0 after SIGTERM,\n"
@@ -165,7 +167,7 @@ int kr_serve_main(int argc, char **argv)
     enum {
         O_HOST = 256, O_PORT, O_KEY, O_KEYFILE, O_NAME, O_MAXLEN, O_SEQS, O_TOKENS, O_QUEUED, O_CACHE, O_BLOCK,
         O_TOK, O_TPL, O_SKIP, O_TOKIDS, O_BODY, O_SHUTDOWN, O_THREADS, O_LOG, O_PORTFILE, O_HELP, O_DEVICE, O_GPUMEM, O_INDEXER,
-        O_ALLOW_LONG,
+        O_ALLOW_LONG, O_HELP_ENV,
     };
     static const struct option longopts[] = {
         {"host", required_argument, NULL, O_HOST},
@@ -193,6 +195,7 @@ int kr_serve_main(int argc, char **argv)
         {"log-level", required_argument, NULL, O_LOG},
         {"port-file", required_argument, NULL, O_PORTFILE},
         {"help", no_argument, NULL, O_HELP},
+        {"help-env", no_argument, NULL, O_HELP_ENV},
         {NULL, 0, NULL, 0},
     };
     optind = 2;
@@ -321,6 +324,9 @@ int kr_serve_main(int argc, char **argv)
             break;
         case O_HELP:
             usage(stdout);
+            return 0;
+        case O_HELP_ENV:
+            kr_switches_print(stdout);
             return 0;
         default:
             usage(stderr);
