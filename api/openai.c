@@ -1370,7 +1370,9 @@ char *kr_oai_completion_json(const struct kr_oai_completion *c)
         ok = false;
     }
     for (int32_t i = 0; i < c->n_choices && ok; i++) {
-        apush(&ok, choices, cmpl_choice(&ok, c, &c->choices[i]));
+        const struct kr_oai_completion *pc =
+            c->prompts && c->choices_per_prompt > 0 ? &c->prompts[i / c->choices_per_prompt] : c;
+        apush(&ok, choices, cmpl_choice(&ok, pc, &c->choices[i]));
     }
     oset(&ok, o, "choices", choices);
     oset(&ok, o, "usage", jusage(&c->usage));

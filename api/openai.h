@@ -135,6 +135,11 @@ struct kr_oai_completion {
     int32_t n_prompt_ids;
     const struct kr_oai_logprob *prompt_logprobs; /* [n_prompt_ids], [0].tok.logprob NaN = null; or NULL */
     bool return_token_ids;
+    /* several prompts (a completions request with a list of them): choice i belongs to
+     * prompts[i / choices_per_prompt], whose prompt_* and return_token_ids fields are used for it
+     * instead of the ones above; NULL for one prompt */
+    const struct kr_oai_completion *prompts;
+    int32_t choices_per_prompt;
 };
 char *kr_oai_completion_json(const struct kr_oai_completion *c);
 

@@ -1277,35 +1277,24 @@ static enum MHD_Result send_result(struct hreq *h)
                                       .return_token_ids = h->o.return_token_ids || !s->tok};
         json = kr_oai_completion_json(&c);
     } else {
-        /* several prompts: encode each prompt's choices, then merge their choice arrays */
-        json_t *all = NULL;
-        for (int32_t i = 0; i < h->n_sub; i++) {
-            const struct sub *sb = &h->subs[i];
-            struct kr_oai_completion c = {.id = h->id, .created = h->created, .model = s->model_name,
-                                          .choices = cv + (size_t)i * (size_t)h->o.n, .n_choices = h->o.n,
-                                          .usage = u,
-                                          .prompt_text = h->o.echo ? (sb->prompt_text ? sb->prompt_text : "") : NULL,
-                                          .prompt_text_len = h->o.echo ? sb->prompt_text_len : 0,
-                                          .prompt_ids = sb->prompt, .n_prompt_ids = sb->n_prompt,
-                                          .prompt_logprobs = h->o.echo ? sb->plp : NULL,
-                                          .return_token_ids = h->o.return_token_ids || !s->tok};
-            char *part = kr_oai_completion_json(&c);
-            json_t *pj = part ? json_loads(part, 0, NULL) : NULL;
-            free(part);
-            if (!pj) {
-                json_decref(all);
-                all = NULL;
-                break;
+        /* several prompts: one response, each choice with its own prompt's echo and ids */
+        struct kr_oai_completion *per = kr_calloc((size_t)h->n_sub, sizeof *per);
+        if (per) {
+            for (int32_t i = 0; i < h->n_sub; i++) {
+                const struct sub *sb = &h->subs[i];
+                per[i] = (struct kr_oai_completion){
+                    .prompt_text = h->o.echo ? (sb->prompt_text ? sb->prompt_text : "") : NULL,
+                    .prompt_text_len = h->o.echo ? sb->prompt_text_len : 0,
+                    .prompt_ids = sb->prompt, .n_prompt_ids = sb->n_prompt,
+                    .prompt_logprobs = h->o.echo ? sb->plp : NULL,
+                    .return_token_ids = h->o.return_token_ids || !s->tok};
             }
-            if (!all) {
-                all = pj;
-            } else {
-                json_array_extend(json_object_get(all, "choices"), json_object_get(pj, "choices"));
-                json_decref(pj);
-            }
+            struct kr_oai_completion c = {.id = h->id, .created = h->created, .model = s->model_name, .choices = cv,
+                                          .n_choices = h->n_choices, .usage = u, .prompts = per,
+                                          .choices_per_prompt = h->o.n};
+            json = kr_oai_completion_json(&c);
+            kr_free(per);
         }
-        json = all ? json_dumps(all, JSON_COMPACT | JSON_REAL_PRECISION(9)) : NULL;
-        json_decref(all);
     }
     kr_free(cv);
     return send_json_str(h, 200, json);

@@ -960,6 +960,44 @@ Test(openai, error_json_survives_invalid_utf8_and_truncation)
 
 /* ---- completions encoder --------------------------------------------------------------------- */
 
+/* A completions request with two prompts and n = 2: one response, four choices in order, each with
+ * its own prompt's echo and prompt token ids. */
+Test(openai, completion_json_of_several_prompts)
+{
+    struct kr_oai_choice ch[4] = {
+        {.index = 0, .text = "a0", .text_len = 2, .finish_reason = "length", .stop_reason_id = -1},
+        {.index = 1, .text = "a1", .text_len = 2, .finish_reason = "length", .stop_reason_id = -1},
+        {.index = 2, .text = "b0", .text_len = 2, .finish_reason = "stop", .stop_reason_id = 7},
+        {.index = 3, .text = "b1", .text_len = 2, .finish_reason = "length", .stop_reason_id = -1},
+    };
+    const int32_t ids_a[] = {1, 2}, ids_b[] = {3, 4, 5};
+    struct kr_oai_completion per[2] = {
+        {.prompt_text = "A:", .prompt_text_len = 2, .prompt_ids = ids_a, .n_prompt_ids = 2, .return_token_ids = true},
+        {.prompt_text = "Bee:", .prompt_text_len = 4, .prompt_ids = ids_b, .n_prompt_ids = 3, .return_token_ids = true},
+    };
+    struct kr_oai_completion c = {.id = "cmpl-x", .created = 1, .model = "tiny", .choices = ch, .n_choices = 4,
+                                  .usage = {.prompt_tokens = 5, .completion_tokens = 8}, .prompts = per,
+                                  .choices_per_prompt = 2};
+    char *s = kr_oai_completion_json(&c);
+    cr_assert(s);
+    json_error_t e;
+    json_t *j = json_loads(s, 0, &e);
+    cr_assert(j, "%s", e.text);
+    cr_assert_eq(json_array_size(jget(j, "choices")), 4);
+    cr_expect_str_eq(jgets(j, "choices.0.text"), "A:a0");
+    cr_expect_str_eq(jgets(j, "choices.1.text"), "A:a1");
+    cr_expect_str_eq(jgets(j, "choices.2.text"), "Bee:b0");
+    cr_expect_str_eq(jgets(j, "choices.3.text"), "Bee:b1");
+    cr_expect_eq(jgeti(j, "choices.3.index"), 3);
+    cr_expect_eq(json_array_size(jget(j, "choices.1.prompt_token_ids")), 2);
+    cr_expect_eq(json_array_size(jget(j, "choices.2.prompt_token_ids")), 3);
+    cr_expect_eq(jgeti(j, "choices.2.prompt_token_ids.2"), 5);
+    cr_expect_eq(jgeti(j, "choices.2.stop_reason"), 7);
+    cr_expect_eq(jgeti(j, "usage.prompt_tokens"), 5);
+    json_decref(j);
+    free(s);
+}
+
 Test(openai, completion_json_has_openai_shape)
 {
     struct kr_oai_choice ch[2] = {
