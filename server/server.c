@@ -4,6 +4,7 @@
 
 #include "alloc.h"
 #include "chat.h"
+#include "clock.h"
 #include "config.h"
 #include "engine.h"
 #include "log.h"
@@ -205,9 +206,7 @@ static int g_exit_code; /* the process's exit status, for the shutdown watchdog'
 
 static double now_s(void)
 {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+    return kr_clock_s();
 }
 
 /* ---- responses ------------------------------------------------------------------------------ */
