@@ -417,7 +417,6 @@ enum kr_status kr_backend_create(const char *device, int threads, kr_backend_t *
     KR_TRY(kr_switches_from_env(&sw, err));
     if (!device || !strcmp(device, "auto")) {
         if (kr_backend_cuda_device_count() > 0) {
-            sw.cuda_graphs = 1; /* "auto" has always taken graphs whatever KRAIT_CUDA_GRAPHS says */
             kr_backend_cuda_setup(&sw);
             return kr_backend_cuda_create_with(0, &sw, out, err);
         }

@@ -24,8 +24,7 @@ static const size_t g_offset[] = {
 
 static const struct kr_switch g_table[] = {
     {"KRAIT_CUDA_GRAPHS", KR_SWITCH_BOOL, 0, 1, NULL, "1", KR_SWITCH_OPERATOR,
-     "decode steps replay CUDA graphs; 0 runs every step eagerly (profilers, debugging); read for "
-     "--device cuda and cuda:N, not auto",
+     "decode steps replay CUDA graphs; 0 runs every step eagerly (profilers, debugging)",
      NULL},
     {"KRAIT_CUDA_GRAPHS_MLA", KR_SWITCH_BOOL, 0, 1, NULL, "1", KR_SWITCH_MEASURE,
      "models with MLA/DSA layers capture decode graphs too; 0 leaves their steps eager",
