@@ -1,6 +1,7 @@
 #include "cli-output.h"
 
 #include "alloc.h"
+#include "openai.h"
 
 #include <jansson.h>
 #include <string.h>
@@ -17,7 +18,7 @@ static json_t *id_array(const int32_t *ids, int32_t n)
     return a;
 }
 
-/* json_dumps allocates with malloc; hand the caller a kr_malloc copy. */
+/* json_dumps allocates with jansson's allocator; hand the caller a kr_malloc copy. */
 static char *dump(json_t *root)
 {
     if (!root) {
@@ -29,7 +30,7 @@ static char *dump(json_t *root)
         return NULL;
     }
     char *r = kr_strdup(s);
-    free(s);
+    kr_oai_free(s);
     return r;
 }
 

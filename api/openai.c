@@ -1182,6 +1182,16 @@ static char *finish_framed(json_t *j, bool ok, const char *prefix, const char *s
     return out;
 }
 
+void kr_oai_free(void *p)
+{
+    if (p) {
+        json_malloc_t mf;
+        json_free_t ff;
+        json_get_alloc_funcs(&mf, &ff);
+        ff(p);
+    }
+}
+
 static char *finish(json_t *j, bool ok)
 {
     return finish_framed(j, ok, "", "");

@@ -158,7 +158,12 @@ char *kr_oai_usage_chunk(const char *id, int64_t created, const char *model, boo
 /* GET /v1/models: one model. */
 char *kr_oai_models_json(const char *name, int64_t created, int64_t max_model_len);
 
-/* Encoder conventions (all encoders above; strings come from jansson's allocator, i.e. malloc):
+/* Frees a string an encoder above returned, or one from json_dumps: it comes from jansson's
+ * allocator (json_set_alloc_funcs; krait routes it through kr_malloc/kr_free, plain malloc when
+ * nothing set it). */
+void kr_oai_free(void *p);
+
+/* Encoder conventions (all encoders above; strings come from jansson's allocator, see kr_oai_free):
  * - Every text (choice text, token texts, top-logprob keys, model, id) may hold arbitrary bytes:
  *   invalid UTF-8 is replaced by U+FFFD per maximal invalid subpart (Python errors="replace").
  * - Log-probabilities are written with 9 significant digits (float32 round trip); -inf and values

@@ -250,7 +250,7 @@ static enum MHD_Result send_json_str(struct hreq *h, unsigned status, char *json
         return send_body(h, 500, "application/json", oom, sizeof oom - 1, NULL);
     }
     enum MHD_Result r = send_body(h, status, "application/json", json_malloced, strlen(json_malloced), NULL);
-    free(json_malloced);
+    kr_oai_free(json_malloced);
     return r;
 }
 
@@ -262,7 +262,7 @@ static enum MHD_Result send_error(struct hreq *h, const struct kr_oai_error *e)
         return send_json_str(h, 500, NULL);
     }
     enum MHD_Result r = send_body(h, (unsigned)e->http_status, "application/json", j, strlen(j), retry);
-    free(j);
+    kr_oai_free(j);
     return r;
 }
 
@@ -362,7 +362,7 @@ static void hreq_free(struct hreq *h)
     kr_free(h->subs);
     kr_free(h->body);
     kr_free(h->out);
-    free(h->def_body);
+    kr_oai_free(h->def_body);
     if (h->have_o) {
         kr_oai_request_free(&h->o);
     }
@@ -450,7 +450,7 @@ static bool out_append(struct hreq *h, char *chunk_malloced)
         return false;
     }
     bool ok = buf_append(&h->out, &h->out_len, &h->out_cap, chunk_malloced, strlen(chunk_malloced));
-    free(chunk_malloced);
+    kr_oai_free(chunk_malloced);
     return ok;
 }
 
@@ -543,7 +543,7 @@ static void stream_finish(struct hreq *h)
             buf_append(&h->out, &h->out_len, &h->out_cap, "data: ", 6);
             buf_append(&h->out, &h->out_len, &h->out_cap, e, strlen(e));
             buf_append(&h->out, &h->out_len, &h->out_cap, "\n\n", 2);
-            free(e);
+            kr_oai_free(e);
         }
     } else if (h->o.include_usage) {
         struct kr_oai_usage u = {0};
