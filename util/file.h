@@ -1,6 +1,6 @@
 #pragma once
 /* Whole-file reads for the small files a checkpoint brings (config.json, tokenizer.json, the
- * safetensors index, chat templates). Weights are mapped by engine/safetensors.c, not read here. */
+ * safetensors index, chat templates). Weights are mapped by model/safetensors.c, not read here. */
 #include <stddef.h>
 
 #include "status.h"

@@ -23,7 +23,7 @@ enum { KR_DSA_SCORE_FP32 = 0, KR_DSA_SCORE_MMA = 1 };
 /* KRAIT_DSA_SELECT (KRK_DSA_SELECT_*) */
 enum { KR_DSA_SELECT_BLOCK = 0, KR_DSA_SELECT_AGG = 1, KR_DSA_SELECT_SPLIT = 2 };
 /* Bounds of the integer switches (the kernel library's KRK_GEMV_CONFIGS, KRK_SKINNY_MAX_N and
- * KRK_SKINNY_CONFIGS; engine/backend-cuda.c asserts that they agree). */
+ * KRK_SKINNY_CONFIGS; backend/backend-cuda.c asserts that they agree). */
 enum { KR_GEMV_CONFIGS = 5, KR_SKINNY_MAX_N = 16, KR_SKINNY_CONFIGS = 4, KR_SKINNY_MAX_DEFAULT = 8 };
 
 struct kr_switches {

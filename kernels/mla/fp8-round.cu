@@ -1,5 +1,5 @@
 // FP8 round trip of the DSA indexer's query and key rows (the DeepSeek reference's FP8 path), with
-// the semantics of the CPU reference (cpu_fp8_round, engine/fp8.c) bit for bit: an orthonormal
+// the semantics of the CPU reference (cpu_fp8_round, model/fp8.c) bit for bit: an orthonormal
 // Walsh-Hadamard transform in Sylvester order (butterflies a, b -> a + b, a - b at strides 1, 2, 4,
 // ..., then a multiplication by dim^-0.5), per block of `block` elements amax = max(|x|, 1e-4),
 // scale = amax * fp32(1/448) or the ue8m0 power of two, e4m3 rounding to nearest even with

@@ -1,5 +1,5 @@
 #pragma once
-// Activation functions as the CPU reference computes them (engine/backend-cpu.c act_apply), shared
+// Activation functions as the CPU reference computes them (backend/backend-cpu.c act_apply), shared
 // by the elementwise kernels and the MoE experts.
 #include "common/util.cuh"
 

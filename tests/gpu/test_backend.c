@@ -1,5 +1,5 @@
 /* The CUDA backend end to end on the HF reference fixtures (the same checkpoints and HF outputs as
- * tests/engine/test_hf_models.c), through the same forward pass as the CPU reference.
+ * tests/model/test_hf_models.c), through the same forward pass as the CPU reference.
  *
  * Tolerances: the fixtures' weights are exactly bf16, so the CUDA backend's differences from HF
  * (fp32) come from rounding GEMM operands (activations) and cached K/V, conv states and latents to

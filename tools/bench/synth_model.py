@@ -484,7 +484,7 @@ def sanity_forward(model, s, n_tok, seed):
 
 
 # --------------------------------------------------------------------------------------------------
-# config.json: krait's hybrid layout, and the checks of what krait's loader (engine/config.c) reads
+# config.json: krait's hybrid layout, and the checks of what krait's loader (model/config.c) reads
 # --------------------------------------------------------------------------------------------------
 
 
@@ -555,7 +555,7 @@ def first_key(cfgd, keys):
 
 
 def config_pattern(cfgd):
-    """The layer pattern as engine/config.c derives it (layers_block_type list wins; both must agree)."""
+    """The layer pattern as model/config.c derives it (layers_block_type list wins; both must agree)."""
     _, lst = first_key(cfgd, ("layers_block_type", "layer_types"))
     pat = cfgd.get("hybrid_override_pattern")
     from_list = None
@@ -591,7 +591,7 @@ def json_double(x):
 
 
 def loader_config_problems(cfgd, s):
-    """Everything engine/config.c requires for nemotron_h, and the effective values compared with the spec."""
+    """Everything model/config.c requires for nemotron_h, and the effective values compared with the spec."""
     probs = []
 
     def need(keys, want, default=None, required=True):

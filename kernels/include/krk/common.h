@@ -26,7 +26,7 @@ enum krk_act {
     KRK_ACT_RELU = 3,
 };
 
-/* One forward step's flattened batch in device memory (see engine/batch.h). Sequences whose
+/* One forward step's flattened batch in device memory (see backend/batch.h). Sequences whose
  * seq_slot is negative are padding (CUDA-graph buckets): kernels read and write no cache block and
  * no state slot for them, and their output rows are unspecified (but written). */
 struct krk_batch {

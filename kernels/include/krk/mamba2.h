@@ -1,7 +1,7 @@
 #pragma once
 /* Mamba-2 (kernels/mamba2/): causal depthwise conv1d with carried state, and the SSD selective
  * state space update: chunked scan for prefill chunks, the exact one-step recurrence for decode.
- * Semantics are those of the CPU reference (engine/backend-cpu.c, cpu_mamba; MODEL_SPEC §Mamba-2). */
+ * Semantics are those of the CPU reference (backend/backend-cpu.c, cpu_mamba; MODEL_SPEC §Mamba-2). */
 #include "krk/common.h"
 
 #ifdef __cplusplus

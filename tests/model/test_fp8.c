@@ -1,4 +1,4 @@
-/* The FP8 path of the DSA indexer (engine/fp8.h) against references written here from the definitions
+/* The FP8 path of the DSA indexer (model/fp8.h) against references written here from the definitions
  * alone: E4M3 values from the format's formula, encoding by a nearest-value scan, the Hadamard
  * transform as an explicit Sylvester matrix product, scales from their formulas, and index scores in
  * fp64 on dequantized and on unquantized vectors. */
