@@ -1,0 +1,179 @@
+#pragma once
+/* The batching engine's insides, shared by its three files: engine.c (intake, cancellation, events,
+ * the engine thread and the public API), step.c (admission, preemption, forking, the step's batch
+ * and its results) and sample.c (sampling, stop conditions, log-probabilities). Only these files
+ * include it. */
+#include "engine.h"
+
+#include "cache.h"
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+/* ---- sequence state machine --------------------------------------------------------------------
+ *
+ *   WAITING ──admit──▶ PREFILL ──last token fed──▶ DECODE ──EOS/stop/length──▶ DONE
+ *      ▲                  │                          │
+ *      └────preempt───────┴──────────────────────────┘   (caches freed; recomputed later)
+ *   FORK_WAIT ──choice 0 finished its prefill──▶ DECODE (forked state) or WAITING (no room: recompute)
+ *   any state ──cancel──▶ DONE
+ *
+ * Only the engine thread touches sequences. A sequence holds a state slot and blocks exactly in
+ * PREFILL and DECODE. */
+enum kr_seq_state {
+    KR_SEQ_WAITING = 0, /* queued for admission; holds no cache (new, or preempted) */
+    KR_SEQ_FORK_WAIT,   /* choice i > 0 of an n > 1 request, waiting for choice 0's prefill */
+    KR_SEQ_PREFILL,     /* admitted; feeding toks[n_fed..n_toks) in chunks */
+    KR_SEQ_DECODE,      /* one token per step */
+    KR_SEQ_DONE,        /* terminal; holds nothing */
+};
+
+struct req;
+
+struct seq {
+    struct req *req;
+    int32_t index;               /* choice index */
+    enum kr_seq_state state;
+    struct kr_seq_cache cache;   /* slot, blocks, n_pos (== n_fed while admitted) */
+    int32_t *toks;               /* [n_toks] prompt followed by generated tokens */
+    int32_t n_toks, cap_toks;
+    int32_t n_gen;               /* generated tokens */
+    int32_t n_fed;               /* tokens of toks in the caches */
+    struct kr_token_counts counts;
+    struct kr_rng rng;
+    uint64_t admit_seq;          /* admission order (preemption picks the latest) */
+    double admitted_us;          /* first admission (0 before) */
+    uint64_t arrival;            /* request order (FCFS) */
+};
+
+struct req {
+    uint64_t id;
+    kr_event_cb cb;
+    void *user;
+    double submitted_us;
+    int32_t n_prompt;
+    int32_t n;
+    struct kr_sampling s;
+    struct seq *seqs;            /* [n] */
+    int32_t n_done;
+    bool prompt_lp_sent;
+    float *plp;                  /* [n_prompt] prompt logprobs (when requested) */
+    int32_t *plp_ids;            /* [n_prompt, k] */
+    float *plp_top;              /* [n_prompt, k] */
+    int32_t plp_rows;            /* rows accumulated */
+    struct req *next_in;         /* inbox link */
+};
+
+struct kr_engine {
+    struct kr_model *m;          /* borrowed */
+    struct kr_cache *cache;
+    struct kr_engine_config cfg;
+    size_t slot_bytes, block_bytes;
+
+    pthread_t thread;
+    pthread_mutex_t lock;
+    pthread_cond_t wake;         /* work arrived or stop */
+    pthread_cond_t idle_cv;      /* signalled when the engine becomes idle */
+    bool stop;
+    bool idle;
+    struct req *inbox_head, *inbox_tail; /* submitted, not yet seen by the engine thread */
+    struct cancel *cancels;      /* [cap_cancels] cancellations queued by any thread */
+    int32_t n_cancels, cap_cancels;
+    struct cancel *cancels_w;    /* [cap_cancels_w] the engine thread's batch: swapped with `cancels`
+                                    under the lock, so that every pending cancel is taken each
+                                    iteration without copying or allocating */
+    int32_t cap_cancels_w;
+    bool failed;                 /* the device failed for good: every request fails, submit refuses */
+    char failed_msg[256];
+    int64_t fault_step;          /* KRAIT_FAULT_STEP: the step attempt that fails (0 = none; tests) */
+    bool fault_fatal;            /* ... as a device that is lost for good */
+    uint64_t step_attempts;
+    atomic_uint_fast64_t next_id;
+    atomic_int queued;           /* requests submitted and not yet admitted (admission limit) */
+    struct kr_engine_stats stats; /* under lock */
+
+    /* engine thread only */
+    struct req **reqs;           /* live requests */
+    int32_t n_reqs, cap_reqs;
+    struct req **dead;           /* retired requests, freed at the end of the step */
+    int32_t n_dead, cap_dead;
+    struct seq **waiting;        /* FCFS: preempted first, then by arrival */
+    int32_t n_waiting, cap_waiting;
+    struct seq **running;        /* PREFILL and DECODE, by admission order */
+    int32_t n_running, cap_running;
+    uint64_t admit_counter, arrival_counter;
+    uint64_t preemptions, prompt_tokens, gen_tokens, steps;
+    double t_step_done;          /* when the last step's results were back (0: the engine idled since) */
+    struct kr_sampler_scratch scratch;
+    /* step buffers */
+    int32_t cap_tok, cap_seq, cap_bt;
+    int32_t *b_tokens, *b_pos, *b_out, *b_tok0, *b_pos0, *b_slot, *b_bt, *b_nsched;
+    struct seq **b_seqs;
+    float *logits;
+    size_t cap_logits;
+    float *lp_row;
+    int32_t top_ids[KR_MAX_TOP_LOGPROBS];
+    float top_lps[KR_MAX_TOP_LOGPROBS];
+    /* sampling on the backend (GPU): per-step rows, penalty lists and results */
+    bool dev_sample;
+    int32_t cap_srows;
+    struct seq **s_seqs;           /* [n] the sequence of each output row */
+    struct kr_sample_row *srows;
+    int32_t *s_out, *s_top_ids;
+    float *s_lp, *s_top_lp;
+    int64_t cap_pen;
+    int32_t *pen_ids, *pen_count;
+    uint8_t *pen_flags;
+    /* events held back while the device works (see emit) */
+    bool defer_events;
+    struct pending_ev *outbox;
+    int32_t n_outbox, cap_outbox;
+};
+
+/* A cancellation: a whole request (index -1) or one choice. */
+struct cancel {
+    uint64_t id;
+    int32_t index;
+};
+
+/* An event waiting in the outbox, with copies of what it borrows. */
+struct pending_ev {
+    struct kr_event ev;
+    kr_event_cb cb;
+    int32_t top_ids[KR_MAX_TOP_LOGPROBS];
+    float top_lps[KR_MAX_TOP_LOGPROBS];
+    char msg[512];
+};
+
+
+#define PUSH(e, list, p, front) eng_ptr_push((void ***)&(e)->list, &(e)->n_##list, &(e)->cap_##list, (p), (front))
+#define REMOVE(e, list, p) eng_ptr_remove((void **)(e)->list, &(e)->n_##list, (p))
+
+/* engine.c: the lists, events and the end of requests */
+enum kr_status eng_ptr_push(void ***arr, int32_t *n, int32_t *cap, void *p, bool front);
+void eng_ptr_remove(void **arr, int32_t *n, void *p);
+enum kr_status eng_waiting_insert(struct kr_engine *e, struct seq *s); /* by arrival (FCFS) */
+enum kr_status eng_seq_append(struct seq *s, int32_t tok);
+void eng_flush_events(struct kr_engine *e);                            /* the outbox, in order */
+void eng_emit(struct kr_engine *e, struct req *r, struct kr_event *ev);
+void eng_release_seq(struct kr_engine *e, struct seq *s);              /* its caches, its list */
+void eng_req_free(struct req *r);
+void eng_retire(struct kr_engine *e, struct req *r);                   /* freed after the step */
+void eng_free_dead(struct kr_engine *e);
+void eng_finish_seq(struct kr_engine *e, struct seq *s, enum kr_finish_reason why, int32_t stop_token);
+void eng_fail_req(struct kr_engine *e, struct req *r, enum kr_status st, const char *msg);
+void eng_fail_everything(struct kr_engine *e, const char *why);         /* the device is lost */
+
+/* sample.c */
+void eng_emit_token(struct kr_engine *e, struct seq *s, int32_t tok, float logprob, const int32_t *top_ids,
+                    const float *top_lps);
+void eng_sample_and_emit(struct kr_engine *e, struct seq *s, const float *logits);
+enum kr_status eng_ensure_sample_buffers(struct kr_engine *e, int32_t n, int64_t n_pen);
+enum kr_status eng_sample_on_backend(struct kr_engine *e, struct seq **seqs, int32_t n, int32_t *n_top_out);
+void eng_prompt_logprobs_rows(struct kr_engine *e, struct req *r, int32_t p0, int32_t n, const float *rows);
+
+/* step.c */
+void eng_run_step(struct kr_engine *e);
+void eng_check_invariants(struct kr_engine *e);

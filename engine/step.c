@@ -1,0 +1,472 @@
+/* The engine's step: admission (FCFS, preempted first), preemption by recompute, forking the n > 1
+ * choices of a prompt, planning a step under the token budget, running it and handing its results
+ * to the sampler; the ownership invariants checked after a step in tests. */
+#include "engine-impl.h"
+
+#include "alloc.h"
+#include "array.h"
+#include "clock.h"
+#include "log.h"
+#include "switches.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ---- admission, preemption, fork --------------------------------------------------------------- */
+
+static void preempt(struct kr_engine *e, struct seq *s)
+{
+    kr_seq_cache_release(e->cache, &s->cache);
+    REMOVE(e, running, s);
+    s->state = KR_SEQ_WAITING;
+    s->n_fed = 0;
+    e->preemptions++;
+    if (eng_waiting_insert(e, s) != KR_OK) { /* cannot queue it again: end it rather than lose it */
+        s->state = KR_SEQ_WAITING;
+        eng_finish_seq(e, s, KR_FINISH_CANCELLED, -1);
+    }
+    KR_LOG_DEBUG("preempted req=%llu choice=%d tokens=%d", (unsigned long long)s->req->id, s->index, s->n_toks);
+}
+
+/* The running sequence admitted last, other than `except`; NULL if none. */
+static struct seq *youngest_running(struct kr_engine *e, const struct seq *except)
+{
+    struct seq *best = NULL;
+    for (int32_t i = 0; i < e->n_running; i++) {
+        struct seq *s = e->running[i];
+        if (s != except && (!best || s->admit_seq > best->admit_seq)) {
+            best = s;
+        }
+    }
+    return best;
+}
+
+/* Tokens beyond n_fed that s can hold with its blocks plus the free pool (no allocation). */
+static int32_t room_for(const struct kr_engine *e, const struct seq *s)
+{
+    const struct kr_cache *c = e->cache;
+    if (c->n_attn == 0 && c->n_mla == 0) {
+        return INT32_MAX;
+    }
+    const int64_t cap = (int64_t)(s->cache.n_blocks + c->n_free_blocks) * c->block_size;
+    const int64_t r = cap - s->n_fed;
+    return r > INT32_MAX ? INT32_MAX : (int32_t)(r < 0 ? 0 : r);
+}
+
+/* Forks choice 0's state into the waiting choices 1..n-1 of its request after its prefill: each
+ * takes a slot (copy of the state), shares the full blocks and copies the partial last one. A
+ * choice that finds no room is queued to recompute its prompt on its own. */
+static void fork_children(struct kr_engine *e, struct seq *leader)
+{
+    struct req *r = leader->req;
+    struct kr_cache *c = e->cache;
+    for (int32_t i = 1; i < r->n; i++) {
+        struct seq *ch = &r->seqs[i];
+        if (ch->state != KR_SEQ_FORK_WAIT) {
+            continue;
+        }
+        bool ok = e->n_running < e->cfg.max_num_seqs &&
+                  kr_seq_cache_fork(c, &leader->cache, leader->n_fed, &ch->cache) == KR_OK;
+        if (ok && PUSH(e, running, ch, false) != KR_OK) {
+            ok = false;
+        }
+        if (!ok) {
+            if (ch->cache.slot >= 0) {
+                kr_seq_cache_release(c, &ch->cache);
+            }
+            ch->state = KR_SEQ_WAITING;
+            ch->n_fed = 0;
+            if (eng_waiting_insert(e, ch) != KR_OK) {
+                eng_finish_seq(e, ch, KR_FINISH_CANCELLED, -1);
+            }
+            continue;
+        }
+        ch->n_fed = leader->n_fed;
+        ch->state = KR_SEQ_DECODE;
+        ch->admit_seq = ++e->admit_counter;
+        if (ch->admitted_us == 0) {
+            ch->admitted_us = leader->admitted_us;
+        }
+    }
+}
+
+/* ---- the step ------------------------------------------------------------------------------------ */
+
+static enum kr_status ensure_step_buffers(struct kr_engine *e, int32_t n_tok, int32_t n_seq, int32_t n_bt,
+                                          size_t n_logits)
+{
+    if (n_tok > e->cap_tok) {
+        int32_t c = n_tok + 64;
+        kr_free(e->b_tokens);
+        kr_free(e->b_pos);
+        kr_free(e->b_out);
+        e->b_tokens = kr_malloc((size_t)c * sizeof(int32_t));
+        e->b_pos = kr_malloc((size_t)c * sizeof(int32_t));
+        e->b_out = kr_malloc((size_t)c * sizeof(int32_t));
+        e->cap_tok = e->b_tokens && e->b_pos && e->b_out ? c : 0;
+        if (!e->cap_tok) {
+            return KR_ERR_NOMEM;
+        }
+    }
+    if (n_seq + 1 > e->cap_seq) {
+        int32_t c = n_seq + 17;
+        kr_free(e->b_tok0);
+        kr_free(e->b_pos0);
+        kr_free(e->b_slot);
+        kr_free(e->b_nsched);
+        kr_free(e->b_seqs);
+        e->b_tok0 = kr_malloc((size_t)c * sizeof(int32_t));
+        e->b_pos0 = kr_malloc((size_t)c * sizeof(int32_t));
+        e->b_slot = kr_malloc((size_t)c * sizeof(int32_t));
+        e->b_nsched = kr_malloc((size_t)c * sizeof(int32_t));
+        e->b_seqs = kr_malloc((size_t)c * sizeof(struct seq *));
+        e->cap_seq = e->b_tok0 && e->b_pos0 && e->b_slot && e->b_nsched && e->b_seqs ? c : 0;
+        if (!e->cap_seq) {
+            return KR_ERR_NOMEM;
+        }
+    }
+    if (n_bt > e->cap_bt) {
+        kr_free(e->b_bt);
+        e->b_bt = kr_malloc((size_t)n_bt * sizeof(int32_t));
+        e->cap_bt = e->b_bt ? n_bt : 0;
+        if (!e->b_bt) {
+            return KR_ERR_NOMEM;
+        }
+    }
+    if (n_logits > e->cap_logits) {
+        kr_free(e->logits);
+        e->logits = kr_malloc(n_logits * sizeof(float));
+        e->cap_logits = e->logits ? n_logits : 0;
+        if (!e->logits) {
+            return KR_ERR_NOMEM;
+        }
+    }
+    return KR_OK;
+}
+
+/* Rows of prompt log-probabilities a chunk [n_fed, n_fed + k) of s contributes (0 if none). */
+static bool wants_prompt_rows(const struct seq *s)
+{
+    const struct req *r = s->req;
+    return s->index == 0 && r->s.prompt_logprobs >= 0 && !r->prompt_lp_sent && s->n_fed < r->n_prompt;
+}
+
+/* Plans one step: decodes first, then running prefills, then admissions (FCFS). Fills the
+ * per-sequence token counts into b_nsched/b_seqs and returns the number of sequences. */
+static int32_t plan(struct kr_engine *e, int32_t *n_tok_out)
+{
+    struct kr_cache *c = e->cache;
+    const bool paged = c->n_attn || c->n_mla;
+    int32_t budget = e->cfg.max_num_batched_tokens, ns = 0, nt = 0;
+    /* 1. decodes, oldest first; a decode that needs a block it cannot get preempts the youngest */
+    for (int32_t i = 0; i < e->n_running && budget > 0; i++) {
+        struct seq *s = e->running[i];
+        if (s->state != KR_SEQ_DECODE) {
+            continue;
+        }
+        bool victim_self = false;
+        while (paged && kr_seq_cache_reserve(c, &s->cache, s->n_fed + 1) != KR_OK) {
+            struct seq *v = youngest_running(e, NULL);
+            victim_self = v == s;
+            /* a victim already scheduled this step gives back its tokens */
+            for (int32_t j = 0; j < ns; j++) {
+                if (e->b_seqs[j] == v) {
+                    nt -= e->b_nsched[j];
+                    budget += e->b_nsched[j];
+                    memmove(e->b_seqs + j, e->b_seqs + j + 1, (size_t)(ns - j - 1) * sizeof(struct seq *));
+                    memmove(e->b_nsched + j, e->b_nsched + j + 1, (size_t)(ns - j - 1) * sizeof(int32_t));
+                    ns--;
+                    break;
+                }
+            }
+            for (int32_t j = 0; j < e->n_running; j++) {
+                if (e->running[j] == v && j <= i) {
+                    i--; /* the list shifts under the loop */
+                    break;
+                }
+            }
+            preempt(e, v);
+            if (victim_self) {
+                break;
+            }
+        }
+        if (victim_self) {
+            continue;
+        }
+        e->b_seqs[ns] = s;
+        e->b_nsched[ns++] = 1;
+        nt++;
+        budget--;
+    }
+    /* 2. running prefills, oldest first */
+    for (int32_t i = 0; i < e->n_running && budget > 0; i++) {
+        struct seq *s = e->running[i];
+        if (s->state != KR_SEQ_PREFILL) {
+            continue;
+        }
+        int32_t k = s->n_toks - s->n_fed < budget ? s->n_toks - s->n_fed : budget;
+        int32_t room = room_for(e, s);
+        while (room == 0) { /* make room by preempting younger sequences, never older ones */
+            struct seq *v = youngest_running(e, s);
+            if (!v || v->admit_seq < s->admit_seq) {
+                break;
+            }
+            bool scheduled = false;
+            for (int32_t j = 0; j < ns; j++) {
+                scheduled |= e->b_seqs[j] == v;
+            }
+            if (scheduled) {
+                break; /* its decode is already in this step; wait for the next one */
+            }
+            preempt(e, v);
+            room = room_for(e, s);
+        }
+        k = k < room ? k : room;
+        if (k <= 0 || kr_seq_cache_reserve(c, &s->cache, s->n_fed + k) != KR_OK) {
+            continue;
+        }
+        e->b_seqs[ns] = s;
+        e->b_nsched[ns++] = k;
+        nt += k;
+        budget -= k;
+    }
+    /* 3. admissions in FCFS order; the head of the queue is never overtaken */
+    while (e->n_waiting > 0 && budget > 0 && e->n_running < e->cfg.max_num_seqs) {
+        struct seq *s = e->waiting[0];
+        if (c->n_free_slots == 0) {
+            break;
+        }
+        int32_t k = s->n_toks < budget ? s->n_toks : budget;
+        if (paged) {
+            const int64_t room = (int64_t)c->n_free_blocks * c->block_size;
+            k = room < k ? (int32_t)room : k;
+        }
+        if (k <= 0) {
+            break;
+        }
+        if (kr_seq_cache_init(c, &s->cache) != KR_OK) {
+            break;
+        }
+        if (kr_seq_cache_reserve(c, &s->cache, k) != KR_OK || PUSH(e, running, s, false) != KR_OK) {
+            kr_seq_cache_release(c, &s->cache);
+            break;
+        }
+        REMOVE(e, waiting, s);
+        s->state = KR_SEQ_PREFILL;
+        s->n_fed = 0;
+        s->admit_seq = ++e->admit_counter;
+        if (s->admitted_us == 0) {
+            s->admitted_us = kr_clock_us();
+        }
+        e->b_seqs[ns] = s;
+        e->b_nsched[ns++] = k;
+        nt += k;
+        budget -= k;
+    }
+    *n_tok_out = nt;
+    return ns;
+}
+
+void eng_run_step(struct kr_engine *e)
+{
+    const double t0 = kr_clock_us();
+    const int64_t V = e->m->cfg.vocab;
+    const int32_t max_seqs = e->n_running + e->n_waiting + 1;
+    if (ensure_step_buffers(e, 1, max_seqs, 1, 1) != KR_OK) {
+        return;
+    }
+    int32_t nt = 0;
+    const int32_t ns = plan(e, &nt);
+    if (ns == 0) {
+        return;
+    }
+    /* batch arrays */
+    int32_t max_blocks = 1, n_out = 0;
+    for (int32_t j = 0; j < ns; j++) {
+        struct seq *s = e->b_seqs[j];
+        max_blocks = s->cache.n_blocks > max_blocks ? s->cache.n_blocks : max_blocks;
+        const int32_t k = e->b_nsched[j];
+        const bool last = s->n_fed + k == s->n_toks;
+        n_out += wants_prompt_rows(s) ? k : (last ? 1 : 0);
+    }
+    if (ensure_step_buffers(e, nt, ns, ns * max_blocks, (size_t)(n_out ? n_out : 1) * (size_t)V) != KR_OK) {
+        for (int32_t j = 0; j < ns; j++) {
+            if (e->b_seqs[j]->state != KR_SEQ_DONE) {
+                eng_fail_req(e, e->b_seqs[j]->req, KR_ERR_NOMEM, "out of memory");
+            }
+        }
+        eng_free_dead(e);
+        return;
+    }
+    int32_t t = 0, o = 0;
+    for (int32_t j = 0; j < ns; j++) {
+        struct seq *s = e->b_seqs[j];
+        const int32_t k = e->b_nsched[j];
+        e->b_tok0[j] = t;
+        e->b_pos0[j] = s->n_fed;
+        e->b_slot[j] = s->cache.slot;
+        memset(e->b_bt + (size_t)j * (size_t)max_blocks, 0, (size_t)max_blocks * sizeof(int32_t));
+        memcpy(e->b_bt + (size_t)j * (size_t)max_blocks, s->cache.blocks, (size_t)s->cache.n_blocks * sizeof(int32_t));
+        const bool rows = wants_prompt_rows(s), last = s->n_fed + k == s->n_toks;
+        for (int32_t i = 0; i < k; i++) {
+            e->b_tokens[t + i] = s->toks[s->n_fed + i];
+            e->b_pos[t + i] = s->n_fed + i;
+            if (rows || (last && i == k - 1)) {
+                e->b_out[o++] = t + i;
+            }
+        }
+        t += k;
+    }
+    e->b_tok0[ns] = t;
+    struct kr_batch b = {.n_tok = nt, .n_seq = ns, .tokens = e->b_tokens, .pos = e->b_pos, .seq_tok0 = e->b_tok0,
+                         .seq_pos0 = e->b_pos0, .seq_slot = e->b_slot, .block_table = e->b_bt,
+                         .max_blocks = max_blocks, .n_out = n_out, .out_tok = e->b_out};
+    const double t1 = kr_clock_us();
+    const double gap = e->t_step_done > 0 ? t1 - e->t_step_done : -1.0; /* counted with the step's stats */
+    e->t_step_done = 0;
+    struct kr_err err = {{0}};
+    /* sampling on the backend when every output row of the step is one sequence's next token
+     * (no prompt log-probability rows, no n > 1 fork sampling several choices from one row, no
+     * logit_bias, which the device sampler does not apply) */
+    bool dev = e->dev_sample && n_out > 0;
+    for (int32_t j = 0; j < ns && dev; j++) {
+        struct seq *s = e->b_seqs[j];
+        const bool last = s->n_fed + e->b_nsched[j] == s->n_toks;
+        if (wants_prompt_rows(s) || (last && s->state == KR_SEQ_PREFILL && s->index == 0 && s->req->n > 1) ||
+            s->req->s.n_bias > 0) {
+            dev = false; /* host rows, forks and logit_bias take the host sampler */
+        }
+    }
+    enum kr_status st = kr_model_forward(e->m, e->cache, &b, dev ? NULL : e->logits, &err);
+    if (++e->step_attempts == (uint64_t)e->fault_step && st == KR_OK) {
+        st = KR_ERR_CUDA; /* KRAIT_FAULT_STEP: this step fails as a device error would */
+        snprintf(err.msg, sizeof err.msg, "injected %s failure of step %lld", e->fault_fatal ? "fatal" : "transient",
+                 (long long)e->fault_step);
+    }
+    /* the device is busy with this step now: deliver the previous step's events meanwhile */
+    eng_flush_events(e);
+    int32_t n_top = 0;
+    if (st == KR_OK && dev && (st = eng_ensure_sample_buffers(e, n_out, 0)) == KR_OK) {
+        /* the sequences of the output rows, in row order */
+        int32_t r = 0;
+        for (int32_t j = 0; j < ns; j++) {
+            struct seq *s = e->b_seqs[j];
+            if (s->n_fed + e->b_nsched[j] == s->n_toks) {
+                e->s_seqs[r++] = s;
+            }
+        }
+        st = r == n_out ? eng_sample_on_backend(e, e->s_seqs, r, &n_top) : KR_ERR_INTERNAL;
+        if (st != KR_OK) {
+            snprintf(err.msg, sizeof err.msg, "sampling on the backend failed: %s", kr_status_str(st));
+        }
+    }
+    if (st != KR_OK && (!kr_backend_check(e->m->be) || (e->fault_fatal && e->step_attempts == (uint64_t)e->fault_step))) {
+        /* a sticky device error: the context cannot recover, nothing else will run */
+        eng_fail_everything(e, err.msg[0] ? err.msg : kr_status_str(st));
+        return;
+    }
+    if (st != KR_OK) {
+        /* not sticky: only the requests of this step fail */
+        KR_LOG_ERROR("step failed: %s", err.msg);
+        for (int32_t j = 0; j < ns; j++) {
+            if (e->b_seqs[j]->state != KR_SEQ_DONE) {
+                eng_fail_req(e, e->b_seqs[j]->req, st, err.msg[0] ? err.msg : kr_status_str(st));
+            }
+        }
+        eng_free_dead(e);
+        return;
+    }
+    e->steps++;
+    e->t_step_done = kr_clock_us();
+    /* results, sequence by sequence, in batch order */
+    o = 0;
+    for (int32_t j = 0; j < ns; j++) {
+        struct seq *s = e->b_seqs[j];
+        const int32_t k = e->b_nsched[j];
+        const bool rows = wants_prompt_rows(s), last = s->n_fed + k == s->n_toks;
+        const int32_t n_rows = rows ? k : (last ? 1 : 0);
+        const float *first = e->logits + (size_t)o * (size_t)V;
+        o += n_rows;
+        if (s->state == KR_SEQ_DONE) {
+            continue; /* failed above with its request */
+        }
+        if (s->state == KR_SEQ_PREFILL) {
+            e->prompt_tokens += (uint64_t)k;
+        }
+        if (rows) {
+            eng_prompt_logprobs_rows(e, s->req, s->n_fed, k, first);
+        }
+        s->n_fed += k;
+        s->cache.n_pos = s->n_fed;
+        if (!last) {
+            continue;
+        }
+        const int32_t row_i = o - 1; /* this sequence's output row (the last of its rows) */
+        const float *row = dev ? NULL : first + (size_t)(n_rows - 1) * (size_t)V;
+        struct req *r = s->req;
+        if (s->state == KR_SEQ_PREFILL) {
+            s->state = KR_SEQ_DECODE;
+            if (s->index == 0 && r->n > 1) {
+                fork_children(e, s);
+                for (int32_t i = 1; i < r->n; i++) {
+                    struct seq *ch = &r->seqs[i];
+                    if (ch->state == KR_SEQ_DECODE && ch->n_gen == 0 && ch->n_fed == s->n_fed) {
+                        eng_sample_and_emit(e, ch, row);
+                    }
+                }
+            }
+        }
+        if (s->state == KR_SEQ_DONE) {
+            continue;
+        }
+        if (!dev) {
+            eng_sample_and_emit(e, s, row);
+        } else if (e->s_out[row_i] >= 0) {
+            /* s_lp holds this step's values only when a sequence of it asked for log-probabilities */
+            eng_emit_token(e, s, e->s_out[row_i], r->s.logprobs >= 0 ? e->s_lp[row_i] : NAN,
+                       e->s_top_ids + (size_t)row_i * (size_t)n_top,
+                       e->s_top_lp + (size_t)row_i * (size_t)n_top);
+        } else {
+            /* a row the backend refused (all logits masked, ...): the host sampler says why */
+            if (kr_backend_copy_d2h(e->m->be, e->logits, e->m->last_logits + (size_t)row_i * (size_t)V,
+                                    (size_t)V * sizeof(float)) != KR_OK) {
+                eng_fail_req(e, r, KR_ERR_CUDA, "sampling failed");
+            } else {
+                eng_sample_and_emit(e, s, e->logits);
+            }
+        }
+    }
+    eng_free_dead(e);
+    pthread_mutex_lock(&e->lock);
+    e->stats.step_sched_us_last = t1 - t0;
+    e->stats.step_sched_us_total += t1 - t0;
+    if (gap >= 0) {
+        e->stats.step_gap_us_total += gap;
+        e->stats.step_gaps++;
+    }
+    pthread_mutex_unlock(&e->lock);
+}
+
+/* ---- ownership invariants (debug_checks) ------------------------------------------------------------
+ * Every slot is either free or held by exactly one admitted sequence; every block's reference count
+ * equals the number of block-table entries naming it, and free blocks have none. */
+static const struct kr_seq_cache *running_cache(void *user, int32_t i)
+{
+    return &((const struct kr_engine *)user)->running[i]->cache;
+}
+
+void eng_check_invariants(struct kr_engine *e)
+{
+    for (int32_t i = 0; i < e->n_running; i++) {
+        const struct seq *s = e->running[i];
+        KR_ASSERT(s->state == KR_SEQ_PREFILL || s->state == KR_SEQ_DECODE);
+        KR_ASSERT(s->n_fed <= s->n_toks);
+    }
+    kr_cache_check_owners(e->cache, e->n_running, running_cache, e);
+    for (int32_t i = 0; i < e->n_waiting; i++) {
+        KR_ASSERT(e->waiting[i]->state == KR_SEQ_WAITING);
+    }
+}
+
