@@ -40,7 +40,7 @@ enum { PROMPT = 70000, NEW = 8 };
 enum {
     H = 64, V = 256, NH = 8, NKV = 2, HD = 16,                        /* GQA: 8 query heads, 2 KV heads */
     QL = 64, KVL = 512, NOPE = 32, ROPE = 64, VD = 32, IH = 16, ID = 64, /* DSA */
-    MH = 4, MP = 16, MS = 16, MG = 2, DI = MH * MP, CONV = DI + 2 * MG * MS, FF = 128,
+    MH = 4, MP = 16, MS = 16, MG = 2, FF = 128,
 };
 /* GQA ('*') and MLA/DSA layers cannot share a model (they share num_attention_heads): each test
  * runs a DSA pattern and a GQA one. */
@@ -53,51 +53,11 @@ static void write_model(const char *dir)
     static struct ckw W;
     memset(&W, 0, sizeof W);
     W.fan_in_scale = true;
-#define T1(name, a) ckw_add(&W, name, KR_DTYPE_BF16, 1, (const int64_t[]){a})
-#define T2(name, a, b) ckw_add(&W, name, KR_DTYPE_BF16, 2, (const int64_t[]){a, b})
-    T2("backbone.embeddings.weight", V, H);
-    char n[160];
-    for (int l = 0; l < (int)strlen(PATTERN); l++) {
-        const char type = PATTERN[l];
-#define L(suffix) (snprintf(n, sizeof n, "backbone.layers.%d.%s", l, suffix), n)
-        T1(L("norm.weight"), H);
-        if (type == 'M') {
-            T1(L("mixer.A_log"), MH);
-            T1(L("mixer.D"), MH);
-            T1(L("mixer.dt_bias"), MH);
-            T1(L("mixer.conv1d.bias"), CONV);
-            ckw_add(&W, L("mixer.conv1d.weight"), KR_DTYPE_BF16, 3, (const int64_t[]){CONV, 1, 4});
-            T2(L("mixer.in_proj.weight"), 2 * DI + 2 * MG * MS + MH, H);
-            T1(L("mixer.norm.weight"), DI);
-            T2(L("mixer.out_proj.weight"), H, DI);
-        } else if (type == '*') {
-            T2(L("mixer.q_proj.weight"), NH * HD, H);
-            T2(L("mixer.k_proj.weight"), NKV * HD, H);
-            T2(L("mixer.v_proj.weight"), NKV * HD, H);
-            T2(L("mixer.o_proj.weight"), H, NH * HD);
-        } else if (type == 'D') {
-            T2(L("mixer.q_a_proj.weight"), QL, H);
-            T1(L("mixer.q_a_layernorm.weight"), QL);
-            T2(L("mixer.q_b_proj.weight"), NH * (NOPE + ROPE), QL);
-            T2(L("mixer.kv_a_proj_with_mqa.weight"), KVL + ROPE, H);
-            T1(L("mixer.kv_a_layernorm.weight"), KVL);
-            T2(L("mixer.kv_b_proj.weight"), NH * (NOPE + VD), KVL);
-            T2(L("mixer.o_proj.weight"), H, NH * VD);
-            T2(L("mixer.indexer.wq_b.weight"), IH * ID, QL);
-            T2(L("mixer.indexer.wk.weight"), ID, H);
-            T1(L("mixer.indexer.k_norm.weight"), ID);
-            T1(L("mixer.indexer.k_norm.bias"), ID);
-            T2(L("mixer.indexer.weights_proj.weight"), IH, H);
-        } else {
-            T2(L("mixer.up_proj.weight"), FF, H);
-            T2(L("mixer.down_proj.weight"), H, FF);
-        }
-#undef L
-    }
-    T1("backbone.norm_f.weight", H);
-    T2("lm_head.weight", V, H);
-#undef T1
-#undef T2
+    const struct ckw_shape d = {.hidden = H, .vocab = V, .heads = NH, .kv_heads = NKV, .head_dim = HD,
+                                .q_lora = QL, .kv_lora = KVL, .nope = NOPE, .rope = ROPE, .v_dim = VD,
+                                .idx_heads = IH, .idx_dim = ID, .ffn = FF, .m_heads = MH, .m_head_dim = MP,
+                                .m_groups = MG, .m_state = MS};
+    ckw_hybrid_tensors(&W, PATTERN, &d);
     char path[512];
     snprintf(path, sizeof path, "%s/model.safetensors", dir);
     ckw_write(&W, path);

@@ -210,19 +210,19 @@ void ckw_rmtree(const char *dir)
     cr_assert_eq(system(cmd), 0);
 }
 
-void ckw_dsa_real_shapes(const char *dir)
+void ckw_hybrid_tensors(struct ckw *w, const char *pattern, const struct ckw_shape *d)
 {
-    static struct ckw W;
-    memset(&W, 0, sizeof W);
-    W.fan_in_scale = true;
-    const int64_t H = 256, V = 512, NH = 16, QL = 256, KVL = 512, NOPE = 128, ROPE = 64, VD = 128, IH = 16, ID = 128;
-    const int64_t MH = 8, MP = 32, MS = 64, MG = 4, DI = MH * MP, CONV = DI + 2 * MG * MS, FF = 512;
-#define T1(name, a) ckw_add(&W, name, KR_DTYPE_BF16, 1, (const int64_t[]){a})
-#define T2(name, a, b) ckw_add(&W, name, KR_DTYPE_BF16, 2, (const int64_t[]){a, b})
+    const int64_t H = d->hidden, V = d->vocab, NH = d->heads, NKV = d->kv_heads, HD = d->head_dim;
+    const int64_t QL = d->q_lora, KVL = d->kv_lora, NOPE = d->nope, ROPE = d->rope, VD = d->v_dim;
+    const int64_t IH = d->idx_heads, ID = d->idx_dim, FF = d->ffn;
+    const int64_t MH = d->m_heads, DI = MH * d->m_head_dim, MG = d->m_groups, MS = d->m_state;
+    const int64_t CONV = DI + 2 * MG * MS;
+#define T1(name, a) ckw_add(w, name, KR_DTYPE_BF16, 1, (const int64_t[]){a})
+#define T2(name, a, b) ckw_add(w, name, KR_DTYPE_BF16, 2, (const int64_t[]){a, b})
     T2("backbone.embeddings.weight", V, H);
     char n[160];
-    for (int l = 0; l < 4; l++) {
-        const char type = "MD-D"[l];
+    for (int l = 0; pattern[l]; l++) {
+        const char type = pattern[l];
 #define L(suffix) (snprintf(n, sizeof n, "backbone.layers.%d.%s", l, suffix), n)
         T1(L("norm.weight"), H);
         if (type == 'M') {
@@ -230,10 +230,15 @@ void ckw_dsa_real_shapes(const char *dir)
             T1(L("mixer.D"), MH);
             T1(L("mixer.dt_bias"), MH);
             T1(L("mixer.conv1d.bias"), CONV);
-            ckw_add(&W, L("mixer.conv1d.weight"), KR_DTYPE_BF16, 3, (const int64_t[]){CONV, 1, 4});
+            ckw_add(w, L("mixer.conv1d.weight"), KR_DTYPE_BF16, 3, (const int64_t[]){CONV, 1, 4});
             T2(L("mixer.in_proj.weight"), 2 * DI + 2 * MG * MS + MH, H);
             T1(L("mixer.norm.weight"), DI);
             T2(L("mixer.out_proj.weight"), H, DI);
+        } else if (type == '*') {
+            T2(L("mixer.q_proj.weight"), NH * HD, H);
+            T2(L("mixer.k_proj.weight"), NKV * HD, H);
+            T2(L("mixer.v_proj.weight"), NKV * HD, H);
+            T2(L("mixer.o_proj.weight"), H, NH * HD);
         } else if (type == 'D') {
             T2(L("mixer.q_a_proj.weight"), QL, H);
             T1(L("mixer.q_a_layernorm.weight"), QL);
@@ -257,6 +262,18 @@ void ckw_dsa_real_shapes(const char *dir)
     T2("lm_head.weight", V, H);
 #undef T1
 #undef T2
+}
+
+void ckw_dsa_real_shapes(const char *dir)
+{
+    static struct ckw W;
+    memset(&W, 0, sizeof W);
+    W.fan_in_scale = true;
+    const struct ckw_shape d = {.hidden = 256, .vocab = 512, .heads = 16, .kv_heads = 16, .head_dim = 16,
+                                .q_lora = 256, .kv_lora = 512, .nope = 128, .rope = 64, .v_dim = 128,
+                                .idx_heads = 16, .idx_dim = 128, .ffn = 512, .m_heads = 8, .m_head_dim = 32,
+                                .m_groups = 4, .m_state = 64};
+    ckw_hybrid_tensors(&W, "MD-D", &d);
     char path[512];
     snprintf(path, sizeof path, "%s/model.safetensors", dir);
     ckw_write(&W, path);

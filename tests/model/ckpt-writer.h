@@ -46,6 +46,18 @@ void ckw_rmtree(const char *dir);
  * the pattern: use ckw_tiny_config(). */
 void ckw_tiny_config(char *out, size_t n, const char *pattern_json, const char *limit_hi);
 
+/* The dimensions of a synthetic hybrid checkpoint (nemotron_h names; the hybrid layout of
+ * MODEL_SPEC §6 for D layers). */
+struct ckw_shape {
+    int64_t hidden, vocab, ffn;
+    int64_t heads, kv_heads, head_dim;                    /* '*' GQA (heads also the D layers') */
+    int64_t q_lora, kv_lora, nope, rope, v_dim, idx_heads, idx_dim; /* 'D' */
+    int64_t m_heads, m_head_dim, m_groups, m_state;       /* 'M' */
+};
+
+/* Adds every tensor of a `pattern` model (letters M, *, D, -) of shape `d` to `w`, in layer order. */
+void ckw_hybrid_tensors(struct ckw *w, const char *pattern, const struct ckw_shape *d);
+
 /* Writes into `dir` a synthetic hybrid checkpoint (pattern "MD-D", hidden 256, vocab 512) whose D
  * layers have DeepSeek-V3.2's attention dimensions: q_lora 256, kv_lora 512, nope 128, rope 64,
  * v 128, 16 heads, an indexer of 16 heads x 128, index_topk 64; random weights as ckw_write. */
