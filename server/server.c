@@ -1265,35 +1265,24 @@ static enum MHD_Result send_result(struct hreq *h)
                                       .prompt_ids = h->subs[0].prompt, .n_prompt_ids = h->subs[0].n_prompt,
                                       .return_token_ids = h->o.return_token_ids || !s->tok};
         json = kr_oai_chat_json(&c);
-    } else if (h->n_sub == 1) {
-        const struct sub *sb = &h->subs[0];
-        struct kr_oai_completion c = {.id = h->id, .created = h->created, .model = s->model_name, .choices = cv,
-                                      .n_choices = h->n_choices, .usage = u,
-                                      .prompt_text = h->o.echo ? (sb->prompt_text ? sb->prompt_text : "") : NULL,
-                                      .prompt_text_len = h->o.echo ? sb->prompt_text_len : 0,
-                                      .prompt_ids = sb->prompt, .n_prompt_ids = sb->n_prompt,
-                                      .prompt_logprobs = h->o.echo ? sb->plp : NULL,
-                                      .return_token_ids = h->o.return_token_ids || !s->tok};
-        json = kr_oai_completion_json(&c);
     } else {
-        /* several prompts: one response, each choice with its own prompt's echo and ids */
+        /* one response for every prompt, each choice with its own prompt's echo and ids */
         struct kr_oai_completion *per = kr_calloc((size_t)h->n_sub, sizeof *per);
+        for (int32_t i = 0; per && i < h->n_sub; i++) {
+            const struct sub *sb = &h->subs[i];
+            per[i] = (struct kr_oai_completion){.prompt_text = h->o.echo ? (sb->prompt_text ? sb->prompt_text : "") : NULL,
+                                                .prompt_text_len = h->o.echo ? sb->prompt_text_len : 0,
+                                                .prompt_ids = sb->prompt, .n_prompt_ids = sb->n_prompt,
+                                                .prompt_logprobs = h->o.echo ? sb->plp : NULL,
+                                                .return_token_ids = h->o.return_token_ids || !s->tok};
+        }
         if (per) {
-            for (int32_t i = 0; i < h->n_sub; i++) {
-                const struct sub *sb = &h->subs[i];
-                per[i] = (struct kr_oai_completion){
-                    .prompt_text = h->o.echo ? (sb->prompt_text ? sb->prompt_text : "") : NULL,
-                    .prompt_text_len = h->o.echo ? sb->prompt_text_len : 0,
-                    .prompt_ids = sb->prompt, .n_prompt_ids = sb->n_prompt,
-                    .prompt_logprobs = h->o.echo ? sb->plp : NULL,
-                    .return_token_ids = h->o.return_token_ids || !s->tok};
-            }
             struct kr_oai_completion c = {.id = h->id, .created = h->created, .model = s->model_name, .choices = cv,
                                           .n_choices = h->n_choices, .usage = u, .prompts = per,
                                           .choices_per_prompt = h->o.n};
             json = kr_oai_completion_json(&c);
-            kr_free(per);
         }
+        kr_free(per);
     }
     kr_free(cv);
     return send_json_str(h, 200, json);
