@@ -95,6 +95,21 @@ void kr_switches_defaults(struct kr_switches *sw)
     };
 }
 
+/* An enum switch's names joined by `sep`, the last two by `last` ("a|b|c", "a, b or c"). */
+static void join_names(const struct kr_switch *s, const char *sep, const char *last, char *buf, size_t cap)
+{
+    int n = 0;
+    while (s->names[n]) {
+        n++;
+    }
+    size_t len = 0;
+    buf[0] = '\0';
+    for (int i = 0; i < n && len < cap; i++) {
+        const int w = snprintf(buf + len, cap - len, "%s%s", i == 0 ? "" : i == n - 1 ? last : sep, s->names[i]);
+        len += w > 0 ? (size_t)w : 0;
+    }
+}
+
 void kr_switch_accepted(const struct kr_switch *s, char *buf, size_t cap)
 {
     if (!cap) {
@@ -111,14 +126,9 @@ void kr_switch_accepted(const struct kr_switch *s, char *buf, size_t cap)
     case KR_SWITCH_STEP:
         snprintf(buf, cap, "N|N:fatal");
         break;
-    case KR_SWITCH_ENUM: {
-        size_t len = 0;
-        for (int i = 0; s->names[i] && len < cap; i++) {
-            const int w = snprintf(buf + len, cap - len, "%s%s", i ? "|" : "", s->names[i]);
-            len += w > 0 ? (size_t)w : 0;
-        }
+    case KR_SWITCH_ENUM:
+        join_names(s, "|", "|", buf, cap);
         break;
-    }
     }
 }
 
@@ -135,20 +145,9 @@ static void expected(const struct kr_switch *s, char *buf, size_t cap)
     case KR_SWITCH_STEP:
         snprintf(buf, cap, "N or N:fatal with N >= 1");
         break;
-    case KR_SWITCH_ENUM: {
-        int n = 0;
-        while (s->names[n]) {
-            n++;
-        }
-        size_t len = 0;
-        buf[0] = '\0';
-        for (int i = 0; i < n && len < cap; i++) {
-            const char *sep = i == 0 ? "" : i == n - 1 ? " or " : ", ";
-            const int w = snprintf(buf + len, cap - len, "%s%s", sep, s->names[i]);
-            len += w > 0 ? (size_t)w : 0;
-        }
+    case KR_SWITCH_ENUM:
+        join_names(s, ", ", " or ", buf, cap);
         break;
-    }
     }
 }
 
