@@ -505,20 +505,16 @@ def _check_choices(res, nc, finish, get_text):
     stops = body.get("stop")
     if isinstance(stops, str):
         stops = [stops]
-    # The text must not hold the stop string that ended it, and a choice that ran to its length
-    # must hold none. (Which one ends a choice when one token completes several is not checked:
-    # krait, like vLLM, takes the first in the request's list, not the earliest in the text.)
+    # Whatever ended a choice, its text holds none of the request's stop strings: the earliest
+    # occurrence of any of them ends it there.
     for i in range(nc or 0):
         text = get_text(i)
         if text is None:
             continue
-        sr = res.stop_reason.get(i)
-        if finish.get(i) == "stop" and isinstance(sr, str) and sr and sr in text:
-            return f"choice {i} ended by the stop string {sr!r} still holds it: {text[:120]!r}"
-        if finish.get(i) == "length":
-            for s in stops or []:
-                if s and s in text:
-                    return f"choice {i} ran to its length with the stop string {s!r} in its text: {text[:120]!r}"
+        for s in stops or []:
+            if s and s in text:
+                return (f"choice {i} (finish_reason {finish.get(i)!r}, stop_reason {res.stop_reason.get(i)!r}) "
+                        f"holds the stop string {s!r}: {text[:120]!r}")
     mt = body.get("max_tokens")
     if isinstance(mt, int):
         for i, n in res.ntok.items():
