@@ -1143,13 +1143,13 @@ static enum kr_status prepare(struct hreq *h)
         h->o.sampling.max_tokens = s->max_model_len - h->subs[0].n_prompt;
     }
     for (int32_t i = 0; i < h->n_sub; i++) {
-        if (h->subs[i].n_prompt + h->o.sampling.max_tokens > s->max_model_len) {
+        const int64_t total = (int64_t)h->subs[i].n_prompt + h->o.sampling.max_tokens; /* no 32-bit overflow */
+        if (total > s->max_model_len) {
             kr_oai_error_set(&e, 400, "invalid_request_error", "max_tokens", "context_length_exceeded",
-                             "This model's maximum context length is %d tokens. However, you requested %d tokens (%d "
-                             "in the messages, %d in the completion). Please reduce the length of the messages or "
+                             "This model's maximum context length is %d tokens. However, you requested %lld tokens "
+                             "(%d in the messages, %d in the completion). Please reduce the length of the messages or "
                              "completion.",
-                             s->max_model_len, h->subs[i].n_prompt + h->o.sampling.max_tokens, h->subs[i].n_prompt,
-                             h->o.sampling.max_tokens);
+                             s->max_model_len, (long long)total, h->subs[i].n_prompt, h->o.sampling.max_tokens);
             return prep_fail(h, &e);
         }
     }

@@ -350,3 +350,22 @@ Test(reliability, access_lines_and_timestamps, .timeout = 300)
     cr_expect(!matches(text, "^([^2]|2[^0])"), "a log line without a timestamp in:\n%s", text);
     unlink(log);
 }
+
+/* max_tokens at the top of its range: refused as beyond the context length (400 with the OpenAI
+ * code), never an overflow of prompt + max_tokens (the sanitized build aborted there). */
+Test(reliability, max_tokens_at_int32_max_is_a_context_length_error, .timeout = 300)
+{
+    struct srv_proc p;
+    srv_start(&p, MODEL, NULL);
+    struct http_res r;
+    http(&p, "POST", "/v1/completions", "{\"prompt\":[1,2,3],\"max_tokens\":2147483647}", NULL, &r);
+    cr_expect_eq(r.status, 400, "status %ld", r.status);
+    cr_expect(r.body && strstr(r.body, "context_length_exceeded"), "body: %s", r.body ? r.body : "");
+    cr_expect(r.body && strstr(r.body, "2147483650"), "the requested total is not named: %s", r.body ? r.body : "");
+    http_free(&r);
+    http(&p, "POST", "/v1/chat/completions",
+         "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"max_tokens\":2147483647}", NULL, &r);
+    cr_expect_eq(r.status, 400, "chat: status %ld", r.status);
+    http_free(&r);
+    cr_expect_eq(srv_stop(&p), 0);
+}
