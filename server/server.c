@@ -754,7 +754,11 @@ static void process_event(struct srv *s, struct evnode *n)
                 const int32_t k = h->o.sampling.logprobs;
                 struct kr_oai_token *nt = kr_realloc(c->lp_top, (size_t)nc * (size_t)(k ? k : 1) * sizeof *nt);
                 if (nt) {
+                    /* the entries so far point into the moved array: point them at its new place */
                     c->lp_top = nt;
+                    for (int32_t i = 0; i < c->n_ids; i++) {
+                        c->lps[i].top = nt + (size_t)i * (size_t)k;
+                    }
                 }
                 if (!nl || !nt) {
                     break;

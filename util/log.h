@@ -35,6 +35,13 @@ void kr_logv(enum kr_log_level level, const char *fmt, va_list ap);
         }                                                                                          \
     } while (0)
 
+/* Installs handlers for the signals that end a process on a fault (SIGSEGV, SIGBUS, SIGFPE, SIGILL,
+ * SIGABRT): each writes one "FATAL signal N (NAME) at ADDR in thread TID" line and the stack (frames
+ * as `binary(+offset)`, for addr2line on the unstripped binary) to stderr with async-signal-safe
+ * calls, then lets the signal end the process as it would have (core and status unchanged). Does
+ * nothing under AddressSanitizer, whose own reports say more. Call once, early in main. */
+void kr_log_install_crash_handler(void);
+
 /* Logs the failed assertion and aborts. The only place outside main() that ends the process. */
 void kr_fatal(const char *file, int line, const char *expr) __attribute__((noreturn));
 

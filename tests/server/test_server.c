@@ -207,6 +207,75 @@ Test(server, logprobs_and_echo)
     json_decref(j);
 }
 
+/* A choice longer than the server's first allocation for its entries (32 tokens), whole and streamed:
+ * every entry keeps its own alternatives, and under greedy decoding the chosen token is the best of
+ * them (its logprob equals their maximum and its text is among them). The alternatives of the early
+ * tokens used to point into an array that had moved when the choice grew. */
+static void expect_greedy_entry(json_t *tl_i, json_t *tok_i, json_t *top_i, size_t want_top, size_t i)
+{
+    cr_assert(json_is_object(top_i), "entry %zu: top_logprobs is an object", i);
+    cr_expect_eq(json_object_size(top_i), want_top, "entry %zu: %zu alternatives", i, json_object_size(top_i));
+    double best = -1e30;
+    const char *k;
+    json_t *v;
+    json_object_foreach(top_i, k, v)
+    {
+        cr_expect(json_is_real(v) && json_real_value(v) <= 0.0, "entry %zu: alternative %s", i, k);
+        best = json_real_value(v) > best ? json_real_value(v) : best;
+    }
+    cr_expect(fabs(best - json_real_value(tl_i)) < 1e-5, "entry %zu: chosen %g, best alternative %g", i,
+              json_real_value(tl_i), best);
+    cr_expect(json_object_get(top_i, json_string_value(tok_i)) != NULL, "entry %zu: the chosen token %s is among the alternatives", i,
+              json_string_value(tok_i));
+}
+
+Test(server, logprobs_of_a_long_choice)
+{
+    long st;
+    json_t *j = post_json(&S, "/v1/completions",
+                          "{\"prompt\":\"a b c\",\"max_tokens\":150,\"ignore_eos\":true,\"temperature\":0,"
+                          "\"logprobs\":3,\"n\":2}",
+                          &st);
+    cr_assert_eq(st, 200);
+    json_t *choices = json_object_get(j, "choices");
+    cr_assert_eq(json_array_size(choices), 2);
+    for (size_t c = 0; c < 2; c++) {
+        json_t *lp = json_object_get(json_array_get(choices, c), "logprobs");
+        json_t *tl = json_object_get(lp, "token_logprobs"), *tops = json_object_get(lp, "top_logprobs");
+        json_t *toks = json_object_get(lp, "tokens");
+        cr_assert_eq(json_array_size(tl), 150);
+        cr_assert_eq(json_array_size(tops), 150);
+        for (size_t i = 0; i < 150; i++) {
+            expect_greedy_entry(json_array_get(tl, i), json_array_get(toks, i), json_array_get(tops, i), 3, i);
+        }
+    }
+    json_decref(j);
+
+    /* the same streamed: the entries arrive spread over the chunks */
+    char *raw = post_stream(&S, "/v1/completions",
+                            "{\"prompt\":\"a b c\",\"max_tokens\":150,\"ignore_eos\":true,\"temperature\":0,"
+                            "\"logprobs\":3,\"stream\":true}",
+                            0, &st);
+    cr_assert_eq(st, 200);
+    bool done = false;
+    json_t *evs = sse_events(raw, &done);
+    cr_expect(done, "the stream ends with [DONE]");
+    size_t n = 0;
+    for (size_t e = 0; e < json_array_size(evs); e++) {
+        json_t *lp = json_object_get(json_array_get(json_object_get(json_array_get(evs, e), "choices"), 0), "logprobs");
+        if (json_is_object(lp)) {
+            json_t *tl = json_object_get(lp, "token_logprobs"), *tops = json_object_get(lp, "top_logprobs");
+            json_t *toks = json_object_get(lp, "tokens");
+            for (size_t i = 0; i < json_array_size(tl); i++, n++) {
+                expect_greedy_entry(json_array_get(tl, i), json_array_get(toks, i), json_array_get(tops, i), 3, n);
+            }
+        }
+    }
+    cr_expect_eq(n, 150, "%zu entries streamed", n);
+    json_decref(evs);
+    free(raw);
+}
+
 Test(server, chat_completion_and_stream)
 {
     long st;

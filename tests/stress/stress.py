@@ -339,6 +339,18 @@ class Suite:
                 break
             await asyncio.sleep(0.05)
         row["idle_s"] = idle_at
+        if idle_at is None and "/metrics" in last:
+            # the server does not answer: when its process is on its way out (a process holding a GPU
+            # can take many seconds to end), wait for it and say how it ended, with its log's end
+            t1 = time.monotonic()
+            while self.srv.alive() and time.monotonic() - t1 < 60:
+                await asyncio.sleep(0.2)
+            if not self.srv.alive():
+                rc = self.srv.proc.returncode
+                how = f"signal {signal.Signals(-rc).name}" if rc is not None and rc < 0 else f"exit status {rc}"
+                self.fail(phase, f"krait serve died during the phase ({how}; /metrics: {last['/metrics']})\n"
+                                 f"{self.srv.log_tail(60)}")
+                raise Abort("the server is gone")
         if idle_at is None or idle_at > a.idle_timeout:
             vals = ", ".join(f"{k} = {v:g}" if isinstance(v, float) else f"{k}: {v}" for k, v in last.items())
             later = (f"; they got there after {idle_at:.2f} s" if idle_at is not None else
