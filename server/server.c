@@ -184,6 +184,7 @@ struct srv {
     double cut_at;
     bool device_failed;        /* the engine reported a lost device: 503 everywhere, exit 3 */
     bool stopping;             /* stop_everything ran */
+    bool gone_close;           /* on_access just closed a connection whose client had left (see mhd_logger) */
     int exit_code;
     kr_backend_t be;
     struct kr_model *m;
@@ -1558,6 +1559,7 @@ static enum MHD_Result on_access(void *cls, struct MHD_Connection *conn, const c
     struct srv *s = cls;
     struct hreq *h = *con_cls;
     (void)version;
+    s->gone_close = false;
     if (!h) { /* headers are in */
         h = kr_calloc(1, sizeof *h);
         if (!h) {
@@ -1613,7 +1615,8 @@ static enum MHD_Result on_access(void *cls, struct MHD_Connection *conn, const c
         return MHD_YES;
     }
     if (h->gone) {
-        return MHD_NO; /* the client hung up before its answer: close (on_completed cancels) */
+        s->gone_close = true; /* MHD logs this close as an internal error: an ordinary disconnect */
+        return MHD_NO;        /* the client hung up before its answer: close (on_completed cancels) */
     }
     switch (h->prep_state) {
     case PREP_RUNNING: /* woken early: keep waiting for the worker */
@@ -1725,7 +1728,7 @@ static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
  * anything else is a warning. */
 static void mhd_logger(void *cls, const char *fmt, va_list ap)
 {
-    (void)cls;
+    struct srv *s = cls;
     char line[512];
     vsnprintf(line, sizeof line, fmt, ap);
     size_t n = strlen(line);
@@ -1738,6 +1741,10 @@ static void mhd_logger(void *cls, const char *fmt, va_list ap)
     bool debug = false;
     for (size_t i = 0; i < sizeof ordinary / sizeof ordinary[0]; i++) {
         debug |= strstr(line, ordinary[i]) != NULL;
+    }
+    if (s && s->gone_close && strstr(line, "internal error")) {
+        debug = true; /* on_access closed the connection of a client that had left */
+        s->gone_close = false;
     }
     kr_log(debug ? KR_LOG_LEVEL_DEBUG : KR_LOG_LEVEL_WARN, "http: %s", line);
 }
