@@ -1533,15 +1533,14 @@ static enum kr_status cuda_graph_run(kr_backend_t be, int32_t key, bool *launche
 static enum kr_status cuda_end_batch(kr_backend_t be, bool ok)
 {
     struct cuda_ctx *c = ctx_of(be);
-    const enum kr_status st = KR_OK;
     if (!c->capturing) {
         prof_collect(c);
-        return st;
+        return KR_OK;
     }
     c->capturing = false;
     cudaGraph_t g = NULL;
     cudaError_t e = cudaStreamEndCapture(c->stream, &g);
-    if (e != cudaSuccess || !ok || st != KR_OK) {
+    if (e != cudaSuccess || !ok) {
         if (g) {
             cudaGraphDestroy(g);
         }
@@ -1549,7 +1548,7 @@ static enum kr_status cuda_end_batch(kr_backend_t be, bool ok)
         if (e != cudaSuccess) {
             return cu_fail(c, e, "cudaStreamEndCapture", __FILE__, __LINE__);
         }
-        return st != KR_OK ? st : KR_ERR_INTERNAL;
+        return KR_ERR_INTERNAL;
     }
     cudaGraphExec_t exec = NULL;
     e = cudaGraphInstantiate(&exec, g, 0);

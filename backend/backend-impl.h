@@ -31,7 +31,7 @@ struct kr_backend_i {
     enum kr_status (*reserve)(kr_backend_t be, const struct kr_model_config *c, int64_t n_tok, int64_t n_seq,
                               int64_t max_ctx, int32_t block_size);
     enum kr_status (*begin_batch)(kr_backend_t be, const struct kr_batch *b);
-    /* (optional) ends the step begun by begin_batch (ok: every op succeeded): deferred work runs,
+    /* (optional) ends the step begun by begin_batch (ok: every op succeeded): timings are collected,
      * a graph being captured is instantiated and launched */
     enum kr_status (*end_batch)(kr_backend_t be, bool ok);
     /* (optional) graphs of decode steps: graph_bucket gives the padded batch size a graph of n
