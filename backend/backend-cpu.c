@@ -166,12 +166,30 @@ static enum kr_status cpu_embed(kr_backend_t be, const struct kr_tensor *w, floa
     return KR_OK;
 }
 
-static enum kr_status cpu_rmsnorm_strided(kr_backend_t be, const float *x, int64_t ldx, const float *w, int64_t n,
-                                          int64_t dim, float eps, float *out)
+/* The bf16 copy of an op's output (the operand of the GEMM that reads it next; the CPU's GEMMs read
+ * the fp32 rows, but the op writes what it is asked for). */
+static void write_bf16(krk_bf16 *dst, const float *src, int64_t n)
 {
     for (int64_t i = 0; i < n; i++) {
-        const float *xi = x + i * ldx;
-        float *oi = out + i * dim;
+        dst[i] = kr_f32_to_bf16(src[i]);
+    }
+}
+
+/* x += res first when res (the residual stream), then out = rmsnorm(x) * w: exactly an add followed
+ * by the norm. */
+static enum kr_status cpu_rmsnorm(kr_backend_t be, const struct krk_rmsnorm_params *p)
+{
+    const int64_t n = p->n, dim = p->dim, ldx = p->ldx;
+    const float *w = p->w;
+    const float eps = p->eps;
+    for (int64_t i = 0; i < n; i++) {
+        float *xi = p->x + i * ldx;
+        float *oi = p->out + i * dim;
+        if (p->res) {
+            for (int64_t j = 0; j < dim; j++) {
+                xi[j] += p->res[i * dim + j];
+            }
+        }
         float ss = 0.0f;
         for (int64_t j = 0; j < dim; j++) {
             ss += xi[j] * xi[j];
@@ -181,18 +199,18 @@ static enum kr_status cpu_rmsnorm_strided(kr_backend_t be, const float *x, int64
             oi[j] = xi[j] * r * w[j];
         }
     }
+    if (p->out_bf16) {
+        write_bf16(p->out_bf16, p->out, n * dim);
+    }
     return KR_OK;
 }
 
-static enum kr_status cpu_rmsnorm(kr_backend_t be, const float *x, const float *w, int64_t n, int64_t dim, float eps,
-                                  float *out)
+static enum kr_status cpu_layernorm(kr_backend_t be, const struct krk_layernorm_params *p)
 {
-    return cpu_rmsnorm_strided(be, x, dim, w, n, dim, eps, out);
-}
-
-static enum kr_status cpu_layernorm(kr_backend_t be, const float *x, int64_t ldx, const float *w, const float *b,
-                                    int64_t n, int64_t dim, float eps, float *out)
-{
+    const float *x = p->x, *w = p->w, *b = p->b;
+    const int64_t n = p->n, dim = p->dim, ldx = p->ldx;
+    const float eps = p->eps;
+    float *out = p->out;
     for (int64_t i = 0; i < n; i++) {
         const float *xi = x + i * ldx;
         float *oi = out + i * dim;
@@ -206,7 +224,7 @@ static enum kr_status cpu_layernorm(kr_backend_t be, const float *x, int64_t ldx
         }
         const float r = 1.0f / sqrtf(var / (float)dim + eps);
         for (int64_t j = 0; j < dim; j++) {
-            oi[j] = (xi[j] - mean) * r * w[j] + b[j];
+            oi[j] = (xi[j] - mean) * r * w[j] + (b ? b[j] : 0.0f);
         }
     }
     return KR_OK;
@@ -228,14 +246,17 @@ static enum kr_status cpu_add(kr_backend_t be, float *y, const float *x, int64_t
     return KR_OK;
 }
 
-static enum kr_status cpu_act(kr_backend_t be, enum kr_act act, const float *gate, const float *x, int64_t ld_in,
-                              int64_t n, int64_t width, float *out)
+static enum kr_status cpu_act(kr_backend_t be, const struct krk_act_params *p)
 {
-    for (int64_t t = 0; t < n; t++) {
+    const int64_t ld_in = p->ld_in, width = p->width;
+    for (int64_t t = 0; t < p->n; t++) {
         for (int64_t j = 0; j < width; j++) {
-            float v = x[t * ld_in + j];
-            out[t * width + j] = gate ? act_apply(act, gate[t * ld_in + j]) * v : act_apply(act, v);
+            float v = p->x[t * ld_in + j];
+            p->out[t * width + j] = p->gate ? act_apply(p->act, p->gate[t * ld_in + j]) * v : act_apply(p->act, v);
         }
+    }
+    if (p->out_bf16) {
+        write_bf16(p->out_bf16, p->out, p->n * width);
     }
     return KR_OK;
 }
@@ -281,9 +302,11 @@ static enum kr_status matmul_impl(int n_threads, const float *x, int64_t ldx, in
     return KR_OK;
 }
 
+/* The reference GEMM reads x in fp32: a bf16 operand (xb) is never read here. */
 static enum kr_status cpu_matmul(kr_backend_t be, const float *x, int64_t ldx, int64_t n, const struct kr_tensor *w,
-                                 const float *bias, float *y, int64_t ldy)
+                                 const float *bias, float *y, int64_t ldy, const struct krk_bf16_in *xb)
 {
+    (void)xb;
     if (n == 0) {
         return KR_OK;
     }
@@ -445,9 +468,12 @@ static enum kr_status cpu_mamba(kr_backend_t be, const struct kr_mamba_params *p
     return KR_OK;
 }
 
-static enum kr_status cpu_gated_rmsnorm(kr_backend_t be, const float *y, const float *z, int64_t ldz, const float *w,
-                                        int64_t n, int64_t dim, int64_t group, float eps, float *out)
+static enum kr_status cpu_gated_rmsnorm(kr_backend_t be, const struct krk_gated_rmsnorm_params *p)
 {
+    const float *y = p->y, *z = p->z, *w = p->w;
+    const int64_t ldz = p->ldz, n = p->n, dim = p->dim, group = p->group;
+    const float eps = p->eps;
+    float *out = p->out;
     for (int64_t t = 0; t < n; t++) {
         const float *yt = y + t * dim, *zt = z + t * ldz;
         float *ot = out + t * dim;
@@ -465,6 +491,9 @@ static enum kr_status cpu_gated_rmsnorm(kr_backend_t be, const float *y, const f
             }
         }
     }
+    if (p->out_bf16) {
+        write_bf16(p->out_bf16, out, n * dim);
+    }
     return KR_OK;
 }
 
@@ -477,7 +506,7 @@ static float *kv_row(void *cache, const struct kr_batch *b, int32_t s, int32_t p
     return (float *)cache + ((int64_t)blk * block_size + pos % block_size) * row;
 }
 
-static enum kr_status cpu_attention(kr_backend_t be, const struct kr_attn_params *p)
+static enum kr_status cpu_attention(kr_backend_t be, const struct krk_attn_params *p)
 {
     struct cpu_ctx *ctx = ctx_of(be);
     const struct kr_batch *b = ctx->batch;
@@ -545,8 +574,9 @@ static enum kr_status cpu_attention(kr_backend_t be, const struct kr_attn_params
 
 /* ---- MoE ------------------------------------------------------------------------------------ */
 
-static enum kr_status cpu_moe_route(kr_backend_t be, const struct kr_route_params *p, int64_t n)
+static enum kr_status cpu_moe_route(kr_backend_t be, const struct krk_route_params *p)
 {
+    const int64_t n = p->n;
     const int64_t E = p->n_expert, per_group = E / p->n_group;
     float *buf = kr_malloc((size_t)(3 * E + p->n_group) * sizeof(float));
     if (!buf) {
@@ -676,10 +706,10 @@ static enum kr_status cpu_moe_experts(kr_backend_t be, const struct kr_experts_p
             if ((st = matmul_impl(ctx->n_threads, xs, p->d_in, m, &p->gate[e], NULL, hg, p->d_ffn)) != KR_OK) {
                 goto out;
             }
-            cpu_act(be, p->act, hg, hu, p->d_ffn, m, p->d_ffn, hu);
-        } else {
-            cpu_act(be, p->act, NULL, hu, p->d_ffn, m, p->d_ffn, hu);
         }
+        const struct krk_act_params ap = {.act = p->act, .gate = p->gate ? hg : NULL, .x = hu, .ld_in = p->d_ffn,
+                                          .n = m, .width = p->d_ffn, .out = hu};
+        cpu_act(be, &ap);
         if ((st = matmul_impl(ctx->n_threads, hu, p->d_ffn, m, &p->down[e], NULL, ys, p->d_out)) != KR_OK) {
             goto out;
         }
@@ -740,7 +770,7 @@ static float *latent_row(const void *cache, const struct kr_batch *b, int32_t s,
     return (float *)cache + ((int64_t)blk * block_size + pos % block_size) * row;
 }
 
-static enum kr_status cpu_mla_cache_write(kr_backend_t be, const struct kr_mla_cache_params *p)
+static enum kr_status cpu_mla_cache_write(kr_backend_t be, const struct krk_mla_cache_params *p)
 {
     const struct kr_batch *b = ctx_of(be)->batch;
     const int64_t row = p->kv_lora + p->rope + p->idx_dim;
@@ -928,7 +958,7 @@ static enum kr_status cpu_sample(kr_backend_t be, const struct kr_sample_batch *
     }
     enum kr_status st = KR_OK;
     for (int64_t i = 0; i < sb->n && st == KR_OK; i++) {
-        const struct kr_sample_row *r = &sb->rows[i];
+        const struct krk_sample_row *r = &sb->rows[i];
         const float *row = sb->logits + i * sb->ld;
         int32_t tok = -1;
         if (r->pen_off < 0 || r->pen_n < 0 || (int64_t)r->pen_off + r->pen_n > sb->n_pen) {
@@ -965,7 +995,7 @@ static enum kr_status cpu_sample(kr_backend_t be, const struct kr_sample_batch *
 
 /* ---- FP8 indexer path ------------------------------------------------------------------------ */
 
-static enum kr_status cpu_fp8_round(kr_backend_t be, const struct kr_fp8_round_params *p)
+static enum kr_status cpu_fp8_round(kr_backend_t be, const struct krk_fp8_round_params *p)
 {
     if (p->dim < 1 || p->block < 1 || p->dim % p->block != 0 || p->n < 0 || p->ld < p->dim) {
         return KR_ERR_INVAL;
@@ -1070,7 +1100,6 @@ kr_backend_t kr_backend_cpu_create(int n_threads)
         .moe_experts = cpu_moe_experts,
         .gather_out = cpu_gather_out,
         .layernorm = cpu_layernorm,
-        .rmsnorm_strided = cpu_rmsnorm_strided,
         .scale = cpu_scale,
         .rope = cpu_rope,
         .mla_cache_write = cpu_mla_cache_write,

@@ -5,11 +5,11 @@
  * scratch reserved for the largest step), never while serving. Decode steps are captured as CUDA
  * graphs per batch-size bucket and replayed.
  *
- * Two internal fusions keep the op interface unchanged:
- *  - a residual add (kr_backend_add) is deferred and fused into the RMSNorm that reads its result
- *    (the next layer's pre-norm), and executed by any other op first;
- *  - the ops that produce a GEMM input (RMSNorm, gated RMSNorm, activation) also write it in bf16,
- *    and matmul uses that copy instead of converting again ("shadow" below).
+ * The ops take the parameter structs of kernels/include/krk/ops.h and hand them to the launchers as
+ * they are, with the device's part (stream, batch, scratch) in a struct krk_ctx. No state is carried
+ * from one op to the next: the fusions are the forward pass's requests (the residual of
+ * krk_rmsnorm_params.res; the bf16 GEMM operand an op writes with out_bf16 and a matmul reads through
+ * struct krk_bf16_in).
  * One instance drives one device: a tensor-parallel rank is one instance holding its shard. */
 #include "backend-impl.h"
 #include "sampler.h"
@@ -100,21 +100,10 @@ struct cuda_ctx {
     /* scratch: op workspaces (SSD, attention, MLA, expert hidden rows, sampling) */
     void *scratch;
     size_t scratch_size;
-    /* bf16 GEMM operand; the rows of one fp32 activation (shadow.src) rounded to bf16 */
+    /* staging of a bf16 GEMM operand for callers that give no room of their own (struct
+     * krk_bf16_in); allocated on first use (the forward pass always gives room) */
     krk_bf16 *xb;
     size_t xb_cap;         /* elements */
-    struct {
-        const float *src;
-        int64_t ld, n, cols;
-        bool valid;
-    } shadow;
-    /* deferred residual add y += x over n floats */
-    struct {
-        float *y;
-        const float *x;
-        int64_t n;
-        bool on;
-    } pend;
     /* device arrays of expert weight pointers, filled on first use */
     void **ptr_table;      /* device [ptr_cap] */
     size_t ptr_cap, ptr_used;
@@ -466,12 +455,9 @@ static enum kr_status cuda_upload(kr_backend_t be, const struct kr_tensor *host,
     return KR_OK;
 }
 
-static enum kr_status flush_pending(struct cuda_ctx *c);
-
 static enum kr_status cuda_copy(kr_backend_t be, void *dst, const void *src, size_t n, enum cudaMemcpyKind kind)
 {
     struct cuda_ctx *c = ctx_of(be);
-    KR_TRY(flush_pending(c));
     if (n == 0) {
         return KR_OK;
     }
@@ -536,7 +522,6 @@ static enum kr_status ensure_xb(struct cuda_ctx *c, size_t elems)
     KR_TRY(dev_alloc(c, elems * 2, &p));
     c->xb = p;
     c->xb_cap = elems;
-    c->shadow.valid = false;
     graphs_clear(c);
     return KR_OK;
 }
@@ -692,7 +677,6 @@ static enum kr_status cuda_reserve(kr_backend_t be, const struct kr_model_config
     wide = max64(wide, m->moe_ffn);
     wide = max64(wide, m->q_lora);
     wide = max64(wide, m->mla_heads * m->v_head);
-    KR_TRY(ensure_xb(c, (size_t)(n_tok * wide)));
     if (c->skinny_max >= 2) {
         /* counters for products of up to the vocabulary's or 16 activations' rows (a product with
          * more takes cuBLAS), and the partial sums of the resident blocks */
@@ -734,8 +718,6 @@ static enum kr_status cuda_begin_batch(kr_backend_t be, const struct kr_batch *b
         KR_LOG_ERROR("cuda: the device hit an unrecoverable error earlier; refusing work");
         return KR_ERR_CUDA;
     }
-    KR_TRY(flush_pending(c));
-    c->shadow.valid = false;
     const size_t nt = (size_t)b->n_tok, ns = (size_t)b->n_seq, bt = ns * (size_t)b->max_blocks;
     const size_t total = 4 * nt + 3 * ns + 1 + bt + (size_t)b->n_out + 8;
     KR_TRY(ensure_meta(c, total));
@@ -800,29 +782,19 @@ static enum kr_status cuda_begin_batch(kr_backend_t be, const struct kr_batch *b
     return KR_OK;
 }
 
-/* Executes a deferred residual add. */
-static enum kr_status flush_pending(struct cuda_ctx *c)
-{
-    if (!c->pend.on) {
-        return KR_OK;
-    }
-    c->pend.on = false;
-    return krk_add(c->pend.y, c->pend.x, c->pend.n, c->stream);
-}
-
-/* Every op but matmul and the fused RMSNorm starts here: the deferred add runs first and the
- * bf16 shadow is forgotten (the op may overwrite its source). */
+/* Every op starts here: a backend whose device failed refuses work. */
 static enum kr_status op_enter(struct cuda_ctx *c)
 {
-    if (c->failed) {
-        return KR_ERR_CUDA;
-    }
-    c->shadow.valid = false;
-    return flush_pending(c);
+    return c->failed ? KR_ERR_CUDA : KR_OK;
 }
 
-/* Sets up the bf16 copy an op may write of its n x cols output (for the GEMM that reads it next);
- * NULL when the next GEMM will not want it (decode rows go through krk_gemv in fp32). */
+/* The device's part of a launch: the stream, the step's batch and the scratch. */
+static struct krk_ctx launch_ctx(const struct cuda_ctx *c)
+{
+    return (struct krk_ctx){.stream = c->stream, .batch = c->batch, .workspace = c->scratch,
+                            .workspace_bytes = c->scratch_size};
+}
+
 /* Rows up to this many take krk_gemv (fp32 x), more take cuBLAS (bf16 x): on an H200 the GEMV reads
  * the decode step's weights faster at n = 1 (3.92 vs 4.28 ms a Nemotron-H-8B step), 1-2 % slower at
  * n = 2 (4.40 vs 4.30) and far slower from n = 3 (bench_gemv, docs/PERF.md). */
@@ -847,17 +819,11 @@ _Static_assert((int)KRK_MLA_ATTN_PER_HEAD == (int)KR_MLA_ATTN_PER_HEAD &&
                    (int)KRK_DSA_SELECT_SPLIT == (int)KR_DSA_SELECT_SPLIT,
                "KRAIT_MLA_ATTN, KRAIT_DSA_SCORE and KRAIT_DSA_SELECT values");
 
-static krk_bf16 *shadow_for(struct cuda_ctx *c, const float *out, int64_t n, int64_t cols)
+/* GEMMs of more than GEMV_ROWS rows read bf16 operands: the forward pass asks the ops writing their
+ * inputs for the bf16 copies (out_bf16) at those row counts only. */
+static bool cuda_bf16_operands(kr_backend_t be, int64_t n)
 {
-    if (n <= GEMV_ROWS || (size_t)(n * cols) > c->xb_cap) {
-        return NULL;
-    }
-    c->shadow.src = out;
-    c->shadow.ld = cols;
-    c->shadow.n = n;
-    c->shadow.cols = cols;
-    c->shadow.valid = true;
-    return c->xb;
+    return n > GEMV_ROWS;
 }
 
 /* ---- ops ---------------------------------------------------------------------------------- */
@@ -873,51 +839,18 @@ static enum kr_status cuda_embed_impl(kr_backend_t be, const struct kr_tensor *w
     return krk_embed(w->data, c->batch.tokens, c->batch.n_tok, w->cols, out, c->stream);
 }
 
-static enum kr_status norm_impl(struct cuda_ctx *c, const float *x, int64_t ldx, const float *w, int64_t n,
-                                int64_t dim, float eps, float *out)
-{
-    const float *res = NULL;
-    /* fuse the deferred residual add when this norm reads exactly its result */
-    if (c->pend.on && c->pend.y == x && c->pend.n == n * dim && ldx == dim && out != x) {
-        res = c->pend.x;
-        c->pend.on = false;
-    } else {
-        KR_TRY(flush_pending(c));
-    }
-    c->shadow.valid = false;
-    struct krk_rmsnorm_params p = {.x = (float *)x, .ldx = ldx, .res = res, .w = w, .n = n, .dim = dim, .eps = eps,
-                                   .out = out, .out_bf16 = NULL};
-    p.out_bf16 = shadow_for(c, out, n, dim);
-    return krk_rmsnorm(&p, c->stream);
-}
-
-static enum kr_status cuda_rmsnorm_impl(kr_backend_t be, const float *x, const float *w, int64_t n, int64_t dim, float eps,
-                                   float *out)
-{
-    struct cuda_ctx *c = ctx_of(be);
-    if (c->failed) {
-        return KR_ERR_CUDA;
-    }
-    return norm_impl(c, x, dim, w, n, dim, eps, out);
-}
-
-static enum kr_status cuda_rmsnorm_strided_impl(kr_backend_t be, const float *x, int64_t ldx, const float *w, int64_t n,
-                                           int64_t dim, float eps, float *out)
-{
-    struct cuda_ctx *c = ctx_of(be);
-    if (c->failed) {
-        return KR_ERR_CUDA;
-    }
-    return norm_impl(c, x, ldx, w, n, dim, eps, out);
-}
-
-static enum kr_status cuda_layernorm_impl(kr_backend_t be, const float *x, int64_t ldx, const float *w, const float *b,
-                                     int64_t n, int64_t dim, float eps, float *out)
+static enum kr_status cuda_rmsnorm_impl(kr_backend_t be, const struct krk_rmsnorm_params *p)
 {
     struct cuda_ctx *c = ctx_of(be);
     KR_TRY(op_enter(c));
-    struct krk_layernorm_params p = {.x = x, .ldx = ldx, .w = w, .b = b, .n = n, .dim = dim, .eps = eps, .out = out};
-    return krk_layernorm(&p, c->stream);
+    return krk_rmsnorm(p, c->stream);
+}
+
+static enum kr_status cuda_layernorm_impl(kr_backend_t be, const struct krk_layernorm_params *p)
+{
+    struct cuda_ctx *c = ctx_of(be);
+    KR_TRY(op_enter(c));
+    return krk_layernorm(p, c->stream);
 }
 
 static enum kr_status cuda_scale_impl(kr_backend_t be, float *y, float s, int64_t n)
@@ -929,7 +862,7 @@ static enum kr_status cuda_scale_impl(kr_backend_t be, float *y, float s, int64_
 
 /* The DSA indexer's FP8 path: krk_fp8_round is the CPU reference's fp8_round bit for bit (tested);
  * it always applies the Hadamard transform, as the indexer does. */
-static enum kr_status cuda_fp8_round_impl(kr_backend_t be, const struct kr_fp8_round_params *p)
+static enum kr_status cuda_fp8_round_impl(kr_backend_t be, const struct krk_fp8_round_params *p)
 {
     struct cuda_ctx *c = ctx_of(be);
     if (!p->hadamard) {
@@ -943,20 +876,14 @@ static enum kr_status cuda_fp8_round_impl(kr_backend_t be, const struct kr_fp8_r
         return KR_OK;
     }
     KR_TRY(op_enter(c));
-    const struct krk_fp8_round_params k = {.x = p->x, .ld = p->ld, .n = p->n, .dim = p->dim, .block = p->block,
-                                           .ue8m0 = p->ue8m0};
-    return krk_fp8_round(&k, c->stream);
+    return krk_fp8_round(p, c->stream);
 }
 
 static enum kr_status cuda_add(kr_backend_t be, float *y, const float *x, int64_t n)
 {
     struct cuda_ctx *c = ctx_of(be);
     KR_TRY(op_enter(c));
-    c->pend.y = y;
-    c->pend.x = x;
-    c->pend.n = n;
-    c->pend.on = true;
-    return KR_OK;
+    return krk_add(y, x, n, c->stream);
 }
 
 static bool overlaps(const void *a, size_t an, const void *b, size_t bn)
@@ -965,25 +892,29 @@ static bool overlaps(const void *a, size_t an, const void *b, size_t bn)
     return pa < pb + bn && pb < pa + an;
 }
 
-/* x as bf16 for a tensor-core product: the copy an op wrote next to it (the shadow) when it covers
- * these rows and columns, else a cast of x into the staging buffer (which becomes the shadow). */
+/* x as bf16 for a tensor-core product (struct krk_bf16_in): the copy the op that wrote x filled, else a
+ * cast of x into the caller's room (or into the backend's staging when there is none). `used` (or
+ * NULL) receives the operand read, filled, for the next product of the same x within the op. */
 static enum kr_status bf16_x(struct cuda_ctx *c, const float *x, int64_t ldx, int64_t n, int64_t cols,
-                             const krk_bf16 **xb, int64_t *ldb)
+                             const struct krk_bf16_in *in, const krk_bf16 **xb, int64_t *ldb,
+                             struct krk_bf16_in *used)
 {
-    if (c->shadow.valid && c->shadow.src == x && c->shadow.ld == ldx && c->shadow.n >= n && c->shadow.cols >= cols) {
-        *xb = c->xb;
-        *ldb = c->shadow.cols;
-        return KR_OK;
+    if (in && in->filled && in->data && in->ld >= cols) {
+        *xb = in->data;
+        *ldb = in->ld;
+    } else {
+        krk_bf16 *dst = in && in->data && in->cap >= n * cols ? in->data : NULL;
+        if (!dst) {
+            KR_TRY(ensure_xb(c, (size_t)(n * cols)));
+            dst = c->xb;
+        }
+        KR_TRY(krk_cast_bf16(x, ldx, n, cols, dst, c->stream));
+        *xb = dst;
+        *ldb = cols;
     }
-    KR_TRY(ensure_xb(c, (size_t)(n * cols)));
-    KR_TRY(krk_cast_bf16(x, ldx, n, cols, c->xb, c->stream));
-    c->shadow.src = x;
-    c->shadow.ld = ldx;
-    c->shadow.n = n;
-    c->shadow.cols = cols;
-    c->shadow.valid = true;
-    *xb = c->xb;
-    *ldb = cols;
+    if (used) {
+        *used = (struct krk_bf16_in){.data = (krk_bf16 *)*xb, .ld = *ldb, .cap = n * *ldb, .filled = true};
+    }
     return KR_OK;
 }
 
@@ -997,7 +928,8 @@ static bool skinny_takes(const struct cuda_ctx *c, int64_t n, const struct kr_te
 /* One krk_skinny launch over k parts (their weights share cols); KR_ERR_UNSUPPORTED when the
  * workspace is too small for their rows (the caller takes cuBLAS). */
 static enum kr_status skinny_run(struct cuda_ctx *c, const float *x, int64_t ldx, int64_t n, int k,
-                                 const struct kr_matmul_part *parts, enum kr_act act, float *act_out)
+                                 const struct kr_matmul_part *parts, enum kr_act act, float *act_out,
+                                 const struct krk_bf16_in *in, struct krk_bf16_in *used)
 {
     struct krk_skinny_params p = {.n = n, .cols = parts[0].w->cols, .n_parts = k, .ws = c->sk_ws,
                                   .config = c->skinny_config,
@@ -1011,31 +943,25 @@ static enum kr_status skinny_run(struct cuda_ctx *c, const float *x, int64_t ldx
         return KR_ERR_UNSUPPORTED;
     }
     int64_t ldb = 0;
-    KR_TRY(bf16_x(c, x, ldx, n, p.cols, &p.xb, &ldb));
+    KR_TRY(bf16_x(c, x, ldx, n, p.cols, in, &p.xb, &ldb, used));
     if (ldb % 8 != 0) {
         return KR_ERR_UNSUPPORTED;
     }
     p.ldxb = ldb;
-    KR_TRY(krk_skinny(&p, c->stream));
-    /* an output may have overwritten the activation the shadow copies */
-    for (int i = 0; i < k && c->shadow.valid; i++) {
-        if (overlaps(parts[i].y, (size_t)(n * parts[i].ldy) * 4, c->shadow.src, (size_t)(c->shadow.n * c->shadow.ld) * 4) ||
-            (act_out && overlaps(act_out, (size_t)(n * p.ld_act) * 4, c->shadow.src,
-                                 (size_t)(c->shadow.n * c->shadow.ld) * 4))) {
-            c->shadow.valid = false;
-        }
-    }
-    return KR_OK;
+    return krk_skinny(&p, c->stream);
 }
 
-static enum kr_status cuda_matmul_impl(kr_backend_t be, const float *x, int64_t ldx, int64_t n, const struct kr_tensor *w,
-                                  const float *bias, float *y, int64_t ldy)
+/* One product; `used` (or NULL) receives the bf16 operand it read (filled: false when none). */
+static enum kr_status matmul_one(struct cuda_ctx *c, const float *x, int64_t ldx, int64_t n, const struct kr_tensor *w,
+                                 const float *bias, float *y, int64_t ldy, const struct krk_bf16_in *in,
+                                 struct krk_bf16_in *used)
 {
-    struct cuda_ctx *c = ctx_of(be);
+    if (used) {
+        used->filled = false;
+    }
     if (c->failed) {
         return KR_ERR_CUDA;
     }
-    KR_TRY(flush_pending(c));
     if (n <= 0) {
         return KR_OK;
     }
@@ -1057,25 +983,30 @@ static enum kr_status cuda_matmul_impl(kr_backend_t be, const float *x, int64_t 
     } else {
         if (skinny_takes(c, n, w)) {
             const struct kr_matmul_part part = {.w = w, .bias = bias, .y = y, .ldy = ldy};
-            st = skinny_run(c, x, ldx, n, 1, &part, KR_ACT_RELU2, NULL);
+            st = skinny_run(c, x, ldx, n, 1, &part, KR_ACT_RELU2, NULL, in, used);
             if (st != KR_ERR_UNSUPPORTED) {
                 return st;
+            }
+            if (used && used->filled) { /* rounded already, but rows the kernel cannot take: cuBLAS */
+                in = used;
             }
         }
         const krk_bf16 *xb = NULL;
         int64_t ldb = cols;
-        KR_TRY(bf16_x(c, x, ldx, n, cols, &xb, &ldb));
+        KR_TRY(bf16_x(c, x, ldx, n, cols, in, &xb, &ldb, used));
         const float one = 1.0f, zero = 0.0f;
         BLAS_TRY(cublasGemmEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)rows, (int)n, (int)cols, &one, w->data,
                               CUDA_R_16BF, (int)cols, xb, CUDA_R_16BF, (int)ldb, &zero, y, CUDA_R_32F, (int)ldy,
                               CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
         st = bias ? krk_add_bias(y, ldy, bias, n, rows, c->stream) : KR_OK;
     }
-    /* the output may have overwritten the activation the shadow copies */
-    if (c->shadow.valid && overlaps(y, (size_t)(n * ldy) * 4, c->shadow.src, (size_t)(c->shadow.n * c->shadow.ld) * 4)) {
-        c->shadow.valid = false;
-    }
     return st;
+}
+
+static enum kr_status cuda_matmul_impl(kr_backend_t be, const float *x, int64_t ldx, int64_t n, const struct kr_tensor *w,
+                                       const float *bias, float *y, int64_t ldy, const struct krk_bf16_in *xb)
+{
+    return matmul_one(ctx_of(be), x, ldx, n, w, bias, y, ldy, xb, NULL);
 }
 
 /* Weights that one krk_gemv launch can take for n rows of x (bf16, cols a multiple of 8). */
@@ -1087,7 +1018,7 @@ static bool gemv_takes(int64_t n, const struct kr_tensor *w)
 /* Decode rows: the products run as one GEMV launch (the small projections of one input then fill the
  * GPU together); otherwise one matmul after the other. */
 static enum kr_status cuda_matmul_multi_impl(kr_backend_t be, const float *x, int64_t ldx, int64_t n, int k,
-                                             const struct kr_matmul_part *parts)
+                                             const struct kr_matmul_part *parts, const struct krk_bf16_in *xb)
 {
     struct cuda_ctx *c = ctx_of(be);
     if (c->failed) {
@@ -1101,20 +1032,21 @@ static enum kr_status cuda_matmul_multi_impl(kr_backend_t be, const float *x, in
         fused = fused && ok && gemv_takes(n, q->w);
         sk = sk && ok && skinny_takes(c, n, q->w);
     }
+    struct krk_bf16_in cur = xb ? *xb : (struct krk_bf16_in){0}, used = {0};
     if (sk && k > 1) {
-        KR_TRY(flush_pending(c));
-        const enum kr_status st = skinny_run(c, x, ldx, n, k, parts, KR_ACT_RELU2, NULL);
+        const enum kr_status st = skinny_run(c, x, ldx, n, k, parts, KR_ACT_RELU2, NULL, &cur, &used);
         if (st != KR_ERR_UNSUPPORTED) {
             return st;
         }
+        cur = used.filled ? used : cur;
     }
-    if (!fused) {
+    if (!fused) { /* one product after the other, x rounded to bf16 once */
         for (int i = 0; i < k; i++) {
-            KR_TRY(cuda_matmul_impl(be, x, ldx, n, parts[i].w, parts[i].bias, parts[i].y, parts[i].ldy));
+            KR_TRY(matmul_one(c, x, ldx, n, parts[i].w, parts[i].bias, parts[i].y, parts[i].ldy, &cur, &used));
+            cur = used.filled ? used : cur;
         }
         return KR_OK;
     }
-    KR_TRY(flush_pending(c));
     struct krk_gemv_params p = {.x = x, .ldx = ldx, .w = parts[0].w->data, .bias = parts[0].bias, .n = n,
                                 .rows = parts[0].w->rows, .cols = parts[0].w->cols, .y = parts[0].y,
                                 .ldy = parts[0].ldy, .config = c->gemv_config, .n_more = k - 1};
@@ -1122,25 +1054,23 @@ static enum kr_status cuda_matmul_multi_impl(kr_backend_t be, const float *x, in
         p.more[i - 1] = (struct krk_gemv_part){.w = parts[i].w->data, .bias = parts[i].bias,
                                                .rows = parts[i].w->rows, .y = parts[i].y, .ldy = parts[i].ldy};
     }
-    c->shadow.valid = false; /* decode rows: no GEMM reads a bf16 shadow */
     return krk_gemv(&p, c->stream);
 }
 
-static enum kr_status cuda_act_impl(kr_backend_t be, enum kr_act act, const float *gate, const float *x, int64_t ld_in,
-                               int64_t n, int64_t width, float *out)
+static enum kr_status cuda_act_impl(kr_backend_t be, const struct krk_act_params *p)
 {
     struct cuda_ctx *c = ctx_of(be);
     KR_TRY(op_enter(c));
-    struct krk_act_params p = {.act = (enum krk_act)act, .gate = gate, .x = x, .ld_in = ld_in, .n = n,
-                               .width = width, .out = out, .out_bf16 = NULL};
-    p.out_bf16 = shadow_for(c, out, n, width);
-    return krk_act(&p, c->stream);
+    return krk_act(p, c->stream);
 }
 
-/* Decode rows: the activation is written by the GEMV's epilogue from the value it stores in y. */
+/* Decode rows: the activation is written by the GEMV's epilogue from the value it stores in y; a few
+ * rows: by the skinny kernel's epilogue, and out_bf16 rounded from out after it (the cast the next
+ * product would make). */
 static enum kr_status cuda_matmul_act_impl(kr_backend_t be, const float *x, int64_t ldx, int64_t n,
                                            const struct kr_tensor *w, const float *bias, float *y, int64_t ldy,
-                                           enum kr_act act, float *out)
+                                           enum kr_act act, float *out, krk_bf16 *out_bf16,
+                                           const struct krk_bf16_in *xb)
 {
     struct cuda_ctx *c = ctx_of(be);
     if (c->failed) {
@@ -1150,24 +1080,29 @@ static enum kr_status cuda_matmul_act_impl(kr_backend_t be, const float *x, int6
         !overlaps(y, (size_t)(n * ldy) * 4, x, (size_t)(n * ldx) * 4) &&
         !overlaps(out, (size_t)(n * w->rows) * 4, x, (size_t)(n * ldx) * 4) &&
         !overlaps(out, (size_t)(n * w->rows) * 4, y, (size_t)(n * ldy) * 4)) {
-        KR_TRY(flush_pending(c));
         struct krk_gemv_params p = {.x = x, .ldx = ldx, .w = w->data, .bias = bias, .n = n, .rows = w->rows,
                                     .cols = w->cols, .y = y, .ldy = ldy, .config = c->gemv_config,
                                     .act_out = out, .ld_act = w->rows, .act = (int)act};
-        c->shadow.valid = false;
-        return krk_gemv(&p, c->stream);
+        KR_TRY(krk_gemv(&p, c->stream));
+        return out_bf16 ? krk_cast_bf16(out, w->rows, n, w->rows, out_bf16, c->stream) : KR_OK;
     }
     if (n > 0 && skinny_takes(c, n, w) && ldy >= w->rows && (int)act >= (int)KR_ACT_RELU2 &&
         (int)act <= (int)KR_ACT_RELU && !overlaps(out, (size_t)(n * w->rows) * 4, y, (size_t)(n * ldy) * 4)) {
-        KR_TRY(flush_pending(c));
         const struct kr_matmul_part part = {.w = w, .bias = bias, .y = y, .ldy = ldy};
-        const enum kr_status st = skinny_run(c, x, ldx, n, 1, &part, act, out);
+        struct krk_bf16_in used = {0};
+        const enum kr_status st = skinny_run(c, x, ldx, n, 1, &part, act, out, xb, &used);
+        if (st == KR_OK && out_bf16) {
+            return krk_cast_bf16(out, w->rows, n, w->rows, out_bf16, c->stream);
+        }
         if (st != KR_ERR_UNSUPPORTED) {
             return st;
         }
+        xb = used.filled ? &used : xb;
     }
-    KR_TRY(cuda_matmul_impl(be, x, ldx, n, w, bias, y, ldy));
-    return cuda_act_impl(be, act, NULL, y, ldy, n, w->rows, out);
+    KR_TRY(cuda_matmul_impl(be, x, ldx, n, w, bias, y, ldy, xb));
+    const struct krk_act_params a = {.act = act, .x = y, .ld_in = ldy, .n = n, .width = w->rows, .out = out,
+                                     .out_bf16 = out_bf16};
+    return cuda_act_impl(be, &a);
 }
 
 static enum kr_status cuda_mamba(kr_backend_t be, const struct kr_mamba_params *p)
@@ -1202,18 +1137,14 @@ static enum kr_status cuda_mamba(kr_backend_t be, const struct kr_mamba_params *
     return sst;
 }
 
-static enum kr_status cuda_gated_rmsnorm_impl(kr_backend_t be, const float *y, const float *z, int64_t ldz, const float *w,
-                                         int64_t n, int64_t dim, int64_t group, float eps, float *out)
+static enum kr_status cuda_gated_rmsnorm_impl(kr_backend_t be, const struct krk_gated_rmsnorm_params *p)
 {
     struct cuda_ctx *c = ctx_of(be);
     KR_TRY(op_enter(c));
-    struct krk_gated_rmsnorm_params p = {.y = y, .z = z, .ldz = ldz, .w = w, .n = n, .dim = dim, .group = group,
-                                         .eps = eps, .out = out, .out_bf16 = NULL};
-    p.out_bf16 = shadow_for(c, out, n, dim);
-    return krk_gated_rmsnorm(&p, c->stream);
+    return krk_gated_rmsnorm(p, c->stream);
 }
 
-static enum kr_status cuda_attention_impl(kr_backend_t be, const struct kr_attn_params *p)
+static enum kr_status cuda_attention_impl(kr_backend_t be, const struct krk_attn_params *p)
 {
     struct cuda_ctx *c = ctx_of(be);
     KR_TRY(op_enter(c));
@@ -1221,22 +1152,15 @@ static enum kr_status cuda_attention_impl(kr_backend_t be, const struct kr_attn_
     if (ws > c->scratch_size) {
         KR_TRY(ensure_scratch(c, ws));
     }
-    struct krk_attn_params a = {.q = p->q, .k = p->k, .v = p->v, .ld_qkv = p->ld_qkv, .n_head = p->n_head,
-                                .n_kv_head = p->n_kv_head, .head_dim = p->head_dim, .scale = p->scale,
-                                .k_cache = p->k_cache, .v_cache = p->v_cache, .block_size = p->block_size,
-                                .out = p->out, .workspace = c->scratch, .batch = c->batch};
-    return krk_attn(&a, c->stream);
+    const struct krk_ctx k = launch_ctx(c);
+    return krk_attn(p, &k);
 }
 
-static enum kr_status cuda_moe_route_impl(kr_backend_t be, const struct kr_route_params *p, int64_t n)
+static enum kr_status cuda_moe_route_impl(kr_backend_t be, const struct krk_route_params *p)
 {
     struct cuda_ctx *c = ctx_of(be);
     KR_TRY(op_enter(c));
-    struct krk_route_params r = {.logits = p->logits, .bias = p->bias, .n = n, .n_expert = p->n_expert,
-                                 .n_used = p->n_used, .n_group = p->n_group, .topk_group = p->topk_group,
-                                 .norm_topk = p->norm_topk, .scale = p->scale, .score = (int)p->score,
-                                 .ids = p->ids, .weights = p->weights};
-    return krk_moe_route(&r, c->stream);
+    return krk_moe_route(p, c->stream);
 }
 
 /* Device array of the data pointers of `n` expert tensors (made once per array, then reused). */
@@ -1311,7 +1235,7 @@ static enum kr_status cuda_moe_experts_impl(kr_backend_t be, const struct kr_exp
     struct krk_experts_params e = {.x = p->x, .n = n, .d_in = p->d_in, .d_ffn = p->d_ffn, .d_out = p->d_out,
                                    .n_expert = p->n_expert, .n_used = p->n_used, .ids = p->ids,
                                    .weights = p->weights, .gate = g, .up = u, .down = d,
-                                   .act = (enum krk_act)p->act, .hidden = c->scratch, .out = p->out};
+                                   .act = p->act, .hidden = c->scratch, .out = p->out};
     return krk_moe_experts(&e, c->stream);
 }
 
@@ -1345,19 +1269,17 @@ static enum kr_status cuda_rope_pair_impl(kr_backend_t be, const struct kr_rope_
     return krk_rope(&r, c->stream);
 }
 
-static enum kr_status cuda_mla_cache_write_impl(kr_backend_t be, const struct kr_mla_cache_params *p)
+static enum kr_status cuda_mla_cache_write_impl(kr_backend_t be, const struct krk_mla_cache_params *p)
 {
     struct cuda_ctx *c = ctx_of(be);
     KR_TRY(op_enter(c));
-    struct krk_mla_cache_params w = {.c_kv = p->c_kv, .ld_ckv = p->ld_ckv, .k_pe = p->k_pe, .ld_kpe = p->ld_kpe,
-                                     .ik = p->ik, .kv_lora = p->kv_lora, .rope = p->rope, .idx_dim = p->idx_dim,
-                                     .cache = p->cache, .block_size = p->block_size, .batch = c->batch};
-    return krk_mla_cache_write(&w, c->stream);
+    const struct krk_ctx k = launch_ctx(c);
+    return krk_mla_cache_write(p, &k);
 }
 
 /* The key side of an MLA / DSA layer (and its q latent's norm) as one kernel; the FP8 round trip of
  * the index key runs as the individual ops. */
-static enum kr_status cuda_mla_prep_impl(kr_backend_t be, const struct kr_mla_prep_params *p)
+static enum kr_status cuda_mla_prep_impl(kr_backend_t be, const struct krk_mla_prep_params *p)
 {
     struct cuda_ctx *c = ctx_of(be);
     const int64_t row = p->kv_lora + p->rope + (p->ik ? p->idx_dim : 0);
@@ -1366,14 +1288,8 @@ static enum kr_status cuda_mla_prep_impl(kr_backend_t be, const struct kr_mla_pr
         return KR_ERR_UNSUPPORTED;
     }
     KR_TRY(op_enter(c));
-    const struct krk_mla_prep_params k = {.q_lat = p->q_lat, .q_dim = p->q_dim, .q_norm = p->q_norm, .kva = p->kva,
-                                          .kv_lora = p->kv_lora, .rope = p->rope, .kv_norm = p->kv_norm,
-                                          .ckv = p->ckv, .eps = p->eps, .inv_freq = p->inv_freq,
-                                          .factor = p->factor, .ik = p->ik, .idx_dim = p->idx_dim,
-                                          .ik_w = p->ik_norm_w, .ik_b = p->ik_norm_b, .idx_eps = p->idx_eps,
-                                          .w = p->w, .n_w = p->n_w, .w_scale = p->w_scale, .cache = p->cache,
-                                          .block_size = p->block_size, .batch = c->batch};
-    return krk_mla_prep(&k, c->stream);
+    const struct krk_ctx k = launch_ctx(c);
+    return krk_mla_prep(p, &k);
 }
 
 static struct krk_dsa_index_params dsa_index_args(const struct cuda_ctx *c, const struct kr_dsa_index_params *p,
@@ -1472,10 +1388,6 @@ static enum kr_status cuda_mla_attention(kr_backend_t be, const struct kr_mla_at
 
 /* ---- sampling ----------------------------------------------------------------------------- */
 
-_Static_assert(sizeof(struct kr_sample_row) == sizeof(struct krk_sample_row), "sample row layouts");
-_Static_assert(offsetof(struct kr_sample_row, u) == offsetof(struct krk_sample_row, u), "sample row layouts");
-_Static_assert(offsetof(struct kr_sample_row, pen_n) == offsetof(struct krk_sample_row, pen_n), "sample row layouts");
-
 /* Staging for sampling `total` bytes (reserved at start for the largest step; see cuda_reserve). */
 static enum kr_status ensure_samp(struct cuda_ctx *c, size_t total)
 {
@@ -1544,46 +1456,33 @@ static enum kr_status cuda_sample(kr_backend_t be, const struct kr_sample_batch 
     }
 
 TIMED(cuda_embed, P_EMBED, (kr_backend_t be, const struct kr_tensor *w, float *out), (be, w, out))
-TIMED(cuda_rmsnorm, P_NORM,
-      (kr_backend_t be, const float *x, const float *w, int64_t n, int64_t dim, float eps, float *out),
-      (be, x, w, n, dim, eps, out))
-TIMED(cuda_rmsnorm_strided, P_NORM,
-      (kr_backend_t be, const float *x, int64_t ldx, const float *w, int64_t n, int64_t dim, float eps, float *out),
-      (be, x, ldx, w, n, dim, eps, out))
-TIMED(cuda_layernorm, P_DSA,
-      (kr_backend_t be, const float *x, int64_t ldx, const float *w, const float *b, int64_t n, int64_t dim,
-       float eps, float *out),
-      (be, x, ldx, w, b, n, dim, eps, out))
+TIMED(cuda_rmsnorm, P_NORM, (kr_backend_t be, const struct krk_rmsnorm_params *p), (be, p))
+TIMED(cuda_layernorm, P_DSA, (kr_backend_t be, const struct krk_layernorm_params *p), (be, p))
 TIMED(cuda_scale, P_OTHER, (kr_backend_t be, float *y, float s, int64_t n), (be, y, s, n))
 TIMED(cuda_matmul, n <= GEMV_ROWS || n <= ctx_of(be)->skinny_max ? P_GEMV : P_GEMM,
       (kr_backend_t be, const float *x, int64_t ldx, int64_t n, const struct kr_tensor *w, const float *bias,
-       float *y, int64_t ldy),
-      (be, x, ldx, n, w, bias, y, ldy))
+       float *y, int64_t ldy, const struct krk_bf16_in *xb),
+      (be, x, ldx, n, w, bias, y, ldy, xb))
 TIMED(cuda_matmul_multi, n <= GEMV_ROWS || n <= ctx_of(be)->skinny_max ? P_GEMV : P_GEMM,
-      (kr_backend_t be, const float *x, int64_t ldx, int64_t n, int k, const struct kr_matmul_part *parts),
-      (be, x, ldx, n, k, parts))
+      (kr_backend_t be, const float *x, int64_t ldx, int64_t n, int k, const struct kr_matmul_part *parts,
+       const struct krk_bf16_in *xb),
+      (be, x, ldx, n, k, parts, xb))
 TIMED(cuda_matmul_act, n <= GEMV_ROWS || n <= ctx_of(be)->skinny_max ? P_GEMV : P_GEMM,
       (kr_backend_t be, const float *x, int64_t ldx, int64_t n, const struct kr_tensor *w, const float *bias,
-       float *y, int64_t ldy, enum kr_act act, float *out),
-      (be, x, ldx, n, w, bias, y, ldy, act, out))
-TIMED(cuda_act, P_ACT,
-      (kr_backend_t be, enum kr_act act, const float *gate, const float *x, int64_t ld_in, int64_t n, int64_t width,
-       float *out),
-      (be, act, gate, x, ld_in, n, width, out))
-TIMED(cuda_gated_rmsnorm, P_NORM,
-      (kr_backend_t be, const float *y, const float *z, int64_t ldz, const float *w, int64_t n, int64_t dim,
-       int64_t group, float eps, float *out),
-      (be, y, z, ldz, w, n, dim, group, eps, out))
-TIMED(cuda_attention, P_ATTN, (kr_backend_t be, const struct kr_attn_params *p), (be, p))
-TIMED(cuda_moe_route, P_MOE, (kr_backend_t be, const struct kr_route_params *p, int64_t n), (be, p, n))
+       float *y, int64_t ldy, enum kr_act act, float *out, krk_bf16 *out_bf16, const struct krk_bf16_in *xb),
+      (be, x, ldx, n, w, bias, y, ldy, act, out, out_bf16, xb))
+TIMED(cuda_act, P_ACT, (kr_backend_t be, const struct krk_act_params *p), (be, p))
+TIMED(cuda_gated_rmsnorm, P_NORM, (kr_backend_t be, const struct krk_gated_rmsnorm_params *p), (be, p))
+TIMED(cuda_attention, P_ATTN, (kr_backend_t be, const struct krk_attn_params *p), (be, p))
+TIMED(cuda_moe_route, P_MOE, (kr_backend_t be, const struct krk_route_params *p), (be, p))
 TIMED(cuda_moe_experts, P_MOE, (kr_backend_t be, const struct kr_experts_params *p, int64_t n), (be, p, n))
 TIMED(cuda_gather_out, P_EMBED, (kr_backend_t be, const float *src, int64_t width, float *dst), (be, src, width, dst))
 TIMED(cuda_rope, P_EMBED, (kr_backend_t be, const struct kr_rope_params *p), (be, p))
-TIMED(cuda_mla_cache_write, P_MLA, (kr_backend_t be, const struct kr_mla_cache_params *p), (be, p))
+TIMED(cuda_mla_cache_write, P_MLA, (kr_backend_t be, const struct krk_mla_cache_params *p), (be, p))
 TIMED(cuda_rope_pair, P_EMBED,
       (kr_backend_t be, const struct kr_rope_params *a, const struct kr_rope_params *b), (be, a, b))
-TIMED(cuda_mla_prep, P_MLA, (kr_backend_t be, const struct kr_mla_prep_params *p), (be, p))
-TIMED(cuda_fp8_round, P_DSA, (kr_backend_t be, const struct kr_fp8_round_params *p), (be, p))
+TIMED(cuda_mla_prep, P_MLA, (kr_backend_t be, const struct krk_mla_prep_params *p), (be, p))
+TIMED(cuda_fp8_round, P_DSA, (kr_backend_t be, const struct krk_fp8_round_params *p), (be, p))
 
 #undef TIMED
 
@@ -1607,7 +1506,6 @@ static enum kr_status cuda_graph_run(kr_backend_t be, int32_t key, bool *launche
 {
     struct cuda_ctx *c = ctx_of(be);
     *launched = false;
-    KR_TRY(flush_pending(c));
     for (int i = 0; i < c->n_graphs; i++) {
         if (c->graphs[i].key == key) {
             CU_TRY(c, cudaGraphLaunch(c->graphs[i].exec, c->stream));
@@ -1635,16 +1533,14 @@ static enum kr_status cuda_graph_run(kr_backend_t be, int32_t key, bool *launche
 static enum kr_status cuda_end_batch(kr_backend_t be, bool ok)
 {
     struct cuda_ctx *c = ctx_of(be);
-    enum kr_status st = ok ? flush_pending(c) : KR_OK;
-    c->pend.on = false;
     if (!c->capturing) {
         prof_collect(c);
-        return st;
+        return KR_OK;
     }
     c->capturing = false;
     cudaGraph_t g = NULL;
     cudaError_t e = cudaStreamEndCapture(c->stream, &g);
-    if (e != cudaSuccess || !ok || st != KR_OK) {
+    if (e != cudaSuccess || !ok) {
         if (g) {
             cudaGraphDestroy(g);
         }
@@ -1652,7 +1548,7 @@ static enum kr_status cuda_end_batch(kr_backend_t be, bool ok)
         if (e != cudaSuccess) {
             return cu_fail(c, e, "cudaStreamEndCapture", __FILE__, __LINE__);
         }
-        return st != KR_OK ? st : KR_ERR_INTERNAL;
+        return KR_ERR_INTERNAL;
     }
     cudaGraphExec_t exec = NULL;
     e = cudaGraphInstantiate(&exec, g, 0);
@@ -1757,6 +1653,7 @@ enum kr_status kr_backend_cuda_create_with(int dev, const struct kr_switches *sw
         .rmsnorm = cuda_rmsnorm,
         .add = cuda_add,
         .matmul = cuda_matmul,
+        .bf16_operands = cuda_bf16_operands,
         .act = cuda_act,
         .matmul_multi = cuda_matmul_multi,
         .matmul_act = cuda_matmul_act,
@@ -1769,7 +1666,6 @@ enum kr_status kr_backend_cuda_create_with(int dev, const struct kr_switches *sw
         .moe_experts = cuda_moe_experts,
         .gather_out = cuda_gather_out,
         .layernorm = cuda_layernorm,
-        .rmsnorm_strided = cuda_rmsnorm_strided,
         .scale = cuda_scale,
         .rope = cuda_rope,
         .mla_cache_write = cuda_mla_cache_write,

@@ -31,7 +31,7 @@ struct kr_backend_i {
     enum kr_status (*reserve)(kr_backend_t be, const struct kr_model_config *c, int64_t n_tok, int64_t n_seq,
                               int64_t max_ctx, int32_t block_size);
     enum kr_status (*begin_batch)(kr_backend_t be, const struct kr_batch *b);
-    /* (optional) ends the step begun by begin_batch (ok: every op succeeded): deferred work runs,
+    /* (optional) ends the step begun by begin_batch (ok: every op succeeded): timings are collected,
      * a graph being captured is instantiated and launched */
     enum kr_status (*end_batch)(kr_backend_t be, bool ok);
     /* (optional) graphs of decode steps: graph_bucket gives the padded batch size a graph of n
@@ -43,45 +43,42 @@ struct kr_backend_i {
     void (*graph_reset)(kr_backend_t be);
     /* out[t] = w[tokens[t]] for every token of the batch; w is [vocab, dim]. */
     enum kr_status (*embed)(kr_backend_t be, const struct kr_tensor *w, float *out);
-    /* out[i] = x[i] / sqrt(mean(x[i]^2) + eps) * w, rows of `dim`; out may alias x. */
-    enum kr_status (*rmsnorm)(kr_backend_t be, const float *x, const float *w, int64_t n, int64_t dim, float eps,
-                              float *out);
+    /* struct krk_rmsnorm_params: the residual added first when res, the bf16 copy when out_bf16 */
+    enum kr_status (*rmsnorm)(kr_backend_t be, const struct krk_rmsnorm_params *p);
     /* y[i] += x[i] for i < n. */
     enum kr_status (*add)(kr_backend_t be, float *y, const float *x, int64_t n);
-    /* y[t, :w.rows] = x[t, :w.cols] * w^T (+ bias) for t < n; row strides ldx, ldy. */
+    /* y[t, :w.rows] = x[t, :w.cols] * w^T (+ bias) for t < n; row strides ldx, ldy; xb (or NULL) the
+     * bf16 operand of x (struct krk_bf16_in) */
     enum kr_status (*matmul)(kr_backend_t be, const float *x, int64_t ldx, int64_t n, const struct kr_tensor *w,
-                             const float *bias, float *y, int64_t ldy);
+                             const float *bias, float *y, int64_t ldy, const struct krk_bf16_in *xb);
+    /* (optional) kr_backend_bf16_operands; false when NULL */
+    bool (*bf16_operands)(kr_backend_t be, int64_t n);
     /* (optional) kr_backend_matmul_multi / kr_backend_matmul_act (backend.h); when NULL they run
      * as matmul calls and act */
     enum kr_status (*matmul_multi)(kr_backend_t be, const float *x, int64_t ldx, int64_t n, int k,
-                                   const struct kr_matmul_part *parts);
+                                   const struct kr_matmul_part *parts, const struct krk_bf16_in *xb);
     enum kr_status (*matmul_act)(kr_backend_t be, const float *x, int64_t ldx, int64_t n, const struct kr_tensor *w,
-                                 const float *bias, float *y, int64_t ldy, enum kr_act act, float *out);
-    /* out[t, j] = act(gate[t, j]) * x[t, j] when gate is given, else act(x[t, j]); inputs have row
-     * stride ld_in, out is [n, width] dense. */
-    enum kr_status (*act)(kr_backend_t be, enum kr_act act, const float *gate, const float *x, int64_t ld_in,
-                          int64_t n, int64_t width, float *out);
+                                 const float *bias, float *y, int64_t ldy, enum kr_act act, float *out,
+                                 krk_bf16 *out_bf16, const struct krk_bf16_in *xb);
+    /* struct krk_act_params */
+    enum kr_status (*act)(kr_backend_t be, const struct krk_act_params *p);
     /* Causal depthwise conv (+SiLU) with carried state, then the selective state space update over
      * every sequence of the batch (chunked SSD for several tokens, the exact recurrence for one).
      * A sequence whose seq_pos0 is 0 starts from zero conv and SSM state. Final states are
      * written back to the sequence's slot. */
     enum kr_status (*mamba)(kr_backend_t be, const struct kr_mamba_params *p);
-    /* out = rmsnorm_grouped(y * silu(z)) * w with groups of `group` channels (gate before norm). */
-    enum kr_status (*gated_rmsnorm)(kr_backend_t be, const float *y, const float *z, int64_t ldz, const float *w,
-                                    int64_t n, int64_t dim, int64_t group, float eps, float *out);
-    enum kr_status (*attention)(kr_backend_t be, const struct kr_attn_params *p);
-    enum kr_status (*moe_route)(kr_backend_t be, const struct kr_route_params *p, int64_t n);
+    /* struct krk_gated_rmsnorm_params */
+    enum kr_status (*gated_rmsnorm)(kr_backend_t be, const struct krk_gated_rmsnorm_params *p);
+    enum kr_status (*attention)(kr_backend_t be, const struct krk_attn_params *p);
+    enum kr_status (*moe_route)(kr_backend_t be, const struct krk_route_params *p);
     enum kr_status (*moe_experts)(kr_backend_t be, const struct kr_experts_params *p, int64_t n);
     enum kr_status (*gather_out)(kr_backend_t be, const float *src, int64_t width, float *dst);
-    enum kr_status (*layernorm)(kr_backend_t be, const float *x, int64_t ldx, const float *w, const float *b,
-                                int64_t n, int64_t dim, float eps, float *out);
-    enum kr_status (*rmsnorm_strided)(kr_backend_t be, const float *x, int64_t ldx, const float *w, int64_t n,
-                                      int64_t dim, float eps, float *out);
+    enum kr_status (*layernorm)(kr_backend_t be, const struct krk_layernorm_params *p);
     enum kr_status (*scale)(kr_backend_t be, float *y, float s, int64_t n);
     enum kr_status (*rope)(kr_backend_t be, const struct kr_rope_params *p);
     /* (optional) kr_backend_rope_pair; KR_ERR_UNSUPPORTED: two rope calls */
     enum kr_status (*rope_pair)(kr_backend_t be, const struct kr_rope_params *a, const struct kr_rope_params *b);
-    enum kr_status (*mla_cache_write)(kr_backend_t be, const struct kr_mla_cache_params *p);
+    enum kr_status (*mla_cache_write)(kr_backend_t be, const struct krk_mla_cache_params *p);
     enum kr_status (*dsa_index)(kr_backend_t be, const struct kr_dsa_index_params *p);
     enum kr_status (*mla_attention)(kr_backend_t be, const struct kr_mla_attn_params *p);
     /* (optional) samples one token per logits row (see struct kr_sample_batch) */
@@ -93,9 +90,9 @@ struct kr_backend_i {
      * join (a failed step). A backend without set_tp runs only as a single rank. */
     enum kr_status (*set_tp)(kr_backend_t be, int rank, int size, void *comm);
     /* (optional) kr_backend_mla_prep in one go; KR_ERR_UNSUPPORTED: run as the individual ops */
-    enum kr_status (*mla_prep)(kr_backend_t be, const struct kr_mla_prep_params *p);
-    /* (optional) FP8 round trip of indexer rows (struct kr_fp8_round_params) */
-    enum kr_status (*fp8_round)(kr_backend_t be, const struct kr_fp8_round_params *p);
+    enum kr_status (*mla_prep)(kr_backend_t be, const struct krk_mla_prep_params *p);
+    /* (optional) FP8 round trip of indexer rows (struct krk_fp8_round_params) */
+    enum kr_status (*fp8_round)(kr_backend_t be, const struct krk_fp8_round_params *p);
     enum kr_status (*all_reduce)(kr_backend_t be, float *x, int64_t n);
     enum kr_status (*all_gather)(kr_backend_t be, const float *src, int64_t rows, int64_t cols, float *dst);
     void (*tp_abort)(kr_backend_t be);

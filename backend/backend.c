@@ -46,7 +46,7 @@ bool kr_backend_can_fp8_round(kr_backend_t be)
     return be->iface.fp8_round != NULL;
 }
 
-enum kr_status kr_backend_fp8_round(kr_backend_t be, const struct kr_fp8_round_params *p)
+enum kr_status kr_backend_fp8_round(kr_backend_t be, const struct krk_fp8_round_params *p)
 {
     return be->iface.fp8_round ? be->iface.fp8_round(be, p) : KR_ERR_UNSUPPORTED;
 }
@@ -191,10 +191,20 @@ enum kr_status kr_backend_embed(kr_backend_t be, const struct kr_tensor *w, floa
     return be->iface.embed(be, w, out);
 }
 
-enum kr_status kr_backend_rmsnorm(kr_backend_t be, const float *x, const float *w, int64_t n, int64_t dim, float eps,
-                                  float *out)
+enum kr_status kr_backend_rmsnorm(kr_backend_t be, const struct krk_rmsnorm_params *p)
 {
-    return be->iface.rmsnorm(be, x, w, n, dim, eps, out);
+    if (p->ldx < p->dim || (p->res && p->out == p->x) || !p->out) {
+        KR_LOG_ERROR("rmsnorm: inconsistent parameters (row stride %lld for rows of %lld, no output, or an output "
+                     "aliasing x while a residual is added)",
+                     (long long)p->ldx, (long long)p->dim);
+        return KR_ERR_INVAL;
+    }
+    return be->iface.rmsnorm(be, p);
+}
+
+bool kr_backend_bf16_operands(kr_backend_t be, int64_t n)
+{
+    return be->iface.bf16_operands && be->iface.bf16_operands(be, n);
 }
 
 enum kr_status kr_backend_add(kr_backend_t be, float *y, const float *x, int64_t n)
@@ -203,44 +213,45 @@ enum kr_status kr_backend_add(kr_backend_t be, float *y, const float *x, int64_t
 }
 
 enum kr_status kr_backend_matmul(kr_backend_t be, const float *x, int64_t ldx, int64_t n, const struct kr_tensor *w,
-                                 const float *bias, float *y, int64_t ldy)
+                                 const float *bias, float *y, int64_t ldy, const struct krk_bf16_in *xb)
 {
-    return be->iface.matmul(be, x, ldx, n, w, bias, y, ldy);
+    return be->iface.matmul(be, x, ldx, n, w, bias, y, ldy, xb);
 }
 
-enum kr_status kr_backend_act(kr_backend_t be, enum kr_act act, const float *gate, const float *x, int64_t ld_in,
-                              int64_t n, int64_t width, float *out)
+enum kr_status kr_backend_act(kr_backend_t be, const struct krk_act_params *p)
 {
-    return be->iface.act(be, act, gate, x, ld_in, n, width, out);
+    return be->iface.act(be, p);
 }
 
 enum kr_status kr_backend_matmul_multi(kr_backend_t be, const float *x, int64_t ldx, int64_t n, int k,
-                                       const struct kr_matmul_part *parts)
+                                       const struct kr_matmul_part *parts, const struct krk_bf16_in *xb)
 {
     if (k < 0 || (k > 0 && !parts)) {
         return KR_ERR_INVAL;
     }
     if (be->iface.matmul_multi && k > 1) {
-        return be->iface.matmul_multi(be, x, ldx, n, k, parts);
+        return be->iface.matmul_multi(be, x, ldx, n, k, parts, xb);
     }
     for (int i = 0; i < k; i++) {
-        KR_TRY(be->iface.matmul(be, x, ldx, n, parts[i].w, parts[i].bias, parts[i].y, parts[i].ldy));
+        KR_TRY(be->iface.matmul(be, x, ldx, n, parts[i].w, parts[i].bias, parts[i].y, parts[i].ldy, xb));
     }
     return KR_OK;
 }
 
 enum kr_status kr_backend_matmul_act(kr_backend_t be, const float *x, int64_t ldx, int64_t n,
                                      const struct kr_tensor *w, const float *bias, float *y, int64_t ldy,
-                                     enum kr_act act, float *out)
+                                     enum kr_act act, float *out, krk_bf16 *out_bf16, const struct krk_bf16_in *xb)
 {
     if (be->iface.matmul_act) {
-        return be->iface.matmul_act(be, x, ldx, n, w, bias, y, ldy, act, out);
+        return be->iface.matmul_act(be, x, ldx, n, w, bias, y, ldy, act, out, out_bf16, xb);
     }
-    KR_TRY(be->iface.matmul(be, x, ldx, n, w, bias, y, ldy));
-    return be->iface.act(be, act, NULL, y, ldy, n, w->rows, out);
+    KR_TRY(be->iface.matmul(be, x, ldx, n, w, bias, y, ldy, xb));
+    const struct krk_act_params a = {.act = act, .x = y, .ld_in = ldy, .n = n, .width = w->rows, .out = out,
+                                     .out_bf16 = out_bf16};
+    return be->iface.act(be, &a);
 }
 
-enum kr_status kr_backend_mla_prep(kr_backend_t be, const struct kr_mla_prep_params *p)
+enum kr_status kr_backend_mla_prep(kr_backend_t be, const struct krk_mla_prep_params *p)
 {
     if (!p || p->n < 0 || !p->kva || p->kv_lora < 1 || p->rope < 0 || p->rope % 2 || !p->cache ||
         (p->q_norm && (!p->q_lat || p->q_dim < 1)) || (p->kv_norm && !p->ckv) || (p->rope && !p->inv_freq) ||
@@ -260,18 +271,23 @@ enum kr_status kr_backend_mla_prep(kr_backend_t be, const struct kr_mla_prep_par
     }
     const int64_t n = p->n, ld = p->kv_lora + p->rope;
     if (p->q_norm) {
-        KR_TRY(be->iface.rmsnorm(be, p->q_lat, p->q_norm, n, p->q_dim, p->eps, p->q_lat));
+        const struct krk_rmsnorm_params qn = {.x = p->q_lat, .ldx = p->q_dim, .w = p->q_norm, .n = n, .dim = p->q_dim,
+                                              .eps = p->eps, .out = p->q_lat};
+        KR_TRY(be->iface.rmsnorm(be, &qn));
     }
     if (p->kv_norm) {
-        KR_TRY(be->iface.rmsnorm_strided(be, p->kva, ld, p->kv_norm, n, p->kv_lora, p->eps, p->ckv));
+        const struct krk_rmsnorm_params kn = {.x = p->kva, .ldx = ld, .w = p->kv_norm, .n = n, .dim = p->kv_lora,
+                                              .eps = p->eps, .out = p->ckv};
+        KR_TRY(be->iface.rmsnorm(be, &kn));
     }
     const struct kr_rope_params rk = {.x = p->kva, .ld = ld, .n_vec = 1, .stride = 0, .off = p->kv_lora,
                                       .dim = p->rope, .interleaved = true, .inv_freq = p->inv_freq,
                                       .factor = p->factor};
     KR_TRY(be->iface.rope(be, &rk));
     if (p->ik) {
-        KR_TRY(be->iface.layernorm(be, p->ik, p->idx_dim, p->ik_norm_w, p->ik_norm_b, n, p->idx_dim, p->idx_eps,
-                                   p->ik));
+        const struct krk_layernorm_params ln = {.x = p->ik, .ldx = p->idx_dim, .w = p->ik_norm_w, .b = p->ik_norm_b,
+                                                .n = n, .dim = p->idx_dim, .eps = p->idx_eps, .out = p->ik};
+        KR_TRY(be->iface.layernorm(be, &ln));
         const struct kr_rope_params ri = {.x = p->ik, .ld = p->idx_dim, .n_vec = 1, .stride = 0, .off = 0,
                                           .dim = p->rope, .interleaved = false, .inv_freq = p->inv_freq,
                                           .factor = p->factor};
@@ -283,7 +299,7 @@ enum kr_status kr_backend_mla_prep(kr_backend_t be, const struct kr_mla_prep_par
     if (p->w) {
         KR_TRY(be->iface.scale(be, p->w, p->w_scale, n * p->n_w));
     }
-    const struct kr_mla_cache_params cw = {.c_kv = p->kv_norm ? p->ckv : p->kva, .ld_ckv = p->kv_norm ? p->kv_lora : ld,
+    const struct krk_mla_cache_params cw = {.c_kv = p->kv_norm ? p->ckv : p->kva, .ld_ckv = p->kv_norm ? p->kv_lora : ld,
                                            .k_pe = p->kva + p->kv_lora, .ld_kpe = ld, .ik = p->ik,
                                            .kv_lora = p->kv_lora, .rope = p->rope,
                                            .idx_dim = p->ik ? p->idx_dim : 0, .cache = p->cache,
@@ -296,20 +312,19 @@ enum kr_status kr_backend_mamba(kr_backend_t be, const struct kr_mamba_params *p
     return be->iface.mamba(be, p);
 }
 
-enum kr_status kr_backend_gated_rmsnorm(kr_backend_t be, const float *y, const float *z, int64_t ldz, const float *w,
-                                        int64_t n, int64_t dim, int64_t group, float eps, float *out)
+enum kr_status kr_backend_gated_rmsnorm(kr_backend_t be, const struct krk_gated_rmsnorm_params *p)
 {
-    return be->iface.gated_rmsnorm(be, y, z, ldz, w, n, dim, group, eps, out);
+    return be->iface.gated_rmsnorm(be, p);
 }
 
-enum kr_status kr_backend_attention(kr_backend_t be, const struct kr_attn_params *p)
+enum kr_status kr_backend_attention(kr_backend_t be, const struct krk_attn_params *p)
 {
     return be->iface.attention(be, p);
 }
 
-enum kr_status kr_backend_moe_route(kr_backend_t be, const struct kr_route_params *p, int64_t n)
+enum kr_status kr_backend_moe_route(kr_backend_t be, const struct krk_route_params *p)
 {
-    return be->iface.moe_route(be, p, n);
+    return be->iface.moe_route(be, p);
 }
 
 enum kr_status kr_backend_moe_experts(kr_backend_t be, const struct kr_experts_params *p, int64_t n)
@@ -322,16 +337,9 @@ enum kr_status kr_backend_gather_out(kr_backend_t be, const float *src, int64_t 
     return be->iface.gather_out(be, src, width, dst);
 }
 
-enum kr_status kr_backend_layernorm(kr_backend_t be, const float *x, int64_t ldx, const float *w, const float *b,
-                                    int64_t n, int64_t dim, float eps, float *out)
+enum kr_status kr_backend_layernorm(kr_backend_t be, const struct krk_layernorm_params *p)
 {
-    return be->iface.layernorm(be, x, ldx, w, b, n, dim, eps, out);
-}
-
-enum kr_status kr_backend_rmsnorm_strided(kr_backend_t be, const float *x, int64_t ldx, const float *w, int64_t n,
-                                          int64_t dim, float eps, float *out)
-{
-    return be->iface.rmsnorm_strided(be, x, ldx, w, n, dim, eps, out);
+    return be->iface.layernorm(be, p);
 }
 
 enum kr_status kr_backend_scale(kr_backend_t be, float *y, float s, int64_t n)
@@ -359,7 +367,7 @@ enum kr_status kr_backend_rope_pair(kr_backend_t be, const struct kr_rope_params
     return kr_backend_rope(be, b);
 }
 
-enum kr_status kr_backend_mla_cache_write(kr_backend_t be, const struct kr_mla_cache_params *p)
+enum kr_status kr_backend_mla_cache_write(kr_backend_t be, const struct krk_mla_cache_params *p)
 {
     return be->iface.mla_cache_write(be, p);
 }

@@ -10,6 +10,7 @@
 #include <stdint.h>
 
 #include "batch.h"
+#include "krk/ops.h"
 #include "config.h"
 #include "dtype.h"
 #include "status.h"
@@ -172,40 +173,6 @@ struct kr_mamba_params {
     float *y;               /* [n_tok, d_inner] output: SSD output incl. D skip, before the gated norm */
 };
 
-/* Parameters of GQA attention for one layer over the block-paged K/V cache. The new tokens' K/V
- * are written into the cache at their positions first; each query attends causally to
- * positions 0..pos of its sequence. */
-struct kr_attn_params {
-    const float *q;         /* [n_tok, ld_qkv] queries, heads contiguous: head h at h*head_dim */
-    const float *k;         /* [n_tok, ld_qkv] new keys [n_kv_head * head_dim] */
-    const float *v;         /* [n_tok, ld_qkv] new values */
-    int64_t ld_qkv;         /* row stride of q, k and v */
-    int64_t n_head;
-    int64_t n_kv_head;
-    int64_t head_dim;
-    float scale;            /* softmax scale */
-    void *k_cache;          /* [n_block, block_size, n_kv_head, head_dim] this layer's keys */
-    void *v_cache;          /* [n_block, block_size, n_kv_head, head_dim] */
-    int32_t block_size;
-    float *out;             /* [n_tok, n_head * head_dim] */
-};
-
-/* MoE routing (DeepSeek-V3): sigmoid or softmax scores, correction bias for selection only,
- * group-limited top-k, optional normalisation, scaling. */
-struct kr_route_params {
-    const float *logits;    /* [n_tok, n_expert] router logits */
-    const float *bias;      /* [n_expert] e_score_correction_bias, may be NULL */
-    int64_t n_expert;
-    int64_t n_used;         /* experts per token */
-    int64_t n_group;
-    int64_t topk_group;
-    bool norm_topk;
-    float scale;            /* routed_scaling_factor */
-    enum kr_router_score score;
-    int32_t *ids;           /* [n_tok, n_used] out: chosen experts */
-    float *weights;         /* [n_tok, n_used] out: their weights */
-};
-
 /* Routed experts: out[t] = sum_k weights[t,k] * E_{ids[t,k]}(x[t]) with
  * E(x) = down(act(gate x) * (up x)) when gate is given, else down(act(up x)). */
 struct kr_experts_params {
@@ -222,19 +189,6 @@ struct kr_experts_params {
     const struct kr_tensor *down; /* [n_expert] each [d_out, d_ffn] */
     enum kr_act act;
     float *out;                   /* [n_tok, d_out] overwritten */
-};
-
-/* MLA/DSA latent cache write: for every token of the batch, its row of this layer's latent cache
- * (block-paged like K/V) becomes [c_kv (kv_lora) | k_pe (rope) | index key (idx_dim, D only)]. */
-struct kr_mla_cache_params {
-    const float *c_kv;      /* [n_tok, ld_ckv] normalised KV latent */
-    int64_t ld_ckv;
-    const float *k_pe;      /* [n_tok, ld_kpe] rotated shared key rope part */
-    int64_t ld_kpe;
-    const float *ik;        /* [n_tok, idx_dim] indexer keys (after LayerNorm and RoPE); NULL for '+' */
-    int64_t kv_lora, rope, idx_dim; /* row = kv_lora + rope + idx_dim (idx_dim 0 for '+') */
-    void *cache;            /* [n_block, block_size, row] this layer's latent cache */
-    int32_t block_size;
 };
 
 /* Lightning indexer selection: for every token t at position p, the top min(topk, p+1) cached
@@ -284,25 +238,13 @@ struct kr_rope_params {
     float factor;
 };
 
-/* Token sampling on the backend (the GPU), with the host sampler's semantics (sampler.h,
- * kr_sample): one row of parameters per logits row. Layout equal to struct krk_sample_row. */
-struct kr_sample_row {
-    float temperature;      /* 0 = greedy */
-    int32_t top_k;          /* <= 0 off */
-    float top_p;            /* 1 off */
-    float min_p;            /* 0 off */
-    float presence, frequency, repetition;
-    int32_t pen_off, pen_n; /* this row's entries in the penalty arrays */
-    double u;               /* uniform draw in [0, 1) from the sequence's generator (greedy: unused) */
-};
-
 /* n rows of raw logits in backend memory (row i at logits + i * ld); everything else host memory.
  * Penalty entries list, per row, its distinct counted tokens (count = occurrences in the output,
  * flag bit 0 = in the prompt) and, while below min_tokens, its EOS and stop ids (flag bit 1). */
 struct kr_sample_batch {
     const float *logits;
     int64_t ld, n, vocab;
-    const struct kr_sample_row *rows; /* [n] */
+    const struct krk_sample_row *rows; /* [n] (krk/ops.h) */
     const int32_t *pen_ids;           /* [n_pen] */
     const int32_t *pen_count;         /* [n_pen] */
     const uint8_t *pen_flags;         /* [n_pen] */
@@ -315,95 +257,53 @@ struct kr_sample_batch {
     float *top_lp;                    /* [n, n_top] */
 };
 
-/* FP8 round trip of activation rows (the DSA indexer's FP8 path, MODEL_SPEC §1.5): each of the n
- * rows of `dim` elements at x + i*ld becomes, in place, dequant(e4m3(H x)): an orthonormal
- * Walsh-Hadamard transform (scale dim^-0.5) when `hadamard`, then per block of `block` elements the
- * reference act_quant (amax floored at 1e-4; scale amax/448, or the power of two above it when
- * `ue8m0`) and back to fp32 as e4m3 value x scale. dim must be a power of two and a multiple of
- * block. Scores on the result equal the reference fp8_index on the codes and scales. */
-struct kr_fp8_round_params {
-    float *x;
-    int64_t ld, n, dim, block;
-    bool hadamard, ue8m0;
-};
-
-/* The small per-token steps of an MLA / DSA layer between its input projections and attention,
- * for n tokens of the current batch, in this order (each in place unless said):
- *   q_lat = rmsnorm(q_lat) * q_norm                       (when q_norm; rows of q_dim)
- *   ckv = rmsnorm(kva[:, :kv_lora]) * kv_norm            (when kv_norm; else c_kv is kva's)
- *   kva[:, kv_lora:] = rope_interleaved(k_pe)
- *   ik = rope_half(layernorm(ik) * ik_norm_w + ik_norm_b) on its first `rope` dims (when ik), then
- *        the FP8 round trip of ik_fp8 (when given)
- *   w *= w_scale                                          (when w; rows of n_w)
- *   latent cache rows [c_kv | k_pe | ik] written at each token's position
- * as the individual ops compute them. A backend may run it as one kernel. */
-struct kr_mla_prep_params {
-    int64_t n;
-    float *q_lat;
-    int64_t q_dim;
-    const float *q_norm;
-    float *kva;                 /* [n, kv_lora + rope] */
-    int64_t kv_lora, rope;
-    const float *kv_norm;
-    float *ckv;                 /* [n, kv_lora] with kv_norm */
-    float eps;
-    const float *inv_freq;      /* [rope / 2] */
-    float factor;
-    float *ik;                  /* [n, idx_dim] or NULL */
-    int64_t idx_dim;
-    const float *ik_norm_w, *ik_norm_b;
-    float idx_eps;
-    const struct kr_fp8_round_params *ik_fp8; /* x = ik; NULL: none */
-    float *w;                   /* [n, n_w] or NULL */
-    int64_t n_w;
-    float w_scale;
-    void *cache;
-    int32_t block_size;
-};
-enum kr_status kr_backend_mla_prep(kr_backend_t be, const struct kr_mla_prep_params *p);
+enum kr_status kr_backend_mla_prep(kr_backend_t be, const struct krk_mla_prep_params *p);
 
 /* True when the backend has the FP8 indexer path (kr_backend_fp8_round). */
 bool kr_backend_can_fp8_round(kr_backend_t be);
-enum kr_status kr_backend_fp8_round(kr_backend_t be, const struct kr_fp8_round_params *p);
+enum kr_status kr_backend_fp8_round(kr_backend_t be, const struct krk_fp8_round_params *p);
 
 /* True when the backend samples on its own (kr_backend_sample is available). */
 bool kr_backend_can_sample(kr_backend_t be);
 enum kr_status kr_backend_sample(kr_backend_t be, const struct kr_sample_batch *sb);
 
 enum kr_status kr_backend_embed(kr_backend_t be, const struct kr_tensor *w, float *out);
-enum kr_status kr_backend_rmsnorm(kr_backend_t be, const float *x, const float *w, int64_t n, int64_t dim,
-                                  float eps, float *out);
+/* RMSNorm (struct krk_rmsnorm_params): with `res` it adds the residual into x first (the forward pass
+ * asks for this in place of an add followed by the norm); with `out_bf16` it also writes the bf16
+ * operand of the GEMM that reads out next (asked only when kr_backend_bf16_operands). */
+enum kr_status kr_backend_rmsnorm(kr_backend_t be, const struct krk_rmsnorm_params *p);
 enum kr_status kr_backend_add(kr_backend_t be, float *y, const float *x, int64_t n);
+/* True when the backend's GEMMs round an activation of n rows to bf16: the forward pass then asks
+ * the op writing a GEMM input for its bf16 copy (out_bf16) and hands it to the GEMM (struct
+ * krk_bf16_in, filled). False on the CPU (fp32 GEMMs). */
+bool kr_backend_bf16_operands(kr_backend_t be, int64_t n);
+/* y[t, :w.rows] = x[t, :w.cols] * w^T (+ bias) for t < n; row strides ldx, ldy. xb (or NULL): the
+ * bf16 operand of x (struct krk_bf16_in): filled by the op that wrote x, or room to round x into. */
 enum kr_status kr_backend_matmul(kr_backend_t be, const float *x, int64_t ldx, int64_t n, const struct kr_tensor *w,
-                                 const float *bias, float *y, int64_t ldy);
-enum kr_status kr_backend_act(kr_backend_t be, enum kr_act act, const float *gate, const float *x, int64_t ld_in,
-                              int64_t n, int64_t width, float *out);
+                                 const float *bias, float *y, int64_t ldy, const struct krk_bf16_in *xb);
+enum kr_status kr_backend_act(kr_backend_t be, const struct krk_act_params *p);
 /* The k products of `parts` on the same x (weights of equal cols), as k kr_backend_matmul calls in
  * order; outputs must not overlap x or each other. A backend may run them as one launch. */
 enum kr_status kr_backend_matmul_multi(kr_backend_t be, const float *x, int64_t ldx, int64_t n, int k,
-                                       const struct kr_matmul_part *parts);
+                                       const struct kr_matmul_part *parts, const struct krk_bf16_in *xb);
 /* kr_backend_matmul, then out[t, j] = act(y[t, j]) for j < w->rows (out [n, w->rows] dense, not
- * overlapping y), as kr_backend_act without a gate. A backend may fuse the two. */
+ * overlapping y), as kr_backend_act without a gate, writing out_bf16 (or NULL) as it does. A backend
+ * may fuse the two. */
 enum kr_status kr_backend_matmul_act(kr_backend_t be, const float *x, int64_t ldx, int64_t n,
                                      const struct kr_tensor *w, const float *bias, float *y, int64_t ldy,
-                                     enum kr_act act, float *out);
+                                     enum kr_act act, float *out, krk_bf16 *out_bf16, const struct krk_bf16_in *xb);
 enum kr_status kr_backend_mamba(kr_backend_t be, const struct kr_mamba_params *p);
-enum kr_status kr_backend_gated_rmsnorm(kr_backend_t be, const float *y, const float *z, int64_t ldz, const float *w,
-                                        int64_t n, int64_t dim, int64_t group, float eps, float *out);
-enum kr_status kr_backend_attention(kr_backend_t be, const struct kr_attn_params *p);
-enum kr_status kr_backend_moe_route(kr_backend_t be, const struct kr_route_params *p, int64_t n);
+enum kr_status kr_backend_gated_rmsnorm(kr_backend_t be, const struct krk_gated_rmsnorm_params *p);
+enum kr_status kr_backend_attention(kr_backend_t be, const struct krk_attn_params *p);
+enum kr_status kr_backend_moe_route(kr_backend_t be, const struct krk_route_params *p);
 enum kr_status kr_backend_moe_experts(kr_backend_t be, const struct kr_experts_params *p, int64_t n);
-/* out[i] = (x[i] - mean) / sqrt(var + eps) * w + b, rows of `dim` (LayerNorm); out may alias x. */
-enum kr_status kr_backend_layernorm(kr_backend_t be, const float *x, int64_t ldx, const float *w, const float *b,
-                                    int64_t n, int64_t dim, float eps, float *out);
-/* RMSNorm with a row stride on the input (x rows at x + i*ldx), dense output. */
-enum kr_status kr_backend_rmsnorm_strided(kr_backend_t be, const float *x, int64_t ldx, const float *w, int64_t n,
-                                          int64_t dim, float eps, float *out);
+/* LayerNorm (struct krk_layernorm_params); out may alias x. */
+enum kr_status kr_backend_layernorm(kr_backend_t be, const struct krk_layernorm_params *p);
 enum kr_status kr_backend_rope(kr_backend_t be, const struct kr_rope_params *p);
 /* kr_backend_rope on a, then on b (vectors that do not overlap a's); a backend may rotate both in
  * one launch when they share frequencies and factor. */
 enum kr_status kr_backend_rope_pair(kr_backend_t be, const struct kr_rope_params *a, const struct kr_rope_params *b);
-enum kr_status kr_backend_mla_cache_write(kr_backend_t be, const struct kr_mla_cache_params *p);
+enum kr_status kr_backend_mla_cache_write(kr_backend_t be, const struct krk_mla_cache_params *p);
 enum kr_status kr_backend_dsa_index(kr_backend_t be, const struct kr_dsa_index_params *p);
 enum kr_status kr_backend_mla_attention(kr_backend_t be, const struct kr_mla_attn_params *p);
 /* y[i] *= s for i < n. */

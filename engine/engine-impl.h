@@ -120,7 +120,7 @@ struct kr_engine {
     bool dev_sample;
     int32_t cap_srows;
     struct seq **s_seqs;           /* [n] the sequence of each output row */
-    struct kr_sample_row *srows;
+    struct krk_sample_row *srows;
     int32_t *s_out, *s_top_ids;
     float *s_lp, *s_top_lp;
     int64_t cap_pen;

@@ -199,7 +199,7 @@ enum kr_status eng_sample_on_backend(struct kr_engine *e, struct seq **seqs, int
         struct seq *s = seqs[i];
         const struct kr_sampling *p = &s->req->s;
         const int64_t k = pen_fill(e, s, at);
-        e->srows[i] = (struct kr_sample_row){.temperature = p->temperature, .top_k = p->top_k, .top_p = p->top_p,
+        e->srows[i] = (struct krk_sample_row){.temperature = p->temperature, .top_k = p->top_k, .top_p = p->top_p,
                                              .min_p = p->min_p, .presence = p->presence_penalty,
                                              .frequency = p->frequency_penalty,
                                              .repetition = p->repetition_penalty, .pen_off = (int32_t)at,

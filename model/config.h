@@ -5,6 +5,7 @@
 #include <stdint.h>
 
 #include "json.h"
+#include "krk/ops.h" /* enum kr_act, enum kr_router_score: shared with the kernels */
 #include "status.h"
 
 #ifdef __cplusplus
@@ -19,18 +20,6 @@ enum kr_layer_type {
     KR_LAYER_MOE = 'E',   /* DeepSeek-V3-style routed experts + shared expert */
     KR_LAYER_DSA = 'D',   /* MLA + lightning indexer ('S' is an alias) */
     KR_LAYER_MLA = '+',   /* dense MLA */
-};
-
-enum kr_act {
-    KR_ACT_RELU2 = 0, /* relu(x)^2 */
-    KR_ACT_SILU = 1,  /* x * sigmoid(x) */
-    KR_ACT_GELU = 2,  /* exact erf GELU */
-    KR_ACT_RELU = 3,
-};
-
-enum kr_router_score {
-    KR_ROUTER_SIGMOID = 0,
-    KR_ROUTER_SOFTMAX = 1,
 };
 
 #define KR_MAX_LAYERS 1024

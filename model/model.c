@@ -33,12 +33,29 @@ struct ws {
     float *fin;    /* [n_out, dim] rows kept for the LM head */
     float *lg;     /* [n_out, vocab] logits */
     float *lg_part; /* [n_out, vocab / tp_size] this rank's share of the logits (tensor parallel) */
+    krk_bf16 *xb;  /* [n, xb_width] bf16 operand of the GEMM that reads an activation next (struct
+                      krk_bf16_in): written by the op producing it when bf16, else room to round into */
+    int64_t xb_cap; /* its elements */
+    bool bf16;     /* kr_backend_bf16_operands for the step's tokens: ops write the bf16 copies */
     bool dsa_select; /* some context of the step exceeds index_topk: D layers select (see mla_fwd) */
 };
 
 static int64_t max64(int64_t a, int64_t b)
 {
     return a > b ? a : b;
+}
+
+/* Widest activation a GEMM reads (its bf16 operand's row). */
+static int64_t xb_width(const struct kr_model_config *c, int64_t mid)
+{
+    return max64(max64(c->dim, mid), c->q_lora);
+}
+
+/* Floats of the bf16 operand's room for n tokens, in whole 256-byte units (it comes first in the
+ * workspace: the regions after it keep their alignment). */
+static int64_t xb_floats(const struct kr_model_config *c, int64_t n, int64_t mid)
+{
+    return ((n * xb_width(c, mid) + 1) / 2 + 63) / 64 * 64;
 }
 
 static size_t ws_floats(const struct kr_model_config *c, int64_t n, int64_t n_out, int64_t *wide, int64_t *mid)
@@ -60,7 +77,8 @@ static size_t ws_floats(const struct kr_model_config *c, int64_t n, int64_t n_ou
     *mid = md;
     const int64_t mla = c->q_lora + 2 * c->kv_lora + c->qk_rope + c->idx_head_dim + c->idx_heads + c->idx_topk;
     const int64_t part = c->tp_size > 1 ? c->vocab / c->tp_size : 0;
-    return (size_t)(n * (3 * c->dim + 2 * w + c->m_conv_dim + 2 * md + c->n_expert + 2 * c->n_expert_used + mla) +
+    return (size_t)(xb_floats(c, n, md) +
+                    n * (3 * c->dim + 2 * w + c->m_conv_dim + 2 * md + c->n_expert + 2 * c->n_expert_used + mla) +
                     n_out * (c->dim + c->vocab + part));
 }
 
@@ -191,6 +209,9 @@ static enum kr_status ws_prepare(struct kr_model *m, const struct kr_batch *b, s
         ws->field = (void *)p;                                                                     \
         p += (count);                                                                              \
     } while (0)
+    TAKE(xb, xb_floats(c, n, mid));
+    ws->xb_cap = xb_floats(c, n, mid) * 2;
+    ws->bf16 = kr_backend_bf16_operands(m->be, n);
     TAKE(x, n * c->dim);
     TAKE(h, n * c->dim);
     TAKE(o, n * c->dim);
@@ -284,13 +305,33 @@ static enum kr_status validate(const struct kr_model *m, const struct kr_cache *
 
 /* ---- mixers ---------------------------------------------------------------------------------- */
 
+/* The bf16 operand of the GEMMs right after an op that wrote its output's copy into ws->xb
+ * (out_bf16 = bf16_out(ws)): filled when the step's ops write copies, rows of `ld`. */
+static struct krk_bf16_in bf16_filled(const struct ws *ws, int64_t ld)
+{
+    return (struct krk_bf16_in){.data = ws->xb, .ld = ld, .cap = ws->xb_cap, .filled = ws->bf16};
+}
+
+/* Room in ws->xb for a GEMM to round its x into (x was not written with a bf16 copy). */
+static struct krk_bf16_in bf16_room(const struct ws *ws)
+{
+    return (struct krk_bf16_in){.data = ws->xb, .cap = ws->xb_cap};
+}
+
+/* Where an op writing a GEMM's input puts its bf16 copy: ws->xb when the backend's GEMMs want it. */
+static krk_bf16 *bf16_out(const struct ws *ws)
+{
+    return ws->bf16 ? ws->xb : NULL;
+}
+
 static enum kr_status mamba_fwd(struct kr_model *m, struct kr_cache *cache, const struct kr_layer *L, int64_t n,
                                 struct ws *ws)
 {
     const struct kr_model_config *c = &m->cfg;
     const struct kr_mamba_w *w = &L->mamba;
     kr_backend_t be = m->be;
-    KR_TRY(kr_backend_matmul(be, ws->h, c->dim, n, &w->in_proj, w->in_proj_b, ws->big, c->m_in_proj));
+    const struct krk_bf16_in hb = bf16_filled(ws, c->dim);
+    KR_TRY(kr_backend_matmul(be, ws->h, c->dim, n, &w->in_proj, w->in_proj_b, ws->big, c->m_in_proj, &hb));
     struct kr_mamba_params p = {
         .zxbcdt = ws->big,
         .ld_in = c->m_in_proj,
@@ -315,9 +356,12 @@ static enum kr_status mamba_fwd(struct kr_model *m, struct kr_cache *cache, cons
     };
     KR_TRY(kr_backend_mamba(be, &p));
     /* z is the first d_inner columns of the in_proj output */
-    KR_TRY(kr_backend_gated_rmsnorm(be, ws->y, ws->big, c->m_in_proj, w->norm_w, n, c->m_d_inner,
-                                 c->m_d_inner / c->m_groups, c->norm_eps, ws->y2));
-    return kr_backend_matmul(be, ws->y2, c->m_d_inner, n, &w->out_proj, w->out_proj_b, ws->o, c->dim);
+    const struct krk_gated_rmsnorm_params gn = {.y = ws->y, .z = ws->big, .ldz = c->m_in_proj, .w = w->norm_w,
+                                                .n = n, .dim = c->m_d_inner, .group = c->m_d_inner / c->m_groups,
+                                                .eps = c->norm_eps, .out = ws->y2, .out_bf16 = bf16_out(ws)};
+    KR_TRY(kr_backend_gated_rmsnorm(be, &gn));
+    const struct krk_bf16_in yb = bf16_filled(ws, c->m_d_inner);
+    return kr_backend_matmul(be, ws->y2, c->m_d_inner, n, &w->out_proj, w->out_proj_b, ws->o, c->dim, &yb);
 }
 
 static enum kr_status attn_fwd(struct kr_model *m, struct kr_cache *cache, const struct kr_layer *L, int64_t n,
@@ -330,8 +374,9 @@ static enum kr_status attn_fwd(struct kr_model *m, struct kr_cache *cache, const
     const struct kr_matmul_part qkv[3] = {{&w->q, w->q_b, ws->big, ld},
                                           {&w->k, w->k_b, ws->big + qd, ld},
                                           {&w->v, w->v_b, ws->big + qd + kvd, ld}};
-    KR_TRY(kr_backend_matmul_multi(be, ws->h, c->dim, n, 3, qkv));
-    struct kr_attn_params p = {
+    const struct krk_bf16_in hb = bf16_filled(ws, c->dim), room = bf16_room(ws);
+    KR_TRY(kr_backend_matmul_multi(be, ws->h, c->dim, n, 3, qkv, &hb));
+    struct krk_attn_params p = {
         .q = ws->big,
         .k = ws->big + qd,
         .v = ws->big + qd + kvd,
@@ -346,7 +391,7 @@ static enum kr_status attn_fwd(struct kr_model *m, struct kr_cache *cache, const
         .out = ws->y,
     };
     KR_TRY(kr_backend_attention(be, &p));
-    return kr_backend_matmul(be, ws->y, qd, n, &w->o, w->o_b, ws->o, c->dim);
+    return kr_backend_matmul(be, ws->y, qd, n, &w->o, w->o_b, ws->o, c->dim, &room);
 }
 
 
@@ -379,13 +424,14 @@ static enum kr_status mla_fwd(struct kr_model *m, struct kr_cache *cache, const 
             in[n_in++] = (struct kr_matmul_part){&w->idx_w, NULL, ws->m_w, Hi};
         }
     }
-    KR_TRY(kr_backend_matmul_multi(be, ws->h, c->dim, n, n_in, in));
+    const struct krk_bf16_in hb = bf16_filled(ws, c->dim), room = bf16_room(ws);
+    KR_TRY(kr_backend_matmul_multi(be, ws->h, c->dim, n, n_in, in, &hb));
     /* the per-token steps of the key side (and the q latent's norm) up to the cache write */
     void *lat = kr_cache_mla_layer(cache, L->cache_idx);
     const int64_t row = cache->mla_row[L->cache_idx];
-    const struct kr_fp8_round_params fk = {.x = ws->m_ik, .ld = Di, .n = n, .dim = Di, .block = Di_blk,
+    const struct krk_fp8_round_params fk = {.x = ws->m_ik, .ld = Di, .n = n, .dim = Di, .block = Di_blk,
                                            .hadamard = true, .ue8m0 = c->fp8_ue8m0};
-    const struct kr_mla_prep_params pp = {
+    const struct krk_mla_prep_params pp = {
         .n = n,
         .q_lat = Rq ? ws->m_cq : NULL,
         .q_dim = Rq,
@@ -416,9 +462,9 @@ static enum kr_status mla_fwd(struct kr_model *m, struct kr_cache *cache, const 
         ld_cq = Rq;
         /* q_b and the indexer's query projection read the same normalised q latent */
         const struct kr_matmul_part qp[2] = {{&w->q_b, NULL, q, H * qd}, {&w->idx_wq_b, NULL, iq, Hi * Di}};
-        KR_TRY(kr_backend_matmul_multi(be, cq, Rq, n, select ? 2 : 1, qp));
+        KR_TRY(kr_backend_matmul_multi(be, cq, Rq, n, select ? 2 : 1, qp, &room));
     } else if (select) {
-        KR_TRY(kr_backend_matmul(be, cq, ld_cq, n, &w->idx_wq_b, NULL, iq, Hi * Di));
+        KR_TRY(kr_backend_matmul(be, cq, ld_cq, n, &w->idx_wq_b, NULL, iq, Hi * Di, &room));
     }
     /* interleaved RoPE on q_pe (each head's last Dr dims); with the indexer, half-split RoPE on the
      * first Dr dims of every indexer query head alongside */
@@ -432,7 +478,7 @@ static enum kr_status mla_fwd(struct kr_model *m, struct kr_cache *cache, const 
     m->idx_query_rows += select ? (uint64_t)n : 0;
     if (select) {
         if (m->idx_fp8) { /* rotate and quantize queries as the reference's FP8 kernels see them */
-            struct kr_fp8_round_params fq = {.x = iq, .ld = Di, .n = n * Hi, .dim = Di, .block = Di_blk,
+            struct krk_fp8_round_params fq = {.x = iq, .ld = Di, .n = n * Hi, .dim = Di, .block = Di_blk,
                                              .hadamard = true, .ue8m0 = c->fp8_ue8m0};
             KR_TRY(kr_backend_fp8_round(be, &fq));
         }
@@ -469,22 +515,27 @@ static enum kr_status mla_fwd(struct kr_model *m, struct kr_cache *cache, const 
         kr_free(host);
         KR_TRY(st);
     }
-    return kr_backend_matmul(be, ws->y, H * c->v_head, n, &w->o, NULL, ws->o, c->dim);
+    return kr_backend_matmul(be, ws->y, H * c->v_head, n, &w->o, NULL, ws->o, c->dim, &room);
 }
 
-/* out = down(act(gate x) * up x) or down(act(up x)); hidden in `hid` [n, ffn]. */
-static enum kr_status mlp_fwd(kr_backend_t be, const struct kr_mlp_w *w, enum kr_act act, const float *x,
-                              int64_t d_in, int64_t n, float *t1, float *t2, float *hid, float *out, int64_t d_out)
+/* out = down(act(gate x) * up x) or down(act(up x)); hidden in `hid` [n, ffn]. xb: x's bf16 operand;
+ * the activation writes hid's (ws->xb) for the down projection. */
+static enum kr_status mlp_fwd(kr_backend_t be, const struct ws *ws, const struct kr_mlp_w *w, enum kr_act act,
+                              const float *x, const struct krk_bf16_in *xb, int64_t d_in, int64_t n, float *t1,
+                              float *t2, float *hid, float *out, int64_t d_out)
 {
     const int64_t F = w->up.rows;
     if (w->gate.data) {
         const struct kr_matmul_part ug[2] = {{&w->up, w->up_b, t1, F}, {&w->gate, w->gate_b, t2, F}};
-        KR_TRY(kr_backend_matmul_multi(be, x, d_in, n, 2, ug));
-        KR_TRY(kr_backend_act(be, act, t2, t1, F, n, F, hid));
+        KR_TRY(kr_backend_matmul_multi(be, x, d_in, n, 2, ug, xb));
+        const struct krk_act_params ap = {.act = act, .gate = t2, .x = t1, .ld_in = F, .n = n, .width = F,
+                                          .out = hid, .out_bf16 = bf16_out(ws)};
+        KR_TRY(kr_backend_act(be, &ap));
     } else { /* the activation may come out of the up projection's epilogue */
-        KR_TRY(kr_backend_matmul_act(be, x, d_in, n, &w->up, w->up_b, t1, F, act, hid));
+        KR_TRY(kr_backend_matmul_act(be, x, d_in, n, &w->up, w->up_b, t1, F, act, hid, bf16_out(ws), xb));
     }
-    return kr_backend_matmul(be, hid, F, n, &w->down, w->down_b, out, d_out);
+    const struct krk_bf16_in hb = bf16_filled(ws, F);
+    return kr_backend_matmul(be, hid, F, n, &w->down, w->down_b, out, d_out, &hb);
 }
 
 static enum kr_status moe_fwd(struct kr_model *m, const struct kr_layer *L, int64_t n, struct ws *ws)
@@ -492,9 +543,11 @@ static enum kr_status moe_fwd(struct kr_model *m, const struct kr_layer *L, int6
     const struct kr_model_config *c = &m->cfg;
     const struct kr_moe_w *w = &L->moe;
     kr_backend_t be = m->be;
-    KR_TRY(kr_backend_matmul(be, ws->h, c->dim, n, &w->router, NULL, ws->logit, c->n_expert));
-    struct kr_route_params rp = {
+    const struct krk_bf16_in hb = bf16_filled(ws, c->dim), room = bf16_room(ws);
+    KR_TRY(kr_backend_matmul(be, ws->h, c->dim, n, &w->router, NULL, ws->logit, c->n_expert, &hb));
+    struct krk_route_params rp = {
         .logits = ws->logit,
+        .n = n,
         .bias = w->router_bias,
         .n_expert = c->n_expert,
         .n_used = c->n_expert_used,
@@ -506,12 +559,12 @@ static enum kr_status moe_fwd(struct kr_model *m, const struct kr_layer *L, int6
         .ids = ws->ids,
         .weights = ws->rw,
     };
-    KR_TRY(kr_backend_moe_route(be, &rp, n));
+    KR_TRY(kr_backend_moe_route(be, &rp));
     const float *xe = ws->h;
     int64_t d_e = c->dim;
     if (w->has_latent) {
         d_e = c->moe_latent;
-        KR_TRY(kr_backend_matmul(be, ws->h, c->dim, n, &w->fc1_latent, NULL, ws->y, d_e));
+        KR_TRY(kr_backend_matmul(be, ws->h, c->dim, n, &w->fc1_latent, NULL, ws->y, d_e, &room));
         xe = ws->y;
     }
     struct kr_experts_params ep = {
@@ -531,11 +584,12 @@ static enum kr_status moe_fwd(struct kr_model *m, const struct kr_layer *L, int6
     };
     KR_TRY(kr_backend_moe_experts(be, &ep, n));
     if (w->has_latent) {
-        KR_TRY(kr_backend_matmul(be, ws->y2, d_e, n, &w->fc2_latent, NULL, ws->o, c->dim));
+        KR_TRY(kr_backend_matmul(be, ws->y2, d_e, n, &w->fc2_latent, NULL, ws->o, c->dim, &room));
     }
     if (w->has_shared) {
         /* shared expert into xbc-sized scratch: reuse big/big2 for its hidden, y2 for the output */
-        KR_TRY(mlp_fwd(be, &w->shared, c->act, ws->h, c->dim, n, ws->big, ws->big2, ws->big, ws->y2, c->dim));
+        KR_TRY(mlp_fwd(be, ws, &w->shared, c->act, ws->h, &room, c->dim, n, ws->big, ws->big2, ws->big, ws->y2,
+                       c->dim));
         KR_TRY(kr_backend_add(be, ws->o, ws->y2, n * c->dim));
     }
     return KR_OK;
@@ -611,7 +665,11 @@ static enum kr_status run_ops(struct kr_model *m, struct kr_cache *cache, const 
     KR_TRY(kr_backend_embed(be, &m->embed, ws->x));
     for (int32_t i = 0; i < c->n_layer; i++) {
         const struct kr_layer *L = &m->layers[i];
-        KR_TRY(kr_backend_rmsnorm(be, ws->x, L->norm, n, c->dim, c->norm_eps, ws->h));
+        /* the previous layer's output joins the residual stream in the same kernel as this norm */
+        const struct krk_rmsnorm_params np = {.x = ws->x, .ldx = c->dim, .res = i > 0 ? ws->o : NULL, .w = L->norm,
+                                              .n = n, .dim = c->dim, .eps = c->norm_eps, .out = ws->h,
+                                              .out_bf16 = bf16_out(ws)};
+        KR_TRY(kr_backend_rmsnorm(be, &np));
         enum kr_status st;
         switch (L->type) {
         case KR_LAYER_MAMBA:
@@ -620,9 +678,11 @@ static enum kr_status run_ops(struct kr_model *m, struct kr_cache *cache, const 
         case KR_LAYER_ATTN:
             st = attn_fwd(m, cache, L, n, ws);
             break;
-        case KR_LAYER_MLP:
-            st = mlp_fwd(be, &L->mlp, c->act, ws->h, c->dim, n, ws->big, ws->big2, ws->y, ws->o, c->dim);
+        case KR_LAYER_MLP: {
+            const struct krk_bf16_in hb = bf16_filled(ws, c->dim);
+            st = mlp_fwd(be, ws, &L->mlp, c->act, ws->h, &hb, c->dim, n, ws->big, ws->big2, ws->y, ws->o, c->dim);
             break;
+        }
         case KR_LAYER_MOE:
             st = moe_fwd(m, L, n, ws);
             break;
@@ -636,19 +696,26 @@ static enum kr_status run_ops(struct kr_model *m, struct kr_cache *cache, const 
         KR_TRY(st);
         /* under tensor parallelism every mixer's output is a partial sum (row-parallel output projection) */
         KR_TRY(kr_backend_all_reduce(be, ws->o, n * c->dim));
+    }
+    if (c->n_layer > 0) { /* the last layer's output (the others' joined the next layer's norm) */
         KR_TRY(kr_backend_add(be, ws->x, ws->o, n * c->dim));
     }
     if (b->n_out == 0) {
         return KR_OK;
     }
     KR_TRY(kr_backend_gather_out(be, ws->x, c->dim, ws->fin));
-    KR_TRY(kr_backend_rmsnorm(be, ws->fin, m->final_norm, b->n_out, c->dim, c->norm_eps, ws->fin));
+    const bool bf16 = kr_backend_bf16_operands(be, b->n_out);
+    const struct krk_rmsnorm_params fn = {.x = ws->fin, .ldx = c->dim, .w = m->final_norm, .n = b->n_out,
+                                          .dim = c->dim, .eps = c->norm_eps, .out = ws->fin,
+                                          .out_bf16 = bf16 ? ws->xb : NULL};
+    KR_TRY(kr_backend_rmsnorm(be, &fn));
+    const struct krk_bf16_in fb = {.data = ws->xb, .ld = c->dim, .cap = ws->xb_cap, .filled = bf16};
     if (c->tp_size > 1) { /* this rank's vocabulary rows, then every rank's side by side */
         const int64_t part = c->vocab / c->tp_size;
-        KR_TRY(kr_backend_matmul(be, ws->fin, c->dim, b->n_out, &m->lm_head, NULL, ws->lg_part, part));
+        KR_TRY(kr_backend_matmul(be, ws->fin, c->dim, b->n_out, &m->lm_head, NULL, ws->lg_part, part, &fb));
         return kr_backend_all_gather(be, ws->lg_part, b->n_out, part, ws->lg);
     }
-    return kr_backend_matmul(be, ws->fin, c->dim, b->n_out, &m->lm_head, NULL, ws->lg, c->vocab);
+    return kr_backend_matmul(be, ws->fin, c->dim, b->n_out, &m->lm_head, NULL, ws->lg, c->vocab, &fb);
 }
 
 enum kr_status kr_model_forward(struct kr_model *m, struct kr_cache *cache, const struct kr_batch *b, float *logits,

@@ -52,10 +52,11 @@ extern "C" size_t krk_attn_workspace_bytes(int64_t n_tok, int64_t n_head, int64_
     return part_acc_bytes(n_rows, n_head, head_dim) + (size_t)(n_rows * n_head) * sizeof(float2);
 }
 
-extern "C" enum kr_status krk_attn(const struct krk_attn_params *p, cudaStream_t stream)
+extern "C" enum kr_status krk_attn(const struct krk_attn_params *p, const struct krk_ctx *ctx)
 {
-    KRK_REQUIRE(p != nullptr);
-    const struct krk_batch &b = p->batch;
+    KRK_REQUIRE(p != nullptr && ctx != nullptr);
+    const struct krk_batch &b = ctx->batch;
+    const cudaStream_t stream = ctx->stream;
     KRK_REQUIRE(b.n_tok >= 0 && b.n_seq >= 0);
     if (b.n_tok == 0) {
         return KR_OK;
@@ -91,8 +92,8 @@ extern "C" enum kr_status krk_attn(const struct krk_attn_params *p, cudaStream_t
     a.head_dim = (int)p->head_dim;
     a.group = (int)(p->n_head / p->n_kv_head);
     a.scale_log2 = p->scale * LOG2E;
-    a.k_cache = p->k_cache;
-    a.v_cache = p->v_cache;
+    a.k_cache = static_cast<krk_bf16 *>(p->k_cache);
+    a.v_cache = static_cast<krk_bf16 *>(p->v_cache);
     a.block_size = p->block_size;
     a.out = p->out;
     a.part_acc = nullptr;
@@ -104,10 +105,10 @@ extern "C" enum kr_status krk_attn(const struct krk_attn_params *p, cudaStream_t
     if (decode) {
         a.n_split = decode_splits(b.n_tok);
         if (a.n_split > 1) {
-            KRK_REQUIRE(p->workspace != nullptr && (uintptr_t)p->workspace % 16 == 0);
+            KRK_REQUIRE(ctx->workspace != nullptr && (uintptr_t)ctx->workspace % 16 == 0);
             const int64_t n_rows = (int64_t)b.n_tok * a.n_split;
-            a.part_acc = static_cast<float *>(p->workspace);
-            a.part_ml = reinterpret_cast<float2 *>(static_cast<char *>(p->workspace) +
+            a.part_acc = static_cast<float *>(ctx->workspace);
+            a.part_ml = reinterpret_cast<float2 *>(static_cast<char *>(ctx->workspace) +
                                                    part_acc_bytes(n_rows, p->n_head, p->head_dim));
         }
     }

@@ -6,7 +6,14 @@ namespace {
 
 constexpr int kThreads = 256;
 
-__global__ void __launch_bounds__(kThreads) mla_cache_write_kernel(krk_mla_cache_params p)
+// The kernel's argument: the op's parameters with the cache typed (hiding the op's void pointer) and
+// the batch.
+struct CacheArgs : krk_mla_cache_params {
+    krk_bf16 *cache;
+    krk_batch batch;
+};
+
+__global__ void __launch_bounds__(kThreads) mla_cache_write_kernel(CacheArgs p)
 {
     krk::kernel_prologue();
     const int64_t row = p.kv_lora + p.rope + p.idx_dim;
@@ -34,10 +41,10 @@ __global__ void __launch_bounds__(kThreads) mla_cache_write_kernel(krk_mla_cache
 
 } // namespace
 
-extern "C" enum kr_status krk_mla_cache_write(const struct krk_mla_cache_params *p, cudaStream_t stream)
+extern "C" enum kr_status krk_mla_cache_write(const struct krk_mla_cache_params *p, const struct krk_ctx *ctx)
 {
-    KRK_REQUIRE(p != nullptr);
-    const krk_batch &b = p->batch;
+    KRK_REQUIRE(p != nullptr && ctx != nullptr);
+    const krk_batch &b = ctx->batch;
     KRK_REQUIRE(b.n_tok >= 0);
     if (b.n_tok == 0) {
         return KR_OK;
@@ -55,7 +62,12 @@ extern "C" enum kr_status krk_mla_cache_write(const struct krk_mla_cache_params 
     const int64_t blocks = (n + kThreads - 1) / kThreads;
     KRK_REQUIRE_MSG(blocks <= INT32_MAX, "mla cache write: %d tokens of %lld elements need %lld blocks, at most %d",
                     b.n_tok, (long long)(p->kv_lora + p->rope + p->idx_dim), (long long)blocks, INT32_MAX);
-    krk::launch_maybe_pdl(krk::pdl_enabled(), mla_cache_write_kernel, (unsigned)blocks, kThreads, 0, stream, *p);
+    CacheArgs args;
+    static_cast<krk_mla_cache_params &>(args) = *p;
+    args.cache = static_cast<krk_bf16 *>(p->cache);
+    args.batch = b;
+    krk::launch_maybe_pdl(krk::pdl_enabled(), mla_cache_write_kernel, (unsigned)blocks, kThreads, 0, ctx->stream,
+                          args);
     KRK_CHECK_LAUNCH();
     return KR_OK;
 }

@@ -102,7 +102,7 @@ using namespace krk;
 
 extern "C" enum kr_status krk_fp8_round(const struct krk_fp8_round_params *p, cudaStream_t stream)
 {
-    KRK_REQUIRE(p);
+    KRK_REQUIRE(p && p->hadamard);
     KRK_REQUIRE(p->dim >= 32 && p->dim <= 1024 && (p->dim & (p->dim - 1)) == 0);
     KRK_REQUIRE(p->block >= p->dim / 32 && p->block <= p->dim && p->dim % p->block == 0);
     KRK_REQUIRE(p->n >= 0 && p->ld >= p->dim);

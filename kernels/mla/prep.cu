@@ -46,7 +46,14 @@ __device__ void rope_vec(float *x, int64_t dim, bool interleaved, const float *K
     }
 }
 
-__global__ void __launch_bounds__(kThreads) mla_prep_kernel(krk_mla_prep_params p)
+// The kernel's argument: the op's parameters with the cache typed (hiding the op's void pointer) and
+// the batch.
+struct PrepArgs : krk_mla_prep_params {
+    krk_bf16 *cache;
+    krk_batch batch;
+};
+
+__global__ void __launch_bounds__(kThreads) mla_prep_kernel(PrepArgs p)
 {
     krk::kernel_prologue();
     extern __shared__ float sm[]; // this block's part of the token's row
@@ -116,7 +123,7 @@ __global__ void __launch_bounds__(kThreads) mla_prep_kernel(krk_mla_prep_params 
     }
     const float r = 1.0f / sqrtf(krk::block_sum(q, red) / (float)Di + p.idx_eps);
     for (int64_t i = threadIdx.x; i < Di; i += blockDim.x) {
-        sm[i] = (sm[i] - mean) * r * p.ik_w[i] + p.ik_b[i];
+        sm[i] = (sm[i] - mean) * r * p.ik_norm_w[i] + p.ik_norm_b[i];
     }
     __syncthreads();
     rope_vec(sm, Dr, false, p.inv_freq, p.factor, pos);
@@ -131,10 +138,10 @@ __global__ void __launch_bounds__(kThreads) mla_prep_kernel(krk_mla_prep_params 
 
 } // namespace
 
-extern "C" enum kr_status krk_mla_prep(const struct krk_mla_prep_params *p, cudaStream_t stream)
+extern "C" enum kr_status krk_mla_prep(const struct krk_mla_prep_params *p, const struct krk_ctx *ctx)
 {
-    KRK_REQUIRE(p != nullptr);
-    const krk_batch &b = p->batch;
+    KRK_REQUIRE(p != nullptr && ctx != nullptr);
+    const krk_batch &b = ctx->batch;
     KRK_REQUIRE(b.n_tok >= 0);
     if (b.n_tok == 0) {
         return KR_OK;
@@ -147,15 +154,20 @@ extern "C" enum kr_status krk_mla_prep(const struct krk_mla_prep_params *p, cuda
     KRK_REQUIRE(p->rope == 0 || p->inv_freq);
     KRK_REQUIRE(!p->q_norm || (p->q_lat && p->q_dim >= 1 && p->q_dim <= KRK_MLA_PREP_MAX_ROW));
     KRK_REQUIRE(!p->kv_norm || p->ckv);
-    KRK_REQUIRE(!p->ik || (p->idx_dim >= p->rope && p->ik_w && p->ik_b));
+    KRK_REQUIRE(!p->ik || (p->idx_dim >= p->rope && p->ik_norm_w && p->ik_norm_b));
     KRK_REQUIRE(!p->w || p->n_w >= 1);
+    KRK_REQUIRE(p->n == b.n_tok && !p->ik_fp8);
     const int64_t row = p->kv_lora + p->rope + (p->ik ? p->idx_dim : 0);
     KRK_REQUIRE_MSG(row <= KRK_MLA_PREP_MAX_ROW, "mla prep: cache rows of %lld elements, at most %d", (long long)row,
                     KRK_MLA_PREP_MAX_ROW);
     const int64_t qn = p->q_norm ? p->q_dim : 0, kd = p->kv_lora + p->rope, id = p->ik ? p->idx_dim : 0;
     const int64_t sm_floats = std::max({qn, kd, id}); // the longest of the three chains' rows
     const size_t smem = (size_t)sm_floats * sizeof(float);
-    krk::launch_maybe_pdl(krk::pdl_enabled(), mla_prep_kernel, dim3((unsigned)b.n_tok, 3), kThreads, smem, stream, *p);
+    PrepArgs args;
+    static_cast<krk_mla_prep_params &>(args) = *p;
+    args.cache = static_cast<krk_bf16 *>(p->cache);
+    args.batch = b;
+    krk::launch_maybe_pdl(krk::pdl_enabled(), mla_prep_kernel, dim3((unsigned)b.n_tok, 3), kThreads, smem, ctx->stream, args);
     KRK_CHECK_LAUNCH();
     return KR_OK;
 }

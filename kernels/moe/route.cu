@@ -143,7 +143,7 @@ extern "C" enum kr_status krk_moe_route(const struct krk_route_params *p, cudaSt
     KRK_REQUIRE(p);
     KRK_REQUIRE(p->n >= 0 && p->n_expert >= 1 && p->n_expert <= 1024 && p->n_used >= 1 && p->n_used <= 32 &&
                 p->n_used <= p->n_expert);
-    KRK_REQUIRE(p->n_group >= 1 && p->n_expert % p->n_group == 0 && (p->score == 0 || p->score == 1));
+    KRK_REQUIRE(p->n_group >= 1 && p->n_expert % p->n_group == 0 && ((int)p->score == 0 || (int)p->score == 1));
     if (p->n_group > 1) {
         KRK_REQUIRE(p->topk_group >= 1 &&
                     (p->topk_group >= p->n_group || p->topk_group * (p->n_expert / p->n_group) >= p->n_used));
@@ -157,7 +157,7 @@ extern "C" enum kr_status krk_moe_route(const struct krk_route_params *p, cudaSt
     const size_t smem = (size_t)kRouteWarps * (size_t)(2 * p->n_expert + p->n_group) * sizeof(float);
     krk::launch_maybe_pdl(krk::pdl_enabled(), route_kernel, (unsigned)blocks, kRouteWarps * 32, smem, stream, p->logits,
                           p->bias, p->n, (int)p->n_expert, (int)p->n_used, (int)p->n_group,
-                          (int)(p->n_group > 1 ? p->topk_group : 1), p->norm_topk, p->scale, p->score, p->ids,
+                          (int)(p->n_group > 1 ? p->topk_group : 1), p->norm_topk, p->scale, (int)p->score, p->ids,
                           p->weights);
     KRK_CHECK_LAUNCH();
     return KR_OK;

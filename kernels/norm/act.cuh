@@ -8,15 +8,15 @@ namespace krk {
 __device__ __forceinline__ float act_apply(int act, float x)
 {
     switch (act) {
-    case KRK_ACT_RELU2: {
+    case KR_ACT_RELU2: {
         const float r = x > 0.0f ? x : 0.0f;
         return r * r;
     }
-    case KRK_ACT_SILU:
+    case KR_ACT_SILU:
         return x / (1.0f + expf(-x));
-    case KRK_ACT_GELU:
+    case KR_ACT_GELU:
         return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f));
-    case KRK_ACT_RELU:
+    case KR_ACT_RELU:
         return x > 0.0f ? x : 0.0f;
     }
     return x;
@@ -29,7 +29,7 @@ __device__ __forceinline__ float silu(float x)
 
 __host__ __device__ inline bool act_valid(int act)
 {
-    return act >= KRK_ACT_RELU2 && act <= KRK_ACT_RELU;
+    return act >= KR_ACT_RELU2 && act <= KR_ACT_RELU;
 }
 
 } // namespace krk

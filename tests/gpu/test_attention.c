@@ -150,9 +150,13 @@ static struct krk_attn_params run_params(const struct attn_run *r)
         .v_cache = r->d_vc,
         .block_size = r->sh.block_size,
         .out = r->d_out,
-        .workspace = r->d_ws,
-        .batch = r->b.dev,
     };
+}
+
+/* The device's part of a launch: the stream, the batch in device memory and the workspace. */
+static struct krk_ctx run_ctx(const struct attn_run *r, cudaStream_t stream)
+{
+    return (struct krk_ctx){.stream = stream, .batch = r->b.dev, .workspace = r->d_ws};
 }
 
 /* Runs the CPU reference on the current inputs and compares the device output (padding rows:
@@ -168,7 +172,7 @@ static void run_check(struct attn_run *r, const char *what)
     cr_assert(ref && got && kdev && vdev);
 
     cr_assert_eq(kr_backend_begin_batch(r->be, &r->b.host), KR_OK);
-    const struct kr_attn_params cp = {
+    const struct krk_attn_params cp = {
         .q = r->qkv,
         .k = r->qkv + sh->n_head * hd,
         .v = r->qkv + (sh->n_head + sh->n_kv_head) * hd,
@@ -267,7 +271,8 @@ static void check_step(const struct attn_shape *sh, uint64_t seed, int32_t n_seq
     run_init(&r, sh, &rng, n_seq, seq_len, pos0, NULL, pad);
     run_inputs(&r, &rng);
     const struct krk_attn_params p = run_params(&r);
-    cr_assert_eq(krk_attn(&p, 0), KR_OK, "%s", what);
+    const struct krk_ctx k = run_ctx(&r, 0);
+    cr_assert_eq(krk_attn(&p, &k), KR_OK, "%s", what);
     gt_sync();
     run_check(&r, what);
     run_free(&r);
@@ -375,8 +380,9 @@ ParameterizedTest(struct attn_shape *sh, attention, decode_replays_from_graph)
     cudaGraphExec_t exec;
     cr_assert_eq(cudaStreamCreate(&stream), cudaSuccess);
     const struct krk_attn_params p = run_params(&r);
+    const struct krk_ctx k = run_ctx(&r, stream);
     cr_assert_eq(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
-    cr_assert_eq(krk_attn(&p, stream), KR_OK);
+    cr_assert_eq(krk_attn(&p, &k), KR_OK);
     cr_assert_eq(cudaStreamEndCapture(stream, &graph), cudaSuccess);
     cr_assert_eq(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
 
@@ -450,36 +456,45 @@ Test(attention, rejects_invalid_parameters)
     struct attn_run r;
     run_init(&r, &sh, &rng, 1, &len, &pos0, NULL, -1);
     struct krk_attn_params p = run_params(&r);
+    struct krk_ctx k = run_ctx(&r, 0);
     p.n_kv_head = 5; /* 32 heads not divisible */
-    cr_expect_eq(krk_attn(&p, 0), KR_ERR_INVAL);
+    cr_expect_eq(krk_attn(&p, &k), KR_ERR_INVAL);
     p = run_params(&r);
+    k = run_ctx(&r, 0);
     p.head_dim = 264;
     p.ld_qkv = 100000;
-    cr_expect_eq(krk_attn(&p, 0), KR_ERR_INVAL);
+    cr_expect_eq(krk_attn(&p, &k), KR_ERR_INVAL);
     p = run_params(&r);
+    k = run_ctx(&r, 0);
     p.head_dim = 124;
-    cr_expect_eq(krk_attn(&p, 0), KR_ERR_INVAL);
+    cr_expect_eq(krk_attn(&p, &k), KR_ERR_INVAL);
     p = run_params(&r);
+    k = run_ctx(&r, 0);
     p.block_size = 0;
-    cr_expect_eq(krk_attn(&p, 0), KR_ERR_INVAL);
+    cr_expect_eq(krk_attn(&p, &k), KR_ERR_INVAL);
     p = run_params(&r);
-    p.workspace = NULL;
-    cr_expect_eq(krk_attn(&p, 0), KR_ERR_INVAL);
+    k = run_ctx(&r, 0);
+    k.workspace = NULL;
+    cr_expect_eq(krk_attn(&p, &k), KR_ERR_INVAL);
     p = run_params(&r);
+    k = run_ctx(&r, 0);
     p.k_cache = NULL;
-    cr_expect_eq(krk_attn(&p, 0), KR_ERR_INVAL);
+    cr_expect_eq(krk_attn(&p, &k), KR_ERR_INVAL);
     /* contexts beyond what the block tables hold (the kernels would read past a table row) */
     p = run_params(&r);
-    p.batch.max_ctx = p.batch.max_blocks * p.block_size + 1;
-    cr_expect_eq(krk_attn(&p, 0), KR_ERR_INVAL, "a context beyond the block tables must be refused");
+    k = run_ctx(&r, 0);
+    k.batch.max_ctx = k.batch.max_blocks * p.block_size + 1;
+    cr_expect_eq(krk_attn(&p, &k), KR_ERR_INVAL, "a context beyond the block tables must be refused");
     /* grid limits: more sequences than gridDim.z, more heads than gridDim.y */
     p = run_params(&r);
-    p.batch.n_seq = 65536;
-    cr_expect_eq(krk_attn(&p, 0), KR_ERR_INVAL, "65536 sequences exceed gridDim.z");
+    k = run_ctx(&r, 0);
+    k.batch.n_seq = 65536;
+    cr_expect_eq(krk_attn(&p, &k), KR_ERR_INVAL, "65536 sequences exceed gridDim.z");
     p = run_params(&r);
+    k = run_ctx(&r, 0);
     p.n_head = 65536 * 8;
     p.ld_qkv = p.n_head * p.head_dim;
-    cr_expect_eq(krk_attn(&p, 0), KR_ERR_INVAL, "524288 heads exceed gridDim.y");
+    cr_expect_eq(krk_attn(&p, &k), KR_ERR_INVAL, "524288 heads exceed gridDim.y");
     gt_sync();
     run_free(&r);
 }

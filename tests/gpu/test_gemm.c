@@ -164,7 +164,7 @@ ParameterizedTest(int *idx, gemm, gemv_matches_cpu_matmul)
         cr_assert_eq(cudaStreamSynchronize(st), cudaSuccess);
         cr_assert_eq(cudaStreamDestroy(st), cudaSuccess);
         gt_sync();
-        cr_assert_eq(kr_backend_matmul(be, x, ldx, n, &w.t, with_bias ? bias : NULL, ref, ldy), KR_OK);
+        cr_assert_eq(kr_backend_matmul(be, x, ldx, n, &w.t, with_bias ? bias : NULL, ref, ldy, NULL), KR_OK);
         gt_down(got, d_y, ny * 4);
         char what[128];
         snprintf(what, sizeof what, "gemv %lldx%lld n=%lld%s ldx=%lld config %d%s", (long long)s.rows,
@@ -248,7 +248,7 @@ Test(gemm, gemv_parts_match_cpu_matmul)
                 float *ref = kr_malloc(ny * 4), *got = kr_malloc(ny * 4);
                 cr_assert(ref && got);
                 memset(ref, 0xff, ny * 4);
-                cr_assert_eq(kr_backend_matmul(be, x, ldx, n, &w[i].t, i % 2 ? bias[i] : NULL, ref, ldy[i]), KR_OK);
+                cr_assert_eq(kr_backend_matmul(be, x, ldx, n, &w[i].t, i % 2 ? bias[i] : NULL, ref, ldy[i], NULL), KR_OK);
                 gt_down(got, d_y[i], ny * 4);
                 char what[128];
                 snprintf(what, sizeof what, "gemv part %d of %d (%lldx%lld) n=%lld config %d", i, np,
@@ -289,8 +289,9 @@ static void expect_act_epilogue(const char *kernel, kr_backend_t be, const struc
     cr_assert(y && ref && a && ra);
     gt_down(y, d_y, ny * 4);
     gt_down(a, d_a, na * 4);
-    cr_assert_eq(kr_backend_matmul(be, x, cols, n, &w->t, NULL, ref, ldy), KR_OK);
-    cr_assert_eq(kr_backend_act(be, act, NULL, y, ldy, n, rows, ra), KR_OK);
+    cr_assert_eq(kr_backend_matmul(be, x, cols, n, &w->t, NULL, ref, ldy, NULL), KR_OK);
+    const struct krk_act_params ap = {.act = act, .x = y, .ld_in = ldy, .n = n, .width = rows, .out = ra};
+    cr_assert_eq(kr_backend_act(be, &ap), KR_OK);
     const bool exact = act == KR_ACT_RELU2 || act == KR_ACT_RELU;
     int64_t bad = 0, pad_bad = 0;
     for (int64_t t = 0; t < n; t++) {
@@ -480,7 +481,7 @@ ParameterizedTest(int *idx, gemm, skinny_matches_cpu_matmul)
         cr_assert_eq(cudaStreamSynchronize(st), cudaSuccess);
         cr_assert_eq(cudaStreamDestroy(st), cudaSuccess);
         gt_sync();
-        cr_assert_eq(kr_backend_matmul(be, x, ldx, n, &w.t, with_bias ? bias : NULL, ref, ldy), KR_OK);
+        cr_assert_eq(kr_backend_matmul(be, x, ldx, n, &w.t, with_bias ? bias : NULL, ref, ldy, NULL), KR_OK);
         gt_down(got, d_y, ny * 4);
         char what[160];
         snprintf(what, sizeof what, "skinny %lldx%lld n=%lld%s config %d%s", (long long)s.rows, (long long)s.cols,
@@ -589,7 +590,7 @@ Test(gemm, skinny_parts_and_act_match_cpu)
                 cr_assert(got && ref);
                 memset(ref, 0xff, (size_t)(n * ldy) * 4);
                 gt_down(got, d_y[i], (size_t)(n * ldy) * 4);
-                cr_assert_eq(kr_backend_matmul(be, x, cols, n, &ws[i].t, bias[i], ref, ldy), KR_OK);
+                cr_assert_eq(kr_backend_matmul(be, x, cols, n, &ws[i].t, bias[i], ref, ldy, NULL), KR_OK);
                 char what[128];
                 snprintf(what, sizeof what, "skinny part %d of %d (%lldx%lld) n=%lld", i, k, (long long)rows,
                          (long long)cols, (long long)n);
@@ -695,12 +696,12 @@ Test(gemm, skinny_rejects_bad_parameters)
     p.parts[1] = (struct krk_gemv_part){.w = d_w, .rows = 64, .y = d_y + 4096, .ldy = 64};
     p.act_out = d_y + 8192;
     p.ld_act = 256;
-    p.act = KRK_ACT_RELU2;
+    p.act = KR_ACT_RELU2;
     cr_expect_eq(krk_skinny(&p, 0), KR_ERR_INVAL);
     p.n_parts = 1;
     p.act = 7; /* no such activation */
     cr_expect_eq(krk_skinny(&p, 0), KR_ERR_INVAL);
-    p.act = KRK_ACT_RELU2;
+    p.act = KR_ACT_RELU2;
     cr_expect_eq(krk_skinny(&p, 0), KR_OK);
     gt_sync();
     gt_dfree(d_w);
@@ -753,7 +754,7 @@ Test(gemm, gemv_rejects_bad_parameters)
     cr_expect_eq(krk_gemv(&p, 0), KR_OK);
     p.act = 7; /* no such activation */
     cr_expect_eq(krk_gemv(&p, 0), KR_ERR_INVAL);
-    p.act = KRK_ACT_SILU;
+    p.act = KR_ACT_SILU;
     p.ld_act = 8; /* ld_act < rows */
     cr_expect_eq(krk_gemv(&p, 0), KR_ERR_INVAL);
     gt_sync();

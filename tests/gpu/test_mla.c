@@ -124,13 +124,14 @@ Test(mla, cache_write_matches_cpu)
 
         struct krk_mla_cache_params kp = {.c_kv = d_kva, .ld_ckv = ld, .k_pe = d_kva + R, .ld_kpe = ld,
                                           .ik = d_ik, .kv_lora = R, .rope = Dr, .idx_dim = Di,
-                                          .cache = d_cache, .block_size = block_size, .batch = b.dev};
-        cr_assert_eq(krk_mla_cache_write(&kp, 0), KR_OK);
+                                          .cache = d_cache, .block_size = block_size};
+        const struct krk_ctx kc = {.batch = b.dev};
+        cr_assert_eq(krk_mla_cache_write(&kp, &kc), KR_OK);
         gt_sync();
         kr_backend_t be = kr_backend_cpu_create(0);
         cr_assert(be);
         cr_assert_eq(kr_backend_begin_batch(be, &b.host), KR_OK);
-        struct kr_mla_cache_params cp = {.c_kv = kva, .ld_ckv = ld, .k_pe = kva + R, .ld_kpe = ld,
+        struct krk_mla_cache_params cp = {.c_kv = kva, .ld_ckv = ld, .k_pe = kva + R, .ld_kpe = ld,
                                          .ik = Di ? ik : NULL, .kv_lora = R, .rope = Dr, .idx_dim = Di,
                                          .cache = cpu_cache, .block_size = block_size};
         cr_assert_eq(kr_backend_mla_cache_write(be, &cp), KR_OK);
@@ -246,15 +247,17 @@ Test(mla, prep_matches_cpu)
         const struct krk_mla_prep_params kp = {
             .q_lat = Q ? d_q : NULL, .q_dim = Q, .q_norm = shapes[i].q_norm ? d_qn : NULL, .kva = d_kva,
             .kv_lora = R, .rope = Dr, .kv_norm = shapes[i].kv_norm ? d_kvn : NULL, .ckv = d_ckv, .eps = 1e-6f,
-            .inv_freq = d_inv, .factor = 1.0f, .ik = Di ? d_ik : NULL, .idx_dim = Di, .ik_w = d_ikw, .ik_b = d_ikb,
+            .inv_freq = d_inv, .factor = 1.0f, .ik = Di ? d_ik : NULL, .idx_dim = Di, .ik_norm_w = d_ikw,
+            .ik_norm_b = d_ikb,
             .idx_eps = 1e-6f, .w = Hw ? d_w : NULL, .n_w = Hw, .w_scale = scale, .cache = d_cache,
-            .block_size = block_size, .batch = b.dev};
-        cr_assert_eq(krk_mla_prep(&kp, 0), KR_OK);
+            .block_size = block_size, .n = b.host.n_tok};
+        const struct krk_ctx kc = {.batch = b.dev};
+        cr_assert_eq(krk_mla_prep(&kp, &kc), KR_OK);
         gt_sync();
         kr_backend_t be = kr_backend_cpu_create(0);
         cr_assert(be);
         cr_assert_eq(kr_backend_begin_batch(be, &b.host), KR_OK);
-        const struct kr_mla_prep_params cp = {
+        const struct krk_mla_prep_params cp = {
             .n = n, .q_lat = Q ? q : NULL, .q_dim = Q, .q_norm = shapes[i].q_norm ? qn : NULL, .kva = kva,
             .kv_lora = R, .rope = Dr, .kv_norm = shapes[i].kv_norm ? kvn : NULL, .ckv = ckv, .eps = 1e-6f,
             .inv_freq = inv, .factor = 1.0f, .ik = Di ? ik : NULL, .idx_dim = Di, .ik_norm_w = ikw,
@@ -675,10 +678,11 @@ Test(mla, launchers_refuse_contexts_beyond_block_tables)
     over.max_ctx = over.max_blocks * 64 + 1;
     void *d = gt_dalloc(1 << 20);
     const struct krk_mla_cache_params cw = {.c_kv = d, .ld_ckv = 8, .k_pe = d, .ld_kpe = 0, .kv_lora = 8,
-                                            .cache = d, .block_size = 64, .batch = over};
-    cr_expect_eq(krk_mla_cache_write(&cw, 0), KR_ERR_INVAL, "cache write past the block tables");
-    const struct krk_mla_prep_params pp = {.kva = d, .kv_lora = 8, .cache = d, .block_size = 64, .batch = over};
-    cr_expect_eq(krk_mla_prep(&pp, 0), KR_ERR_INVAL, "prep past the block tables");
+                                            .cache = d, .block_size = 64};
+    const struct krk_ctx oc = {.batch = over};
+    cr_expect_eq(krk_mla_cache_write(&cw, &oc), KR_ERR_INVAL, "cache write past the block tables");
+    const struct krk_mla_prep_params pp = {.n = over.n_tok, .kva = d, .kv_lora = 8, .cache = d, .block_size = 64};
+    cr_expect_eq(krk_mla_prep(&pp, &oc), KR_ERR_INVAL, "prep past the block tables");
     const struct krk_dsa_index_params ip = {.iq = d, .w = d, .n_head = 1, .head_dim = 8, .cache = d, .row = 8,
                                             .block_size = 64, .topk = 16, .idx = d, .workspace = d,
                                             .workspace_bytes = 1 << 20, .batch = over};
@@ -922,11 +926,11 @@ Test(mla, fp8_round_matches_cpu_bitwise)
         }
         float *dx = gt_dup(x, count * sizeof(float));
         struct krk_fp8_round_params kp = {.x = dx, .ld = ld, .n = n, .dim = dim, .block = cases[c].block,
-                                          .ue8m0 = cases[c].ue8m0};
+                                          .hadamard = true, .ue8m0 = cases[c].ue8m0};
         cr_assert_eq(krk_fp8_round(&kp, 0), KR_OK);
         gt_sync();
         gt_down(got, dx, count * sizeof(float));
-        struct kr_fp8_round_params cp = {.x = x, .ld = ld, .n = n, .dim = dim, .block = cases[c].block,
+        struct krk_fp8_round_params cp = {.x = x, .ld = ld, .n = n, .dim = dim, .block = cases[c].block,
                                          .hadamard = true, .ue8m0 = cases[c].ue8m0};
         cr_assert_eq(kr_backend_fp8_round(cpu, &cp), KR_OK);
         int64_t differ = 0, first = -1;
@@ -945,7 +949,7 @@ Test(mla, fp8_round_matches_cpu_bitwise)
         kr_free(got);
     }
     float *dx = gt_dalloc(48 * sizeof(float));
-    struct krk_fp8_round_params bad = {.x = dx, .ld = 48, .n = 1, .dim = 48, .block = 48};
+    struct krk_fp8_round_params bad = {.x = dx, .ld = 48, .n = 1, .dim = 48, .block = 48, .hadamard = true};
     cr_expect_eq(krk_fp8_round(&bad, 0), KR_ERR_INVAL, "48 is not a power of two");
     bad.dim = 16;
     bad.block = 16;

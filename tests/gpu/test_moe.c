@@ -97,11 +97,11 @@ static void run_route_case(const struct route_case *c, int64_t n, uint64_t seed)
     int32_t *ids = kr_malloc((size_t)(n * K) * 4), *gids = kr_malloc((size_t)(n * K) * 4);
     float *w = kr_malloc((size_t)(n * K) * 4), *gw = kr_malloc((size_t)(n * K) * 4);
     cr_assert(ids && gids && w && gw);
-    const struct kr_route_params cp = {.logits = lg, .bias = c->with_bias ? bias : NULL, .n_expert = E, .n_used = K,
+    const struct krk_route_params cp = {.logits = lg, .n = n, .bias = c->with_bias ? bias : NULL, .n_expert = E, .n_used = K,
                                        .n_group = c->n_group, .topk_group = c->topk_group, .norm_topk = c->norm_topk,
                                        .scale = c->scale, .score = (enum kr_router_score)c->score, .ids = ids,
                                        .weights = w};
-    cr_assert_eq(kr_backend_moe_route(be, &cp, n), KR_OK);
+    cr_assert_eq(kr_backend_moe_route(be, &cp), KR_OK);
     gt_down(gids, d_ids, (size_t)(n * K) * 4);
     gt_down(gw, d_w, (size_t)(n * K) * 4);
     int64_t bad = 0, first = -1;
@@ -181,7 +181,7 @@ struct experts_case {
     const char *name;
     int64_t n_expert, n_used, d_in, d_ffn, d_out;
     bool gated;
-    enum krk_act act;
+    enum kr_act act;
 };
 
 static void run_experts_case(const struct experts_case *c, int64_t n, uint64_t seed)
@@ -299,7 +299,7 @@ static void run_experts_case(const struct experts_case *c, int64_t n, uint64_t s
 Test(moe, experts_gated_silu_match_cpu)
 {
     GT_REQUIRE_GPU();
-    const struct experts_case c = {"gated silu", 8, 3, 256, 131, 264, true, KRK_ACT_SILU};
+    const struct experts_case c = {"gated silu", 8, 3, 256, 131, 264, true, KR_ACT_SILU};
     run_experts_case(&c, 1, 31);
     run_experts_case(&c, 40, 32);
 }
@@ -308,7 +308,7 @@ Test(moe, experts_gated_silu_match_cpu)
 Test(moe, experts_relu2_match_cpu)
 {
     GT_REQUIRE_GPU();
-    const struct experts_case c = {"relu2", 8, 6, 131, 200, 72, false, KRK_ACT_RELU2};
+    const struct experts_case c = {"relu2", 8, 6, 131, 200, 72, false, KR_ACT_RELU2};
     run_experts_case(&c, 1, 41);
     run_experts_case(&c, 40, 42);
 }

@@ -21,6 +21,24 @@
 
 /* ---- helpers ------------------------------------------------------------------------------ */
 
+/* The CPU reference's RMSNorm and LayerNorm of rows at a stride (struct krk_rmsnorm_params,
+ * krk_layernorm_params). */
+static enum kr_status ref_rmsnorm(kr_backend_t be, const float *x, int64_t ldx, const float *w, int64_t n, int64_t dim,
+                                  float eps, float *out)
+{
+    const struct krk_rmsnorm_params p = {.x = (float *)x, .ldx = ldx, .w = w, .n = n, .dim = dim, .eps = eps,
+                                         .out = out};
+    return kr_backend_rmsnorm(be, &p);
+}
+
+static enum kr_status ref_layernorm(kr_backend_t be, const float *x, int64_t ldx, const float *w, const float *b,
+                                    int64_t n, int64_t dim, float eps, float *out)
+{
+    const struct krk_layernorm_params p = {.x = x, .ldx = ldx, .w = w, .b = b, .n = n, .dim = dim, .eps = eps,
+                                           .out = out};
+    return kr_backend_layernorm(be, &p);
+}
+
 static float *hrand(struct gt_rng *r, size_t n, float lo, float hi)
 {
     float *p = kr_malloc((n ? n : 1) * sizeof(float));
@@ -121,7 +139,7 @@ ParameterizedTest(int *idx, norm, rmsnorm_matches_cpu)
     for (int64_t i = 0; i < s.n; i++) {
         cr_assert_eq(kr_backend_add(be, xr + i * ldx, res + i * s.dim, s.dim), KR_OK);
     }
-    cr_assert_eq(kr_backend_rmsnorm_strided(be, xr, ldx, w, s.n, s.dim, eps, ref), KR_OK);
+    cr_assert_eq(ref_rmsnorm(be, xr, ldx, w, s.n, s.dim, eps, ref), KR_OK);
     float *xg = hdown(d_x, nx), *og = hdown(d_out, no);
     expect_same_bytes("rmsnorm: x += res written back (all of ldx)", xg, xr, nx * sizeof(float));
     gt_expect_close("rmsnorm fused: out", og, ref, no, NORM_NMSE, NORM_ABS);
@@ -132,7 +150,7 @@ ParameterizedTest(int *idx, norm, rmsnorm_matches_cpu)
     /* plain, bf16 output only */
     gt_dfree(d_ob);
     d_ob = gt_dalloc(no * 2);
-    cr_assert_eq(kr_backend_rmsnorm_strided(be, x, ldx, w, s.n, s.dim, eps, ref), KR_OK);
+    cr_assert_eq(ref_rmsnorm(be, x, ldx, w, s.n, s.dim, eps, ref), KR_OK);
     float *d_x2 = gt_dup(x, nx * 4);
     p = (struct krk_rmsnorm_params){.x = d_x2, .ldx = ldx, .w = d_w, .n = s.n, .dim = s.dim, .eps = eps,
                                     .out_bf16 = d_ob};
@@ -234,7 +252,7 @@ ParameterizedTest(int *idx, norm, layernorm_matches_cpu)
                                      .out = d_out};
     cr_assert_eq(krk_layernorm(&p, 0), KR_OK);
     gt_sync();
-    cr_assert_eq(kr_backend_layernorm(be, x, ldx, w, b, s.n, s.dim, eps, ref), KR_OK);
+    cr_assert_eq(ref_layernorm(be, x, ldx, w, b, s.n, s.dim, eps, ref), KR_OK);
     float *og = hdown(d_out, no);
     gt_expect_close("layernorm with bias", og, ref, no, NORM_NMSE, NORM_ABS);
     kr_free(og);
@@ -245,7 +263,7 @@ ParameterizedTest(int *idx, norm, layernorm_matches_cpu)
     p.out = d_out;
     cr_assert_eq(krk_layernorm(&p, 0), KR_OK);
     gt_sync();
-    cr_assert_eq(kr_backend_layernorm(be, x, ldx, w, zero, s.n, s.dim, eps, ref), KR_OK);
+    cr_assert_eq(ref_layernorm(be, x, ldx, w, zero, s.n, s.dim, eps, ref), KR_OK);
     og = hdown(d_out, no);
     gt_expect_close("layernorm without bias", og, ref, no, NORM_NMSE, NORM_ABS);
     kr_free(og);
@@ -313,7 +331,9 @@ ParameterizedTest(int *idx, norm, gated_rmsnorm_matches_cpu)
                                          .group = s.group, .eps = eps, .out = d_out, .out_bf16 = d_ob};
     cr_assert_eq(krk_gated_rmsnorm(&p, 0), KR_OK);
     gt_sync();
-    cr_assert_eq(kr_backend_gated_rmsnorm(be, y, z, s.ldz, w, s.n, s.dim, s.group, eps, ref), KR_OK);
+    cr_assert_eq(kr_backend_gated_rmsnorm(be, &(struct krk_gated_rmsnorm_params){.y = y, .z = z, .ldz = s.ldz, .w = w, .n = s.n,
+                                                                                  .dim = s.dim, .group = s.group,
+                                                                                  .eps = eps, .out = ref}), KR_OK);
     float *og = hdown(d_out, ny);
     /* silu's expf adds a few ulp per element to the row-sum difference: same bounds as the norms */
     gt_expect_close("gated_rmsnorm out", og, ref, ny, NORM_NMSE, NORM_ABS);
@@ -449,19 +469,21 @@ Test(elementwise, act_matches_cpu)
                 float *d_out = gt_dalloc(no * 4);
                 krk_bf16 *d_ob = gt_dalloc(no * 2);
                 /* gated: gate = first half of the row, x = second half; else x = first half */
-                struct krk_act_params p = {.act = (enum krk_act)a, .gate = gated ? d_in : NULL,
+                struct krk_act_params p = {.act = (enum kr_act)a, .gate = gated ? d_in : NULL,
                                            .x = gated ? d_in + s.width : d_in, .ld_in = s.ld_in, .n = s.n,
                                            .width = s.width, .out = d_out, .out_bf16 = d_ob};
                 cr_assert_eq(krk_act(&p, 0), KR_OK);
                 gt_sync();
-                cr_assert_eq(kr_backend_act(be, (enum kr_act)a, gated ? in : NULL, gated ? in + s.width : in, s.ld_in,
-                                            s.n, s.width, ref),
+                cr_assert_eq(kr_backend_act(be, &(struct krk_act_params){.act = (enum kr_act)a, .gate = gated ? in : NULL,
+                                                                            .x = gated ? in + s.width : in,
+                                                                            .ld_in = s.ld_in, .n = s.n,
+                                                                            .width = s.width, .out = ref}),
                              KR_OK);
                 float *g = hdown(d_out, no);
                 char what[80];
                 snprintf(what, sizeof what, "act %s%s n=%lld width=%lld", gated ? "gated " : "", names[a],
                          (long long)s.n, (long long)s.width);
-                if (a == KRK_ACT_RELU || a == KRK_ACT_RELU2) {
+                if (a == KR_ACT_RELU || a == KR_ACT_RELU2) {
                     expect_same_bytes(what, g, ref, no * sizeof(float));
                 } else {
                     gt_expect_close(what, g, ref, no, 1e-12, 2e-5);

@@ -588,7 +588,7 @@ Test(fp8, backend_round_trip_is_hadamard_then_act_quant_per_row)
                 row[j] = kr_fp8_e4m3_to_f32(q[j]) * sc[j / block];
             }
         }
-        struct kr_fp8_round_params p = {.x = x, .ld = ld, .n = n, .dim = dim, .block = block, .hadamard = true,
+        struct krk_fp8_round_params p = {.x = x, .ld = ld, .n = n, .dim = dim, .block = block, .hadamard = true,
                                         .ue8m0 = cases[c].ue8m0};
         cr_assert_eq(kr_backend_fp8_round(be, &p), KR_OK);
         cr_expect(!memcmp(x, want, (size_t)(n * ld) * sizeof(float)),
@@ -597,7 +597,7 @@ Test(fp8, backend_round_trip_is_hadamard_then_act_quant_per_row)
         free(want);
     }
     float y[48] = {0};
-    struct kr_fp8_round_params bad = {.x = y, .ld = 48, .n = 1, .dim = 48, .block = 48, .hadamard = true};
+    struct krk_fp8_round_params bad = {.x = y, .ld = 48, .n = 1, .dim = 48, .block = 48, .hadamard = true};
     cr_expect_eq(kr_backend_fp8_round(be, &bad), KR_ERR_INVAL, "48 is not a power of two");
     bad.dim = 32;
     bad.block = 24;

@@ -6,6 +6,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include "krk/ops.h"
 #include "status.h"
 
 #ifdef __cplusplus
@@ -14,17 +15,6 @@ extern "C" {
 #else
 #define KRK_RESTRICT restrict
 #endif
-
-/* bf16 storage as seen from C (the bits of a __nv_bfloat16). */
-typedef uint16_t krk_bf16;
-
-/* Activation functions (values equal enum kr_act). */
-enum krk_act {
-    KRK_ACT_RELU2 = 0, /* relu(x)^2 */
-    KRK_ACT_SILU = 1,  /* x * sigmoid(x) */
-    KRK_ACT_GELU = 2,  /* exact erf GELU */
-    KRK_ACT_RELU = 3,
-};
 
 /* One forward step's flattened batch in device memory (see backend/batch.h). Sequences whose
  * seq_slot is negative are padding (CUDA-graph buckets): kernels read and write no cache block and
@@ -44,6 +34,16 @@ struct krk_batch {
                                    (1 for decode-only steps); grids may be sized by it */
     int32_t max_ctx;            /* host-known upper bound on pos + 1 over the batch; 0 when unknown
                                    (graph-captured steps): kernels must then not size grids by it */
+};
+
+/* What a launcher needs beside an op's parameters (struct krk_*_params of krk/ops.h): the stream,
+ * the step's batch in device memory and scratch, all owned by the backend. Launchers that take a
+ * krk_ctx read the fields their comment names. */
+struct krk_ctx {
+    cudaStream_t stream;
+    struct krk_batch batch;
+    void *workspace;        /* scratch of the launcher's *_workspace_bytes() bytes, or NULL when 0 */
+    size_t workspace_bytes;
 };
 
 /* Number of CUDA devices visible to this process (0 when the driver is missing or no device is

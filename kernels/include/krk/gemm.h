@@ -25,7 +25,7 @@ struct krk_gemv_part {
  * fp32 accumulation (x rounded to bf16 like every GEMM operand). The products of up to
  * KRK_GEMV_MAX_PARTS - 1 more weights of the same cols (`more`) run in the same launch, each with
  * its own bias and output; outputs must not overlap x or each other. With act_out (one weight
- * only), act_out[t, r] = act(y[t, r]) is written too: the activation of krk_act on the same value. */
+ * only), act_out[t, r] = act(y[t, r]) is written too: the activation of krk_act (enum kr_act) on the same value. */
 struct krk_gemv_params {
     const float *x;         /* [n, ldx] fp32 */
     int64_t ldx;
@@ -43,7 +43,7 @@ struct krk_gemv_params {
     struct krk_gemv_part more[KRK_GEMV_MAX_PARTS - 1];
     float *act_out;         /* [n, ld_act] fp32 or NULL */
     int64_t ld_act;         /* >= rows */
-    int act;                /* enum krk_act, with act_out */
+    int act;                /* enum kr_act, with act_out */
 };
 #define KRK_GEMV_CONFIGS 5
 enum kr_status krk_gemv(const struct krk_gemv_params *p, cudaStream_t stream);
@@ -67,7 +67,7 @@ struct krk_skinny_params {
                                                       x or each other */
     float *act_out;         /* [n, ld_act] fp32 or NULL */
     int64_t ld_act;
-    int act;                /* enum krk_act, with act_out */
+    int act;                /* enum kr_act, with act_out */
     void *ws;               /* krk_skinny_ws_bytes(krk_skinny_tile_rows(p)) bytes or more, 256-byte
                                aligned, zeroed once when allocated (it holds counters every product
                                leaves at zero); one workspace serves products of any shape */

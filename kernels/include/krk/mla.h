@@ -7,52 +7,15 @@
 extern "C" {
 #endif
 
-/* Latent cache write: row of every token = [c_kv (kv_lora) | k_pe (rope) | index key (idx_dim)]. */
-struct krk_mla_cache_params {
-    const float *c_kv;      /* [n_tok, ld_ckv] */
-    int64_t ld_ckv;
-    const float *k_pe;      /* [n_tok, ld_kpe] */
-    int64_t ld_kpe;
-    const float *ik;        /* [n_tok, idx_dim], NULL when idx_dim is 0 */
-    int64_t kv_lora, rope, idx_dim;
-    krk_bf16 *cache;        /* [n_block, block_size, kv_lora + rope + idx_dim] bf16 */
-    int32_t block_size;
-    struct krk_batch batch;
-};
-enum kr_status krk_mla_cache_write(const struct krk_mla_cache_params *p, cudaStream_t stream);
+/* Latent cache write (struct krk_mla_cache_params, krk/ops.h) of ctx->batch's tokens, on ctx->stream;
+ * padding sequences write no row. */
+enum kr_status krk_mla_cache_write(const struct krk_mla_cache_params *p, const struct krk_ctx *ctx);
 
-/* The per-token steps of an MLA / DSA layer from its input projections to the latent cache write, in
- * one launch (the engine's kr_mla_prep_params, without the FP8 round trip):
- *   q_lat = rmsnorm(q_lat) * q_norm (when q_norm); ckv = rmsnorm(kva[:, :kv_lora]) * kv_norm (when
- *   kv_norm; else c_kv is read from kva); k_pe = kva[:, kv_lora:] rotated (interleaved) in place;
- *   ik = layernorm(ik) * ik_w + ik_b, its first `rope` dims rotated (half-split), in place (when ik);
- *   w *= w_scale (when w); then the cache rows [c_kv | k_pe | ik] in bf16 at each token's position
- *   (none for padding). Angles as krk_rope (fp32 pos * inv_freq, no fused multiply-add). */
-struct krk_mla_prep_params {
-    float *q_lat;           /* [n_tok, q_dim] or NULL */
-    int64_t q_dim;
-    const float *q_norm;
-    float *kva;             /* [n_tok, kv_lora + rope] */
-    int64_t kv_lora, rope;
-    const float *kv_norm;   /* [kv_lora] or NULL */
-    float *ckv;             /* [n_tok, kv_lora], with kv_norm */
-    float eps;
-    const float *inv_freq;  /* [rope / 2] */
-    float factor;
-    float *ik;              /* [n_tok, idx_dim] or NULL */
-    int64_t idx_dim;
-    const float *ik_w, *ik_b;
-    float idx_eps;
-    float *w;               /* [n_tok, n_w] or NULL */
-    int64_t n_w;
-    float w_scale;
-    krk_bf16 *cache;        /* [n_block, block_size, kv_lora + rope + (ik ? idx_dim : 0)] */
-    int32_t block_size;
-    struct krk_batch batch;
-};
 /* Largest kv_lora + rope + idx_dim and q_dim krk_mla_prep takes. */
 #define KRK_MLA_PREP_MAX_ROW 8192
-enum kr_status krk_mla_prep(const struct krk_mla_prep_params *p, cudaStream_t stream);
+/* struct krk_mla_prep_params (krk/ops.h) in one launch for ctx->batch's tokens (p->n must be its
+ * n_tok; ik_fp8 must be NULL: the FP8 round trip is krk_fp8_round's), on ctx->stream. */
+enum kr_status krk_mla_prep(const struct krk_mla_prep_params *p, const struct krk_ctx *ctx);
 
 /* Lightning indexer + top-k: for token t at position p, the top min(topk, p+1) positions s <= p by
  * I[t,s] = sum_h w[t,h] relu(iq[t,h] . ik[s]) (ties: lower position first), ascending in
@@ -121,16 +84,8 @@ bool krk_mla_heads_fits(const struct krk_mla_attn_params *p);
 size_t krk_mla_attn_workspace_bytes(int64_t n_tok, int64_t n_head, int64_t kv_lora, int64_t max_ctx);
 enum kr_status krk_mla_attention(const struct krk_mla_attn_params *p, cudaStream_t stream);
 
-/* FP8 round trip of indexer rows (the DSA indexer's FP8 path), bit for bit the CPU reference's
- * cpu_fp8_round: each of the n rows of `dim` floats at x + i*ld becomes dequant(e4m3(H x / scale))
- * with an orthonormal Walsh-Hadamard transform and per-block scales (amax floored at 1e-4; amax/448,
- * or the power of two above it when ue8m0). dim a power of two in [32, 1024]; block a divisor of dim,
- * at least dim/32. */
-struct krk_fp8_round_params {
-    float *x;
-    int64_t ld, n, dim, block;
-    bool ue8m0;
-};
+/* FP8 round trip (struct krk_fp8_round_params, krk/ops.h) of indexer rows, bit for bit the CPU
+ * reference's cpu_fp8_round; p->hadamard must be set. */
 enum kr_status krk_fp8_round(const struct krk_fp8_round_params *p, cudaStream_t stream);
 
 #ifdef __cplusplus

@@ -7,19 +7,7 @@
 extern "C" {
 #endif
 
-/* DeepSeek-V3 routing: sigmoid (score 0) or softmax (1) scores, correction bias for selection
- * only, group-limited top-k (groups ranked by the sum of their top-2 biased scores), optional
- * normalisation of the chosen weights, then scaling. */
-struct krk_route_params {
-    const float *logits;    /* [n, n_expert] */
-    const float *bias;      /* [n_expert], may be NULL */
-    int64_t n, n_expert, n_used, n_group, topk_group; /* n_expert <= 1024, n_used <= 32 */
-    bool norm_topk;
-    float scale;
-    int score;              /* 0 sigmoid, 1 softmax */
-    int32_t *ids;           /* [n, n_used] */
-    float *weights;         /* [n, n_used] */
-};
+/* DeepSeek-V3 routing (struct krk_route_params, krk/ops.h). */
 enum kr_status krk_moe_route(const struct krk_route_params *p, cudaStream_t stream);
 
 /* out[t] = sum_k weights[t,k] * E_{ids[t,k]}(x[t]), E(x) = down(act(gate x) * (up x)) when gate is
@@ -32,7 +20,7 @@ struct krk_experts_params {
     const krk_bf16 *const *gate;        /* [n_expert] -> [d_ffn, d_in], NULL when not gated */
     const krk_bf16 *const *up;          /* [n_expert] -> [d_ffn, d_in] */
     const krk_bf16 *const *down;        /* [n_expert] -> [d_out, d_ffn] */
-    enum krk_act act;
+    enum kr_act act;
     float *hidden;                      /* [n * n_used, d_ffn] scratch */
     float *out;                         /* [n, d_out] overwritten */
 };

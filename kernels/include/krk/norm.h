@@ -6,47 +6,14 @@
 extern "C" {
 #endif
 
-/* RMSNorm with optional fused residual add, rows of `dim`:
- *   if res: x[i] += res[i] (written back to x)
- *   out[i] = x[i] / sqrt(mean(x[i]^2) + eps) * w
- * out may alias x only when res is NULL. out_bf16 (may be NULL) receives the same values rounded to
- * bf16 (the input of the next GEMM). */
-struct krk_rmsnorm_params {
-    float *x;               /* [n, ldx] fp32; read, and written when res is given */
-    int64_t ldx;
-    const float *res;       /* [n, dim] fp32 residual to add first, may be NULL */
-    const float *w;         /* [dim] fp32 */
-    int64_t n, dim;
-    float eps;
-    float *out;             /* [n, dim] fp32 dense, may be NULL when out_bf16 is given */
-    krk_bf16 *out_bf16;     /* [n, dim] bf16 dense, may be NULL */
-};
+/* RMSNorm with an optional residual added first and an optional bf16 copy of the output
+ * (struct krk_rmsnorm_params, krk/ops.h). */
 enum kr_status krk_rmsnorm(const struct krk_rmsnorm_params *p, cudaStream_t stream);
 
-/* LayerNorm: out[i] = (x[i] - mean) / sqrt(var + eps) * w + b (biased variance); out may alias x. */
-struct krk_layernorm_params {
-    const float *x;         /* [n, ldx] */
-    int64_t ldx;
-    const float *w;         /* [dim] fp32 */
-    const float *b;         /* [dim] fp32, may be NULL */
-    int64_t n, dim;
-    float eps;
-    float *out;             /* [n, dim] dense */
-};
+/* LayerNorm (struct krk_layernorm_params, krk/ops.h). */
 enum kr_status krk_layernorm(const struct krk_layernorm_params *p, cudaStream_t stream);
 
-/* Gated grouped RMSNorm (Mamba-2): g = y * silu(z); out = g / sqrt(mean_group(g^2) + eps) * w
- * with the mean over each group of `group` consecutive channels. */
-struct krk_gated_rmsnorm_params {
-    const float *y;         /* [n, dim] */
-    const float *z;         /* [n, ldz] */
-    int64_t ldz;
-    const float *w;         /* [dim] fp32 */
-    int64_t n, dim, group;
-    float eps;
-    float *out;             /* [n, dim] fp32, may be NULL when out_bf16 is given */
-    krk_bf16 *out_bf16;     /* [n, dim] bf16, may be NULL */
-};
+/* Gated grouped RMSNorm of Mamba-2 (struct krk_gated_rmsnorm_params, krk/ops.h). */
 enum kr_status krk_gated_rmsnorm(const struct krk_gated_rmsnorm_params *p, cudaStream_t stream);
 
 /* y[i] += x[i] for i < n. */
@@ -58,15 +25,7 @@ enum kr_status krk_scale(float *y, float s, int64_t n, cudaStream_t stream);
 enum kr_status krk_embed(const krk_bf16 *w /* [vocab, dim] */, const int32_t *tokens /* [n] */, int64_t n,
                          int64_t dim, float *out /* [n, dim] */, cudaStream_t stream);
 
-/* out[t, j] = act(gate[t, j]) * x[t, j] when gate is given, else act(x[t, j]). */
-struct krk_act_params {
-    enum krk_act act;
-    const float *gate;      /* [n, ld_in], may be NULL */
-    const float *x;         /* [n, ld_in] */
-    int64_t ld_in, n, width;
-    float *out;             /* [n, width] fp32, may be NULL when out_bf16 is given */
-    krk_bf16 *out_bf16;     /* [n, width] bf16, may be NULL */
-};
+/* Activation, gated or not (struct krk_act_params, krk/ops.h). */
 enum kr_status krk_act(const struct krk_act_params *p, cudaStream_t stream);
 
 /* dst[i, :] = src[rows[i], :] for i < n (rows of `width` fp32). */

@@ -27,16 +27,6 @@
 extern "C" {
 #endif
 
-/* Parameters of one row (device array [n]). */
-struct krk_sample_row {
-    float temperature;      /* 0 = greedy */
-    int32_t top_k;          /* <= 0 off */
-    float top_p;            /* 1 off */
-    float min_p;            /* 0 off */
-    float presence, frequency, repetition;
-    int32_t pen_off, pen_n; /* this row's entries in the penalty arrays */
-    double u;               /* uniform draw in [0, 1) from the row's generator (unused when greedy) */
-};
 
 struct krk_sample_params {
     const float *logits;            /* [n, ld] raw logits */

@@ -1,0 +1,201 @@
+#pragma once
+/* The parameters of the backend ops, defined once for the engine and the kernels. Plain C: no CUDA
+ * header, so the engine's backend interface (backend/backend.h), the CPU reference and the forward
+ * pass include it in any build, and the CUDA backend hands the engine's struct to the kernel
+ * launcher as it is. What only a device needs (the stream, the step's batch in device memory,
+ * workspace, tuning variants) travels beside it in struct krk_ctx (krk/common.h).
+ *
+ * Pointers are backend memory (device memory on CUDA, host memory on the CPU). Activations are
+ * fp32; caches are the backend's cache element type (bf16 on CUDA, fp32 on the CPU), hence void. */
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* bf16 storage as seen from C (the bits of a __nv_bfloat16). */
+typedef uint16_t krk_bf16;
+
+/* Activation functions (the model's mlp_hidden_act). */
+enum kr_act {
+    KR_ACT_RELU2 = 0, /* relu(x)^2 */
+    KR_ACT_SILU = 1,  /* x * sigmoid(x) */
+    KR_ACT_GELU = 2,  /* exact erf GELU */
+    KR_ACT_RELU = 3,
+};
+
+/* MoE router scoring (the model's scoring_func). */
+enum kr_router_score {
+    KR_ROUTER_SIGMOID = 0,
+    KR_ROUTER_SOFTMAX = 1,
+};
+
+/* RMSNorm with an optional residual added first, rows of `dim`:
+ *   if res: x[i] += res[i] (written back to x: the residual stream)
+ *   out[i] = x[i] / sqrt(mean(x[i]^2) + eps) * w
+ * out may alias x only when res is NULL. With out_bf16 the op also writes out rounded to bf16 (the
+ * operand of the GEMM that reads out next: struct krk_bf16_in). */
+struct krk_rmsnorm_params {
+    float *x;               /* [n, ldx] fp32; read, and written when res is given */
+    int64_t ldx;
+    const float *res;       /* [n, dim] fp32 dense residual to add first, or NULL */
+    const float *w;         /* [dim] fp32 */
+    int64_t n, dim;
+    float eps;
+    float *out;             /* [n, dim] fp32 dense (may be NULL on CUDA when out_bf16 is given) */
+    krk_bf16 *out_bf16;     /* [n, dim] bf16 dense, or NULL */
+};
+
+/* LayerNorm: out[i] = (x[i] - mean) / sqrt(var + eps) * w + b (biased variance); out may alias x. */
+struct krk_layernorm_params {
+    const float *x;         /* [n, ldx] */
+    int64_t ldx;
+    const float *w;         /* [dim] fp32 */
+    const float *b;         /* [dim] fp32, may be NULL */
+    int64_t n, dim;
+    float eps;
+    float *out;             /* [n, dim] dense */
+};
+
+/* Gated grouped RMSNorm (Mamba-2): g = y * silu(z); out = g / sqrt(mean_group(g^2) + eps) * w with the
+ * mean over each group of `group` consecutive channels (gate before norm). out_bf16 as in rmsnorm. */
+struct krk_gated_rmsnorm_params {
+    const float *y;         /* [n, dim] */
+    const float *z;         /* [n, ldz] */
+    int64_t ldz;
+    const float *w;         /* [dim] fp32 */
+    int64_t n, dim, group;
+    float eps;
+    float *out;             /* [n, dim] fp32 */
+    krk_bf16 *out_bf16;     /* [n, dim] bf16, or NULL */
+};
+
+/* out[t, j] = act(gate[t, j]) * x[t, j] when gate is given, else act(x[t, j]); out_bf16 as in rmsnorm. */
+struct krk_act_params {
+    enum kr_act act;
+    const float *gate;      /* [n, ld_in], may be NULL */
+    const float *x;         /* [n, ld_in] */
+    int64_t ld_in, n, width;
+    float *out;             /* [n, width] fp32 dense */
+    krk_bf16 *out_bf16;     /* [n, width] bf16, or NULL */
+};
+
+/* The bf16 operand of a GEMM that reads x [n, cols] (a row stride of its own): room in the caller's
+ * workspace for x rounded to bf16, and whether the op that wrote x has filled it already (its
+ * out_bf16). A backend whose GEMMs round x to bf16 reads a filled copy instead of rounding again,
+ * and may round x into the room otherwise; a backend with fp32 GEMMs (the CPU) ignores it. The
+ * forward pass marks it filled only for the GEMMs right after the op that wrote it. */
+struct krk_bf16_in {
+    krk_bf16 *data;         /* [n, ld] bf16 */
+    int64_t ld;             /* row stride (>= cols) */
+    int64_t cap;            /* elements of room */
+    bool filled;            /* data holds bf16(x) for the GEMM's rows and columns */
+};
+
+/* DeepSeek-V3 routing: sigmoid or softmax scores, correction bias for selection only, group-limited
+ * top-k (groups ranked by the sum of their top-2 biased scores), optional normalisation of the chosen
+ * weights, then scaling. */
+struct krk_route_params {
+    const float *logits;    /* [n, n_expert] router logits */
+    const float *bias;      /* [n_expert] e_score_correction_bias, may be NULL */
+    int64_t n, n_expert, n_used, n_group, topk_group; /* CUDA: n_expert <= 1024, n_used <= 32 */
+    bool norm_topk;
+    float scale;            /* routed_scaling_factor */
+    enum kr_router_score score;
+    int32_t *ids;           /* [n, n_used] out: chosen experts */
+    float *weights;         /* [n, n_used] out: their weights */
+};
+
+/* GQA attention for one layer over the block-paged K/V cache: the batch's new K/V rows are written
+ * into the cache at their positions first, then for every query token t of sequence s at position p
+ * and head h (KV head h / (n_head / n_kv_head)):
+ *   out[t, h] = softmax_j(scale * q[t,h] . K[s, j]) V[s, j] over j = 0..p. */
+struct krk_attn_params {
+    const float *q;         /* [n_tok, ld_qkv] queries, head h at h*head_dim */
+    const float *k;         /* [n_tok, ld_qkv] new keys [n_kv_head * head_dim] */
+    const float *v;         /* [n_tok, ld_qkv] new values */
+    int64_t ld_qkv;         /* row stride of q, k and v */
+    int64_t n_head, n_kv_head, head_dim; /* CUDA: head_dim <= 256, a multiple of 8 */
+    float scale;            /* softmax scale */
+    void *k_cache;          /* [n_block, block_size, n_kv_head, head_dim] this layer's keys */
+    void *v_cache;          /* [n_block, block_size, n_kv_head, head_dim] */
+    int32_t block_size;
+    float *out;             /* [n_tok, n_head * head_dim] */
+};
+
+/* MLA/DSA latent cache write: for every token of the batch, its row of this layer's latent cache
+ * (block-paged like K/V) becomes [c_kv (kv_lora) | k_pe (rope) | index key (idx_dim, D only)]. */
+struct krk_mla_cache_params {
+    const float *c_kv;      /* [n_tok, ld_ckv] normalised KV latent */
+    int64_t ld_ckv;
+    const float *k_pe;      /* [n_tok, ld_kpe] rotated shared key rope part */
+    int64_t ld_kpe;
+    const float *ik;        /* [n_tok, idx_dim] indexer keys (after LayerNorm and RoPE); NULL for '+' */
+    int64_t kv_lora, rope, idx_dim; /* row = kv_lora + rope + idx_dim (idx_dim 0 for '+') */
+    void *cache;            /* [n_block, block_size, row] this layer's latent cache */
+    int32_t block_size;
+};
+
+/* FP8 round trip of activation rows (the DSA indexer's FP8 path, MODEL_SPEC §1.5): each of the n rows
+ * of `dim` elements at x + i*ld becomes, in place, dequant(e4m3(H x)): an orthonormal Walsh-Hadamard
+ * transform (scale dim^-0.5) when `hadamard`, then per block of `block` elements the reference
+ * act_quant (amax floored at 1e-4; scale amax/448, or the power of two above it when `ue8m0`) and back
+ * to fp32 as e4m3 value x scale. dim must be a power of two and a multiple of block (CUDA: dim in
+ * [32, 1024], block at least dim/32, hadamard only). */
+struct krk_fp8_round_params {
+    float *x;
+    int64_t ld, n, dim, block;
+    bool hadamard, ue8m0;
+};
+
+/* The small per-token steps of an MLA / DSA layer between its input projections and attention, for
+ * n tokens of the current batch, in this order (each in place unless said):
+ *   q_lat = rmsnorm(q_lat) * q_norm                       (when q_norm; rows of q_dim)
+ *   ckv = rmsnorm(kva[:, :kv_lora]) * kv_norm            (when kv_norm; else c_kv is kva's)
+ *   kva[:, kv_lora:] = rope_interleaved(k_pe)
+ *   ik = rope_half(layernorm(ik) * ik_norm_w + ik_norm_b) on its first `rope` dims (when ik), then
+ *        the FP8 round trip of ik_fp8 (when given)
+ *   w *= w_scale                                          (when w; rows of n_w)
+ *   latent cache rows [c_kv | k_pe | ik] written at each token's position
+ * as the individual ops compute them (angles fp32 pos * inv_freq, no fused multiply-add). A backend
+ * may run it as one kernel (CUDA: without ik_fp8, rows up to KRK_MLA_PREP_MAX_ROW). */
+struct krk_mla_prep_params {
+    int64_t n;
+    float *q_lat;               /* [n, q_dim] or NULL */
+    int64_t q_dim;
+    const float *q_norm;
+    float *kva;                 /* [n, kv_lora + rope] */
+    int64_t kv_lora, rope;
+    const float *kv_norm;       /* [kv_lora] or NULL */
+    float *ckv;                 /* [n, kv_lora] with kv_norm */
+    float eps;
+    const float *inv_freq;      /* [rope / 2] */
+    float factor;
+    float *ik;                  /* [n, idx_dim] or NULL */
+    int64_t idx_dim;
+    const float *ik_norm_w, *ik_norm_b;
+    float idx_eps;
+    const struct krk_fp8_round_params *ik_fp8; /* x = ik; NULL: none */
+    float *w;                   /* [n, n_w] or NULL */
+    int64_t n_w;
+    float w_scale;
+    void *cache;                /* [n_block, block_size, kv_lora + rope + (ik ? idx_dim : 0)] */
+    int32_t block_size;
+};
+
+/* One row of token sampling parameters (the host sampler's semantics, engine/sampler.h). */
+struct krk_sample_row {
+    float temperature;      /* 0 = greedy */
+    int32_t top_k;          /* <= 0 off */
+    float top_p;            /* 1 off */
+    float min_p;            /* 0 off */
+    float presence, frequency, repetition;
+    int32_t pen_off, pen_n; /* this row's entries in the penalty arrays */
+    double u;               /* uniform draw in [0, 1) from the row's generator (unused when greedy) */
+};
+
+#ifdef __cplusplus
+}
+#endif
