@@ -176,13 +176,10 @@ static void sess_free(struct kr_sess *s)
         kr_free(c->text);
         kr_free(c->ids);
         kr_free(c->stop_str);
-        if (c->lps) {
-            for (int32_t k = 0; k < c->n_ids; k++) {
-                kr_free((void *)c->lps[k].tok.text);
-            }
-            const int32_t tk = s->o.sampling.logprobs;
-            for (int32_t k = 0; k < c->n_ids * tk; k++) {
-                kr_free((void *)c->lp_top[k].text);
+        for (int32_t k = 0; c->lps && k < c->n_ids; k++) {
+            kr_free((void *)c->lps[k].tok.text);
+            for (int32_t j = 0; j < c->lps[k].n_top; j++) { /* the alternatives the engine sent, no more */
+                kr_free((void *)c->lps[k].top[j].text);
             }
         }
         kr_free(c->lps);
