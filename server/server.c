@@ -4,21 +4,18 @@
 #include "server.h"
 
 #include "alloc.h"
-#include "chat.h"
+#include "boot.h"
 #include "clock.h"
-#include "config.h"
 #include "engine.h"
 #include "log.h"
 #include "metrics.h"
 #include "model.h"
 #include "openai.h"
 #include "session.h"
-#include "tokenizer.h"
 
 #include <arpa/inet.h>
 #include <errno.h>
 #include <stdarg.h>
-#include <math.h>
 #include <microhttpd.h>
 #include <netinet/in.h>
 #include <pthread.h>
@@ -111,22 +108,14 @@ struct srv {
     uv_signal_t sig_term, sig_int;
     uv_timer_t drain_timer;
     bool ready;
-    bool load_failed;
     bool draining;
     bool cut_done;             /* the drain deadline passed: what was in flight got its 503 */
     double cut_at;
     bool device_failed;        /* the engine reported a lost device: 503 everywhere, exit 3 */
     bool stopping;             /* stop_everything ran */
     int exit_code;
-    kr_backend_t be;
-    struct kr_model *m;
-    struct kr_engine *eng;
-    struct kr_tokenizer *tok;
-    struct kr_chat *chat;
+    struct kr_boot rt;         /* backend, model, tokenizer, chat template, engine (boot.h) */
     char *model_name;
-    int32_t max_model_len;
-    pthread_t loader;
-    bool loader_joined;
     pthread_mutex_t qmu;
     struct kr_sess_event *qh, *qt; /* engine events on their way to the loop thread */
     struct hreq *reqs;
@@ -403,7 +392,7 @@ static void on_wake(uv_async_t *a)
         kr_sess_event_deliver(n);
         n = next;
     }
-    if (s->eng && !s->device_failed && !s->stopping && kr_engine_failed(s->eng)) {
+    if (s->rt.eng && !s->device_failed && !s->stopping && kr_engine_failed(s->rt.eng)) {
         on_device_failed(s);
     }
     mhd_kick(s);
@@ -588,7 +577,7 @@ static enum MHD_Result dispatch(struct hreq *h, const char *url, const char *met
         return send_simple_error(h, 413, "invalid_request_error", "", "request_too_large", msg);
     }
     if (!strcmp(url, "/health") || !strcmp(url, "/ping")) {
-        const bool dev_ok = kr_backend_healthy(s->be) && !s->device_failed && !(s->eng && kr_engine_failed(s->eng));
+        const bool dev_ok = kr_backend_healthy(s->rt.be) && !s->device_failed && !(s->rt.eng && kr_engine_failed(s->rt.eng));
         if (s->ready && !s->draining && dev_ok) {
             return send_body(h, 200, "application/json", "{}", 2, NULL);
         }
@@ -598,8 +587,8 @@ static enum MHD_Result dispatch(struct hreq *h, const char *url, const char *met
     }
     if (!strcmp(url, "/metrics") && get) {
         struct kr_engine_stats st = {0};
-        if (s->eng) {
-            kr_engine_get_stats(s->eng, &st);
+        if (s->rt.eng) {
+            kr_engine_get_stats(s->rt.eng, &st);
         }
         size_t len = 0;
         char *txt = kr_metrics_render(&s->met, &st, s->model_name, &len);
@@ -647,7 +636,7 @@ static enum MHD_Result dispatch(struct hreq *h, const char *url, const char *met
         case R_CHAT:
             return handle_generate(h);
         case R_MODELS: {
-            char *j = kr_oai_models_json(s->model_name, s->started, s->max_model_len);
+            char *j = kr_oai_models_json(s->model_name, s->started, s->rt.max_model_len);
             return send_json_str(h, 200, j);
         }
         case R_TOKENIZE:
@@ -1043,124 +1032,29 @@ static void on_device_failed(struct srv *s)
 
 static uv_async_t g_loaded;
 
-static void progress(void *user, int done, int total)
+/* Loader thread: loading ended, either way. */
+static void loaded(void *user)
 {
     (void)user;
-    if (!isatty(2)) { /* a log, not a terminal: one line at the end */
-        if (done == total) {
-            KR_LOG_INFO("loaded weights of %d layers", total);
-        }
-        return;
-    }
-    const int width = 40, fill = total ? done * width / total : width;
-    char bar[64];
-    for (int i = 0; i < width; i++) {
-        bar[i] = i < fill ? '#' : '.';
-    }
-    bar[width] = 0;
-    fprintf(stderr, "\rloading weights [%s] %3d%%%s", bar, total ? done * 100 / total : 100, done == total ? "\n" : "");
-    fflush(stderr);
-}
-
-static void *loader_main(void *arg)
-{
-    struct srv *s = arg;
-    struct kr_err err = {{0}};
-    enum kr_status st = kr_model_load_progress(s->o.model_dir, s->be, progress, NULL, &s->m, &err);
-    if (st == KR_OK && s->o.indexer != KR_INDEXER_AUTO) {
-        if ((st = kr_model_set_indexer(s->m, (enum kr_indexer)s->o.indexer, &err)) != KR_OK) {
-            kr_model_free(s->m);
-            s->m = NULL;
-        }
-    }
-    if (st != KR_OK) {
-        KR_LOG_ERROR("cannot load the model: %s", err.msg[0] ? err.msg : kr_status_str(st));
-        s->load_failed = true;
-        uv_async_send(&g_loaded);
-        return NULL;
-    }
-    if (s->o.max_model_len > s->m->cfg.max_pos && s->o.allow_long_max_model_len) {
-        s->m->cfg.max_pos = s->o.max_model_len; /* accepted at start with a warning */
-    }
-    if (!s->o.skip_tokenizer_init) {
-        const char *tdir = s->o.tokenizer_dir ? s->o.tokenizer_dir : s->o.model_dir;
-        st = kr_tokenizer_load(tdir, NULL, &s->tok, &err);
-        if (st != KR_OK) {
-            KR_LOG_ERROR("cannot load the tokenizer from %s: %s (use --skip-tokenizer-init to serve token ids only)",
-                         tdir, err.msg);
-            s->load_failed = true;
-            uv_async_send(&g_loaded);
-            return NULL;
-        }
-        if (kr_chat_load(s->tok, s->o.chat_template_file, &s->chat, &err) != KR_OK) {
-            KR_LOG_ERROR("cannot load the chat template: %s", err.msg);
-            s->load_failed = true;
-            uv_async_send(&g_loaded);
-            return NULL;
-        }
-        if (!s->chat) {
-            KR_LOG_WARN("the tokenizer has no chat template: /v1/chat/completions will answer 400");
-        }
-    }
-    struct kr_engine_config cfg;
-    kr_engine_config_default(&cfg);
-    cfg.max_num_seqs = s->o.max_num_seqs;
-    cfg.max_num_batched_tokens = s->o.max_num_batched_tokens;
-    cfg.max_queued_requests = s->o.max_queued_requests;
-    cfg.max_model_len = s->o.max_model_len;
-    cfg.block_size = s->o.block_size;
-    cfg.cache_bytes = s->o.cache_bytes;
-    /* the step workspace first, so that the cache budget sees what is left */
-    const int64_t max_len = s->o.max_model_len > 0 ? s->o.max_model_len : s->m->cfg.max_pos;
-    if (kr_model_reserve(s->m, cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.max_num_seqs, max_len,
-                         cfg.block_size) != KR_OK) {
-        KR_LOG_ERROR("cannot reserve the forward workspace (%d tokens per step)", cfg.max_num_batched_tokens);
-        s->load_failed = true;
-        uv_async_send(&g_loaded);
-        return NULL;
-    }
-    if (cfg.cache_bytes == 0) {
-        size_t free_b = 0, total_b = 0;
-        if (kr_backend_mem_info(s->be, &free_b, &total_b) == KR_OK && total_b > 0) {
-            const double keep = (1.0 - s->o.gpu_mem_util) * (double)total_b;
-            cfg.cache_bytes = (double)free_b > keep + (double)(256u << 20) ? (size_t)((double)free_b - keep)
-                                                                          : (size_t)256 << 20;
-            KR_LOG_INFO("cache budget %.2f GiB (%.0f%% of %.1f GiB device memory; %.2f GiB free before caches)",
-                        (double)cfg.cache_bytes / (1 << 30), s->o.gpu_mem_util * 100, (double)total_b / (1 << 30),
-                        (double)free_b / (1 << 30));
-        } else {
-            cfg.cache_bytes = (size_t)512 << 20;
-        }
-    }
-    if (kr_engine_create(s->m, &cfg, &s->eng, &err) != KR_OK) {
-        KR_LOG_ERROR("cannot start the engine: %s", err.msg);
-        s->load_failed = true;
-        uv_async_send(&g_loaded);
-        return NULL;
-    }
-    s->max_model_len = s->o.max_model_len > 0 && s->o.max_model_len < s->m->cfg.max_pos ? s->o.max_model_len
-                                                                                          : (int32_t)s->m->cfg.max_pos;
     uv_async_send(&g_loaded);
-    return NULL;
 }
 
 static void on_loaded(uv_async_t *a)
 {
     struct srv *s = a->data;
-    pthread_join(s->loader, NULL);
-    s->loader_joined = true;
-    if (s->load_failed) {
+    kr_boot_load_join(&s->rt);
+    if (s->rt.load_failed) {
         s->exit_code = 1;
         stop_everything(s);
         return;
     }
-    s->env.engine_ctx = s->eng;
-    s->env.tok = s->tok;
-    s->env.chat = s->chat;
-    s->env.vocab = s->m->cfg.vocab;
-    s->env.max_model_len = s->max_model_len;
+    s->env.engine_ctx = s->rt.eng;
+    s->env.tok = s->rt.tok;
+    s->env.chat = s->rt.chat;
+    s->env.vocab = s->rt.m->cfg.vocab;
+    s->env.max_model_len = s->rt.max_model_len;
     s->ready = true;
-    KR_LOG_INFO("ready: serving %s as \"%s\" (max_model_len=%d)", s->o.model_dir, s->model_name, s->max_model_len);
+    KR_LOG_INFO("ready: serving %s as \"%s\" (max_model_len=%d)", s->o.model_dir, s->model_name, s->rt.max_model_len);
 }
 
 static void close_cb(uv_handle_t *h)
@@ -1175,7 +1069,7 @@ static int start_failed(struct srv *s, bool loop, int code)
         uv_loop_close(&s->loop);
         pthread_mutex_destroy(&s->qmu);
     }
-    kr_backend_free(s->be);
+    kr_boot_free(&s->rt);
     kr_free(s->model_name);
     kr_free(s);
     return code;
@@ -1206,22 +1100,9 @@ int kr_serve_run(const struct kr_serve_opts *o)
         KR_LOG_ERROR("--host %s is not an IPv4 or IPv6 address", o->host);
         return 2;
     }
-    if (o->max_model_len > 0) {
-        /* beyond the checkpoint's trained length: refused before anything is loaded, unless asked */
-        struct kr_model_config mc;
-        struct kr_err cerr = {{0}};
-        if (kr_model_config_load(&mc, o->model_dir, &cerr) == KR_OK && o->max_model_len > mc.max_pos) {
-            if (!o->allow_long_max_model_len) {
-                KR_LOG_ERROR("--max-model-len %d is more than the %lld positions %s/config.json declares "
-                             "(max_position_embeddings); lower it, or pass --allow-long-max-model-len to serve "
-                             "positions beyond the trained length",
-                             o->max_model_len, (long long)mc.max_pos, o->model_dir);
-                return 2;
-            }
-            KR_LOG_WARN("--max-model-len %d is more than the %lld positions the checkpoint was trained for "
-                        "(--allow-long-max-model-len): outputs past position %lld may be poor",
-                        o->max_model_len, (long long)mc.max_pos, (long long)mc.max_pos);
-        }
+    const int bad = kr_boot_check(o);
+    if (bad) {
+        return bad;
     }
     struct srv *s = kr_calloc(1, sizeof *s);
     if (!s) {
@@ -1233,11 +1114,11 @@ int kr_serve_run(const struct kr_serve_opts *o)
     s->started = (int64_t)time(NULL);
     s->model_name = kr_strdup(o->served_model_name ? o->served_model_name : o->model_dir);
     struct kr_err berr = {{0}};
-    if (kr_backend_create(o->device, o->threads, &s->be, &berr) != KR_OK) {
+    if (kr_boot_init(&s->rt, o, &berr) != KR_OK) {
         KR_LOG_ERROR("cannot start the compute backend: %s", berr.msg);
         return start_failed(s, false, 2);
     }
-    KR_LOG_INFO("backend: %s", kr_backend_name(s->be));
+    KR_LOG_INFO("backend: %s", kr_backend_name(s->rt.be));
     if (!s->model_name || uv_loop_init(&s->loop) != 0) {
         KR_LOG_ERROR("out of memory at start-up");
         return start_failed(s, false, 1);
@@ -1285,7 +1166,7 @@ int kr_serve_run(const struct kr_serve_opts *o)
             fclose(fp);
         }
     }
-    if (pthread_create(&s->loader, NULL, loader_main, s) != 0) {
+    if (kr_boot_load_start(&s->rt, loaded, s) != KR_OK) {
         KR_LOG_ERROR("cannot start the loader thread");
         return 1;
     }
@@ -1295,11 +1176,8 @@ int kr_serve_run(const struct kr_serve_opts *o)
     /* shutdown: close connections (cancelling their work), stop the engine, settle its last events */
     MHD_stop_daemon(s->d);
     s->d = NULL;
-    if (!s->loader_joined) {
-        pthread_join(s->loader, NULL); /* a signal during loading: let the loader finish first */
-    }
-    kr_engine_free(s->eng);
-    s->eng = NULL;
+    kr_boot_load_join(&s->rt); /* a signal during loading: let the loader finish first */
+    kr_boot_stop_engine(&s->rt);
     s->env.engine_ctx = NULL; /* the last events' sessions cancel nothing more */
     on_wake(&s->wake);
     uv_close((uv_handle_t *)&s->mhd_poll, close_cb);
@@ -1311,10 +1189,7 @@ int kr_serve_run(const struct kr_serve_opts *o)
     uv_close((uv_handle_t *)&s->sig_int, close_cb);
     uv_run(&s->loop, UV_RUN_DEFAULT);
     uv_loop_close(&s->loop);
-    kr_chat_free(s->chat);
-    kr_tokenizer_free(s->tok);
-    kr_model_free(s->m);
-    kr_backend_free(s->be);
+    kr_boot_free(&s->rt);
     pthread_mutex_destroy(&s->qmu);
     const int code = s->exit_code;
     kr_free(s->model_name);
