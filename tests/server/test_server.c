@@ -670,6 +670,34 @@ Test(server_flags, skip_tokenizer_init_serves_token_ids)
     json_t *c = json_array_get(json_object_get(j, "choices"), 0);
     cr_expect_eq(json_array_size(json_object_get(c, "token_ids")), 3);
     json_decref(j);
+    /* streamed, each token id goes out in its own event as it is made (no text would ever release
+     * them), and together they are the whole answer's ids */
+    j = post_json(&p, "/v1/completions", "{\"prompt\":[5,6,7],\"max_tokens\":12,\"ignore_eos\":true,\"temperature\":0}",
+                  &st);
+    cr_assert_eq(st, 200);
+    json_t *whole = json_object_get(json_array_get(json_object_get(j, "choices"), 0), "token_ids");
+    cr_assert_eq(json_array_size(whole), 12);
+    char *raw = post_stream(&p, "/v1/completions",
+                            "{\"prompt\":[5,6,7],\"max_tokens\":12,\"ignore_eos\":true,\"temperature\":0,\"stream\":true}",
+                            0, &st);
+    cr_assert_eq(st, 200);
+    bool done = false;
+    json_t *evs = sse_events(raw, &done);
+    cr_expect(done);
+    size_t got = 0;
+    for (size_t e = 0; e < json_array_size(evs); e++) {
+        json_t *ids = json_object_get(json_array_get(json_object_get(json_array_get(evs, e), "choices"), 0), "token_ids");
+        cr_expect(json_array_size(ids) <= 1, "event %zu carries %zu token ids: held back instead of streamed", e,
+                  json_array_size(ids));
+        for (size_t i = 0; i < json_array_size(ids); i++, got++) {
+            cr_expect_eq(json_integer_value(json_array_get(ids, i)), json_integer_value(json_array_get(whole, got)),
+                         "streamed id %zu", got);
+        }
+    }
+    cr_expect_eq(got, 12);
+    json_decref(evs);
+    free(raw);
+    json_decref(j);
     j = post_json(&p, "/v1/completions", "{\"prompt\":\"text\",\"max_tokens\":3}", &st);
     expect_error(j, st, 400, "prompt");
     json_decref(j);

@@ -1,0 +1,178 @@
+/* Start-up wiring of `krait serve` (boot.h): the backend, then on the loader thread the model,
+ * tokenizer, chat template, workspace and engine. */
+#include "boot.h"
+
+#include "log.h"
+
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+
+int kr_boot_check(const struct kr_serve_opts *o)
+{
+    if (o->max_model_len > 0) {
+        /* beyond the checkpoint's trained length: refused before anything is loaded, unless asked */
+        struct kr_model_config mc;
+        struct kr_err cerr = {{0}};
+        if (kr_model_config_load(&mc, o->model_dir, &cerr) == KR_OK && o->max_model_len > mc.max_pos) {
+            if (!o->allow_long_max_model_len) {
+                KR_LOG_ERROR("--max-model-len %d is more than the %lld positions %s/config.json declares "
+                             "(max_position_embeddings); lower it, or pass --allow-long-max-model-len to serve "
+                             "positions beyond the trained length",
+                             o->max_model_len, (long long)mc.max_pos, o->model_dir);
+                return 2;
+            }
+            KR_LOG_WARN("--max-model-len %d is more than the %lld positions the checkpoint was trained for "
+                        "(--allow-long-max-model-len): outputs past position %lld may be poor",
+                        o->max_model_len, (long long)mc.max_pos, (long long)mc.max_pos);
+        }
+    }
+    return 0;
+}
+
+enum kr_status kr_boot_init(struct kr_boot *b, const struct kr_serve_opts *o, struct kr_err *err)
+{
+    memset(b, 0, sizeof *b);
+    b->o = *o;
+    return kr_backend_create(o->device, o->threads, &b->be, err);
+}
+
+/* ---- loading (its own thread: /health answers 503 meanwhile) ------------------------------------------------ */
+
+static void progress(void *user, int done, int total)
+{
+    (void)user;
+    if (!isatty(2)) { /* a log, not a terminal: one line at the end */
+        if (done == total) {
+            KR_LOG_INFO("loaded weights of %d layers", total);
+        }
+        return;
+    }
+    const int width = 40, fill = total ? done * width / total : width;
+    char bar[64];
+    for (int i = 0; i < width; i++) {
+        bar[i] = i < fill ? '#' : '.';
+    }
+    bar[width] = 0;
+    fprintf(stderr, "\rloading weights [%s] %3d%%%s", bar, total ? done * 100 / total : 100, done == total ? "\n" : "");
+    fflush(stderr);
+}
+
+/* The loader thread: everything that takes long, then `loaded`. */
+static void *loader_main(void *arg)
+{
+    struct kr_boot *s = arg;
+    struct kr_err err = {{0}};
+    enum kr_status st = kr_model_load_progress(s->o.model_dir, s->be, progress, NULL, &s->m, &err);
+    if (st == KR_OK && s->o.indexer != KR_INDEXER_AUTO) {
+        if ((st = kr_model_set_indexer(s->m, (enum kr_indexer)s->o.indexer, &err)) != KR_OK) {
+            kr_model_free(s->m);
+            s->m = NULL;
+        }
+    }
+    if (st != KR_OK) {
+        KR_LOG_ERROR("cannot load the model: %s", err.msg[0] ? err.msg : kr_status_str(st));
+        s->load_failed = true;
+        s->loaded(s->loaded_user);
+        return NULL;
+    }
+    if (s->o.max_model_len > s->m->cfg.max_pos && s->o.allow_long_max_model_len) {
+        s->m->cfg.max_pos = s->o.max_model_len; /* accepted at start with a warning */
+    }
+    if (!s->o.skip_tokenizer_init) {
+        const char *tdir = s->o.tokenizer_dir ? s->o.tokenizer_dir : s->o.model_dir;
+        st = kr_tokenizer_load(tdir, NULL, &s->tok, &err);
+        if (st != KR_OK) {
+            KR_LOG_ERROR("cannot load the tokenizer from %s: %s (use --skip-tokenizer-init to serve token ids only)",
+                         tdir, err.msg);
+            s->load_failed = true;
+            s->loaded(s->loaded_user);
+            return NULL;
+        }
+        if (kr_chat_load(s->tok, s->o.chat_template_file, &s->chat, &err) != KR_OK) {
+            KR_LOG_ERROR("cannot load the chat template: %s", err.msg);
+            s->load_failed = true;
+            s->loaded(s->loaded_user);
+            return NULL;
+        }
+        if (!s->chat) {
+            KR_LOG_WARN("the tokenizer has no chat template: /v1/chat/completions will answer 400");
+        }
+    }
+    struct kr_engine_config cfg;
+    kr_engine_config_default(&cfg);
+    cfg.max_num_seqs = s->o.max_num_seqs;
+    cfg.max_num_batched_tokens = s->o.max_num_batched_tokens;
+    cfg.max_queued_requests = s->o.max_queued_requests;
+    cfg.max_model_len = s->o.max_model_len;
+    cfg.block_size = s->o.block_size;
+    cfg.cache_bytes = s->o.cache_bytes;
+    /* the step workspace first, so that the cache budget sees what is left */
+    const int64_t max_len = s->o.max_model_len > 0 ? s->o.max_model_len : s->m->cfg.max_pos;
+    if (kr_model_reserve(s->m, cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.max_num_seqs, max_len,
+                         cfg.block_size) != KR_OK) {
+        KR_LOG_ERROR("cannot reserve the forward workspace (%d tokens per step)", cfg.max_num_batched_tokens);
+        s->load_failed = true;
+        s->loaded(s->loaded_user);
+        return NULL;
+    }
+    if (cfg.cache_bytes == 0) {
+        size_t free_b = 0, total_b = 0;
+        if (kr_backend_mem_info(s->be, &free_b, &total_b) == KR_OK && total_b > 0) {
+            const double keep = (1.0 - s->o.gpu_mem_util) * (double)total_b;
+            cfg.cache_bytes = (double)free_b > keep + (double)(256u << 20) ? (size_t)((double)free_b - keep)
+                                                                          : (size_t)256 << 20;
+            KR_LOG_INFO("cache budget %.2f GiB (%.0f%% of %.1f GiB device memory; %.2f GiB free before caches)",
+                        (double)cfg.cache_bytes / (1 << 30), s->o.gpu_mem_util * 100, (double)total_b / (1 << 30),
+                        (double)free_b / (1 << 30));
+        } else {
+            cfg.cache_bytes = (size_t)512 << 20;
+        }
+    }
+    if (kr_engine_create(s->m, &cfg, &s->eng, &err) != KR_OK) {
+        KR_LOG_ERROR("cannot start the engine: %s", err.msg);
+        s->load_failed = true;
+        s->loaded(s->loaded_user);
+        return NULL;
+    }
+    s->max_model_len = s->o.max_model_len > 0 && s->o.max_model_len < s->m->cfg.max_pos ? s->o.max_model_len
+                                                                                          : (int32_t)s->m->cfg.max_pos;
+    s->loaded(s->loaded_user);
+    return NULL;
+}
+
+
+enum kr_status kr_boot_load_start(struct kr_boot *b, void (*loaded)(void *user), void *user)
+{
+    b->loaded = loaded;
+    b->loaded_user = user;
+    if (pthread_create(&b->loader, NULL, loader_main, b) != 0) {
+        return KR_ERR_INTERNAL;
+    }
+    b->loader_running = true;
+    return KR_OK;
+}
+
+void kr_boot_load_join(struct kr_boot *b)
+{
+    if (b->loader_running) {
+        pthread_join(b->loader, NULL);
+        b->loader_running = false;
+    }
+}
+
+void kr_boot_stop_engine(struct kr_boot *b)
+{
+    kr_engine_free(b->eng);
+    b->eng = NULL;
+}
+
+void kr_boot_free(struct kr_boot *b)
+{
+    kr_boot_stop_engine(b);
+    kr_chat_free(b->chat);
+    kr_tokenizer_free(b->tok);
+    kr_model_free(b->m);
+    kr_backend_free(b->be);
+    memset(b, 0, sizeof *b);
+}

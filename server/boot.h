@@ -1,0 +1,61 @@
+#pragma once
+/* What `krait serve` serves from, put together at start-up: the compute backend, then on a loader
+ * thread the model, the tokenizer and chat template, the step workspace and the engine with its
+ * cache budget. No HTTP and no event loop: the server is told through a callback when loading
+ * ended. */
+#include <pthread.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "backend.h"
+#include "chat.h"
+#include "engine.h"
+#include "model.h"
+#include "server.h"
+#include "status.h"
+#include "tokenizer.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+struct kr_boot {
+    struct kr_serve_opts o;        /* borrowed strings: they outlive the server */
+    kr_backend_t be;
+    struct kr_model *m;            /* NULL until loaded */
+    struct kr_tokenizer *tok;      /* NULL with --skip-tokenizer-init */
+    struct kr_chat *chat;          /* NULL without a chat template */
+    struct kr_engine *eng;
+    int32_t max_model_len;         /* what a request may use: --max-model-len, else the model's */
+    bool load_failed;              /* the loader logged why */
+    pthread_t loader;
+    bool loader_running;           /* started and not joined yet */
+    void (*loaded)(void *user);    /* loader thread, once, when loading ended either way */
+    void *loaded_user;
+};
+
+/* Checks the options against the checkpoint before anything is loaded (--max-model-len beyond the
+ * trained length without --allow-long-max-model-len). Returns 0, or the exit code (2) after
+ * logging why. */
+int kr_boot_check(const struct kr_serve_opts *o);
+
+/* Starts the compute backend o->device names. KR_OK, or an error in err. */
+enum kr_status kr_boot_init(struct kr_boot *b, const struct kr_serve_opts *o, struct kr_err *err);
+
+/* Starts the loader thread; `loaded(user)` is called on it when loading ended (b->load_failed
+ * tells how). KR_ERR_INTERNAL when the thread cannot start. */
+enum kr_status kr_boot_load_start(struct kr_boot *b, void (*loaded)(void *user), void *user);
+
+/* Waits for the loader thread (after `loaded`, or at shutdown). No-op when none runs. */
+void kr_boot_load_join(struct kr_boot *b);
+
+/* Stops the engine: its in-flight requests end as cancelled (their last events are sent before it
+ * returns). No-op when none runs. */
+void kr_boot_stop_engine(struct kr_boot *b);
+
+/* Stops the engine and frees everything b holds. The loader must have been joined. */
+void kr_boot_free(struct kr_boot *b);
+
+#ifdef __cplusplus
+}
+#endif
