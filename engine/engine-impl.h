@@ -120,6 +120,7 @@ struct kr_engine {
     bool dev_sample;
     int32_t cap_srows;
     struct seq **s_seqs;           /* [n] the sequence of each output row */
+    uint8_t *s_host;               /* [n] 1: the row is sampled on the host (a fork, logit_bias) */
     struct krk_sample_row *srows;
     int32_t *s_out, *s_top_ids;
     float *s_lp, *s_top_lp;
@@ -171,7 +172,8 @@ void eng_emit_token(struct kr_engine *e, struct seq *s, int32_t tok, float logpr
                     const float *top_lps);
 void eng_sample_and_emit(struct kr_engine *e, struct seq *s, const float *logits);
 enum kr_status eng_ensure_sample_buffers(struct kr_engine *e, int32_t n, int64_t n_pen);
-enum kr_status eng_sample_on_backend(struct kr_engine *e, struct seq **seqs, int32_t n, int32_t *n_top_out);
+enum kr_status eng_sample_on_backend(struct kr_engine *e, struct seq **seqs, const uint8_t *host, int32_t n,
+                                      int32_t *n_top_out);
 void eng_prompt_logprobs_rows(struct kr_engine *e, struct req *r, int32_t p0, int32_t n, const float *rows);
 
 /* step.c */

@@ -543,6 +543,7 @@ void kr_engine_free(struct kr_engine *e)
     kr_free(e->logits);
     kr_free(e->lp_row);
     kr_free(e->s_seqs);
+    kr_free(e->s_host);
     kr_free(e->srows);
     kr_free(e->s_out);
     kr_free(e->s_lp);

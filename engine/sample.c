@@ -96,18 +96,20 @@ enum kr_status eng_ensure_sample_buffers(struct kr_engine *e, int32_t n, int64_t
     if (n > e->cap_srows) {
         const int32_t c = n + 16;
         kr_free(e->s_seqs);
+        kr_free(e->s_host);
         kr_free(e->srows);
         kr_free(e->s_out);
         kr_free(e->s_lp);
         kr_free(e->s_top_ids);
         kr_free(e->s_top_lp);
         e->s_seqs = kr_malloc((size_t)c * sizeof *e->s_seqs);
+        e->s_host = kr_malloc((size_t)c);
         e->srows = kr_malloc((size_t)c * sizeof *e->srows);
         e->s_out = kr_malloc((size_t)c * sizeof(int32_t));
         e->s_lp = kr_malloc((size_t)c * sizeof(float));
         e->s_top_ids = kr_malloc((size_t)c * KR_MAX_TOP_LOGPROBS * sizeof(int32_t));
         e->s_top_lp = kr_malloc((size_t)c * KR_MAX_TOP_LOGPROBS * sizeof(float));
-        e->cap_srows = e->s_seqs && e->srows && e->s_out && e->s_lp && e->s_top_ids && e->s_top_lp ? c : 0;
+        e->cap_srows = e->s_seqs && e->s_host && e->srows && e->s_out && e->s_lp && e->s_top_ids && e->s_top_lp ? c : 0;
         if (!e->cap_srows) {
             return KR_ERR_NOMEM;
         }
@@ -179,14 +181,19 @@ static int64_t pen_fill(struct kr_engine *e, const struct seq *s, int64_t at)
 
 /* Samples the rows of the step's output on the backend: row i of the model's last logits belongs
  * to seqs[i]. The generator of each sequence advances exactly as on the host path (one draw per
- * non-greedy row). Results in e->s_out / s_lp / s_top_* (s_lp only when a sequence asked for
- * log-probabilities). */
-enum kr_status eng_sample_on_backend(struct kr_engine *e, struct seq **seqs, int32_t n, int32_t *n_top_out)
+ * non-greedy row). Rows with host[i] set (host may be NULL) are left to the host sampler: the
+ * backend takes them greedily with no draw and no penalty, and their result is not used. Results
+ * in e->s_out / s_lp / s_top_* (s_lp only when a sequence asked for log-probabilities). */
+enum kr_status eng_sample_on_backend(struct kr_engine *e, struct seq **seqs, const uint8_t *host, int32_t n,
+                                     int32_t *n_top_out)
 {
     int64_t n_pen = 0;
     int32_t n_top = 0;
     bool want_lp = false; /* the chosen tokens' log-probabilities cost a log-sum-exp over each row */
     for (int32_t i = 0; i < n; i++) {
+        if (host && host[i]) {
+            continue;
+        }
         n_pen += pen_bound(e, seqs[i]);
         const int32_t k = seqs[i]->req->s.logprobs;
         n_top = k > n_top ? k : n_top;
@@ -198,6 +205,12 @@ enum kr_status eng_sample_on_backend(struct kr_engine *e, struct seq **seqs, int
     for (int32_t i = 0; i < n; i++) {
         struct seq *s = seqs[i];
         const struct kr_sampling *p = &s->req->s;
+        if (host && host[i]) {
+            e->srows[i] = (struct krk_sample_row){.temperature = 0.0f, .top_k = 0, .top_p = 1.0f, .min_p = 0.0f,
+                                                 .presence = 0.0f, .frequency = 0.0f, .repetition = 1.0f,
+                                                 .pen_off = (int32_t)at, .pen_n = 0, .u = 0.0};
+            continue;
+        }
         const int64_t k = pen_fill(e, s, at);
         e->srows[i] = (struct krk_sample_row){.temperature = p->temperature, .top_k = p->top_k, .top_p = p->top_p,
                                              .min_p = p->min_p, .presence = p->presence_penalty,

@@ -327,16 +327,15 @@ void eng_run_step(struct kr_engine *e)
     const double gap = e->t_step_done > 0 ? t1 - e->t_step_done : -1.0; /* counted with the step's stats */
     e->t_step_done = 0;
     struct kr_err err = {{0}};
-    /* sampling on the backend when every output row of the step is one sequence's next token
-     * (no prompt log-probability rows, no n > 1 fork sampling several choices from one row, no
-     * logit_bias, which the device sampler does not apply) */
+    /* sampling on the backend when every output row of the step is one sequence's next token (no
+     * prompt log-probability rows: a step with some goes to the host sampler whole). A row the
+     * device sampler cannot take (an n > 1 fork sampling several choices from one row, logit_bias,
+     * which it does not apply) is copied to the host and sampled there, the other rows staying on
+     * the device: one such request no longer sends every row of every step to the host. */
     bool dev = e->dev_sample && n_out > 0;
     for (int32_t j = 0; j < ns && dev; j++) {
-        struct seq *s = e->b_seqs[j];
-        const bool last = s->n_fed + e->b_nsched[j] == s->n_toks;
-        if (wants_prompt_rows(s) || (last && s->state == KR_SEQ_PREFILL && s->index == 0 && s->req->n > 1) ||
-            s->req->s.n_bias > 0) {
-            dev = false; /* host rows, forks and logit_bias take the host sampler */
+        if (wants_prompt_rows(e->b_seqs[j])) {
+            dev = false;
         }
     }
     enum kr_status st = kr_model_forward(e->m, e->cache, &b, dev ? NULL : e->logits, &err);
@@ -354,12 +353,24 @@ void eng_run_step(struct kr_engine *e)
         for (int32_t j = 0; j < ns; j++) {
             struct seq *s = e->b_seqs[j];
             if (s->n_fed + e->b_nsched[j] == s->n_toks) {
+                e->s_host[r] = (s->state == KR_SEQ_PREFILL && s->index == 0 && s->req->n > 1) || s->req->s.n_bias > 0;
                 e->s_seqs[r++] = s;
             }
         }
-        st = r == n_out ? eng_sample_on_backend(e, e->s_seqs, r, &n_top) : KR_ERR_INTERNAL;
+        st = r == n_out ? eng_sample_on_backend(e, e->s_seqs, e->s_host, r, &n_top) : KR_ERR_INTERNAL;
         if (st != KR_OK) {
             snprintf(err.msg, sizeof err.msg, "sampling on the backend failed: %s", kr_status_str(st));
+        }
+        /* the rows left to the host: their logits at the same rows of the host buffer */
+        for (int32_t i = 0; i < r && st == KR_OK; i++) {
+            if (e->s_host[i]) {
+                st = kr_backend_copy_d2h(e->m->be, e->logits + (size_t)i * (size_t)V,
+                                         e->m->last_logits + (size_t)i * (size_t)V, (size_t)V * sizeof(float));
+                if (st != KR_OK) {
+                    snprintf(err.msg, sizeof err.msg, "copying a row's logits to the host failed: %s",
+                             kr_status_str(st));
+                }
+            }
         }
     }
     if (st != KR_OK && (!kr_backend_check(e->m->be) || (e->fault_fatal && e->step_attempts == (uint64_t)e->fault_step))) {
@@ -404,7 +415,8 @@ void eng_run_step(struct kr_engine *e)
             continue;
         }
         const int32_t row_i = o - 1; /* this sequence's output row (the last of its rows) */
-        const float *row = dev ? NULL : first + (size_t)(n_rows - 1) * (size_t)V;
+        const bool on_host = !dev || e->s_host[row_i];
+        const float *row = on_host ? first + (size_t)(n_rows - 1) * (size_t)V : NULL;
         struct req *r = s->req;
         if (s->state == KR_SEQ_PREFILL) {
             s->state = KR_SEQ_DECODE;
@@ -421,7 +433,7 @@ void eng_run_step(struct kr_engine *e)
         if (s->state == KR_SEQ_DONE) {
             continue;
         }
-        if (!dev) {
+        if (on_host) {
             eng_sample_and_emit(e, s, row);
         } else if (e->s_out[row_i] >= 0) {
             /* s_lp holds this step's values only when a sequence of it asked for log-probabilities */

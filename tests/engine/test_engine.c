@@ -545,8 +545,9 @@ Test(engine, randomized_operations_with_deferred_events)
 /* Sampling on the backend (one call per step for every output row, with the generators' draws
  * made on the host) gives exactly what the host sampler gives: the same tokens, log-probabilities
  * and alternatives, for greedy and seeded requests with penalties, top-k/p, min-p, min_tokens
- * masking and logprobs; steps with prompt log-probabilities or an n > 1 fork fall back to the host
- * for that step. The two runs batch the requests as they arrive; the CPU backend's rows do not
+ * masking and logprobs; steps with prompt log-probabilities go to the host whole, while the row of
+ * an n > 1 fork or of a request with logit_bias is sampled on the host beside the backend's rows.
+ * The two runs batch the requests as they arrive; the CPU backend's rows do not
  * depend on the other rows of a step, and a token budget above every prompt keeps each prompt in
  * one prefill chunk whatever arrives beside it, so both runs see bitwise the same logits. */
 Test(engine, backend_sampling_equals_host_sampling)
@@ -580,6 +581,13 @@ Test(engine, backend_sampling_equals_host_sampling)
             s.stop_ids[0] = 17;
             s.stop_ids[1] = 42;
             s.prompt_logprobs = i == 7 ? 2 : -1;
+            if (i == 11 || i == 12) { /* logit_bias: this row is sampled on the host, beside the others */
+                s.n_bias = 2;
+                s.bias_ids[0] = prompts[i][0];
+                s.bias[0] = 5.0f;
+                s.bias_ids[1] = 3;
+                s.bias[1] = -100.0f;
+            }
             submit(e, prompts[i], len[i], &s, i == 9 ? 2 : 1, &g_recs[pass * N + i]);
         }
         kr_engine_wait_idle(e);
