@@ -824,7 +824,7 @@ Test(openai, invalid_utf8_bodies_are_rejected)
     bad_body(KR_OAI_COMPLETIONS, body, "", msg, sizeof msg);
     /* the message quotes the bad bytes, yet the error JSON stays valid */
     struct kr_oai_error e;
-    kr_oai_error_set(&e, 400, "invalid_request_error", "", "", "%s", msg);
+    kr_oai_error(&e, KR_OAI_INVALID, "", "%s", msg);
     char *j = kr_oai_error_json(&e);
     json_t *p = load(j);
     json_decref(p);
@@ -915,8 +915,7 @@ Test(openai, parse_survives_every_allocation_failure)
 Test(openai, error_json_has_openai_shape)
 {
     struct kr_oai_error e;
-    enum kr_status st = kr_oai_error_set(&e, 400, "invalid_request_error", "messages[1].role", "",
-                                         "Invalid value: '%s'", "robot");
+    enum kr_status st = kr_oai_error(&e, KR_OAI_INVALID, "messages[1].role", "Invalid value: '%s'", "robot");
     cr_expect_eq(st, KR_ERR_INVAL);
     cr_expect_eq(e.http_status, 400);
     char *s = kr_oai_error_json(&e);
@@ -932,7 +931,7 @@ Test(openai, error_json_has_openai_shape)
     json_decref(j);
     free(s);
 
-    kr_oai_error_set(&e, 400, "invalid_request_error", "", "context_length_exceeded", "too long");
+    kr_oai_error(&e, KR_OAI_TOO_LONG, "", "too long");
     s = kr_oai_error_json(&e);
     j = load(s);
     expect_null(j, "error.param");
@@ -948,7 +947,7 @@ Test(openai, error_json_survives_invalid_utf8_and_truncation)
     memset(longmsg, 'a', sizeof longmsg);
     memcpy(longmsg + 1021, "\xe2\x82\xac", 3); /* a euro sign cut by the 1024-byte buffer */
     longmsg[sizeof longmsg - 1] = 0;
-    kr_oai_error_set(&e, 404, "not_found_error", "model", "model_not_found", "%s", longmsg);
+    kr_oai_error(&e, KR_OAI_MODEL_NOT_FOUND, "model", "%s", longmsg);
     char *s = kr_oai_error_json(&e);
     json_t *j = load(s);
     const char *m = jgets(j, "error.message");
@@ -1575,7 +1574,7 @@ Test(openai, encoders_return_null_or_valid_json_under_allocation_failure)
                                   .return_token_ids = true};
     struct kr_oai_usage u = {1, 2};
     struct kr_oai_error e;
-    kr_oai_error_set(&e, 400, "invalid_request_error", "x", "y", "bad \xff");
+    kr_oai_error(&e, KR_OAI_TOO_LONG, "x", "bad \xff"); /* param and code both set */
     json_set_alloc_funcs(failing_malloc, free);
     for (int which = 0; which < 7; which++) {
         bool done = false;
