@@ -940,6 +940,61 @@ Test(openai, error_json_has_openai_shape)
     free(s);
 }
 
+/* The statuses, types and codes clients act on, from OpenAI's API reference and error codes guide,
+ * vLLM's server and RFC 9110 (not from krait's table): the OpenAI SDKs pick their exception class
+ * from the status (400 BadRequestError, 401 AuthenticationError, 404 NotFoundError, 429
+ * RateLimitError, >= 500 InternalServerError) and retry 429 and 5xx. */
+static void expect_cause(enum kr_oai_cause cause, int status, const char *type, const char *code)
+{
+    struct kr_oai_error e;
+    memset(&e, 0x5a, sizeof e);
+    cr_expect_eq(kr_oai_error(&e, cause, "p", "m %d", 1), KR_ERR_INVAL);
+    cr_expect_eq(e.http_status, status, "cause %d: status %d, want %d", (int)cause, e.http_status, status);
+    if (type) {
+        cr_expect_str_eq(e.type, type, "cause %d", (int)cause);
+    }
+    if (code) {
+        cr_expect_str_eq(e.code, code, "cause %d", (int)cause);
+    }
+    cr_expect_str_eq(e.param, "p");
+    cr_expect_str_eq(e.message, "m 1");
+}
+
+Test(openai, error_causes_follow_openai_and_vllm)
+{
+    /* a bad parameter: 400 invalid_request_error, code null */
+    expect_cause(KR_OAI_INVALID, 400, "invalid_request_error", "");
+    /* a prompt over the context: OpenAI's 400 with code context_length_exceeded */
+    expect_cause(KR_OAI_TOO_LONG, 400, "invalid_request_error", "context_length_exceeded");
+    /* a missing or wrong key: 401, code invalid_api_key */
+    expect_cause(KR_OAI_UNAUTHORIZED, 401, "authentication_error", "invalid_api_key");
+    /* another model than the one served: 404 (vLLM's NotFoundError) with OpenAI's model_not_found */
+    expect_cause(KR_OAI_MODEL_NOT_FOUND, 404, NULL, "model_not_found");
+    expect_cause(KR_OAI_NOT_FOUND, 404, NULL, NULL);
+    /* RFC 9110: 405 Method Not Allowed, 413 Content Too Large */
+    expect_cause(KR_OAI_METHOD, 405, NULL, NULL);
+    expect_cause(KR_OAI_TOO_LARGE, 413, NULL, NULL);
+    /* a full queue is a rate limit: 429, which clients back off and retry */
+    expect_cause(KR_OAI_QUEUE_FULL, 429, "rate_limit_error", NULL);
+    /* OpenAI's server_error for a 500 */
+    expect_cause(KR_OAI_INTERNAL, 500, "server_error", "");
+    /* loading, draining or a lost device: 503, retried by clients and load balancers */
+    expect_cause(KR_OAI_UNAVAILABLE, 503, "service_unavailable", "");
+}
+
+Test(openai, every_error_cause_has_a_status_and_a_type)
+{
+    for (int c = 0; c < KR_OAI_CAUSE_COUNT; c++) {
+        struct kr_oai_error e;
+        memset(&e, 0, sizeof e);
+        kr_oai_error(&e, (enum kr_oai_cause)c, NULL, "x");
+        cr_expect(e.http_status >= 400 && e.http_status <= 599, "cause %d: status %d", c, e.http_status);
+        cr_expect_gt(strlen(e.type), 0, "cause %d: no type", c);
+        cr_expect_str_eq(e.param, "", "cause %d: a NULL param is none", c);
+    }
+    cr_expect_eq(kr_oai_error(NULL, KR_OAI_INTERNAL, "", "nothing to fill"), KR_ERR_INVAL);
+}
+
 Test(openai, error_json_survives_invalid_utf8_and_truncation)
 {
     struct kr_oai_error e;
