@@ -60,8 +60,8 @@ static void error_vset(struct kr_oai_error *e, enum kr_oai_cause cause, const ch
     vsnprintf(e->message, sizeof e->message, fmt, ap);
 }
 
-enum kr_status kr_oai_error(struct kr_oai_error *e, enum kr_oai_cause cause, const char *param, const char *fmt,
-                            ...)
+enum kr_status kr_oai_error(struct kr_oai_error *e, enum kr_oai_cause cause, const char *param,
+                            const char *fmt, ...)
 {
     if (e) {
         va_list ap;

@@ -55,8 +55,8 @@ struct kr_oai_error {
  * bug and aborts), with `param` naming the offending field ("" or NULL for none) and the message
  * formatted from `fmt` (truncated to the message buffer). Returns KR_ERR_INVAL whatever the cause,
  * so that parsers can `return kr_oai_error(...)`. Any thread. */
-enum kr_status kr_oai_error(struct kr_oai_error *e, enum kr_oai_cause cause, const char *param, const char *fmt,
-                            ...) __attribute__((format(printf, 4, 5)));
+enum kr_status kr_oai_error(struct kr_oai_error *e, enum kr_oai_cause cause, const char *param,
+                            const char *fmt, ...) __attribute__((format(printf, 4, 5)));
 
 /* {"error": {"message", "type", "param", "code"}} with param/code null when empty. Caller frees
  * (free()). */

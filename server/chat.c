@@ -148,8 +148,8 @@ enum kr_status kr_chat_render(const struct kr_chat *c, json_t *messages, json_t 
     enum kr_status st = kr_chat_template_render(c->tpl, &p, text, len, &err);
     if (st != KR_OK) {
         json_decref(msgs);
-        kr_oai_error(e, st == KR_ERR_NOMEM ? KR_OAI_INTERNAL : KR_OAI_INVALID, "messages", "the chat template failed: %s",
-                     err.msg);
+        kr_oai_error(e, st == KR_ERR_NOMEM ? KR_OAI_INTERNAL : KR_OAI_INVALID, "messages",
+                     "the chat template failed: %s", err.msg);
         return st == KR_ERR_NOMEM ? st : KR_ERR_INVAL;
     }
     if (continue_final_message) {

@@ -851,11 +851,13 @@ static enum kr_status prepare_generation(struct kr_sess *s, const char *body, si
     }
     s->have_o = true;
     if (s->o.model && strcmp(s->o.model, env->model_name) != 0) {
-        kr_oai_error(&e, KR_OAI_MODEL_NOT_FOUND, "model", "The model `%s` does not exist; this server serves `%s`", s->o.model, env->model_name);
+        kr_oai_error(&e, KR_OAI_MODEL_NOT_FOUND, "model",
+                     "The model `%s` does not exist; this server serves `%s`", s->o.model, env->model_name);
         return prep_fail(s, &e);
     }
     if (kind == KR_OAI_COMPLETIONS && (int64_t)s->o.n_prompts * s->o.n > 1024) {
-        kr_oai_error(&e, KR_OAI_INVALID, "prompt", "at most 1024 choices per request (%d prompts x n=%d)", s->o.n_prompts, s->o.n);
+        kr_oai_error(&e, KR_OAI_INVALID, "prompt", "at most 1024 choices per request (%d prompts x n=%d)",
+                     s->o.n_prompts, s->o.n);
         return prep_fail(s, &e);
     }
     s->n_sub = kind == KR_OAI_CHAT ? 1 : s->o.n_prompts;
@@ -897,8 +899,9 @@ static enum kr_status prepare_generation(struct kr_sess *s, const char *body, si
                 sb->n_prompt = p->n_ids;
                 for (int32_t k = 0; k < p->n_ids; k++) {
                     if (p->ids[k] < 0 || p->ids[k] >= env->vocab) {
-                        kr_oai_error(&e, KR_OAI_INVALID, param, "token id %d is outside the vocabulary [0, %lld)",
-                                     p->ids[k], (long long)env->vocab);
+                        kr_oai_error(&e, KR_OAI_INVALID, param,
+                                     "token id %d is outside the vocabulary [0, %lld)", p->ids[k],
+                                     (long long)env->vocab);
                         return prep_fail(s, &e);
                     }
                 }
