@@ -1,6 +1,7 @@
 /* OpenAI requests: parsing /v1/completions and /v1/chat/completions bodies into kr_oai_request
  * (prompt or messages and tools, sampling, stop, logprobs, stream options), and the errors they
- * report (kr_oai_error_set). The responses are built in openai-encode.c.
+ * report (kr_oai_error: the one table from a cause to its HTTP status, OpenAI type and code). The
+ * responses are built in openai-encode.c.
  *
  * Request parsing follows OpenAI's API reference and vLLM's pydantic models
  * (vllm/entrypoints/openai/protocol.py): `null` means "absent" for every optional field, unknown
@@ -10,6 +11,7 @@
 #include "openai.h"
 
 #include "alloc.h"
+#include "log.h"
 
 #include <jansson.h>
 
@@ -26,26 +28,45 @@
 
 /* ---- errors ---------------------------------------------------------------------------------- */
 
-static void error_vset(struct kr_oai_error *e, int http_status, const char *type, const char *param,
-                       const char *code, const char *fmt, va_list ap) __attribute__((format(printf, 6, 0)));
+/* The status, type and code of each cause: the only such table (see enum kr_oai_cause). */
+static const struct {
+    int http_status;
+    const char *type;
+    const char *code;
+} oai_causes[KR_OAI_CAUSE_COUNT] = {
+    [KR_OAI_INVALID] = {400, "invalid_request_error", ""},
+    [KR_OAI_TOO_LONG] = {400, "invalid_request_error", "context_length_exceeded"},
+    [KR_OAI_UNAUTHORIZED] = {401, "authentication_error", "invalid_api_key"},
+    [KR_OAI_NOT_FOUND] = {404, "not_found_error", ""},
+    [KR_OAI_MODEL_NOT_FOUND] = {404, "not_found_error", "model_not_found"},
+    [KR_OAI_METHOD] = {405, "invalid_request_error", "method_not_allowed"},
+    [KR_OAI_TOO_LARGE] = {413, "invalid_request_error", "request_too_large"},
+    [KR_OAI_QUEUE_FULL] = {429, "rate_limit_error", "queue_full"},
+    [KR_OAI_INTERNAL] = {500, "server_error", ""},
+    [KR_OAI_UNAVAILABLE] = {503, "service_unavailable", ""},
+};
 
-static void error_vset(struct kr_oai_error *e, int http_status, const char *type, const char *param,
-                       const char *code, const char *fmt, va_list ap)
+static void error_vset(struct kr_oai_error *e, enum kr_oai_cause cause, const char *param, const char *fmt,
+                       va_list ap) __attribute__((format(printf, 4, 0)));
+
+static void error_vset(struct kr_oai_error *e, enum kr_oai_cause cause, const char *param, const char *fmt,
+                       va_list ap)
 {
-    e->http_status = http_status;
-    snprintf(e->type, sizeof e->type, "%s", type ? type : "");
+    KR_ASSERT((unsigned)cause < KR_OAI_CAUSE_COUNT);
+    e->http_status = oai_causes[cause].http_status;
+    snprintf(e->type, sizeof e->type, "%s", oai_causes[cause].type);
     snprintf(e->param, sizeof e->param, "%s", param ? param : "");
-    snprintf(e->code, sizeof e->code, "%s", code ? code : "");
+    snprintf(e->code, sizeof e->code, "%s", oai_causes[cause].code);
     vsnprintf(e->message, sizeof e->message, fmt, ap);
 }
 
-enum kr_status kr_oai_error_set(struct kr_oai_error *e, int http_status, const char *type, const char *param,
-                                const char *code, const char *fmt, ...)
+enum kr_status kr_oai_error(struct kr_oai_error *e, enum kr_oai_cause cause, const char *param,
+                            const char *fmt, ...)
 {
     if (e) {
         va_list ap;
         va_start(ap, fmt);
-        error_vset(e, http_status, type, param, code, fmt, ap);
+        error_vset(e, cause, param, fmt, ap);
         va_end(ap);
     }
     return KR_ERR_INVAL;
@@ -60,7 +81,7 @@ static enum kr_status bad(struct kr_oai_error *e, const char *param, const char 
     if (e) {
         va_list ap;
         va_start(ap, fmt);
-        error_vset(e, 400, "invalid_request_error", param, "", fmt, ap);
+        error_vset(e, KR_OAI_INVALID, param, fmt, ap);
         va_end(ap);
     }
     return KR_ERR_INVAL;
@@ -68,7 +89,7 @@ static enum kr_status bad(struct kr_oai_error *e, const char *param, const char 
 
 static enum kr_status oom(struct kr_oai_error *e)
 {
-    kr_oai_error_set(e, 500, "server_error", "", "", "out of memory");
+    kr_oai_error(e, KR_OAI_INTERNAL, "", "out of memory");
     return KR_ERR_NOMEM;
 }
 

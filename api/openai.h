@@ -14,18 +14,49 @@
 extern "C" {
 #endif
 
-/* An OpenAI error object plus the HTTP status to answer with. */
+/* Why a request fails, as the client sees it. Each cause has one HTTP status, OpenAI error `type`
+ * and `code` (- = null), and kr_oai_error holds the only table of them:
+ *   cause                   status type                   code                     when
+ *   KR_OAI_INVALID          400    invalid_request_error  -                        a bad field or body
+ *   KR_OAI_TOO_LONG         400    invalid_request_error  context_length_exceeded  over max_model_len
+ *   KR_OAI_UNAUTHORIZED     401    authentication_error   invalid_api_key          no or a wrong key
+ *   KR_OAI_NOT_FOUND        404    not_found_error        -                        no such route
+ *   KR_OAI_MODEL_NOT_FOUND  404    not_found_error        model_not_found          another model
+ *   KR_OAI_METHOD           405    invalid_request_error  method_not_allowed       GET for POST...
+ *   KR_OAI_TOO_LARGE        413    invalid_request_error  request_too_large        a body too big
+ *   KR_OAI_QUEUE_FULL       429    rate_limit_error       queue_full               the queue is full
+ *   KR_OAI_INTERNAL         500    server_error           -                        out of memory, ...
+ *   KR_OAI_UNAVAILABLE      503    service_unavailable    -                        loading, draining */
+enum kr_oai_cause {
+    KR_OAI_INVALID = 0,
+    KR_OAI_TOO_LONG,
+    KR_OAI_UNAUTHORIZED,
+    KR_OAI_NOT_FOUND,
+    KR_OAI_MODEL_NOT_FOUND,
+    KR_OAI_METHOD,
+    KR_OAI_TOO_LARGE,
+    KR_OAI_QUEUE_FULL,
+    KR_OAI_INTERNAL,
+    KR_OAI_UNAVAILABLE,
+    KR_OAI_CAUSE_COUNT, /* not a cause: the number of them */
+};
+
+/* An OpenAI error object plus the HTTP status to answer with, as kr_oai_error fills it. */
 struct kr_oai_error {
-    int http_status;    /* 400, 401, 404, 413, 429, 500, 503 */
-    char type[48];      /* "invalid_request_error", "authentication_error", "not_found_error", ... */
+    int http_status;    /* from the cause: 400, 401, 404, 405, 413, 429, 500, 503 */
+    char type[48];      /* from the cause: "invalid_request_error", "authentication_error", ... */
     char param[64];     /* the offending field ("max_tokens", "messages[2].content"), "" when none */
-    char code[48];      /* "context_length_exceeded", "model_not_found", ... "" when none */
+    char code[48];      /* from the cause: "context_length_exceeded", "model_not_found", ... "" when none */
     char message[1024];
 };
 
-/* Fills `e` and returns KR_ERR_INVAL (400 invalid_request_error) — the common case. */
-enum kr_status kr_oai_error_set(struct kr_oai_error *e, int http_status, const char *type, const char *param,
-                                const char *code, const char *fmt, ...) __attribute__((format(printf, 6, 7)));
+/* The one place where an error's HTTP status, OpenAI type and code are chosen: fills `e` (may be
+ * NULL: nothing is written) from `cause` (a KR_OAI_* below KR_OAI_CAUSE_COUNT; anything else is a
+ * bug and aborts), with `param` naming the offending field ("" or NULL for none) and the message
+ * formatted from `fmt` (truncated to the message buffer). Returns KR_ERR_INVAL whatever the cause,
+ * so that parsers can `return kr_oai_error(...)`. Any thread. */
+enum kr_status kr_oai_error(struct kr_oai_error *e, enum kr_oai_cause cause, const char *param,
+                            const char *fmt, ...) __attribute__((format(printf, 4, 5)));
 
 /* {"error": {"message", "type", "param", "code"}} with param/code null when empty. Caller frees
  * (free()). */

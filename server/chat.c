@@ -91,7 +91,7 @@ static json_t *normalize(json_t *messages, struct kr_oai_error *e)
 {
     json_t *out = json_deep_copy(messages);
     if (!out) {
-        kr_oai_error_set(e, 500, "server_error", "", "", "out of memory");
+        kr_oai_error(e, KR_OAI_INTERNAL, "", "out of memory");
         return NULL;
     }
     size_t i;
@@ -117,7 +117,7 @@ static json_t *normalize(json_t *messages, struct kr_oai_error *e)
             if (!nb) {
                 kr_free(buf);
                 json_decref(out);
-                kr_oai_error_set(e, 500, "server_error", "", "", "out of memory");
+                kr_oai_error(e, KR_OAI_INTERNAL, "", "out of memory");
                 return NULL;
             }
             buf = nb;
@@ -148,8 +148,8 @@ enum kr_status kr_chat_render(const struct kr_chat *c, json_t *messages, json_t 
     enum kr_status st = kr_chat_template_render(c->tpl, &p, text, len, &err);
     if (st != KR_OK) {
         json_decref(msgs);
-        kr_oai_error_set(e, st == KR_ERR_NOMEM ? 500 : 400, st == KR_ERR_NOMEM ? "server_error" : "invalid_request_error",
-                         "messages", "", "the chat template failed: %s", err.msg);
+        kr_oai_error(e, st == KR_ERR_NOMEM ? KR_OAI_INTERNAL : KR_OAI_INVALID, "messages",
+                     "the chat template failed: %s", err.msg);
         return st == KR_ERR_NOMEM ? st : KR_ERR_INVAL;
     }
     if (continue_final_message) {
@@ -165,8 +165,8 @@ enum kr_status kr_chat_render(const struct kr_chat *c, json_t *messages, json_t 
             json_decref(msgs);
             kr_free(*text);
             *text = NULL;
-            kr_oai_error_set(e, 400, "invalid_request_error", "continue_final_message", "",
-                             "the final message's content does not appear in the rendered prompt");
+            kr_oai_error(e, KR_OAI_INVALID, "continue_final_message",
+                         "the final message's content does not appear in the rendered prompt");
             return KR_ERR_INVAL;
         }
         *len = (size_t)(hit - *text) + cl;

@@ -190,13 +190,11 @@ static enum MHD_Result send_error(struct hreq *h, const struct kr_oai_error *e)
     return r;
 }
 
-/* The one place where an engine status becomes an HTTP status and an OpenAI error object.
- * `device_failed`: the engine reported a lost device (kr_engine_failed). */
-static enum MHD_Result send_simple_error(struct hreq *h, int status, const char *type, const char *param,
-                                         const char *code, const char *msg)
+/* Answers with the error object of `cause` (kr_oai_error chooses its status, type and code). */
+static enum MHD_Result send_simple_error(struct hreq *h, enum kr_oai_cause cause, const char *msg)
 {
     struct kr_oai_error e;
-    kr_oai_error_set(&e, status, type, param, code, "%s", msg);
+    kr_oai_error(&e, cause, "", "%s", msg);
     return send_error(h, &e);
 }
 
@@ -535,7 +533,7 @@ static enum MHD_Result handle_generate(struct hreq *h)
     if (uv_queue_work(&h->s->loop, &h->work, prep_work, prep_after) != 0) {
         h->refs--;
         h->prep_state = PREP_NONE;
-        return send_simple_error(h, 500, "server_error", "", "", "cannot queue the request");
+        return send_simple_error(h, KR_OAI_INTERNAL, "cannot queue the request");
     }
     park(h);
     return MHD_YES;
@@ -575,16 +573,17 @@ static enum MHD_Result dispatch(struct hreq *h, const char *url, const char *met
     if (h->too_big) {
         char msg[128];
         snprintf(msg, sizeof msg, "the request body exceeds %zu bytes", s->o.max_body_bytes);
-        return send_simple_error(h, 413, "invalid_request_error", "", "request_too_large", msg);
+        return send_simple_error(h, KR_OAI_TOO_LARGE, msg);
     }
     if (!strcmp(url, "/health") || !strcmp(url, "/ping")) {
         const bool dev_ok = kr_backend_healthy(s->rt.be) && !s->device_failed && !(s->rt.eng && kr_engine_failed(s->rt.eng));
         if (s->ready && !s->draining && dev_ok) {
             return send_body(h, 200, "application/json", "{}", 2, NULL);
         }
-        return send_simple_error(h, 503, "service_unavailable", "", "",
-                                 !dev_ok ? "the compute device failed; restart the server"
-                                 : s->draining ? "the server is shutting down" : "the model is loading");
+        return send_simple_error(h, KR_OAI_UNAVAILABLE,
+                                 !dev_ok       ? "the compute device failed; restart the server"
+                                 : s->draining ? "the server is shutting down"
+                                               : "the model is loading");
     }
     if (!strcmp(url, "/metrics") && get) {
         struct kr_engine_stats st = {0};
@@ -605,7 +604,7 @@ static enum MHD_Result dispatch(struct hreq *h, const char *url, const char *met
     }
     const bool v1 = !strncmp(url, "/v1/", 4);
     if (v1 && !authorized(h)) {
-        return send_simple_error(h, 401, "authentication_error", "", "invalid_api_key",
+        return send_simple_error(h, KR_OAI_UNAUTHORIZED,
                                  "missing or invalid API key (send Authorization: Bearer <key>)");
     }
     const struct {
@@ -622,11 +621,10 @@ static enum MHD_Result dispatch(struct hreq *h, const char *url, const char *met
             continue;
         }
         if (routes[i].post ? !post : !get) {
-            return send_simple_error(h, 405, "invalid_request_error", "", "method_not_allowed",
-                                     routes[i].post ? "use POST" : "use GET");
+            return send_simple_error(h, KR_OAI_METHOD, routes[i].post ? "use POST" : "use GET");
         }
         if (!s->ready || s->draining) {
-            return send_simple_error(h, 503, "service_unavailable", "", "",
+            return send_simple_error(h, KR_OAI_UNAVAILABLE,
                                      s->device_failed ? "the compute device failed; the server is restarting"
                                      : s->draining    ? "the server is shutting down"
                                                       : "the model is loading");
@@ -647,7 +645,7 @@ static enum MHD_Result dispatch(struct hreq *h, const char *url, const char *met
             break;
         }
     }
-    return send_simple_error(h, 404, "not_found_error", "", "", "no such route");
+    return send_simple_error(h, KR_OAI_NOT_FOUND, "no such route");
 }
 
 /* ---- libmicrohttpd callbacks ------------------------------------------------------------------------- */
@@ -725,7 +723,7 @@ static enum MHD_Result on_access(void *cls, struct MHD_Connection *conn, const c
         h->prep_state = PREP_STARTED;
         if (!h->prep_failed && (s->cut_done || s->device_failed)) {
             /* prepared after the drain deadline or a device failure: never started */
-            return send_simple_error(h, 503, "service_unavailable", "", "",
+            return send_simple_error(h, KR_OAI_UNAVAILABLE,
                                      s->device_failed ? "the compute device failed; the server is restarting"
                                                       : "the server shut down before this request could start");
         }
@@ -929,7 +927,7 @@ static void cut_all(struct srv *s, const char *why)
         h->cut = true;
         n++;
         struct kr_oai_error e;
-        kr_oai_error_set(&e, 503, "service_unavailable", "", "", "%s", why);
+        kr_oai_error(&e, KR_OAI_UNAVAILABLE, "", "%s", why);
         kr_sess_cancel(h->sess, &e); /* the 503, or on a stream the error event and [DONE] */
         resume(h);
     }

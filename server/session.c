@@ -128,30 +128,32 @@ const struct kr_sess_engine_i kr_sess_engine_krait = {
     .failed = eng_failed,
 };
 
-/* The one place where an engine status becomes an HTTP status and an OpenAI error object.
- * `device_failed`: the engine reported a lost device (kr_engine_failed). */
+/* The one place where an engine status becomes an error cause (kr_oai_error then gives its HTTP
+ * status and OpenAI error object). `device_failed`: the engine reported a lost device
+ * (kr_engine_failed). */
 static void engine_error(struct kr_oai_error *e, enum kr_status st, bool device_failed, const char *msg)
 {
+    enum kr_oai_cause cause = KR_OAI_INTERNAL;
+    const char *param = "";
     switch (st) {
     case KR_ERR_BUSY:
-        kr_oai_error_set(e, 429, "rate_limit_error", "", "queue_full", "%s", msg);
-        return;
+        cause = KR_OAI_QUEUE_FULL;
+        break;
     case KR_ERR_TOO_LONG:
-        kr_oai_error_set(e, 400, "invalid_request_error", "max_tokens", "context_length_exceeded", "%s", msg);
-        return;
+        cause = KR_OAI_TOO_LONG;
+        param = "max_tokens";
+        break;
     case KR_ERR_INVAL:
-        kr_oai_error_set(e, 400, "invalid_request_error", "", "", "%s", msg);
-        return;
+        cause = KR_OAI_INVALID;
+        break;
     case KR_ERR_CUDA:
-        if (device_failed) {
-            kr_oai_error_set(e, 503, "service_unavailable", "", "", "%s", msg);
-            return;
-        }
+        cause = device_failed ? KR_OAI_UNAVAILABLE : KR_OAI_INTERNAL;
         break;
     default:
         break;
     }
-    kr_oai_error_set(e, 500, "server_error", "", "", "%s", msg[0] ? msg : kr_status_str(st));
+    /* an internal error without a message names the status instead */
+    kr_oai_error(e, cause, param, "%s", cause == KR_OAI_INTERNAL && !msg[0] ? kr_status_str(st) : msg);
 }
 
 /* ---- lifetime -------------------------------------------------------------------------------- */
@@ -732,8 +734,8 @@ static bool on_finish(struct kr_sess *s, struct kr_sess_sub *sb, const struct kr
     struct choice *c = &s->ch[sb->idx * s->o.n + ev->index];
     if (atomic_load(&sb->lost) && !s->failed) {
         s->failed = true;
-        kr_oai_error_set(&s->err, 500, "server_error", "", "",
-                         "the server ran out of memory while producing this response; it is incomplete");
+        kr_oai_error(&s->err, KR_OAI_INTERNAL, "",
+                     "the server ran out of memory while producing this response; it is incomplete");
     }
     if (!c->finished) {
         const char *why = ev->finish == KR_FINISH_STOP ? "stop" : ev->finish == KR_FINISH_LENGTH ? "length" : "abort";
@@ -804,17 +806,17 @@ static enum kr_status prep_fail(struct kr_sess *s, const struct kr_oai_error *e)
     return KR_ERR_INVAL;
 }
 
-static enum kr_status prep_simple_fail(struct kr_sess *s, int status, const char *type, const char *param,
+static enum kr_status prep_simple_fail(struct kr_sess *s, enum kr_oai_cause cause, const char *param,
                                        const char *msg)
 {
-    kr_oai_error_set(&s->err, status, type, param, "", "%s", msg);
+    kr_oai_error(&s->err, cause, param, "%s", msg);
     s->prep_failed = true;
-    return status >= 500 ? KR_ERR_NOMEM : KR_ERR_INVAL;
+    return cause == KR_OAI_INTERNAL ? KR_ERR_NOMEM : KR_ERR_INVAL;
 }
 
 static enum kr_status prep_oom(struct kr_sess *s)
 {
-    return prep_simple_fail(s, 500, "server_error", "", "out of memory");
+    return prep_simple_fail(s, KR_OAI_INTERNAL, "", "out of memory");
 }
 
 /* Tokenizes text with the loaded tokenizer into sub's prompt. */
@@ -822,15 +824,15 @@ static bool tokenize_into(const struct kr_sess_env *env, struct kr_sess_sub *sb,
                           bool add_special, struct kr_oai_error *e, const char *param)
 {
     if (!env->tok) {
-        kr_oai_error_set(e, 400, "invalid_request_error", param, "",
-                         "text prompts need a tokenizer; this server runs with --skip-tokenizer-init: send token ids");
+        kr_oai_error(e, KR_OAI_INVALID, param,
+                     "text prompts need a tokenizer; this server runs with --skip-tokenizer-init: send token ids");
         return false;
     }
     int32_t *ids = NULL;
     int64_t n = 0;
     struct kr_err err = {{0}};
     if (kr_tokenizer_encode(env->tok, text, len, add_special, &ids, &n, &err) != KR_OK) {
-        kr_oai_error_set(e, 400, "invalid_request_error", param, "", "cannot tokenize: %s", err.msg);
+        kr_oai_error(e, KR_OAI_INVALID, param, "cannot tokenize: %s", err.msg);
         return false;
     }
     sb->prompt = ids;
@@ -849,13 +851,13 @@ static enum kr_status prepare_generation(struct kr_sess *s, const char *body, si
     }
     s->have_o = true;
     if (s->o.model && strcmp(s->o.model, env->model_name) != 0) {
-        kr_oai_error_set(&e, 404, "not_found_error", "model", "model_not_found",
-                         "The model `%s` does not exist; this server serves `%s`", s->o.model, env->model_name);
+        kr_oai_error(&e, KR_OAI_MODEL_NOT_FOUND, "model",
+                     "The model `%s` does not exist; this server serves `%s`", s->o.model, env->model_name);
         return prep_fail(s, &e);
     }
     if (kind == KR_OAI_COMPLETIONS && (int64_t)s->o.n_prompts * s->o.n > 1024) {
-        kr_oai_error_set(&e, 400, "invalid_request_error", "prompt", "",
-                         "at most 1024 choices per request (%d prompts x n=%d)", s->o.n_prompts, s->o.n);
+        kr_oai_error(&e, KR_OAI_INVALID, "prompt", "at most 1024 choices per request (%d prompts x n=%d)",
+                     s->o.n_prompts, s->o.n);
         return prep_fail(s, &e);
     }
     s->n_sub = kind == KR_OAI_CHAT ? 1 : s->o.n_prompts;
@@ -870,8 +872,8 @@ static enum kr_status prepare_generation(struct kr_sess *s, const char *body, si
         char param[32];
         if (kind == KR_OAI_CHAT) {
             if (!env->tok || !env->chat) {
-                kr_oai_error_set(&e, 400, "invalid_request_error", "messages", "",
-                                 "chat completions need a tokenizer with a chat template (none is loaded)");
+                kr_oai_error(&e, KR_OAI_INVALID, "messages",
+                             "chat completions need a tokenizer with a chat template (none is loaded)");
                 return prep_fail(s, &e);
             }
             char *text = NULL;
@@ -897,9 +899,9 @@ static enum kr_status prepare_generation(struct kr_sess *s, const char *body, si
                 sb->n_prompt = p->n_ids;
                 for (int32_t k = 0; k < p->n_ids; k++) {
                     if (p->ids[k] < 0 || p->ids[k] >= env->vocab) {
-                        kr_oai_error_set(&e, 400, "invalid_request_error", param, "",
-                                         "token id %d is outside the vocabulary [0, %lld)", p->ids[k],
-                                         (long long)env->vocab);
+                        kr_oai_error(&e, KR_OAI_INVALID, param,
+                                     "token id %d is outside the vocabulary [0, %lld)", p->ids[k],
+                                     (long long)env->vocab);
                         return prep_fail(s, &e);
                     }
                 }
@@ -916,16 +918,15 @@ static enum kr_status prepare_generation(struct kr_sess *s, const char *body, si
             }
         }
         if (sb->n_prompt == 0) {
-            kr_oai_error_set(&e, 400, "invalid_request_error", kind == KR_OAI_CHAT ? "messages" : "prompt", "",
-                             "the prompt is empty after tokenization");
+            kr_oai_error(&e, KR_OAI_INVALID, kind == KR_OAI_CHAT ? "messages" : "prompt",
+                         "the prompt is empty after tokenization");
             return prep_fail(s, &e);
         }
         if (sb->n_prompt >= env->max_model_len) {
-            kr_oai_error_set(&e, 400, "invalid_request_error", kind == KR_OAI_CHAT ? "messages" : "prompt",
-                             "context_length_exceeded",
-                             "This model's maximum context length is %d tokens. However, your request has %d input "
-                             "tokens. Please reduce the length of the input.",
-                             env->max_model_len, sb->n_prompt);
+            kr_oai_error(&e, KR_OAI_TOO_LONG, kind == KR_OAI_CHAT ? "messages" : "prompt",
+                         "This model's maximum context length is %d tokens. However, your request has %d input "
+                         "tokens. Please reduce the length of the input.",
+                         env->max_model_len, sb->n_prompt);
             return prep_fail(s, &e);
         }
     }
@@ -935,11 +936,11 @@ static enum kr_status prepare_generation(struct kr_sess *s, const char *body, si
     for (int32_t i = 0; i < s->n_sub; i++) {
         const int64_t total = (int64_t)s->subs[i].n_prompt + s->o.sampling.max_tokens; /* no 32-bit overflow */
         if (total > env->max_model_len) {
-            kr_oai_error_set(&e, 400, "invalid_request_error", "max_tokens", "context_length_exceeded",
-                             "This model's maximum context length is %d tokens. However, you requested %lld tokens "
-                             "(%d in the messages, %d in the completion). Please reduce the length of the messages or "
-                             "completion.",
-                             env->max_model_len, (long long)total, s->subs[i].n_prompt, s->o.sampling.max_tokens);
+            kr_oai_error(&e, KR_OAI_TOO_LONG, "max_tokens",
+                         "This model's maximum context length is %d tokens. However, you requested %lld tokens "
+                         "(%d in the messages, %d in the completion). Please reduce the length of the messages or "
+                         "completion.",
+                         env->max_model_len, (long long)total, s->subs[i].n_prompt, s->o.sampling.max_tokens);
             return prep_fail(s, &e);
         }
     }
@@ -961,11 +962,11 @@ static enum kr_status prepare_tokenize(struct kr_sess *s, const char *body, size
     json_t *root = json_loadb(body, blen, 0, &je);
     if (!root || !json_is_object(root)) {
         json_decref(root);
-        return prep_simple_fail(s, 400, "invalid_request_error", "", "the body must be a JSON object");
+        return prep_simple_fail(s, KR_OAI_INVALID, "", "the body must be a JSON object");
     }
     if (!env->tok) {
         json_decref(root);
-        return prep_simple_fail(s, 400, "invalid_request_error", "", "no tokenizer is loaded (--skip-tokenizer-init)");
+        return prep_simple_fail(s, KR_OAI_INVALID, "", "no tokenizer is loaded (--skip-tokenizer-init)");
     }
     json_t *prompt = json_object_get(root, "prompt"), *messages = json_object_get(root, "messages");
     json_t *ast = json_object_get(root, "add_special_tokens");
@@ -984,20 +985,20 @@ static enum kr_status prepare_tokenize(struct kr_sess *s, const char *body, size
                                          json_object_get(root, "chat_template_kwargs"), &text, &len, &e) != KR_OK) {
             json_decref(root);
             if (!env->chat) {
-                return prep_simple_fail(s, 400, "invalid_request_error", "messages", "no chat template is loaded");
+                return prep_simple_fail(s, KR_OAI_INVALID, "messages", "no chat template is loaded");
             }
             return prep_fail(s, &e);
         }
     } else {
         json_decref(root);
-        return prep_simple_fail(s, 400, "invalid_request_error", "prompt",
+        return prep_simple_fail(s, KR_OAI_INVALID, "prompt",
                                 "give \"prompt\" (a string) or \"messages\" (a list of chat messages)");
     }
     if (ast) {
         if (!json_is_boolean(ast)) {
             kr_free(text);
             json_decref(root);
-            return prep_simple_fail(s, 400, "invalid_request_error", "add_special_tokens",
+            return prep_simple_fail(s, KR_OAI_INVALID, "add_special_tokens",
                                     "'add_special_tokens' must be a boolean");
         }
         add_special = json_is_true(ast);
@@ -1009,7 +1010,7 @@ static enum kr_status prepare_tokenize(struct kr_sess *s, const char *body, size
     kr_free(text);
     if (st != KR_OK) {
         json_decref(root);
-        return prep_simple_fail(s, 400, "invalid_request_error", "prompt", err.msg);
+        return prep_simple_fail(s, KR_OAI_INVALID, "prompt", err.msg);
     }
     json_t *out = json_object(), *arr = json_array(), *strs = NULL;
     const bool want_strs = json_is_true(json_object_get(root, "return_token_strs"));
@@ -1042,11 +1043,11 @@ static enum kr_status prepare_detokenize(struct kr_sess *s, const char *body, si
     json_t *toks = root ? json_object_get(root, "tokens") : NULL;
     if (!json_is_array(toks)) {
         json_decref(root);
-        return prep_simple_fail(s, 400, "invalid_request_error", "tokens", "\"tokens\" must be a list of token ids");
+        return prep_simple_fail(s, KR_OAI_INVALID, "tokens", "\"tokens\" must be a list of token ids");
     }
     if (!env->tok) {
         json_decref(root);
-        return prep_simple_fail(s, 400, "invalid_request_error", "", "no tokenizer is loaded (--skip-tokenizer-init)");
+        return prep_simple_fail(s, KR_OAI_INVALID, "", "no tokenizer is loaded (--skip-tokenizer-init)");
     }
     const size_t n = json_array_size(toks);
     int32_t *ids = kr_malloc((n ? n : 1) * sizeof(int32_t));
@@ -1057,7 +1058,7 @@ static enum kr_status prepare_detokenize(struct kr_sess *s, const char *body, si
             snprintf(param, sizeof param, "tokens[%zu]", i);
             kr_free(ids);
             json_decref(root);
-            return prep_simple_fail(s, 400, "invalid_request_error", param,
+            return prep_simple_fail(s, KR_OAI_INVALID, param,
                                     "token ids must be integers in the vocabulary");
         }
         ids[i] = (int32_t)json_integer_value(v);

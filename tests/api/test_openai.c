@@ -824,7 +824,7 @@ Test(openai, invalid_utf8_bodies_are_rejected)
     bad_body(KR_OAI_COMPLETIONS, body, "", msg, sizeof msg);
     /* the message quotes the bad bytes, yet the error JSON stays valid */
     struct kr_oai_error e;
-    kr_oai_error_set(&e, 400, "invalid_request_error", "", "", "%s", msg);
+    kr_oai_error(&e, KR_OAI_INVALID, "", "%s", msg);
     char *j = kr_oai_error_json(&e);
     json_t *p = load(j);
     json_decref(p);
@@ -915,8 +915,7 @@ Test(openai, parse_survives_every_allocation_failure)
 Test(openai, error_json_has_openai_shape)
 {
     struct kr_oai_error e;
-    enum kr_status st = kr_oai_error_set(&e, 400, "invalid_request_error", "messages[1].role", "",
-                                         "Invalid value: '%s'", "robot");
+    enum kr_status st = kr_oai_error(&e, KR_OAI_INVALID, "messages[1].role", "Invalid value: '%s'", "robot");
     cr_expect_eq(st, KR_ERR_INVAL);
     cr_expect_eq(e.http_status, 400);
     char *s = kr_oai_error_json(&e);
@@ -932,13 +931,68 @@ Test(openai, error_json_has_openai_shape)
     json_decref(j);
     free(s);
 
-    kr_oai_error_set(&e, 400, "invalid_request_error", "", "context_length_exceeded", "too long");
+    kr_oai_error(&e, KR_OAI_TOO_LONG, "", "too long");
     s = kr_oai_error_json(&e);
     j = load(s);
     expect_null(j, "error.param");
     cr_expect_str_eq(jgets(j, "error.code"), "context_length_exceeded");
     json_decref(j);
     free(s);
+}
+
+/* The statuses, types and codes clients act on, from OpenAI's API reference and error codes guide,
+ * vLLM's server and RFC 9110 (not from krait's table): the OpenAI SDKs pick their exception class
+ * from the status (400 BadRequestError, 401 AuthenticationError, 404 NotFoundError, 429
+ * RateLimitError, >= 500 InternalServerError) and retry 429 and 5xx. */
+static void expect_cause(enum kr_oai_cause cause, int status, const char *type, const char *code)
+{
+    struct kr_oai_error e;
+    memset(&e, 0x5a, sizeof e);
+    cr_expect_eq(kr_oai_error(&e, cause, "p", "m %d", 1), KR_ERR_INVAL);
+    cr_expect_eq(e.http_status, status, "cause %d: status %d, want %d", (int)cause, e.http_status, status);
+    if (type) {
+        cr_expect_str_eq(e.type, type, "cause %d", (int)cause);
+    }
+    if (code) {
+        cr_expect_str_eq(e.code, code, "cause %d", (int)cause);
+    }
+    cr_expect_str_eq(e.param, "p");
+    cr_expect_str_eq(e.message, "m 1");
+}
+
+Test(openai, error_causes_follow_openai_and_vllm)
+{
+    /* a bad parameter: 400 invalid_request_error, code null */
+    expect_cause(KR_OAI_INVALID, 400, "invalid_request_error", "");
+    /* a prompt over the context: OpenAI's 400 with code context_length_exceeded */
+    expect_cause(KR_OAI_TOO_LONG, 400, "invalid_request_error", "context_length_exceeded");
+    /* a missing or wrong key: 401, code invalid_api_key */
+    expect_cause(KR_OAI_UNAUTHORIZED, 401, "authentication_error", "invalid_api_key");
+    /* another model than the one served: 404 (vLLM's NotFoundError) with OpenAI's model_not_found */
+    expect_cause(KR_OAI_MODEL_NOT_FOUND, 404, NULL, "model_not_found");
+    expect_cause(KR_OAI_NOT_FOUND, 404, NULL, NULL);
+    /* RFC 9110: 405 Method Not Allowed, 413 Content Too Large */
+    expect_cause(KR_OAI_METHOD, 405, NULL, NULL);
+    expect_cause(KR_OAI_TOO_LARGE, 413, NULL, NULL);
+    /* a full queue is a rate limit: 429, which clients back off and retry */
+    expect_cause(KR_OAI_QUEUE_FULL, 429, "rate_limit_error", NULL);
+    /* OpenAI's server_error for a 500 */
+    expect_cause(KR_OAI_INTERNAL, 500, "server_error", "");
+    /* loading, draining or a lost device: 503, retried by clients and load balancers */
+    expect_cause(KR_OAI_UNAVAILABLE, 503, "service_unavailable", "");
+}
+
+Test(openai, every_error_cause_has_a_status_and_a_type)
+{
+    for (int c = 0; c < KR_OAI_CAUSE_COUNT; c++) {
+        struct kr_oai_error e;
+        memset(&e, 0, sizeof e);
+        kr_oai_error(&e, (enum kr_oai_cause)c, NULL, "x");
+        cr_expect(e.http_status >= 400 && e.http_status <= 599, "cause %d: status %d", c, e.http_status);
+        cr_expect_gt(strlen(e.type), 0, "cause %d: no type", c);
+        cr_expect_str_eq(e.param, "", "cause %d: a NULL param is none", c);
+    }
+    cr_expect_eq(kr_oai_error(NULL, KR_OAI_INTERNAL, "", "nothing to fill"), KR_ERR_INVAL);
 }
 
 Test(openai, error_json_survives_invalid_utf8_and_truncation)
@@ -948,7 +1002,7 @@ Test(openai, error_json_survives_invalid_utf8_and_truncation)
     memset(longmsg, 'a', sizeof longmsg);
     memcpy(longmsg + 1021, "\xe2\x82\xac", 3); /* a euro sign cut by the 1024-byte buffer */
     longmsg[sizeof longmsg - 1] = 0;
-    kr_oai_error_set(&e, 404, "not_found_error", "model", "model_not_found", "%s", longmsg);
+    kr_oai_error(&e, KR_OAI_MODEL_NOT_FOUND, "model", "%s", longmsg);
     char *s = kr_oai_error_json(&e);
     json_t *j = load(s);
     const char *m = jgets(j, "error.message");
@@ -1575,7 +1629,7 @@ Test(openai, encoders_return_null_or_valid_json_under_allocation_failure)
                                   .return_token_ids = true};
     struct kr_oai_usage u = {1, 2};
     struct kr_oai_error e;
-    kr_oai_error_set(&e, 400, "invalid_request_error", "x", "y", "bad \xff");
+    kr_oai_error(&e, KR_OAI_TOO_LONG, "x", "bad \xff"); /* param and code both set */
     json_set_alloc_funcs(failing_malloc, free);
     for (int which = 0; which < 7; which++) {
         bool done = false;

@@ -591,7 +591,7 @@ Test(session, a_cut_stream_ends_with_one_error_event)
     drain();
     const size_t n_before = json_array_size(r.events);
     struct kr_oai_error e;
-    kr_oai_error_set(&e, 503, "service_unavailable", "", "", "the server shut down");
+    kr_oai_error(&e, KR_OAI_UNAVAILABLE, "", "the server shut down");
     kr_sess_cancel(s, &e);
     cr_expect(g_reqs[0].cancelled);
     cr_assert_eq(r.n_done, 1);
