@@ -171,6 +171,16 @@ struct kr_sess *kr_sess_create(struct kr_sess_env *env, enum kr_sess_kind kind, 
     return s;
 }
 
+/* The text of a token whose own could not be allocated: never freed (see free_text). */
+static const char no_text[] = "";
+
+static void free_text(const char *t)
+{
+    if (t != no_text) {
+        kr_free((void *)t);
+    }
+}
+
 static void sess_free(struct kr_sess *s)
 {
     for (int32_t i = 0; i < s->n_choices; i++) {
@@ -179,9 +189,9 @@ static void sess_free(struct kr_sess *s)
         kr_free(c->ids);
         kr_free(c->stop_str);
         for (int32_t k = 0; c->lps && k < c->n_ids; k++) {
-            kr_free((void *)c->lps[k].tok.text);
+            free_text(c->lps[k].tok.text);
             for (int32_t j = 0; j < c->lps[k].n_top; j++) { /* the alternatives the engine sent, no more */
-                kr_free((void *)c->lps[k].top[j].text);
+                free_text(c->lps[k].top[j].text);
             }
         }
         kr_free(c->lps);
@@ -194,10 +204,10 @@ static void sess_free(struct kr_sess *s)
         kr_free(sb->prompt_text);
         if (sb->plp) {
             for (int32_t k = 0; k < sb->n_prompt; k++) {
-                kr_free((void *)sb->plp[k].tok.text);
+                free_text(sb->plp[k].tok.text);
             }
             for (int32_t k = 0; k < sb->n_prompt * sb->plp_k; k++) {
-                kr_free((void *)sb->plp_top[k].text);
+                free_text(sb->plp_top[k].text);
             }
         }
         kr_free(sb->plp);
@@ -292,7 +302,7 @@ static void fill_token(const struct kr_sess_env *env, struct kr_oai_token *t, in
 {
     size_t len = 0;
     char *text = token_text(env, id, &len);
-    t->text = text ? text : "";
+    t->text = text ? text : no_text;
     t->text_len = text ? len : 0;
     t->bytes = (const unsigned char *)t->text;
     t->n_bytes = t->text_len;

@@ -755,3 +755,43 @@ Test(session, the_real_engine_streams_what_it_answers_whole)
     kr_model_free(m);
     kr_backend_free(be);
 }
+
+/* An allocation that fails while tokens arrive (the event's copy, a token's text, the choice's
+ * growth, the answer), once or from then on, ends the request with one answer, whole or a 500,
+ * and frees everything, for a request with logprobs. A token whose text could not be allocated
+ * used to be freed as if it had been. */
+Test(session, an_allocation_failure_while_tokens_arrive_ends_cleanly)
+{
+    int32_t *ids = NULL;
+    int64_t n = 0;
+    struct kr_err err = {{0}};
+    const char *text = "Hello there, general: the quick brown fox jumps over the lazy dog again and again";
+    cr_assert_eq(kr_tokenizer_encode(g_tok, text, strlen(text), false, &ids, &n, &err), KR_OK, "%s", err.msg);
+    cr_assert_gt(n, 8);
+    for (uint64_t t = 2; t <= 160; t++) {
+        const uint64_t k = t / 2;
+        const int sticky = (int)(t % 2);
+        g_n_reqs = 0;
+        const size_t before = kr_alloc_bytes_in_use();
+        struct rec r;
+        rec_init(&r);
+        struct kr_sess *s = start(KR_SESS_COMPLETIONS, "{\"prompt\":[1,2],\"logprobs\":0,\"max_tokens\":200}", &r);
+        cr_assert_eq(g_n_reqs, 1);
+        kr_alloc_fail_at(k, sticky); /* the k-th allocation from here fails (and every later one) */
+        for (int64_t i = 0; i < n; i++) {
+            ev_token(0, 0, ids[i]);
+        }
+        drain();
+        kr_alloc_fail_at(0, 0);
+        ev_finish(0, 0, KR_FINISH_LENGTH);
+        drain();
+        cr_expect_eq(r.n_done, 1, "failure at allocation %llu: %d answers", (unsigned long long)k, r.n_done);
+        cr_expect(r.status == 200 || r.status == 500, "failure at allocation %llu: status %d", (unsigned long long)k,
+                  r.status);
+        kr_sess_release(s);
+        rec_free(&r);
+        cr_expect_eq(kr_alloc_bytes_in_use(), before, "failure at allocation %llu: %zu bytes leaked",
+                     (unsigned long long)k, kr_alloc_bytes_in_use() - before);
+    }
+    kr_free(ids);
+}
