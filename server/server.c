@@ -602,8 +602,10 @@ static enum MHD_Result dispatch(struct hreq *h, const char *url, const char *met
     if (!strcmp(url, "/version") && get) {
         return send_body(h, 200, "application/json", "{\"version\":\"0.1.0\"}", 19, NULL);
     }
-    const bool v1 = !strncmp(url, "/v1/", 4);
-    if (v1 && !authorized(h)) {
+    /* the key guards what costs work: the /v1/ routes and tokenizing (a big text keeps a worker busy);
+     * probes and scrapers (/health, /metrics, /version) need none */
+    const bool guarded = !strncmp(url, "/v1/", 4) || !strcmp(url, "/tokenize") || !strcmp(url, "/detokenize");
+    if (guarded && !authorized(h)) {
         return send_simple_error(h, KR_OAI_UNAUTHORIZED,
                                  "missing or invalid API key (send Authorization: Bearer <key>)");
     }

@@ -556,7 +556,9 @@ Test(server, metrics_are_prometheus_text)
 
 /* ---- servers with other flags -------------------------------------------------------------------- */
 
-Test(server_flags, api_key_guards_v1_only)
+/* The key guards the /v1/ routes and the tokenizing ones (work a client without the key must not be able
+ * to queue); probes and scrapers need none. */
+Test(server_flags, api_key_guards_v1_and_tokenizing)
 {
     struct srv_proc p;
     srv_start(&p, MODEL, "--api-key", "sekrit", "--api-key", "other", NULL);
@@ -577,6 +579,20 @@ Test(server_flags, api_key_guards_v1_only)
     http(&p, "GET", "/metrics", NULL, NULL, &r);
     cr_expect_eq(r.status, 200);
     http_free(&r);
+    http(&p, "GET", "/version", NULL, NULL, &r);
+    cr_expect_eq(r.status, 200);
+    http_free(&r);
+    const char *paths[2] = {"/tokenize", "/detokenize"};
+    const char *bodies[2] = {"{\"prompt\":\"hello\"}", "{\"tokens\":[1,2]}"};
+    for (int i = 0; i < 2; i++) {
+        http(&p, "POST", paths[i], bodies[i], NULL, &r);
+        cr_expect_eq(r.status, 401, "%s without the key: %ld", paths[i], r.status);
+        cr_expect(r.body && strstr(r.body, "\"error\""));
+        http_free(&r);
+        http(&p, "POST", paths[i], bodies[i], "sekrit", &r);
+        cr_expect_eq(r.status, 200, "%s with the key: %ld %s", paths[i], r.status, r.body ? r.body : "");
+        http_free(&r);
+    }
     cr_expect_eq(srv_stop(&p), 0);
 }
 
