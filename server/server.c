@@ -566,6 +566,13 @@ static bool authorized(struct hreq *h)
     return false;
 }
 
+/* The key guards what costs work: the /v1/ routes and tokenizing (a big text keeps a worker busy);
+ * probes and scrapers (/health, /metrics, /version) need none. */
+static bool guarded(const char *url)
+{
+    return !strncmp(url, "/v1/", 4) || !strcmp(url, "/tokenize") || !strcmp(url, "/detokenize");
+}
+
 static enum MHD_Result dispatch(struct hreq *h, const char *url, const char *method)
 {
     struct srv *s = h->s;
@@ -602,13 +609,7 @@ static enum MHD_Result dispatch(struct hreq *h, const char *url, const char *met
     if (!strcmp(url, "/version") && get) {
         return send_body(h, 200, "application/json", "{\"version\":\"0.1.0\"}", 19, NULL);
     }
-    /* the key guards what costs work: the /v1/ routes and tokenizing (a big text keeps a worker busy);
-     * probes and scrapers (/health, /metrics, /version) need none */
-    const bool guarded = !strncmp(url, "/v1/", 4) || !strcmp(url, "/tokenize") || !strcmp(url, "/detokenize");
-    if (guarded && !authorized(h)) {
-        return send_simple_error(h, KR_OAI_UNAUTHORIZED,
-                                 "missing or invalid API key (send Authorization: Bearer <key>)");
-    }
+    /* a guarded route without the key was refused when its headers came in (on_access) */
     const struct {
         const char *url;
         enum route r;
@@ -694,10 +695,23 @@ static enum MHD_Result on_access(void *cls, struct MHD_Connection *conn, const c
         }
         s->reqs = h;
         *con_cls = h;
+        /* refusals that need no body are answered before a byte of it is read: a client without
+         * the key, or one declaring a body over the limit, gets no buffer */
+        if (guarded(url) && !authorized(h)) {
+            return send_simple_error(h, KR_OAI_UNAUTHORIZED,
+                                     "missing or invalid API key (send Authorization: Bearer <key>)");
+        }
+        const char *cl = MHD_lookup_connection_value(conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
+        if (cl && strtoull(cl, NULL, 10) > (unsigned long long)s->o.max_body_bytes) {
+            h->too_big = true;
+            char msg[128];
+            snprintf(msg, sizeof msg, "the request body exceeds %zu bytes", s->o.max_body_bytes);
+            return send_simple_error(h, KR_OAI_TOO_LARGE, msg);
+        }
         return MHD_YES;
     }
     if (*upload_size) {
-        if (!h->too_big) {
+        if (!h->too_big && !h->responded) {
             if (h->blen + *upload_size > s->o.max_body_bytes) {
                 h->too_big = true; /* keep reading (and dropping) so the 413 can be sent */
                 kr_free(h->body);

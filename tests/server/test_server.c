@@ -596,6 +596,54 @@ Test(server_flags, api_key_guards_v1_and_tokenizing)
     cr_expect_eq(srv_stop(&p), 0);
 }
 
+/* Sends only the headers of a POST declaring a body of `declared` bytes, then waits up to 5 s for
+ * an answer without sending the body; returns the status line's code, 0 when none came. */
+static int answer_before_body(const struct srv_proc *p, const char *path, const char *auth, size_t declared)
+{
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    cr_assert(fd >= 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)p->port),
+                            .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    cr_assert_eq(connect(fd, (struct sockaddr *)&a, sizeof a), 0);
+    char req[512];
+    const int n = snprintf(req, sizeof req,
+                           "POST %s HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n%s%s%s"
+                           "Content-Length: %zu\r\n\r\n",
+                           path, auth ? "Authorization: Bearer " : "", auth ? auth : "", auth ? "\r\n" : "", declared);
+    cr_assert_eq(send(fd, req, (size_t)n, 0), n);
+    struct timeval tv = {.tv_sec = 5};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    char buf[256] = {0};
+    const ssize_t got = recv(fd, buf, sizeof buf - 1, 0);
+    close(fd);
+    int code = 0;
+    if (got > 0) {
+        sscanf(buf, "HTTP/1.%*d %d", &code);
+    }
+    return code;
+}
+
+/* Refusals that need no body come before the body is read: a client without the key, or one that
+ * declares a body over --max-request-bytes, is answered at once and buffers nothing (the server
+ * used to read up to the limit first); an authorized request of a size within the limit still
+ * waits for its body. */
+Test(server_flags, refusals_come_before_the_body)
+{
+    struct srv_proc p;
+    srv_start(&p, MODEL, "--api-key", "sekrit", "--max-request-bytes", "1000000", NULL);
+    cr_expect_eq(answer_before_body(&p, "/v1/completions", NULL, 900000), 401, "no key: 401 before the body");
+    cr_expect_eq(answer_before_body(&p, "/tokenize", "wrong", 900000), 401, "a wrong key: 401 before the body");
+    cr_expect_eq(answer_before_body(&p, "/v1/chat/completions", "sekrit", 50000000), 413,
+                 "a declared body over the limit: 413 before the body");
+    cr_expect_eq(answer_before_body(&p, "/v1/completions", "sekrit", 1000), 0, "an allowed request waits for its body");
+    /* the server goes on serving */
+    struct http_res r;
+    http(&p, "GET", "/v1/models", NULL, "sekrit", &r);
+    cr_expect_eq(r.status, 200);
+    http_free(&r);
+    cr_expect_eq(srv_stop(&p), 0);
+}
+
 Test(server_flags, body_limit_is_413)
 {
     struct srv_proc p;
