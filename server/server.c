@@ -4,6 +4,7 @@
 #include "server.h"
 
 #include "alloc.h"
+#include "array.h"
 #include "boot.h"
 #include "clock.h"
 #include "engine.h"
@@ -247,23 +248,6 @@ static void hreq_cancel(struct hreq *h)
     }
 }
 
-static bool buf_append(char **p, size_t *len, size_t *cap, const char *src, size_t n)
-{
-    if (*len + n + 1 > *cap) {
-        size_t nc = (*len + n + 1) * 2;
-        char *np = kr_realloc(*p, nc);
-        if (!np) {
-            return false;
-        }
-        *p = np;
-        *cap = nc;
-    }
-    memcpy(*p + *len, src, n);
-    *len += n;
-    (*p)[*len] = 0;
-    return true;
-}
-
 static void hup_stop(struct hreq *h)
 {
     if (h->hup_active) {
@@ -316,7 +300,7 @@ static void sink_done(void *user, int status, const char *body, size_t len)
     struct hreq *h = user;
     h->answered = true;
     if (h->stream) {
-        buf_append(&h->out, &h->out_len, &h->out_cap, "data: [DONE]\n\n", 14);
+        kr_text_append(&h->out, &h->out_len, &h->out_cap, "data: [DONE]\n\n", 14);
         h->out_eof = true;
     } else {
         h->ans_ready = true;
@@ -717,7 +701,7 @@ static enum MHD_Result on_access(void *cls, struct MHD_Connection *conn, const c
                 kr_free(h->body);
                 h->body = NULL;
                 h->blen = h->bcap = 0;
-            } else if (!buf_append(&h->body, &h->blen, &h->bcap, upload, *upload_size)) {
+            } else if (!kr_text_append(&h->body, &h->blen, &h->bcap, upload, *upload_size)) {
                 return MHD_NO;
             }
         }

@@ -4,6 +4,7 @@
 #include "session.h"
 
 #include "alloc.h"
+#include "array.h"
 #include "chat.h"
 #include "clock.h"
 #include "log.h"
@@ -309,23 +310,6 @@ static void fill_token(const struct kr_sess_env *env, struct kr_oai_token *t, in
     t->logprob = lp;
 }
 
-static bool buf_append(char **p, size_t *len, size_t *cap, const char *src, size_t n)
-{
-    if (*len + n + 1 > *cap) {
-        size_t nc = (*len + n + 1) * 2;
-        char *np = kr_realloc(*p, nc);
-        if (!np) {
-            return false;
-        }
-        *p = np;
-        *cap = nc;
-    }
-    memcpy(*p + *len, src, n);
-    *len += n;
-    (*p)[*len] = 0;
-    return true;
-}
-
 /* ---- output ---------------------------------------------------------------------------------- */
 
 static bool can_emit(const struct kr_sess *s)
@@ -612,7 +596,7 @@ static void finish_choice(struct kr_sess *s, struct choice *c, const char *why)
         size_t plen = 0;
         if (kr_detok_flush(c->detok, &piece, &plen, NULL) == KR_OK && plen) {
             const size_t before = c->len;
-            buf_append(&c->text, &c->len, &c->cap, piece, plen);
+            kr_text_append(&c->text, &c->len, &c->cap, piece, plen);
             if (check_stop(s, c, before)) {
                 why = "stop";
             }
@@ -728,7 +712,7 @@ static void on_token(struct kr_sess *s, struct kr_sess_sub *sb, const struct kr_
         size_t plen = 0;
         if (kr_detok_push(c->detok, ev->token, &piece, &plen, NULL) == KR_OK && plen) {
             const size_t before = c->len;
-            buf_append(&c->text, &c->len, &c->cap, piece, plen);
+            kr_text_append(&c->text, &c->len, &c->cap, piece, plen);
             if (check_stop(s, c, before)) {
                 finish_choice(s, c, "stop");
                 env->engine->cancel_choice(env->engine_ctx, sb->eng_id, ev->index);

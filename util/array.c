@@ -26,3 +26,23 @@ enum kr_status kr_array_reserve(void *arrp, int32_t *cap, int64_t need, size_t e
     *cap = (int32_t)nc;
     return KR_OK;
 }
+
+bool kr_text_append(char **p, size_t *len, size_t *cap, const char *src, size_t n)
+{
+    if (n > SIZE_MAX / 2 - *len - 1) {
+        return false;
+    }
+    if (*len + n + 1 > *cap) {
+        const size_t nc = (*len + n + 1) * 2;
+        char *np = kr_realloc(*p, nc);
+        if (!np) {
+            return false;
+        }
+        *p = np;
+        *cap = nc;
+    }
+    memcpy(*p + *len, src, n);
+    *len += n;
+    (*p)[*len] = 0;
+    return true;
+}

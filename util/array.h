@@ -6,6 +6,7 @@
  *     }
  *     s->toks[s->n_toks++] = tok;
  */
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -23,6 +24,11 @@ enum kr_status kr_array_reserve(void *arrp, int32_t *cap, int64_t need, size_t e
 
 #define KR_ARRAY_RESERVE(arr, cap, need, min_cap) \
     kr_array_reserve(&(arr), &(cap), (need), sizeof *(arr), (min_cap))
+
+/* Appends n bytes of src to the text *p (len bytes used, cap allocated with kr_malloc), keeping it
+ * NUL-terminated; the capacity at least doubles when it grows. false (text unchanged) when out of
+ * memory. */
+bool kr_text_append(char **p, size_t *len, size_t *cap, const char *src, size_t n);
 
 #ifdef __cplusplus
 }
