@@ -1,4 +1,4 @@
-#include "cache.h"
+#include "cache-impl.h"
 
 #include "alloc.h"
 #include "array.h"
@@ -9,10 +9,19 @@
 enum kr_status kr_cache_create(const struct kr_model *m, int32_t n_slots, int32_t n_blocks, int32_t block_size,
                                struct kr_cache **out)
 {
+    const struct kr_cache_plan plan = {.n_slots = n_slots, .n_blocks = n_blocks, .block_size = block_size};
+    return kr_cache_create_plan(m, &plan, out);
+}
+
+enum kr_status kr_cache_create_plan(const struct kr_model *m, const struct kr_cache_plan *plan, struct kr_cache **out)
+{
     const struct kr_model_config *cfg = &m->cfg;
-    if (n_slots < 1 || n_blocks < 0 || block_size < 1) {
+    const int32_t n_slots = plan->n_slots, n_blocks = plan->n_blocks, block_size = plan->block_size;
+    const int32_t n_snaps = plan->prefix && m->n_mamba > 0 ? plan->n_snaps : 0;
+    if (n_slots < 1 || n_blocks < 0 || block_size < 1 || n_snaps < 0 || n_snaps > INT32_MAX - n_slots) {
         return KR_ERR_INVAL;
     }
+    const int32_t n_state = n_slots + n_snaps; /* running slots, then the snapshot pool's */
     struct kr_cache *c = kr_calloc(1, sizeof *c);
     if (!c) {
         return KR_ERR_NOMEM;
@@ -29,8 +38,8 @@ enum kr_status kr_cache_create(const struct kr_model *m, int32_t n_slots, int32_
     if (c->n_mamba) {
         c->conv_slot_bytes = (size_t)(cfg->m_conv - 1) * (size_t)cfg->m_conv_dim * act;
         c->ssm_slot_bytes = (size_t)(cfg->m_heads * cfg->m_head_dim * cfg->m_state) * sizeof(float);
-        c->conv_layer_bytes = (size_t)n_slots * c->conv_slot_bytes;
-        c->ssm_layer_bytes = (size_t)n_slots * c->ssm_slot_bytes;
+        c->conv_layer_bytes = (size_t)n_state * c->conv_slot_bytes;
+        c->ssm_layer_bytes = (size_t)n_state * c->ssm_slot_bytes;
         if ((st = kr_backend_buf_alloc(c->be, c->conv_layer_bytes * (size_t)c->n_mamba, &c->conv)) != KR_OK ||
             (st = kr_backend_buf_alloc(c->be, c->ssm_layer_bytes * (size_t)c->n_mamba, &c->ssm)) != KR_OK) {
             goto fail;
@@ -82,6 +91,10 @@ enum kr_status kr_cache_create(const struct kr_model *m, int32_t n_slots, int32_
         c->free_blocks[i] = n_blocks - 1 - i;
     }
     c->n_free_blocks = n_blocks;
+    c->n_state_slots = n_state;
+    if ((st = kr_prefix_create(c, plan)) != KR_OK) {
+        goto fail;
+    }
     kr_backend_graph_reset(m->be); /* no captured step may outlive the pools it points into */
     *out = c;
     return KR_OK;
@@ -96,6 +109,7 @@ void kr_cache_free(struct kr_cache *c)
         return;
     }
     kr_backend_graph_reset(c->be); /* captured steps point into these pools */
+    kr_prefix_free(c);
     kr_backend_buf_free(c->be, &c->conv);
     kr_backend_buf_free(c->be, &c->ssm);
     kr_backend_buf_free(c->be, &c->k);
@@ -125,12 +139,15 @@ enum kr_status kr_cache_slot_alloc(struct kr_cache *c, int32_t *slot)
 
 void kr_cache_slot_free(struct kr_cache *c, int32_t slot)
 {
-    KR_ASSERT(slot >= 0 && slot < c->n_slots && c->n_free_slots < c->n_slots);
+    KR_ASSERT(slot >= 0 && slot < c->n_state_slots && c->n_free_slots < c->n_slots);
     c->free_slots[c->n_free_slots++] = slot;
 }
 
 enum kr_status kr_cache_blocks_alloc(struct kr_cache *c, int32_t n, int32_t *ids)
 {
+    if (n > c->n_free_blocks) {
+        kr_prefix_reclaim(c, n);
+    }
     if (n > c->n_free_blocks) {
         return KR_AGAIN;
     }
@@ -142,20 +159,27 @@ enum kr_status kr_cache_blocks_alloc(struct kr_cache *c, int32_t n, int32_t *ids
     return KR_OK;
 }
 
+void kr_cache_block_unref(struct kr_cache *c, int32_t id)
+{
+    KR_ASSERT(id >= 0 && id < c->n_blocks && c->block_ref[id] > 0);
+    if (--c->block_ref[id] == 0 && !kr_prefix_block_unheld(c, id)) {
+        KR_ASSERT(c->n_free_blocks < c->n_blocks);
+        c->free_blocks[c->n_free_blocks++] = id;
+    }
+}
+
 void kr_cache_blocks_free(struct kr_cache *c, int32_t n, const int32_t *ids)
 {
     for (int32_t i = n - 1; i >= 0; i--) {
-        KR_ASSERT(ids[i] >= 0 && ids[i] < c->n_blocks && c->block_ref[ids[i]] > 0);
-        if (--c->block_ref[ids[i]] == 0) {
-            KR_ASSERT(c->n_free_blocks < c->n_blocks);
-            c->free_blocks[c->n_free_blocks++] = ids[i];
-        }
+        kr_cache_block_unref(c, ids[i]);
+        kr_prefix_seq_unref(c, ids[i]);
     }
 }
 
 void kr_cache_block_ref(struct kr_cache *c, int32_t id)
 {
     KR_ASSERT(id >= 0 && id < c->n_blocks && c->block_ref[id] > 0);
+    kr_prefix_seq_ref(c, id);
     c->block_ref[id]++;
 }
 
@@ -324,7 +348,7 @@ enum kr_status kr_seq_cache_fork(struct kr_cache *c, const struct kr_seq_cache *
 void kr_cache_check_owners(const struct kr_cache *c, int32_t n_held,
                            const struct kr_seq_cache *(*held)(void *user, int32_t i), void *user)
 {
-    int32_t *slot_owner = kr_calloc((size_t)c->n_slots, sizeof(int32_t));
+    int32_t *slot_owner = kr_calloc((size_t)c->n_state_slots, sizeof(int32_t));
     int32_t *refs = kr_calloc((size_t)(c->n_blocks ? c->n_blocks : 1), sizeof(int32_t));
     KR_ASSERT(slot_owner && refs);
     for (int32_t i = 0; i < c->n_free_slots; i++) {
@@ -337,11 +361,14 @@ void kr_cache_check_owners(const struct kr_cache *c, int32_t n_held,
             refs[s->blocks[j]]++;
         }
     }
-    for (int32_t i = 0; i < c->n_slots; i++) {
+    KR_ASSERT(c->n_free_slots + n_held == c->n_slots); /* the running pool keeps its size */
+    kr_prefix_check(c, slot_owner, refs);               /* snapshots' slots and blocks; cached blocks: -2 */
+    for (int32_t i = 0; i < c->n_state_slots; i++) {
         KR_ASSERT(slot_owner[i] == 1); /* free or owned, exactly once */
     }
     for (int32_t i = 0; i < c->n_free_blocks; i++) {
         KR_ASSERT(refs[c->free_blocks[i]] == 0 && c->block_ref[c->free_blocks[i]] == 0);
+        KR_ASSERT(!c->prefix || !kr_prefix_block_registered(c, c->free_blocks[i]));
         refs[c->free_blocks[i]] = -1; /* listed once */
     }
     for (int32_t b = 0; b < c->n_blocks; b++) {

@@ -46,6 +46,9 @@ struct seq {
     uint64_t admit_seq;          /* admission order (preemption picks the latest) */
     double admitted_us;          /* first admission (0 before) */
     uint64_t arrival;            /* request order (FCFS) */
+    uint64_t *bh;                /* [n_bh] prefix hashes of toks: bh[0] the seed, bh[j] j full blocks */
+    int32_t n_bh, cap_bh;
+    int32_t n_reg;               /* full blocks of its table registered in the prefix cache */
 };
 
 struct req {
@@ -63,6 +66,9 @@ struct req {
     int32_t *plp_ids;            /* [n_prompt, k] */
     float *plp_top;              /* [n_prompt, k] */
     int32_t plp_rows;            /* rows accumulated */
+    uint64_t seed;               /* prefix-cache seed of its cache salt */
+    int32_t *snap_at;            /* [n_snap_at] ascending prompt positions for state snapshots */
+    int32_t n_snap_at;
     struct req *next_in;         /* inbox link */
 };
 
@@ -159,11 +165,13 @@ enum kr_status eng_waiting_insert(struct kr_engine *e, struct seq *s); /* by arr
 enum kr_status eng_seq_append(struct seq *s, int32_t tok);
 void eng_flush_events(struct kr_engine *e);                            /* the outbox, in order */
 void eng_emit(struct kr_engine *e, struct req *r, struct kr_event *ev);
-void eng_release_seq(struct kr_engine *e, struct seq *s);              /* its caches, its list */
+void eng_release_seq(struct kr_engine *e, struct seq *s, bool keep);   /* its caches (kept for reuse
+                                                                           when sound), its list */
 void eng_req_free(struct req *r);
 void eng_retire(struct kr_engine *e, struct req *r);                   /* freed after the step */
 void eng_free_dead(struct kr_engine *e);
 void eng_finish_seq(struct kr_engine *e, struct seq *s, enum kr_finish_reason why, int32_t stop_token);
+const uint64_t *eng_seq_hashes(struct kr_engine *e, struct seq *s, int32_t n_pos); /* NULL: out of memory */
 void eng_fail_req(struct kr_engine *e, struct req *r, enum kr_status st, const char *msg);
 void eng_fail_everything(struct kr_engine *e, const char *why);         /* the device is lost */
 

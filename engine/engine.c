@@ -22,6 +22,9 @@ void kr_engine_config_default(struct kr_engine_config *c)
     c->block_size = 16;
     c->cache_bytes = (size_t)256 << 20;
     c->backend_sampling = -1;
+    c->prefix_caching = true;
+    c->prefix_state_interval = 2048;
+    c->prefix_snapshots = -1;
 }
 
 /* ---- small dynamic arrays ---------------------------------------------------------------------- */
@@ -126,10 +129,35 @@ void eng_emit(struct kr_engine *e, struct req *r, struct kr_event *ev)
     r->cb(ev, r->user);
 }
 
-void eng_release_seq(struct kr_engine *e, struct seq *s)
+/* The prefix hashes of s's tokens up to position n_pos (computed as far as needed). */
+const uint64_t *eng_seq_hashes(struct kr_engine *e, struct seq *s, int32_t n_pos)
+{
+    const int32_t nb = n_pos / e->cache->block_size;
+    if (s->n_bh < nb + 1) {
+        if (KR_ARRAY_RESERVE(s->bh, s->cap_bh, (int64_t)nb + 1, 16) != KR_OK) {
+            return NULL;
+        }
+        if (s->n_bh == 0) {
+            s->bh[0] = s->req->seed;
+            s->n_bh = 1;
+        }
+        kr_prefix_hashes(e->cache, s->toks, s->n_bh, nb, s->bh);
+        s->n_bh = nb + 1;
+    }
+    return s->bh;
+}
+
+/* keep: the caches are sound (the sequence finished, was cancelled between steps or preempted,
+ * never a failed step): the prefix cache keeps what it computed. */
+void eng_release_seq(struct kr_engine *e, struct seq *s, bool keep)
 {
     if (s->state == KR_SEQ_PREFILL || s->state == KR_SEQ_DECODE) {
-        kr_seq_cache_release(e->cache, &s->cache);
+        const uint64_t *h = keep && e->cache->prefix ? eng_seq_hashes(e, s, s->cache.n_pos) : NULL;
+        if (h) {
+            kr_prefix_release(e->cache, &s->cache, s->toks, h);
+        } else {
+            kr_seq_cache_release(e->cache, &s->cache);
+        }
         REMOVE(e, running, s);
     } else if (s->state == KR_SEQ_WAITING) {
         REMOVE(e, waiting, s);
@@ -143,12 +171,14 @@ void eng_req_free(struct req *r)
     }
     for (int32_t i = 0; r->seqs && i < r->n; i++) {
         kr_free(r->seqs[i].toks);
+        kr_free(r->seqs[i].bh);
         kr_token_counts_free(&r->seqs[i].counts);
     }
     kr_free(r->seqs);
     kr_free(r->plp);
     kr_free(r->plp_ids);
     kr_free(r->plp_top);
+    kr_free(r->snap_at);
     kr_free(r);
 }
 
@@ -176,7 +206,7 @@ void eng_finish_seq(struct kr_engine *e, struct seq *s, enum kr_finish_reason wh
     if (s->state == KR_SEQ_DONE) {
         return;
     }
-    eng_release_seq(e, s);
+    eng_release_seq(e, s, true);
     s->state = KR_SEQ_DONE;
     struct kr_event ev = {.type = KR_EVENT_FINISH, .index = s->index, .finish = why, .stop_token = stop_token};
     ev.usage.prompt_tokens = r->n_prompt;
@@ -193,7 +223,7 @@ void eng_fail_req(struct kr_engine *e, struct req *r, enum kr_status st, const c
     for (int32_t i = 0; i < r->n; i++) {
         struct seq *s = &r->seqs[i];
         if (s->state != KR_SEQ_DONE) {
-            eng_release_seq(e, s);
+            eng_release_seq(e, s, false); /* a failed step may have left its caches half written */
             s->state = KR_SEQ_DONE;
         }
     }
@@ -373,6 +403,18 @@ static void *engine_main(void *arg)
         e->stats.steps = e->steps;
         e->stats.slots_free = e->cache->n_free_slots;
         e->stats.blocks_free = e->cache->n_free_blocks;
+        if (e->cache->prefix) {
+            struct kr_prefix_stats ps;
+            kr_prefix_get_stats(e->cache, &ps);
+            e->stats.prefix_queries = ps.queries;
+            e->stats.prefix_hits = ps.hits;
+            e->stats.prefix_block_only = ps.block_only;
+            e->stats.prefix_snapshots = ps.snapshots;
+            e->stats.prefix_evicted_snapshots = ps.evicted_snapshots;
+            e->stats.prefix_evicted_blocks = ps.evicted_blocks;
+            e->stats.snapshots_used = ps.snaps_used;
+            e->stats.blocks_cached = ps.blocks_cached;
+        }
         const bool has_work = e->n_running > 0 || e->n_waiting > 0;
         if (!has_work && !e->inbox_head && e->n_cancels == 0 && !e->stop) {
             e->idle = true;
@@ -415,12 +457,41 @@ enum kr_status kr_engine_create(struct kr_model *m, const struct kr_engine_confi
                           "engine: %d state slots need %zu bytes, more than the cache budget of %zu bytes", n_slots,
                           slots_total, cfg.cache_bytes);
     }
+    /* the prefix cache's state snapshots: slots of their own, out of the budget left after the
+     * running slots (by default a quarter of it); the blocks they pin come from the block pool */
+    struct kr_cache_plan plan = {.n_slots = n_slots, .block_size = cfg.block_size, .prefix = cfg.prefix_caching,
+                                 .state_interval = cfg.prefix_state_interval};
+    if (cfg.prefix_caching && cfg.prefix_state_interval < 0) {
+        return kr_err_set(err, KR_ERR_INVAL, "engine: prefix_state_interval must be >= 0 (got %d)",
+                          cfg.prefix_state_interval);
+    }
+    if (cfg.prefix_caching && cfg.prefix_state_interval % cfg.block_size != 0) {
+        return kr_err_set(err, KR_ERR_INVAL,
+                          "engine: the prefix cache's state interval (%d tokens) must be a multiple of the block size "
+                          "(%d tokens)", cfg.prefix_state_interval, cfg.block_size);
+    }
+    if (cfg.prefix_caching && m->n_mamba > 0 && slot_bytes > 0) {
+        const size_t left = cfg.cache_bytes - slots_total;
+        int64_t ns = cfg.prefix_snapshots;
+        if (ns < 0) {
+            ns = (int64_t)(left / 4 / slot_bytes);
+            ns = ns > 1024 ? 1024 : ns;
+        }
+        if ((size_t)ns * slot_bytes > left) {
+            return kr_err_set(err, KR_ERR_INVAL,
+                              "engine: %lld state snapshots need %zu bytes, more than the %zu bytes of cache budget "
+                              "left after %d running slots", (long long)ns, (size_t)ns * slot_bytes, left, n_slots);
+        }
+        plan.n_snaps = (int32_t)ns;
+    }
+    const size_t snaps_total = slot_bytes * (size_t)plan.n_snaps;
     int64_t n_blocks = 0;
     if (block_bytes) {
-        n_blocks = (int64_t)((cfg.cache_bytes - slots_total) / block_bytes);
+        n_blocks = (int64_t)((cfg.cache_bytes - slots_total - snaps_total) / block_bytes);
         if (n_blocks > INT32_MAX / 2) {
             n_blocks = INT32_MAX / 2;
         }
+        plan.n_blocks = (int32_t)n_blocks;
         if (n_blocks < 1) {
             return kr_err_set(err, KR_ERR_INVAL, "engine: the cache budget of %zu bytes leaves no room for one block",
                               cfg.cache_bytes);
@@ -434,7 +505,7 @@ enum kr_status kr_engine_create(struct kr_model *m, const struct kr_engine_confi
     e->cfg = cfg;
     e->slot_bytes = slot_bytes;
     e->block_bytes = block_bytes;
-    enum kr_status st = kr_cache_create(m, n_slots, (int32_t)n_blocks, cfg.block_size, &e->cache);
+    enum kr_status st = kr_cache_create_plan(m, &plan, &e->cache);
     e->lp_row = kr_malloc((size_t)m->cfg.vocab * sizeof(float));
     e->cancels = kr_malloc(64 * sizeof *e->cancels);
     e->cancels_w = kr_malloc(64 * sizeof *e->cancels_w);
@@ -481,10 +552,27 @@ enum kr_status kr_engine_create(struct kr_model *m, const struct kr_engine_confi
     e->stats.blocks_free = (int32_t)n_blocks;
     e->stats.slot_bytes = slot_bytes;
     e->stats.block_bytes = block_bytes;
-    KR_LOG_INFO("memory plan: %d state slots x %zu B + %lld blocks x %d tokens x %zu B = %zu B of %zu B budget "
-                "(max_num_seqs=%d max_num_batched_tokens=%d max_model_len=%d)",
-                n_slots, slot_bytes, (long long)n_blocks, cfg.block_size, block_bytes, kr_cache_bytes(e->cache),
-                cfg.cache_bytes, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len);
+    e->stats.prefix_caching = e->cache->prefix != NULL;
+    e->stats.snapshots_total = plan.n_snaps;
+    e->stats.snapshot_bytes = slot_bytes;
+    if (e->cache->prefix) {
+        if (m->n_mamba > 0) {
+            KR_LOG_INFO("prefix cache: on; %d state snapshots x %zu B = %zu B beside the %d running slots (a "
+                        "snapshot every %d prompt tokens, at each prompt's end, at each chat's last user turn and "
+                        "when a sequence ends); full blocks shared by content; evicted least recently used",
+                        plan.n_snaps, slot_bytes, snaps_total, n_slots, cfg.prefix_state_interval);
+        } else {
+            KR_LOG_INFO("prefix cache: on; full blocks shared by content and kept until evicted (least recently "
+                        "used)");
+        }
+    } else {
+        KR_LOG_INFO("prefix cache: off");
+    }
+    KR_LOG_INFO("memory plan: (%d running + %d snapshot) state slots x %zu B + %lld blocks x %d tokens x %zu B = "
+                "%zu B of %zu B budget (max_num_seqs=%d max_num_batched_tokens=%d max_model_len=%d)",
+                n_slots, plan.n_snaps, slot_bytes, (long long)n_blocks, cfg.block_size, block_bytes,
+                kr_cache_bytes(e->cache), cfg.cache_bytes, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                cfg.max_model_len);
     if (pthread_create(&e->thread, NULL, engine_main, e) != 0) {
         kr_cache_free(e->cache);
         kr_free(e->lp_row);
@@ -629,6 +717,20 @@ enum kr_status kr_engine_submit(struct kr_engine *e, const struct kr_request_par
         }
         r->plp[0] = NAN;
         r->plp_rows = 1;
+    }
+    r->seed = kr_prefix_seed(e->cache, p->cache_salt);
+    if (p->n_snapshot_at > 0 && p->snapshot_at && e->cache->prefix) {
+        r->snap_at = kr_malloc((size_t)p->n_snapshot_at * sizeof(int32_t));
+        if (!r->snap_at) {
+            eng_req_free(r);
+            return KR_ERR_NOMEM;
+        }
+        for (int32_t i = 0; i < p->n_snapshot_at; i++) { /* inside the prompt, ascending, once each */
+            const int32_t q = p->snapshot_at[i];
+            if (q > 0 && q < p->n_prompt && (r->n_snap_at == 0 || q > r->snap_at[r->n_snap_at - 1])) {
+                r->snap_at[r->n_snap_at++] = q;
+            }
+        }
     }
     uint64_t base_seed = r->s.has_seed ? r->s.seed : 0;
     if (!r->s.has_seed) { /* unseeded: a fresh stream per request */

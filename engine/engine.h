@@ -30,9 +30,16 @@ struct kr_engine_config {
     bool debug_checks;              /* verify slot/block ownership after every step (tests) */
     int32_t backend_sampling;       /* 1: sample on the backend (one launch per step), 0: on the host,
                                        -1: on the backend when it is a GPU (KRAIT_BACKEND_SAMPLING=0|1 overrides) */
+    bool prefix_caching;            /* reuse cached prefixes (engine/cache.h): full blocks and, for Mamba
+                                       layers, state snapshots */
+    int32_t prefix_state_interval;  /* a state snapshot every this many prompt tokens (a multiple of
+                                       block_size; 0: none on a grid) */
+    int32_t prefix_snapshots;       /* snapshot slots beside the running ones; -1: a quarter of the budget
+                                       left after the running slots, at most 1024 */
 };
 
-/* Defaults: 256 seqs, 2048 tokens per step, no queue limit, block 16, 256 MiB of cache. */
+/* Defaults: 256 seqs, 2048 tokens per step, no queue limit, block 16, 256 MiB of cache, prefix caching
+ * on with a state snapshot every 2048 tokens and automatic snapshot slots. */
 void kr_engine_config_default(struct kr_engine_config *c);
 
 enum kr_event_type {
@@ -90,6 +97,10 @@ struct kr_request_params {
     struct kr_sampling sampling;
     kr_event_cb cb;
     void *user;
+    const char *cache_salt;     /* or NULL: requests with different salts share no cached prefix */
+    const int32_t *snapshot_at; /* [n_snapshot_at] prompt positions worth a state snapshot (the
+                                   boundary before a chat's last user turn), or NULL */
+    int32_t n_snapshot_at;
 };
 
 /* Plans the cache pools for `m` within cfg->cache_bytes, allocates them and starts the engine
@@ -135,6 +146,15 @@ struct kr_engine_stats {
     double step_gap_us_total;   /* host time between back-to-back steps: from a step's results being back
                                    (sampled ids or logits on the host) to the next step's launch (µs) */
     uint64_t step_gaps;         /* steps that followed another at once (what step_gap_us_total sums over) */
+    bool prefix_caching;
+    uint64_t prefix_queries;    /* prompt tokens looked up in the prefix cache */
+    uint64_t prefix_hits;       /* of those, tokens found (not computed again) */
+    uint64_t prefix_block_only; /* tokens that matched cached blocks beyond the deepest usable state snapshot */
+    uint64_t prefix_snapshots;  /* state snapshots taken */
+    uint64_t prefix_evicted_snapshots, prefix_evicted_blocks;
+    int32_t snapshots_total, snapshots_used;
+    int32_t blocks_cached;      /* blocks nobody holds, kept for reuse (counted in blocks_free's complement) */
+    size_t snapshot_bytes;
 };
 void kr_engine_get_stats(struct kr_engine *e, struct kr_engine_stats *s);
 

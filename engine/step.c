@@ -18,7 +18,13 @@
 
 static void preempt(struct kr_engine *e, struct seq *s)
 {
-    kr_seq_cache_release(e->cache, &s->cache);
+    /* its caches stay reusable: re-admitted, it starts from them unless they were evicted meanwhile */
+    const uint64_t *h = e->cache->prefix ? eng_seq_hashes(e, s, s->cache.n_pos) : NULL;
+    if (h) {
+        kr_prefix_release(e->cache, &s->cache, s->toks, h);
+    } else {
+        kr_seq_cache_release(e->cache, &s->cache);
+    }
     REMOVE(e, running, s);
     s->state = KR_SEQ_WAITING;
     s->n_fed = 0;
@@ -43,12 +49,17 @@ static struct seq *youngest_running(struct kr_engine *e, const struct seq *excep
     return best;
 }
 
-/* Tokens beyond n_fed that s can hold with its blocks plus the free pool (no allocation). */
-static int32_t room_for(const struct kr_engine *e, const struct seq *s)
+/* Tokens beyond n_fed that s can hold with its blocks plus the free pool, after evicting cached
+ * prefixes that nobody holds to make room for `want` more tokens. */
+static int32_t room_for(struct kr_engine *e, const struct seq *s, int32_t want)
 {
-    const struct kr_cache *c = e->cache;
+    struct kr_cache *c = e->cache;
     if (c->n_attn == 0 && c->n_mla == 0) {
         return INT32_MAX;
+    }
+    const int64_t need = ((int64_t)s->n_fed + want + c->block_size - 1) / c->block_size - s->cache.n_blocks;
+    if (need > c->n_free_blocks) {
+        kr_prefix_reclaim(c, need > INT32_MAX ? INT32_MAX : (int32_t)need);
     }
     const int64_t cap = (int64_t)(s->cache.n_blocks + c->n_free_blocks) * c->block_size;
     const int64_t r = cap - s->n_fed;
@@ -88,6 +99,87 @@ static void fork_children(struct kr_engine *e, struct seq *leader)
         ch->admit_seq = ++e->admit_counter;
         if (ch->admitted_us == 0) {
             ch->admitted_us = leader->admitted_us;
+        }
+    }
+}
+
+/* ---- the prefix cache's state snapshots ---------------------------------------------------------- */
+
+/* Whether the engine takes state snapshots (a prefix cache over a model with Mamba layers). */
+static bool snapshots_on(const struct kr_engine *e)
+{
+    return e->cache->prefix && e->cache->n_mamba > 0 && e->stats.snapshots_total > 0;
+}
+
+/* The first position after s->n_fed, inside its prompt, where the prefix cache wants a state
+ * snapshot it does not have (a multiple of the state interval, or a position the request named),
+ * or INT32_MAX. A prefill chunk ends there, so that the state after exactly that many tokens
+ * exists between two steps. */
+static int32_t next_snapshot_point(struct kr_engine *e, struct seq *s)
+{
+    if (!snapshots_on(e)) {
+        return INT32_MAX;
+    }
+    const struct req *r = s->req;
+    const int32_t I = e->cfg.prefix_state_interval, end = r->n_prompt < s->n_toks ? r->n_prompt : s->n_toks;
+    int32_t at = s->n_fed, hint = 0;
+    for (;;) {
+        int32_t q = I > 0 ? (at / I + 1) * I : INT32_MAX;
+        while (hint < r->n_snap_at && r->snap_at[hint] <= at) {
+            hint++;
+        }
+        if (hint < r->n_snap_at && r->snap_at[hint] < q) {
+            q = r->snap_at[hint];
+        }
+        if (q >= end) {
+            return INT32_MAX;
+        }
+        const uint64_t *h = eng_seq_hashes(e, s, q);
+        if (!h || !kr_prefix_has_snapshot(e->cache, s->toks, q, h)) {
+            return q;
+        }
+        at = q; /* cached already: the next one */
+    }
+}
+
+/* Tokens s may take this step: at most k, ending at its next snapshot point. */
+static int32_t clip_at_snapshot(struct kr_engine *e, struct seq *s, int32_t k)
+{
+    const int32_t q = next_snapshot_point(e, s);
+    return q != INT32_MAX && q - s->n_fed < k ? q - s->n_fed : k;
+}
+
+/* After a step fed s up to n_fed: registers its new full blocks and, at a snapshot point or at
+ * the end of its prompt, snapshots its state. A failure only loses the reuse. */
+static void after_step_cache(struct kr_engine *e, struct seq *s, bool was_prefill)
+{
+    struct kr_cache *c = e->cache;
+    if (!c->prefix) {
+        return;
+    }
+    const uint64_t *h = eng_seq_hashes(e, s, s->n_fed);
+    if (!h) {
+        return;
+    }
+    const int32_t full = s->n_fed / c->block_size;
+    if ((c->n_attn || c->n_mla) && full > s->n_reg) {
+        kr_prefix_register(c, &s->cache, s->n_reg, full, h);
+        s->n_reg = full;
+    }
+    if (!was_prefill || !snapshots_on(e)) {
+        return;
+    }
+    const struct req *r = s->req;
+    bool point = s->n_fed == r->n_prompt;
+    const int32_t I = e->cfg.prefix_state_interval;
+    point |= s->n_fed < r->n_prompt && I > 0 && s->n_fed % I == 0;
+    for (int32_t i = 0; i < r->n_snap_at && !point; i++) {
+        point = r->snap_at[i] == s->n_fed;
+    }
+    if (point) {
+        const enum kr_status st = kr_prefix_snapshot(c, &s->cache, s->toks, h);
+        if (st != KR_OK) {
+            KR_LOG_WARN("prefix cache: snapshot at %d tokens failed: %s", s->n_fed, kr_status_str(st));
         }
     }
 }
@@ -207,7 +299,8 @@ static int32_t plan(struct kr_engine *e, int32_t *n_tok_out)
             continue;
         }
         int32_t k = s->n_toks - s->n_fed < budget ? s->n_toks - s->n_fed : budget;
-        int32_t room = room_for(e, s);
+        k = clip_at_snapshot(e, s, k);
+        int32_t room = room_for(e, s, k);
         while (room == 0) { /* make room by preempting younger sequences, never older ones */
             struct seq *v = youngest_running(e, s);
             if (!v || v->admit_seq < s->admit_seq) {
@@ -221,7 +314,7 @@ static int32_t plan(struct kr_engine *e, int32_t *n_tok_out)
                 break; /* its decode is already in this step; wait for the next one */
             }
             preempt(e, v);
-            room = room_for(e, s);
+            room = room_for(e, s, k);
         }
         k = k < room ? k : room;
         if (k <= 0 || kr_seq_cache_reserve(c, &s->cache, s->n_fed + k) != KR_OK) {
@@ -238,24 +331,32 @@ static int32_t plan(struct kr_engine *e, int32_t *n_tok_out)
         if (c->n_free_slots == 0) {
             break;
         }
-        int32_t k = s->n_toks < budget ? s->n_toks : budget;
+        /* from the longest cached prefix, unless the request wants the prompt's log-probabilities
+         * (they need every row) */
+        const struct req *r = s->req;
+        const bool lookup = c->prefix && !(s->index == 0 && r->s.prompt_logprobs >= 0 && !r->prompt_lp_sent);
+        const uint64_t *h = lookup ? eng_seq_hashes(e, s, s->n_toks - 1) : NULL;
+        int32_t hit = 0;
+        if ((h ? kr_prefix_admit(c, s->toks, s->n_toks - 1, h, &s->cache, &hit) : kr_seq_cache_init(c, &s->cache)) !=
+            KR_OK) {
+            break;
+        }
+        s->n_fed = hit;
+        s->cache.n_pos = hit;
+        s->n_reg = hit / c->block_size;
+        int32_t k = s->n_toks - hit < budget ? s->n_toks - hit : budget;
+        k = clip_at_snapshot(e, s, k);
         if (paged) {
-            const int64_t room = (int64_t)c->n_free_blocks * c->block_size;
-            k = room < k ? (int32_t)room : k;
+            const int32_t room = room_for(e, s, k);
+            k = room < k ? room : k;
         }
-        if (k <= 0) {
-            break;
-        }
-        if (kr_seq_cache_init(c, &s->cache) != KR_OK) {
-            break;
-        }
-        if (kr_seq_cache_reserve(c, &s->cache, k) != KR_OK || PUSH(e, running, s, false) != KR_OK) {
+        if (k <= 0 || kr_seq_cache_reserve(c, &s->cache, hit + k) != KR_OK || PUSH(e, running, s, false) != KR_OK) {
             kr_seq_cache_release(c, &s->cache);
+            s->n_fed = 0;
             break;
         }
         REMOVE(e, waiting, s);
         s->state = KR_SEQ_PREFILL;
-        s->n_fed = 0;
         s->admit_seq = ++e->admit_counter;
         if (s->admitted_us == 0) {
             s->admitted_us = kr_clock_us();
@@ -411,6 +512,7 @@ void eng_run_step(struct kr_engine *e)
         }
         s->n_fed += k;
         s->cache.n_pos = s->n_fed;
+        after_step_cache(e, s, s->state == KR_SEQ_PREFILL);
         if (!last) {
             continue;
         }

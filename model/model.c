@@ -259,9 +259,9 @@ static enum kr_status validate(const struct kr_model *m, const struct kr_cache *
         if (t1 < t0) {
             return kr_err_set(err, KR_ERR_INVAL, "batch: sequence %d has a negative token count", s);
         }
-        if (b->seq_slot[s] < 0 || b->seq_slot[s] >= c->n_slots) {
+        if (b->seq_slot[s] < 0 || b->seq_slot[s] >= c->n_state_slots) {
             return kr_err_set(err, KR_ERR_INVAL, "batch: sequence %d uses state slot %d outside [0, %d)", s,
-                              b->seq_slot[s], c->n_slots);
+                              b->seq_slot[s], c->n_state_slots);
         }
         for (int32_t r = 0; r < s; r++) {
             if (b->seq_slot[r] == b->seq_slot[s]) {

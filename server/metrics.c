@@ -136,23 +136,52 @@ char *kr_metrics_render(const struct kr_metrics *m, const struct kr_engine_stats
             "# TYPE krait:engine_step_host_gap_seconds summary\n"
             "krait:engine_step_host_gap_seconds_sum{%s} %.9g\nkrait:engine_step_host_gap_seconds_count{%s} %llu\n",
         lbl, st->step_gap_us_total / 1e6, lbl, (unsigned long long)st->step_gaps);
-    const double kv = st->blocks_total ? 1.0 - (double)st->blocks_free / st->blocks_total : 0.0;
+    const int32_t blocks_used = st->blocks_total - st->blocks_free - st->blocks_cached; /* held by sequences */
+    const double kv = st->blocks_total ? (double)blocks_used / st->blocks_total : 0.0;
     const double ss = st->slots_total ? 1.0 - (double)st->slots_free / st->slots_total : 0.0;
-    put(&b, "# HELP krait:kv_cache_usage_perc Fraction of attention/latent cache blocks in use.\n"
+    put(&b, "# HELP krait:kv_cache_usage_perc Fraction of attention/latent cache blocks held by running "
+            "sequences (blocks kept only by the prefix cache are reclaimed on demand and not counted).\n"
             "# TYPE krait:kv_cache_usage_perc gauge\nkrait:kv_cache_usage_perc{%s} %.6g\n",
         lbl, kv);
     put(&b, "# HELP krait:ssm_state_usage_perc Fraction of Mamba state slots in use.\n"
             "# TYPE krait:ssm_state_usage_perc gauge\nkrait:ssm_state_usage_perc{%s} %.6g\n",
         lbl, ss);
-    put(&b, "# HELP krait:cache_blocks Cache blocks by state.\n# TYPE krait:cache_blocks gauge\n"
-            "krait:cache_blocks{%s,state=\"free\"} %d\nkrait:cache_blocks{%s,state=\"used\"} %d\n",
-        lbl, st->blocks_free, lbl, st->blocks_total - st->blocks_free);
+    put(&b, "# HELP krait:cache_blocks Cache blocks by state: free, used (held by sequences), cached (kept "
+            "only by the prefix cache, reclaimed on demand).\n# TYPE krait:cache_blocks gauge\n"
+            "krait:cache_blocks{%s,state=\"free\"} %d\nkrait:cache_blocks{%s,state=\"used\"} %d\n"
+            "krait:cache_blocks{%s,state=\"cached\"} %d\n",
+        lbl, st->blocks_free, lbl, blocks_used, lbl, st->blocks_cached);
     put(&b, "# HELP krait:state_slots Mamba state slots by state.\n# TYPE krait:state_slots gauge\n"
             "krait:state_slots{%s,state=\"free\"} %d\nkrait:state_slots{%s,state=\"used\"} %d\n",
         lbl, st->slots_free, lbl, st->slots_total - st->slots_free);
+    put(&b, "# HELP krait:state_snapshots The prefix cache's Mamba state snapshot slots by state.\n"
+            "# TYPE krait:state_snapshots gauge\n"
+            "krait:state_snapshots{%s,state=\"free\"} %d\nkrait:state_snapshots{%s,state=\"used\"} %d\n",
+        lbl, st->snapshots_total - st->snapshots_used, lbl, st->snapshots_used);
     put(&b, "# HELP krait:cache_pool_bytes Bytes of each cache pool.\n# TYPE krait:cache_pool_bytes gauge\n"
-            "krait:cache_pool_bytes{%s,pool=\"blocks\"} %zu\nkrait:cache_pool_bytes{%s,pool=\"state_slots\"} %zu\n",
-        lbl, st->block_bytes * (size_t)st->blocks_total, lbl, st->slot_bytes * (size_t)st->slots_total);
+            "krait:cache_pool_bytes{%s,pool=\"blocks\"} %zu\nkrait:cache_pool_bytes{%s,pool=\"state_slots\"} %zu\n"
+            "krait:cache_pool_bytes{%s,pool=\"state_snapshots\"} %zu\n",
+        lbl, st->block_bytes * (size_t)st->blocks_total, lbl, st->slot_bytes * (size_t)st->slots_total, lbl,
+        st->snapshot_bytes * (size_t)st->snapshots_total);
+    put(&b, "# HELP krait:prefix_cache_queries_total Prompt tokens looked up in the prefix cache.\n"
+            "# TYPE krait:prefix_cache_queries_total counter\nkrait:prefix_cache_queries_total{%s} %llu\n",
+        lbl, (unsigned long long)st->prefix_queries);
+    put(&b, "# HELP krait:prefix_cache_hits_total Prompt tokens found in the prefix cache (not computed again).\n"
+            "# TYPE krait:prefix_cache_hits_total counter\nkrait:prefix_cache_hits_total{%s} %llu\n",
+        lbl, (unsigned long long)st->prefix_hits);
+    put(&b, "# HELP krait:prefix_cache_unusable_block_tokens_total Prompt tokens that matched cached attention "
+            "blocks beyond the deepest Mamba state snapshot (computed again: no state to go on from).\n"
+            "# TYPE krait:prefix_cache_unusable_block_tokens_total counter\n"
+            "krait:prefix_cache_unusable_block_tokens_total{%s} %llu\n",
+        lbl, (unsigned long long)st->prefix_block_only);
+    put(&b, "# HELP krait:prefix_cache_snapshots_total Mamba state snapshots taken.\n"
+            "# TYPE krait:prefix_cache_snapshots_total counter\nkrait:prefix_cache_snapshots_total{%s} %llu\n",
+        lbl, (unsigned long long)st->prefix_snapshots);
+    put(&b, "# HELP krait:prefix_cache_evictions_total Cached entries evicted to make room, by kind.\n"
+            "# TYPE krait:prefix_cache_evictions_total counter\n"
+            "krait:prefix_cache_evictions_total{%s,kind=\"snapshot\"} %llu\n"
+            "krait:prefix_cache_evictions_total{%s,kind=\"block\"} %llu\n",
+        lbl, (unsigned long long)st->prefix_evicted_snapshots, lbl, (unsigned long long)st->prefix_evicted_blocks);
     static const char *const reasons[3] = {"stop", "length", "abort"};
     put(&b, "# HELP krait:request_success_total Finished choices by finish reason.\n"
             "# TYPE krait:request_success_total counter\n");
