@@ -145,6 +145,21 @@ static enum kr_status opt_string(const json_t *obj, const char *key, const char 
     return KR_OK;
 }
 
+/* cache_salt: a non-empty string (any bytes, NUL included) that keeps a tenant's cached prefixes apart. */
+static enum kr_status parse_cache_salt(struct kr_oai_request *r, struct kr_oai_error *e)
+{
+    json_t *v = opt_get(r->root, "cache_salt");
+    if (!v) {
+        return KR_OK;
+    }
+    if (!json_is_string(v) || json_string_length(v) == 0) {
+        return bad(e, "cache_salt", "'cache_salt' must be a non-empty string");
+    }
+    r->cache_salt = json_string_value(v);
+    r->cache_salt_len = json_string_length(v);
+    return KR_OK;
+}
+
 /* A number in [lo, hi] (lo_open/hi_open exclude the bound; hi = INFINITY for none). Integers are
  * accepted where floats are expected; booleans and strings are not. */
 static enum kr_status opt_float(const json_t *obj, const char *key, double lo, bool lo_open, double hi,
@@ -936,6 +951,7 @@ enum kr_status kr_oai_parse(enum kr_oai_kind kind, const char *body, size_t len,
     }
     if ((st = opt_string(o, "model", "model", &out->model, err)) != KR_OK ||
         (st = opt_string(o, "user", "user", &out->user, err)) != KR_OK ||
+        (st = parse_cache_salt(out, err)) != KR_OK ||
         (st = parse_stream(out, err)) != KR_OK || (st = parse_sampling(out, err)) != KR_OK ||
         (st = parse_logprobs(out, err)) != KR_OK || (st = parse_unsupported(out, err)) != KR_OK ||
         (st = opt_bool(o, "skip_special_tokens", "skip_special_tokens", &out->skip_special_tokens, NULL,

@@ -101,6 +101,9 @@ struct kr_oai_request {
     int32_t n_stop;
     char **stop;               /* [n_stop] stop strings, owned */
     const char *user;          /* borrowed */
+    const char *cache_salt;    /* borrowed; NULL when absent: requests with different salts share no
+                                  cached prefix (vLLM's field) */
+    size_t cache_salt_len;
 };
 
 /* Parses and validates a request body. Every problem is a 400 with `param` naming the field:

@@ -106,6 +106,9 @@ static void *loader_main(void *arg)
     cfg.max_queued_requests = s->o.max_queued_requests;
     cfg.max_model_len = s->o.max_model_len;
     cfg.block_size = s->o.block_size;
+    cfg.prefix_caching = s->o.prefix_caching;
+    cfg.prefix_state_interval = s->o.prefix_state_interval;
+    cfg.prefix_snapshots = s->o.prefix_snapshots;
     cfg.cache_bytes = s->o.cache_bytes;
     /* the step workspace first, so that the cache budget sees what is left */
     const int64_t max_len = s->o.max_model_len > 0 ? s->o.max_model_len : s->m->cfg.max_pos;

@@ -36,6 +36,12 @@ static void usage(FILE *f)
             "  --cache-memory-bytes N          byte budget of the cache pools (K/M/G suffixes; default 512 MiB on\n"
             "                                  the CPU, the GPU memory left under --gpu-memory-utilization on CUDA)\n"
             "  --block-size N                  tokens per cache block (default 16)\n"
+            "  --enable-prefix-caching         reuse the caches of prompt prefixes seen before (default on)\n"
+            "  --no-enable-prefix-caching      compute every prompt from its first token\n"
+            "  --prefix-cache-state-interval N a Mamba state snapshot every N prompt tokens (a multiple of\n"
+            "                                  --block-size; default 2048; 0 = only at turn and prompt ends)\n"
+            "  --prefix-cache-snapshots N      Mamba state snapshots kept (default: a quarter of the cache\n"
+            "                                  budget left after the running sequences' states, at most 1024)\n"
             "  --tokenizer DIR                 tokenizer.json + tokenizer_config.json location (default MODEL_DIR)\n"
             "  --chat-template FILE            Jinja chat template replacing the tokenizer's\n"
             "  --skip-tokenizer-init           no tokenizer: prompts are token ids, outputs carry ids\n"
@@ -167,7 +173,7 @@ int kr_serve_main(int argc, char **argv)
     enum {
         O_HOST = 256, O_PORT, O_KEY, O_KEYFILE, O_NAME, O_MAXLEN, O_SEQS, O_TOKENS, O_QUEUED, O_CACHE, O_BLOCK,
         O_TOK, O_TPL, O_SKIP, O_TOKIDS, O_BODY, O_SHUTDOWN, O_THREADS, O_LOG, O_PORTFILE, O_HELP, O_DEVICE, O_GPUMEM, O_INDEXER,
-        O_ALLOW_LONG, O_HELP_ENV,
+        O_ALLOW_LONG, O_HELP_ENV, O_PREFIX, O_NO_PREFIX, O_PREFIX_INTERVAL, O_PREFIX_SNAPS,
     };
     static const struct option longopts[] = {
         {"host", required_argument, NULL, O_HOST},
@@ -182,6 +188,10 @@ int kr_serve_main(int argc, char **argv)
         {"max-queued-requests", required_argument, NULL, O_QUEUED},
         {"cache-memory-bytes", required_argument, NULL, O_CACHE},
         {"block-size", required_argument, NULL, O_BLOCK},
+        {"enable-prefix-caching", no_argument, NULL, O_PREFIX},
+        {"no-enable-prefix-caching", no_argument, NULL, O_NO_PREFIX},
+        {"prefix-cache-state-interval", required_argument, NULL, O_PREFIX_INTERVAL},
+        {"prefix-cache-snapshots", required_argument, NULL, O_PREFIX_SNAPS},
         {"tokenizer", required_argument, NULL, O_TOK},
         {"chat-template", required_argument, NULL, O_TPL},
         {"skip-tokenizer-init", no_argument, NULL, O_SKIP},
@@ -256,6 +266,22 @@ int kr_serve_main(int argc, char **argv)
             break;
         case O_BLOCK:
             if (parse_i32("--block-size", optarg, 1, 4096, &o.block_size)) {
+                return 2;
+            }
+            break;
+        case O_PREFIX:
+            o.prefix_caching = true;
+            break;
+        case O_NO_PREFIX:
+            o.prefix_caching = false;
+            break;
+        case O_PREFIX_INTERVAL:
+            if (parse_i32("--prefix-cache-state-interval", optarg, 0, 1 << 24, &o.prefix_state_interval)) {
+                return 2;
+            }
+            break;
+        case O_PREFIX_SNAPS:
+            if (parse_i32("--prefix-cache-snapshots", optarg, 0, 1 << 20, &o.prefix_snapshots)) {
                 return 2;
             }
             break;
@@ -345,6 +371,11 @@ int kr_serve_main(int argc, char **argv)
     if (!o.model_dir) {
         fprintf(stderr, "krait serve: MODEL_DIR is required\n\n");
         usage(stderr);
+        return 2;
+    }
+    if (o.prefix_caching && o.prefix_state_interval % o.block_size != 0) {
+        fprintf(stderr, "krait serve: --prefix-cache-state-interval (%d) must be a multiple of --block-size (%d)\n",
+                o.prefix_state_interval, o.block_size);
         return 2;
     }
     o.api_keys = keys;

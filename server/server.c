@@ -40,6 +40,9 @@ void kr_serve_opts_default(struct kr_serve_opts *o)
     o->device = "auto";
     o->gpu_mem_util = 0.9;
     o->block_size = 16;
+    o->prefix_caching = true;
+    o->prefix_state_interval = 2048;
+    o->prefix_snapshots = -1;
     o->max_body_bytes = (size_t)32 << 20;
     o->drain_timeout_s = 30.0;
 }

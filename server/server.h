@@ -28,6 +28,9 @@ struct kr_serve_opts {
     double gpu_mem_util;           /* fraction of the GPU's memory krait may hold (weights + caches) */
     int indexer;                   /* enum kr_indexer: DSA indexer precision (0 auto, 1 bf16, 2 fp8) */
     int32_t block_size;
+    bool prefix_caching;           /* default on (--no-enable-prefix-caching turns it off) */
+    int32_t prefix_state_interval; /* tokens between Mamba state snapshots (a multiple of block_size) */
+    int32_t prefix_snapshots;      /* state snapshot slots; -1 = automatic */
     const char *tokenizer_dir;     /* default: the model directory */
     const char *chat_template_file;
     bool skip_tokenizer_init;

@@ -29,6 +29,8 @@ struct kr_sess_sub {
     bool live;                 /* the engine still owes events */
     int32_t *prompt;           /* [n_prompt] ids */
     int32_t n_prompt;
+    int32_t snap_at;           /* chat: where the last user turn begins (a state snapshot is worth
+                                  taking there: the next turn resends everything before it), or 0 */
     char *prompt_text;         /* for echo */
     size_t prompt_text_len;
     int32_t n_left;            /* choices not finished */
@@ -835,6 +837,56 @@ static bool tokenize_into(const struct kr_sess_env *env, struct kr_sess_sub *sb,
 }
 
 /* Parsing, the chat template and tokenization of a generation request; errors land in s->err. */
+/* Where the chat's last user message begins in sb's prompt: the messages before it rendered
+ * without a generation prompt and tokenized, and the length of what that has in common with the
+ * prompt (a template may render the tail of a turn differently once it is not the last). 0 when
+ * there is nothing before the last user message or the shorter render fails. */
+static int32_t last_turn_boundary(const struct kr_sess *s, const struct kr_sess_sub *sb)
+{
+    const struct kr_sess_env *env = s->env;
+    const size_t n = json_array_size(s->o.messages);
+    size_t last = n;
+    for (size_t i = n; i-- > 0;) {
+        const char *role = json_string_value(json_object_get(json_array_get(s->o.messages, i), "role"));
+        if (role && strcmp(role, "user") == 0) {
+            last = i;
+            break;
+        }
+    }
+    if (last == n || last == 0) {
+        return 0;
+    }
+    json_t *head = json_array();
+    for (size_t i = 0; head && i < last; i++) {
+        if (json_array_append(head, json_array_get(s->o.messages, i)) != 0) {
+            json_decref(head);
+            head = NULL;
+        }
+    }
+    if (!head) {
+        return 0;
+    }
+    char *text = NULL;
+    size_t tlen = 0;
+    struct kr_oai_error e = {0};
+    int32_t at = 0;
+    if (kr_chat_render(env->chat, head, s->o.tools, false, false, s->o.chat_template_kwargs, &text, &tlen, &e) ==
+        KR_OK) {
+        int32_t *ids = NULL;
+        int64_t n_ids = 0;
+        struct kr_err err = {{0}};
+        if (kr_tokenizer_encode(env->tok, text, tlen, false, &ids, &n_ids, &err) == KR_OK) {
+            while (at < n_ids && at < sb->n_prompt && ids[at] == sb->prompt[at]) {
+                at++;
+            }
+            kr_free(ids);
+        }
+        kr_free(text);
+    }
+    json_decref(head);
+    return at < sb->n_prompt ? at : 0;
+}
+
 static enum kr_status prepare_generation(struct kr_sess *s, const char *body, size_t len)
 {
     const struct kr_sess_env *env = s->env;
@@ -881,6 +933,7 @@ static enum kr_status prepare_generation(struct kr_sess *s, const char *body, si
             if (!ok) {
                 return prep_fail(s, &e);
             }
+            sb->snap_at = last_turn_boundary(s, sb);
         } else {
             const struct kr_oai_prompt *p = &s->o.prompts[i];
             snprintf(param, sizeof param, s->o.n_prompts > 1 ? "prompt[%d]" : "prompt", i);
@@ -1096,7 +1149,10 @@ static void submit_all(struct kr_sess *s)
     for (int32_t i = 0; i < s->n_sub; i++) {
         struct kr_sess_sub *sb = &s->subs[i];
         struct kr_request_params p = {.prompt = sb->prompt, .n_prompt = sb->n_prompt, .n = s->o.n,
-                                      .sampling = s->o.sampling, .cb = on_engine_event, .user = sb};
+                                      .sampling = s->o.sampling, .cb = on_engine_event, .user = sb,
+                                      .cache_salt = s->o.cache_salt, .cache_salt_len = s->o.cache_salt_len,
+                                      .snapshot_at = sb->snap_at > 0 ? &sb->snap_at : NULL,
+                                      .n_snapshot_at = sb->snap_at > 0 ? 1 : 0};
         struct kr_err err = {{0}};
         enum kr_status st = KR_OK;
         sb->spare = kr_calloc((size_t)s->o.n + 1, sizeof *sb->spare);

@@ -844,3 +844,128 @@ Test(server_flags, indexer_precision)
     json_decref(j);
     cr_expect_eq(srv_stop(&p), 0);
 }
+
+/* ---- the prefix cache over HTTP ------------------------------------------------------------------- */
+
+static json_t *chat_body(json_t *messages, const char *salt)
+{
+    json_t *b = json_pack("{s:O, s:i, s:i, s:b}", "messages", messages, "max_tokens", 8, "temperature", 0,
+                          "ignore_eos", 1);
+    if (salt) {
+        json_object_set_new(b, "cache_salt", json_string(salt));
+    }
+    return b;
+}
+
+/* One greedy chat answer's content (strdup'd). */
+static char *chat_answer(const struct srv_proc *p, json_t *messages, const char *salt)
+{
+    json_t *b = chat_body(messages, salt);
+    char *body = json_dumps(b, JSON_COMPACT);
+    json_decref(b);
+    long st;
+    json_t *j = post_json(p, "/v1/chat/completions", body, &st);
+    free(body);
+    cr_assert_eq(st, 200);
+    const char *c = json_string_value(
+        json_object_get(json_object_get(json_array_get(json_object_get(j, "choices"), 0), "message"), "content"));
+    cr_assert(c);
+    char *out = strdup(c);
+    json_decref(j);
+    return out;
+}
+
+static int64_t prompt_tokens_of(const struct srv_proc *p, json_t *messages)
+{
+    json_t *b = json_pack("{s:O}", "messages", messages);
+    char *body = json_dumps(b, JSON_COMPACT);
+    json_decref(b);
+    long st;
+    json_t *j = post_json(p, "/tokenize", body, &st);
+    free(body);
+    cr_assert_eq(st, 200);
+    const int64_t n = json_integer_value(json_object_get(j, "count"));
+    json_decref(j);
+    return n;
+}
+
+/* A three-turn conversation on a server with the prefix cache and one without: the same greedy
+ * answers; each later turn restores at least the previous turn's whole prompt (the snapshot at its
+ * end: the conversation resends it); a request with a cache salt restores nothing of what unsalted
+ * requests left; an empty salt is a 400 naming it; the metrics and pools of the cache. */
+Test(server_flags, prefix_cache_serves_a_conversation_and_keeps_salts_apart, .timeout = 300)
+{
+    struct srv_proc on, off;
+    srv_start(&on, MODEL, "--prefix-cache-state-interval", "32", NULL);
+    srv_start(&off, MODEL, "--no-enable-prefix-caching", NULL);
+    json_t *msgs = json_pack("[{s:s, s:s}]", "role", "system", "content",
+                             "You are a careful assistant. Answer in one short sentence, and never use lists. "
+                             "Keep to the facts you are given and say when you do not know.");
+    static const char *const turns[] = {"What is a state space model?", "And how does attention differ?",
+                                        "Which one is cheaper for long prompts?"};
+    int64_t prev_prompt = 0;
+    for (int t = 0; t < 3; t++) {
+        json_array_append_new(msgs, json_pack("{s:s, s:s}", "role", "user", "content", turns[t]));
+        const double h0 = metric(&on, "krait:prefix_cache_hits_total");
+        char *a_on = chat_answer(&on, msgs, NULL);
+        char *a_off = chat_answer(&off, msgs, NULL);
+        cr_expect_str_eq(a_on, a_off, "turn %d: the cached server answered differently", t);
+        const double hit = metric(&on, "krait:prefix_cache_hits_total") - h0;
+        if (t > 0) {
+            cr_expect_geq(hit, (double)prev_prompt, "turn %d restored %g tokens; the previous prompt had %lld", t, hit,
+                          (long long)prev_prompt);
+        }
+        prev_prompt = prompt_tokens_of(&on, msgs);
+        cr_expect_lt(hit, (double)prev_prompt, "a prompt's last token is always computed");
+        json_array_append_new(msgs, json_pack("{s:s, s:s}", "role", "assistant", "content", a_on));
+        free(a_on);
+        free(a_off);
+    }
+    /* a salted tenant: the same conversation restores nothing, and answers the same */
+    json_array_append_new(msgs, json_pack("{s:s, s:s}", "role", "user", "content", "Thanks."));
+    const double h0 = metric(&on, "krait:prefix_cache_hits_total");
+    char *a_salt = chat_answer(&on, msgs, "tenant-b");
+    char *a_off = chat_answer(&off, msgs, NULL);
+    cr_expect_str_eq(a_salt, a_off);
+    cr_expect_eq(metric(&on, "krait:prefix_cache_hits_total") - h0, 0, "a salted request restored another's prefix");
+    free(a_salt);
+    free(a_off);
+    long st;
+    json_t *j = post_json(&on, "/v1/chat/completions",
+                          "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"cache_salt\":\"\"}", &st);
+    expect_error(j, st, 400, "cache_salt");
+    json_decref(j);
+    j = post_json(&on, "/v1/completions", "{\"prompt\":\"x\",\"cache_salt\":7}", &st);
+    expect_error(j, st, 400, "cache_salt");
+    json_decref(j);
+    /* metrics: queries, hits, snapshots; the pools; nothing held by sequences at rest */
+    cr_expect_gt(metric(&on, "krait:prefix_cache_queries_total"), metric(&on, "krait:prefix_cache_hits_total"));
+    cr_expect_gt(metric(&on, "krait:prefix_cache_snapshots_total"), 0);
+    cr_expect_eq(metric(&off, "krait:prefix_cache_queries_total"), 0);
+    struct http_res r;
+    http(&on, "GET", "/metrics", NULL, NULL, &r);
+    cr_expect(strstr(r.body, "# TYPE krait:prefix_cache_unusable_block_tokens_total counter"));
+    cr_expect(strstr(r.body, "krait:state_snapshots{model_name="));
+    cr_expect(strstr(r.body, "pool=\"state_snapshots\"} "));
+    cr_expect(strstr(r.body, "state=\"cached\"} "));
+    http_free(&r);
+    cr_expect_eq(metric(&on, "krait:kv_cache_usage_perc"), 0, "blocks held at rest");
+    json_decref(msgs);
+    cr_expect_eq(srv_stop(&on), 0);
+    cr_expect_eq(srv_stop(&off), 0);
+}
+
+/* Flags: the state interval must be a multiple of the block size. */
+Test(server_flags, prefix_cache_flags_are_checked)
+{
+    char cmd[1024];
+    snprintf(cmd, sizeof cmd, "%s serve %s --block-size 16 --prefix-cache-state-interval 20 2>&1", KR_KRAIT_BIN, MODEL);
+    FILE *f = popen(cmd, "r");
+    cr_assert(f);
+    char out[4096] = {0};
+    size_t n = fread(out, 1, sizeof out - 1, f);
+    out[n] = 0;
+    const int rc = pclose(f);
+    cr_expect(WIFEXITED(rc) && WEXITSTATUS(rc) == 2, "exit status %d", rc);
+    cr_expect(strstr(out, "--prefix-cache-state-interval (20) must be a multiple of --block-size (16)"), "%s", out);
+}
