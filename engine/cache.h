@@ -138,8 +138,8 @@ void kr_cache_check_owners(const struct kr_cache *c, int32_t n_held,
 /* The chain hashes of a token sequence: h[0] is the seed (kr_prefix_seed), h[j] the hash of the
  * first j full blocks. Fills h[from..n_blocks] (h[0..from) must hold already). */
 void kr_prefix_hashes(const struct kr_cache *c, const int32_t *toks, int32_t from, int32_t n_blocks, uint64_t *h);
-/* The seed of a cache salt (NULL or "": the common seed); different salts never share entries. */
-uint64_t kr_prefix_seed(const struct kr_cache *c, const char *salt);
+/* The seed of a cache salt of n bytes (n = 0: the common seed); different salts never share entries. */
+uint64_t kr_prefix_seed(const struct kr_cache *c, const char *salt, size_t n);
 
 /* A new sequence's caches, restored from the longest cached prefix of toks[0..n_lookup) when there
  * is one (h: its hashes, h[0..n_lookup / block_size]): dst gets a slot (and the state it had after

@@ -458,7 +458,7 @@ enum kr_status kr_engine_create(struct kr_model *m, const struct kr_engine_confi
                           slots_total, cfg.cache_bytes);
     }
     /* the prefix cache's state snapshots: slots of their own, out of the budget left after the
-     * running slots (by default a quarter of it); the blocks they pin come from the block pool */
+     * running slots (by default an eighth of it); the blocks they pin come from the block pool */
     struct kr_cache_plan plan = {.n_slots = n_slots, .block_size = cfg.block_size, .prefix = cfg.prefix_caching,
                                  .state_interval = cfg.prefix_state_interval};
     if (cfg.prefix_caching && cfg.prefix_state_interval < 0) {
@@ -474,7 +474,7 @@ enum kr_status kr_engine_create(struct kr_model *m, const struct kr_engine_confi
         const size_t left = cfg.cache_bytes - slots_total;
         int64_t ns = cfg.prefix_snapshots;
         if (ns < 0) {
-            ns = (int64_t)(left / 4 / slot_bytes);
+            ns = (int64_t)(left / 8 / slot_bytes);
             ns = ns > 1024 ? 1024 : ns;
         }
         if ((size_t)ns * slot_bytes > left) {
@@ -718,7 +718,7 @@ enum kr_status kr_engine_submit(struct kr_engine *e, const struct kr_request_par
         r->plp[0] = NAN;
         r->plp_rows = 1;
     }
-    r->seed = kr_prefix_seed(e->cache, p->cache_salt);
+    r->seed = kr_prefix_seed(e->cache, p->cache_salt, p->cache_salt ? p->cache_salt_len : 0);
     if (p->n_snapshot_at > 0 && p->snapshot_at && e->cache->prefix) {
         r->snap_at = kr_malloc((size_t)p->n_snapshot_at * sizeof(int32_t));
         if (!r->snap_at) {

@@ -34,7 +34,7 @@ struct kr_engine_config {
                                        layers, state snapshots */
     int32_t prefix_state_interval;  /* a state snapshot every this many prompt tokens (a multiple of
                                        block_size; 0: none on a grid) */
-    int32_t prefix_snapshots;       /* snapshot slots beside the running ones; -1: a quarter of the budget
+    int32_t prefix_snapshots;       /* snapshot slots beside the running ones; -1: an eighth of the budget
                                        left after the running slots, at most 1024 */
 };
 
@@ -97,7 +97,9 @@ struct kr_request_params {
     struct kr_sampling sampling;
     kr_event_cb cb;
     void *user;
-    const char *cache_salt;     /* or NULL: requests with different salts share no cached prefix */
+    const char *cache_salt;     /* [cache_salt_len] bytes, or NULL: requests with different salts share
+                                   no cached prefix */
+    size_t cache_salt_len;
     const int32_t *snapshot_at; /* [n_snapshot_at] prompt positions worth a state snapshot (the
                                    boundary before a chat's last user turn), or NULL */
     int32_t n_snapshot_at;

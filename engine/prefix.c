@@ -152,13 +152,12 @@ static uint64_t hash_bytes(const struct kr_prefix *p, const unsigned char *in, s
     return h;
 }
 
-uint64_t kr_prefix_seed(const struct kr_cache *c, const char *salt)
+uint64_t kr_prefix_seed(const struct kr_cache *c, const char *salt, size_t n)
 {
     const struct kr_prefix *p = c->prefix;
     if (!p) {
         return 0;
     }
-    const size_t n = salt ? strlen(salt) : 0;
     unsigned char *in = kr_malloc(n + 1);
     if (!in) { /* a salted request must never share an unsalted seed: one of its own */
         uint64_t h;

@@ -40,7 +40,7 @@ static void usage(FILE *f)
             "  --no-enable-prefix-caching      compute every prompt from its first token\n"
             "  --prefix-cache-state-interval N a Mamba state snapshot every N prompt tokens (a multiple of\n"
             "                                  --block-size; default 2048; 0 = only at turn and prompt ends)\n"
-            "  --prefix-cache-snapshots N      Mamba state snapshots kept (default: a quarter of the cache\n"
+            "  --prefix-cache-snapshots N      Mamba state snapshots kept (default: an eighth of the cache\n"
             "                                  budget left after the running sequences' states, at most 1024)\n"
             "  --tokenizer DIR                 tokenizer.json + tokenizer_config.json location (default MODEL_DIR)\n"
             "  --chat-template FILE            Jinja chat template replacing the tokenizer's\n"

@@ -121,6 +121,7 @@ static uint64_t submit(struct kr_engine *e, const struct req_spec *q, struct rec
     s.logprobs = 2;
     struct kr_request_params p = {.prompt = q->ids, .n_prompt = q->n, .n = q->n_choices ? q->n_choices : 1,
                                   .sampling = s, .cb = on_event, .user = r, .cache_salt = q->salt,
+                                  .cache_salt_len = q->salt ? strlen(q->salt) : 0,
                                   .snapshot_at = q->hint ? &q->hint : NULL, .n_snapshot_at = q->hint ? 1 : 0};
     uint64_t id = 0;
     struct kr_err err = {{0}};
