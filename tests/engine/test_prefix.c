@@ -17,6 +17,7 @@
 #include <pthread.h>
 #include <stdio.h>
 #include <string.h>
+#include <stdint.h>
 #include <unistd.h>
 
 #define MAX_GEN 16
@@ -466,5 +467,72 @@ Test(prefix, randomized_operations_keep_ownership_whole)
     }
     expect_pools_whole(e);
     kr_engine_free(e);
+    unload();
+}
+
+/* A request asking for its prompt's log-probabilities computes every row (no restore) and gets the
+ * rows an uncached engine gives; it still leaves its prefix for the next request. */
+static float g_plp[2][64];
+static int32_t g_nplp[2];
+
+static void on_plp(const struct kr_event *ev, void *user)
+{
+    const int i = (int)(intptr_t)user;
+    if (ev->type == KR_EVENT_PROMPT_LOGPROBS) {
+        for (int32_t t = 0; t < ev->n_prompt && t < 64; t++) {
+            g_plp[i][t] = ev->prompt_logprobs[t];
+        }
+        g_nplp[i] = ev->n_prompt;
+    }
+}
+
+Test(prefix, prompt_logprobs_are_computed_not_restored)
+{
+    load("nemotron_h", "nh_moe");
+    static struct req_spec q;
+    memset(&q, 0, sizeof q);
+    for (int32_t j = 0; j < 40; j++) {
+        q.ids[j] = tok();
+    }
+    q.n = 40;
+    struct kr_sampling s;
+    kr_sampling_default(&s);
+    s.temperature = 0.0f;
+    s.max_tokens = 2;
+    s.prompt_logprobs = 1;
+    for (int pass = 0; pass < 2; pass++) {
+        /* pass 0: uncached; pass 1: the same prompt after a warm-up that cached its prefix */
+        struct kr_engine *e = engine(pass == 1, 4, 4096, 16 << 20, 16);
+        if (pass == 1) {
+            static struct rec warm;
+            memset(&warm, 0, sizeof warm);
+            submit(e, &q, &warm, 3);
+            kr_engine_wait_idle(e);
+        }
+        const uint64_t h0 = hits(e, NULL);
+        struct kr_request_params p = {.prompt = q.ids, .n_prompt = q.n, .n = 1, .sampling = s, .cb = on_plp,
+                                      .user = (void *)(intptr_t)pass};
+        uint64_t id;
+        struct kr_err err = {{0}};
+        cr_assert_eq(kr_engine_submit(e, &p, &id, &err), KR_OK, "%s", err.msg);
+        kr_engine_wait_idle(e);
+        cr_expect_eq(hits(e, NULL) - h0, 0, "prompt log-probabilities from restored rows");
+        if (pass == 1) {
+            static struct rec after;
+            memset(&after, 0, sizeof after);
+            const uint64_t h1 = hits(e, NULL);
+            submit(e, &q, &after, 1);
+            kr_engine_wait_idle(e);
+            cr_expect_gt(hits(e, NULL) - h1, 0, "the prefix was not left for the next request");
+        }
+        expect_pools_whole(e);
+        kr_engine_free(e);
+    }
+    cr_assert_eq(g_nplp[0], 40);
+    cr_assert_eq(g_nplp[1], 40);
+    for (int32_t t = 1; t < 40; t++) {
+        cr_expect(fabsf(g_plp[0][t] - g_plp[1][t]) <= 1e-5f, "position %d: %g uncached, %g after caching", t,
+                  g_plp[0][t], g_plp[1][t]);
+    }
     unload();
 }
