@@ -63,19 +63,12 @@ struct cuda_ctx {
     bool graphs_on;
     int skinny_max;                     /* products of 2..skinny_max rows take krk_skinny (tensor
                                            cores), more take cuBLAS (KRAIT_SKINNY_MAX, 0 = never) */
-    int skinny_config;                  /* KRAIT_SKINNY_CONFIG: a krk_skinny configuration other than
-                                           the default (for measurements) */
     void *sk_ws;                        /* krk_skinny's workspace (zeroed when allocated) */
     size_t sk_ws_size;
-    int gemv_config;                    /* KRAIT_GEMV_CONFIG: a GEMV tiling other than the default
-                                           (krk_gemv_params.config; for measurements) */
     bool pdl;                           /* every kernel launches as a programmatic dependent of the
                                            one before it (krk_set_pdl), except while profiling;
                                            KRAIT_PDL=0 turns it off */
     int32_t dsa_score;                  /* indexer scores on bf16 tensor cores (KRAIT_DSA_SCORE=fp32: CUDA cores) */
-    int32_t dsa_select;                 /* KRAIT_DSA_SELECT=agg: warp-aggregated top-k histograms;
-                                           =split: top-k per chunk of positions, then of those */
-    bool graphs_mla;                    /* capture steps of models with MLA layers (KRAIT_CUDA_GRAPHS_MLA=0: not) */
     int32_t mla_attn;                   /* all heads of a token per block, tensor cores, split over keys
                                            (KRAIT_MLA_ATTN=per-head: a block per head, fp32) */
     bool mla_overlap;                   /* a DSA layer's selection runs on `side` while `stream` absorbs
@@ -622,8 +615,7 @@ static size_t ws_capped(size_t all, size_t one)
 }
 static size_t dsa_ws_bytes(const struct cuda_ctx *c, int64_t n_tok, int64_t max_ctx)
 {
-    return ws_capped(krk_dsa_index_workspace_bytes(n_tok, max_ctx, c->dsa_select),
-                     krk_dsa_index_workspace_bytes(1, max_ctx, c->dsa_select));
+    return ws_capped(krk_dsa_index_workspace_bytes(n_tok, max_ctx), krk_dsa_index_workspace_bytes(1, max_ctx));
 }
 static size_t mla_ws_bytes(int64_t n_head, int64_t kv_lora, int64_t n_tok, int64_t max_ctx)
 {
@@ -807,17 +799,12 @@ static struct krk_ctx launch_ctx(const struct cuda_ctx *c)
 /* The switch table (util/switches.h) states the kernel library's bounds and enum values without
  * including krk.h: they must agree. */
 _Static_assert(SKINNY_MAX_DEFAULT == KR_SKINNY_MAX_DEFAULT, "KRAIT_SKINNY_MAX default");
-_Static_assert(KRK_SKINNY_MAX_N == KR_SKINNY_MAX_N && KRK_SKINNY_CONFIGS == KR_SKINNY_CONFIGS &&
-                   KRK_GEMV_CONFIGS == KR_GEMV_CONFIGS,
-               "KRAIT_SKINNY_MAX, KRAIT_SKINNY_CONFIG and KRAIT_GEMV_CONFIG ranges");
+_Static_assert(KRK_SKINNY_MAX_N == KR_SKINNY_MAX_N, "KRAIT_SKINNY_MAX range");
 _Static_assert((int)KRK_MLA_ATTN_PER_HEAD == (int)KR_MLA_ATTN_PER_HEAD &&
                    (int)KRK_MLA_ATTN_HEADS == (int)KR_MLA_ATTN_HEADS &&
                    (int)KRK_DSA_SCORE_FP32 == (int)KR_DSA_SCORE_FP32 &&
-                   (int)KRK_DSA_SCORE_MMA == (int)KR_DSA_SCORE_MMA &&
-                   (int)KRK_DSA_SELECT_BLOCK == (int)KR_DSA_SELECT_BLOCK &&
-                   (int)KRK_DSA_SELECT_AGG == (int)KR_DSA_SELECT_AGG &&
-                   (int)KRK_DSA_SELECT_SPLIT == (int)KR_DSA_SELECT_SPLIT,
-               "KRAIT_MLA_ATTN, KRAIT_DSA_SCORE and KRAIT_DSA_SELECT values");
+                   (int)KRK_DSA_SCORE_MMA == (int)KR_DSA_SCORE_MMA,
+               "KRAIT_MLA_ATTN and KRAIT_DSA_SCORE values");
 
 /* GEMMs of more than GEMV_ROWS rows read bf16 operands: the forward pass asks the ops writing their
  * inputs for the bf16 copies (out_bf16) at those row counts only. */
@@ -922,7 +909,7 @@ static enum kr_status bf16_x(struct cuda_ctx *c, const float *x, int64_t ldx, in
 static bool skinny_takes(const struct cuda_ctx *c, int64_t n, const struct kr_tensor *w)
 {
     return n >= 2 && n <= c->skinny_max && n <= KRK_SKINNY_MAX_N && w->dtype == KR_DTYPE_BF16 &&
-           w->cols % krk_skinny_cols_step(c->skinny_config) == 0 && ((uintptr_t)w->data & 15) == 0;
+           w->cols % krk_skinny_cols_step(0) == 0 && ((uintptr_t)w->data & 15) == 0;
 }
 
 /* One krk_skinny launch over k parts (their weights share cols); KR_ERR_UNSUPPORTED when the
@@ -932,7 +919,6 @@ static enum kr_status skinny_run(struct cuda_ctx *c, const float *x, int64_t ldx
                                  const struct krk_bf16_in *in, struct krk_bf16_in *used)
 {
     struct krk_skinny_params p = {.n = n, .cols = parts[0].w->cols, .n_parts = k, .ws = c->sk_ws,
-                                  .config = c->skinny_config,
                                   .ws_bytes = c->sk_ws_size, .act_out = act_out, .act = (int)act};
     for (int i = 0; i < k; i++) {
         p.parts[i] = (struct krk_gemv_part){.w = parts[i].w->data, .bias = parts[i].bias, .rows = parts[i].w->rows,
@@ -978,7 +964,7 @@ static enum kr_status matmul_one(struct cuda_ctx *c, const float *x, int64_t ldx
         return KR_ERR_UNSUPPORTED;
     } else if (n <= GEMV_ROWS && cols % 8 == 0) {
         struct krk_gemv_params p = {.x = x, .ldx = ldx, .w = w->data, .bias = bias, .n = n, .rows = rows,
-                                    .cols = cols, .y = y, .ldy = ldy, .config = c->gemv_config};
+                                    .cols = cols, .y = y, .ldy = ldy};
         st = krk_gemv(&p, c->stream);
     } else {
         if (skinny_takes(c, n, w)) {
@@ -1049,7 +1035,7 @@ static enum kr_status cuda_matmul_multi_impl(kr_backend_t be, const float *x, in
     }
     struct krk_gemv_params p = {.x = x, .ldx = ldx, .w = parts[0].w->data, .bias = parts[0].bias, .n = n,
                                 .rows = parts[0].w->rows, .cols = parts[0].w->cols, .y = parts[0].y,
-                                .ldy = parts[0].ldy, .config = c->gemv_config, .n_more = k - 1};
+                                .ldy = parts[0].ldy, .n_more = k - 1};
     for (int i = 1; i < k; i++) {
         p.more[i - 1] = (struct krk_gemv_part){.w = parts[i].w->data, .bias = parts[i].bias,
                                                .rows = parts[i].w->rows, .y = parts[i].y, .ldy = parts[i].ldy};
@@ -1081,8 +1067,8 @@ static enum kr_status cuda_matmul_act_impl(kr_backend_t be, const float *x, int6
         !overlaps(out, (size_t)(n * w->rows) * 4, x, (size_t)(n * ldx) * 4) &&
         !overlaps(out, (size_t)(n * w->rows) * 4, y, (size_t)(n * ldy) * 4)) {
         struct krk_gemv_params p = {.x = x, .ldx = ldx, .w = w->data, .bias = bias, .n = n, .rows = w->rows,
-                                    .cols = w->cols, .y = y, .ldy = ldy, .config = c->gemv_config,
-                                    .act_out = out, .ld_act = w->rows, .act = (int)act};
+                                    .cols = w->cols, .y = y, .ldy = ldy, .act_out = out, .ld_act = w->rows,
+                                    .act = (int)act};
         KR_TRY(krk_gemv(&p, c->stream));
         return out_bf16 ? krk_cast_bf16(out, w->rows, n, w->rows, out_bf16, c->stream) : KR_OK;
     }
@@ -1299,14 +1285,14 @@ static struct krk_dsa_index_params dsa_index_args(const struct cuda_ctx *c, cons
                                          .cache = p->cache, .row = p->row, .key_off = p->key_off,
                                          .block_size = p->block_size, .topk = p->topk, .idx = p->idx,
                                          .workspace = ws, .workspace_bytes = ws_bytes, .batch = c->batch,
-                                         .variant = c->dsa_score, .select = c->dsa_select};
+                                         .variant = c->dsa_score};
 }
 
 static enum kr_status cuda_dsa_index(kr_backend_t be, const struct kr_dsa_index_params *p)
 {
     struct cuda_ctx *c = ctx_of(be);
     KR_TRY(op_enter(c));
-    const size_t need1 = krk_dsa_index_workspace_bytes(1, c->batch.max_ctx, c->dsa_select);
+    const size_t need1 = krk_dsa_index_workspace_bytes(1, c->batch.max_ctx);
     if (need1 > c->scratch_size) {
         KR_TRY(ensure_scratch(c, need1));
     }
@@ -1516,9 +1502,6 @@ static enum kr_status cuda_graph_run(kr_backend_t be, int32_t key, bool *launche
     if (c->n_graphs == MAX_GRAPHS) {
         return KR_OK; /* run eagerly */
     }
-    if (c->hb && c->hb->ctx_bound > 0 && !c->graphs_mla) {
-        return KR_OK; /* MLA layers run eagerly until their captured steps have been validated on a GPU */
-    }
     /* the captured kernels must not depend on this step's context length: they see no bound (0:
      * attention decode then uses its fixed split-K grid), or the graph shape's bound on every
      * context (MLA layers size their key tiles and score rows by it; each token still stops at its
@@ -1676,21 +1659,15 @@ enum kr_status kr_backend_cuda_create_with(int dev, const struct kr_switches *sw
     };
     c->dev = dev;
     c->graphs_on = sw->cuda_graphs != 0;
-    c->graphs_mla = sw->cuda_graphs_mla != 0;
     c->mla_attn = sw->mla_attn;
     c->dsa_score = sw->dsa_score;
     c->mla_overlap = sw->mla_overlap != 0;
-    c->dsa_select = sw->dsa_select;
-    c->gemv_config = sw->gemv_config;
     c->skinny_max = sw->skinny_max;
-    c->skinny_config = sw->skinny_config;
     /* the process-wide launch mode and state hints are kr_backend_cuda_setup's, not the device's */
     c->pdl = sw->pdl != 0;
     enum kr_status st = KR_ERR_INVAL;
     if (sw->mla_attn < 0 || sw->mla_attn > KR_MLA_ATTN_HEADS || sw->dsa_score < 0 || sw->dsa_score > KR_DSA_SCORE_MMA ||
-        sw->dsa_select < 0 || sw->dsa_select > KR_DSA_SELECT_SPLIT || sw->gemv_config < 0 ||
-        sw->gemv_config >= KRK_GEMV_CONFIGS || sw->skinny_max < 0 || sw->skinny_max > KRK_SKINNY_MAX_N ||
-        sw->skinny_config < 0 || sw->skinny_config >= KRK_SKINNY_CONFIGS) {
+        sw->skinny_max < 0 || sw->skinny_max > KRK_SKINNY_MAX_N) {
         kr_err_set(err, st, "cuda: a tuning switch is out of its range (see krait serve --help-env)");
         goto fail;
     }

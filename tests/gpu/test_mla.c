@@ -523,9 +523,7 @@ ParameterizedTest(int *ci, mla, index_selects_cpu_topk)
     float *d_iq = gt_dup(iq, n_iq * sizeof(float)), *d_w = gt_dup(w, n_w * sizeof(float));
     const size_t n_idx = (size_t)n_tok * (size_t)topk;
     int32_t *d_idx = gt_dalloc(n_idx * sizeof(int32_t));
-    /* sized for the split top-k, the variant that needs the most (the runs below take every variant) */
-    const size_t ws_bytes =
-        krk_dsa_index_workspace_bytes(ic->ws_tokens ? ic->ws_tokens : n_tok, max_ctx, KRK_DSA_SELECT_SPLIT);
+    const size_t ws_bytes = krk_dsa_index_workspace_bytes(ic->ws_tokens ? ic->ws_tokens : n_tok, max_ctx);
     void *d_ws = gt_dalloc(ws_bytes);
 
     struct krk_dsa_index_params kp = {.iq = d_iq, .w = d_w, .n_head = ic->n_head, .head_dim = ic->head_dim,
@@ -561,12 +559,9 @@ ParameterizedTest(int *ci, mla, index_selects_cpu_topk)
         v_k1[t] = sorted[topk];
     }
     /* both score variants: fp32 on CUDA cores, bf16 tensor cores (the same selection up to fp32
-     * summation order, the queries being bf16 values already); the tensor-core scores also with
-     * the warp-aggregated top-k histograms and with the split top-k */
-    for (int run = 0; run < 4; run++) {
-        const int variant = run == 0 ? KRK_DSA_SCORE_FP32 : KRK_DSA_SCORE_MMA;
+     * summation order, the queries being bf16 values already) */
+    for (int variant = KRK_DSA_SCORE_FP32; variant <= KRK_DSA_SCORE_MMA; variant++) {
         kp.variant = variant;
-        kp.select = run == 2 ? KRK_DSA_SELECT_AGG : run == 3 ? KRK_DSA_SELECT_SPLIT : KRK_DSA_SELECT_BLOCK;
         cr_assert_eq(cudaMemset(d_idx, 0x7F, n_idx * sizeof(int32_t)), cudaSuccess); /* not -1: unwritten shows */
         cr_assert_eq(krk_dsa_index(&kp, 0), KR_OK);
         gt_down(got, d_idx, n_idx * sizeof(int32_t));
@@ -614,7 +609,7 @@ ParameterizedTest(int *ci, mla, index_selects_cpu_topk)
         fprintf(stderr,
                 "  index %-45s %s topk=%d n_tok=%d: %d all-positions, %d compared exactly, %d near-tie compared "
                 "tie-tolerantly (%d of them equal to the CPU), %d padding\n",
-                ic->name, run == 3 ? "mma+split" : run == 2 ? "mma+agg  " : variant == KRK_DSA_SCORE_MMA ? "mma      " : "fp32     ", topk, n_tok, n_all,
+                ic->name, variant == KRK_DSA_SCORE_MMA ? "mma " : "fp32", topk, n_tok, n_all,
                 n_exact, n_tol, n_tol_same,
                 n_pad);
     }
@@ -646,10 +641,9 @@ Test(mla, index_rejects_short_workspace)
     struct gt_rng rng = {.s = 5};
     struct gt_batch b;
     batch_make(&b, &rng, &bs, 64, 16);
-    /* the kernel needs at least one token's row of scores (the split top-k's size adds its
-     * candidates) */
+    /* the kernel needs at least one token's row of scores */
     const size_t row = (size_t)b.dev.max_ctx * sizeof(float);
-    const size_t need = krk_dsa_index_workspace_bytes(1, b.dev.max_ctx, KRK_DSA_SELECT_BLOCK);
+    const size_t need = krk_dsa_index_workspace_bytes(1, b.dev.max_ctx);
     cr_assert_geq(need, row);
     void *d_ws = gt_dalloc(need);
     struct krk_dsa_index_params kp = {.iq = d_ws, .w = d_ws, .n_head = 1, .head_dim = 8, .cache = d_ws, .row = 8,

@@ -33,23 +33,18 @@ struct krk_dsa_index_params {
     size_t workspace_bytes;
     struct krk_batch batch; /* batch.max_ctx must be set */
     int32_t variant;        /* KRK_DSA_SCORE_*: how the scores are computed */
-    int32_t select;         /* KRK_DSA_SELECT_*: how the top-k histograms are built */
     cudaEvent_t *events;    /* (optional, profiling) [4]: (begin, end) around the scores, then around
                                the top-k, of the first group of tokens */
 };
 /* Top-k: a radix select, one block per query, 4 passes of 8 bits; its histograms take one shared
- * atomic per key (default), or one per distinct bin of a warp into per-warp copies, with the bin of
- * each pass found by a warp scan (KRK_DSA_SELECT_AGG); or the positions cut into chunks of at least
- * 4 topk (at most 16), a block per chunk keeping its top-k and one per query selecting among those
- * (KRK_DSA_SELECT_SPLIT, aggregated histograms). All give the same selection. */
-enum { KRK_DSA_SELECT_BLOCK = 0, KRK_DSA_SELECT_AGG = 1, KRK_DSA_SELECT_SPLIT = 2 };
+ * atomic per key, and the bin of each pass is found by a warp scan. */
 /* Score variants: fp32 on CUDA cores (0); bf16 tensor cores (queries rounded to bf16, fp32
  * accumulation; index heads a multiple of 16 up to 64, head_dim a multiple of 16, aligned key rows;
  * otherwise the default runs). */
 enum { KRK_DSA_SCORE_FP32 = 0, KRK_DSA_SCORE_MMA = 1 };
-/* Workspace for n_tok tokens at contexts up to max_ctx with top-k variant `select` (KRK_DSA_SELECT_*;
- * less still works: tokens go in smaller groups, and the split variant falls back). */
-size_t krk_dsa_index_workspace_bytes(int64_t n_tok, int64_t max_ctx, int32_t select);
+/* Workspace for n_tok tokens at contexts up to max_ctx (less still works: tokens go in smaller
+ * groups). */
+size_t krk_dsa_index_workspace_bytes(int64_t n_tok, int64_t max_ctx);
 enum kr_status krk_dsa_index(const struct krk_dsa_index_params *p, cudaStream_t stream);
 
 /* Absorbed MLA attention over selected (idx) or all causal (idx NULL) cached positions. */
