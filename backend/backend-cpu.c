@@ -742,7 +742,7 @@ static enum kr_status cpu_gather_out(kr_backend_t be, const float *src, int64_t 
 
 /* ---- MLA / DSA --------------------------------------------------------------------------------- */
 
-static enum kr_status cpu_rope(kr_backend_t be, const struct kr_rope_params *p)
+static enum kr_status cpu_rope(kr_backend_t be, const struct krk_rope_params *p)
 {
     const struct kr_batch *b = ctx_of(be)->batch;
     const int64_t half = p->dim / 2;

@@ -1232,27 +1232,23 @@ static enum kr_status cuda_gather_out_impl(kr_backend_t be, const float *src, in
     return krk_gather_rows(src, width, c->d_out_tok, c->hb->n_out, dst, c->stream);
 }
 
-static enum kr_status cuda_rope_impl(kr_backend_t be, const struct kr_rope_params *p)
+static enum kr_status cuda_rope_impl(kr_backend_t be, const struct krk_rope_params *p)
 {
     struct cuda_ctx *c = ctx_of(be);
     KR_TRY(op_enter(c));
-    struct krk_rope_params r = {.x = p->x, .ld = p->ld, .n_vec = p->n_vec, .stride = p->stride, .off = p->off,
-                                .dim = p->dim, .interleaved = p->interleaved, .inv_freq = p->inv_freq,
-                                .factor = p->factor, .pos = c->batch.pos, .n_tok = c->batch.n_tok};
-    return krk_rope(&r, c->stream);
+    const struct krk_ctx k = launch_ctx(c);
+    return krk_rope(p, &k);
 }
 
-/* Two sets of vectors with the same frequencies in one launch (krk_rope_params.also). */
-static enum kr_status cuda_rope_pair_impl(kr_backend_t be, const struct kr_rope_params *a, const struct kr_rope_params *b)
+/* Two sets of vectors with the same frequencies in one launch (kr_backend_rope_pair checked that
+ * they share them). */
+static enum kr_status cuda_rope_pair_impl(kr_backend_t be, const struct krk_rope_params *a,
+                                          const struct krk_rope_params *b)
 {
     struct cuda_ctx *c = ctx_of(be);
     KR_TRY(op_enter(c));
-    struct krk_rope_params r = {.x = a->x, .ld = a->ld, .n_vec = a->n_vec, .stride = a->stride, .off = a->off,
-                                .dim = a->dim, .interleaved = a->interleaved, .inv_freq = a->inv_freq,
-                                .factor = a->factor, .pos = c->batch.pos, .n_tok = c->batch.n_tok};
-    r.also = (struct krk_rope_vecs){.x = b->x, .ld = b->ld, .n_vec = b->n_vec, .stride = b->stride, .off = b->off,
-                                    .dim = b->dim, .interleaved = b->interleaved};
-    return krk_rope(&r, c->stream);
+    const struct krk_ctx k = launch_ctx(c);
+    return krk_rope_pair(a, b, &k);
 }
 
 static enum kr_status cuda_mla_cache_write_impl(kr_backend_t be, const struct krk_mla_cache_params *p)
@@ -1463,10 +1459,10 @@ TIMED(cuda_attention, P_ATTN, (kr_backend_t be, const struct krk_attn_params *p)
 TIMED(cuda_moe_route, P_MOE, (kr_backend_t be, const struct krk_route_params *p), (be, p))
 TIMED(cuda_moe_experts, P_MOE, (kr_backend_t be, const struct kr_experts_params *p, int64_t n), (be, p, n))
 TIMED(cuda_gather_out, P_EMBED, (kr_backend_t be, const float *src, int64_t width, float *dst), (be, src, width, dst))
-TIMED(cuda_rope, P_EMBED, (kr_backend_t be, const struct kr_rope_params *p), (be, p))
+TIMED(cuda_rope, P_EMBED, (kr_backend_t be, const struct krk_rope_params *p), (be, p))
 TIMED(cuda_mla_cache_write, P_MLA, (kr_backend_t be, const struct krk_mla_cache_params *p), (be, p))
 TIMED(cuda_rope_pair, P_EMBED,
-      (kr_backend_t be, const struct kr_rope_params *a, const struct kr_rope_params *b), (be, a, b))
+      (kr_backend_t be, const struct krk_rope_params *a, const struct krk_rope_params *b), (be, a, b))
 TIMED(cuda_mla_prep, P_MLA, (kr_backend_t be, const struct krk_mla_prep_params *p), (be, p))
 TIMED(cuda_fp8_round, P_DSA, (kr_backend_t be, const struct krk_fp8_round_params *p), (be, p))
 

@@ -75,9 +75,9 @@ struct kr_backend_i {
     enum kr_status (*gather_out)(kr_backend_t be, const float *src, int64_t width, float *dst);
     enum kr_status (*layernorm)(kr_backend_t be, const struct krk_layernorm_params *p);
     enum kr_status (*scale)(kr_backend_t be, float *y, float s, int64_t n);
-    enum kr_status (*rope)(kr_backend_t be, const struct kr_rope_params *p);
+    enum kr_status (*rope)(kr_backend_t be, const struct krk_rope_params *p);
     /* (optional) kr_backend_rope_pair; KR_ERR_UNSUPPORTED: two rope calls */
-    enum kr_status (*rope_pair)(kr_backend_t be, const struct kr_rope_params *a, const struct kr_rope_params *b);
+    enum kr_status (*rope_pair)(kr_backend_t be, const struct krk_rope_params *a, const struct krk_rope_params *b);
     enum kr_status (*mla_cache_write)(kr_backend_t be, const struct krk_mla_cache_params *p);
     enum kr_status (*dsa_index)(kr_backend_t be, const struct kr_dsa_index_params *p);
     enum kr_status (*mla_attention)(kr_backend_t be, const struct kr_mla_attn_params *p);

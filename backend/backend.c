@@ -280,17 +280,17 @@ enum kr_status kr_backend_mla_prep(kr_backend_t be, const struct krk_mla_prep_pa
                                               .eps = p->eps, .out = p->ckv};
         KR_TRY(be->iface.rmsnorm(be, &kn));
     }
-    const struct kr_rope_params rk = {.x = p->kva, .ld = ld, .n_vec = 1, .stride = 0, .off = p->kv_lora,
-                                      .dim = p->rope, .interleaved = true, .inv_freq = p->inv_freq,
-                                      .factor = p->factor};
+    const struct krk_rope_params rk = {.x = p->kva, .ld = ld, .n_vec = 1, .stride = 0, .off = p->kv_lora,
+                                       .dim = p->rope, .interleaved = true, .inv_freq = p->inv_freq,
+                                       .factor = p->factor};
     KR_TRY(be->iface.rope(be, &rk));
     if (p->ik) {
         const struct krk_layernorm_params ln = {.x = p->ik, .ldx = p->idx_dim, .w = p->ik_norm_w, .b = p->ik_norm_b,
                                                 .n = n, .dim = p->idx_dim, .eps = p->idx_eps, .out = p->ik};
         KR_TRY(be->iface.layernorm(be, &ln));
-        const struct kr_rope_params ri = {.x = p->ik, .ld = p->idx_dim, .n_vec = 1, .stride = 0, .off = 0,
-                                          .dim = p->rope, .interleaved = false, .inv_freq = p->inv_freq,
-                                          .factor = p->factor};
+        const struct krk_rope_params ri = {.x = p->ik, .ld = p->idx_dim, .n_vec = 1, .stride = 0, .off = 0,
+                                           .dim = p->rope, .interleaved = false, .inv_freq = p->inv_freq,
+                                           .factor = p->factor};
         KR_TRY(be->iface.rope(be, &ri));
         if (p->ik_fp8) {
             KR_TRY(kr_backend_fp8_round(be, p->ik_fp8));
@@ -347,12 +347,12 @@ enum kr_status kr_backend_scale(kr_backend_t be, float *y, float s, int64_t n)
     return be->iface.scale(be, y, s, n);
 }
 
-enum kr_status kr_backend_rope(kr_backend_t be, const struct kr_rope_params *p)
+enum kr_status kr_backend_rope(kr_backend_t be, const struct krk_rope_params *p)
 {
     return be->iface.rope(be, p);
 }
 
-enum kr_status kr_backend_rope_pair(kr_backend_t be, const struct kr_rope_params *a, const struct kr_rope_params *b)
+enum kr_status kr_backend_rope_pair(kr_backend_t be, const struct krk_rope_params *a, const struct krk_rope_params *b)
 {
     if (!a || !b) {
         return KR_ERR_INVAL;

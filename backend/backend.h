@@ -226,17 +226,6 @@ struct kr_mla_attn_params {
     const struct kr_dsa_index_params *select; /* or NULL: idx is already filled (or NULL) */
 };
 
-/* Rotary embedding of the current batch's tokens at their positions: for every token, n_vec
- * vectors at x + t*ld + i*stride, rotating `dim` elements starting at `off` with angles
- * pos * inv_freq[j], cos/sin scaled by `factor`. Interleaved pairs (2j, 2j+1) or half-split pairs
- * (j, j + dim/2). */
-struct kr_rope_params {
-    float *x;
-    int64_t ld, n_vec, stride, off, dim;
-    bool interleaved;
-    const float *inv_freq;  /* [dim/2] fp32 backend memory */
-    float factor;
-};
 
 /* n rows of raw logits in backend memory (row i at logits + i * ld); everything else host memory.
  * Penalty entries list, per row, its distinct counted tokens (count = occurrences in the output,
@@ -299,10 +288,11 @@ enum kr_status kr_backend_moe_route(kr_backend_t be, const struct krk_route_para
 enum kr_status kr_backend_moe_experts(kr_backend_t be, const struct kr_experts_params *p, int64_t n);
 /* LayerNorm (struct krk_layernorm_params); out may alias x. */
 enum kr_status kr_backend_layernorm(kr_backend_t be, const struct krk_layernorm_params *p);
-enum kr_status kr_backend_rope(kr_backend_t be, const struct kr_rope_params *p);
+/* RoPE (struct krk_rope_params) at the current batch's positions. */
+enum kr_status kr_backend_rope(kr_backend_t be, const struct krk_rope_params *p);
 /* kr_backend_rope on a, then on b (vectors that do not overlap a's); a backend may rotate both in
  * one launch when they share frequencies and factor. */
-enum kr_status kr_backend_rope_pair(kr_backend_t be, const struct kr_rope_params *a, const struct kr_rope_params *b);
+enum kr_status kr_backend_rope_pair(kr_backend_t be, const struct krk_rope_params *a, const struct krk_rope_params *b);
 enum kr_status kr_backend_mla_cache_write(kr_backend_t be, const struct krk_mla_cache_params *p);
 enum kr_status kr_backend_dsa_index(kr_backend_t be, const struct kr_dsa_index_params *p);
 enum kr_status kr_backend_mla_attention(kr_backend_t be, const struct kr_mla_attn_params *p);

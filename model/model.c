@@ -468,12 +468,12 @@ static enum kr_status mla_fwd(struct kr_model *m, struct kr_cache *cache, const 
     }
     /* interleaved RoPE on q_pe (each head's last Dr dims); with the indexer, half-split RoPE on the
      * first Dr dims of every indexer query head alongside */
-    const struct kr_rope_params rq = {.x = q, .ld = H * qd, .n_vec = H, .stride = qd, .off = Dn, .dim = Dr,
-                                      .interleaved = true, .inv_freq = m->rope_inv_freq,
-                                      .factor = c->rope_attn_factor};
-    const struct kr_rope_params ri = {.x = iq, .ld = Hi * Di, .n_vec = Hi, .stride = Di, .off = 0, .dim = Dr,
-                                      .interleaved = false, .inv_freq = m->rope_inv_freq,
-                                      .factor = c->rope_attn_factor};
+    const struct krk_rope_params rq = {.x = q, .ld = H * qd, .n_vec = H, .stride = qd, .off = Dn, .dim = Dr,
+                                       .interleaved = true, .inv_freq = m->rope_inv_freq,
+                                       .factor = c->rope_attn_factor};
+    const struct krk_rope_params ri = {.x = iq, .ld = Hi * Di, .n_vec = Hi, .stride = Di, .off = 0, .dim = Dr,
+                                       .interleaved = false, .inv_freq = m->rope_inv_freq,
+                                       .factor = c->rope_attn_factor};
     KR_TRY(select ? kr_backend_rope_pair(be, &rq, &ri) : kr_backend_rope(be, &rq));
     m->idx_query_rows += select ? (uint64_t)n : 0;
     if (select) {

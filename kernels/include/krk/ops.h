@@ -108,6 +108,18 @@ struct krk_route_params {
     float *weights;         /* [n, n_used] out: their weights */
 };
 
+/* Rotary embedding of the current batch's tokens at their positions: for every token t, n_vec
+ * vectors at x + t*ld + i*stride, rotating `dim` elements starting at `off` by angles
+ * pos * inv_freq[j] (fp32), with cos/sin scaled by `factor`; interleaved pairs (2j, 2j+1) or
+ * half-split pairs (j, j + dim/2). The positions are the batch's (krk_ctx.batch on CUDA). */
+struct krk_rope_params {
+    float *x;
+    int64_t ld, n_vec, stride, off, dim;
+    bool interleaved;
+    const float *inv_freq;  /* [dim / 2] fp32 */
+    float factor;
+};
+
 /* GQA attention for one layer over the block-paged K/V cache: the batch's new K/V rows are written
  * into the cache at their positions first, then for every query token t of sequence s at position p
  * and head h (KV head h / (n_head / n_kv_head)):
