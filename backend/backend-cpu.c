@@ -823,7 +823,7 @@ static int cmp_i32(const void *a, const void *b)
     return (x > y) - (x < y);
 }
 
-static enum kr_status cpu_dsa_index(kr_backend_t be, const struct kr_dsa_index_params *p)
+static enum kr_status cpu_dsa_index(kr_backend_t be, const struct krk_dsa_index_params *p)
 {
     struct cpu_ctx *ctx = ctx_of(be);
     const struct kr_batch *b = ctx->batch;
@@ -869,7 +869,7 @@ static enum kr_status cpu_dsa_index(kr_backend_t be, const struct kr_dsa_index_p
     return KR_OK;
 }
 
-static enum kr_status cpu_mla_attention(kr_backend_t be, const struct kr_mla_attn_params *p)
+static enum kr_status cpu_mla_attention(kr_backend_t be, const struct krk_mla_attn_params *p)
 {
     if (p->select) {
         KR_TRY(cpu_dsa_index(be, p->select));

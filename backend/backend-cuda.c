@@ -153,25 +153,27 @@ static void prof_end(struct cuda_ctx *c)
     c->prof.open_cat = -1;
 }
 
-/* Phases inside one timed op (profiling): the next n event pairs after the op's own go to the
- * kernels, which record (begin, end) around each phase. Returns them in ev[2n], or NULL when not
+/* Phases timed by the launcher itself (profiling): the n event pairs after the next `skip` free ones
+ * (skip 1: the op's own pair, which prof_begin takes) go to the kernel launcher (krk_ctx.events),
+ * which records (begin, end) around each phase. Returns them in ev[2n], or NULL when not
  * profiling. */
-static cudaEvent_t *prof_phases(struct cuda_ctx *c, int n, cudaEvent_t *ev)
+static cudaEvent_t *prof_phases(struct cuda_ctx *c, int skip, int n, cudaEvent_t *ev)
 {
-    if (!c->prof.on || c->capturing || c->prof.n + n + 1 > PROF_MAX_EV) {
+    if (!c->prof.on || c->capturing || c->prof.n + skip + n > PROF_MAX_EV) {
         return NULL;
     }
     for (int k = 0; k < 2 * n; k++) {
-        ev[k] = c->prof.ev[2 * (c->prof.n + 1) + k];
+        ev[k] = c->prof.ev[2 * (c->prof.n + skip) + k];
     }
     return ev;
 }
 
-/* After the op's prof_end: its phases count as categories first_cat .. first_cat + n - 1. */
-static void prof_phases_done(struct cuda_ctx *c, const cudaEvent_t *ev, enum kr_status st, int first_cat, int n)
+/* After the launch (and the op's prof_end, when it has one): its phases count as categories
+ * cats[0..n). */
+static void prof_phases_done(struct cuda_ctx *c, const cudaEvent_t *ev, enum kr_status st, const int *cats, int n)
 {
     for (int k = 0; ev && st == KR_OK && k < n; k++) {
-        c->prof.cat[c->prof.n++] = first_cat + k;
+        c->prof.cat[c->prof.n++] = cats[k];
     }
 }
 
@@ -780,11 +782,13 @@ static enum kr_status op_enter(struct cuda_ctx *c)
     return c->failed ? KR_ERR_CUDA : KR_OK;
 }
 
-/* The device's part of a launch: the stream, the step's batch and the scratch. */
+/* The device's part of a launch: the stream, the step's batch, the scratch and the tuning variants
+ * (no events: the ops that time phases or overlap add theirs). */
 static struct krk_ctx launch_ctx(const struct cuda_ctx *c)
 {
     return (struct krk_ctx){.stream = c->stream, .batch = c->batch, .workspace = c->scratch,
-                            .workspace_bytes = c->scratch_size};
+                            .workspace_bytes = c->scratch_size, .dsa_score = c->dsa_score,
+                            .mla_attn = c->mla_attn};
 }
 
 /* Rows up to this many take krk_gemv (fp32 x), more take cuBLAS (bf16 x): on an H200 the GEMV reads
@@ -1115,11 +1119,12 @@ static enum kr_status cuda_mamba(kr_backend_t be, const struct kr_mamba_params *
                                 .chunk = p->chunk, .state = p->ssm_state, .y = p->y, .workspace = c->scratch,
                                 .batch = c->batch};
     cudaEvent_t phase_ev[6];
-    sp.events = prof_phases(c, 3, phase_ev);
+    sp.events = prof_phases(c, 1, 3, phase_ev);
     prof_begin(c, P_SSD);
     const enum kr_status sst = krk_ssd(&sp, c->stream);
     prof_end(c);
-    prof_phases_done(c, sp.events, sst, P_SSD_DECODE, 3);
+    static const int phase_cats[3] = {P_SSD_DECODE, P_SSD_BMM, P_SSD_SCAN};
+    prof_phases_done(c, sp.events, sst, phase_cats, 3);
     return sst;
 }
 
@@ -1274,17 +1279,7 @@ static enum kr_status cuda_mla_prep_impl(kr_backend_t be, const struct krk_mla_p
     return krk_mla_prep(p, &k);
 }
 
-static struct krk_dsa_index_params dsa_index_args(const struct cuda_ctx *c, const struct kr_dsa_index_params *p,
-                                                  void *ws, size_t ws_bytes)
-{
-    return (struct krk_dsa_index_params){.iq = p->iq, .w = p->w, .n_head = p->n_head, .head_dim = p->head_dim,
-                                         .cache = p->cache, .row = p->row, .key_off = p->key_off,
-                                         .block_size = p->block_size, .topk = p->topk, .idx = p->idx,
-                                         .workspace = ws, .workspace_bytes = ws_bytes, .batch = c->batch,
-                                         .variant = c->dsa_score};
-}
-
-static enum kr_status cuda_dsa_index(kr_backend_t be, const struct kr_dsa_index_params *p)
+static enum kr_status cuda_dsa_index(kr_backend_t be, const struct krk_dsa_index_params *p)
 {
     struct cuda_ctx *c = ctx_of(be);
     KR_TRY(op_enter(c));
@@ -1292,13 +1287,14 @@ static enum kr_status cuda_dsa_index(kr_backend_t be, const struct kr_dsa_index_
     if (need1 > c->scratch_size) {
         KR_TRY(ensure_scratch(c, need1));
     }
-    struct krk_dsa_index_params d = dsa_index_args(c, p, c->scratch, c->scratch_size);
+    struct krk_ctx k = launch_ctx(c);
     cudaEvent_t phase_ev[4];
-    d.events = prof_phases(c, 2, phase_ev);
+    k.events = prof_phases(c, 1, 2, phase_ev);
     prof_begin(c, P_DSA);
-    const enum kr_status st = krk_dsa_index(&d, c->stream);
+    const enum kr_status st = krk_dsa_index(p, &k);
     prof_end(c);
-    prof_phases_done(c, d.events, st, P_DSA_SCORE, 2);
+    static const int phase_cats[2] = {P_DSA_SCORE, P_DSA_SELECT};
+    prof_phases_done(c, k.events, st, phase_cats, 2);
     return st;
 }
 
@@ -1306,7 +1302,7 @@ static enum kr_status cuda_dsa_index(kr_backend_t be, const struct kr_dsa_index_
  * 0 when the selection runs first: overlap off, profiling (the ops are timed one by one), shapes
  * the head-batched kernels do not take (no attention workspace: the per-head kernel absorbs inside
  * its own blocks, so there is nothing to overlap), or a scratch without room for both. */
-static size_t overlap_split(const struct cuda_ctx *c, const struct kr_mla_attn_params *p)
+static size_t overlap_split(const struct cuda_ctx *c, const struct krk_mla_attn_params *p)
 {
     if (!c->mla_overlap || (c->prof.on && !c->capturing) || !c->side) {
         return 0;
@@ -1320,7 +1316,7 @@ static size_t overlap_split(const struct cuda_ctx *c, const struct kr_mla_attn_p
     return off >= b ? off : 0;
 }
 
-static enum kr_status cuda_mla_attention_impl(kr_backend_t be, const struct kr_mla_attn_params *p, size_t split)
+static enum kr_status cuda_mla_attention_impl(kr_backend_t be, const struct krk_mla_attn_params *p, size_t split)
 {
     struct cuda_ctx *c = ctx_of(be);
     KR_TRY(op_enter(c));
@@ -1328,25 +1324,23 @@ static enum kr_status cuda_mla_attention_impl(kr_backend_t be, const struct kr_m
     if (split == 0 && need1 > c->scratch_size) {
         KR_TRY(ensure_scratch(c, need1));
     }
-    struct krk_mla_attn_params a = {.q = p->q, .n_head = p->n_head, .nope = p->nope, .rope = p->rope,
-                                    .v_dim = p->v_dim, .kv_lora = p->kv_lora, .kv_b = p->kv_b, .cache = p->cache,
-                                    .row = p->row, .block_size = p->block_size, .idx = p->idx, .topk = p->topk,
-                                    .scale = p->scale, .out = p->out, .workspace = c->scratch,
-                                    .workspace_bytes = split ? split : c->scratch_size, .batch = c->batch,
-                                    .variant = c->mla_attn};
+    struct krk_ctx k = launch_ctx(c);
     if (split == 0) {
-        return krk_mla_attention(&a, c->stream);
+        return krk_mla_attention(p, &k);
     }
     /* fork: the selection on the side stream (its workspace after the attention's) while the
      * attention absorbs the queries; the attention waits for it before its first kernel reading idx */
+    k.workspace_bytes = split;
     CU_TRY(c, cudaEventRecord(c->ev_fork, c->stream));
     CU_TRY(c, cudaStreamWaitEvent(c->side, c->ev_fork, 0));
-    const struct krk_dsa_index_params d =
-        dsa_index_args(c, p->select, (unsigned char *)c->scratch + split, c->scratch_size - split);
-    const enum kr_status si = krk_dsa_index(&d, c->side);
+    struct krk_ctx ks = launch_ctx(c);
+    ks.stream = c->side;
+    ks.workspace = (unsigned char *)c->scratch + split;
+    ks.workspace_bytes = c->scratch_size - split;
+    const enum kr_status si = krk_dsa_index(p->select, &ks);
     CU_TRY(c, cudaEventRecord(c->ev_join, c->side));
-    a.idx_ready = c->ev_join;
-    const enum kr_status st = si == KR_OK ? krk_mla_attention(&a, c->stream) : si;
+    k.idx_ready = c->ev_join;
+    const enum kr_status st = si == KR_OK ? krk_mla_attention(p, &k) : si;
     c->n_overlap += st == KR_OK;
     if (st != KR_OK) { /* join anyway: a capture must not end with the side stream forked */
         cudaStreamWaitEvent(c->stream, c->ev_join, 0);
@@ -1355,7 +1349,7 @@ static enum kr_status cuda_mla_attention_impl(kr_backend_t be, const struct kr_m
 }
 
 /* With a selection: in parallel with the absorption where it may (overlap_split), else first. */
-static enum kr_status cuda_mla_attention(kr_backend_t be, const struct kr_mla_attn_params *p)
+static enum kr_status cuda_mla_attention(kr_backend_t be, const struct krk_mla_attn_params *p)
 {
     struct cuda_ctx *c = ctx_of(be);
     const size_t split = p->select ? overlap_split(c, p) : 0;

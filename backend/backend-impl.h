@@ -79,8 +79,8 @@ struct kr_backend_i {
     /* (optional) kr_backend_rope_pair; KR_ERR_UNSUPPORTED: two rope calls */
     enum kr_status (*rope_pair)(kr_backend_t be, const struct krk_rope_params *a, const struct krk_rope_params *b);
     enum kr_status (*mla_cache_write)(kr_backend_t be, const struct krk_mla_cache_params *p);
-    enum kr_status (*dsa_index)(kr_backend_t be, const struct kr_dsa_index_params *p);
-    enum kr_status (*mla_attention)(kr_backend_t be, const struct kr_mla_attn_params *p);
+    enum kr_status (*dsa_index)(kr_backend_t be, const struct krk_dsa_index_params *p);
+    enum kr_status (*mla_attention)(kr_backend_t be, const struct krk_mla_attn_params *p);
     /* (optional) samples one token per logits row (see struct kr_sample_batch) */
     enum kr_status (*sample)(kr_backend_t be, const struct kr_sample_batch *sb);
     /* (optional) tensor parallelism: set_tp joins the group `comm` (the collective object of this

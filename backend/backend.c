@@ -372,12 +372,12 @@ enum kr_status kr_backend_mla_cache_write(kr_backend_t be, const struct krk_mla_
     return be->iface.mla_cache_write(be, p);
 }
 
-enum kr_status kr_backend_dsa_index(kr_backend_t be, const struct kr_dsa_index_params *p)
+enum kr_status kr_backend_dsa_index(kr_backend_t be, const struct krk_dsa_index_params *p)
 {
     return be->iface.dsa_index(be, p);
 }
 
-enum kr_status kr_backend_mla_attention(kr_backend_t be, const struct kr_mla_attn_params *p)
+enum kr_status kr_backend_mla_attention(kr_backend_t be, const struct krk_mla_attn_params *p)
 {
     if (p->select && (p->select->idx != p->idx || p->select->topk != p->topk || !p->idx)) {
         KR_LOG_ERROR("mla attention: the selection writes %p (top %d) but the attention reads %p (top %d)",

@@ -191,42 +191,6 @@ struct kr_experts_params {
     float *out;                   /* [n_tok, d_out] overwritten */
 };
 
-/* Lightning indexer selection: for every token t at position p, the top min(topk, p+1) cached
- * positions s <= p by I[t,s] = sum_h w[t,h] relu(iq[t,h] . ik[s]) (ties: lower position first),
- * written ascending to idx[t, 0..] and padded with -1. When p+1 <= topk every position is chosen
- * and no score is computed. */
-struct kr_dsa_index_params {
-    const float *iq;        /* [n_tok, n_head * head_dim] indexer queries (after RoPE) */
-    const float *w;         /* [n_tok, n_head] head weights (already scaled) */
-    int64_t n_head, head_dim;
-    const void *cache;      /* this layer's latent cache (keys at column kv_lora + rope) */
-    int64_t row, key_off;   /* cache row width and offset of the index key within it */
-    int32_t block_size;
-    int32_t topk;
-    int32_t *idx;           /* [n_tok, topk] out */
-};
-
-/* Absorbed-form MLA attention over the latent cache: per head h, q_abs = W_UK[h]^T q_nope,
- * score(s) = scale (q_abs . c_kv[s] + q_pe . k_pe[s]) over the selected positions (idx, or every
- * position <= p when idx is NULL), o_lat = softmax-weighted sum of c_kv, out = W_UV[h] o_lat.
- * With `select` set, the positions are selected first, exactly as kr_backend_dsa_index(select)
- * would (select->idx must be idx, select->topk topk): a backend may overlap that selection with
- * the work on q that does not depend on it. */
-struct kr_mla_attn_params {
-    const float *q;         /* [n_tok, n_head * (nope + rope)] queries, rope part rotated */
-    int64_t n_head, nope, rope, v_dim, kv_lora;
-    const float *kv_b;      /* [n_head * (nope + v_dim), kv_lora] fp32: per head W_UK rows then W_UV rows */
-    const void *cache;      /* this layer's latent cache */
-    int64_t row;            /* cache row width */
-    int32_t block_size;
-    const int32_t *idx;     /* [n_tok, topk] selected positions (-1 padded) or NULL (dense causal) */
-    int32_t topk;
-    float scale;
-    float *out;             /* [n_tok, n_head * v_dim] */
-    const struct kr_dsa_index_params *select; /* or NULL: idx is already filled (or NULL) */
-};
-
-
 /* n rows of raw logits in backend memory (row i at logits + i * ld); everything else host memory.
  * Penalty entries list, per row, its distinct counted tokens (count = occurrences in the output,
  * flag bit 0 = in the prompt) and, while below min_tokens, its EOS and stop ids (flag bit 1). */
@@ -294,8 +258,10 @@ enum kr_status kr_backend_rope(kr_backend_t be, const struct krk_rope_params *p)
  * one launch when they share frequencies and factor. */
 enum kr_status kr_backend_rope_pair(kr_backend_t be, const struct krk_rope_params *a, const struct krk_rope_params *b);
 enum kr_status kr_backend_mla_cache_write(kr_backend_t be, const struct krk_mla_cache_params *p);
-enum kr_status kr_backend_dsa_index(kr_backend_t be, const struct kr_dsa_index_params *p);
-enum kr_status kr_backend_mla_attention(kr_backend_t be, const struct kr_mla_attn_params *p);
+/* The lightning indexer's selection (struct krk_dsa_index_params). */
+enum kr_status kr_backend_dsa_index(kr_backend_t be, const struct krk_dsa_index_params *p);
+/* Absorbed MLA attention (struct krk_mla_attn_params), the selection first when it carries one. */
+enum kr_status kr_backend_mla_attention(kr_backend_t be, const struct krk_mla_attn_params *p);
 /* y[i] *= s for i < n. */
 enum kr_status kr_backend_scale(kr_backend_t be, float *y, float s, int64_t n);
 /* dst[i] = src[out_tok[i]] for the current batch's out_tok (rows of `width`). */

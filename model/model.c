@@ -485,13 +485,13 @@ static enum kr_status mla_fwd(struct kr_model *m, struct kr_cache *cache, const 
     }
     const int32_t topk = (int32_t)c->idx_topk;
     /* the selection runs as part of the attention (a backend may overlap it with the absorption) */
-    const struct kr_dsa_index_params ip = {.iq = iq, .w = ws->m_w, .n_head = Hi, .head_dim = Di, .cache = lat,
-                                           .row = row, .key_off = Rkv + Dr, .block_size = cache->block_size,
-                                           .topk = topk, .idx = ws->m_idx};
-    struct kr_mla_attn_params ap = {.q = q, .n_head = H, .nope = Dn, .rope = Dr, .v_dim = c->v_head, .kv_lora = Rkv,
-                                    .kv_b = w->kv_b, .cache = lat, .row = row, .block_size = cache->block_size,
-                                    .idx = select ? ws->m_idx : NULL, .topk = topk, .scale = c->mla_scale,
-                                    .out = ws->y, .select = select ? &ip : NULL};
+    const struct krk_dsa_index_params ip = {.iq = iq, .w = ws->m_w, .n_head = Hi, .head_dim = Di, .cache = lat,
+                                            .row = row, .key_off = Rkv + Dr, .block_size = cache->block_size,
+                                            .topk = topk, .idx = ws->m_idx};
+    struct krk_mla_attn_params ap = {.q = q, .n_head = H, .nope = Dn, .rope = Dr, .v_dim = c->v_head, .kv_lora = Rkv,
+                                     .kv_b = w->kv_b, .cache = lat, .row = row, .block_size = cache->block_size,
+                                     .idx = select ? ws->m_idx : NULL, .topk = topk, .scale = c->mla_scale,
+                                     .out = ws->y, .select = select ? &ip : NULL};
     KR_TRY(kr_backend_mla_attention(be, &ap));
     if (w->has_indexer && m->on_index) {
         const size_t nb = (size_t)n * (size_t)topk * sizeof(int32_t);

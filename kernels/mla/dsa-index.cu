@@ -21,8 +21,15 @@ constexpr int kSelectThreads = 512;
 constexpr int kSelectCache = 4096; // most keys dsa_select_kernel keeps in shared memory (16 KB)
 constexpr int64_t kMaxHeadDim = 256; // keeps the score block's key tile within 48 KB of shared memory
 
+// The kernels' argument: the op's parameters with the cache typed (hiding the op's void pointer) and
+// the batch.
+struct IndexArgs : krk_dsa_index_params {
+    const krk_bf16 *cache;
+    krk_batch batch;
+};
+
 __global__ void __launch_bounds__(kScoreThreads)
-    dsa_score_kernel(krk_dsa_index_params p, int32_t t0, float *__restrict__ scores, int64_t ld)
+    dsa_score_kernel(IndexArgs p, int32_t t0, float *__restrict__ scores, int64_t ld)
 {
     krk::kernel_prologue();
     extern __shared__ float sh[];
@@ -85,7 +92,7 @@ constexpr int kMmaKeys = 64;  // keys per tile
 constexpr int kMmaTiles = 8;  // most tiles per block (512 keys): amortizes the query load
 
 __global__ void __launch_bounds__(kMmaWarps * 32)
-    dsa_score_mma_kernel(krk_dsa_index_params p, int32_t t0, float *__restrict__ scores, int64_t ld, int tiles)
+    dsa_score_mma_kernel(IndexArgs p, int32_t t0, float *__restrict__ scores, int64_t ld, int tiles)
 {
     krk::kernel_prologue();
     extern __shared__ __align__(16) uint16_t smu[];
@@ -356,7 +363,7 @@ __device__ void block_topk(int32_t n, int32_t k, Key key, Emit emit, TopkSmem &s
 
 // Token t's visible positions (none for padding) into *n_keys; when they fit in topk, writes them
 // all, then -1, to out and returns true (the block is done). Call from every thread.
-__device__ __forceinline__ bool take_all_positions(const krk_dsa_index_params &p, int32_t t, int64_t ld,
+__device__ __forceinline__ bool take_all_positions(const IndexArgs &p, int32_t t, int64_t ld,
                                                    int32_t *out, int32_t *n_keys)
 {
     const krk_batch &b = p.batch;
@@ -374,7 +381,7 @@ __device__ __forceinline__ bool take_all_positions(const krk_dsa_index_params &p
 // One block per token: every visible position when the context fits in topk (none for padding),
 // then -1; otherwise the top-k of its scores.
 __global__ void __launch_bounds__(kSelectThreads)
-    dsa_select_kernel(krk_dsa_index_params p, int32_t t0, const float *__restrict__ scores, int64_t ld)
+    dsa_select_kernel(IndexArgs p, int32_t t0, const float *__restrict__ scores, int64_t ld)
 {
     krk::kernel_prologue();
     __shared__ TopkSmem sm;
@@ -413,10 +420,11 @@ extern "C" size_t krk_dsa_index_workspace_bytes(int64_t n_tok, int64_t max_ctx)
     return (size_t)n_tok * (size_t)max_ctx * sizeof(float);
 }
 
-extern "C" enum kr_status krk_dsa_index(const struct krk_dsa_index_params *p, cudaStream_t stream)
+extern "C" enum kr_status krk_dsa_index(const struct krk_dsa_index_params *p, const struct krk_ctx *ctx)
 {
-    KRK_REQUIRE(p != nullptr);
-    const krk_batch &b = p->batch;
+    KRK_REQUIRE(p != nullptr && ctx != nullptr);
+    const krk_batch &b = ctx->batch;
+    const cudaStream_t stream = ctx->stream;
     KRK_REQUIRE(b.n_tok >= 0);
     if (b.n_tok == 0) {
         return KR_OK;
@@ -436,27 +444,31 @@ extern "C" enum kr_status krk_dsa_index(const struct krk_dsa_index_params *p, cu
         KRK_REQUIRE_MSG(p->head_dim <= kMaxHeadDim, "dsa index: index head_dim %lld, at most %lld",
                         (long long)p->head_dim, (long long)kMaxHeadDim);
         KRK_REQUIRE(p->key_off >= 0 && p->row >= p->key_off + p->head_dim && p->block_size > 0);
-        KRK_REQUIRE(p->workspace && (uintptr_t)p->workspace % alignof(float) == 0);
-        group = (int64_t)(p->workspace_bytes / ((size_t)ld * sizeof(float)));
+        KRK_REQUIRE(ctx->workspace && (uintptr_t)ctx->workspace % alignof(float) == 0);
+        group = (int64_t)(ctx->workspace_bytes / ((size_t)ld * sizeof(float)));
         KRK_REQUIRE_MSG(group >= 1, "dsa index: a workspace of %zu bytes holds no score row of a %d-position context "
-                        "(%zu bytes)", p->workspace_bytes, b.max_ctx, (size_t)ld * sizeof(float));
+                        "(%zu bytes)", ctx->workspace_bytes, b.max_ctx, (size_t)ld * sizeof(float));
         group = std::min(group, (int64_t)b.n_tok);
         group = std::min(group, (int64_t)65535); // gridDim.y limit of the score kernel
     }
-    float *scores = need_scores ? static_cast<float *>(p->workspace) : nullptr;
+    float *scores = need_scores ? static_cast<float *>(ctx->workspace) : nullptr;
+    IndexArgs args;
+    static_cast<krk_dsa_index_params &>(args) = *p;
+    args.cache = static_cast<const krk_bf16 *>(p->cache);
+    args.batch = b;
     const int64_t tiles = (ld + kScoreKeys - 1) / kScoreKeys;
     const size_t score_smem =
         ((size_t)kScoreKeys * (size_t)(p->head_dim + 1) + (size_t)(kScoreThreads / 32) * kScoreKeys) * sizeof(float);
     // (profiling) events around the two phases of the first group
     auto mark = [&](int64_t t0, int k) {
-        if (p->events && t0 == 0) {
-            cudaEventRecord(p->events[k], stream);
+        if (ctx->events && t0 == 0) {
+            cudaEventRecord(ctx->events[k], stream);
         }
     };
     for (int64_t t0 = 0; t0 < b.n_tok; t0 += group) {
         const int64_t g = std::min(group, (int64_t)b.n_tok - t0);
         mark(t0, 0);
-        if (need_scores && p->variant == KRK_DSA_SCORE_MMA && mma_fits(p)) {
+        if (need_scores && ctx->dsa_score == KRK_DSA_SCORE_MMA && mma_fits(p)) {
             // tiles per block: kMmaTiles, fewer when the grid would not give every SM two blocks
             // (short contexts, few tokens), at least one
             const int64_t key_tiles = (ld + kMmaKeys - 1) / kMmaKeys;
@@ -464,17 +476,17 @@ extern "C" enum kr_status krk_dsa_index(const struct krk_dsa_index_params *p, cu
             const int tiles = (int)std::max((int64_t)1, std::min((int64_t)kMmaTiles, key_tiles / want));
             const int64_t blocks = (key_tiles + tiles - 1) / tiles;
             krk::launch_maybe_pdl(krk::pdl_enabled(), dsa_score_mma_kernel, dim3((unsigned)blocks, (unsigned)g),
-                                  kMmaWarps * 32, mma_smem_bytes(p->n_head, p->head_dim), stream, *p, (int32_t)t0,
+                                  kMmaWarps * 32, mma_smem_bytes(p->n_head, p->head_dim), stream, args, (int32_t)t0,
                                   scores, ld, tiles);
             KRK_CHECK_LAUNCH();
         } else if (need_scores) {
             krk::launch_maybe_pdl(krk::pdl_enabled(), dsa_score_kernel, dim3((unsigned)tiles, (unsigned)g),
-                                  kScoreThreads, score_smem, stream, *p, (int32_t)t0, scores, ld);
+                                  kScoreThreads, score_smem, stream, args, (int32_t)t0, scores, ld);
             KRK_CHECK_LAUNCH();
         }
         mark(t0, 1);
         mark(t0, 2);
-        krk::launch_maybe_pdl(krk::pdl_enabled(), dsa_select_kernel, (unsigned)g, kSelectThreads, 0, stream, *p,
+        krk::launch_maybe_pdl(krk::pdl_enabled(), dsa_select_kernel, (unsigned)g, kSelectThreads, 0, stream, args,
                               (int32_t)t0, scores, ld);
         mark(t0, 3);
         KRK_CHECK_LAUNCH();

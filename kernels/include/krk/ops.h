@@ -150,6 +150,44 @@ struct krk_mla_cache_params {
     int32_t block_size;
 };
 
+/* Lightning indexer selection (DeepSeek sparse attention): for every token t of the batch at
+ * position p, the top min(topk, p+1) cached positions s <= p by
+ *   I[t,s] = sum_h w[t,h] relu(iq[t,h] . ik[s])   (ik[s]: the index key in the latent cache row of s)
+ * (ties: lower position first), written ascending to idx[t, 0..] and padded with -1. When
+ * p+1 <= topk every position is chosen and no score is computed. */
+struct krk_dsa_index_params {
+    const float *iq;        /* [n_tok, n_head * head_dim] indexer queries (after RoPE) */
+    const float *w;         /* [n_tok, n_head] head weights (already scaled) */
+    int64_t n_head, head_dim;
+    const void *cache;      /* this layer's latent cache, rows of `row`, the index key at column key_off */
+    int64_t row, key_off;
+    int32_t block_size;
+    int32_t topk;
+    int32_t *idx;           /* [n_tok, topk] out */
+};
+
+/* Absorbed-form MLA attention over the latent cache: per token t at position p and head h,
+ * q_abs = W_UK[h]^T q_nope, score(s) = scale (q_abs . c_kv[s] + q_pe . k_pe[s]) over the selected
+ * positions (idx, entries outside 0..p skipped) or every position <= p (idx NULL), o_lat = the
+ * softmax-weighted sum of c_kv[s], out = W_UV[h] o_lat (no visible position: zeros).
+ * With `select` set, the positions are selected first, exactly as the indexer op with *select would
+ * (select->idx must be idx, select->topk topk): a backend may overlap that selection with the work
+ * on q that does not depend on it. The kernel launcher (krk_mla_attention) ignores `select`: the
+ * CUDA backend runs krk_dsa_index itself and tells the launcher through krk_ctx.idx_ready. */
+struct krk_mla_attn_params {
+    const float *q;         /* [n_tok, n_head * (nope + rope)] queries, rope part rotated */
+    int64_t n_head, nope, rope, v_dim, kv_lora;
+    const float *kv_b;      /* [n_head * (nope + v_dim), kv_lora] fp32: per head W_UK rows then W_UV rows */
+    const void *cache;      /* this layer's latent cache, rows of `row` = [c_kv | k_pe | ...] */
+    int64_t row;
+    int32_t block_size;
+    const int32_t *idx;     /* [n_tok, topk] selected positions (-1 padded) or NULL (dense causal) */
+    int32_t topk;
+    float scale;
+    float *out;             /* [n_tok, n_head * v_dim] */
+    const struct krk_dsa_index_params *select; /* or NULL: idx is already filled (or NULL) */
+};
+
 /* FP8 round trip of activation rows (the DSA indexer's FP8 path, MODEL_SPEC §1.5): each of the n rows
  * of `dim` elements at x + i*ld becomes, in place, dequant(e4m3(H x)): an orthonormal Walsh-Hadamard
  * transform (scale dim^-0.5) when `hadamard`, then per block of `block` elements the reference
