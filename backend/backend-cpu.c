@@ -316,7 +316,7 @@ static enum kr_status cpu_matmul(kr_backend_t be, const float *x, int64_t ldx, i
 /* ---- Mamba-2 ------------------------------------------------------------------------------ */
 
 /* Causal depthwise conv + SiLU over each sequence, carrying the last K-1 inputs in the slot. */
-static void mamba_conv(const struct kr_batch *b, const struct kr_mamba_params *p, int n_threads)
+static void mamba_conv(const struct kr_batch *b, const struct krk_mamba_params *p, int n_threads)
 {
     const int64_t cd = p->d_inner + 2 * p->n_group * p->d_state; /* conv_dim */
     const int64_t K = p->d_conv, H = K - 1;
@@ -350,7 +350,7 @@ static void mamba_conv(const struct kr_batch *b, const struct kr_mamba_params *p
 
 /* One head of one sequence: chunked SSD (several tokens) or the exact recurrence (one token).
  * dt, the state and all sums in fp32. `cum` is scratch of at least `chunk` floats. */
-static void mamba_ssd_head(const struct kr_mamba_params *p, int64_t cd, int32_t t0, int32_t nt, int64_t h,
+static void mamba_ssd_head(const struct krk_mamba_params *p, int64_t cd, int32_t t0, int32_t nt, int64_t h,
                            float *S /* [P, N] */, float *dtv /* [nt] */, float *cum /* [chunk] */)
 {
     const int64_t P = p->head_dim, N = p->d_state;
@@ -430,7 +430,7 @@ static void mamba_ssd_head(const struct kr_mamba_params *p, int64_t cd, int32_t 
 #undef YS
 }
 
-static enum kr_status cpu_mamba(kr_backend_t be, const struct kr_mamba_params *p)
+static enum kr_status cpu_mamba(kr_backend_t be, const struct krk_mamba_params *p)
 {
     struct cpu_ctx *ctx = ctx_of(be);
     const struct kr_batch *b = ctx->batch;

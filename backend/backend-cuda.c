@@ -154,9 +154,9 @@ static void prof_end(struct cuda_ctx *c)
 }
 
 /* Phases timed by the launcher itself (profiling): the n event pairs after the next `skip` free ones
- * (skip 1: the op's own pair, which prof_begin takes) go to the kernel launcher (krk_ctx.events),
- * which records (begin, end) around each phase. Returns them in ev[2n], or NULL when not
- * profiling. */
+ * (skip 1: the op's own pair, which prof_begin takes; 0 for an op timed by its phases alone) go to
+ * the kernel launcher (krk_ctx.events), which records (begin, end) around each phase. Returns them
+ * in ev[2n], or NULL when not profiling. */
 static cudaEvent_t *prof_phases(struct cuda_ctx *c, int skip, int n, cudaEvent_t *ev)
 {
     if (!c->prof.on || c->capturing || c->prof.n + skip + n > PROF_MAX_EV) {
@@ -1095,37 +1095,23 @@ static enum kr_status cuda_matmul_act_impl(kr_backend_t be, const float *x, int6
     return cuda_act_impl(be, &a);
 }
 
-static enum kr_status cuda_mamba(kr_backend_t be, const struct kr_mamba_params *p)
+/* Not TIMED: krk_mamba records the conv's and the SSD's times (and the SSD's phases) itself. */
+static enum kr_status cuda_mamba(kr_backend_t be, const struct krk_mamba_params *p)
 {
     struct cuda_ctx *c = ctx_of(be);
     KR_TRY(op_enter(c));
-    const int64_t conv_dim = p->d_inner + 2 * p->n_group * p->d_state;
-    struct krk_conv1d_params cp = {.in = p->zxbcdt, .ld_in = p->ld_in, .in_off = p->d_inner, .conv_dim = conv_dim,
-                                   .d_conv = p->d_conv, .w = p->conv_w, .b = p->conv_b, .state = p->conv_state,
-                                   .out = p->xbc, .batch = c->batch};
-    prof_begin(c, P_CONV);
-    const enum kr_status cst = krk_conv1d(&cp, c->stream);
-    prof_end(c);
-    KR_TRY(cst);
     const size_t ws = krk_ssd_workspace_bytes(c->batch.n_tok, c->batch.n_seq, p->n_head, p->head_dim, p->n_group,
                                               p->d_state, p->chunk);
     if (ws > c->scratch_size) {
         KR_TRY(ensure_scratch(c, ws));
     }
-    struct krk_ssd_params sp = {.xbc = p->xbc, .conv_dim = conv_dim, .dt = p->zxbcdt + p->d_inner + conv_dim,
-                                .ld_dt = p->ld_in, .dt_bias = p->dt_bias, .A_log = p->A_log, .D = p->D,
-                                .dt_min = p->dt_min, .dt_max = p->dt_max, .n_head = p->n_head,
-                                .head_dim = p->head_dim, .n_group = p->n_group, .d_state = p->d_state,
-                                .chunk = p->chunk, .state = p->ssm_state, .y = p->y, .workspace = c->scratch,
-                                .batch = c->batch};
-    cudaEvent_t phase_ev[6];
-    sp.events = prof_phases(c, 1, 3, phase_ev);
-    prof_begin(c, P_SSD);
-    const enum kr_status sst = krk_ssd(&sp, c->stream);
-    prof_end(c);
-    static const int phase_cats[3] = {P_SSD_DECODE, P_SSD_BMM, P_SSD_SCAN};
-    prof_phases_done(c, sp.events, sst, phase_cats, 3);
-    return sst;
+    struct krk_ctx k = launch_ctx(c);
+    cudaEvent_t phase_ev[10];
+    k.events = prof_phases(c, 0, 5, phase_ev);
+    const enum kr_status st = krk_mamba(p, &k);
+    static const int phase_cats[5] = {P_CONV, P_SSD, P_SSD_DECODE, P_SSD_BMM, P_SSD_SCAN};
+    prof_phases_done(c, k.events, st, phase_cats, 5);
+    return st;
 }
 
 static enum kr_status cuda_gated_rmsnorm_impl(kr_backend_t be, const struct krk_gated_rmsnorm_params *p)

@@ -66,7 +66,7 @@ struct kr_backend_i {
      * every sequence of the batch (chunked SSD for several tokens, the exact recurrence for one).
      * A sequence whose seq_pos0 is 0 starts from zero conv and SSM state. Final states are
      * written back to the sequence's slot. */
-    enum kr_status (*mamba)(kr_backend_t be, const struct kr_mamba_params *p);
+    enum kr_status (*mamba)(kr_backend_t be, const struct krk_mamba_params *p);
     /* struct krk_gated_rmsnorm_params */
     enum kr_status (*gated_rmsnorm)(kr_backend_t be, const struct krk_gated_rmsnorm_params *p);
     enum kr_status (*attention)(kr_backend_t be, const struct krk_attn_params *p);

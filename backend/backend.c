@@ -307,7 +307,7 @@ enum kr_status kr_backend_mla_prep(kr_backend_t be, const struct krk_mla_prep_pa
     return be->iface.mla_cache_write(be, &cw);
 }
 
-enum kr_status kr_backend_mamba(kr_backend_t be, const struct kr_mamba_params *p)
+enum kr_status kr_backend_mamba(kr_backend_t be, const struct krk_mamba_params *p)
 {
     return be->iface.mamba(be, p);
 }

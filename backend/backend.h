@@ -149,30 +149,6 @@ enum kr_status kr_backend_copy_d2d(kr_backend_t be, void *dst, const void *src, 
 /* Makes the step's batch the current one for the ops that need sequence structure. */
 enum kr_status kr_backend_begin_batch(kr_backend_t be, const struct kr_batch *b);
 
-/* Parameters of a Mamba-2 causal conv + SSD step for one layer. Activations [n_tok, ...] of the
- * current batch. States are indexed by the batch's seq_slot. */
-struct kr_mamba_params {
-    const float *zxbcdt;    /* [n_tok, ld_in] in_proj output: [z | xBC | dt] */
-    int64_t ld_in;          /* row stride of zxbcdt (= in_proj rows) */
-    int64_t d_inner;        /* heads * head_dim */
-    int64_t n_head;         /* SSM heads */
-    int64_t head_dim;       /* P */
-    int64_t n_group;        /* G */
-    int64_t d_state;        /* N */
-    int64_t d_conv;         /* K */
-    int64_t chunk;          /* SSD chunk length */
-    const float *conv_w;    /* [conv_dim, K] fp32 */
-    const float *conv_b;    /* [conv_dim] fp32, may be NULL */
-    const float *dt_bias;   /* [n_head] fp32 */
-    const float *A_log;     /* [n_head] fp32 */
-    const float *D;         /* [n_head] fp32 */
-    float dt_min, dt_max;   /* dt clamp (applied only when dt_min > 0 / dt_max finite) */
-    void *conv_state;       /* [n_slot, K-1, conv_dim] this layer's conv states (model dtype) */
-    float *ssm_state;       /* [n_slot, n_head, head_dim, d_state] this layer's SSM states, fp32 */
-    float *xbc;             /* [n_tok, conv_dim] workspace: conv output (after SiLU) */
-    float *y;               /* [n_tok, d_inner] output: SSD output incl. D skip, before the gated norm */
-};
-
 /* Routed experts: out[t] = sum_k weights[t,k] * E_{ids[t,k]}(x[t]) with
  * E(x) = down(act(gate x) * (up x)) when gate is given, else down(act(up x)). */
 struct kr_experts_params {
@@ -245,7 +221,8 @@ enum kr_status kr_backend_matmul_multi(kr_backend_t be, const float *x, int64_t 
 enum kr_status kr_backend_matmul_act(kr_backend_t be, const float *x, int64_t ldx, int64_t n,
                                      const struct kr_tensor *w, const float *bias, float *y, int64_t ldy,
                                      enum kr_act act, float *out, krk_bf16 *out_bf16, const struct krk_bf16_in *xb);
-enum kr_status kr_backend_mamba(kr_backend_t be, const struct kr_mamba_params *p);
+/* The Mamba-2 conv + SSD step of a layer (struct krk_mamba_params). */
+enum kr_status kr_backend_mamba(kr_backend_t be, const struct krk_mamba_params *p);
 enum kr_status kr_backend_gated_rmsnorm(kr_backend_t be, const struct krk_gated_rmsnorm_params *p);
 enum kr_status kr_backend_attention(kr_backend_t be, const struct krk_attn_params *p);
 enum kr_status kr_backend_moe_route(kr_backend_t be, const struct krk_route_params *p);

@@ -332,7 +332,7 @@ static enum kr_status mamba_fwd(struct kr_model *m, struct kr_cache *cache, cons
     kr_backend_t be = m->be;
     const struct krk_bf16_in hb = bf16_filled(ws, c->dim);
     KR_TRY(kr_backend_matmul(be, ws->h, c->dim, n, &w->in_proj, w->in_proj_b, ws->big, c->m_in_proj, &hb));
-    struct kr_mamba_params p = {
+    struct krk_mamba_params p = {
         .zxbcdt = ws->big,
         .ld_in = c->m_in_proj,
         .d_inner = c->m_d_inner,

@@ -54,7 +54,7 @@ struct krk_ctx {
      * (the absorption of the queries) and before the first that does (whenever it returns KR_OK) */
     cudaEvent_t idx_ready;
     /* (optional, profiling) the (begin, end) event pairs a launcher records on `stream` around its
-     * phases, or NULL: krk_dsa_index [4], krk_ssd [6] (their comments say which) */
+     * phases, or NULL: krk_dsa_index [4], krk_ssd [6], krk_mamba [10] (their comments say which) */
     cudaEvent_t *events;
 };
 

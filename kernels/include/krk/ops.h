@@ -120,6 +120,37 @@ struct krk_rope_params {
     float factor;
 };
 
+/* One Mamba-2 mixer step of a layer over the current batch, after its input projection:
+ *   xBC = SiLU(causal depthwise conv(xBC) + conv_b), per sequence, the K-1 previous inputs taken from
+ *         its conv state (zeros when the sequence's seq_pos0 is 0); the state becomes its last K-1 inputs
+ *   dt_t = clamp(softplus(dt_raw_t[h] + dt_bias[h]), dt_min, dt_max), A = -exp(A_log[h])
+ *   state = exp(dt_t A) state + dt_t x_t B_t^T;  y_t = state C_t + D[h] x_t
+ * per sequence and head h (group g = h / (n_head / n_group)), from the sequence's SSM state (zeros
+ * when seq_pos0 is 0), the final state written back; several tokens take the chunked algorithm
+ * (chunks of `chunk`), one the recurrence. States are indexed by the batch's seq_slot (padding
+ * sequences, slot < 0: no state read or written, rows unspecified). Activations are [n_tok, ...]. */
+struct krk_mamba_params {
+    const float *zxbcdt;    /* [n_tok, ld_in] in_proj output: [z | xBC | dt] */
+    int64_t ld_in;          /* row stride of zxbcdt (= in_proj rows) */
+    int64_t d_inner;        /* heads * head_dim */
+    int64_t n_head;         /* SSM heads */
+    int64_t head_dim;       /* P */
+    int64_t n_group;        /* G */
+    int64_t d_state;        /* N */
+    int64_t d_conv;         /* K (CUDA: 2..8) */
+    int64_t chunk;          /* SSD chunk length */
+    const float *conv_w;    /* [conv_dim, K] fp32, conv_dim = d_inner + 2 * n_group * d_state */
+    const float *conv_b;    /* [conv_dim] fp32, may be NULL */
+    const float *dt_bias;   /* [n_head] fp32 */
+    const float *A_log;     /* [n_head] fp32 */
+    const float *D;         /* [n_head] fp32 */
+    float dt_min, dt_max;   /* dt clamp (applied only when dt_min > 0 / dt_max finite) */
+    void *conv_state;       /* [n_slot, K-1, conv_dim] this layer's conv states (cache element type) */
+    float *ssm_state;       /* [n_slot, n_head, head_dim, d_state] this layer's SSM states, fp32 */
+    float *xbc;             /* [n_tok, conv_dim] workspace: conv output (after SiLU) */
+    float *y;               /* [n_tok, d_inner] output: SSD output incl. D skip, before the gated norm */
+};
+
 /* GQA attention for one layer over the block-paged K/V cache: the batch's new K/V rows are written
  * into the cache at their positions first, then for every query token t of sequence s at position p
  * and head h (KV head h / (n_head / n_kv_head)):
