@@ -949,41 +949,41 @@ static enum kr_status cpu_mla_attention(kr_backend_t be, const struct krk_mla_at
 /* ---- construction ------------------------------------------------------------------------- */
 
 /* Samples each row with the host sampler's selection and the row's given draw. */
-static enum kr_status cpu_sample(kr_backend_t be, const struct kr_sample_batch *sb)
+static enum kr_status cpu_sample(kr_backend_t be, const struct krk_sample_params *p)
 {
     struct kr_sampler_scratch sc = {0};
-    float *lp = kr_malloc((size_t)sb->vocab * sizeof(float));
+    float *lp = kr_malloc((size_t)p->vocab * sizeof(float));
     if (!lp) {
         return KR_ERR_NOMEM;
     }
     enum kr_status st = KR_OK;
-    for (int64_t i = 0; i < sb->n && st == KR_OK; i++) {
-        const struct krk_sample_row *r = &sb->rows[i];
-        const float *row = sb->logits + i * sb->ld;
+    for (int64_t i = 0; i < p->n && st == KR_OK; i++) {
+        const struct krk_sample_row *r = &p->rows[i];
+        const float *row = p->logits + i * p->ld;
         int32_t tok = -1;
-        if (r->pen_off < 0 || r->pen_n < 0 || (int64_t)r->pen_off + r->pen_n > sb->n_pen) {
-            sb->out[i] = -1;
+        if (r->pen_off < 0 || r->pen_n < 0 || (int64_t)r->pen_off + r->pen_n > p->n_pen) {
+            p->out[i] = -1;
         } else {
             const int64_t o = r->pen_off;
-            st = kr_sample_with_draw(row, sb->vocab, r->temperature, r->top_k, r->top_p, r->min_p, r->presence,
-                                     r->frequency, r->repetition, sb->pen_ids + o, sb->pen_count + o,
-                                     sb->pen_flags + o, r->pen_n, r->u, &sc, &tok);
+            st = kr_sample_with_draw(row, p->vocab, r->temperature, r->top_k, r->top_p, r->min_p, r->presence,
+                                     r->frequency, r->repetition, p->pen_ids + o, p->pen_count + o,
+                                     p->pen_flags + o, r->pen_n, r->u, &sc, &tok);
             if (st == KR_ERR_INTERNAL) { /* every logit masked: the row is refused */
                 st = KR_OK;
                 tok = -1;
             }
-            sb->out[i] = tok;
+            p->out[i] = tok;
         }
-        if (st == KR_OK && (sb->out_logprob || sb->n_top > 0)) {
-            kr_log_softmax(row, lp, sb->vocab);
-            if (sb->out_logprob) {
-                sb->out_logprob[i] = tok >= 0 ? lp[tok] : NAN;
+        if (st == KR_OK && (p->out_logprob || p->n_top > 0)) {
+            kr_log_softmax(row, lp, p->vocab);
+            if (p->out_logprob) {
+                p->out_logprob[i] = tok >= 0 ? lp[tok] : NAN;
             }
-            if (sb->n_top > 0) {
-                int32_t *ids = sb->top_ids + i * sb->n_top;
-                kr_top_k_ids(lp, sb->vocab, sb->n_top, ids);
-                for (int32_t k = 0; k < sb->n_top; k++) {
-                    sb->top_lp[i * sb->n_top + k] = lp[ids[k]];
+            if (p->n_top > 0) {
+                int32_t *ids = p->top_ids + i * p->n_top;
+                kr_top_k_ids(lp, p->vocab, p->n_top, ids);
+                for (int32_t k = 0; k < p->n_top; k++) {
+                    p->top_lp[i * p->n_top + k] = lp[ids[k]];
                 }
             }
         }

@@ -1356,50 +1356,53 @@ static enum kr_status ensure_samp(struct cuda_ctx *c, size_t total)
     return total <= c->samp_cap ? KR_OK : regrow_staging(c, &c->samp_d, &c->samp_h, &c->samp_cap, total);
 }
 
-static enum kr_status cuda_sample(kr_backend_t be, const struct kr_sample_batch *sb)
+/* The engine's struct names host arrays (everything but the logits): they go over in one copy to the
+ * device staging, and krk_sample gets the same struct pointing at the staged copies; the results
+ * come back in one copy. */
+static enum kr_status cuda_sample(kr_backend_t be, const struct krk_sample_params *p)
 {
     struct cuda_ctx *c = ctx_of(be);
     KR_TRY(op_enter(c));
     if (c->capturing) {
         return KR_ERR_INTERNAL;
     }
-    const size_t n = (size_t)sb->n, np = (size_t)sb->n_pen, nt = (size_t)sb->n_top;
+    const size_t n = (size_t)p->n, np = (size_t)p->n_pen, nt = (size_t)p->n_top;
     const struct samp_layout lay = samp_layout(n, np, nt);
     const size_t o_rows = lay.o_rows, o_ids = lay.o_ids, o_cnt = lay.o_cnt, o_flg = lay.o_flg, o_out = lay.o_out,
                  o_lp = lay.o_lp, o_tid = lay.o_tid, o_tlp = lay.o_tlp, total = lay.total;
     KR_TRY(ensure_samp(c, total)); /* within the reservation unless the step exceeds what was reserved */
-    const size_t ws = krk_sample_workspace_bytes(sb->n, sb->vocab);
+    const size_t ws = krk_sample_workspace_bytes(p->n, p->vocab);
     if (ws > c->scratch_size) {
         KR_TRY(ensure_scratch(c, ws));
     }
     char *h = c->samp_h, *d = c->samp_d;
-    memcpy(h + o_rows, sb->rows, n * sizeof(struct krk_sample_row));
+    memcpy(h + o_rows, p->rows, n * sizeof(struct krk_sample_row));
     if (np) {
-        memcpy(h + o_ids, sb->pen_ids, np * 4);
-        memcpy(h + o_cnt, sb->pen_count, np * 4);
-        memcpy(h + o_flg, sb->pen_flags, np);
+        memcpy(h + o_ids, p->pen_ids, np * 4);
+        memcpy(h + o_cnt, p->pen_count, np * 4);
+        memcpy(h + o_flg, p->pen_flags, np);
     }
     CU_TRY(c, cudaMemcpyAsync(d, h, o_out, cudaMemcpyHostToDevice, c->stream));
-    struct krk_sample_params p = {.logits = sb->logits, .ld = sb->ld, .n = sb->n, .vocab = sb->vocab,
-                                  .rows = (const struct krk_sample_row *)(d + o_rows),
-                                  .pen_ids = np ? (const int32_t *)(d + o_ids) : NULL,
-                                  .pen_count = np ? (const int32_t *)(d + o_cnt) : NULL,
-                                  .pen_flags = np ? (const uint8_t *)(d + o_flg) : NULL, .n_pen = sb->n_pen,
-                                  .out = (int32_t *)(d + o_out),
-                                  .out_logprob = sb->out_logprob ? (float *)(d + o_lp) : NULL,
-                                  .n_top = sb->n_top, .top_ids = nt ? (int32_t *)(d + o_tid) : NULL,
-                                  .top_lp = nt ? (float *)(d + o_tlp) : NULL, .workspace = c->scratch,
-                                  .workspace_bytes = c->scratch_size};
-    KR_TRY(krk_sample(&p, c->stream));
+    struct krk_sample_params dp = *p;
+    dp.rows = (const struct krk_sample_row *)(d + o_rows);
+    dp.pen_ids = np ? (const int32_t *)(d + o_ids) : NULL;
+    dp.pen_count = np ? (const int32_t *)(d + o_cnt) : NULL;
+    dp.pen_flags = np ? (const uint8_t *)(d + o_flg) : NULL;
+    dp.out = (int32_t *)(d + o_out);
+    dp.out_logprob = p->out_logprob ? (float *)(d + o_lp) : NULL;
+    dp.top_ids = nt ? (int32_t *)(d + o_tid) : NULL;
+    dp.top_lp = nt ? (float *)(d + o_tlp) : NULL;
+    const struct krk_ctx k = launch_ctx(c);
+    KR_TRY(krk_sample(&dp, &k));
     CU_TRY(c, cudaMemcpyAsync(h + o_out, d + o_out, total - o_out, cudaMemcpyDeviceToHost, c->stream));
     CU_TRY(c, cudaStreamSynchronize(c->stream));
-    memcpy(sb->out, h + o_out, n * 4);
-    if (sb->out_logprob) {
-        memcpy(sb->out_logprob, h + o_lp, n * 4);
+    memcpy(p->out, h + o_out, n * 4);
+    if (p->out_logprob) {
+        memcpy(p->out_logprob, h + o_lp, n * 4);
     }
-    if (nt && sb->top_ids && sb->top_lp) {
-        memcpy(sb->top_ids, h + o_tid, n * nt * 4);
-        memcpy(sb->top_lp, h + o_tlp, n * nt * 4);
+    if (nt && p->top_ids && p->top_lp) {
+        memcpy(p->top_ids, h + o_tid, n * nt * 4);
+        memcpy(p->top_lp, h + o_tlp, n * nt * 4);
     }
     return KR_OK;
 }

@@ -81,8 +81,8 @@ struct kr_backend_i {
     enum kr_status (*mla_cache_write)(kr_backend_t be, const struct krk_mla_cache_params *p);
     enum kr_status (*dsa_index)(kr_backend_t be, const struct krk_dsa_index_params *p);
     enum kr_status (*mla_attention)(kr_backend_t be, const struct krk_mla_attn_params *p);
-    /* (optional) samples one token per logits row (see struct kr_sample_batch) */
-    enum kr_status (*sample)(kr_backend_t be, const struct kr_sample_batch *sb);
+    /* (optional) samples one token per logits row (struct krk_sample_params, host arrays) */
+    enum kr_status (*sample)(kr_backend_t be, const struct krk_sample_params *p);
     /* (optional) tensor parallelism: set_tp joins the group `comm` (the collective object of this
      * backend's kind: struct kr_host_comm for the CPU) as `rank` of `size`; all_reduce sums x over
      * the ranks in place; all_gather puts the ranks' [rows, cols] blocks side by side in dst

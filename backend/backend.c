@@ -181,9 +181,9 @@ bool kr_backend_can_sample(kr_backend_t be)
     return be->iface.sample != NULL;
 }
 
-enum kr_status kr_backend_sample(kr_backend_t be, const struct kr_sample_batch *sb)
+enum kr_status kr_backend_sample(kr_backend_t be, const struct krk_sample_params *p)
 {
-    return be->iface.sample ? be->iface.sample(be, sb) : KR_ERR_UNSUPPORTED;
+    return be->iface.sample ? be->iface.sample(be, p) : KR_ERR_UNSUPPORTED;
 }
 
 enum kr_status kr_backend_embed(kr_backend_t be, const struct kr_tensor *w, float *out)

@@ -167,25 +167,6 @@ struct kr_experts_params {
     float *out;                   /* [n_tok, d_out] overwritten */
 };
 
-/* n rows of raw logits in backend memory (row i at logits + i * ld); everything else host memory.
- * Penalty entries list, per row, its distinct counted tokens (count = occurrences in the output,
- * flag bit 0 = in the prompt) and, while below min_tokens, its EOS and stop ids (flag bit 1). */
-struct kr_sample_batch {
-    const float *logits;
-    int64_t ld, n, vocab;
-    const struct krk_sample_row *rows; /* [n] (krk/ops.h) */
-    const int32_t *pen_ids;           /* [n_pen] */
-    const int32_t *pen_count;         /* [n_pen] */
-    const uint8_t *pen_flags;         /* [n_pen] */
-    int64_t n_pen;
-    int32_t *out;                     /* [n] chosen ids; -1 where the row's parameters are invalid
-                                         or every logit is masked (the host path reports those) */
-    float *out_logprob;               /* [n] log-softmax of the raw logits at the chosen id */
-    int32_t n_top;                    /* 0..20 */
-    int32_t *top_ids;                 /* [n, n_top] largest raw log-probabilities, descending */
-    float *top_lp;                    /* [n, n_top] */
-};
-
 enum kr_status kr_backend_mla_prep(kr_backend_t be, const struct krk_mla_prep_params *p);
 
 /* True when the backend has the FP8 indexer path (kr_backend_fp8_round). */
@@ -194,7 +175,9 @@ enum kr_status kr_backend_fp8_round(kr_backend_t be, const struct krk_fp8_round_
 
 /* True when the backend samples on its own (kr_backend_sample is available). */
 bool kr_backend_can_sample(kr_backend_t be);
-enum kr_status kr_backend_sample(kr_backend_t be, const struct kr_sample_batch *sb);
+/* One token per logits row (struct krk_sample_params: logits in backend memory, every other array
+ * in host memory). */
+enum kr_status kr_backend_sample(kr_backend_t be, const struct krk_sample_params *p);
 
 enum kr_status kr_backend_embed(kr_backend_t be, const struct kr_tensor *w, float *out);
 /* RMSNorm (struct krk_rmsnorm_params): with `res` it adds the residual into x first (the forward pass

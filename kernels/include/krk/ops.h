@@ -277,6 +277,30 @@ struct krk_sample_row {
     double u;               /* uniform draw in [0, 1) from the row's generator (unused when greedy) */
 };
 
+/* Token sampling for n rows of raw logits (row i at logits + i * ld), the host sampler's semantics
+ * (engine/sampler.h; the caller contract in krk/sampling.h). Penalty entries list, per row (its
+ * pen_off, pen_n), its distinct counted tokens (count = occurrences in the output, flag bit 0 = in
+ * the prompt) and, while below min_tokens, its EOS and stop ids (flag bit 1).
+ * Memory: logits are backend memory. The other arrays are host memory when the struct is handed to
+ * kr_backend_sample (the CUDA backend stages them to the device and gives krk_sample the same
+ * struct pointing at its copies), device memory when it is handed to krk_sample. */
+struct krk_sample_params {
+    const float *logits;            /* [n, ld] raw logits */
+    int64_t ld, n, vocab;
+    const struct krk_sample_row *rows; /* [n] */
+    const int32_t *pen_ids;         /* [n_pen] token ids with penalties or masks, may be NULL when n_pen is 0 */
+    const int32_t *pen_count;       /* [n_pen] occurrences in the output */
+    const uint8_t *pen_flags;       /* [n_pen] bit 0: in the prompt; bit 1: masked (min_tokens) */
+    int64_t n_pen;                  /* entries in the penalty arrays (bounds every row's range) */
+    int32_t *out;                   /* [n] chosen ids; -1 where the row's parameters are invalid or
+                                       every logit is masked (the host path reports those) */
+    float *out_logprob;             /* [n] log_softmax(raw logits)[chosen], may be NULL */
+    int32_t n_top;                  /* top log-probabilities wanted per row (0..20, <= vocab) */
+    int32_t *top_ids;               /* [n, n_top] largest raw log-probabilities, descending; may be
+                                       NULL when n_top is 0 */
+    float *top_lp;                  /* [n, n_top] */
+};
+
 #ifdef __cplusplus
 }
 #endif
