@@ -664,8 +664,10 @@ static enum kr_status cpu_moe_route(kr_backend_t be, const struct krk_route_para
     return KR_OK;
 }
 
-static enum kr_status cpu_moe_experts(kr_backend_t be, const struct kr_experts_params *p, int64_t n)
+static enum kr_status cpu_moe_experts(kr_backend_t be, const struct krk_experts_params *p,
+                                      const struct kr_expert_weights *wt)
 {
+    const int64_t n = p->n;
     struct cpu_ctx *ctx = ctx_of(be);
     enum kr_status st = KR_OK;
     float *xs = NULL, *hu = NULL, *hg = NULL, *ys = NULL;
@@ -699,18 +701,18 @@ static enum kr_status cpu_moe_experts(kr_backend_t be, const struct kr_experts_p
         if (m == 0) {
             continue;
         }
-        if ((st = matmul_impl(ctx->n_threads, xs, p->d_in, m, &p->up[e], NULL, hu, p->d_ffn)) != KR_OK) {
+        if ((st = matmul_impl(ctx->n_threads, xs, p->d_in, m, &wt->up[e], NULL, hu, p->d_ffn)) != KR_OK) {
             goto out;
         }
-        if (p->gate) {
-            if ((st = matmul_impl(ctx->n_threads, xs, p->d_in, m, &p->gate[e], NULL, hg, p->d_ffn)) != KR_OK) {
+        if (wt->gate) {
+            if ((st = matmul_impl(ctx->n_threads, xs, p->d_in, m, &wt->gate[e], NULL, hg, p->d_ffn)) != KR_OK) {
                 goto out;
             }
         }
-        const struct krk_act_params ap = {.act = p->act, .gate = p->gate ? hg : NULL, .x = hu, .ld_in = p->d_ffn,
+        const struct krk_act_params ap = {.act = p->act, .gate = wt->gate ? hg : NULL, .x = hu, .ld_in = p->d_ffn,
                                           .n = m, .width = p->d_ffn, .out = hu};
         cpu_act(be, &ap);
-        if ((st = matmul_impl(ctx->n_threads, hu, p->d_ffn, m, &p->down[e], NULL, ys, p->d_out)) != KR_OK) {
+        if ((st = matmul_impl(ctx->n_threads, hu, p->d_ffn, m, &wt->down[e], NULL, ys, p->d_out)) != KR_OK) {
             goto out;
         }
         for (int64_t i = 0; i < m; i++) {

@@ -650,7 +650,7 @@ static enum kr_status cuda_reserve(kr_backend_t be, const struct kr_model_config
         NEED(krk_attn_workspace_bytes(n_tok, m->n_head, m->head_dim));
     }
     if (m->n_expert) {
-        NEED((size_t)n_tok * (size_t)m->n_expert_used * (size_t)m->moe_ffn * sizeof(float));
+        NEED(krk_moe_experts_workspace_bytes(n_tok, m->n_expert_used, m->moe_ffn));
     }
     if (m->kv_lora) {
         /* MLA / DSA scratch grows with the context; the kernels process queries in groups that fit.
@@ -1197,23 +1197,23 @@ static enum kr_status expert_ptrs(struct cuda_ctx *c, const struct kr_tensor *t,
     return KR_OK;
 }
 
-static enum kr_status cuda_moe_experts_impl(kr_backend_t be, const struct kr_experts_params *p, int64_t n)
+/* The op's parameters go through as they are; only the weights differ: the engine's arrays of
+ * tensors become the device arrays of pointers the kernels read (expert_ptrs, made once per array). */
+static enum kr_status cuda_moe_experts_impl(kr_backend_t be, const struct krk_experts_params *p,
+                                            const struct kr_expert_weights *w)
 {
     struct cuda_ctx *c = ctx_of(be);
     KR_TRY(op_enter(c));
-    const krk_bf16 *const *g, *const *u, *const *d;
-    KR_TRY(expert_ptrs(c, p->gate, p->n_expert, &g));
-    KR_TRY(expert_ptrs(c, p->up, p->n_expert, &u));
-    KR_TRY(expert_ptrs(c, p->down, p->n_expert, &d));
-    const size_t ws = (size_t)n * (size_t)p->n_used * (size_t)p->d_ffn * sizeof(float);
+    struct krk_expert_ptrs d;
+    KR_TRY(expert_ptrs(c, w->gate, p->n_expert, &d.gate));
+    KR_TRY(expert_ptrs(c, w->up, p->n_expert, &d.up));
+    KR_TRY(expert_ptrs(c, w->down, p->n_expert, &d.down));
+    const size_t ws = krk_moe_experts_workspace_bytes(p->n, p->n_used, p->d_ffn);
     if (ws > c->scratch_size) {
         KR_TRY(ensure_scratch(c, ws));
     }
-    struct krk_experts_params e = {.x = p->x, .n = n, .d_in = p->d_in, .d_ffn = p->d_ffn, .d_out = p->d_out,
-                                   .n_expert = p->n_expert, .n_used = p->n_used, .ids = p->ids,
-                                   .weights = p->weights, .gate = g, .up = u, .down = d,
-                                   .act = p->act, .hidden = c->scratch, .out = p->out};
-    return krk_moe_experts(&e, c->stream);
+    const struct krk_ctx k = launch_ctx(c);
+    return krk_moe_experts(p, &d, &k);
 }
 
 static enum kr_status cuda_gather_out_impl(kr_backend_t be, const float *src, int64_t width, float *dst)
@@ -1440,7 +1440,8 @@ TIMED(cuda_act, P_ACT, (kr_backend_t be, const struct krk_act_params *p), (be, p
 TIMED(cuda_gated_rmsnorm, P_NORM, (kr_backend_t be, const struct krk_gated_rmsnorm_params *p), (be, p))
 TIMED(cuda_attention, P_ATTN, (kr_backend_t be, const struct krk_attn_params *p), (be, p))
 TIMED(cuda_moe_route, P_MOE, (kr_backend_t be, const struct krk_route_params *p), (be, p))
-TIMED(cuda_moe_experts, P_MOE, (kr_backend_t be, const struct kr_experts_params *p, int64_t n), (be, p, n))
+TIMED(cuda_moe_experts, P_MOE,
+      (kr_backend_t be, const struct krk_experts_params *p, const struct kr_expert_weights *w), (be, p, w))
 TIMED(cuda_gather_out, P_EMBED, (kr_backend_t be, const float *src, int64_t width, float *dst), (be, src, width, dst))
 TIMED(cuda_rope, P_EMBED, (kr_backend_t be, const struct krk_rope_params *p), (be, p))
 TIMED(cuda_mla_cache_write, P_MLA, (kr_backend_t be, const struct krk_mla_cache_params *p), (be, p))

@@ -71,7 +71,8 @@ struct kr_backend_i {
     enum kr_status (*gated_rmsnorm)(kr_backend_t be, const struct krk_gated_rmsnorm_params *p);
     enum kr_status (*attention)(kr_backend_t be, const struct krk_attn_params *p);
     enum kr_status (*moe_route)(kr_backend_t be, const struct krk_route_params *p);
-    enum kr_status (*moe_experts)(kr_backend_t be, const struct kr_experts_params *p, int64_t n);
+    enum kr_status (*moe_experts)(kr_backend_t be, const struct krk_experts_params *p,
+                                  const struct kr_expert_weights *w);
     enum kr_status (*gather_out)(kr_backend_t be, const float *src, int64_t width, float *dst);
     enum kr_status (*layernorm)(kr_backend_t be, const struct krk_layernorm_params *p);
     enum kr_status (*scale)(kr_backend_t be, float *y, float s, int64_t n);

@@ -327,9 +327,10 @@ enum kr_status kr_backend_moe_route(kr_backend_t be, const struct krk_route_para
     return be->iface.moe_route(be, p);
 }
 
-enum kr_status kr_backend_moe_experts(kr_backend_t be, const struct kr_experts_params *p, int64_t n)
+enum kr_status kr_backend_moe_experts(kr_backend_t be, const struct krk_experts_params *p,
+                                      const struct kr_expert_weights *w)
 {
-    return be->iface.moe_experts(be, p, n);
+    return be->iface.moe_experts(be, p, w);
 }
 
 enum kr_status kr_backend_gather_out(kr_backend_t be, const float *src, int64_t width, float *dst)

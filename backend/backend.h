@@ -149,22 +149,15 @@ enum kr_status kr_backend_copy_d2d(kr_backend_t be, void *dst, const void *src, 
 /* Makes the step's batch the current one for the ops that need sequence structure. */
 enum kr_status kr_backend_begin_batch(kr_backend_t be, const struct kr_batch *b);
 
-/* Routed experts: out[t] = sum_k weights[t,k] * E_{ids[t,k]}(x[t]) with
- * E(x) = down(act(gate x) * (up x)) when gate is given, else down(act(up x)). */
-struct kr_experts_params {
-    const float *x;               /* [n_tok, d_in] */
-    int64_t d_in;
-    int64_t d_ffn;
-    int64_t d_out;
-    int64_t n_expert;
-    int64_t n_used;
-    const int32_t *ids;           /* [n_tok, n_used] */
-    const float *weights;         /* [n_tok, n_used] */
+/* The routed experts' weights as the engine holds them, beside struct krk_experts_params (krk/ops.h):
+ * arrays of n_expert tensors in backend memory, of the dtypes the backend uploaded (fp32 or bf16 on
+ * the CPU, bf16 on CUDA). The CUDA kernels read the experts through device arrays of pointers
+ * instead, which the CUDA backend builds from these arrays once per model; hence the weights are
+ * the one part of this op's parameters that is not shared with the kernels. */
+struct kr_expert_weights {
     const struct kr_tensor *gate; /* [n_expert] each [d_ffn, d_in]; NULL for non-gated experts */
     const struct kr_tensor *up;   /* [n_expert] each [d_ffn, d_in] */
     const struct kr_tensor *down; /* [n_expert] each [d_out, d_ffn] */
-    enum kr_act act;
-    float *out;                   /* [n_tok, d_out] overwritten */
 };
 
 enum kr_status kr_backend_mla_prep(kr_backend_t be, const struct krk_mla_prep_params *p);
@@ -209,7 +202,9 @@ enum kr_status kr_backend_mamba(kr_backend_t be, const struct krk_mamba_params *
 enum kr_status kr_backend_gated_rmsnorm(kr_backend_t be, const struct krk_gated_rmsnorm_params *p);
 enum kr_status kr_backend_attention(kr_backend_t be, const struct krk_attn_params *p);
 enum kr_status kr_backend_moe_route(kr_backend_t be, const struct krk_route_params *p);
-enum kr_status kr_backend_moe_experts(kr_backend_t be, const struct kr_experts_params *p, int64_t n);
+/* Routed experts (struct krk_experts_params) with the weights w. */
+enum kr_status kr_backend_moe_experts(kr_backend_t be, const struct krk_experts_params *p,
+                                      const struct kr_expert_weights *w);
 /* LayerNorm (struct krk_layernorm_params); out may alias x. */
 enum kr_status kr_backend_layernorm(kr_backend_t be, const struct krk_layernorm_params *p);
 /* RoPE (struct krk_rope_params) at the current batch's positions. */

@@ -567,8 +567,9 @@ static enum kr_status moe_fwd(struct kr_model *m, const struct kr_layer *L, int6
         KR_TRY(kr_backend_matmul(be, ws->h, c->dim, n, &w->fc1_latent, NULL, ws->y, d_e, &room));
         xe = ws->y;
     }
-    struct kr_experts_params ep = {
+    const struct krk_experts_params ep = {
         .x = xe,
+        .n = n,
         .d_in = d_e,
         .d_ffn = c->moe_ffn,
         .d_out = d_e,
@@ -576,13 +577,11 @@ static enum kr_status moe_fwd(struct kr_model *m, const struct kr_layer *L, int6
         .n_used = c->n_expert_used,
         .ids = ws->ids,
         .weights = ws->rw,
-        .gate = w->gate,
-        .up = w->up,
-        .down = w->down,
         .act = c->act,
         .out = w->has_latent ? ws->y2 : ws->o,
     };
-    KR_TRY(kr_backend_moe_experts(be, &ep, n));
+    const struct kr_expert_weights ew = {.gate = w->gate, .up = w->up, .down = w->down};
+    KR_TRY(kr_backend_moe_experts(be, &ep, &ew));
     if (w->has_latent) {
         KR_TRY(kr_backend_matmul(be, ws->y2, d_e, n, &w->fc2_latent, NULL, ws->o, c->dim, &room));
     }

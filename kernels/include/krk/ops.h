@@ -151,6 +151,21 @@ struct krk_mamba_params {
     float *y;               /* [n_tok, d_inner] output: SSD output incl. D skip, before the gated norm */
 };
 
+/* Routed experts: out[t] = sum_k weights[t,k] * E_{ids[t,k]}(x[t]) for t < n, with
+ * E(x) = down(act(gate x) * (up x)) for gated experts, else down(act(up x)); expert ids outside
+ * [0, n_expert) contribute zero. The experts' weights are not part of this struct: they are each
+ * backend's own handles, passed beside it (the engine's arrays of weight tensors, struct
+ * kr_expert_weights in backend/backend.h; on CUDA, device arrays of bf16 pointers built from them
+ * once per model, struct krk_expert_ptrs in krk/moe.h). */
+struct krk_experts_params {
+    const float *x;         /* [n, d_in] */
+    int64_t n, d_in, d_ffn, d_out, n_expert, n_used;
+    const int32_t *ids;     /* [n, n_used] */
+    const float *weights;   /* [n, n_used] */
+    enum kr_act act;
+    float *out;             /* [n, d_out] overwritten */
+};
+
 /* GQA attention for one layer over the block-paged K/V cache: the batch's new K/V rows are written
  * into the cache at their positions first, then for every query token t of sequence s at position p
  * and head h (KV head h / (n_head / n_kv_head)):
