@@ -6,10 +6,12 @@
  * graphs per batch-size bucket and replayed.
  *
  * The ops take the parameter structs of kernels/include/krk/ops.h and hand them to the launchers as
- * they are, with the device's part (stream, batch, scratch) in a struct krk_ctx. No state is carried
- * from one op to the next: the fusions are the forward pass's requests (the residual of
- * krk_rmsnorm_params.res; the bf16 GEMM operand an op writes with out_bf16 and a matmul reads through
- * struct krk_bf16_in).
+ * they are, with the device's part (stream, batch, scratch, tuning variants, events) in a struct
+ * krk_ctx. Three differ on purpose (docs/ARCHITECTURE.md): the matmuls dispatch among krk_gemv,
+ * krk_skinny and cuBLAS, the routed experts' weights become device arrays of pointers, and sampling
+ * stages the engine's host arrays. No state is carried from one op to the next: the fusions are the
+ * forward pass's requests (the residual of krk_rmsnorm_params.res; the bf16 GEMM operand an op writes
+ * with out_bf16 and a matmul reads through struct krk_bf16_in).
  * One instance drives one device: a tensor-parallel rank is one instance holding its shard. */
 #include "backend-impl.h"
 #include "sampler.h"
@@ -941,7 +943,11 @@ static enum kr_status skinny_run(struct cuda_ctx *c, const float *x, int64_t ldx
     return krk_skinny(&p, c->stream);
 }
 
-/* One product; `used` (or NULL) receives the bf16 operand it read (filled: false when none). */
+/* One product; `used` (or NULL) receives the bf16 operand it read (filled: false when none).
+ * The matmul ops are a dispatch rather than a translation of one struct: the engine names a weight
+ * tensor, and the kernel is chosen here by rows and weight (fp32 weights: cuBLAS SGEMM; one row:
+ * krk_gemv; 2..skinny_max rows: krk_skinny; more: cuBLAS on bf16 operands), each kernel with a struct
+ * of its own (tiling, workspace, parts) that no other backend has. */
 static enum kr_status matmul_one(struct cuda_ctx *c, const float *x, int64_t ldx, int64_t n, const struct kr_tensor *w,
                                  const float *bias, float *y, int64_t ldy, const struct krk_bf16_in *in,
                                  struct krk_bf16_in *used)
