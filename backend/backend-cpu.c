@@ -316,7 +316,7 @@ static enum kr_status cpu_matmul(kr_backend_t be, const float *x, int64_t ldx, i
 /* ---- Mamba-2 ------------------------------------------------------------------------------ */
 
 /* Causal depthwise conv + SiLU over each sequence, carrying the last K-1 inputs in the slot. */
-static void mamba_conv(const struct kr_batch *b, const struct kr_mamba_params *p, int n_threads)
+static void mamba_conv(const struct kr_batch *b, const struct krk_mamba_params *p, int n_threads)
 {
     const int64_t cd = p->d_inner + 2 * p->n_group * p->d_state; /* conv_dim */
     const int64_t K = p->d_conv, H = K - 1;
@@ -350,7 +350,7 @@ static void mamba_conv(const struct kr_batch *b, const struct kr_mamba_params *p
 
 /* One head of one sequence: chunked SSD (several tokens) or the exact recurrence (one token).
  * dt, the state and all sums in fp32. `cum` is scratch of at least `chunk` floats. */
-static void mamba_ssd_head(const struct kr_mamba_params *p, int64_t cd, int32_t t0, int32_t nt, int64_t h,
+static void mamba_ssd_head(const struct krk_mamba_params *p, int64_t cd, int32_t t0, int32_t nt, int64_t h,
                            float *S /* [P, N] */, float *dtv /* [nt] */, float *cum /* [chunk] */)
 {
     const int64_t P = p->head_dim, N = p->d_state;
@@ -430,7 +430,7 @@ static void mamba_ssd_head(const struct kr_mamba_params *p, int64_t cd, int32_t 
 #undef YS
 }
 
-static enum kr_status cpu_mamba(kr_backend_t be, const struct kr_mamba_params *p)
+static enum kr_status cpu_mamba(kr_backend_t be, const struct krk_mamba_params *p)
 {
     struct cpu_ctx *ctx = ctx_of(be);
     const struct kr_batch *b = ctx->batch;
@@ -664,8 +664,10 @@ static enum kr_status cpu_moe_route(kr_backend_t be, const struct krk_route_para
     return KR_OK;
 }
 
-static enum kr_status cpu_moe_experts(kr_backend_t be, const struct kr_experts_params *p, int64_t n)
+static enum kr_status cpu_moe_experts(kr_backend_t be, const struct krk_experts_params *p,
+                                      const struct kr_expert_weights *wt)
 {
+    const int64_t n = p->n;
     struct cpu_ctx *ctx = ctx_of(be);
     enum kr_status st = KR_OK;
     float *xs = NULL, *hu = NULL, *hg = NULL, *ys = NULL;
@@ -699,18 +701,18 @@ static enum kr_status cpu_moe_experts(kr_backend_t be, const struct kr_experts_p
         if (m == 0) {
             continue;
         }
-        if ((st = matmul_impl(ctx->n_threads, xs, p->d_in, m, &p->up[e], NULL, hu, p->d_ffn)) != KR_OK) {
+        if ((st = matmul_impl(ctx->n_threads, xs, p->d_in, m, &wt->up[e], NULL, hu, p->d_ffn)) != KR_OK) {
             goto out;
         }
-        if (p->gate) {
-            if ((st = matmul_impl(ctx->n_threads, xs, p->d_in, m, &p->gate[e], NULL, hg, p->d_ffn)) != KR_OK) {
+        if (wt->gate) {
+            if ((st = matmul_impl(ctx->n_threads, xs, p->d_in, m, &wt->gate[e], NULL, hg, p->d_ffn)) != KR_OK) {
                 goto out;
             }
         }
-        const struct krk_act_params ap = {.act = p->act, .gate = p->gate ? hg : NULL, .x = hu, .ld_in = p->d_ffn,
+        const struct krk_act_params ap = {.act = p->act, .gate = wt->gate ? hg : NULL, .x = hu, .ld_in = p->d_ffn,
                                           .n = m, .width = p->d_ffn, .out = hu};
         cpu_act(be, &ap);
-        if ((st = matmul_impl(ctx->n_threads, hu, p->d_ffn, m, &p->down[e], NULL, ys, p->d_out)) != KR_OK) {
+        if ((st = matmul_impl(ctx->n_threads, hu, p->d_ffn, m, &wt->down[e], NULL, ys, p->d_out)) != KR_OK) {
             goto out;
         }
         for (int64_t i = 0; i < m; i++) {
@@ -742,7 +744,7 @@ static enum kr_status cpu_gather_out(kr_backend_t be, const float *src, int64_t 
 
 /* ---- MLA / DSA --------------------------------------------------------------------------------- */
 
-static enum kr_status cpu_rope(kr_backend_t be, const struct kr_rope_params *p)
+static enum kr_status cpu_rope(kr_backend_t be, const struct krk_rope_params *p)
 {
     const struct kr_batch *b = ctx_of(be)->batch;
     const int64_t half = p->dim / 2;
@@ -823,7 +825,7 @@ static int cmp_i32(const void *a, const void *b)
     return (x > y) - (x < y);
 }
 
-static enum kr_status cpu_dsa_index(kr_backend_t be, const struct kr_dsa_index_params *p)
+static enum kr_status cpu_dsa_index(kr_backend_t be, const struct krk_dsa_index_params *p)
 {
     struct cpu_ctx *ctx = ctx_of(be);
     const struct kr_batch *b = ctx->batch;
@@ -869,7 +871,7 @@ static enum kr_status cpu_dsa_index(kr_backend_t be, const struct kr_dsa_index_p
     return KR_OK;
 }
 
-static enum kr_status cpu_mla_attention(kr_backend_t be, const struct kr_mla_attn_params *p)
+static enum kr_status cpu_mla_attention(kr_backend_t be, const struct krk_mla_attn_params *p)
 {
     if (p->select) {
         KR_TRY(cpu_dsa_index(be, p->select));
@@ -949,41 +951,41 @@ static enum kr_status cpu_mla_attention(kr_backend_t be, const struct kr_mla_att
 /* ---- construction ------------------------------------------------------------------------- */
 
 /* Samples each row with the host sampler's selection and the row's given draw. */
-static enum kr_status cpu_sample(kr_backend_t be, const struct kr_sample_batch *sb)
+static enum kr_status cpu_sample(kr_backend_t be, const struct krk_sample_params *p)
 {
     struct kr_sampler_scratch sc = {0};
-    float *lp = kr_malloc((size_t)sb->vocab * sizeof(float));
+    float *lp = kr_malloc((size_t)p->vocab * sizeof(float));
     if (!lp) {
         return KR_ERR_NOMEM;
     }
     enum kr_status st = KR_OK;
-    for (int64_t i = 0; i < sb->n && st == KR_OK; i++) {
-        const struct krk_sample_row *r = &sb->rows[i];
-        const float *row = sb->logits + i * sb->ld;
+    for (int64_t i = 0; i < p->n && st == KR_OK; i++) {
+        const struct krk_sample_row *r = &p->rows[i];
+        const float *row = p->logits + i * p->ld;
         int32_t tok = -1;
-        if (r->pen_off < 0 || r->pen_n < 0 || (int64_t)r->pen_off + r->pen_n > sb->n_pen) {
-            sb->out[i] = -1;
+        if (r->pen_off < 0 || r->pen_n < 0 || (int64_t)r->pen_off + r->pen_n > p->n_pen) {
+            p->out[i] = -1;
         } else {
             const int64_t o = r->pen_off;
-            st = kr_sample_with_draw(row, sb->vocab, r->temperature, r->top_k, r->top_p, r->min_p, r->presence,
-                                     r->frequency, r->repetition, sb->pen_ids + o, sb->pen_count + o,
-                                     sb->pen_flags + o, r->pen_n, r->u, &sc, &tok);
+            st = kr_sample_with_draw(row, p->vocab, r->temperature, r->top_k, r->top_p, r->min_p, r->presence,
+                                     r->frequency, r->repetition, p->pen_ids + o, p->pen_count + o,
+                                     p->pen_flags + o, r->pen_n, r->u, &sc, &tok);
             if (st == KR_ERR_INTERNAL) { /* every logit masked: the row is refused */
                 st = KR_OK;
                 tok = -1;
             }
-            sb->out[i] = tok;
+            p->out[i] = tok;
         }
-        if (st == KR_OK && (sb->out_logprob || sb->n_top > 0)) {
-            kr_log_softmax(row, lp, sb->vocab);
-            if (sb->out_logprob) {
-                sb->out_logprob[i] = tok >= 0 ? lp[tok] : NAN;
+        if (st == KR_OK && (p->out_logprob || p->n_top > 0)) {
+            kr_log_softmax(row, lp, p->vocab);
+            if (p->out_logprob) {
+                p->out_logprob[i] = tok >= 0 ? lp[tok] : NAN;
             }
-            if (sb->n_top > 0) {
-                int32_t *ids = sb->top_ids + i * sb->n_top;
-                kr_top_k_ids(lp, sb->vocab, sb->n_top, ids);
-                for (int32_t k = 0; k < sb->n_top; k++) {
-                    sb->top_lp[i * sb->n_top + k] = lp[ids[k]];
+            if (p->n_top > 0) {
+                int32_t *ids = p->top_ids + i * p->n_top;
+                kr_top_k_ids(lp, p->vocab, p->n_top, ids);
+                for (int32_t k = 0; k < p->n_top; k++) {
+                    p->top_lp[i * p->n_top + k] = lp[ids[k]];
                 }
             }
         }

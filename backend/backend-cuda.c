@@ -6,10 +6,12 @@
  * graphs per batch-size bucket and replayed.
  *
  * The ops take the parameter structs of kernels/include/krk/ops.h and hand them to the launchers as
- * they are, with the device's part (stream, batch, scratch) in a struct krk_ctx. No state is carried
- * from one op to the next: the fusions are the forward pass's requests (the residual of
- * krk_rmsnorm_params.res; the bf16 GEMM operand an op writes with out_bf16 and a matmul reads through
- * struct krk_bf16_in).
+ * they are, with the device's part (stream, batch, scratch, tuning variants, events) in a struct
+ * krk_ctx. Three differ on purpose (docs/ARCHITECTURE.md): the matmuls dispatch among krk_gemv,
+ * krk_skinny and cuBLAS, the routed experts' weights become device arrays of pointers, and sampling
+ * stages the engine's host arrays. No state is carried from one op to the next: the fusions are the
+ * forward pass's requests (the residual of krk_rmsnorm_params.res; the bf16 GEMM operand an op writes
+ * with out_bf16 and a matmul reads through struct krk_bf16_in).
  * One instance drives one device: a tensor-parallel rank is one instance holding its shard. */
 #include "backend-impl.h"
 #include "sampler.h"
@@ -63,19 +65,12 @@ struct cuda_ctx {
     bool graphs_on;
     int skinny_max;                     /* products of 2..skinny_max rows take krk_skinny (tensor
                                            cores), more take cuBLAS (KRAIT_SKINNY_MAX, 0 = never) */
-    int skinny_config;                  /* KRAIT_SKINNY_CONFIG: a krk_skinny configuration other than
-                                           the default (for measurements) */
     void *sk_ws;                        /* krk_skinny's workspace (zeroed when allocated) */
     size_t sk_ws_size;
-    int gemv_config;                    /* KRAIT_GEMV_CONFIG: a GEMV tiling other than the default
-                                           (krk_gemv_params.config; for measurements) */
     bool pdl;                           /* every kernel launches as a programmatic dependent of the
                                            one before it (krk_set_pdl), except while profiling;
                                            KRAIT_PDL=0 turns it off */
     int32_t dsa_score;                  /* indexer scores on bf16 tensor cores (KRAIT_DSA_SCORE=fp32: CUDA cores) */
-    int32_t dsa_select;                 /* KRAIT_DSA_SELECT=agg: warp-aggregated top-k histograms;
-                                           =split: top-k per chunk of positions, then of those */
-    bool graphs_mla;                    /* capture steps of models with MLA layers (KRAIT_CUDA_GRAPHS_MLA=0: not) */
     int32_t mla_attn;                   /* all heads of a token per block, tensor cores, split over keys
                                            (KRAIT_MLA_ATTN=per-head: a block per head, fp32) */
     bool mla_overlap;                   /* a DSA layer's selection runs on `side` while `stream` absorbs
@@ -160,25 +155,27 @@ static void prof_end(struct cuda_ctx *c)
     c->prof.open_cat = -1;
 }
 
-/* Phases inside one timed op (profiling): the next n event pairs after the op's own go to the
- * kernels, which record (begin, end) around each phase. Returns them in ev[2n], or NULL when not
- * profiling. */
-static cudaEvent_t *prof_phases(struct cuda_ctx *c, int n, cudaEvent_t *ev)
+/* Phases timed by the launcher itself (profiling): the n event pairs after the next `skip` free ones
+ * (skip 1: the op's own pair, which prof_begin takes; 0 for an op timed by its phases alone) go to
+ * the kernel launcher (krk_ctx.events), which records (begin, end) around each phase. Returns them
+ * in ev[2n], or NULL when not profiling. */
+static cudaEvent_t *prof_phases(struct cuda_ctx *c, int skip, int n, cudaEvent_t *ev)
 {
-    if (!c->prof.on || c->capturing || c->prof.n + n + 1 > PROF_MAX_EV) {
+    if (!c->prof.on || c->capturing || c->prof.n + skip + n > PROF_MAX_EV) {
         return NULL;
     }
     for (int k = 0; k < 2 * n; k++) {
-        ev[k] = c->prof.ev[2 * (c->prof.n + 1) + k];
+        ev[k] = c->prof.ev[2 * (c->prof.n + skip) + k];
     }
     return ev;
 }
 
-/* After the op's prof_end: its phases count as categories first_cat .. first_cat + n - 1. */
-static void prof_phases_done(struct cuda_ctx *c, const cudaEvent_t *ev, enum kr_status st, int first_cat, int n)
+/* After the launch (and the op's prof_end, when it has one): its phases count as categories
+ * cats[0..n). */
+static void prof_phases_done(struct cuda_ctx *c, const cudaEvent_t *ev, enum kr_status st, const int *cats, int n)
 {
     for (int k = 0; ev && st == KR_OK && k < n; k++) {
-        c->prof.cat[c->prof.n++] = first_cat + k;
+        c->prof.cat[c->prof.n++] = cats[k];
     }
 }
 
@@ -622,8 +619,7 @@ static size_t ws_capped(size_t all, size_t one)
 }
 static size_t dsa_ws_bytes(const struct cuda_ctx *c, int64_t n_tok, int64_t max_ctx)
 {
-    return ws_capped(krk_dsa_index_workspace_bytes(n_tok, max_ctx, c->dsa_select),
-                     krk_dsa_index_workspace_bytes(1, max_ctx, c->dsa_select));
+    return ws_capped(krk_dsa_index_workspace_bytes(n_tok, max_ctx), krk_dsa_index_workspace_bytes(1, max_ctx));
 }
 static size_t mla_ws_bytes(int64_t n_head, int64_t kv_lora, int64_t n_tok, int64_t max_ctx)
 {
@@ -656,7 +652,7 @@ static enum kr_status cuda_reserve(kr_backend_t be, const struct kr_model_config
         NEED(krk_attn_workspace_bytes(n_tok, m->n_head, m->head_dim));
     }
     if (m->n_expert) {
-        NEED((size_t)n_tok * (size_t)m->n_expert_used * (size_t)m->moe_ffn * sizeof(float));
+        NEED(krk_moe_experts_workspace_bytes(n_tok, m->n_expert_used, m->moe_ffn));
     }
     if (m->kv_lora) {
         /* MLA / DSA scratch grows with the context; the kernels process queries in groups that fit.
@@ -788,11 +784,13 @@ static enum kr_status op_enter(struct cuda_ctx *c)
     return c->failed ? KR_ERR_CUDA : KR_OK;
 }
 
-/* The device's part of a launch: the stream, the step's batch and the scratch. */
+/* The device's part of a launch: the stream, the step's batch, the scratch and the tuning variants
+ * (no events: the ops that time phases or overlap add theirs). */
 static struct krk_ctx launch_ctx(const struct cuda_ctx *c)
 {
     return (struct krk_ctx){.stream = c->stream, .batch = c->batch, .workspace = c->scratch,
-                            .workspace_bytes = c->scratch_size};
+                            .workspace_bytes = c->scratch_size, .dsa_score = c->dsa_score,
+                            .mla_attn = c->mla_attn};
 }
 
 /* Rows up to this many take krk_gemv (fp32 x), more take cuBLAS (bf16 x): on an H200 the GEMV reads
@@ -807,17 +805,12 @@ static struct krk_ctx launch_ctx(const struct cuda_ctx *c)
 /* The switch table (util/switches.h) states the kernel library's bounds and enum values without
  * including krk.h: they must agree. */
 _Static_assert(SKINNY_MAX_DEFAULT == KR_SKINNY_MAX_DEFAULT, "KRAIT_SKINNY_MAX default");
-_Static_assert(KRK_SKINNY_MAX_N == KR_SKINNY_MAX_N && KRK_SKINNY_CONFIGS == KR_SKINNY_CONFIGS &&
-                   KRK_GEMV_CONFIGS == KR_GEMV_CONFIGS,
-               "KRAIT_SKINNY_MAX, KRAIT_SKINNY_CONFIG and KRAIT_GEMV_CONFIG ranges");
+_Static_assert(KRK_SKINNY_MAX_N == KR_SKINNY_MAX_N, "KRAIT_SKINNY_MAX range");
 _Static_assert((int)KRK_MLA_ATTN_PER_HEAD == (int)KR_MLA_ATTN_PER_HEAD &&
                    (int)KRK_MLA_ATTN_HEADS == (int)KR_MLA_ATTN_HEADS &&
                    (int)KRK_DSA_SCORE_FP32 == (int)KR_DSA_SCORE_FP32 &&
-                   (int)KRK_DSA_SCORE_MMA == (int)KR_DSA_SCORE_MMA &&
-                   (int)KRK_DSA_SELECT_BLOCK == (int)KR_DSA_SELECT_BLOCK &&
-                   (int)KRK_DSA_SELECT_AGG == (int)KR_DSA_SELECT_AGG &&
-                   (int)KRK_DSA_SELECT_SPLIT == (int)KR_DSA_SELECT_SPLIT,
-               "KRAIT_MLA_ATTN, KRAIT_DSA_SCORE and KRAIT_DSA_SELECT values");
+                   (int)KRK_DSA_SCORE_MMA == (int)KR_DSA_SCORE_MMA,
+               "KRAIT_MLA_ATTN and KRAIT_DSA_SCORE values");
 
 /* GEMMs of more than GEMV_ROWS rows read bf16 operands: the forward pass asks the ops writing their
  * inputs for the bf16 copies (out_bf16) at those row counts only. */
@@ -922,7 +915,7 @@ static enum kr_status bf16_x(struct cuda_ctx *c, const float *x, int64_t ldx, in
 static bool skinny_takes(const struct cuda_ctx *c, int64_t n, const struct kr_tensor *w)
 {
     return n >= 2 && n <= c->skinny_max && n <= KRK_SKINNY_MAX_N && w->dtype == KR_DTYPE_BF16 &&
-           w->cols % krk_skinny_cols_step(c->skinny_config) == 0 && ((uintptr_t)w->data & 15) == 0;
+           w->cols % krk_skinny_cols_step(0) == 0 && ((uintptr_t)w->data & 15) == 0;
 }
 
 /* One krk_skinny launch over k parts (their weights share cols); KR_ERR_UNSUPPORTED when the
@@ -932,7 +925,6 @@ static enum kr_status skinny_run(struct cuda_ctx *c, const float *x, int64_t ldx
                                  const struct krk_bf16_in *in, struct krk_bf16_in *used)
 {
     struct krk_skinny_params p = {.n = n, .cols = parts[0].w->cols, .n_parts = k, .ws = c->sk_ws,
-                                  .config = c->skinny_config,
                                   .ws_bytes = c->sk_ws_size, .act_out = act_out, .act = (int)act};
     for (int i = 0; i < k; i++) {
         p.parts[i] = (struct krk_gemv_part){.w = parts[i].w->data, .bias = parts[i].bias, .rows = parts[i].w->rows,
@@ -951,7 +943,11 @@ static enum kr_status skinny_run(struct cuda_ctx *c, const float *x, int64_t ldx
     return krk_skinny(&p, c->stream);
 }
 
-/* One product; `used` (or NULL) receives the bf16 operand it read (filled: false when none). */
+/* One product; `used` (or NULL) receives the bf16 operand it read (filled: false when none).
+ * The matmul ops are a dispatch rather than a translation of one struct: the engine names a weight
+ * tensor, and the kernel is chosen here by rows and weight (fp32 weights: cuBLAS SGEMM; one row:
+ * krk_gemv; 2..skinny_max rows: krk_skinny; more: cuBLAS on bf16 operands), each kernel with a struct
+ * of its own (tiling, workspace, parts) that no other backend has. */
 static enum kr_status matmul_one(struct cuda_ctx *c, const float *x, int64_t ldx, int64_t n, const struct kr_tensor *w,
                                  const float *bias, float *y, int64_t ldy, const struct krk_bf16_in *in,
                                  struct krk_bf16_in *used)
@@ -978,7 +974,7 @@ static enum kr_status matmul_one(struct cuda_ctx *c, const float *x, int64_t ldx
         return KR_ERR_UNSUPPORTED;
     } else if (n <= GEMV_ROWS && cols % 8 == 0) {
         struct krk_gemv_params p = {.x = x, .ldx = ldx, .w = w->data, .bias = bias, .n = n, .rows = rows,
-                                    .cols = cols, .y = y, .ldy = ldy, .config = c->gemv_config};
+                                    .cols = cols, .y = y, .ldy = ldy};
         st = krk_gemv(&p, c->stream);
     } else {
         if (skinny_takes(c, n, w)) {
@@ -1049,7 +1045,7 @@ static enum kr_status cuda_matmul_multi_impl(kr_backend_t be, const float *x, in
     }
     struct krk_gemv_params p = {.x = x, .ldx = ldx, .w = parts[0].w->data, .bias = parts[0].bias, .n = n,
                                 .rows = parts[0].w->rows, .cols = parts[0].w->cols, .y = parts[0].y,
-                                .ldy = parts[0].ldy, .config = c->gemv_config, .n_more = k - 1};
+                                .ldy = parts[0].ldy, .n_more = k - 1};
     for (int i = 1; i < k; i++) {
         p.more[i - 1] = (struct krk_gemv_part){.w = parts[i].w->data, .bias = parts[i].bias,
                                                .rows = parts[i].w->rows, .y = parts[i].y, .ldy = parts[i].ldy};
@@ -1081,8 +1077,8 @@ static enum kr_status cuda_matmul_act_impl(kr_backend_t be, const float *x, int6
         !overlaps(out, (size_t)(n * w->rows) * 4, x, (size_t)(n * ldx) * 4) &&
         !overlaps(out, (size_t)(n * w->rows) * 4, y, (size_t)(n * ldy) * 4)) {
         struct krk_gemv_params p = {.x = x, .ldx = ldx, .w = w->data, .bias = bias, .n = n, .rows = w->rows,
-                                    .cols = w->cols, .y = y, .ldy = ldy, .config = c->gemv_config,
-                                    .act_out = out, .ld_act = w->rows, .act = (int)act};
+                                    .cols = w->cols, .y = y, .ldy = ldy, .act_out = out, .ld_act = w->rows,
+                                    .act = (int)act};
         KR_TRY(krk_gemv(&p, c->stream));
         return out_bf16 ? krk_cast_bf16(out, w->rows, n, w->rows, out_bf16, c->stream) : KR_OK;
     }
@@ -1105,36 +1101,23 @@ static enum kr_status cuda_matmul_act_impl(kr_backend_t be, const float *x, int6
     return cuda_act_impl(be, &a);
 }
 
-static enum kr_status cuda_mamba(kr_backend_t be, const struct kr_mamba_params *p)
+/* Not TIMED: krk_mamba records the conv's and the SSD's times (and the SSD's phases) itself. */
+static enum kr_status cuda_mamba(kr_backend_t be, const struct krk_mamba_params *p)
 {
     struct cuda_ctx *c = ctx_of(be);
     KR_TRY(op_enter(c));
-    const int64_t conv_dim = p->d_inner + 2 * p->n_group * p->d_state;
-    struct krk_conv1d_params cp = {.in = p->zxbcdt, .ld_in = p->ld_in, .in_off = p->d_inner, .conv_dim = conv_dim,
-                                   .d_conv = p->d_conv, .w = p->conv_w, .b = p->conv_b, .state = p->conv_state,
-                                   .out = p->xbc, .batch = c->batch};
-    prof_begin(c, P_CONV);
-    const enum kr_status cst = krk_conv1d(&cp, c->stream);
-    prof_end(c);
-    KR_TRY(cst);
     const size_t ws = krk_ssd_workspace_bytes(c->batch.n_tok, c->batch.n_seq, p->n_head, p->head_dim, p->n_group,
                                               p->d_state, p->chunk);
     if (ws > c->scratch_size) {
         KR_TRY(ensure_scratch(c, ws));
     }
-    struct krk_ssd_params sp = {.xbc = p->xbc, .conv_dim = conv_dim, .dt = p->zxbcdt + p->d_inner + conv_dim,
-                                .ld_dt = p->ld_in, .dt_bias = p->dt_bias, .A_log = p->A_log, .D = p->D,
-                                .dt_min = p->dt_min, .dt_max = p->dt_max, .n_head = p->n_head,
-                                .head_dim = p->head_dim, .n_group = p->n_group, .d_state = p->d_state,
-                                .chunk = p->chunk, .state = p->ssm_state, .y = p->y, .workspace = c->scratch,
-                                .batch = c->batch};
-    cudaEvent_t phase_ev[6];
-    sp.events = prof_phases(c, 3, phase_ev);
-    prof_begin(c, P_SSD);
-    const enum kr_status sst = krk_ssd(&sp, c->stream);
-    prof_end(c);
-    prof_phases_done(c, sp.events, sst, P_SSD_DECODE, 3);
-    return sst;
+    struct krk_ctx k = launch_ctx(c);
+    cudaEvent_t phase_ev[10];
+    k.events = prof_phases(c, 0, 5, phase_ev);
+    const enum kr_status st = krk_mamba(p, &k);
+    static const int phase_cats[5] = {P_CONV, P_SSD, P_SSD_DECODE, P_SSD_BMM, P_SSD_SCAN};
+    prof_phases_done(c, k.events, st, phase_cats, 5);
+    return st;
 }
 
 static enum kr_status cuda_gated_rmsnorm_impl(kr_backend_t be, const struct krk_gated_rmsnorm_params *p)
@@ -1220,23 +1203,23 @@ static enum kr_status expert_ptrs(struct cuda_ctx *c, const struct kr_tensor *t,
     return KR_OK;
 }
 
-static enum kr_status cuda_moe_experts_impl(kr_backend_t be, const struct kr_experts_params *p, int64_t n)
+/* The op's parameters go through as they are; only the weights differ: the engine's arrays of
+ * tensors become the device arrays of pointers the kernels read (expert_ptrs, made once per array). */
+static enum kr_status cuda_moe_experts_impl(kr_backend_t be, const struct krk_experts_params *p,
+                                            const struct kr_expert_weights *w)
 {
     struct cuda_ctx *c = ctx_of(be);
     KR_TRY(op_enter(c));
-    const krk_bf16 *const *g, *const *u, *const *d;
-    KR_TRY(expert_ptrs(c, p->gate, p->n_expert, &g));
-    KR_TRY(expert_ptrs(c, p->up, p->n_expert, &u));
-    KR_TRY(expert_ptrs(c, p->down, p->n_expert, &d));
-    const size_t ws = (size_t)n * (size_t)p->n_used * (size_t)p->d_ffn * sizeof(float);
+    struct krk_expert_ptrs d;
+    KR_TRY(expert_ptrs(c, w->gate, p->n_expert, &d.gate));
+    KR_TRY(expert_ptrs(c, w->up, p->n_expert, &d.up));
+    KR_TRY(expert_ptrs(c, w->down, p->n_expert, &d.down));
+    const size_t ws = krk_moe_experts_workspace_bytes(p->n, p->n_used, p->d_ffn);
     if (ws > c->scratch_size) {
         KR_TRY(ensure_scratch(c, ws));
     }
-    struct krk_experts_params e = {.x = p->x, .n = n, .d_in = p->d_in, .d_ffn = p->d_ffn, .d_out = p->d_out,
-                                   .n_expert = p->n_expert, .n_used = p->n_used, .ids = p->ids,
-                                   .weights = p->weights, .gate = g, .up = u, .down = d,
-                                   .act = p->act, .hidden = c->scratch, .out = p->out};
-    return krk_moe_experts(&e, c->stream);
+    const struct krk_ctx k = launch_ctx(c);
+    return krk_moe_experts(p, &d, &k);
 }
 
 static enum kr_status cuda_gather_out_impl(kr_backend_t be, const float *src, int64_t width, float *dst)
@@ -1246,27 +1229,23 @@ static enum kr_status cuda_gather_out_impl(kr_backend_t be, const float *src, in
     return krk_gather_rows(src, width, c->d_out_tok, c->hb->n_out, dst, c->stream);
 }
 
-static enum kr_status cuda_rope_impl(kr_backend_t be, const struct kr_rope_params *p)
+static enum kr_status cuda_rope_impl(kr_backend_t be, const struct krk_rope_params *p)
 {
     struct cuda_ctx *c = ctx_of(be);
     KR_TRY(op_enter(c));
-    struct krk_rope_params r = {.x = p->x, .ld = p->ld, .n_vec = p->n_vec, .stride = p->stride, .off = p->off,
-                                .dim = p->dim, .interleaved = p->interleaved, .inv_freq = p->inv_freq,
-                                .factor = p->factor, .pos = c->batch.pos, .n_tok = c->batch.n_tok};
-    return krk_rope(&r, c->stream);
+    const struct krk_ctx k = launch_ctx(c);
+    return krk_rope(p, &k);
 }
 
-/* Two sets of vectors with the same frequencies in one launch (krk_rope_params.also). */
-static enum kr_status cuda_rope_pair_impl(kr_backend_t be, const struct kr_rope_params *a, const struct kr_rope_params *b)
+/* Two sets of vectors with the same frequencies in one launch (kr_backend_rope_pair checked that
+ * they share them). */
+static enum kr_status cuda_rope_pair_impl(kr_backend_t be, const struct krk_rope_params *a,
+                                          const struct krk_rope_params *b)
 {
     struct cuda_ctx *c = ctx_of(be);
     KR_TRY(op_enter(c));
-    struct krk_rope_params r = {.x = a->x, .ld = a->ld, .n_vec = a->n_vec, .stride = a->stride, .off = a->off,
-                                .dim = a->dim, .interleaved = a->interleaved, .inv_freq = a->inv_freq,
-                                .factor = a->factor, .pos = c->batch.pos, .n_tok = c->batch.n_tok};
-    r.also = (struct krk_rope_vecs){.x = b->x, .ld = b->ld, .n_vec = b->n_vec, .stride = b->stride, .off = b->off,
-                                    .dim = b->dim, .interleaved = b->interleaved};
-    return krk_rope(&r, c->stream);
+    const struct krk_ctx k = launch_ctx(c);
+    return krk_rope_pair(a, b, &k);
 }
 
 static enum kr_status cuda_mla_cache_write_impl(kr_backend_t be, const struct krk_mla_cache_params *p)
@@ -1292,31 +1271,22 @@ static enum kr_status cuda_mla_prep_impl(kr_backend_t be, const struct krk_mla_p
     return krk_mla_prep(p, &k);
 }
 
-static struct krk_dsa_index_params dsa_index_args(const struct cuda_ctx *c, const struct kr_dsa_index_params *p,
-                                                  void *ws, size_t ws_bytes)
-{
-    return (struct krk_dsa_index_params){.iq = p->iq, .w = p->w, .n_head = p->n_head, .head_dim = p->head_dim,
-                                         .cache = p->cache, .row = p->row, .key_off = p->key_off,
-                                         .block_size = p->block_size, .topk = p->topk, .idx = p->idx,
-                                         .workspace = ws, .workspace_bytes = ws_bytes, .batch = c->batch,
-                                         .variant = c->dsa_score, .select = c->dsa_select};
-}
-
-static enum kr_status cuda_dsa_index(kr_backend_t be, const struct kr_dsa_index_params *p)
+static enum kr_status cuda_dsa_index(kr_backend_t be, const struct krk_dsa_index_params *p)
 {
     struct cuda_ctx *c = ctx_of(be);
     KR_TRY(op_enter(c));
-    const size_t need1 = krk_dsa_index_workspace_bytes(1, c->batch.max_ctx, c->dsa_select);
+    const size_t need1 = krk_dsa_index_workspace_bytes(1, c->batch.max_ctx);
     if (need1 > c->scratch_size) {
         KR_TRY(ensure_scratch(c, need1));
     }
-    struct krk_dsa_index_params d = dsa_index_args(c, p, c->scratch, c->scratch_size);
+    struct krk_ctx k = launch_ctx(c);
     cudaEvent_t phase_ev[4];
-    d.events = prof_phases(c, 2, phase_ev);
+    k.events = prof_phases(c, 1, 2, phase_ev);
     prof_begin(c, P_DSA);
-    const enum kr_status st = krk_dsa_index(&d, c->stream);
+    const enum kr_status st = krk_dsa_index(p, &k);
     prof_end(c);
-    prof_phases_done(c, d.events, st, P_DSA_SCORE, 2);
+    static const int phase_cats[2] = {P_DSA_SCORE, P_DSA_SELECT};
+    prof_phases_done(c, k.events, st, phase_cats, 2);
     return st;
 }
 
@@ -1324,7 +1294,7 @@ static enum kr_status cuda_dsa_index(kr_backend_t be, const struct kr_dsa_index_
  * 0 when the selection runs first: overlap off, profiling (the ops are timed one by one), shapes
  * the head-batched kernels do not take (no attention workspace: the per-head kernel absorbs inside
  * its own blocks, so there is nothing to overlap), or a scratch without room for both. */
-static size_t overlap_split(const struct cuda_ctx *c, const struct kr_mla_attn_params *p)
+static size_t overlap_split(const struct cuda_ctx *c, const struct krk_mla_attn_params *p)
 {
     if (!c->mla_overlap || (c->prof.on && !c->capturing) || !c->side) {
         return 0;
@@ -1338,7 +1308,7 @@ static size_t overlap_split(const struct cuda_ctx *c, const struct kr_mla_attn_p
     return off >= b ? off : 0;
 }
 
-static enum kr_status cuda_mla_attention_impl(kr_backend_t be, const struct kr_mla_attn_params *p, size_t split)
+static enum kr_status cuda_mla_attention_impl(kr_backend_t be, const struct krk_mla_attn_params *p, size_t split)
 {
     struct cuda_ctx *c = ctx_of(be);
     KR_TRY(op_enter(c));
@@ -1346,25 +1316,23 @@ static enum kr_status cuda_mla_attention_impl(kr_backend_t be, const struct kr_m
     if (split == 0 && need1 > c->scratch_size) {
         KR_TRY(ensure_scratch(c, need1));
     }
-    struct krk_mla_attn_params a = {.q = p->q, .n_head = p->n_head, .nope = p->nope, .rope = p->rope,
-                                    .v_dim = p->v_dim, .kv_lora = p->kv_lora, .kv_b = p->kv_b, .cache = p->cache,
-                                    .row = p->row, .block_size = p->block_size, .idx = p->idx, .topk = p->topk,
-                                    .scale = p->scale, .out = p->out, .workspace = c->scratch,
-                                    .workspace_bytes = split ? split : c->scratch_size, .batch = c->batch,
-                                    .variant = c->mla_attn};
+    struct krk_ctx k = launch_ctx(c);
     if (split == 0) {
-        return krk_mla_attention(&a, c->stream);
+        return krk_mla_attention(p, &k);
     }
     /* fork: the selection on the side stream (its workspace after the attention's) while the
      * attention absorbs the queries; the attention waits for it before its first kernel reading idx */
+    k.workspace_bytes = split;
     CU_TRY(c, cudaEventRecord(c->ev_fork, c->stream));
     CU_TRY(c, cudaStreamWaitEvent(c->side, c->ev_fork, 0));
-    const struct krk_dsa_index_params d =
-        dsa_index_args(c, p->select, (unsigned char *)c->scratch + split, c->scratch_size - split);
-    const enum kr_status si = krk_dsa_index(&d, c->side);
+    struct krk_ctx ks = launch_ctx(c);
+    ks.stream = c->side;
+    ks.workspace = (unsigned char *)c->scratch + split;
+    ks.workspace_bytes = c->scratch_size - split;
+    const enum kr_status si = krk_dsa_index(p->select, &ks);
     CU_TRY(c, cudaEventRecord(c->ev_join, c->side));
-    a.idx_ready = c->ev_join;
-    const enum kr_status st = si == KR_OK ? krk_mla_attention(&a, c->stream) : si;
+    k.idx_ready = c->ev_join;
+    const enum kr_status st = si == KR_OK ? krk_mla_attention(p, &k) : si;
     c->n_overlap += st == KR_OK;
     if (st != KR_OK) { /* join anyway: a capture must not end with the side stream forked */
         cudaStreamWaitEvent(c->stream, c->ev_join, 0);
@@ -1373,7 +1341,7 @@ static enum kr_status cuda_mla_attention_impl(kr_backend_t be, const struct kr_m
 }
 
 /* With a selection: in parallel with the absorption where it may (overlap_split), else first. */
-static enum kr_status cuda_mla_attention(kr_backend_t be, const struct kr_mla_attn_params *p)
+static enum kr_status cuda_mla_attention(kr_backend_t be, const struct krk_mla_attn_params *p)
 {
     struct cuda_ctx *c = ctx_of(be);
     const size_t split = p->select ? overlap_split(c, p) : 0;
@@ -1394,50 +1362,53 @@ static enum kr_status ensure_samp(struct cuda_ctx *c, size_t total)
     return total <= c->samp_cap ? KR_OK : regrow_staging(c, &c->samp_d, &c->samp_h, &c->samp_cap, total);
 }
 
-static enum kr_status cuda_sample(kr_backend_t be, const struct kr_sample_batch *sb)
+/* The engine's struct names host arrays (everything but the logits): they go over in one copy to the
+ * device staging, and krk_sample gets the same struct pointing at the staged copies; the results
+ * come back in one copy. */
+static enum kr_status cuda_sample(kr_backend_t be, const struct krk_sample_params *p)
 {
     struct cuda_ctx *c = ctx_of(be);
     KR_TRY(op_enter(c));
     if (c->capturing) {
         return KR_ERR_INTERNAL;
     }
-    const size_t n = (size_t)sb->n, np = (size_t)sb->n_pen, nt = (size_t)sb->n_top;
+    const size_t n = (size_t)p->n, np = (size_t)p->n_pen, nt = (size_t)p->n_top;
     const struct samp_layout lay = samp_layout(n, np, nt);
     const size_t o_rows = lay.o_rows, o_ids = lay.o_ids, o_cnt = lay.o_cnt, o_flg = lay.o_flg, o_out = lay.o_out,
                  o_lp = lay.o_lp, o_tid = lay.o_tid, o_tlp = lay.o_tlp, total = lay.total;
     KR_TRY(ensure_samp(c, total)); /* within the reservation unless the step exceeds what was reserved */
-    const size_t ws = krk_sample_workspace_bytes(sb->n, sb->vocab);
+    const size_t ws = krk_sample_workspace_bytes(p->n, p->vocab);
     if (ws > c->scratch_size) {
         KR_TRY(ensure_scratch(c, ws));
     }
     char *h = c->samp_h, *d = c->samp_d;
-    memcpy(h + o_rows, sb->rows, n * sizeof(struct krk_sample_row));
+    memcpy(h + o_rows, p->rows, n * sizeof(struct krk_sample_row));
     if (np) {
-        memcpy(h + o_ids, sb->pen_ids, np * 4);
-        memcpy(h + o_cnt, sb->pen_count, np * 4);
-        memcpy(h + o_flg, sb->pen_flags, np);
+        memcpy(h + o_ids, p->pen_ids, np * 4);
+        memcpy(h + o_cnt, p->pen_count, np * 4);
+        memcpy(h + o_flg, p->pen_flags, np);
     }
     CU_TRY(c, cudaMemcpyAsync(d, h, o_out, cudaMemcpyHostToDevice, c->stream));
-    struct krk_sample_params p = {.logits = sb->logits, .ld = sb->ld, .n = sb->n, .vocab = sb->vocab,
-                                  .rows = (const struct krk_sample_row *)(d + o_rows),
-                                  .pen_ids = np ? (const int32_t *)(d + o_ids) : NULL,
-                                  .pen_count = np ? (const int32_t *)(d + o_cnt) : NULL,
-                                  .pen_flags = np ? (const uint8_t *)(d + o_flg) : NULL, .n_pen = sb->n_pen,
-                                  .out = (int32_t *)(d + o_out),
-                                  .out_logprob = sb->out_logprob ? (float *)(d + o_lp) : NULL,
-                                  .n_top = sb->n_top, .top_ids = nt ? (int32_t *)(d + o_tid) : NULL,
-                                  .top_lp = nt ? (float *)(d + o_tlp) : NULL, .workspace = c->scratch,
-                                  .workspace_bytes = c->scratch_size};
-    KR_TRY(krk_sample(&p, c->stream));
+    struct krk_sample_params dp = *p;
+    dp.rows = (const struct krk_sample_row *)(d + o_rows);
+    dp.pen_ids = np ? (const int32_t *)(d + o_ids) : NULL;
+    dp.pen_count = np ? (const int32_t *)(d + o_cnt) : NULL;
+    dp.pen_flags = np ? (const uint8_t *)(d + o_flg) : NULL;
+    dp.out = (int32_t *)(d + o_out);
+    dp.out_logprob = p->out_logprob ? (float *)(d + o_lp) : NULL;
+    dp.top_ids = nt ? (int32_t *)(d + o_tid) : NULL;
+    dp.top_lp = nt ? (float *)(d + o_tlp) : NULL;
+    const struct krk_ctx k = launch_ctx(c);
+    KR_TRY(krk_sample(&dp, &k));
     CU_TRY(c, cudaMemcpyAsync(h + o_out, d + o_out, total - o_out, cudaMemcpyDeviceToHost, c->stream));
     CU_TRY(c, cudaStreamSynchronize(c->stream));
-    memcpy(sb->out, h + o_out, n * 4);
-    if (sb->out_logprob) {
-        memcpy(sb->out_logprob, h + o_lp, n * 4);
+    memcpy(p->out, h + o_out, n * 4);
+    if (p->out_logprob) {
+        memcpy(p->out_logprob, h + o_lp, n * 4);
     }
-    if (nt && sb->top_ids && sb->top_lp) {
-        memcpy(sb->top_ids, h + o_tid, n * nt * 4);
-        memcpy(sb->top_lp, h + o_tlp, n * nt * 4);
+    if (nt && p->top_ids && p->top_lp) {
+        memcpy(p->top_ids, h + o_tid, n * nt * 4);
+        memcpy(p->top_lp, h + o_tlp, n * nt * 4);
     }
     return KR_OK;
 }
@@ -1475,12 +1446,13 @@ TIMED(cuda_act, P_ACT, (kr_backend_t be, const struct krk_act_params *p), (be, p
 TIMED(cuda_gated_rmsnorm, P_NORM, (kr_backend_t be, const struct krk_gated_rmsnorm_params *p), (be, p))
 TIMED(cuda_attention, P_ATTN, (kr_backend_t be, const struct krk_attn_params *p), (be, p))
 TIMED(cuda_moe_route, P_MOE, (kr_backend_t be, const struct krk_route_params *p), (be, p))
-TIMED(cuda_moe_experts, P_MOE, (kr_backend_t be, const struct kr_experts_params *p, int64_t n), (be, p, n))
+TIMED(cuda_moe_experts, P_MOE,
+      (kr_backend_t be, const struct krk_experts_params *p, const struct kr_expert_weights *w), (be, p, w))
 TIMED(cuda_gather_out, P_EMBED, (kr_backend_t be, const float *src, int64_t width, float *dst), (be, src, width, dst))
-TIMED(cuda_rope, P_EMBED, (kr_backend_t be, const struct kr_rope_params *p), (be, p))
+TIMED(cuda_rope, P_EMBED, (kr_backend_t be, const struct krk_rope_params *p), (be, p))
 TIMED(cuda_mla_cache_write, P_MLA, (kr_backend_t be, const struct krk_mla_cache_params *p), (be, p))
 TIMED(cuda_rope_pair, P_EMBED,
-      (kr_backend_t be, const struct kr_rope_params *a, const struct kr_rope_params *b), (be, a, b))
+      (kr_backend_t be, const struct krk_rope_params *a, const struct krk_rope_params *b), (be, a, b))
 TIMED(cuda_mla_prep, P_MLA, (kr_backend_t be, const struct krk_mla_prep_params *p), (be, p))
 TIMED(cuda_fp8_round, P_DSA, (kr_backend_t be, const struct krk_fp8_round_params *p), (be, p))
 
@@ -1515,9 +1487,6 @@ static enum kr_status cuda_graph_run(kr_backend_t be, int32_t key, bool *launche
     }
     if (c->n_graphs == MAX_GRAPHS) {
         return KR_OK; /* run eagerly */
-    }
-    if (c->hb && c->hb->ctx_bound > 0 && !c->graphs_mla) {
-        return KR_OK; /* MLA layers run eagerly until their captured steps have been validated on a GPU */
     }
     /* the captured kernels must not depend on this step's context length: they see no bound (0:
      * attention decode then uses its fixed split-K grid), or the graph shape's bound on every
@@ -1676,21 +1645,15 @@ enum kr_status kr_backend_cuda_create_with(int dev, const struct kr_switches *sw
     };
     c->dev = dev;
     c->graphs_on = sw->cuda_graphs != 0;
-    c->graphs_mla = sw->cuda_graphs_mla != 0;
     c->mla_attn = sw->mla_attn;
     c->dsa_score = sw->dsa_score;
     c->mla_overlap = sw->mla_overlap != 0;
-    c->dsa_select = sw->dsa_select;
-    c->gemv_config = sw->gemv_config;
     c->skinny_max = sw->skinny_max;
-    c->skinny_config = sw->skinny_config;
     /* the process-wide launch mode and state hints are kr_backend_cuda_setup's, not the device's */
     c->pdl = sw->pdl != 0;
     enum kr_status st = KR_ERR_INVAL;
     if (sw->mla_attn < 0 || sw->mla_attn > KR_MLA_ATTN_HEADS || sw->dsa_score < 0 || sw->dsa_score > KR_DSA_SCORE_MMA ||
-        sw->dsa_select < 0 || sw->dsa_select > KR_DSA_SELECT_SPLIT || sw->gemv_config < 0 ||
-        sw->gemv_config >= KRK_GEMV_CONFIGS || sw->skinny_max < 0 || sw->skinny_max > KRK_SKINNY_MAX_N ||
-        sw->skinny_config < 0 || sw->skinny_config >= KRK_SKINNY_CONFIGS) {
+        sw->skinny_max < 0 || sw->skinny_max > KRK_SKINNY_MAX_N) {
         kr_err_set(err, st, "cuda: a tuning switch is out of its range (see krait serve --help-env)");
         goto fail;
     }

@@ -66,23 +66,24 @@ struct kr_backend_i {
      * every sequence of the batch (chunked SSD for several tokens, the exact recurrence for one).
      * A sequence whose seq_pos0 is 0 starts from zero conv and SSM state. Final states are
      * written back to the sequence's slot. */
-    enum kr_status (*mamba)(kr_backend_t be, const struct kr_mamba_params *p);
+    enum kr_status (*mamba)(kr_backend_t be, const struct krk_mamba_params *p);
     /* struct krk_gated_rmsnorm_params */
     enum kr_status (*gated_rmsnorm)(kr_backend_t be, const struct krk_gated_rmsnorm_params *p);
     enum kr_status (*attention)(kr_backend_t be, const struct krk_attn_params *p);
     enum kr_status (*moe_route)(kr_backend_t be, const struct krk_route_params *p);
-    enum kr_status (*moe_experts)(kr_backend_t be, const struct kr_experts_params *p, int64_t n);
+    enum kr_status (*moe_experts)(kr_backend_t be, const struct krk_experts_params *p,
+                                  const struct kr_expert_weights *w);
     enum kr_status (*gather_out)(kr_backend_t be, const float *src, int64_t width, float *dst);
     enum kr_status (*layernorm)(kr_backend_t be, const struct krk_layernorm_params *p);
     enum kr_status (*scale)(kr_backend_t be, float *y, float s, int64_t n);
-    enum kr_status (*rope)(kr_backend_t be, const struct kr_rope_params *p);
+    enum kr_status (*rope)(kr_backend_t be, const struct krk_rope_params *p);
     /* (optional) kr_backend_rope_pair; KR_ERR_UNSUPPORTED: two rope calls */
-    enum kr_status (*rope_pair)(kr_backend_t be, const struct kr_rope_params *a, const struct kr_rope_params *b);
+    enum kr_status (*rope_pair)(kr_backend_t be, const struct krk_rope_params *a, const struct krk_rope_params *b);
     enum kr_status (*mla_cache_write)(kr_backend_t be, const struct krk_mla_cache_params *p);
-    enum kr_status (*dsa_index)(kr_backend_t be, const struct kr_dsa_index_params *p);
-    enum kr_status (*mla_attention)(kr_backend_t be, const struct kr_mla_attn_params *p);
-    /* (optional) samples one token per logits row (see struct kr_sample_batch) */
-    enum kr_status (*sample)(kr_backend_t be, const struct kr_sample_batch *sb);
+    enum kr_status (*dsa_index)(kr_backend_t be, const struct krk_dsa_index_params *p);
+    enum kr_status (*mla_attention)(kr_backend_t be, const struct krk_mla_attn_params *p);
+    /* (optional) samples one token per logits row (struct krk_sample_params, host arrays) */
+    enum kr_status (*sample)(kr_backend_t be, const struct krk_sample_params *p);
     /* (optional) tensor parallelism: set_tp joins the group `comm` (the collective object of this
      * backend's kind: struct kr_host_comm for the CPU) as `rank` of `size`; all_reduce sums x over
      * the ranks in place; all_gather puts the ranks' [rows, cols] blocks side by side in dst

@@ -181,9 +181,9 @@ bool kr_backend_can_sample(kr_backend_t be)
     return be->iface.sample != NULL;
 }
 
-enum kr_status kr_backend_sample(kr_backend_t be, const struct kr_sample_batch *sb)
+enum kr_status kr_backend_sample(kr_backend_t be, const struct krk_sample_params *p)
 {
-    return be->iface.sample ? be->iface.sample(be, sb) : KR_ERR_UNSUPPORTED;
+    return be->iface.sample ? be->iface.sample(be, p) : KR_ERR_UNSUPPORTED;
 }
 
 enum kr_status kr_backend_embed(kr_backend_t be, const struct kr_tensor *w, float *out)
@@ -280,17 +280,17 @@ enum kr_status kr_backend_mla_prep(kr_backend_t be, const struct krk_mla_prep_pa
                                               .eps = p->eps, .out = p->ckv};
         KR_TRY(be->iface.rmsnorm(be, &kn));
     }
-    const struct kr_rope_params rk = {.x = p->kva, .ld = ld, .n_vec = 1, .stride = 0, .off = p->kv_lora,
-                                      .dim = p->rope, .interleaved = true, .inv_freq = p->inv_freq,
-                                      .factor = p->factor};
+    const struct krk_rope_params rk = {.x = p->kva, .ld = ld, .n_vec = 1, .stride = 0, .off = p->kv_lora,
+                                       .dim = p->rope, .interleaved = true, .inv_freq = p->inv_freq,
+                                       .factor = p->factor};
     KR_TRY(be->iface.rope(be, &rk));
     if (p->ik) {
         const struct krk_layernorm_params ln = {.x = p->ik, .ldx = p->idx_dim, .w = p->ik_norm_w, .b = p->ik_norm_b,
                                                 .n = n, .dim = p->idx_dim, .eps = p->idx_eps, .out = p->ik};
         KR_TRY(be->iface.layernorm(be, &ln));
-        const struct kr_rope_params ri = {.x = p->ik, .ld = p->idx_dim, .n_vec = 1, .stride = 0, .off = 0,
-                                          .dim = p->rope, .interleaved = false, .inv_freq = p->inv_freq,
-                                          .factor = p->factor};
+        const struct krk_rope_params ri = {.x = p->ik, .ld = p->idx_dim, .n_vec = 1, .stride = 0, .off = 0,
+                                           .dim = p->rope, .interleaved = false, .inv_freq = p->inv_freq,
+                                           .factor = p->factor};
         KR_TRY(be->iface.rope(be, &ri));
         if (p->ik_fp8) {
             KR_TRY(kr_backend_fp8_round(be, p->ik_fp8));
@@ -307,7 +307,7 @@ enum kr_status kr_backend_mla_prep(kr_backend_t be, const struct krk_mla_prep_pa
     return be->iface.mla_cache_write(be, &cw);
 }
 
-enum kr_status kr_backend_mamba(kr_backend_t be, const struct kr_mamba_params *p)
+enum kr_status kr_backend_mamba(kr_backend_t be, const struct krk_mamba_params *p)
 {
     return be->iface.mamba(be, p);
 }
@@ -327,9 +327,10 @@ enum kr_status kr_backend_moe_route(kr_backend_t be, const struct krk_route_para
     return be->iface.moe_route(be, p);
 }
 
-enum kr_status kr_backend_moe_experts(kr_backend_t be, const struct kr_experts_params *p, int64_t n)
+enum kr_status kr_backend_moe_experts(kr_backend_t be, const struct krk_experts_params *p,
+                                      const struct kr_expert_weights *w)
 {
-    return be->iface.moe_experts(be, p, n);
+    return be->iface.moe_experts(be, p, w);
 }
 
 enum kr_status kr_backend_gather_out(kr_backend_t be, const float *src, int64_t width, float *dst)
@@ -347,12 +348,12 @@ enum kr_status kr_backend_scale(kr_backend_t be, float *y, float s, int64_t n)
     return be->iface.scale(be, y, s, n);
 }
 
-enum kr_status kr_backend_rope(kr_backend_t be, const struct kr_rope_params *p)
+enum kr_status kr_backend_rope(kr_backend_t be, const struct krk_rope_params *p)
 {
     return be->iface.rope(be, p);
 }
 
-enum kr_status kr_backend_rope_pair(kr_backend_t be, const struct kr_rope_params *a, const struct kr_rope_params *b)
+enum kr_status kr_backend_rope_pair(kr_backend_t be, const struct krk_rope_params *a, const struct krk_rope_params *b)
 {
     if (!a || !b) {
         return KR_ERR_INVAL;
@@ -372,12 +373,12 @@ enum kr_status kr_backend_mla_cache_write(kr_backend_t be, const struct krk_mla_
     return be->iface.mla_cache_write(be, p);
 }
 
-enum kr_status kr_backend_dsa_index(kr_backend_t be, const struct kr_dsa_index_params *p)
+enum kr_status kr_backend_dsa_index(kr_backend_t be, const struct krk_dsa_index_params *p)
 {
     return be->iface.dsa_index(be, p);
 }
 
-enum kr_status kr_backend_mla_attention(kr_backend_t be, const struct kr_mla_attn_params *p)
+enum kr_status kr_backend_mla_attention(kr_backend_t be, const struct krk_mla_attn_params *p)
 {
     if (p->select && (p->select->idx != p->idx || p->select->topk != p->topk || !p->idx)) {
         KR_LOG_ERROR("mla attention: the selection writes %p (top %d) but the attention reads %p (top %d)",

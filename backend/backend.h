@@ -149,112 +149,15 @@ enum kr_status kr_backend_copy_d2d(kr_backend_t be, void *dst, const void *src, 
 /* Makes the step's batch the current one for the ops that need sequence structure. */
 enum kr_status kr_backend_begin_batch(kr_backend_t be, const struct kr_batch *b);
 
-/* Parameters of a Mamba-2 causal conv + SSD step for one layer. Activations [n_tok, ...] of the
- * current batch. States are indexed by the batch's seq_slot. */
-struct kr_mamba_params {
-    const float *zxbcdt;    /* [n_tok, ld_in] in_proj output: [z | xBC | dt] */
-    int64_t ld_in;          /* row stride of zxbcdt (= in_proj rows) */
-    int64_t d_inner;        /* heads * head_dim */
-    int64_t n_head;         /* SSM heads */
-    int64_t head_dim;       /* P */
-    int64_t n_group;        /* G */
-    int64_t d_state;        /* N */
-    int64_t d_conv;         /* K */
-    int64_t chunk;          /* SSD chunk length */
-    const float *conv_w;    /* [conv_dim, K] fp32 */
-    const float *conv_b;    /* [conv_dim] fp32, may be NULL */
-    const float *dt_bias;   /* [n_head] fp32 */
-    const float *A_log;     /* [n_head] fp32 */
-    const float *D;         /* [n_head] fp32 */
-    float dt_min, dt_max;   /* dt clamp (applied only when dt_min > 0 / dt_max finite) */
-    void *conv_state;       /* [n_slot, K-1, conv_dim] this layer's conv states (model dtype) */
-    float *ssm_state;       /* [n_slot, n_head, head_dim, d_state] this layer's SSM states, fp32 */
-    float *xbc;             /* [n_tok, conv_dim] workspace: conv output (after SiLU) */
-    float *y;               /* [n_tok, d_inner] output: SSD output incl. D skip, before the gated norm */
-};
-
-/* Routed experts: out[t] = sum_k weights[t,k] * E_{ids[t,k]}(x[t]) with
- * E(x) = down(act(gate x) * (up x)) when gate is given, else down(act(up x)). */
-struct kr_experts_params {
-    const float *x;               /* [n_tok, d_in] */
-    int64_t d_in;
-    int64_t d_ffn;
-    int64_t d_out;
-    int64_t n_expert;
-    int64_t n_used;
-    const int32_t *ids;           /* [n_tok, n_used] */
-    const float *weights;         /* [n_tok, n_used] */
+/* The routed experts' weights as the engine holds them, beside struct krk_experts_params (krk/ops.h):
+ * arrays of n_expert tensors in backend memory, of the dtypes the backend uploaded (fp32 or bf16 on
+ * the CPU, bf16 on CUDA). The CUDA kernels read the experts through device arrays of pointers
+ * instead, which the CUDA backend builds from these arrays once per model; hence the weights are
+ * the one part of this op's parameters that is not shared with the kernels. */
+struct kr_expert_weights {
     const struct kr_tensor *gate; /* [n_expert] each [d_ffn, d_in]; NULL for non-gated experts */
     const struct kr_tensor *up;   /* [n_expert] each [d_ffn, d_in] */
     const struct kr_tensor *down; /* [n_expert] each [d_out, d_ffn] */
-    enum kr_act act;
-    float *out;                   /* [n_tok, d_out] overwritten */
-};
-
-/* Lightning indexer selection: for every token t at position p, the top min(topk, p+1) cached
- * positions s <= p by I[t,s] = sum_h w[t,h] relu(iq[t,h] . ik[s]) (ties: lower position first),
- * written ascending to idx[t, 0..] and padded with -1. When p+1 <= topk every position is chosen
- * and no score is computed. */
-struct kr_dsa_index_params {
-    const float *iq;        /* [n_tok, n_head * head_dim] indexer queries (after RoPE) */
-    const float *w;         /* [n_tok, n_head] head weights (already scaled) */
-    int64_t n_head, head_dim;
-    const void *cache;      /* this layer's latent cache (keys at column kv_lora + rope) */
-    int64_t row, key_off;   /* cache row width and offset of the index key within it */
-    int32_t block_size;
-    int32_t topk;
-    int32_t *idx;           /* [n_tok, topk] out */
-};
-
-/* Absorbed-form MLA attention over the latent cache: per head h, q_abs = W_UK[h]^T q_nope,
- * score(s) = scale (q_abs . c_kv[s] + q_pe . k_pe[s]) over the selected positions (idx, or every
- * position <= p when idx is NULL), o_lat = softmax-weighted sum of c_kv, out = W_UV[h] o_lat.
- * With `select` set, the positions are selected first, exactly as kr_backend_dsa_index(select)
- * would (select->idx must be idx, select->topk topk): a backend may overlap that selection with
- * the work on q that does not depend on it. */
-struct kr_mla_attn_params {
-    const float *q;         /* [n_tok, n_head * (nope + rope)] queries, rope part rotated */
-    int64_t n_head, nope, rope, v_dim, kv_lora;
-    const float *kv_b;      /* [n_head * (nope + v_dim), kv_lora] fp32: per head W_UK rows then W_UV rows */
-    const void *cache;      /* this layer's latent cache */
-    int64_t row;            /* cache row width */
-    int32_t block_size;
-    const int32_t *idx;     /* [n_tok, topk] selected positions (-1 padded) or NULL (dense causal) */
-    int32_t topk;
-    float scale;
-    float *out;             /* [n_tok, n_head * v_dim] */
-    const struct kr_dsa_index_params *select; /* or NULL: idx is already filled (or NULL) */
-};
-
-/* Rotary embedding of the current batch's tokens at their positions: for every token, n_vec
- * vectors at x + t*ld + i*stride, rotating `dim` elements starting at `off` with angles
- * pos * inv_freq[j], cos/sin scaled by `factor`. Interleaved pairs (2j, 2j+1) or half-split pairs
- * (j, j + dim/2). */
-struct kr_rope_params {
-    float *x;
-    int64_t ld, n_vec, stride, off, dim;
-    bool interleaved;
-    const float *inv_freq;  /* [dim/2] fp32 backend memory */
-    float factor;
-};
-
-/* n rows of raw logits in backend memory (row i at logits + i * ld); everything else host memory.
- * Penalty entries list, per row, its distinct counted tokens (count = occurrences in the output,
- * flag bit 0 = in the prompt) and, while below min_tokens, its EOS and stop ids (flag bit 1). */
-struct kr_sample_batch {
-    const float *logits;
-    int64_t ld, n, vocab;
-    const struct krk_sample_row *rows; /* [n] (krk/ops.h) */
-    const int32_t *pen_ids;           /* [n_pen] */
-    const int32_t *pen_count;         /* [n_pen] */
-    const uint8_t *pen_flags;         /* [n_pen] */
-    int64_t n_pen;
-    int32_t *out;                     /* [n] chosen ids; -1 where the row's parameters are invalid
-                                         or every logit is masked (the host path reports those) */
-    float *out_logprob;               /* [n] log-softmax of the raw logits at the chosen id */
-    int32_t n_top;                    /* 0..20 */
-    int32_t *top_ids;                 /* [n, n_top] largest raw log-probabilities, descending */
-    float *top_lp;                    /* [n, n_top] */
 };
 
 enum kr_status kr_backend_mla_prep(kr_backend_t be, const struct krk_mla_prep_params *p);
@@ -265,7 +168,9 @@ enum kr_status kr_backend_fp8_round(kr_backend_t be, const struct krk_fp8_round_
 
 /* True when the backend samples on its own (kr_backend_sample is available). */
 bool kr_backend_can_sample(kr_backend_t be);
-enum kr_status kr_backend_sample(kr_backend_t be, const struct kr_sample_batch *sb);
+/* One token per logits row (struct krk_sample_params: logits in backend memory, every other array
+ * in host memory). */
+enum kr_status kr_backend_sample(kr_backend_t be, const struct krk_sample_params *p);
 
 enum kr_status kr_backend_embed(kr_backend_t be, const struct kr_tensor *w, float *out);
 /* RMSNorm (struct krk_rmsnorm_params): with `res` it adds the residual into x first (the forward pass
@@ -292,20 +197,26 @@ enum kr_status kr_backend_matmul_multi(kr_backend_t be, const float *x, int64_t 
 enum kr_status kr_backend_matmul_act(kr_backend_t be, const float *x, int64_t ldx, int64_t n,
                                      const struct kr_tensor *w, const float *bias, float *y, int64_t ldy,
                                      enum kr_act act, float *out, krk_bf16 *out_bf16, const struct krk_bf16_in *xb);
-enum kr_status kr_backend_mamba(kr_backend_t be, const struct kr_mamba_params *p);
+/* The Mamba-2 conv + SSD step of a layer (struct krk_mamba_params). */
+enum kr_status kr_backend_mamba(kr_backend_t be, const struct krk_mamba_params *p);
 enum kr_status kr_backend_gated_rmsnorm(kr_backend_t be, const struct krk_gated_rmsnorm_params *p);
 enum kr_status kr_backend_attention(kr_backend_t be, const struct krk_attn_params *p);
 enum kr_status kr_backend_moe_route(kr_backend_t be, const struct krk_route_params *p);
-enum kr_status kr_backend_moe_experts(kr_backend_t be, const struct kr_experts_params *p, int64_t n);
+/* Routed experts (struct krk_experts_params) with the weights w. */
+enum kr_status kr_backend_moe_experts(kr_backend_t be, const struct krk_experts_params *p,
+                                      const struct kr_expert_weights *w);
 /* LayerNorm (struct krk_layernorm_params); out may alias x. */
 enum kr_status kr_backend_layernorm(kr_backend_t be, const struct krk_layernorm_params *p);
-enum kr_status kr_backend_rope(kr_backend_t be, const struct kr_rope_params *p);
+/* RoPE (struct krk_rope_params) at the current batch's positions. */
+enum kr_status kr_backend_rope(kr_backend_t be, const struct krk_rope_params *p);
 /* kr_backend_rope on a, then on b (vectors that do not overlap a's); a backend may rotate both in
  * one launch when they share frequencies and factor. */
-enum kr_status kr_backend_rope_pair(kr_backend_t be, const struct kr_rope_params *a, const struct kr_rope_params *b);
+enum kr_status kr_backend_rope_pair(kr_backend_t be, const struct krk_rope_params *a, const struct krk_rope_params *b);
 enum kr_status kr_backend_mla_cache_write(kr_backend_t be, const struct krk_mla_cache_params *p);
-enum kr_status kr_backend_dsa_index(kr_backend_t be, const struct kr_dsa_index_params *p);
-enum kr_status kr_backend_mla_attention(kr_backend_t be, const struct kr_mla_attn_params *p);
+/* The lightning indexer's selection (struct krk_dsa_index_params). */
+enum kr_status kr_backend_dsa_index(kr_backend_t be, const struct krk_dsa_index_params *p);
+/* Absorbed MLA attention (struct krk_mla_attn_params), the selection first when it carries one. */
+enum kr_status kr_backend_mla_attention(kr_backend_t be, const struct krk_mla_attn_params *p);
 /* y[i] *= s for i < n. */
 enum kr_status kr_backend_scale(kr_backend_t be, float *y, float s, int64_t n);
 /* dst[i] = src[out_tok[i]] for the current batch's out_tok (rows of `width`). */

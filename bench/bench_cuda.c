@@ -256,10 +256,10 @@ static void cache_unit_report(struct ctx *x)
 static void gpu_greedy(struct ctx *x, int32_t n, int32_t *ids)
 {
     CK(cudaDeviceSynchronize()); /* the step ran on the backend's stream */
-    struct krk_sample_params p = {.logits = x->m->last_logits, .ld = x->m->cfg.vocab, .n = n,
-                                  .vocab = x->m->cfg.vocab, .rows = x->rows_d, .out = x->ids_d,
-                                  .workspace = x->sample_ws, .workspace_bytes = x->sample_ws_bytes};
-    if (krk_sample(&p, 0) != KR_OK) {
+    const struct krk_sample_params p = {.logits = x->m->last_logits, .ld = x->m->cfg.vocab, .n = n,
+                                        .vocab = x->m->cfg.vocab, .rows = x->rows_d, .out = x->ids_d};
+    const struct krk_ctx k = {.workspace = x->sample_ws, .workspace_bytes = x->sample_ws_bytes};
+    if (krk_sample(&p, &k) != KR_OK) {
         fprintf(stderr, "bench_cuda: krk_sample failed\n");
         exit(1);
     }

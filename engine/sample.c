@@ -220,13 +220,13 @@ enum kr_status eng_sample_on_backend(struct kr_engine *e, struct seq **seqs, con
                                              .u = p->temperature > 0.0f ? kr_rng_uniform(&s->rng) : 0.0};
         at += k;
     }
-    struct kr_sample_batch sb = {.logits = e->m->last_logits, .ld = e->m->cfg.vocab, .n = n,
-                                 .vocab = e->m->cfg.vocab, .rows = e->srows, .pen_ids = e->pen_ids,
-                                 .pen_count = e->pen_count, .pen_flags = e->pen_flags, .n_pen = at,
-                                 .out = e->s_out, .out_logprob = want_lp ? e->s_lp : NULL, .n_top = n_top,
-                                 .top_ids = e->s_top_ids, .top_lp = e->s_top_lp};
+    const struct krk_sample_params sp = {.logits = e->m->last_logits, .ld = e->m->cfg.vocab, .n = n,
+                                         .vocab = e->m->cfg.vocab, .rows = e->srows, .pen_ids = e->pen_ids,
+                                         .pen_count = e->pen_count, .pen_flags = e->pen_flags, .n_pen = at,
+                                         .out = e->s_out, .out_logprob = want_lp ? e->s_lp : NULL,
+                                         .n_top = n_top, .top_ids = e->s_top_ids, .top_lp = e->s_top_lp};
     *n_top_out = n_top;
-    return kr_backend_sample(e->m->be, &sb);
+    return kr_backend_sample(e->m->be, &sp);
 }
 
 /* Accumulates prompt log-probabilities from rows of prompt positions [p0, p0 + n) and emits them

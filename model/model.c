@@ -332,7 +332,7 @@ static enum kr_status mamba_fwd(struct kr_model *m, struct kr_cache *cache, cons
     kr_backend_t be = m->be;
     const struct krk_bf16_in hb = bf16_filled(ws, c->dim);
     KR_TRY(kr_backend_matmul(be, ws->h, c->dim, n, &w->in_proj, w->in_proj_b, ws->big, c->m_in_proj, &hb));
-    struct kr_mamba_params p = {
+    struct krk_mamba_params p = {
         .zxbcdt = ws->big,
         .ld_in = c->m_in_proj,
         .d_inner = c->m_d_inner,
@@ -468,12 +468,12 @@ static enum kr_status mla_fwd(struct kr_model *m, struct kr_cache *cache, const 
     }
     /* interleaved RoPE on q_pe (each head's last Dr dims); with the indexer, half-split RoPE on the
      * first Dr dims of every indexer query head alongside */
-    const struct kr_rope_params rq = {.x = q, .ld = H * qd, .n_vec = H, .stride = qd, .off = Dn, .dim = Dr,
-                                      .interleaved = true, .inv_freq = m->rope_inv_freq,
-                                      .factor = c->rope_attn_factor};
-    const struct kr_rope_params ri = {.x = iq, .ld = Hi * Di, .n_vec = Hi, .stride = Di, .off = 0, .dim = Dr,
-                                      .interleaved = false, .inv_freq = m->rope_inv_freq,
-                                      .factor = c->rope_attn_factor};
+    const struct krk_rope_params rq = {.x = q, .ld = H * qd, .n_vec = H, .stride = qd, .off = Dn, .dim = Dr,
+                                       .interleaved = true, .inv_freq = m->rope_inv_freq,
+                                       .factor = c->rope_attn_factor};
+    const struct krk_rope_params ri = {.x = iq, .ld = Hi * Di, .n_vec = Hi, .stride = Di, .off = 0, .dim = Dr,
+                                       .interleaved = false, .inv_freq = m->rope_inv_freq,
+                                       .factor = c->rope_attn_factor};
     KR_TRY(select ? kr_backend_rope_pair(be, &rq, &ri) : kr_backend_rope(be, &rq));
     m->idx_query_rows += select ? (uint64_t)n : 0;
     if (select) {
@@ -485,13 +485,13 @@ static enum kr_status mla_fwd(struct kr_model *m, struct kr_cache *cache, const 
     }
     const int32_t topk = (int32_t)c->idx_topk;
     /* the selection runs as part of the attention (a backend may overlap it with the absorption) */
-    const struct kr_dsa_index_params ip = {.iq = iq, .w = ws->m_w, .n_head = Hi, .head_dim = Di, .cache = lat,
-                                           .row = row, .key_off = Rkv + Dr, .block_size = cache->block_size,
-                                           .topk = topk, .idx = ws->m_idx};
-    struct kr_mla_attn_params ap = {.q = q, .n_head = H, .nope = Dn, .rope = Dr, .v_dim = c->v_head, .kv_lora = Rkv,
-                                    .kv_b = w->kv_b, .cache = lat, .row = row, .block_size = cache->block_size,
-                                    .idx = select ? ws->m_idx : NULL, .topk = topk, .scale = c->mla_scale,
-                                    .out = ws->y, .select = select ? &ip : NULL};
+    const struct krk_dsa_index_params ip = {.iq = iq, .w = ws->m_w, .n_head = Hi, .head_dim = Di, .cache = lat,
+                                            .row = row, .key_off = Rkv + Dr, .block_size = cache->block_size,
+                                            .topk = topk, .idx = ws->m_idx};
+    struct krk_mla_attn_params ap = {.q = q, .n_head = H, .nope = Dn, .rope = Dr, .v_dim = c->v_head, .kv_lora = Rkv,
+                                     .kv_b = w->kv_b, .cache = lat, .row = row, .block_size = cache->block_size,
+                                     .idx = select ? ws->m_idx : NULL, .topk = topk, .scale = c->mla_scale,
+                                     .out = ws->y, .select = select ? &ip : NULL};
     KR_TRY(kr_backend_mla_attention(be, &ap));
     if (w->has_indexer && m->on_index) {
         const size_t nb = (size_t)n * (size_t)topk * sizeof(int32_t);
@@ -567,8 +567,9 @@ static enum kr_status moe_fwd(struct kr_model *m, const struct kr_layer *L, int6
         KR_TRY(kr_backend_matmul(be, ws->h, c->dim, n, &w->fc1_latent, NULL, ws->y, d_e, &room));
         xe = ws->y;
     }
-    struct kr_experts_params ep = {
+    const struct krk_experts_params ep = {
         .x = xe,
+        .n = n,
         .d_in = d_e,
         .d_ffn = c->moe_ffn,
         .d_out = d_e,
@@ -576,13 +577,11 @@ static enum kr_status moe_fwd(struct kr_model *m, const struct kr_layer *L, int6
         .n_used = c->n_expert_used,
         .ids = ws->ids,
         .weights = ws->rw,
-        .gate = w->gate,
-        .up = w->up,
-        .down = w->down,
         .act = c->act,
         .out = w->has_latent ? ws->y2 : ws->o,
     };
-    KR_TRY(kr_backend_moe_experts(be, &ep, n));
+    const struct kr_expert_weights ew = {.gate = w->gate, .up = w->up, .down = w->down};
+    KR_TRY(kr_backend_moe_experts(be, &ep, &ew));
     if (w->has_latent) {
         KR_TRY(kr_backend_matmul(be, ws->y2, d_e, n, &w->fc2_latent, NULL, ws->o, c->dim, &room));
     }

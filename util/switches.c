@@ -8,17 +8,14 @@
 
 static const char *const mla_attn_names[] = {"per-head", "heads", NULL};     /* KR_MLA_ATTN_* */
 static const char *const dsa_score_names[] = {"fp32", "mma", NULL};          /* KR_DSA_SCORE_* */
-static const char *const dsa_select_names[] = {"block", "agg", "split", NULL}; /* KR_DSA_SELECT_* */
 
 /* Where each entry of the table lands in struct kr_switches (KR_SWITCH_STEP fills fault_step and
  * fault_fatal). */
 static const size_t g_offset[] = {
-    offsetof(struct kr_switches, cuda_graphs),   offsetof(struct kr_switches, cuda_graphs_mla),
-    offsetof(struct kr_switches, mla_attn),      offsetof(struct kr_switches, dsa_score),
-    offsetof(struct kr_switches, mla_overlap),   offsetof(struct kr_switches, dsa_select),
-    offsetof(struct kr_switches, gemv_config),   offsetof(struct kr_switches, skinny_max),
-    offsetof(struct kr_switches, skinny_config), offsetof(struct kr_switches, ssd_stream),
-    offsetof(struct kr_switches, pdl),           offsetof(struct kr_switches, backend_sampling),
+    offsetof(struct kr_switches, cuda_graphs), offsetof(struct kr_switches, mla_attn),
+    offsetof(struct kr_switches, dsa_score),   offsetof(struct kr_switches, mla_overlap),
+    offsetof(struct kr_switches, skinny_max),  offsetof(struct kr_switches, ssd_stream),
+    offsetof(struct kr_switches, pdl),         offsetof(struct kr_switches, backend_sampling),
     offsetof(struct kr_switches, fault_step),
 };
 
@@ -26,9 +23,6 @@ static const struct kr_switch g_table[] = {
     {"KRAIT_CUDA_GRAPHS", KR_SWITCH_BOOL, 0, 1, NULL, "1", KR_SWITCH_OPERATOR,
      "decode steps replay CUDA graphs; 0 runs every step eagerly (profilers, debugging)",
      NULL},
-    {"KRAIT_CUDA_GRAPHS_MLA", KR_SWITCH_BOOL, 0, 1, NULL, "1", KR_SWITCH_MEASURE,
-     "models with MLA/DSA layers capture decode graphs too; 0 leaves their steps eager",
-     "an A/B of MLA/DSA capture against eager steps; KRAIT_CUDA_GRAPHS=0 also gives eager steps"},
     {"KRAIT_MLA_ATTN", KR_SWITCH_ENUM, 0, 0, mla_attn_names, "heads", KR_SWITCH_MEASURE,
      "MLA attention: heads (a token's heads in one block, bf16 tensor cores) or per-head (fp32, a "
      "block per token and head)",
@@ -39,18 +33,9 @@ static const struct kr_switch g_table[] = {
     {"KRAIT_MLA_OVERLAP", KR_SWITCH_BOOL, 0, 1, NULL, "1", KR_SWITCH_MEASURE,
      "the DSA selection runs on a second stream beside the query absorption; 0 runs them in turn",
      "serial against overlapped, bit-identical either way (the GPU tests compare both with it)"},
-    {"KRAIT_DSA_SELECT", KR_SWITCH_ENUM, 0, 0, dsa_select_names, "block", KR_SWITCH_MEASURE,
-     "DSA top-k histograms: block, agg (per-warp aggregated atomics) or split (chunk candidates)",
-     "agg and split select the same positions and measured slower than block at 128K (docs/PERF.md)"},
-    {"KRAIT_GEMV_CONFIG", KR_SWITCH_INT, 0, KR_GEMV_CONFIGS - 1, NULL, "0", KR_SWITCH_MEASURE,
-     "the GEMV's tiling at 1-2 rows: 0 the tuned one, 1..4 alternatives",
-     "alternative tilings for end-to-end A/B runs; bench_gemv times every tiling without it"},
     {"KRAIT_SKINNY_MAX", KR_SWITCH_INT, 0, KR_SKINNY_MAX_N, NULL, "8", KR_SWITCH_MEASURE,
      "most rows the skinny tensor-core GEMM takes (from 2); more go to cuBLAS; 0 = cuBLAS from 2 rows",
      "moves the skinny/cuBLAS crossover for A/B runs; 8 is the bound measured best (docs/PERF.md)"},
-    {"KRAIT_SKINNY_CONFIG", KR_SWITCH_INT, 0, KR_SKINNY_CONFIGS - 1, NULL, "0", KR_SWITCH_MEASURE,
-     "the skinny GEMM's tile shape: 0 the tuned one, 1..3 alternatives",
-     "alternative tile shapes for measurements only"},
     {"KRAIT_SSD_STREAM", KR_SWITCH_BOOL, 0, 1, NULL, "1", KR_SWITCH_MEASURE,
      "the one-token SSM state update uses streaming cache hints (process-wide); 0 the default hints",
      "an A/B of the cache hints (same results; +1.1 % at batch 64, docs/PERF.md)"},
@@ -78,14 +63,10 @@ void kr_switches_defaults(struct kr_switches *sw)
 {
     *sw = (struct kr_switches){
         .cuda_graphs = 1,
-        .cuda_graphs_mla = 1,
         .mla_attn = KR_MLA_ATTN_HEADS,
         .dsa_score = KR_DSA_SCORE_MMA,
         .mla_overlap = 1,
-        .dsa_select = KR_DSA_SELECT_BLOCK,
-        .gemv_config = 0,
         .skinny_max = KR_SKINNY_MAX_DEFAULT,
-        .skinny_config = 0,
         .ssd_stream = 1,
         .pdl = 1,
         .backend_sampling = -1,
@@ -132,7 +113,7 @@ void kr_switch_accepted(const struct kr_switch *s, char *buf, size_t cap)
     }
 }
 
-/* "0 or 1", "an integer in 0..16", "block, agg or split", "N or N:fatal with N >= 1" */
+/* "0 or 1", "an integer in 0..16", "fp32 or mma", "N or N:fatal with N >= 1" */
 static void expected(const struct kr_switch *s, char *buf, size_t cap)
 {
     switch (s->type) {

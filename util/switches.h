@@ -20,22 +20,16 @@ extern "C" {
 enum { KR_MLA_ATTN_PER_HEAD = 0, KR_MLA_ATTN_HEADS = 1 };
 /* KRAIT_DSA_SCORE (KRK_DSA_SCORE_*) */
 enum { KR_DSA_SCORE_FP32 = 0, KR_DSA_SCORE_MMA = 1 };
-/* KRAIT_DSA_SELECT (KRK_DSA_SELECT_*) */
-enum { KR_DSA_SELECT_BLOCK = 0, KR_DSA_SELECT_AGG = 1, KR_DSA_SELECT_SPLIT = 2 };
-/* Bounds of the integer switches (the kernel library's KRK_GEMV_CONFIGS, KRK_SKINNY_MAX_N and
- * KRK_SKINNY_CONFIGS; backend/backend-cuda.c asserts that they agree). */
-enum { KR_GEMV_CONFIGS = 5, KR_SKINNY_MAX_N = 16, KR_SKINNY_CONFIGS = 4, KR_SKINNY_MAX_DEFAULT = 8 };
+/* Bounds of KRAIT_SKINNY_MAX (the kernel library's KRK_SKINNY_MAX_N; backend/backend-cuda.c asserts
+ * that they agree). */
+enum { KR_SKINNY_MAX_N = 16, KR_SKINNY_MAX_DEFAULT = 8 };
 
 struct kr_switches {
     int32_t cuda_graphs;      /* KRAIT_CUDA_GRAPHS: 1 = decode steps from CUDA graphs */
-    int32_t cuda_graphs_mla;  /* KRAIT_CUDA_GRAPHS_MLA: 1 = models with MLA/DSA layers captured too */
     int32_t mla_attn;         /* KRAIT_MLA_ATTN: KR_MLA_ATTN_* */
     int32_t dsa_score;        /* KRAIT_DSA_SCORE: KR_DSA_SCORE_* */
     int32_t mla_overlap;      /* KRAIT_MLA_OVERLAP: 1 = DSA selection on a second stream */
-    int32_t dsa_select;       /* KRAIT_DSA_SELECT: KR_DSA_SELECT_* */
-    int32_t gemv_config;      /* KRAIT_GEMV_CONFIG: 0..KR_GEMV_CONFIGS-1 */
     int32_t skinny_max;       /* KRAIT_SKINNY_MAX: 0..KR_SKINNY_MAX_N (0: cuBLAS) */
-    int32_t skinny_config;    /* KRAIT_SKINNY_CONFIG: 0..KR_SKINNY_CONFIGS-1 */
     int32_t ssd_stream;       /* KRAIT_SSD_STREAM: 1 = the SSD streams states (process-wide) */
     int32_t pdl;              /* KRAIT_PDL: 1 = programmatic dependent launch (process-wide) */
     int32_t backend_sampling; /* KRAIT_BACKEND_SAMPLING: -1 (unset) = the engine config decides */
@@ -73,13 +67,13 @@ const struct kr_switch *kr_switches_table(int *n);
 /* The defaults of every switch (what an empty environment gives). */
 void kr_switches_defaults(struct kr_switches *sw);
 /* Parses every switch with `get` (getenv when NULL): KR_OK, or KR_ERR_INVAL with a message such
- * as "KRAIT_DSA_SELECT=aggr: expected block, agg or split" (sw then holds the defaults). */
+ * as "KRAIT_DSA_SCORE=fp16: expected fp32 or mma" (sw then holds the defaults). */
 enum kr_status kr_switches_parse(struct kr_switches *sw, const char *(*get)(const char *name), struct kr_err *err);
 /* kr_switches_parse from the current environment. */
 enum kr_status kr_switches_from_env(struct kr_switches *sw, struct kr_err *err);
 /* Whether the switch called `name` was set in the environment sw was parsed from. */
 bool kr_switches_given(const struct kr_switches *sw, const char *name);
-/* The accepted values of a switch as one string ("0|1", "0..16", "block|agg|split", "N|N:fatal"). */
+/* The accepted values of a switch as one string ("0|1", "0..16", "fp32|mma", "N|N:fatal"). */
 void kr_switch_accepted(const struct kr_switch *s, char *buf, size_t cap);
 /* Prints the table for `krait serve --help-env`. */
 void kr_switches_print(FILE *f);

@@ -206,10 +206,11 @@ cudaError_t conv1d_launch(const ConvArgs &a, cudaStream_t stream)
 
 } // namespace
 
-extern "C" enum kr_status krk_conv1d(const struct krk_conv1d_params *p, cudaStream_t stream)
+extern "C" enum kr_status krk_conv1d(const struct krk_conv1d_params *p, const struct krk_ctx *ctx)
 {
-    KRK_REQUIRE(p != nullptr);
-    const krk_batch &b = p->batch;
+    KRK_REQUIRE(p != nullptr && ctx != nullptr);
+    const krk_batch &b = ctx->batch;
+    const cudaStream_t stream = ctx->stream;
     KRK_REQUIRE(p->d_conv >= 2 && p->d_conv <= 8);
     KRK_REQUIRE(p->conv_dim >= 1 && p->in_off >= 0 && p->ld_in >= p->in_off + p->conv_dim);
     KRK_REQUIRE(b.n_tok >= 0 && b.n_seq >= 0);

@@ -62,10 +62,11 @@ extern "C" size_t krk_ssd_workspace_bytes(int64_t n_tok, int64_t n_seq, int64_t 
     return ssd_cb_bytes(slots, n_group);
 }
 
-extern "C" enum kr_status krk_ssd(const struct krk_ssd_params *p, cudaStream_t stream)
+extern "C" enum kr_status krk_ssd(const struct krk_ssd_params *p, const struct krk_ctx *ctx)
 {
-    KRK_REQUIRE(p != nullptr);
-    const krk_batch &b = p->batch;
+    KRK_REQUIRE(p != nullptr && ctx != nullptr);
+    const krk_batch &b = ctx->batch;
+    const cudaStream_t stream = ctx->stream;
     KRK_REQUIRE(p->n_head >= 1 && p->head_dim >= 1);
     // grids: (head_dim tiles, n_head, n_seq) for the update and the scan, (chunk slots, n_group) for C.B^T
     KRK_REQUIRE_MSG(p->n_head <= 65535 && p->head_dim <= 4096, "ssd: %lld heads x %lld, at most 65535 heads "
@@ -87,7 +88,10 @@ extern "C" enum kr_status krk_ssd(const struct krk_ssd_params *p, cudaStream_t s
     const int64_t slots = b.max_seq_tok > 1 ? ssd_chunk_slots(b.n_tok, b.n_seq, &per_seq) : 0;
     KRK_REQUIRE_MSG(slots <= INT32_MAX, "ssd: %d tokens in %d sequences need %lld chunk slots, at most %d", b.n_tok,
                     b.n_seq, (long long)slots, INT32_MAX);
-    KRK_REQUIRE(slots == 0 || (p->workspace && aligned16(p->workspace)));
+    KRK_REQUIRE(slots == 0 || (ctx->workspace && aligned16(ctx->workspace)));
+    KRK_REQUIRE_MSG(slots == 0 || ctx->workspace_bytes >= ssd_cb_bytes(slots, p->n_group),
+                    "ssd: a workspace of %zu bytes, %d tokens in %d sequences need %zu", ctx->workspace_bytes,
+                    b.n_tok, b.n_seq, ssd_cb_bytes(slots, p->n_group));
 
     SsdArgs a;
     a.xbc = p->xbc;
@@ -97,7 +101,7 @@ extern "C" enum kr_status krk_ssd(const struct krk_ssd_params *p, cudaStream_t s
     a.D = p->D;
     a.state = p->state;
     a.y = p->y;
-    a.ws_cb = static_cast<float *>(p->workspace);
+    a.ws_cb = static_cast<float *>(ctx->workspace);
     a.conv_dim = p->conv_dim;
     a.ld_dt = p->ld_dt;
     a.n_head = (int)p->n_head;
@@ -117,8 +121,8 @@ extern "C" enum kr_status krk_ssd(const struct krk_ssd_params *p, cudaStream_t s
 
     // (profiling) events around phase k
     auto mark = [&](int k, int end) {
-        if (p->events) {
-            cudaEventRecord(p->events[2 * k + end], stream);
+        if (ctx->events) {
+            cudaEventRecord(ctx->events[2 * k + end], stream);
         }
     };
     // decode: sequences of at most one token (every sequence when max_seq_tok == 1)

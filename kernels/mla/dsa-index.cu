@@ -21,8 +21,15 @@ constexpr int kSelectThreads = 512;
 constexpr int kSelectCache = 4096; // most keys dsa_select_kernel keeps in shared memory (16 KB)
 constexpr int64_t kMaxHeadDim = 256; // keeps the score block's key tile within 48 KB of shared memory
 
+// The kernels' argument: the op's parameters with the cache typed (hiding the op's void pointer) and
+// the batch.
+struct IndexArgs : krk_dsa_index_params {
+    const krk_bf16 *cache;
+    krk_batch batch;
+};
+
 __global__ void __launch_bounds__(kScoreThreads)
-    dsa_score_kernel(krk_dsa_index_params p, int32_t t0, float *__restrict__ scores, int64_t ld)
+    dsa_score_kernel(IndexArgs p, int32_t t0, float *__restrict__ scores, int64_t ld)
 {
     krk::kernel_prologue();
     extern __shared__ float sh[];
@@ -85,7 +92,7 @@ constexpr int kMmaKeys = 64;  // keys per tile
 constexpr int kMmaTiles = 8;  // most tiles per block (512 keys): amortizes the query load
 
 __global__ void __launch_bounds__(kMmaWarps * 32)
-    dsa_score_mma_kernel(krk_dsa_index_params p, int32_t t0, float *__restrict__ scores, int64_t ld, int tiles)
+    dsa_score_mma_kernel(IndexArgs p, int32_t t0, float *__restrict__ scores, int64_t ld, int tiles)
 {
     krk::kernel_prologue();
     extern __shared__ __align__(16) uint16_t smu[];
@@ -269,63 +276,33 @@ __device__ __forceinline__ int block_excl_scan(int v, int *sh, int *total)
 // (after the passes `prefix` is that key and `remaining` the number of items equal to it to take),
 // then the write-out: each thread owns a contiguous run of items and takes those greater than the
 // threshold, and those equal to it while the equal ones before (in earlier runs, then in its own)
-// number fewer than `remaining`; two block scans place the runs. Histograms: one shared atomic per
-// key into one copy (AGG false), or one per distinct bin of a warp (match.any) into per-warp
-// copies (AGG true): the scores of a query crowd into few bins, which serializes the first. Either
-// way the bin is found by one warp's scan of the 256 counts (a thread walking them one by one took
-// ~4 us a pass). Block of kSelectThreads; call from every thread.
+// number fewer than `remaining`; two block scans place the runs. Histograms take one shared atomic
+// per key; the bin is found by one warp's scan of the 256 counts (a thread walking them one by one
+// took ~4 us a pass). Block of kSelectThreads; call from every thread.
 struct TopkSmem {
     int hist[256];
-    int whist[kSelectThreads / 32][256];
     int scan[32];
     uint32_t sel_prefix;
     int sel_remaining;
 };
-template <bool AGG, class Key, class Emit>
+template <class Key, class Emit>
 __device__ void block_topk(int32_t n, int32_t k, Key key, Emit emit, TopkSmem &sm)
 {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31;
     uint32_t prefix = 0, mask = 0;
     int remaining = k;
     for (int shift = 24; shift >= 0; shift -= 8) {
-        if constexpr (AGG) {
-            for (int i = threadIdx.x; i < (kSelectThreads / 32) * 256; i += kSelectThreads) {
-                sm.whist[i / 256][i % 256] = 0;
-            }
-            __syncthreads();
-            for (int32_t base = 0; base < n; base += kSelectThreads) { // uniform trip count: full warps
-                const int32_t i = base + (int32_t)threadIdx.x;
-                const uint32_t kv = i < n ? key(i) : 0u;
-                const bool ok = i < n && (kv & mask) == prefix;
-                const int bin = ok ? (int)((kv >> shift) & 255u) : 256 + lane; // unmatched lanes stay alone
-                const unsigned peers = __match_any_sync(0xffffffffu, bin);
-                if (ok && __ffs(peers) - 1 == lane) {
-                    atomicAdd(&sm.whist[warp][bin], __popc(peers));
-                }
-            }
-            __syncthreads();
-            for (int i = threadIdx.x; i < 256; i += kSelectThreads) {
-                int v = 0;
-#pragma unroll
-                for (int w = 0; w < kSelectThreads / 32; w++) {
-                    v += sm.whist[w][i];
-                }
-                sm.hist[i] = v;
-            }
-            __syncthreads();
-        } else {
-            for (int i = threadIdx.x; i < 256; i += kSelectThreads) {
-                sm.hist[i] = 0;
-            }
-            __syncthreads();
-            for (int32_t i = threadIdx.x; i < n; i += kSelectThreads) {
-                const uint32_t kv = key(i);
-                if ((kv & mask) == prefix) {
-                    atomicAdd(&sm.hist[(kv >> shift) & 255u], 1);
-                }
-            }
-            __syncthreads();
+        for (int i = threadIdx.x; i < 256; i += kSelectThreads) {
+            sm.hist[i] = 0;
         }
+        __syncthreads();
+        for (int32_t i = threadIdx.x; i < n; i += kSelectThreads) {
+            const uint32_t kv = key(i);
+            if ((kv & mask) == prefix) {
+                atomicAdd(&sm.hist[(kv >> shift) & 255u], 1);
+            }
+        }
+        __syncthreads();
         // the bin holding the remaining-th largest key, from the largest; bin 0 takes the rest
         if (threadIdx.x < 32) {
             // lane j holds bins 255 - 8j down to 248 - 8j; the first lane (from the top) whose
@@ -386,7 +363,7 @@ __device__ void block_topk(int32_t n, int32_t k, Key key, Emit emit, TopkSmem &s
 
 // Token t's visible positions (none for padding) into *n_keys; when they fit in topk, writes them
 // all, then -1, to out and returns true (the block is done). Call from every thread.
-__device__ __forceinline__ bool take_all_positions(const krk_dsa_index_params &p, int32_t t, int64_t ld,
+__device__ __forceinline__ bool take_all_positions(const IndexArgs &p, int32_t t, int64_t ld,
                                                    int32_t *out, int32_t *n_keys)
 {
     const krk_batch &b = p.batch;
@@ -403,9 +380,8 @@ __device__ __forceinline__ bool take_all_positions(const krk_dsa_index_params &p
 
 // One block per token: every visible position when the context fits in topk (none for padding),
 // then -1; otherwise the top-k of its scores.
-template <bool AGG>
 __global__ void __launch_bounds__(kSelectThreads)
-    dsa_select_kernel(krk_dsa_index_params p, int32_t t0, const float *__restrict__ scores, int64_t ld)
+    dsa_select_kernel(IndexArgs p, int32_t t0, const float *__restrict__ scores, int64_t ld)
 {
     krk::kernel_prologue();
     __shared__ TopkSmem sm;
@@ -425,100 +401,30 @@ __global__ void __launch_bounds__(kSelectThreads)
             kc[i] = order_key(sc[i]);
         }
         __syncthreads();
-        block_topk<AGG>(n_keys, k, [&](int32_t i) { return kc[i]; }, [&](int o, int32_t i) { out[o] = i; }, sm);
+        block_topk(n_keys, k, [&](int32_t i) { return kc[i]; }, [&](int o, int32_t i) { out[o] = i; }, sm);
         return;
     }
-    block_topk<AGG>(n_keys, k, [&](int32_t i) { return order_key(sc[i]); }, [&](int o, int32_t i) { out[o] = i; },
-                    sm);
-}
-
-// ---- split top-k (KRK_DSA_SELECT_SPLIT) -------------------------------------------------------
-// For long contexts one block per query leaves most of the GPU idle (batch 1) or spends a block's
-// lifetime on 4 passes over 128K scores. Split: the positions of a query are cut into chunks of
-// `chunk` (>= 4 topk); a block per (chunk, query) keeps the chunk's own top-k (ties to lower
-// positions), then one block per query selects the top-k of the candidates. Exact: an element of
-// the query's top-k has fewer than k elements before it in (score desc, position asc) order, so
-// fewer than k in its chunk, and is among the chunk's candidates; the candidates keep the order
-// of positions, so ties resolve as in the CPU reference.
-
-// Grid (chunks, tokens): the candidates of chunk c of token t0 + y, cand[y][c * k ...]: its
-// min(len, k) best positions in ascending order.
-__global__ void __launch_bounds__(kSelectThreads)
-    dsa_chunk_topk_kernel(krk_dsa_index_params p, int32_t t0, const float *__restrict__ scores, int64_t ld,
-                          int32_t chunk, int32_t *__restrict__ cand, int64_t ld_cand)
-{
-    krk::kernel_prologue();
-    __shared__ TopkSmem sm;
-    const krk_batch &b = p.batch;
-    const int32_t t = t0 + (int32_t)blockIdx.y, k = p.topk;
-    const int32_t seq = b.tok_seq[t];
-    const int32_t n_keys = b.seq_slot[seq] < 0 ? 0 : (int32_t)min((int64_t)b.pos[t] + 1, ld);
-    const int32_t lo = (int32_t)blockIdx.x * chunk;
-    if (n_keys <= k || lo >= n_keys) {
-        return; // block-uniform: nothing to select, or past the token's positions
-    }
-    const int32_t len = min(chunk, n_keys - lo);
-    const float *sc = scores + (int64_t)blockIdx.y * ld + lo;
-    int32_t *out = cand + (int64_t)blockIdx.y * ld_cand + (int64_t)blockIdx.x * k;
-    if (len <= k) {
-        for (int32_t i = threadIdx.x; i < len; i += kSelectThreads) {
-            out[i] = lo + i;
-        }
-        return;
-    }
-    block_topk<true>(len, k, [&](int32_t i) { return order_key(sc[i]); },
-                     [&](int o, int32_t i) { out[o] = lo + i; }, sm);
-}
-
-// Grid (tokens): the top-k of the candidates of every chunk, or every position when the context
-// fits in topk (then -1), as dsa_select_kernel writes it.
-__global__ void __launch_bounds__(kSelectThreads)
-    dsa_merge_topk_kernel(krk_dsa_index_params p, int32_t t0, const float *__restrict__ scores, int64_t ld,
-                          int32_t chunk, const int32_t *__restrict__ cand, int64_t ld_cand)
-{
-    krk::kernel_prologue();
-    __shared__ TopkSmem sm;
-    const int32_t t = t0 + (int32_t)blockIdx.x, k = p.topk;
-    int32_t *out = p.idx + (int64_t)t * k;
-    int32_t n_keys;
-    if (take_all_positions(p, t, ld, out, &n_keys)) {
-        return;
-    }
-    const int32_t n_chunk = (n_keys + chunk - 1) / chunk, last = n_keys - (n_chunk - 1) * chunk;
-    const int32_t n = (n_chunk - 1) * k + min(last, k); // candidates, contiguous (full chunks give k)
-    const float *sc = scores + (int64_t)blockIdx.x * ld;
-    const int32_t *cd = cand + (int64_t)blockIdx.x * ld_cand;
-    block_topk<true>(n, k, [&](int32_t i) { return order_key(sc[cd[i]]); },
-                     [&](int o, int32_t i) { out[o] = cd[i]; }, sm);
-}
-
-// Chunk length of the split top-k for contexts up to ld: at least 4 topk, at most 16 chunks.
-int32_t split_chunk(int64_t ld, int32_t k)
-{
-    const int64_t c = std::max((int64_t)4 * k, (ld + 15) / 16);
-    return (int32_t)std::min(c, (int64_t)INT32_MAX);
+    block_topk(n_keys, k, [&](int32_t i) { return order_key(sc[i]); }, [&](int o, int32_t i) { out[o] = i; }, sm);
 }
 
 } // namespace
 
-// Scores of a token take one fp32 row of max_ctx (and, for the split top-k, n_chunk * topk
-// candidate positions); the launcher processes tokens in groups of as many rows as the workspace
-// holds (at least one score row, 4 * max_ctx bytes, is needed when max_ctx > topk; none otherwise;
-// the split top-k falls back to one block per query when its candidates do not fit).
-extern "C" size_t krk_dsa_index_workspace_bytes(int64_t n_tok, int64_t max_ctx, int32_t select)
+// Scores of a token take one fp32 row of max_ctx; the launcher processes tokens in groups of as many
+// rows as the workspace holds (at least one score row, 4 * max_ctx bytes, is needed when max_ctx >
+// topk; none otherwise).
+extern "C" size_t krk_dsa_index_workspace_bytes(int64_t n_tok, int64_t max_ctx)
 {
     if (n_tok <= 0 || max_ctx <= 0) {
         return 0;
     }
-    // the split top-k's candidates: at most max_ctx / 4 + 2048 positions a token (topk <= 2048)
-    const int64_t cand = select == KRK_DSA_SELECT_SPLIT ? max_ctx / 4 + 2048 : 0;
-    return (size_t)n_tok * (size_t)(max_ctx + cand) * sizeof(float);
+    return (size_t)n_tok * (size_t)max_ctx * sizeof(float);
 }
 
-extern "C" enum kr_status krk_dsa_index(const struct krk_dsa_index_params *p, cudaStream_t stream)
+extern "C" enum kr_status krk_dsa_index(const struct krk_dsa_index_params *p, const struct krk_ctx *ctx)
 {
-    KRK_REQUIRE(p != nullptr);
-    const krk_batch &b = p->batch;
+    KRK_REQUIRE(p != nullptr && ctx != nullptr);
+    const krk_batch &b = ctx->batch;
+    const cudaStream_t stream = ctx->stream;
     KRK_REQUIRE(b.n_tok >= 0);
     if (b.n_tok == 0) {
         return KR_OK;
@@ -531,10 +437,6 @@ extern "C" enum kr_status krk_dsa_index(const struct krk_dsa_index_params *p, cu
                     b.max_ctx, b.max_blocks, p->block_size, (long long)b.max_blocks * p->block_size);
     const int64_t ld = b.max_ctx;
     const bool need_scores = ld > p->topk; // otherwise every token takes all its positions
-    // split top-k: candidate rows of n_chunk * topk positions (used when the workspace holds them)
-    const int32_t chunk = split_chunk(ld, p->topk);
-    const int64_t n_chunk = (ld + chunk - 1) / chunk, ld_cand = n_chunk * p->topk;
-    bool split = p->select == KRK_DSA_SELECT_SPLIT && need_scores && n_chunk > 1;
     int64_t group = b.n_tok;
     if (need_scores) {
         KRK_REQUIRE(p->iq && p->w && p->cache);
@@ -542,32 +444,31 @@ extern "C" enum kr_status krk_dsa_index(const struct krk_dsa_index_params *p, cu
         KRK_REQUIRE_MSG(p->head_dim <= kMaxHeadDim, "dsa index: index head_dim %lld, at most %lld",
                         (long long)p->head_dim, (long long)kMaxHeadDim);
         KRK_REQUIRE(p->key_off >= 0 && p->row >= p->key_off + p->head_dim && p->block_size > 0);
-        KRK_REQUIRE(p->workspace && (uintptr_t)p->workspace % alignof(float) == 0);
-        group = (int64_t)(p->workspace_bytes / ((size_t)ld * sizeof(float)));
+        KRK_REQUIRE(ctx->workspace && (uintptr_t)ctx->workspace % alignof(float) == 0);
+        group = (int64_t)(ctx->workspace_bytes / ((size_t)ld * sizeof(float)));
         KRK_REQUIRE_MSG(group >= 1, "dsa index: a workspace of %zu bytes holds no score row of a %d-position context "
-                        "(%zu bytes)", p->workspace_bytes, b.max_ctx, (size_t)ld * sizeof(float));
-        if (split) { // candidates after the score rows, when at least one token's worth fits
-            const int64_t g2 = (int64_t)(p->workspace_bytes / ((size_t)(ld + ld_cand) * sizeof(float)));
-            split = g2 >= 1;
-            group = split ? g2 : group;
-        }
+                        "(%zu bytes)", ctx->workspace_bytes, b.max_ctx, (size_t)ld * sizeof(float));
         group = std::min(group, (int64_t)b.n_tok);
         group = std::min(group, (int64_t)65535); // gridDim.y limit of the score kernel
     }
-    float *scores = need_scores ? static_cast<float *>(p->workspace) : nullptr;
+    float *scores = need_scores ? static_cast<float *>(ctx->workspace) : nullptr;
+    IndexArgs args;
+    static_cast<krk_dsa_index_params &>(args) = *p;
+    args.cache = static_cast<const krk_bf16 *>(p->cache);
+    args.batch = b;
     const int64_t tiles = (ld + kScoreKeys - 1) / kScoreKeys;
     const size_t score_smem =
         ((size_t)kScoreKeys * (size_t)(p->head_dim + 1) + (size_t)(kScoreThreads / 32) * kScoreKeys) * sizeof(float);
     // (profiling) events around the two phases of the first group
     auto mark = [&](int64_t t0, int k) {
-        if (p->events && t0 == 0) {
-            cudaEventRecord(p->events[k], stream);
+        if (ctx->events && t0 == 0) {
+            cudaEventRecord(ctx->events[k], stream);
         }
     };
     for (int64_t t0 = 0; t0 < b.n_tok; t0 += group) {
         const int64_t g = std::min(group, (int64_t)b.n_tok - t0);
         mark(t0, 0);
-        if (need_scores && p->variant == KRK_DSA_SCORE_MMA && mma_fits(p)) {
+        if (need_scores && ctx->dsa_score == KRK_DSA_SCORE_MMA && mma_fits(p)) {
             // tiles per block: kMmaTiles, fewer when the grid would not give every SM two blocks
             // (short contexts, few tokens), at least one
             const int64_t key_tiles = (ld + kMmaKeys - 1) / kMmaKeys;
@@ -575,30 +476,18 @@ extern "C" enum kr_status krk_dsa_index(const struct krk_dsa_index_params *p, cu
             const int tiles = (int)std::max((int64_t)1, std::min((int64_t)kMmaTiles, key_tiles / want));
             const int64_t blocks = (key_tiles + tiles - 1) / tiles;
             krk::launch_maybe_pdl(krk::pdl_enabled(), dsa_score_mma_kernel, dim3((unsigned)blocks, (unsigned)g),
-                                  kMmaWarps * 32, mma_smem_bytes(p->n_head, p->head_dim), stream, *p, (int32_t)t0,
+                                  kMmaWarps * 32, mma_smem_bytes(p->n_head, p->head_dim), stream, args, (int32_t)t0,
                                   scores, ld, tiles);
             KRK_CHECK_LAUNCH();
         } else if (need_scores) {
             krk::launch_maybe_pdl(krk::pdl_enabled(), dsa_score_kernel, dim3((unsigned)tiles, (unsigned)g),
-                                  kScoreThreads, score_smem, stream, *p, (int32_t)t0, scores, ld);
+                                  kScoreThreads, score_smem, stream, args, (int32_t)t0, scores, ld);
             KRK_CHECK_LAUNCH();
         }
         mark(t0, 1);
         mark(t0, 2);
-        if (split) {
-            int32_t *cand = reinterpret_cast<int32_t *>(scores + g * ld);
-            krk::launch_maybe_pdl(krk::pdl_enabled(), dsa_chunk_topk_kernel, dim3((unsigned)n_chunk, (unsigned)g),
-                                  kSelectThreads, 0, stream, *p, (int32_t)t0, scores, ld, chunk, cand, ld_cand);
-            KRK_CHECK_LAUNCH();
-            krk::launch_maybe_pdl(krk::pdl_enabled(), dsa_merge_topk_kernel, (unsigned)g, kSelectThreads, 0, stream, *p,
-                                  (int32_t)t0, scores, ld, chunk, cand, ld_cand);
-        } else if (p->select == KRK_DSA_SELECT_AGG) {
-            krk::launch_maybe_pdl(krk::pdl_enabled(), dsa_select_kernel<true>, (unsigned)g, kSelectThreads, 0, stream,
-                                  *p, (int32_t)t0, scores, ld);
-        } else {
-            krk::launch_maybe_pdl(krk::pdl_enabled(), dsa_select_kernel<false>, (unsigned)g, kSelectThreads, 0, stream,
-                                  *p, (int32_t)t0, scores, ld);
-        }
+        krk::launch_maybe_pdl(krk::pdl_enabled(), dsa_select_kernel, (unsigned)g, kSelectThreads, 0, stream, args,
+                              (int32_t)t0, scores, ld);
         mark(t0, 3);
         KRK_CHECK_LAUNCH();
     }

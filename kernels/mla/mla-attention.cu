@@ -18,7 +18,7 @@ size_t attn_smem_bytes(int64_t nope, int64_t rope, int64_t kv_lora)
     return kTile * sizeof(int64_t) + (size_t)(2 * kTile + nope + rope + 2 * kv_lora) * sizeof(float);
 }
 
-__global__ void __launch_bounds__(kThreads) mla_attn_kernel(krk_mla_attn_params p)
+__global__ void __launch_bounds__(kThreads) mla_attn_kernel(krk::mla::AttnArgs p)
 {
     krk::kernel_prologue();
     extern __shared__ __align__(16) unsigned char smem[];
@@ -138,27 +138,24 @@ __global__ void __launch_bounds__(kThreads) mla_attn_kernel(krk_mla_attn_params 
 
 } // namespace
 
-// The head-batched kernels (mla-heads.cu).
-extern "C" enum kr_status krk_mla_heads(const struct krk_mla_attn_params *p, cudaStream_t stream);
-extern "C" size_t krk_mla_heads_workspace_bytes(int64_t n_tok, int64_t n_head, int64_t kv_lora);
-
 // The per-head kernel keeps q_abs, o_lat and one tile of scores in shared memory and needs no
 // workspace; the head-batched kernels keep Q rows and per-split partial results there (a fixed
 // amount: tokens beyond what fits run in groups, long contexts in fewer, longer splits).
 extern "C" size_t krk_mla_attn_workspace_bytes(int64_t n_tok, int64_t n_head, int64_t kv_lora, int64_t max_ctx)
 {
     (void)max_ctx;
-    return krk_mla_heads_workspace_bytes(n_tok, n_head, kv_lora);
+    return krk::mla::heads_workspace_bytes(n_tok, n_head, kv_lora);
 }
 
-extern "C" enum kr_status krk_mla_attention(const struct krk_mla_attn_params *p, cudaStream_t stream)
+extern "C" enum kr_status krk_mla_attention(const struct krk_mla_attn_params *p, const struct krk_ctx *ctx)
 {
-    KRK_REQUIRE(p != nullptr);
-    const krk_batch &b = p->batch;
+    KRK_REQUIRE(p != nullptr && ctx != nullptr);
+    const krk_batch &b = ctx->batch;
+    const cudaStream_t stream = ctx->stream;
     KRK_REQUIRE(b.n_tok >= 0);
     if (b.n_tok == 0) {
-        if (p->idx_ready) {
-            KRK_CUDA_TRY(cudaStreamWaitEvent(stream, p->idx_ready, 0));
+        if (ctx->idx_ready) {
+            KRK_CUDA_TRY(cudaStreamWaitEvent(stream, ctx->idx_ready, 0));
         }
         return KR_OK;
     }
@@ -170,8 +167,9 @@ extern "C" enum kr_status krk_mla_attention(const struct krk_mla_attn_params *p,
                     "mla attention: contexts up to %d positions, but block tables of %d blocks of %d hold %lld",
                     b.max_ctx, b.max_blocks, p->block_size, (long long)b.max_blocks * p->block_size);
     KRK_REQUIRE(p->idx == nullptr || p->topk > 0);
-    if (p->variant == KRK_MLA_ATTN_HEADS && krk_mla_heads_fits(p)) {
-        return krk_mla_heads(p, stream);
+    const krk::mla::AttnArgs args = krk::mla::attn_args(*p, *ctx);
+    if (ctx->mla_attn == KRK_MLA_ATTN_HEADS && krk::mla::heads_fits(args)) {
+        return krk::mla::heads_attention(args, stream, ctx->idx_ready);
     }
     const size_t smem = attn_smem_bytes(p->nope, p->rope, p->kv_lora);
     KRK_REQUIRE_MSG(smem <= kMaxSmem, "mla attention: kv_lora %lld with nope %lld and rope %lld needs %zu bytes of "
@@ -180,10 +178,10 @@ extern "C" enum kr_status krk_mla_attention(const struct krk_mla_attn_params *p,
     const int64_t blocks = (int64_t)b.n_tok * p->n_head;
     KRK_REQUIRE_MSG(blocks <= INT32_MAX, "mla attention: %d tokens x %lld heads = %lld blocks, at most %d", b.n_tok,
                     (long long)p->n_head, (long long)blocks, INT32_MAX);
-    if (p->idx_ready) { // this kernel absorbs each head's query itself: nothing to overlap
-        KRK_CUDA_TRY(cudaStreamWaitEvent(stream, p->idx_ready, 0));
+    if (ctx->idx_ready) { // this kernel absorbs each head's query itself: nothing to overlap
+        KRK_CUDA_TRY(cudaStreamWaitEvent(stream, ctx->idx_ready, 0));
     }
-    krk::launch_maybe_pdl(krk::pdl_enabled(), mla_attn_kernel, (unsigned)blocks, kThreads, smem, stream, *p);
+    krk::launch_maybe_pdl(krk::pdl_enabled(), mla_attn_kernel, (unsigned)blocks, kThreads, smem, stream, args);
     KRK_CHECK_LAUNCH();
     return KR_OK;
 }

@@ -28,5 +28,31 @@ inline bool paged_ctx_ok(const krk_batch &b, int32_t block_size)
     return block_size > 0 && b.max_ctx <= (int64_t)b.max_blocks * block_size;
 }
 
+// The MLA attention kernels' argument: the op's parameters with the cache typed (hiding the op's void
+// pointer), and the batch and workspace of the launch's krk_ctx.
+struct AttnArgs : krk_mla_attn_params {
+    const krk_bf16 *cache;
+    krk_batch batch;
+    void *workspace;
+    size_t workspace_bytes;
+};
+inline AttnArgs attn_args(const krk_mla_attn_params &p, const krk_ctx &ctx)
+{
+    AttnArgs a;
+    static_cast<krk_mla_attn_params &>(a) = p;
+    a.cache = static_cast<const krk_bf16 *>(p.cache);
+    a.batch = ctx.batch;
+    a.workspace = ctx.workspace;
+    a.workspace_bytes = ctx.workspace_bytes;
+    return a;
+}
+
+// The head-batched kernels (mla-heads.cu): whether they take `a`, their launches (waiting for
+// idx_ready, or not, before the first kernel that reads idx), and the workspace they want for n_tok
+// tokens (0 for shapes they do not take).
+bool heads_fits(const AttnArgs &a);
+enum kr_status heads_attention(const AttnArgs &a, cudaStream_t stream, cudaEvent_t idx_ready);
+size_t heads_workspace_bytes(int64_t n_tok, int64_t n_head, int64_t kv_lora);
+
 } // namespace mla
 } // namespace krk

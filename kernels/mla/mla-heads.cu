@@ -76,7 +76,7 @@ constexpr int kCombineParts = kCombineThreads; // most splits a combine block me
 // flight at once), then the quarters are added in order.
 template <int R, int ROPE>
 __global__ void __launch_bounds__(kAbsorbQuarters *kAbsorbCols)
-    mla_absorb_kernel(krk_mla_attn_params p, int64_t t0, int tc, int hp, uint16_t *qb)
+    mla_absorb_kernel(krk::mla::AttnArgs p, int64_t t0, int tc, int hp, uint16_t *qb)
 {
     krk::kernel_prologue();
     constexpr int D = R + ROPE;
@@ -137,7 +137,7 @@ __global__ void __launch_bounds__(kAbsorbQuarters *kAbsorbCols)
 // candidates; blockDim = hg * 64 (hg groups of 16 head rows, two column halves; 2 hg threads per
 // key of a tile when loading it).
 template <int R, int ROPE>
-__global__ void __launch_bounds__(256) mla_split_kernel(krk_mla_attn_params p, int64_t t0, int hg, int ns, int spl,
+__global__ void __launch_bounds__(256) mla_split_kernel(krk::mla::AttnArgs p, int64_t t0, int hg, int ns, int spl,
                                                          HeadsWs ws)
 {
     krk::kernel_prologue();
@@ -307,7 +307,7 @@ __global__ void __launch_bounds__(256) mla_split_kernel(krk_mla_attn_params p, i
 // the workspace; the last of the head's R / kCombineCols blocks to arrive adds them in column order.
 template <int R>
 __global__ void __launch_bounds__(kCombineThreads)
-    mla_combine_kernel(krk_mla_attn_params p, int64_t t0, int tc, int hp, int ns, HeadsWs ws)
+    mla_combine_kernel(krk::mla::AttnArgs p, int64_t t0, int tc, int hp, int ns, HeadsWs ws)
 {
     constexpr int NK = R / kCombineCols, NJ = kCombineCols / 4;
     static_assert(R % kCombineCols == 0 && kCombineThreads == 2 * kCombineCols, "combine geometry");
@@ -419,7 +419,7 @@ __global__ void __launch_bounds__(kCombineThreads)
 struct HeadsPlan {
     int ns, spl, tc;
 };
-template <int R, int ROPE> bool heads_plan(const krk_mla_attn_params &p, HeadsPlan *pl)
+template <int R, int ROPE> bool heads_plan(const krk::mla::AttnArgs &p, HeadsPlan *pl)
 {
     constexpr int D = R + ROPE;
     const int64_t hp = (p.n_head + 15) / 16 * 16;
@@ -454,7 +454,8 @@ template <int R, int ROPE> bool heads_plan(const krk_mla_attn_params &p, HeadsPl
     return true;
 }
 
-template <int R, int ROPE> enum kr_status heads_launch(const krk_mla_attn_params &p, cudaStream_t stream)
+template <int R, int ROPE>
+enum kr_status heads_launch(const krk::mla::AttnArgs &p, cudaStream_t stream, cudaEvent_t idx_ready)
 {
     HeadsPlan pl;
     const bool planned = heads_plan<R, ROPE>(p, &pl);
@@ -473,8 +474,8 @@ template <int R, int ROPE> enum kr_status heads_launch(const krk_mla_attn_params
                               absorb_smem, stream, p,
                               t0, tc, hp, ws.q);
         KRK_CHECK_LAUNCH();
-        if (t0 == 0 && p.idx_ready) { // the absorption overlaps the selection; the splits read idx
-            KRK_CUDA_TRY(cudaStreamWaitEvent(stream, p.idx_ready, 0));
+        if (t0 == 0 && idx_ready) { // the absorption overlaps the selection; the splits read idx
+            KRK_CUDA_TRY(cudaStreamWaitEvent(stream, idx_ready, 0));
         }
         krk::launch_maybe_pdl(krk::pdl_enabled(), mla_split_kernel<R, ROPE>, dim3((unsigned)tc, (unsigned)pl.ns),
                               (unsigned)(hg * 64), smem, stream, p, t0, hg, pl.ns, pl.spl, ws);
@@ -491,7 +492,7 @@ template <int R, int ROPE> enum kr_status heads_launch(const krk_mla_attn_params
 
 // Workspace the head-batched kernels want for n_tok tokens (0 for shapes they do not take): Q rows
 // of up to kMaxParts tokens and kMaxParts partial results.
-extern "C" size_t krk_mla_heads_workspace_bytes(int64_t n_tok, int64_t n_head, int64_t kv_lora)
+size_t krk::mla::heads_workspace_bytes(int64_t n_tok, int64_t n_head, int64_t kv_lora)
 {
     if (kv_lora != 512 || n_head < 1 || n_head > 64) {
         return 0;
@@ -503,15 +504,20 @@ extern "C" size_t krk_mla_heads_workspace_bytes(int64_t n_tok, int64_t n_head, i
 // The head-batched kernels run the DeepSeek-V3.2 latent shape (kv_lora 512, rope 64) with up to 64
 // heads per token, nope at most 256 and 16-byte aligned latent rows, within the given workspace;
 // true when they take `p`.
-extern "C" bool krk_mla_heads_fits(const struct krk_mla_attn_params *p)
+bool krk::mla::heads_fits(const AttnArgs &p)
 {
     HeadsPlan pl;
-    return p->kv_lora == 512 && p->rope == 64 && p->n_head >= 1 && p->n_head <= 64 && p->nope >= 1 &&
-           p->nope <= 256 && p->v_dim >= 1 && p->v_dim <= kCombineCols && p->row % 8 == 0 && ((uintptr_t)p->cache & 15) == 0 && p->batch.n_tok <= 0x7fffffff &&
-           p->workspace != nullptr && heads_plan<512, 64>(*p, &pl);
+    return p.kv_lora == 512 && p.rope == 64 && p.n_head >= 1 && p.n_head <= 64 && p.nope >= 1 && p.nope <= 256 &&
+           p.v_dim >= 1 && p.v_dim <= kCombineCols && p.row % 8 == 0 && ((uintptr_t)p.cache & 15) == 0 &&
+           p.batch.n_tok <= 0x7fffffff && p.workspace != nullptr && heads_plan<512, 64>(p, &pl);
 }
 
-extern "C" enum kr_status krk_mla_heads(const struct krk_mla_attn_params *p, cudaStream_t stream)
+enum kr_status krk::mla::heads_attention(const AttnArgs &a, cudaStream_t stream, cudaEvent_t idx_ready)
 {
-    return heads_launch<512, 64>(*p, stream);
+    return heads_launch<512, 64>(a, stream, idx_ready);
+}
+
+extern "C" bool krk_mla_heads_fits(const struct krk_mla_attn_params *p, const struct krk_ctx *ctx)
+{
+    return p != nullptr && ctx != nullptr && krk::mla::heads_fits(krk::mla::attn_args(*p, *ctx));
 }

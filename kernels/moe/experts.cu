@@ -101,9 +101,18 @@ __global__ void __launch_bounds__(kExpWarps * 32)
 
 using namespace krk;
 
-extern "C" enum kr_status krk_moe_experts(const struct krk_experts_params *p, cudaStream_t stream)
+extern "C" size_t krk_moe_experts_workspace_bytes(int64_t n, int64_t n_used, int64_t d_ffn)
 {
-    KRK_REQUIRE(p);
+    if (n <= 0 || n_used <= 0 || d_ffn <= 0) {
+        return 0;
+    }
+    return (size_t)n * (size_t)n_used * (size_t)d_ffn * sizeof(float);
+}
+
+extern "C" enum kr_status krk_moe_experts(const struct krk_experts_params *p, const struct krk_expert_ptrs *w,
+                                          const struct krk_ctx *ctx)
+{
+    KRK_REQUIRE(p && w && ctx);
     KRK_REQUIRE(p->n >= 0 && p->d_in >= 1 && p->d_ffn >= 1 && p->d_out >= 1 && p->n_expert >= 1 && p->n_used >= 1);
     KRK_REQUIRE(act_valid(p->act));
     const int64_t ffn_tiles = (p->d_ffn + kExpWarps - 1) / kExpWarps,
@@ -112,14 +121,16 @@ extern "C" enum kr_status krk_moe_experts(const struct krk_experts_params *p, cu
     if (p->n == 0) {
         return KR_OK;
     }
-    KRK_REQUIRE(p->x && p->ids && p->weights && p->up && p->down && p->hidden && p->out);
+    KRK_REQUIRE(p->x && p->ids && p->weights && w->up && w->down && ctx->workspace && p->out);
+    KRK_REQUIRE(ctx->workspace_bytes >= krk_moe_experts_workspace_bytes(p->n, p->n_used, p->d_ffn));
+    float *hidden = static_cast<float *>(ctx->workspace);
     const dim3 g1((unsigned)(p->n * p->n_used), (unsigned)ffn_tiles);
-    krk::launch_maybe_pdl(krk::pdl_enabled(), experts_hidden_kernel, g1, kExpWarps * 32, 0, stream, p->x, p->d_in,
-                          p->d_ffn, p->n_expert, p->n_used, p->ids, p->gate, p->up, (int)p->act, p->hidden);
+    krk::launch_maybe_pdl(krk::pdl_enabled(), experts_hidden_kernel, g1, kExpWarps * 32, 0, ctx->stream, p->x, p->d_in,
+                          p->d_ffn, p->n_expert, p->n_used, p->ids, w->gate, w->up, (int)p->act, hidden);
     KRK_CHECK_LAUNCH();
     const dim3 g2((unsigned)p->n, (unsigned)out_tiles);
-    krk::launch_maybe_pdl(krk::pdl_enabled(), experts_out_kernel, g2, kExpWarps * 32, 0, stream, p->hidden, p->d_ffn,
-                          p->d_out, p->n_expert, p->n_used, p->ids, p->weights, p->down, p->out);
+    krk::launch_maybe_pdl(krk::pdl_enabled(), experts_out_kernel, g2, kExpWarps * 32, 0, ctx->stream, hidden, p->d_ffn,
+                          p->d_out, p->n_expert, p->n_used, p->ids, p->weights, w->down, p->out);
     KRK_CHECK_LAUNCH();
     return KR_OK;
 }

@@ -16,7 +16,7 @@ constexpr int kRopeItems = 4;   // pairs per thread whose loads are issued toget
 // Grid (tokens, vector ranges): block (x, y) rotates vectors [y * vpb, (y + 1) * vpb) of its tokens,
 // so that a single token's many heads spread over several blocks, and each thread loads all its
 // pairs before rotating any (one round of memory latency instead of one per pair).
-// Block rows [0, y0) take the first set of vectors, the rest the second (krk_rope_params.also).
+// Block rows [0, y0) take the first set of vectors, the rest the second (krk_rope_pair).
 struct RopeSet {
     float *x;
     int64_t ld, n_vec, vpb, stride, off, dim;
@@ -97,48 +97,58 @@ __global__ void __launch_bounds__(kRopeThreads)
 
 using namespace krk;
 
-extern "C" enum kr_status krk_rope(const struct krk_rope_params *p, cudaStream_t stream)
+namespace {
+
+// p's vectors, and q's (or none) in the same launch with p's frequencies and factor.
+enum kr_status rope_launch(const krk_rope_params *p, const krk_rope_params *q, const krk_ctx *ctx)
 {
-    KRK_REQUIRE(p);
-    KRK_REQUIRE(p->n_tok >= 0 && p->n_vec >= 0 && p->dim >= 0 && p->dim % 2 == 0 && p->off >= 0);
-    if ((p->n_vec == 0 || p->dim == 0) && p->also.x) { // only the second set: it becomes the first
-        krk_rope_params q = *p;
-        q.x = p->also.x;
-        q.ld = p->also.ld;
-        q.n_vec = p->also.n_vec;
-        q.stride = p->also.stride;
-        q.off = p->also.off;
-        q.dim = p->also.dim;
-        q.interleaved = p->also.interleaved;
-        q.also.x = nullptr;
-        return krk_rope(&q, stream);
+    KRK_REQUIRE(p && ctx);
+    const int64_t n_tok = ctx->batch.n_tok;
+    const int32_t *pos = ctx->batch.pos;
+    KRK_REQUIRE(n_tok >= 0 && p->n_vec >= 0 && p->dim >= 0 && p->dim % 2 == 0 && p->off >= 0);
+    if ((p->n_vec == 0 || p->dim == 0) && q) { // only the second set: it becomes the first
+        return rope_launch(q, nullptr, ctx);
     }
-    if (p->n_tok == 0 || p->n_vec == 0 || p->dim == 0) {
+    if (n_tok == 0 || p->n_vec == 0 || p->dim == 0) {
         return KR_OK;
     }
-    KRK_REQUIRE(p->x && p->inv_freq && p->pos);
-    const unsigned blocks = (unsigned)(p->n_tok < (1 << 20) ? p->n_tok : (1 << 20));
+    KRK_REQUIRE(p->x && p->inv_freq && pos);
+    const unsigned blocks = (unsigned)(n_tok < (1 << 20) ? n_tok : (1 << 20));
     // vectors per block: one round of kRopeItems pairs per thread over a chunk of frequencies
-    auto set_of = [](float *x, int64_t ld, int64_t n_vec, int64_t stride, int64_t off, int64_t dim,
-                     bool interleaved) {
-        const int64_t jn = dim / 2 < kRopeChunk ? dim / 2 : kRopeChunk;
+    auto set_of = [](const krk_rope_params &v) {
+        const int64_t jn = v.dim / 2 < kRopeChunk ? v.dim / 2 : kRopeChunk;
         int64_t vpb = jn > 0 ? (int64_t)kRopeItems * kRopeThreads / jn : 1;
         vpb = vpb < 1 ? 1 : vpb;
-        return RopeSet{x, ld, n_vec, vpb, stride, off, dim, interleaved};
+        return RopeSet{v.x, v.ld, v.n_vec, vpb, v.stride, v.off, v.dim, v.interleaved};
     };
-    const RopeSet s0 = set_of(p->x, p->ld, p->n_vec, p->stride, p->off, p->dim, p->interleaved);
+    const RopeSet s0 = set_of(*p);
     const int64_t vb0 = (p->n_vec + s0.vpb - 1) / s0.vpb;
     RopeSet s1 = s0;
     int64_t vb1 = 0;
-    const krk_rope_params::krk_rope_vecs &a = p->also;
-    if (a.x && a.n_vec > 0 && a.dim > 0) {
-        KRK_REQUIRE(a.dim % 2 == 0 && a.off >= 0 && a.n_vec >= 0);
-        s1 = set_of(a.x, a.ld, a.n_vec, a.stride, a.off, a.dim, a.interleaved);
-        vb1 = (a.n_vec + s1.vpb - 1) / s1.vpb;
+    if (q && q->n_vec > 0 && q->dim > 0) {
+        KRK_REQUIRE(q->x && q->dim % 2 == 0 && q->off >= 0);
+        s1 = set_of(*q);
+        vb1 = (q->n_vec + s1.vpb - 1) / s1.vpb;
     }
     KRK_REQUIRE(vb0 + vb1 <= 65535);
     krk::launch_maybe_pdl(krk::pdl_enabled(), rope_kernel, dim3(blocks, (unsigned)(vb0 + vb1)), kRopeThreads, 0,
-                          stream, s0, s1, (unsigned)vb0, p->inv_freq, p->factor, p->pos, p->n_tok);
+                          ctx->stream, s0, s1, (unsigned)vb0, p->inv_freq, p->factor, pos, n_tok);
     KRK_CHECK_LAUNCH();
     return KR_OK;
+}
+
+} // namespace
+
+extern "C" enum kr_status krk_rope(const struct krk_rope_params *p, const struct krk_ctx *ctx)
+{
+    return rope_launch(p, nullptr, ctx);
+}
+
+extern "C" enum kr_status krk_rope_pair(const struct krk_rope_params *a, const struct krk_rope_params *b,
+                                        const struct krk_ctx *ctx)
+{
+    KRK_REQUIRE(a && b);
+    KRK_REQUIRE_MSG(a->inv_freq == b->inv_freq && a->factor == b->factor,
+                    "rope pair: the two sets must share frequencies and factor");
+    return rope_launch(a, b, ctx);
 }

@@ -101,6 +101,7 @@ struct Shared {
 
 struct Args {
     krk_sample_params p;
+    void *workspace; // krk_ctx's: the processed rows, then the rows' RowStat
     int64_t vp;      // workspace row length (floats, multiple of kRowAlign)
     int nbm;         // bitmap words
     double scale;    // 2^S: fixed-point units per unit of weight
@@ -718,7 +719,7 @@ struct RowStat {
 
 __device__ __forceinline__ RowStat *row_stats(const Args &a)
 {
-    return reinterpret_cast<RowStat *>(reinterpret_cast<float *>(a.p.workspace) + a.p.n * a.vp);
+    return reinterpret_cast<RowStat *>(reinterpret_cast<float *>(a.workspace) + a.p.n * a.vp);
 }
 
 __device__ __forceinline__ u64 greedy_key(float v, int i)
@@ -757,7 +758,7 @@ __global__ void __launch_bounds__(kBlock, 1) prep_kernel(const Args a)
     const int64_t row = blockIdx.x;
     const int vocab = (int)p.vocab;
     const float *lrow = p.logits + row * p.ld;
-    float *wrow = reinterpret_cast<float *>(p.workspace) + row * a.vp;
+    float *wrow = reinterpret_cast<float *>(a.workspace) + row * a.vp;
     const krk_sample_row r = p.rows[row];
     const bool want_lp = p.out_logprob != nullptr || p.n_top > 0;
 
@@ -920,7 +921,7 @@ __global__ void __launch_bounds__(kBlock, 1) draw_kernel(const Args a)
     if (st.mode != ROW_SAMPLE) {
         return;
     }
-    const float4 *w4 = reinterpret_cast<const float4 *>(reinterpret_cast<const float *>(p.workspace) + row * a.vp);
+    const float4 *w4 = reinterpret_cast<const float4 *>(reinterpret_cast<const float *>(a.workspace) + row * a.vp);
     const int n4 = (int)(a.vp / 4);
     const krk_sample_row r = p.rows[row];
 
@@ -1038,9 +1039,10 @@ extern "C" size_t krk_sample_workspace_bytes(int64_t n, int64_t vocab)
     return (size_t)n * ((size_t)row_len(vocab) * sizeof(float) + sizeof(RowStat));
 }
 
-extern "C" enum kr_status krk_sample(const struct krk_sample_params *p, cudaStream_t stream)
+extern "C" enum kr_status krk_sample(const struct krk_sample_params *p, const struct krk_ctx *ctx)
 {
-    KRK_REQUIRE(p != nullptr);
+    KRK_REQUIRE(p != nullptr && ctx != nullptr);
+    const cudaStream_t stream = ctx->stream;
     KRK_REQUIRE(p->n >= 0 && p->n <= INT32_MAX);
     KRK_REQUIRE(p->vocab >= 1 && p->vocab <= kMaxVocab);
     KRK_REQUIRE(p->ld >= p->vocab);
@@ -1049,14 +1051,15 @@ extern "C" enum kr_status krk_sample(const struct krk_sample_params *p, cudaStre
     if (p->n == 0) {
         return KR_OK;
     }
-    KRK_REQUIRE(p->logits != nullptr && p->rows != nullptr && p->out != nullptr && p->workspace != nullptr);
+    KRK_REQUIRE(p->logits != nullptr && p->rows != nullptr && p->out != nullptr && ctx->workspace != nullptr);
     KRK_REQUIRE(p->n_top == 0 || (p->top_ids != nullptr && p->top_lp != nullptr));
     KRK_REQUIRE(p->n_pen == 0 || (p->pen_ids != nullptr && p->pen_count != nullptr && p->pen_flags != nullptr));
-    KRK_REQUIRE(p->workspace_bytes >= krk_sample_workspace_bytes(p->n, p->vocab));
-    KRK_REQUIRE(((uintptr_t)p->workspace & 15) == 0);
+    KRK_REQUIRE(ctx->workspace_bytes >= krk_sample_workspace_bytes(p->n, p->vocab));
+    KRK_REQUIRE(((uintptr_t)ctx->workspace & 15) == 0);
 
     Args a;
     a.p = *p;
+    a.workspace = ctx->workspace;
     a.vp = row_len(p->vocab);
     a.nbm = (int)((p->vocab + 31) / 32);
     // Fixed point: weights are <= 2, so a row sums to at most vocab * 2^(S+1) < 2^64 with

@@ -1,12 +1,15 @@
 /* The ops the forward pass fuses explicitly, on the CPU reference (fp32, exact): the RMSNorm that
  * adds the residual first (struct krk_rmsnorm_params.res) equals kr_backend_add followed by the
  * norm bit for bit; the bf16 copies the ops write for the next GEMM (out_bf16) are their fp32
- * outputs rounded to bf16 and leave those outputs unchanged; and a GEMM handed a bf16 operand
- * (struct krk_bf16_in) gives what it gives without one (the reference reads x in fp32). */
+ * outputs rounded to bf16 and leave those outputs unchanged; a GEMM handed a bf16 operand
+ * (struct krk_bf16_in) gives what it gives without one (the reference reads x in fp32); RoPE of two
+ * sets (kr_backend_rope_pair) is RoPE of each; and an MLA attention carrying its selection
+ * (krk_mla_attn_params.select) is the indexer followed by the attention. */
 #include "backend.h"
 #include "dtype.h"
 
 #include <criterion/criterion.h>
+#include <math.h>
 #include <string.h>
 
 #define N 5
@@ -122,5 +125,93 @@ Test(ops, matmul_reads_x_in_fp32_whatever_bf16_operand_it_is_given)
     cr_assert(!memcmp(o1, o2, sizeof o1));
     expect_bf16_of(ob, o2, N * ROWS, "matmul_act out_bf16");
     cr_expect(!kr_backend_bf16_operands(be, 8), "the CPU's GEMMs take fp32 operands");
+    kr_backend_free(be);
+}
+
+/* One sequence of T tokens at positions P0.. in cache blocks of 4 (for the ops that read positions
+ * and the paged latent cache). */
+#define T 6
+#define P0 2
+static const int32_t g_pos[T] = {P0, P0 + 1, P0 + 2, P0 + 3, P0 + 4, P0 + 5};
+static const int32_t g_tokens[T] = {1, 2, 3, 4, 5, 6}, g_tok0[2] = {0, T}, g_pos0[1] = {P0}, g_slot[1] = {0},
+                     g_blocks[2] = {1, 0};
+static const struct kr_batch g_batch = {.n_tok = T, .n_seq = 1, .tokens = g_tokens, .pos = g_pos, .seq_tok0 = g_tok0,
+                                        .seq_pos0 = g_pos0, .seq_slot = g_slot, .block_table = g_blocks,
+                                        .max_blocks = 2};
+
+/* kr_backend_rope_pair is kr_backend_rope on each set, bit for bit, whether the sets share their
+ * frequencies and factor (one launch where a backend fuses them) or not. */
+Test(ops, rope_pair_is_two_ropes)
+{
+    kr_backend_t be = kr_backend_cpu_create(1);
+    cr_assert(be);
+    cr_assert_eq(kr_backend_begin_batch(be, &g_batch), KR_OK);
+    enum { LDA = 3 * 12, LDB = 2 * 8 + 3 };
+    static float a0[T * LDA], b0[T * LDB], a1[T * LDA], b1[T * LDB], a2[T * LDA], b2[T * LDB], inv[4];
+    fill(a0, T * LDA, -2.0f, 2.0f);
+    fill(b0, T * LDB, -2.0f, 2.0f);
+    for (int j = 0; j < 4; j++) {
+        inv[j] = 1.0f / powf(10000.0f, (float)(2 * j) / 8.0f);
+    }
+    for (int same = 1; same >= 0; same--) {
+        memcpy(a1, a0, sizeof a1);
+        memcpy(b1, b0, sizeof b1);
+        memcpy(a2, a0, sizeof a2);
+        memcpy(b2, b0, sizeof b2);
+        /* three heads of 12 with the rope at their last 8, interleaved; two of 8 rotated whole, half-split */
+        struct krk_rope_params ra = {.x = a1, .ld = LDA, .n_vec = 3, .stride = 12, .off = 4, .dim = 8,
+                                     .interleaved = true, .inv_freq = inv, .factor = 0.9f};
+        struct krk_rope_params rb = {.x = b1, .ld = LDB, .n_vec = 2, .stride = 8, .off = 0, .dim = 8,
+                                     .interleaved = false, .inv_freq = inv, .factor = same ? 0.9f : 1.1f};
+        cr_assert_eq(kr_backend_rope(be, &ra), KR_OK);
+        cr_assert_eq(kr_backend_rope(be, &rb), KR_OK);
+        ra.x = a2;
+        rb.x = b2;
+        cr_assert_eq(kr_backend_rope_pair(be, &ra, &rb), KR_OK);
+        cr_assert(!memcmp(a1, a2, sizeof a1), "first set (same frequencies: %d)", same);
+        cr_assert(!memcmp(b1, b2, sizeof b1), "second set (same frequencies: %d)", same);
+        cr_assert(memcmp(a0, a2, sizeof a0) != 0, "rotated at all");
+    }
+    kr_backend_free(be);
+}
+
+/* An MLA attention op carrying its selection (krk_mla_attn_params.select) is the indexer op, then
+ * the attention over what it selected, bit for bit. */
+Test(ops, mla_attention_with_selection_is_index_then_attention)
+{
+    kr_backend_t be = kr_backend_cpu_create(1);
+    cr_assert(be);
+    cr_assert_eq(kr_backend_begin_batch(be, &g_batch), KR_OK);
+    enum { H = 2, NOPE = 4, ROPE = 4, VD = 4, R = 8, HI = 2, DI = 8, ROW = R + ROPE + DI, TOPK = 3 };
+    static float cache[8 * ROW], iq[T * HI * DI], iw[T * HI], q[T * H * (NOPE + ROPE)], kv_b[H * (NOPE + VD) * R];
+    static float out1[T * H * VD], out2[T * H * VD];
+    static int32_t idx1[T * TOPK], idx2[T * TOPK];
+    fill(cache, 8 * ROW, -1.0f, 1.0f);
+    fill(iq, T * HI * DI, -1.0f, 1.0f);
+    fill(iw, T * HI, 0.0f, 1.0f);
+    fill(q, T * H * (NOPE + ROPE), -1.0f, 1.0f);
+    fill(kv_b, H * (NOPE + VD) * R, -0.5f, 0.5f);
+    const struct krk_dsa_index_params ip1 = {.iq = iq, .w = iw, .n_head = HI, .head_dim = DI, .cache = cache,
+                                             .row = ROW, .key_off = R + ROPE, .block_size = 4, .topk = TOPK,
+                                             .idx = idx1};
+    struct krk_mla_attn_params ap = {.q = q, .n_head = H, .nope = NOPE, .rope = ROPE, .v_dim = VD, .kv_lora = R,
+                                     .kv_b = kv_b, .cache = cache, .row = ROW, .block_size = 4, .idx = idx1,
+                                     .topk = TOPK, .scale = 0.4f, .out = out1};
+    cr_assert_eq(kr_backend_dsa_index(be, &ip1), KR_OK);
+    cr_assert_eq(kr_backend_mla_attention(be, &ap), KR_OK);
+    struct krk_dsa_index_params ip2 = ip1;
+    ip2.idx = idx2;
+    ap.idx = idx2;
+    ap.out = out2;
+    ap.select = &ip2;
+    cr_assert_eq(kr_backend_mla_attention(be, &ap), KR_OK);
+    cr_assert(!memcmp(idx1, idx2, sizeof idx1), "the same selection");
+    cr_assert(!memcmp(out1, out2, sizeof out1), "the same attention");
+    for (int t = 0; t < T; t++) {
+        const int32_t n_keys = g_pos[t] + 1;
+        for (int j = 0; j < TOPK; j++) {
+            cr_assert(idx1[t * TOPK + j] >= 0 && idx1[t * TOPK + j] < n_keys, "token %d selects visible positions", t);
+        }
+    }
     kr_backend_free(be);
 }

@@ -628,8 +628,8 @@ Test(engine, attention_refuses_a_selection_it_would_not_read)
     kr_backend_t be = kr_backend_cpu_create(1);
     cr_assert(be);
     int32_t idx[8], other[8];
-    const struct kr_dsa_index_params sel = {.topk = 8, .idx = idx};
-    struct kr_mla_attn_params ap = {.idx = other, .topk = 8, .select = &sel};
+    const struct krk_dsa_index_params sel = {.topk = 8, .idx = idx};
+    struct krk_mla_attn_params ap = {.idx = other, .topk = 8, .select = &sel};
     cr_expect_eq(kr_backend_mla_attention(be, &ap), KR_ERR_INVAL, "selection into another buffer");
     ap.idx = idx;
     ap.topk = 4;

@@ -99,14 +99,6 @@ if [ $bench = 1 ]; then
     KRAIT_PDL=0 run_for 150 "$build/bench/bench_cuda" --batches 1,16,64 --prefill 512 --steps 24 "$synth" \
       > "$logs/bench-pdl.md" 2>&1
     echo "bench_cuda (KRAIT_PDL=0) rc=$?" >> "$logs/bench-pdl.md"
-    # DSA shape: the top-k variants (one block per query, aggregated histograms, split) at 128K
-    if [ "$shape" = hybrid_dsa_8b ]; then
-      for sel in block agg split; do
-        KRAIT_DSA_SELECT=$sel run_for 120 "$build/bench/bench_cuda" --fill --batches 1,32 --ctxs 131072 --prefill 2048 \
-          --steps 16 "$synth" > "$logs/bench-select-$sel.md" 2>&1
-        echo "bench_cuda (KRAIT_DSA_SELECT=$sel) rc=$?" >> "$logs/bench-select-$sel.md"
-      done
-    fi
     # engine host overhead: the gap between back-to-back decode steps (16 and 64 sequences)
     if [ -x "$build/bench/bench_sched" ]; then
       for n in 16 64; do
@@ -128,9 +120,6 @@ fi
   echo
   [ -f "$logs/bench.md" ] && grep -a '^|\|^device\|^model\|^cache\|rc=' "$logs/bench.md"
   [ -f "$logs/bench-gemv.md" ] && { echo; echo "GEMV kernels by weight shape:"; cat "$logs/bench-gemv.md"; }
-  for sel in block agg split; do
-    [ -f "$logs/bench-select-$sel.md" ] && { echo; echo "DSA top-k histograms ($sel):"; grep -a '^| decode\|rc=' "$logs/bench-select-$sel.md"; }
-  done
   [ -f "$logs/bench-pdl.md" ] && { echo; echo "Without programmatic dependent launch (KRAIT_PDL=0):"; grep -a '^| prefill\|^| decode\|rc=' "$logs/bench-pdl.md"; }
   [ -f "$logs/bench-sched.md" ] && { echo; echo "Engine host overhead:"; cat "$logs/bench-sched.md"; }
   [ -f "$logs/hf.log" ] && { echo; echo "HF transformers:"; grep -av '^\s*$' "$logs/hf.log" | tail -12; }

@@ -55,7 +55,6 @@ static int fixture_idx[N_FIXTURES] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9};
 
 static void load_cuda(struct fx *f, int idx, int n_slots, bool graphs)
 {
-    unsetenv("KRAIT_CUDA_GRAPHS_MLA"); /* the default: MLA/DSA decode steps are captured too */
     kr_backend_t be = NULL;
     struct kr_err err = {{0}};
     cr_assert_eq(kr_backend_cuda_create(0, graphs, &be, &err), KR_OK, "%s", err.msg);
@@ -786,7 +785,6 @@ Test(cuda_backend, dsa_real_shapes_match_cpu)
     enum { N = 5, DEC = 20 };
     static const int32_t lens[N] = {1, 33, 64, 100, 180};
     struct fx g, h;
-    unsetenv("KRAIT_CUDA_GRAPHS_MLA"); /* the default: MLA/DSA decode steps are captured */
     kr_backend_t be = NULL;
     struct kr_err err = {{0}};
     cr_assert_eq(kr_backend_cuda_create(0, true, &be, &err), KR_OK, "%s", err.msg);

@@ -100,7 +100,6 @@ static void lc_serve(const char *dir, const int32_t *prompt, int32_t chunk, cons
     memset(r, 0, sizeof *r);
     unsetenv("KRAIT_PDL");
     unsetenv("KRAIT_MLA_OVERLAP");
-    unsetenv("KRAIT_CUDA_GRAPHS_MLA");
     unsetenv("KRAIT_CUDA_GRAPHS");
     if (env) {
         setenv(env, "0", 1);

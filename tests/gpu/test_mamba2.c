@@ -1,6 +1,7 @@
-/* Mamba-2 kernels (krk_conv1d then krk_ssd) against the CPU reference backend's kr_backend_mamba,
- * which runs the same conv + SSD step: decode batches, prefill chunks from empty and from carried
- * states, mixed batches and padding sequences, on the target shape and on odd shapes. */
+/* Mamba-2 kernels (krk_mamba: krk_conv1d then krk_ssd) against the CPU reference backend's
+ * kr_backend_mamba, which runs the same conv + SSD step from the same struct krk_mamba_params:
+ * decode batches, prefill chunks from empty and from carried states, mixed batches and padding
+ * sequences, on the target shape and on odd shapes; the parameter checks of the two parts. */
 #include "gpu-test.h"
 
 #include <criterion/parameterized.h>
@@ -205,7 +206,8 @@ static void run_case(const struct m2_case *tc, uint64_t seed)
     kr_backend_t cpu = kr_backend_cpu_create(0);
     cr_assert(cpu);
     cr_assert_eq(kr_backend_begin_batch(cpu, &gb.host), KR_OK);
-    const struct kr_mamba_params mp = {
+    /* the same parameters on both sides, the GPU's pointing at device copies */
+    const struct krk_mamba_params mp = {
         .zxbcdt = zx, .ld_in = ld_in, .d_inner = di, .n_head = H, .head_dim = P, .n_group = G, .d_state = N,
         .d_conv = K, .chunk = sh->chunk, .conv_w = conv_w, .conv_b = sh->bias ? conv_b : NULL, .dt_bias = dt_bias,
         .A_log = A_log, .D = D, .dt_min = sh->dt_min, .dt_max = sh->dt_max, .conv_state = cpu_conv,
@@ -213,7 +215,7 @@ static void run_case(const struct m2_case *tc, uint64_t seed)
     cr_assert_eq(kr_backend_mamba(cpu, &mp), KR_OK);
     kr_backend_free(cpu);
 
-    /* GPU: conv then SSD on its output */
+    /* GPU: the layer's step (conv, then SSD on its output) */
     float *d_zx = gt_dup(zx, (size_t)(n_tok * ld_in) * sizeof(float));
     float *d_w = gt_dup(conv_w, (size_t)(cd * K) * sizeof(float)), *d_b = gt_dup(conv_b, (size_t)cd * sizeof(float));
     float *d_dt_bias = gt_dup(dt_bias, (size_t)H * sizeof(float)), *d_A_log = gt_dup(A_log, (size_t)H * sizeof(float));
@@ -223,16 +225,19 @@ static void run_case(const struct m2_case *tc, uint64_t seed)
     float *d_xbc = gt_dalloc((size_t)(n_tok * cd) * sizeof(float)), *d_y = gt_dalloc((size_t)(n_tok * di) * sizeof(float));
     const size_t ws_bytes = krk_ssd_workspace_bytes(n_tok, n_seq, H, P, G, N, sh->chunk);
     void *d_ws = ws_bytes ? gt_dalloc(ws_bytes) : NULL; /* NaN-poisoned: read-before-write shows */
-    const struct krk_conv1d_params cp = {.in = d_zx, .ld_in = ld_in, .in_off = di, .conv_dim = cd, .d_conv = K,
-                                         .w = d_w, .b = sh->bias ? d_b : NULL, .state = d_conv, .out = d_xbc,
-                                         .batch = gb.dev};
-    cr_assert_eq(krk_conv1d(&cp, 0), KR_OK);
-    const struct krk_ssd_params sp = {.xbc = d_xbc, .conv_dim = cd, .dt = d_zx + di + cd, .ld_dt = ld_in,
-                                      .dt_bias = d_dt_bias, .A_log = d_A_log, .D = d_D, .dt_min = sh->dt_min,
-                                      .dt_max = sh->dt_max, .n_head = H, .head_dim = P, .n_group = G, .d_state = N,
-                                      .chunk = sh->chunk, .state = d_ssm, .y = d_y, .workspace = d_ws,
-                                      .batch = gb.dev};
-    cr_assert_eq(krk_ssd(&sp, 0), KR_OK);
+    struct krk_mamba_params dp = mp;
+    dp.zxbcdt = d_zx;
+    dp.conv_w = d_w;
+    dp.conv_b = sh->bias ? d_b : NULL;
+    dp.dt_bias = d_dt_bias;
+    dp.A_log = d_A_log;
+    dp.D = d_D;
+    dp.conv_state = d_conv;
+    dp.ssm_state = d_ssm;
+    dp.xbc = d_xbc;
+    dp.y = d_y;
+    const struct krk_ctx kc = {.batch = gb.dev, .workspace = d_ws, .workspace_bytes = ws_bytes};
+    cr_assert_eq(krk_mamba(&dp, &kc), KR_OK);
     gt_sync();
 
     float *gpu_xbc = xmalloc((size_t)(n_tok * cd) * sizeof(float)), *gpu_y = xmalloc((size_t)(n_tok * di) * sizeof(float));
@@ -343,32 +348,53 @@ Test(mamba2, rejects_invalid_parameters)
     GT_REQUIRE_GPU();
     {
         /* grid limits: more sequences than gridDim.z of the update and the scan (y of the conv) */
-        struct krk_ssd_params sp = {.conv_dim = 6 * 24 + 2 * 3 * 40, .ld_dt = 6, .n_head = 6, .head_dim = 24,
-                                    .n_group = 3, .d_state = 40, .chunk = 128};
-        sp.batch.n_seq = 65536;
-        sp.batch.n_tok = 65536;
-        cr_expect_eq(krk_ssd(&sp, 0), KR_ERR_INVAL, "65536 sequences exceed gridDim.z");
-        struct krk_conv1d_params cp = {.ld_in = 100, .in_off = 0, .conv_dim = 100, .d_conv = 4};
-        cp.batch.n_seq = 65536;
-        cr_expect_eq(krk_conv1d(&cp, 0), KR_ERR_INVAL, "65536 sequences exceed gridDim.y");
+        const struct krk_ssd_params sp = {.conv_dim = 6 * 24 + 2 * 3 * 40, .ld_dt = 6, .n_head = 6, .head_dim = 24,
+                                          .n_group = 3, .d_state = 40, .chunk = 128};
+        const struct krk_ctx big = {.batch = {.n_seq = 65536, .n_tok = 65536}};
+        cr_expect_eq(krk_ssd(&sp, &big), KR_ERR_INVAL, "65536 sequences exceed gridDim.z");
+        const struct krk_conv1d_params cp = {.ld_in = 100, .in_off = 0, .conv_dim = 100, .d_conv = 4};
+        cr_expect_eq(krk_conv1d(&cp, &big), KR_ERR_INVAL, "65536 sequences exceed gridDim.y");
+        const struct krk_mamba_params mp = {.ld_in = 6 * 24 + 6 * 24 + 2 * 3 * 40 + 6, .d_inner = 6 * 24,
+                                            .n_head = 6, .head_dim = 24, .n_group = 3, .d_state = 40, .d_conv = 4,
+                                            .chunk = 128};
+        cr_expect_eq(krk_mamba(&mp, &big), KR_ERR_INVAL, "the step refuses what its conv refuses");
     }
+    const struct krk_ctx none = {0};
     struct krk_ssd_params sp = {.conv_dim = 6 * 24 + 2 * 4 * 40, .ld_dt = 6, .n_head = 6, .head_dim = 24,
                                 .n_group = 4, .d_state = 40, .chunk = 128};
-    cr_expect_eq(krk_ssd(&sp, 0), KR_ERR_INVAL, "n_group must divide n_head");
+    cr_expect_eq(krk_ssd(&sp, &none), KR_ERR_INVAL, "n_group must divide n_head");
     sp.n_group = 3;
     sp.conv_dim = 6 * 24 + 2 * 3 * 40;
     sp.d_state = 300;
-    cr_expect_eq(krk_ssd(&sp, 0), KR_ERR_INVAL, "d_state above 256");
+    cr_expect_eq(krk_ssd(&sp, &none), KR_ERR_INVAL, "d_state above 256");
     sp.d_state = 40;
     sp.conv_dim += 1;
-    cr_expect_eq(krk_ssd(&sp, 0), KR_ERR_INVAL, "conv_dim inconsistent with the shape");
+    cr_expect_eq(krk_ssd(&sp, &none), KR_ERR_INVAL, "conv_dim inconsistent with the shape");
+    sp.conv_dim -= 1;
+    {
+        /* a prefill batch (two tokens in one sequence) with less workspace than it needs; the
+         * arrays are never read: the check comes first */
+        void *d = gt_dalloc(1 << 16);
+        const size_t need = krk_ssd_workspace_bytes(2, 1, 6, 24, 3, 40, 128);
+        cr_assert_gt(need, 0u);
+        sp.xbc = sp.dt = sp.dt_bias = sp.A_log = sp.D = sp.y = d;
+        sp.state = d;
+        const struct krk_ctx shortws = {.batch = {.n_tok = 2, .n_seq = 1, .seq_tok0 = d, .seq_pos0 = d,
+                                                  .seq_slot = d, .max_seq_tok = 2},
+                                        .workspace = d, .workspace_bytes = need - 1};
+        cr_expect_eq(krk_ssd(&sp, &shortws), KR_ERR_INVAL, "a workspace one byte short");
+        gt_sync();
+        gt_dfree(d);
+    }
     struct krk_conv1d_params cp = {.ld_in = 100, .in_off = 0, .conv_dim = 100, .d_conv = 9};
-    cr_expect_eq(krk_conv1d(&cp, 0), KR_ERR_INVAL, "d_conv above 8");
+    cr_expect_eq(krk_conv1d(&cp, &none), KR_ERR_INVAL, "d_conv above 8");
     cp.d_conv = 4;
     cp.ld_in = 99;
-    cr_expect_eq(krk_conv1d(&cp, 0), KR_ERR_INVAL, "rows shorter than in_off + conv_dim");
-    cr_expect_eq(krk_ssd(NULL, 0), KR_ERR_INVAL);
-    cr_expect_eq(krk_conv1d(NULL, 0), KR_ERR_INVAL);
+    cr_expect_eq(krk_conv1d(&cp, &none), KR_ERR_INVAL, "rows shorter than in_off + conv_dim");
+    cr_expect_eq(krk_ssd(NULL, &none), KR_ERR_INVAL);
+    cr_expect_eq(krk_conv1d(NULL, &none), KR_ERR_INVAL);
+    cr_expect_eq(krk_mamba(NULL, &none), KR_ERR_INVAL);
+    cr_expect_eq(krk_ssd(&sp, NULL), KR_ERR_INVAL, "no context");
 }
 
 Test(mamba2, needs_no_workspace_for_single_tokens)

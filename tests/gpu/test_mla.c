@@ -523,25 +523,26 @@ ParameterizedTest(int *ci, mla, index_selects_cpu_topk)
     float *d_iq = gt_dup(iq, n_iq * sizeof(float)), *d_w = gt_dup(w, n_w * sizeof(float));
     const size_t n_idx = (size_t)n_tok * (size_t)topk;
     int32_t *d_idx = gt_dalloc(n_idx * sizeof(int32_t));
-    /* sized for the split top-k, the variant that needs the most (the runs below take every variant) */
-    const size_t ws_bytes =
-        krk_dsa_index_workspace_bytes(ic->ws_tokens ? ic->ws_tokens : n_tok, max_ctx, KRK_DSA_SELECT_SPLIT);
+    const size_t ws_bytes = krk_dsa_index_workspace_bytes(ic->ws_tokens ? ic->ws_tokens : n_tok, max_ctx);
     void *d_ws = gt_dalloc(ws_bytes);
 
-    struct krk_dsa_index_params kp = {.iq = d_iq, .w = d_w, .n_head = ic->n_head, .head_dim = ic->head_dim,
-                                      .cache = d_cache, .row = row, .key_off = key_off,
-                                      .block_size = ic->block_size, .topk = topk, .idx = d_idx,
-                                      .workspace = d_ws, .workspace_bytes = ws_bytes, .batch = b.dev};
     int32_t *got = xalloc(n_idx * sizeof(int32_t));
 
+    /* the same parameters on both sides, the GPU's pointing at device copies */
     kr_backend_t be = kr_backend_cpu_create(0);
     cr_assert(be);
     cr_assert_eq(kr_backend_begin_batch(be, &b.host), KR_OK);
     int32_t *ref = xalloc(n_idx * sizeof(int32_t));
-    struct kr_dsa_index_params cp = {.iq = iq, .w = w, .n_head = ic->n_head, .head_dim = ic->head_dim,
-                                     .cache = cache, .row = row, .key_off = key_off, .block_size = ic->block_size,
-                                     .topk = topk, .idx = ref};
+    const struct krk_dsa_index_params cp = {.iq = iq, .w = w, .n_head = ic->n_head, .head_dim = ic->head_dim,
+                                            .cache = cache, .row = row, .key_off = key_off,
+                                            .block_size = ic->block_size, .topk = topk, .idx = ref};
     cr_assert_eq(kr_backend_dsa_index(be, &cp), KR_OK);
+    struct krk_dsa_index_params kp = cp;
+    kp.iq = d_iq;
+    kp.w = d_w;
+    kp.cache = d_cache;
+    kp.idx = d_idx;
+    struct krk_ctx kc = {.batch = b.dev, .workspace = d_ws, .workspace_bytes = ws_bytes};
 
     double *sc = xalloc((size_t)max_ctx * sizeof(double)), *sorted = xalloc((size_t)max_ctx * sizeof(double));
     bool *sel = xalloc((size_t)max_ctx);
@@ -561,14 +562,11 @@ ParameterizedTest(int *ci, mla, index_selects_cpu_topk)
         v_k1[t] = sorted[topk];
     }
     /* both score variants: fp32 on CUDA cores, bf16 tensor cores (the same selection up to fp32
-     * summation order, the queries being bf16 values already); the tensor-core scores also with
-     * the warp-aggregated top-k histograms and with the split top-k */
-    for (int run = 0; run < 4; run++) {
-        const int variant = run == 0 ? KRK_DSA_SCORE_FP32 : KRK_DSA_SCORE_MMA;
-        kp.variant = variant;
-        kp.select = run == 2 ? KRK_DSA_SELECT_AGG : run == 3 ? KRK_DSA_SELECT_SPLIT : KRK_DSA_SELECT_BLOCK;
+     * summation order, the queries being bf16 values already) */
+    for (int variant = KRK_DSA_SCORE_FP32; variant <= KRK_DSA_SCORE_MMA; variant++) {
+        kc.dsa_score = variant;
         cr_assert_eq(cudaMemset(d_idx, 0x7F, n_idx * sizeof(int32_t)), cudaSuccess); /* not -1: unwritten shows */
-        cr_assert_eq(krk_dsa_index(&kp, 0), KR_OK);
+        cr_assert_eq(krk_dsa_index(&kp, &kc), KR_OK);
         gt_down(got, d_idx, n_idx * sizeof(int32_t));
         int32_t n_all = 0, n_exact = 0, n_tol = 0, n_tol_same = 0, n_pad = 0;
         for (int32_t t = 0; t < n_tok; t++) {
@@ -614,7 +612,7 @@ ParameterizedTest(int *ci, mla, index_selects_cpu_topk)
         fprintf(stderr,
                 "  index %-45s %s topk=%d n_tok=%d: %d all-positions, %d compared exactly, %d near-tie compared "
                 "tie-tolerantly (%d of them equal to the CPU), %d padding\n",
-                ic->name, run == 3 ? "mma+split" : run == 2 ? "mma+agg  " : variant == KRK_DSA_SCORE_MMA ? "mma      " : "fp32     ", topk, n_tok, n_all,
+                ic->name, variant == KRK_DSA_SCORE_MMA ? "mma " : "fp32", topk, n_tok, n_all,
                 n_exact, n_tol, n_tol_same,
                 n_pad);
     }
@@ -646,19 +644,19 @@ Test(mla, index_rejects_short_workspace)
     struct gt_rng rng = {.s = 5};
     struct gt_batch b;
     batch_make(&b, &rng, &bs, 64, 16);
-    /* the kernel needs at least one token's row of scores (the split top-k's size adds its
-     * candidates) */
+    /* the kernel needs at least one token's row of scores */
     const size_t row = (size_t)b.dev.max_ctx * sizeof(float);
-    const size_t need = krk_dsa_index_workspace_bytes(1, b.dev.max_ctx, KRK_DSA_SELECT_BLOCK);
+    const size_t need = krk_dsa_index_workspace_bytes(1, b.dev.max_ctx);
     cr_assert_geq(need, row);
     void *d_ws = gt_dalloc(need);
-    struct krk_dsa_index_params kp = {.iq = d_ws, .w = d_ws, .n_head = 1, .head_dim = 8, .cache = d_ws, .row = 8,
-                                      .key_off = 0, .block_size = 64, .topk = 16, .idx = d_ws, .workspace = d_ws,
-                                      .workspace_bytes = row - 4, .batch = b.dev};
-    cr_expect_eq(krk_dsa_index(&kp, 0), KR_ERR_INVAL);
-    kp.batch.max_ctx = 0; /* unknown max_ctx cannot size the score grid */
-    kp.workspace_bytes = need;
-    cr_expect_eq(krk_dsa_index(&kp, 0), KR_ERR_INVAL);
+    const struct krk_dsa_index_params kp = {.iq = d_ws, .w = d_ws, .n_head = 1, .head_dim = 8, .cache = d_ws,
+                                            .row = 8, .key_off = 0, .block_size = 64, .topk = 16, .idx = d_ws};
+    struct krk_ctx kc = {.batch = b.dev, .workspace = d_ws, .workspace_bytes = row - 4};
+    cr_expect_eq(krk_dsa_index(&kp, &kc), KR_ERR_INVAL);
+    kc.batch.max_ctx = 0; /* unknown max_ctx cannot size the score grid */
+    kc.workspace_bytes = need;
+    cr_expect_eq(krk_dsa_index(&kp, &kc), KR_ERR_INVAL);
+    cr_expect_eq(krk_dsa_index(&kp, NULL), KR_ERR_INVAL, "no context");
     gt_sync();
     gt_dfree(d_ws);
     gt_batch_free(&b);
@@ -683,21 +681,22 @@ Test(mla, launchers_refuse_contexts_beyond_block_tables)
     cr_expect_eq(krk_mla_cache_write(&cw, &oc), KR_ERR_INVAL, "cache write past the block tables");
     const struct krk_mla_prep_params pp = {.n = over.n_tok, .kva = d, .kv_lora = 8, .cache = d, .block_size = 64};
     cr_expect_eq(krk_mla_prep(&pp, &oc), KR_ERR_INVAL, "prep past the block tables");
+    const struct krk_ctx ow = {.batch = over, .workspace = d, .workspace_bytes = 1 << 20};
     const struct krk_dsa_index_params ip = {.iq = d, .w = d, .n_head = 1, .head_dim = 8, .cache = d, .row = 8,
-                                            .block_size = 64, .topk = 16, .idx = d, .workspace = d,
-                                            .workspace_bytes = 1 << 20, .batch = over};
-    cr_expect_eq(krk_dsa_index(&ip, 0), KR_ERR_INVAL, "indexer past the block tables");
+                                            .block_size = 64, .topk = 16, .idx = d};
+    cr_expect_eq(krk_dsa_index(&ip, &ow), KR_ERR_INVAL, "indexer past the block tables");
     const struct krk_mla_attn_params ap = {.q = d, .n_head = 1, .nope = 8, .v_dim = 8, .kv_lora = 8, .kv_b = d,
-                                           .cache = d, .row = 8, .block_size = 64, .out = d, .batch = over};
-    cr_expect_eq(krk_mla_attention(&ap, 0), KR_ERR_INVAL, "attention past the block tables");
+                                           .cache = d, .row = 8, .block_size = 64, .out = d};
+    cr_expect_eq(krk_mla_attention(&ap, &oc), KR_ERR_INVAL, "attention past the block tables");
     /* the same launches with the tables' own bound are taken (checked elsewhere); here only that the
      * bound itself is accepted by the check: max_ctx equal to what the tables hold */
+    struct krk_ctx okc = ow;
+    okc.batch.max_ctx = okc.batch.max_blocks * 64;
     struct krk_dsa_index_params ok = ip;
-    ok.batch.max_ctx = ok.batch.max_blocks * 64;
-    ok.topk = ok.batch.max_ctx; /* every position taken: no score is computed */
+    ok.topk = okc.batch.max_ctx; /* every position taken: no score is computed */
     int32_t *d_idx = gt_dalloc((size_t)b.dev.n_tok * (size_t)ok.topk * sizeof(int32_t));
     ok.idx = d_idx;
-    cr_expect_eq(krk_dsa_index(&ok, 0), KR_OK, "a context filling the block tables exactly");
+    cr_expect_eq(krk_dsa_index(&ok, &okc), KR_OK, "a context filling the block tables exactly");
     gt_sync();
     gt_dfree(d_idx);
     gt_dfree(d);
@@ -794,8 +793,8 @@ static void attention_case(const struct attn_shape *sh, const struct attn_batch 
     gt_fill(&rng, iq, n_iq, -1.0f, 1.0f);
     gt_fill(&rng, w, (size_t)n_tok * idx_heads, 0.0f, 1.0f);
     int32_t *idx = xalloc(n_idx * sizeof(int32_t));
-    struct kr_dsa_index_params ip = {.iq = iq, .w = w, .n_head = idx_heads, .head_dim = idx_dim, .cache = cache,
-                                     .row = row, .key_off = key_off, .block_size = bsz, .topk = topk, .idx = idx};
+    struct krk_dsa_index_params ip = {.iq = iq, .w = w, .n_head = idx_heads, .head_dim = idx_dim, .cache = cache,
+                                      .row = row, .key_off = key_off, .block_size = bsz, .topk = topk, .idx = idx};
     cr_assert_eq(kr_backend_dsa_index(be, &ip), KR_OK);
     int32_t *d_idx = gt_dup(idx, n_idx * sizeof(int32_t));
 
@@ -810,21 +809,26 @@ static void attention_case(const struct attn_shape *sh, const struct attn_batch 
     for (int variant = KRK_MLA_ATTN_PER_HEAD; variant <= KRK_MLA_ATTN_HEADS; variant++)
     for (int sparse = 1; sparse >= 0; sparse--) {
         cr_assert_eq(cudaMemset(d_out, 0xFF, n_out * sizeof(float)), cudaSuccess); /* NaN: unwritten shows */
-        struct krk_mla_attn_params kp = {.q = d_q, .n_head = H, .nope = Dn, .rope = Dr, .v_dim = Dv, .kv_lora = R,
-                                         .kv_b = d_kvb, .cache = d_cache, .row = row, .block_size = bsz,
-                                         .idx = sparse ? d_idx : NULL, .topk = topk, .scale = sh->scale,
-                                         .out = d_out, .workspace = d_ws, .workspace_bytes = ws_bytes,
-                                         .batch = b.dev, .variant = variant};
-        if (variant == KRK_MLA_ATTN_HEADS && !krk_mla_heads_fits(&kp)) {
+        /* the same parameters on both sides, the GPU's pointing at device copies */
+        const struct krk_mla_attn_params cp = {.q = q, .n_head = H, .nope = Dn, .rope = Dr, .v_dim = Dv,
+                                               .kv_lora = R, .kv_b = kv_b, .cache = cache, .row = row,
+                                               .block_size = bsz, .idx = sparse ? idx : NULL, .topk = topk,
+                                               .scale = sh->scale, .out = ref};
+        struct krk_mla_attn_params kp = cp;
+        kp.q = d_q;
+        kp.kv_b = d_kvb;
+        kp.cache = d_cache;
+        kp.idx = sparse ? d_idx : NULL;
+        kp.out = d_out;
+        const struct krk_ctx kc = {.batch = b.dev, .workspace = d_ws, .workspace_bytes = ws_bytes,
+                                   .mla_attn = variant};
+        if (variant == KRK_MLA_ATTN_HEADS && !krk_mla_heads_fits(&kp, &kc)) {
             cr_expect_neq(R, 512, "the head-batched kernels refuse the latent shape (%lld heads, v_dim %lld)",
                           (long long)H, (long long)Dv);
             continue;
         }
-        cr_assert_eq(krk_mla_attention(&kp, 0), KR_OK);
+        cr_assert_eq(krk_mla_attention(&kp, &kc), KR_OK);
         gt_down(got, d_out, n_out * sizeof(float));
-        struct kr_mla_attn_params cp = {.q = q, .n_head = H, .nope = Dn, .rope = Dr, .v_dim = Dv, .kv_lora = R,
-                                        .kv_b = kv_b, .cache = cache, .row = row, .block_size = bsz,
-                                        .idx = sparse ? idx : NULL, .topk = topk, .scale = sh->scale, .out = ref};
         cr_assert_eq(kr_backend_mla_attention(be, &cp), KR_OK);
         /* compare the rows of real tokens; padding rows must only be written */
         size_t n_cmp = 0;

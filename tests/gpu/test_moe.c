@@ -244,20 +244,29 @@ static void run_experts_case(const struct experts_case *c, int64_t n, uint64_t s
     const krk_bf16 *const *d_down = gt_dup(dd, (size_t)E * sizeof *dd);
     float *d_x = gt_dup(x, (size_t)(n * c->d_in) * 4), *d_wt = gt_dup(w, (size_t)(n * K) * 4);
     int32_t *d_ids = gt_dup(ids, (size_t)(n * K) * 4);
-    float *d_hidden = gt_dalloc((size_t)(n * K * c->d_ffn) * 4), *d_out = gt_dalloc((size_t)(n * c->d_out) * 4);
-    const struct krk_experts_params p = {.x = d_x, .n = n, .d_in = c->d_in, .d_ffn = c->d_ffn, .d_out = c->d_out,
-                                         .n_expert = E, .n_used = K, .ids = d_ids, .weights = d_wt,
-                                         .gate = c->gated ? d_gate : NULL, .up = d_up, .down = d_down, .act = c->act,
-                                         .hidden = d_hidden, .out = d_out};
-    cr_assert_eq(krk_moe_experts(&p, 0), KR_OK);
-    gt_sync();
+    const size_t ws = krk_moe_experts_workspace_bytes(n, K, c->d_ffn);
+    cr_assert_eq(ws, (size_t)(n * K * c->d_ffn) * 4, "the hidden rows of every token's experts");
+    float *d_hidden = gt_dalloc(ws), *d_out = gt_dalloc((size_t)(n * c->d_out) * 4);
     float *ref = kr_malloc((size_t)(n * c->d_out) * 4), *got = kr_malloc((size_t)(n * c->d_out) * 4);
     cr_assert(ref && got);
-    const struct kr_experts_params cp = {.x = x, .d_in = c->d_in, .d_ffn = c->d_ffn, .d_out = c->d_out,
-                                         .n_expert = E, .n_used = K, .ids = ids, .weights = w,
-                                         .gate = c->gated ? tg : NULL, .up = tu, .down = td,
-                                         .act = (enum kr_act)c->act, .out = ref};
-    cr_assert_eq(kr_backend_moe_experts(be, &cp, n), KR_OK);
+    /* the same op parameters on both sides (the GPU's pointing at device copies); the weights are
+     * each side's own handles: the CPU's tensors, the device arrays of bf16 pointers */
+    const struct krk_experts_params cp = {.x = x, .n = n, .d_in = c->d_in, .d_ffn = c->d_ffn, .d_out = c->d_out,
+                                          .n_expert = E, .n_used = K, .ids = ids, .weights = w,
+                                          .act = (enum kr_act)c->act, .out = ref};
+    struct krk_experts_params p = cp;
+    p.x = d_x;
+    p.ids = d_ids;
+    p.weights = d_wt;
+    p.out = d_out;
+    const struct krk_expert_ptrs dw = {.gate = c->gated ? d_gate : NULL, .up = d_up, .down = d_down};
+    const struct krk_ctx k = {.workspace = d_hidden, .workspace_bytes = ws};
+    cr_assert_eq(krk_moe_experts(&p, &dw, &k), KR_OK);
+    gt_sync();
+    const struct krk_ctx short_ws = {.workspace = d_hidden, .workspace_bytes = ws - 1};
+    cr_expect_eq(krk_moe_experts(&p, &dw, &short_ws), KR_ERR_INVAL, "a workspace one byte short");
+    const struct kr_expert_weights cw = {.gate = c->gated ? tg : NULL, .up = tu, .down = td};
+    cr_assert_eq(kr_backend_moe_experts(be, &cp, &cw), KR_OK);
     gt_down(got, d_out, (size_t)(n * c->d_out) * 4);
     char what[80];
     snprintf(what, sizeof what, "experts %s n=%lld", c->name, (long long)n);

@@ -689,14 +689,16 @@ ParameterizedTest(int *idx, rope, matches_cpu_up_to_128k_positions)
             inv[j] = 1.0f / powf(10000.0f, (float)(2 * j) / (float)s.dim);
         }
         float *d_x = gt_dup(x, nx * 4), *d_inv = gt_dup(inv, (size_t)half * 4);
-        struct krk_rope_params p = {.x = d_x, .ld = s.ld, .n_vec = s.n_vec, .stride = s.stride, .off = s.off,
-                                    .dim = s.dim, .interleaved = s.interleaved, .inv_freq = d_inv,
-                                    .factor = s.factor, .pos = b.dev.pos, .n_tok = n_tok};
-        cr_assert_eq(krk_rope(&p, 0), KR_OK);
+        /* the same parameters on both sides, the GPU's pointing at device copies */
+        const struct krk_rope_params cp = {.x = x, .ld = s.ld, .n_vec = s.n_vec, .stride = s.stride, .off = s.off,
+                                           .dim = s.dim, .interleaved = s.interleaved, .inv_freq = inv,
+                                           .factor = s.factor};
+        struct krk_rope_params p = cp;
+        p.x = d_x;
+        p.inv_freq = d_inv;
+        const struct krk_ctx k = {.batch = b.dev};
+        cr_assert_eq(krk_rope(&p, &k), KR_OK);
         gt_sync();
-        const struct kr_rope_params cp = {.x = x, .ld = s.ld, .n_vec = s.n_vec, .stride = s.stride, .off = s.off,
-                                          .dim = s.dim, .interleaved = s.interleaved, .inv_freq = inv,
-                                          .factor = s.factor};
         cr_assert_eq(kr_backend_begin_batch(be, &b.host), KR_OK);
         cr_assert_eq(kr_backend_rope(be, &cp), KR_OK);
         float *g = hdown(d_x, nx);
@@ -715,7 +717,7 @@ ParameterizedTest(int *idx, rope, matches_cpu_up_to_128k_positions)
     kr_backend_free(be);
 }
 
-/* Two sets of vectors in one launch (krk_rope_params.also), as a DSA layer rotates its q_pe
+/* Two sets of vectors in one launch (krk_rope_pair), as a DSA layer rotates its q_pe
  * (interleaved, the last 64 of each 192) and its indexer queries (half-split, the first 64 of each
  * 128): each against the CPU's rope of that set, same bounds as above; the second set alone (an
  * empty first set) too. */
@@ -740,19 +742,24 @@ Test(rope, two_sets_in_one_launch_match_cpu)
     for (int first_empty = 0; first_empty < 2; first_empty++) {
         float *xa = hrand(&rng, na, -2.0f, 2.0f), *xb = hrand(&rng, nb, -2.0f, 2.0f);
         float *d_a = gt_dup(xa, na * 4), *d_b = gt_dup(xb, nb * 4);
-        struct krk_rope_params p = {.x = d_a, .ld = ld_a, .n_vec = first_empty ? 0 : 32, .stride = 192, .off = 128,
-                                    .dim = 64, .interleaved = true, .inv_freq = d_inv, .factor = 0.9f,
-                                    .pos = b.dev.pos, .n_tok = n_tok};
-        p.also = (struct krk_rope_vecs){.x = d_b, .ld = ld_b, .n_vec = 64, .stride = 128, .off = 0, .dim = 64,
-                                        .interleaved = false};
-        cr_assert_eq(krk_rope(&p, 0), KR_OK);
+        const struct krk_rope_params ca = {.x = xa, .ld = ld_a, .n_vec = first_empty ? 0 : 32, .stride = 192,
+                                           .off = 128, .dim = 64, .interleaved = true, .inv_freq = inv,
+                                           .factor = 0.9f};
+        const struct krk_rope_params cb = {.x = xb, .ld = ld_b, .n_vec = 64, .stride = 128, .off = 0, .dim = 64,
+                                           .interleaved = false, .inv_freq = inv, .factor = 0.9f};
+        struct krk_rope_params pa = ca, pb = cb;
+        pa.x = d_a;
+        pb.x = d_b;
+        pa.inv_freq = pb.inv_freq = d_inv;
+        const struct krk_ctx k = {.batch = b.dev};
+        cr_assert_eq(krk_rope_pair(&pa, &pb, &k), KR_OK);
         gt_sync();
+        if (!first_empty) { /* the pair shares frequencies and factor or is refused */
+            pb.factor = 0.8f;
+            cr_expect_eq(krk_rope_pair(&pa, &pb, &k), KR_ERR_INVAL, "a pair with two factors");
+            pb.factor = 0.9f;
+        }
         cr_assert_eq(kr_backend_begin_batch(be, &b.host), KR_OK);
-        const struct kr_rope_params ca = {.x = xa, .ld = ld_a, .n_vec = first_empty ? 0 : 32, .stride = 192,
-                                          .off = 128, .dim = 64, .interleaved = true, .inv_freq = inv,
-                                          .factor = 0.9f};
-        const struct kr_rope_params cb = {.x = xb, .ld = ld_b, .n_vec = 64, .stride = 128, .off = 0, .dim = 64,
-                                          .interleaved = false, .inv_freq = inv, .factor = 0.9f};
         cr_assert_eq(kr_backend_rope(be, &ca), KR_OK);
         cr_assert_eq(kr_backend_rope(be, &cb), KR_OK);
         float *ga = hdown(d_a, na), *gb = hdown(d_b, nb);

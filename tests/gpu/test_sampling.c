@@ -212,6 +212,7 @@ static int64_t row_entries(const struct batch *b, int64_t i, int32_t *ids, int32
  * parameters when set. */
 struct launch {
     struct krk_sample_params p;
+    struct krk_ctx k;            /* the default stream and the workspace */
     struct krk_sample_row *rows; /* host copy */
     void *d_logits, *d_rows, *d_ids, *d_cnt, *d_fl, *d_out, *d_lp, *d_top, *d_top_lp, *d_ws;
 };
@@ -274,9 +275,8 @@ static void launch_make(struct launch *l, const struct batch *b, int32_t n_top, 
         .n_top = n_top,
         .top_ids = l->d_top,
         .top_lp = l->d_top_lp,
-        .workspace = l->d_ws,
-        .workspace_bytes = ws,
     };
+    l->k = (struct krk_ctx){.workspace = l->d_ws, .workspace_bytes = ws};
     free(ids);
     free(cnt);
     free(fl);
@@ -308,7 +308,7 @@ static void gpu_sample(const struct batch *b, int32_t n_top, bool want_lp, struc
     cr_assert(g->ids && g->lp && g->top && g->top_lp && g->u);
     struct launch l;
     launch_make(&l, b, n_top, want_lp, g->u);
-    cr_assert_eq(krk_sample(&l.p, 0), KR_OK);
+    cr_assert_eq(krk_sample(&l.p, &l.k), KR_OK);
     gt_sync();
     gt_down(g->ids, l.d_out, (size_t)n * 4);
     if (want_lp) {
@@ -784,48 +784,49 @@ Test(sampling, invalid_parameters_are_refused)
     launch_make(&l, &b, 3, true, u);
 
     /* host-side parameters */
-    cr_expect_eq(krk_sample(NULL, 0), KR_ERR_INVAL);
+    cr_expect_eq(krk_sample(NULL, &l.k), KR_ERR_INVAL);
+    cr_expect_eq(krk_sample(&l.p, NULL), KR_ERR_INVAL, "no context");
     struct krk_sample_params q = l.p;
     q.vocab = 0;
-    cr_expect_eq(krk_sample(&q, 0), KR_ERR_INVAL, "vocab 0");
+    cr_expect_eq(krk_sample(&q, &l.k), KR_ERR_INVAL, "vocab 0");
     q = l.p;
     q.vocab = (int64_t)1 << 21;
     q.ld = q.vocab;
-    cr_expect_eq(krk_sample(&q, 0), KR_ERR_INVAL, "vocab too large");
+    cr_expect_eq(krk_sample(&q, &l.k), KR_ERR_INVAL, "vocab too large");
     q = l.p;
     q.ld = q.vocab - 1;
-    cr_expect_eq(krk_sample(&q, 0), KR_ERR_INVAL, "ld < vocab");
+    cr_expect_eq(krk_sample(&q, &l.k), KR_ERR_INVAL, "ld < vocab");
     q = l.p;
     q.n = -1;
-    cr_expect_eq(krk_sample(&q, 0), KR_ERR_INVAL, "n < 0");
+    cr_expect_eq(krk_sample(&q, &l.k), KR_ERR_INVAL, "n < 0");
     q = l.p;
     q.n_top = 21;
-    cr_expect_eq(krk_sample(&q, 0), KR_ERR_INVAL, "n_top 21");
+    cr_expect_eq(krk_sample(&q, &l.k), KR_ERR_INVAL, "n_top 21");
     q = l.p;
     q.top_ids = NULL;
-    cr_expect_eq(krk_sample(&q, 0), KR_ERR_INVAL, "n_top without top_ids");
+    cr_expect_eq(krk_sample(&q, &l.k), KR_ERR_INVAL, "n_top without top_ids");
     q = l.p;
     q.logits = NULL;
-    cr_expect_eq(krk_sample(&q, 0), KR_ERR_INVAL, "no logits");
+    cr_expect_eq(krk_sample(&q, &l.k), KR_ERR_INVAL, "no logits");
     q = l.p;
     q.rows = NULL;
-    cr_expect_eq(krk_sample(&q, 0), KR_ERR_INVAL, "no rows");
-    q = l.p;
-    q.workspace_bytes -= 1;
-    cr_expect_eq(krk_sample(&q, 0), KR_ERR_INVAL, "workspace too small");
-    q = l.p;
-    q.workspace = (char *)q.workspace + 4;
-    cr_expect_eq(krk_sample(&q, 0), KR_ERR_INVAL, "misaligned workspace");
+    cr_expect_eq(krk_sample(&q, &l.k), KR_ERR_INVAL, "no rows");
+    struct krk_ctx qk = l.k;
+    qk.workspace_bytes -= 1;
+    cr_expect_eq(krk_sample(&l.p, &qk), KR_ERR_INVAL, "workspace too small");
+    qk = l.k;
+    qk.workspace = (char *)qk.workspace + 4;
+    cr_expect_eq(krk_sample(&l.p, &qk), KR_ERR_INVAL, "misaligned workspace");
     q = l.p;
     q.n_pen = 4;
     q.pen_ids = NULL;
-    cr_expect_eq(krk_sample(&q, 0), KR_ERR_INVAL, "penalty entries without ids");
+    cr_expect_eq(krk_sample(&q, &l.k), KR_ERR_INVAL, "penalty entries without ids");
     q = l.p;
     q.n_pen = -1;
-    cr_expect_eq(krk_sample(&q, 0), KR_ERR_INVAL, "n_pen < 0");
+    cr_expect_eq(krk_sample(&q, &l.k), KR_ERR_INVAL, "n_pen < 0");
     q = l.p;
     q.n = 0;
-    cr_expect_eq(krk_sample(&q, 0), KR_OK, "no rows is a no-op");
+    cr_expect_eq(krk_sample(&q, &l.k), KR_OK, "no rows is a no-op");
 
     /* device-side row parameters: rejected rows answer -1, the others are unaffected */
     l.rows[0].temperature = -1.0f;
@@ -838,7 +839,7 @@ Test(sampling, invalid_parameters_are_refused)
     l.d_rows = gt_dup(l.rows, (size_t)b.n * sizeof *l.rows);
     l.p.rows = l.d_rows;
     cr_assert(cudaMemset(l.d_out, 0x7f, (size_t)b.n * 4) == cudaSuccess);
-    cr_assert_eq(krk_sample(&l.p, 0), KR_OK);
+    cr_assert_eq(krk_sample(&l.p, &l.k), KR_OK);
     gt_sync();
     int32_t out[6];
     float lp[6];

@@ -49,14 +49,10 @@ static int64_t field(const struct kr_switches *sw, const char *name)
         size_t off;
     } f[] = {
         {"KRAIT_CUDA_GRAPHS", offsetof(struct kr_switches, cuda_graphs)},
-        {"KRAIT_CUDA_GRAPHS_MLA", offsetof(struct kr_switches, cuda_graphs_mla)},
         {"KRAIT_MLA_ATTN", offsetof(struct kr_switches, mla_attn)},
         {"KRAIT_DSA_SCORE", offsetof(struct kr_switches, dsa_score)},
         {"KRAIT_MLA_OVERLAP", offsetof(struct kr_switches, mla_overlap)},
-        {"KRAIT_DSA_SELECT", offsetof(struct kr_switches, dsa_select)},
-        {"KRAIT_GEMV_CONFIG", offsetof(struct kr_switches, gemv_config)},
         {"KRAIT_SKINNY_MAX", offsetof(struct kr_switches, skinny_max)},
-        {"KRAIT_SKINNY_CONFIG", offsetof(struct kr_switches, skinny_config)},
         {"KRAIT_SSD_STREAM", offsetof(struct kr_switches, ssd_stream)},
         {"KRAIT_PDL", offsetof(struct kr_switches, pdl)},
         {"KRAIT_BACKEND_SAMPLING", offsetof(struct kr_switches, backend_sampling)},
@@ -80,10 +76,8 @@ static int64_t field(const struct kr_switches *sw, const char *name)
 Test(switches, table_lists_the_switches_the_code_had)
 {
     static const char *const names[] = {
-        "KRAIT_CUDA_GRAPHS", "KRAIT_CUDA_GRAPHS_MLA", "KRAIT_MLA_ATTN",     "KRAIT_DSA_SCORE",
-        "KRAIT_MLA_OVERLAP", "KRAIT_DSA_SELECT",      "KRAIT_GEMV_CONFIG",  "KRAIT_SKINNY_MAX",
-        "KRAIT_SKINNY_CONFIG", "KRAIT_SSD_STREAM",    "KRAIT_PDL",          "KRAIT_BACKEND_SAMPLING",
-        "KRAIT_FAULT_STEP",
+        "KRAIT_CUDA_GRAPHS", "KRAIT_MLA_ATTN", "KRAIT_DSA_SCORE", "KRAIT_MLA_OVERLAP",      "KRAIT_SKINNY_MAX",
+        "KRAIT_SSD_STREAM",  "KRAIT_PDL",      "KRAIT_BACKEND_SAMPLING", "KRAIT_FAULT_STEP",
     };
     int n;
     const struct kr_switch *t = kr_switches_table(&n);
@@ -99,6 +93,27 @@ Test(switches, table_lists_the_switches_the_code_had)
     cr_expect_eq(find("KRAIT_FAULT_STEP")->use, KR_SWITCH_TEST);
 }
 
+/* Switches removed on 2026-12-02 (their code paths went with them): not in the table, and a value
+ * left in the environment changes nothing. */
+Test(switches, removed_switches_are_gone)
+{
+    static const char *const gone[] = {"KRAIT_DSA_SELECT", "KRAIT_GEMV_CONFIG", "KRAIT_SKINNY_CONFIG",
+                                       "KRAIT_CUDA_GRAPHS_MLA"};
+    int n;
+    const struct kr_switch *t = kr_switches_table(&n);
+    struct kr_switches d;
+    kr_switches_defaults(&d);
+    for (size_t g = 0; g < sizeof gone / sizeof gone[0]; g++) {
+        for (int i = 0; i < n; i++) {
+            cr_expect(strcmp(t[i].name, gone[g]) != 0, "%s is still in the table", gone[g]);
+        }
+        struct kr_switches sw;
+        struct kr_err err = {{0}};
+        cr_assert_eq(parse1(gone[g], "1", &sw, &err), KR_OK, "%s=1: %s", gone[g], err.msg);
+        cr_expect_eq(memcmp(&d, &sw, sizeof d), 0, "%s=1 changes nothing", gone[g]);
+    }
+}
+
 Test(switches, defaults_are_the_backends_former_ones)
 {
     struct kr_switches sw;
@@ -106,14 +121,10 @@ Test(switches, defaults_are_the_backends_former_ones)
     g_name = NULL;
     cr_assert_eq(kr_switches_parse(&sw, one_var, &err), KR_OK, "%s", err.msg);
     cr_expect_eq(sw.cuda_graphs, 1);
-    cr_expect_eq(sw.cuda_graphs_mla, 1);
     cr_expect_eq(sw.mla_attn, KR_MLA_ATTN_HEADS);
     cr_expect_eq(sw.dsa_score, KR_DSA_SCORE_MMA);
     cr_expect_eq(sw.mla_overlap, 1);
-    cr_expect_eq(sw.dsa_select, KR_DSA_SELECT_BLOCK);
-    cr_expect_eq(sw.gemv_config, 0);
     cr_expect_eq(sw.skinny_max, 8);
-    cr_expect_eq(sw.skinny_config, 0);
     cr_expect_eq(sw.ssd_stream, 1);
     cr_expect_eq(sw.pdl, 1);
     cr_expect_eq(sw.backend_sampling, -1, "unset: the engine config decides");
@@ -206,10 +217,10 @@ Test(switches, enum_values_keep_their_names)
     cr_expect_eq(sw.mla_attn, KR_MLA_ATTN_PER_HEAD);
     cr_assert_eq(parse1("KRAIT_DSA_SCORE", "fp32", &sw, &err), KR_OK);
     cr_expect_eq(sw.dsa_score, KR_DSA_SCORE_FP32);
-    cr_assert_eq(parse1("KRAIT_DSA_SELECT", "agg", &sw, &err), KR_OK);
-    cr_expect_eq(sw.dsa_select, KR_DSA_SELECT_AGG);
-    cr_assert_eq(parse1("KRAIT_DSA_SELECT", "split", &sw, &err), KR_OK);
-    cr_expect_eq(sw.dsa_select, KR_DSA_SELECT_SPLIT);
+    cr_assert_eq(parse1("KRAIT_DSA_SCORE", "mma", &sw, &err), KR_OK);
+    cr_expect_eq(sw.dsa_score, KR_DSA_SCORE_MMA);
+    cr_assert_eq(parse1("KRAIT_MLA_ATTN", "heads", &sw, &err), KR_OK);
+    cr_expect_eq(sw.mla_attn, KR_MLA_ATTN_HEADS);
     cr_assert_eq(parse1("KRAIT_BACKEND_SAMPLING", "0", &sw, &err), KR_OK);
     cr_expect_eq(sw.backend_sampling, 0);
     cr_assert_eq(parse1("KRAIT_CUDA_GRAPHS", "0", &sw, &err), KR_OK);
@@ -236,17 +247,15 @@ static void expect_refused(const char *name, const char *value, const char *acce
 
 Test(switches, refuses_typos_and_out_of_range_values)
 {
-    expect_refused("KRAIT_DSA_SELECT", "aggr", "block, agg or split");
-    expect_refused("KRAIT_DSA_SELECT", "Block", "block, agg or split");
+    expect_refused("KRAIT_DSA_SCORE", "mmma", "fp32 or mma");
+    expect_refused("KRAIT_DSA_SCORE", "FP32", "fp32 or mma");
     expect_refused("KRAIT_MLA_ATTN", "perhead", "per-head or heads");
     expect_refused("KRAIT_DSA_SCORE", "fp16", "fp32 or mma");
     expect_refused("KRAIT_SKINNY_MAX", "17", "an integer in 0..16");
     expect_refused("KRAIT_SKINNY_MAX", "-1", "an integer in 0..16");
     expect_refused("KRAIT_SKINNY_MAX", "8x", "an integer in 0..16");
     expect_refused("KRAIT_SKINNY_MAX", "99999999999999999999", "an integer in 0..16");
-    expect_refused("KRAIT_GEMV_CONFIG", "5", "an integer in 0..4");
-    expect_refused("KRAIT_SKINNY_CONFIG", "4", "an integer in 0..3");
-    expect_refused("KRAIT_SKINNY_CONFIG", "1.5", "an integer in 0..3");
+    expect_refused("KRAIT_SKINNY_MAX", "1.5", "an integer in 0..16");
     expect_refused("KRAIT_PDL", "off", "0 or 1");
     expect_refused("KRAIT_PDL", "2", "0 or 1");
     expect_refused("KRAIT_CUDA_GRAPHS", "false", "0 or 1");
@@ -286,17 +295,17 @@ Test(switches, reads_the_current_environment)
 {
     struct kr_switches sw;
     struct kr_err err = {{0}};
-    setenv("KRAIT_DSA_SELECT", "split", 1);
+    setenv("KRAIT_DSA_SCORE", "fp32", 1);
     setenv("KRAIT_SKINNY_MAX", "0", 1);
     cr_assert_eq(kr_switches_from_env(&sw, &err), KR_OK, "%s", err.msg);
-    cr_expect_eq(sw.dsa_select, KR_DSA_SELECT_SPLIT);
+    cr_expect_eq(sw.dsa_score, KR_DSA_SCORE_FP32);
     cr_expect_eq(sw.skinny_max, 0);
     cr_expect(kr_switches_given(&sw, "KRAIT_SKINNY_MAX"));
     cr_expect(!kr_switches_given(&sw, "KRAIT_PDL"));
-    setenv("KRAIT_DSA_SELECT", "aggr", 1);
+    setenv("KRAIT_DSA_SCORE", "fp16", 1);
     cr_expect_eq(kr_switches_from_env(&sw, &err), KR_ERR_INVAL);
-    cr_expect(strstr(err.msg, "KRAIT_DSA_SELECT=aggr") != NULL, "%s", err.msg);
-    unsetenv("KRAIT_DSA_SELECT");
+    cr_expect(strstr(err.msg, "KRAIT_DSA_SCORE=fp16") != NULL, "%s", err.msg);
+    unsetenv("KRAIT_DSA_SCORE");
     unsetenv("KRAIT_SKINNY_MAX");
 }
 
@@ -306,14 +315,14 @@ Test(switches, backend_create_refuses_a_bad_switch)
 {
     kr_backend_t be = NULL;
     struct kr_err err = {{0}};
-    setenv("KRAIT_DSA_SELECT", "aggr", 1);
+    setenv("KRAIT_DSA_SCORE", "fp16", 1);
     cr_expect_eq(kr_backend_create("cpu", 1, &be, &err), KR_ERR_INVAL);
     cr_expect_null(be);
-    cr_expect(strstr(err.msg, "KRAIT_DSA_SELECT=aggr: expected block, agg or split") != NULL, "%s", err.msg);
+    cr_expect(strstr(err.msg, "KRAIT_DSA_SCORE=fp16: expected fp32 or mma") != NULL, "%s", err.msg);
     err.msg[0] = '\0';
     cr_expect_eq(kr_backend_cuda_create(0, true, &be, &err), KR_ERR_INVAL, "the switches are parsed before the device");
-    cr_expect(strstr(err.msg, "KRAIT_DSA_SELECT=aggr") != NULL, "%s", err.msg);
-    unsetenv("KRAIT_DSA_SELECT");
+    cr_expect(strstr(err.msg, "KRAIT_DSA_SCORE=fp16") != NULL, "%s", err.msg);
+    unsetenv("KRAIT_DSA_SCORE");
     cr_assert_eq(kr_backend_create("cpu", 1, &be, &err), KR_OK, "%s", err.msg);
     kr_backend_free(be);
 }
@@ -426,13 +435,13 @@ Test(switches, krait_serve_help_env_lists_every_switch)
 
 Test(switches, krait_serve_exits_2_on_a_bad_switch)
 {
-    FILE *p = popen("KRAIT_DSA_SELECT=aggr " KR_KRAIT_BIN " serve " KR_SOURCE_DIR
+    FILE *p = popen("KRAIT_DSA_SCORE=fp16 " KR_KRAIT_BIN " serve " KR_SOURCE_DIR
                     "/models/tiny-hybrid --device cpu --threads 1 --host 127.0.0.1 --port 0 2>&1",
                     "r");
     cr_assert(p);
     char *out = slurp(p);
     const int st = pclose(p);
     cr_expect(WIFEXITED(st) && WEXITSTATUS(st) == 2, "exit status 2 (status %d):\n%s", st, out);
-    cr_expect(strstr(out, "KRAIT_DSA_SELECT=aggr: expected block, agg or split"), "the message:\n%s", out);
+    cr_expect(strstr(out, "KRAIT_DSA_SCORE=fp16: expected fp32 or mma"), "the message:\n%s", out);
     free(out);
 }

@@ -37,13 +37,25 @@ struct krk_batch {
 };
 
 /* What a launcher needs beside an op's parameters (struct krk_*_params of krk/ops.h): the stream,
- * the step's batch in device memory and scratch, all owned by the backend. Launchers that take a
- * krk_ctx read the fields their comment names. */
+ * the step's batch in device memory, scratch, the tuning variants and the events, all owned by the
+ * backend; what is CUDA-only (streams, events) lives here, never in ops.h. Launchers that take a
+ * krk_ctx read the fields their comment names; a zeroed tuning variant or event is the launcher's plain
+ * path. */
 struct krk_ctx {
     cudaStream_t stream;
     struct krk_batch batch;
     void *workspace;        /* scratch of the launcher's *_workspace_bytes() bytes, or NULL when 0 */
     size_t workspace_bytes;
+    /* tuning variants (0: the plain kernels) */
+    int32_t dsa_score;      /* krk_dsa_index: KRK_DSA_SCORE_* (krk/mla.h) */
+    int32_t mla_attn;       /* krk_mla_attention: KRK_MLA_ATTN_* (krk/mla.h) */
+    /* krk_mla_attention: an event recorded after the work that writes the params' idx (on another
+     * stream), or NULL; the launcher makes `stream` wait on it after the kernels that do not read idx
+     * (the absorption of the queries) and before the first that does (whenever it returns KR_OK) */
+    cudaEvent_t idx_ready;
+    /* (optional, profiling) the (begin, end) event pairs a launcher records on `stream` around its
+     * phases, or NULL: krk_dsa_index [4], krk_ssd [6], krk_mamba [10] (their comments say which) */
+    cudaEvent_t *events;
 };
 
 /* Number of CUDA devices visible to this process (0 when the driver is missing or no device is

@@ -8,7 +8,15 @@
 extern "C" {
 #endif
 
-/* Causal depthwise conv over xBC (+ bias) followed by SiLU, per sequence of the batch, with the
+/* The Mamba-2 step of a layer (struct krk_mamba_params, krk/ops.h) for ctx->batch, on ctx->stream:
+ * krk_conv1d on the xBC columns of zxbcdt into xbc, then krk_ssd on xbc with the dt columns, with
+ * ctx->workspace of krk_ssd_workspace_bytes() bytes. ctx->events (or NULL) gets [10]: (begin, end)
+ * around the conv, around the SSD, then the SSD's three phases (krk_ssd's events). */
+enum kr_status krk_mamba(const struct krk_mamba_params *p, const struct krk_ctx *ctx);
+
+/* The two parts of krk_mamba, each a launcher of its own (the GPU tests call them alone).
+ *
+ * Causal depthwise conv over xBC (+ bias) followed by SiLU, per sequence of ctx->batch, with the
  * K-1 previous inputs taken from conv_state (or zeros when the sequence's seq_pos0 is 0); then the
  * sequence's conv_state becomes its last K-1 inputs. Padding sequences (slot < 0) read zeros and
  * write no state. */
@@ -21,16 +29,18 @@ struct krk_conv1d_params {
     const float *b;         /* [conv_dim] fp32, may be NULL */
     krk_bf16 *state;        /* [n_slot, K-1, conv_dim] bf16 */
     float *out;             /* [n_tok, conv_dim] SiLU(conv) */
-    struct krk_batch batch;
 };
-enum kr_status krk_conv1d(const struct krk_conv1d_params *p, cudaStream_t stream);
+enum kr_status krk_conv1d(const struct krk_conv1d_params *p, const struct krk_ctx *ctx);
 
-/* SSD over the conv output: per sequence and head h (group g = h / (n_head / n_group)):
+/* SSD over the conv output: per sequence of ctx->batch and head h (group g = h / (n_head / n_group)):
  *   dt_t = clamp(softplus(dt_raw_t[h] + dt_bias[h]), dt_min, dt_max), A = -exp(A_log[h])
  *   state = exp(dt_t A) state + dt_t * x_t B_t^T;  y_t = state C_t + D[h] x_t
  * starting from ssm_state[slot] (zeros when seq_pos0 is 0) and writing the final state back.
  * Sequences with several tokens use the chunked algorithm (chunk length `chunk`), single tokens
- * the recurrence. Padding sequences write no state. */
+ * the recurrence. Padding sequences write no state. ctx->workspace: krk_ssd_workspace_bytes() bytes
+ * (may be NULL when that is 0). ctx->events (or NULL) gets [6]: a (begin, end) pair recorded around
+ * each phase: one-token update, C.B^T, chunked scan (a phase that does not run gets both at the
+ * same point). */
 struct krk_ssd_params {
     const float *xbc;       /* [n_tok, conv_dim]: x [n_head*head_dim] | B [n_group*d_state] | C [n_group*d_state] */
     int64_t conv_dim;
@@ -43,16 +53,12 @@ struct krk_ssd_params {
     int64_t n_head, head_dim, n_group, d_state, chunk;
     float *state;           /* [n_slot, n_head, head_dim, d_state] fp32 */
     float *y;               /* [n_tok, n_head * head_dim] (D skip included) */
-    void *workspace;        /* scratch of krk_ssd_workspace_bytes() bytes, may be NULL when that is 0 */
-    struct krk_batch batch;
-    cudaEvent_t *events;    /* (optional, profiling) [6]: a (begin, end) pair recorded around each phase:
-                               one-token update, C.B^T, chunked scan (a phase that does not run gets
-                               both at the same point) */
 };
-/* Scratch bytes krk_ssd needs for a batch of up to n_tok tokens in up to n_seq sequences. */
+/* Scratch bytes krk_ssd (and krk_mamba) needs for a batch of up to n_tok tokens in up to n_seq
+ * sequences. */
 size_t krk_ssd_workspace_bytes(int64_t n_tok, int64_t n_seq, int64_t n_head, int64_t head_dim, int64_t n_group,
                                int64_t d_state, int64_t chunk);
-enum kr_status krk_ssd(const struct krk_ssd_params *p, cudaStream_t stream);
+enum kr_status krk_ssd(const struct krk_ssd_params *p, const struct krk_ctx *ctx);
 
 #ifdef __cplusplus
 }

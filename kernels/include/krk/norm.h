@@ -41,26 +41,13 @@ enum kr_status krk_cast_bf16(const float *x, int64_t ldx, int64_t n, int64_t col
 enum kr_status krk_convert_bf16(const void *src, int src_dtype, int64_t n, krk_bf16 *dst, cudaStream_t stream);
 enum kr_status krk_convert_f32(const void *src, int src_dtype, int64_t n, float *dst, cudaStream_t stream);
 
-/* Rotary embedding of every token at batch.pos[t]: for each token t, n_vec vectors at
- * x + t*ld + i*stride, rotating `dim` elements from `off` by angles pos * inv_freq[j] with cos/sin
- * scaled by `factor`; interleaved pairs (2j, 2j+1) or half-split pairs (j, j + dim/2). */
-struct krk_rope_params {
-    float *x;
-    int64_t ld, n_vec, stride, off, dim;
-    bool interleaved;
-    const float *inv_freq;  /* [dim / 2] */
-    float factor;
-    const int32_t *pos;     /* [n_tok] */
-    int64_t n_tok;
-    /* (optional, x NULL: none) more vectors rotated in the same launch, with the same positions,
-     * frequencies (inv_freq covers both dims) and factor; must not overlap the first set */
-    struct krk_rope_vecs {
-        float *x;
-        int64_t ld, n_vec, stride, off, dim;
-        bool interleaved;
-    } also;
-};
-enum kr_status krk_rope(const struct krk_rope_params *p, cudaStream_t stream);
+/* Rotary embedding (struct krk_rope_params, krk/ops.h) of ctx->batch's tokens at their positions
+ * (batch.pos, batch.n_tok), on ctx->stream. */
+enum kr_status krk_rope(const struct krk_rope_params *p, const struct krk_ctx *ctx);
+/* krk_rope of a, then of b, in one launch: b's vectors must not overlap a's, and the two share
+ * frequencies and factor (the same inv_freq pointer, covering both dims; KR_ERR_INVAL otherwise). */
+enum kr_status krk_rope_pair(const struct krk_rope_params *a, const struct krk_rope_params *b,
+                             const struct krk_ctx *ctx);
 
 #ifdef __cplusplus
 }

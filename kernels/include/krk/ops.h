@@ -108,6 +108,64 @@ struct krk_route_params {
     float *weights;         /* [n, n_used] out: their weights */
 };
 
+/* Rotary embedding of the current batch's tokens at their positions: for every token t, n_vec
+ * vectors at x + t*ld + i*stride, rotating `dim` elements starting at `off` by angles
+ * pos * inv_freq[j] (fp32), with cos/sin scaled by `factor`; interleaved pairs (2j, 2j+1) or
+ * half-split pairs (j, j + dim/2). The positions are the batch's (krk_ctx.batch on CUDA). */
+struct krk_rope_params {
+    float *x;
+    int64_t ld, n_vec, stride, off, dim;
+    bool interleaved;
+    const float *inv_freq;  /* [dim / 2] fp32 */
+    float factor;
+};
+
+/* One Mamba-2 mixer step of a layer over the current batch, after its input projection:
+ *   xBC = SiLU(causal depthwise conv(xBC) + conv_b), per sequence, the K-1 previous inputs taken from
+ *         its conv state (zeros when the sequence's seq_pos0 is 0); the state becomes its last K-1 inputs
+ *   dt_t = clamp(softplus(dt_raw_t[h] + dt_bias[h]), dt_min, dt_max), A = -exp(A_log[h])
+ *   state = exp(dt_t A) state + dt_t x_t B_t^T;  y_t = state C_t + D[h] x_t
+ * per sequence and head h (group g = h / (n_head / n_group)), from the sequence's SSM state (zeros
+ * when seq_pos0 is 0), the final state written back; several tokens take the chunked algorithm
+ * (chunks of `chunk`), one the recurrence. States are indexed by the batch's seq_slot (padding
+ * sequences, slot < 0: no state read or written, rows unspecified). Activations are [n_tok, ...]. */
+struct krk_mamba_params {
+    const float *zxbcdt;    /* [n_tok, ld_in] in_proj output: [z | xBC | dt] */
+    int64_t ld_in;          /* row stride of zxbcdt (= in_proj rows) */
+    int64_t d_inner;        /* heads * head_dim */
+    int64_t n_head;         /* SSM heads */
+    int64_t head_dim;       /* P */
+    int64_t n_group;        /* G */
+    int64_t d_state;        /* N */
+    int64_t d_conv;         /* K (CUDA: 2..8) */
+    int64_t chunk;          /* SSD chunk length */
+    const float *conv_w;    /* [conv_dim, K] fp32, conv_dim = d_inner + 2 * n_group * d_state */
+    const float *conv_b;    /* [conv_dim] fp32, may be NULL */
+    const float *dt_bias;   /* [n_head] fp32 */
+    const float *A_log;     /* [n_head] fp32 */
+    const float *D;         /* [n_head] fp32 */
+    float dt_min, dt_max;   /* dt clamp (applied only when dt_min > 0 / dt_max finite) */
+    void *conv_state;       /* [n_slot, K-1, conv_dim] this layer's conv states (cache element type) */
+    float *ssm_state;       /* [n_slot, n_head, head_dim, d_state] this layer's SSM states, fp32 */
+    float *xbc;             /* [n_tok, conv_dim] workspace: conv output (after SiLU) */
+    float *y;               /* [n_tok, d_inner] output: SSD output incl. D skip, before the gated norm */
+};
+
+/* Routed experts: out[t] = sum_k weights[t,k] * E_{ids[t,k]}(x[t]) for t < n, with
+ * E(x) = down(act(gate x) * (up x)) for gated experts, else down(act(up x)); expert ids outside
+ * [0, n_expert) contribute zero. The experts' weights are not part of this struct: they are each
+ * backend's own handles, passed beside it (the engine's arrays of weight tensors, struct
+ * kr_expert_weights in backend/backend.h; on CUDA, device arrays of bf16 pointers built from them
+ * once per model, struct krk_expert_ptrs in krk/moe.h). */
+struct krk_experts_params {
+    const float *x;         /* [n, d_in] */
+    int64_t n, d_in, d_ffn, d_out, n_expert, n_used;
+    const int32_t *ids;     /* [n, n_used] */
+    const float *weights;   /* [n, n_used] */
+    enum kr_act act;
+    float *out;             /* [n, d_out] overwritten */
+};
+
 /* GQA attention for one layer over the block-paged K/V cache: the batch's new K/V rows are written
  * into the cache at their positions first, then for every query token t of sequence s at position p
  * and head h (KV head h / (n_head / n_kv_head)):
@@ -136,6 +194,44 @@ struct krk_mla_cache_params {
     int64_t kv_lora, rope, idx_dim; /* row = kv_lora + rope + idx_dim (idx_dim 0 for '+') */
     void *cache;            /* [n_block, block_size, row] this layer's latent cache */
     int32_t block_size;
+};
+
+/* Lightning indexer selection (DeepSeek sparse attention): for every token t of the batch at
+ * position p, the top min(topk, p+1) cached positions s <= p by
+ *   I[t,s] = sum_h w[t,h] relu(iq[t,h] . ik[s])   (ik[s]: the index key in the latent cache row of s)
+ * (ties: lower position first), written ascending to idx[t, 0..] and padded with -1. When
+ * p+1 <= topk every position is chosen and no score is computed. */
+struct krk_dsa_index_params {
+    const float *iq;        /* [n_tok, n_head * head_dim] indexer queries (after RoPE) */
+    const float *w;         /* [n_tok, n_head] head weights (already scaled) */
+    int64_t n_head, head_dim;
+    const void *cache;      /* this layer's latent cache, rows of `row`, the index key at column key_off */
+    int64_t row, key_off;
+    int32_t block_size;
+    int32_t topk;
+    int32_t *idx;           /* [n_tok, topk] out */
+};
+
+/* Absorbed-form MLA attention over the latent cache: per token t at position p and head h,
+ * q_abs = W_UK[h]^T q_nope, score(s) = scale (q_abs . c_kv[s] + q_pe . k_pe[s]) over the selected
+ * positions (idx, entries outside 0..p skipped) or every position <= p (idx NULL), o_lat = the
+ * softmax-weighted sum of c_kv[s], out = W_UV[h] o_lat (no visible position: zeros).
+ * With `select` set, the positions are selected first, exactly as the indexer op with *select would
+ * (select->idx must be idx, select->topk topk): a backend may overlap that selection with the work
+ * on q that does not depend on it. The kernel launcher (krk_mla_attention) ignores `select`: the
+ * CUDA backend runs krk_dsa_index itself and tells the launcher through krk_ctx.idx_ready. */
+struct krk_mla_attn_params {
+    const float *q;         /* [n_tok, n_head * (nope + rope)] queries, rope part rotated */
+    int64_t n_head, nope, rope, v_dim, kv_lora;
+    const float *kv_b;      /* [n_head * (nope + v_dim), kv_lora] fp32: per head W_UK rows then W_UV rows */
+    const void *cache;      /* this layer's latent cache, rows of `row` = [c_kv | k_pe | ...] */
+    int64_t row;
+    int32_t block_size;
+    const int32_t *idx;     /* [n_tok, topk] selected positions (-1 padded) or NULL (dense causal) */
+    int32_t topk;
+    float scale;
+    float *out;             /* [n_tok, n_head * v_dim] */
+    const struct krk_dsa_index_params *select; /* or NULL: idx is already filled (or NULL) */
 };
 
 /* FP8 round trip of activation rows (the DSA indexer's FP8 path, MODEL_SPEC §1.5): each of the n rows
@@ -194,6 +290,30 @@ struct krk_sample_row {
     float presence, frequency, repetition;
     int32_t pen_off, pen_n; /* this row's entries in the penalty arrays */
     double u;               /* uniform draw in [0, 1) from the row's generator (unused when greedy) */
+};
+
+/* Token sampling for n rows of raw logits (row i at logits + i * ld), the host sampler's semantics
+ * (engine/sampler.h; the caller contract in krk/sampling.h). Penalty entries list, per row (its
+ * pen_off, pen_n), its distinct counted tokens (count = occurrences in the output, flag bit 0 = in
+ * the prompt) and, while below min_tokens, its EOS and stop ids (flag bit 1).
+ * Memory: logits are backend memory. The other arrays are host memory when the struct is handed to
+ * kr_backend_sample (the CUDA backend stages them to the device and gives krk_sample the same
+ * struct pointing at its copies), device memory when it is handed to krk_sample. */
+struct krk_sample_params {
+    const float *logits;            /* [n, ld] raw logits */
+    int64_t ld, n, vocab;
+    const struct krk_sample_row *rows; /* [n] */
+    const int32_t *pen_ids;         /* [n_pen] token ids with penalties or masks, may be NULL when n_pen is 0 */
+    const int32_t *pen_count;       /* [n_pen] occurrences in the output */
+    const uint8_t *pen_flags;       /* [n_pen] bit 0: in the prompt; bit 1: masked (min_tokens) */
+    int64_t n_pen;                  /* entries in the penalty arrays (bounds every row's range) */
+    int32_t *out;                   /* [n] chosen ids; -1 where the row's parameters are invalid or
+                                       every logit is masked (the host path reports those) */
+    float *out_logprob;             /* [n] log_softmax(raw logits)[chosen], may be NULL */
+    int32_t n_top;                  /* top log-probabilities wanted per row (0..20, <= vocab) */
+    int32_t *top_ids;               /* [n, n_top] largest raw log-probabilities, descending; may be
+                                       NULL when n_top is 0 */
+    float *top_lp;                  /* [n, n_top] */
 };
 
 #ifdef __cplusplus

@@ -27,28 +27,13 @@
 extern "C" {
 #endif
 
-
-struct krk_sample_params {
-    const float *logits;            /* [n, ld] raw logits */
-    int64_t ld, n, vocab;
-    const struct krk_sample_row *rows;  /* [n] */
-    const int32_t *pen_ids;         /* [n_pen] token ids with penalties or masks, may be NULL when n_pen is 0 */
-    const int32_t *pen_count;       /* [n_pen] occurrences in the output */
-    const uint8_t *pen_flags;       /* [n_pen] bit 0: in the prompt; bit 1: masked (min_tokens) */
-    int64_t n_pen;                  /* entries in the penalty arrays (bounds every row's range) */
-    int32_t *out;                   /* [n] chosen ids */
-    float *out_logprob;             /* [n] log_softmax(raw logits)[chosen], may be NULL */
-    int32_t n_top;                  /* top log-probabilities wanted per row (0..20, <= vocab) */
-    int32_t *top_ids;               /* [n, n_top], may be NULL when n_top is 0 */
-    float *top_lp;                  /* [n, n_top] */
-    void *workspace;                /* krk_sample_workspace_bytes() bytes, 16-byte aligned */
-    size_t workspace_bytes;
-};
 /* Bytes of workspace for n rows of vocab logits: the processed logits, one padded fp32 row each. */
 size_t krk_sample_workspace_bytes(int64_t n, int64_t vocab);
-/* Samples one token per row. KR_ERR_INVAL on invalid host-side parameters, KR_ERR_CUDA when the
- * launch fails; row parameters live on the device and are checked there (see above). */
-enum kr_status krk_sample(const struct krk_sample_params *p, cudaStream_t stream);
+/* Samples one token per row (struct krk_sample_params, krk/ops.h; every array device memory) on
+ * ctx->stream, with ctx->workspace of krk_sample_workspace_bytes() bytes, 16-byte aligned.
+ * KR_ERR_INVAL on invalid host-side parameters, KR_ERR_CUDA when the launch fails; row parameters
+ * live on the device and are checked there (see above). */
+enum kr_status krk_sample(const struct krk_sample_params *p, const struct krk_ctx *ctx);
 
 #ifdef __cplusplus
 }
