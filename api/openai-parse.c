@@ -141,6 +141,9 @@ static enum kr_status opt_string(const json_t *obj, const char *key, const char 
     if (!json_is_string(v)) {
         return bad(e, param, "'%s' must be a string", param);
     }
+    if (strlen(json_string_value(v)) != json_string_length(v)) { /* a name compared as a C string */
+        return bad(e, param, "'%s' must not contain NUL characters", param);
+    }
     *out = json_string_value(v);
     return KR_OK;
 }
@@ -486,7 +489,7 @@ static enum kr_status parse_messages(struct kr_oai_request *r, struct kr_oai_err
             return bad(e, path, "'%s' must be a string", path);
         }
         const char *rs = json_string_value(role);
-        if (!role_known(rs)) {
+        if (!role_known(rs) || strlen(rs) != json_string_length(role)) { /* "user\u0000x" is no role */
             return bad(
                 e, path,
                 "Invalid value: '%.64s'. Supported values are: 'system', 'assistant', 'user', 'tool', and "

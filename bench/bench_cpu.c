@@ -91,7 +91,7 @@ static int bench_model(const char *dir, int threads, int32_t n_prefill, int32_t 
     kr_backend_t be = kr_backend_cpu_create(threads);
     struct kr_model *m = NULL;
     struct kr_cache *c = NULL;
-    struct kr_err err = {{0}};
+    struct kr_err err = {0};
     if (kr_model_load(dir, be, &m, &err) != KR_OK) {
         fprintf(stderr, "bench: %s\n", err.msg);
         kr_backend_free(be);

@@ -274,7 +274,7 @@ static void gpu_greedy(struct ctx *x, int32_t n, int32_t *ids)
 
 static void forward(struct ctx *x, const struct kr_batch *b)
 {
-    struct kr_err err = {{0}};
+    struct kr_err err = {0};
     if (kr_model_forward(x->m, x->c, b, NULL, &err) != KR_OK) {
         fprintf(stderr, "bench_cuda: forward (%d tokens, %d sequences): %s\n", b->n_tok, b->n_seq, err.msg);
         exit(1);
@@ -537,7 +537,7 @@ int main(int argc, char **argv)
         fprintf(x.json, "{\"kind\":\"ceilings\",\"device\":\"%s\",\"copy_gbs\":%.1f,\"gemm_tflops\":%.1f}\n", dev, x.bw,
                 x.tflops);
     }
-    struct kr_err err = {{0}};
+    struct kr_err err = {0};
     if (kr_backend_create("cuda", 0, &x.be, &err) != KR_OK) { /* KRAIT_CUDA_GRAPHS=0: no graphs */
         fprintf(stderr, "bench_cuda: %s\n", err.msg);
         return 1;

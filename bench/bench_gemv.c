@@ -300,7 +300,7 @@ int main(int argc, char **argv)
         return 2;
     }
     struct kr_switches sw; /* the KRAIT_* table: a refused value is an error here too */
-    struct kr_err serr = {{0}};
+    struct kr_err serr = {0};
     if (kr_switches_from_env(&sw, &serr) != KR_OK) {
         fprintf(stderr, "bench_gemv: %s\n", serr.msg);
         return 2;

@@ -32,7 +32,7 @@ int main(int argc, char **argv)
     kr_log_set_level(KR_LOG_LEVEL_WARN);
     kr_backend_t be = NULL;
     struct kr_model *m = NULL;
-    struct kr_err err = {{0}};
+    struct kr_err err = {0};
     if (kr_backend_create(device, 0, &be, &err) != KR_OK) {
         fprintf(stderr, "bench_sched: %s\n", err.msg);
         return 1;

@@ -52,7 +52,7 @@ static void run_engine(struct kr_engine *e, const int32_t *prompt, int n, int ma
     done_flag = 0;
     n_tok = 0;
     pthread_mutex_unlock(&mu);
-    struct kr_err err = {{0}};
+    struct kr_err err = {0};
     if (kr_engine_submit(e, &p, &id, &err) != KR_OK) {
         fprintf(stderr, "submit: %s\n", err.msg);
         exit(1);
@@ -117,7 +117,7 @@ int main(int argc, char **argv)
     /* the same prompt the HTTP requests send, tokenized as the server does (with BOS) */
     static const char text[] = "The quick brown fox jumps over the lazy dog";
     struct kr_tokenizer *tok = NULL;
-    struct kr_err terr = {{0}};
+    struct kr_err terr = {0};
     int32_t *prompt = NULL;
     int64_t n_ids = 0;
     if (kr_tokenizer_load(dir, NULL, &tok, &terr) != KR_OK ||
@@ -128,7 +128,7 @@ int main(int argc, char **argv)
     const int np = (int)n_ids;
     kr_backend_t be = kr_backend_cpu_create(1);
     struct kr_model *m = NULL;
-    struct kr_err err = {{0}};
+    struct kr_err err = {0};
     if (kr_model_load(dir, be, &m, &err) != KR_OK) {
         fprintf(stderr, "%s\n", err.msg);
         return 1;

@@ -42,7 +42,7 @@ int main(int argc, char **argv)
     }
     fclose(f);
     struct kr_tokenizer *tok;
-    struct kr_err err = {{0}};
+    struct kr_err err = {0};
     if (kr_tokenizer_load(dir, NULL, &tok, &err) != KR_OK) {
         fprintf(stderr, "%s\n", err.msg);
         return 1;

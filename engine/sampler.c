@@ -22,62 +22,78 @@ void kr_sampling_default(struct kr_sampling *s)
 enum kr_status kr_sampling_validate(const struct kr_sampling *s, int64_t vocab, struct kr_err *err)
 {
     if (!(s->temperature >= 0.0f) || !isfinite(s->temperature)) {
-        return kr_err_set(err, KR_ERR_INVAL, "temperature must be a finite number >= 0, got %g", s->temperature);
+        kr_err_set(err, KR_ERR_INVAL, "temperature must be a finite number >= 0, got %g", s->temperature);
+        return kr_err_param(err, KR_ERR_INVAL, "temperature");
     }
     if (!(s->top_p > 0.0f && s->top_p <= 1.0f)) {
-        return kr_err_set(err, KR_ERR_INVAL, "top_p must be in (0, 1], got %g", s->top_p);
+        kr_err_set(err, KR_ERR_INVAL, "top_p must be in (0, 1], got %g", s->top_p);
+        return kr_err_param(err, KR_ERR_INVAL, "top_p");
     }
     if (!(s->min_p >= 0.0f && s->min_p <= 1.0f)) {
-        return kr_err_set(err, KR_ERR_INVAL, "min_p must be in [0, 1], got %g", s->min_p);
+        kr_err_set(err, KR_ERR_INVAL, "min_p must be in [0, 1], got %g", s->min_p);
+        return kr_err_param(err, KR_ERR_INVAL, "min_p");
     }
     if (s->top_k < -1) {
-        return kr_err_set(err, KR_ERR_INVAL, "top_k must be -1, 0 (off) or positive, got %d", s->top_k);
+        kr_err_set(err, KR_ERR_INVAL, "top_k must be -1, 0 (off) or positive, got %d", s->top_k);
+        return kr_err_param(err, KR_ERR_INVAL, "top_k");
     }
     if (!(s->presence_penalty >= -2.0f && s->presence_penalty <= 2.0f)) {
-        return kr_err_set(err, KR_ERR_INVAL, "presence_penalty must be in [-2, 2], got %g", s->presence_penalty);
+        kr_err_set(err, KR_ERR_INVAL, "presence_penalty must be in [-2, 2], got %g", s->presence_penalty);
+        return kr_err_param(err, KR_ERR_INVAL, "presence_penalty");
     }
     if (!(s->frequency_penalty >= -2.0f && s->frequency_penalty <= 2.0f)) {
-        return kr_err_set(err, KR_ERR_INVAL, "frequency_penalty must be in [-2, 2], got %g", s->frequency_penalty);
+        kr_err_set(err, KR_ERR_INVAL, "frequency_penalty must be in [-2, 2], got %g", s->frequency_penalty);
+        return kr_err_param(err, KR_ERR_INVAL, "frequency_penalty");
     }
     if (!(s->repetition_penalty > 0.0f) || !isfinite(s->repetition_penalty)) {
-        return kr_err_set(err, KR_ERR_INVAL, "repetition_penalty must be a finite number > 0, got %g",
-                          s->repetition_penalty);
+        kr_err_set(err, KR_ERR_INVAL, "repetition_penalty must be a finite number > 0, got %g",
+                   s->repetition_penalty);
+        return kr_err_param(err, KR_ERR_INVAL, "repetition_penalty");
     }
     if (s->logprobs < -1 || s->logprobs > KR_MAX_TOP_LOGPROBS) {
-        return kr_err_set(err, KR_ERR_INVAL, "logprobs must be between 0 and %d, got %d", KR_MAX_TOP_LOGPROBS,
-                          s->logprobs);
+        kr_err_set(err, KR_ERR_INVAL, "logprobs must be between 0 and %d, got %d", KR_MAX_TOP_LOGPROBS,
+                   s->logprobs);
+        return kr_err_param(err, KR_ERR_INVAL, "logprobs");
     }
     if (s->prompt_logprobs < -1 || s->prompt_logprobs > KR_MAX_TOP_LOGPROBS) {
-        return kr_err_set(err, KR_ERR_INVAL, "prompt_logprobs must be between 0 and %d, got %d", KR_MAX_TOP_LOGPROBS,
-                          s->prompt_logprobs);
+        kr_err_set(err, KR_ERR_INVAL, "prompt_logprobs must be between 0 and %d, got %d", KR_MAX_TOP_LOGPROBS,
+                   s->prompt_logprobs);
+        return kr_err_param(err, KR_ERR_INVAL, "prompt_logprobs");
     }
     if (s->max_tokens < 1) {
-        return kr_err_set(err, KR_ERR_INVAL, "max_tokens must be at least 1, got %d", s->max_tokens);
+        kr_err_set(err, KR_ERR_INVAL, "max_tokens must be at least 1, got %d", s->max_tokens);
+        return kr_err_param(err, KR_ERR_INVAL, "max_tokens");
     }
     if (s->min_tokens < 0 || s->min_tokens > s->max_tokens) {
-        return kr_err_set(err, KR_ERR_INVAL, "min_tokens must be between 0 and max_tokens (%d), got %d", s->max_tokens,
-                          s->min_tokens);
+        kr_err_set(err, KR_ERR_INVAL, "min_tokens must be between 0 and max_tokens (%d), got %d", s->max_tokens,
+                   s->min_tokens);
+        return kr_err_param(err, KR_ERR_INVAL, "min_tokens");
     }
     if (s->n_stop_ids < 0 || s->n_stop_ids > KR_MAX_STOP_IDS) {
-        return kr_err_set(err, KR_ERR_INVAL, "at most %d stop_token_ids are allowed", KR_MAX_STOP_IDS);
+        kr_err_set(err, KR_ERR_INVAL, "at most %d stop_token_ids are allowed", KR_MAX_STOP_IDS);
+        return kr_err_param(err, KR_ERR_INVAL, "stop_token_ids");
     }
     for (int32_t i = 0; i < s->n_stop_ids; i++) {
         if (s->stop_ids[i] < 0 || s->stop_ids[i] >= vocab) {
-            return kr_err_set(err, KR_ERR_INVAL, "stop_token_ids[%d] = %d is outside the vocabulary [0, %lld)", i,
+            kr_err_set(err, KR_ERR_INVAL, "stop_token_ids[%d] = %d is outside the vocabulary [0, %lld)", i,
                               s->stop_ids[i], (long long)vocab);
+            return kr_err_param(err, KR_ERR_INVAL, "stop_token_ids");
         }
     }
     if (s->n_bias < 0 || s->n_bias > KR_MAX_LOGIT_BIAS) {
-        return kr_err_set(err, KR_ERR_INVAL, "logit_bias accepts at most %d tokens", KR_MAX_LOGIT_BIAS);
+        kr_err_set(err, KR_ERR_INVAL, "logit_bias accepts at most %d tokens", KR_MAX_LOGIT_BIAS);
+        return kr_err_param(err, KR_ERR_INVAL, "logit_bias");
     }
     for (int32_t i = 0; i < s->n_bias; i++) {
         if (s->bias_ids[i] < 0 || s->bias_ids[i] >= vocab) {
-            return kr_err_set(err, KR_ERR_INVAL, "logit_bias: token %d is outside the vocabulary [0, %lld)",
+            kr_err_set(err, KR_ERR_INVAL, "logit_bias: token %d is outside the vocabulary [0, %lld)",
                               s->bias_ids[i], (long long)vocab);
+            return kr_err_param(err, KR_ERR_INVAL, "logit_bias");
         }
         if (!(s->bias[i] >= -100.0f && s->bias[i] <= 100.0f)) {
-            return kr_err_set(err, KR_ERR_INVAL, "logit_bias: the bias of token %d must be in [-100, 100], got %g",
+            kr_err_set(err, KR_ERR_INVAL, "logit_bias: the bias of token %d must be in [-100, 100], got %g",
                               s->bias_ids[i], s->bias[i]);
+            return kr_err_param(err, KR_ERR_INVAL, "logit_bias");
         }
     }
     return KR_OK;

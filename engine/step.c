@@ -427,7 +427,7 @@ void eng_run_step(struct kr_engine *e)
     const double t1 = kr_clock_us();
     const double gap = e->t_step_done > 0 ? t1 - e->t_step_done : -1.0; /* counted with the step's stats */
     e->t_step_done = 0;
-    struct kr_err err = {{0}};
+    struct kr_err err = {0};
     /* sampling on the backend when every output row of the step is one sequence's next token (no
      * prompt log-probability rows: a step with some goes to the host sampler whole). A row the
      * device sampler cannot take (an n > 1 fork sampling several choices from one row, logit_bias,

@@ -13,7 +13,7 @@ int kr_boot_check(const struct kr_serve_opts *o)
     if (o->max_model_len > 0) {
         /* beyond the checkpoint's trained length: refused before anything is loaded, unless asked */
         struct kr_model_config mc;
-        struct kr_err cerr = {{0}};
+        struct kr_err cerr = {0};
         if (kr_model_config_load(&mc, o->model_dir, &cerr) == KR_OK && o->max_model_len > mc.max_pos) {
             if (!o->allow_long_max_model_len) {
                 KR_LOG_ERROR("--max-model-len %d is more than the %lld positions %s/config.json declares "
@@ -62,7 +62,7 @@ static void progress(void *user, int done, int total)
 static void *loader_main(void *arg)
 {
     struct kr_boot *s = arg;
-    struct kr_err err = {{0}};
+    struct kr_err err = {0};
     enum kr_status st = kr_model_load_progress(s->o.model_dir, s->be, progress, NULL, &s->m, &err);
     if (st == KR_OK && s->o.indexer != KR_INDEXER_AUTO) {
         if ((st = kr_model_set_indexer(s->m, (enum kr_indexer)s->o.indexer, &err)) != KR_OK) {

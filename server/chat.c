@@ -144,7 +144,7 @@ enum kr_status kr_chat_render(const struct kr_chat *c, json_t *messages, json_t 
     }
     struct kr_chat_params p = {.messages = msgs, .tools = tools, .add_generation_prompt = add_generation_prompt && !continue_final_message,
                                .bos_token = c->bos, .eos_token = c->eos, .extra = kwargs};
-    struct kr_err err = {{0}};
+    struct kr_err err = {0};
     enum kr_status st = kr_chat_template_render(c->tpl, &p, text, len, &err);
     if (st != KR_OK) {
         json_decref(msgs);

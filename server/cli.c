@@ -116,7 +116,7 @@ static int run(const char *cmd, const struct opts *o)
     float *lp = NULL;
     int32_t *gen = NULL;
     char *json = NULL;
-    struct kr_err err = {{0}};
+    struct kr_err err = {0};
     enum kr_status st;
 
     if (parse_ids(o->ids, &ids, &n) != 0) {

@@ -189,10 +189,11 @@ char *kr_metrics_render(const struct kr_metrics *m, const struct kr_engine_stats
         put(&b, "krait:request_success_total{%s,finished_reason=\"%s\"} %llu\n", lbl, reasons[i],
             (unsigned long long)m->requests_ok[i]);
     }
-    static const char *const classes[6] = {"2xx", "400", "401", "404", "413", "5xx_or_429"};
-    put(&b, "# HELP krait:http_requests_total HTTP responses by status class.\n"
+    static const char *const classes[10] = {"2xx", "400", "401", "404", "405", "413", "429", "500", "503", "other"};
+    put(&b, "# HELP krait:http_requests_total HTTP responses by status (2xx together; \"other\": any status "
+            "not named).\n"
             "# TYPE krait:http_requests_total counter\n");
-    for (int i = 0; i < 6; i++) {
+    for (int i = 0; i < 10; i++) {
         put(&b, "krait:http_requests_total{%s,status=\"%s\"} %llu\n", lbl, classes[i],
             (unsigned long long)m->http_requests[i]);
     }

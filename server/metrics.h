@@ -19,7 +19,7 @@ struct kr_hist {
 struct kr_metrics {
     struct kr_hist ttft, itl, e2e, queue;
     uint64_t requests_ok[3];    /* finished: stop, length, abort (cancelled or failed) */
-    uint64_t http_requests[6];  /* by class: 2xx, 400, 401, 404, 413, 429/503/other */
+    uint64_t http_requests[10]; /* by status: 2xx, 400, 401, 404, 405, 413, 429, 500, 503, other */
 };
 
 void kr_metrics_init(struct kr_metrics *m);

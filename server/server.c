@@ -81,6 +81,7 @@ struct hreq {
     bool prep_failed;
     uv_work_t work;
     char id[48];
+    const char *allow;         /* a 405's Allow header */
     bool stream;               /* the answer is an event stream (the session's stream_begin) */
     bool answered;             /* the session's done came: nothing more will */
     bool ans_ready;            /* not a stream: the answer below waits for the next access call */
@@ -141,7 +142,11 @@ static double now_s(void)
 
 static void count_status(struct srv *s, unsigned status)
 {
-    int c = status < 300 ? 0 : status == 400 ? 1 : status == 401 ? 2 : status == 404 ? 3 : status == 413 ? 4 : 5;
+    static const unsigned classes[] = {400, 401, 404, 405, 413, 429, 500, 503}; /* then 1 + index */
+    int c = status < 300 ? 0 : 9; /* 9: any other status */
+    for (int i = 0; i < 8 && status >= 300; i++) {
+        c = status == classes[i] ? 1 + i : c;
+    }
     s->met.http_requests[c]++;
 }
 
@@ -158,6 +163,9 @@ static enum MHD_Result send_body(struct hreq *h, unsigned status, const char *ct
     }
     if (status == 401) {
         MHD_add_response_header(r, "WWW-Authenticate", "Bearer");
+    }
+    if (status == 405 && h->allow) {
+        MHD_add_response_header(r, "Allow", h->allow);
     }
     if (h->id[0]) {
         MHD_add_response_header(r, "X-Request-Id", h->id);
@@ -611,6 +619,7 @@ static enum MHD_Result dispatch(struct hreq *h, const char *url, const char *met
             continue;
         }
         if (routes[i].post ? !post : !get) {
+            h->allow = routes[i].post ? "POST" : "GET";
             return send_simple_error(h, KR_OAI_METHOD, routes[i].post ? "use POST" : "use GET");
         }
         if (!s->ready || s->draining) {
@@ -1121,7 +1130,7 @@ int kr_serve_run(const struct kr_serve_opts *o)
     kr_metrics_init(&s->met);
     s->started = (int64_t)time(NULL);
     s->model_name = kr_strdup(o->served_model_name ? o->served_model_name : o->model_dir);
-    struct kr_err berr = {{0}};
+    struct kr_err berr = {0};
     if (kr_boot_init(&s->rt, o, &berr) != KR_OK) {
         KR_LOG_ERROR("cannot start the compute backend: %s", berr.msg);
         return start_failed(s, false, 2);

@@ -134,17 +134,18 @@ const struct kr_sess_engine_i kr_sess_engine_krait = {
 /* The one place where an engine status becomes an error cause (kr_oai_error then gives its HTTP
  * status and OpenAI error object). `device_failed`: the engine reported a lost device
  * (kr_engine_failed). */
-static void engine_error(struct kr_oai_error *e, enum kr_status st, bool device_failed, const char *msg)
+static void engine_error(struct kr_oai_error *e, enum kr_status st, bool device_failed, const char *msg,
+                         const char *field)
 {
     enum kr_oai_cause cause = KR_OAI_INTERNAL;
-    const char *param = "";
+    const char *param = field ? field : "";
     switch (st) {
     case KR_ERR_BUSY:
         cause = KR_OAI_QUEUE_FULL;
         break;
     case KR_ERR_TOO_LONG:
         cause = KR_OAI_TOO_LONG;
-        param = "max_tokens";
+        param = param[0] ? param : "max_tokens";
         break;
     case KR_ERR_INVAL:
         cause = KR_OAI_INVALID;
@@ -751,7 +752,7 @@ static void on_error(struct kr_sess *s, struct kr_sess_sub *sb, const struct kr_
         char msg[600];
         snprintf(msg, sizeof msg, lost ? "%s" : "generation failed: %s", ev->message);
         /* a step that failed is the server's fault (500) whatever its status, unless the device is lost */
-        engine_error(&s->err, lost ? KR_ERR_CUDA : KR_ERR_INTERNAL, lost, msg);
+        engine_error(&s->err, lost ? KR_ERR_CUDA : KR_ERR_INTERNAL, lost, msg, NULL);
     }
     for (int32_t i = 0; i < s->o.n; i++) {
         struct choice *c = &s->ch[sb->idx * s->o.n + i];
@@ -810,6 +811,21 @@ static enum kr_status prep_simple_fail(struct kr_sess *s, enum kr_oai_cause caus
     return cause == KR_OAI_INTERNAL ? KR_ERR_NOMEM : KR_ERR_INVAL;
 }
 
+static enum kr_status prep_oom(struct kr_sess *s);
+
+/* A body jansson could not parse (NUL inside strings is allowed where the text reaches no C string):
+ * what is wrong and where, as the completion endpoints say it. */
+static enum kr_status bad_json(struct kr_sess *s, const json_error_t *je)
+{
+    if (json_error_code(je) == json_error_out_of_memory) {
+        return prep_oom(s);
+    }
+    kr_oai_error(&s->err, KR_OAI_INVALID, "", "malformed JSON: %s at line %d column %d", je->text, je->line,
+                 je->column);
+    s->prep_failed = true;
+    return KR_ERR_INVAL;
+}
+
 static enum kr_status prep_oom(struct kr_sess *s)
 {
     return prep_simple_fail(s, KR_OAI_INTERNAL, "", "out of memory");
@@ -826,7 +842,7 @@ static bool tokenize_into(const struct kr_sess_env *env, struct kr_sess_sub *sb,
     }
     int32_t *ids = NULL;
     int64_t n = 0;
-    struct kr_err err = {{0}};
+    struct kr_err err = {0};
     if (kr_tokenizer_encode(env->tok, text, len, add_special, &ids, &n, &err) != KR_OK) {
         kr_oai_error(e, KR_OAI_INVALID, param, "cannot tokenize: %s", err.msg);
         return false;
@@ -874,7 +890,7 @@ static int32_t last_turn_boundary(const struct kr_sess *s, const struct kr_sess_
         KR_OK) {
         int32_t *ids = NULL;
         int64_t n_ids = 0;
-        struct kr_err err = {{0}};
+        struct kr_err err = {0};
         if (kr_tokenizer_encode(env->tok, text, tlen, false, &ids, &n_ids, &err) == KR_OK) {
             while (at < n_ids && at < sb->n_prompt && ids[at] == sb->prompt[at]) {
                 at++;
@@ -1006,8 +1022,11 @@ static enum kr_status prepare_tokenize(struct kr_sess *s, const char *body, size
 {
     const struct kr_sess_env *env = s->env;
     json_error_t je;
-    json_t *root = json_loadb(body, blen, 0, &je);
-    if (!root || !json_is_object(root)) {
+    json_t *root = json_loadb(body, blen, JSON_DECODE_ANY | JSON_ALLOW_NUL, &je);
+    if (!root) {
+        return bad_json(s, &je);
+    }
+    if (!json_is_object(root)) {
         json_decref(root);
         return prep_simple_fail(s, KR_OAI_INVALID, "", "the body must be a JSON object");
     }
@@ -1052,7 +1071,7 @@ static enum kr_status prepare_tokenize(struct kr_sess *s, const char *body, size
     }
     int32_t *ids = NULL;
     int64_t n = 0;
-    struct kr_err err = {{0}};
+    struct kr_err err = {0};
     enum kr_status st = kr_tokenizer_encode(env->tok, text ? text : "", len, add_special, &ids, &n, &err);
     kr_free(text);
     if (st != KR_OK) {
@@ -1086,8 +1105,11 @@ static enum kr_status prepare_detokenize(struct kr_sess *s, const char *body, si
 {
     const struct kr_sess_env *env = s->env;
     json_error_t je;
-    json_t *root = json_loadb(body, blen, 0, &je);
-    json_t *toks = root ? json_object_get(root, "tokens") : NULL;
+    json_t *root = json_loadb(body, blen, JSON_DECODE_ANY, &je);
+    if (!root) {
+        return bad_json(s, &je);
+    }
+    json_t *toks = json_is_object(root) ? json_object_get(root, "tokens") : NULL;
     if (!json_is_array(toks)) {
         json_decref(root);
         return prep_simple_fail(s, KR_OAI_INVALID, "tokens", "\"tokens\" must be a list of token ids");
@@ -1153,7 +1175,7 @@ static void submit_all(struct kr_sess *s)
                                       .cache_salt = s->o.cache_salt, .cache_salt_len = s->o.cache_salt_len,
                                       .snapshot_at = sb->snap_at > 0 ? &sb->snap_at : NULL,
                                       .n_snapshot_at = sb->snap_at > 0 ? 1 : 0};
-        struct kr_err err = {{0}};
+        struct kr_err err = {0};
         enum kr_status st = KR_OK;
         sb->spare = kr_calloc((size_t)s->o.n + 1, sizeof *sb->spare);
         for (int32_t k = 0; sb->spare && k <= s->o.n; k++) {
@@ -1170,7 +1192,8 @@ static void submit_all(struct kr_sess *s)
         }
         if (st != KR_OK) {
             cancel_engine(s); /* the prompts already queued */
-            engine_error(&s->err, st, st == KR_ERR_CUDA && env->engine->failed(env->engine_ctx), err.msg);
+            engine_error(&s->err, st, st == KR_ERR_CUDA && env->engine->failed(env->engine_ctx), err.msg,
+                         err.param);
             s->failed = true;
             answer(s);
             return;

@@ -46,6 +46,14 @@ enum kr_status kr_err_set(struct kr_err *err, enum kr_status st, const char *fmt
     return st;
 }
 
+enum kr_status kr_err_param(struct kr_err *err, enum kr_status st, const char *param)
+{
+    if (err) {
+        snprintf(err->param, sizeof err->param, "%s", param);
+    }
+    return st;
+}
+
 void kr_err_prefix(struct kr_err *err, const char *fmt, ...)
 {
     if (!err) {

@@ -44,12 +44,15 @@ extern "C" {
  * (names the file, the tensor or key, and what was expected). May be passed as NULL. */
 struct kr_err {
     char msg[1024];
+    char param[64];   /* the request field at fault, "" when none (kr_err_param) */
 };
 
 /* Formats into err->msg (no-op when err is NULL). Returns `st` so callers can write
  * `return kr_err_set(err, KR_ERR_FORMAT, "...", ...);`. */
 enum kr_status kr_err_set(struct kr_err *err, enum kr_status st, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
+/* Names the request field at fault (no-op when err is NULL); returns `st`. */
+enum kr_status kr_err_param(struct kr_err *err, enum kr_status st, const char *param);
 /* Prepends "prefix: " to an existing message (no-op when err is NULL). */
 void kr_err_prefix(struct kr_err *err, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 #ifdef __cplusplus

@@ -44,7 +44,7 @@ static size_t run_cases(const char *prefix)
         const json_t *src = json_object_get(c, "template"), *vars = json_object_get(c, "variables");
         const json_t *error = json_object_get(c, "error");
         struct kr_chat_template *tpl = NULL;
-        struct kr_err err = {{0}};
+        struct kr_err err = {0};
         enum kr_status st = kr_chat_template_compile(json_string_value(src), json_string_length(src), &tpl, &err);
         if (error && strncmp(json_string_value(error), "syntax", 6) == 0) {
             cr_expect_eq(st, KR_ERR_FORMAT, "%s: jinja2 rejects this template (%s) but it compiled", name,
@@ -120,7 +120,7 @@ Test(chat_template, raise_exception_message_reaches_the_caller)
 {
     const char *src = "{{ raise_exception('bad role: ' ~ messages[0].role) }}";
     struct kr_chat_template *tpl = NULL;
-    struct kr_err err = {{0}};
+    struct kr_err err = {0};
     cr_assert_eq(kr_chat_template_compile(src, strlen(src), &tpl, &err), KR_OK, "%s", err.msg);
     json_t *msgs = json_loads("[{\"role\": \"robot\", \"content\": \"x\"}]", 0, NULL);
     struct kr_chat_params p = {.messages = msgs};
@@ -137,7 +137,7 @@ Test(chat_template, runaway_template_is_stopped)
 {
     const char *src = "{% set r = range(100000) %}{% for i in r %}{% for j in r %}{{ '' }}{% endfor %}{% endfor %}";
     struct kr_chat_template *tpl = NULL;
-    struct kr_err err = {{0}};
+    struct kr_err err = {0};
     cr_assert_eq(kr_chat_template_compile(src, strlen(src), &tpl, &err), KR_OK, "%s", err.msg);
     struct kr_chat_params p = {0};
     char *out = NULL;

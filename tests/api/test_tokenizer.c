@@ -41,7 +41,7 @@ static json_t *load_json(const char *path)
 static struct kr_tokenizer *load_tok(const char *dir)
 {
     struct kr_tokenizer *t = NULL;
-    struct kr_err err = {{0}};
+    struct kr_err err = {0};
     enum kr_status st = kr_tokenizer_load(dir, NULL, &t, &err);
     cr_assert_eq(st, KR_OK, "loading %s: %s", dir, err.msg);
     return t;
@@ -82,7 +82,7 @@ static void expect_decode(const struct kr_tokenizer *t, const int32_t *ids, int6
 {
     char *s = NULL;
     size_t len = 0;
-    struct kr_err err = {{0}};
+    struct kr_err err = {0};
     cr_assert_eq(kr_tokenizer_decode(t, ids, n, skip, &s, &len, &err), KR_OK, "%s", err.msg);
     cr_expect(len == json_string_length(want) && memcmp(s, json_string_value(want), len) == 0,
               "text %zu (%s): decode differs from HF:\n  krait: %.300s\n  HF:    %.300s", text_i, what, s,
@@ -95,7 +95,7 @@ static void expect_stream(const struct kr_tokenizer *t, const int32_t *ids, int6
                           size_t text_i)
 {
     struct kr_detok *d = NULL;
-    struct kr_err err = {{0}};
+    struct kr_err err = {0};
     cr_assert_eq(kr_detok_create(t, skip, &d), KR_OK);
     struct kr_buf_s all = {0};
     kr_bs_reserve(&all, 0);
@@ -134,7 +134,7 @@ static void check_against_hf(const char *name, bool stream, int64_t max_stream_i
         const json_t *text = json_array_get(texts, i);
         int32_t *ids = NULL;
         int64_t n = 0;
-        struct kr_err err = {{0}};
+        struct kr_err err = {0};
         cr_assert_eq(kr_tokenizer_encode(t, json_string_value(text), json_string_length(text), false, &ids, &n, &err),
                      KR_OK, "text %zu: %s", i, err.msg);
         n_bad += !ids_equal(ids, n, json_object_get(c, "ids"), "no special tokens", i);
@@ -253,7 +253,7 @@ Test(tokenizer, invalid_utf8_is_a_clear_error)
     for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
         int32_t *ids = NULL;
         int64_t n = 0;
-        struct kr_err err = {{0}};
+        struct kr_err err = {0};
         cr_expect_eq(kr_tokenizer_encode(t, bad[i], strlen(bad[i]), true, &ids, &n, &err), KR_ERR_INVAL);
         cr_expect(strstr(err.msg, "UTF-8") != NULL, "message: %s", err.msg);
         cr_expect_null(ids);
@@ -264,7 +264,7 @@ Test(tokenizer, invalid_utf8_is_a_clear_error)
 static void expect_load_error(const char *json, enum kr_status want, const char *what)
 {
     struct kr_tokenizer *t = NULL;
-    struct kr_err err = {{0}};
+    struct kr_err err = {0};
     cr_expect_eq(kr_tokenizer_load_mem(json, strlen(json), NULL, 0, &t, &err), want, "%s: %s", json, err.msg);
     cr_expect(strstr(err.msg, what) != NULL, "message \"%s\" does not mention \"%s\"", err.msg, what);
     cr_expect_null(t);

@@ -351,7 +351,7 @@ static void expect_refused(const char *rel, int size, const char *needle)
     struct kr_host_comm *comm = NULL;
     cr_assert_eq(kr_host_comm_create(size, &comm), KR_OK);
     kr_backend_t be = kr_backend_cpu_create(1);
-    struct kr_err err = {{0}};
+    struct kr_err err = {0};
     cr_assert_eq(kr_backend_set_tp(be, size - 1, size, comm, &err), KR_OK, "%s", err.msg);
     struct kr_model *m = NULL;
     cr_expect_eq(kr_model_load(d, be, &m, &err), KR_ERR_UNSUPPORTED, "%s with %d ranks should be refused", rel, size);
@@ -372,7 +372,7 @@ Test(tp, indivisible_shapes_are_refused)
 Test(tp, bad_places_are_refused)
 {
     kr_backend_t be = kr_backend_cpu_create(1);
-    struct kr_err err = {{0}};
+    struct kr_err err = {0};
     struct kr_host_comm *comm = NULL;
     cr_assert_eq(kr_host_comm_create(2, &comm), KR_OK);
     cr_expect_eq(kr_backend_set_tp(be, 2, 2, comm, &err), KR_ERR_INVAL);

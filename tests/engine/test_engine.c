@@ -80,7 +80,7 @@ static void load_model(const char *family, const char *name)
     char dir[512];
     snprintf(dir, sizeof dir, "%s/%s/%s", KR_FIXTURES, family, name);
     g_be = kr_backend_cpu_create(2);
-    struct kr_err err = {{0}};
+    struct kr_err err = {0};
     cr_assert_eq(kr_model_load(dir, g_be, &g_m, &err), KR_OK, "%s", err.msg);
     g_recs = kr_calloc(MAX_REQ, sizeof *g_recs);
     cr_assert(g_recs);
@@ -112,7 +112,7 @@ static struct kr_engine *make_engine(int32_t max_seqs, int32_t max_tokens, size_
     cfg.debug_checks = true;
     cfg.backend_sampling = g_backend_sampling;
     struct kr_engine *e = NULL;
-    struct kr_err err = {{0}};
+    struct kr_err err = {0};
     cr_assert_eq(kr_engine_create(g_m, &cfg, &e, &err), KR_OK, "%s", err.msg);
     return e;
 }
@@ -137,7 +137,7 @@ static uint64_t submit(struct kr_engine *e, const int32_t *ids, int32_t n, struc
     struct kr_request_params p = {.prompt = ids, .n_prompt = n, .n = n_choices, .sampling = *s, .cb = on_event,
                                   .user = r};
     uint64_t id = 0;
-    struct kr_err err = {{0}};
+    struct kr_err err = {0};
     cr_assert_eq(kr_engine_submit(e, &p, &id, &err), KR_OK, "%s", err.msg);
     return id;
 }
@@ -333,7 +333,7 @@ Test(engine, prompt_logprobs_match_the_forward_pass)
     struct kr_cache *c = NULL;
     cr_assert_eq(kr_cache_create(g_m, 1, 4, 16, &c), KR_OK);
     float *lp = kr_malloc(20 * 256 * sizeof(float));
-    struct kr_err err = {{0}};
+    struct kr_err err = {0};
     cr_assert_eq(kr_run_prompt_logprobs(g_m, c, prompt, 20, 7, lp, &err), KR_OK);
     cr_expect(isnan(g_recs[0].plp[0]));
     for (int32_t t = 1; t < 20; t++) {
@@ -356,7 +356,7 @@ Test(engine, rejects_requests_that_can_never_fit)
     struct kr_request_params p = {.prompt = prompt, .n_prompt = 64, .n = 1, .sampling = s, .cb = on_event,
                                   .user = &g_recs[0]};
     uint64_t id;
-    struct kr_err err = {{0}};
+    struct kr_err err = {0};
     cr_expect_eq(kr_engine_submit(e, &p, &id, &err), KR_ERR_TOO_LONG);
     cr_expect(strstr(err.msg, "blocks"), "%s", err.msg);
     p.sampling.max_tokens = 5000; /* beyond max_position_embeddings (4096) */
@@ -385,7 +385,7 @@ Test(engine, admission_limit_says_busy)
     cfg.max_queued_requests = 2;
     cfg.cache_bytes = 32 << 20;
     struct kr_engine *e = NULL;
-    struct kr_err err = {{0}};
+    struct kr_err err = {0};
     cr_assert_eq(kr_engine_create(g_m, &cfg, &e, &err), KR_OK);
     int32_t prompt[8];
     random_prompt(prompt, 8);

@@ -66,7 +66,7 @@ static void load(const char *family, const char *name)
     char dir[512];
     snprintf(dir, sizeof dir, "%s/%s/%s", KR_FIXTURES, family, name);
     g_be = kr_backend_cpu_create(2);
-    struct kr_err err = {{0}};
+    struct kr_err err = {0};
     cr_assert_eq(kr_model_load(dir, g_be, &g_m, &err), KR_OK, "%s: %s", dir, err.msg);
     kr_log_set_level(KR_LOG_LEVEL_WARN);
 }
@@ -92,7 +92,7 @@ static struct kr_engine *engine(bool prefix, int32_t max_seqs, int32_t max_token
     cfg.prefix_state_interval = INTERVAL;
     cfg.prefix_snapshots = snaps;
     struct kr_engine *e = NULL;
-    struct kr_err err = {{0}};
+    struct kr_err err = {0};
     cr_assert_eq(kr_engine_create(g_m, &cfg, &e, &err), KR_OK, "%s", err.msg);
     return e;
 }
@@ -125,7 +125,7 @@ static uint64_t submit(struct kr_engine *e, const struct req_spec *q, struct rec
                                   .cache_salt_len = q->salt ? strlen(q->salt) : 0,
                                   .snapshot_at = q->hint ? &q->hint : NULL, .n_snapshot_at = q->hint ? 1 : 0};
     uint64_t id = 0;
-    struct kr_err err = {{0}};
+    struct kr_err err = {0};
     cr_assert_eq(kr_engine_submit(e, &p, &id, &err), KR_OK, "%s", err.msg);
     return id;
 }
@@ -513,7 +513,7 @@ Test(prefix, prompt_logprobs_are_computed_not_restored)
         struct kr_request_params p = {.prompt = q.ids, .n_prompt = q.n, .n = 1, .sampling = s, .cb = on_plp,
                                       .user = (void *)(intptr_t)pass};
         uint64_t id;
-        struct kr_err err = {{0}};
+        struct kr_err err = {0};
         cr_assert_eq(kr_engine_submit(e, &p, &id, &err), KR_OK, "%s", err.msg);
         kr_engine_wait_idle(e);
         cr_expect_eq(hits(e, NULL) - h0, 0, "prompt log-probabilities from restored rows");

@@ -369,7 +369,7 @@ Test(sampler, logit_bias_is_added_to_the_logits)
     for (int i = 0; i < V; i++) {
         cr_expect(fabs(f[i] - p[i] / z) < 0.005, "token %d: frequency %.4f, expected %.4f", i, f[i], p[i] / z);
     }
-    struct kr_err err = {{0}};
+    struct kr_err err = {0};
     s.bias[0] = 101.0f;
     cr_expect_eq(kr_sampling_validate(&s, V, &err), KR_ERR_INVAL);
     s.bias[0] = 1.0f;

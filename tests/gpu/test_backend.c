@@ -56,7 +56,7 @@ static int fixture_idx[N_FIXTURES] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9};
 static void load_cuda(struct fx *f, int idx, int n_slots, bool graphs)
 {
     kr_backend_t be = NULL;
-    struct kr_err err = {{0}};
+    struct kr_err err = {0};
     cr_assert_eq(kr_backend_cuda_create(0, graphs, &be, &err), KR_OK, "%s", err.msg);
     fx_load_on(f, fx_all[idx].family, fx_all[idx].name, be, n_slots);
 }
@@ -74,7 +74,7 @@ ParameterizedTest(int *idx, cuda_backend, prompt_logprobs_match_hf)
         struct fx_prompt *p = &f.prompts[i];
         float *lp = kr_malloc((size_t)p->n * (size_t)f.vocab * sizeof(float));
         cr_assert(lp);
-        struct kr_err err = {{0}};
+        struct kr_err err = {0};
         cr_assert_eq(kr_run_prompt_logprobs(f.m, f.c, p->ids, p->n, chunk, lp, &err), KR_OK, "%s", err.msg);
         double worst = 0, sum = 0, worst_kept = 0;
         int32_t flipped = 0;
@@ -123,7 +123,7 @@ ParameterizedTest(int *idx, cuda_backend, greedy_matches_hf)
     for (int32_t i = 0; i < f.n_prompts; i++) {
         struct fx_prompt *p = &f.prompts[i];
         int32_t out[64], n_out = 0;
-        struct kr_err err = {{0}};
+        struct kr_err err = {0};
         cr_assert_eq(kr_run_greedy(f.m, f.c, p->ids, p->n, 0, p->n_greedy, true, out, NULL, &n_out, &err), KR_OK,
                      "%s", err.msg);
         cr_assert_eq(n_out, p->n_greedy);
@@ -402,7 +402,7 @@ static void padded_graph_check(int idx)
         struct kr_batch b = {.n_tok = 3, .n_seq = 3, .tokens = tok, .pos = pos, .seq_tok0 = tok0,
                              .seq_pos0 = pos0, .seq_slot = slots, .block_table = bt, .max_blocks = 1, .n_out = 3,
                              .out_tok = out};
-        struct kr_err err = {{0}};
+        struct kr_err err = {0};
         cr_assert_eq(kr_model_forward(f.m, c, &b, logits, &err), KR_OK, "%s", err.msg);
     }
     off = 0;
@@ -473,7 +473,7 @@ Test(cuda_backend, invalid_batch_is_refused)
     struct kr_batch b = {.n_tok = 1, .n_seq = 1, .tokens = &tok, .pos = &pos, .seq_tok0 = tok0, .seq_pos0 = &pos0,
                          .seq_slot = &slot, .block_table = &bt, .max_blocks = 1, .n_out = 1, .out_tok = &out};
     float *logits = kr_malloc((size_t)f.vocab * sizeof(float));
-    struct kr_err err = {{0}};
+    struct kr_err err = {0};
     cr_expect_eq(kr_model_forward(f.m, f.c, &b, logits, &err), KR_ERR_INVAL);
     cr_expect(strstr(err.msg, "vocabulary") != NULL, "message: %s", err.msg);
     /* the backend still works afterwards */
@@ -550,7 +550,7 @@ Test(cuda_backend, gpu_sampling_equals_host_sampling)
         cfg.backend_sampling = pass;
         cfg.debug_checks = true;
         struct kr_engine *e = NULL;
-        struct kr_err err = {{0}};
+        struct kr_err err = {0};
         cr_assert_eq(kr_engine_create(f.m, &cfg, &e, &err), KR_OK, "%s", err.msg);
         for (int32_t i = 0; i < N; i++) {
             const struct fx_prompt *p = &f.prompts[i % f.n_prompts];
@@ -600,7 +600,7 @@ ParameterizedTest(int *idx, cuda_backend, fp8_indexer_matches_cpu)
     fx_load(&h, fx_all[*idx].family, fx_all[*idx].name, 2, 2);
     const char *name = fx_all[*idx].name;
     const int64_t K = g.m->cfg.idx_topk, V = g.vocab;
-    struct kr_err err = {{0}};
+    struct kr_err err = {0};
     cr_assert_eq(kr_model_set_indexer(h.m, KR_INDEXER_FP8, &err), KR_OK, "%s", err.msg);
     int32_t selecting = 0, differs_bf16 = 0;
     for (int32_t i = 0; i < g.n_prompts; i++) {
@@ -679,7 +679,7 @@ ParameterizedTest(int *idx, cuda_backend, no_device_allocation_while_serving)
     cfg.backend_sampling = 1;
     cfg.debug_checks = true;
     struct kr_engine *e = NULL;
-    struct kr_err err = {{0}};
+    struct kr_err err = {0};
     cr_assert_eq(kr_engine_create(f.m, &cfg, &e, &err), KR_OK, "%s", err.msg);
     const uint64_t before = kr_backend_cuda_alloc_count(f.be);
     int32_t choices = 0;
@@ -731,7 +731,7 @@ static void load_synth(struct fx *f, const char *dir, kr_backend_t be, const int
     memset(f, 0, sizeof *f);
     snprintf(f->dir, sizeof f->dir, "%s", dir);
     f->be = be;
-    struct kr_err err = {{0}};
+    struct kr_err err = {0};
     cr_assert_eq(kr_model_load(dir, be, &f->m, &err), KR_OK, "%s", err.msg);
     f->vocab = f->m->cfg.vocab;
     f->n_prompts = n_prompts;
@@ -759,7 +759,7 @@ static void dsa_rerun(const char *env, const char *dir, const int32_t *lens, int
     memset(r, 0, sizeof *r);
     setenv(env, "0", 1);
     kr_backend_t be = NULL;
-    struct kr_err err = {{0}};
+    struct kr_err err = {0};
     cr_assert_eq(kr_backend_cuda_create(0, true, &be, &err), KR_OK, "%s", err.msg);
     unsetenv(env);
     load_synth(f, dir, be, lens, n, dec);
@@ -786,7 +786,7 @@ Test(cuda_backend, dsa_real_shapes_match_cpu)
     static const int32_t lens[N] = {1, 33, 64, 100, 180};
     struct fx g, h;
     kr_backend_t be = NULL;
-    struct kr_err err = {{0}};
+    struct kr_err err = {0};
     cr_assert_eq(kr_backend_cuda_create(0, true, &be, &err), KR_OK, "%s", err.msg);
     load_synth(&g, dir, be, lens, N, DEC);
     load_synth(&h, dir, kr_backend_cpu_create(2), lens, N, DEC);
@@ -853,7 +853,7 @@ Test(cuda_backend, a_sticky_error_marks_the_device_lost, .timeout = 120)
 {
     GT_REQUIRE_GPU();
     kr_backend_t be = NULL;
-    struct kr_err err = {{0}};
+    struct kr_err err = {0};
     cr_assert_eq(kr_backend_cuda_create(0, false, &be, &err), KR_OK, "%s", err.msg);
     cr_expect(kr_backend_check(be), "a fresh device checks as usable");
     /* transient: a copy between null pointers is refused (cudaErrorInvalidValue) */

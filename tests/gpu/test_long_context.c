@@ -105,7 +105,7 @@ static void lc_serve(const char *dir, const int32_t *prompt, int32_t chunk, cons
         setenv(env, "0", 1);
     }
     kr_backend_t be = NULL;
-    struct kr_err err = {{0}};
+    struct kr_err err = {0};
     cr_assert_eq(kr_backend_cuda_create(0, true, &be, &err), KR_OK, "%s", err.msg);
     if (env) {
         unsetenv(env);

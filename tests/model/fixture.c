@@ -44,7 +44,7 @@ void fx_load_on(struct fx *f, const char *family, const char *name, kr_backend_t
     memset(f, 0, sizeof *f);
     snprintf(f->dir, sizeof f->dir, "%s/%s/%s", fx_root(), family, name);
     f->be = be;
-    struct kr_err err = {{0}};
+    struct kr_err err = {0};
     enum kr_status st = kr_model_load(f->dir, f->be, &f->m, &err);
     cr_assert_eq(st, KR_OK, "loading %s: %s", f->dir, err.msg);
     /* HF scores the DSA indexer without FP8: compare like with like (the FP8 path has its own tests) */
@@ -241,7 +241,7 @@ void drv_run(struct kr_model *m, struct kr_cache *c, struct drv_seq *seqs, int32
             .n_tok = nt, .n_seq = ns, .tokens = tokens, .pos = pos, .seq_tok0 = tok0, .seq_pos0 = pos0,
             .seq_slot = slot, .block_table = bt, .max_blocks = max_blocks, .n_out = nt, .out_tok = out_tok,
         };
-        struct kr_err err = {{0}};
+        struct kr_err err = {0};
         enum kr_status st = kr_model_forward(m, c, &b, lp, &err);
         cr_assert_eq(st, KR_OK, "forward: %s", err.msg);
         for (int32_t j = 0; j < ns; j++) {

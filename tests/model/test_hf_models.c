@@ -39,7 +39,7 @@ ParameterizedTest(int *idx, hf_models, prompt_logprobs_match_hf)
     for (int32_t i = 0; i < f.n_prompts; i++) {
         struct fx_prompt *p = &f.prompts[i];
         float *lp = kr_malloc((size_t)p->n * (size_t)f.vocab * sizeof(float));
-        struct kr_err err = {{0}};
+        struct kr_err err = {0};
         cr_assert_eq(kr_run_prompt_logprobs(f.m, f.c, p->ids, p->n, 0, lp, &err), KR_OK, "%s", err.msg);
         for (int32_t t = 0; t < p->n; t++) {
             double d = max_abs_diff(lp + (size_t)t * f.vocab, p->logprobs + (size_t)t * f.vocab, f.vocab);
@@ -59,7 +59,7 @@ ParameterizedTest(int *idx, hf_models, greedy_matches_hf)
     for (int32_t i = 0; i < f.n_prompts; i++) {
         struct fx_prompt *p = &f.prompts[i];
         int32_t out[64], n_out = 0;
-        struct kr_err err = {{0}};
+        struct kr_err err = {0};
         cr_assert_eq(kr_run_greedy(f.m, f.c, p->ids, p->n, 0, p->n_greedy, true, out, NULL, &n_out, &err), KR_OK,
                      "%s", err.msg);
         cr_assert_eq(n_out, p->n_greedy);
@@ -105,7 +105,7 @@ ParameterizedTest(int *idx, hf_models, prefill_then_decode_equals_prefill)
             struct kr_batch b = {.n_tok = nt, .n_seq = 1, .tokens = p->ids + start, .pos = pos, .seq_tok0 = tok0,
                                  .seq_pos0 = &pos0, .seq_slot = &sc.slot, .block_table = sc.blocks,
                                  .max_blocks = sc.n_blocks, .n_out = nt, .out_tok = outs};
-            struct kr_err err = {{0}};
+            struct kr_err err = {0};
             cr_assert_eq(kr_model_forward(f.m, f.c, &b, rows + (size_t)start * f.vocab, &err), KR_OK, "%s", err.msg);
             for (int32_t j = 0; j < nt; j++) {
                 float *row = rows + (size_t)(start + j) * f.vocab;
@@ -115,7 +115,7 @@ ParameterizedTest(int *idx, hf_models, prefill_then_decode_equals_prefill)
         }
         kr_seq_cache_release(f.c, &sc);
         float *one = kr_malloc((size_t)p->n * (size_t)f.vocab * sizeof(float));
-        struct kr_err err = {{0}};
+        struct kr_err err = {0};
         cr_assert_eq(kr_run_prompt_logprobs(f.m, f.c, p->ids, p->n, 0, one, &err), KR_OK);
         for (int32_t t = 0; t < p->n; t++) {
             double d = max_abs_diff(rows + (size_t)t * f.vocab, one + (size_t)t * f.vocab, f.vocab);
@@ -141,7 +141,7 @@ ParameterizedTest(int *idx, hf_models, any_chunking_equals_one_shot)
         struct fx_prompt *p = &f.prompts[i];
         const size_t sz = (size_t)p->n * (size_t)f.vocab;
         float *one = kr_malloc(sz * sizeof(float)), *ch = kr_malloc(sz * sizeof(float));
-        struct kr_err err = {{0}};
+        struct kr_err err = {0};
         cr_assert_eq(kr_run_prompt_logprobs(f.m, f.c, p->ids, p->n, 0, one, &err), KR_OK);
         for (size_t c = 0; c < sizeof chunks / sizeof chunks[0]; c++) {
             if (chunks[c] >= p->n) {
@@ -263,7 +263,7 @@ static void run_capturing(struct fx *f, const struct fx_prompt *p, int32_t chunk
     memset(cap, 0, sizeof *cap);
     f->m->on_index = on_index;
     f->m->on_index_user = cap;
-    struct kr_err err = {{0}};
+    struct kr_err err = {0};
     cr_assert_eq(kr_run_prompt_logprobs(f->m, f->c, p->ids, p->n, chunk, lp, &err), KR_OK, "%s", err.msg);
     f->m->on_index = NULL;
 }
@@ -365,7 +365,7 @@ ParameterizedTest(int *idx, hf_models, dsa_equals_dense_mla_when_context_fits)
     copy_with_topk(f.dir, tmp, sizeof tmp, 1000000);
     memset(&dense, 0, sizeof dense);
     dense.be = kr_backend_cpu_create(2);
-    struct kr_err err = {{0}};
+    struct kr_err err = {0};
     cr_assert_eq(kr_model_load(tmp, dense.be, &dense.m, &err), KR_OK, "%s", err.msg);
     cr_assert_eq(kr_cache_create(dense.m, 1, 64, 16, &dense.c), KR_OK);
     int32_t n_long = 0, n_long_differ = 0;
@@ -416,7 +416,7 @@ Test(hf_models, fp8_indexer_is_chosen_for_fp8_checkpoints)
         snprintf(dir, sizeof dir, "%s/%s/%s", fx_root(), cases[i].family, cases[i].name);
         kr_backend_t be = kr_backend_cpu_create(1);
         struct kr_model *m = NULL;
-        struct kr_err err = {{0}};
+        struct kr_err err = {0};
         cr_assert_eq(kr_model_load(dir, be, &m, &err), KR_OK, "%s", err.msg);
         cr_expect_eq(m->idx_fp8, cases[i].fp8, "%s: FP8 indexer %d, expected %d", cases[i].name, m->idx_fp8,
                      cases[i].fp8);
@@ -429,7 +429,7 @@ Test(hf_models, fp8_indexer_is_chosen_for_fp8_checkpoints)
     snprintf(dir, sizeof dir, "%s/nemotron_h/nh_moe", fx_root());
     kr_backend_t be = kr_backend_cpu_create(1);
     struct kr_model *m = NULL;
-    struct kr_err err = {{0}};
+    struct kr_err err = {0};
     cr_assert_eq(kr_model_load(dir, be, &m, &err), KR_OK, "%s", err.msg);
     cr_expect_eq(kr_model_set_indexer(m, KR_INDEXER_FP8, &err), KR_ERR_UNSUPPORTED);
     cr_expect(strstr(err.msg, "DSA"), "%s", err.msg);
@@ -457,7 +457,7 @@ ParameterizedTest(int *idx, hf_models, fp8_indexer_stays_close_to_hf)
     const char *name = fx_all[*idx].name;
     struct fx f;
     fx_load(&f, fx_all[*idx].family, name, 2, 2);
-    struct kr_err err = {{0}};
+    struct kr_err err = {0};
     cr_assert_eq(kr_model_set_indexer(f.m, KR_INDEXER_FP8, &err), KR_OK, "%s", err.msg);
     const int32_t K = (int32_t)f.m->cfg.idx_topk;
     int64_t kept = 0, total = 0;
@@ -524,7 +524,7 @@ ParameterizedTest(int *idx, hf_models, short_contexts_skip_the_indexer_queries)
     for (int32_t i = 0; i < f.n_prompts; i++) {
         struct fx_prompt *p = &f.prompts[i];
         float *lp = kr_malloc((size_t)p->n * (size_t)f.vocab * sizeof(float));
-        struct kr_err err = {{0}};
+        struct kr_err err = {0};
         const uint64_t before = f.m->idx_query_rows;
         cr_assert_eq(kr_run_prompt_logprobs(f.m, f.c, p->ids, p->n, 0, lp, &err), KR_OK, "%s", err.msg);
         const uint64_t rows = f.m->idx_query_rows - before;

@@ -141,7 +141,7 @@ static struct kr_st_archive *open_file_ok(const char *name)
     char p[256];
     path_of(p, sizeof p, name);
     struct kr_st_archive *ar = NULL;
-    struct kr_err err = {{0}};
+    struct kr_err err = {0};
     enum kr_status st = kr_st_open_file(p, &ar, &err);
     cr_assert_eq(st, KR_OK, "open %s: %s", p, err.msg);
     cr_assert_not_null(ar);
@@ -155,7 +155,7 @@ static void expect_open_error(const char *name, enum kr_status want, const char 
 {
     char p[256];
     struct kr_st_archive *ar = (struct kr_st_archive *)&ar; /* poison: must come back NULL */
-    struct kr_err err = {{0}};
+    struct kr_err err = {0};
     enum kr_status st;
     if (name) {
         path_of(p, sizeof p, name);
@@ -260,7 +260,7 @@ Test(safetensors, opens_dir_with_one_file)
     write_st("whatever-name.safetensors", k_three, data, 28);
     write_raw("config.json", "{}", 2);
     struct kr_st_archive *ar = NULL;
-    struct kr_err err = {{0}};
+    struct kr_err err = {0};
     cr_assert_eq(kr_st_open_dir(g_dir, &ar, &err), KR_OK, "%s", err.msg);
     cr_expect_eq(ar->n_tensors, 3);
     cr_expect(strstr(ar->files[0].path, "whatever-name.safetensors") != NULL);
@@ -397,7 +397,7 @@ Test(safetensors, opens_sharded_dir_with_index)
     write_shards();
     write_index(k_good_map);
     struct kr_st_archive *ar = NULL;
-    struct kr_err err = {{0}};
+    struct kr_err err = {0};
     cr_assert_eq(kr_st_open_dir(g_dir, &ar, &err), KR_OK, "%s", err.msg);
     cr_assert_eq(ar->n_files, 2);
     cr_assert_eq(ar->n_tensors, 3);
@@ -432,7 +432,7 @@ Test(safetensors, index_takes_precedence_over_glob_and_trailing_slash_is_fine)
     char dir[128];
     snprintf(dir, sizeof dir, "%s/", g_dir);
     struct kr_st_archive *ar = NULL;
-    struct kr_err err = {{0}};
+    struct kr_err err = {0};
     cr_assert_eq(kr_st_open_dir(dir, &ar, &err), KR_OK, "%s", err.msg);
     cr_expect_eq(ar->n_tensors, 3);
     kr_st_close(ar);
@@ -519,7 +519,7 @@ Test(safetensors, rejects_dir_without_checkpoint)
 Test(safetensors, rejects_missing_dir)
 {
     struct kr_st_archive *ar = NULL;
-    struct kr_err err = {{0}};
+    struct kr_err err = {0};
     cr_expect_eq(kr_st_open_dir("/nonexistent-krait-dir", &ar, &err), KR_ERR_IO);
     cr_expect_null(ar);
     cr_expect(strstr(err.msg, "/nonexistent-krait-dir") != NULL, "%s", err.msg);
@@ -537,7 +537,7 @@ Test(safetensors, reports_oom_without_leaking)
     write_index(k_good_map);
     for (uint64_t n = 1;; n++) {
         struct kr_st_archive *ar = NULL;
-        struct kr_err err = {{0}};
+        struct kr_err err = {0};
         kr_alloc_fail_at(n, 0);
         enum kr_status st = kr_st_open_dir(g_dir, &ar, &err);
         kr_alloc_fail_at(0, 0);

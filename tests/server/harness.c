@@ -145,6 +145,7 @@ static size_t on_data(char *ptr, size_t size, size_t nmemb, void *ud)
 struct hdrs {
     char retry_after[32];
     char content_type[128];
+    char allow[64];
 };
 
 static size_t on_header(char *ptr, size_t size, size_t nmemb, void *ud)
@@ -158,6 +159,8 @@ static size_t on_header(char *ptr, size_t size, size_t nmemb, void *ud)
     line[strcspn(line, "\r\n")] = 0;
     if (!strncasecmp(line, "Retry-After: ", 13)) {
         snprintf(h->retry_after, sizeof h->retry_after, "%.31s", line + 13);
+    } else if (!strncasecmp(line, "Allow: ", 7)) {
+        snprintf(h->allow, sizeof h->allow, "%.63s", line + 7);
     } else if (!strncasecmp(line, "Content-Type: ", 14)) {
         snprintf(h->content_type, sizeof h->content_type, "%.127s", line + 14);
     }
@@ -210,11 +213,12 @@ void http(const struct srv_proc *p, const char *method, const char *path, const 
           struct http_res *out)
 {
     struct buf b = {0};
-    struct hdrs h = {{0}, {0}};
+    struct hdrs h = {{0}, {0}, {0}};
     out->status = perform(p, method, path, body, auth, &b, &h);
     out->body = b.p;
     out->len = b.len;
     memcpy(out->retry_after, h.retry_after, sizeof out->retry_after);
+    memcpy(out->allow, h.allow, sizeof out->allow);
     memcpy(out->content_type, h.content_type, sizeof out->content_type);
 }
 
@@ -239,7 +243,7 @@ json_t *post_json(const struct srv_proc *p, const char *path, const char *body, 
 char *post_stream(const struct srv_proc *p, const char *path, const char *body, size_t abort_after, long *status)
 {
     struct buf b = {.abort_after = abort_after};
-    struct hdrs h = {{0}, {0}};
+    struct hdrs h = {{0}, {0}, {0}};
     *status = perform(p, "POST", path, body, NULL, &b, &h);
     return b.p;
 }

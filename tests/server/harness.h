@@ -27,6 +27,7 @@ struct http_res {
     size_t len;
     char retry_after[32]; /* Retry-After header value, "" if none */
     char content_type[128];
+    char allow[64];       /* Allow header value, "" if none */
 };
 
 /* One request; `body` may be NULL (GET). `auth` adds "Authorization: Bearer <auth>". */

@@ -75,6 +75,17 @@ Test(server, health_models_version_and_unknown_routes)
     http_free(&r);
     http(&S, "GET", "/v1/completions", NULL, NULL, &r);
     cr_expect_eq(r.status, 405);
+    cr_expect_str_eq(r.allow, "POST", "a 405 names the allowed method");
+    http_free(&r);
+    http(&S, "POST", "/v1/models", "{}", NULL, &r);
+    cr_expect_eq(r.status, 405);
+    cr_expect_str_eq(r.allow, "GET");
+    http_free(&r);
+    http(&S, "GET", "/metrics", NULL, NULL, &r);
+    const char *k = "krait:http_requests_total{model_name=\"tiny\",status=\"405\"} ";
+    const char *at = strstr(r.body, k);
+    cr_assert(at, "no 405 class in /metrics");
+    cr_expect_geq(strtod(at + strlen(k), NULL), 2, "405s counted apart");
     http_free(&r);
 }
 
@@ -435,6 +446,33 @@ Test(server, every_error_class)
     json_decref(j);
     free(big);
     j = post_json(&S, "/v1/completions", "{\"prompt\":[1,2,999999]}", &st);
+    expect_error(j, st, 400, NULL);
+    json_decref(j);
+    /* the field at fault is named when the engine finds it */
+    j = post_json(&S, "/v1/completions", "{\"prompt\":\"x\",\"logit_bias\":{\"999999999\":1}}", &st);
+    expect_error(j, st, 400, "logit_bias");
+    json_decref(j);
+    j = post_json(&S, "/v1/completions", "{\"prompt\":\"x\",\"max_tokens\":2,\"min_tokens\":5}", &st);
+    expect_error(j, st, 400, "min_tokens");
+    json_decref(j);
+    /* NUL inside names: no model and no role is "x\u0000y" */
+    j = post_json(&S, "/v1/completions", "{\"model\":\"tiny\\u0000evil\",\"prompt\":\"x\"}", &st);
+    expect_error(j, st, 400, "model");
+    json_decref(j);
+    j = post_json(&S, "/v1/chat/completions", "{\"messages\":[{\"role\":\"user\\u0000x\",\"content\":\"hi\"}]}", &st);
+    expect_error(j, st, 400, "messages[0].role");
+    json_decref(j);
+    /* /tokenize: malformed JSON (an invalid UTF-8 byte) is named as such; a NUL inside the text is text */
+    j = post_json(&S, "/tokenize", "{\"prompt\":\"a\xff\"}", &st);
+    expect_error(j, st, 400, NULL);
+    cr_expect(strstr(str(json_object_get(j, "error"), "message"), "malformed JSON"), "%s",
+              str(json_object_get(j, "error"), "message"));
+    json_decref(j);
+    j = post_json(&S, "/tokenize", "{\"prompt\":\"a\\u0000b\"}", &st);
+    cr_expect_eq(st, 200);
+    cr_expect_geq(json_integer_value(json_object_get(j, "count")), 3, "the NUL and what follows were tokenized");
+    json_decref(j);
+    j = post_json(&S, "/detokenize", "[1,2", &st);
     expect_error(j, st, 400, NULL);
     json_decref(j);
 }

@@ -160,7 +160,7 @@ static struct kr_sess_env g_env;
 static void setup(void)
 {
     kr_log_set_level(KR_LOG_LEVEL_WARN);
-    struct kr_err err = {{0}};
+    struct kr_err err = {0};
     cr_assert_eq(kr_tokenizer_load(MODEL, NULL, &g_tok, &err), KR_OK, "%s", err.msg);
     cr_assert_eq(kr_chat_load(g_tok, NULL, &g_chat, &err), KR_OK, "%s", err.msg);
     cr_assert(g_chat);
@@ -184,7 +184,7 @@ static int32_t feed(int r, int32_t choice, const char *text)
 {
     int32_t *ids = NULL;
     int64_t n = 0;
-    struct kr_err err = {{0}};
+    struct kr_err err = {0};
     cr_assert_eq(kr_tokenizer_encode(g_tok, text, strlen(text), false, &ids, &n, &err), KR_OK, "%s", err.msg);
     for (int64_t i = 0; i < n; i++) {
         ev_token(r, choice, ids[i]);
@@ -695,7 +695,7 @@ Test(session, the_real_engine_streams_what_it_answers_whole)
     kr_backend_t be = kr_backend_cpu_create(1);
     cr_assert(be);
     struct kr_model *m = NULL;
-    struct kr_err err = {{0}};
+    struct kr_err err = {0};
     cr_assert_eq(kr_model_load(MODEL, be, &m, &err), KR_OK, "%s", err.msg);
     struct kr_engine_config cfg;
     kr_engine_config_default(&cfg);
@@ -764,7 +764,7 @@ Test(session, an_allocation_failure_while_tokens_arrive_ends_cleanly)
 {
     int32_t *ids = NULL;
     int64_t n = 0;
-    struct kr_err err = {{0}};
+    struct kr_err err = {0};
     const char *text = "Hello there, general: the quick brown fox jumps over the lazy dog again and again";
     cr_assert_eq(kr_tokenizer_encode(g_tok, text, strlen(text), false, &ids, &n, &err), KR_OK, "%s", err.msg);
     cr_assert_gt(n, 8);

@@ -31,7 +31,7 @@ Test(file, reads_whole_file_nul_terminated)
     write_temp(path, text, sizeof text - 1);
     char *buf = NULL;
     size_t len = 0;
-    struct kr_err err = {{0}};
+    struct kr_err err = {0};
     cr_assert_eq(kr_file_read(path, 1 << 20, &buf, &len, &err), KR_OK, "%s", err.msg);
     cr_expect_eq(len, sizeof text - 1);
     cr_expect(memcmp(buf, text, len) == 0);
@@ -46,7 +46,7 @@ Test(file, empty_file_gives_an_empty_buffer)
     write_temp(path, "", 0);
     char *buf = NULL;
     size_t len = 1;
-    struct kr_err err = {{0}};
+    struct kr_err err = {0};
     cr_assert_eq(kr_file_read(path, 16, &buf, &len, &err), KR_OK, "%s", err.msg);
     cr_expect_eq(len, 0);
     cr_assert_not_null(buf);
@@ -60,7 +60,7 @@ Test(file, missing_path_is_named)
     const char *path = "/nonexistent-krait-dir/tokenizer.json";
     char *buf = (char *)1;
     size_t len = 0;
-    struct kr_err err = {{0}};
+    struct kr_err err = {0};
     cr_expect_eq(kr_file_read(path, 1 << 20, &buf, &len, &err), KR_ERR_IO);
     cr_expect_null(buf);
     cr_expect(strstr(err.msg, path) == err.msg, "message: %s", err.msg);
@@ -76,7 +76,7 @@ Test(file, limit_is_inclusive_and_enforced)
     write_temp(path, data, sizeof data);
     char *buf = NULL;
     size_t len = 0;
-    struct kr_err err = {{0}};
+    struct kr_err err = {0};
     cr_assert_eq(kr_file_read(path, 100, &buf, &len, &err), KR_OK, "%s", err.msg);
     cr_expect_eq(len, 100);
     kr_free(buf);
@@ -93,7 +93,7 @@ Test(file, reads_files_that_report_no_size)
     /* /proc files report size 0: the buffer grows as they are read */
     char *buf = NULL;
     size_t len = 0;
-    struct kr_err err = {{0}};
+    struct kr_err err = {0};
     cr_assert_eq(kr_file_read("/proc/self/status", 1 << 20, &buf, &len, &err), KR_OK, "%s", err.msg);
     cr_expect_gt(len, 0);
     cr_expect(strncmp(buf, "Name:", 5) == 0, "%.20s", buf);
@@ -116,7 +116,7 @@ Test(file, larger_than_one_read_buffer)
     write_temp(path, data, n);
     char *buf = NULL;
     size_t len = 0;
-    struct kr_err err = {{0}};
+    struct kr_err err = {0};
     cr_assert_eq(kr_file_read(path, n, &buf, &len, &err), KR_OK, "%s", err.msg);
     cr_expect_eq(len, n);
     cr_expect(memcmp(buf, data, n) == 0);
@@ -131,7 +131,7 @@ Test(file, out_of_memory_is_reported_and_leaks_nothing)
     write_temp(path, "abc", 3);
     char *buf = (char *)1;
     size_t len = 0;
-    struct kr_err err = {{0}};
+    struct kr_err err = {0};
     const size_t before = kr_alloc_bytes_in_use();
     kr_alloc_fail_at(1, 0);
     cr_expect_eq(kr_file_read(path, 16, &buf, &len, &err), KR_ERR_NOMEM);

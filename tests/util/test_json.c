@@ -34,7 +34,7 @@ TestSuite(json, .init = setup, .fini = teardown);
 static struct kr_json *parse_ok_n(const char *text, size_t len)
 {
     struct kr_json *v = NULL;
-    struct kr_err err = {{0}};
+    struct kr_err err = {0};
     enum kr_status st = kr_json_parse(text, len, &v, &err);
     cr_assert_eq(st, KR_OK, "parsing %s failed: %s", text, err.msg);
     cr_assert_not_null(v);
@@ -59,7 +59,7 @@ static const struct kr_json *must_get(const struct kr_json *obj, const char *key
 static void expect_error_n(const char *text, size_t len, const char *where, const char *what)
 {
     struct kr_json *v = (struct kr_json *)&v; /* poison: must come back NULL */
-    struct kr_err err = {{0}};
+    struct kr_err err = {0};
     enum kr_status st = kr_json_parse(text, len, &v, &err);
     cr_log_info("%s", err.msg); /* shown with --verbose */
     cr_assert_eq(st, KR_ERR_FORMAT, "parsing \"%s\": expected KR_ERR_FORMAT, got %d", text, st);
@@ -464,7 +464,7 @@ Test(json, reports_oom_without_leaking)
     const char *text = "{\"a\": [1, 2.5, \"str\\u00e9\", {\"b\": null, \"c\": [true, false]}], \"d\": \"x\"}";
     for (uint64_t n = 1;; n++) {
         struct kr_json *v = NULL;
-        struct kr_err err = {{0}};
+        struct kr_err err = {0};
         kr_alloc_fail_at(n, 0);
         enum kr_status st = kr_json_parse(text, strlen(text), &v, &err);
         kr_alloc_fail_at(0, 0);
@@ -488,7 +488,7 @@ Test(json, parse_file_reports_missing_path)
 {
     const char *path = "/nonexistent-krait-dir/config.json";
     struct kr_json *v = NULL;
-    struct kr_err err = {{0}};
+    struct kr_err err = {0};
     enum kr_status st = kr_json_parse_file(path, &v, &err);
     cr_expect_eq(st, KR_ERR_IO);
     cr_expect_null(v);
@@ -506,7 +506,7 @@ Test(json, parse_file_reads_and_prefixes_errors_with_path)
     cr_assert_eq(write(fd, good, strlen(good)), (ssize_t)strlen(good));
     close(fd);
     struct kr_json *v = NULL;
-    struct kr_err err = {{0}};
+    struct kr_err err = {0};
     cr_assert_eq(kr_json_parse_file(path, &v, &err), KR_OK, "%s", err.msg);
     cr_expect_eq(must_get(v, "hidden_size")->integer, 4096);
     cr_expect_eq(must_get(v, "rope_theta")->number, 1e6);
@@ -540,7 +540,7 @@ Test(json, parse_file_reads_large_files)
     fputc(']', f);
     fclose(f);
     struct kr_json *v = NULL;
-    struct kr_err err = {{0}};
+    struct kr_err err = {0};
     cr_assert_eq(kr_json_parse_file(path, &v, &err), KR_OK, "%s", err.msg);
     cr_assert_eq(v->n, 100000);
     cr_expect_eq(v->items[99999].integer, 99999);

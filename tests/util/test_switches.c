@@ -108,7 +108,7 @@ Test(switches, removed_switches_are_gone)
             cr_expect(strcmp(t[i].name, gone[g]) != 0, "%s is still in the table", gone[g]);
         }
         struct kr_switches sw;
-        struct kr_err err = {{0}};
+        struct kr_err err = {0};
         cr_assert_eq(parse1(gone[g], "1", &sw, &err), KR_OK, "%s=1: %s", gone[g], err.msg);
         cr_expect_eq(memcmp(&d, &sw, sizeof d), 0, "%s=1 changes nothing", gone[g]);
     }
@@ -117,7 +117,7 @@ Test(switches, removed_switches_are_gone)
 Test(switches, defaults_are_the_backends_former_ones)
 {
     struct kr_switches sw;
-    struct kr_err err = {{0}};
+    struct kr_err err = {0};
     g_name = NULL;
     cr_assert_eq(kr_switches_parse(&sw, one_var, &err), KR_OK, "%s", err.msg);
     cr_expect_eq(sw.cuda_graphs, 1);
@@ -144,7 +144,7 @@ Test(switches, the_written_default_is_the_default)
     kr_switches_defaults(&d);
     for (int i = 0; i < n; i++) {
         struct kr_switches sw;
-        struct kr_err err = {{0}};
+        struct kr_err err = {0};
         if (!strcmp(t[i].def, "unset")) {
             cr_expect(!strcmp(t[i].name, "KRAIT_BACKEND_SAMPLING") || !strcmp(t[i].name, "KRAIT_FAULT_STEP"));
             continue;
@@ -163,7 +163,7 @@ Test(switches, empty_means_unset)
     kr_switches_defaults(&d);
     for (int i = 0; i < n; i++) {
         struct kr_switches sw;
-        struct kr_err err = {{0}};
+        struct kr_err err = {0};
         cr_assert_eq(parse1(t[i].name, "", &sw, &err), KR_OK, "%s=''", t[i].name);
         cr_expect_eq(memcmp(&d, &sw, sizeof d), 0, "%s='' gives the defaults", t[i].name);
     }
@@ -178,7 +178,7 @@ Test(switches, accepts_every_valid_value)
     for (int i = 0; i < n; i++) {
         const struct kr_switch *s = &t[i];
         struct kr_switches sw;
-        struct kr_err err = {{0}};
+        struct kr_err err = {0};
         char v[32];
         switch (s->type) {
         case KR_SWITCH_BOOL:
@@ -212,7 +212,7 @@ Test(switches, accepts_every_valid_value)
 Test(switches, enum_values_keep_their_names)
 {
     struct kr_switches sw;
-    struct kr_err err = {{0}};
+    struct kr_err err = {0};
     cr_assert_eq(parse1("KRAIT_MLA_ATTN", "per-head", &sw, &err), KR_OK);
     cr_expect_eq(sw.mla_attn, KR_MLA_ATTN_PER_HEAD);
     cr_assert_eq(parse1("KRAIT_DSA_SCORE", "fp32", &sw, &err), KR_OK);
@@ -233,7 +233,7 @@ Test(switches, enum_values_keep_their_names)
 static void expect_refused(const char *name, const char *value, const char *accepted)
 {
     struct kr_switches sw;
-    struct kr_err err = {{0}};
+    struct kr_err err = {0};
     cr_assert_eq(parse1(name, value, &sw, &err), KR_ERR_INVAL, "%s=%s was accepted", name, value);
     char want[256];
     snprintf(want, sizeof want, "%s=%s: expected ", name, value);
@@ -294,7 +294,7 @@ Test(switches, every_switch_refuses_a_typo)
 Test(switches, reads_the_current_environment)
 {
     struct kr_switches sw;
-    struct kr_err err = {{0}};
+    struct kr_err err = {0};
     setenv("KRAIT_DSA_SCORE", "fp32", 1);
     setenv("KRAIT_SKINNY_MAX", "0", 1);
     cr_assert_eq(kr_switches_from_env(&sw, &err), KR_OK, "%s", err.msg);
@@ -314,7 +314,7 @@ Test(switches, reads_the_current_environment)
 Test(switches, backend_create_refuses_a_bad_switch)
 {
     kr_backend_t be = NULL;
-    struct kr_err err = {{0}};
+    struct kr_err err = {0};
     setenv("KRAIT_DSA_SCORE", "fp16", 1);
     cr_expect_eq(kr_backend_create("cpu", 1, &be, &err), KR_ERR_INVAL);
     cr_expect_null(be);
