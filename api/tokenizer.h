@@ -74,6 +74,12 @@ enum kr_status kr_tokenizer_encode(const struct kr_tokenizer *tok, const char *t
 enum kr_status kr_tokenizer_decode(const struct kr_tokenizer *tok, const int32_t *ids, int64_t n_ids,
                                    bool skip_special_tokens, char **text, size_t *len, struct kr_err *err);
 
+/* The most bytes of input text one token can stand for, or 0 when that is unbounded (a normalizer
+ * or pre-tokenizer that may drop text, an added token that takes the whitespace around it, fused
+ * unknown tokens). A text of len bytes then encodes to at least len / that many tokens, which lets a
+ * caller refuse a text too long for a context before tokenizing it. */
+size_t kr_tokenizer_max_bytes_per_token(const struct kr_tokenizer *tok);
+
 /* Number of ids: one more than the largest id of the model vocabulary or the added tokens. */
 int32_t kr_tokenizer_n_vocab(const struct kr_tokenizer *tok);
 

@@ -1070,6 +1070,7 @@ static void on_loaded(uv_async_t *a)
     s->env.chat = s->rt.chat;
     s->env.vocab = s->rt.m->cfg.vocab;
     s->env.max_model_len = s->rt.max_model_len;
+    s->env.max_bytes_per_token = s->rt.tok ? kr_tokenizer_max_bytes_per_token(s->rt.tok) : 0;
     s->ready = true;
     KR_LOG_INFO("ready: serving %s as \"%s\" (max_model_len=%d)", s->o.model_dir, s->model_name, s->rt.max_model_len);
 }

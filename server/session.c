@@ -840,6 +840,15 @@ static bool tokenize_into(const struct kr_sess_env *env, struct kr_sess_sub *sb,
                      "text prompts need a tokenizer; this server runs with --skip-tokenizer-init: send token ids");
         return false;
     }
+    /* a text that cannot fit is refused before the tokenizer spends time on it */
+    const size_t per = env->max_bytes_per_token;
+    if (per && env->max_model_len > 0 && len / per >= (size_t)env->max_model_len) {
+        kr_oai_error(e, KR_OAI_TOO_LONG, param,
+                     "the prompt is %zu bytes, so at least %zu tokens (a token of this tokenizer stands for at most "
+                     "%zu bytes); this model's maximum context length is %d tokens",
+                     len, len / per, per, env->max_model_len);
+        return false;
+    }
     int32_t *ids = NULL;
     int64_t n = 0;
     struct kr_err err = {0};

@@ -1181,6 +1181,97 @@ fail:
 
 /* ---- lookups ---------------------------------------------------------------------------------------- */
 
+/* How many times a normalizer may shrink a text (0: without bound). Unicode normalization and case
+ * mapping shrink a text at most threefold in UTF-8 bytes (composing a Hangul syllable from its
+ * jamo); 4 leaves room. Prepending or appending only adds. */
+static size_t norm_shrink(const struct normalizer *nz)
+{
+    if (!nz) {
+        return 1;
+    }
+    switch (nz->type) {
+    case NORM_NFC:
+    case NORM_NFD:
+    case NORM_NFKC:
+    case NORM_NFKD:
+    case NORM_LOWERCASE:
+        return 4;
+    case NORM_PREPEND:
+    case NORM_APPEND:
+    case NORM_BYTE_LEVEL:
+        return 1;
+    case NORM_REPLACE: /* a literal replaced by a non-empty text shrinks by at most their ratio */
+        if (!nz->pat.re && nz->pat.lit_len > 0 && nz->str_len > 0) {
+            return (nz->pat.lit_len + nz->str_len - 1) / nz->str_len;
+        }
+        return 0;
+    case NORM_SEQUENCE: {
+        size_t f = 1;
+        for (size_t i = 0; i < nz->n_sub && f; i++) {
+            const size_t g = norm_shrink(&nz->sub[i]);
+            f = g && f <= SIZE_MAX / g ? f * g : 0;
+        }
+        return f;
+    }
+    default: /* STRIP, STRIP_ACCENTS, REPLACE: may drop any amount of text */
+        return 0;
+    }
+}
+
+/* Whether a pre-tokenizer keeps every byte of its input in some piece. */
+static bool pretok_keeps_all(const struct pretok *pt)
+{
+    if (!pt) {
+        return true;
+    }
+    switch (pt->type) {
+    case PT_BYTE_LEVEL:
+    case PT_DIGITS:
+    case PT_METASPACE:
+        return true;
+    case PT_SPLIT:
+    case PT_PUNCTUATION:
+        return pt->behavior != SPLIT_REMOVED;
+    case PT_SEQUENCE:
+        for (size_t i = 0; i < pt->n_sub; i++) {
+            if (!pretok_keeps_all(&pt->sub[i])) {
+                return false;
+            }
+        }
+        return true;
+    default: /* WHITESPACE, WHITESPACE_SPLIT, BERT, CHAR_DELIMITER drop whitespace or the delimiter */
+        return false;
+    }
+}
+
+size_t kr_tokenizer_max_bytes_per_token(const struct kr_tokenizer *t)
+{
+    const size_t shrink = norm_shrink(t->norm);
+    bool all_bytes = t->byte_fallback; /* unknown text becomes <0xXX> tokens, never a (fused) unknown */
+    for (int b = 0; b < 256 && all_bytes; b++) {
+        all_bytes = t->byte_ids[b] >= 0;
+    }
+    if (!shrink || !pretok_keeps_all(t->pretok) || (t->unk_id >= 0 && t->fuse_unk && !all_bytes)) {
+        return 0;
+    }
+    size_t longest = 4; /* an unknown character */
+    for (size_t i = 0; i < t->n_added; i++) {
+        if (t->added[i].lstrip || t->added[i].rstrip) {
+            return 0; /* it takes any run of whitespace beside it */
+        }
+        longest = t->added[i].len > longest ? t->added[i].len : longest;
+        longest = t->added[i].match_len > longest ? t->added[i].match_len : longest;
+    }
+    for (int32_t id = 0; id < t->n_ids; id++) {
+        longest = t->id_str[id] && t->id_len[id] > longest ? t->id_len[id] : longest;
+    }
+    /* a piece of the vocabulary stands for at most as many input bytes as it has (byte-level and
+     * Metaspace alphabets spell a byte with one or more), plus a continuation prefix or
+     * end-of-word suffix it does not spell */
+    longest += t->cont_prefix_len + t->eow_suffix_len;
+    return longest <= SIZE_MAX / shrink ? longest * shrink : 0;
+}
+
 int32_t kr_tokenizer_n_vocab(const struct kr_tokenizer *t)
 {
     return t->n_ids;

@@ -128,6 +128,14 @@ static void check_against_hf(const char *name, bool stream, int64_t max_stream_i
     cr_assert_eq(json_array_size(cases), json_array_size(texts), "expected.json is stale: rerun make_expected.mjs");
     struct kr_tokenizer *t = load_tok(dir);
     cr_expect_eq(kr_tokenizer_n_vocab(t), json_integer_value(json_object_get(exp, "vocab_size")));
+    /* the bound the server refuses long texts by: HF's token count of every text reaches it */
+    const size_t per = kr_tokenizer_max_bytes_per_token(t);
+    for (size_t i = 0; per && i < json_array_size(cases); i++) {
+        const size_t n_hf = json_array_size(json_object_get(json_array_get(cases, i), "ids"));
+        const size_t bytes = json_string_length(json_array_get(texts, i));
+        cr_expect(n_hf * per >= bytes, "%s text %zu: %zu bytes in %zu HF tokens, more than %zu bytes a token", name, i,
+                  bytes, n_hf, per);
+    }
     size_t n_bad = 0;
     for (size_t i = 0; i < json_array_size(cases) && n_bad < 10; i++) {
         const json_t *c = json_array_get(cases, i);
@@ -242,6 +250,32 @@ Test(tokenizer, synthetic_bert_pretokenizer_matches_hf)
 Test(tokenizer, synthetic_subword_prefix_suffix_matches_hf)
 {
     check_against_hf("synth/subword", true, 0);
+}
+
+/* Which tokenizers bound the bytes a token stands for: byte-level BPE (every byte is in some token)
+ * and Metaspace do; pre-tokenizers that drop whitespace do not (a text of spaces is no tokens). */
+Test(tokenizer, bytes_per_token_bound_is_given_only_where_it_holds)
+{
+    static const struct {
+        const char *dir;
+        bool bounded;
+    } cases[] = {
+        {"deepseek_v3", true},
+        {"llama3", true},
+        {"llama2", true},                    /* Metaspace, Replace(" " -> "▁"), byte fallback */
+        {"synth/whitespace", false},         /* drops whitespace */
+        {"synth/bert_pretok", false},        /* drops whitespace */
+        {"synth/bytelevel_prefix", false},   /* StripAccents, an added token taking whitespace */
+        {"synth/metaspace_first", false},    /* fused unknown tokens */
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        char dir[512];
+        snprintf(dir, sizeof dir, FIX "/%s", cases[i].dir);
+        struct kr_tokenizer *t = load_tok(dir);
+        const size_t per = kr_tokenizer_max_bytes_per_token(t);
+        cr_expect_eq(per != 0, cases[i].bounded, "%s: %zu bytes a token", cases[i].dir, per);
+        kr_tokenizer_free(t);
+    }
 }
 
 /* ---- bad input ------------------------------------------------------------------------------ */

@@ -475,6 +475,25 @@ Test(server, every_error_class)
     j = post_json(&S, "/detokenize", "[1,2", &st);
     expect_error(j, st, 400, NULL);
     json_decref(j);
+    /* 12 MB of text cannot fit in 4096 tokens: refused by its length before it is tokenized, for the
+     * completion and the chat endpoint alike */
+    const size_t nb = (size_t)12 << 20;
+    char *huge = malloc(nb + 128);
+    cr_assert(huge);
+    for (int chat = 0; chat < 2; chat++) {
+        size_t o = (size_t)sprintf(huge, chat ? "{\"messages\":[{\"role\":\"user\",\"content\":\"" : "{\"prompt\":\"");
+        for (size_t i = 0; i < nb; i++) {
+            huge[o++] = "ab cd"[i % 5];
+        }
+        strcpy(huge + o, chat ? "\"}]}" : "\"}");
+        j = post_json(&S, chat ? "/v1/chat/completions" : "/v1/completions", huge, &st);
+        expect_error(j, st, 400, chat ? "messages" : "prompt");
+        cr_expect_str_eq(str(json_object_get(j, "error"), "code"), "context_length_exceeded");
+        cr_expect(strstr(str(json_object_get(j, "error"), "message"), "bytes"), "%s",
+                  str(json_object_get(j, "error"), "message"));
+        json_decref(j);
+    }
+    free(huge);
 }
 
 Test(server, tokenize_matches_hf_tokenizers)
