@@ -530,6 +530,38 @@ void kr_prefix_release(struct kr_cache *c, struct kr_seq_cache *sq, const int32_
 
 /* ---- lookup ----------------------------------------------------------------------------------------- */
 
+/* Full blocks of toks[0..n_lookup) registered as a chain from the first. */
+static int32_t chain_blocks(const struct kr_cache *c, int32_t n_lookup, const uint64_t *h)
+{
+    int32_t L = 0;
+    if (c->n_attn || c->n_mla) {
+        while (L < n_lookup / c->block_size && block_find(c->prefix, h[L + 1]) >= 0) {
+            L++;
+        }
+    }
+    return L;
+}
+
+/* The deepest snapshot of a prefix of toks[0..n_lookup), or NULL. */
+static struct snap *deepest_snapshot(const struct kr_cache *c, const int32_t *toks, int32_t n_lookup,
+                                     const uint64_t *h)
+{
+    struct kr_prefix *p = c->prefix;
+    const int32_t B = c->block_size;
+    struct snap *best = NULL;
+    for (int32_t j = n_lookup / B; j >= 0 && !best; j--) {
+        for (int32_t i = p->sbucket[h[j] & p->smask]; i >= 0; i = p->snap[i].next) {
+            struct snap *s = &p->snap[i];
+            const int32_t pos = s->sc.n_pos;
+            if (s->key == h[j] && s->seed == h[0] && pos / B == j && pos <= n_lookup &&
+                (!best || pos > best->sc.n_pos) && memcmp(s->toks, toks, (size_t)pos * sizeof *toks) == 0) {
+                best = s;
+            }
+        }
+    }
+    return best;
+}
+
 enum kr_status kr_prefix_admit(struct kr_cache *c, const int32_t *toks, int32_t n_lookup, const uint64_t *h,
                                struct kr_seq_cache *dst, int32_t *hit)
 {
@@ -544,14 +576,7 @@ enum kr_status kr_prefix_admit(struct kr_cache *c, const int32_t *toks, int32_t 
     }
     p->st.queries += (uint64_t)n_lookup;
     const int32_t B = c->block_size;
-    const bool paged = c->n_attn || c->n_mla;
-    /* blocks: the longest registered chain */
-    int32_t L = 0;
-    if (paged) {
-        while (L < n_lookup / B && block_find(p, h[L + 1]) >= 0) {
-            L++;
-        }
-    }
+    const int32_t L = chain_blocks(c, n_lookup, h); /* blocks: the longest registered chain */
     if (!p->snapshots) {
         if (p->keep_blocks && L > 0 && KR_ARRAY_RESERVE(dst->blocks, dst->cap_blocks, L, 4) == KR_OK) {
             for (int32_t j = 0; j < L; j++) {
@@ -572,17 +597,7 @@ enum kr_status kr_prefix_admit(struct kr_cache *c, const int32_t *toks, int32_t 
         return KR_OK;
     }
     /* Mamba layers: the deepest snapshot of a prefix of toks[0..n_lookup) */
-    struct snap *best = NULL;
-    for (int32_t j = n_lookup / B; j >= 0 && !best; j--) {
-        for (int32_t i = p->sbucket[h[j] & p->smask]; i >= 0; i = p->snap[i].next) {
-            struct snap *s = &p->snap[i];
-            const int32_t pos = s->sc.n_pos;
-            if (s->key == h[j] && s->seed == h[0] && pos / B == j && pos <= n_lookup &&
-                (!best || pos > best->sc.n_pos) && memcmp(s->toks, toks, (size_t)pos * sizeof *toks) == 0) {
-                best = s;
-            }
-        }
-    }
+    struct snap *best = deepest_snapshot(c, toks, n_lookup, h);
     if (best) {
         /* dst already holds a slot: the fork takes its own, so give this one back first */
         kr_seq_cache_release(c, dst);

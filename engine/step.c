@@ -336,6 +336,15 @@ static int32_t plan(struct kr_engine *e, int32_t *n_tok_out)
         const struct req *r = s->req;
         const bool lookup = c->prefix && !(s->index == 0 && r->s.prompt_logprobs >= 0 && !r->prompt_lp_sent);
         const uint64_t *h = lookup ? eng_seq_hashes(e, s, s->n_toks - 1) : NULL;
+        if (paged && c->n_free_blocks == 0) {
+            /* a block for its next token (a restored partial block is copied into one, with room left)
+             * before anything is restored: a head that cannot start would otherwise restore a snapshot,
+             * and count a query, every step */
+            kr_prefix_reclaim(c, 1);
+            if (c->n_free_blocks == 0) {
+                break;
+            }
+        }
         int32_t hit = 0;
         if ((h ? kr_prefix_admit(c, s->toks, s->n_toks - 1, h, &s->cache, &hit) : kr_seq_cache_init(c, &s->cache)) !=
             KR_OK) {
