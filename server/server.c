@@ -1071,6 +1071,9 @@ static void on_loaded(uv_async_t *a)
     s->env.vocab = s->rt.m->cfg.vocab;
     s->env.max_model_len = s->rt.max_model_len;
     s->env.max_bytes_per_token = s->rt.tok ? kr_tokenizer_max_bytes_per_token(s->rt.tok) : 0;
+    struct kr_engine_stats est;
+    kr_engine_get_stats(s->rt.eng, &est);
+    s->env.snapshot_hints = est.snapshots_total > 0; /* a prefix cache that keeps Mamba state snapshots */
     s->ready = true;
     KR_LOG_INFO("ready: serving %s as \"%s\" (max_model_len=%d)", s->o.model_dir, s->model_name, s->rt.max_model_len);
 }

@@ -958,7 +958,7 @@ static enum kr_status prepare_generation(struct kr_sess *s, const char *body, si
             if (!ok) {
                 return prep_fail(s, &e);
             }
-            sb->snap_at = last_turn_boundary(s, sb);
+            sb->snap_at = env->snapshot_hints ? last_turn_boundary(s, sb) : 0;
         } else {
             const struct kr_oai_prompt *p = &s->o.prompts[i];
             snprintf(param, sizeof param, s->o.n_prompts > 1 ? "prompt[%d]" : "prompt", i);

@@ -77,6 +77,8 @@ struct kr_sess_env {
     const struct kr_chat *chat;     /* NULL: no chat template (chat answers 400) */
     int64_t vocab;                  /* token ids in prompts must be below this */
     int32_t max_model_len;
+    bool snapshot_hints;            /* the engine takes state snapshots at named positions: worth finding
+                                       where a chat's last user turn begins */
     size_t max_bytes_per_token;     /* kr_tokenizer_max_bytes_per_token (0: unbounded): a text longer
                                        than max_model_len times this is refused before tokenizing */
     const char *model_name;
