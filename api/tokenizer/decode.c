@@ -242,13 +242,9 @@ enum kr_status kr_tokenizer_decode(const struct kr_tokenizer *t, const int32_t *
     struct toks tk = {0};
     struct kr_buf_s out = {0};
     enum kr_status st = KR_ERR_NOMEM;
-    c.rx.err = err;
-    c.rx.md = pcre2_match_data_create(8, t->gctx);
-    c.rx.mc = pcre2_match_context_create(t->gctx);
-    if (!c.rx.md || !c.rx.mc) {
+    if (tok_rx_open(&c.rx, t, err) != KR_OK) {
         goto fail;
     }
-    pcre2_set_match_limit(c.rx.mc, REGEX_MATCH_LIMIT);
     for (int64_t i = 0; i < n_ids; i++) {
         int32_t id = ids[i];
         if (id < 0 || id >= t->n_ids || !t->id_str[id] || (skip_special_tokens && t->id_special[id])) {
@@ -285,8 +281,7 @@ fail:
     kr_free(c.ranges.v);
     kr_bs_free(&c.buf);
     tok_arena_free(&c.arena);
-    pcre2_match_data_free(c.rx.md);
-    pcre2_match_context_free(c.rx.mc);
+    tok_rx_close(&c.rx);
     return st;
 }
 

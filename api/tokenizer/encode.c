@@ -457,13 +457,9 @@ enum kr_status kr_tokenizer_encode(const struct kr_tokenizer *t, const char *tex
     int32_t *ids = NULL;
     size_t n_ids = 0, cap_ids = 0;
     enum kr_status st = KR_ERR_NOMEM;
-    c.rx.err = err;
-    c.rx.md = pcre2_match_data_create(8, t->gctx);
-    c.rx.mc = pcre2_match_context_create(t->gctx);
-    if (!c.rx.md || !c.rx.mc) {
+    if (tok_rx_open(&c.rx, t, err) != KR_OK) {
         goto fail;
     }
-    pcre2_set_match_limit(c.rx.mc, REGEX_MATCH_LIMIT);
 
     struct piece whole = {text ? text : "", len, -1, true};
     /* 1. added tokens matched on the raw text */
@@ -525,7 +521,6 @@ fail:
     kr_free(c.ranges.v);
     kr_bs_free(&c.buf);
     tok_arena_free(&c.arena);
-    pcre2_match_data_free(c.rx.md);
-    pcre2_match_context_free(c.rx.mc);
+    tok_rx_close(&c.rx);
     return st;
 }

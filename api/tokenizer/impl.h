@@ -256,6 +256,10 @@ bool tok_mmap_get(const struct mmap *m, int32_t a, int32_t b, int32_t *rank, int
 
 /* ---- regex.c: PCRE2, Oniguruma patterns, matches, split behaviors ---------------------------- */
 
+/* A call's regex state: match data and a context with REGEX_MATCH_LIMIT (KR_ERR_NOMEM; close it
+ * either way). */
+enum kr_status tok_rx_open(struct rx *x, const struct kr_tokenizer *t, struct kr_err *err);
+void tok_rx_close(struct rx *x);
 void *tok_pcre_malloc(size_t n, void *ud);
 void tok_pcre_free(void *p, void *ud);
 enum kr_status tok_compile_regex(struct kr_tokenizer *t, const char *src, size_t n, pcre2_code **out,

@@ -830,10 +830,7 @@ static enum kr_status build_tables(struct kr_tokenizer *t, struct kr_err *err)
     }
     /* normalized tokens are matched in their normalized form */
     struct ctx c = {.t = t, .err = err};
-    c.rx.err = err;
-    c.rx.md = pcre2_match_data_create(8, t->gctx);
-    c.rx.mc = pcre2_match_context_create(t->gctx);
-    st = c.rx.md && c.rx.mc ? KR_OK : KR_ERR_NOMEM;
+    st = tok_rx_open(&c.rx, t, err);
     for (int pass = 0; pass < 2 && st == KR_OK; pass++) {
         for (size_t i = 0; i < t->n_added && st == KR_OK; i++) {
             struct added_token *at = &t->added[i];
@@ -861,8 +858,7 @@ static enum kr_status build_tables(struct kr_tokenizer *t, struct kr_err *err)
     kr_free(c.ranges.v);
     kr_bs_free(&c.buf);
     tok_arena_free(&c.arena);
-    pcre2_match_data_free(c.rx.md);
-    pcre2_match_context_free(c.rx.mc);
+    tok_rx_close(&c.rx);
     return st;
 }
 

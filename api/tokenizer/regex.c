@@ -14,6 +14,26 @@
 
 /* ---- PCRE2 -------------------------------------------------------------------------------------- */
 
+enum kr_status tok_rx_open(struct rx *x, const struct kr_tokenizer *t, struct kr_err *err)
+{
+    x->err = err;
+    x->md = pcre2_match_data_create(8, t->gctx);
+    x->mc = pcre2_match_context_create(t->gctx);
+    if (!x->md || !x->mc) {
+        return KR_ERR_NOMEM;
+    }
+    pcre2_set_match_limit(x->mc, REGEX_MATCH_LIMIT);
+    return KR_OK;
+}
+
+void tok_rx_close(struct rx *x)
+{
+    pcre2_match_data_free(x->md);
+    pcre2_match_context_free(x->mc);
+    x->md = NULL;
+    x->mc = NULL;
+}
+
 void *tok_pcre_malloc(size_t n, void *ud)
 {
     (void)ud;
