@@ -50,7 +50,21 @@ async def one(host, port, ids, max_tokens):
     return res
 
 
+async def long_prompts(host, port, a):
+    """Cold prompts of --long lengths, one at a time, 1 token out: TTFT and the snapshots taken."""
+    rng = random.Random(a.seed + 1)
+    rows = []
+    for n in a.long:
+        s0 = await metric(host, port, "krait:prefix_cache_snapshots_total")
+        r = await one(host, port, L.random_ids(rng, n, a.token_lo, a.token_hi), 1)
+        rows.append({"tokens": n, "ttft_s": r.ttft,
+                     "snapshots": (await metric(host, port, "krait:prefix_cache_snapshots_total")) - s0})
+    return {"long": rows}
+
+
 async def scenarios(host, port, a):
+    if a.long:
+        return await long_prompts(host, port, a)
     rng = random.Random(a.seed)
     out = {}
     # shared prefix
@@ -194,6 +208,8 @@ def main():
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--start-timeout", type=float, default=300)
     ap.add_argument("--only", choices=["on", "off"], default=None)
+    ap.add_argument("--long", type=lambda s: [int(x) for x in s.split(",")], default=None,
+                    help="comma-separated prompt lengths: only cold prompts of these lengths, TTFT on and off")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     res = {}
@@ -206,7 +222,14 @@ def main():
         with open(os.path.join(a.out, f"prefix-{name}.json"), "w") as fp:
             json.dump(res[name], fp)
         print(f"{name}: done in {res[name]['wall_s']:.0f} s", flush=True)
-    if "on" in res and "off" in res:
+    if "on" in res and "off" in res and a.long:
+        text = "| prompt tokens | TTFT on (ms) | snapshots taken | TTFT off (ms) |\n|---|---|---|---|\n" + "\n".join(
+            f"| {x['tokens']} | {x['ttft_s'] * 1e3:.0f} | {x['snapshots']:.0f} | {y['ttft_s'] * 1e3:.0f} |"
+            for x, y in zip(res["on"]["long"], res["off"]["long"]))
+        print(text)
+        with open(os.path.join(a.out, "prefix-long.md"), "w") as fp:
+            fp.write(text + "\n")
+    elif "on" in res and "off" in res:
         text = report(res["on"], res["off"])
         print(text)
         with open(os.path.join(a.out, "prefix.md"), "w") as fp:
