@@ -25,6 +25,11 @@
 #define OAI_MAX_STOP     16
 #define OAI_MAX_LOGPROBS KR_MAX_TOP_LOGPROBS
 #define OAI_MAX_N        128
+/* Bounds a client can reach (docs/RELIABILITY.md lists them all): OpenAI's own limit of 128 tools,
+ * twice its 2,048 messages (a chat template walks every message, some of them more than once) */
+#define OAI_MAX_TOOLS    128
+#define OAI_MAX_MESSAGES 4096
+#define OAI_MAX_PROMPTS  1024 /* a batch's prompts (prompts x n is bounded the same way when it is prepared) */
 
 /* ---- errors ---------------------------------------------------------------------------------- */
 
@@ -321,6 +326,9 @@ static enum kr_status parse_prompt(struct kr_oai_request *r, struct kr_oai_error
         return prompt_ids(&r->prompts[0], v, "prompt", e);
     }
     /* a batch: every item a string, or every item a token-id array (the first item decides) */
+    if (n > OAI_MAX_PROMPTS) {
+        return bad(e, "prompt", "a prompt batch accepts at most %d prompts, got %zu", OAI_MAX_PROMPTS, n);
+    }
     bool strings = json_is_string(first);
     r->prompts = kr_calloc(n, sizeof *r->prompts);
     if (!r->prompts) {
@@ -473,6 +481,10 @@ static enum kr_status parse_messages(struct kr_oai_request *r, struct kr_oai_err
     if (json_array_size(msgs) == 0) {
         return bad(e, "messages", "'messages' must contain at least one message");
     }
+    if (json_array_size(msgs) > OAI_MAX_MESSAGES) {
+        return bad(e, "messages", "'messages' accepts at most %d messages, got %zu", OAI_MAX_MESSAGES,
+                   json_array_size(msgs));
+    }
     for (size_t i = 0; i < json_array_size(msgs); i++) {
         json_t *m = json_array_get(msgs, i);
         char base[64], path[64];
@@ -527,6 +539,9 @@ static enum kr_status parse_tools(struct kr_oai_request *r, struct kr_oai_error 
     if (tools) {
         if (!json_is_array(tools)) {
             return bad(e, "tools", "'tools' must be an array");
+        }
+        if (json_array_size(tools) > OAI_MAX_TOOLS) {
+            return bad(e, "tools", "'tools' accepts at most %d tools, got %zu", OAI_MAX_TOOLS, json_array_size(tools));
         }
         for (size_t i = 0; i < json_array_size(tools); i++) {
             json_t *t = json_array_get(tools, i);

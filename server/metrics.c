@@ -197,6 +197,19 @@ char *kr_metrics_render(const struct kr_metrics *m, const struct kr_engine_stats
         put(&b, "krait:http_requests_total{%s,status=\"%s\"} %llu\n", lbl, classes[i],
             (unsigned long long)m->http_requests[i]);
     }
+    put(&b, "# HELP krait:http_connections Open HTTP connections.\n"
+            "# TYPE krait:http_connections gauge\n"
+            "krait:http_connections{%s} %lld\n",
+        lbl, (long long)m->connections_open);
+    static const char *const why[3] = {"header_timeout", "body_timeout", "evicted"};
+    put(&b, "# HELP krait:http_connections_closed_total Connections the server closed before their request "
+            "arrived: headers or body not in time (--header-timeout, --body-timeout), or the longest-waiting "
+            "connection when too many waited.\n"
+            "# TYPE krait:http_connections_closed_total counter\n");
+    for (int i = 0; i < 3; i++) {
+        put(&b, "krait:http_connections_closed_total{%s,reason=\"%s\"} %llu\n", lbl, why[i],
+            (unsigned long long)m->connections_closed[i]);
+    }
     hist(&b, "time_to_first_token_seconds", "Time to first token.", &m->ttft, lbl);
     hist(&b, "inter_token_latency_seconds", "Time between consecutive tokens of a choice.", &m->itl, lbl);
     hist(&b, "e2e_request_latency_seconds", "End-to-end request latency.", &m->e2e, lbl);

@@ -47,6 +47,15 @@ static void usage(FILE *f)
             "  --skip-tokenizer-init           no tokenizer: prompts are token ids, outputs carry ids\n"
             "  --return-tokens-as-token-ids    logprobs name tokens as token_id:N\n"
             "  --max-request-bytes N           request bodies above this get 413 (default 32 MiB)\n"
+            "  --max-request-memory N          memory one request may take while it is parsed and prepared;\n"
+            "                                  more gets 413 (default 256 MiB)\n"
+            "  --max-connections N             open connections (default 4096; at most 3/4 of them may wait\n"
+            "                                  for a request, the longest-waiting is closed beyond)\n"
+            "  --max-connections-per-ip N      open connections per client address (default 0: no limit; a\n"
+            "                                  proxy or gateway puts many clients behind one address)\n"
+            "  --header-timeout SECONDS        a new or kept-alive connection must send a request's headers\n"
+            "                                  within this (default 30; 0 = no limit)\n"
+            "  --body-timeout SECONDS          ... and then the whole body within this (default 60; 0 = no limit)\n"
             "  --shutdown-timeout SECONDS      on SIGTERM, finish in-flight requests for this long (default 30);\n"
             "                                  then they end with a 503 error and the process exits within 5 s\n"
             "  --device DEV                    cpu | cuda | cuda:N | auto (default: a GPU when present) [KRAIT_DEVICE]\n"
@@ -174,6 +183,7 @@ int kr_serve_main(int argc, char **argv)
         O_HOST = 256, O_PORT, O_KEY, O_KEYFILE, O_NAME, O_MAXLEN, O_SEQS, O_TOKENS, O_QUEUED, O_CACHE, O_BLOCK,
         O_TOK, O_TPL, O_SKIP, O_TOKIDS, O_BODY, O_SHUTDOWN, O_THREADS, O_LOG, O_PORTFILE, O_HELP, O_DEVICE, O_GPUMEM, O_INDEXER,
         O_ALLOW_LONG, O_HELP_ENV, O_PREFIX, O_NO_PREFIX, O_PREFIX_INTERVAL, O_PREFIX_SNAPS,
+        O_REQMEM, O_MAXCONN, O_MAXCONN_IP, O_HDR_TIMEOUT, O_BODY_TIMEOUT,
     };
     static const struct option longopts[] = {
         {"host", required_argument, NULL, O_HOST},
@@ -197,6 +207,11 @@ int kr_serve_main(int argc, char **argv)
         {"skip-tokenizer-init", no_argument, NULL, O_SKIP},
         {"return-tokens-as-token-ids", no_argument, NULL, O_TOKIDS},
         {"max-request-bytes", required_argument, NULL, O_BODY},
+        {"max-request-memory", required_argument, NULL, O_REQMEM},
+        {"max-connections", required_argument, NULL, O_MAXCONN},
+        {"max-connections-per-ip", required_argument, NULL, O_MAXCONN_IP},
+        {"header-timeout", required_argument, NULL, O_HDR_TIMEOUT},
+        {"body-timeout", required_argument, NULL, O_BODY_TIMEOUT},
         {"shutdown-timeout", required_argument, NULL, O_SHUTDOWN},
         {"threads", required_argument, NULL, O_THREADS},
         {"device", required_argument, NULL, O_DEVICE},
@@ -302,6 +317,36 @@ int kr_serve_main(int argc, char **argv)
                 return 2;
             }
             o.max_body_bytes = sz;
+            break;
+        case O_REQMEM:
+            if (parse_size("--max-request-memory", optarg, &sz)) {
+                return 2;
+            }
+            o.max_request_memory = sz;
+            break;
+        case O_MAXCONN:
+            if (parse_i32("--max-connections", optarg, 16, 1 << 20, &v)) {
+                return 2;
+            }
+            o.max_connections = v;
+            break;
+        case O_MAXCONN_IP:
+            if (parse_i32("--max-connections-per-ip", optarg, 0, 1 << 20, &v)) {
+                return 2;
+            }
+            o.max_connections_per_ip = v;
+            break;
+        case O_HDR_TIMEOUT:
+            if (parse_i32("--header-timeout", optarg, 0, 86400, &v)) {
+                return 2;
+            }
+            o.header_timeout_s = v;
+            break;
+        case O_BODY_TIMEOUT:
+            if (parse_i32("--body-timeout", optarg, 0, 86400, &v)) {
+                return 2;
+            }
+            o.body_timeout_s = v;
             break;
         case O_SHUTDOWN:
             if (parse_i32("--shutdown-timeout", optarg, 0, 86400, &v)) {

@@ -7,6 +7,7 @@
 #include "array.h"
 #include "boot.h"
 #include "clock.h"
+#include "conns.h"
 #include "engine.h"
 #include "log.h"
 #include "metrics.h"
@@ -25,6 +26,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <sys/resource.h>
 #include <time.h>
 #include <unistd.h>
 #include <uv.h>
@@ -44,6 +46,11 @@ void kr_serve_opts_default(struct kr_serve_opts *o)
     o->prefix_state_interval = 2048;
     o->prefix_snapshots = -1;
     o->max_body_bytes = (size_t)32 << 20;
+    o->max_request_memory = (size_t)256 << 20;
+    o->max_connections = 4096;
+    o->max_connections_per_ip = 0;
+    o->header_timeout_s = 30.0;
+    o->body_timeout_s = 60.0;
     o->drain_timeout_s = 30.0;
 }
 
@@ -74,6 +81,9 @@ struct hreq {
     char *body;
     size_t blen, bcap;
     bool too_big;
+    bool body_busy;            /* the shared body budget was spent: dropped, answered 503 */
+    bool body_in;              /* the whole body arrived (the connection's body deadline is off) */
+    size_t pooled;             /* bytes of the body buffer drawn from srv->body_pool */
     bool responded;            /* a response was queued (or the stream started) */
     /* the session */
     struct kr_sess *sess;
@@ -127,6 +137,10 @@ struct srv {
     struct hreq *reqs;
     struct kr_sess_env env;    /* what the sessions share; env.n_running: requests with live engine work */
     struct kr_metrics met;
+    struct kr_conns conns;     /* deadlines of connections without a request in progress (conns.h) */
+    uv_timer_t conn_timer;
+    size_t body_pool;          /* body bytes buffered beyond each request's free share (BODY_FREE) */
+    size_t body_pool_max;
     int64_t started;
 };
 
@@ -219,6 +233,51 @@ static void hup_close_cb(uv_handle_t *hd)
     kr_free(h);
 }
 
+/* ---- request bodies ---------------------------------------------------------------------------------
+ *
+ * Each request may buffer BODY_FREE bytes of body on its own; beyond that it draws on a pool shared
+ * by all connections (body_pool_max: four maximum-size bodies). A body that finds the pool spent is
+ * read and dropped, then answered 503 with Retry-After: the memory held by bodies in flight stays
+ * under connections x BODY_FREE + the pool, and ordinary requests, far below BODY_FREE, never wait
+ * for the pool. The body is freed as soon as the request is prepared. */
+#define BODY_FREE ((size_t)256 << 10)
+
+static void body_release(struct hreq *h)
+{
+    h->s->body_pool -= h->pooled;
+    h->pooled = 0;
+    kr_free(h->body);
+    h->body = NULL;
+    h->blen = h->bcap = 0;
+}
+
+/* Appends a chunk of the body; false when out of memory. A request over its limit or past the
+ * pool's is marked and its bytes dropped from then on. */
+static bool body_take(struct hreq *h, const char *data, size_t n)
+{
+    struct srv *s = h->s;
+    if (h->too_big || h->body_busy || h->responded) {
+        return true;
+    }
+    if (h->blen + n > s->o.max_body_bytes) {
+        h->too_big = true; /* keep reading (and dropping) so the 413 can be sent */
+        body_release(h);
+        return true;
+    }
+    const size_t need = h->blen + n + 1;
+    if (need > BODY_FREE && s->body_pool - h->pooled + (need - BODY_FREE) > s->body_pool_max) {
+        h->body_busy = true;
+        body_release(h);
+        return true;
+    }
+    if (!kr_text_append(&h->body, &h->blen, &h->bcap, data, n)) {
+        return false;
+    }
+    const size_t pooled = h->bcap > BODY_FREE ? h->bcap - BODY_FREE : 0;
+    s->body_pool += pooled - h->pooled;
+    h->pooled = pooled;
+    return true;
+}
 
 static void hreq_free(struct hreq *h)
 {
@@ -232,7 +291,7 @@ static void hreq_free(struct hreq *h)
         h->next->prev = h->prev;
     }
     kr_sess_release(h->sess); /* lives on until the engine's last event for it */
-    kr_free(h->body);
+    body_release(h);
     kr_free(h->out);
     kr_free(h->ans_body);
     if (h->hup_init) {
@@ -505,6 +564,7 @@ static void prep_after(uv_work_t *w, int status)
     struct hreq *h = w->data;
     (void)status;
     h->prep_state = PREP_DONE;
+    body_release(h); /* the session keeps what it needs */
     if (h->conn) {
         resume(h); /* the access handler answers or submits */
         mhd_kick(h->s);
@@ -577,6 +637,13 @@ static enum MHD_Result dispatch(struct hreq *h, const char *url, const char *met
         snprintf(msg, sizeof msg, "the request body exceeds %zu bytes", s->o.max_body_bytes);
         return send_simple_error(h, KR_OAI_TOO_LARGE, msg);
     }
+    if (h->body_busy) {
+        char msg[200];
+        snprintf(msg, sizeof msg,
+                 "the server is receiving too many large request bodies at once (%zu MiB buffered); retry later",
+                 s->body_pool_max >> 20);
+        return send_simple_error(h, KR_OAI_UNAVAILABLE, msg);
+    }
     if (!strcmp(url, "/health") || !strcmp(url, "/ping")) {
         const bool dev_ok = kr_backend_healthy(s->rt.be) && !s->device_failed && !(s->rt.eng && kr_engine_failed(s->rt.eng));
         if (s->ready && !s->draining && dev_ok) {
@@ -592,6 +659,10 @@ static enum MHD_Result dispatch(struct hreq *h, const char *url, const char *met
         if (s->rt.eng) {
             kr_engine_get_stats(s->rt.eng, &st);
         }
+        s->met.connections_open = s->conns.n_open;
+        s->met.connections_closed[0] = s->conns.n_header_timeouts;
+        s->met.connections_closed[1] = s->conns.n_body_timeouts;
+        s->met.connections_closed[2] = s->conns.n_evicted;
         size_t len = 0;
         char *txt = kr_metrics_render(&s->met, &st, s->model_name, &len);
         if (!txt) {
@@ -649,6 +720,53 @@ static enum MHD_Result dispatch(struct hreq *h, const char *url, const char *met
 
 /* ---- libmicrohttpd callbacks ------------------------------------------------------------------------- */
 
+/* The deadline record of a connection (its socket context; NULL when it could not be allocated). */
+static struct kr_conn *conn_of(struct MHD_Connection *conn)
+{
+    const union MHD_ConnectionInfo *ci = conn ? MHD_get_connection_info(conn, MHD_CONNECTION_INFO_SOCKET_CONTEXT) : NULL;
+    return ci ? ci->socket_context : NULL;
+}
+
+static void arm_conn_timer(struct srv *s, double in_s);
+
+/* A connection changed state: the sweep timer follows the earliest deadline (the sweep itself only
+ * looks at the oldest connection of each state). */
+static void conn_watch(struct srv *s)
+{
+    arm_conn_timer(s, kr_conns_sweep(&s->conns, now_s()));
+}
+
+static void on_conn_timer(uv_timer_t *t)
+{
+    struct srv *s = t->data;
+    arm_conn_timer(s, kr_conns_sweep(&s->conns, now_s()));
+    mhd_kick(s); /* libmicrohttpd reads the ends of the streams shut down */
+}
+
+/* The sweep runs at the earliest deadline (a little after, so that it finds it passed). */
+static void arm_conn_timer(struct srv *s, double in_s)
+{
+    if (in_s < 0 || s->stopping) {
+        uv_timer_stop(&s->conn_timer);
+        return;
+    }
+    uv_timer_start(&s->conn_timer, on_conn_timer, (uint64_t)(in_s * 1000.0) + 10, 0);
+}
+
+static void on_connection(void *cls, struct MHD_Connection *conn, void **socket_context,
+                          enum MHD_ConnectionNotificationCode toe)
+{
+    struct srv *s = cls;
+    if (toe == MHD_CONNECTION_NOTIFY_CLOSED) {
+        kr_conn_closed(&s->conns, *socket_context);
+        *socket_context = NULL;
+        return;
+    }
+    const union MHD_ConnectionInfo *fi = MHD_get_connection_info(conn, MHD_CONNECTION_INFO_CONNECTION_FD);
+    *socket_context = fi ? kr_conn_open(&s->conns, fi->connect_fd, now_s()) : NULL;
+    conn_watch(s);
+}
+
 static enum MHD_Result on_access(void *cls, struct MHD_Connection *conn, const char *url, const char *method,
                                  const char *version, const char *upload, size_t *upload_size, void **con_cls)
 {
@@ -691,6 +809,8 @@ static enum MHD_Result on_access(void *cls, struct MHD_Connection *conn, const c
         }
         s->reqs = h;
         *con_cls = h;
+        kr_conn_headers_in(&s->conns, conn_of(conn), h->t_arrival);
+        conn_watch(s);
         /* refusals that need no body are answered before a byte of it is read: a client without
          * the key, or one declaring a body over the limit, gets no buffer */
         if (guarded(url) && !authorized(h)) {
@@ -707,18 +827,15 @@ static enum MHD_Result on_access(void *cls, struct MHD_Connection *conn, const c
         return MHD_YES;
     }
     if (*upload_size) {
-        if (!h->too_big && !h->responded) {
-            if (h->blen + *upload_size > s->o.max_body_bytes) {
-                h->too_big = true; /* keep reading (and dropping) so the 413 can be sent */
-                kr_free(h->body);
-                h->body = NULL;
-                h->blen = h->bcap = 0;
-            } else if (!kr_text_append(&h->body, &h->blen, &h->bcap, upload, *upload_size)) {
-                return MHD_NO;
-            }
+        if (!body_take(h, upload, *upload_size)) {
+            return MHD_NO;
         }
         *upload_size = 0;
         return MHD_YES;
+    }
+    if (!h->body_in) {
+        h->body_in = true;
+        kr_conn_body_in(&s->conns, conn_of(conn));
     }
     if (h->responded) {
         return MHD_YES;
@@ -803,13 +920,14 @@ static void access_log(const struct hreq *h, enum MHD_RequestTerminationCode toe
 
 static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls, enum MHD_RequestTerminationCode toe)
 {
+    struct srv *s = cls;
     struct hreq *h = *con_cls;
-    (void)cls;
-    (void)conn;
     if (!h) {
         return;
     }
     hup_stop(h);
+    kr_conn_answered(&s->conns, conn_of(conn), now_s()); /* kept alive: waits for the next headers */
+    conn_watch(s);
     h->conn = NULL;
     h->suspended = false;
     const bool early = !h->answered && h->prep_state == PREP_STARTED;
@@ -847,6 +965,30 @@ static void mhd_logger(void *cls, const char *fmt, va_list ap)
     if (s && s->gone_close && strstr(line, "internal error")) {
         debug = true; /* on_access closed the connection of a client that had left */
         s->gone_close = false;
+    }
+    /* refusals a client can cause at will (too many connections, headers too big): worth a warning,
+     * but one every 10 s at most, or a flood of them would flood the log too */
+    static const char *const refusals[] = {"connection limit", "too big", "Closing inbound connection"};
+    bool refusal = false;
+    for (size_t i = 0; i < sizeof refusals / sizeof refusals[0]; i++) {
+        refusal |= strstr(line, refusals[i]) != NULL;
+    }
+    if (!debug && refusal) {
+        static double last;
+        static unsigned long held;
+        const double t = now_s();
+        if (t - last < 10.0) {
+            held++;
+            return;
+        }
+        if (held) {
+            kr_log(KR_LOG_LEVEL_WARN, "http: %s (and %lu such refusals in the 10 s before)", line, held);
+        } else {
+            kr_log(KR_LOG_LEVEL_WARN, "http: %s", line);
+        }
+        last = t;
+        held = 0;
+        return;
     }
     kr_log(debug ? KR_LOG_LEVEL_DEBUG : KR_LOG_LEVEL_WARN, "http: %s", line);
 }
@@ -893,6 +1035,7 @@ static void stop_everything(struct srv *s)
     }
     uv_poll_stop(&s->mhd_poll);
     uv_timer_stop(&s->mhd_timer);
+    uv_timer_stop(&s->conn_timer);
     uv_timer_stop(&s->drain_timer);
     uv_signal_stop(&s->sig_term);
     uv_signal_stop(&s->sig_int);
@@ -1146,14 +1289,31 @@ int kr_serve_run(const struct kr_serve_opts *o)
     }
     pthread_mutex_init(&s->qmu, NULL);
     s->env = (struct kr_sess_env){.engine = &kr_sess_engine_krait,
+                                  .max_request_memory = o->max_request_memory,
                                   .model_name = s->model_name,
                                   .return_tokens_as_token_ids = o->return_tokens_as_token_ids,
                                   .met = &s->met,
                                   .post = post_event,
                                   .post_user = s};
+    /* every connection is a descriptor: more than the process may open would fail in accept(2) */
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY &&
+        (rlim_t)s->o.max_connections + 64 > rl.rlim_cur) {
+        const int fit = rl.rlim_cur > 64 + 16 ? (int)(rl.rlim_cur - 64) : 16;
+        KR_LOG_WARN("--max-connections %d does not fit the process's descriptor limit (ulimit -n %llu): using %d",
+                    s->o.max_connections, (unsigned long long)rl.rlim_cur, fit);
+        s->o.max_connections = fit;
+    }
+    o = &s->o;
+    /* three quarters of the connections at most may wait for a request (conns.h): the rest stay
+     * for connections with a request in progress */
+    kr_conns_init(&s->conns, o->max_connections - o->max_connections / 4, o->header_timeout_s, o->body_timeout_s);
+    s->body_pool_max = 4 * o->max_body_bytes;
     s->d = MHD_start_daemon(flags, (uint16_t)o->port, NULL, NULL, on_access, s, MHD_OPTION_EXTERNAL_LOGGER, mhd_logger,
-                            s, MHD_OPTION_NOTIFY_COMPLETED, on_completed, s, MHD_OPTION_SOCK_ADDR, addr, MHD_OPTION_CONNECTION_TIMEOUT,
-                            (unsigned int)600, MHD_OPTION_CONNECTION_LIMIT, (unsigned int)4096, MHD_OPTION_END);
+                            s, MHD_OPTION_NOTIFY_COMPLETED, on_completed, s, MHD_OPTION_NOTIFY_CONNECTION, on_connection, s,
+                            MHD_OPTION_SOCK_ADDR, addr, MHD_OPTION_CONNECTION_TIMEOUT, (unsigned int)600,
+                            MHD_OPTION_CONNECTION_LIMIT, (unsigned int)o->max_connections,
+                            MHD_OPTION_PER_IP_CONNECTION_LIMIT, (unsigned int)o->max_connections_per_ip, MHD_OPTION_END);
     if (!s->d) {
         KR_LOG_ERROR("cannot listen on %s:%d: %s", o->host, o->port, strerror(errno));
         return start_failed(s, true, 1);
@@ -1168,6 +1328,8 @@ int kr_serve_run(const struct kr_serve_opts *o)
     s->mhd_timer.data = s;
     uv_timer_init(&s->loop, &s->drain_timer);
     s->drain_timer.data = s;
+    uv_timer_init(&s->loop, &s->conn_timer);
+    s->conn_timer.data = s;
     uv_async_init(&s->loop, &s->wake, on_wake);
     s->wake.data = s;
     uv_async_init(&s->loop, &g_loaded, on_loaded);
@@ -1204,6 +1366,7 @@ int kr_serve_run(const struct kr_serve_opts *o)
     uv_close((uv_handle_t *)&s->mhd_poll, close_cb);
     uv_close((uv_handle_t *)&s->mhd_timer, close_cb);
     uv_close((uv_handle_t *)&s->drain_timer, close_cb);
+    uv_close((uv_handle_t *)&s->conn_timer, close_cb);
     uv_close((uv_handle_t *)&s->wake, close_cb);
     uv_close((uv_handle_t *)&g_loaded, close_cb);
     uv_close((uv_handle_t *)&s->sig_term, close_cb);

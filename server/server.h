@@ -36,6 +36,11 @@ struct kr_serve_opts {
     bool skip_tokenizer_init;
     bool return_tokens_as_token_ids;
     size_t max_body_bytes;         /* 413 above */
+    size_t max_request_memory;     /* a request's preparation (parsed JSON, prompt, ids) may hold this; 413 above */
+    int max_connections;           /* open connections (libmicrohttpd refuses more) */
+    int max_connections_per_ip;    /* 0 = no per-address limit */
+    double header_timeout_s;       /* a connection without a request must bring its headers within this */
+    double body_timeout_s;         /* ... and then its whole body within this */
     double drain_timeout_s;        /* SIGTERM: finish in-flight requests for at most this long */
     int threads;                   /* CPU backend threads (0 = all) */
     const char *port_file;         /* when set, the bound port is written there once listening (tests) */

@@ -12,6 +12,7 @@
 #include "tokenizer.h"
 
 #include <jansson.h>
+#include <malloc.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -77,6 +78,7 @@ struct kr_sess {
     struct kr_oai_request o;
     bool have_o;
     bool prep_failed;
+    size_t prep_peak;          /* the most memory the preparation held (kr_alloc_limit_end) */
     char *def_body;            /* /tokenize, /detokenize: the answer (jansson's allocator) */
     /* generation (the loop) */
     bool started;              /* kr_sess_start ran */
@@ -228,7 +230,13 @@ static void sess_free(struct kr_sess *s)
     if (s->have_o) {
         kr_oai_request_free(&s->o);
     }
+    const bool big = s->prep_peak > ((size_t)32 << 20);
     kr_free(s);
+    if (big) {
+        /* a large parse leaves millions of small blocks free in a worker's arena, which glibc keeps
+         * resident: hand those pages back */
+        malloc_trim(0);
+    }
 }
 
 static void sess_unref(struct kr_sess *s)
@@ -1155,9 +1163,8 @@ static enum kr_status prepare_detokenize(struct kr_sess *s, const char *body, si
     return prep_json(s, out);
 }
 
-enum kr_status kr_sess_prepare(struct kr_sess *s, const char *body, size_t len)
+static enum kr_status prepare(struct kr_sess *s, const char *body, size_t len)
 {
-    body = body ? body : "";
     switch (s->kind) {
     case KR_SESS_TOKENIZE:
         return prepare_tokenize(s, body, len);
@@ -1168,6 +1175,28 @@ enum kr_status kr_sess_prepare(struct kr_sess *s, const char *body, size_t len)
         break;
     }
     return prepare_generation(s, body, len);
+}
+
+/* The preparation runs under the request memory limit: a body within the size limit can still cost
+ * far more once parsed (about 50 bytes for each id of "[1,1,1,...]"), and every worker may hold one. */
+enum kr_status kr_sess_prepare(struct kr_sess *s, const char *body, size_t len)
+{
+    const size_t limit = s->env->max_request_memory;
+    kr_alloc_limit_begin(limit ? limit : SIZE_MAX); /* unbounded: the peak is still measured */
+    enum kr_status st = prepare(s, body ? body : "", len);
+    if (kr_alloc_limit_end(&s->prep_peak)) {
+        /* whatever failed for want of memory, the limit is the reason (the answer below is built
+         * after the scope closed) */
+        char msg[200];
+        snprintf(msg, sizeof msg,
+                 "the request needs more than %zu MiB of memory to parse and prepare (the server's "
+                 "--max-request-memory): send fewer or shorter values",
+                 limit >> 20);
+        kr_oai_error(&s->err, KR_OAI_TOO_LARGE, "", "%s", msg);
+        s->prep_failed = true;
+        st = KR_ERR_INVAL;
+    }
+    return st;
 }
 
 /* ---- start (the loop) -------------------------------------------------------------------------- */

@@ -81,6 +81,8 @@ struct kr_sess_env {
                                        where a chat's last user turn begins */
     size_t max_bytes_per_token;     /* kr_tokenizer_max_bytes_per_token (0: unbounded): a text longer
                                        than max_model_len times this is refused before tokenizing */
+    size_t max_request_memory;      /* bytes one request's preparation may hold (its parsed JSON, rendered
+                                       prompt, token ids); more is a 413 (0: unbounded) */
     const char *model_name;
     bool return_tokens_as_token_ids;
     struct kr_metrics *met;         /* finish reasons, TTFT, ITL, queue time, end-to-end latency */

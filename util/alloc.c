@@ -11,6 +11,48 @@ static atomic_size_t g_in_use;
 static atomic_uint_fast64_t g_fail_countdown;
 static atomic_int g_fail_sticky;
 
+/* the calling thread's limit (kr_alloc_limit_begin) */
+static _Thread_local struct {
+    int on, hit;
+    size_t limit, used, peak;
+} t_lim;
+
+void kr_alloc_limit_begin(size_t limit)
+{
+    t_lim.on = 1;
+    t_lim.hit = 0;
+    t_lim.limit = limit;
+    t_lim.used = t_lim.peak = 0;
+}
+
+int kr_alloc_limit_end(size_t *peak)
+{
+    if (peak) {
+        *peak = t_lim.peak;
+    }
+    t_lim.on = 0;
+    return t_lim.hit;
+}
+
+/* Counts `grow` more bytes (and `shrink` fewer) against the thread's limit; 0 when over it. A block
+ * allocated before the scope and freed in it only brings the count down to zero. */
+static int lim_take(size_t grow, size_t shrink)
+{
+    if (!t_lim.on) {
+        return 1;
+    }
+    size_t u = t_lim.used > shrink ? t_lim.used - shrink : 0;
+    if (grow > t_lim.limit || u > t_lim.limit - grow) {
+        t_lim.hit = 1;
+        return 0;
+    }
+    t_lim.used = u + grow;
+    if (t_lim.used > t_lim.peak) {
+        t_lim.peak = t_lim.used;
+    }
+    return 1;
+}
+
 static int should_fail(void)
 {
     uint_fast64_t c = atomic_load(&g_fail_countdown);
@@ -38,11 +80,12 @@ size_t kr_alloc_bytes_in_use(void)
 
 void *kr_malloc(size_t n)
 {
-    if (should_fail() || n > SIZE_MAX - KR_ALLOC_HDR) {
+    if (should_fail() || n > SIZE_MAX - KR_ALLOC_HDR || !lim_take(n, 0)) {
         return NULL;
     }
     unsigned char *p = malloc(n + KR_ALLOC_HDR);
     if (!p) {
+        lim_take(0, n);
         return NULL;
     }
     memcpy(p, &n, sizeof n);
@@ -73,8 +116,12 @@ void *kr_realloc(void *p, size_t n)
     unsigned char *base = (unsigned char *)p - KR_ALLOC_HDR;
     size_t old;
     memcpy(&old, base, sizeof old);
+    if (!lim_take(n, old)) {
+        return NULL;
+    }
     unsigned char *q = realloc(base, n + KR_ALLOC_HDR);
     if (!q) {
+        lim_take(old, n);
         return NULL;
     }
     memcpy(q, &n, sizeof n);
@@ -92,6 +139,7 @@ void kr_free(void *p)
     size_t n;
     memcpy(&n, base, sizeof n);
     atomic_fetch_sub(&g_in_use, n);
+    lim_take(0, n);
     free(base);
 }
 

@@ -23,6 +23,14 @@ size_t kr_alloc_bytes_in_use(void);
  * `sticky`. n = 0 disables injection. */
 void kr_alloc_fail_at(uint64_t n, int sticky);
 
+/* A memory limit for one piece of work on the calling thread (a client's request while it is parsed,
+ * rendered and tokenized): between begin and end, an allocation of this thread that would take the
+ * bytes it holds, net of what it frees, beyond `limit` fails like an out-of-memory. end returns true
+ * when an allocation failed for that reason, and the peak reached in *peak (when not NULL). Scopes do
+ * not nest. */
+void kr_alloc_limit_begin(size_t limit);
+int kr_alloc_limit_end(size_t *peak);
+
 #ifdef __cplusplus
 }
 #endif

@@ -1743,3 +1743,64 @@ Test(openai, unsupported_fields_are_refused_by_name)
     bad_with(KR_OAI_COMPLETIONS, "\"best_of\":3", "best_of");
     bad_with(KR_OAI_COMPLETIONS, "\"best_of\":0", "best_of");
 }
+
+/* Builds `{<head>[<item>,<item>,...]<tail>}` with n items (kr_malloc'd by nothing: plain malloc). */
+static char *repeated(const char *head, const char *item, size_t n, const char *tail)
+{
+    const size_t il = strlen(item), cap = strlen(head) + n * (il + 1) + strlen(tail) + 8;
+    char *b = malloc(cap), *p = b;
+    cr_assert(b);
+    p += sprintf(p, "{%s[", head);
+    for (size_t i = 0; i < n; i++) {
+        p += sprintf(p, "%s%s", i ? "," : "", item);
+    }
+    sprintf(p, "]%s}", tail);
+    return b;
+}
+
+/* How many messages, tools and batch prompts a request may carry: the bound itself is accepted, one
+ * more is a 400 naming the field and the limit (docs/RELIABILITY.md). */
+Test(openai, counts_of_messages_tools_and_prompts_are_bounded)
+{
+    static const struct {
+        enum kr_oai_kind kind;
+        const char *head, *item, *tail, *param;
+        size_t limit;
+    } cases[] = {
+        {KR_OAI_CHAT, "\"messages\":", "{\"role\":\"user\",\"content\":\"hi\"}", "", "messages", 4096},
+        {KR_OAI_CHAT, USER_MSG ",\"tools\":",
+         "{\"type\":\"function\",\"function\":{\"name\":\"f\",\"parameters\":{\"type\":\"object\"}}}", "", "tools", 128},
+        {KR_OAI_COMPLETIONS, "\"prompt\":", "\"hi\"", "", "prompt", 1024},
+        {KR_OAI_COMPLETIONS, "\"prompt\":", "[1,2]", "", "prompt", 1024},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        char *at = repeated(cases[i].head, cases[i].item, cases[i].limit, cases[i].tail);
+        struct kr_oai_request r;
+        ok_body(cases[i].kind, at, &r);
+        kr_oai_request_free(&r);
+        free(at);
+        char *over = repeated(cases[i].head, cases[i].item, cases[i].limit + 1, cases[i].tail);
+        char msg[256] = "";
+        bad_body(cases[i].kind, over, cases[i].param, msg, sizeof msg);
+        char want[32];
+        snprintf(want, sizeof want, "at most %zu", cases[i].limit);
+        cr_expect(strstr(msg, want) != NULL, "%s: the message names the limit: %s", cases[i].param, msg);
+        free(over);
+    }
+}
+
+/* Nesting deeper than jansson's 2048 levels is malformed JSON with the reason (no stack runs out). */
+Test(openai, nesting_beyond_2048_levels_is_refused)
+{
+    const size_t depth = 100000;
+    char *b = malloc(depth * 2 + 64), *p = b;
+    cr_assert(b);
+    p += sprintf(p, "{\"prompt\":\"hi\",\"user\":");
+    memset(p, '[', depth);
+    memset(p + depth, ']', depth);
+    strcpy(p + 2 * depth, "}");
+    char msg[256] = "";
+    bad_body(KR_OAI_COMPLETIONS, b, "", msg, sizeof msg);
+    cr_expect(strstr(msg, "depth") != NULL, "the message says why: %s", msg);
+    free(b);
+}

@@ -1,0 +1,286 @@
+#!/usr/bin/env python3
+"""Hostile clients against `krait serve` (docs/RELIABILITY.md, "Under attack"): starts the server with
+an API key, measures an authenticated 1-token completion's latency when idle, then under each attack
+at full strength (one at a time, then all at once), and reports each probe's median / p90 / max
+latency against the idle median, the server's resident memory (VmRSS) at the end of each attack and
+its peak (VmHWM), and whether /health stayed 200.
+
+Attacks (python's standard library only; every socket of an attack in one thread with selectors):
+
+  tokenize    4 clients in a loop: 30 MB prompts to /tokenize (with the key)
+  slowloris   --slow-conns connections that send a header byte every 5 s and never end their
+              headers; each one closed by the server is opened again at once
+  slowbody    256 connections that send whole headers with Content-Length 1 MB and then a body byte
+              every 5 s; reopened when closed
+  bodies      8 clients in a loop: 32 MB bodies of token ids ([1,1,...]) to /v1/completions
+  disconnect  64 clients in a loop: a streamed completion, closed after its first bytes
+  all         every one of the above at once
+
+  python3 bench/serve/attack.py --krait build/krait --model models/tiny-hybrid --out DIR
+"""
+import argparse
+import http.client
+import json
+import os
+import selectors
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+KEY = "attack-bench-key"
+
+
+class Server:
+    def __init__(self, a):
+        self.dir = tempfile.mkdtemp(prefix="krait-attack-")
+        pf = os.path.join(self.dir, "port")
+        self.log = open(os.path.join(a.out, "server.log"), "w")
+        cmd = [a.krait, "serve", a.model, "--port", "0", "--port-file", pf, "--api-key", KEY,
+               "--served-model-name", "m"] + a.serve_arg
+        self.p = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        t0 = time.time()
+        self.port = None
+        while time.time() - t0 < 120:
+            if self.p.poll() is not None:
+                raise SystemExit(f"krait serve exited with {self.p.returncode}; see {a.out}/server.log")
+            try:
+                self.port = int(open(pf).read())
+                c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
+                c.request("GET", "/health")
+                if c.getresponse().status == 200:
+                    break
+            except (OSError, ValueError, http.client.HTTPException):
+                pass
+            time.sleep(0.2)
+
+    def mem(self):
+        out = {}
+        for line in open(f"/proc/{self.p.pid}/status"):
+            k, _, v = line.partition(":")
+            if k in ("VmRSS", "VmHWM"):
+                out[k] = int(v.split()[0]) // 1024
+        return out
+
+    def stop(self):
+        self.p.send_signal(signal.SIGTERM)
+        try:
+            return self.p.wait(60)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            return -9
+
+
+def probe(port):
+    """An authenticated 1-token completion on a new connection; its latency in seconds."""
+    body = json.dumps({"model": "m", "prompt": "Hello", "max_tokens": 1, "temperature": 0})
+    t0 = time.perf_counter()
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    c.request("POST", "/v1/completions", body, {"Content-Type": "application/json",
+                                                "Authorization": "Bearer " + KEY})
+    r = c.getresponse()
+    r.read()
+    c.close()
+    dt = time.perf_counter() - t0
+    if r.status != 200:
+        raise RuntimeError(f"probe answered {r.status}")
+    return dt
+
+
+def health(port):
+    try:
+        c = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        c.request("GET", "/health")
+        return c.getresponse().status
+    except OSError as e:
+        return str(e)
+
+
+def post_loop(port, path, payload, stop, stats):
+    """A client that posts `payload` again and again (a new connection each time)."""
+    while not stop.is_set():
+        try:
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+            c.request("POST", path, payload, {"Content-Type": "application/json",
+                                              "Authorization": "Bearer " + KEY})
+            r = c.getresponse()
+            r.read()
+            stats[r.status] = stats.get(r.status, 0) + 1
+            c.close()
+        except (OSError, http.client.HTTPException) as e:
+            stats[type(e).__name__] = stats.get(type(e).__name__, 0) + 1
+
+
+def disconnect_loop(port, stop, stats):
+    body = json.dumps({"model": "m", "prompt": "Once upon a time", "max_tokens": 200, "stream": True,
+                       "ignore_eos": True})
+    req = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+           f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}").encode()
+    while not stop.is_set():
+        try:
+            s = socket.create_connection(("127.0.0.1", port), timeout=60)
+            s.sendall(req)
+            s.recv(256)
+            s.close()
+            stats["left"] = stats.get("left", 0) + 1
+        except OSError as e:
+            stats[type(e).__name__] = stats.get(type(e).__name__, 0) + 1
+
+
+def trickle_loop(port, n, head, stop, stats):
+    """n connections that send `head` whole and then one byte every 5 s (a header byte when `head` is
+    a partial header, a body byte when it ends the headers); each closed one is reopened at once."""
+    sel = selectors.DefaultSelector()
+    socks = {}
+
+    def opened():
+        try:
+            s = socket.socket()
+            s.setblocking(False)
+            s.connect_ex(("127.0.0.1", port))
+            socks[s] = False
+            sel.register(s, selectors.EVENT_WRITE | selectors.EVENT_READ)
+        except OSError as e:
+            stats[type(e).__name__] = stats.get(type(e).__name__, 0) + 1
+            time.sleep(0.01)
+
+    def closed(s):
+        sel.unregister(s)
+        socks.pop(s, None)
+        s.close()
+        stats["closed by server"] = stats.get("closed by server", 0) + 1
+
+    for _ in range(n):
+        opened()
+    last = time.time()
+    while not stop.is_set():
+        for key, ev in sel.select(timeout=0.5):
+            s = key.fileobj
+            if ev & selectors.EVENT_READ:
+                try:
+                    if not s.recv(4096):
+                        closed(s)
+                        opened()
+                        continue
+                except OSError:
+                    closed(s)
+                    opened()
+                    continue
+            if ev & selectors.EVENT_WRITE and not socks.get(s, True):
+                try:
+                    s.send(head)
+                    socks[s] = True
+                    sel.modify(s, selectors.EVENT_READ)
+                except OSError:
+                    closed(s)
+                    opened()
+        if time.time() - last >= 5:
+            last = time.time()
+            for s in list(socks):
+                if socks.get(s):
+                    try:
+                        s.send(b"a")
+                    except OSError:
+                        closed(s)
+                        opened()
+        while len(socks) < n and not stop.is_set():
+            opened()
+    stats["open at end"] = len(socks)
+    for s in list(socks):
+        s.close()
+
+
+def attack_threads(kind, port, a, stop, stats):
+    big_text = json.dumps({"prompt": "a" * (30 << 20)})
+    ids = json.dumps({"model": "m", "prompt": [1] * ((32 << 20) // 2 - 64), "max_tokens": 1})
+    slow_head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-a: "
+    body_head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                 f"Content-Type: application/json\r\nContent-Length: {1 << 20}\r\n\r\n").encode()
+    ts = []
+    if kind in ("tokenize", "all"):
+        ts += [threading.Thread(target=post_loop, args=(port, "/tokenize", big_text, stop, stats.setdefault("tokenize", {})))
+               for _ in range(4)]
+    if kind in ("slowloris", "all"):
+        ts.append(threading.Thread(target=trickle_loop, args=(port, a.slow_conns, slow_head, stop,
+                                                              stats.setdefault("slowloris", {}))))
+    if kind in ("slowbody", "all"):
+        ts.append(threading.Thread(target=trickle_loop, args=(port, 256, body_head, stop, stats.setdefault("slowbody", {}))))
+    if kind in ("bodies", "all"):
+        ts += [threading.Thread(target=post_loop, args=(port, "/v1/completions", ids, stop, stats.setdefault("bodies", {})))
+               for _ in range(8)]
+    if kind in ("disconnect", "all"):
+        ts += [threading.Thread(target=disconnect_loop, args=(port, stop, stats.setdefault("disconnect", {})))
+               for _ in range(64)]
+    return ts
+
+
+def summarize(lat, idle):
+    lat = sorted(lat)
+    return {"n": len(lat), "median_s": statistics.median(lat), "p90_s": lat[int(0.9 * (len(lat) - 1))],
+            "max_s": lat[-1], "median_vs_idle": statistics.median(lat) / idle}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--krait", required=True)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--attacks", default="tokenize,slowloris,slowbody,bodies,disconnect,all")
+    ap.add_argument("--slow-conns", type=int, default=4500)
+    ap.add_argument("--warmup-s", type=float, default=15, help="attack running before the probes start")
+    ap.add_argument("--probes", type=int, default=20)
+    ap.add_argument("--serve-arg", action="append", default=[])
+    a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    srv = Server(a)
+    res = {"serve_args": a.serve_arg, "attacks": {}}
+    try:
+        for _ in range(3):
+            probe(srv.port)
+        idle = [probe(srv.port) for _ in range(a.probes)]
+        res["idle"] = summarize(idle, statistics.median(idle))
+        res["idle"]["mem_mb"] = srv.mem()
+        idle_med = statistics.median(idle)
+        print(f"idle: median {idle_med * 1000:.1f} ms", flush=True)
+        for kind in a.attacks.split(","):
+            stop = threading.Event()
+            stats = {}
+            ts = attack_threads(kind, srv.port, a, stop, stats)
+            for t in ts:
+                t.daemon = True
+                t.start()
+            time.sleep(a.warmup_s)
+            lat, fails, healths = [], [], []
+            for _ in range(a.probes):
+                try:
+                    lat.append(probe(srv.port))
+                except (OSError, RuntimeError, http.client.HTTPException) as e:
+                    fails.append(str(e))
+                healths.append(health(srv.port))
+                time.sleep(0.25)
+            mem = srv.mem()
+            stop.set()
+            for t in ts:
+                t.join(30)
+            row = summarize(lat, idle_med) if lat else {"n": 0}
+            row.update({"probe_failures": fails, "health": sorted(set(map(str, healths))), "mem_mb": mem,
+                        "attack_outcomes": stats})
+            res["attacks"][kind] = row
+            print(f"{kind}: " + (f"median {row['median_s'] * 1000:.1f} ms ({row['median_vs_idle']:.2f}x idle), "
+                                 f"p90 {row['p90_s'] * 1000:.1f} ms, max {row['max_s'] * 1000:.1f} ms"
+                                 if lat else "no probe answered") +
+                  f", failures {len(fails)}, health {row['health']}, RSS {mem.get('VmRSS')} MB "
+                  f"(peak {mem.get('VmHWM')} MB), {json.dumps(stats)}", flush=True)
+            time.sleep(2)
+    finally:
+        res["exit_code"] = srv.stop()
+        json.dump(res, open(os.path.join(a.out, "attack.json"), "w"), indent=1)
+        print(f"server exit code {res['exit_code']}; {a.out}/attack.json")
+
+
+if __name__ == "__main__":
+    main()
