@@ -8,6 +8,7 @@
 #include "boot.h"
 #include "clock.h"
 #include "conns.h"
+#include "lane.h"
 #include "engine.h"
 #include "log.h"
 #include "metrics.h"
@@ -84,6 +85,8 @@ struct hreq {
     bool body_busy;            /* the shared body budget was spent: dropped, answered 503 */
     bool body_in;              /* the whole body arrived (the connection's body deadline is off) */
     size_t pooled;             /* bytes of the body buffer drawn from srv->body_pool */
+    size_t clen;               /* Content-Length (0: none or chunked) */
+    struct kr_lane_work lw;    /* a large body's preparation (lane.h) */
     bool responded;            /* a response was queued (or the stream started) */
     /* the session */
     struct kr_sess *sess;
@@ -141,6 +144,8 @@ struct srv {
     uv_timer_t conn_timer;
     size_t body_pool;          /* body bytes buffered beyond each request's free share (BODY_FREE) */
     size_t body_pool_max;
+    struct kr_lane big;        /* large bodies' preparations, at a lower priority (lane.h) */
+    bool big_ok;
     int64_t started;
 };
 
@@ -264,11 +269,19 @@ static bool body_take(struct hreq *h, const char *data, size_t n)
         body_release(h);
         return true;
     }
-    const size_t need = h->blen + n + 1;
+    /* the declared length is reserved whole at the first chunk (a doubling buffer would hold up to
+     * twice the body) */
+    const size_t need = h->blen + n + 1 > h->clen + 1 ? h->blen + n + 1 : h->clen + 1;
     if (need > BODY_FREE && s->body_pool - h->pooled + (need - BODY_FREE) > s->body_pool_max) {
         h->body_busy = true;
         body_release(h);
         return true;
+    }
+    if (!h->body && h->clen) {
+        if (!(h->body = kr_malloc(need))) {
+            return false;
+        }
+        h->bcap = need;
     }
     if (!kr_text_append(&h->body, &h->blen, &h->bcap, data, n)) {
         return false;
@@ -559,10 +572,11 @@ static void prep_work(uv_work_t *w)
     h->prep_failed = kr_sess_prepare(h->sess, h->body, h->blen) != KR_OK;
 }
 
-static void prep_after(uv_work_t *w, int status)
+static void prep_done(struct hreq *h, int status)
 {
-    struct hreq *h = w->data;
-    (void)status;
+    if (status != 0) { /* cancelled at shutdown before it ran */
+        h->prep_failed = true;
+    }
     h->prep_state = PREP_DONE;
     body_release(h); /* the session keeps what it needs */
     if (h->conn) {
@@ -572,8 +586,25 @@ static void prep_after(uv_work_t *w, int status)
     hreq_unref(h);
 }
 
+static void prep_after(uv_work_t *w, int status)
+{
+    prep_done(w->data, status);
+}
+
+static void lane_work(struct kr_lane_work *w)
+{
+    struct hreq *h = w->data;
+    h->prep_failed = kr_sess_prepare(h->sess, h->body, h->blen) != KR_OK;
+}
+
+static void lane_after(struct kr_lane_work *w, int status)
+{
+    prep_done(w->data, status);
+}
+
 /* Parks the connection and prepares the request's session (parsing, the chat template and
- * tokenization, or the whole /tokenize answer) on libuv's thread pool. */
+ * tokenization, or the whole /tokenize answer) on libuv's thread pool, or, for a body beyond
+ * BODY_FREE, on the lane of large preparations. */
 static enum MHD_Result handle_generate(struct hreq *h)
 {
     static const enum kr_sess_kind kinds[] = {[R_COMPLETIONS] = KR_SESS_COMPLETIONS, [R_CHAT] = KR_SESS_CHAT,
@@ -585,7 +616,10 @@ static enum MHD_Result handle_generate(struct hreq *h)
     h->prep_state = PREP_RUNNING;
     h->work.data = h;
     h->refs++;
-    if (uv_queue_work(&h->s->loop, &h->work, prep_work, prep_after) != 0) {
+    if (h->blen > BODY_FREE && h->s->big_ok) {
+        h->lw = (struct kr_lane_work){.work = lane_work, .after = lane_after, .data = h};
+        kr_lane_submit(&h->s->big, &h->lw);
+    } else if (uv_queue_work(&h->s->loop, &h->work, prep_work, prep_after) != 0) {
         h->refs--;
         h->prep_state = PREP_NONE;
         return send_simple_error(h, KR_OAI_INTERNAL, "cannot queue the request");
@@ -818,7 +852,9 @@ static enum MHD_Result on_access(void *cls, struct MHD_Connection *conn, const c
                                      "missing or invalid API key (send Authorization: Bearer <key>)");
         }
         const char *cl = MHD_lookup_connection_value(conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
-        if (cl && strtoull(cl, NULL, 10) > (unsigned long long)s->o.max_body_bytes) {
+        const unsigned long long clen = cl ? strtoull(cl, NULL, 10) : 0;
+        h->clen = clen <= s->o.max_body_bytes ? (size_t)clen : 0;
+        if (clen > (unsigned long long)s->o.max_body_bytes) {
             h->too_big = true;
             char msg[128];
             snprintf(msg, sizeof msg, "the request body exceeds %zu bytes", s->o.max_body_bytes);
@@ -1332,6 +1368,10 @@ int kr_serve_run(const struct kr_serve_opts *o)
     s->conn_timer.data = s;
     uv_async_init(&s->loop, &s->wake, on_wake);
     s->wake.data = s;
+    s->big_ok = kr_lane_start(&s->big, &s->loop, 2, 10) == 0;
+    if (!s->big_ok) {
+        KR_LOG_WARN("cannot start the threads for large requests: they share libuv's pool");
+    }
     uv_async_init(&s->loop, &g_loaded, on_loaded);
     g_loaded.data = s;
     uv_signal_init(&s->loop, &s->sig_term);
@@ -1360,6 +1400,9 @@ int kr_serve_run(const struct kr_serve_opts *o)
     MHD_stop_daemon(s->d);
     s->d = NULL;
     kr_boot_load_join(&s->rt); /* a signal during loading: let the loader finish first */
+    if (s->big_ok) {
+        kr_lane_stop(&s->big); /* queued preparations cancelled, running ones finished */
+    }
     kr_boot_stop_engine(&s->rt);
     s->env.engine_ctx = NULL; /* the last events' sessions cancel nothing more */
     on_wake(&s->wake);

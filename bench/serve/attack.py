@@ -13,14 +13,19 @@ Attacks (python's standard library only; every socket of an attack in one thread
   slowbody    256 connections that send whole headers with Content-Length 1 MB and then a body byte
               every 5 s; reopened when closed
   bodies      8 clients in a loop: 32 MB bodies of token ids ([1,1,...]) to /v1/completions
-  disconnect  64 clients in a loop: a streamed completion, closed after its first bytes
+  disconnect  64 clients, each 10 times a second: a streamed completion, closed after its first bytes
   all         every one of the above at once
+
+Each attack runs in processes of its own (python threads share one core); --server-cpus and
+--attack-cpus pin the server and the attackers to separate cores, so that what is measured is
+the server's work and not the attackers' competition for the same cores.
 
   python3 bench/serve/attack.py --krait build/krait --model models/tiny-hybrid --out DIR
 """
 import argparse
 import http.client
 import json
+import multiprocessing as mp
 import os
 import selectors
 import signal
@@ -42,6 +47,8 @@ class Server:
         self.log = open(os.path.join(a.out, "server.log"), "w")
         cmd = [a.krait, "serve", a.model, "--port", "0", "--port-file", pf, "--api-key", KEY,
                "--served-model-name", "m"] + a.serve_arg
+        if a.server_cpus:
+            cmd = ["taskset", "-c", a.server_cpus] + cmd
         self.p = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
         t0 = time.time()
         self.port = None
@@ -115,7 +122,7 @@ def post_loop(port, path, payload, stop, stats):
             stats[type(e).__name__] = stats.get(type(e).__name__, 0) + 1
 
 
-def disconnect_loop(port, stop, stats):
+def disconnect_loop(port, stop, stats, pause=0.1):
     body = json.dumps({"model": "m", "prompt": "Once upon a time", "max_tokens": 200, "stream": True,
                        "ignore_eos": True})
     req = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
@@ -127,6 +134,7 @@ def disconnect_loop(port, stop, stats):
             s.recv(256)
             s.close()
             stats["left"] = stats.get("left", 0) + 1
+            time.sleep(pause)
         except OSError as e:
             stats[type(e).__name__] = stats.get(type(e).__name__, 0) + 1
 
@@ -196,7 +204,7 @@ def trickle_loop(port, n, head, stop, stats):
 
 def attack_threads(kind, port, a, stop, stats):
     big_text = json.dumps({"prompt": "a" * (30 << 20)})
-    ids = json.dumps({"model": "m", "prompt": [1] * ((32 << 20) // 2 - 64), "max_tokens": 1})
+    ids = json.dumps({"model": "m", "prompt": [1] * ((32 << 20) // 2 - 64), "max_tokens": 1}, separators=(",", ":"))
     slow_head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-a: "
     body_head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
                  f"Content-Type: application/json\r\nContent-Length: {1 << 20}\r\n\r\n").encode()
@@ -218,6 +226,29 @@ def attack_threads(kind, port, a, stop, stats):
     return ts
 
 
+def attack_proc(kind, port, a, stop, q):
+    """One attack in a process of its own: its threads until `stop`, then its outcome counts on q."""
+    if a.attack_cpus:
+        os.sched_setaffinity(0, parse_cpus(a.attack_cpus))
+    stats = {}
+    ts = attack_threads(kind, port, a, stop, stats)
+    for t in ts:
+        t.daemon = True
+        t.start()
+    stop.wait()
+    for t in ts:
+        t.join(30)
+    q.put(stats)
+
+
+def parse_cpus(spec):
+    out = set()
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
 def summarize(lat, idle):
     lat = sorted(lat)
     return {"n": len(lat), "median_s": statistics.median(lat), "p90_s": lat[int(0.9 * (len(lat) - 1))],
@@ -234,7 +265,11 @@ def main():
     ap.add_argument("--warmup-s", type=float, default=15, help="attack running before the probes start")
     ap.add_argument("--probes", type=int, default=20)
     ap.add_argument("--serve-arg", action="append", default=[])
+    ap.add_argument("--server-cpus", default="", help="taskset list for the server, e.g. 0-1")
+    ap.add_argument("--attack-cpus", default="", help="cores for the attackers and probes, e.g. 2-15")
     a = ap.parse_args()
+    if a.attack_cpus:
+        os.sched_setaffinity(0, parse_cpus(a.attack_cpus))
     os.makedirs(a.out, exist_ok=True)
     srv = Server(a)
     res = {"serve_args": a.serve_arg, "attacks": {}}
@@ -247,12 +282,12 @@ def main():
         idle_med = statistics.median(idle)
         print(f"idle: median {idle_med * 1000:.1f} ms", flush=True)
         for kind in a.attacks.split(","):
-            stop = threading.Event()
-            stats = {}
-            ts = attack_threads(kind, srv.port, a, stop, stats)
-            for t in ts:
-                t.daemon = True
-                t.start()
+            stop = mp.Event()
+            q = mp.Queue()
+            kinds = ["tokenize", "slowloris", "slowbody", "bodies", "disconnect"] if kind == "all" else [kind]
+            procs = [mp.Process(target=attack_proc, args=(k, srv.port, a, stop, q)) for k in kinds]
+            for p in procs:
+                p.start()
             time.sleep(a.warmup_s)
             lat, fails, healths = [], [], []
             for _ in range(a.probes):
@@ -264,8 +299,16 @@ def main():
                 time.sleep(0.25)
             mem = srv.mem()
             stop.set()
-            for t in ts:
-                t.join(30)
+            stats = {}
+            for _ in procs:
+                try:
+                    stats.update(q.get(timeout=60))
+                except Exception:  # noqa: BLE001 - a stuck attacker is reported, not fatal
+                    stats["attacker"] = "no report"
+            for p in procs:
+                p.join(10)
+                if p.is_alive():
+                    p.kill()
             row = summarize(lat, idle_med) if lat else {"n": 0}
             row.update({"probe_failures": fails, "health": sorted(set(map(str, healths))), "mem_mb": mem,
                         "attack_outcomes": stats})
