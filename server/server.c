@@ -242,7 +242,8 @@ static void hup_close_cb(uv_handle_t *hd)
  *
  * Each request may buffer BODY_FREE bytes of body on its own; beyond that it draws on a pool shared
  * by all connections (body_pool_max: four maximum-size bodies). A body that finds the pool spent is
- * read and dropped, then answered 503 with Retry-After: the memory held by bodies in flight stays
+ * answered 503 with Retry-After: as soon as its headers are in when its Content-Length says so,
+ * otherwise once it has been read (and dropped). The memory held by bodies in flight stays
  * under connections x BODY_FREE + the pool, and ordinary requests, far below BODY_FREE, never wait
  * for the pool. The body is freed as soon as the request is prepared. */
 #define BODY_FREE ((size_t)256 << 10)
@@ -290,6 +291,16 @@ static bool body_take(struct hreq *h, const char *data, size_t n)
     s->body_pool += pooled - h->pooled;
     h->pooled = pooled;
     return true;
+}
+
+/* The 503 of a body the pool cannot take. */
+static enum MHD_Result send_busy(struct hreq *h)
+{
+    char msg[200];
+    snprintf(msg, sizeof msg,
+             "the server is receiving too many large request bodies at once (%zu MiB buffered); retry later",
+             h->s->body_pool_max >> 20);
+    return send_simple_error(h, KR_OAI_UNAVAILABLE, msg);
 }
 
 static void hreq_free(struct hreq *h)
@@ -672,11 +683,7 @@ static enum MHD_Result dispatch(struct hreq *h, const char *url, const char *met
         return send_simple_error(h, KR_OAI_TOO_LARGE, msg);
     }
     if (h->body_busy) {
-        char msg[200];
-        snprintf(msg, sizeof msg,
-                 "the server is receiving too many large request bodies at once (%zu MiB buffered); retry later",
-                 s->body_pool_max >> 20);
-        return send_simple_error(h, KR_OAI_UNAVAILABLE, msg);
+        return send_busy(h);
     }
     if (!strcmp(url, "/health") || !strcmp(url, "/ping")) {
         const bool dev_ok = kr_backend_healthy(s->rt.be) && !s->device_failed && !(s->rt.eng && kr_engine_failed(s->rt.eng));
@@ -859,6 +866,10 @@ static enum MHD_Result on_access(void *cls, struct MHD_Connection *conn, const c
             char msg[128];
             snprintf(msg, sizeof msg, "the request body exceeds %zu bytes", s->o.max_body_bytes);
             return send_simple_error(h, KR_OAI_TOO_LARGE, msg);
+        }
+        if (h->clen + 1 > BODY_FREE && s->body_pool + (h->clen + 1 - BODY_FREE) > s->body_pool_max) {
+            h->body_busy = true; /* the pool cannot take the declared body: refused before it is sent */
+            return send_busy(h);
         }
         return MHD_YES;
     }

@@ -9,11 +9,13 @@ Attacks (python's standard library only; every socket of an attack in one thread
 
   tokenize    4 clients in a loop: 30 MB prompts to /tokenize (with the key)
   slowloris   --slow-conns connections that send a header byte every 5 s and never end their
-              headers; each one closed by the server is opened again at once
+              headers; those the server closed are opened again every 5 s (as slowloris does)
+  connflood   the same connections, each one closed by the server opened again at once
   slowbody    256 connections that send whole headers with Content-Length 1 MB and then a body byte
               every 5 s; reopened when closed
   bodies      8 clients in a loop: 32 MB bodies of token ids ([1,1,...]) to /v1/completions
-  disconnect  64 clients, each 10 times a second: a streamed completion, closed after its first bytes
+  disconnect  --storm-clients (64), each 10 times a second: a streamed completion, closed after its
+              first bytes
   all         every one of the above at once
 
 Each attack runs in processes of its own (python threads share one core); --server-cpus and
@@ -139,9 +141,10 @@ def disconnect_loop(port, stop, stats, pause=0.1):
             stats[type(e).__name__] = stats.get(type(e).__name__, 0) + 1
 
 
-def trickle_loop(port, n, head, stop, stats):
+def trickle_loop(port, n, head, stop, stats, at_once=False):
     """n connections that send `head` whole and then one byte every 5 s (a header byte when `head` is
-    a partial header, a body byte when it ends the headers); each closed one is reopened at once."""
+    a partial header, a body byte when it ends the headers); those the server closed are opened again
+    every 5 s, as slowloris does, or at once with `at_once` (a connection flood)."""
     sel = selectors.DefaultSelector()
     socks = {}
 
@@ -172,11 +175,9 @@ def trickle_loop(port, n, head, stop, stats):
                 try:
                     if not s.recv(4096):
                         closed(s)
-                        opened()
                         continue
                 except OSError:
                     closed(s)
-                    opened()
                     continue
             if ev & selectors.EVENT_WRITE and not socks.get(s, True):
                 try:
@@ -185,17 +186,17 @@ def trickle_loop(port, n, head, stop, stats):
                     sel.modify(s, selectors.EVENT_READ)
                 except OSError:
                     closed(s)
-                    opened()
+        refill = at_once
         if time.time() - last >= 5:
             last = time.time()
+            refill = True
             for s in list(socks):
                 if socks.get(s):
                     try:
                         s.send(b"a")
                     except OSError:
                         closed(s)
-                        opened()
-        while len(socks) < n and not stop.is_set():
+        while refill and len(socks) < n and not stop.is_set():
             opened()
     stats["open at end"] = len(socks)
     for s in list(socks):
@@ -215,6 +216,9 @@ def attack_threads(kind, port, a, stop, stats):
     if kind in ("slowloris", "all"):
         ts.append(threading.Thread(target=trickle_loop, args=(port, a.slow_conns, slow_head, stop,
                                                               stats.setdefault("slowloris", {}))))
+    if kind == "connflood":
+        ts.append(threading.Thread(target=trickle_loop, args=(port, a.slow_conns, slow_head, stop,
+                                                              stats.setdefault("connflood", {}), True)))
     if kind in ("slowbody", "all"):
         ts.append(threading.Thread(target=trickle_loop, args=(port, 256, body_head, stop, stats.setdefault("slowbody", {}))))
     if kind in ("bodies", "all"):
@@ -222,7 +226,7 @@ def attack_threads(kind, port, a, stop, stats):
                for _ in range(8)]
     if kind in ("disconnect", "all"):
         ts += [threading.Thread(target=disconnect_loop, args=(port, stop, stats.setdefault("disconnect", {})))
-               for _ in range(64)]
+               for _ in range(a.storm_clients)]
     return ts
 
 
@@ -260,8 +264,9 @@ def main():
     ap.add_argument("--krait", required=True)
     ap.add_argument("--model", required=True)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--attacks", default="tokenize,slowloris,slowbody,bodies,disconnect,all")
+    ap.add_argument("--attacks", default="tokenize,slowloris,connflood,slowbody,bodies,disconnect,all")
     ap.add_argument("--slow-conns", type=int, default=4500)
+    ap.add_argument("--storm-clients", type=int, default=64, help="disconnect storm: clients, each 10 streams a second")
     ap.add_argument("--warmup-s", type=float, default=15, help="attack running before the probes start")
     ap.add_argument("--probes", type=int, default=20)
     ap.add_argument("--serve-arg", action="append", default=[])
