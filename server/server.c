@@ -18,6 +18,7 @@
 
 #include <arpa/inet.h>
 #include <errno.h>
+#include <malloc.h>
 #include <stdarg.h>
 #include <microhttpd.h>
 #include <netinet/in.h>
@@ -146,6 +147,9 @@ struct srv {
     size_t body_pool_max;
     struct kr_lane big;        /* large bodies' preparations, at a lower priority (lane.h) */
     bool big_ok;
+    uv_timer_t trim_timer;     /* gives large requests' freed memory back (kr_sess_trim_wanted) */
+    struct kr_lane_work trim_work;
+    bool trim_queued;
     int64_t started;
 };
 
@@ -611,6 +615,31 @@ static void lane_work(struct kr_lane_work *w)
 static void lane_after(struct kr_lane_work *w, int status)
 {
     prep_done(w->data, status);
+}
+
+/* malloc_trim walks every arena holding its lock: on the lane (nice +10), at most every 2 s, never
+ * on the loop thread, where a large heap made it a stall of a tenth of a second. */
+static void trim_work(struct kr_lane_work *w)
+{
+    (void)w;
+    malloc_trim(0);
+}
+
+static void trim_after(struct kr_lane_work *w, int status)
+{
+    struct srv *s = w->data;
+    (void)status;
+    s->trim_queued = false;
+}
+
+static void on_trim_timer(uv_timer_t *t)
+{
+    struct srv *s = t->data;
+    if (s->big_ok && !s->trim_queued && !s->stopping && atomic_exchange(&kr_sess_trim_wanted, false)) {
+        s->trim_queued = true;
+        s->trim_work = (struct kr_lane_work){.work = trim_work, .after = trim_after, .data = s};
+        kr_lane_submit(&s->big, &s->trim_work);
+    }
 }
 
 /* Parks the connection and prepares the request's session (parsing, the chat template and
@@ -1083,6 +1112,7 @@ static void stop_everything(struct srv *s)
     uv_poll_stop(&s->mhd_poll);
     uv_timer_stop(&s->mhd_timer);
     uv_timer_stop(&s->conn_timer);
+    uv_timer_stop(&s->trim_timer);
     uv_timer_stop(&s->drain_timer);
     uv_signal_stop(&s->sig_term);
     uv_signal_stop(&s->sig_int);
@@ -1383,6 +1413,10 @@ int kr_serve_run(const struct kr_serve_opts *o)
     if (!s->big_ok) {
         KR_LOG_WARN("cannot start the threads for large requests: they share libuv's pool");
     }
+    uv_timer_init(&s->loop, &s->trim_timer);
+    s->trim_timer.data = s;
+    uv_timer_start(&s->trim_timer, on_trim_timer, 2000, 2000);
+    uv_unref((uv_handle_t *)&s->trim_timer);
     uv_async_init(&s->loop, &g_loaded, on_loaded);
     g_loaded.data = s;
     uv_signal_init(&s->loop, &s->sig_term);
@@ -1421,6 +1455,7 @@ int kr_serve_run(const struct kr_serve_opts *o)
     uv_close((uv_handle_t *)&s->mhd_timer, close_cb);
     uv_close((uv_handle_t *)&s->drain_timer, close_cb);
     uv_close((uv_handle_t *)&s->conn_timer, close_cb);
+    uv_close((uv_handle_t *)&s->trim_timer, close_cb);
     uv_close((uv_handle_t *)&s->wake, close_cb);
     uv_close((uv_handle_t *)&g_loaded, close_cb);
     uv_close((uv_handle_t *)&s->sig_term, close_cb);

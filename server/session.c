@@ -12,7 +12,6 @@
 #include "tokenizer.h"
 
 #include <jansson.h>
-#include <malloc.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -187,6 +186,8 @@ static void free_text(const char *t)
     }
 }
 
+atomic_bool kr_sess_trim_wanted;
+
 static void sess_free(struct kr_sess *s)
 {
     for (int32_t i = 0; i < s->n_choices; i++) {
@@ -234,8 +235,8 @@ static void sess_free(struct kr_sess *s)
     kr_free(s);
     if (big) {
         /* a large parse leaves millions of small blocks free in a worker's arena, which glibc keeps
-         * resident: hand those pages back */
-        malloc_trim(0);
+         * resident: the transport hands those pages back (malloc_trim), off the loop thread */
+        atomic_store(&kr_sess_trim_wanted, true);
     }
 }
 

@@ -14,6 +14,7 @@
  * the engine still owes events holds another. After kr_sess_release (or kr_sess_cancel without an
  * error) the sink is never called again; the session frees itself once the engine's last event for
  * it has been delivered. */
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -117,6 +118,10 @@ struct kr_sess *kr_sess_create(struct kr_sess_env *env, enum kr_sess_kind kind, 
  * prompts' tokens, the limits; for /tokenize and /detokenize the whole answer. Returns KR_OK, or
  * an error whose OpenAI answer kr_sess_start sends. Any one thread, before kr_sess_start. */
 enum kr_status kr_sess_prepare(struct kr_sess *s, const char *body, size_t len);
+
+/* Set when a session whose preparation held more than 32 MiB was freed: its memory is worth giving
+ * back to the system (malloc_trim), which the transport does off the loop thread and clears this. */
+extern atomic_bool kr_sess_trim_wanted;
 
 /* Starts a prepared session with its sink (user is passed to every sink call): a failed
  * preparation or a /tokenize answer goes to `done` at once; a generation is submitted to the
