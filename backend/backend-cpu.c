@@ -265,6 +265,13 @@ static enum kr_status cpu_act(kr_backend_t be, const struct krk_act_params *p)
 
 #define MM_ROWS 8 /* weight rows converted to fp32 at once and reused across all tokens */
 
+/* Multiply-adds (roughly) below which an op runs on one thread. A parallel region costs a few
+ * microseconds on idle cores, but when another thread holds one of them (the server's loop under a
+ * connection flood, another process) every barrier waits for a time slice: the embedded model's
+ * small per-layer ops turned a 2 ms request into 300 ms. Each output is computed by one thread
+ * either way, so results do not depend on this. */
+#define PAR_MIN_WORK ((int64_t)1 << 20)
+
 /* y[t, r] = x[t, :] . w[r, :] (+ bias[r]); converts weight rows to fp32 on the fly so that bf16 and
  * f16 checkpoints are used in place. Parallel over blocks of weight rows. */
 static enum kr_status matmul_impl(int n_threads, const float *x, int64_t ldx, int64_t n, const struct kr_tensor *w,
@@ -277,7 +284,7 @@ static enum kr_status matmul_impl(int n_threads, const float *x, int64_t ldx, in
     if (!scratch) {
         return KR_ERR_NOMEM;
     }
-#pragma omp parallel for num_threads(n_threads) schedule(dynamic, 1)
+#pragma omp parallel for num_threads(n_threads) schedule(dynamic, 1) if (rows * cols * n >= PAR_MIN_WORK)
     for (int64_t blk = 0; blk < n_blk; blk++) {
         float *wf = scratch + (size_t)omp_get_thread_num() * MM_ROWS * (size_t)cols;
         int64_t r0 = blk * MM_ROWS;
@@ -321,7 +328,7 @@ static void mamba_conv(const struct kr_batch *b, const struct krk_mamba_params *
     const int64_t cd = p->d_inner + 2 * p->n_group * p->d_state; /* conv_dim */
     const int64_t K = p->d_conv, H = K - 1;
     float *states = p->conv_state;
-#pragma omp parallel for num_threads(n_threads) schedule(static) collapse(2)
+#pragma omp parallel for num_threads(n_threads) schedule(static) collapse(2) if ((int64_t)b->n_tok * cd * K >= PAR_MIN_WORK)
     for (int32_t s = 0; s < b->n_seq; s++) {
         for (int64_t c = 0; c < cd; c++) {
             float *st = states + (size_t)b->seq_slot[s] * (size_t)(H * cd); /* [K-1, conv_dim] */
@@ -450,7 +457,8 @@ static enum kr_status cpu_mamba(kr_backend_t be, const struct krk_mamba_params *
         return KR_ERR_NOMEM;
     }
     const size_t state_sz = (size_t)(p->n_head * p->head_dim * p->d_state);
-#pragma omp parallel for num_threads(ctx->n_threads) schedule(dynamic, 1) collapse(2)
+#pragma omp parallel for num_threads(ctx->n_threads) schedule(dynamic, 1) collapse(2) \
+    if ((int64_t)b->n_tok * p->n_head * p->head_dim * p->d_state >= PAR_MIN_WORK)
     for (int32_t s = 0; s < b->n_seq; s++) {
         for (int64_t h = 0; h < p->n_head; h++) {
             float *sc = scratch + (size_t)omp_get_thread_num() * per_thread;
@@ -533,7 +541,8 @@ static enum kr_status cpu_attention(kr_backend_t be, const struct krk_attn_param
         return KR_ERR_NOMEM;
     }
     /* 2. each (token, head): softmax(q k^T * scale) v over positions 0..pos */
-#pragma omp parallel for num_threads(ctx->n_threads) schedule(dynamic, 4) collapse(2)
+#pragma omp parallel for num_threads(ctx->n_threads) schedule(dynamic, 4) collapse(2) \
+    if ((int64_t)b->n_tok * max_ctx * p->n_head * p->head_dim >= PAR_MIN_WORK)
     for (int32_t s = 0; s < b->n_seq; s++) {
         for (int32_t i = 0; i < max_nt; i++) {
             int32_t t = b->seq_tok0[s] + i;
@@ -837,7 +846,8 @@ static enum kr_status cpu_dsa_index(kr_backend_t be, const struct krk_dsa_index_
     if (!scratch) {
         return KR_ERR_NOMEM;
     }
-#pragma omp parallel for num_threads(ctx->n_threads) schedule(dynamic, 1)
+#pragma omp parallel for num_threads(ctx->n_threads) schedule(dynamic, 1) \
+    if ((int64_t)b->n_tok * max_ctx * p->n_head * p->head_dim >= PAR_MIN_WORK)
     for (int32_t t = 0; t < b->n_tok; t++) {
         const int32_t s = seq_of(b, t), pos = b->pos[t];
         int32_t *out = p->idx + (int64_t)t * p->topk;
@@ -888,7 +898,8 @@ static enum kr_status cpu_mla_attention(kr_backend_t be, const struct krk_mla_at
     if (!scratch) {
         return KR_ERR_NOMEM;
     }
-#pragma omp parallel for num_threads(ctx->n_threads) schedule(dynamic, 1) collapse(2)
+#pragma omp parallel for num_threads(ctx->n_threads) schedule(dynamic, 1) collapse(2) \
+    if ((int64_t)b->n_tok * p->n_head * max_ctx * (R + p->rope) >= PAR_MIN_WORK)
     for (int32_t t = 0; t < b->n_tok; t++) {
         for (int64_t h = 0; h < p->n_head; h++) {
             float *sc = scratch + (size_t)omp_get_thread_num() * per_thread;
@@ -1010,7 +1021,7 @@ static enum kr_status cpu_fp8_round(kr_backend_t be, const struct krk_fp8_round_
     }
     const float hscale = (float)(1.0 / sqrt((double)p->dim));
     int failed = 0;
-#pragma omp parallel for num_threads(n_threads) schedule(static) reduction(| : failed)
+#pragma omp parallel for num_threads(n_threads) schedule(static) reduction(| : failed) if (p->n * p->dim * 8 >= PAR_MIN_WORK)
     for (int64_t i = 0; i < p->n; i++) {
         const int t = omp_get_thread_num();
         float *row = scratch + (size_t)t * (size_t)per, *scale = row + p->dim;
