@@ -13,7 +13,8 @@
  * a regex.
  *
  * Threads: a compiled grammar and a vocabulary are immutable and may be shared by any number of
- * threads. A matcher belongs to one thread at a time. */
+ * threads (a grammar's mask cache fills lazily, lock-free). A matcher belongs to one thread at a
+ * time. */
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -165,6 +166,12 @@ const char *kr_grammar_vocab_token_bytes(const struct kr_grammar_vocab *v, int32
  * (a limit reached while trying tokens), KR_ERR_NOMEM. */
 enum kr_status kr_grammar_matcher_fill_mask(struct kr_grammar_matcher *m, const struct kr_grammar_vocab *v,
                                             uint32_t *mask, struct kr_err *err);
+
+/* Whether this matcher's masks use the grammar's adaptive cache (on by default): per grammar
+ * position, the tokens accepted whatever lies below that stack frame, computed once per grammar
+ * and vocabulary (the first mask at a position pays one pass over the trie) and shared by all
+ * matchers and threads. Off, every mask is one pass over the trie. For tests and benchmarks. */
+void kr_grammar_matcher_use_cache(struct kr_grammar_matcher *m, bool on);
 
 /* Advances by one token: its bytes, or for an end id the end of the text (then is_done becomes
  * true). *accepted as for accept_bytes; one step of history. */

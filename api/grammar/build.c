@@ -1115,6 +1115,7 @@ void kr_grammar_free(struct kr_grammar *g)
     kr_free(g->names);
     kr_free(g->minlen);
     kr_free(g->minrest);
+    gm_cache_free(atomic_load(&g->cache));
     kr_free(g);
 }
 

@@ -13,6 +13,7 @@
  * helper rules. */
 #include "grammar.h"
 
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -48,6 +49,9 @@ struct kr_grammar {
     uint32_t *minlen;      /* [n_rules] fewest bytes a rule matches (GR_INF: none) */
     uint32_t *minrest;     /* [n_elems] fewest bytes from this position to the end of its alternative */
     uint32_t root;
+    /* mask.c's per-position token classes for one vocabulary, filled lazily by any thread (the
+     * grammar is otherwise immutable); NULL until the first mask */
+    _Atomic(struct gm_cache *) cache;
 };
 
 static inline bool gm_set_has(const struct kr_grammar *g, uint32_t set, uint8_t b)
@@ -228,6 +232,7 @@ struct kr_grammar_matcher {
     uint32_t *work;
     uint32_t n_work, cap_work;
     struct gm_walk *walk;  /* mask.c's per-matcher scratch, NULL until the first mask */
+    bool use_cache;        /* masks use the grammar's adaptive cache (kr_grammar_matcher_set_cache) */
 };
 
 /* Pool marks: speculative work appends nodes and then truncates back to a mark, which restores
@@ -236,8 +241,11 @@ void gm_pool_truncate(struct gm_pool *p, uint32_t n);
 /* One step: the tops reached from in[0..n) by byte b, into m->out (m->out.n == 0: rejected). */
 enum kr_status gm_step(struct kr_grammar_matcher *m, const uint32_t *in, uint32_t n, uint8_t b,
                        struct kr_err *err);
+/* The node (pos, parent) of m's pool, made when new. */
+enum kr_status gm_node(struct kr_grammar_matcher *m, uint32_t pos, uint32_t parent, uint32_t *id, struct kr_err *err);
 /* The closure of the single node (pos, parent) into m->out. */
 enum kr_status gm_start(struct kr_grammar_matcher *m, uint32_t pos, uint32_t parent, struct kr_err *err);
 /* Ends the text (an end token): one step of history, then nothing more is accepted. */
 enum kr_status gm_end(struct kr_grammar_matcher *m, struct kr_err *err);
 void gm_walk_free(struct gm_walk *w);
+void gm_cache_free(struct gm_cache *c);

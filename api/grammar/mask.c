@@ -7,7 +7,15 @@
  * per pass, and (state, byte) -> state is looked up before it is computed. Inside a JSON string
  * or a number the state after a character is the state before it, so almost every trie node costs
  * one table lookup; states looked up often get a dense 256-entry row. Speculative stack nodes are
- * dropped at the end of the pass (gm_pool_truncate), leaving the matcher as it was. */
+ * dropped at the end of the pass (gm_pool_truncate), leaving the matcher as it was.
+ *
+ * On top of that, an adaptive cache (xgrammar's idea): a stack's top frame alone decides most
+ * tokens. For each grammar position that tops a stack, one pass from that frame over a context
+ * placeholder (GM_BOTTOM) sorts the vocabulary into tokens accepted whatever lies below the frame,
+ * tokens refused whatever lies below, and the few that pop the frame with bytes left, which depend
+ * on the frames below. A mask is then, per stack top, the cached accepted set plus a walk over
+ * the dependent tokens only, from the real stack. Entries are kept in the grammar, per vocabulary,
+ * and shared by all its matchers and threads. */
 #define _POSIX_C_SOURCE 200809L
 
 #include "impl.h"
@@ -35,6 +43,7 @@ struct kr_grammar_vocab {
     int32_t *tok;        /* [n_nodes] first token ending here, -1 */
     int32_t *tok_next;   /* [n_vocab] next token with the same bytes, -1 */
     uint32_t max_depth;
+    uint64_t hash;       /* of the token bytes and end ids: which vocabulary a grammar's cache is for */
 };
 
 #define VOCAB_MAX_TOKEN_BYTES 65535 /* longer tokens (none in practice) never match */
@@ -203,6 +212,18 @@ static enum kr_status vocab_finish(struct kr_grammar_vocab *v, const int32_t *en
         v->end_ids[i] = end_ids[i];
     }
     v->n_end = n_end;
+    /* FNV-1a over the lengths, the bytes and the end ids */
+    uint64_t h = 1469598103934665603ull;
+    for (int32_t i = 0; i <= v->n_vocab; i++) {
+        h = (h ^ v->off[i]) * 1099511628211ull;
+    }
+    for (size_t i = 0; i < v->off[v->n_vocab]; i++) {
+        h = (h ^ (uint8_t)v->blob[i]) * 1099511628211ull;
+    }
+    for (int32_t i = 0; i < n_end; i++) {
+        h = (h ^ (uint32_t)end_ids[i]) * 1099511628211ull;
+    }
+    v->hash = h;
     if (build_trie(v) != KR_OK) {
         return kr_err_set(err, KR_ERR_NOMEM, "grammar: out of memory building the token trie");
     }
@@ -330,6 +351,11 @@ struct gm_walk {
     uint32_t gen;
     int32_t *stack;          /* [max depth + 1] state per trie depth */
     uint32_t cap_stack;
+    int32_t *acc;            /* cache entry under construction: accepted ids */
+    uint32_t n_acc, cap_acc;
+    uint32_t *unc;           /* ... and trie nodes of the tokens that depend on the frames below */
+    uint16_t *unc_lcp;
+    uint32_t n_unc, cap_unc;
 };
 
 void gm_walk_free(struct gm_walk *w)
@@ -343,6 +369,9 @@ void gm_walk_free(struct gm_walk *w)
     kr_free(w->ttab);
     kr_free(w->dense);
     kr_free(w->stack);
+    kr_free(w->acc);
+    kr_free(w->unc);
+    kr_free(w->unc_lcp);
     kr_free(w);
 }
 
@@ -571,6 +600,303 @@ static enum kr_status walk_trie(struct kr_grammar_matcher *m, struct gm_walk *w,
     return KR_OK;
 }
 
+/* ---- the adaptive cache ---------------------------------------------------------------------- */
+
+struct gm_entry {
+    uint32_t parent;    /* second level: the position of the frame below (first level: UINT32_MAX) */
+    _Atomic(struct gm_entry *) next; /* second level: the next entry of the same top position */
+    uint32_t *acc_bits; /* [mask words] tokens accepted whatever lies below the frame (or NULL) */
+    int32_t *acc_ids;   /* the same as a list, when there are few (or NULL) */
+    uint32_t n_acc;
+    uint32_t *unc;      /* [n_unc] trie nodes (preorder) of the tokens that depend on the frames below */
+    uint16_t *unc_lcp;  /* [n_unc] bytes each shares with the previous one */
+    uint32_t n_unc;
+};
+
+struct gm_cache {
+    uint64_t vocab;                      /* kr_grammar_vocab.hash */
+    uint32_t n;
+    _Atomic(struct gm_entry *) *entries; /* [n] by grammar position, NULL until computed */
+    _Atomic(struct gm_entry *) *deep;    /* [n] by top position: list of second-level entries */
+};
+
+/* A top position whose frame leaves more tokens than this to the frames below also gets entries
+ * keyed by the position of the frame below (the probe then starts from two frames). Small frames,
+ * such as the whitespace between JSON tokens, pop at once: with the next frame's continuation,
+ * ` "key"` and ` the` are decided without the real context. */
+#define CACHE_DEEP_AFTER 1024
+
+static void entry_free(struct gm_entry *e)
+{
+    if (e) {
+        kr_free(e->acc_bits);
+        kr_free(e->acc_ids);
+        kr_free(e->unc);
+        kr_free(e->unc_lcp);
+        kr_free(e);
+    }
+}
+
+void gm_cache_free(struct gm_cache *c)
+{
+    if (!c) {
+        return;
+    }
+    for (uint32_t i = 0; i < c->n; i++) {
+        entry_free(atomic_load(&c->entries[i]));
+        for (struct gm_entry *e = atomic_load(&c->deep[i]), *next; e; e = next) {
+            next = atomic_load(&e->next);
+            entry_free(e);
+        }
+    }
+    kr_free(c->entries);
+    kr_free(c->deep);
+    kr_free(c);
+}
+
+/* The grammar's cache for vocabulary v, made on first use; NULL when it holds another
+ * vocabulary's entries or when out of memory (masks are then computed without it). */
+static struct gm_cache *cache_for(const struct kr_grammar *g, const struct kr_grammar_vocab *v)
+{
+    struct gm_cache *c = atomic_load(&g->cache);
+    if (!c) {
+        struct gm_cache *mine = kr_calloc(1, sizeof(*mine));
+        if (!mine || !(mine->entries = kr_calloc(g->n_elems, sizeof(*mine->entries))) ||
+            !(mine->deep = kr_calloc(g->n_elems, sizeof(*mine->deep)))) {
+            if (mine) {
+                kr_free(mine->entries);
+            }
+            kr_free(mine);
+            return NULL;
+        }
+        mine->vocab = v->hash;
+        mine->n = g->n_elems;
+        /* the cache is the one part of a grammar that changes after compiling: the grammar was
+         * allocated non-const, and the field is atomic */
+        struct kr_grammar *mg = (struct kr_grammar *)g;
+        if (atomic_compare_exchange_strong(&mg->cache, &c, mine)) {
+            c = mine;
+        } else {
+            gm_cache_free(mine);
+        }
+    }
+    return c->vocab == v->hash ? c : NULL;
+}
+
+static bool grow_u32(uint32_t **v, uint32_t *cap, uint32_t need)
+{
+    if (need <= *cap) {
+        return true;
+    }
+    uint32_t c = *cap ? *cap * 2 : 1024;
+    while (c < need) {
+        c *= 2;
+    }
+    void *p = kr_realloc(*v, (size_t)c * sizeof(**v));
+    if (!p) {
+        return false;
+    }
+    *v = p;
+    *cap = c;
+    return true;
+}
+
+/* Bytes two tokens (trie nodes) share at their start. */
+static uint32_t node_lcp(const struct kr_grammar_vocab *v, uint32_t a, uint32_t b)
+{
+    const char *x = v->blob + v->off[v->tok[a]], *y = v->blob + v->off[v->tok[b]];
+    uint32_t n = v->depth[a] < v->depth[b] ? v->depth[a] : v->depth[b], k = 0;
+    while (k < n && x[k] == y[k]) {
+        k++;
+    }
+    return k;
+}
+
+/* Sorts the tokens for a stack whose top frame is at position pos: a pass over the trie from the
+ * single frame (pos, GM_BOTTOM), or from the two frames (pos, (parent, GM_BOTTOM)) when parent is
+ * not UINT32_MAX. A token ending in a state that is only GM_UNKNOWN popped the
+ * frame with bytes left: it depends on the frames below. Any other live state accepted it within
+ * the frame (or popped it exactly at its end), so it is accepted whatever lies below. */
+static enum kr_status entry_build(struct kr_grammar_matcher *m, struct gm_walk *w, const struct kr_grammar_vocab *v,
+                                  uint32_t pos, uint32_t parent, struct gm_entry **out, struct kr_err *err)
+{
+    *out = NULL;
+    uint32_t below = GM_BOTTOM;
+    if (parent != UINT32_MAX) {
+        KR_TRY(gm_node(m, parent, GM_BOTTOM, &below, err));
+    }
+    KR_TRY(gm_start(m, pos, below, err));
+    int32_t root = intern(w, m->out.v, m->out.n);
+    if (root < 0) {
+        return kr_err_set(err, KR_ERR_NOMEM, "grammar: out of memory computing a token mask");
+    }
+    w->n_acc = w->n_unc = 0;
+    w->stack[0] = root;
+    for (uint32_t i = 1; i < v->n_nodes;) {
+        int32_t s;
+        KR_TRY(transition(m, w, w->stack[v->depth[i] - 1], v->byte[i], &s, err));
+        if (s < 0) {
+            i = v->end[i];
+            continue;
+        }
+        w->stack[v->depth[i]] = s;
+        if (v->tok[i] >= 0) {
+            const struct wstate *ws = &w->st[s];
+            if (ws->n == 1 && w->ids[ws->off] == GM_UNKNOWN) {
+                if (w->n_unc == w->cap_unc) {
+                    uint32_t cap = w->cap_unc;
+                    uint16_t *lcp = kr_realloc(w->unc_lcp, (cap ? cap * 2 : 1024) * sizeof(uint16_t));
+                    if (lcp) {
+                        w->unc_lcp = lcp;
+                    }
+                    if (!lcp || !grow_u32(&w->unc, &w->cap_unc, cap ? cap * 2 : 1024)) {
+                        return kr_err_set(err, KR_ERR_NOMEM, "grammar: out of memory computing a token mask");
+                    }
+                }
+                w->unc_lcp[w->n_unc] = (uint16_t)(w->n_unc ? node_lcp(v, w->unc[w->n_unc - 1], i) : 0);
+                w->unc[w->n_unc++] = i;
+            } else {
+                for (int32_t t = v->tok[i]; t >= 0; t = v->tok_next[t]) {
+                    if (!grow_u32((uint32_t **)&w->acc, &w->cap_acc, w->n_acc + 1)) {
+                        return kr_err_set(err, KR_ERR_NOMEM, "grammar: out of memory computing a token mask");
+                    }
+                    w->acc[w->n_acc++] = t;
+                }
+            }
+        }
+        i++;
+    }
+    struct gm_entry *e = kr_calloc(1, sizeof(*e));
+    uint32_t words = (uint32_t)kr_grammar_vocab_mask_words(v);
+    bool as_bits = w->n_acc > words; /* a list costs more than the bitmask beyond that */
+    if (e && as_bits && (e->acc_bits = kr_calloc(words, sizeof(uint32_t)))) {
+        for (uint32_t k = 0; k < w->n_acc; k++) {
+            e->acc_bits[w->acc[k] >> 5] |= 1u << (w->acc[k] & 31);
+        }
+    } else if (e && !as_bits && w->n_acc && (e->acc_ids = kr_malloc(w->n_acc * sizeof(int32_t)))) {
+        memcpy(e->acc_ids, w->acc, w->n_acc * sizeof(int32_t));
+    }
+    if (e && w->n_unc && (e->unc = kr_malloc(w->n_unc * sizeof(uint32_t))) &&
+        (e->unc_lcp = kr_malloc(w->n_unc * sizeof(uint16_t)))) {
+        memcpy(e->unc, w->unc, w->n_unc * sizeof(uint32_t));
+        memcpy(e->unc_lcp, w->unc_lcp, w->n_unc * sizeof(uint16_t));
+    }
+    if (!e || (as_bits && !e->acc_bits) || (!as_bits && w->n_acc && !e->acc_ids) ||
+        (w->n_unc && (!e->unc || !e->unc_lcp))) {
+        entry_free(e);
+        return kr_err_set(err, KR_ERR_NOMEM, "grammar: out of memory computing a token mask");
+    }
+    e->n_acc = w->n_acc;
+    e->n_unc = w->n_unc;
+    e->parent = parent;
+    *out = e;
+    return KR_OK;
+}
+
+/* The entry for a stack whose top t is at position pos (and, for many dependent tokens, whose
+ * frame below is at position parent_pos), built and published when missing. */
+static enum kr_status entry_get(struct kr_grammar_matcher *m, struct gm_walk *w, const struct kr_grammar_vocab *v,
+                                struct gm_cache *c, uint32_t t, const struct gm_entry **out, struct kr_err *err)
+{
+    uint32_t pos = m->pool.nodes[t].pos, parent = m->pool.nodes[t].parent;
+    struct gm_entry *e = atomic_load(&c->entries[pos]);
+    if (!e) {
+        struct gm_entry *mine;
+        KR_TRY(entry_build(m, w, v, pos, UINT32_MAX, &mine, err));
+        if (atomic_compare_exchange_strong(&c->entries[pos], &e, mine)) {
+            e = mine;
+        } else { /* another thread was first: its entry is the same */
+            entry_free(mine);
+        }
+    }
+    *out = e;
+    if (e->n_unc <= CACHE_DEEP_AFTER || parent < GM_FIRST_NODE) {
+        return KR_OK;
+    }
+    uint32_t ppos = m->pool.nodes[parent].pos;
+    struct gm_entry *head = atomic_load(&c->deep[pos]);
+    for (struct gm_entry *d = head; d; d = atomic_load(&d->next)) {
+        if (d->parent == ppos) {
+            *out = d;
+            return KR_OK;
+        }
+    }
+    struct gm_entry *mine;
+    KR_TRY(entry_build(m, w, v, pos, ppos, &mine, err));
+    /* push at the head; a racing thread may add the same entry too, which only costs memory */
+    do {
+        atomic_store(&mine->next, head);
+    } while (!atomic_compare_exchange_weak(&c->deep[pos], &head, mine));
+    *out = mine;
+    return KR_OK;
+}
+
+/* The dependent tokens of entry e, tried from the real stack top t: a walk over just those trie
+ * paths (in preorder, so each token reuses the states of the prefix it shares with the one
+ * before). */
+static enum kr_status walk_dependent(struct kr_grammar_matcher *m, struct gm_walk *w, const struct kr_grammar_vocab *v,
+                                     const struct gm_entry *e, uint32_t t, uint32_t *mask, struct kr_err *err)
+{
+    int32_t start = intern(w, &t, 1);
+    if (start < 0) {
+        return kr_err_set(err, KR_ERR_NOMEM, "grammar: out of memory computing a token mask");
+    }
+    w->stack[0] = start;
+    uint32_t valid = 0; /* w->stack[0 .. valid] hold the states of the previous token's path */
+    for (uint32_t k = 0; k < e->n_unc; k++) {
+        uint32_t node = e->unc[k], len = v->depth[node];
+        const char *bytes = v->blob + v->off[v->tok[node]];
+        uint32_t d = e->unc_lcp[k] < valid ? e->unc_lcp[k] : valid;
+        bool dead = false;
+        for (; d < len; d++) {
+            int32_t s;
+            KR_TRY(transition(m, w, w->stack[d], (uint8_t)bytes[d], &s, err));
+            if (s < 0) {
+                dead = true;
+                break;
+            }
+            w->stack[d + 1] = s;
+        }
+        valid = d;
+        if (!dead) {
+            for (int32_t id = v->tok[node]; id >= 0; id = v->tok_next[id]) {
+                mask[id >> 5] |= 1u << (id & 31);
+            }
+            continue;
+        }
+        /* the first d + 1 bytes lead nowhere: so do the tokens after it that share them */
+        while (k + 1 < e->n_unc && e->unc_lcp[k + 1] > d) {
+            k++;
+        }
+    }
+    return KR_OK;
+}
+
+static enum kr_status fill_cached(struct kr_grammar_matcher *m, struct gm_walk *w, const struct kr_grammar_vocab *v,
+                                  struct gm_cache *c, uint32_t *mask, struct kr_err *err)
+{
+    uint32_t words = (uint32_t)kr_grammar_vocab_mask_words(v);
+    for (uint32_t i = 0; i < m->tops.n; i++) {
+        uint32_t t = m->tops.v[i];
+        if (t < GM_FIRST_NODE) {
+            continue;
+        }
+        const struct gm_entry *e;
+        KR_TRY(entry_get(m, w, v, c, t, &e, err));
+        if (e->acc_bits) {
+            for (uint32_t k = 0; k < words; k++) {
+                mask[k] |= e->acc_bits[k];
+            }
+        } else {
+            for (uint32_t k = 0; k < e->n_acc; k++) {
+                mask[e->acc_ids[k] >> 5] |= 1u << (e->acc_ids[k] & 31);
+            }
+        }
+        KR_TRY(walk_dependent(m, w, v, e, t, mask, err));
+    }
+    return KR_OK;
+}
+
 enum kr_status kr_grammar_matcher_fill_mask(struct kr_grammar_matcher *m, const struct kr_grammar_vocab *v,
                                             uint32_t *mask, struct kr_err *err)
 {
@@ -585,7 +911,8 @@ enum kr_status kr_grammar_matcher_fill_mask(struct kr_grammar_matcher *m, const 
         return kr_err_set(err, KR_ERR_NOMEM, "grammar: out of memory computing a token mask");
     }
     uint32_t mark = m->pool.n;
-    enum kr_status st = walk_trie(m, m->walk, v, mask, err);
+    struct gm_cache *c = m->use_cache ? cache_for(m->g, v) : NULL;
+    enum kr_status st = c ? fill_cached(m, m->walk, v, c, mask, err) : walk_trie(m, m->walk, v, mask, err);
     gm_pool_truncate(&m->pool, mark);
     if (st != KR_OK) {
         memset(mask, 0, (size_t)kr_grammar_vocab_mask_words(v) * sizeof(uint32_t));
@@ -597,6 +924,11 @@ enum kr_status kr_grammar_matcher_fill_mask(struct kr_grammar_matcher *m, const 
         }
     }
     return KR_OK;
+}
+
+void kr_grammar_matcher_use_cache(struct kr_grammar_matcher *m, bool on)
+{
+    m->use_cache = on;
 }
 
 enum kr_status kr_grammar_matcher_accept_token(struct kr_grammar_matcher *m, const struct kr_grammar_vocab *v,

@@ -244,6 +244,11 @@ static enum kr_status run_closure(struct kr_grammar_matcher *m, struct kr_err *e
     return KR_OK;
 }
 
+enum kr_status gm_node(struct kr_grammar_matcher *m, uint32_t pos, uint32_t parent, uint32_t *id, struct kr_err *err)
+{
+    return pool_get(&m->pool, pos, parent, id, err);
+}
+
 enum kr_status gm_start(struct kr_grammar_matcher *m, uint32_t pos, uint32_t parent, struct kr_err *err)
 {
     batch_begin(m);
@@ -328,6 +333,7 @@ enum kr_status kr_grammar_matcher_create(const struct kr_grammar *g, struct kr_g
     }
     m->g = g;
     m->gc_at = 1u << 16;
+    m->use_cache = true;
     enum kr_status st = pool_init(&m->pool);
     if (st != KR_OK) {
         kr_err_set(err, st, "grammar: out of memory");
@@ -379,6 +385,7 @@ enum kr_status kr_grammar_matcher_clone(const struct kr_grammar_matcher *m, stru
     }
     c->g = m->g;
     c->ended = m->ended;
+    c->use_cache = m->use_cache;
     c->hist_head = m->hist_head;
     c->n_hist = m->n_hist;
     c->gc_at = m->gc_at;

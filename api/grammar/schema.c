@@ -33,7 +33,8 @@ struct sc {
     struct gb *b;
     const struct kr_json *root;
     int32_t max_ws;
-    int32_t r_ws, r_value, r_object, r_array, r_string, r_number, r_integer, r_char;
+    int32_t r_ws, r_value, r_object, r_array, r_string, r_number, r_integer;
+    struct gx *x_char; /* one character of string content */
     struct sc_ref *refs;
     size_t n_refs, cap_refs;
     char path[512];   /* JSON pointer of the schema being compiled */
@@ -128,10 +129,12 @@ static struct gx *colon(struct sc *c)
 }
 
 /* One character of string content: a raw character, or an escape that stands for one code point
- * (\uXXXX outside the surrogates, so that lengths count code points as validators do). */
+ * (\uXXXX outside the surrogates, so that lengths count code points as validators do). An
+ * expression, not a rule: a repetition of it then loops within one stack frame, which is what the
+ * mask cache (mask.c) keys on. */
 static struct gx *json_char(struct sc *c)
 {
-    if (c->r_char < 0) {
+    if (!c->x_char) {
         struct gb *b = c->b;
         static const uint32_t raw[] = {0x00, 0x1F, '"', '"', '\\', '\\'};
         static const uint32_t esc[] = {'"', '"', '/', '/', '\\', '\\', 'b', 'b', 'f', 'f', 'n', 'n', 'r', 'r', 't', 't'};
@@ -142,14 +145,10 @@ static struct gx *json_char(struct sc *c)
         struct gx *h = gx_class(b, hex, 3, false);
         struct gx *u = GX_ALT(b, GX_SEQ(b, gx_class(b, hex_lo, 5, false), h, h, h),
                               GX_SEQ(b, gx_class(b, dD, 2, false), gx_class(b, d07, 1, false), h, h));
-        if ((c->r_char = gb_rule_new(b, "char")) < 0) { /* out of memory: no rule to recurse into */
-            return NULL;
-        }
-        gb_rule_set(b, c->r_char, GX_ALT(b, gx_class(b, raw, 3, true),
-                                         GX_SEQ(b, gx_str(b, "\\"), GX_ALT(b, gx_class(b, esc, 8, false),
-                                                                           GX_SEQ(b, gx_str(b, "u"), u)))));
+        c->x_char = GX_ALT(b, gx_class(b, raw, 3, true),
+                           GX_SEQ(b, gx_str(b, "\\"), GX_ALT(b, gx_class(b, esc, 8, false), GX_SEQ(b, gx_str(b, "u"), u))));
     }
-    return gx_ref(c->b, c->r_char);
+    return c->x_char;
 }
 
 static struct gx *string_any(struct sc *c)
@@ -1286,7 +1285,7 @@ static void sc_init(struct sc *c, struct gb *b, const struct kr_grammar_json_opt
     if (c->max_ws > GB_MAX_REPEAT) {
         c->max_ws = GB_MAX_REPEAT;
     }
-    c->r_ws = c->r_value = c->r_object = c->r_array = c->r_string = c->r_number = c->r_integer = c->r_char = -1;
+    c->r_ws = c->r_value = c->r_object = c->r_array = c->r_string = c->r_number = c->r_integer = -1;
 }
 
 enum kr_status kr_grammar_from_json_schema(const char *schema, size_t len, const struct kr_grammar_json_opts *opts,

@@ -820,32 +820,48 @@ static void brute_mask(struct kr_grammar_matcher *m, const struct kr_grammar_voc
     }
 }
 
-/* Walks random tokens allowed by the mask and compares each mask with the brute-force one. */
+static void expect_same_mask(const uint32_t *mask, const uint32_t *want, const struct kr_grammar_vocab *v,
+                             const char *what, const char *how, int step)
+{
+    int32_t words = kr_grammar_vocab_mask_words(v);
+    for (int32_t w = 0; w < words; w++) {
+        if (mask[w] == want[w]) {
+            continue;
+        }
+        for (int b = 0; b < 32; b++) {
+            if (((mask[w] ^ want[w]) >> b) & 1) {
+                size_t len;
+                const char *s = kr_grammar_vocab_token_bytes(v, w * 32 + b, &len);
+                cr_expect_fail("%s, step %d, %s: token %d (\"%.*s\") is %s in the mask but %s by brute force", what,
+                               step, how, w * 32 + b, (int)len, s ? s : "", ((mask[w] >> b) & 1) ? "set" : "clear",
+                               ((want[w] >> b) & 1) ? "allowed" : "refused");
+            }
+        }
+        cr_assert_fail("%s: masks differ at step %d (%s)", what, step, how);
+    }
+}
+
+/* Walks random tokens allowed by the mask and compares each mask, with and without the adaptive
+ * cache, with the brute-force one. */
 static void check_masks(const struct kr_grammar *g, const struct kr_grammar_vocab *v, int steps, uint64_t seed,
                         const char *what)
 {
     struct kr_grammar_matcher *m = matcher(g);
     int32_t words = kr_grammar_vocab_mask_words(v);
-    uint32_t *mask = kr_malloc((size_t)words * 4), *want = kr_malloc((size_t)words * 4);
+    uint32_t *mask = kr_malloc((size_t)words * 4), *plain = kr_malloc((size_t)words * 4);
+    uint32_t *want = kr_malloc((size_t)words * 4);
     struct kr_err err = {0};
     uint64_t rng = seed;
     for (int step = 0; step < steps && !kr_grammar_matcher_is_done(m); step++) {
+        kr_grammar_matcher_use_cache(m, true);
         cr_assert_eq(kr_grammar_matcher_fill_mask(m, v, mask, &err), KR_OK, "%s", err.msg);
+        kr_grammar_matcher_use_cache(m, false);
+        cr_assert_eq(kr_grammar_matcher_fill_mask(m, v, plain, &err), KR_OK, "%s", err.msg);
         brute_mask(m, v, want);
+        expect_same_mask(mask, want, v, what, "cached", step);
+        expect_same_mask(plain, want, v, what, "trie walk", step);
         int32_t allowed[4096], n_allowed = 0, n_total = 0;
         for (int32_t w = 0; w < words; w++) {
-            if (mask[w] != want[w]) {
-                for (int b = 0; b < 32; b++) {
-                    if (((mask[w] ^ want[w]) >> b) & 1) {
-                        size_t len;
-                        const char *s = kr_grammar_vocab_token_bytes(v, w * 32 + b, &len);
-                        cr_expect_fail("%s, step %d: token %d (\"%.*s\") is %s in the mask but %s by brute force", what,
-                                       step, w * 32 + b, (int)len, s ? s : "", ((mask[w] >> b) & 1) ? "set" : "clear",
-                                       ((want[w] >> b) & 1) ? "allowed" : "refused");
-                    }
-                }
-                cr_assert_fail("%s: masks differ at step %d", what, step);
-            }
             for (int b = 0; b < 32; b++) {
                 if ((mask[w] >> b) & 1) {
                     n_total++;
@@ -871,6 +887,7 @@ static void check_masks(const struct kr_grammar *g, const struct kr_grammar_voca
         cr_assert(ok, "%s: token %d from the mask was refused", what, id);
     }
     kr_free(mask);
+    kr_free(plain);
     kr_free(want);
     kr_grammar_matcher_destroy(m);
 }
@@ -879,17 +896,21 @@ static void masks_for_tokenizer(const char *dir, int steps)
 {
     struct kr_tokenizer *tok;
     struct kr_grammar_vocab *v = load_vocab(dir, &tok);
-    struct kr_grammar *g[5];
+    struct kr_grammar *g[6];
     g[0] = schema(schemas[0]);
     g[1] = schema(schemas[4]);
-    g[2] = regex("(\\d{3}-){2}\\d{4}|[a-z ]+\\.");
-    g[3] = gbnf(arith_gbnf);
+    g[2] = schema(schemas[8]);
+    g[3] = regex("(\\d{3}-){2}\\d{4}|[a-z ]+\\.");
+    g[4] = gbnf(arith_gbnf);
     struct kr_err err = {0};
-    cr_assert_eq(kr_grammar_from_json_object(NULL, &g[4], &err), KR_OK);
-    for (int i = 0; i < 5; i++) {
-        char what[256];
-        snprintf(what, sizeof(what), "%s, grammar %d", dir, i);
-        check_masks(g[i], v, steps, 0x1234567u + (uint64_t)i, what);
+    cr_assert_eq(kr_grammar_from_json_object(NULL, &g[5], &err), KR_OK);
+    for (int i = 0; i < 6; i++) {
+        /* two walks: the second meets cache entries that the first made in other contexts */
+        for (int walk = 0; walk < 2; walk++) {
+            char what[256];
+            snprintf(what, sizeof(what), "%s, grammar %d, walk %d", dir, i, walk);
+            check_masks(g[i], v, steps, 0x1234567u + (uint64_t)(i * 2 + walk), what);
+        }
         kr_grammar_free(g[i]);
     }
     kr_grammar_vocab_destroy(v);
@@ -898,17 +919,64 @@ static void masks_for_tokenizer(const char *dir, int steps)
 
 Test(grammar, masks_match_brute_force_deepseek_v3)
 {
-    masks_for_tokenizer(FIX "/deepseek_v3", 10);
+    masks_for_tokenizer(FIX "/deepseek_v3", 12);
 }
 
 Test(grammar, masks_match_brute_force_llama3)
 {
-    masks_for_tokenizer(FIX "/llama3", 10);
+    masks_for_tokenizer(FIX "/llama3", 12);
 }
 
 Test(grammar, masks_match_brute_force_llama2)
 {
-    masks_for_tokenizer(FIX "/llama2", 10);
+    masks_for_tokenizer(FIX "/llama2", 12);
+}
+
+/* Random documents of every schema, tokenized as a model would write them: at each token the
+ * cached mask equals the trie walk's (itself checked against brute force above) and allows it. */
+Test(grammar, cached_masks_follow_tokenized_documents)
+{
+    struct kr_tokenizer *tok;
+    struct kr_grammar_vocab *v = load_vocab(FIX "/deepseek_v3", &tok);
+    int32_t words = kr_grammar_vocab_mask_words(v);
+    uint32_t *mask = kr_malloc((size_t)words * 4), *plain = kr_malloc((size_t)words * 4);
+    char *text = kr_malloc(1 << 16);
+    uint64_t rng = 77;
+    struct kr_err err = {0};
+    for (int i = 0; schemas[i]; i++) {
+        struct kr_grammar *g = schema(schemas[i]);
+        for (int d = 0; d < 4; d++) {
+            size_t n = generate(g, &rng, 20 + rnd(&rng) % 60, text, 1 << 16);
+            int32_t *ids;
+            int64_t n_ids;
+            cr_assert_eq(kr_tokenizer_encode(tok, text, n, false, &ids, &n_ids, &err), KR_OK, "%s", err.msg);
+            struct kr_grammar_matcher *m = matcher(g);
+            for (int64_t k = 0; k <= n_ids; k++) {
+                kr_grammar_matcher_use_cache(m, true);
+                cr_assert_eq(kr_grammar_matcher_fill_mask(m, v, mask, &err), KR_OK, "%s", err.msg);
+                kr_grammar_matcher_use_cache(m, false);
+                cr_assert_eq(kr_grammar_matcher_fill_mask(m, v, plain, &err), KR_OK, "%s", err.msg);
+                char what[128];
+                snprintf(what, sizeof(what), "schema %d, document \"%.40s\"", i, text);
+                expect_same_mask(mask, plain, v, what, "cached vs trie walk", (int)k);
+                int32_t id = k < n_ids ? ids[k] : kr_tokenizer_eos_id(tok);
+                cr_assert((mask[id / 32] >> (id % 32)) & 1, "%s: token %lld (id %d) not in the mask", what,
+                          (long long)k, id);
+                bool ok;
+                cr_assert_eq(kr_grammar_matcher_accept_token(m, v, id, &ok, &err), KR_OK, "%s", err.msg);
+                cr_assert(ok);
+            }
+            cr_expect(kr_grammar_matcher_is_done(m));
+            kr_grammar_matcher_destroy(m);
+            kr_free(ids);
+        }
+        kr_grammar_free(g);
+    }
+    kr_free(text);
+    kr_free(mask);
+    kr_free(plain);
+    kr_grammar_vocab_destroy(v);
+    kr_tokenizer_free(tok);
 }
 
 Test(grammar, token_bytes)
