@@ -75,13 +75,49 @@ enum kr_status kr_grammar_from_choice(const char *const *choices, const size_t *
 enum kr_status kr_grammar_from_gbnf(const char *text, size_t len, const char *start_rule, struct kr_grammar **out,
                                     struct kr_err *err);
 
-/* Frees a grammar; NULL is a no-op. Matchers of the grammar must be gone. */
+/* Drops a reference to a grammar (a compiled grammar starts with one), freeing it with the last;
+ * NULL is a no-op. Matchers of the grammar must be gone before the last reference. */
 void kr_grammar_free(struct kr_grammar *g);
+
+/* Takes one more reference (any thread); returns g. */
+struct kr_grammar *kr_grammar_retain(struct kr_grammar *g);
 
 /* Writes the compiled grammar as GBNF text (one rule per line, helper rules named after the rule
  * they come from); *text is a new NUL-terminated string the caller frees with kr_free(). For
  * debugging and documentation. Returns KR_OK or KR_ERR_NOMEM. */
 enum kr_status kr_grammar_to_gbnf(const struct kr_grammar *g, char **text, size_t *len);
+
+/* ---- a cache of compiled grammars --------------------------------------------------------------
+ * Requests that repeat a constraint (the same schema, tool set or regex) share one compiled
+ * grammar, and with it the mask cache that grammar fills (the first masks at each position cost a
+ * pass over the token trie; later ones cost microseconds). Keyed by the kind, the exact text and
+ * the options; least recently used grammars leave first. Thread-safe. */
+enum kr_grammar_kind {
+    KR_GRAMMAR_JSON_SCHEMA, /* text: the schema */
+    KR_GRAMMAR_JSON_OBJECT, /* text: ignored */
+    KR_GRAMMAR_REGEX,       /* text: the regex */
+    KR_GRAMMAR_GBNF,        /* text: the grammar (start rule "root") */
+    KR_GRAMMAR_CHOICE,      /* text: a JSON array of strings */
+};
+
+struct kr_grammar_cache;
+
+/* A cache that keeps at most max_grammars grammars (at least 1). Returns KR_OK or KR_ERR_NOMEM. */
+enum kr_status kr_grammar_cache_create(int32_t max_grammars, struct kr_grammar_cache **out);
+
+/* Drops the cache's references (grammars still held by callers live on); NULL is a no-op. */
+void kr_grammar_cache_destroy(struct kr_grammar_cache *c);
+
+/* The grammar for (kind, text[0..len), opts), compiled on a miss (compile errors are not cached
+ * and come back as from the kr_grammar_from_* function). On success *out is a reference the
+ * caller drops with kr_grammar_free(). *hit (may be NULL) tells whether it was cached. */
+enum kr_status kr_grammar_cache_get(struct kr_grammar_cache *c, enum kr_grammar_kind kind, const char *text,
+                                    size_t len, const struct kr_grammar_json_opts *opts, struct kr_grammar **out,
+                                    bool *hit, struct kr_err *err);
+
+/* Compiles (kind, text, opts) without a cache: the kr_grammar_from_* function of that kind. */
+enum kr_status kr_grammar_compile(enum kr_grammar_kind kind, const char *text, size_t len,
+                                  const struct kr_grammar_json_opts *opts, struct kr_grammar **out, struct kr_err *err);
 
 /* ---- matching ---------------------------------------------------------------------------------- */
 

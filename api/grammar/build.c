@@ -1103,9 +1103,15 @@ out:
 
 /* ---- finish ------------------------------------------------------------------------------------ */
 
+struct kr_grammar *kr_grammar_retain(struct kr_grammar *g)
+{
+    atomic_fetch_add(&g->refs, 1);
+    return g;
+}
+
 void kr_grammar_free(struct kr_grammar *g)
 {
-    if (!g) {
+    if (!g || atomic_fetch_sub(&g->refs, 1) > 1) {
         return;
     }
     kr_free(g->elems);
@@ -1168,6 +1174,7 @@ enum kr_status gb_finish(struct gb *b, int32_t root, struct kr_grammar **out)
     g->sets = L.sets;
     g->n_sets = L.n_sets;
     g->root = (uint32_t)root;
+    atomic_init(&g->refs, 1);
     L.elems = NULL;
     L.alt_start = NULL;
     L.rules = NULL;

@@ -1,8 +1,8 @@
 #pragma once
 /* The grammar module's insides, shared by its files: build.c (expressions, lowering to the compiled
  * form, UTF-8 classes, compile-time checks, the GBNF dump), ebnf.c (GBNF text), regex.c (regular
- * expressions), schema.c (JSON Schema, json_object, choice), match.c (the matcher) and mask.c (the
- * token trie and masks). Only these files include it; grammar.h is the interface. Shared functions
+ * expressions), schema.c (JSON Schema, json_object, choice), match.c (the matcher), mask.c (the
+ * token trie, masks and their adaptive cache) and cache.c (compiling by kind, the grammar cache). Only these files include it; grammar.h is the interface. Shared functions
  * are prefixed gb_ (building), gx_ (expressions) or gm_ (matching).
  *
  * Compiled form: rules of alternatives of sequences of elements. An element is a byte set (one
@@ -52,6 +52,7 @@ struct kr_grammar {
     /* mask.c's per-position token classes for one vocabulary, filled lazily by any thread (the
      * grammar is otherwise immutable); NULL until the first mask */
     _Atomic(struct gm_cache *) cache;
+    atomic_int refs;       /* kr_grammar_retain / kr_grammar_free */
 };
 
 static inline bool gm_set_has(const struct kr_grammar *g, uint32_t set, uint8_t b)

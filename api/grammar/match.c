@@ -26,24 +26,31 @@ static uint32_t node_hash(uint32_t pos, uint32_t parent)
     return (uint32_t)(k >> 32);
 }
 
+/* Fills the hash table from the nodes in ascending ids, so that truncating (newest first) stays
+ * an exact undo. */
+static void table_fill(struct gm_pool *p)
+{
+    memset(p->table, 0, ((size_t)p->mask + 1) * sizeof(uint32_t));
+    for (uint32_t id = GM_FIRST_NODE; id < p->n; id++) {
+        uint32_t h = node_hash(p->nodes[id].pos, p->nodes[id].parent) & p->mask;
+        while (p->table[h]) {
+            h = (h + 1) & p->mask;
+        }
+        p->table[h] = id;
+        p->nodes[id].slot = h;
+    }
+}
+
 static enum kr_status pool_rehash(struct gm_pool *p, uint32_t size)
 {
-    uint32_t *t = kr_calloc(size, sizeof(uint32_t));
+    uint32_t *t = kr_malloc((size_t)size * sizeof(uint32_t));
     if (!t) {
         return KR_ERR_NOMEM;
-    }
-    /* ascending ids, so that truncating (newest first) stays an exact undo */
-    for (uint32_t id = GM_FIRST_NODE; id < p->n; id++) {
-        uint32_t h = node_hash(p->nodes[id].pos, p->nodes[id].parent) & (size - 1);
-        while (t[h]) {
-            h = (h + 1) & (size - 1);
-        }
-        t[h] = id;
-        p->nodes[id].slot = h;
     }
     kr_free(p->table);
     p->table = t;
     p->mask = size - 1;
+    table_fill(p);
     return KR_OK;
 }
 
@@ -410,20 +417,6 @@ enum kr_status kr_grammar_matcher_clone(const struct kr_grammar_matcher *m, stru
     }
     *out = c;
     return KR_OK;
-}
-
-/* Rebuilds the hash table in place (ascending ids, as pool_rehash does). */
-static void table_fill(struct gm_pool *p)
-{
-    memset(p->table, 0, ((size_t)p->mask + 1) * sizeof(uint32_t));
-    for (uint32_t id = GM_FIRST_NODE; id < p->n; id++) {
-        uint32_t h = node_hash(p->nodes[id].pos, p->nodes[id].parent) & p->mask;
-        while (p->table[h]) {
-            h = (h + 1) & p->mask;
-        }
-        p->table[h] = id;
-        p->nodes[id].slot = h;
-    }
 }
 
 /* Drops the nodes no state refers to (the current one and the history), renumbering the rest in

@@ -690,6 +690,40 @@ Test(grammar, json_object_mode)
     kr_grammar_free(g);
 }
 
+Test(grammar, compiled_grammar_cache)
+{
+    struct kr_grammar_cache *c = NULL;
+    cr_assert_eq(kr_grammar_cache_create(2, &c), KR_OK);
+    struct kr_err err = {0};
+    struct kr_grammar *a, *a2, *b, *d;
+    bool hit;
+    const char *s1 = "{\"type\":\"integer\"}", *s2 = "[0-9]+x";
+    cr_assert_eq(kr_grammar_cache_get(c, KR_GRAMMAR_JSON_SCHEMA, s1, strlen(s1), NULL, &a, &hit, &err), KR_OK);
+    cr_expect(!hit);
+    cr_assert_eq(kr_grammar_cache_get(c, KR_GRAMMAR_JSON_SCHEMA, s1, strlen(s1), NULL, &a2, &hit, &err), KR_OK);
+    cr_expect(hit && a2 == a);
+    struct kr_grammar_json_opts o = {.max_ws = 0};
+    cr_assert_eq(kr_grammar_cache_get(c, KR_GRAMMAR_JSON_SCHEMA, s1, strlen(s1), &o, &b, &hit, &err), KR_OK);
+    cr_expect(!hit && b != a, "other options, other grammar");
+    cr_assert_eq(kr_grammar_cache_get(c, KR_GRAMMAR_REGEX, s2, strlen(s2), NULL, &d, &hit, &err), KR_OK);
+    cr_expect(!hit);
+    cr_expect(matches(d, "12x"));
+    /* the first schema was evicted (least recently used) but lives on in the caller's hands */
+    cr_expect(matches(a, "-5"));
+    kr_grammar_free(a);
+    kr_grammar_free(a2);
+    kr_grammar_free(b);
+    kr_grammar_free(d);
+    cr_expect_eq(kr_grammar_cache_get(c, KR_GRAMMAR_REGEX, "(", 1, NULL, &d, &hit, &err), KR_ERR_INVAL);
+    const char *choices = "[\"yes\",\"no\"]";
+    cr_assert_eq(kr_grammar_cache_get(c, KR_GRAMMAR_CHOICE, choices, strlen(choices), NULL, &d, &hit, &err), KR_OK);
+    cr_expect(matches(d, "no") && !matches(d, "maybe"));
+    kr_grammar_free(d);
+    cr_expect_eq(kr_grammar_compile(KR_GRAMMAR_CHOICE, "[1]", 3, NULL, &d, &err), KR_ERR_INVAL);
+    cr_expect(strstr(err.msg, "item 0 is not a string") != NULL, "%s", err.msg);
+    kr_grammar_cache_destroy(c);
+}
+
 /* ---- the matcher ---------------------------------------------------------------------------------- */
 
 Test(grammar, rollback_clone_and_min_remaining)
@@ -1090,6 +1124,16 @@ Test(grammar, allocation_failures_free_everything)
     const char *c[] = {"a", "b"};
     size_t l[] = {1, 1};
     FAULT_LOOP("choice", kr_grammar_from_choice(c, l, 2, &g, &err), kr_grammar_free(g));
+    FAULT_LOOP("choice text", kr_grammar_compile(KR_GRAMMAR_CHOICE, "[\"a\",\"b\"]", 9, NULL, &g, &err),
+               kr_grammar_free(g));
+    struct kr_grammar_cache *gc = NULL;
+    FAULT_LOOP("cache", kr_grammar_cache_create(4, &gc), (void)0);
+    size_t with_cache = kr_alloc_bytes_in_use();
+    base = with_cache;
+    FAULT_LOOP("cache get", kr_grammar_cache_get(gc, KR_GRAMMAR_REGEX, "a+", 2, NULL, &g, NULL, &err),
+               kr_grammar_free(g));
+    kr_grammar_cache_destroy(gc);
+    base = kr_alloc_bytes_in_use();
     /* errors found after allocations (an undefined rule, left recursion) free too */
     const char *bad = "root ::= a b\na ::= \"x\" | a \"y\"";
     FAULT_LOOP("left recursion", kr_grammar_from_gbnf(bad, strlen(bad), NULL, &g, &err) == KR_ERR_INVAL
