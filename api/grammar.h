@@ -175,8 +175,10 @@ enum kr_status kr_grammar_matcher_reset(struct kr_grammar_matcher *m, struct kr_
 /* A vocabulary prepared for masks: the raw bytes of every token (kr_tokenizer_token_bytes) in a
  * trie. Special tokens and tokens without bytes never match a grammar. The end ids (EOS and the
  * model's other end-of-turn tokens; n_end may be 0; borrowed) are allowed exactly when the text so
- * far is a complete match. Built once per tokenizer; immutable. Errors: KR_ERR_NOMEM,
- * KR_ERR_INVAL (an end id outside the vocabulary). */
+ * far is a complete match. When the tokenizer's decoder drops the first space of a text
+ * (SentencePiece), a leading space of the first token is not part of the text the grammar sees,
+ * as it is not part of what the client receives. Built once per tokenizer; immutable. Errors:
+ * KR_ERR_NOMEM, KR_ERR_INVAL (an end id outside the vocabulary). */
 enum kr_status kr_grammar_vocab_create(const struct kr_tokenizer *tok, const int32_t *end_ids, int32_t n_end,
                                        struct kr_grammar_vocab **out, struct kr_err *err);
 

@@ -217,7 +217,7 @@ struct gm_tops {
 struct gm_hist {
     uint32_t *tops; /* [cap] */
     uint32_t n, cap;
-    bool ended;
+    bool ended, fresh;
 };
 
 struct kr_grammar_matcher {
@@ -225,6 +225,7 @@ struct kr_grammar_matcher {
     struct gm_pool pool;
     struct gm_tops tops;   /* the current state */
     bool ended;            /* an end token was accepted */
+    bool fresh;            /* nothing accepted yet (a first token's stripped space, mask.c) */
     struct gm_hist hist[KR_GRAMMAR_MAX_HISTORY]; /* ring of earlier states, newest at hist_head - 1 */
     int32_t hist_head, n_hist;
     uint32_t gc_at;        /* collect unreachable nodes when the pool grows past this */

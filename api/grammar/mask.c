@@ -44,6 +44,7 @@ struct kr_grammar_vocab {
     int32_t *tok_next;   /* [n_vocab] next token with the same bytes, -1 */
     uint32_t max_depth;
     uint64_t hash;       /* of the token bytes and end ids: which vocabulary a grammar's cache is for */
+    bool strip_first_space; /* the decoder drops the first space of a text (SentencePiece) */
 };
 
 #define VOCAB_MAX_TOKEN_BYTES 65535 /* longer tokens (none in practice) never match */
@@ -266,6 +267,28 @@ enum kr_status kr_grammar_vocab_create_raw(int32_t n_vocab, const char *const *b
     return KR_OK;
 }
 
+/* Whether the tokenizer's decoder drops the first space of a text (SentencePiece's Metaspace and
+ * Strip decoders do): then a leading space of a text's first token is not in what the client
+ * receives, and the grammar must not see it either. Found by decoding one space-led token alone. */
+static enum kr_status detect_first_space(struct kr_grammar_vocab *v, const struct kr_tokenizer *tok,
+                                         struct kr_err *err)
+{
+    for (int32_t id = 0; id < v->n_vocab; id++) {
+        size_t len = v->off[id + 1] - v->off[id];
+        const char *b = v->blob + v->off[id];
+        if (len < 2 || b[0] != ' ' || b[1] == ' ' || v->is_end[id]) {
+            continue;
+        }
+        char *text;
+        size_t n;
+        KR_TRY(kr_tokenizer_decode(tok, &id, 1, false, &text, &n, err));
+        v->strip_first_space = n == len - 1 && memcmp(text, b + 1, n) == 0;
+        kr_free(text);
+        break;
+    }
+    return KR_OK;
+}
+
 enum kr_status kr_grammar_vocab_create(const struct kr_tokenizer *tok, const int32_t *end_ids, int32_t n_end,
                                        struct kr_grammar_vocab **out, struct kr_err *err)
 {
@@ -305,6 +328,9 @@ enum kr_status kr_grammar_vocab_create(const struct kr_tokenizer *tok, const int
         v->n_vocab = n_vocab;
         v->off[n_vocab] = off;
         st = vocab_finish(v, end_ids, n_end, err);
+    }
+    if (st == KR_OK) {
+        st = detect_first_space(v, tok, err);
     }
     if (st != KR_OK) {
         kr_grammar_vocab_destroy(v);
@@ -576,8 +602,10 @@ done:
     return KR_OK;
 }
 
+/* The plain pass over the trie. skip_space: a first token's leading space is not part of the text
+ * (strip_first_space), so the root's ' ' edge leaves the state as it is. */
 static enum kr_status walk_trie(struct kr_grammar_matcher *m, struct gm_walk *w, const struct kr_grammar_vocab *v,
-                                uint32_t *mask, struct kr_err *err)
+                                bool skip_space, uint32_t *mask, struct kr_err *err)
 {
     int32_t root = intern(w, m->tops.v, m->tops.n);
     if (root < 0) {
@@ -585,8 +613,10 @@ static enum kr_status walk_trie(struct kr_grammar_matcher *m, struct gm_walk *w,
     }
     w->stack[0] = root;
     for (uint32_t i = 1; i < v->n_nodes;) {
-        int32_t s;
-        KR_TRY(transition(m, w, w->stack[v->depth[i] - 1], v->byte[i], &s, err));
+        int32_t s = root;
+        if (!(skip_space && v->depth[i] == 1 && v->byte[i] == ' ')) {
+            KR_TRY(transition(m, w, w->stack[v->depth[i] - 1], v->byte[i], &s, err));
+        }
         if (s < 0) {
             i = v->end[i];
             continue;
@@ -911,8 +941,9 @@ enum kr_status kr_grammar_matcher_fill_mask(struct kr_grammar_matcher *m, const 
         return kr_err_set(err, KR_ERR_NOMEM, "grammar: out of memory computing a token mask");
     }
     uint32_t mark = m->pool.n;
-    struct gm_cache *c = m->use_cache ? cache_for(m->g, v) : NULL;
-    enum kr_status st = c ? fill_cached(m, m->walk, v, c, mask, err) : walk_trie(m, m->walk, v, mask, err);
+    bool skip_space = v->strip_first_space && m->fresh; /* one mask per text: no cache for it */
+    struct gm_cache *c = m->use_cache && !skip_space ? cache_for(m->g, v) : NULL;
+    enum kr_status st = c ? fill_cached(m, m->walk, v, c, mask, err) : walk_trie(m, m->walk, v, skip_space, mask, err);
     gm_pool_truncate(&m->pool, mark);
     if (st != KR_OK) {
         memset(mask, 0, (size_t)kr_grammar_vocab_mask_words(v) * sizeof(uint32_t));
@@ -954,6 +985,10 @@ enum kr_status kr_grammar_matcher_accept_token(struct kr_grammar_matcher *m, con
     const char *s = kr_grammar_vocab_token_bytes(v, id, &len);
     if (len == 0) {
         return KR_OK;
+    }
+    if (v->strip_first_space && m->fresh && s[0] == ' ') { /* not part of the text */
+        s++;
+        len--;
     }
     return kr_grammar_matcher_accept_bytes(m, s, len, accepted, err);
 }

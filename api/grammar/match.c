@@ -341,6 +341,7 @@ enum kr_status kr_grammar_matcher_create(const struct kr_grammar *g, struct kr_g
     m->g = g;
     m->gc_at = 1u << 16;
     m->use_cache = true;
+    m->fresh = true;
     enum kr_status st = pool_init(&m->pool);
     if (st != KR_OK) {
         kr_err_set(err, st, "grammar: out of memory");
@@ -360,6 +361,7 @@ enum kr_status kr_grammar_matcher_reset(struct kr_grammar_matcher *m, struct kr_
     gm_pool_truncate(&m->pool, GM_FIRST_NODE);
     m->n_hist = 0;
     m->ended = false;
+    m->fresh = true;
     KR_TRY(start_root(m, err));
     if (tops_copy(&m->tops, m->out.v, m->out.n) != KR_OK) {
         return kr_err_set(err, KR_ERR_NOMEM, "grammar: out of memory");
@@ -392,6 +394,7 @@ enum kr_status kr_grammar_matcher_clone(const struct kr_grammar_matcher *m, stru
     }
     c->g = m->g;
     c->ended = m->ended;
+    c->fresh = m->fresh;
     c->use_cache = m->use_cache;
     c->hist_head = m->hist_head;
     c->n_hist = m->n_hist;
@@ -409,6 +412,7 @@ enum kr_status kr_grammar_matcher_clone(const struct kr_grammar_matcher *m, stru
         const struct gm_hist *h = &m->hist[i];
         c->hist[i].n = c->hist[i].cap = h->n;
         c->hist[i].ended = h->ended;
+        c->hist[i].fresh = h->fresh;
         st = copy_array(&c->hist[i].tops, h->tops, (size_t)h->n * sizeof(uint32_t));
     }
     if (st != KR_OK) {
@@ -486,6 +490,7 @@ static enum kr_status push_history(struct kr_grammar_matcher *m)
     }
     h->n = m->tops.n;
     h->ended = m->ended;
+    h->fresh = m->fresh;
     m->hist_head = (m->hist_head + 1) % KR_GRAMMAR_MAX_HISTORY;
     if (m->n_hist < KR_GRAMMAR_MAX_HISTORY) {
         m->n_hist++;
@@ -499,6 +504,7 @@ enum kr_status gm_end(struct kr_grammar_matcher *m, struct kr_err *err)
         return kr_err_set(err, KR_ERR_NOMEM, "grammar: out of memory");
     }
     m->ended = true;
+    m->fresh = false;
     return KR_OK;
 }
 
@@ -538,6 +544,7 @@ enum kr_status kr_grammar_matcher_accept_bytes(struct kr_grammar_matcher *m, con
     struct gm_tops t = m->tops;
     m->tops = m->cur;
     m->cur = t;
+    m->fresh = false;
     *accepted = true;
     return KR_OK;
 }
@@ -600,6 +607,7 @@ enum kr_status kr_grammar_matcher_rollback(struct kr_grammar_matcher *m, int32_t
     const struct gm_hist *h = &m->hist[head];
     KR_TRY(tops_copy(&m->tops, h->tops, h->n));
     m->ended = h->ended;
+    m->fresh = h->fresh;
     m->hist_head = head;
     m->n_hist -= n;
     return KR_OK;

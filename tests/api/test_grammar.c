@@ -1049,6 +1049,48 @@ Test(grammar, token_bytes)
     kr_tokenizer_free(tok);
 }
 
+/* SentencePiece decoders drop the first space of a text: "\xE2\x96\x81{" first reads "{" to the
+ * client, so the grammar sees "{"; a byte-level tokenizer keeps it. */
+static void first_space(const char *dir, bool stripped)
+{
+    struct kr_tokenizer *tok;
+    struct kr_grammar_vocab *v = load_vocab(dir, &tok);
+    const char *sp = stripped ? "\xE2\x96\x81{" : "\xC4\xA0{";
+    int32_t space_brace = kr_tokenizer_piece_to_id(tok, sp, strlen(sp)), brace = kr_tokenizer_piece_to_id(tok, "{", 1);
+    cr_assert(space_brace >= 0 && brace >= 0);
+    struct kr_grammar *g = regex("\\{ ?[a-z]+\\}");
+    struct kr_grammar_matcher *m = matcher(g);
+    uint32_t *mask = kr_malloc((size_t)kr_grammar_vocab_mask_words(v) * 4);
+    struct kr_err err = {0};
+    cr_assert_eq(kr_grammar_matcher_fill_mask(m, v, mask, &err), KR_OK);
+    cr_expect((mask[brace / 32] >> (brace % 32)) & 1);
+    cr_expect_eq((mask[space_brace / 32] >> (space_brace % 32)) & 1, stripped, "%s", dir);
+    bool ok;
+    cr_assert_eq(kr_grammar_matcher_accept_token(m, v, space_brace, &ok, &err), KR_OK);
+    cr_expect_eq(ok, stripped);
+    if (ok) { /* after "{", a space is a space again */
+        int32_t space_a = kr_tokenizer_piece_to_id(tok, "\xE2\x96\x81" "a", 4);
+        cr_assert_geq(space_a, 0);
+        cr_assert_eq(kr_grammar_matcher_fill_mask(m, v, mask, &err), KR_OK);
+        cr_expect((mask[space_a / 32] >> (space_a % 32)) & 1);
+        cr_assert_eq(kr_grammar_matcher_accept_token(m, v, space_a, &ok, &err), KR_OK);
+        cr_expect(ok);
+        cr_assert_eq(kr_grammar_matcher_accept_bytes(m, "}", 1, &ok, &err), KR_OK);
+        cr_expect(ok && kr_grammar_matcher_can_end(m), "the text is \"{ a}\"");
+    }
+    kr_free(mask);
+    kr_grammar_matcher_destroy(m);
+    kr_grammar_free(g);
+    kr_grammar_vocab_destroy(v);
+    kr_tokenizer_free(tok);
+}
+
+Test(grammar, first_token_space_follows_the_decoder)
+{
+    first_space(FIX "/llama2", true);
+    first_space(FIX "/deepseek_v3", false);
+}
+
 Test(grammar, raw_vocab_masks_and_end_tokens)
 {
     const char *toks[] = {"{", "}", "\"", "a", "\"a\"", ":", "1", "", "{\"a\":", "</s>"};
