@@ -4,11 +4,14 @@
  *   bench_grammar [TOKENIZER_DIR] [ROUNDS]
  *
  * For each grammar (a strict JSON Schema, a recursive one, json_object, a free-text schema, a
- * regex, a GBNF grammar): the compile time (best of 20), then ROUNDS (default 3) passes over its
- * sample documents: each is tokenized with the tokenizer (default tests/fixtures/tokenizer/
- * deepseek_v3) and fed token by token, timing the mask before every token (and checking that the
- * mask allows it). Prints the vocabulary build time and, per grammar and overall, the mean, p50,
- * p99 and largest mask time. One thread. */
+ * regex, a GBNF grammar): the compile time (best of 20), then passes over its sample documents:
+ * each is tokenized with the tokenizer (default tests/fixtures/tokenizer/deepseek_v3) and fed token
+ * by token, timing the mask before every token (and checking that the mask allows it). Three
+ * kinds of pass: "cold", the first with a freshly compiled grammar (its adaptive cache fills as
+ * positions come up), "warm", ROUNDS (default 5) more with that cache filled, and "walk", one
+ * with the cache off (one pass over the token trie per mask). Prints the vocabulary build time and,
+ * per grammar and overall, the mean, p50, p99 and largest mask time of each, and the memory the
+ * grammar holds with its filled cache. One thread. */
 #include "alloc.h"
 #include "clock.h"
 #include "grammar.h"
@@ -85,22 +88,79 @@ static enum kr_status compile(const struct bench *b, struct kr_grammar **g, stru
     return KR_ERR_INTERNAL;
 }
 
-static void report(const char *name, double *t, size_t n, double compile_us)
+struct times {
+    double *v;
+    size_t n, cap;
+};
+
+static void times_add(struct times *t, double x)
 {
-    qsort(t, n, sizeof(*t), cmp_double);
-    double sum = 0;
-    for (size_t i = 0; i < n; i++) {
-        sum += t[i];
+    if (t->n == t->cap) {
+        t->cap = t->cap ? t->cap * 2 : 1024;
+        t->v = kr_realloc(t->v, t->cap * sizeof(double));
     }
-    size_t p99 = n ? (size_t)(0.99 * (double)(n - 1)) : 0;
-    printf("%-18s %9.1f %6zu %9.3f %9.3f %9.3f %9.3f\n", name, compile_us, n, n ? sum / (double)n : 0,
-           n ? t[n / 2] : 0, n ? t[p99] : 0, n ? t[n - 1] : 0);
+    t->v[t->n++] = x;
+}
+
+/* mean p50 p99 max of t (sorted in place) */
+static void put_stats(struct times *t, bool p50)
+{
+    qsort(t->v, t->n, sizeof(double), cmp_double);
+    double sum = 0;
+    for (size_t i = 0; i < t->n; i++) {
+        sum += t->v[i];
+    }
+    size_t n = t->n ? t->n : 1, p99 = (size_t)(0.99 * (double)(n - 1));
+    printf(" %7.3f", t->n ? sum / (double)t->n : 0);
+    if (p50) {
+        printf(" %7.3f", t->n ? t->v[t->n / 2] : 0);
+    }
+    printf(" %7.3f %7.3f", t->n ? t->v[p99] : 0, t->n ? t->v[t->n - 1] : 0);
+}
+
+/* One pass over the bench's documents: every mask's time appended to t. */
+static int pass(const struct bench *b, const struct kr_grammar *g, struct kr_tokenizer *tok,
+                const struct kr_grammar_vocab *v, int32_t eos, bool cached, uint32_t *mask, struct times *t)
+{
+    struct kr_err err = {0};
+    for (int d = 0; d < 4 && b->docs[d]; d++) {
+        int32_t *ids;
+        int64_t n_ids;
+        struct kr_grammar_matcher *m;
+        if (kr_tokenizer_encode(tok, b->docs[d], strlen(b->docs[d]), false, &ids, &n_ids, &err) != KR_OK ||
+            kr_grammar_matcher_create(g, &m, &err) != KR_OK) {
+            fprintf(stderr, "%s\n", err.msg);
+            return 1;
+        }
+        kr_grammar_matcher_use_cache(m, cached);
+        for (int64_t i = 0; i <= n_ids; i++) {
+            int32_t id = i < n_ids ? ids[i] : eos;
+            double m0 = kr_clock_s();
+            if (kr_grammar_matcher_fill_mask(m, v, mask, &err) != KR_OK) {
+                fprintf(stderr, "%s\n", err.msg);
+                return 1;
+            }
+            times_add(t, (kr_clock_s() - m0) * 1e3);
+            if (id < 0) {
+                break;
+            }
+            bool ok;
+            if (!((mask[id / 32] >> (id % 32)) & 1) || kr_grammar_matcher_accept_token(m, v, id, &ok, &err) != KR_OK ||
+                !ok) {
+                fprintf(stderr, "%s: document %d: token %lld (id %d) refused\n", b->name, d, (long long)i, id);
+                return 1;
+            }
+        }
+        kr_grammar_matcher_destroy(m);
+        kr_free(ids);
+    }
+    return 0;
 }
 
 int main(int argc, char **argv)
 {
     const char *dir = argc > 1 ? argv[1] : KR_SOURCE_DIR "/tests/fixtures/tokenizer/deepseek_v3";
-    int rounds = argc > 2 ? atoi(argv[2]) : 3;
+    int rounds = argc > 2 ? atoi(argv[2]) : 5;
     struct kr_err err = {0};
     struct kr_tokenizer *tok;
     if (kr_tokenizer_load(dir, NULL, &tok, &err) != KR_OK) {
@@ -116,10 +176,10 @@ int main(int argc, char **argv)
     }
     printf("tokenizer %s: %d ids, token trie built in %.1f ms\n", dir, kr_grammar_vocab_n_vocab(v),
            (kr_clock_s() - t0) * 1e3);
-    printf("%-18s %9s %6s %9s %9s %9s %9s\n", "grammar", "compile", "masks", "mean ms", "p50 ms", "p99 ms", "max ms");
+    printf("%-17s %8s %5s | %-23s | %-31s | %-23s | %s\n", "", "compile", "masks", "cold cache: mean p99 max",
+           "warm cache: mean p50 p99 max", "trie walk: mean p99 max", "KB");
     uint32_t *mask = kr_malloc((size_t)kr_grammar_vocab_mask_words(v) * sizeof(uint32_t));
-    size_t cap = 1 << 16, n_all = 0;
-    double *all = kr_malloc(cap * sizeof(double));
+    struct times all[3] = {{0}};
     for (size_t bi = 0; bi < sizeof(benches) / sizeof(benches[0]); bi++) {
         const struct bench *b = &benches[bi];
         struct kr_grammar *g = NULL;
@@ -133,63 +193,51 @@ int main(int argc, char **argv)
             }
             double dt = kr_clock_s() - c0;
             best = dt < best ? dt : best;
-            if (g) {
-                kr_grammar_free(tmp);
-            } else {
-                g = tmp;
-            }
+            kr_grammar_free(g);
+            g = tmp; /* the last one: its cache is empty */
         }
-        size_t n = 0, first = n_all;
+        struct times t[3] = {{0}};
+        if (pass(b, g, tok, v, eos, true, mask, &t[0])) {
+            return 1;
+        }
         for (int r = 0; r < rounds; r++) {
-            for (int d = 0; d < 4 && b->docs[d]; d++) {
-                int32_t *ids;
-                int64_t n_ids;
-                if (kr_tokenizer_encode(tok, b->docs[d], strlen(b->docs[d]), false, &ids, &n_ids, &err) != KR_OK) {
-                    fprintf(stderr, "%s\n", err.msg);
-                    return 1;
-                }
-                struct kr_grammar_matcher *m;
-                if (kr_grammar_matcher_create(g, &m, &err) != KR_OK) {
-                    fprintf(stderr, "%s\n", err.msg);
-                    return 1;
-                }
-                for (int64_t i = 0; i <= n_ids; i++) {
-                    int32_t id = i < n_ids ? ids[i] : eos;
-                    double m0 = kr_clock_s();
-                    if (kr_grammar_matcher_fill_mask(m, v, mask, &err) != KR_OK) {
-                        fprintf(stderr, "%s\n", err.msg);
-                        return 1;
-                    }
-                    double dt = (kr_clock_s() - m0) * 1e3;
-                    if (n_all == cap) {
-                        cap *= 2;
-                        all = kr_realloc(all, cap * sizeof(double));
-                    }
-                    all[n_all++] = dt;
-                    n++;
-                    if (id < 0) {
-                        break;
-                    }
-                    bool ok;
-                    if (!((mask[id / 32] >> (id % 32)) & 1) ||
-                        kr_grammar_matcher_accept_token(m, v, id, &ok, &err) != KR_OK || !ok) {
-                        fprintf(stderr, "%s: document %d: token %lld (id %d) refused\n", b->name, d, (long long)i, id);
-                        return 1;
-                    }
-                }
-                kr_grammar_matcher_destroy(m);
-                kr_free(ids);
+            if (pass(b, g, tok, v, eos, true, mask, &t[1])) {
+                return 1;
             }
         }
-        double *t = kr_malloc(n * sizeof(double));
-        memcpy(t, all + first, n * sizeof(double));
-        report(b->name, t, n, best * 1e6);
-        kr_free(t);
+        if (pass(b, g, tok, v, eos, false, mask, &t[2])) {
+            return 1;
+        }
+        for (int k = 0; k < 3; k++) {
+            for (size_t i = 0; i < t[k].n; i++) {
+                times_add(&all[k], t[k].v[i]);
+            }
+        }
+        size_t held = kr_alloc_bytes_in_use();
         kr_grammar_free(g);
+        held -= kr_alloc_bytes_in_use();
+        printf("%-17s %8.1f %5zu |", b->name, best * 1e6, t[0].n);
+        put_stats(&t[0], false);
+        printf(" |");
+        put_stats(&t[1], true);
+        printf(" |");
+        put_stats(&t[2], false);
+        printf(" | %6.0f\n", (double)held / 1024);
+        for (int k = 0; k < 3; k++) {
+            kr_free(t[k].v);
+        }
     }
-    report("all", all, n_all, 0);
-    printf("(compile: best of 20, microseconds; masks: one per token, milliseconds, one thread)\n");
-    kr_free(all);
+    printf("%-17s %8s %5zu |", "all", "", all[0].n);
+    put_stats(&all[0], false);
+    printf(" |");
+    put_stats(&all[1], true);
+    printf(" |");
+    put_stats(&all[2], false);
+    printf("\n(compile: best of 20, microseconds; masks: per pass, one per token; times in milliseconds, one thread;\n"
+           " KB: the grammar with its mask cache after the passes)\n");
+    for (int k = 0; k < 3; k++) {
+        kr_free(all[k].v);
+    }
     kr_free(mask);
     kr_grammar_vocab_destroy(v);
     kr_tokenizer_free(tok);
