@@ -127,7 +127,7 @@ enum kr_status kr_grammar_compile(enum kr_grammar_kind kind, const char *text, s
  * a slow step or unbounded memory. */
 #define KR_GRAMMAR_MAX_STACKS 4096  /* parse stacks alive after one byte */
 #define KR_GRAMMAR_MAX_DEPTH 2048   /* frames in one stack (nesting of rules) */
-#define KR_GRAMMAR_MAX_NODES 4000000 /* stack frames held by one matcher (about 64 MB) */
+#define KR_GRAMMAR_MAX_NODES 4000000 /* stack frames held by one matcher (about 110 MB with their index) */
 #define KR_GRAMMAR_MAX_HISTORY 32   /* accepted steps that kr_grammar_matcher_rollback() can undo */
 
 /* Creates a matcher at the start of grammar g (borrowed: it must outlive the matcher). Errors:
@@ -164,7 +164,8 @@ bool kr_grammar_matcher_is_done(const struct kr_grammar_matcher *m);
 int64_t kr_grammar_matcher_min_remaining(const struct kr_grammar_matcher *m);
 
 /* Undoes the last n successful steps (accept_bytes / accept_token calls). Returns KR_ERR_INVAL,
- * matcher unchanged, when fewer than n are remembered (at most KR_GRAMMAR_MAX_HISTORY). */
+ * matcher unchanged, when fewer than n are remembered (at most KR_GRAMMAR_MAX_HISTORY), or
+ * KR_ERR_NOMEM, matcher unchanged. */
 enum kr_status kr_grammar_matcher_rollback(struct kr_grammar_matcher *m, int32_t n);
 
 /* Back to the start of the grammar, history cleared. */
@@ -200,7 +201,9 @@ const char *kr_grammar_vocab_token_bytes(const struct kr_grammar_vocab *v, int32
 
 /* Fills mask[0 .. kr_grammar_vocab_mask_words(v)) with one bit per token id (bit id % 32 of word
  * id / 32): set when the matcher accepts all of the token's bytes from its current state, and for
- * the end ids when the text can end here. The matcher's state does not change. Errors: KR_ERR_INVAL
+ * the end ids when the text can end here. The matcher's state does not change. Cost on a 129K
+ * vocabulary (docs/STRUCTURED_OUTPUTS.md): about 10 us once the grammar's cache holds the
+ * positions involved, about 3 ms for each position met for the first time. Errors: KR_ERR_INVAL
  * (a limit reached while trying tokens), KR_ERR_NOMEM. */
 enum kr_status kr_grammar_matcher_fill_mask(struct kr_grammar_matcher *m, const struct kr_grammar_vocab *v,
                                             uint32_t *mask, struct kr_err *err);
