@@ -11,6 +11,7 @@
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <pcre2.h>
 
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -1027,6 +1028,80 @@ Test(grammar, cached_masks_follow_tokenized_documents)
     kr_free(text);
     kr_free(mask);
     kr_free(plain);
+    kr_grammar_vocab_destroy(v);
+    kr_tokenizer_free(tok);
+}
+
+/* Threads filling the same fresh grammar's cache at once (each with its own matcher) get the
+ * masks a cache-less pass computes. */
+struct mask_job {
+    const struct kr_grammar *g;
+    const struct kr_grammar_vocab *v;
+    const int32_t *ids;
+    int64_t n_ids;
+    const uint32_t *want; /* [n_ids][words] */
+    int bad;
+};
+
+static void *mask_thread(void *arg)
+{
+    struct mask_job *j = arg;
+    int32_t words = kr_grammar_vocab_mask_words(j->v);
+    uint32_t *mask = kr_malloc((size_t)words * 4);
+    struct kr_grammar_matcher *m = NULL;
+    struct kr_err err = {0};
+    if (!mask || kr_grammar_matcher_create(j->g, &m, &err) != KR_OK) {
+        j->bad = -1;
+    }
+    for (int64_t k = 0; k < j->n_ids && j->bad == 0; k++) {
+        bool ok;
+        if (kr_grammar_matcher_fill_mask(m, j->v, mask, &err) != KR_OK ||
+            memcmp(mask, j->want + k * words, (size_t)words * 4) != 0 ||
+            kr_grammar_matcher_accept_token(m, j->v, j->ids[k], &ok, &err) != KR_OK || !ok) {
+            j->bad = (int)k + 1;
+        }
+    }
+    kr_grammar_matcher_destroy(m);
+    kr_free(mask);
+    return NULL;
+}
+
+Test(grammar, threads_share_a_grammar_cache)
+{
+    struct kr_tokenizer *tok;
+    struct kr_grammar_vocab *v = load_vocab(FIX "/deepseek_v3", &tok);
+    const char *doc = "{\"name\": \"Ada\", \"age\": 36, \"email\": \"ada@example.org\"}";
+    int32_t *ids;
+    int64_t n_ids;
+    struct kr_err err = {0};
+    cr_assert_eq(kr_tokenizer_encode(tok, doc, strlen(doc), false, &ids, &n_ids, &err), KR_OK);
+    int32_t words = kr_grammar_vocab_mask_words(v);
+    uint32_t *want = kr_malloc((size_t)n_ids * (size_t)words * 4);
+    struct kr_grammar *ref = schema(schemas[0]), *g = schema(schemas[0]);
+    struct kr_grammar_matcher *m = matcher(ref);
+    kr_grammar_matcher_use_cache(m, false);
+    for (int64_t k = 0; k < n_ids; k++) {
+        bool ok;
+        cr_assert_eq(kr_grammar_matcher_fill_mask(m, v, want + k * words, &err), KR_OK);
+        cr_assert_eq(kr_grammar_matcher_accept_token(m, v, ids[k], &ok, &err), KR_OK);
+        cr_assert(ok);
+    }
+    kr_grammar_matcher_destroy(m);
+    enum { N = 4 };
+    pthread_t th[N];
+    struct mask_job jobs[N];
+    for (int i = 0; i < N; i++) {
+        jobs[i] = (struct mask_job){g, v, ids, n_ids, want, 0};
+        cr_assert_eq(pthread_create(&th[i], NULL, mask_thread, &jobs[i]), 0);
+    }
+    for (int i = 0; i < N; i++) {
+        pthread_join(th[i], NULL);
+        cr_expect_eq(jobs[i].bad, 0, "thread %d: mask %d differs", i, jobs[i].bad - 1);
+    }
+    kr_grammar_free(g);
+    kr_grammar_free(ref);
+    kr_free(want);
+    kr_free(ids);
     kr_grammar_vocab_destroy(v);
     kr_tokenizer_free(tok);
 }
