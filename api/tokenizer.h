@@ -88,6 +88,16 @@ int32_t kr_tokenizer_n_vocab(const struct kr_tokenizer *tok);
  * the tokenizer lives. */
 const char *kr_tokenizer_id_to_piece(const struct kr_tokenizer *tok, int32_t id, size_t *len);
 
+/* The raw bytes that token `id` contributes to generated text, for constrained decoding: the
+ * decoder's per-token steps applied to the token alone (byte-level pieces map through the GPT-2
+ * byte alphabet, Metaspace and Replace turn U+2581 into a space, ByteFallback's <0xXX> is that
+ * byte even when it is not valid UTF-8 alone), without the steps that depend on the token's place
+ * in a text (Strip, Metaspace's dropped first space). On success *bytes is a new array of *len
+ * bytes that the caller frees with kr_free(); special tokens and ids that name no token give
+ * NULL and 0. Errors: KR_ERR_NOMEM, KR_ERR_INVAL (a decoder regex that exceeded its match limit). */
+enum kr_status kr_tokenizer_token_bytes(const struct kr_tokenizer *tok, int32_t id, char **bytes, size_t *len,
+                                        struct kr_err *err);
+
 /* The id of the token string piece[0..len) (added tokens first, then the model vocabulary), or
  * -1 when there is none. */
 int32_t kr_tokenizer_piece_to_id(const struct kr_tokenizer *tok, const char *piece, size_t len);

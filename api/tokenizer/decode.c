@@ -285,6 +285,105 @@ fail:
     return st;
 }
 
+/* ---- one token's bytes ------------------------------------------------------------------------- */
+
+/* Applies the per-token part of decoder d to the token text *s / *n. *final: a ByteFallback byte,
+ * which no later step changes. */
+static enum kr_status token_bytes_step(struct ctx *c, const struct decoder *d, const char **s, size_t *n,
+                                       bool *final)
+{
+    const struct kr_tokenizer *t = c->t;
+    enum kr_status st = KR_OK;
+    if (*final) {
+        return KR_OK;
+    }
+    switch (d->type) {
+    case DEC_SEQUENCE:
+        for (size_t i = 0; i < d->n_sub && st == KR_OK; i++) {
+            st = token_bytes_step(c, &d->sub[i], s, n, final);
+        }
+        return st;
+    case DEC_BYTE_LEVEL:
+        c->buf.len = 0;
+        for (size_t k = 0; k < *n && st == KR_OK;) {
+            uint32_t cp;
+            k += kr_utf8_next(*s + k, &cp);
+            if (cp >= 0x144 || t->char_byte[cp] < 0) { /* outside the alphabet: the text itself */
+                return KR_OK;
+            }
+            st = kr_bs_putc(&c->buf, (char)t->char_byte[cp]);
+        }
+        return st == KR_OK ? tok_take_buf(c, s, n) : st;
+    case DEC_METASPACE:
+        c->buf.len = 0;
+        for (size_t k = 0; k < *n && st == KR_OK;) {
+            uint32_t cp;
+            size_t l = kr_utf8_next(*s + k, &cp);
+            st = cp == d->ch ? kr_bs_putc(&c->buf, ' ') : kr_bs_append(&c->buf, *s + k, l);
+            k += l;
+        }
+        return st == KR_OK ? tok_take_buf(c, s, n) : st;
+    case DEC_REPLACE:
+        return tok_replace_all(c, &d->pat, d->str, d->str_len, *s, *n, s, n);
+    case DEC_BYTE_FALLBACK: {
+        int v = byte_token_value(*s, *n);
+        if (v >= 0) {
+            c->buf.len = 0;
+            *final = true;
+            st = kr_bs_putc(&c->buf, (char)v);
+            return st == KR_OK ? tok_take_buf(c, s, n) : st;
+        }
+        return KR_OK;
+    }
+    case DEC_BPE: {
+        struct pattern p = {.lit = d->str, .lit_len = d->str_len};
+        return tok_replace_all(c, &p, " ", 1, *s, *n, s, n);
+    }
+    case DEC_FUSE:
+    case DEC_STRIP:
+        return KR_OK;
+    }
+    return KR_ERR_INTERNAL;
+}
+
+enum kr_status kr_tokenizer_token_bytes(const struct kr_tokenizer *t, int32_t id, char **bytes, size_t *len,
+                                        struct kr_err *err)
+{
+    *bytes = NULL;
+    *len = 0;
+    if (id < 0 || id >= t->n_ids || !t->id_str[id] || t->id_special[id]) {
+        return KR_OK;
+    }
+    const char *s = t->id_str[id];
+    size_t n = t->id_len[id];
+    bool final = false;
+    struct ctx c = {.t = t, .err = err};
+    enum kr_status st = KR_OK;
+    if (t->dec) {
+        st = tok_rx_open(&c.rx, t, err);
+        if (st == KR_OK) {
+            st = token_bytes_step(&c, t->dec, &s, &n, &final);
+        }
+    }
+    if (st == KR_OK && n > 0) {
+        *bytes = kr_malloc(n);
+        if (*bytes) {
+            memcpy(*bytes, s, n);
+            *len = n;
+        } else {
+            st = KR_ERR_NOMEM;
+        }
+    }
+    if (st == KR_ERR_NOMEM) {
+        kr_err_set(err, st, "tokenizer: out of memory while reading the bytes of token %d", id);
+    }
+    kr_free(c.ranges.v);
+    kr_bs_free(&c.buf);
+    tok_arena_free(&c.arena);
+    tok_rx_close(&c.rx);
+    return st;
+}
+
 /* ---- incremental detokenizer ------------------------------------------------------------------- */
 
 struct kr_detok {
