@@ -10,19 +10,52 @@
 static atomic_size_t g_in_use;
 static atomic_uint_fast64_t g_fail_countdown;
 static atomic_int g_fail_sticky;
+static atomic_uint_fast64_t g_failures; /* injected failures so far */
+static atomic_uint_fast64_t g_calls;    /* allocation calls so far */
+static _Thread_local uint64_t t_failed; /* failed allocations on this thread (shielded ones too) */
+static _Thread_local int t_shield;      /* kr_alloc_shield depth on this thread */
+
+/* Counts an injected failure; whether the call returns NULL (not inside a shield). */
+static int injected(void)
+{
+    atomic_fetch_add(&g_failures, 1);
+    t_failed++;
+    return !t_shield;
+}
 
 static int should_fail(void)
 {
+    atomic_fetch_add_explicit(&g_calls, 1, memory_order_relaxed);
     uint_fast64_t c = atomic_load(&g_fail_countdown);
     while (c > 0) {
         if (c == 1 && atomic_load(&g_fail_sticky)) {
-            return 1; /* stays at 1: every later call fails too */
+            return injected(); /* stays at 1: every later call fails too */
         }
         if (atomic_compare_exchange_weak(&g_fail_countdown, &c, c - 1)) {
-            return c == 1;
+            return c == 1 && injected();
         }
     }
     return 0;
+}
+
+uint64_t kr_alloc_failures(void)
+{
+    return atomic_load(&g_failures);
+}
+
+uint64_t kr_alloc_thread_failures(void)
+{
+    return t_failed;
+}
+
+void kr_alloc_shield(int on)
+{
+    t_shield += on ? 1 : -1;
+}
+
+uint64_t kr_alloc_calls(void)
+{
+    return atomic_load_explicit(&g_calls, memory_order_relaxed);
 }
 
 void kr_alloc_fail_at(uint64_t n, int sticky)
@@ -38,11 +71,16 @@ size_t kr_alloc_bytes_in_use(void)
 
 void *kr_malloc(size_t n)
 {
-    if (should_fail() || n > SIZE_MAX - KR_ALLOC_HDR) {
+    if (should_fail()) {
+        return NULL;
+    }
+    if (n > SIZE_MAX - KR_ALLOC_HDR) {
+        t_failed++;
         return NULL;
     }
     unsigned char *p = malloc(n + KR_ALLOC_HDR);
     if (!p) {
+        t_failed++;
         return NULL;
     }
     memcpy(p, &n, sizeof n);
@@ -53,6 +91,7 @@ void *kr_malloc(size_t n)
 void *kr_calloc(size_t count, size_t size)
 {
     if (size && count > SIZE_MAX / size) {
+        t_failed++;
         return NULL;
     }
     void *p = kr_malloc(count * size);
@@ -67,7 +106,11 @@ void *kr_realloc(void *p, size_t n)
     if (!p) {
         return kr_malloc(n);
     }
-    if (should_fail() || n > SIZE_MAX - KR_ALLOC_HDR) {
+    if (should_fail()) {
+        return NULL;
+    }
+    if (n > SIZE_MAX - KR_ALLOC_HDR) {
+        t_failed++;
         return NULL;
     }
     unsigned char *base = (unsigned char *)p - KR_ALLOC_HDR;
@@ -75,6 +118,7 @@ void *kr_realloc(void *p, size_t n)
     memcpy(&old, base, sizeof old);
     unsigned char *q = realloc(base, n + KR_ALLOC_HDR);
     if (!q) {
+        t_failed++;
         return NULL;
     }
     memcpy(q, &n, sizeof n);
