@@ -250,6 +250,25 @@ static char *finish_framed(json_t *j, bool ok, const char *prefix, const char *s
     return out;
 }
 
+char *kr_oai_dump(json_t *j)
+{
+    return finish_framed(j, j != NULL, "", "");
+}
+
+json_t *kr_oai_json_loadb(const char *buf, size_t len, size_t flags, json_error_t *je, bool *oom)
+{
+    const uint64_t failed = kr_alloc_thread_failures();
+    kr_alloc_shield(1); /* jansson's lexer overflows its buffer when a growth fails (kr_alloc_shield) */
+    json_t *j = json_loadb(buf, len, flags, je);
+    kr_alloc_shield(0);
+    *oom = kr_alloc_thread_failures() != failed || (!j && json_error_code(je) == json_error_out_of_memory);
+    if (*oom) {
+        json_decref(j); /* parsed, but perhaps with a string missing the bytes it could not save */
+        j = NULL;
+    }
+    return j;
+}
+
 void kr_oai_free(void *p)
 {
     if (p) {

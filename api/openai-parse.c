@@ -943,9 +943,10 @@ enum kr_status kr_oai_parse(enum kr_oai_kind kind, const char *body, size_t len,
     json_error_t je;
     /* JSON_DECODE_ANY so that a scalar body gets the "must be an object" answer rather than a parse
      * error; JSON_ALLOW_NUL because "\u0000" is valid JSON that OpenAI's parser accepts. */
-    out->root = json_loadb(body ? body : "", body ? len : 0, JSON_DECODE_ANY | JSON_ALLOW_NUL, &je);
+    bool oom_parse = false;
+    out->root = kr_oai_json_loadb(body ? body : "", body ? len : 0, JSON_DECODE_ANY | JSON_ALLOW_NUL, &je, &oom_parse);
     if (!out->root) {
-        if (json_error_code(&je) == json_error_out_of_memory) {
+        if (oom_parse) {
             return oom(err);
         }
         return bad(err, "", "malformed JSON: %s at line %d column %d", je.text, je.line, je.column);

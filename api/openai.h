@@ -197,6 +197,22 @@ char *kr_oai_models_json(const char *name, int64_t created, int64_t max_model_le
  * nothing set it). */
 void kr_oai_free(void *p);
 
+/* Serializes j (consumed) as the encoders do, into a string from jansson's allocator (kr_oai_free);
+ * NULL when out of memory. Unlike json_dumps, which in jansson 2.14 can return a truncated document
+ * when one of its buffer growths fails, the text is whole or absent. */
+char *kr_oai_dump(json_t *j);
+
+/* json_loadb that tells a failed allocation apart from a malformed text: NULL with *oom set when
+ * memory ran out while parsing. jansson 2.14 says json_error_out_of_memory only in some places: a
+ * key it could not copy is a syntax error ("string or '}' expected"), a lexer buffer it could not
+ * allocate leaves the error empty, and a string buffer that could not grow drops the byte it was
+ * saving, so that the parse succeeds with a string missing characters. The allocations that failed
+ * on this thread during the call decide (kr_alloc_thread_failures; jansson allocates through
+ * kr_malloc in krait): any such failure makes the result NULL and *oom true. Injected failures are
+ * shielded from jansson during the call (kr_alloc_shield: its lexer overflows its buffer when a
+ * growth fails) and refuse the result all the same. */
+json_t *kr_oai_json_loadb(const char *buf, size_t len, size_t flags, json_error_t *je, bool *oom);
+
 /* Encoder conventions (all encoders above; strings come from jansson's allocator, see kr_oai_free):
  * - Every text (choice text, token texts, top-logprob keys, model, id) may hold arbitrary bytes:
  *   invalid UTF-8 is replaced by U+FFFD per maximal invalid subpart (Python errors="replace").

@@ -93,18 +93,23 @@ uint32_t kr_uni_totitle(uint32_t cp)
 
 enum kr_status kr_bs_reserve(struct kr_buf_s *b, size_t extra)
 {
+    if (b->oom) {
+        return KR_ERR_NOMEM;
+    }
     if (b->len + extra + 1 <= b->cap) {
         return KR_OK;
     }
     size_t cap = b->cap ? b->cap : 64;
     while (cap < b->len + extra + 1) {
         if (cap > SIZE_MAX / 2) {
+            b->oom = true;
             return KR_ERR_NOMEM;
         }
         cap *= 2;
     }
     char *p = kr_realloc(b->p, cap);
     if (!p) {
+        b->oom = true;
         return KR_ERR_NOMEM;
     }
     b->p = p;
@@ -144,6 +149,9 @@ enum kr_status kr_bs_printf(struct kr_buf_s *b, const char *fmt, ...)
     va_copy(ap2, ap);
     int n = vsnprintf(NULL, 0, fmt, ap);
     va_end(ap);
+    if (n < 0) {
+        b->oom = true;
+    }
     if (n < 0 || kr_bs_reserve(b, (size_t)n) != KR_OK) {
         va_end(ap2);
         return KR_ERR_NOMEM;
@@ -159,6 +167,7 @@ void kr_bs_free(struct kr_buf_s *b)
     kr_free(b->p);
     b->p = NULL;
     b->len = b->cap = 0;
+    b->oom = false;
 }
 
 enum kr_status kr_bs_append_lossy(struct kr_buf_s *b, const char *s, size_t n)

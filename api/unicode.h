@@ -28,11 +28,14 @@ uint32_t kr_uni_tolower(uint32_t cp);
 uint32_t kr_uni_toupper(uint32_t cp);
 uint32_t kr_uni_totitle(uint32_t cp);
 
-/* A growable byte buffer (kr_malloc-backed). */
+/* A growable byte buffer (kr_malloc-backed). A failed growth is remembered (SQLite's StrAccum
+ * accError): every later append fails too, so that a buffer built by many appends is checked once,
+ * through `oom`, and never holds a text with a piece missing. kr_bs_free resets it. */
 struct kr_buf_s {
     char *p;    /* [cap] bytes; p[len] == '\0' whenever p != NULL */
     size_t len; /* bytes used */
     size_t cap; /* bytes allocated */
+    bool oom;   /* an append failed: the contents are incomplete */
 };
 enum kr_status kr_bs_reserve(struct kr_buf_s *b, size_t extra);
 enum kr_status kr_bs_append(struct kr_buf_s *b, const void *data, size_t n);

@@ -374,6 +374,7 @@ static void *engine_main(void *arg)
         if (e->n_running > 0 || e->n_waiting > 0) {
             const uint64_t steps = e->steps;
             eng_run_step(e);
+            eng_free_dead(e); /* requests a step retired without running (failed while it was planned) */
             if (e->steps == steps) {
                 eng_flush_events(e); /* no step ran: nothing else would deliver them soon */
             }
@@ -755,6 +756,7 @@ enum kr_status kr_engine_submit(struct kr_engine *e, const struct kr_request_par
     }
     r->id = atomic_fetch_add(&e->next_id, 1);
     r->submitted_us = kr_clock_us();
+    const uint64_t id = r->id; /* r is the engine thread's once queued: it may end and be freed at once */
     pthread_mutex_lock(&e->lock);
     if (e->stop || e->failed) {
         const bool failed = e->failed;
@@ -775,7 +777,7 @@ enum kr_status kr_engine_submit(struct kr_engine *e, const struct kr_request_par
     e->idle = false;
     pthread_cond_signal(&e->wake);
     pthread_mutex_unlock(&e->lock);
-    *req_id = r->id;
+    *req_id = id;
     return KR_OK;
 }
 

@@ -53,6 +53,8 @@ enum kr_finish_reason {
     KR_FINISH_LENGTH = 0,    /* max_tokens or max_model_len reached */
     KR_FINISH_STOP = 1,      /* EOS or a stop token id */
     KR_FINISH_CANCELLED = 2, /* kr_engine_cancel */
+    KR_FINISH_NOMEM = 3,     /* memory ran out where the choice could only be ended (a preempted choice
+                                that could not be queued again): an error for the client, not an end */
 };
 
 struct kr_usage {

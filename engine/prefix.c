@@ -158,7 +158,10 @@ uint64_t kr_prefix_seed(const struct kr_cache *c, const char *salt, size_t n)
     if (!p) {
         return 0;
     }
-    unsigned char *in = kr_malloc(n + 1);
+    /* short salts (and none) on the stack: an unsalted request never depends on an allocation, whose
+     * failure would give it a seed of its own and so blocks no later request can find */
+    unsigned char local[256];
+    unsigned char *in = n + 1 <= sizeof local ? local : kr_malloc(n + 1);
     if (!in) { /* a salted request must never share an unsalted seed: one of its own */
         uint64_t h;
         randombytes_buf(&h, sizeof h);
@@ -169,7 +172,9 @@ uint64_t kr_prefix_seed(const struct kr_cache *c, const char *salt, size_t n)
         memcpy(in + 1, salt, n);
     }
     const uint64_t h = hash_bytes(p, in, n + 1);
-    kr_free(in);
+    if (in != local) {
+        kr_free(in);
+    }
     return h;
 }
 

@@ -31,7 +31,7 @@ static void preempt(struct kr_engine *e, struct seq *s)
     e->preemptions++;
     if (eng_waiting_insert(e, s) != KR_OK) { /* cannot queue it again: end it rather than lose it */
         s->state = KR_SEQ_WAITING;
-        eng_finish_seq(e, s, KR_FINISH_CANCELLED, -1);
+        eng_finish_seq(e, s, KR_FINISH_NOMEM, -1);
     }
     KR_LOG_DEBUG("preempted req=%llu choice=%d tokens=%d", (unsigned long long)s->req->id, s->index, s->n_toks);
 }
@@ -90,7 +90,7 @@ static void fork_children(struct kr_engine *e, struct seq *leader)
             ch->state = KR_SEQ_WAITING;
             ch->n_fed = 0;
             if (eng_waiting_insert(e, ch) != KR_OK) {
-                eng_finish_seq(e, ch, KR_FINISH_CANCELLED, -1);
+                eng_finish_seq(e, ch, KR_FINISH_NOMEM, -1);
             }
             continue;
         }
@@ -245,6 +245,33 @@ static bool wants_prompt_rows(const struct seq *s)
     return s->index == 0 && r->s.prompt_logprobs >= 0 && !r->prompt_lp_sent && s->n_fed < r->n_prompt;
 }
 
+/* Fails s's request while a step is planned, because memory ran out for its cache (its block
+ * table could not grow): waiting or skipping it would retry forever while memory stays short.
+ * Its sequences leave this step's batch (ns, nt, budget follow) and the running list; returns how
+ * many of the running list's entries at or before index i went, by which the caller's loop index
+ * moves back. */
+static int32_t fail_planned(struct kr_engine *e, struct seq *s, int32_t i, int32_t *ns, int32_t *nt, int32_t *budget)
+{
+    struct req *r = s->req;
+    int32_t gone = 0;
+    for (int32_t j = 0; j <= i && j < e->n_running; j++) {
+        gone += e->running[j]->req == r;
+    }
+    for (int32_t j = 0; j < *ns;) {
+        if (e->b_seqs[j]->req != r) {
+            j++;
+            continue;
+        }
+        *nt -= e->b_nsched[j];
+        *budget += e->b_nsched[j];
+        memmove(e->b_seqs + j, e->b_seqs + j + 1, (size_t)(*ns - j - 1) * sizeof(struct seq *));
+        memmove(e->b_nsched + j, e->b_nsched + j + 1, (size_t)(*ns - j - 1) * sizeof(int32_t));
+        (*ns)--;
+    }
+    eng_fail_req(e, r, KR_ERR_NOMEM, "out of memory");
+    return gone;
+}
+
 /* Plans one step: decodes first, then running prefills, then admissions (FCFS). Fills the
  * per-sequence token counts into b_nsched/b_seqs and returns the number of sequences. */
 static int32_t plan(struct kr_engine *e, int32_t *n_tok_out)
@@ -259,7 +286,11 @@ static int32_t plan(struct kr_engine *e, int32_t *n_tok_out)
             continue;
         }
         bool victim_self = false;
-        while (paged && kr_seq_cache_reserve(c, &s->cache, s->n_fed + 1) != KR_OK) {
+        enum kr_status rst = KR_OK;
+        while (paged && (rst = kr_seq_cache_reserve(c, &s->cache, s->n_fed + 1)) != KR_OK) {
+            if (rst == KR_ERR_NOMEM) {
+                break; /* not a want of blocks: preempting others would not help */
+            }
             struct seq *v = youngest_running(e, NULL);
             victim_self = v == s;
             /* a victim already scheduled this step gives back its tokens */
@@ -285,6 +316,10 @@ static int32_t plan(struct kr_engine *e, int32_t *n_tok_out)
             }
         }
         if (victim_self) {
+            continue;
+        }
+        if (rst == KR_ERR_NOMEM) {
+            i -= fail_planned(e, s, i, &ns, &nt, &budget);
             continue;
         }
         e->b_seqs[ns] = s;
@@ -317,7 +352,12 @@ static int32_t plan(struct kr_engine *e, int32_t *n_tok_out)
             room = room_for(e, s, k);
         }
         k = k < room ? k : room;
-        if (k <= 0 || kr_seq_cache_reserve(c, &s->cache, s->n_fed + k) != KR_OK) {
+        const enum kr_status rst = k > 0 ? kr_seq_cache_reserve(c, &s->cache, s->n_fed + k) : KR_AGAIN;
+        if (rst == KR_ERR_NOMEM) {
+            i -= fail_planned(e, s, i, &ns, &nt, &budget);
+            continue;
+        }
+        if (rst != KR_OK) {
             continue;
         }
         e->b_seqs[ns] = s;
@@ -346,8 +386,13 @@ static int32_t plan(struct kr_engine *e, int32_t *n_tok_out)
             }
         }
         int32_t hit = 0;
-        if ((h ? kr_prefix_admit(c, s->toks, s->n_toks - 1, h, &s->cache, &hit) : kr_seq_cache_init(c, &s->cache)) !=
-            KR_OK) {
+        const enum kr_status ast =
+            h ? kr_prefix_admit(c, s->toks, s->n_toks - 1, h, &s->cache, &hit) : kr_seq_cache_init(c, &s->cache);
+        if (ast == KR_ERR_NOMEM) {
+            eng_fail_req(e, s->req, KR_ERR_NOMEM, "out of memory"); /* the head leaves the queue */
+            continue;
+        }
+        if (ast != KR_OK) {
             break;
         }
         s->n_fed = hit;
@@ -359,9 +404,17 @@ static int32_t plan(struct kr_engine *e, int32_t *n_tok_out)
             const int32_t room = room_for(e, s, k);
             k = room < k ? room : k;
         }
-        if (k <= 0 || kr_seq_cache_reserve(c, &s->cache, hit + k) != KR_OK || PUSH(e, running, s, false) != KR_OK) {
+        enum kr_status rst = k > 0 ? kr_seq_cache_reserve(c, &s->cache, hit + k) : KR_AGAIN;
+        if (rst == KR_OK) {
+            rst = PUSH(e, running, s, false);
+        }
+        if (rst != KR_OK) {
             kr_seq_cache_release(c, &s->cache);
             s->n_fed = 0;
+            if (rst == KR_ERR_NOMEM) {
+                eng_fail_req(e, s->req, KR_ERR_NOMEM, "out of memory");
+                continue;
+            }
             break;
         }
         REMOVE(e, waiting, s);
@@ -383,9 +436,19 @@ void eng_run_step(struct kr_engine *e)
 {
     const double t0 = kr_clock_us();
     const int64_t V = e->m->cfg.vocab;
-    const int32_t max_seqs = e->n_running + e->n_waiting + 1;
-    if (ensure_step_buffers(e, 1, max_seqs, 1, 1) != KR_OK) {
-        return;
+    int32_t max_seqs = e->n_running + e->n_waiting + 1;
+    while (ensure_step_buffers(e, 1, max_seqs, 1, 1) != KR_OK) {
+        /* no room to plan a step over every sequence: the newest request fails (out of memory) rather
+         * than the engine retrying forever while memory stays short */
+        struct seq *victim = e->n_waiting > 0   ? e->waiting[e->n_waiting - 1]
+                             : e->n_running > 0 ? e->running[e->n_running - 1]
+                                                : NULL;
+        if (!victim) {
+            return;
+        }
+        eng_fail_req(e, victim->req, KR_ERR_NOMEM, "out of memory");
+        eng_free_dead(e);
+        max_seqs = e->n_running + e->n_waiting + 1;
     }
     int32_t nt = 0;
     const int32_t ns = plan(e, &nt);

@@ -799,7 +799,7 @@ enum kr_status kr_model_load_progress(const char *dir, kr_backend_t be, kr_progr
 {
     struct kr_model *m = kr_calloc(1, sizeof *m);
     if (!m) {
-        return KR_ERR_NOMEM;
+        return kr_err_set(err, KR_ERR_NOMEM, "%s: out of memory while loading", dir);
     }
     enum kr_status st;
     m->be = be;

@@ -12,27 +12,30 @@ struct kr_chat {
     char *bos, *eos;
 };
 
-static char *read_file(const char *path, size_t *len, struct kr_err *err)
+static enum kr_status read_file(const char *path, char **out, size_t *len, struct kr_err *err)
 {
     FILE *fp = fopen(path, "rb");
     if (!fp) {
-        kr_err_set(err, KR_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
-        return NULL;
+        return kr_err_set(err, KR_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
     }
     fseek(fp, 0, SEEK_END);
     long n = ftell(fp);
     fseek(fp, 0, SEEK_SET);
     char *buf = n >= 0 ? kr_malloc((size_t)n + 1) : NULL;
+    if (n >= 0 && !buf) {
+        fclose(fp);
+        return kr_err_set(err, KR_ERR_NOMEM, "%s: out of memory reading it", path);
+    }
     if (!buf || fread(buf, 1, (size_t)n, fp) != (size_t)n) {
         kr_free(buf);
         fclose(fp);
-        kr_err_set(err, KR_ERR_IO, "%s: cannot read", path);
-        return NULL;
+        return kr_err_set(err, KR_ERR_IO, "%s: cannot read", path);
     }
     fclose(fp);
     buf[n] = 0;
+    *out = buf;
     *len = (size_t)n;
-    return buf;
+    return KR_OK;
 }
 
 enum kr_status kr_chat_load(const struct kr_tokenizer *tok, const char *template_file, struct kr_chat **out,
@@ -41,9 +44,11 @@ enum kr_status kr_chat_load(const struct kr_tokenizer *tok, const char *template
     *out = NULL;
     char *src = NULL;
     size_t len = 0;
+    const char *what = template_file ? template_file : "tokenizer_config.json chat_template";
     if (template_file) {
-        if (!(src = read_file(template_file, &len, err))) {
-            return KR_ERR_IO;
+        const enum kr_status st = read_file(template_file, &src, &len, err);
+        if (st != KR_OK) {
+            return st;
         }
     } else {
         const char *t = kr_tokenizer_chat_template(tok);
@@ -53,24 +58,28 @@ enum kr_status kr_chat_load(const struct kr_tokenizer *tok, const char *template
         len = strlen(t);
         src = kr_strndup(t, len);
         if (!src) {
-            return KR_ERR_NOMEM;
+            return kr_err_set(err, KR_ERR_NOMEM, "%s: out of memory", what);
         }
     }
     struct kr_chat *c = kr_calloc(1, sizeof *c);
     if (!c) {
         kr_free(src);
-        return KR_ERR_NOMEM;
+        return kr_err_set(err, KR_ERR_NOMEM, "%s: out of memory", what);
     }
     enum kr_status st = kr_chat_template_compile(src, len, &c->tpl, err);
     kr_free(src);
     if (st != KR_OK) {
-        kr_err_prefix(err, "%s", template_file ? template_file : "tokenizer_config.json chat_template");
+        kr_err_prefix(err, "%s", what);
         kr_free(c);
         return st;
     }
     const char *b = kr_tokenizer_bos_token(tok), *e = kr_tokenizer_eos_token(tok);
     c->bos = b ? kr_strdup(b) : NULL;
     c->eos = e ? kr_strdup(e) : NULL;
+    if ((b && !c->bos) || (e && !c->eos)) { /* the template would render without them */
+        kr_chat_free(c);
+        return kr_err_set(err, KR_ERR_NOMEM, "%s: out of memory", what);
+    }
     *out = c;
     return KR_OK;
 }
@@ -128,8 +137,13 @@ static json_t *normalize(json_t *messages, struct kr_oai_error *e)
             len += tl;
             buf[len] = 0;
         }
-        json_object_set_new(m, "content", json_stringn(buf ? buf : "", len));
+        const int set = json_object_set_new(m, "content", json_stringn(buf ? buf : "", len));
         kr_free(buf);
+        if (set != 0) { /* the parts would be rendered as they are */
+            json_decref(out);
+            kr_oai_error(e, KR_OAI_INTERNAL, "", "out of memory");
+            return NULL;
+        }
     }
     return out;
 }

@@ -19,6 +19,7 @@
 #include <arpa/inet.h>
 #include <errno.h>
 #include <malloc.h>
+#include <fcntl.h>
 #include <stdarg.h>
 #include <microhttpd.h>
 #include <netinet/in.h>
@@ -28,6 +29,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <sys/eventfd.h>
 #include <sys/resource.h>
 #include <time.h>
 #include <unistd.h>
@@ -88,6 +90,7 @@ struct hreq {
     size_t pooled;             /* bytes of the body buffer drawn from srv->body_pool */
     size_t clen;               /* Content-Length (0: none or chunked) */
     struct kr_lane_work lw;    /* a large body's preparation (lane.h) */
+    bool body_oom;             /* the body could not be kept (out of memory): dropped, answered 500 */
     bool responded;            /* a response was queued (or the stream started) */
     /* the session */
     struct kr_sess *sess;
@@ -105,7 +108,9 @@ struct hreq {
     bool suspended;            /* not a stream: waiting for the answer; stream: the reader parked */
     char *out;                 /* stream buffer */
     size_t out_len, out_cap, out_off;
-    bool out_eof;
+    bool out_eof;              /* the session ended the stream: after out, the tail, then the end */
+    const char *tail;          /* static: the stream's last bytes ([DONE]), which need no allocation */
+    size_t tail_len, tail_off;
     double t_arrival;
     uv_poll_t hup;             /* watches the socket for a hang-up while suspended */
     bool hup_active, hup_init;
@@ -126,6 +131,8 @@ struct srv {
     uv_async_t wake;
     uv_signal_t sig_term, sig_int;
     uv_timer_t drain_timer;
+    uv_poll_t reserve;         /* keeps libuv's watcher table grown (reserve_watchers) */
+    int reserve_fd;            /* -1: none */
     bool ready;
     bool draining;
     bool cut_done;             /* the drain deadline passed: what was in flight got its 503 */
@@ -201,12 +208,15 @@ static enum MHD_Result send_body(struct hreq *h, unsigned status, const char *ct
     return ret;
 }
 
+/* The answer when building an answer ran out of memory: static, so that it needs no allocation of
+ * ours (MHD copies it with its own). */
+static const char k_oom_body[] = "{\"error\":{\"message\":\"out of memory\",\"type\":\"server_error\",\"param\":null,"
+                                 "\"code\":null}}";
+
 static enum MHD_Result send_json_str(struct hreq *h, unsigned status, char *json_malloced)
 {
     if (!json_malloced) {
-        static const char oom[] = "{\"error\":{\"message\":\"out of memory\",\"type\":\"server_error\",\"param\":null,"
-                                  "\"code\":null}}";
-        return send_body(h, 500, "application/json", oom, sizeof oom - 1, NULL);
+        return send_body(h, 500, "application/json", k_oom_body, sizeof k_oom_body - 1, NULL);
     }
     enum MHD_Result r = send_body(h, status, "application/json", json_malloced, strlen(json_malloced), NULL);
     kr_oai_free(json_malloced);
@@ -266,7 +276,7 @@ static void body_release(struct hreq *h)
 static bool body_take(struct hreq *h, const char *data, size_t n)
 {
     struct srv *s = h->s;
-    if (h->too_big || h->body_busy || h->responded) {
+    if (h->too_big || h->body_busy || h->body_oom || h->responded) {
         return true;
     }
     if (h->blen + n > s->o.max_body_bytes) {
@@ -393,12 +403,21 @@ static bool sink_stream_event(void *user, const char *json, size_t len)
     return true;
 }
 
+/* The last bytes of a stream: static, so that its end never waits for memory (a stream that could
+ * not be ended would leave its client waiting). The second is for a session whose error event could
+ * not be queued. */
+static const char k_sse_done[] = "data: [DONE]\n\n";
+static const char k_sse_oom_done[] = "data: {\"error\":{\"message\":\"the server ran out of memory while producing this "
+                                     "response; it is incomplete\",\"type\":\"server_error\",\"param\":null,"
+                                     "\"code\":null}}\n\ndata: [DONE]\n\n";
+
 static void sink_done(void *user, int status, const char *body, size_t len)
 {
     struct hreq *h = user;
     h->answered = true;
     if (h->stream) {
-        kr_text_append(&h->out, &h->out_len, &h->out_cap, "data: [DONE]\n\n", 14);
+        h->tail = status == 200 ? k_sse_done : k_sse_oom_done;
+        h->tail_len = status == 200 ? sizeof k_sse_done - 1 : sizeof k_sse_oom_done - 1;
         h->out_eof = true;
     } else {
         h->ans_ready = true;
@@ -539,6 +558,12 @@ static ssize_t stream_reader(void *cls, uint64_t pos, char *buf, size_t max)
         return (ssize_t)n;
     }
     if (h->out_eof) {
+        if (h->tail_off < h->tail_len) {
+            size_t n = h->tail_len - h->tail_off < max ? h->tail_len - h->tail_off : max;
+            memcpy(buf, h->tail + h->tail_off, n);
+            h->tail_off += n;
+            return (ssize_t)n;
+        }
         return MHD_CONTENT_READER_END_OF_STREAM;
     }
     if (h->gone) {
@@ -714,6 +739,9 @@ static enum MHD_Result dispatch(struct hreq *h, const char *url, const char *met
     if (h->body_busy) {
         return send_busy(h);
     }
+    if (h->body_oom) {
+        return send_json_str(h, 500, NULL);
+    }
     if (!strcmp(url, "/health") || !strcmp(url, "/ping")) {
         const bool dev_ok = kr_backend_healthy(s->rt.be) && !s->device_failed && !(s->rt.eng && kr_engine_failed(s->rt.eng));
         if (s->ready && !s->draining && dev_ok) {
@@ -837,6 +865,27 @@ static void on_connection(void *cls, struct MHD_Connection *conn, void **socket_
     conn_watch(s);
 }
 
+/* The con_cls of a request whose record could not be allocated: it was answered with a 500 when its
+ * headers came in; the rest of it (its body) is dropped. */
+static char g_no_record;
+
+/* Answers a request that has no record (out of memory) with a 500 that needs no allocation of ours. */
+static enum MHD_Result send_oom_bare(struct srv *s, struct MHD_Connection *conn, void **con_cls)
+{
+    *con_cls = &g_no_record;
+    KR_LOG_ERROR("out of memory for a new request: answered 500");
+    struct MHD_Response *r = MHD_create_response_from_buffer(sizeof k_oom_body - 1, (void *)k_oom_body,
+                                                             MHD_RESPMEM_PERSISTENT);
+    if (!r) {
+        return MHD_NO;
+    }
+    MHD_add_response_header(r, "Content-Type", "application/json");
+    enum MHD_Result ret = MHD_queue_response(conn, 500, r);
+    MHD_destroy_response(r);
+    count_status(s, 500);
+    return ret;
+}
+
 static enum MHD_Result on_access(void *cls, struct MHD_Connection *conn, const char *url, const char *method,
                                  const char *version, const char *upload, size_t *upload_size, void **con_cls)
 {
@@ -844,10 +893,14 @@ static enum MHD_Result on_access(void *cls, struct MHD_Connection *conn, const c
     struct hreq *h = *con_cls;
     (void)version;
     s->gone_close = false;
+    if (*con_cls == &g_no_record) {
+        *upload_size = 0;
+        return MHD_YES;
+    }
     if (!h) { /* headers are in */
         h = kr_calloc(1, sizeof *h);
         if (!h) {
-            return MHD_NO;
+            return send_oom_bare(s, conn, con_cls);
         }
         static uint64_t arrivals;
         h->s = s;
@@ -904,7 +957,8 @@ static enum MHD_Result on_access(void *cls, struct MHD_Connection *conn, const c
     }
     if (*upload_size) {
         if (!body_take(h, upload, *upload_size)) {
-            return MHD_NO;
+            h->body_oom = true; /* keep reading (and dropping) so that the 500 can be sent */
+            body_release(h);
         }
         *upload_size = 0;
         return MHD_YES;
@@ -998,7 +1052,8 @@ static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
 {
     struct srv *s = cls;
     struct hreq *h = *con_cls;
-    if (!h) {
+    if (!h || *con_cls == &g_no_record) {
+        *con_cls = NULL;
         return;
     }
     hup_stop(h);
@@ -1199,19 +1254,56 @@ static void on_drain_tick(uv_timer_t *t)
     }
 }
 
+/* The shutdown watchdog: a thread that ends the process at its deadline unless kr_serve_run
+ * returned first (a server run inside another program, the tests among them, must not be ended
+ * by the watchdog of a shutdown that completed). */
+static struct {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    double deadline;           /* kr_clock_s */
+    bool stop;                 /* kr_serve_run is returning: nothing left to guard */
+    bool running;              /* started and not joined */
+    pthread_t th;
+} g_wd = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+
 static void *watchdog_main(void *arg)
 {
-    const double deadline = *(const double *)arg;
-    for (;;) {
-        const double left = deadline - now_s();
+    (void)arg;
+    pthread_mutex_lock(&g_wd.mu);
+    while (!g_wd.stop) {
+        const double left = g_wd.deadline - now_s();
         if (left <= 0) {
             break;
         }
-        struct timespec ts = {.tv_sec = (time_t)left, .tv_nsec = (long)((left - (double)(time_t)left) * 1e9)};
-        nanosleep(&ts, NULL);
+        /* the condition variable's clock is CLOCK_REALTIME: wait until "now + left" on it */
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        const double at = (double)ts.tv_nsec / 1e9 + left;
+        ts.tv_sec += (time_t)at;
+        ts.tv_nsec = (long)((at - (double)(time_t)at) * 1e9);
+        pthread_cond_timedwait(&g_wd.cv, &g_wd.mu, &ts);
     }
-    KR_LOG_ERROR("shutdown deadline passed and the process is still running: exiting now");
-    _exit(g_exit_code);
+    const bool stopped = g_wd.stop;
+    pthread_mutex_unlock(&g_wd.mu);
+    if (!stopped) {
+        KR_LOG_ERROR("shutdown deadline passed and the process is still running: exiting now");
+        _exit(g_exit_code);
+    }
+    return NULL;
+}
+
+/* kr_serve_run is returning: the watchdog, if one runs, ends without acting. */
+static void watchdog_stop(void)
+{
+    if (!g_wd.running) {
+        return;
+    }
+    pthread_mutex_lock(&g_wd.mu);
+    g_wd.stop = true;
+    pthread_cond_signal(&g_wd.cv);
+    pthread_mutex_unlock(&g_wd.mu);
+    pthread_join(g_wd.th, NULL);
+    g_wd.running = false;
 }
 
 /* Starts draining: no new work, a deadline for what is in flight and for the process itself. */
@@ -1219,16 +1311,15 @@ static void begin_drain(struct srv *s, double timeout_s)
 {
     s->draining = true;
     g_drain_started = now_s();
-    static double deadline;
-    deadline = g_drain_started + timeout_s + CUT_GRACE_S + 2.5;
-    pthread_t wd;
-    pthread_attr_t at;
-    pthread_attr_init(&at);
-    pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
-    if (pthread_create(&wd, &at, watchdog_main, &deadline) != 0) {
+    pthread_mutex_lock(&g_wd.mu);
+    g_wd.deadline = g_drain_started + timeout_s + CUT_GRACE_S + 2.5;
+    g_wd.stop = false;
+    pthread_mutex_unlock(&g_wd.mu);
+    if (!g_wd.running && pthread_create(&g_wd.th, NULL, watchdog_main, NULL) == 0) {
+        g_wd.running = true;
+    } else if (!g_wd.running) {
         KR_LOG_WARN("cannot start the shutdown watchdog");
     }
-    pthread_attr_destroy(&at);
     uv_timer_start(&s->drain_timer, on_drain_tick, 0, 50);
 }
 
@@ -1282,6 +1373,7 @@ static void on_loaded(uv_async_t *a)
     kr_boot_load_join(&s->rt);
     if (s->rt.load_failed) {
         s->exit_code = 1;
+        g_exit_code = 1;
         stop_everything(s);
         return;
     }
@@ -1301,6 +1393,47 @@ static void on_loaded(uv_async_t *a)
 static void close_cb(uv_handle_t *h)
 {
     (void)h;
+}
+
+static void on_reserve(uv_poll_t *p, int status, int events)
+{
+    (void)p;
+    (void)status;
+    (void)events;
+}
+
+/* libuv grows its table of watched descriptors when a descriptor above all earlier ones is watched,
+ * and abort()s when that growth cannot be allocated (uv__io_start): a hang-up watch on a new
+ * connection would end the process when memory is short. The table is grown once at start-up to
+ * the highest descriptor the server can watch (the connection limit and what the process holds
+ * besides, or the descriptor limit when lower), by watching a descriptor placed there; it stays
+ * open, unwatched, until the end. */
+static void reserve_watchers(struct srv *s, unsigned connection_limit)
+{
+    s->reserve_fd = -1;
+    int top = (int)connection_limit + 64;
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY && rl.rlim_cur < (rlim_t)top) {
+        top = (int)rl.rlim_cur;
+    }
+    const int efd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    if (efd < 0) {
+        return;
+    }
+    const int fd = fcntl(efd, F_DUPFD_CLOEXEC, top - 1); /* the lowest free descriptor from top - 1 */
+    close(efd);
+    if (fd < 0) {
+        KR_LOG_WARN("cannot reserve libuv's watcher table (descriptor %d): %s", top - 1, strerror(errno));
+        return;
+    }
+    if (uv_poll_init(&s->loop, &s->reserve, fd) != 0) {
+        close(fd);
+        return;
+    }
+    if (uv_poll_start(&s->reserve, UV_READABLE, on_reserve) == 0) {
+        uv_poll_stop(&s->reserve);
+    }
+    s->reserve_fd = fd;
 }
 
 /* Releases what kr_serve_run took before it started serving. */
@@ -1347,10 +1480,12 @@ int kr_serve_run(const struct kr_serve_opts *o)
     }
     struct srv *s = kr_calloc(1, sizeof *s);
     if (!s) {
+        KR_LOG_ERROR("out of memory at start-up");
         return 1;
     }
     s->o = *o;
     s->exit_code = 0;
+    g_exit_code = 0;
     kr_metrics_init(&s->met);
     s->started = (int64_t)time(NULL);
     s->model_name = kr_strdup(o->served_model_name ? o->served_model_name : o->model_dir);
@@ -1391,10 +1526,12 @@ int kr_serve_run(const struct kr_serve_opts *o)
                             MHD_OPTION_SOCK_ADDR, addr, MHD_OPTION_CONNECTION_TIMEOUT, (unsigned int)600,
                             MHD_OPTION_CONNECTION_LIMIT, (unsigned int)o->max_connections,
                             MHD_OPTION_PER_IP_CONNECTION_LIMIT, (unsigned int)o->max_connections_per_ip, MHD_OPTION_END);
+    const unsigned connection_limit = (unsigned)o->max_connections;
     if (!s->d) {
         KR_LOG_ERROR("cannot listen on %s:%d: %s", o->host, o->port, strerror(errno));
         return start_failed(s, true, 1);
     }
+    reserve_watchers(s, connection_limit);
     const union MHD_DaemonInfo *ei = MHD_get_daemon_info(s->d, MHD_DAEMON_INFO_EPOLL_FD);
     const union MHD_DaemonInfo *pi = MHD_get_daemon_info(s->d, MHD_DAEMON_INFO_BIND_PORT);
     const int port = pi ? pi->port : o->port;
@@ -1436,7 +1573,8 @@ int kr_serve_run(const struct kr_serve_opts *o)
     }
     if (kr_boot_load_start(&s->rt, loaded, s) != KR_OK) {
         KR_LOG_ERROR("cannot start the loader thread");
-        return 1;
+        s->exit_code = 1;
+        stop_everything(s); /* the loop returns at once and the shutdown below releases everything */
     }
     arm_timer(s);
     uv_run(&s->loop, UV_RUN_DEFAULT);
@@ -1460,12 +1598,19 @@ int kr_serve_run(const struct kr_serve_opts *o)
     uv_close((uv_handle_t *)&g_loaded, close_cb);
     uv_close((uv_handle_t *)&s->sig_term, close_cb);
     uv_close((uv_handle_t *)&s->sig_int, close_cb);
+    if (s->reserve_fd >= 0) {
+        uv_close((uv_handle_t *)&s->reserve, close_cb);
+    }
     uv_run(&s->loop, UV_RUN_DEFAULT);
     uv_loop_close(&s->loop);
+    if (s->reserve_fd >= 0) {
+        close(s->reserve_fd);
+    }
     kr_boot_free(&s->rt);
     pthread_mutex_destroy(&s->qmu);
     const int code = s->exit_code;
     kr_free(s->model_name);
     kr_free(s);
+    watchdog_stop();
     return code;
 }

@@ -49,7 +49,8 @@ struct kr_serve_opts {
 void kr_serve_opts_default(struct kr_serve_opts *o);
 
 /* Loads the model and tokenizer, starts the engine and serves until SIGTERM/SIGINT (drain) —
- * returns the process exit code. */
+ * returns the process exit code. Nothing it starts outlives it (the shutdown watchdog included),
+ * so a program may run it on a thread and again after it returned (the tests do). One at a time. */
 int kr_serve_run(const struct kr_serve_opts *o);
 
 /* `krait serve MODEL_DIR [flags]`: parses flags (vllm serve names) and KRAIT_* environment

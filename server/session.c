@@ -294,7 +294,7 @@ void kr_sess_usage(const struct kr_sess *s, int64_t *prompt_tokens, int64_t *com
 /* ---- text of tokens -------------------------------------------------------------------------- */
 
 /* The text a logprobs entry shows for `id`: its decoded piece, or "token_id:N" when asked for (or
- * without a tokenizer). kr_malloc'd. */
+ * without a tokenizer). kr_malloc'd; NULL when out of memory. */
 static char *token_text(const struct kr_sess_env *env, int32_t id, size_t *len)
 {
     if (!env->tok || env->return_tokens_as_token_ids) {
@@ -306,12 +306,14 @@ static char *token_text(const struct kr_sess_env *env, int32_t id, size_t *len)
     char *text = NULL;
     if (kr_tokenizer_decode(env->tok, &id, 1, false, &text, len, NULL) != KR_OK) {
         *len = 0;
-        return kr_strdup("");
+        return NULL; /* an id the engine produced decodes: only memory can fail */
     }
     return text;
 }
 
-static void fill_token(const struct kr_sess_env *env, struct kr_oai_token *t, int32_t id, float lp)
+/* Fills one logprobs entry. False when its text could not be allocated: the entry then shows ""
+ * (no_text) and the caller fails the answer (sess_oom). */
+static bool fill_token(const struct kr_sess_env *env, struct kr_oai_token *t, int32_t id, float lp)
 {
     size_t len = 0;
     char *text = token_text(env, id, &len);
@@ -320,6 +322,7 @@ static void fill_token(const struct kr_sess_env *env, struct kr_oai_token *t, in
     t->bytes = (const unsigned char *)t->text;
     t->n_bytes = t->text_len;
     t->logprob = lp;
+    return text != NULL;
 }
 
 /* ---- output ---------------------------------------------------------------------------------- */
@@ -327,6 +330,19 @@ static void fill_token(const struct kr_sess_env *env, struct kr_oai_token *t, in
 static bool can_emit(const struct kr_sess *s)
 {
     return s->sink && !s->ended;
+}
+
+/* Memory ran out while the answer was being put together (a token's text, a choice's growth, a
+ * stop string, an event the engine thread could not queue): the answer would be wrong without
+ * saying so, so it becomes a 500 (a stream: an error event) and the engine's work for it stops. */
+static void sess_oom(struct kr_sess *s)
+{
+    if (!s->failed) {
+        s->failed = true;
+        kr_oai_error(&s->err, KR_OAI_INTERNAL, "",
+                     "the server ran out of memory while producing this response; it is incomplete");
+    }
+    cancel_engine(s);
 }
 
 /* Hands one encoder chunk ("data: {...}\n\n", jansson's allocator, consumed) to the sink as the
@@ -365,9 +381,10 @@ static void choice_view(struct choice *c, struct kr_oai_choice *v)
 /* Sends what c has that may go out now (see kr_stops_sendable) as one delta chunk. */
 static void stream_choice(struct kr_sess *s, struct choice *c)
 {
-    if (!s->streaming || !can_emit(s) || c->final_sent) {
+    if (!s->streaming || !can_emit(s) || c->final_sent || s->failed) {
         return; /* the stream already ended (cut by the shutdown deadline), or this choice did: a stop
-                   string finishes it before the engine's FINISH of the cancelled choice arrives */
+                   string finishes it before the engine's FINISH of the cancelled choice arrives; or
+                   the answer failed: its error event ends the stream, no more text goes out */
     }
     const size_t upto = kr_stops_sendable(&s->stops, c->text, c->len, c->sent, c->finished);
     const bool new_text = upto > c->sent, new_lp = c->lps && c->lp_sent < c->n_ids;
@@ -489,22 +506,32 @@ static void answer_result(struct kr_sess *s)
 }
 
 /* The end of a stream: the error event when it failed, else the usage event when asked for; the
- * transport then ends the stream. */
+ * transport then ends the stream. A choice whose last chunk could not go out (out of memory) gets
+ * one more try, then the stream fails; an error event that cannot be queued either is the
+ * transport's to send (done with 500). */
 static void stream_finish(struct kr_sess *s)
 {
-    if (s->failed) {
-        char *e = kr_oai_error_json(&s->err);
-        if (e) {
-            s->sink->stream_event(s->user, e, strlen(e));
-            kr_oai_free(e);
+    for (int32_t i = 0; i < s->n_choices && !s->failed; i++) {
+        stream_choice(s, &s->ch[i]);
+        if (!s->ch[i].final_sent) {
+            sess_oom(s);
         }
-    } else if (s->o.include_usage) {
+    }
+    if (!s->failed && s->o.include_usage) {
         struct kr_oai_usage u;
         usage_of(s, &u);
-        emit_chunk(s, kr_oai_usage_chunk(s->id, s->created, s->env->model_name, s->kind == KR_SESS_CHAT, &u));
+        if (!emit_chunk(s, kr_oai_usage_chunk(s->id, s->created, s->env->model_name, s->kind == KR_SESS_CHAT, &u))) {
+            sess_oom(s);
+        }
+    }
+    bool ended_well = true;
+    if (s->failed) {
+        char *e = kr_oai_error_json(&s->err);
+        ended_well = e && s->sink->stream_event(s->user, e, strlen(e));
+        kr_oai_free(e);
     }
     s->ended = true;
-    s->sink->done(s->user, 200, NULL, 0);
+    s->sink->done(s->user, ended_well ? 200 : 500, NULL, 0);
 }
 
 /* Ends the answer (every choice finished, the session failed or was cut): once, and only while
@@ -595,6 +622,9 @@ static bool check_stop(struct kr_sess *s, struct choice *c, size_t from)
     c->len = at;
     c->text[at] = 0;
     c->stop_str = kr_strdup(s->o.stop[i]);
+    if (!c->stop_str) {
+        sess_oom(s); /* the answer's stop_reason would be null */
+    }
     return true;
 }
 
@@ -606,10 +636,13 @@ static void finish_choice(struct kr_sess *s, struct choice *c, const char *why)
     if (c->detok) {
         const char *piece = NULL;
         size_t plen = 0;
-        if (kr_detok_flush(c->detok, &piece, &plen, NULL) == KR_OK && plen) {
+        if (kr_detok_flush(c->detok, &piece, &plen, NULL) != KR_OK) {
+            sess_oom(s); /* the text's tail is lost */
+        } else if (plen) {
             const size_t before = c->len;
-            kr_text_append(&c->text, &c->len, &c->cap, piece, plen);
-            if (check_stop(s, c, before)) {
+            if (!kr_text_append(&c->text, &c->len, &c->cap, piece, plen)) {
+                sess_oom(s);
+            } else if (check_stop(s, c, before)) {
                 why = "stop";
             }
         }
@@ -641,26 +674,35 @@ static bool sub_done(struct kr_sess *s, struct kr_sess_sub *sb)
 static void on_prompt_logprobs(struct kr_sess *s, struct kr_sess_sub *sb, const struct kr_sess_event *n)
 {
     const struct kr_event *ev = &n->ev;
-    if (!n->plp || sb->plp) {
-        return;
+    if (!n->plp || !n->plp_ids || !n->plp_top || sb->plp) {
+        return; /* a copy the engine thread could not make set sb->lost */
     }
     const int32_t k = ev->prompt_top_k;
     sb->plp = kr_calloc((size_t)sb->n_prompt, sizeof *sb->plp);
     sb->plp_top = kr_calloc((size_t)sb->n_prompt * (size_t)(k ? k : 1), sizeof *sb->plp_top);
     if (!sb->plp || !sb->plp_top) {
+        kr_free(sb->plp);
+        kr_free(sb->plp_top);
+        sb->plp = NULL;
+        sb->plp_top = NULL;
+        sess_oom(s);
         return;
     }
     sb->plp_k = k;
+    bool ok = true;
     for (int32_t i = 0; i < sb->n_prompt; i++) {
-        fill_token(s->env, &sb->plp[i].tok, sb->prompt[i], n->plp[i]);
+        ok &= fill_token(s->env, &sb->plp[i].tok, sb->prompt[i], n->plp[i]);
         if (i > 0 && k > 0) {
             sb->plp[i].n_top = k;
             sb->plp[i].top = sb->plp_top + (size_t)i * (size_t)k;
             for (int32_t j = 0; j < k; j++) {
                 const size_t at = (size_t)i * (size_t)k + (size_t)j;
-                fill_token(s->env, &sb->plp_top[at], n->plp_ids[at], n->plp_top[at]);
+                ok &= fill_token(s->env, &sb->plp_top[at], n->plp_ids[at], n->plp_top[at]);
             }
         }
+    }
+    if (!ok) {
+        sess_oom(s);
     }
 }
 
@@ -668,8 +710,8 @@ static void on_token(struct kr_sess *s, struct kr_sess_sub *sb, const struct kr_
 {
     struct kr_sess_env *env = s->env;
     struct choice *c = &s->ch[sb->idx * s->o.n + ev->index];
-    if (c->finished) {
-        return; /* a stop string already ended it; the engine's cancel is on its way */
+    if (c->finished || s->failed) {
+        return; /* a stop string already ended it, or the answer failed; the engine's cancel is on its way */
     }
     const double t = kr_clock_s();
     if (c->n_ids == 0) {
@@ -684,6 +726,7 @@ static void on_token(struct kr_sess *s, struct kr_sess_sub *sb, const struct kr_
         int32_t nc = c->cap_ids ? 2 * c->cap_ids : 32;
         int32_t *ni = kr_realloc(c->ids, (size_t)nc * sizeof(int32_t));
         if (!ni) {
+            sess_oom(s); /* the token would be missing from the answer */
             return;
         }
         c->ids = ni;
@@ -702,6 +745,7 @@ static void on_token(struct kr_sess *s, struct kr_sess_sub *sb, const struct kr_
                 }
             }
             if (!nl || !nt) {
+                sess_oom(s);
                 return;
             }
         }
@@ -711,21 +755,28 @@ static void on_token(struct kr_sess *s, struct kr_sess_sub *sb, const struct kr_
         const int32_t k = s->o.sampling.logprobs;
         struct kr_oai_logprob *lp = &c->lps[c->n_ids];
         memset(lp, 0, sizeof *lp);
-        fill_token(env, &lp->tok, ev->token, ev->logprob);
+        bool ok = fill_token(env, &lp->tok, ev->token, ev->logprob);
         lp->n_top = ev->n_top < k ? ev->n_top : k;
         lp->top = c->lp_top + (size_t)c->n_ids * (size_t)k;
         for (int32_t j = 0; j < lp->n_top; j++) {
-            fill_token(env, &c->lp_top[(size_t)c->n_ids * (size_t)k + (size_t)j], ev->top_ids[j], ev->top_logprobs[j]);
+            ok &= fill_token(env, &c->lp_top[(size_t)c->n_ids * (size_t)k + (size_t)j], ev->top_ids[j],
+                             ev->top_logprobs[j]);
+        }
+        if (!ok) {
+            sess_oom(s); /* the entry is kept (it owns its texts) but the answer fails */
         }
     }
     c->ids[c->n_ids++] = ev->token;
     if (c->detok) {
         const char *piece = NULL;
         size_t plen = 0;
-        if (kr_detok_push(c->detok, ev->token, &piece, &plen, NULL) == KR_OK && plen) {
+        if (kr_detok_push(c->detok, ev->token, &piece, &plen, NULL) != KR_OK) {
+            sess_oom(s); /* the token's text is lost */
+        } else if (plen) {
             const size_t before = c->len;
-            kr_text_append(&c->text, &c->len, &c->cap, piece, plen);
-            if (check_stop(s, c, before)) {
+            if (!kr_text_append(&c->text, &c->len, &c->cap, piece, plen)) {
+                sess_oom(s);
+            } else if (check_stop(s, c, before)) {
                 finish_choice(s, c, "stop");
                 env->engine->cancel_choice(env->engine_ctx, sb->eng_id, ev->index);
             }
@@ -738,10 +789,8 @@ static void on_token(struct kr_sess *s, struct kr_sess_sub *sb, const struct kr_
 static bool on_finish(struct kr_sess *s, struct kr_sess_sub *sb, const struct kr_event *ev)
 {
     struct choice *c = &s->ch[sb->idx * s->o.n + ev->index];
-    if (atomic_load(&sb->lost) && !s->failed) {
-        s->failed = true;
-        kr_oai_error(&s->err, KR_OAI_INTERNAL, "",
-                     "the server ran out of memory while producing this response; it is incomplete");
+    if (ev->finish == KR_FINISH_NOMEM) {
+        sess_oom(s); /* the engine had to end the choice: its text is incomplete */
     }
     if (!c->finished) {
         const char *why = ev->finish == KR_FINISH_STOP ? "stop" : ev->finish == KR_FINISH_LENGTH ? "length" : "abort";
@@ -777,6 +826,9 @@ void kr_sess_event_deliver(struct kr_sess_event *n)
     struct kr_sess *s = sb->s;
     const struct kr_event *ev = &n->ev;
     bool sub_over = false;
+    if (atomic_load(&sb->lost) && s->started) {
+        sess_oom(s); /* an event before this one could not be queued: the answer would lack it */
+    }
     switch (ev->type) {
     case KR_EVENT_PROMPT_LOGPROBS:
         on_prompt_logprobs(s, sb, n);
@@ -824,9 +876,9 @@ static enum kr_status prep_oom(struct kr_sess *s);
 
 /* A body jansson could not parse (NUL inside strings is allowed where the text reaches no C string):
  * what is wrong and where, as the completion endpoints say it. */
-static enum kr_status bad_json(struct kr_sess *s, const json_error_t *je)
+static enum kr_status bad_json(struct kr_sess *s, const json_error_t *je, bool oom)
 {
-    if (json_error_code(je) == json_error_out_of_memory) {
+    if (oom) {
         return prep_oom(s);
     }
     kr_oai_error(&s->err, KR_OAI_INVALID, "", "malformed JSON: %s at line %d column %d", je->text, je->line,
@@ -861,8 +913,11 @@ static bool tokenize_into(const struct kr_sess_env *env, struct kr_sess_sub *sb,
     int32_t *ids = NULL;
     int64_t n = 0;
     struct kr_err err = {0};
-    if (kr_tokenizer_encode(env->tok, text, len, add_special, &ids, &n, &err) != KR_OK) {
-        kr_oai_error(e, KR_OAI_INVALID, param, "cannot tokenize: %s", err.msg);
+    const enum kr_status st = kr_tokenizer_encode(env->tok, text, len, add_special, &ids, &n, &err);
+    if (st != KR_OK) {
+        /* out of memory is the server's failure, not the prompt's */
+        kr_oai_error(e, st == KR_ERR_NOMEM ? KR_OAI_INTERNAL : KR_OAI_INVALID, param, "cannot tokenize: %s",
+                     err.msg[0] ? err.msg : kr_status_str(st));
         return false;
     }
     sb->prompt = ids;
@@ -940,11 +995,12 @@ static enum kr_status prepare_generation(struct kr_sess *s, const char *body, si
                      s->o.n_prompts, s->o.n);
         return prep_fail(s, &e);
     }
-    s->n_sub = kind == KR_OAI_CHAT ? 1 : s->o.n_prompts;
-    s->subs = kr_calloc((size_t)s->n_sub, sizeof *s->subs);
+    const int32_t n_sub = kind == KR_OAI_CHAT ? 1 : s->o.n_prompts;
+    s->subs = kr_calloc((size_t)n_sub, sizeof *s->subs);
     if (!s->subs) {
-        return prep_oom(s);
+        return prep_oom(s); /* n_sub stays 0: nothing to walk when the session is freed */
     }
+    s->n_sub = n_sub;
     for (int32_t i = 0; i < s->n_sub; i++) {
         struct kr_sess_sub *sb = &s->subs[i];
         sb->s = s;
@@ -986,9 +1042,11 @@ static enum kr_status prepare_generation(struct kr_sess *s, const char *body, si
                         return prep_fail(s, &e);
                     }
                 }
-                if (s->o.echo && env->tok) {
+                /* echo: the prompt's text (without it the answer would silently lack the echo) */
+                if (s->o.echo && env->tok &&
                     kr_tokenizer_decode(env->tok, p->ids, p->n_ids, false, &sb->prompt_text, &sb->prompt_text_len,
-                                        NULL);
+                                        NULL) != KR_OK) {
+                    return prep_oom(s);
                 }
             } else {
                 if (!tokenize_into(env, sb, p->text, p->text_len, true, &e, param)) {
@@ -996,6 +1054,9 @@ static enum kr_status prepare_generation(struct kr_sess *s, const char *body, si
                 }
                 sb->prompt_text = kr_strndup(p->text, p->text_len);
                 sb->prompt_text_len = p->text_len;
+                if (!sb->prompt_text) {
+                    return prep_oom(s);
+                }
             }
         }
         if (sb->n_prompt == 0) {
@@ -1030,8 +1091,7 @@ static enum kr_status prepare_generation(struct kr_sess *s, const char *body, si
 
 static enum kr_status prep_json(struct kr_sess *s, json_t *j)
 {
-    s->def_body = j ? json_dumps(j, JSON_COMPACT | JSON_REAL_PRECISION(9)) : NULL;
-    json_decref(j);
+    s->def_body = kr_oai_dump(j); /* whole or NULL (json_dumps may truncate when out of memory) */
     return s->def_body ? KR_OK : prep_oom(s);
 }
 
@@ -1040,9 +1100,10 @@ static enum kr_status prepare_tokenize(struct kr_sess *s, const char *body, size
 {
     const struct kr_sess_env *env = s->env;
     json_error_t je;
-    json_t *root = json_loadb(body, blen, JSON_DECODE_ANY | JSON_ALLOW_NUL, &je);
+    bool oom = false;
+    json_t *root = kr_oai_json_loadb(body, blen, JSON_DECODE_ANY | JSON_ALLOW_NUL, &je, &oom);
     if (!root) {
-        return bad_json(s, &je);
+        return bad_json(s, &je, oom);
     }
     if (!json_is_object(root)) {
         json_decref(root);
@@ -1061,6 +1122,10 @@ static enum kr_status prepare_tokenize(struct kr_sess *s, const char *body, size
     if (json_is_string(prompt)) {
         text = kr_strndup(json_string_value(prompt), json_string_length(prompt));
         len = json_string_length(prompt);
+        if (!text) {
+            json_decref(root);
+            return prep_oom(s);
+        }
     } else if (json_is_array(messages)) {
         add_special = false;
         json_t *agp = json_object_get(root, "add_generation_prompt");
@@ -1094,27 +1159,34 @@ static enum kr_status prepare_tokenize(struct kr_sess *s, const char *body, size
     kr_free(text);
     if (st != KR_OK) {
         json_decref(root);
+        if (st == KR_ERR_NOMEM) {
+            return prep_oom(s);
+        }
         return prep_simple_fail(s, KR_OAI_INVALID, "prompt", err.msg);
     }
-    json_t *out = json_object(), *arr = json_array(), *strs = NULL;
     const bool want_strs = json_is_true(json_object_get(root, "return_token_strs"));
-    if (want_strs) {
-        strs = json_array();
-    }
-    for (int64_t i = 0; i < n; i++) {
-        json_array_append_new(arr, json_integer(ids[i]));
-        if (strs) {
+    json_decref(root);
+    /* every part checked: a missing token would make a whole-looking wrong answer */
+    json_t *out = json_object(), *arr = json_array(), *strs = want_strs ? json_array() : json_null();
+    json_t *const arr_b = arr, *const strs_b = strs; /* borrowed once out holds them */
+    bool ok = out && arr && strs;
+    ok = json_object_set_new(out, "count", json_integer(n)) == 0 && ok;
+    ok = json_object_set_new(out, "max_model_len", json_integer(env->max_model_len)) == 0 && ok;
+    ok = json_object_set_new(out, "tokens", arr) == 0 && ok; /* releases arr when it fails */
+    ok = json_object_set_new(out, "token_strs", strs) == 0 && ok;
+    for (int64_t i = 0; ok && i < n; i++) {
+        ok = json_array_append_new(arr_b, json_integer(ids[i])) == 0;
+        if (ok && want_strs) {
             size_t pl = 0;
             const char *piece = kr_tokenizer_id_to_piece(env->tok, ids[i], &pl);
-            json_array_append_new(strs, piece ? json_stringn(piece, pl) : json_null());
+            ok = json_array_append_new(strs_b, piece ? json_stringn(piece, pl) : json_null()) == 0;
         }
     }
     kr_free(ids);
-    json_object_set_new(out, "count", json_integer(n));
-    json_object_set_new(out, "max_model_len", json_integer(env->max_model_len));
-    json_object_set_new(out, "tokens", arr);
-    json_object_set_new(out, "token_strs", strs ? strs : json_null());
-    json_decref(root);
+    if (!ok) {
+        json_decref(out);
+        return prep_oom(s);
+    }
     return prep_json(s, out);
 }
 
@@ -1123,9 +1195,10 @@ static enum kr_status prepare_detokenize(struct kr_sess *s, const char *body, si
 {
     const struct kr_sess_env *env = s->env;
     json_error_t je;
-    json_t *root = json_loadb(body, blen, JSON_DECODE_ANY, &je);
+    bool oom = false;
+    json_t *root = kr_oai_json_loadb(body, blen, JSON_DECODE_ANY, &je, &oom);
     if (!root) {
-        return bad_json(s, &je);
+        return bad_json(s, &je, oom);
     }
     json_t *toks = json_is_object(root) ? json_object_get(root, "tokens") : NULL;
     if (!json_is_array(toks)) {
@@ -1159,8 +1232,12 @@ static enum kr_status prepare_detokenize(struct kr_sess *s, const char *body, si
         return prep_oom(s);
     }
     json_t *out = json_object();
-    json_object_set_new(out, "prompt", json_stringn(text, len));
+    const bool ok = json_object_set_new(out, "prompt", json_stringn(text, len)) == 0;
     kr_free(text);
+    if (!ok) {
+        json_decref(out);
+        return prep_oom(s);
+    }
     return prep_json(s, out);
 }
 

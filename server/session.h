@@ -103,8 +103,9 @@ struct kr_sess_sink {
     /* One event of the stream: its data, a JSON object (the transport frames it). Returns false
      * when it could not be taken (out of memory); the session sends that text again later. */
     bool (*stream_event)(void *user, const char *json, size_t len);
-    /* The end. After stream_begin: the stream is over (status 200, body NULL; the transport ends
-     * it). Otherwise: the whole answer with its HTTP status (an OpenAI error object from 400 up);
+    /* The end. After stream_begin: the stream is over (body NULL; the transport ends it): status
+     * 200, or 500 when its last event, an error, could not be taken (out of memory): the transport
+     * then sends an out-of-memory error event of its own before the end. Otherwise: the whole answer with its HTTP status (an OpenAI error object from 400 up);
      * body NULL means that building it ran out of memory (the transport answers 500). The body is
      * borrowed for the call. */
     void (*done)(void *user, int status, const char *body, size_t len);

@@ -10,6 +10,18 @@
 static atomic_size_t g_in_use;
 static atomic_uint_fast64_t g_fail_countdown;
 static atomic_int g_fail_sticky;
+static atomic_uint_fast64_t g_failures; /* injected failures so far */
+static atomic_uint_fast64_t g_calls;    /* allocation calls so far */
+static _Thread_local uint64_t t_failed; /* failed allocations on this thread (shielded ones too) */
+static _Thread_local int t_shield;      /* kr_alloc_shield depth on this thread */
+
+/* Counts an injected failure; whether the call returns NULL (not inside a shield). */
+static int injected(void)
+{
+    atomic_fetch_add(&g_failures, 1);
+    t_failed++;
+    return !t_shield;
+}
 
 /* the calling thread's limit (kr_alloc_limit_begin) */
 static _Thread_local struct {
@@ -55,16 +67,37 @@ static int lim_take(size_t grow, size_t shrink)
 
 static int should_fail(void)
 {
+    atomic_fetch_add_explicit(&g_calls, 1, memory_order_relaxed);
     uint_fast64_t c = atomic_load(&g_fail_countdown);
     while (c > 0) {
         if (c == 1 && atomic_load(&g_fail_sticky)) {
-            return 1; /* stays at 1: every later call fails too */
+            return injected(); /* stays at 1: every later call fails too */
         }
         if (atomic_compare_exchange_weak(&g_fail_countdown, &c, c - 1)) {
-            return c == 1;
+            return c == 1 && injected();
         }
     }
     return 0;
+}
+
+uint64_t kr_alloc_failures(void)
+{
+    return atomic_load(&g_failures);
+}
+
+uint64_t kr_alloc_thread_failures(void)
+{
+    return t_failed;
+}
+
+void kr_alloc_shield(int on)
+{
+    t_shield += on ? 1 : -1;
+}
+
+uint64_t kr_alloc_calls(void)
+{
+    return atomic_load_explicit(&g_calls, memory_order_relaxed);
 }
 
 void kr_alloc_fail_at(uint64_t n, int sticky)
@@ -80,12 +113,17 @@ size_t kr_alloc_bytes_in_use(void)
 
 void *kr_malloc(size_t n)
 {
-    if (should_fail() || n > SIZE_MAX - KR_ALLOC_HDR || !lim_take(n, 0)) {
+    if (should_fail()) {
+        return NULL;
+    }
+    if (n > SIZE_MAX - KR_ALLOC_HDR || !lim_take(n, 0)) {
+        t_failed++;
         return NULL;
     }
     unsigned char *p = malloc(n + KR_ALLOC_HDR);
     if (!p) {
         lim_take(0, n);
+        t_failed++;
         return NULL;
     }
     memcpy(p, &n, sizeof n);
@@ -96,6 +134,7 @@ void *kr_malloc(size_t n)
 void *kr_calloc(size_t count, size_t size)
 {
     if (size && count > SIZE_MAX / size) {
+        t_failed++;
         return NULL;
     }
     void *p = kr_malloc(count * size);
@@ -110,18 +149,24 @@ void *kr_realloc(void *p, size_t n)
     if (!p) {
         return kr_malloc(n);
     }
-    if (should_fail() || n > SIZE_MAX - KR_ALLOC_HDR) {
+    if (should_fail()) {
+        return NULL;
+    }
+    if (n > SIZE_MAX - KR_ALLOC_HDR) {
+        t_failed++;
         return NULL;
     }
     unsigned char *base = (unsigned char *)p - KR_ALLOC_HDR;
     size_t old;
     memcpy(&old, base, sizeof old);
     if (!lim_take(n, old)) {
+        t_failed++;
         return NULL;
     }
     unsigned char *q = realloc(base, n + KR_ALLOC_HDR);
     if (!q) {
         lim_take(old, n);
+        t_failed++;
         return NULL;
     }
     memcpy(q, &n, sizeof n);

@@ -97,7 +97,7 @@ static enum kr_status call_macro(struct ev *e, const struct node *m, const struc
     e->depth--;
     e->out = saved;
     if (st == KR_OK) {
-        *out = ct_mk_str(e, buf.p ? buf.p : "", buf.len);
+        *out = ct_mk_str_buf(e, &buf);
         st = out->t == V_STR ? KR_OK : ct_oom(e);
     }
     kr_bs_free(&buf);
@@ -407,7 +407,7 @@ enum kr_status ct_call_func(struct ev *e, const struct func *f, const struct arg
             }
             kr_bs_append(&b, items->v[i].u.s->s, items->v[i].u.s->len);
         }
-        *out = ct_mk_str(e, b.p ? b.p : "", b.len);
+        *out = ct_mk_str_buf(e, &b);
         kr_bs_free(&b);
         return KR_OK;
     }
@@ -564,7 +564,7 @@ enum kr_status ct_apply_filter(struct ev *e, const char *name, struct value v, c
         o.sort_keys = sk && ct_truthy(*sk);
         struct kr_buf_s b = {0};
         if ((st = ct_to_json(e, v, &o, 0, &b)) == KR_OK) {
-            *out = ct_mk_str(e, b.p ? b.p : "", b.len);
+            *out = ct_mk_str_buf(e, &b);
         }
         kr_bs_free(&b);
         return st;
@@ -613,7 +613,7 @@ enum kr_status ct_apply_filter(struct ev *e, const char *name, struct value v, c
                 kr_bs_putc(&b, c);
             }
         }
-        *out = ct_mk_str(e, b.p ? b.p : "", b.len);
+        *out = ct_mk_str_buf(e, &b);
         kr_bs_free(&b);
         return KR_OK;
     }
@@ -687,7 +687,7 @@ enum kr_status ct_apply_filter(struct ev *e, const char *name, struct value v, c
             i = end + 1;
             line++;
         }
-        *out = ct_mk_str(e, b.p ? b.p : "", b.len);
+        *out = ct_mk_str_buf(e, &b);
         kr_bs_free(&b);
         return KR_OK;
     }
@@ -739,7 +739,7 @@ enum kr_status ct_apply_filter(struct ev *e, const char *name, struct value v, c
             ct_py_str(it, &b, false);
         }
         if (st == KR_OK) {
-            *out = ct_mk_str(e, b.p ? b.p : "", b.len);
+            *out = ct_mk_str_buf(e, &b);
         }
         kr_bs_free(&b);
         return st;
@@ -760,7 +760,7 @@ enum kr_status ct_apply_filter(struct ev *e, const char *name, struct value v, c
             for (size_t i = items->n; i-- > 0;) {
                 kr_bs_append(&b, items->v[i].u.s->s, items->v[i].u.s->len);
             }
-            *out = ct_mk_str(e, b.p ? b.p : "", b.len);
+            *out = ct_mk_str_buf(e, &b);
             kr_bs_free(&b);
             return KR_OK;
         }

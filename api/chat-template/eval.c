@@ -162,7 +162,7 @@ static enum kr_status slice(struct ev *e, struct value obj, struct value va, str
         }
     }
     if (is_str) {
-        r = ct_mk_str(e, b.p ? b.p : "", b.len);
+        r = ct_mk_str_buf(e, &b);
         kr_bs_free(&b);
         if (r.t != V_STR) {
             return ct_oom(e);
@@ -229,7 +229,7 @@ enum kr_status ct_arith(struct ev *e, int op, struct value a, struct value b, st
         struct kr_buf_s s = {0};
         kr_bs_append(&s, a.u.s->s, a.u.s->len);
         kr_bs_append(&s, b.u.s->s, b.u.s->len);
-        *out = ct_mk_str(e, s.p ? s.p : "", s.len);
+        *out = ct_mk_str_buf(e, &s);
         kr_bs_free(&s);
         return out->t == V_STR ? KR_OK : ct_oom(e);
     }
@@ -255,7 +255,7 @@ enum kr_status ct_arith(struct ev *e, int op, struct value a, struct value b, st
             for (int64_t i = 0; i < k; i++) {
                 kr_bs_append(&s, a.u.s->s, a.u.s->len);
             }
-            *out = ct_mk_str(e, s.p ? s.p : "", s.len);
+            *out = ct_mk_str_buf(e, &s);
             kr_bs_free(&s);
             return out->t == V_STR ? KR_OK : ct_oom(e);
         }
@@ -296,7 +296,7 @@ enum kr_status ct_arith(struct ev *e, int op, struct value a, struct value b, st
                 return ct_rt_err(e, "unsupported string formatting");
             }
         }
-        *out = ct_mk_str(e, s.p ? s.p : "", s.len);
+        *out = ct_mk_str_buf(e, &s);
         kr_bs_free(&s);
         return KR_OK;
     }
@@ -591,7 +591,7 @@ enum kr_status ct_eval(struct ev *e, const struct node *nd, struct value *out)
             struct kr_buf_s s = {0};
             ct_py_str(a, &s, false);
             ct_py_str(b, &s, false);
-            *out = ct_mk_str(e, s.p ? s.p : "", s.len);
+            *out = ct_mk_str_buf(e, &s);
             kr_bs_free(&s);
             return out->t == V_STR ? KR_OK : ct_oom(e);
         }
@@ -785,7 +785,7 @@ static enum kr_status exec_node(struct ev *e, const struct node *nd, struct scop
         st = ct_exec_body(e, nd->b, sc, flow);
         e->out = out;
         if (st == KR_OK) {
-            v = ct_mk_str(e, buf.p ? buf.p : "", buf.len);
+            v = ct_mk_str_buf(e, &buf);
             if (nd->c) { /* filters applied to the captured text */
                 const struct node *saved_inj = e->inject_node;
                 struct value saved_val = e->inject_val;
@@ -898,6 +898,12 @@ enum kr_status kr_chat_template_render(const struct kr_chat_template *tpl, const
     }
     enum flow flow = FLOW_NORMAL;
     if ((st = kr_bs_reserve(&buf, 0)) != KR_OK || (st = ct_exec_body(&e, tpl->body, &root, &flow)) != KR_OK) {
+        goto done;
+    }
+    if (e.arena.failed || buf.oom) {
+        /* an allocation failed where its result was not checked (a string that came out undefined, a
+         * piece of the output): the text would silently lack something */
+        st = ct_oom(&e);
         goto done;
     }
     *out = buf.p;

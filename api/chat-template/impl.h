@@ -33,6 +33,8 @@ struct achunk {
 struct arena {
     struct achunk *head;
     size_t total;
+    bool failed; /* an allocation of the render failed (memory, or MAX_BYTES): what it was for is
+                    missing, so the render fails even where the failure was not noticed */
 };
 
 /* ==== values ==================================================================================== */
@@ -220,6 +222,9 @@ void *ct_a_alloc(struct arena *a, size_t n);
 void ct_a_free(struct arena *a);
 enum kr_status ct_rt_err(struct ev *e, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 enum kr_status ct_oom(struct ev *e);
+/* A string of b's contents, or V_UNDEF (and the arena marked failed) when b lost an append. b is
+ * left to the caller. */
+struct value ct_mk_str_buf(struct ev *e, const struct kr_buf_s *b);
 struct value ct_mk_str(struct ev *e, const char *s, size_t n);
 struct value ct_mk_list(struct ev *e, enum vt t, size_t cap);
 bool ct_list_push(struct ev *e, struct list *l, struct value v);

@@ -22,10 +22,12 @@ void *ct_a_alloc(struct arena *a, size_t n)
     if (!a->head || a->head->cap - a->head->used < n) {
         size_t cap = n > 32768 ? n : 32768;
         if (a->total + cap > MAX_BYTES) {
+            a->failed = true;
             return NULL;
         }
         struct achunk *c = kr_malloc(sizeof(*c) + cap);
         if (!c) {
+            a->failed = true;
             return NULL;
         }
         c->next = a->head;
@@ -79,6 +81,15 @@ struct value ct_mk_str(struct ev *e, const char *s, size_t n)
     }
     j->s[n] = '\0';
     return (struct value){.t = V_STR, .u.s = j};
+}
+
+struct value ct_mk_str_buf(struct ev *e, const struct kr_buf_s *b)
+{
+    if (b->oom) {
+        e->arena.failed = true;
+        return v_undef();
+    }
+    return ct_mk_str(e, b->p ? b->p : "", b->len);
 }
 
 struct value ct_mk_list(struct ev *e, enum vt t, size_t cap)
@@ -357,7 +368,7 @@ struct value ct_to_str(struct ev *e, struct value v)
     }
     struct kr_buf_s b = {0};
     ct_py_str(v, &b, false);
-    struct value r = ct_mk_str(e, b.p ? b.p : "", b.len);
+    struct value r = ct_mk_str_buf(e, &b);
     kr_bs_free(&b);
     return r;
 }
@@ -599,6 +610,9 @@ enum kr_status ct_to_json(struct ev *e, struct value v, const struct json_opts *
                 } else if (k.t == V_INT || k.t == V_FLOAT || k.t == V_BOOL || k.t == V_NONE) {
                     struct kr_buf_s kb = {0};
                     st = ct_to_json(e, k, o, level + 1, &kb);
+                    if (st == KR_OK && kb.oom) {
+                        st = ct_oom(e);
+                    }
                     json_str(kb.p ? kb.p : "", kb.len, b);
                     kr_bs_free(&kb);
                 } else {
@@ -717,7 +731,7 @@ struct value ct_map_case(struct ev *e, const struct jstr *s, int mode /* 0 lower
         prev_cased = cased;
         kr_bs_put_cp(&b, o);
     }
-    struct value r = ct_mk_str(e, b.p ? b.p : "", b.len);
+    struct value r = ct_mk_str_buf(e, &b);
     kr_bs_free(&b);
     return r;
 }
@@ -765,7 +779,7 @@ struct value ct_str_replace(struct ev *e, const struct jstr *s, const struct jst
         }
         kr_bs_append(&b, s->s + i, s->len - i);
     }
-    struct value r = ct_mk_str(e, b.p ? b.p : "", b.len);
+    struct value r = ct_mk_str_buf(e, &b);
     kr_bs_free(&b);
     return r;
 }

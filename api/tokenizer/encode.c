@@ -307,7 +307,7 @@ static enum kr_status bpe_word(const struct kr_tokenizer *t, struct bpe_scratch 
             if (is_last && t->eow_suffix) {
                 kr_bs_append(&w->sbuf, t->eow_suffix, t->eow_suffix_len);
             }
-            if (!w->sbuf.p) {
+            if (w->sbuf.oom || !w->sbuf.p) { /* a key missing a piece would find another token */
                 return KR_ERR_NOMEM;
             }
             key = w->sbuf.p;

@@ -708,8 +708,9 @@ static enum kr_status load_bpe(struct kr_tokenizer *t, const json_t *model, stru
                               "continuing_subword_prefix", i, (int)(lb > 64 ? 64 : lb), b);
         }
         kr_bs_append(&cat, b + skip, lb - skip);
-        if (!cat.p) {
-            return KR_ERR_NOMEM;
+        if (cat.oom || !cat.p) { /* a merged token missing a piece would be refused, or be another */
+            kr_bs_free(&cat);
+            return kr_err_set(err, KR_ERR_NOMEM, "tokenizer.json: out of memory building the merges");
         }
         if (!tok_smap_get(&t->vocab, a, la, &ia) || !tok_smap_get(&t->vocab, b, lb, &ib) ||
             !tok_smap_get(&t->vocab, cat.p, cat.len, &inew)) {
@@ -991,7 +992,18 @@ static enum kr_status parse_json(const char *text, size_t len, const char *name,
                                  struct kr_err *err)
 {
     json_error_t je;
+    const uint64_t failed = kr_alloc_thread_failures();
+    kr_alloc_shield(1); /* jansson's lexer overflows its buffer when a growth fails (kr_alloc_shield) */
     *out = json_loadb(text, len, JSON_ALLOW_NUL | flags, &je);
+    kr_alloc_shield(0);
+    /* jansson 2.14 reports some failed allocations as syntax errors, and drops the byte it was saving
+     * when a string buffer cannot grow (a parse that succeeds with a damaged string): the allocations
+     * that failed on this thread decide (kr_oai_json_loadb) */
+    if (kr_alloc_thread_failures() != failed || (!*out && json_error_code(&je) == json_error_out_of_memory)) {
+        json_decref(*out);
+        *out = NULL;
+        return kr_err_set(err, KR_ERR_NOMEM, "%s: out of memory while parsing", name);
+    }
     if (!*out) {
         return kr_err_set(err, KR_ERR_FORMAT, "%s: line %d column %d: %s", name, je.line, je.column, je.text);
     }
@@ -1163,7 +1175,14 @@ enum kr_status kr_tokenizer_load(const char *path, const char *config_path, stru
     st = KR_OK;
 fail:
     if (st == KR_ERR_NOMEM) {
-        kr_err_set(err, st, "tokenizer: out of memory");
+        /* what ran out, named by the step that found it, else where */
+        if (err && err->msg[0]) {
+            if (!strstr(err->msg, path)) {
+                kr_err_prefix(err, "%s", path);
+            }
+        } else {
+            kr_err_set(err, st, "%s: out of memory while loading the tokenizer", path);
+        }
     }
     kr_free(dir);
     kr_free(tok_path);

@@ -46,6 +46,10 @@ void tok_pcre_free(void *p, void *ud)
     kr_free(p);
 }
 
+/* pcre2_compile's error code for "failed to allocate heap memory" (ERR21 in PCRE2's sources; the
+ * public header names no compile error). */
+#define PCRE2_COMPILE_ERROR_NOMEMORY 121
+
 /* Oniguruma's Unicode meaning of the classes whose PCRE2 (UCP) meaning differs. */
 #define ONIG_SPACE "\\t-\\r\\x{20}\\x{85}\\x{a0}\\x{1680}\\x{2000}-\\x{200a}\\x{2028}\\x{2029}\\x{202f}\\x{205f}\\x{3000}"
 #define ONIG_WORD "\\p{L}\\p{M}\\p{Nd}\\p{Pc}"
@@ -61,10 +65,13 @@ static struct {
     uint8_t cat; /* utf8proc category */
 } g_new_ranges[NEW_RANGES_MAX];
 static size_t g_n_new_ranges;
-static pthread_once_t g_new_once = PTHREAD_ONCE_INIT;
+static bool g_new_done; /* the table is complete (a search that ran out of memory is redone) */
+static pthread_mutex_t g_new_mu = PTHREAD_MUTEX_INITIALIZER;
 
-static void find_new_chars(void)
+/* Fills the table; false when memory ran out (the table is then incomplete). */
+static bool find_new_chars(void)
 {
+    g_n_new_ranges = 0;
     /* All code points that utf8proc assigns, one after the other, searched for \p{Cn}. */
     struct kr_buf_s all = {0};
     for (uint32_t cp = 0; cp <= 0x10FFFF; cp++) {
@@ -73,7 +80,7 @@ static void find_new_chars(void)
         }
         if (kr_bs_put_cp(&all, cp) != KR_OK) {
             kr_bs_free(&all);
-            return;
+            return false;
         }
     }
     int ec;
@@ -83,8 +90,9 @@ static void find_new_chars(void)
     pcre2_code *re = cc ? pcre2_compile((PCRE2_SPTR) "\\p{Cn}", PCRE2_ZERO_TERMINATED, PCRE2_UTF, &ec, &eo, cc) : NULL;
     pcre2_match_data *md = re ? pcre2_match_data_create(1, gc) : NULL;
     size_t off = 0;
+    int rc = 0;
     while (md && off < all.len &&
-           pcre2_match(re, (PCRE2_SPTR)all.p, all.len, off, PCRE2_NO_UTF_CHECK, md, NULL) > 0) {
+           (rc = pcre2_match(re, (PCRE2_SPTR)all.p, all.len, off, PCRE2_NO_UTF_CHECK, md, NULL)) > 0) {
         PCRE2_SIZE at = pcre2_get_ovector_pointer(md)[0];
         uint32_t cp;
         size_t l = kr_utf8_next(all.p + at, &cp);
@@ -99,11 +107,26 @@ static void find_new_chars(void)
         }
         off = at + l;
     }
+    const bool done = md && (off >= all.len || rc == PCRE2_ERROR_NOMATCH);
     pcre2_match_data_free(md);
     pcre2_code_free(re);
     pcre2_compile_context_free(cc);
     pcre2_general_context_free(gc);
     kr_bs_free(&all);
+    return done;
+}
+
+/* The table, computed once per process; KR_ERR_NOMEM when that ran out of memory (tried again by
+ * the next call: a table left incomplete would change what \p{..} matches for the process's life). */
+static enum kr_status new_chars_ready(void)
+{
+    pthread_mutex_lock(&g_new_mu);
+    if (!g_new_done) {
+        g_new_done = find_new_chars();
+    }
+    const bool done = g_new_done;
+    pthread_mutex_unlock(&g_new_mu);
+    return done ? KR_OK : KR_ERR_NOMEM;
 }
 
 /* First letters of the utf8proc categories, indexed by category. */
@@ -235,19 +258,24 @@ static char *onig_to_pcre(const char *src, size_t n, bool props)
     if (!b.p) {
         kr_bs_reserve(&b, 0);
     }
+    if (b.oom) { /* a pattern missing a piece would compile to another regex */
+        kr_bs_free(&b);
+    }
     return b.p;
 }
 
 enum kr_status tok_compile_regex(struct kr_tokenizer *t, const char *src, size_t n, pcre2_code **out,
                                  const char *where, struct kr_err *err)
 {
-    pthread_once(&g_new_once, find_new_chars);
+    if (new_chars_ready() != KR_OK) {
+        return kr_err_set(err, KR_ERR_NOMEM, "tokenizer.json: %s: out of memory preparing the regex tables", where);
+    }
     /* pass 1: \s \w \h; pass 2: \p{..} (including those pass 1 wrote) */
     char *pat1 = onig_to_pcre(src, n, false);
     char *pat = pat1 ? onig_to_pcre(pat1, strlen(pat1), true) : NULL;
     kr_free(pat1);
     if (!pat) {
-        return KR_ERR_NOMEM;
+        return kr_err_set(err, KR_ERR_NOMEM, "tokenizer.json: %s: out of memory translating a regex", where);
     }
     pcre2_compile_context *cc = pcre2_compile_context_create(t->gctx);
     int ec = 0;
@@ -257,6 +285,9 @@ enum kr_status tok_compile_regex(struct kr_tokenizer *t, const char *src, size_t
                         : NULL;
     pcre2_compile_context_free(cc);
     kr_free(pat);
+    if (!cc || (!re && ec == PCRE2_COMPILE_ERROR_NOMEMORY)) {
+        return kr_err_set(err, KR_ERR_NOMEM, "tokenizer.json: %s: out of memory compiling a regex", where);
+    }
     if (!re) {
         PCRE2_UCHAR msg[256];
         pcre2_get_error_message(ec, msg, sizeof(msg));

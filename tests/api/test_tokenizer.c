@@ -3,6 +3,7 @@
 #include "tokenizer.h"
 
 #include "alloc.h"
+#include "clock.h"
 #include "unicode.h"
 
 #include <criterion/criterion.h>
@@ -333,4 +334,89 @@ Test(tokenizer, lookups_follow_the_files)
     cr_expect_eq(kr_tokenizer_piece_to_id(t, "<｜end▁of▁sentence｜>", strlen("<｜end▁of▁sentence｜>")), 1);
     cr_expect_not_null(kr_tokenizer_chat_template(t));
     kr_tokenizer_free(t);
+}
+
+/* ---- allocation failures ------------------------------------------------------------------------ */
+
+/* SQLite's OOM loop over tokenizer loads: the N-th allocation of a load fails (once, or from there
+ * on), until a load completes without reaching it. A failure must be KR_ERR_NOMEM saying out of
+ * memory and naming the directory, with nothing left allocated; a load that absorbed a failure
+ * (the PCRE2 JIT falls back to the interpreter) must tokenize as the clean one does. jansson
+ * allocates with malloc here, so the points are krait's own (reading the files, the vocabulary,
+ * merges, added tokens, regexes, normalizer, decoder); `krait serve` also routes jansson's parse
+ * through the hook, shielded from injection (kr_alloc_shield; test_faults covers it). The walk
+ * takes every point up to `dense`, then every `stride`-th. Returns the point at which the load
+ * completed. */
+static uint64_t oom_walk(const char *dir, uint64_t dense, uint64_t stride, bool sticky_too)
+{
+    static const char text[] = "Hello world! ¿Qué tal? 12345 \t tabs\nand  spaces 世界 🙂";
+    const double t_start = kr_clock_s();
+    struct kr_tokenizer *ref = load_tok(dir);
+    int32_t *want = NULL;
+    int64_t n_want = 0;
+    struct kr_err err = {0};
+    cr_assert_eq(kr_tokenizer_encode(ref, text, strlen(text), true, &want, &n_want, &err), KR_OK, "%s", err.msg);
+    kr_tokenizer_free(ref);
+    const uint64_t c0 = kr_alloc_calls();
+    ref = load_tok(dir);
+    const uint64_t total = kr_alloc_calls() - c0;
+    kr_tokenizer_free(ref);
+    const size_t base = kr_alloc_bytes_in_use();
+    uint64_t done_at = 0;
+    for (int sticky = 0; sticky < (sticky_too ? 2 : 1); sticky++) {
+        for (uint64_t n = 1;; n += n < dense ? 1 : stride) {
+            cr_assert_lt(n, total + stride + 1, "%s: never loaded", dir);
+            struct kr_tokenizer *t = NULL;
+            memset(&err, 0, sizeof err);
+            const uint64_t f0 = kr_alloc_failures();
+            kr_alloc_fail_at(n, sticky);
+            const enum kr_status st = kr_tokenizer_load(dir, NULL, &t, &err);
+            kr_alloc_fail_at(0, 0);
+            const bool fired = kr_alloc_failures() != f0;
+            if (st == KR_OK) {
+                int32_t *ids = NULL;
+                int64_t n_ids = 0;
+                cr_assert_eq(kr_tokenizer_encode(t, text, strlen(text), true, &ids, &n_ids, &err), KR_OK);
+                cr_assert(n_ids == n_want && !memcmp(ids, want, (size_t)n_ids * sizeof *ids),
+                          "%s: loaded although allocation %llu failed, and tokenizes differently", dir,
+                          (unsigned long long)n);
+                kr_free(ids);
+                kr_tokenizer_free(t);
+                cr_assert_eq(kr_alloc_bytes_in_use(), base);
+                if (!fired) {
+                    done_at = n;
+                    break;
+                }
+                continue;
+            }
+            cr_assert(fired, "%s: failed without an injected failure: %s", dir, err.msg);
+            cr_assert_eq(st, KR_ERR_NOMEM, "%s, allocation %llu: status %d: %s", dir, (unsigned long long)n, st,
+                         err.msg);
+            cr_assert(strstr(err.msg, "out of memory") && strstr(err.msg, dir),
+                      "%s, allocation %llu: the message names neither: \"%s\"", dir, (unsigned long long)n, err.msg);
+            cr_assert_null(t);
+            cr_assert_eq(kr_alloc_bytes_in_use(), base, "%s, allocation %llu: %lld bytes left", dir,
+                         (unsigned long long)n, (long long)(kr_alloc_bytes_in_use() - base));
+        }
+    }
+    kr_free(want);
+    cr_log_info("%s: %llu allocations; loaded at allocation %llu (%.1f s)", dir, (unsigned long long)total,
+                (unsigned long long)done_at, kr_clock_s() - t_start);
+    return done_at;
+}
+
+Test(tokenizer, every_allocation_failure_of_a_load_is_a_named_error)
+{
+    static const char *const synth[] = {"bert_pretok",     "bytelevel_prefix", "metaspace_first",
+                                        "metaspace_never", "split_empty",      "split_invert",
+                                        "split_merged",    "subword",          "whitespace"};
+    char dir[256];
+    for (size_t i = 0; i < sizeof synth / sizeof synth[0]; i++) {
+        snprintf(dir, sizeof dir, "%s/synth/%s", FIX, synth[i]);
+        oom_walk(dir, UINT64_MAX, 1, true);
+    }
+    oom_walk(FIX "/llama2", UINT64_MAX, 1, true);
+    /* the embedded model's (a load takes about 0.8 s under the sanitizers): every point up to 16,
+     * then every 37th */
+    oom_walk(FIX "/deepseek_v3", 16, 37, false);
 }

@@ -4,6 +4,7 @@
  * what was expected. */
 #include "ckpt-writer.h"
 
+#include "alloc.h"
 #include "cache.h"
 #include "model.h"
 #include "runner.h"
@@ -467,4 +468,58 @@ Test(loader, rejects_an_unsupported_rope_type)
 {
     copy_fixture_edit("deepseek_v32/ds_yarn", "config.json", "\"yarn\"", "\"llama3\"");
     expect_error(KR_ERR_UNSUPPORTED, "rope_type", "llama3");
+}
+
+/* ---- allocation failures ------------------------------------------------------------------------ */
+
+/* SQLite's OOM loop over whole loads: the N-th allocation of a load fails (once, then from there
+ * on), N = 1, 2, ... until a load completes without reaching it. Every failure must be a load
+ * error that says out of memory and names the checkpoint, leave nothing allocated, and never
+ * yield a model (a load that absorbed a failure would serve a damaged one); the embedded model
+ * and one checkpoint of each fixture family. */
+Test(loader, every_allocation_failure_is_a_named_load_error)
+{
+    static const char *const dirs[] = {
+        KR_FIXTURES "/../../models/tiny-hybrid",
+        KR_FIXTURES "/nemotron_h/nh_moe",
+        KR_FIXTURES "/hybrid/hy_mdme",
+        KR_FIXTURES "/deepseek_v32/ds_short",
+    };
+    kr_backend_t be = kr_backend_cpu_create(1);
+    cr_assert(be);
+    const size_t base = kr_alloc_bytes_in_use();
+    for (size_t d = 0; d < sizeof dirs / sizeof dirs[0]; d++) {
+        for (int sticky = 0; sticky < 2; sticky++) {
+            uint64_t n = 1;
+            for (;; n++) {
+                cr_assert_lt(n, 100000, "%s: never loaded", dirs[d]);
+                struct kr_model *m = NULL;
+                struct kr_err err = {0};
+                const uint64_t f0 = kr_alloc_failures();
+                kr_alloc_fail_at(n, sticky);
+                const enum kr_status st = kr_model_load(dirs[d], be, &m, &err);
+                kr_alloc_fail_at(0, 0);
+                const bool fired = kr_alloc_failures() != f0;
+                if (st == KR_OK) {
+                    cr_assert(!fired, "%s: loaded although allocation %llu failed", dirs[d], (unsigned long long)n);
+                    cr_expect_gt(m->n_params, 0);
+                    kr_model_free(m);
+                    cr_assert_eq(kr_alloc_bytes_in_use(), base);
+                    break;
+                }
+                cr_assert(fired, "%s: failed without an injected failure: %s", dirs[d], err.msg);
+                cr_assert_eq(st, KR_ERR_NOMEM, "%s, allocation %llu: status %d: %s", dirs[d], (unsigned long long)n,
+                             st, err.msg);
+                cr_assert(strstr(err.msg, "out of memory") && strstr(err.msg, dirs[d]),
+                          "%s, allocation %llu: the message names neither: \"%s\"", dirs[d], (unsigned long long)n,
+                          err.msg);
+                cr_assert_null(m);
+                cr_assert_eq(kr_alloc_bytes_in_use(), base, "%s, allocation %llu: %lld bytes left", dirs[d],
+                             (unsigned long long)n, (long long)(kr_alloc_bytes_in_use() - base));
+            }
+            cr_log_info("%s (%s): loaded at allocation %llu", dirs[d], sticky ? "sticky" : "once",
+                        (unsigned long long)n);
+        }
+    }
+    kr_backend_free(be);
 }
