@@ -91,7 +91,7 @@ static void teardown(void)
     curl_global_cleanup();
 }
 
-TestSuite(faults, .init = setup, .fini = teardown, .timeout = 300);
+TestSuite(faults, .init = setup, .fini = teardown, .timeout = 900); /* the shutdown walks start a server per point */
 
 /* ---- the server, in this process --------------------------------------------------------------- */
 
