@@ -146,6 +146,8 @@ struct kr_engine {
     int32_t cap_masks;
     int32_t *row_mask;             /* [cap_row_mask] per output row: its row of masks, or -1 */
     int32_t cap_row_mask;
+    uint64_t n_masks;              /* masks made, and the host time spent on them (µs) */
+    double mask_us;
     /* events held back while the device works (see emit) */
     bool defer_events;
     struct pending_ev *outbox;

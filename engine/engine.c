@@ -407,6 +407,8 @@ static void *engine_main(void *arg)
         e->stats.prompt_tokens = e->prompt_tokens;
         e->stats.generation_tokens = e->gen_tokens;
         e->stats.steps = e->steps;
+        e->stats.masks = e->n_masks;
+        e->stats.mask_us_total = e->mask_us;
         e->stats.slots_free = e->cache->n_free_slots;
         e->stats.blocks_free = e->cache->n_free_blocks;
         if (e->cache->prefix) {

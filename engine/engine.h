@@ -184,6 +184,8 @@ struct kr_engine_stats {
     double step_gap_us_total;   /* host time between back-to-back steps: from a step's results being back
                                    (sampled ids or logits on the host) to the next step's launch (µs) */
     uint64_t step_gaps;         /* steps that followed another at once (what step_gap_us_total sums over) */
+    uint64_t masks;             /* allowed-token masks made for constrained rows (constrained decoding) */
+    double mask_us_total;       /* host time spent making them (µs) */
     bool prefix_caching;
     uint64_t prefix_queries;    /* prompt tokens looked up in the prefix cache */
     uint64_t prefix_hits;       /* of those, tokens found (not computed again) */

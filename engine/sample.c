@@ -96,6 +96,7 @@ void eng_fill_step_masks(struct kr_engine *e, struct seq **seqs, const int32_t *
     for (int32_t i = 0; i < n; i++) {
         n_con += seqs[i]->req->con.iface != NULL && seqs[i]->state != KR_SEQ_DONE;
     }
+    const double t0 = n_con > 0 ? kr_clock_us() : 0.0;
     if (ensure_masks(e, n_out, n_con) != KR_OK) {
         for (int32_t i = 0; i < n; i++) {
             if (seqs[i]->req->con.iface && seqs[i]->state != KR_SEQ_DONE) {
@@ -127,6 +128,10 @@ void eng_fill_step_masks(struct kr_engine *e, struct seq **seqs, const int32_t *
             continue;
         }
         e->row_mask[rows[i]] = k++;
+    }
+    if (n_con > 0) {
+        e->n_masks += (uint64_t)n_con;
+        e->mask_us += kr_clock_us() - t0;
     }
 }
 
@@ -211,9 +216,12 @@ void eng_sample_and_emit(struct kr_engine *e, struct seq *s, const float *logits
     const struct kr_model_config *c = &e->m->cfg;
     if (r->con.iface && !mask) {
         struct kr_err err = {0};
+        const double t0 = kr_clock_us();
         uint32_t *spare = ensure_masks(e, 0, 0) == KR_OK ? e->masks + (size_t)e->cap_masks * (size_t)e->mask_words
                                                          : NULL;
         const enum kr_status st = spare ? seq_mask(e, s, spare, &err) : KR_ERR_NOMEM;
+        e->n_masks++;
+        e->mask_us += kr_clock_us() - t0;
         if (st != KR_OK) {
             char msg[sizeof err.msg + 32];
             snprintf(msg, sizeof msg, "constrained decoding: %s", err.msg[0] ? err.msg : kr_status_str(st));

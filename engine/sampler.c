@@ -501,23 +501,28 @@ static enum kr_status select_token(float temperature, int32_t top_k, float top_p
     return KR_OK;
 }
 
-/* Copies the row into v with the tokens the mask leaves out at -inf, a word at a time (whole
- * words of allowed tokens, the common case inside a grammar's free text, cost one compare). */
+/* Copies the row into v with the tokens the mask leaves out at -inf, a word (32 ids) at a time:
+ * a whole word of allowed tokens is copied and a whole masked word filled without looking at its
+ * bits (both loops vectorize), so that a grammar's mask, mostly such words, costs about what the
+ * plain copy costs. */
 static void copy_masked(float *v, const float *logits, const uint32_t *mask, int64_t vocab)
 {
-    memcpy(v, logits, (size_t)vocab * sizeof(float));
     if (!mask) {
+        memcpy(v, logits, (size_t)vocab * sizeof(float));
         return;
     }
     for (int64_t w = 0; w * 32 < vocab; w++) {
         const uint32_t m = mask[w];
+        const int64_t i0 = w * 32, n = i0 + 32 < vocab ? 32 : vocab - i0;
         if (m == 0xffffffffu) {
-            continue;
-        }
-        const int64_t end = w * 32 + 32 < vocab ? w * 32 + 32 : vocab;
-        for (int64_t i = w * 32; i < end; i++) {
-            if (!((m >> (i & 31)) & 1u)) {
-                v[i] = -INFINITY;
+            memcpy(v + i0, logits + i0, (size_t)n * sizeof(float));
+        } else if (m == 0) {
+            for (int64_t i = 0; i < n; i++) {
+                v[i0 + i] = -INFINITY;
+            }
+        } else {
+            for (int64_t i = 0; i < n; i++) {
+                v[i0 + i] = (m >> i) & 1u ? logits[i0 + i] : -INFINITY;
             }
         }
     }

@@ -544,6 +544,9 @@ Test(structured, a_batch_mixing_constrained_and_free_requests)
         running = metric(&S, "krait:num_requests_running");
     }
     cr_expect_eq(running, 0, "requests still running");
+    /* one mask per constrained token at least, and their host time */
+    cr_expect_geq(metric(&S, "krait:structured_output_mask_seconds_count"), 8);
+    cr_expect_gt(metric(&S, "krait:structured_output_mask_seconds_sum"), 0);
     free_calls(c, N);
 }
 
