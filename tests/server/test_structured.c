@@ -601,8 +601,9 @@ Test(structured, invalid_constraints_are_400_naming_the_field)
 }
 
 /* Without the tokenizer (--skip-tokenizer-init) there are no token bytes to constrain: a 400 that
- * says why, naming the field. */
-Test(structured_flags, skip_tokenizer_init_refuses_constraints, .timeout = 300)
+ * says why, naming the field. (A server of its own beside the suite's: a suite of this one test run
+ * beside the others made Criterion's parallel runner leak 48 bytes at exit under LeakSanitizer.) */
+Test(structured, skip_tokenizer_init_refuses_constraints)
 {
     struct srv_proc p;
     srv_start(&p, MODEL, "--skip-tokenizer-init", NULL);
