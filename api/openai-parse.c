@@ -729,23 +729,11 @@ static enum kr_status parse_logit_bias(struct kr_oai_request *r, struct kr_oai_e
 }
 
 /* Fields krait does not implement are refused with a 400 naming them rather than ignored, where
- * ignoring would change what the client gets: response_format other than text (no constrained
- * decoding), a non-empty suffix (no insertion), best_of beyond n (no best-of-n ranking). */
+ * ignoring would change what the client gets: a non-empty suffix (no insertion), best_of beyond n
+ * (no best-of-n ranking). */
 static enum kr_status parse_unsupported(struct kr_oai_request *r, struct kr_oai_error *e)
 {
     const json_t *o = r->root;
-    const json_t *rf = opt_get(o, "response_format");
-    if (rf) {
-        const json_t *t = json_is_object(rf) ? json_object_get(rf, "type") : NULL;
-        if (!t || !json_is_string(t)) {
-            return bad(e, "response_format", "'response_format' must be an object with a string 'type'");
-        }
-        if (strcmp(json_string_value(t), "text") != 0) {
-            return bad(e, "response_format",
-                       "response_format type '%.32s' is not supported (no constrained decoding); use 'text'",
-                       json_string_value(t));
-        }
-    }
     const char *suffix = NULL;
     enum kr_status st = opt_string(o, "suffix", "suffix", &suffix, e);
     if (st != KR_OK) {
@@ -763,6 +751,263 @@ static enum kr_status parse_unsupported(struct kr_oai_request *r, struct kr_oai_
         return bad(e, "best_of", "'best_of' greater than 'n' (%d) is not supported", r->n);
     }
     return KR_OK;
+}
+
+/* ---- request parsing: output constraints (structured outputs) --------------------------------- */
+
+#define OAI_MAX_CHOICES 4096 /* guided_choice strings (each a branch of one grammar rule) */
+
+/* Sets the request's constraint from the field `param`, or refuses a second one naming both. text
+ * (len bytes) is copied; NULL for json_object. */
+static enum kr_status set_constraint(struct kr_oai_request *r, const char *param, enum kr_grammar_kind kind,
+                                     const char *text, size_t len, struct kr_oai_error *e)
+{
+    struct kr_oai_constraint *c = &r->constraint;
+    if (c->on) {
+        return bad(e, param, "'%s' and '%s' cannot be used together: a request takes one output constraint",
+                   c->param, param);
+    }
+    if (text) {
+        c->text = kr_strndup(text, len);
+        if (!c->text) {
+            return oom(e);
+        }
+        c->len = len;
+    }
+    c->on = true;
+    c->kind = kind;
+    snprintf(c->param, sizeof c->param, "%s", param);
+    return KR_OK;
+}
+
+/* Sets the constraint to JSON value v written compactly (a schema, or a list of choices): members
+ * keep their order, which a schema's properties follow. */
+static enum kr_status set_constraint_json(struct kr_oai_request *r, const char *param, enum kr_grammar_kind kind,
+                                          const json_t *v, struct kr_oai_error *e)
+{
+    char *text = json_dumps(v, JSON_COMPACT | JSON_ENCODE_ANY);
+    if (!text) {
+        return oom(e);
+    }
+    const enum kr_status st = set_constraint(r, param, kind, text, strlen(text), e);
+    kr_oai_free(text);
+    return st;
+}
+
+/* A string constraint (regex, grammar, schema text): non-empty and without NUL, which no pattern
+ * needs (a regex writes it \0 or \x00) and which would cut the text short where it is printed. */
+static enum kr_status constraint_string(struct kr_oai_request *r, const json_t *v, const char *param,
+                                        enum kr_grammar_kind kind, struct kr_oai_error *e)
+{
+    if (!json_is_string(v)) {
+        return bad(e, param, "'%s' must be a string", param);
+    }
+    if (json_string_length(v) == 0) {
+        return bad(e, param, "'%s' must not be empty", param);
+    }
+    if (strlen(json_string_value(v)) != json_string_length(v)) {
+        return bad(e, param, "'%s' must not contain NUL characters", param);
+    }
+    return set_constraint(r, param, kind, json_string_value(v), json_string_length(v), e);
+}
+
+/* A JSON Schema given as an object, or as a string holding one (vLLM accepts both for guided_json). */
+static enum kr_status constraint_schema(struct kr_oai_request *r, const json_t *v, const char *param,
+                                        struct kr_oai_error *e)
+{
+    if (json_is_string(v)) {
+        return constraint_string(r, v, param, KR_GRAMMAR_JSON_SCHEMA, e);
+    }
+    if (!json_is_object(v)) {
+        return bad(e, param, "'%s' must be a JSON Schema: an object, or a string holding one", param);
+    }
+    return set_constraint_json(r, param, KR_GRAMMAR_JSON_SCHEMA, v, e);
+}
+
+/* guided_choice / structured_outputs.choice: a non-empty list of strings. */
+static enum kr_status constraint_choice(struct kr_oai_request *r, const json_t *v, const char *param,
+                                        struct kr_oai_error *e)
+{
+    if (!json_is_array(v) || json_array_size(v) == 0) {
+        return bad(e, param, "'%s' must be a non-empty list of strings", param);
+    }
+    if (json_array_size(v) > OAI_MAX_CHOICES) {
+        return bad(e, param, "'%s' accepts at most %d strings, got %zu", param, OAI_MAX_CHOICES, json_array_size(v));
+    }
+    for (size_t i = 0; i < json_array_size(v); i++) {
+        if (!json_is_string(json_array_get(v, i))) {
+            char path[64];
+            pathf(path, sizeof path, "%s[%zu]", param, i);
+            return bad(e, path, "'%s' must be a string", path);
+        }
+    }
+    return set_constraint_json(r, param, KR_GRAMMAR_CHOICE, v, e);
+}
+
+/* response_format: {"type": "text"} (nothing), {"type": "json_object"}, or {"type": "json_schema",
+ * "json_schema": {"name", "schema", "strict", "description"}} (OpenAI's shape; strict or not, the
+ * schema is enforced: a constrained decoder has no best effort to fall back to). */
+static enum kr_status parse_response_format(struct kr_oai_request *r, struct kr_oai_error *e)
+{
+    const json_t *rf = opt_get(r->root, "response_format");
+    if (!rf) {
+        return KR_OK;
+    }
+    const json_t *t = json_is_object(rf) ? json_object_get(rf, "type") : NULL;
+    if (!t || !json_is_string(t)) {
+        return bad(e, "response_format", "'response_format' must be an object with a string 'type'");
+    }
+    const char *type = json_string_value(t);
+    if (strcmp(type, "text") == 0) {
+        return KR_OK;
+    }
+    if (strcmp(type, "json_object") == 0) {
+        return set_constraint(r, "response_format", KR_GRAMMAR_JSON_OBJECT, NULL, 0, e);
+    }
+    if (strcmp(type, "json_schema") != 0) {
+        return bad(e, "response_format.type",
+                   "response_format type '%.32s' is not supported; use 'text', 'json_object' or 'json_schema'", type);
+    }
+    const json_t *js = opt_get(rf, "json_schema");
+    if (!js) {
+        return bad(e, "response_format.json_schema", "Missing required parameter: 'response_format.json_schema'");
+    }
+    if (!json_is_object(js)) {
+        return bad(e, "response_format.json_schema", "'response_format.json_schema' must be an object");
+    }
+    const json_t *name = opt_get(js, "name");
+    if (!name) {
+        return bad(e, "response_format.json_schema.name",
+                   "Missing required parameter: 'response_format.json_schema.name'");
+    }
+    const size_t nl = json_is_string(name) ? json_string_length(name) : 0;
+    const char *nv = json_is_string(name) ? json_string_value(name) : "";
+    bool name_ok = nl >= 1 && nl <= 64;
+    for (size_t i = 0; name_ok && i < nl; i++) { /* OpenAI: a-z, A-Z, 0-9, underscores and dashes */
+        const char ch = nv[i];
+        name_ok = (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') || ch == '_' ||
+                  ch == '-';
+    }
+    if (!name_ok) {
+        return bad(e, "response_format.json_schema.name",
+                   "'response_format.json_schema.name' must be 1 to 64 characters of a-z, A-Z, 0-9, '_' and '-'");
+    }
+    bool strict = false;
+    enum kr_status st = opt_bool(js, "strict", "response_format.json_schema.strict", &strict, NULL, e);
+    if (st != KR_OK ||
+        (st = opt_member_string(js, "response_format.json_schema", "description", e)) != KR_OK) {
+        return st;
+    }
+    const json_t *schema = opt_get(js, "schema");
+    if (!schema) {
+        return bad(e, "response_format.json_schema.schema",
+                   "Missing required parameter: 'response_format.json_schema.schema'");
+    }
+    if (!json_is_object(schema)) {
+        return bad(e, "response_format.json_schema.schema", "'response_format.json_schema.schema' must be an object");
+    }
+    return set_constraint_json(r, "response_format", KR_GRAMMAR_JSON_SCHEMA, schema, e);
+}
+
+/* vLLM's guided_* fields (its older surface). guided_whitespace_pattern is refused by name: JSON
+ * output takes a bounded run of spaces, tabs and newlines in each gap, not a pattern. */
+static enum kr_status parse_guided(struct kr_oai_request *r, struct kr_oai_error *e)
+{
+    const json_t *o = r->root;
+    const json_t *v;
+    enum kr_status st = KR_OK;
+    if ((v = opt_get(o, "guided_json")) && (st = constraint_schema(r, v, "guided_json", e)) != KR_OK) {
+        return st;
+    }
+    if ((v = opt_get(o, "guided_regex")) &&
+        (st = constraint_string(r, v, "guided_regex", KR_GRAMMAR_REGEX, e)) != KR_OK) {
+        return st;
+    }
+    if ((v = opt_get(o, "guided_choice")) && (st = constraint_choice(r, v, "guided_choice", e)) != KR_OK) {
+        return st;
+    }
+    if ((v = opt_get(o, "guided_grammar")) &&
+        (st = constraint_string(r, v, "guided_grammar", KR_GRAMMAR_GBNF, e)) != KR_OK) {
+        return st;
+    }
+    if (opt_get(o, "guided_whitespace_pattern")) {
+        return bad(e, "guided_whitespace_pattern",
+                   "'guided_whitespace_pattern' is not supported: JSON output allows up to 24 bytes of space, tab, "
+                   "CR and LF in each gap");
+    }
+    return KR_OK;
+}
+
+/* vLLM's structured_outputs object: one of json, regex, choice, grammar, json_object; with
+ * disable_any_whitespace (compact JSON) and disable_fallback (there is nothing to fall back to).
+ * whitespace_pattern, structural_tag and disable_additional_properties change what is allowed in
+ * ways the grammar compiler does not follow: refused by name. */
+static enum kr_status parse_structured_outputs(struct kr_oai_request *r, struct kr_oai_error *e)
+{
+    const json_t *so = opt_get(r->root, "structured_outputs");
+    if (!so) {
+        return KR_OK;
+    }
+    if (!json_is_object(so)) {
+        return bad(e, "structured_outputs", "'structured_outputs' must be an object");
+    }
+    static const char *const refused[] = {"whitespace_pattern", "structural_tag"};
+    for (size_t i = 0; i < sizeof refused / sizeof refused[0]; i++) {
+        if (opt_get(so, refused[i])) {
+            char path[64];
+            pathf(path, sizeof path, "structured_outputs.%s", refused[i]);
+            return bad(e, path, "'%s' is not supported", path);
+        }
+    }
+    bool no_ws = false, no_fallback = false, no_extra = false, json_object = false;
+    enum kr_status st;
+    if ((st = opt_bool(so, "disable_any_whitespace", "structured_outputs.disable_any_whitespace", &no_ws, NULL, e)) !=
+            KR_OK ||
+        (st = opt_bool(so, "disable_fallback", "structured_outputs.disable_fallback", &no_fallback, NULL, e)) !=
+            KR_OK ||
+        (st = opt_bool(so, "disable_additional_properties", "structured_outputs.disable_additional_properties",
+                       &no_extra, NULL, e)) != KR_OK ||
+        (st = opt_bool(so, "json_object", "structured_outputs.json_object", &json_object, NULL, e)) != KR_OK) {
+        return st;
+    }
+    if (no_extra) {
+        return bad(e, "structured_outputs.disable_additional_properties",
+                   "'structured_outputs.disable_additional_properties' is not supported: write "
+                   "\"additionalProperties\": false in the schema");
+    }
+    const json_t *v;
+    if ((v = opt_get(so, "json")) && (st = constraint_schema(r, v, "structured_outputs.json", e)) != KR_OK) {
+        return st;
+    }
+    if ((v = opt_get(so, "regex")) &&
+        (st = constraint_string(r, v, "structured_outputs.regex", KR_GRAMMAR_REGEX, e)) != KR_OK) {
+        return st;
+    }
+    if ((v = opt_get(so, "choice")) && (st = constraint_choice(r, v, "structured_outputs.choice", e)) != KR_OK) {
+        return st;
+    }
+    if ((v = opt_get(so, "grammar")) &&
+        (st = constraint_string(r, v, "structured_outputs.grammar", KR_GRAMMAR_GBNF, e)) != KR_OK) {
+        return st;
+    }
+    if (json_object &&
+        (st = set_constraint(r, "structured_outputs.json_object", KR_GRAMMAR_JSON_OBJECT, NULL, 0, e)) != KR_OK) {
+        return st;
+    }
+    if (no_ws && r->constraint.on) {
+        r->constraint.max_ws = 0;
+    }
+    return KR_OK;
+}
+
+static enum kr_status parse_constraint(struct kr_oai_request *r, struct kr_oai_error *e)
+{
+    r->constraint.max_ws = -1;
+    enum kr_status st;
+    if ((st = parse_response_format(r, e)) != KR_OK || (st = parse_guided(r, e)) != KR_OK) {
+        return st;
+    }
+    return parse_structured_outputs(r, e);
 }
 
 static enum kr_status parse_sampling(struct kr_oai_request *r, struct kr_oai_error *e)
@@ -973,6 +1218,7 @@ enum kr_status kr_oai_parse(enum kr_oai_kind kind, const char *body, size_t len,
         (st = parse_cache_salt(out, err)) != KR_OK ||
         (st = parse_stream(out, err)) != KR_OK || (st = parse_sampling(out, err)) != KR_OK ||
         (st = parse_logprobs(out, err)) != KR_OK || (st = parse_unsupported(out, err)) != KR_OK ||
+        (st = parse_constraint(out, err)) != KR_OK ||
         (st = opt_bool(o, "skip_special_tokens", "skip_special_tokens", &out->skip_special_tokens, NULL,
                        err)) != KR_OK ||
         (st = opt_bool(o, "return_token_ids", "return_token_ids", &out->return_token_ids, NULL, err)) !=
@@ -1000,6 +1246,7 @@ void kr_oai_request_free(struct kr_oai_request *r)
         kr_free(r->stop[i]);
     }
     kr_free(r->stop);
+    kr_free(r->constraint.text);
     json_decref(r->root);
     memset(r, 0, sizeof *r);
 }

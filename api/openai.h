@@ -7,6 +7,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "grammar.h"
 #include "sampler.h"
 #include "status.h"
 
@@ -75,6 +76,22 @@ struct kr_oai_prompt {
     int32_t n_ids;
 };
 
+/* What a request constrains its output to (structured outputs): one of OpenAI's response_format
+ * json_object / json_schema, vLLM's guided_json / guided_regex / guided_choice / guided_grammar, or
+ * vLLM's structured_outputs object; at most one per request. The server compiles it (api/grammar.h,
+ * through its grammar cache) while preparing the request. */
+struct kr_oai_constraint {
+    bool on;                   /* a constraint was asked for */
+    enum kr_grammar_kind kind;
+    char *text;                /* [len] owned, NUL-terminated: the schema (compact JSON), the regex, the GBNF
+                                  or the choices (a JSON array of strings); NULL for json_object */
+    size_t len;
+    int32_t max_ws;            /* JSON whitespace per gap (kr_grammar_json_opts): -1 the default, 0 with
+                                  structured_outputs.disable_any_whitespace */
+    char param[64];            /* the field it came from ("response_format", "guided_json",
+                                  "structured_outputs.regex"): compile errors name it */
+};
+
 struct kr_oai_request {
     enum kr_oai_kind kind;
     json_t *root;              /* owned: the parsed body */
@@ -104,13 +121,16 @@ struct kr_oai_request {
     const char *cache_salt;    /* borrowed; NULL when absent: requests with different salts share no
                                   cached prefix (vLLM's field) */
     size_t cache_salt_len;
+    struct kr_oai_constraint constraint; /* structured outputs (constraint.on false: none) */
 };
 
 /* Parses and validates a request body. Every problem is a 400 with `param` naming the field:
- * malformed JSON, wrong types, out-of-range values, unknown roles, empty prompts. Unknown fields
- * are ignored (as OpenAI does). Bounds: n in [1, 128], logprobs (completions) in [0, 20],
- * top_logprobs (chat) in [0, 20] and only with logprobs true, max_tokens >= 1, at most 16 stop
- * strings. On success the caller frees with kr_oai_request_free. */
+ * malformed JSON, wrong types, out-of-range values, unknown roles, empty prompts, two output
+ * constraints at once (naming both). Unknown fields are ignored (as OpenAI does). Bounds: n in
+ * [1, 128], logprobs (completions) in [0, 20], top_logprobs (chat) in [0, 20] and only with
+ * logprobs true, max_tokens >= 1, at most 16 stop strings, at most 4096 guided_choice strings.
+ * Whether a constraint compiles is the server's check (it owns the grammar cache). On success the
+ * caller frees with kr_oai_request_free. */
 enum kr_status kr_oai_parse(enum kr_oai_kind kind, const char *body, size_t len, struct kr_oai_request *out,
                             struct kr_oai_error *err);
 void kr_oai_request_free(struct kr_oai_request *r);

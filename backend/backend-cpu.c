@@ -961,6 +961,22 @@ static enum kr_status cpu_mla_attention(kr_backend_t be, const struct krk_mla_at
 
 /* ---- construction ------------------------------------------------------------------------- */
 
+/* The allowed-token bitmask of sampling row r, NULL when it has none; *bad when its range lies
+ * outside the mask array (the row is then refused, as the kernel refuses it). */
+static const uint32_t *row_mask(const struct krk_sample_params *p, const struct krk_sample_row *r, bool *bad)
+{
+    *bad = false;
+    if (!p->mask || r->mask_off < 0) {
+        return NULL;
+    }
+    const int64_t words = (p->vocab + 31) / 32;
+    if ((int64_t)r->mask_off + words > p->n_mask) {
+        *bad = true;
+        return NULL;
+    }
+    return p->mask + r->mask_off;
+}
+
 /* Samples each row with the host sampler's selection and the row's given draw. */
 static enum kr_status cpu_sample(kr_backend_t be, const struct krk_sample_params *p)
 {
@@ -973,12 +989,14 @@ static enum kr_status cpu_sample(kr_backend_t be, const struct krk_sample_params
     for (int64_t i = 0; i < p->n && st == KR_OK; i++) {
         const struct krk_sample_row *r = &p->rows[i];
         const float *row = p->logits + i * p->ld;
+        bool bad_mask;
+        const uint32_t *mask = row_mask(p, r, &bad_mask);
         int32_t tok = -1;
-        if (r->pen_off < 0 || r->pen_n < 0 || (int64_t)r->pen_off + r->pen_n > p->n_pen) {
+        if (r->pen_off < 0 || r->pen_n < 0 || (int64_t)r->pen_off + r->pen_n > p->n_pen || bad_mask) {
             p->out[i] = -1;
         } else {
             const int64_t o = r->pen_off;
-            st = kr_sample_with_draw(row, p->vocab, r->temperature, r->top_k, r->top_p, r->min_p, r->presence,
+            st = kr_sample_with_draw(row, mask, p->vocab, r->temperature, r->top_k, r->top_p, r->min_p, r->presence,
                                      r->frequency, r->repetition, p->pen_ids + o, p->pen_count + o,
                                      p->pen_flags + o, r->pen_n, r->u, &sc, &tok);
             if (st == KR_ERR_INTERNAL) { /* every logit masked: the row is refused */
@@ -988,7 +1006,7 @@ static enum kr_status cpu_sample(kr_backend_t be, const struct krk_sample_params
             p->out[i] = tok;
         }
         if (st == KR_OK && (p->out_logprob || p->n_top > 0)) {
-            kr_log_softmax(row, lp, p->vocab);
+            kr_log_softmax_masked(row, mask, lp, p->vocab); /* a constrained row: its masked distribution */
             if (p->out_logprob) {
                 p->out_logprob[i] = tok >= 0 ? lp[tok] : NAN;
             }

@@ -583,23 +583,25 @@ static int64_t max64(int64_t a, int64_t b)
 }
 
 /* One staging layout for sampling, host and device alike: rows | pen ids | pen counts | pen flags |
- * out | lp | top ids | top lps. Inputs go over in one copy, results come back in one. */
+ * masks | out | lp | top ids | top lps. Inputs go over in one copy, results come back in one. */
 static size_t align16(size_t v)
 {
     return (v + 15) & ~(size_t)15;
 }
 
 struct samp_layout {
-    size_t o_rows, o_ids, o_cnt, o_flg, o_out, o_lp, o_tid, o_tlp, total;
+    size_t o_rows, o_ids, o_cnt, o_flg, o_msk, o_out, o_lp, o_tid, o_tlp, total;
 };
-static struct samp_layout samp_layout(size_t n, size_t np, size_t nt)
+/* n rows, np penalty entries, nm mask words, nt top log-probabilities per row */
+static struct samp_layout samp_layout(size_t n, size_t np, size_t nm, size_t nt)
 {
     struct samp_layout l;
     l.o_rows = 0;
     l.o_ids = align16(l.o_rows + n * sizeof(struct krk_sample_row));
     l.o_cnt = align16(l.o_ids + np * 4);
     l.o_flg = align16(l.o_cnt + np * 4);
-    l.o_out = align16(l.o_flg + np);
+    l.o_msk = align16(l.o_flg + np);
+    l.o_out = align16(l.o_msk + nm * 4);
     l.o_lp = align16(l.o_out + n * 4);
     l.o_tid = align16(l.o_lp + n * 4);
     l.o_tlp = align16(l.o_tid + n * nt * 4);
@@ -678,11 +680,13 @@ static enum kr_status cuda_reserve(kr_backend_t be, const struct kr_model_config
          * more takes cuBLAS), and the partial sums of the resident blocks */
         KR_TRY(ensure_skinny_ws(c, krk_skinny_ws_bytes(max64(m->vocab, 16 * wide) + 4 * 128)));
     }
-    /* sampling staging for every sequence at once: the most top log-probabilities, and penalty
-     * entries for every distinct token a sequence can hold (its context, at most the vocabulary) */
+    /* sampling staging for every sequence at once: the most top log-probabilities, penalty entries
+     * for every distinct token a sequence can hold (its context, at most the vocabulary) and an
+     * allowed-token mask per sequence (constrained decoding) */
     const int64_t pen_per_seq = max_ctx < m->vocab ? max_ctx : m->vocab;
     KR_TRY(ensure_samp(c, samp_layout((size_t)n_seq, (size_t)(n_seq * max64(pen_per_seq, 1)),
-                                      (size_t)KR_MAX_TOP_LOGPROBS).total));
+                                      (size_t)(n_seq * ((m->vocab + 31) / 32)), (size_t)KR_MAX_TOP_LOGPROBS)
+                              .total));
     /* batch metadata (cuda_begin_batch): block tables of a sequence's blocks, or in a decode graph
      * rounded up to a power of two of at least 16 (below 2^14, the largest a graph takes) */
     const int64_t bs = block_size > 0 ? block_size : 16;
@@ -1373,9 +1377,10 @@ static enum kr_status cuda_sample(kr_backend_t be, const struct krk_sample_param
         return KR_ERR_INTERNAL;
     }
     const size_t n = (size_t)p->n, np = (size_t)p->n_pen, nt = (size_t)p->n_top;
-    const struct samp_layout lay = samp_layout(n, np, nt);
-    const size_t o_rows = lay.o_rows, o_ids = lay.o_ids, o_cnt = lay.o_cnt, o_flg = lay.o_flg, o_out = lay.o_out,
-                 o_lp = lay.o_lp, o_tid = lay.o_tid, o_tlp = lay.o_tlp, total = lay.total;
+    const size_t nm = p->mask ? (size_t)p->n_mask : 0;
+    const struct samp_layout lay = samp_layout(n, np, nm, nt);
+    const size_t o_rows = lay.o_rows, o_ids = lay.o_ids, o_cnt = lay.o_cnt, o_flg = lay.o_flg, o_msk = lay.o_msk,
+                 o_out = lay.o_out, o_lp = lay.o_lp, o_tid = lay.o_tid, o_tlp = lay.o_tlp, total = lay.total;
     KR_TRY(ensure_samp(c, total)); /* within the reservation unless the step exceeds what was reserved */
     const size_t ws = krk_sample_workspace_bytes(p->n, p->vocab);
     if (ws > c->scratch_size) {
@@ -1388,12 +1393,17 @@ static enum kr_status cuda_sample(kr_backend_t be, const struct krk_sample_param
         memcpy(h + o_cnt, p->pen_count, np * 4);
         memcpy(h + o_flg, p->pen_flags, np);
     }
+    if (nm) {
+        memcpy(h + o_msk, p->mask, nm * 4);
+    }
     CU_TRY(c, cudaMemcpyAsync(d, h, o_out, cudaMemcpyHostToDevice, c->stream));
     struct krk_sample_params dp = *p;
     dp.rows = (const struct krk_sample_row *)(d + o_rows);
     dp.pen_ids = np ? (const int32_t *)(d + o_ids) : NULL;
     dp.pen_count = np ? (const int32_t *)(d + o_cnt) : NULL;
     dp.pen_flags = np ? (const uint8_t *)(d + o_flg) : NULL;
+    dp.mask = nm ? (const uint32_t *)(d + o_msk) : NULL;
+    dp.n_mask = (int64_t)nm;
     dp.out = (int32_t *)(d + o_out);
     dp.out_logprob = p->out_logprob ? (float *)(d + o_lp) : NULL;
     dp.top_ids = nt ? (int32_t *)(d + o_tid) : NULL;

@@ -12,10 +12,10 @@ static double time_draws(struct kr_sampling *s, const float *l, int64_t nv, int 
                          struct kr_sampler_scratch *sc)
 {
     int32_t out;
-    kr_sample(s, l, nv, NULL, 0, NULL, 0, r, sc, &out); /* warm the scratch */
+    kr_sample(s, l, NULL, nv, NULL, 0, NULL, 0, r, sc, &out); /* warm the scratch */
     const double t0 = kr_clock_s();
     for (int i = 0; i < n; i++) {
-        if (kr_sample(s, l, nv, NULL, 0, NULL, 0, r, sc, &out) != KR_OK) {
+        if (kr_sample(s, l, NULL, nv, NULL, 0, NULL, 0, r, sc, &out) != KR_OK) {
             fprintf(stderr, "bench_sampler: kr_sample failed\n");
             exit(1);
         }

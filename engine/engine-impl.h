@@ -49,6 +49,8 @@ struct seq {
     uint64_t *bh;                /* [n_bh] prefix hashes of toks: bh[0] the seed, bh[j] j full blocks */
     int32_t n_bh, cap_bh;
     int32_t n_reg;               /* full blocks of its table registered in the prefix cache */
+    void *cm;                    /* its constraint's matcher (constrained requests), made before its
+                                    first token; NULL before, and once the choice ended */
 };
 
 struct req {
@@ -69,6 +71,7 @@ struct req {
     uint64_t seed;               /* prefix-cache seed of its cache salt */
     int32_t *snap_at;            /* [n_snap_at] ascending prompt positions for state snapshots */
     int32_t n_snap_at;
+    struct kr_constraint con;    /* constrained decoding (iface NULL: none); held, released with r */
     struct req *next_in;         /* inbox link */
 };
 
@@ -129,10 +132,22 @@ struct kr_engine {
     uint8_t *s_host;               /* [n] 1: the row is sampled on the host (a fork, logit_bias) */
     struct krk_sample_row *srows;
     int32_t *s_out, *s_top_ids;
+    int32_t *s_rows;               /* [n] the output row each sampling sequence samples */
     float *s_lp, *s_top_lp;
     int64_t cap_pen;
     int32_t *pen_ids, *pen_count;
     uint8_t *pen_flags;
+    /* constrained decoding: the step's allowed-token masks, filled once the step's forward pass
+     * is launched (on a GPU they are computed while the device works) */
+    int32_t mask_words;            /* (vocab + 31) / 32 */
+    uint32_t *masks;               /* [cap_masks + 1, mask_words]: one row per constrained output row
+                                      of the step, and a last one for masks made while sampling (the
+                                      n > 1 choices that fork from their prompt's row) */
+    int32_t cap_masks;
+    int32_t *row_mask;             /* [cap_row_mask] per output row: its row of masks, or -1 */
+    int32_t cap_row_mask;
+    uint64_t n_masks;              /* masks made, and the host time spent on them (µs) */
+    double mask_us;
     /* events held back while the device works (see emit) */
     bool defer_events;
     struct pending_ev *outbox;
@@ -178,10 +193,17 @@ void eng_fail_everything(struct kr_engine *e, const char *why);         /* the d
 /* sample.c */
 void eng_emit_token(struct kr_engine *e, struct seq *s, int32_t tok, float logprob, const int32_t *top_ids,
                     const float *top_lps);
-void eng_sample_and_emit(struct kr_engine *e, struct seq *s, const float *logits);
+/* mask: the allowed tokens of a constrained s this step (NULL: made here when s is constrained) */
+void eng_sample_and_emit(struct kr_engine *e, struct seq *s, const float *logits, const uint32_t *mask);
+void eng_seq_con_end(struct seq *s);                                   /* frees its matcher */
+/* Fills the masks of the step's constrained rows (seqs[i] samples output row rows[i], n rows of
+ * n_out); a request whose mask cannot be made fails. */
+void eng_fill_step_masks(struct kr_engine *e, struct seq **seqs, const int32_t *rows, int32_t n, int32_t n_out);
+/* The mask of output row i this step, or NULL. */
+const uint32_t *eng_row_mask(const struct kr_engine *e, int32_t i);
 enum kr_status eng_ensure_sample_buffers(struct kr_engine *e, int32_t n, int64_t n_pen);
 enum kr_status eng_sample_on_backend(struct kr_engine *e, struct seq **seqs, const uint8_t *host, int32_t n,
-                                      int32_t *n_top_out);
+                                      int32_t *n_top_out); /* row i's mask: eng_row_mask(e, i) */
 void eng_prompt_logprobs_rows(struct kr_engine *e, struct req *r, int32_t p0, int32_t n, const float *rows);
 
 /* step.c */

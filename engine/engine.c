@@ -170,9 +170,13 @@ void eng_req_free(struct req *r)
         return;
     }
     for (int32_t i = 0; r->seqs && i < r->n; i++) {
+        eng_seq_con_end(&r->seqs[i]);
         kr_free(r->seqs[i].toks);
         kr_free(r->seqs[i].bh);
         kr_token_counts_free(&r->seqs[i].counts);
+    }
+    if (r->con.iface) {
+        r->con.iface->release(r->con.ctx);
     }
     kr_free(r->seqs);
     kr_free(r->plp);
@@ -207,6 +211,7 @@ void eng_finish_seq(struct kr_engine *e, struct seq *s, enum kr_finish_reason wh
         return;
     }
     eng_release_seq(e, s, true);
+    eng_seq_con_end(s);
     s->state = KR_SEQ_DONE;
     struct kr_event ev = {.type = KR_EVENT_FINISH, .index = s->index, .finish = why, .stop_token = stop_token};
     ev.usage.prompt_tokens = r->n_prompt;
@@ -224,6 +229,7 @@ void eng_fail_req(struct kr_engine *e, struct req *r, enum kr_status st, const c
         struct seq *s = &r->seqs[i];
         if (s->state != KR_SEQ_DONE) {
             eng_release_seq(e, s, false); /* a failed step may have left its caches half written */
+            eng_seq_con_end(s);
             s->state = KR_SEQ_DONE;
         }
     }
@@ -402,6 +408,8 @@ static void *engine_main(void *arg)
         e->stats.prompt_tokens = e->prompt_tokens;
         e->stats.generation_tokens = e->gen_tokens;
         e->stats.steps = e->steps;
+        e->stats.masks = e->n_masks;
+        e->stats.mask_us_total = e->mask_us;
         e->stats.slots_free = e->cache->n_free_slots;
         e->stats.blocks_free = e->cache->n_free_blocks;
         if (e->cache->prefix) {
@@ -542,6 +550,7 @@ enum kr_status kr_engine_create(struct kr_model *m, const struct kr_engine_confi
                     e->fault_fatal ? ":fatal" : "", (long long)sw.fault_step, e->fault_fatal ? " as a lost device" : "");
     }
     e->defer_events = e->dev_sample; /* the device works while the host delivers events */
+    e->mask_words = (int32_t)((m->cfg.vocab + 31) / 32);
     atomic_init(&e->next_id, 1);
     atomic_init(&e->queued, 0);
     pthread_mutex_init(&e->lock, NULL);
@@ -635,12 +644,15 @@ void kr_engine_free(struct kr_engine *e)
     kr_free(e->s_host);
     kr_free(e->srows);
     kr_free(e->s_out);
+    kr_free(e->s_rows);
     kr_free(e->s_lp);
     kr_free(e->s_top_ids);
     kr_free(e->s_top_lp);
     kr_free(e->pen_ids);
     kr_free(e->pen_count);
     kr_free(e->pen_flags);
+    kr_free(e->masks);
+    kr_free(e->row_mask);
     kr_free(e->outbox);
     kr_free(e);
 }
@@ -655,6 +667,10 @@ enum kr_status kr_engine_submit(struct kr_engine *e, const struct kr_request_par
     }
     if (!p->cb) {
         return kr_err_set(err, KR_ERR_INVAL, "a request needs an event callback");
+    }
+    const struct kr_constraint_i *ci = p->constraint.iface;
+    if (ci && (!ci->start || !ci->fill_mask || !ci->accept || !ci->stop || !ci->release)) {
+        return kr_err_set(err, KR_ERR_INVAL, "a constraint needs every function of its interface");
     }
     if (p->n_prompt < 1 || !p->prompt) {
         return kr_err_set(err, KR_ERR_INVAL, "the prompt must hold at least one token");
@@ -767,6 +783,7 @@ enum kr_status kr_engine_submit(struct kr_engine *e, const struct kr_request_par
         return failed ? kr_err_set(err, KR_ERR_CUDA, "%s", msg)
                       : kr_err_set(err, KR_ERR_BUSY, "the engine is shutting down");
     }
+    r->con = p->constraint; /* held from here on: every failure above left it with the caller */
     if (e->inbox_tail) {
         e->inbox_tail->next_in = r;
     } else {

@@ -51,7 +51,7 @@ enum kr_event_type {
 
 enum kr_finish_reason {
     KR_FINISH_LENGTH = 0,    /* max_tokens or max_model_len reached */
-    KR_FINISH_STOP = 1,      /* EOS or a stop token id */
+    KR_FINISH_STOP = 1,      /* EOS, a stop token id, or a constrained text that is complete */
     KR_FINISH_CANCELLED = 2, /* kr_engine_cancel */
     KR_FINISH_NOMEM = 3,     /* memory ran out where the choice could only be ended (a preempted choice
                                 that could not be queued again): an error for the client, not an end */
@@ -92,6 +92,39 @@ struct kr_event {
 
 typedef void (*kr_event_cb)(const struct kr_event *ev, void *user);
 
+/* ---- constrained decoding ------------------------------------------------------------------------
+ * A request may constrain what it generates (structured outputs: a JSON Schema, a regex, a
+ * grammar). The engine knows no grammar: it holds the constraint through this interface, which
+ * the caller implements (the server over api/grammar.h's matcher and token masks). Each choice of
+ * the request gets its own matcher, made when the choice samples its first token and freed when
+ * it ends (finished, cancelled, failed); a preempted choice keeps its matcher, which stays in step
+ * with the tokens it keeps. Before each of its tokens the engine asks for the allowed-token mask,
+ * the sampler makes every other token impossible, and the chosen token advances the matcher; when
+ * the matcher says the text is complete the choice finishes with KR_FINISH_STOP. End-of-sequence
+ * ids are allowed exactly where the constraint allows them (where the text can end), and never
+ * with ignore_eos. Every call below is made on the engine thread, except `release`, which may also
+ * come from the thread that calls kr_engine_free. */
+struct kr_constraint_i {
+    /* Creates *m, a matcher at the start of the constraint. */
+    enum kr_status (*start)(void *ctx, void **m, struct kr_err *err);
+    /* Writes mask[0 .. (vocab + 31) / 32): bit id % 32 of word id / 32 set for every token id that
+     * may come next (bits of ids the constraint does not know, up to vocab, clear). m unchanged. */
+    enum kr_status (*fill_mask)(void *ctx, void *m, uint32_t *mask, int64_t vocab, struct kr_err *err);
+    /* Advances m by the chosen token; *done when the text is complete and nothing may follow. A
+     * token the constraint does not allow is KR_ERR_INVAL, m unchanged. */
+    enum kr_status (*accept)(void *ctx, void *m, int32_t token, bool *done, struct kr_err *err);
+    /* Frees a matcher; NULL is a no-op. */
+    void (*stop)(void *ctx, void *m);
+    /* Drops the engine's hold on ctx, once, when the request is freed. */
+    void (*release)(void *ctx);
+};
+
+/* A constraint: iface NULL for none. */
+struct kr_constraint {
+    const struct kr_constraint_i *iface;
+    void *ctx;
+};
+
 struct kr_request_params {
     const int32_t *prompt;      /* [n_prompt] token ids (copied) */
     int32_t n_prompt;
@@ -105,6 +138,9 @@ struct kr_request_params {
     const int32_t *snapshot_at; /* [n_snapshot_at] prompt positions worth a state snapshot (the
                                    boundary before a chat's last user turn), or NULL */
     int32_t n_snapshot_at;
+    struct kr_constraint constraint; /* constrained decoding (iface NULL: none); on KR_OK the engine
+                                        holds ctx and calls release once, on an error the caller
+                                        keeps it */
 };
 
 /* Plans the cache pools for `m` within cfg->cache_bytes, allocates them and starts the engine
@@ -150,6 +186,8 @@ struct kr_engine_stats {
     double step_gap_us_total;   /* host time between back-to-back steps: from a step's results being back
                                    (sampled ids or logits on the host) to the next step's launch (µs) */
     uint64_t step_gaps;         /* steps that followed another at once (what step_gap_us_total sums over) */
+    uint64_t masks;             /* allowed-token masks made for constrained rows (constrained decoding) */
+    double mask_us_total;       /* host time spent making them (µs) */
     bool prefix_caching;
     uint64_t prefix_queries;    /* prompt tokens looked up in the prefix cache */
     uint64_t prefix_hits;       /* of those, tokens found (not computed again) */

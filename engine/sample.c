@@ -1,5 +1,6 @@
-/* The engine's sampling: stop conditions and token events, sampling on the host or on the backend
- * (with penalty lists), and the prompt's log-probabilities. */
+/* The engine's sampling: stop conditions and token events, constrained decoding's masks and
+ * matchers, sampling on the host or on the backend (with penalty lists and masks), and the
+ * prompt's log-probabilities. */
 #include "engine-impl.h"
 
 #include "alloc.h"
@@ -25,13 +26,156 @@ static bool is_eos(const struct kr_model_config *c, int32_t id)
     return false;
 }
 
+/* ---- constrained decoding ------------------------------------------------------------------------ */
+
+void eng_seq_con_end(struct seq *s)
+{
+    if (s->cm) {
+        s->req->con.iface->stop(s->req->con.ctx, s->cm);
+        s->cm = NULL;
+    }
+}
+
+/* Fills `mask` with the tokens the constraint of s allows next (its matcher made on first use);
+ * with ignore_eos the model's end-of-sequence ids are left out as well, so that only the text's
+ * completion ends it. KR_ERR_INVAL when no token is left: the text cannot go on. */
+static enum kr_status seq_mask(struct kr_engine *e, struct seq *s, uint32_t *mask, struct kr_err *err)
+{
+    const struct req *r = s->req;
+    const struct kr_constraint *c = &r->con;
+    const struct kr_model_config *mc = &e->m->cfg;
+    if (!s->cm) {
+        KR_TRY(c->iface->start(c->ctx, &s->cm, err));
+    }
+    KR_TRY(c->iface->fill_mask(c->ctx, s->cm, mask, mc->vocab, err));
+    for (int32_t i = 0; i < mc->n_eos && r->s.ignore_eos; i++) {
+        if (mc->eos_ids[i] >= 0 && mc->eos_ids[i] < mc->vocab) {
+            mask[mc->eos_ids[i] >> 5] &= ~(1u << (mc->eos_ids[i] & 31));
+        }
+    }
+    for (int32_t w = 0; w < e->mask_words; w++) {
+        if (mask[w]) {
+            return KR_OK;
+        }
+    }
+    return kr_err_set(err, KR_ERR_INVAL, "no token of the vocabulary can continue the output under its constraint");
+}
+
+/* Room for n output rows and m mask rows (plus the spare one). */
+static enum kr_status ensure_masks(struct kr_engine *e, int32_t n, int32_t m)
+{
+    if (n > e->cap_row_mask) {
+        kr_free(e->row_mask);
+        e->row_mask = kr_malloc((size_t)(n + 16) * sizeof(int32_t));
+        e->cap_row_mask = e->row_mask ? n + 16 : 0;
+        if (!e->row_mask) {
+            return KR_ERR_NOMEM;
+        }
+    }
+    if (m > e->cap_masks || !e->masks) {
+        const int32_t c = m > 2 * e->cap_masks ? m : 2 * e->cap_masks;
+        kr_free(e->masks);
+        e->masks = kr_malloc((size_t)(c + 1) * (size_t)e->mask_words * sizeof(uint32_t));
+        e->cap_masks = e->masks ? c : 0;
+        if (!e->masks) {
+            return KR_ERR_NOMEM;
+        }
+    }
+    return KR_OK;
+}
+
+/* The step's masks: done right after the forward pass is launched, so that on a GPU the host fills
+ * them while the device computes the logits (on the CPU backend the forward pass has returned by
+ * then, and this is simply the host work before sampling). Only constrained rows cost anything;
+ * the others get -1. Filling the masks of step t+1 during step t's forward pass would need the
+ * tokens of step t before that pass starts (asynchronous scheduling), and filling them on other
+ * threads would take cores from the CPU backend's forward pass: see docs/STRUCTURED_OUTPUTS.md. */
+void eng_fill_step_masks(struct kr_engine *e, struct seq **seqs, const int32_t *rows, int32_t n, int32_t n_out)
+{
+    int32_t n_con = 0;
+    for (int32_t i = 0; i < n; i++) {
+        n_con += seqs[i]->req->con.iface != NULL && seqs[i]->state != KR_SEQ_DONE;
+    }
+    const double t0 = n_con > 0 ? kr_clock_us() : 0.0;
+    if (ensure_masks(e, n_out, n_con) != KR_OK) {
+        for (int32_t i = 0; i < n; i++) {
+            if (seqs[i]->req->con.iface && seqs[i]->state != KR_SEQ_DONE) {
+                eng_fail_req(e, seqs[i]->req, KR_ERR_NOMEM, "out of memory");
+            }
+        }
+        if (e->row_mask) {
+            for (int32_t i = 0; i < n_out && i < e->cap_row_mask; i++) {
+                e->row_mask[i] = -1;
+            }
+        }
+        return;
+    }
+    for (int32_t i = 0; i < n_out; i++) {
+        e->row_mask[i] = -1;
+    }
+    int32_t k = 0;
+    for (int32_t i = 0; i < n; i++) {
+        struct seq *s = seqs[i];
+        if (!s->req->con.iface || s->state == KR_SEQ_DONE) {
+            continue;
+        }
+        struct kr_err err = {0};
+        const enum kr_status st = seq_mask(e, s, e->masks + (size_t)k * (size_t)e->mask_words, &err);
+        if (st != KR_OK) {
+            char msg[sizeof err.msg + 32];
+            snprintf(msg, sizeof msg, "constrained decoding: %s", err.msg[0] ? err.msg : kr_status_str(st));
+            eng_fail_req(e, s->req, st, msg);
+            continue;
+        }
+        e->row_mask[rows[i]] = k++;
+    }
+    if (n_con > 0) {
+        e->n_masks += (uint64_t)n_con;
+        e->mask_us += kr_clock_us() - t0;
+    }
+}
+
+const uint32_t *eng_row_mask(const struct kr_engine *e, int32_t i)
+{
+    if (!e->row_mask || i >= e->cap_row_mask || e->row_mask[i] < 0) {
+        return NULL;
+    }
+    return e->masks + (size_t)e->row_mask[i] * (size_t)e->mask_words;
+}
+
+/* Advances the matcher of a constrained s by tok; *done when its text is complete. */
+static enum kr_status con_accept(struct seq *s, int32_t tok, bool *done, struct kr_err *err)
+{
+    const struct kr_constraint *c = &s->req->con;
+    *done = false;
+    if (!c->iface) {
+        return KR_OK;
+    }
+    if (!s->cm) { /* a token sampled without a mask would be a bug */
+        return kr_err_set(err, KR_ERR_INTERNAL, "a constrained choice sampled a token without its mask");
+    }
+    return c->iface->accept(c->ctx, s->cm, tok, done, err);
+}
+
+/* ---- sampling and stop conditions ------------------------------------------------------------ */
+
 /* Emits token `tok` of s (logprob and alternatives as the request asked; top holds at least
- * r->s.logprobs entries when that is positive) and finishes the choice when it ends. */
+ * r->s.logprobs entries when that is positive) and finishes the choice when it ends: at an
+ * end-of-sequence or stop id, when its constrained text is complete, or at its length limit. */
 void eng_emit_token(struct kr_engine *e, struct seq *s, int32_t tok, float logprob, const int32_t *top_ids,
                        const float *top_lps)
 {
     struct req *r = s->req;
     const struct kr_model_config *c = &e->m->cfg;
+    bool complete = false;
+    struct kr_err cerr = {0};
+    const enum kr_status cst = con_accept(s, tok, &complete, &cerr);
+    if (cst != KR_OK) {
+        char msg[sizeof cerr.msg + 32];
+        snprintf(msg, sizeof msg, "constrained decoding: %s", cerr.msg[0] ? cerr.msg : kr_status_str(cst));
+        eng_fail_req(e, r, cst, msg);
+        return;
+    }
     struct kr_event ev = {.type = KR_EVENT_TOKEN, .index = s->index, .token = tok};
     if (s->n_gen == 0) {
         ev.queue_s = (s->admitted_us > 0 ? s->admitted_us - r->submitted_us : 0) / 1e6;
@@ -57,18 +201,37 @@ void eng_emit_token(struct kr_engine *e, struct seq *s, int32_t tok, float logpr
     }
     if (stop && s->n_gen >= r->s.min_tokens) {
         eng_finish_seq(e, s, KR_FINISH_STOP, tok);
+    } else if (complete) {
+        eng_finish_seq(e, s, KR_FINISH_STOP, -1); /* nothing may follow: the text is whole, even below min_tokens */
     } else if (s->n_gen >= r->s.max_tokens || s->n_toks >= e->cfg.max_model_len) {
         eng_finish_seq(e, s, KR_FINISH_LENGTH, -1);
     }
 }
 
-/* Samples the next token of s from `logits` (host memory) and emits it. */
-void eng_sample_and_emit(struct kr_engine *e, struct seq *s, const float *logits)
+/* Samples the next token of s from `logits` (host memory) and emits it. A constrained s samples
+ * under `mask`, made here when the step did not (the n > 1 choices forked from a prompt's row). */
+void eng_sample_and_emit(struct kr_engine *e, struct seq *s, const float *logits, const uint32_t *mask)
 {
     struct req *r = s->req;
     const struct kr_model_config *c = &e->m->cfg;
+    if (r->con.iface && !mask) {
+        struct kr_err err = {0};
+        const double t0 = kr_clock_us();
+        uint32_t *spare = ensure_masks(e, 0, 0) == KR_OK ? e->masks + (size_t)e->cap_masks * (size_t)e->mask_words
+                                                         : NULL;
+        const enum kr_status st = spare ? seq_mask(e, s, spare, &err) : KR_ERR_NOMEM;
+        e->n_masks++;
+        e->mask_us += kr_clock_us() - t0;
+        if (st != KR_OK) {
+            char msg[sizeof err.msg + 32];
+            snprintf(msg, sizeof msg, "constrained decoding: %s", err.msg[0] ? err.msg : kr_status_str(st));
+            eng_fail_req(e, r, st, msg);
+            return;
+        }
+        mask = spare;
+    }
     int32_t tok = 0;
-    enum kr_status st = kr_sample(&r->s, logits, c->vocab, &s->counts, s->n_gen, c->eos_ids, c->n_eos, &s->rng,
+    enum kr_status st = kr_sample(&r->s, logits, mask, c->vocab, &s->counts, s->n_gen, c->eos_ids, c->n_eos, &s->rng,
                                   &e->scratch, &tok);
     if (st != KR_OK) {
         eng_fail_req(e, r, st, "sampling failed");
@@ -76,7 +239,9 @@ void eng_sample_and_emit(struct kr_engine *e, struct seq *s, const float *logits
     }
     float lp = 0;
     if (r->s.logprobs >= 0) {
-        kr_log_softmax(logits, e->lp_row, c->vocab);
+        /* vLLM's log-probabilities: the model's logits before any sampling parameter, but after a
+         * constraint's mask (its grammar bitmask is applied to the logits before the sampler) */
+        kr_log_softmax_masked(logits, mask, e->lp_row, c->vocab);
         lp = e->lp_row[tok];
         if (r->s.logprobs > 0) {
             const int32_t k = r->s.logprobs < c->vocab ? r->s.logprobs : (int32_t)c->vocab;
@@ -99,6 +264,7 @@ enum kr_status eng_ensure_sample_buffers(struct kr_engine *e, int32_t n, int64_t
         kr_free(e->s_host);
         kr_free(e->srows);
         kr_free(e->s_out);
+        kr_free(e->s_rows);
         kr_free(e->s_lp);
         kr_free(e->s_top_ids);
         kr_free(e->s_top_lp);
@@ -106,10 +272,13 @@ enum kr_status eng_ensure_sample_buffers(struct kr_engine *e, int32_t n, int64_t
         e->s_host = kr_malloc((size_t)c);
         e->srows = kr_malloc((size_t)c * sizeof *e->srows);
         e->s_out = kr_malloc((size_t)c * sizeof(int32_t));
+        e->s_rows = kr_malloc((size_t)c * sizeof(int32_t));
         e->s_lp = kr_malloc((size_t)c * sizeof(float));
         e->s_top_ids = kr_malloc((size_t)c * KR_MAX_TOP_LOGPROBS * sizeof(int32_t));
         e->s_top_lp = kr_malloc((size_t)c * KR_MAX_TOP_LOGPROBS * sizeof(float));
-        e->cap_srows = e->s_seqs && e->s_host && e->srows && e->s_out && e->s_lp && e->s_top_ids && e->s_top_lp ? c : 0;
+        e->cap_srows =
+            e->s_seqs && e->s_host && e->srows && e->s_out && e->s_rows && e->s_lp && e->s_top_ids && e->s_top_lp ? c
+                                                                                                                : 0;
         if (!e->cap_srows) {
             return KR_ERR_NOMEM;
         }
@@ -202,27 +371,33 @@ enum kr_status eng_sample_on_backend(struct kr_engine *e, struct seq **seqs, con
     n_top = n_top < e->m->cfg.vocab ? n_top : (int32_t)e->m->cfg.vocab;
     KR_TRY(eng_ensure_sample_buffers(e, n, n_pen));
     int64_t at = 0;
+    int32_t n_mrows = 0; /* mask rows the constrained rows use: the step's mask rows are in row order */
     for (int32_t i = 0; i < n; i++) {
         struct seq *s = seqs[i];
         const struct kr_sampling *p = &s->req->s;
         if (host && host[i]) {
             e->srows[i] = (struct krk_sample_row){.temperature = 0.0f, .top_k = 0, .top_p = 1.0f, .min_p = 0.0f,
                                                  .presence = 0.0f, .frequency = 0.0f, .repetition = 1.0f,
-                                                 .pen_off = (int32_t)at, .pen_n = 0, .u = 0.0};
+                                                 .pen_off = (int32_t)at, .pen_n = 0, .mask_off = -1, .u = 0.0};
             continue;
         }
         const int64_t k = pen_fill(e, s, at);
+        /* a constrained row: its mask, filled while the forward pass ran (eng_fill_step_masks) */
+        const int32_t mrow = e->row_mask && i < e->cap_row_mask ? e->row_mask[i] : -1;
+        n_mrows = mrow + 1 > n_mrows ? mrow + 1 : n_mrows;
         e->srows[i] = (struct krk_sample_row){.temperature = p->temperature, .top_k = p->top_k, .top_p = p->top_p,
                                              .min_p = p->min_p, .presence = p->presence_penalty,
                                              .frequency = p->frequency_penalty,
                                              .repetition = p->repetition_penalty, .pen_off = (int32_t)at,
-                                             .pen_n = (int32_t)k,
+                                             .pen_n = (int32_t)k, .mask_off = mrow >= 0 ? mrow * e->mask_words : -1,
                                              .u = p->temperature > 0.0f ? kr_rng_uniform(&s->rng) : 0.0};
         at += k;
     }
     const struct krk_sample_params sp = {.logits = e->m->last_logits, .ld = e->m->cfg.vocab, .n = n,
                                          .vocab = e->m->cfg.vocab, .rows = e->srows, .pen_ids = e->pen_ids,
                                          .pen_count = e->pen_count, .pen_flags = e->pen_flags, .n_pen = at,
+                                         .mask = n_mrows > 0 ? e->masks : NULL,
+                                         .n_mask = (int64_t)n_mrows * e->mask_words,
                                          .out = e->s_out, .out_logprob = want_lp ? e->s_lp : NULL,
                                          .n_top = n_top, .top_ids = e->s_top_ids, .top_lp = e->s_top_lp};
     *n_top_out = n_top;

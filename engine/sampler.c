@@ -259,6 +259,30 @@ void kr_log_softmax(const float *logits, float *lp, int64_t vocab)
     }
 }
 
+void kr_log_softmax_masked(const float *logits, const uint32_t *mask, float *lp, int64_t vocab)
+{
+    if (!mask) {
+        kr_log_softmax(logits, lp, vocab);
+        return;
+    }
+    float mx = -INFINITY;
+    for (int64_t i = 0; i < vocab; i++) {
+        if (kr_mask_allows(mask, i) && logits[i] > mx) {
+            mx = logits[i];
+        }
+    }
+    double sum = 0.0;
+    for (int64_t i = 0; i < vocab; i++) {
+        if (kr_mask_allows(mask, i)) {
+            sum += exp((double)logits[i] - mx);
+        }
+    }
+    const float lse = (float)(mx + log(sum));
+    for (int64_t i = 0; i < vocab; i++) {
+        lp[i] = kr_mask_allows(mask, i) ? logits[i] - lse : -INFINITY;
+    }
+}
+
 void kr_top_k_ids(const float *lp, int64_t vocab, int32_t k, int32_t *ids)
 {
     int32_t n = 0;
@@ -477,6 +501,33 @@ static enum kr_status select_token(float temperature, int32_t top_k, float top_p
     return KR_OK;
 }
 
+/* Copies the row into v with the tokens the mask leaves out at -inf, a word (32 ids) at a time:
+ * a whole word of allowed tokens is copied and a whole masked word filled without looking at its
+ * bits (both loops vectorize), so that a grammar's mask, mostly such words, costs about what the
+ * plain copy costs. */
+static void copy_masked(float *v, const float *logits, const uint32_t *mask, int64_t vocab)
+{
+    if (!mask) {
+        memcpy(v, logits, (size_t)vocab * sizeof(float));
+        return;
+    }
+    for (int64_t w = 0; w * 32 < vocab; w++) {
+        const uint32_t m = mask[w];
+        const int64_t i0 = w * 32, n = i0 + 32 < vocab ? 32 : vocab - i0;
+        if (m == 0xffffffffu) {
+            memcpy(v + i0, logits + i0, (size_t)n * sizeof(float));
+        } else if (m == 0) {
+            for (int64_t i = 0; i < n; i++) {
+                v[i0 + i] = -INFINITY;
+            }
+        } else {
+            for (int64_t i = 0; i < n; i++) {
+                v[i0 + i] = (m >> i) & 1u ? logits[i0 + i] : -INFINITY;
+            }
+        }
+    }
+}
+
 /* One token's penalties, in the order kr_sample applies them. */
 static void penalise(float *v, int32_t id, bool in_prompt, int32_t n_out, float repetition, float frequency,
                      float presence)
@@ -489,7 +540,7 @@ static void penalise(float *v, int32_t id, bool in_prompt, int32_t n_out, float 
     }
 }
 
-enum kr_status kr_sample(const struct kr_sampling *s, const float *logits, int64_t vocab,
+enum kr_status kr_sample(const struct kr_sampling *s, const float *logits, const uint32_t *mask, int64_t vocab,
                          const struct kr_token_counts *counts, int32_t n_generated, const int32_t *eos_ids,
                          int32_t n_eos, struct kr_rng *rng, struct kr_sampler_scratch *sc, int32_t *out)
 {
@@ -498,7 +549,8 @@ enum kr_status kr_sample(const struct kr_sampling *s, const float *logits, int64
         return st;
     }
     float *v = sc->v;
-    memcpy(v, logits, (size_t)vocab * sizeof(float));
+    /* the constraint's mask first: a bias or penalty applied after it keeps -inf at -inf */
+    copy_masked(v, logits, mask, vocab);
     /* logit bias (OpenAI: added to the model's logits before sampling) */
     for (int32_t i = 0; i < s->n_bias; i++) {
         if (s->bias_ids[i] >= 0 && s->bias_ids[i] < vocab) {
@@ -528,17 +580,18 @@ enum kr_status kr_sample(const struct kr_sampling *s, const float *logits, int64
     return select_token(s->temperature, s->top_k, s->top_p, s->min_p, v, vocab, sc, rng, 0.0, out);
 }
 
-enum kr_status kr_sample_with_draw(const float *logits, int64_t vocab, float temperature, int32_t top_k, float top_p,
-                                   float min_p, float presence, float frequency, float repetition,
-                                   const int32_t *pen_ids, const int32_t *pen_count, const uint8_t *pen_flags,
-                                   int64_t n_pen, double u, struct kr_sampler_scratch *sc, int32_t *out)
+enum kr_status kr_sample_with_draw(const float *logits, const uint32_t *mask, int64_t vocab, float temperature,
+                                   int32_t top_k, float top_p, float min_p, float presence, float frequency,
+                                   float repetition, const int32_t *pen_ids, const int32_t *pen_count,
+                                   const uint8_t *pen_flags, int64_t n_pen, double u, struct kr_sampler_scratch *sc,
+                                   int32_t *out)
 {
     enum kr_status st = scratch_reserve(sc, vocab);
     if (st != KR_OK) {
         return st;
     }
     float *v = sc->v;
-    memcpy(v, logits, (size_t)vocab * sizeof(float));
+    copy_masked(v, logits, mask, vocab);
     for (int64_t i = 0; i < n_pen; i++) {
         if (pen_ids[i] >= 0 && pen_ids[i] < vocab && !(pen_flags[i] & 2)) {
             penalise(v, pen_ids[i], (pen_flags[i] & 1) != 0, pen_count[i], repetition, frequency, presence);

@@ -1,10 +1,15 @@
 #pragma once
 /* Token sampling on the engine side: penalties, temperature, top-k, top-p, min-p and a seeded
  * per-sequence generator, so that a sequence samples the same tokens whatever batch it runs in.
- * Order of operations on the logits of one row: logit bias, repetition penalty (prompt and output tokens),
- * frequency and presence penalties (output tokens), EOS/stop-id masking while below min_tokens,
- * then temperature, top-k, top-p (nucleus), min-p, and a draw. Temperature 0 is greedy (argmax,
- * lowest id on ties) after penalties. */
+ * Order of operations on the logits of one row: the allowed-token mask of constrained decoding
+ * (masked tokens become -inf: nothing after can bring them back, since every later step maps -inf
+ * to -inf), logit bias, repetition penalty (prompt and output tokens), frequency and presence
+ * penalties (output tokens), EOS/stop-id masking while below min_tokens, then temperature, top-k,
+ * top-p (nucleus), min-p, and a draw. Temperature 0 is greedy (argmax, lowest id on ties) after
+ * penalties.
+ *
+ * Masks are bitmasks of (vocab + 31) / 32 words, bit id % 32 of word id / 32 set for an allowed
+ * token (the layout of api/grammar.h's token masks); NULL means every token is allowed. */
 #include <stdbool.h>
 #include <stdint.h>
 
@@ -84,22 +89,36 @@ struct kr_sampler_scratch {
 void kr_sampler_scratch_free(struct kr_sampler_scratch *s);
 
 /* Samples one token from `logits` ([vocab] raw logits of the row) for a sequence that has
- * generated `n_generated` tokens so far, with its counts and generator. `is_eos` tells which ids end
- * the sequence (for min_tokens masking). Returns the token id in *out. */
-enum kr_status kr_sample(const struct kr_sampling *s, const float *logits, int64_t vocab,
+ * generated `n_generated` tokens so far, with its counts and generator. `mask` (may be NULL) lists
+ * the allowed tokens; `eos_ids` tell which ids end the sequence (for min_tokens masking). Returns
+ * the token id in *out; KR_ERR_INTERNAL when a non-greedy row has every token masked (a greedy one
+ * then takes id 0). */
+enum kr_status kr_sample(const struct kr_sampling *s, const float *logits, const uint32_t *mask, int64_t vocab,
                          const struct kr_token_counts *counts, int32_t n_generated, const int32_t *eos_ids,
                          int32_t n_eos, struct kr_rng *rng, struct kr_sampler_scratch *scratch, int32_t *out);
 
-/* kr_sample's processing and selection with a given draw u in [0, 1) instead of a generator, and
- * the penalties and masks as a list (ids with their output counts; flag bit 0: in the prompt,
- * bit 1: masked). For backends that sample many rows at once. */
-enum kr_status kr_sample_with_draw(const float *logits, int64_t vocab, float temperature, int32_t top_k, float top_p,
-                                   float min_p, float presence, float frequency, float repetition,
+/* kr_sample's processing and selection with a given draw u in [0, 1) instead of a generator, the
+ * allowed-token mask as a bitmask (may be NULL), and the penalties and min_tokens masks as a list
+ * (ids with their output counts; flag bit 0: in the prompt, bit 1: masked). For backends that
+ * sample many rows at once. */
+enum kr_status kr_sample_with_draw(const float *logits, const uint32_t *mask, int64_t vocab, float temperature,
+                                   int32_t top_k, float top_p, float min_p, float presence, float frequency,
+                                   float repetition,
                                    const int32_t *pen_ids, const int32_t *pen_count, const uint8_t *pen_flags,
                                    int64_t n_pen, double u, struct kr_sampler_scratch *sc, int32_t *out);
 
 /* Log-softmax of raw logits into `lp` [vocab] (may alias logits). */
 void kr_log_softmax(const float *logits, float *lp, int64_t vocab);
+
+/* Log-softmax over the tokens `mask` allows (NULL: all of them, as kr_log_softmax): masked tokens
+ * get -inf and the allowed ones are normalized among themselves. lp may alias logits. */
+void kr_log_softmax_masked(const float *logits, const uint32_t *mask, float *lp, int64_t vocab);
+
+/* Whether token id is allowed by mask (NULL allows everything). */
+static inline bool kr_mask_allows(const uint32_t *mask, int64_t id)
+{
+    return !mask || ((mask[id >> 5] >> (id & 31)) & 1u);
+}
 
 /* The k largest entries of lp (ids descending by value, lowest id first on ties). k <= vocab. */
 void kr_top_k_ids(const float *lp, int64_t vocab, int32_t k, int32_t *ids);

@@ -519,24 +519,43 @@ void eng_run_step(struct kr_engine *e)
     }
     /* the device is busy with this step now: deliver the previous step's events meanwhile */
     eng_flush_events(e);
-    int32_t n_top = 0;
-    if (st == KR_OK && dev && (st = eng_ensure_sample_buffers(e, n_out, 0)) == KR_OK) {
-        /* the sequences of the output rows, in row order */
-        int32_t r = 0;
-        for (int32_t j = 0; j < ns; j++) {
+    /* the sequences that sample a token this step, each with its output row (its last one), and the
+     * masks of the constrained ones, made while the device computes the logits */
+    int32_t n_samp = 0;
+    if (st == KR_OK && n_out > 0) {
+        if ((st = eng_ensure_sample_buffers(e, n_out, 0)) != KR_OK) {
+            snprintf(err.msg, sizeof err.msg, "out of memory");
+        }
+        for (int32_t j = 0, o2 = 0; j < ns && st == KR_OK; j++) {
             struct seq *s = e->b_seqs[j];
-            if (s->n_fed + e->b_nsched[j] == s->n_toks) {
-                e->s_host[r] = (s->state == KR_SEQ_PREFILL && s->index == 0 && s->req->n > 1) || s->req->s.n_bias > 0;
-                e->s_seqs[r++] = s;
+            const bool last = s->n_fed + e->b_nsched[j] == s->n_toks;
+            o2 += wants_prompt_rows(s) ? e->b_nsched[j] : (last ? 1 : 0);
+            if (last) {
+                e->s_seqs[n_samp] = s;
+                e->s_rows[n_samp++] = o2 - 1;
             }
         }
+        if (st == KR_OK) {
+            eng_fill_step_masks(e, e->s_seqs, e->s_rows, n_samp, n_out);
+        }
+    }
+    int32_t n_top = 0;
+    if (st == KR_OK && dev) {
+        /* rows the host samples: an n > 1 prompt's (its choices fork from it), logit_bias, and the
+         * rows of requests that failed while their masks were made (their results are not used) */
+        for (int32_t i = 0; i < n_samp; i++) {
+            const struct seq *s = e->s_seqs[i];
+            e->s_host[i] = (s->state == KR_SEQ_PREFILL && s->index == 0 && s->req->n > 1) || s->req->s.n_bias > 0 ||
+                           s->state == KR_SEQ_DONE;
+        }
+        const int32_t r = n_samp;
         st = r == n_out ? eng_sample_on_backend(e, e->s_seqs, e->s_host, r, &n_top) : KR_ERR_INTERNAL;
         if (st != KR_OK) {
             snprintf(err.msg, sizeof err.msg, "sampling on the backend failed: %s", kr_status_str(st));
         }
         /* the rows left to the host: their logits at the same rows of the host buffer */
         for (int32_t i = 0; i < r && st == KR_OK; i++) {
-            if (e->s_host[i]) {
+            if (e->s_host[i] && e->s_seqs[i]->state != KR_SEQ_DONE) {
                 st = kr_backend_copy_d2h(e->m->be, e->logits + (size_t)i * (size_t)V,
                                          e->m->last_logits + (size_t)i * (size_t)V, (size_t)V * sizeof(float));
                 if (st != KR_OK) {
@@ -599,7 +618,7 @@ void eng_run_step(struct kr_engine *e)
                 for (int32_t i = 1; i < r->n; i++) {
                     struct seq *ch = &r->seqs[i];
                     if (ch->state == KR_SEQ_DECODE && ch->n_gen == 0 && ch->n_fed == s->n_fed) {
-                        eng_sample_and_emit(e, ch, row);
+                        eng_sample_and_emit(e, ch, row, NULL); /* a constrained choice makes its own mask */
                     }
                 }
             }
@@ -608,7 +627,7 @@ void eng_run_step(struct kr_engine *e)
             continue;
         }
         if (on_host) {
-            eng_sample_and_emit(e, s, row);
+            eng_sample_and_emit(e, s, row, eng_row_mask(e, row_i));
         } else if (e->s_out[row_i] >= 0) {
             /* s_lp holds this step's values only when a sequence of it asked for log-probabilities */
             eng_emit_token(e, s, e->s_out[row_i], r->s.logprobs >= 0 ? e->s_lp[row_i] : NAN,
@@ -620,7 +639,7 @@ void eng_run_step(struct kr_engine *e)
                                     (size_t)V * sizeof(float)) != KR_OK) {
                 eng_fail_req(e, r, KR_ERR_CUDA, "sampling failed");
             } else {
-                eng_sample_and_emit(e, s, e->logits);
+                eng_sample_and_emit(e, s, e->logits, eng_row_mask(e, row_i));
             }
         }
     }

@@ -2,6 +2,7 @@
  * tokenizer, chat template, workspace and engine. */
 #include "boot.h"
 
+#include "clock.h"
 #include "log.h"
 
 #include <stdio.h>
@@ -58,6 +59,37 @@ static void progress(void *user, int done, int total)
     fflush(stderr);
 }
 
+/* Compiled constraints kept for requests that repeat them (each holds its filled mask cache, a few
+ * hundred KB to 2 MB: docs/STRUCTURED_OUTPUTS.md), least recently used out first. */
+#define GRAMMAR_CACHE_SIZE 64
+
+/* Constrained decoding: the tokenizer's tokens in a trie for masks, with the ids the engine ends a
+ * sequence at (config.json's eos_token_id, which lists a chat model's end-of-turn ids too; the
+ * tokenizer's EOS when the config names none) allowed where the text can end; and the cache of
+ * compiled grammars. */
+static enum kr_status structured_outputs_init(struct kr_boot *s, struct kr_err *err)
+{
+    const struct kr_model_config *mc = &s->m->cfg;
+    const int32_t n_tok = kr_tokenizer_n_vocab(s->tok);
+    int32_t ends[KR_MAX_EOS + 1], n_end = 0;
+    for (int32_t i = 0; i < mc->n_eos; i++) {
+        if (mc->eos_ids[i] >= 0 && mc->eos_ids[i] < n_tok) {
+            ends[n_end++] = mc->eos_ids[i];
+        }
+    }
+    if (n_end == 0 && kr_tokenizer_eos_id(s->tok) >= 0 && kr_tokenizer_eos_id(s->tok) < n_tok) {
+        ends[n_end++] = kr_tokenizer_eos_id(s->tok);
+    }
+    const double t0 = kr_clock_s();
+    KR_TRY(kr_grammar_vocab_create(s->tok, ends, n_end, &s->gvocab, err));
+    if (kr_grammar_cache_create(GRAMMAR_CACHE_SIZE, &s->grammars) != KR_OK) {
+        return kr_err_set(err, KR_ERR_NOMEM, "out of memory");
+    }
+    KR_LOG_INFO("structured outputs: %d token ids in the mask trie (%.0f ms), %d end ids, a cache of %d compiled "
+                "constraints", n_tok, (kr_clock_s() - t0) * 1e3, n_end, GRAMMAR_CACHE_SIZE);
+    return KR_OK;
+}
+
 /* The loader thread: everything that takes long, then `loaded`. */
 static void *loader_main(void *arg)
 {
@@ -97,6 +129,12 @@ static void *loader_main(void *arg)
         }
         if (!s->chat) {
             KR_LOG_WARN("the tokenizer has no chat template: /v1/chat/completions will answer 400");
+        }
+        if (structured_outputs_init(s, &err) != KR_OK) {
+            KR_LOG_ERROR("cannot prepare constrained decoding: %s", err.msg);
+            s->load_failed = true;
+            s->loaded(s->loaded_user);
+            return NULL;
         }
     }
     struct kr_engine_config cfg;
@@ -172,7 +210,9 @@ void kr_boot_stop_engine(struct kr_boot *b)
 
 void kr_boot_free(struct kr_boot *b)
 {
-    kr_boot_stop_engine(b);
+    kr_boot_stop_engine(b); /* the engine's matchers use the vocabulary: they go first */
+    kr_grammar_cache_destroy(b->grammars);
+    kr_grammar_vocab_destroy(b->gvocab);
     kr_chat_free(b->chat);
     kr_tokenizer_free(b->tok);
     kr_model_free(b->m);

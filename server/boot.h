@@ -10,6 +10,7 @@
 #include "backend.h"
 #include "chat.h"
 #include "engine.h"
+#include "grammar.h"
 #include "model.h"
 #include "server.h"
 #include "status.h"
@@ -25,6 +26,9 @@ struct kr_boot {
     struct kr_model *m;            /* NULL until loaded */
     struct kr_tokenizer *tok;      /* NULL with --skip-tokenizer-init */
     struct kr_chat *chat;          /* NULL without a chat template */
+    struct kr_grammar_vocab *gvocab; /* the tokenizer's tokens for constrained decoding (NULL without a
+                                        tokenizer), the model's end-of-sequence ids as end ids */
+    struct kr_grammar_cache *grammars; /* compiled constraints shared by requests (NULL without a tokenizer) */
     struct kr_engine *eng;
     int32_t max_model_len;         /* what a request may use: --max-model-len, else the model's */
     bool load_failed;              /* the loader logged why */

@@ -136,6 +136,11 @@ char *kr_metrics_render(const struct kr_metrics *m, const struct kr_engine_stats
             "# TYPE krait:engine_step_host_gap_seconds summary\n"
             "krait:engine_step_host_gap_seconds_sum{%s} %.9g\nkrait:engine_step_host_gap_seconds_count{%s} %llu\n",
         lbl, st->step_gap_us_total / 1e6, lbl, (unsigned long long)st->step_gaps);
+    put(&b, "# HELP krait:structured_output_mask_seconds Host time making the allowed-token masks of constrained "
+            "rows (structured outputs), one observation per mask.\n"
+            "# TYPE krait:structured_output_mask_seconds summary\n"
+            "krait:structured_output_mask_seconds_sum{%s} %.9g\nkrait:structured_output_mask_seconds_count{%s} %llu\n",
+        lbl, st->mask_us_total / 1e6, lbl, (unsigned long long)st->masks);
     const int32_t blocks_used = st->blocks_total - st->blocks_free - st->blocks_cached; /* held by sequences */
     const double kv = st->blocks_total ? (double)blocks_used / st->blocks_total : 0.0;
     const double ss = st->slots_total ? 1.0 - (double)st->slots_free / st->slots_total : 0.0;

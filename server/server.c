@@ -1380,6 +1380,8 @@ static void on_loaded(uv_async_t *a)
     s->env.engine_ctx = s->rt.eng;
     s->env.tok = s->rt.tok;
     s->env.chat = s->rt.chat;
+    s->env.grammars = s->rt.grammars;
+    s->env.gvocab = s->rt.gvocab;
     s->env.vocab = s->rt.m->cfg.vocab;
     s->env.max_model_len = s->rt.max_model_len;
     s->env.max_bytes_per_token = s->rt.tok ? kr_tokenizer_max_bytes_per_token(s->rt.tok) : 0;

@@ -7,6 +7,7 @@
 #include "array.h"
 #include "chat.h"
 #include "clock.h"
+#include "constrain.h"
 #include "log.h"
 #include "stops.h"
 #include "tokenizer.h"
@@ -76,6 +77,7 @@ struct kr_sess {
     /* preparation (a worker) */
     struct kr_oai_request o;
     bool have_o;
+    struct kr_grammar *grammar; /* the compiled output constraint (a reference), or NULL */
     bool prep_failed;
     size_t prep_peak;          /* the most memory the preparation held (kr_alloc_limit_end) */
     char *def_body;            /* /tokenize, /detokenize: the answer (jansson's allocator) */
@@ -231,6 +233,7 @@ static void sess_free(struct kr_sess *s)
     if (s->have_o) {
         kr_oai_request_free(&s->o);
     }
+    kr_grammar_free(s->grammar);
     const bool big = s->prep_peak > ((size_t)32 << 20);
     kr_free(s);
     if (big) {
@@ -976,6 +979,33 @@ static int32_t last_turn_boundary(const struct kr_sess *s, const struct kr_sess_
     return at < sb->n_prompt ? at : 0;
 }
 
+/* The request's output constraint compiled, through the server's cache (a repeated schema costs a
+ * lookup, and its grammar's mask cache is warm). Errors are the field's: a schema keyword the
+ * compiler refuses, a regex construct, a grammar's line and column. */
+static enum kr_status compile_constraint(struct kr_sess *s)
+{
+    const struct kr_sess_env *env = s->env;
+    const struct kr_oai_constraint *c = &s->o.constraint;
+    if (!env->tok || !env->gvocab || !env->grammars) {
+        return prep_simple_fail(s, KR_OAI_INVALID, c->param,
+                                "constrained decoding needs the tokenizer's tokens, and this server runs with "
+                                "--skip-tokenizer-init");
+    }
+    const struct kr_grammar_json_opts opts = {.max_ws = c->max_ws};
+    struct kr_err err = {0};
+    const enum kr_status st =
+        kr_grammar_cache_get(env->grammars, c->kind, c->text ? c->text : "", c->len, &opts, &s->grammar, NULL, &err);
+    if (st == KR_ERR_NOMEM) {
+        return prep_oom(s);
+    }
+    if (st != KR_OK) {
+        kr_oai_error(&s->err, KR_OAI_INVALID, c->param, "invalid '%s': %s", c->param, err.msg);
+        s->prep_failed = true;
+        return KR_ERR_INVAL;
+    }
+    return KR_OK;
+}
+
 static enum kr_status prepare_generation(struct kr_sess *s, const char *body, size_t len)
 {
     const struct kr_sess_env *env = s->env;
@@ -989,6 +1019,9 @@ static enum kr_status prepare_generation(struct kr_sess *s, const char *body, si
         kr_oai_error(&e, KR_OAI_MODEL_NOT_FOUND, "model",
                      "The model `%s` does not exist; this server serves `%s`", s->o.model, env->model_name);
         return prep_fail(s, &e);
+    }
+    if (s->o.constraint.on && compile_constraint(s) != KR_OK) {
+        return KR_ERR_INVAL;
     }
     if (kind == KR_OAI_COMPLETIONS && (int64_t)s->o.n_prompts * s->o.n > 1024) {
         kr_oai_error(&e, KR_OAI_INVALID, "prompt", "at most 1024 choices per request (%d prompts x n=%d)",
@@ -1300,11 +1333,17 @@ static void submit_all(struct kr_sess *s)
             }
             sb->n_spare = k + 1;
         }
-        if (!sb->spare || sb->n_spare != s->o.n + 1) {
+        if (s->grammar && st == KR_OK) { /* each prompt's request holds the constraint on its own */
+            st = kr_constrain_create(s->grammar, env->gvocab, &p.constraint);
+        }
+        if (st != KR_OK || !sb->spare || sb->n_spare != s->o.n + 1) {
             st = KR_ERR_NOMEM;
             snprintf(err.msg, sizeof err.msg, "out of memory");
         } else {
             st = env->engine->submit(env->engine_ctx, &p, &sb->eng_id, &err);
+        }
+        if (st != KR_OK && p.constraint.iface) {
+            p.constraint.iface->release(p.constraint.ctx); /* a refused request left it with us */
         }
         if (st != KR_OK) {
             cancel_engine(s); /* the prompts already queued */

@@ -76,6 +76,9 @@ struct kr_sess_env {
     void *engine_ctx;
     const struct kr_tokenizer *tok; /* NULL: token ids only (--skip-tokenizer-init) */
     const struct kr_chat *chat;     /* NULL: no chat template (chat answers 400) */
+    struct kr_grammar_cache *grammars;        /* compiled output constraints (thread-safe); NULL: none */
+    const struct kr_grammar_vocab *gvocab;    /* the tokenizer's tokens for masks; NULL: no constrained
+                                                 decoding (no tokenizer) */
     int64_t vocab;                  /* token ids in prompts must be below this */
     int32_t max_model_len;
     bool snapshot_hints;            /* the engine takes state snapshots at named positions: worth finding

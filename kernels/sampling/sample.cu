@@ -22,6 +22,12 @@
 // Three kernels: prep (penalties and masks into the workspace row, maximum, log-sum-exp; finishes
 // greedy and rejected rows), draw (the cuts and the draw of the sampling rows) and top-n (the n_top
 // best raw log-probabilities, from per-warp sorted candidate lists).
+//
+// A constrained row (constrained decoding: mask_off >= 0) reads its logits through its allowed-token
+// bitmask everywhere, so a token the mask leaves out is -inf before penalties, in the log-sum-exp
+// and in the log-probabilities alike (the host's order: the mask first). The mask words are read
+// from global memory beside the logits: 32 consecutive ids share one word, so a warp's reads of it
+// are one broadcast.
 #include "common/util.cuh"
 #include "krk/sampling.h"
 
@@ -113,6 +119,18 @@ __device__ __forceinline__ u32 fkey(float v)
 {
     const u32 u = __float_as_uint(v);
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// Whether row mask m (nullptr: unconstrained) allows token i.
+__device__ __forceinline__ bool allows(const u32 *m, int i)
+{
+    return m == nullptr || ((m[i >> 5] >> (i & 31)) & 1u) != 0u;
+}
+
+// Logit i of a row as its mask leaves it: the raw logit, or -inf for a token the mask leaves out.
+__device__ __forceinline__ float masked_logit(const float *lrow, const u32 *m, int i)
+{
+    return allows(m, i) ? lrow[i] : -INFINITY;
 }
 
 // Canonical processed logit: NaN counts as -inf, -0 as +0 (the host compares values, not bits).
@@ -661,7 +679,8 @@ __device__ __forceinline__ u64 warp_merge_desc(u64 v)
 // (key(lp) << 32 | ~id), unique per element, so "larger key" is exactly that order. Each warp keeps
 // its 32 best sorted across its lanes and merges a batch of 32 only when one of them beats the
 // worst; warp 0 then merges the warps' lists.
-__device__ void top_n(const float *lrow, int vocab, float lse, int n_top, int32_t *ids, float *lps, Shared &sm)
+__device__ void top_n(const float *lrow, const u32 *mrow, int vocab, float lse, int n_top, int32_t *ids, float *lps,
+                      Shared &sm)
 {
     const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5;
     u64 list = 0, worst = 0;
@@ -671,6 +690,13 @@ __device__ void top_n(const float *lrow, int vocab, float lse, int n_top, int32_
         for (int u = 0; u < 4; u++) {
             const int i = base + u * kBlock + lane;
             xs[u] = i < vocab ? lrow[i] : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            const int i = base + u * kBlock + lane;
+            if (mrow != nullptr && i < vocab && !allows(mrow, i)) {
+                xs[u] = -INFINITY;
+            }
         }
 #pragma unroll
         for (int u = 0; u < 4; u++) {
@@ -702,12 +728,22 @@ __device__ void top_n(const float *lrow, int vocab, float lse, int n_top, int32_
         if (lane < n_top) {
             const int32_t id = (int32_t)~(u32)acc;
             ids[lane] = id;
-            lps[lane] = __fsub_rn(lrow[id], lse);
+            lps[lane] = __fsub_rn(masked_logit(lrow, mrow, id), lse);
         }
     }
 }
 
 // ---- kernels ---------------------------------------------------------------------------------------
+
+// The allowed-token bitmask of row r, nullptr when it has none (or its range is bad: prep_kernel
+// refuses such a row).
+__device__ __forceinline__ const u32 *row_mask(const krk_sample_params &p, const krk_sample_row &r, int nbm)
+{
+    if (p.mask == nullptr || r.mask_off < 0 || (int64_t)r.mask_off + nbm > p.n_mask) {
+        return nullptr;
+    }
+    return p.mask + r.mask_off;
+}
 
 // Per-row results of the first kernel, after the processed rows in the workspace.
 struct RowStat {
@@ -767,9 +803,11 @@ __global__ void __launch_bounds__(kBlock, 1) prep_kernel(const Args a)
     if (!(r.temperature >= 0.0f) || !finitef(r.temperature) || !(r.top_p > 0.0f && r.top_p <= 1.0f) ||
         !(r.min_p >= 0.0f && r.min_p <= 1.0f) || !(r.repetition > 0.0f) || !finitef(r.repetition) ||
         !finitef(r.presence) || !finitef(r.frequency) || r.pen_off < 0 || r.pen_n < 0 ||
-        (int64_t)r.pen_off + r.pen_n > p.n_pen || (mode == ROW_SAMPLE && !(r.u >= 0.0 && r.u < 1.0))) {
+        (int64_t)r.pen_off + r.pen_n > p.n_pen || (mode == ROW_SAMPLE && !(r.u >= 0.0 && r.u < 1.0)) ||
+        (p.mask != nullptr && r.mask_off >= 0 && (int64_t)r.mask_off + a.nbm > p.n_mask)) {
         mode = ROW_BAD;
     }
+    const u32 *mrow = mode == ROW_BAD ? nullptr : row_mask(p, r, a.nbm);
     const int pen_n = mode == ROW_BAD ? 0 : r.pen_n;
     const int64_t pen_off = r.pen_off;
 
@@ -809,6 +847,15 @@ __global__ void __launch_bounds__(kBlock, 1) prep_kernel(const Args a)
                 const int i = base + u * kBlock + tid;
                 xs[u] = i < vocab ? lrow[i] : -INFINITY;
             }
+            if (mrow != nullptr) {
+#pragma unroll
+                for (int u = 0; u < kPrepLoads; u++) {
+                    const int i = base + u * kBlock + tid;
+                    if (i < vocab && !allows(mrow, i)) {
+                        xs[u] = -INFINITY;
+                    }
+                }
+            }
 #pragma unroll
             for (int u = 0; u < kPrepLoads; u++) {
                 if (xs[u] > best) {
@@ -825,6 +872,15 @@ __global__ void __launch_bounds__(kBlock, 1) prep_kernel(const Args a)
         for (int u = 0; u < kPrepLoads; u++) {
             const int i = base + u * kBlock + tid;
             xs[u] = i < vocab ? lrow[i] : -INFINITY;
+        }
+        if (mrow != nullptr) {
+#pragma unroll
+            for (int u = 0; u < kPrepLoads; u++) {
+                const int i = base + u * kBlock + tid;
+                if (i < vocab && !allows(mrow, i)) {
+                    xs[u] = -INFINITY;
+                }
+            }
         }
 #pragma unroll
         for (int u = 0; u < kPrepLoads; u++) {
@@ -861,7 +917,7 @@ __global__ void __launch_bounds__(kBlock, 1) prep_kernel(const Args a)
             const int32_t id = p.pen_ids[pen_off + e];
             const uint8_t fl = p.pen_flags[pen_off + e];
             if (id >= 0 && id < vocab && !(fl & 2u)) {
-                wrow[id] = canon(penalize(lrow[id], p.pen_count[pen_off + e], fl, r));
+                wrow[id] = canon(penalize(masked_logit(lrow, mrow, id), p.pen_count[pen_off + e], fl, r));
             }
         }
         __syncthreads();
@@ -902,7 +958,7 @@ __global__ void __launch_bounds__(kBlock, 1) prep_kernel(const Args a)
         if (done) {
             p.out[row] = chosen;
             if (p.out_logprob) {
-                p.out_logprob[row] = chosen >= 0 ? __fsub_rn(lrow[chosen], lse) : NAN;
+                p.out_logprob[row] = chosen >= 0 ? __fsub_rn(masked_logit(lrow, mrow, chosen), lse) : NAN;
             }
         }
     }
@@ -1007,7 +1063,8 @@ __global__ void __launch_bounds__(kBlock, 1) draw_kernel(const Args a)
     if (threadIdx.x == 0) {
         p.out[row] = chosen;
         if (p.out_logprob) {
-            p.out_logprob[row] = chosen >= 0 ? __fsub_rn(p.logits[row * p.ld + chosen], st.lse) : NAN;
+            const float x = chosen >= 0 ? masked_logit(p.logits + row * p.ld, row_mask(p, r, a.nbm), chosen) : 0.0f;
+            p.out_logprob[row] = chosen >= 0 ? __fsub_rn(x, st.lse) : NAN;
         }
     }
 }
@@ -1020,8 +1077,9 @@ __global__ void __launch_bounds__(kBlock, 1) topn_kernel(const Args a)
     Shared &sm = *reinterpret_cast<Shared *>(smem_raw);
     const krk_sample_params &p = a.p;
     const int64_t row = blockIdx.x;
-    top_n(p.logits + row * p.ld, (int)p.vocab, row_stats(a)[row].lse, p.n_top, p.top_ids + row * p.n_top,
-          p.top_lp + row * p.n_top, sm);
+    const krk_sample_row r = p.rows[row];
+    top_n(p.logits + row * p.ld, row_mask(p, r, a.nbm), (int)p.vocab, row_stats(a)[row].lse, p.n_top,
+          p.top_ids + row * p.n_top, p.top_lp + row * p.n_top, sm);
 }
 
 int64_t row_len(int64_t vocab)
@@ -1054,6 +1112,7 @@ extern "C" enum kr_status krk_sample(const struct krk_sample_params *p, const st
     KRK_REQUIRE(p->logits != nullptr && p->rows != nullptr && p->out != nullptr && ctx->workspace != nullptr);
     KRK_REQUIRE(p->n_top == 0 || (p->top_ids != nullptr && p->top_lp != nullptr));
     KRK_REQUIRE(p->n_pen == 0 || (p->pen_ids != nullptr && p->pen_count != nullptr && p->pen_flags != nullptr));
+    KRK_REQUIRE(p->mask == nullptr || p->n_mask >= 0);
     KRK_REQUIRE(ctx->workspace_bytes >= krk_sample_workspace_bytes(p->n, p->vocab));
     KRK_REQUIRE(((uintptr_t)ctx->workspace & 15) == 0);
 

@@ -1735,8 +1735,6 @@ Test(openai, unsupported_fields_are_refused_by_name)
     kr_oai_request_free(&r);
     ok_with(KR_OAI_COMPLETIONS, "\"suffix\":null,\"best_of\":null,\"response_format\":null", &r);
     kr_oai_request_free(&r);
-    bad_with(KR_OAI_CHAT, "\"response_format\":{\"type\":\"json_object\"}", "response_format");
-    bad_with(KR_OAI_CHAT, "\"response_format\":{\"type\":\"json_schema\",\"json_schema\":{}}", "response_format");
     bad_with(KR_OAI_CHAT, "\"response_format\":\"json\"", "response_format");
     bad_with(KR_OAI_COMPLETIONS, "\"suffix\":\" world\"", "suffix");
     bad_with(KR_OAI_COMPLETIONS, "\"suffix\":3", "suffix");
@@ -1803,4 +1801,121 @@ Test(openai, nesting_beyond_2048_levels_is_refused)
     bad_body(KR_OAI_COMPLETIONS, b, "", msg, sizeof msg);
     cr_expect(strstr(msg, "depth") != NULL, "the message says why: %s", msg);
     free(b);
+}
+
+/* Output constraints (structured outputs): OpenAI's response_format, vLLM's guided_* fields and its
+ * structured_outputs object, each turned into one constraint; two at once, and bad values, are
+ * 400s naming the fields. Whether a constraint compiles is the server's check. */
+Test(openai, output_constraints_are_parsed_from_every_surface)
+{
+    struct kr_oai_request r;
+    ok_with(KR_OAI_CHAT, "\"response_format\":{\"type\":\"text\"}", &r);
+    cr_expect(!r.constraint.on);
+    kr_oai_request_free(&r);
+    ok_with(KR_OAI_CHAT, "\"response_format\":{\"type\":\"json_object\"}", &r);
+    cr_expect(r.constraint.on && r.constraint.kind == KR_GRAMMAR_JSON_OBJECT && !r.constraint.text);
+    cr_expect_str_eq(r.constraint.param, "response_format");
+    cr_expect_eq(r.constraint.max_ws, -1);
+    kr_oai_request_free(&r);
+    /* the schema is written compactly with its members in order */
+    ok_with(KR_OAI_COMPLETIONS,
+            "\"response_format\":{\"type\":\"json_schema\",\"json_schema\":{\"name\":\"p-1_x\",\"strict\":true,"
+            "\"schema\":{\"type\":\"object\",\"properties\":{\"z\":{\"type\":\"integer\"},\"a\":{\"type\":\"string\"}}}}}",
+            &r);
+    cr_expect(r.constraint.on && r.constraint.kind == KR_GRAMMAR_JSON_SCHEMA);
+    cr_expect_str_eq(r.constraint.text,
+                     "{\"type\":\"object\",\"properties\":{\"z\":{\"type\":\"integer\"},\"a\":{\"type\":\"string\"}}}");
+    cr_expect_eq(r.constraint.len, strlen(r.constraint.text));
+    kr_oai_request_free(&r);
+    ok_with(KR_OAI_COMPLETIONS, "\"guided_json\":{\"type\":\"array\"}", &r);
+    cr_expect(r.constraint.kind == KR_GRAMMAR_JSON_SCHEMA);
+    cr_expect_str_eq(r.constraint.text, "{\"type\":\"array\"}");
+    cr_expect_str_eq(r.constraint.param, "guided_json");
+    kr_oai_request_free(&r);
+    ok_with(KR_OAI_COMPLETIONS, "\"guided_json\":\"{\\\"type\\\": \\\"string\\\"}\"", &r);
+    cr_expect_str_eq(r.constraint.text, "{\"type\": \"string\"}", "a schema given as a string is taken as it is");
+    kr_oai_request_free(&r);
+    ok_with(KR_OAI_CHAT, "\"guided_regex\":\"[a-z]+\\\\d\"", &r);
+    cr_expect(r.constraint.kind == KR_GRAMMAR_REGEX);
+    cr_expect_str_eq(r.constraint.text, "[a-z]+\\d");
+    kr_oai_request_free(&r);
+    ok_with(KR_OAI_CHAT, "\"guided_choice\":[\"yes\",\"no\",\"caf\\u00e9\"]", &r);
+    cr_expect(r.constraint.kind == KR_GRAMMAR_CHOICE);
+    cr_expect_str_eq(r.constraint.text, "[\"yes\",\"no\",\"caf\xc3\xa9\"]");
+    kr_oai_request_free(&r);
+    ok_with(KR_OAI_CHAT, "\"guided_grammar\":\"root ::= \\\"a\\\"+\"", &r);
+    cr_expect(r.constraint.kind == KR_GRAMMAR_GBNF);
+    kr_oai_request_free(&r);
+    ok_with(KR_OAI_CHAT, "\"structured_outputs\":{\"json\":{\"type\":\"object\"},\"disable_any_whitespace\":true,"
+                         "\"disable_fallback\":true}", &r);
+    cr_expect(r.constraint.kind == KR_GRAMMAR_JSON_SCHEMA);
+    cr_expect_eq(r.constraint.max_ws, 0);
+    cr_expect_str_eq(r.constraint.param, "structured_outputs.json");
+    kr_oai_request_free(&r);
+    ok_with(KR_OAI_CHAT, "\"structured_outputs\":{\"json_object\":true}", &r);
+    cr_expect(r.constraint.kind == KR_GRAMMAR_JSON_OBJECT);
+    kr_oai_request_free(&r);
+    ok_with(KR_OAI_CHAT, "\"structured_outputs\":{\"choice\":[\"a\"]},\"guided_json\":null,\"response_format\":null", &r);
+    cr_expect(r.constraint.kind == KR_GRAMMAR_CHOICE);
+    kr_oai_request_free(&r);
+    ok_with(KR_OAI_CHAT, "\"structured_outputs\":{\"regex\":\"x\"},\"response_format\":{\"type\":\"text\"}", &r);
+    cr_expect(r.constraint.kind == KR_GRAMMAR_REGEX, "text is no constraint: no conflict");
+    kr_oai_request_free(&r);
+
+    /* two constraints: the second field is named, the message names both */
+    char msg[1024];
+    char body[1024];
+    snprintf(body, sizeof body, "{%s,%s}", USER_MSG,
+             "\"response_format\":{\"type\":\"json_object\"},\"guided_regex\":\"a\"");
+    bad_body(KR_OAI_CHAT, body, "guided_regex", msg, sizeof msg);
+    cr_expect(strstr(msg, "response_format") && strstr(msg, "guided_regex"), "%s", msg);
+    bad_with(KR_OAI_CHAT, "\"guided_json\":{},\"guided_choice\":[\"a\"]", "guided_choice");
+    bad_with(KR_OAI_CHAT, "\"guided_grammar\":\"root ::= \\\"a\\\"\",\"structured_outputs\":{\"regex\":\"a\"}",
+             "structured_outputs.regex");
+    bad_with(KR_OAI_CHAT, "\"structured_outputs\":{\"regex\":\"a\",\"choice\":[\"b\"]}", "structured_outputs.choice");
+    bad_with(KR_OAI_CHAT, "\"structured_outputs\":{\"json\":{},\"json_object\":true}", "structured_outputs.json_object");
+
+    /* bad values */
+    bad_with(KR_OAI_CHAT, "\"response_format\":{\"type\":\"json_schema\",\"json_schema\":{}}",
+             "response_format.json_schema.name");
+    bad_with(KR_OAI_CHAT, "\"response_format\":{\"type\":\"json_schema\"}", "response_format.json_schema");
+    bad_with(KR_OAI_CHAT, "\"response_format\":{\"type\":\"json_schema\",\"json_schema\":[]}",
+             "response_format.json_schema");
+    bad_with(KR_OAI_CHAT, "\"response_format\":{\"type\":\"json_schema\",\"json_schema\":{\"name\":\"x\"}}",
+             "response_format.json_schema.schema");
+    bad_with(KR_OAI_CHAT,
+             "\"response_format\":{\"type\":\"json_schema\",\"json_schema\":{\"name\":\"a b\",\"schema\":{}}}",
+             "response_format.json_schema.name");
+    bad_with(KR_OAI_CHAT,
+             "\"response_format\":{\"type\":\"json_schema\",\"json_schema\":{\"name\":\"x\",\"schema\":\"{}\"}}",
+             "response_format.json_schema.schema");
+    bad_with(KR_OAI_CHAT,
+             "\"response_format\":{\"type\":\"json_schema\",\"json_schema\":{\"name\":\"x\",\"schema\":{},"
+             "\"strict\":\"yes\"}}",
+             "response_format.json_schema.strict");
+    bad_with(KR_OAI_CHAT, "\"response_format\":{\"type\":\"structural_tag\"}", "response_format.type");
+    bad_with(KR_OAI_CHAT, "\"response_format\":{\"type\":3}", "response_format");
+    bad_with(KR_OAI_COMPLETIONS, "\"guided_json\":3", "guided_json");
+    bad_with(KR_OAI_COMPLETIONS, "\"guided_json\":\"\"", "guided_json");
+    bad_with(KR_OAI_COMPLETIONS, "\"guided_regex\":[\"a\"]", "guided_regex");
+    bad_with(KR_OAI_COMPLETIONS, "\"guided_regex\":\"a\\u0000b\"", "guided_regex");
+    bad_with(KR_OAI_COMPLETIONS, "\"guided_choice\":[]", "guided_choice");
+    bad_with(KR_OAI_COMPLETIONS, "\"guided_choice\":\"yes\"", "guided_choice");
+    bad_with(KR_OAI_COMPLETIONS, "\"guided_choice\":[\"a\",2]", "guided_choice[1]");
+    bad_with(KR_OAI_COMPLETIONS, "\"guided_grammar\":\"\"", "guided_grammar");
+    bad_with(KR_OAI_COMPLETIONS, "\"guided_regex\":\"a\",\"guided_whitespace_pattern\":\"[ ]*\"",
+             "guided_whitespace_pattern");
+    bad_with(KR_OAI_COMPLETIONS, "\"structured_outputs\":[1]", "structured_outputs");
+    bad_with(KR_OAI_COMPLETIONS, "\"structured_outputs\":{\"json\":{},\"whitespace_pattern\":\" \"}",
+             "structured_outputs.whitespace_pattern");
+    bad_with(KR_OAI_COMPLETIONS, "\"structured_outputs\":{\"structural_tag\":\"{}\"}", "structured_outputs.structural_tag");
+    bad_with(KR_OAI_COMPLETIONS, "\"structured_outputs\":{\"json\":{},\"disable_additional_properties\":true}",
+             "structured_outputs.disable_additional_properties");
+    bad_with(KR_OAI_COMPLETIONS, "\"structured_outputs\":{\"json_object\":1}", "structured_outputs.json_object");
+    bad_with(KR_OAI_COMPLETIONS, "\"structured_outputs\":{\"regex\":\"a\",\"disable_any_whitespace\":\"no\"}",
+             "structured_outputs.disable_any_whitespace");
+    /* a long list of choices is bounded */
+    char *many = repeated("\"prompt\":\"hi\",\"guided_choice\":", "\"x\"", 4097, "");
+    bad_body(KR_OAI_COMPLETIONS, many, "guided_choice", NULL, 0);
+    free(many);
 }

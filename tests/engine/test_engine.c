@@ -13,6 +13,7 @@
 #include <criterion/criterion.h>
 #include <math.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
 #include <unistd.h>
@@ -638,4 +639,332 @@ Test(engine, attention_refuses_a_selection_it_would_not_read)
     ap.topk = 8;
     cr_expect_eq(kr_backend_mla_attention(be, &ap), KR_ERR_INVAL, "selection for a dense attention");
     kr_backend_free(be);
+}
+
+/* ---- constrained decoding --------------------------------------------------------------------------
+ * A toy constraint over token ids: each token lies in (last, last + 30] (the first in (2, 32]),
+ * EOS (2) may come from the third token on, and the text is complete after six tokens. */
+#define TOY_EOS 2
+#define TOY_LEN 6
+
+struct toy {
+    atomic_int started, stopped, released, masks;
+    int32_t fail_mask_at; /* the nth mask of this constraint fails (0: never) */
+};
+
+struct toy_m {
+    int32_t last, n;
+};
+
+static bool toy_allows(const struct toy_m *t, int32_t id)
+{
+    return id == TOY_EOS ? t->n >= 2 : id > t->last && id <= t->last + 30;
+}
+
+static enum kr_status toy_start(void *ctx, void **m, struct kr_err *err)
+{
+    struct toy_m *t = kr_calloc(1, sizeof *t);
+    if (!t) {
+        return kr_err_set(err, KR_ERR_NOMEM, "out of memory");
+    }
+    t->last = TOY_EOS;
+    atomic_fetch_add(&((struct toy *)ctx)->started, 1);
+    *m = t;
+    return KR_OK;
+}
+
+static enum kr_status toy_fill(void *ctx, void *m, uint32_t *mask, int64_t vocab, struct kr_err *err)
+{
+    struct toy *c = ctx;
+    if (atomic_fetch_add(&c->masks, 1) + 1 == c->fail_mask_at) {
+        return kr_err_set(err, KR_ERR_INVAL, "toy limit reached");
+    }
+    memset(mask, 0, (size_t)(vocab + 31) / 32 * sizeof *mask);
+    for (int32_t id = 0; id < vocab; id++) {
+        if (toy_allows(m, id)) {
+            mask[id >> 5] |= 1u << (id & 31);
+        }
+    }
+    return KR_OK;
+}
+
+static enum kr_status toy_accept(void *ctx, void *m, int32_t token, bool *done, struct kr_err *err)
+{
+    struct toy_m *t = m;
+    if (!toy_allows(t, token)) {
+        return kr_err_set(err, KR_ERR_INVAL, "token %d is not allowed after %d", token, t->last);
+    }
+    *done = token == TOY_EOS || t->n + 1 == TOY_LEN;
+    t->last = token == TOY_EOS ? t->last : token;
+    t->n++;
+    return KR_OK;
+}
+
+static void toy_stop(void *ctx, void *m)
+{
+    if (m) {
+        atomic_fetch_add(&((struct toy *)ctx)->stopped, 1);
+        kr_free(m);
+    }
+}
+
+static void toy_release(void *ctx)
+{
+    atomic_fetch_add(&((struct toy *)ctx)->released, 1);
+}
+
+static const struct kr_constraint_i toy_i = {.start = toy_start, .fill_mask = toy_fill, .accept = toy_accept,
+                                             .stop = toy_stop, .release = toy_release};
+
+static uint64_t submit_con(struct kr_engine *e, const int32_t *ids, int32_t n, struct kr_sampling *s,
+                           int32_t n_choices, struct rec *r, struct toy *t)
+{
+    struct kr_request_params p = {.prompt = ids, .n_prompt = n, .n = n_choices, .sampling = *s, .cb = on_event,
+                                  .user = r, .constraint = {.iface = t ? &toy_i : NULL, .ctx = t}};
+    uint64_t id = 0;
+    struct kr_err err = {0};
+    cr_assert_eq(kr_engine_submit(e, &p, &id, &err), KR_OK, "%s", err.msg);
+    return id;
+}
+
+/* Checks that a finished choice follows the toy constraint; returns whether it ended at EOS. */
+static bool expect_toy_text(const struct choice *c, const char *what, int32_t i, bool may_eos)
+{
+    struct toy_m t = {.last = TOY_EOS};
+    bool eos = false;
+    for (int32_t k = 0; k < c->n; k++) {
+        cr_expect(toy_allows(&t, c->tokens[k]), "%s %d: token %d (%d) breaks the constraint after %d", what, i, k,
+                  c->tokens[k], t.last);
+        eos |= c->tokens[k] == TOY_EOS;
+        cr_expect(c->tokens[k] != TOY_EOS || k == c->n - 1, "%s %d: tokens after EOS", what, i);
+        t.last = c->tokens[k] == TOY_EOS ? t.last : c->tokens[k];
+        t.n++;
+    }
+    cr_expect(may_eos || !eos, "%s %d: EOS with ignore_eos", what, i);
+    if (c->finish != KR_FINISH_CANCELLED && c->n_finish == 1) {
+        const bool complete = eos || c->n == TOY_LEN;
+        cr_expect_eq(c->finish, complete ? KR_FINISH_STOP : KR_FINISH_LENGTH,
+                     "%s %d: finish %d after %d tokens", what, i, c->finish, c->n);
+    }
+    return eos;
+}
+
+/* Constrained and free requests in the same batches, sampled on the host and through the backend:
+ * every constrained token is one the mask allowed (EOS only where the text can end, never with
+ * ignore_eos or below min_tokens), a complete text finishes with STOP, the free requests draw
+ * exactly what they draw alone, both paths draw the same tokens and log-probabilities, and every
+ * matcher is freed. Reported log-probabilities are those of the masked distribution: the top
+ * alternatives are allowed tokens. */
+Test(engine, constrained_choices_follow_their_masks_beside_free_ones)
+{
+    enum { N = 12 };
+    static int32_t prompts[N][48];
+    int32_t len[N];
+    for (int32_t i = 0; i < N; i++) {
+        len[i] = 1 + (int32_t)rnd(40);
+        random_prompt(prompts[i], len[i]);
+    }
+    static struct toy toys[3][N];
+    memset(toys, 0, sizeof toys);
+    for (int pass = 0; pass < 3; pass++) { /* 0: host, 1: backend, 2: the free requests alone */
+        g_backend_sampling = pass == 1;
+        struct kr_engine *e = make_engine(8, 4096, 32 << 20, 16);
+        for (int32_t i = 0; i < N; i++) {
+            const bool con = i % 2 == 0;
+            if (pass == 2 && con) {
+                continue;
+            }
+            struct kr_sampling s;
+            kr_sampling_default(&s);
+            s.max_tokens = i % 5 == 4 ? 3 : 10;
+            s.has_seed = true;
+            s.seed = 300 + (uint64_t)i;
+            s.temperature = i % 6 == 0 ? 0.0f : 1.0f;
+            s.logprobs = i % 3 == 0 ? 3 : -1;
+            s.ignore_eos = i == 2;
+            s.min_tokens = i == 4 ? 3 : 0;
+            s.top_k = i == 8 ? 5 : 0;
+            if (i == 10) { /* logit_bias sends the row to the host sampler beside the backend's rows */
+                s.n_bias = 1;
+                s.bias_ids[0] = 40;
+                s.bias[0] = 8.0f;
+            }
+            if (i == 8) { /* EOS made likely: it must still wait until the text can end (third token) */
+                s.n_bias = 1;
+                s.bias_ids[0] = TOY_EOS;
+                s.bias[0] = 20.0f;
+            }
+            submit_con(e, prompts[i], len[i], &s, i == 6 ? 3 : 1, &g_recs[pass * N + i], con ? &toys[pass][i] : NULL);
+        }
+        kr_engine_wait_idle(e);
+        struct kr_engine_stats st;
+        kr_engine_get_stats(e, &st);
+        cr_assert_eq(st.preemptions, 0, "the comparison needs runs without preemption");
+        expect_pools_full(e);
+        kr_engine_free(e);
+    }
+    g_backend_sampling = -1;
+    int32_t n_eos = 0;
+    for (int32_t i = 0; i < N; i++) {
+        const int32_t nch = i == 6 ? 3 : 1;
+        for (int32_t c = 0; c < nch; c++) {
+            const struct choice *h = &g_recs[i].ch[c], *b = &g_recs[N + i].ch[c];
+            cr_expect_eq(g_recs[i].n_error + g_recs[N + i].n_error, 0);
+            cr_expect_eq(h->n_finish, 1);
+            cr_expect_eq(b->n_finish, 1);
+            cr_expect_eq(b->n, h->n, "request %d choice %d: %d tokens on the backend, %d on the host", i, c, b->n, h->n);
+            for (int32_t k = 0; k < h->n && k < b->n; k++) {
+                cr_expect_eq(b->tokens[k], h->tokens[k], "request %d token %d: %d vs %d", i, k, b->tokens[k],
+                             h->tokens[k]);
+                cr_expect(b->lp[k] == h->lp[k] || (i % 3), "request %d token %d: logprob %.9g vs %.9g", i, k, b->lp[k],
+                          h->lp[k]);
+            }
+            if (i % 2) {
+                const struct choice *alone = &g_recs[2 * N + i].ch[c];
+                cr_expect_eq(alone->n, h->n);
+                cr_expect(memcmp(alone->tokens, h->tokens, (size_t)h->n * sizeof(int32_t)) == 0,
+                          "free request %d draws other tokens beside constrained ones", i);
+                continue;
+            }
+            n_eos += expect_toy_text(h, "request", i, i != 2);
+            if (i == 8) {
+                cr_expect(h->n == 3 && h->tokens[2] == TOY_EOS, "request 8: EOS should come as soon as allowed");
+            }
+            if (i == 4) {
+                for (int32_t k = 0; k < h->n && k < 3; k++) {
+                    cr_expect_neq(h->tokens[k], TOY_EOS, "EOS below min_tokens");
+                }
+            }
+            struct toy_m t = {.last = TOY_EOS};
+            for (int32_t k = 0; k < h->n && i % 3 == 0; k++) { /* logprobs of the masked distribution */
+                cr_expect(h->lp[k] <= 0.0f && isfinite(h->lp[k]));
+                cr_expect(toy_allows(&t, h->top0[k]), "request %d token %d: top alternative %d is masked", i, k,
+                          h->top0[k]);
+                t.last = h->tokens[k] == TOY_EOS ? t.last : h->tokens[k];
+                t.n++;
+            }
+        }
+        for (int pass = 0; pass < 2 && i % 2 == 0; pass++) {
+            const struct toy *t = &toys[pass][i];
+            cr_expect_eq(atomic_load(&t->started), nch, "request %d: %d matchers for %d choices", i,
+                         atomic_load(&t->started), nch);
+            cr_expect_eq(atomic_load(&t->stopped), atomic_load(&t->started), "request %d: matchers not freed", i);
+            cr_expect_eq(atomic_load(&t->released), 1);
+        }
+    }
+    cr_expect_gt(n_eos, 0, "some constrained choice should have ended at EOS");
+}
+
+/* Constrained requests under heavy preemption, n > 1 forks, cancellations from any state and
+ * random min_tokens / ignore_eos: every token respects the constraint (a preempted choice keeps
+ * its matcher in step with the tokens it keeps), and every matcher and constraint is let go. */
+Test(engine, constrained_matchers_survive_preemption_forks_and_cancellation)
+{
+    g_backend_sampling = 0;
+    size_t slot_b, block_b;
+    kr_cache_unit_bytes(g_m, 4, &slot_b, &block_b);
+    struct kr_engine *e = make_engine(12, 29, slot_b * 12 + block_b * 30, 4);
+    enum { NR = 300 };
+    static struct toy toys[NR];
+    memset(toys, 0, sizeof toys);
+    static uint64_t ids[NR];
+    static int32_t nch[NR];
+    static int32_t prompt[64];
+    int32_t n_req = 0;
+    for (int32_t op = 0; op < 900 && n_req < NR; op++) {
+        const uint32_t kind = rnd(10);
+        if (kind < 6) {
+            struct kr_sampling s;
+            kr_sampling_default(&s);
+            const int32_t len = 1 + (int32_t)rnd(40);
+            random_prompt(prompt, len);
+            s.temperature = rnd(3) ? 1.0f : 0.0f;
+            s.max_tokens = 1 + (int32_t)rnd(8);
+            s.min_tokens = (int32_t)rnd((uint32_t)s.max_tokens + 1);
+            s.ignore_eos = rnd(2);
+            s.has_seed = true;
+            s.seed = (uint64_t)op;
+            nch[n_req] = 1 + (int32_t)rnd(3);
+            ids[n_req] = submit_con(e, prompt, len, &s, nch[n_req], &g_recs[n_req], &toys[n_req]);
+            n_req++;
+        } else if (kind < 8 && n_req > 0) {
+            kr_engine_cancel(e, ids[rnd((uint32_t)n_req)]);
+        } else {
+            usleep(rnd(500));
+        }
+    }
+    kr_engine_wait_idle(e);
+    struct kr_engine_stats st;
+    kr_engine_get_stats(e, &st);
+    cr_expect_gt(st.preemptions, 0, "the workload should have forced preemptions");
+    for (int32_t i = 0; i < n_req; i++) {
+        cr_expect_eq(g_recs[i].n_error, 0);
+        for (int32_t k = 0; k < nch[i]; k++) {
+            const struct choice *ch = &g_recs[i].ch[k];
+            cr_expect_eq(ch->n_finish, 1, "request %d choice %d ended %d times", i, k, ch->n_finish);
+            expect_toy_text(ch, "request", i, true);
+        }
+        cr_expect_eq(atomic_load(&toys[i].stopped), atomic_load(&toys[i].started), "request %d: %d of %d matchers freed",
+                     i, atomic_load(&toys[i].stopped), atomic_load(&toys[i].started));
+        cr_expect_leq(atomic_load(&toys[i].started), nch[i]);
+        cr_expect_eq(atomic_load(&toys[i].released), 1, "request %d: constraint released %d times", i,
+                     atomic_load(&toys[i].released));
+    }
+    expect_pools_full(e);
+    kr_engine_free(e);
+    g_backend_sampling = -1;
+}
+
+/* A mask that cannot be made (a matcher limit, out of memory) fails its own request with an error
+ * event and frees its matchers; the other requests of the step go on. */
+Test(engine, a_failing_mask_fails_only_its_request)
+{
+    for (int pass = 0; pass < 2; pass++) {
+        g_backend_sampling = pass;
+        struct kr_engine *e = make_engine(8, 4096, 32 << 20, 16);
+        int32_t prompt[12];
+        random_prompt(prompt, 12);
+        struct kr_sampling s;
+        kr_sampling_default(&s);
+        s.max_tokens = 8;
+        s.ignore_eos = true;
+        s.has_seed = true;
+        s.seed = 5;
+        struct toy bad = {.fail_mask_at = 3}, good = {0};
+        struct rec *r = &g_recs[pass * 3];
+        submit_con(e, prompt, 12, &s, 2, &r[0], &bad);
+        submit_con(e, prompt, 12, &s, 1, &r[1], &good);
+        submit_con(e, prompt, 12, &s, 1, &r[2], NULL);
+        kr_engine_wait_idle(e);
+        cr_expect_eq(r[0].n_error, 1, "the failing request ends with an error");
+        cr_expect_eq(r[1].n_error + r[2].n_error, 0);
+        cr_expect_eq(r[1].ch[0].finish, KR_FINISH_STOP, "the good constrained request completes its text");
+        cr_expect_eq(r[1].ch[0].n, TOY_LEN);
+        cr_expect_eq(r[2].ch[0].n, 8);
+        cr_expect_eq(atomic_load(&bad.stopped), atomic_load(&bad.started));
+        cr_expect_eq(atomic_load(&good.stopped), atomic_load(&good.started));
+        cr_expect_eq(atomic_load(&bad.released) + atomic_load(&good.released), 2);
+        expect_pools_full(e);
+        kr_engine_free(e);
+    }
+    g_backend_sampling = -1;
+}
+
+/* A constraint with a missing function is refused at submission, and stays the caller's. */
+Test(engine, an_incomplete_constraint_is_refused)
+{
+    struct kr_engine *e = make_engine(4, 256, 8 << 20, 16);
+    int32_t prompt[3] = {5, 6, 7};
+    struct kr_sampling s;
+    kr_sampling_default(&s);
+    struct kr_constraint_i half = toy_i;
+    half.accept = NULL;
+    struct toy t = {0};
+    struct kr_request_params p = {.prompt = prompt, .n_prompt = 3, .n = 1, .sampling = s, .cb = on_event,
+                                  .user = &g_recs[0], .constraint = {.iface = &half, .ctx = &t}};
+    uint64_t id;
+    struct kr_err err = {0};
+    cr_expect_eq(kr_engine_submit(e, &p, &id, &err), KR_ERR_INVAL);
+    kr_engine_free(e);
+    cr_expect_eq(atomic_load(&t.released), 0);
 }

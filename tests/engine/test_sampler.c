@@ -17,7 +17,7 @@ static int32_t draw(struct kr_sampling *s, const float *logits, struct kr_rng *r
     static struct kr_sampler_scratch sc;
     int32_t out = -1;
     const int32_t eos[1] = {3};
-    cr_assert_eq(kr_sample(s, logits, V, tc, n_gen, eos, 1, rng, &sc, &out), KR_OK);
+    cr_assert_eq(kr_sample(s, logits, NULL, V, tc, n_gen, eos, 1, rng, &sc, &out), KR_OK);
     return out;
 }
 
@@ -306,7 +306,7 @@ Test(sampler, large_vocabulary_matches_a_full_sort)
             for (int rep = 0; rep < 6; rep++) {
                 const double u = kr_rng_uniform(&rng);
                 int32_t got = -1;
-                cr_assert_eq(kr_sample_with_draw(logits, NV, cfg[j].t, cfg[j].k, cfg[j].p, cfg[j].mp, 0, 0, 1, NULL,
+                cr_assert_eq(kr_sample_with_draw(logits, NULL, NV, cfg[j].t, cfg[j].k, cfg[j].p, cfg[j].mp, 0, 0, 1, NULL,
                                                  NULL, NULL, 0, u, &sc, &got),
                              KR_OK);
                 const int32_t want = ref_draw(logits, NV, cfg[j].t, cfg[j].k, cfg[j].p, cfg[j].mp, u, c);
@@ -376,4 +376,181 @@ Test(sampler, logit_bias_is_added_to_the_logits)
     s.bias_ids[0] = V;
     cr_expect_eq(kr_sampling_validate(&s, V, &err), KR_ERR_INVAL);
     cr_expect(strstr(err.msg, "logit_bias") != NULL, "%s", err.msg);
+}
+
+/* ---- allowed-token masks (constrained decoding) ------------------------------------------------- */
+
+/* A one-word mask allowing the ids of `allowed` (V <= 32). */
+static uint32_t mask_of(const int *allowed)
+{
+    uint32_t m = 0;
+    for (int i = 0; i < V; i++) {
+        m |= allowed[i] ? 1u << i : 0u;
+    }
+    return m;
+}
+
+static int32_t draw_masked(struct kr_sampling *s, const float *logits, const uint32_t *mask, struct kr_rng *rng,
+                           const struct kr_token_counts *tc, int32_t n_gen, enum kr_status *st)
+{
+    static struct kr_sampler_scratch sc;
+    int32_t out = -1;
+    const int32_t eos[1] = {3};
+    *st = kr_sample(s, logits, mask, V, tc, n_gen, eos, 1, rng, &sc, &out);
+    return out;
+}
+
+/* Masked tokens are impossible and the rest keep their relative odds: the draw follows the softmax
+ * restricted to the allowed tokens, greedy takes the best allowed one. */
+Test(sampler, a_mask_restricts_the_draw_to_the_allowed_tokens)
+{
+    const int allowed[V] = {0, 1, 1, 0, 1, 0, 0, 1}; /* the two most likely tokens (0, 6) are out */
+    const uint32_t m = mask_of(allowed);
+    struct kr_sampling s;
+    kr_sampling_default(&s);
+    s.temperature = 0.8f;
+    struct kr_rng rng;
+    kr_rng_seed(&rng, 5);
+    double f[V] = {0}, p[V];
+    const int n = 200000;
+    enum kr_status st;
+    for (int i = 0; i < n; i++) {
+        const int32_t t = draw_masked(&s, base, &m, &rng, NULL, 0, &st);
+        cr_assert_eq(st, KR_OK);
+        f[t] += 1.0 / n;
+    }
+    expected(0.8, allowed, p);
+    for (int i = 0; i < V; i++) {
+        cr_expect(fabs(f[i] - p[i]) < 0.006, "token %d: frequency %.4f, restricted softmax %.4f", i, f[i], p[i]);
+        if (!allowed[i]) {
+            cr_expect_eq(f[i], 0.0, "masked token %d was drawn", i);
+        }
+    }
+    s.temperature = 0.0f;
+    cr_expect_eq(draw_masked(&s, base, &m, &rng, NULL, 0, &st), 1, "greedy: the best allowed token");
+    s.temperature = 1.0f;
+    s.top_k = 1;
+    cr_expect_eq(draw_masked(&s, base, &m, &rng, NULL, 0, &st), 1, "top_k counts allowed tokens only");
+}
+
+/* The mask comes first: a bias of +100 or a negative frequency penalty cannot bring a masked token
+ * back, and min_tokens masking of EOS adds to the mask. */
+Test(sampler, nothing_after_the_mask_re_enables_a_masked_token)
+{
+    const int allowed[V] = {0, 1, 1, 1, 0, 0, 0, 0};
+    const uint32_t m = mask_of(allowed);
+    struct kr_sampling s;
+    kr_sampling_default(&s);
+    s.n_bias = 2;
+    s.bias_ids[0] = 7; /* masked: +100 must not matter */
+    s.bias[0] = 100.0f;
+    s.bias_ids[1] = 2; /* allowed: +100 makes it certain */
+    s.bias[1] = 100.0f;
+    struct kr_rng rng;
+    kr_rng_seed(&rng, 6);
+    enum kr_status st;
+    for (int i = 0; i < 200; i++) {
+        cr_expect_eq(draw_masked(&s, base, &m, &rng, NULL, 0, &st), 2);
+    }
+    s.temperature = 0.0f;
+    cr_expect_eq(draw_masked(&s, base, &m, &rng, NULL, 0, &st), 2);
+    /* a negative frequency penalty on a masked repeated token */
+    s.n_bias = 0;
+    s.frequency_penalty = -2.0f;
+    s.presence_penalty = -2.0f;
+    s.repetition_penalty = 0.1f; /* would multiply a masked logit's magnitude, never its sign */
+    struct kr_token_counts tc;
+    kr_token_counts_init(&tc);
+    for (int k = 0; k < 40; k++) {
+        cr_assert_eq(kr_token_counts_add(&tc, 0, false), KR_OK);
+    }
+    cr_expect_eq(draw_masked(&s, base, &m, &rng, &tc, 1, &st), 1, "token 0 is masked whatever its penalties");
+    kr_token_counts_free(&tc);
+    /* EOS (3) allowed by the mask but below min_tokens: masked as well */
+    float l[V] = {0, 0, 0, 9, 0, 0, 0, 0};
+    s.frequency_penalty = s.presence_penalty = 0.0f;
+    s.repetition_penalty = 1.0f;
+    s.min_tokens = 2;
+    cr_expect_eq(draw_masked(&s, l, &m, &rng, NULL, 0, &st), 1, "EOS below min_tokens, 0 masked: the lowest allowed id");
+    cr_expect_eq(draw_masked(&s, l, &m, &rng, NULL, 2, &st), 3);
+    /* nothing allowed: a sampling row fails, a greedy one takes id 0 as with every logit -inf */
+    const uint32_t none = 0;
+    s.temperature = 1.0f;
+    draw_masked(&s, base, &none, &rng, NULL, 0, &st);
+    cr_expect_eq(st, KR_ERR_INTERNAL);
+}
+
+/* The backends' entry point applies the same mask with a given draw. */
+Test(sampler, with_draw_applies_the_mask_as_kr_sample_does)
+{
+    const int allowed[V] = {1, 0, 1, 0, 1, 0, 0, 1};
+    const uint32_t m = mask_of(allowed);
+    struct kr_sampler_scratch sc = {0};
+    for (int i = 0; i < 1000; i++) {
+        const double u = (i + 0.5) / 1000.0;
+        int32_t got = -1;
+        cr_assert_eq(kr_sample_with_draw(base, &m, V, 1.0f, 0, 1.0f, 0.0f, 0, 0, 1, NULL, NULL, NULL, 0, u, &sc, &got),
+                     KR_OK);
+        cr_expect(allowed[got], "draw %d took masked token %d", i, got);
+    }
+    int32_t got = -1;
+    cr_assert_eq(kr_sample_with_draw(base, &m, V, 0.0f, 0, 1.0f, 0.0f, 0, 0, 1, NULL, NULL, NULL, 0, 0.0, &sc, &got),
+                 KR_OK);
+    cr_expect_eq(got, 0);
+    kr_sampler_scratch_free(&sc);
+}
+
+/* The reported log-probabilities of a constrained row: the allowed tokens normalized among
+ * themselves (vLLM applies the grammar's mask to the logits before computing them). */
+Test(sampler, masked_log_softmax_normalizes_over_the_allowed_tokens)
+{
+    const int allowed[V] = {0, 1, 1, 0, 1, 0, 1, 0};
+    const uint32_t m = mask_of(allowed);
+    float lp[V], plain[V];
+    kr_log_softmax_masked(base, &m, lp, V);
+    kr_log_softmax_masked(base, NULL, plain, V);
+    double z = 0;
+    for (int i = 0; i < V; i++) {
+        z += allowed[i] ? exp((double)base[i]) : 0.0;
+    }
+    double total = 0;
+    for (int i = 0; i < V; i++) {
+        if (allowed[i]) {
+            cr_expect(fabs(lp[i] - (base[i] - log(z))) < 1e-5, "token %d: %g vs %g", i, lp[i], base[i] - log(z));
+            total += exp((double)lp[i]);
+        } else {
+            cr_expect(isinf(lp[i]) && lp[i] < 0, "masked token %d: %g", i, lp[i]);
+        }
+    }
+    cr_expect(fabs(total - 1.0) < 1e-6);
+    float ref[V];
+    kr_log_softmax(base, ref, V);
+    cr_expect(memcmp(plain, ref, sizeof ref) == 0, "no mask: kr_log_softmax");
+    cr_expect(kr_mask_allows(&m, 1) && !kr_mask_allows(&m, 0) && kr_mask_allows(NULL, 5));
+}
+
+/* A mask over a large vocabulary, words of every kind (all allowed, none, mixed, a partial last
+ * word): the host path masks exactly the ids the bits name. */
+Test(sampler, large_masks_follow_their_bits)
+{
+    enum { NV = 1000 };
+    static float logits[NV];
+    static uint32_t mask[(NV + 31) / 32];
+    struct kr_rng rng;
+    kr_rng_seed(&rng, 77);
+    for (int32_t i = 0; i < NV; i++) {
+        logits[i] = (float)(4.0 * kr_rng_uniform(&rng));
+    }
+    for (int32_t w = 0; w < (NV + 31) / 32; w++) {
+        mask[w] = w % 3 == 0 ? 0xffffffffu : w % 3 == 1 ? 0u : (uint32_t)(kr_rng_uniform(&rng) * 4294967296.0);
+    }
+    struct kr_sampling s;
+    kr_sampling_default(&s);
+    struct kr_sampler_scratch sc = {0};
+    for (int i = 0; i < 3000; i++) {
+        int32_t out = -1;
+        cr_assert_eq(kr_sample(&s, logits, mask, NV, NULL, 0, NULL, 0, &rng, &sc, &out), KR_OK);
+        cr_expect(kr_mask_allows(mask, out), "token %d is masked", out);
+    }
+    kr_sampler_scratch_free(&sc);
 }

@@ -1,6 +1,7 @@
-/* GPU sampling (krk_sample) against the host sampler (kr_sample, kr_log_softmax, kr_top_k_ids) on the
- * same logits: several rows per launch, the same uniform u on both sides (drawn from a copy of each
- * row's generator, exactly when kr_sample draws). Tokens must be equal, except where the host's
+/* GPU sampling (krk_sample) against the host sampler (kr_sample, kr_log_softmax, kr_top_k_ids; with
+ * constrained decoding's masks, kr_log_softmax_masked) on the same logits: several rows per launch,
+ * the same uniform u on both sides (drawn from a copy of each row's generator, exactly when
+ * kr_sample draws). Tokens must be equal, except where the host's
  * cumulative probability at the draw lies within 1e-5 of u: there the order of summation may decide
  * (both sides sum in a different order), and the number of such skipped cases is printed. Log-probs
  * are compared within 1e-5 absolute (both sides compute the log-sum-exp in double and round it once
@@ -77,7 +78,20 @@ struct batch {
     int32_t eos[2];
     int32_t n_eos;
     int32_t *eos_all;              /* when set: every id is an EOS id (all-masked rows) */
+    uint32_t *masks;               /* [n, (vocab + 31) / 32] allowed-token bitmasks, or NULL (add_mask) */
+    bool *masked;                  /* [n] the row has its mask (when masks is set) */
 };
+
+static int64_t mask_words(const struct batch *b)
+{
+    return (b->vocab + 31) / 32;
+}
+
+/* Row i's allowed-token mask, or NULL. */
+static const uint32_t *row_mask(const struct batch *b, int64_t i)
+{
+    return b->masks && b->masked[i] ? b->masks + i * mask_words(b) : NULL;
+}
 
 static void batch_init(struct batch *b, struct gt_rng *r, int64_t n, int64_t vocab, int64_t ld, enum shape sh)
 {
@@ -116,6 +130,43 @@ static void batch_free(struct batch *b)
     free(b->n_gen);
     free(b->rng);
     free(b->eos_all);
+    free(b->masks);
+    free(b->masked);
+}
+
+/* Gives row i a constrained decoding mask allowing about `density` of the tokens, in words of
+ * every kind (all allowed, none, mixed), and never the row's 8 largest logits (so that the mask
+ * changes the choice and the top log-probabilities). */
+static void add_mask(struct batch *b, struct gt_rng *r, int64_t i, float density)
+{
+    const int64_t w = mask_words(b);
+    if (!b->masks) {
+        b->masks = calloc((size_t)(b->n * w), sizeof *b->masks);
+        b->masked = calloc((size_t)b->n, sizeof *b->masked);
+        cr_assert(b->masks && b->masked);
+    }
+    uint32_t *m = b->masks + i * w;
+    for (int64_t k = 0; k < w; k++) {
+        const float kind = gt_uniform(r, 0.0f, 1.0f);
+        if (kind < 0.1f) {
+            m[k] = kind < 0.05f ? 0xffffffffu : 0u;
+            continue;
+        }
+        m[k] = 0;
+        for (int bit = 0; bit < 32; bit++) {
+            m[k] |= gt_uniform(r, 0.0f, 1.0f) < density ? 1u << bit : 0u;
+        }
+    }
+    if (b->vocab % 32) {
+        m[w - 1] &= (1u << (b->vocab % 32)) - 1u;
+    }
+    int32_t best[8];
+    kr_top_k_ids(b->logits + i * b->ld, b->vocab, 8, best);
+    for (int k = 0; k < 8; k++) {
+        m[best[k] >> 5] &= ~(1u << (best[k] & 31));
+    }
+    m[0] |= 1u << 5; /* never empty */
+    b->masked[i] = true;
 }
 
 /* Output and prompt counts on tokens among the row's largest logits (so that penalties change the
@@ -214,7 +265,7 @@ struct launch {
     struct krk_sample_params p;
     struct krk_ctx k;            /* the default stream and the workspace */
     struct krk_sample_row *rows; /* host copy */
-    void *d_logits, *d_rows, *d_ids, *d_cnt, *d_fl, *d_out, *d_lp, *d_top, *d_top_lp, *d_ws;
+    void *d_logits, *d_rows, *d_ids, *d_cnt, *d_fl, *d_mask, *d_out, *d_lp, *d_top, *d_top_lp, *d_ws;
 };
 
 static void launch_make(struct launch *l, const struct batch *b, int32_t n_top, bool want_lp, double *u)
@@ -245,6 +296,7 @@ static void launch_make(struct launch *l, const struct batch *b, int32_t n_top, 
             .repetition = s->repetition_penalty,
             .pen_off = (int32_t)off,
             .pen_n = (int32_t)m,
+            .mask_off = row_mask(b, i) ? (int32_t)(i * mask_words(b)) : -1,
             .u = u[i],
         };
         off += m;
@@ -254,6 +306,7 @@ static void launch_make(struct launch *l, const struct batch *b, int32_t n_top, 
     l->d_ids = n_pen ? gt_dup(ids, (size_t)n_pen * 4) : NULL;
     l->d_cnt = n_pen ? gt_dup(cnt, (size_t)n_pen * 4) : NULL;
     l->d_fl = n_pen ? gt_dup(fl, (size_t)n_pen) : NULL;
+    l->d_mask = b->masks ? gt_dup(b->masks, (size_t)(n * mask_words(b)) * sizeof(uint32_t)) : NULL;
     l->d_out = gt_dalloc((size_t)n * 4);
     l->d_lp = want_lp ? gt_dalloc((size_t)n * 4) : NULL;
     l->d_top = n_top ? gt_dalloc((size_t)(n * n_top) * 4) : NULL;
@@ -270,6 +323,8 @@ static void launch_make(struct launch *l, const struct batch *b, int32_t n_top, 
         .pen_count = l->d_cnt,
         .pen_flags = l->d_fl,
         .n_pen = n_pen,
+        .mask = l->d_mask,
+        .n_mask = b->masks ? n * mask_words(b) : 0,
         .out = l->d_out,
         .out_logprob = l->d_lp,
         .n_top = n_top,
@@ -289,6 +344,7 @@ static void launch_free(struct launch *l)
     gt_dfree(l->d_ids);
     gt_dfree(l->d_cnt);
     gt_dfree(l->d_fl);
+    gt_dfree(l->d_mask);
     gt_dfree(l->d_out);
     gt_dfree(l->d_lp);
     gt_dfree(l->d_top);
@@ -401,8 +457,8 @@ static void compare_tokens(const char *what, struct batch *b, const struct gpu_r
     const int32_t *eos = b->eos_all ? b->eos_all : b->eos;
     for (int64_t i = 0; i < b->n; i++) {
         int32_t cpu = -1;
-        const enum kr_status st = kr_sample(&b->s[i], b->logits + i * b->ld, b->vocab, &b->tc[i], b->n_gen[i], eos,
-                                            n_eos, &b->rng[i], &sc, &cpu);
+        const enum kr_status st = kr_sample(&b->s[i], b->logits + i * b->ld, row_mask(b, i), b->vocab, &b->tc[i],
+                                            b->n_gen[i], eos, n_eos, &b->rng[i], &sc, &cpu);
         if (st != KR_OK) {
             cr_expect_eq(st, KR_ERR_INTERNAL);
             cr_expect_eq(g->ids[i], -1, "%s row %lld: host fails (all masked), GPU chose %d", what, (long long)i,
@@ -445,7 +501,7 @@ static void compare_logprobs(const char *what, const struct batch *b, const stru
     double worst = 0.0;
     int bad_ids = 0;
     for (int64_t i = 0; i < b->n; i++) {
-        kr_log_softmax(b->logits + i * b->ld, lp, b->vocab);
+        kr_log_softmax_masked(b->logits + i * b->ld, row_mask(b, i), lp, b->vocab);
         const int32_t tok = g->ids[i];
         if (tok >= 0 && tok < b->vocab) {
             const double d = fabs((double)g->lp[i] - (double)lp[tok]);
@@ -770,6 +826,77 @@ Test(sampling, a_full_step_of_256_mixed_rows_matches)
     batch_free(&b);
 }
 
+/* Constrained decoding's masks: masked tokens are -inf before everything (penalties, min_tokens,
+ * the cuts and the draw), and the log-probabilities are those of the masked logits, as on the host
+ * (kr_sample and kr_log_softmax_masked with the same mask). Unmasked rows of the same launch are
+ * untouched; an empty mask on a sampling row and a mask range beyond the array are refused. */
+Test(sampling, masked_rows_match_the_host)
+{
+    GT_REQUIRE_GPU();
+    const int64_t vocabs[2] = {BIG_V, 1000};
+    for (int v = 0; v < 2; v++) {
+        struct gt_rng r = {.s = 4242 + (uint64_t)v};
+        struct batch b;
+        batch_init(&b, &r, 24, vocabs[v], vocabs[v] + 5, SHAPE_PEAKED);
+        for (int64_t i = 0; i < b.n; i++) {
+            const int kind = (int)(i % 6);
+            b.s[i].temperature = kind == 0 ? 0.0f : 0.9f;
+            b.s[i].top_k = kind == 2 ? 30 : 0;
+            b.s[i].top_p = kind == 3 ? 0.9f : 1.0f;
+            b.s[i].min_p = kind == 4 ? 0.02f : 0.0f;
+            if (i % 5 == 1) {
+                add_penalties(&b, &r, i);
+            }
+            if (i % 7 == 3) {
+                add_min_tokens(&b, i);
+            }
+            if (i % 3 != 2) { /* a third of the rows stay free */
+                add_mask(&b, &r, i, i % 4 == 0 ? 0.01f : i % 4 == 1 ? 0.5f : 0.95f);
+            }
+        }
+        struct gpu_res g;
+        gpu_sample(&b, 5, true, &g);
+        for (int64_t i = 0; i < b.n; i++) {
+            const uint32_t *m = row_mask(&b, i);
+            cr_expect(g.ids[i] >= 0 && (!m || kr_mask_allows(m, g.ids[i])), "row %lld: token %d is masked",
+                      (long long)i, g.ids[i]);
+        }
+        struct tally t = {0};
+        char what[64];
+        snprintf(what, sizeof what, "masked rows, vocab %lld", (long long)b.vocab);
+        compare_tokens(what, &b, &g, &t);
+        report(what, &t);
+        compare_logprobs(what, &b, &g, 5);
+        gpu_res_free(&g);
+        batch_free(&b);
+    }
+    /* an empty mask on a sampling row fails like the host; a mask range beyond the array is refused */
+    struct gt_rng r = {.s = 99};
+    struct batch b;
+    batch_init(&b, &r, 3, 1000, 1000, SHAPE_PEAKED);
+    for (int64_t i = 0; i < b.n; i++) {
+        b.s[i].temperature = 0.7f;
+        add_mask(&b, &r, i, 0.3f);
+    }
+    memset(b.masks, 0, (size_t)mask_words(&b) * sizeof(uint32_t)); /* row 0: nothing allowed */
+    double u[3];
+    struct launch l;
+    launch_make(&l, &b, 0, true, u);
+    l.rows[2].mask_off = (int32_t)(3 * mask_words(&b)); /* past the end */
+    gt_dfree(l.d_rows);
+    l.d_rows = gt_dup(l.rows, 3 * sizeof *l.rows);
+    l.p.rows = l.d_rows;
+    cr_assert_eq(krk_sample(&l.p, &l.k), KR_OK);
+    gt_sync();
+    int32_t out[3];
+    gt_down(out, l.d_out, sizeof out);
+    cr_expect_eq(out[0], -1, "every token masked: refused");
+    cr_expect(out[1] >= 0 && kr_mask_allows(b.masks + mask_words(&b), out[1]));
+    cr_expect_eq(out[2], -1, "a mask range beyond the array: refused");
+    launch_free(&l);
+    batch_free(&b);
+}
+
 Test(sampling, invalid_parameters_are_refused)
 {
     GT_REQUIRE_GPU();
@@ -853,7 +980,8 @@ Test(sampling, invalid_parameters_are_refused)
     }
     static struct kr_sampler_scratch sc;
     int32_t cpu = -1;
-    cr_assert_eq(kr_sample(&b.s[5], b.logits + 5 * b.ld, b.vocab, &b.tc[5], 0, b.eos, b.n_eos, &b.rng[5], &sc, &cpu),
+    cr_assert_eq(kr_sample(&b.s[5], b.logits + 5 * b.ld, NULL, b.vocab, &b.tc[5], 0, b.eos, b.n_eos, &b.rng[5], &sc,
+                           &cpu),
                  KR_OK);
     cr_expect_eq(out[5], cpu, "the valid row draws %d, host %d", out[5], cpu);
     float *hl = malloc(1000 * sizeof(float));

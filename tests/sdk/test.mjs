@@ -1,12 +1,15 @@
 // OpenAI Node SDK compatibility: starts `krait serve` with the embedded default model and drives it
-// with the official client: completions, chat, streaming, logprobs, and errors surfacing as the
-// SDK's typed errors. Usage: node test.mjs KRAIT_BINARY MODEL_DIR
+// with the official client: completions, chat, streaming, logprobs, structured outputs parsed by the
+// SDK against a zod schema, and errors surfacing as the SDK's typed errors.
+// Usage: node test.mjs KRAIT_BINARY MODEL_DIR
 import { spawn } from "node:child_process";
 import { mkdtempSync, readFileSync, existsSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import assert from "node:assert/strict";
 import OpenAI from "openai";
+import { zodResponseFormat } from "openai/helpers/zod";
+import { z } from "zod";
 
 const [krait, model] = process.argv.slice(2);
 const portFile = join(mkdtempSync(join(tmpdir(), "krait-sdk-")), "port");
@@ -95,6 +98,47 @@ try {
     let n = 0;
     for await (const chunk of stream) n += chunk.choices.length;
     assert.ok(n >= 1);
+  });
+  await check("chat.completions.parse with a zod schema", async () => {
+    const Person = z.object({
+      name: z.string().max(8),
+      age: z.number().int().min(0).max(120),
+      tags: z.array(z.enum(["a", "b", "c"])).max(3),
+      pet: z.object({ kind: z.enum(["cat", "dog"]), legs: z.number().int().min(0).max(4) }).nullable(),
+    });
+    // v5 has it on chat.completions, v4 on beta.chat.completions
+    const api = client.chat.completions.parse ? client.chat.completions : client.beta.chat.completions;
+    // a random-weight model may write until max_tokens (the SDK then throws LengthFinishReasonError):
+    // a few seeds, and at least one complete answer
+    let parsed = 0;
+    for (let seed = 1; seed <= 6 && parsed < 2; seed++) {
+      let r;
+      try {
+        r = await api.parse({
+          model: "tiny", messages: [{ role: "user", content: "A person, as JSON." }], max_tokens: 200,
+          temperature: 1, seed, response_format: zodResponseFormat(Person, "person"),
+          structured_outputs: { disable_any_whitespace: true },
+        });
+      } catch (e) {
+        if (e instanceof OpenAI.LengthFinishReasonError) continue;
+        throw e;
+      }
+      const m = r.choices[0].message;
+      assert.equal(r.choices[0].finish_reason, "stop");
+      assert.deepEqual(Person.parse(JSON.parse(m.content)), m.parsed);
+      assert.ok(m.parsed.name.length <= 8 && Number.isInteger(m.parsed.age));
+      parsed++;
+    }
+    assert.ok(parsed > 0, "no seed gave a complete answer");
+  });
+  await check("an invalid schema is a BadRequestError naming response_format", async () => {
+    await assert.rejects(
+      client.chat.completions.create({
+        model: "tiny", messages: [{ role: "user", content: "x" }], max_tokens: 4,
+        response_format: { type: "json_schema", json_schema: { name: "n", schema: { type: "integer", multipleOf: 2 } } },
+      }),
+      (e) => e instanceof OpenAI.BadRequestError && e.status === 400 && e.param === "response_format" &&
+        /multipleOf/.test(e.message));
   });
   await check("BadRequestError", async () => {
     await assert.rejects(

@@ -666,7 +666,8 @@ class Suite:
             (dict(prompt=p, max_tokens=4, logprobs=100), 400),
             (dict(prompt=[], max_tokens=4), 400),
             (dict(prompt=p, max_tokens=4, model="no-such-model"), 404),
-            (dict(prompt=p, max_tokens=4, response_format={"type": "json_object"}), 400),
+            (dict(prompt=p, max_tokens=4, response_format={"type": "structural_tag"}), 400),
+            (dict(prompt=p, max_tokens=4, guided_json={"type": "object", "multipleOf": 2}), 400),
             (b'{"prompt": [1, 2', 400),
         ]
         body, status = rng.choice(cases)

@@ -289,13 +289,20 @@ struct krk_sample_row {
     float min_p;            /* 0 off */
     float presence, frequency, repetition;
     int32_t pen_off, pen_n; /* this row's entries in the penalty arrays */
+    int32_t mask_off;       /* first word of this row's allowed-token bitmask in `mask`, or -1 (any
+                               negative value): unconstrained. Ignored when the params' mask is NULL,
+                               so that a zero-initialized row is unconstrained there */
     double u;               /* uniform draw in [0, 1) from the row's generator (unused when greedy) */
 };
 
 /* Token sampling for n rows of raw logits (row i at logits + i * ld), the host sampler's semantics
  * (engine/sampler.h; the caller contract in krk/sampling.h). Penalty entries list, per row (its
  * pen_off, pen_n), its distinct counted tokens (count = occurrences in the output, flag bit 0 = in
- * the prompt) and, while below min_tokens, its EOS and stop ids (flag bit 1).
+ * the prompt) and, while below min_tokens, its EOS and stop ids (flag bit 1). A constrained row
+ * (mask_off >= 0) has an allowed-token bitmask of ceil(vocab / 32) words at mask + mask_off (bit
+ * id % 32 of word id / 32 set: allowed); the tokens it leaves out are -inf before anything else,
+ * and the log-probabilities reported for that row are those of the masked logits (the allowed
+ * tokens normalized among themselves, the others -inf), as vLLM reports them.
  * Memory: logits are backend memory. The other arrays are host memory when the struct is handed to
  * kr_backend_sample (the CUDA backend stages them to the device and gives krk_sample the same
  * struct pointing at its copies), device memory when it is handed to krk_sample. */
@@ -307,11 +314,13 @@ struct krk_sample_params {
     const int32_t *pen_count;       /* [n_pen] occurrences in the output */
     const uint8_t *pen_flags;       /* [n_pen] bit 0: in the prompt; bit 1: masked (min_tokens) */
     int64_t n_pen;                  /* entries in the penalty arrays (bounds every row's range) */
+    const uint32_t *mask;           /* [n_mask] allowed-token bitmasks of the constrained rows; NULL: none */
+    int64_t n_mask;                 /* words in mask (bounds every row's range) */
     int32_t *out;                   /* [n] chosen ids; -1 where the row's parameters are invalid or
                                        every logit is masked (the host path reports those) */
-    float *out_logprob;             /* [n] log_softmax(raw logits)[chosen], may be NULL */
+    float *out_logprob;             /* [n] log_softmax(raw logits, masked)[chosen], may be NULL */
     int32_t n_top;                  /* top log-probabilities wanted per row (0..20, <= vocab) */
-    int32_t *top_ids;               /* [n, n_top] largest raw log-probabilities, descending; may be
+    int32_t *top_ids;               /* [n, n_top] largest raw (masked) log-probabilities, descending; may be
                                        NULL when n_top is 0 */
     float *top_lp;                  /* [n, n_top] */
 };
