@@ -457,8 +457,8 @@ static enum kr_status parse_moe(struct kr_model_config *cfg, const struct kr_jso
     KR_TRY(need_pos(cfg->topk_group, path, "topk_group", err));
     KR_TRY(get_bool(root, path, KEYS("norm_topk_prob"), true, &cfg->norm_topk_prob, err));
     KR_TRY(get_float(root, path, KEYS("routed_scaling_factor"), 1.0, &d, err));
-    if (!isfinite(d)) {
-        return kr_err_set(err, KR_ERR_FORMAT, "%s: key \"routed_scaling_factor\" must be finite", path);
+    if (!isfinite(d) || !isfinite((float)d)) { /* 1e300 is a finite double but an infinite float */
+        return kr_err_set(err, KR_ERR_FORMAT, "%s: key \"routed_scaling_factor\" must be a finite float", path);
     }
     cfg->routed_scale = (float)d;
     cfg->router_score = KR_ROUTER_SIGMOID;

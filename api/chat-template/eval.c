@@ -247,10 +247,19 @@ enum kr_status ct_arith(struct ev *e, int op, struct value a, struct value b, st
     }
     if (op == OP_MUL && ((a.t == V_STR || a.t == V_LIST) && (b.t == V_INT || b.t == V_BOOL))) {
         int64_t k = ct_inum(b) < 0 ? 0 : ct_inum(b);
+        const uint64_t per = a.t == V_STR ? a.u.s->len : a.u.l->n;
+        if (per == 0) {
+            k = 0; /* repeating nothing: no need to count to k */
+        }
+        if (per && (uint64_t)k > MAX_BYTES / per) { /* divided: k * per may wrap */
+            return ct_oom(e);
+        }
+        /* a step per copy, as a loop making them would take: 'a' * 10**8 was seconds of appends */
+        e->steps += (long)((uint64_t)k * (a.t == V_STR ? 1 : per));
+        if (e->steps > MAX_STEPS) {
+            return ct_rt_err(e, "template execution exceeded %ld steps", MAX_STEPS);
+        }
         if (a.t == V_STR) {
-            if ((uint64_t)k * a.u.s->len > MAX_BYTES) {
-                return ct_oom(e);
-            }
             struct kr_buf_s s = {0};
             for (int64_t i = 0; i < k; i++) {
                 kr_bs_append(&s, a.u.s->s, a.u.s->len);

@@ -146,3 +146,54 @@ Test(chat_template, runaway_template_is_stopped)
     cr_expect(strstr(err.msg, "steps") != NULL || strstr(err.msg, "limit") != NULL, "message: %s", err.msg);
     kr_chat_template_free(tpl);
 }
+
+/* Renders `src` with one user message; returns the status (and the text in *out when not NULL). */
+static enum kr_status render_src(const char *src, char **out, struct kr_err *err)
+{
+    struct kr_chat_template *tpl = NULL;
+    cr_assert_eq(kr_chat_template_compile(src, strlen(src), &tpl, err), KR_OK, "%s", err->msg);
+    json_t *msgs = json_loads("[{\"role\":\"user\",\"content\":\"hi\"}]", 0, NULL);
+    struct kr_chat_params p = {.messages = msgs};
+    char *text = NULL;
+    size_t len = 0;
+    enum kr_status st = kr_chat_template_render(tpl, &p, &text, &len, err);
+    if (out) {
+        *out = text;
+    } else {
+        kr_free(text);
+    }
+    json_decref(msgs);
+    kr_chat_template_free(tpl);
+    return st;
+}
+
+/* Repetition of a string or list costs a step per copy (found by fuzzing: 'a' * 200000000 took
+ * seconds of byte appends), a count that would wrap the size check is refused, and repeating
+ * nothing any number of times is nothing, at once. */
+Test(chat_template, repetition_is_bounded_by_the_step_and_byte_limits)
+{
+    static const char *const refused[] = {
+        "{{ 'a' * 200000000 }}",
+        "{{ ('ab' * 9223372036854775807) | length }}",
+        "{{ ([1] * 100000000) | length }}",
+    };
+    for (size_t i = 0; i < sizeof refused / sizeof refused[0]; i++) {
+        struct kr_err err = {0};
+        cr_expect_neq(render_src(refused[i], NULL, &err), KR_OK, "%s rendered", refused[i]);
+        cr_expect(strstr(err.msg, "steps") || strstr(err.msg, "memory") || strstr(err.msg, "MiB"),
+                  "%s: the error says which limit: %s", refused[i], err.msg);
+    }
+    static const struct {
+        const char *src, *want;
+    } ok[] = {
+        {"{{ '' * 9223372036854775807 }}|{{ ([] * 9223372036854775807) | length }}", "|0"},
+        {"{{ 'ab' * 3 }}{{ ([1, 2] * 2) | length }}", "ababab4"},
+    };
+    for (size_t i = 0; i < sizeof ok / sizeof ok[0]; i++) {
+        struct kr_err err = {0};
+        char *text = NULL;
+        cr_expect_eq(render_src(ok[i].src, &text, &err), KR_OK, "%s: %s", ok[i].src, err.msg);
+        cr_expect_str_eq(text ? text : "", ok[i].want, "%s", ok[i].src);
+        kr_free(text);
+    }
+}

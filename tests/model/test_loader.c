@@ -523,3 +523,12 @@ Test(loader, every_allocation_failure_is_a_named_load_error)
     }
     kr_backend_free(be);
 }
+
+/* A scaling factor that is finite as a double but overflows the float the router multiplies by
+ * (found by fuzzing config.json): refused, naming the key. */
+Test(loader, rejects_a_routed_scaling_factor_beyond_float)
+{
+    copy_fixture_edit("deepseek_v32/ds_short", "config.json", "\"routed_scaling_factor\": 2.5",
+                      "\"routed_scaling_factor\": 1e300");
+    expect_error(KR_ERR_FORMAT, "routed_scaling_factor", "finite");
+}
