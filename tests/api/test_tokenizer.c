@@ -416,7 +416,7 @@ Test(tokenizer, every_allocation_failure_of_a_load_is_a_named_error)
         oom_walk(dir, UINT64_MAX, 1, true);
     }
     oom_walk(FIX "/llama2", UINT64_MAX, 1, true);
-    /* the embedded model's (a load takes about 0.8 s under the sanitizers): every point up to 16,
-     * then every 37th */
-    oom_walk(FIX "/deepseek_v3", 16, 37, false);
+    /* the embedded model's (a load takes about 0.8 s under the sanitizers): every point up to 8,
+     * then every 61st */
+    oom_walk(FIX "/deepseek_v3", 8, 61, false);
 }

@@ -266,19 +266,19 @@ struct kind {
  * paths in the plain completion; the usage chunk in the chat stream. */
 static const struct kind k_completion = {
     "completion", "/v1/completions",
-    "{\"prompt\":\"Hello there, general\",\"max_tokens\":3,\"temperature\":0,\"logprobs\":1,\"echo\":true}",
+    "{\"prompt\":\"Hello there, general\",\"max_tokens\":2,\"temperature\":0,\"logprobs\":1,\"echo\":true}",
     W_COMPLETION, false};
 static const struct kind k_completion_stream = {
     "completion stream", "/v1/completions",
-    "{\"prompt\":\"Hello there, general\",\"max_tokens\":3,\"temperature\":0,\"stream\":true}", W_COMPLETION, true};
+    "{\"prompt\":\"Hello there, general\",\"max_tokens\":2,\"temperature\":0,\"stream\":true}", W_COMPLETION, true};
 static const struct kind k_chat = {
     "chat", "/v1/chat/completions",
     "{\"messages\":[{\"role\":\"system\",\"content\":\"Be brief.\"},{\"role\":\"user\",\"content\":\"Hi there\"}],"
-    "\"max_tokens\":3,\"temperature\":0}",
+    "\"max_tokens\":2,\"temperature\":0}",
     W_CHAT, false};
 static const struct kind k_chat_stream = {
     "chat stream", "/v1/chat/completions",
-    "{\"messages\":[{\"role\":\"user\",\"content\":\"Hi there\"}],\"max_tokens\":3,\"temperature\":0,"
+    "{\"messages\":[{\"role\":\"user\",\"content\":\"Hi there\"}],\"max_tokens\":2,\"temperature\":0,"
     "\"stream\":true,\"stream_options\":{\"include_usage\":true}}",
     W_CHAT, true};
 static const struct kind k_tokenize = {
@@ -508,15 +508,14 @@ struct walk_stats {
     uint64_t tried, last, whole, errors;
 };
 
-/* The points a walk through the server takes: every one up to `dense`, then every 3rd (a request
- * takes 0.05-0.3 s under the sanitizers and the longest about 480 points; a shutdown starts a
- * server, about a second); KRAIT_FAULTS_STRIDE=1 walks every point. */
-static uint64_t next_point(uint64_t n, uint64_t dense)
+/* The points a walk through the server takes: every one up to `dense`, then every `stride`-th (a
+ * request takes 0.05-0.2 s under the sanitizers and the longest about 400 points; a shutdown
+ * starts a server, over a second); KRAIT_FAULTS_STRIDE=1 walks every point. */
+static uint64_t next_point(uint64_t n, uint64_t dense, uint64_t stride)
 {
-    static uint64_t stride;
-    if (!stride) {
-        const char *e = getenv("KRAIT_FAULTS_STRIDE");
-        stride = e && atoi(e) > 0 ? (uint64_t)atoi(e) : 3;
+    const char *e = getenv("KRAIT_FAULTS_STRIDE");
+    if (e && atoi(e) > 0) {
+        stride = (uint64_t)atoi(e);
     }
     return n < dense ? n + 1 : n + stride;
 }
@@ -546,7 +545,7 @@ static void walk(const struct kind *k, int sticky, bool prefix_caching, struct w
     /* the reference answer (this test's, through jansson) is held from here on: part of the baseline */
     sleep_ms(50);
     const size_t base = kr_alloc_bytes_in_use();
-    for (uint64_t n = 1;; n = next_point(n, 90)) { /* dense: as many as the shortest request (/tokenize) has */
+    for (uint64_t n = 1;; n = next_point(n, 90, 5)) { /* dense: as many as the shortest request (/tokenize) has */
         cr_assert_lt(n, 200000, "%s: never completed", k->name);
         const uint64_t f0 = kr_alloc_failures();
         kr_alloc_fail_at(n, sticky);
@@ -875,44 +874,45 @@ Test(faults, preparing_requests_survives_every_allocation_failure)
 
 /* ---- whole requests through the server --------------------------------------------------------------- */
 
-static void walk_both(const struct kind *k, bool prefix_caching)
+static void walk_both(const struct kind *k)
 {
     struct walk_stats once, sticky;
-    walk(k, 0, prefix_caching, &once);
-    walk(k, 1, prefix_caching, &sticky);
+    walk(k, 0, false, &once);
+    walk(k, 1, false, &sticky);
     cr_expect_gt(once.errors, 0);
 }
 
 Test(faults, a_completion_survives_every_allocation_failure)
 {
-    walk_both(&k_completion, false);
+    walk_both(&k_completion);
 }
 
 Test(faults, a_streamed_completion_survives_every_allocation_failure)
 {
-    walk_both(&k_completion_stream, false);
+    walk_both(&k_completion_stream);
 }
 
 Test(faults, a_chat_completion_survives_every_allocation_failure)
 {
-    walk_both(&k_chat, false);
+    walk_both(&k_chat);
 }
 
 Test(faults, a_streamed_chat_completion_survives_every_allocation_failure)
 {
-    walk_both(&k_chat_stream, false);
+    walk_both(&k_chat_stream);
 }
 
 Test(faults, tokenize_survives_every_allocation_failure)
 {
-    walk_both(&k_tokenize, false);
+    walk_both(&k_tokenize);
 }
 
 /* The same chat with the prefix cache on (the default): the second request finds its prompt's
- * blocks and state snapshot cached, a path with allocations of its own. */
+ * blocks and state snapshot cached, a path with allocations of its own (each failing once). */
 Test(faults, a_chat_completion_with_the_prefix_cache_survives_every_allocation_failure)
 {
-    walk_both(&k_chat, true);
+    struct walk_stats ws;
+    walk(&k_chat, 0, true, &ws);
 }
 
 /* ---- the shutdown ------------------------------------------------------------------------------------- */
@@ -932,13 +932,14 @@ static void *client_main(void *arg)
 }
 
 /* SIGTERM with two streams in flight, every allocation from the N-th after the signal failing, for
- * N = 1, 2, ... (next_point, every one up to 40) until a shutdown completes without reaching it.
+ * N = 1, 2, ... (next_point: every one up to 10, then every 8th) until a shutdown completes without
+ * reaching it.
  * The server must return its exit code (0), give back every byte it took, and end both streams (no
  * client waits for more). Returns the point at which the shutdown completed. */
 static uint64_t walk_shutdown(double drain_s, const char *body)
 {
     uint64_t n = 1;
-    for (;; n = next_point(n, 40)) {
+    for (;; n = next_point(n, 10, 8)) {
         cr_assert_lt(n, 100000);
         const size_t before = kr_alloc_bytes_in_use();
         struct live l;
