@@ -64,6 +64,7 @@ enum route {
     R_NONE = 0,
     R_COMPLETIONS,
     R_CHAT,
+    R_RESPONSES,
     R_MODELS,
     R_HEALTH,
     R_METRICS,
@@ -382,12 +383,14 @@ static void sink_stream_begin(void *user)
     h->stream = true; /* the access handler queues the event-stream response */
 }
 
-/* One SSE event, "data: <json>\n\n", appended whole or not at all; the reader sends it. */
-static bool sink_stream_event(void *user, const char *json, size_t len)
+/* One SSE event, "event: <name>\n" (when named) and "data: <json>\n\n", appended whole or not at
+ * all; the reader sends it. */
+static bool sink_stream_event_named(void *user, const char *name, const char *json, size_t len)
 {
     struct hreq *h = user;
-    if (h->out_len + len + 9 > h->out_cap) {
-        const size_t nc = (h->out_len + len + 9) * 2;
+    const size_t nl = name ? strlen(name) + 8 : 0; /* "event: " name "\n" */
+    if (h->out_len + nl + len + 9 > h->out_cap) {
+        const size_t nc = (h->out_len + nl + len + 9) * 2;
         char *np = kr_realloc(h->out, nc);
         if (!np) {
             return false;
@@ -395,12 +398,23 @@ static bool sink_stream_event(void *user, const char *json, size_t len)
         h->out = np;
         h->out_cap = nc;
     }
+    if (name) {
+        memcpy(h->out + h->out_len, "event: ", 7);
+        memcpy(h->out + h->out_len + 7, name, nl - 8);
+        h->out[h->out_len + nl - 1] = '\n';
+        h->out_len += nl;
+    }
     memcpy(h->out + h->out_len, "data: ", 6);
     memcpy(h->out + h->out_len + 6, json, len);
     memcpy(h->out + h->out_len + 6 + len, "\n\n", 3);
     h->out_len += len + 8;
     resume(h);
     return true;
+}
+
+static bool sink_stream_event(void *user, const char *json, size_t len)
+{
+    return sink_stream_event_named(user, NULL, json, len);
 }
 
 /* The last bytes of a stream: static, so that its end never waits for memory (a stream that could
@@ -416,8 +430,9 @@ static void sink_done(void *user, int status, const char *body, size_t len)
     struct hreq *h = user;
     h->answered = true;
     if (h->stream) {
-        h->tail = status == 200 ? k_sse_done : k_sse_oom_done;
-        h->tail_len = status == 200 ? sizeof k_sse_done - 1 : sizeof k_sse_oom_done - 1;
+        const bool bare = body && len == 0; /* a Responses stream ends without [DONE] */
+        h->tail = status == 200 ? (bare ? "" : k_sse_done) : k_sse_oom_done;
+        h->tail_len = status == 200 ? (bare ? 0 : sizeof k_sse_done - 1) : sizeof k_sse_oom_done - 1;
         h->out_eof = true;
     } else {
         h->ans_ready = true;
@@ -431,6 +446,7 @@ static void sink_done(void *user, int status, const char *body, size_t len)
 static const struct kr_sess_sink sink = {
     .stream_begin = sink_stream_begin,
     .stream_event = sink_stream_event,
+    .stream_event_named = sink_stream_event_named,
     .done = sink_done,
 };
 
@@ -673,6 +689,7 @@ static void on_trim_timer(uv_timer_t *t)
 static enum MHD_Result handle_generate(struct hreq *h)
 {
     static const enum kr_sess_kind kinds[] = {[R_COMPLETIONS] = KR_SESS_COMPLETIONS, [R_CHAT] = KR_SESS_CHAT,
+                                              [R_RESPONSES] = KR_SESS_RESPONSES,
                                               [R_TOKENIZE] = KR_SESS_TOKENIZE, [R_DETOKENIZE] = KR_SESS_DETOKENIZE};
     h->sess = kr_sess_create(&h->s->env, kinds[h->route], h->t_arrival);
     if (!h->sess) {
@@ -780,7 +797,7 @@ static enum MHD_Result dispatch(struct hreq *h, const char *url, const char *met
         bool post;
     } routes[] = {
         {"/v1/completions", R_COMPLETIONS, true}, {"/v1/chat/completions", R_CHAT, true},
-        {"/v1/models", R_MODELS, false},          {"/tokenize", R_TOKENIZE, true},
+        {"/v1/responses", R_RESPONSES, true},     {"/v1/models", R_MODELS, false},          {"/tokenize", R_TOKENIZE, true},
         {"/detokenize", R_DETOKENIZE, true},
     };
     for (size_t i = 0; i < sizeof routes / sizeof routes[0]; i++) {
@@ -801,6 +818,7 @@ static enum MHD_Result dispatch(struct hreq *h, const char *url, const char *met
         switch (h->route) {
         case R_COMPLETIONS:
         case R_CHAT:
+        case R_RESPONSES:
             return handle_generate(h);
         case R_MODELS: {
             char *j = kr_oai_models_json(s->model_name, s->started, s->rt.max_model_len);

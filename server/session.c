@@ -9,6 +9,7 @@
 #include "clock.h"
 #include "constrain.h"
 #include "log.h"
+#include "responses.h"
 #include "stops.h"
 #include "tokenizer.h"
 
@@ -71,7 +72,8 @@ struct choice {
 
 struct kr_sess {
     struct kr_sess_env *env;
-    enum kr_sess_kind kind;
+    enum kr_sess_kind kind;    /* KR_SESS_CHAT for a Responses request, with `resp` */
+    struct kr_resp *resp;      /* a Responses request: its translation both ways, or NULL */
     int refs;                  /* the transport (until kr_sess_release) + live subs */
     double t_arrival;
     /* preparation (a worker) */
@@ -173,6 +175,14 @@ struct kr_sess *kr_sess_create(struct kr_sess_env *env, enum kr_sess_kind kind, 
     }
     s->env = env;
     s->kind = kind;
+    if (kind == KR_SESS_RESPONSES) {
+        s->kind = KR_SESS_CHAT;
+        s->resp = kr_resp_create();
+        if (!s->resp) {
+            kr_free(s);
+            return NULL;
+        }
+    }
     s->refs = 1;
     s->t_arrival = t_arrival;
     return s;
@@ -234,6 +244,7 @@ static void sess_free(struct kr_sess *s)
         kr_oai_request_free(&s->o);
     }
     kr_grammar_free(s->grammar);
+    kr_resp_free(s->resp);
     const bool big = s->prep_peak > ((size_t)32 << 20);
     kr_free(s);
     if (big) {
@@ -1274,6 +1285,27 @@ static enum kr_status prepare_detokenize(struct kr_sess *s, const char *body, si
     return prep_json(s, out);
 }
 
+/* A Responses body: translated into a chat body, prepared as one; errors name the Responses fields. */
+static enum kr_status prepare_responses(struct kr_sess *s, const char *body, size_t len)
+{
+    struct kr_oai_error e;
+    char *chat = NULL;
+    size_t chat_len = 0;
+    enum kr_status st = kr_resp_request(s->resp, body, len, &chat, &chat_len, &e);
+    if (st == KR_ERR_NOMEM) {
+        return prep_oom(s);
+    }
+    if (st != KR_OK) {
+        return prep_fail(s, &e);
+    }
+    st = prepare_generation(s, chat, chat_len);
+    kr_oai_free(chat);
+    if (st != KR_OK && s->prep_failed) {
+        kr_resp_error_param(s->resp, &s->err);
+    }
+    return st;
+}
+
 static enum kr_status prepare(struct kr_sess *s, const char *body, size_t len)
 {
     switch (s->kind) {
@@ -1283,7 +1315,11 @@ static enum kr_status prepare(struct kr_sess *s, const char *body, size_t len)
         return prepare_detokenize(s, body, len);
     case KR_SESS_COMPLETIONS:
     case KR_SESS_CHAT:
+    case KR_SESS_RESPONSES:
         break;
+    }
+    if (s->resp) {
+        return prepare_responses(s, body, len);
     }
     return prepare_generation(s, body, len);
 }
@@ -1416,6 +1452,10 @@ void kr_sess_start(struct kr_sess *s, const struct kr_sess_sink *sink, void *use
     s->started = true;
     s->sink = sink;
     s->user = user;
+    if (s->resp) {
+        s->sink = kr_resp_sink(s->resp, sink, user); /* the answer in the Responses shape */
+        s->user = s->resp;
+    }
     if (s->prep_failed || s->kind == KR_SESS_TOKENIZE || s->kind == KR_SESS_DETOKENIZE) {
         answer(s);
         return;
