@@ -214,32 +214,28 @@ static enum kr_status input_items(const json_t *input, json_t *msgs, struct kr_o
             if (!text) {
                 return st;
             }
-            json_t *m = json_object();
-            oset(&ok, m ? m : json_null(), "role", json_string(rs));
-            oset(&ok, m ? m : json_null(), "content", text);
-            apush(&ok, msgs, m);
+            apush(&ok, msgs, json_pack("{s:s, s:o}", "role", rs, "content", text));
         } else if (type && !strcmp(type, "function_call")) {
             const json_t *cid = json_object_get(it, "call_id"), *name = json_object_get(it, "name"),
                          *args = json_object_get(it, "arguments");
             if (!json_is_string(cid) || !json_is_string(name) || !json_is_string(args)) {
                 return bad(e, p, "'%s' (a function_call) needs string 'call_id', 'name' and 'arguments'", p);
             }
+            /* calls join the assistant message before them (a response's message and calls) */
             json_t *m = assistant_tail(msgs);
             if (!m) {
-                m = json_pack("{s:s, s:n}", "role", "assistant", "content");
-                apush(&ok, msgs, m);
+                apush(&ok, msgs, json_pack("{s:s, s:n}", "role", "assistant", "content"));
+                m = ok ? assistant_tail(msgs) : NULL;
             }
             json_t *calls = m ? json_object_get(m, "tool_calls") : NULL;
             if (m && !calls) {
-                calls = json_array();
-                oset(&ok, m, "tool_calls", calls);
+                oset(&ok, m, "tool_calls", json_array());
+                calls = ok ? json_object_get(m, "tool_calls") : NULL;
             }
-            json_t *fn = json_pack("{s:O, s:O}", "name", name, "arguments", args);
-            json_t *tc = json_pack("{s:O, s:s, s:o}", "id", cid, "type", "function", "function", fn ? fn : json_null());
             if (calls) {
-                apush(&ok, calls, tc);
-            } else {
-                json_decref(tc);
+                apush(&ok, calls,
+                      json_pack("{s:O, s:s, s:{s:O, s:O}}", "id", cid, "type", "function", "function", "name", name,
+                                "arguments", args));
             }
         } else if (type && !strcmp(type, "function_call_output")) {
             const json_t *cid = json_object_get(it, "call_id");
@@ -301,7 +297,7 @@ static enum kr_status tools_of(const json_t *tools, json_t *out, struct kr_oai_e
                 oset(&ok, fn, keys[k], json_deep_copy(v));
             }
         }
-        apush(&ok, out, json_pack("{s:s, s:o}", "type", "function", "function", fn ? fn : json_null()));
+        apush(&ok, out, json_pack("{s:s, s:o}", "type", "function", "function", fn));
     }
     return ok ? KR_OK : KR_ERR_NOMEM;
 }
@@ -362,7 +358,7 @@ static enum kr_status text_format_of(const json_t *text, json_t *chat, struct kr
         if (js && json_is_boolean(strict)) {
             oset(&ok, js, "strict", json_deep_copy(strict));
         }
-        oset(&ok, chat, "response_format", json_pack("{s:s, s:o}", "type", "json_schema", "json_schema", js ? js : json_null()));
+        oset(&ok, chat, "response_format", json_pack("{s:s, s:o}", "type", "json_schema", "json_schema", js));
     } else {
         return bad(e, "text.format.type", "'text.format.type' '%s' is not supported: use text, json_object or "
                                           "json_schema", type);
@@ -443,12 +439,11 @@ enum kr_status kr_resp_request(struct kr_resp *r, const char *body, size_t len, 
     }
     json_t *chat = json_object(), *msgs = json_array();
     bool ok = chat && msgs;
-    if (!ok) {
+    if (!ok || json_object_set(chat, "messages", msgs) != 0) { /* msgs keeps its own reference */
         json_decref(chat);
         json_decref(msgs);
         return KR_ERR_NOMEM;
     }
-    oset(&ok, chat, "messages", msgs);
     /* instructions: a system message first */
     const json_t *ins = json_object_get(o, "instructions");
     if (ins && !json_is_null(ins)) {
@@ -457,6 +452,9 @@ enum kr_status kr_resp_request(struct kr_resp *r, const char *body, size_t len, 
             goto out;
         }
         apush(&ok, msgs, json_pack("{s:s, s:O}", "role", "system", "content", ins));
+        if (!ok) {
+            goto out;
+        }
     }
     const json_t *input = json_object_get(o, "input");
     if (json_is_string(input)) {
@@ -477,8 +475,13 @@ enum kr_status kr_resp_request(struct kr_resp *r, const char *body, size_t len, 
     const json_t *tools = json_object_get(o, "tools");
     if (tools && !json_is_null(tools)) {
         json_t *ct = json_array();
+        if (!ct) {
+            ok = false;
+            goto out;
+        }
+        st = tools_of(tools, ct, e);
         oset(&ok, chat, "tools", ct);
-        if (ct && (st = tools_of(tools, ct, e)) != KR_OK) {
+        if (st != KR_OK || !ok) {
             goto out;
         }
     }
@@ -558,6 +561,7 @@ enum kr_status kr_resp_request(struct kr_resp *r, const char *body, size_t len, 
         st = KR_ERR_NOMEM;
         goto out;
     }
+    json_decref(msgs);
     *chat_out = kr_oai_dump(chat);
     chat = NULL;
     if (!*chat_out) {
@@ -567,7 +571,8 @@ enum kr_status kr_resp_request(struct kr_resp *r, const char *body, size_t len, 
     return KR_OK;
 out:
     json_decref(chat);
-    return ok || st != KR_OK ? st : KR_ERR_NOMEM;
+    json_decref(msgs);
+    return st != KR_OK ? st : KR_ERR_NOMEM;
 }
 
 void kr_resp_error_param(const struct kr_resp *r, struct kr_oai_error *e)
@@ -620,7 +625,7 @@ static json_t *message_item(const struct kr_resp *r, const char *status)
         oset(&ok, part, "logprobs", json_array());
     }
     json_t *item = json_pack("{s:s, s:s, s:s, s:s, s:[o]}", "id", id, "type", "message", "status", status, "role",
-                             "assistant", "content", part ? part : json_null());
+                             "assistant", "content", part);
     if (!ok) {
         json_decref(item);
         return NULL;
@@ -653,8 +658,10 @@ static json_t *response_object(const struct kr_resp *r, const char *status, bool
     oset(&ok, o, "background", json_false());
     if (final && r->error) {
         const json_t *code = json_object_get(r->error, "code");
-        oset(&ok, o, "error", json_pack("{s:O, s:O}", "code", json_is_string(code) ? code : json_string("server_error"),
-                                        "message", json_object_get(r->error, "message")));
+        const json_t *msg = json_object_get(r->error, "message");
+        oset(&ok, o, "error", json_pack("{s:o, s:o}", "code", json_is_string(code) ? json_deep_copy(code)
+                                                                                   : json_string("server_error"),
+                                        "message", json_is_string(msg) ? json_deep_copy(msg) : json_string("")));
     } else {
         oset(&ok, o, "error", json_null());
     }
@@ -666,7 +673,7 @@ static json_t *response_object(const struct kr_resp *r, const char *status, bool
     oset(&ok, o, "model", json_string(r->model));
     json_t *out = json_array();
     oset(&ok, o, "output", out);
-    if (final && out) {
+    if (final && ok) { /* out lives in o */
         const char *item_status = !strcmp(status, "incomplete") ? "incomplete" : "completed";
         for (int32_t k = 0; k < r->n_out; k++) {
             if (k == r->msg_index) {
@@ -812,6 +819,7 @@ static char *whole_response(struct kr_resp *r, const char *body, size_t len)
     const json_t *usage = json_object_get(chat, "usage");
     if (usage) {
         r->usage = json_deep_copy(usage);
+        ok = ok && r->usage;
     }
     json_decref(chat);
     if (!ok) {
@@ -856,9 +864,9 @@ static void begin_events(struct kr_resp *r, const json_t *chunk)
     r->started = true;
     take_head(r, chunk);
     json_t *resp = response_object(r, "in_progress", false);
-    event(r, "response.created", json_pack("{s:o}", "response", resp ? resp : json_null()));
+    event(r, "response.created", json_pack("{s:o}", "response", resp));
     resp = response_object(r, "in_progress", false);
-    event(r, "response.in_progress", json_pack("{s:o}", "response", resp ? resp : json_null()));
+    event(r, "response.in_progress", json_pack("{s:o}", "response", resp));
 }
 
 static void close_message(struct kr_resp *r)
@@ -871,7 +879,9 @@ static void close_message(struct kr_resp *r)
     char id[80];
     snprintf(id, sizeof id, "msg_%s", r->id + 5);
     if (r->lps_pending && r->lps) {
-        json_array_extend(r->lps, r->lps_pending);
+        if (json_array_extend(r->lps, r->lps_pending) != 0) {
+            r->broken = true;
+        }
         json_array_clear(r->lps_pending);
     }
     event(r, "response.output_text.done",
@@ -882,9 +892,9 @@ static void close_message(struct kr_resp *r)
     json_t *part = item ? json_incref(json_array_get(json_object_get(item, "content"), 0)) : NULL;
     event(r, "response.content_part.done",
           json_pack("{s:s, s:i, s:i, s:o}", "item_id", id, "output_index", r->msg_index, "content_index", 0, "part",
-                    part ? part : json_null()));
+                    part));
     event(r, "response.output_item.done",
-          json_pack("{s:i, s:o}", "output_index", r->msg_index, "item", item ? item : json_null()));
+          json_pack("{s:i, s:o}", "output_index", r->msg_index, "item", item));
 }
 
 static void close_call(struct kr_resp *r)
@@ -900,7 +910,7 @@ static void close_call(struct kr_resp *r)
           json_pack("{s:s, s:i, s:s, s:s#}", "item_id", id, "output_index", c->out_index, "name", c->name ? c->name : "",
                     "arguments", c->args ? c->args : "", (int)c->args_len));
     json_t *item = call_item(r, c, "completed", true);
-    event(r, "response.output_item.done", json_pack("{s:i, s:o}", "output_index", c->out_index, "item", item ? item : json_null()));
+    event(r, "response.output_item.done", json_pack("{s:i, s:o}", "output_index", c->out_index, "item", item));
 }
 
 static void open_message(struct kr_resp *r)
@@ -979,7 +989,7 @@ static void on_call_delta(struct kr_resp *r, const json_t *tc)
         c->out_index = r->n_out++;
         r->open_call = ci;
         json_t *item = call_item(r, c, "in_progress", false);
-        event(r, "response.output_item.added", json_pack("{s:i, s:o}", "output_index", c->out_index, "item", item ? item : json_null()));
+        event(r, "response.output_item.added", json_pack("{s:i, s:o}", "output_index", c->out_index, "item", item));
     }
     const json_t *args = json_object_get(fn, "arguments");
     if (json_is_string(args) && json_string_length(args) > 0) {
@@ -998,13 +1008,16 @@ static void on_chunk(struct kr_resp *r, const json_t *chunk)
 {
     const json_t *err = json_object_get(chunk, "error");
     if (json_is_object(err)) {
-        if (!r->error) {
-            r->error = json_deep_copy(err);
+        if (!r->error && !(r->error = json_deep_copy(err))) {
+            r->broken = true;
+            return;
         }
+        const json_t *code = json_object_get(err, "code"), *msg = json_object_get(err, "message"),
+                     *param = json_object_get(err, "param");
         event(r, "error",
-              json_pack("{s:O, s:O, s:O}", "code", json_object_get(err, "code") ? json_object_get(err, "code") : json_null(),
-                        "message", json_object_get(err, "message") ? json_object_get(err, "message") : json_string(""),
-                        "param", json_object_get(err, "param") ? json_object_get(err, "param") : json_null()));
+              json_pack("{s:o, s:o, s:o}", "code", code ? json_deep_copy(code) : json_null(), "message",
+                        json_is_string(msg) ? json_deep_copy(msg) : json_string(""), "param",
+                        param ? json_deep_copy(param) : json_null()));
         return;
     }
     begin_events(r, chunk);
@@ -1012,6 +1025,10 @@ static void on_chunk(struct kr_resp *r, const json_t *chunk)
     if (json_is_object(usage)) {
         json_decref(r->usage);
         r->usage = json_deep_copy(usage);
+        if (!r->usage) {
+            r->broken = true;
+            return;
+        }
     }
     const json_t *ch = json_array_get(json_object_get(chunk, "choices"), 0);
     if (!ch) {
@@ -1050,7 +1067,7 @@ static void finish_events(struct kr_resp *r)
     event(r, !strcmp(status, "failed") ? "response.failed"
              : !strcmp(status, "incomplete") ? "response.incomplete"
                                               : "response.completed",
-          json_pack("{s:o}", "response", resp ? resp : json_null()));
+          json_pack("{s:o}", "response", resp));
 }
 
 /* ---- the sink ------------------------------------------------------------------------------------- */

@@ -239,6 +239,50 @@ try {
     await assert.rejects(client.responses.create({ model: "tiny", input: "x", max_output_tokens: 0 }),
       (e) => e instanceof OpenAI.BadRequestError && e.param === "max_output_tokens");
   });
+  await check("responses: input items become the chat conversation they stand for", async () => {
+    const tools = [{ type: "function", name: "get_weather", description: "Weather of a city",
+      parameters: { type: "object", properties: { city: { type: "string" } }, required: ["city"] } }];
+    const r = await client.responses.create({ model: "tiny", max_output_tokens: 3, temperature: 0, tools,
+      tool_choice: "none", instructions: "Answer briefly.",
+      input: [
+        { role: "user", content: [{ type: "input_text", text: "Weather in Paris?" }] },
+        { type: "function_call", call_id: "call_1", name: "get_weather", arguments: "{\"city\":\"Paris\"}" },
+        { type: "function_call_output", call_id: "call_1", output: "sunny" },
+        { type: "message", role: "developer", content: "Use Celsius." },
+      ] });
+    const c = await client.chat.completions.create({ model: "tiny", max_tokens: 3, temperature: 0, tool_choice: "none",
+      tools: tools.map(({ type, ...f }) => ({ type, function: f })),
+      messages: [
+        { role: "system", content: "Answer briefly." },
+        { role: "user", content: "Weather in Paris?" },
+        { role: "assistant", content: null, tool_calls: [{ id: "call_1", type: "function",
+          function: { name: "get_weather", arguments: "{\"city\":\"Paris\"}" } }] },
+        { role: "tool", tool_call_id: "call_1", content: "sunny" },
+        { role: "developer", content: "Use Celsius." },
+      ] });
+    assert.equal(r.usage.input_tokens, c.usage.prompt_tokens);
+    assert.equal(r.output_text, c.choices[0].message.content);
+    assert.deepEqual(r.tools, tools);
+  });
+  await check("responses: what is not implemented is refused by name", async () => {
+    const cases = [
+      [{ tools: [{ type: "web_search" }] }, "tools[0]"],
+      [{ input: [{ role: "user", content: [{ type: "input_image", image_url: "http://x/y.png" }] }] }, "input[0].content[0]"],
+      [{ input: [{ type: "reasoning", id: "rs_1", summary: [] }] }, "input[0]"],
+      [{ include: ["file_search_call.results"] }, "include[0]"],
+      [{ background: true }, "background"],
+      [{ conversation: "conv_1" }, "conversation"],
+      [{ reasoning: { effort: "high" } }, "reasoning"],
+      [{ truncation: "auto" }, "truncation"],
+      [{ text: { format: { type: "grammar" } } }, "text.format.type"],
+      [{ tool_choice: { type: "file_search" } }, "tool_choice"],
+      [{ top_logprobs: 21 }, "top_logprobs"],
+    ];
+    for (const [extra, param] of cases) {
+      await assert.rejects(client.responses.create({ model: "tiny", input: "x", max_output_tokens: 2, ...extra }),
+        (e) => e instanceof OpenAI.BadRequestError && e.param === param, JSON.stringify(extra));
+    }
+  });
 } catch (e) {
   failed++;
   console.log(`FAIL setup: ${e.stack || e}`);
