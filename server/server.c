@@ -169,6 +169,78 @@ static double now_s(void)
     return kr_clock_s();
 }
 
+/* ---- CORS ----------------------------------------------------------------------------------- */
+
+/* Whether `v` (len bytes) is in list[n] (case-insensitively when `nocase`); a "*" entry or no list
+ * (NULL: the default) holds everything, an empty list nothing. */
+static bool cors_listed(const char *const *list, int n, const char *v, size_t len, bool nocase)
+{
+    if (!list) {
+        return true;
+    }
+    for (int i = 0; i < n; i++) {
+        if (!strcmp(list[i], "*") || (strlen(list[i]) == len && (nocase ? !strncasecmp(list[i], v, len)
+                                                                          : !strncmp(list[i], v, len)))) {
+            return true;
+        }
+    }
+    return false;
+}
+
+/* Whether list[n] allows everything (no list, or one holding "*"). */
+static bool cors_any(const char *const *list, int n)
+{
+    for (int i = 0; list && i < n; i++) {
+        if (!strcmp(list[i], "*")) {
+            return true;
+        }
+    }
+    return !list;
+}
+
+/* The request's Origin header when it names an allowed origin, else NULL (no CORS headers then). */
+static const char *cors_origin(const struct hreq *h)
+{
+    const struct kr_serve_opts *o = &h->s->o;
+    const char *origin = MHD_lookup_connection_value(h->conn, MHD_HEADER_KIND, "Origin");
+    return origin && cors_listed(o->cors_origins, o->n_cors_origins, origin, strlen(origin), false) ? origin : NULL;
+}
+
+/* Adds Access-Control-Allow-Origin (and -Credentials, Vary) to a response for an allowed origin:
+ * "*" when every origin is allowed and credentials are not, else the origin itself (a browser
+ * accepts no "*" with credentials). */
+static void cors_add(const struct hreq *h, struct MHD_Response *r)
+{
+    const struct kr_serve_opts *o = &h->s->o;
+    const char *origin = cors_origin(h);
+    if (!origin) {
+        return;
+    }
+    const bool star = cors_any(o->cors_origins, o->n_cors_origins) && !o->cors_credentials;
+    MHD_add_response_header(r, "Access-Control-Allow-Origin", star ? "*" : origin);
+    if (!star) {
+        MHD_add_response_header(r, "Vary", "Origin");
+    }
+    if (o->cors_credentials) {
+        MHD_add_response_header(r, "Access-Control-Allow-Credentials", "true");
+    }
+}
+
+/* Joins list[n] with ", " into buf[cap] (truncated); `all` when the list allows everything. */
+static void cors_join(char *buf, size_t cap, const char *const *list, int n, const char *all)
+{
+    if (cors_any(list, n)) {
+        snprintf(buf, cap, "%s", all);
+        return;
+    }
+    size_t at = 0;
+    buf[0] = 0;
+    for (int i = 0; i < n && at < cap; i++) {
+        const int w = snprintf(buf + at, cap - at, "%s%s", i ? ", " : "", list[i]);
+        at += w > 0 ? (size_t)w : 0;
+    }
+}
+
 /* ---- responses ------------------------------------------------------------------------------ */
 
 static void count_status(struct srv *s, unsigned status)
@@ -201,6 +273,7 @@ static enum MHD_Result send_body(struct hreq *h, unsigned status, const char *ct
     if (h->id[0]) {
         MHD_add_response_header(r, "X-Request-Id", h->id);
     }
+    cors_add(h, r);
     enum MHD_Result ret = MHD_queue_response(h->conn, status, r);
     MHD_destroy_response(r);
     h->responded = true;
@@ -242,6 +315,59 @@ static enum MHD_Result send_simple_error(struct hreq *h, enum kr_oai_cause cause
     struct kr_oai_error e;
     kr_oai_error(&e, cause, "", "%s", msg);
     return send_error(h, &e);
+}
+
+/* An OPTIONS request, answered before anything else (no API key: a browser's preflight never carries
+ * one): 204 with what may be asked, or a 400 naming what the configuration does not allow (the
+ * origin, the method, a header), as vLLM's CORS middleware does. */
+static enum MHD_Result send_preflight(struct hreq *h)
+{
+    const struct kr_serve_opts *o = &h->s->o;
+    const char *origin = MHD_lookup_connection_value(h->conn, MHD_HEADER_KIND, "Origin");
+    const char *method = MHD_lookup_connection_value(h->conn, MHD_HEADER_KIND, "Access-Control-Request-Method");
+    const char *hdrs = MHD_lookup_connection_value(h->conn, MHD_HEADER_KIND, "Access-Control-Request-Headers");
+    struct kr_oai_error e;
+    if (origin && !cors_origin(h)) {
+        kr_oai_error(&e, KR_OAI_INVALID, "Origin", "Disallowed CORS origin: %.200s", origin);
+        return send_error(h, &e);
+    }
+    if (origin && method && !cors_listed(o->cors_methods, o->n_cors_methods, method, strlen(method), false)) {
+        kr_oai_error(&e, KR_OAI_INVALID, "Access-Control-Request-Method", "Disallowed CORS method: %.64s", method);
+        return send_error(h, &e);
+    }
+    for (const char *p = origin && hdrs ? hdrs : ""; *p;) { /* a comma list of header names */
+        p += strspn(p, " \t,");
+        const size_t n = strcspn(p, " \t,");
+        if (n && !cors_listed(o->cors_headers, o->n_cors_headers, p, n, true)) {
+            kr_oai_error(&e, KR_OAI_INVALID, "Access-Control-Request-Headers", "Disallowed CORS header: %.*s",
+                         (int)(n < 64 ? n : 64), p);
+            return send_error(h, &e);
+        }
+        p += n;
+    }
+    struct MHD_Response *r = MHD_create_response_from_buffer(0, (void *)"", MHD_RESPMEM_PERSISTENT);
+    if (!r) {
+        return MHD_NO;
+    }
+    MHD_add_response_header(r, "Allow", "GET, POST, OPTIONS");
+    if (origin) {
+        char buf[512];
+        cors_add(h, r);
+        cors_join(buf, sizeof buf, o->cors_methods, o->n_cors_methods, "DELETE, GET, HEAD, OPTIONS, PATCH, POST, PUT");
+        MHD_add_response_header(r, "Access-Control-Allow-Methods", buf);
+        /* every header allowed: the ones asked for (a "*" is not honoured with credentials) */
+        cors_join(buf, sizeof buf, o->cors_headers, o->n_cors_headers, hdrs ? hdrs : "*");
+        if (buf[0]) {
+            MHD_add_response_header(r, "Access-Control-Allow-Headers", buf);
+        }
+        MHD_add_response_header(r, "Access-Control-Max-Age", "600");
+    }
+    enum MHD_Result ret = MHD_queue_response(h->conn, 204, r);
+    MHD_destroy_response(r);
+    h->responded = true;
+    h->status = 204;
+    count_status(h->s, 204);
+    return ret;
 }
 
 /* ---- request lifetime ------------------------------------------------------------------------ */
@@ -611,6 +737,7 @@ static enum MHD_Result answer_or_wait(struct hreq *h)
         MHD_add_response_header(r, "Content-Type", "text/event-stream");
         MHD_add_response_header(r, "Cache-Control", "no-cache");
         MHD_add_response_header(r, "X-Request-Id", h->id);
+        cors_add(h, r);
         enum MHD_Result ret = MHD_queue_response(h->conn, 200, r);
         MHD_destroy_response(r);
         h->responded = true;
@@ -800,6 +927,26 @@ static enum MHD_Result dispatch(struct hreq *h, const char *url, const char *met
         {"/v1/responses", R_RESPONSES, true},     {"/v1/models", R_MODELS, false},          {"/tokenize", R_TOKENIZE, true},
         {"/detokenize", R_DETOKENIZE, true},
     };
+    /* GET /v1/models/{id} (the SDK's models.retrieve): the model object, or a 404 naming the id */
+    static const char k_model_prefix[] = "/v1/models/";
+    if (!strncmp(url, k_model_prefix, sizeof k_model_prefix - 1)) {
+        const char *id = url + sizeof k_model_prefix - 1;
+        if (!get) {
+            h->allow = "GET";
+            return send_simple_error(h, KR_OAI_METHOD, "use GET");
+        }
+        if (!s->ready || s->draining) {
+            return send_simple_error(h, KR_OAI_UNAVAILABLE, s->draining ? "the server is shutting down"
+                                                                        : "the model is loading");
+        }
+        if (strcmp(id, s->model_name) != 0) {
+            struct kr_oai_error e;
+            kr_oai_error(&e, KR_OAI_MODEL_NOT_FOUND, "model", "The model `%.256s` does not exist; this server serves `%.256s`",
+                         id, s->model_name);
+            return send_error(h, &e);
+        }
+        return send_json_str(h, 200, kr_oai_model_json(s->model_name, s->started, s->rt.max_model_len));
+    }
     for (size_t i = 0; i < sizeof routes / sizeof routes[0]; i++) {
         if (strcmp(url, routes[i].url) != 0) {
             continue;
@@ -954,6 +1101,9 @@ static enum MHD_Result on_access(void *cls, struct MHD_Connection *conn, const c
         conn_watch(s);
         /* refusals that need no body are answered before a byte of it is read: a client without
          * the key, or one declaring a body over the limit, gets no buffer */
+        if (!strcmp(method, "OPTIONS")) {
+            return send_preflight(h);
+        }
         if (guarded(url) && !authorized(h)) {
             return send_simple_error(h, KR_OAI_UNAUTHORIZED,
                                      "missing or invalid API key (send Authorization: Bearer <key>)");

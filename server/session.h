@@ -67,6 +67,7 @@ struct kr_sess_event {
     float *plp;      /* [n_prompt] (KR_EVENT_PROMPT_LOGPROBS) */
     int32_t *plp_ids; /* [n_prompt * k] */
     float *plp_top;  /* [n_prompt * k] */
+    int32_t *plp_rank; /* [n_prompt] */
     char msg[512];   /* KR_EVENT_ERROR's message */
 };
 

@@ -49,6 +49,13 @@ try {
     const page = await client.models.list();
     assert.equal(page.data[0].id, "tiny");
   });
+  await check("models.retrieve", async () => {
+    const m = await client.models.retrieve("tiny");
+    assert.equal(m.id, "tiny");
+    assert.equal(m.object, "model");
+    await assert.rejects(client.models.retrieve("nope"),
+      (e) => e instanceof OpenAI.NotFoundError && e.status === 404 && /nope/.test(e.message));
+  });
   await check("completions.create", async () => {
     const r = await client.completions.create({ model: "tiny", prompt: "Hello", max_tokens: 5, temperature: 0 });
     assert.equal(r.object, "text_completion");
@@ -72,6 +79,18 @@ try {
     assert.equal(r.choices[0].message.role, "assistant");
     assert.equal(r.choices[0].logprobs.content.length, 4);
     assert.equal(r.choices[0].logprobs.content[0].top_logprobs.length, 2);
+  });
+  await check("developer messages reach the prompt", async () => {
+    const ask = (messages) => client.chat.completions.create({
+      model: "tiny", messages, max_tokens: 1, temperature: 0, return_token_ids: true,
+    });
+    const user = { role: "user", content: "Hi" };
+    const dev = await ask([{ role: "developer", content: "Answer in French." }, user]);
+    const sys = await ask([{ role: "system", content: "Answer in French." }, user]);
+    const none = await ask([user]);
+    // DeepSeek-V3's template has no developer role: the message is the system prompt
+    assert.deepEqual(dev.prompt_token_ids, sys.prompt_token_ids);
+    assert.ok(dev.usage.prompt_tokens > none.usage.prompt_tokens, "the developer message was dropped");
   });
   await check("chat streaming with usage", async () => {
     const full = await client.chat.completions.create({
