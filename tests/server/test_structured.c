@@ -297,6 +297,73 @@ Test(structured, json_schema_outputs_validate_with_ajv)
     free(calls);
 }
 
+/* The schema suite (tests/server/schemas/suite.json, at least 50 schemas written for this test:
+ * nested objects, arrays and tuples, enums and consts, anyOf/oneOf, $ref and recursion, patterns,
+ * formats, number bounds, optional and additional members): SUITE_SAMPLES outputs of each at
+ * temperature 1 (one request with n = SUITE_SAMPLES per schema), each ending in "stop" within
+ * max_tokens or in "length" (choices_of), every "stop" output valid for ajv. */
+#define SUITE_SAMPLES 20
+
+Test(structured, the_schema_suite_validates_with_ajv)
+{
+    need_node();
+    json_error_t je;
+    json_t *suite = json_load_file(KR_SOURCE_DIR "/tests/server/schemas/suite.json", 0, &je);
+    cr_assert(json_is_array(suite), "suite.json: %s", je.text);
+    const int n_schema = (int)json_array_size(suite);
+    cr_assert_geq(n_schema, 50);
+    struct call *calls = calloc((size_t)n_schema, sizeof *calls);
+    cr_assert(calls);
+    for (int s = 0; s < n_schema; s++) {
+        char *schema = json_dumps(json_array_get(suite, (size_t)s), JSON_COMPACT);
+        char *extra = malloc(strlen(schema) + 128);
+        cr_assert(schema && extra);
+        sprintf(extra, "{\"response_format\":{\"type\":\"json_schema\",\"json_schema\":{\"name\":\"s%d\",\"schema\":%s}}}",
+                s, schema);
+        calls[s] = (struct call){.path = "/v1/completions", .body = body_with(extra, 100 + s, SUITE_SAMPLES, false)};
+        free(extra);
+        free(schema);
+    }
+    run_all(calls, n_schema, 4);
+    json_t *cases = json_array();
+    int n_stop = 0, n_length = 0;
+    for (int s = 0; s < n_schema; s++) {
+        const char *text[SUITE_SAMPLES], *finish[SUITE_SAMPLES];
+        choices_of(&calls[s], SUITE_SAMPLES, text, finish);
+        json_t *docs = json_array();
+        for (int k = 0; k < SUITE_SAMPLES; k++) {
+            if (!strcmp(finish[k], "stop")) {
+                json_array_append_new(docs, json_string(text[k]));
+                n_stop++;
+            } else {
+                n_length++;
+            }
+        }
+        json_array_append_new(cases, json_pack("{s:O, s:o}", "schema", json_array_get(suite, (size_t)s), "docs", docs));
+    }
+    json_t *verdicts = ajv(cases);
+    int n_bad = 0;
+    for (size_t s = 0; s < json_array_size(verdicts); s++) {
+        const json_t *v = json_array_get(verdicts, s);
+        const json_t *docs = json_object_get(json_array_get(cases, s), "docs");
+        for (size_t d = 0; d < json_array_size(v); d++) {
+            if (strcmp(json_string_value(json_array_get(v, d)), "ok") != 0) {
+                n_bad++;
+                cr_expect_fail("schema %zu: %s\n%s", s, json_string_value(json_array_get(v, d)),
+                               json_string_value(json_array_get(docs, d)));
+            }
+        }
+    }
+    fprintf(stderr, "schema suite: %d schemas x %d samples: %d ended with stop and were validated (%d invalid), %d with "
+                    "length\n", n_schema, SUITE_SAMPLES, n_stop, n_bad, n_length);
+    cr_expect_geq(n_stop, n_schema * SUITE_SAMPLES / 2, "too few complete outputs to validate: %d", n_stop);
+    json_decref(verdicts);
+    json_decref(cases);
+    json_decref(suite);
+    free_calls(calls, n_schema);
+    free(calls);
+}
+
 /* n > 1: each choice of a request follows the schema on its own (its own matcher). */
 Test(structured, every_choice_of_n_is_valid)
 {
