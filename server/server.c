@@ -1077,7 +1077,7 @@ static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
  * message is about; the request id of a connection that ends badly is in the access line that
  * on_completed writes for it. A client that goes away mid-answer is ordinary traffic (debug);
  * anything else is a warning. */
-static void mhd_logger(void *cls, const char *fmt, va_list ap)
+__attribute__((format(printf, 2, 0))) static void mhd_logger(void *cls, const char *fmt, va_list ap)
 {
     struct srv *s = cls;
     char line[512];
