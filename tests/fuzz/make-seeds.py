@@ -165,4 +165,19 @@ for r in requests:
 for s in ['{}', '[]', '{"messages": []}', '{"prompt": ""}', '{"model": "tiny-hybrid\\u0000x", "prompt": "a"}',
           '{"messages": [{"role": "user\\u0000x", "content": "a"}]}', 'not json']:
     put("request", s)
+# ---- http: url, method, Authorization, Content-Length, SSE events, read sizes (one a line) ----------
+chunk = json.dumps({"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": MODEL,
+                    "choices": [{"index": 0, "delta": {"content": "Hi"}, "finish_reason": None}]},
+                   separators=(",", ":"))
+for url, method, auth, clen in [("/v1/chat/completions", "POST", "Bearer sk-test-0123456789", "128"),
+                                ("/v1/completions", "GET", "bearer k2", "0"), ("/v1/models", "GET", "", ""),
+                                ("/v1/models", "POST", "Basic Zm9vOmJhcg==", "18446744073709551616"),
+                                ("/tokenize", "POST", "BEARER Bearer x", "33554432"),
+                                ("/detokenize", "PUT", "Bearer ", "-1"), ("/health", "GET", "Bearer k", "+12"),
+                                ("/metrics", "HEAD", "Bearer sk-test-012345678", " 7"),
+                                ("/v1/chat/completions?x=1", "POST", "Bearer k2 ", "12abc")]:
+    put("http", "\n".join([url, method, auth, clen]))
+put("http", "\n".join(["/v1/chat/completions", "POST", "Bearer k2", "64", chunk, '{"choices":[]}',
+                       "data: [DONE]", "\x01\x07\x10\xff"]))
+put("http", "\n".join(["/v1/completions", "POST", "", "", '{"error":{"message":"x"}}', "", "\x00\x02"]))
 print("seeds written under", CORPUS, file=sys.stderr)
