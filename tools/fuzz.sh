@@ -13,7 +13,7 @@
 # leak, timeout or out-of-memory input is saved as BUILD_DIR/fuzz-artifacts/<name>/<kind>-<sha1>
 # and the script stops with the harness's status.
 set -eu
-build=${1:?usage: tools/fuzz.sh BUILD_DIR}
+build=$(cd "${1:?usage: tools/fuzz.sh BUILD_DIR}" && pwd)
 src=$(cd "$(dirname "$0")/.." && pwd)
 runs=${RUNS:-100000}
 jobs=${FUZZ_JOBS:-1}
@@ -39,7 +39,7 @@ for bin in "$build"/fuzz/fuzz_*; do
         rm -f "$seeds"/*
         cp "$tmp"/* "$seeds"/
         rm -rf "$tmp"
-        echo "fuzz: $name: $(ls "$seeds" | wc -l) inputs, $(du -sk "$seeds" | cut -f1) KiB"
+        echo "fuzz: $name: $(ls "$seeds" | wc -l) inputs, $(du -s --apparent-size -B1 "$seeds" | cut -f1) bytes"
         continue
     fi
     [ -z "${FUZZ_SECONDS:-}" ] || set -- "$@" -max_total_time="$FUZZ_SECONDS"

@@ -3,6 +3,7 @@
  * parallelism at sizes 2, 4 and 8 as `--tensor-parallel-size` would. A config that is accepted must
  * describe its layers consistently: the pattern has n_layer letters, each of a known layer type,
  * and the per-type counts add up to n_layer. */
+/* fuzz-max-len: 16384 (tools/fuzz.sh passes it as -max_len) */
 #include "fuzz.h"
 
 #include "config.h"

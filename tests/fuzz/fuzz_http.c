@@ -7,6 +7,7 @@
  * Every decision is checked against a reference written here from the documented behaviour
  * (README "Endpoints", docs/RELIABILITY.md "Refusals before the body"), and the stream, read in
  * pieces of those sizes, must be exactly "data: " event "\n\n" for each event in order. */
+/* fuzz-max-len: 4096 (tools/fuzz.sh passes it as -max_len) */
 #include "fuzz.h"
 
 #include "alloc.h"

@@ -7,6 +7,7 @@
  * started against an engine that refuses it (queue full), so that the answer, an OpenAI error
  * object, is built too. Every answer, success or error, must be one JSON object with a status that
  * fits it. */
+/* fuzz-max-len: 8192 (tools/fuzz.sh passes it as -max_len) */
 #include "fuzz.h"
 
 #include "alloc.h"

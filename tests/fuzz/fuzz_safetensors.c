@@ -11,6 +11,7 @@
  * found by kr_st_find, each inside its file's data area with nbytes = n_elem * dtype size. */
 #define _POSIX_C_SOURCE 200809L
 
+/* fuzz-max-len: 16384 (tools/fuzz.sh passes it as -max_len) */
 #include "fuzz.h"
 
 #include "dtype.h"
