@@ -313,11 +313,54 @@ static json_t *cmpl_lp_new(bool *ok, struct cmpl_lp *lp)
     return lp->obj;
 }
 
-/* Appends the entries of `v` [n]; `*offset` (code points into the choice text) advances by each
- * token's text. `first_null` forces null logprob and top_logprobs on entry 0 (the first prompt
- * token has no logprob). An entry with a NaN logprob and no alternatives gets null top_logprobs. */
+/* Where each completions token sits in the text it belongs to (text_offset, in code points). With a
+ * text: a token whose bytes are the text's next ones is there and moves the cursor past them; one
+ * that is not (a special token the text skips, such as the prompt's BOS, or a token past a stop
+ * string) sits at the cursor and moves nothing, so that offsets never decrease and every token with
+ * text starts where its offset points. Without a text (a stream's delta, whose text may lag its
+ * tokens): each token counts its own code points. */
+struct cmpl_pos {
+    const char *text;   /* [len] the whole choice text, or NULL */
+    size_t len;
+    size_t cur;         /* bytes of text before the cursor */
+    size_t sync;        /* the last cursor that was not inside a character */
+    int64_t sync_cp;    /* code points of text[0..sync) */
+    int64_t offset;     /* without a text: code points so far */
+};
+
+/* The offset of token x, and the cursor past it. */
+static int64_t cmpl_pos_take(struct cmpl_pos *p, const struct kr_oai_token *x)
+{
+    const size_t n = x->text ? x->text_len : 0;
+    if (!p->text) {
+        const int64_t at = p->offset;
+        p->offset += (int64_t)kr_oai_utf8_count(x->text, n);
+        return at;
+    }
+    const int64_t at = p->sync_cp + (int64_t)kr_oai_utf8_count(p->text + p->sync, p->cur - p->sync);
+    if (n > 0 && n <= p->len - p->cur && memcmp(p->text + p->cur, x->text, n) == 0) {
+        p->cur += n;
+        /* counting restarts only where a character starts: a token may end inside one */
+        if (p->cur == p->len || ((unsigned char)p->text[p->cur] & 0xC0) != 0x80) {
+            p->sync_cp += (int64_t)kr_oai_utf8_count(p->text + p->sync, p->cur - p->sync);
+            p->sync = p->cur;
+        }
+    }
+    return at;
+}
+
+/* Moves the cursor to byte `at` of the text (where the generated tokens begin, after an echo). */
+static void cmpl_pos_seek(struct cmpl_pos *p, size_t at)
+{
+    p->sync = p->cur = at <= p->len ? at : p->len;
+    p->sync_cp = (int64_t)kr_oai_utf8_count(p->text, p->cur);
+}
+
+/* Appends the entries of `v` [n], their text_offset from `pos`. `first_null` forces null logprob
+ * and top_logprobs on entry 0 (the first prompt token has no logprob). An entry with a NaN logprob
+ * and no alternatives gets null top_logprobs. */
 static void cmpl_lp_add(bool *ok, struct cmpl_lp *lp, const struct kr_oai_logprob *v, int32_t n,
-                        bool first_null, int64_t *offset)
+                        bool first_null, struct cmpl_pos *pos)
 {
     for (int32_t i = 0; i < n && *ok; i++) {
         const struct kr_oai_logprob *x = &v[i];
@@ -340,8 +383,7 @@ static void cmpl_lp_add(bool *ok, struct cmpl_lp *lp, const struct kr_oai_logpro
             }
             apush(ok, lp->top_logprobs, top);
         }
-        apush(ok, lp->text_offset, json_integer(*offset));
-        *offset += (int64_t)kr_oai_utf8_count(x->tok.text, x->tok.text_len);
+        apush(ok, lp->text_offset, json_integer(cmpl_pos_take(pos, &x->tok)));
     }
 }
 
@@ -406,6 +448,56 @@ static json_t *chat_logprobs(bool *ok, const struct kr_oai_logprob *v, int32_t n
     return o;
 }
 
+/* ---- prompt logprobs (vLLM) ------------------------------------------------------------------- */
+
+/* {"logprob", "rank", "decoded_token"} */
+static json_t *vllm_logprob(bool *ok, const struct kr_oai_token *t)
+{
+    json_t *o = json_object();
+    if (!o) {
+        *ok = false;
+        return NULL;
+    }
+    oset(ok, o, "logprob", jlogprob(t->logprob));
+    oset(ok, o, "rank", t->rank > 0 ? json_integer(t->rank) : json_null());
+    oset(ok, o, "decoded_token", jstr(t->text, t->text_len));
+    return o;
+}
+
+/* vLLM's prompt_logprobs: [null, {"<id>": {logprob, rank, decoded_token}, ...}, ...], one entry per
+ * prompt token; after the first, the prompt token itself, then its row's k likeliest (once each). */
+static json_t *prompt_logprobs_json(bool *ok, const struct kr_oai_completion *c)
+{
+    if (!c->prompt_logprobs) {
+        return json_null(); /* asked for but not computed: the answer already failed */
+    }
+    json_t *a = json_array();
+    if (!a) {
+        *ok = false;
+        return NULL;
+    }
+    apush(ok, a, json_null());
+    for (int32_t i = 1; i < c->n_prompt_ids && *ok; i++) {
+        const struct kr_oai_logprob *x = &c->prompt_logprobs[i];
+        json_t *d = json_object();
+        if (!d) {
+            *ok = false;
+            break;
+        }
+        char key[16];
+        snprintf(key, sizeof key, "%d", x->tok.id);
+        oset(ok, d, key, vllm_logprob(ok, &x->tok));
+        for (int32_t k = 0; k < x->n_top && *ok; k++) {
+            snprintf(key, sizeof key, "%d", x->top[k].id);
+            if (!json_object_get(d, key)) {
+                oset(ok, d, key, vllm_logprob(ok, &x->top[k]));
+            }
+        }
+        apush(ok, a, d);
+    }
+    return a;
+}
+
 /* ---- completions ----------------------------------------------------------------------------- */
 
 static json_t *cmpl_choice(bool *ok, const struct kr_oai_completion *c, const struct kr_oai_choice *ch)
@@ -417,37 +509,38 @@ static json_t *cmpl_choice(bool *ok, const struct kr_oai_completion *c, const st
     }
     bool echo = c->prompt_text != NULL;
     oset(ok, o, "index", json_integer(ch->index));
-    if (echo) {
-        size_t np = c->prompt_text_len, nt = ch->text ? ch->text_len : 0;
-        char *buf = kr_malloc(np + nt + 1);
-        if (buf) {
-            memcpy(buf, c->prompt_text, np);
-            if (nt) {
-                memcpy(buf + np, ch->text, nt);
-            }
-            oset(ok, o, "text", jstr(buf, np + nt));
-            kr_free(buf);
-        } else {
-            *ok = false;
-        }
-    } else {
-        oset(ok, o, "text", jstr(ch->text, ch->text_len));
+    /* the choice text: the echoed prompt, then what was generated */
+    const size_t np = echo ? c->prompt_text_len : 0, nt = ch->text ? ch->text_len : 0;
+    char *buf = kr_malloc(np + nt + 1);
+    if (!buf) {
+        *ok = false;
+        return o;
     }
+    if (np) {
+        memcpy(buf, c->prompt_text, np);
+    }
+    if (nt) {
+        memcpy(buf + np, ch->text, nt);
+    }
+    oset(ok, o, "text", jstr(buf, np + nt));
     if (ch->logprobs) {
         struct cmpl_lp lp;
         oset(ok, o, "logprobs", cmpl_lp_new(ok, &lp));
-        int64_t offset = 0;
+        struct cmpl_pos pos = {.text = buf, .len = np + nt};
         if (echo && c->prompt_logprobs) {
-            cmpl_lp_add(ok, &lp, c->prompt_logprobs, c->n_prompt_ids, true, &offset);
+            cmpl_lp_add(ok, &lp, c->prompt_logprobs, c->n_prompt_ids, true, &pos);
         }
-        /* generated tokens index the choice text after the echoed prompt */
-        offset = echo ? (int64_t)kr_oai_utf8_count(c->prompt_text, c->prompt_text_len) : 0;
-        cmpl_lp_add(ok, &lp, ch->logprobs, ch->n_logprobs, false, &offset);
+        cmpl_pos_seek(&pos, np); /* generated tokens index the choice text after the echoed prompt */
+        cmpl_lp_add(ok, &lp, ch->logprobs, ch->n_logprobs, false, &pos);
     } else {
         oset(ok, o, "logprobs", json_null());
     }
+    kr_free(buf);
     oset(ok, o, "finish_reason", jstr_or_null(ch->finish_reason));
     oset(ok, o, "stop_reason", jstop_reason(ch));
+    if (c->prompt_logprobs_out) {
+        oset(ok, o, "prompt_logprobs", prompt_logprobs_json(ok, c)); /* vLLM: per completions choice */
+    }
     if (c->return_token_ids) {
         /* vLLM puts both on each completions choice */
         oset(ok, o, "token_ids",
@@ -491,7 +584,8 @@ char *kr_oai_completion_chunk_at(const char *id, int64_t created, const char *mo
     if (delta->logprobs) {
         struct cmpl_lp lp;
         oset(&ok, ch, "logprobs", cmpl_lp_new(&ok, &lp));
-        cmpl_lp_add(&ok, &lp, delta->logprobs, delta->n_logprobs, false, &text_offset);
+        struct cmpl_pos pos = {.offset = text_offset};
+        cmpl_lp_add(&ok, &lp, delta->logprobs, delta->n_logprobs, false, &pos);
     } else {
         oset(&ok, ch, "logprobs", json_null());
     }
@@ -502,6 +596,9 @@ char *kr_oai_completion_chunk_at(const char *id, int64_t created, const char *mo
     }
     apush(&ok, choices, ch);
     oset(&ok, o, "choices", choices);
+    if (delta->usage) {
+        oset(&ok, o, "usage", jusage(delta->usage));
+    }
     return finish_sse(o, ok);
 }
 
@@ -544,6 +641,9 @@ char *kr_oai_chat_json(const struct kr_oai_completion *c)
     }
     oset(&ok, o, "choices", choices);
     oset(&ok, o, "usage", jusage(&c->usage));
+    if (c->prompt_logprobs_out) {
+        oset(&ok, o, "prompt_logprobs", prompt_logprobs_json(&ok, c)); /* vLLM: top level for chat */
+    }
     if (c->return_token_ids) {
         /* vLLM puts the chat prompt's ids on the response, not on each choice */
         oset(&ok, o, "prompt_token_ids",
@@ -581,6 +681,9 @@ char *kr_oai_chat_chunk(const char *id, int64_t created, const char *model, cons
     }
     apush(&ok, choices, ch);
     oset(&ok, o, "choices", choices);
+    if (delta->usage) {
+        oset(&ok, o, "usage", jusage(delta->usage));
+    }
     return finish_sse(o, ok);
 }
 
@@ -596,25 +699,41 @@ char *kr_oai_usage_chunk(const char *id, int64_t created, const char *model, boo
 
 /* ---- models and errors ----------------------------------------------------------------------- */
 
+/* One model object: {"id", "object": "model", "created", "owned_by", "root", "max_model_len"}. */
+static json_t *model_object(bool *ok, const char *name, int64_t created, int64_t max_model_len)
+{
+    json_t *m = json_object();
+    if (!m) {
+        *ok = false;
+        return NULL;
+    }
+    oset(ok, m, "id", jstr_or_null(name ? name : ""));
+    oset(ok, m, "object", json_string("model"));
+    oset(ok, m, "created", json_integer(created));
+    oset(ok, m, "owned_by", json_string("krait"));
+    oset(ok, m, "root", jstr_or_null(name ? name : ""));
+    oset(ok, m, "max_model_len", json_integer(max_model_len));
+    return m;
+}
+
 char *kr_oai_models_json(const char *name, int64_t created, int64_t max_model_len)
 {
     bool ok = true;
     json_t *o = json_object();
     json_t *data = json_array();
-    json_t *m = json_object();
-    if (!o || !data || !m) {
+    if (!o || !data) {
         ok = false;
     }
     oset(&ok, o, "object", json_string("list"));
-    oset(&ok, m, "id", jstr_or_null(name ? name : ""));
-    oset(&ok, m, "object", json_string("model"));
-    oset(&ok, m, "created", json_integer(created));
-    oset(&ok, m, "owned_by", json_string("krait"));
-    oset(&ok, m, "root", jstr_or_null(name ? name : ""));
-    oset(&ok, m, "max_model_len", json_integer(max_model_len));
-    apush(&ok, data, m);
+    apush(&ok, data, model_object(&ok, name, created, max_model_len));
     oset(&ok, o, "data", data);
     return finish(o, ok);
+}
+
+char *kr_oai_model_json(const char *name, int64_t created, int64_t max_model_len)
+{
+    bool ok = true;
+    return finish(model_object(&ok, name, created, max_model_len), ok);
 }
 
 char *kr_oai_error_json(const struct kr_oai_error *e)

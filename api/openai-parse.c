@@ -731,6 +731,102 @@ static enum kr_status parse_logit_bias(struct kr_oai_request *r, struct kr_oai_e
 /* Fields krait does not implement are refused with a 400 naming them rather than ignored, where
  * ignoring would change what the client gets: a non-empty suffix (no insertion), best_of beyond n
  * (no best-of-n ranking). */
+/* Fields of OpenAI's API or vLLM's that krait does not implement. Silently ignoring one would
+ * answer something other than what was asked (audio that never comes, a tier never applied), so
+ * any value that asks for more than the default is a 400 naming the field. */
+enum unimpl_rule {
+    UNIMPL_ANY,      /* any value (but null) */
+    UNIMPL_TRUE,     /* true */
+    UNIMPL_NONEMPTY, /* a non-empty array or object (an empty one asks for nothing) */
+    UNIMPL_NOT_NUM,  /* a number other than `num` (or anything not a number) */
+};
+
+static const struct {
+    const char *name;
+    enum unimpl_rule rule;
+    double num;
+    bool chat_only;
+    const char *why;
+} k_unimplemented[] = {
+    {"service_tier", UNIMPL_ANY, 0, false, "there is one processing tier"},
+    {"reasoning_effort", UNIMPL_ANY, 0, false, "the model's reasoning is not configurable"},
+    {"audio", UNIMPL_ANY, 0, false, "audio output is not available"},
+    {"prediction", UNIMPL_ANY, 0, false, "predicted outputs are not available"},
+    {"web_search_options", UNIMPL_ANY, 0, false, "web search is not available"},
+    {"store", UNIMPL_TRUE, 0, false, "completions are not stored"},
+    {"use_beam_search", UNIMPL_TRUE, 0, false, "beam search is not available"},
+    {"length_penalty", UNIMPL_NOT_NUM, 1.0, false, "it applies to beam search, which is not available"},
+    {"include_stop_str_in_output", UNIMPL_TRUE, 0, false, "stop strings are always left out"},
+    {"truncate_prompt_tokens", UNIMPL_ANY, 0, false, "prompts are never truncated"},
+    {"allowed_token_ids", UNIMPL_ANY, 0, false, "use 'logit_bias' or structured outputs"},
+    {"bad_words", UNIMPL_NONEMPTY, 0, false, "use 'logit_bias' or structured outputs"},
+    {"logits_processors", UNIMPL_ANY, 0, false, "custom logits processors are not available"},
+    {"priority", UNIMPL_NOT_NUM, 0.0, false, "requests are served first come, first served"},
+    {"kv_transfer_params", UNIMPL_ANY, 0, false, "KV transfer is not available"},
+    {"prompt_embeds", UNIMPL_ANY, 0, false, "prompts are text or token ids"},
+    {"chat_template", UNIMPL_ANY, 0, true, "the server's chat template (--chat-template) is used"},
+    {"echo", UNIMPL_TRUE, 0, true, "chat echo is not available"},
+};
+
+/* modalities: ["text"] (or empty) is what krait does; anything else (OpenAI's "audio") is refused. */
+static enum kr_status refuse_modalities(const json_t *v, struct kr_oai_error *e)
+{
+    if (!json_is_array(v)) {
+        return bad(e, "modalities", "'modalities' must be an array of strings");
+    }
+    size_t i;
+    json_t *m;
+    json_array_foreach(v, i, m)
+    {
+        if (!json_is_string(m)) {
+            return bad(e, "modalities", "'modalities' must be an array of strings");
+        }
+        if (strcmp(json_string_value(m), "text") != 0) {
+            return bad(e, "modalities", "'modalities' may only hold \"text\": the %.32s modality is not supported",
+                       json_string_value(m));
+        }
+    }
+    return KR_OK;
+}
+
+static enum kr_status refuse_unimplemented(const struct kr_oai_request *r, struct kr_oai_error *e)
+{
+    json_t *m = opt_get(r->root, "modalities");
+    if (m) {
+        const enum kr_status st = refuse_modalities(m, e);
+        if (st != KR_OK) {
+            return st;
+        }
+    }
+    for (size_t i = 0; i < sizeof k_unimplemented / sizeof k_unimplemented[0]; i++) {
+        const char *name = k_unimplemented[i].name;
+        json_t *v = opt_get(r->root, name);
+        if (!v || (k_unimplemented[i].chat_only && r->kind != KR_OAI_CHAT)) {
+            continue;
+        }
+        bool asks;
+        switch (k_unimplemented[i].rule) {
+        case UNIMPL_TRUE:
+            asks = !json_is_false(v);
+            break;
+        case UNIMPL_NONEMPTY:
+            asks = !((json_is_array(v) && json_array_size(v) == 0) || (json_is_object(v) && json_object_size(v) == 0));
+            break;
+        case UNIMPL_NOT_NUM:
+            asks = !json_is_number(v) || json_number_value(v) != k_unimplemented[i].num;
+            break;
+        case UNIMPL_ANY:
+        default:
+            asks = true;
+            break;
+        }
+        if (asks) {
+            return bad(e, name, "'%s' is not supported: %s", name, k_unimplemented[i].why);
+        }
+    }
+    return KR_OK;
+}
+
 static enum kr_status parse_unsupported(struct kr_oai_request *r, struct kr_oai_error *e)
 {
     const json_t *o = r->root;
@@ -750,7 +846,7 @@ static enum kr_status parse_unsupported(struct kr_oai_request *r, struct kr_oai_
     if (has && best_of > r->n) {
         return bad(e, "best_of", "'best_of' greater than 'n' (%d) is not supported", r->n);
     }
-    return KR_OK;
+    return refuse_unimplemented(r, e);
 }
 
 /* ---- request parsing: output constraints (structured outputs) --------------------------------- */
@@ -1144,7 +1240,12 @@ static enum kr_status parse_stream(struct kr_oai_request *r, struct kr_oai_error
         return st;
     }
     bool cont = false;
-    return opt_bool(so, "continuous_usage_stats", "stream_options.continuous_usage_stats", &cont, NULL, e);
+    if ((st = opt_bool(so, "continuous_usage_stats", "stream_options.continuous_usage_stats", &cont, NULL, e)) !=
+        KR_OK) {
+        return st;
+    }
+    r->continuous_usage = cont && r->include_usage; /* vLLM: usage on every chunk needs both */
+    return KR_OK;
 }
 
 static enum kr_status parse_chat_extras(struct kr_oai_request *r, struct kr_oai_error *e)

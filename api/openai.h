@@ -113,6 +113,8 @@ struct kr_oai_request {
     int32_t n;                 /* choices */
     bool stream;
     bool include_usage;        /* stream_options.include_usage */
+    bool continuous_usage;     /* stream_options.continuous_usage_stats with include_usage (vLLM needs
+                                  both): every delta chunk carries the usage so far */
     bool return_token_ids;     /* vLLM extension */
     bool skip_special_tokens;  /* default true */
     int32_t n_stop;
@@ -126,7 +128,10 @@ struct kr_oai_request {
 
 /* Parses and validates a request body. Every problem is a 400 with `param` naming the field:
  * malformed JSON, wrong types, out-of-range values, unknown roles, empty prompts, two output
- * constraints at once (naming both). Unknown fields are ignored (as OpenAI does). Bounds: n in
+ * constraints at once (naming both), and a field of OpenAI's or vLLM's API that krait does not
+ * implement set to ask for something (service_tier, reasoning_effort, audio, modalities other than
+ * "text", use_beam_search, ...: see k_unimplemented in openai-parse.c). Other unknown fields are
+ * ignored. Bounds: n in
  * [1, 128], logprobs (completions) in [0, 20], top_logprobs (chat) in [0, 20] and only with
  * logprobs true, max_tokens >= 1, at most 16 stop strings, at most 4096 guided_choice strings.
  * Whether a constraint compiles is the server's check (it owns the grammar cache). On success the
@@ -144,6 +149,8 @@ struct kr_oai_token {
     const unsigned char *bytes; /* the token's raw bytes (chat "bytes" field) */
     size_t n_bytes;
     float logprob;
+    int32_t id;         /* the token id (prompt_logprobs' keys) */
+    int32_t rank;       /* 1 + the tokens likelier in its row (prompt_logprobs), 0 when not known */
 };
 
 /* Log-probability information of one sampled (or prompt) token with its alternatives. */
@@ -152,6 +159,8 @@ struct kr_oai_logprob {
     int32_t n_top;
     const struct kr_oai_token *top; /* [n_top] */
 };
+
+struct kr_oai_usage;
 
 /* A finished or streaming choice as the server accumulated it. */
 struct kr_oai_choice {
@@ -165,6 +174,7 @@ struct kr_oai_choice {
     const char *finish_reason;  /* "stop", "length", NULL while streaming */
     const char *stop_reason_str; /* the stop string hit (vLLM "stop_reason"), or NULL */
     int32_t stop_reason_id;     /* the stop token id hit, or -1 */
+    const struct kr_oai_usage *usage; /* a delta chunk's usage so far (continuous_usage_stats), or NULL */
 };
 
 struct kr_oai_usage {
@@ -188,6 +198,9 @@ struct kr_oai_completion {
     const int32_t *prompt_ids;
     int32_t n_prompt_ids;
     const struct kr_oai_logprob *prompt_logprobs; /* [n_prompt_ids], [0].tok.logprob NaN = null; or NULL */
+    bool prompt_logprobs_out;   /* the request asked for prompt_logprobs: vLLM's "prompt_logprobs" is
+                                   written from prompt_logprobs (per completions choice, top level for
+                                   chat), each entry the prompt token and its row's alternatives */
     bool return_token_ids;
     /* several prompts (a completions request with a list of them): choice i belongs to
      * prompts[i / choices_per_prompt], whose prompt_* and return_token_ids fields are used for it
@@ -209,8 +222,10 @@ char *kr_oai_chat_chunk(const char *id, int64_t created, const char *model, cons
 /* The final usage chunk (choices: []) for stream_options.include_usage. */
 char *kr_oai_usage_chunk(const char *id, int64_t created, const char *model, bool chat, const struct kr_oai_usage *u);
 
-/* GET /v1/models: one model. */
+/* GET /v1/models: the list, of one model. */
 char *kr_oai_models_json(const char *name, int64_t created, int64_t max_model_len);
+/* GET /v1/models/{id}: the model object alone (the list's one entry). */
+char *kr_oai_model_json(const char *name, int64_t created, int64_t max_model_len);
 
 /* Frees a string an encoder above returned, or one from json_dumps: it comes from jansson's
  * allocator (json_set_alloc_funcs; krait routes it through kr_malloc/kr_free, plain malloc when
@@ -240,15 +255,18 @@ json_t *kr_oai_json_loadb(const char *buf, size_t len, size_t flags, json_error_
  *   below -9999 become -9999.0 (vLLM), NaN becomes null.
  * - Completions: echo is on when `prompt_text` is not NULL. Each choice's logprobs, when
  *   `choice.logprobs` is not NULL, list the prompt's entries first (from `prompt_logprobs`, entry 0
- *   with null logprob and null top_logprobs), then the generated ones; text_offset counts UTF-8
- *   code points of the choice text, generated tokens starting after the echoed prompt. Completions
+ *   with null logprob and null top_logprobs), then the generated ones; text_offset is where the
+ *   token's text starts in the choice text, in UTF-8 code points, generated tokens starting after the
+ *   echoed prompt: a token whose bytes are not the text's next ones (a special token the text skips,
+ *   such as the prompt's BOS, or one past a stop string) sits where the text has got to and advances
+ *   nothing, so offsets never decrease. Completions
  *   top_logprobs entries are {token text: logprob} of `top` as given (vLLM includes the sampled
  *   token there; the server decides); an entry with a NaN logprob and no alternatives gets null
  *   top_logprobs (a streamed first prompt token). With return_token_ids, "token_ids" and "prompt_token_ids" are
  *   per choice for completions (vLLM), "prompt_token_ids" is top level for chat.
- * - Chunks: a delta's "token_ids" is written when `delta->token_ids` is not NULL. "usage" never
- *   appears in delta chunks (OpenAI with include_usage false); kr_oai_usage_chunk is the separate
- *   final event. Chat deltas: {"role": "assistant", "content": text} when `first`, {"content": text}
+ * - Chunks: a delta's "token_ids" is written when `delta->token_ids` is not NULL. "usage" appears
+ *   in a delta chunk only when `delta->usage` is not NULL (vLLM's continuous_usage_stats: the
+ *   choice's prompt and completion tokens so far); kr_oai_usage_chunk is the separate final event. Chat deltas: {"role": "assistant", "content": text} when `first`, {"content": text}
  *   after, {} on a final chunk (finish_reason set) without text. */
 
 /* As kr_oai_completion_chunk, with the logprobs' text_offset starting at `text_offset`: the UTF-8

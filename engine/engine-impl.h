@@ -67,6 +67,7 @@ struct req {
     float *plp;                  /* [n_prompt] prompt logprobs (when requested) */
     int32_t *plp_ids;            /* [n_prompt, k] */
     float *plp_top;              /* [n_prompt, k] */
+    int32_t *plp_rank;           /* [n_prompt] rank of each prompt token in its row (1 = the likeliest) */
     int32_t plp_rows;            /* rows accumulated */
     uint64_t seed;               /* prefix-cache seed of its cache salt */
     int32_t *snap_at;            /* [n_snap_at] ascending prompt positions for state snapshots */

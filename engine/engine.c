@@ -182,6 +182,7 @@ void eng_req_free(struct req *r)
     kr_free(r->plp);
     kr_free(r->plp_ids);
     kr_free(r->plp_top);
+    kr_free(r->plp_rank);
     kr_free(r->snap_at);
     kr_free(r);
 }
@@ -728,7 +729,8 @@ enum kr_status kr_engine_submit(struct kr_engine *e, const struct kr_request_par
         r->plp = kr_malloc((size_t)p->n_prompt * sizeof(float));
         r->plp_ids = kr_calloc((size_t)p->n_prompt * (size_t)(k ? k : 1), sizeof(int32_t));
         r->plp_top = kr_calloc((size_t)p->n_prompt * (size_t)(k ? k : 1), sizeof(float));
-        if (!r->plp || !r->plp_ids || !r->plp_top) {
+        r->plp_rank = kr_calloc((size_t)p->n_prompt, sizeof(int32_t));
+        if (!r->plp || !r->plp_ids || !r->plp_top || !r->plp_rank) {
             eng_req_free(r);
             return KR_ERR_NOMEM;
         }

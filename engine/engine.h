@@ -80,6 +80,7 @@ struct kr_event {
     const float *prompt_logprobs;     /* [n_prompt] log-probability of prompt[t] given prompt[0..t); [0] = NaN */
     const int32_t *prompt_top_ids;    /* [n_prompt, k] */
     const float *prompt_top_logprobs; /* [n_prompt, k] */
+    const int32_t *prompt_ranks;      /* [n_prompt] rank of prompt[t] in its row (1 = the likeliest); [0] = 0 */
     int32_t prompt_top_k;
     /* KR_EVENT_FINISH */
     enum kr_finish_reason finish;

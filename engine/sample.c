@@ -417,7 +417,13 @@ void eng_prompt_logprobs_rows(struct kr_engine *e, struct req *r, int32_t p0, in
             break;
         }
         kr_log_softmax(rows + (size_t)i * (size_t)V, e->lp_row, V);
-        r->plp[t + 1] = e->lp_row[prompt[t + 1]];
+        const float lp = e->lp_row[prompt[t + 1]];
+        r->plp[t + 1] = lp;
+        int32_t rank = 1; /* vLLM's rank: 1 + the tokens strictly likelier */
+        for (int64_t v = 0; v < V; v++) {
+            rank += e->lp_row[v] > lp;
+        }
+        r->plp_rank[t + 1] = rank;
         if (k > 0) {
             kr_top_k_ids(e->lp_row, V, k, r->plp_ids + (size_t)(t + 1) * (size_t)k);
             for (int32_t j = 0; j < k; j++) {
@@ -434,6 +440,7 @@ void eng_prompt_logprobs_rows(struct kr_engine *e, struct req *r, int32_t p0, in
                               .prompt_logprobs = r->plp,
                               .prompt_top_ids = k > 0 ? r->plp_ids : NULL,
                               .prompt_top_logprobs = k > 0 ? r->plp_top : NULL,
+                              .prompt_ranks = r->plp_rank,
                               .prompt_top_k = k};
         eng_emit(e, r, &ev);
     }

@@ -10,6 +10,7 @@
 struct kr_chat {
     struct kr_chat_template *tpl;
     char *bos, *eos;
+    bool has_developer;        /* the template names the 'developer' role: such messages go as they are */
 };
 
 static enum kr_status read_file(const char *path, char **out, size_t *len, struct kr_err *err)
@@ -67,6 +68,10 @@ enum kr_status kr_chat_load(const struct kr_tokenizer *tok, const char *template
         return kr_err_set(err, KR_ERR_NOMEM, "%s: out of memory", what);
     }
     enum kr_status st = kr_chat_template_compile(src, len, &c->tpl, err);
+    /* OpenAI's `developer` role replaces `system` for newer models; a template written before it
+     * (DeepSeek-V3's among them) only looks for "system" and would drop such messages silently, so
+     * they are handed to it as system messages unless the template mentions the role itself */
+    c->has_developer = memmem(src, len, "developer", 9) != NULL;
     kr_free(src);
     if (st != KR_OK) {
         kr_err_prefix(err, "%s", what);
@@ -95,8 +100,9 @@ void kr_chat_free(struct kr_chat *c)
     kr_free(c);
 }
 
-/* A copy of messages whose array contents (text parts) are joined into strings. */
-static json_t *normalize(json_t *messages, struct kr_oai_error *e)
+/* A copy of messages whose array contents (text parts) are joined into strings, and whose
+ * `developer` roles become `system` when the template knows no developer role. */
+static json_t *normalize(const struct kr_chat *c, json_t *messages, struct kr_oai_error *e)
 {
     json_t *out = json_deep_copy(messages);
     if (!out) {
@@ -107,6 +113,13 @@ static json_t *normalize(json_t *messages, struct kr_oai_error *e)
     json_t *m;
     json_array_foreach(out, i, m)
     {
+        const char *role = json_string_value(json_object_get(m, "role"));
+        if (!c->has_developer && role && !strcmp(role, "developer") &&
+            json_object_set_new(m, "role", json_string("system")) != 0) {
+            json_decref(out);
+            kr_oai_error(e, KR_OAI_INTERNAL, "", "out of memory");
+            return NULL;
+        }
         json_t *content = json_object_get(m, "content");
         if (!json_is_array(content)) {
             continue;
@@ -152,7 +165,7 @@ enum kr_status kr_chat_render(const struct kr_chat *c, json_t *messages, json_t 
                               bool continue_final_message, json_t *kwargs, char **text, size_t *len,
                               struct kr_oai_error *e)
 {
-    json_t *msgs = normalize(messages, e);
+    json_t *msgs = normalize(c, messages, e);
     if (!msgs) {
         return KR_ERR_NOMEM;
     }

@@ -55,10 +55,17 @@ enum kr_http_route kr_http_route_find(const char *url, const char *method, const
         bool post;
     } routes[] = {
         {"/v1/completions", KR_HTTP_ROUTE_COMPLETIONS, true}, {"/v1/chat/completions", KR_HTTP_ROUTE_CHAT, true},
-        {"/v1/models", KR_HTTP_ROUTE_MODELS, false},          {"/tokenize", KR_HTTP_ROUTE_TOKENIZE, true},
-        {"/detokenize", KR_HTTP_ROUTE_DETOKENIZE, true},
+        {"/v1/responses", KR_HTTP_ROUTE_RESPONSES, true},     {"/v1/models", KR_HTTP_ROUTE_MODELS, false},
+        {"/tokenize", KR_HTTP_ROUTE_TOKENIZE, true},          {"/detokenize", KR_HTTP_ROUTE_DETOKENIZE, true},
     };
+    static const char k_model_prefix[] = "/v1/models/";
     *allow = NULL;
+    if (!strncmp(url, k_model_prefix, sizeof k_model_prefix - 1)) {
+        if (strcmp(method, "GET") != 0) {
+            *allow = "GET";
+        }
+        return KR_HTTP_ROUTE_MODEL;
+    }
     for (size_t i = 0; i < sizeof routes / sizeof routes[0]; i++) {
         if (strcmp(url, routes[i].url) != 0) {
             continue;
@@ -72,16 +79,23 @@ enum kr_http_route kr_http_route_find(const char *url, const char *method, const
     return KR_HTTP_ROUTE_NONE;
 }
 
-bool kr_http_sse_append(char **out, size_t *len, size_t *cap, const char *json, size_t n)
+bool kr_http_sse_append(char **out, size_t *len, size_t *cap, const char *name, const char *json, size_t n)
 {
-    if (*len + n + 9 > *cap) {
-        const size_t nc = (*len + n + 9) * 2;
+    const size_t nl = name ? strlen(name) + 8 : 0; /* "event: " name "\n" */
+    if (*len + nl + n + 9 > *cap) {
+        const size_t nc = (*len + nl + n + 9) * 2;
         char *np = kr_realloc(*out, nc);
         if (!np) {
             return false;
         }
         *out = np;
         *cap = nc;
+    }
+    if (name) {
+        memcpy(*out + *len, "event: ", 7);
+        memcpy(*out + *len + 7, name, nl - 8);
+        (*out)[*len + nl - 1] = '\n';
+        *len += nl;
     }
     memcpy(*out + *len, "data: ", 6);
     memcpy(*out + *len + 6, json, n);

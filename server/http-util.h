@@ -29,7 +29,9 @@ enum kr_http_route {
     KR_HTTP_ROUTE_NONE = 0,
     KR_HTTP_ROUTE_COMPLETIONS, /* POST /v1/completions */
     KR_HTTP_ROUTE_CHAT,        /* POST /v1/chat/completions */
+    KR_HTTP_ROUTE_RESPONSES,   /* POST /v1/responses */
     KR_HTTP_ROUTE_MODELS,      /* GET /v1/models */
+    KR_HTTP_ROUTE_MODEL,       /* GET /v1/models/{id} (the id is the rest of the URL, possibly empty) */
     KR_HTTP_ROUTE_TOKENIZE,    /* POST /tokenize */
     KR_HTTP_ROUTE_DETOKENIZE,  /* POST /detokenize */
 };
@@ -38,10 +40,10 @@ enum kr_http_route {
  * *allow is that method ("GET" or "POST", static: a 405's Allow header), NULL otherwise. */
 enum kr_http_route kr_http_route_find(const char *url, const char *method, const char **allow);
 
-/* Appends one server-sent event, "data: " json "\n\n", whole or not at all, to the buffer *out
- * (len bytes used, cap allocated with kr_malloc; kept NUL-terminated). false (buffer unchanged)
- * when out of memory. */
-bool kr_http_sse_append(char **out, size_t *len, size_t *cap, const char *json, size_t n);
+/* Appends one server-sent event, "event: " name "\n" (when name is not NULL: the Responses API's
+ * named events) then "data: " json "\n\n", whole or not at all, to the buffer *out (len bytes used,
+ * cap allocated with kr_malloc; kept NUL-terminated). false (buffer unchanged) when out of memory. */
+bool kr_http_sse_append(char **out, size_t *len, size_t *cap, const char *name, const char *json, size_t n);
 
 /* Copies the next bytes of src[*off .. len), at most max, to dst and advances *off; returns how
  * many (0 when src is drained). */

@@ -8,6 +8,7 @@
 #include "switches.h"
 
 #include <errno.h>
+#include <jansson.h>
 #include <getopt.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -46,6 +47,11 @@ static void usage(FILE *f)
             "  --chat-template FILE            Jinja chat template replacing the tokenizer's\n"
             "  --skip-tokenizer-init           no tokenizer: prompts are token ids, outputs carry ids\n"
             "  --return-tokens-as-token-ids    logprobs name tokens as token_id:N\n"
+            "  --allowed-origins LIST          CORS: origins browsers may call from, a JSON list as vLLM takes\n"
+            "                                  it ('[\"https://app.example\"]') or a comma list (default [\"*\"])\n"
+            "  --allowed-methods LIST          CORS: methods a preflight may ask for (default [\"*\"])\n"
+            "  --allowed-headers LIST          CORS: request headers a preflight may ask for (default [\"*\"])\n"
+            "  --allow-credentials             CORS: Access-Control-Allow-Credentials: true (the origin is echoed)\n"
             "  --max-request-bytes N           request bodies above this get 413 (default 32 MiB)\n"
             "  --max-request-memory N          memory one request may take while it is parsed and prepared;\n"
             "                                  more gets 413 (default 256 MiB)\n"
@@ -110,6 +116,55 @@ static int parse_i32(const char *opt, const char *s, long lo, long hi, int32_t *
 }
 
 #define MAX_KEYS 64
+#define MAX_CORS 64
+
+/* A CORS list flag: a JSON list of strings, as vLLM takes it ('["https://a.example", "*"]'), or
+ * a comma-separated one. Entries live for the process (list is static). */
+static int parse_cors_list(const char *opt, const char *arg, const char **list, int *n)
+{
+    *n = 0;
+    if (arg[strspn(arg, " \t")] == '[') {
+        json_error_t je;
+        json_t *j = json_loads(arg, 0, &je);
+        size_t i;
+        json_t *v;
+        if (!json_is_array(j) || json_array_size(j) > MAX_CORS) {
+            fprintf(stderr, "krait serve: %s: expected a JSON list of at most %d strings, got '%s'\n", opt, MAX_CORS,
+                    arg);
+            json_decref(j);
+            return -1;
+        }
+        json_array_foreach(j, i, v)
+        {
+            char *e = json_is_string(v) && json_string_length(v) ? kr_strdup(json_string_value(v)) : NULL;
+            if (!e) {
+                fprintf(stderr, "krait serve: %s: entry %zu is not a non-empty string\n", opt, i);
+                json_decref(j);
+                return -1;
+            }
+            list[(*n)++] = e;
+        }
+        json_decref(j);
+        return 0;
+    }
+    for (const char *p = arg; *p;) {
+        p += strspn(p, " \t,");
+        size_t l = strcspn(p, ",");
+        while (l && (p[l - 1] == ' ' || p[l - 1] == '\t')) {
+            l--;
+        }
+        if (l) {
+            char *e = *n < MAX_CORS ? kr_strndup(p, l) : NULL;
+            if (!e) {
+                fprintf(stderr, "krait serve: %s: at most %d entries\n", opt, MAX_CORS);
+                return -1;
+            }
+            list[(*n)++] = e;
+        }
+        p += strcspn(p, ",");
+    }
+    return 0;
+}
 
 static int add_key(const char **keys, int *n, const char *k)
 {
@@ -183,8 +238,10 @@ int kr_serve_main(int argc, char **argv)
         O_HOST = 256, O_PORT, O_KEY, O_KEYFILE, O_NAME, O_MAXLEN, O_SEQS, O_TOKENS, O_QUEUED, O_CACHE, O_BLOCK,
         O_TOK, O_TPL, O_SKIP, O_TOKIDS, O_BODY, O_SHUTDOWN, O_THREADS, O_LOG, O_PORTFILE, O_HELP, O_DEVICE, O_GPUMEM, O_INDEXER,
         O_ALLOW_LONG, O_HELP_ENV, O_PREFIX, O_NO_PREFIX, O_PREFIX_INTERVAL, O_PREFIX_SNAPS,
-        O_REQMEM, O_MAXCONN, O_MAXCONN_IP, O_HDR_TIMEOUT, O_BODY_TIMEOUT,
+        O_REQMEM, O_MAXCONN, O_MAXCONN_IP, O_HDR_TIMEOUT, O_BODY_TIMEOUT, O_ORIGINS, O_METHODS, O_HEADERS,
+        O_CREDENTIALS,
     };
+    static const char *origins[MAX_CORS], *methods[MAX_CORS], *headers[MAX_CORS];
     static const struct option longopts[] = {
         {"host", required_argument, NULL, O_HOST},
         {"port", required_argument, NULL, O_PORT},
@@ -219,6 +276,10 @@ int kr_serve_main(int argc, char **argv)
         {"indexer", required_argument, NULL, O_INDEXER},
         {"log-level", required_argument, NULL, O_LOG},
         {"port-file", required_argument, NULL, O_PORTFILE},
+        {"allowed-origins", required_argument, NULL, O_ORIGINS},
+        {"allowed-methods", required_argument, NULL, O_METHODS},
+        {"allowed-headers", required_argument, NULL, O_HEADERS},
+        {"allow-credentials", no_argument, NULL, O_CREDENTIALS},
         {"help", no_argument, NULL, O_HELP},
         {"help-env", no_argument, NULL, O_HELP_ENV},
         {NULL, 0, NULL, 0},
@@ -392,6 +453,27 @@ int kr_serve_main(int argc, char **argv)
             break;
         case O_PORTFILE:
             o.port_file = optarg;
+            break;
+        case O_ORIGINS:
+            if (parse_cors_list("--allowed-origins", optarg, origins, &o.n_cors_origins)) {
+                return 2;
+            }
+            o.cors_origins = origins;
+            break;
+        case O_METHODS:
+            if (parse_cors_list("--allowed-methods", optarg, methods, &o.n_cors_methods)) {
+                return 2;
+            }
+            o.cors_methods = methods;
+            break;
+        case O_HEADERS:
+            if (parse_cors_list("--allowed-headers", optarg, headers, &o.n_cors_headers)) {
+                return 2;
+            }
+            o.cors_headers = headers;
+            break;
+        case O_CREDENTIALS:
+            o.cors_credentials = true;
             break;
         case O_HELP:
             usage(stdout);

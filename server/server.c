@@ -29,6 +29,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/eventfd.h>
 #include <sys/resource.h>
 #include <time.h>
@@ -156,6 +157,78 @@ static double now_s(void)
     return kr_clock_s();
 }
 
+/* ---- CORS ----------------------------------------------------------------------------------- */
+
+/* Whether `v` (len bytes) is in list[n] (case-insensitively when `nocase`); a "*" entry or no list
+ * (NULL: the default) holds everything, an empty list nothing. */
+static bool cors_listed(const char *const *list, int n, const char *v, size_t len, bool nocase)
+{
+    if (!list) {
+        return true;
+    }
+    for (int i = 0; i < n; i++) {
+        if (!strcmp(list[i], "*") || (strlen(list[i]) == len && (nocase ? !strncasecmp(list[i], v, len)
+                                                                          : !strncmp(list[i], v, len)))) {
+            return true;
+        }
+    }
+    return false;
+}
+
+/* Whether list[n] allows everything (no list, or one holding "*"). */
+static bool cors_any(const char *const *list, int n)
+{
+    for (int i = 0; list && i < n; i++) {
+        if (!strcmp(list[i], "*")) {
+            return true;
+        }
+    }
+    return !list;
+}
+
+/* The request's Origin header when it names an allowed origin, else NULL (no CORS headers then). */
+static const char *cors_origin(const struct hreq *h)
+{
+    const struct kr_serve_opts *o = &h->s->o;
+    const char *origin = MHD_lookup_connection_value(h->conn, MHD_HEADER_KIND, "Origin");
+    return origin && cors_listed(o->cors_origins, o->n_cors_origins, origin, strlen(origin), false) ? origin : NULL;
+}
+
+/* Adds Access-Control-Allow-Origin (and -Credentials, Vary) to a response for an allowed origin:
+ * "*" when every origin is allowed and credentials are not, else the origin itself (a browser
+ * accepts no "*" with credentials). */
+static void cors_add(const struct hreq *h, struct MHD_Response *r)
+{
+    const struct kr_serve_opts *o = &h->s->o;
+    const char *origin = cors_origin(h);
+    if (!origin) {
+        return;
+    }
+    const bool star = cors_any(o->cors_origins, o->n_cors_origins) && !o->cors_credentials;
+    MHD_add_response_header(r, "Access-Control-Allow-Origin", star ? "*" : origin);
+    if (!star) {
+        MHD_add_response_header(r, "Vary", "Origin");
+    }
+    if (o->cors_credentials) {
+        MHD_add_response_header(r, "Access-Control-Allow-Credentials", "true");
+    }
+}
+
+/* Joins list[n] with ", " into buf[cap] (truncated); `all` when the list allows everything. */
+static void cors_join(char *buf, size_t cap, const char *const *list, int n, const char *all)
+{
+    if (cors_any(list, n)) {
+        snprintf(buf, cap, "%s", all);
+        return;
+    }
+    size_t at = 0;
+    buf[0] = 0;
+    for (int i = 0; i < n && at < cap; i++) {
+        const int w = snprintf(buf + at, cap - at, "%s%s", i ? ", " : "", list[i]);
+        at += w > 0 ? (size_t)w : 0;
+    }
+}
+
 /* ---- responses ------------------------------------------------------------------------------ */
 
 static void count_status(struct srv *s, unsigned status)
@@ -188,6 +261,7 @@ static enum MHD_Result send_body(struct hreq *h, unsigned status, const char *ct
     if (h->id[0]) {
         MHD_add_response_header(r, "X-Request-Id", h->id);
     }
+    cors_add(h, r);
     enum MHD_Result ret = MHD_queue_response(h->conn, status, r);
     MHD_destroy_response(r);
     h->responded = true;
@@ -229,6 +303,59 @@ static enum MHD_Result send_simple_error(struct hreq *h, enum kr_oai_cause cause
     struct kr_oai_error e;
     kr_oai_error(&e, cause, "", "%s", msg);
     return send_error(h, &e);
+}
+
+/* An OPTIONS request, answered before anything else (no API key: a browser's preflight never carries
+ * one): 204 with what may be asked, or a 400 naming what the configuration does not allow (the
+ * origin, the method, a header), as vLLM's CORS middleware does. */
+static enum MHD_Result send_preflight(struct hreq *h)
+{
+    const struct kr_serve_opts *o = &h->s->o;
+    const char *origin = MHD_lookup_connection_value(h->conn, MHD_HEADER_KIND, "Origin");
+    const char *method = MHD_lookup_connection_value(h->conn, MHD_HEADER_KIND, "Access-Control-Request-Method");
+    const char *hdrs = MHD_lookup_connection_value(h->conn, MHD_HEADER_KIND, "Access-Control-Request-Headers");
+    struct kr_oai_error e;
+    if (origin && !cors_origin(h)) {
+        kr_oai_error(&e, KR_OAI_INVALID, "Origin", "Disallowed CORS origin: %.200s", origin);
+        return send_error(h, &e);
+    }
+    if (origin && method && !cors_listed(o->cors_methods, o->n_cors_methods, method, strlen(method), false)) {
+        kr_oai_error(&e, KR_OAI_INVALID, "Access-Control-Request-Method", "Disallowed CORS method: %.64s", method);
+        return send_error(h, &e);
+    }
+    for (const char *p = origin && hdrs ? hdrs : ""; *p;) { /* a comma list of header names */
+        p += strspn(p, " \t,");
+        const size_t n = strcspn(p, " \t,");
+        if (n && !cors_listed(o->cors_headers, o->n_cors_headers, p, n, true)) {
+            kr_oai_error(&e, KR_OAI_INVALID, "Access-Control-Request-Headers", "Disallowed CORS header: %.*s",
+                         (int)(n < 64 ? n : 64), p);
+            return send_error(h, &e);
+        }
+        p += n;
+    }
+    struct MHD_Response *r = MHD_create_response_from_buffer(0, (void *)"", MHD_RESPMEM_PERSISTENT);
+    if (!r) {
+        return MHD_NO;
+    }
+    MHD_add_response_header(r, "Allow", "GET, POST, OPTIONS");
+    if (origin) {
+        char buf[512];
+        cors_add(h, r);
+        cors_join(buf, sizeof buf, o->cors_methods, o->n_cors_methods, "DELETE, GET, HEAD, OPTIONS, PATCH, POST, PUT");
+        MHD_add_response_header(r, "Access-Control-Allow-Methods", buf);
+        /* every header allowed: the ones asked for (a "*" is not honoured with credentials) */
+        cors_join(buf, sizeof buf, o->cors_headers, o->n_cors_headers, hdrs ? hdrs : "*");
+        if (buf[0]) {
+            MHD_add_response_header(r, "Access-Control-Allow-Headers", buf);
+        }
+        MHD_add_response_header(r, "Access-Control-Max-Age", "600");
+    }
+    enum MHD_Result ret = MHD_queue_response(h->conn, 204, r);
+    MHD_destroy_response(r);
+    h->responded = true;
+    h->status = 204;
+    count_status(h->s, 204);
+    return ret;
 }
 
 /* ---- request lifetime ------------------------------------------------------------------------ */
@@ -370,15 +497,21 @@ static void sink_stream_begin(void *user)
     h->stream = true; /* the access handler queues the event-stream response */
 }
 
-/* One SSE event, "data: <json>\n\n", appended whole or not at all; the reader sends it. */
-static bool sink_stream_event(void *user, const char *json, size_t len)
+/* One SSE event, "event: <name>\n" (when named) and "data: <json>\n\n", appended whole or not at
+ * all; the reader sends it. */
+static bool sink_stream_event_named(void *user, const char *name, const char *json, size_t len)
 {
     struct hreq *h = user;
-    if (!kr_http_sse_append(&h->out, &h->out_len, &h->out_cap, json, len)) {
+    if (!kr_http_sse_append(&h->out, &h->out_len, &h->out_cap, name, json, len)) {
         return false;
     }
     resume(h);
     return true;
+}
+
+static bool sink_stream_event(void *user, const char *json, size_t len)
+{
+    return sink_stream_event_named(user, NULL, json, len);
 }
 
 /* The last bytes of a stream: static, so that its end never waits for memory (a stream that could
@@ -394,8 +527,9 @@ static void sink_done(void *user, int status, const char *body, size_t len)
     struct hreq *h = user;
     h->answered = true;
     if (h->stream) {
-        h->tail = status == 200 ? k_sse_done : k_sse_oom_done;
-        h->tail_len = status == 200 ? sizeof k_sse_done - 1 : sizeof k_sse_oom_done - 1;
+        const bool bare = body && len == 0; /* a Responses stream ends without [DONE] */
+        h->tail = status == 200 ? (bare ? "" : k_sse_done) : k_sse_oom_done;
+        h->tail_len = status == 200 ? (bare ? 0 : sizeof k_sse_done - 1) : sizeof k_sse_oom_done - 1;
         h->out_eof = true;
     } else {
         h->ans_ready = true;
@@ -409,6 +543,7 @@ static void sink_done(void *user, int status, const char *body, size_t len)
 static const struct kr_sess_sink sink = {
     .stream_begin = sink_stream_begin,
     .stream_event = sink_stream_event,
+    .stream_event_named = sink_stream_event_named,
     .done = sink_done,
 };
 
@@ -568,6 +703,7 @@ static enum MHD_Result answer_or_wait(struct hreq *h)
         MHD_add_response_header(r, "Content-Type", "text/event-stream");
         MHD_add_response_header(r, "Cache-Control", "no-cache");
         MHD_add_response_header(r, "X-Request-Id", h->id);
+        cors_add(h, r);
         enum MHD_Result ret = MHD_queue_response(h->conn, 200, r);
         MHD_destroy_response(r);
         h->responded = true;
@@ -647,7 +783,8 @@ static enum MHD_Result handle_generate(struct hreq *h)
 {
     static const enum kr_sess_kind kinds[] = {
         [KR_HTTP_ROUTE_COMPLETIONS] = KR_SESS_COMPLETIONS, [KR_HTTP_ROUTE_CHAT] = KR_SESS_CHAT,
-        [KR_HTTP_ROUTE_TOKENIZE] = KR_SESS_TOKENIZE, [KR_HTTP_ROUTE_DETOKENIZE] = KR_SESS_DETOKENIZE};
+        [KR_HTTP_ROUTE_RESPONSES] = KR_SESS_RESPONSES,     [KR_HTTP_ROUTE_TOKENIZE] = KR_SESS_TOKENIZE,
+        [KR_HTTP_ROUTE_DETOKENIZE] = KR_SESS_DETOKENIZE};
     h->sess = kr_sess_create(&h->s->env, kinds[h->route], h->t_arrival);
     if (!h->sess) {
         return send_json_str(h, 500, NULL);
@@ -672,8 +809,8 @@ static enum MHD_Result handle_generate(struct hreq *h)
 static bool authorized(struct hreq *h)
 {
     const struct srv *s = h->s;
-    return kr_http_authorized(MHD_lookup_connection_value(h->conn, MHD_HEADER_KIND, "Authorization"),
-                              s->o.api_keys, s->o.n_api_keys);
+    return kr_http_authorized(MHD_lookup_connection_value(h->conn, MHD_HEADER_KIND, "Authorization"), s->o.api_keys,
+                              s->o.n_api_keys);
 }
 
 static enum MHD_Result dispatch(struct hreq *h, const char *url, const char *method)
@@ -725,11 +862,26 @@ static enum MHD_Result dispatch(struct hreq *h, const char *url, const char *met
     /* a guarded route without the key was refused when its headers came in (on_access) */
     const char *allow = NULL;
     const enum kr_http_route route = kr_http_route_find(url, method, &allow);
-    if (route != KR_HTTP_ROUTE_NONE) {
-        if (allow) {
-            h->allow = allow;
-            return send_simple_error(h, KR_OAI_METHOD, !strcmp(allow, "POST") ? "use POST" : "use GET");
+    if (route != KR_HTTP_ROUTE_NONE && allow) {
+        h->allow = allow;
+        return send_simple_error(h, KR_OAI_METHOD, !strcmp(allow, "POST") ? "use POST" : "use GET");
+    }
+    /* GET /v1/models/{id} (the SDK's models.retrieve): the model object, or a 404 naming the id */
+    if (route == KR_HTTP_ROUTE_MODEL) {
+        const char *id = url + strlen("/v1/models/");
+        if (!s->ready || s->draining) {
+            return send_simple_error(h, KR_OAI_UNAVAILABLE, s->draining ? "the server is shutting down"
+                                                                        : "the model is loading");
         }
+        if (strcmp(id, s->model_name) != 0) {
+            struct kr_oai_error e;
+            kr_oai_error(&e, KR_OAI_MODEL_NOT_FOUND, "model", "The model `%.256s` does not exist; this server serves `%.256s`",
+                         id, s->model_name);
+            return send_error(h, &e);
+        }
+        return send_json_str(h, 200, kr_oai_model_json(s->model_name, s->started, s->rt.max_model_len));
+    }
+    if (route != KR_HTTP_ROUTE_NONE) {
         if (!s->ready || s->draining) {
             return send_simple_error(h, KR_OAI_UNAVAILABLE,
                                      s->device_failed ? "the compute device failed; the server is restarting"
@@ -740,6 +892,7 @@ static enum MHD_Result dispatch(struct hreq *h, const char *url, const char *met
         switch (h->route) {
         case KR_HTTP_ROUTE_COMPLETIONS:
         case KR_HTTP_ROUTE_CHAT:
+        case KR_HTTP_ROUTE_RESPONSES:
             return handle_generate(h);
         case KR_HTTP_ROUTE_MODELS: {
             char *j = kr_oai_models_json(s->model_name, s->started, s->rt.max_model_len);
@@ -748,6 +901,7 @@ static enum MHD_Result dispatch(struct hreq *h, const char *url, const char *met
         case KR_HTTP_ROUTE_TOKENIZE:
         case KR_HTTP_ROUTE_DETOKENIZE:
             return handle_generate(h); /* same worker hand-off */
+        case KR_HTTP_ROUTE_MODEL: /* answered above */
         case KR_HTTP_ROUTE_NONE:
             break;
         }
@@ -875,6 +1029,9 @@ static enum MHD_Result on_access(void *cls, struct MHD_Connection *conn, const c
         conn_watch(s);
         /* refusals that need no body are answered before a byte of it is read: a client without
          * the key, or one declaring a body over the limit, gets no buffer */
+        if (!strcmp(method, "OPTIONS")) {
+            return send_preflight(h);
+        }
         if (kr_http_guarded(url) && !authorized(h)) {
             return send_simple_error(h, KR_OAI_UNAUTHORIZED,
                                      "missing or invalid API key (send Authorization: Bearer <key>)");

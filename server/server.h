@@ -44,6 +44,15 @@ struct kr_serve_opts {
     double drain_timeout_s;        /* SIGTERM: finish in-flight requests for at most this long */
     int threads;                   /* CPU backend threads (0 = all) */
     const char *port_file;         /* when set, the bound port is written there once listening (tests) */
+    /* CORS (vLLM's --allowed-origins/-methods/-headers, --allow-credentials): a NULL list is ["*"],
+     * everything allowed, as vLLM's defaults; an empty one allows nothing; entries borrowed */
+    const char **cors_origins;     /* [n_cors_origins] exact origins ("https://app.example") or "*" */
+    int n_cors_origins;
+    const char **cors_methods;     /* [n_cors_methods] methods a preflight may ask for, or "*" */
+    int n_cors_methods;
+    const char **cors_headers;     /* [n_cors_headers] request headers a preflight may ask for, or "*" */
+    int n_cors_headers;
+    bool cors_credentials;         /* Access-Control-Allow-Credentials: true (the origin is then echoed) */
 };
 
 void kr_serve_opts_default(struct kr_serve_opts *o);

@@ -9,6 +9,7 @@
 #include "clock.h"
 #include "constrain.h"
 #include "log.h"
+#include "responses.h"
 #include "stops.h"
 #include "tokenizer.h"
 
@@ -71,7 +72,8 @@ struct choice {
 
 struct kr_sess {
     struct kr_sess_env *env;
-    enum kr_sess_kind kind;
+    enum kr_sess_kind kind;    /* KR_SESS_CHAT for a Responses request, with `resp` */
+    struct kr_resp *resp;      /* a Responses request: its translation both ways, or NULL */
     int refs;                  /* the transport (until kr_sess_release) + live subs */
     double t_arrival;
     /* preparation (a worker) */
@@ -173,6 +175,14 @@ struct kr_sess *kr_sess_create(struct kr_sess_env *env, enum kr_sess_kind kind, 
     }
     s->env = env;
     s->kind = kind;
+    if (kind == KR_SESS_RESPONSES) {
+        s->kind = KR_SESS_CHAT;
+        s->resp = kr_resp_create();
+        if (!s->resp) {
+            kr_free(s);
+            return NULL;
+        }
+    }
     s->refs = 1;
     s->t_arrival = t_arrival;
     return s;
@@ -234,6 +244,7 @@ static void sess_free(struct kr_sess *s)
         kr_oai_request_free(&s->o);
     }
     kr_grammar_free(s->grammar);
+    kr_resp_free(s->resp);
     const bool big = s->prep_peak > ((size_t)32 << 20);
     kr_free(s);
     if (big) {
@@ -325,6 +336,7 @@ static bool fill_token(const struct kr_sess_env *env, struct kr_oai_token *t, in
     t->bytes = (const unsigned char *)t->text;
     t->n_bytes = t->text_len;
     t->logprob = lp;
+    t->id = id;
     return text != NULL;
 }
 
@@ -426,6 +438,8 @@ static void stream_choice(struct kr_sess *s, struct choice *c)
     d.logprobs = c->lps ? c->lps + c->lp_sent : NULL;
     d.n_logprobs = c->lps ? c->n_ids - c->lp_sent : 0;
     d.finish_reason = final ? c->finish : NULL;
+    struct kr_oai_usage u = {.prompt_tokens = c->sub->n_prompt, .completion_tokens = c->n_ids};
+    d.usage = s->o.continuous_usage ? &u : NULL;
     /* completions logprobs text_offset continues from the code points already streamed */
     const int64_t off = (int64_t)(c->first_sent && echo_len == 0 ? kr_oai_utf8_count(c->text, c->sent) : 0) +
                         (int64_t)(c->first_sent && s->o.echo && c->sub->prompt_text
@@ -483,6 +497,8 @@ static void answer_result(struct kr_sess *s)
         struct kr_oai_completion c = {.id = s->id, .created = s->created, .model = env->model_name, .choices = cv,
                                       .n_choices = s->n_choices, .usage = u,
                                       .prompt_ids = s->subs[0].prompt, .n_prompt_ids = s->subs[0].n_prompt,
+                                      .prompt_logprobs = s->subs[0].plp,
+                                      .prompt_logprobs_out = s->o.sampling.prompt_logprobs >= 0,
                                       .return_token_ids = s->o.return_token_ids || !env->tok};
         json = kr_oai_chat_json(&c);
     } else {
@@ -493,7 +509,8 @@ static void answer_result(struct kr_sess *s)
             per[i] = (struct kr_oai_completion){.prompt_text = s->o.echo ? (sb->prompt_text ? sb->prompt_text : "") : NULL,
                                                 .prompt_text_len = s->o.echo ? sb->prompt_text_len : 0,
                                                 .prompt_ids = sb->prompt, .n_prompt_ids = sb->n_prompt,
-                                                .prompt_logprobs = s->o.echo ? sb->plp : NULL,
+                                                .prompt_logprobs = sb->plp,
+                                                .prompt_logprobs_out = s->o.sampling.prompt_logprobs >= 0,
                                                 .return_token_ids = s->o.return_token_ids || !env->tok};
         }
         if (per) {
@@ -588,10 +605,14 @@ static void on_engine_event(const struct kr_event *ev, void *user)
         n->plp = kr_malloc(np * sizeof(float));
         n->plp_ids = kr_malloc(np * (k ? k : 1) * sizeof(int32_t));
         n->plp_top = kr_malloc(np * (k ? k : 1) * sizeof(float));
-        if (!n->plp || !n->plp_ids || !n->plp_top) {
+        n->plp_rank = kr_calloc(np, sizeof(int32_t));
+        if (!n->plp || !n->plp_ids || !n->plp_top || !n->plp_rank) {
             atomic_store(&sb->lost, true);
         } else {
             memcpy(n->plp, ev->prompt_logprobs, np * sizeof(float));
+            if (ev->prompt_ranks) {
+                memcpy(n->plp_rank, ev->prompt_ranks, np * sizeof(int32_t));
+            }
             if (k) {
                 memcpy(n->plp_ids, ev->prompt_top_ids, np * k * sizeof(int32_t));
                 memcpy(n->plp_top, ev->prompt_top_logprobs, np * k * sizeof(float));
@@ -610,6 +631,7 @@ static void free_node(struct kr_sess_event *n)
     kr_free(n->plp);
     kr_free(n->plp_ids);
     kr_free(n->plp_top);
+    kr_free(n->plp_rank);
     kr_free(n);
 }
 
@@ -677,7 +699,7 @@ static bool sub_done(struct kr_sess *s, struct kr_sess_sub *sb)
 static void on_prompt_logprobs(struct kr_sess *s, struct kr_sess_sub *sb, const struct kr_sess_event *n)
 {
     const struct kr_event *ev = &n->ev;
-    if (!n->plp || !n->plp_ids || !n->plp_top || sb->plp) {
+    if (!n->plp || !n->plp_ids || !n->plp_top || !n->plp_rank || sb->plp) {
         return; /* a copy the engine thread could not make set sb->lost */
     }
     const int32_t k = ev->prompt_top_k;
@@ -695,12 +717,14 @@ static void on_prompt_logprobs(struct kr_sess *s, struct kr_sess_sub *sb, const 
     bool ok = true;
     for (int32_t i = 0; i < sb->n_prompt; i++) {
         ok &= fill_token(s->env, &sb->plp[i].tok, sb->prompt[i], n->plp[i]);
+        sb->plp[i].tok.rank = n->plp_rank[i];
         if (i > 0 && k > 0) {
             sb->plp[i].n_top = k;
             sb->plp[i].top = sb->plp_top + (size_t)i * (size_t)k;
             for (int32_t j = 0; j < k; j++) {
                 const size_t at = (size_t)i * (size_t)k + (size_t)j;
                 ok &= fill_token(s->env, &sb->plp_top[at], n->plp_ids[at], n->plp_top[at]);
+                sb->plp_top[at].rank = j + 1;
             }
         }
     }
@@ -1274,6 +1298,27 @@ static enum kr_status prepare_detokenize(struct kr_sess *s, const char *body, si
     return prep_json(s, out);
 }
 
+/* A Responses body: translated into a chat body, prepared as one; errors name the Responses fields. */
+static enum kr_status prepare_responses(struct kr_sess *s, const char *body, size_t len)
+{
+    struct kr_oai_error e;
+    char *chat = NULL;
+    size_t chat_len = 0;
+    enum kr_status st = kr_resp_request(s->resp, body, len, &chat, &chat_len, &e);
+    if (st == KR_ERR_NOMEM) {
+        return prep_oom(s);
+    }
+    if (st != KR_OK) {
+        return prep_fail(s, &e);
+    }
+    st = prepare_generation(s, chat, chat_len);
+    kr_oai_free(chat);
+    if (st != KR_OK && s->prep_failed) {
+        kr_resp_error_param(s->resp, &s->err);
+    }
+    return st;
+}
+
 static enum kr_status prepare(struct kr_sess *s, const char *body, size_t len)
 {
     switch (s->kind) {
@@ -1283,7 +1328,11 @@ static enum kr_status prepare(struct kr_sess *s, const char *body, size_t len)
         return prepare_detokenize(s, body, len);
     case KR_SESS_COMPLETIONS:
     case KR_SESS_CHAT:
+    case KR_SESS_RESPONSES:
         break;
+    }
+    if (s->resp) {
+        return prepare_responses(s, body, len);
     }
     return prepare_generation(s, body, len);
 }
@@ -1416,6 +1465,10 @@ void kr_sess_start(struct kr_sess *s, const struct kr_sess_sink *sink, void *use
     s->started = true;
     s->sink = sink;
     s->user = user;
+    if (s->resp) {
+        s->sink = kr_resp_sink(s->resp, sink, user); /* the answer in the Responses shape */
+        s->user = s->resp;
+    }
     if (s->prep_failed || s->kind == KR_SESS_TOKENIZE || s->kind == KR_SESS_DETOKENIZE) {
         answer(s);
         return;

@@ -38,6 +38,7 @@ enum kr_sess_kind {
     KR_SESS_CHAT,            /* POST /v1/chat/completions */
     KR_SESS_TOKENIZE,        /* POST /tokenize */
     KR_SESS_DETOKENIZE,      /* POST /detokenize */
+    KR_SESS_RESPONSES,       /* POST /v1/responses: a chat request under another shape (responses.h) */
 };
 
 /* The engine as a session uses it: kr_engine_submit, kr_engine_cancel, kr_engine_cancel_choice and
@@ -66,6 +67,7 @@ struct kr_sess_event {
     float *plp;      /* [n_prompt] (KR_EVENT_PROMPT_LOGPROBS) */
     int32_t *plp_ids; /* [n_prompt * k] */
     float *plp_top;  /* [n_prompt * k] */
+    int32_t *plp_rank; /* [n_prompt] */
     char msg[512];   /* KR_EVENT_ERROR's message */
 };
 
@@ -106,7 +108,11 @@ struct kr_sess_sink {
     /* One event of the stream: its data, a JSON object (the transport frames it). Returns false
      * when it could not be taken (out of memory); the session sends that text again later. */
     bool (*stream_event)(void *user, const char *json, size_t len);
-    /* The end. After stream_begin: the stream is over (body NULL; the transport ends it): status
+    /* Optional: the same, for a named event (SSE "event: <name>" before its data), as the Responses
+     * API's streams have; NULL: such events go to stream_event unnamed. */
+    bool (*stream_event_named)(void *user, const char *name, const char *json, size_t len);
+    /* The end. After stream_begin: the stream is over (body NULL; the transport ends it with
+     * "data: [DONE]", or with nothing when body is "", as a Responses stream ends): status
      * 200, or 500 when its last event, an error, could not be taken (out of memory): the transport
      * then sends an out-of-memory error event of its own before the end. Otherwise: the whole answer with its HTTP status (an OpenAI error object from 400 up);
      * body NULL means that building it ran out of memory (the transport answers 500). The body is

@@ -1258,6 +1258,44 @@ Test(openai, echo_with_logprobs_puts_the_prompt_first)
     free(s);
 }
 
+Test(openai, echo_offsets_skip_a_bos_the_text_does_not_hold_and_never_decrease)
+{
+    /* prompt "Hi there" tokenized with a BOS the echoed text does not show; generated "36" then "4"
+     * cut by a stop string ("4"), then an end-of-sequence token: the text is "Hi there36" */
+    static const char bos[] = "<\xef\xbd\x9c" "begin\xe2\x96\x81of\xe2\x96\x81sentence\xef\xbd\x9c>";
+    struct kr_oai_logprob plp[3] = {{.tok = tok(bos, NAN)}, {.tok = tok("Hi", -1.0f)}, {.tok = tok(" there", -2.0f)}};
+    struct kr_oai_logprob glp[3] = {{.tok = tok("36", -1.0f)}, {.tok = tok("4", -1.0f)}, {.tok = tok("</s>", -1.0f)}};
+    int32_t pids[3] = {0, 5, 6};
+    struct kr_oai_choice ch = {.text = "36", .text_len = 2, .logprobs = glp, .n_logprobs = 3,
+                               .finish_reason = "stop", .stop_reason_id = -1};
+    struct kr_oai_completion c = {.id = "c", .model = "m", .choices = &ch, .n_choices = 1,
+                                  .prompt_text = "Hi there", .prompt_text_len = 8,
+                                  .prompt_ids = pids, .n_prompt_ids = 3, .prompt_logprobs = plp};
+    char *s = kr_oai_completion_json(&c);
+    json_t *j = load(s);
+    cr_expect_str_eq(jgets(j, "choices.0.text"), "Hi there36");
+    static const int want[] = {0, 0, 2, 8, 10, 10};
+    for (int i = 0; i < 6; i++) {
+        char path[64];
+        snprintf(path, sizeof path, "choices.0.logprobs.text_offset.%d", i);
+        cr_expect_eq(jgeti(j, path), want[i], "text_offset[%d] is %lld, expected %d", i, (long long)jgeti(j, path),
+                     want[i]);
+    }
+    json_decref(j);
+    free(s);
+    /* a character split over two tokens: the next whole token still lands on its own code point */
+    struct kr_oai_logprob split[3] = {{.tok = tok("\xc3", -1.0f)}, {.tok = tok("\xa9", -1.0f)}, {.tok = tok("x", -1.0f)}};
+    struct kr_oai_choice ch2 = {.text = "\xc3\xa9x", .text_len = 3, .logprobs = split, .n_logprobs = 3,
+                                .finish_reason = "length", .stop_reason_id = -1};
+    struct kr_oai_completion c2 = {.id = "c", .model = "m", .choices = &ch2, .n_choices = 1};
+    s = kr_oai_completion_json(&c2);
+    j = load(s);
+    cr_expect_eq(jgeti(j, "choices.0.logprobs.text_offset.0"), 0);
+    cr_expect_eq(jgeti(j, "choices.0.logprobs.text_offset.2"), 1, "\"x\" is the text's second code point");
+    json_decref(j);
+    free(s);
+}
+
 Test(openai, echo_offsets_count_code_points_of_the_prompt)
 {
     /* the prompt "ü" (1 code point) decodes from a BOS-less token list; the generated token follows */
@@ -1740,6 +1778,95 @@ Test(openai, unsupported_fields_are_refused_by_name)
     bad_with(KR_OAI_COMPLETIONS, "\"suffix\":3", "suffix");
     bad_with(KR_OAI_COMPLETIONS, "\"best_of\":3", "best_of");
     bad_with(KR_OAI_COMPLETIONS, "\"best_of\":0", "best_of");
+}
+
+/* Fields of OpenAI's or vLLM's API that krait does not implement: their defaults (asking for
+ * nothing) pass, anything more is a 400 naming the field. */
+Test(openai, unimplemented_fields_asking_for_something_are_refused_by_name)
+{
+    struct kr_oai_request r;
+    ok_with(KR_OAI_CHAT,
+            "\"modalities\":[\"text\"],\"store\":false,\"use_beam_search\":false,\"length_penalty\":1.0,"
+            "\"include_stop_str_in_output\":false,\"bad_words\":[],\"priority\":0,\"echo\":false,"
+            "\"service_tier\":null,\"reasoning_effort\":null,\"audio\":null",
+            &r);
+    kr_oai_request_free(&r);
+    ok_with(KR_OAI_COMPLETIONS, "\"echo\":true,\"chat_template\":\"x\"", &r); /* chat-only fields */
+    kr_oai_request_free(&r);
+    static const char *const refused[][2] = {
+        {"\"service_tier\":\"auto\"", "service_tier"},
+        {"\"service_tier\":\"default\"", "service_tier"},
+        {"\"service_tier\":\"flex\"", "service_tier"},
+        {"\"reasoning_effort\":\"low\"", "reasoning_effort"},
+        {"\"modalities\":[\"text\",\"audio\"]", "modalities"},
+        {"\"modalities\":\"audio\"", "modalities"},
+        {"\"audio\":{\"voice\":\"alloy\",\"format\":\"wav\"}", "audio"},
+        {"\"prediction\":{\"type\":\"content\",\"content\":\"x\"}", "prediction"},
+        {"\"web_search_options\":{}", "web_search_options"},
+        {"\"store\":true", "store"},
+        {"\"use_beam_search\":true", "use_beam_search"},
+        {"\"length_penalty\":0.5", "length_penalty"},
+        {"\"include_stop_str_in_output\":true", "include_stop_str_in_output"},
+        {"\"truncate_prompt_tokens\":5", "truncate_prompt_tokens"},
+        {"\"allowed_token_ids\":[1,2]", "allowed_token_ids"},
+        {"\"bad_words\":[\"x\"]", "bad_words"},
+        {"\"logits_processors\":[\"m.P\"]", "logits_processors"},
+        {"\"priority\":1", "priority"},
+        {"\"kv_transfer_params\":{}", "kv_transfer_params"},
+    };
+    for (size_t i = 0; i < sizeof refused / sizeof refused[0]; i++) {
+        bad_with(KR_OAI_CHAT, refused[i][0], refused[i][1]);
+        bad_with(KR_OAI_COMPLETIONS, refused[i][0], refused[i][1]);
+    }
+    bad_with(KR_OAI_CHAT, "\"echo\":true", "echo");
+    bad_with(KR_OAI_CHAT, "\"chat_template\":\"{{ x }}\"", "chat_template");
+    bad_with(KR_OAI_COMPLETIONS, "\"prompt_embeds\":\"AAAA\"", "prompt_embeds");
+}
+
+Test(openai, continuous_usage_stats_needs_include_usage_and_puts_usage_on_chunks)
+{
+    struct kr_oai_request r;
+    ok_with(KR_OAI_CHAT, "\"stream\":true,\"stream_options\":{\"include_usage\":true,\"continuous_usage_stats\":true}",
+            &r);
+    cr_expect(r.include_usage && r.continuous_usage);
+    kr_oai_request_free(&r);
+    ok_with(KR_OAI_CHAT, "\"stream\":true,\"stream_options\":{\"continuous_usage_stats\":true}", &r);
+    cr_expect(!r.continuous_usage, "as vLLM: without include_usage no chunk carries usage");
+    kr_oai_request_free(&r);
+    bad_with(KR_OAI_CHAT, "\"stream\":true,\"stream_options\":{\"continuous_usage_stats\":1}",
+             "stream_options.continuous_usage_stats");
+    const struct kr_oai_usage u = {.prompt_tokens = 7, .completion_tokens = 2};
+    struct kr_oai_choice d = {.text = "ab", .text_len = 2, .stop_reason_id = -1, .usage = &u};
+    char *s = kr_oai_chat_chunk("c", 1, "m", &d, false);
+    json_t *j = load_sse(s);
+    cr_expect_eq(jgeti(j, "usage.prompt_tokens"), 7);
+    cr_expect_eq(jgeti(j, "usage.completion_tokens"), 2);
+    cr_expect_eq(jgeti(j, "usage.total_tokens"), 9);
+    json_decref(j);
+    free(s);
+    s = kr_oai_completion_chunk("c", 1, "m", &d);
+    j = load_sse(s);
+    cr_expect_eq(jgeti(j, "usage.total_tokens"), 9);
+    json_decref(j);
+    free(s);
+    d.usage = NULL;
+    s = kr_oai_chat_chunk("c", 1, "m", &d, false);
+    j = load_sse(s);
+    cr_expect_null(json_object_get(j, "usage"), "no usage unless asked");
+    json_decref(j);
+    free(s);
+}
+
+Test(openai, a_model_object_is_the_lists_entry)
+{
+    char *a = kr_oai_models_json("tiny", 5, 4096), *b = kr_oai_model_json("tiny", 5, 4096);
+    json_t *ja = load(a), *jb = load(b);
+    cr_expect(json_equal(json_array_get(json_object_get(ja, "data"), 0), jb));
+    cr_expect_str_eq(jgets(jb, "object"), "model");
+    json_decref(ja);
+    json_decref(jb);
+    free(a);
+    free(b);
 }
 
 /* Builds `{<head>[<item>,<item>,...]<tail>}` with n items (kr_malloc'd by nothing: plain malloc). */

@@ -2,7 +2,8 @@
  * (server/http-util.c, called by server/server.c): the API key check on the Authorization
  * header, which routes it guards, the declared Content-Length against the body limit, the route
  * and method table, and the framing of server-sent events. The input is lines ("\n"):
- *   url, method, Authorization value, Content-Length value, then the stream's events, one a line;
+ *   url, method, Authorization value, Content-Length value, then the stream's events, one a line
+ *   (a tab splits a named event, as the Responses API sends them: name before it, data after);
  * each byte of the last line (when there are events) is the size of one read of the stream (0: 1).
  * Every decision is checked against a reference written here from the documented behaviour
  * (README "Endpoints", docs/RELIABILITY.md "Refusals before the body"), and the stream, read in
@@ -52,11 +53,17 @@ static void check_route(const char *url, const char *method)
         enum kr_http_route r;
     } api[] = {
         {"/v1/completions", "POST", KR_HTTP_ROUTE_COMPLETIONS}, {"/v1/chat/completions", "POST", KR_HTTP_ROUTE_CHAT},
-        {"/v1/models", "GET", KR_HTTP_ROUTE_MODELS},           {"/tokenize", "POST", KR_HTTP_ROUTE_TOKENIZE},
-        {"/detokenize", "POST", KR_HTTP_ROUTE_DETOKENIZE},
+        {"/v1/responses", "POST", KR_HTTP_ROUTE_RESPONSES},     {"/v1/models", "GET", KR_HTTP_ROUTE_MODELS},
+        {"/tokenize", "POST", KR_HTTP_ROUTE_TOKENIZE},          {"/detokenize", "POST", KR_HTTP_ROUTE_DETOKENIZE},
     };
     const char *allow = "unset";
     const enum kr_http_route r = kr_http_route_find(url, method, &allow);
+    if (!strncmp(url, "/v1/models/", 11)) { /* GET /v1/models/{id}, any id */
+        KR_FUZZ_CHECK(r == KR_HTTP_ROUTE_MODEL, "%s routed to %d", url, (int)r);
+        KR_FUZZ_CHECK(!strcmp(method, "GET") ? allow == NULL : allow && !strcmp(allow, "GET"), "%s %s: Allow %s",
+                      method, url, allow ? allow : "(none)");
+        return;
+    }
     for (size_t i = 0; i < sizeof api / sizeof api[0]; i++) {
         if (!strcmp(url, api[i].url)) {
             KR_FUZZ_CHECK(r == api[i].r, "%s routed to %d", url, (int)r);
@@ -96,20 +103,36 @@ static void check_content_length(const char *v)
 
 /* Streams the events through the SSE buffer, read back in pieces of the given sizes as the server's
  * reader does (the buffer is emptied when read to its end), and compares with the framing. */
-static void check_sse(char *const *events, const size_t *lens, size_t n_events, const uint8_t *reads, size_t n_reads)
+static void check_sse(char **events, const size_t *lens, size_t n_events, const uint8_t *reads, size_t n_reads)
 {
-    size_t want_len = 0;
+    /* a tab splits a named event: name before it, data after */
+    const char *names[MAX_LINES], *datas[MAX_LINES];
+    size_t dlens[MAX_LINES], want_len = 0;
     for (size_t i = 0; i < n_events; i++) {
-        want_len += lens[i] + 8;
+        const char *tab = memchr(events[i], '\t', lens[i]);
+        names[i] = tab ? events[i] : NULL;
+        if (tab) {
+            events[i][tab - events[i]] = '\0'; /* the name ends there (it may hold NUL bytes earlier) */
+        }
+        datas[i] = tab ? tab + 1 : events[i];
+        dlens[i] = tab ? lens[i] - (size_t)(tab + 1 - events[i]) : lens[i];
+        want_len += (names[i] ? strlen(names[i]) + 8 : 0) + dlens[i] + 8;
     }
     char *want = kr_malloc(want_len + 1), *got = kr_malloc(want_len + 1);
     KR_FUZZ_CHECK(want && got, "out of memory");
     size_t w = 0;
     for (size_t i = 0; i < n_events; i++) {
+        if (names[i]) {
+            const size_t nl = strlen(names[i]);
+            memcpy(want + w, "event: ", 7);
+            memcpy(want + w + 7, names[i], nl);
+            want[w + 7 + nl] = '\n';
+            w += nl + 8;
+        }
         memcpy(want + w, "data: ", 6);
-        memcpy(want + w + 6, events[i], lens[i]);
-        memcpy(want + w + 6 + lens[i], "\n\n", 2);
-        w += lens[i] + 8;
+        memcpy(want + w + 6, datas[i], dlens[i]);
+        memcpy(want + w + 6 + dlens[i], "\n\n", 2);
+        w += dlens[i] + 8;
     }
     char *out = NULL;
     size_t out_len = 0, out_cap = 0, out_off = 0, g = 0, r = 0;
@@ -123,7 +146,7 @@ static void check_sse(char *const *events, const size_t *lens, size_t n_events, 
             out_off = out_len = 0;
         }
         if (i < n_events) {
-            KR_FUZZ_CHECK(kr_http_sse_append(&out, &out_len, &out_cap, events[i], lens[i]), "out of memory");
+            KR_FUZZ_CHECK(kr_http_sse_append(&out, &out_len, &out_cap, names[i], datas[i], dlens[i]), "out of memory");
             KR_FUZZ_CHECK(out[out_len] == '\0', "not NUL-terminated");
         }
     }

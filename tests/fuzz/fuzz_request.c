@@ -1,6 +1,7 @@
 /* Fuzz harness: a request body as the server prepares it (server/session.c kr_sess_prepare, which
  * parses it with api/openai-parse.c kr_oai_parse and validates every field), for each endpoint
- * that takes one: POST /v1/completions, /v1/chat/completions, /tokenize and /detokenize. The
+ * that takes one: POST /v1/completions, /v1/chat/completions, /v1/responses, /tokenize and
+ * /detokenize. The
  * environment is the default model's (models/tiny-hybrid: its tokenizer, chat template and
  * vocabulary for constrained decoding), loaded once; jansson allocates through kr_malloc as in
  * krait, and each preparation runs under a 64 MiB request-memory limit. A prepared request is
@@ -106,7 +107,14 @@ static void sink_done(void *user, int status, const char *body, size_t len)
     json_decref(j);
 }
 
-static const struct kr_sess_sink k_sink = {.stream_begin = sink_begin, .stream_event = sink_event, .done = sink_done};
+static bool sink_event_named(void *user, const char *name, const char *json, size_t len)
+{
+    (void)name;
+    return sink_event(user, json, len);
+}
+
+static const struct kr_sess_sink k_sink = {
+    .stream_begin = sink_begin, .stream_event = sink_event, .stream_event_named = sink_event_named, .done = sink_done};
 
 /* ---- the harness ---------------------------------------------------------------------------------- */
 
@@ -149,7 +157,7 @@ int LLVMFuzzerInitialize(int *argc, char ***argv)
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
-    static const enum kr_sess_kind kinds[] = {KR_SESS_COMPLETIONS, KR_SESS_CHAT, KR_SESS_TOKENIZE,
+    static const enum kr_sess_kind kinds[] = {KR_SESS_COMPLETIONS, KR_SESS_CHAT, KR_SESS_RESPONSES, KR_SESS_TOKENIZE,
                                               KR_SESS_DETOKENIZE};
     /* a cache per input: compiled constraints must not carry over from one input to the next */
     KR_FUZZ_CHECK(kr_grammar_cache_create(1, &g_env.grammars) == KR_OK, "out of memory");

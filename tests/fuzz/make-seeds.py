@@ -155,6 +155,11 @@ requests = [
     {"model": MODEL, "prompt": [[1, 2], [3, 4]], "best_of": 2, "n": 2},
     {"model": MODEL, "prompt": "x", "guided_choice": ["a", "b"], "temperature": 0},
     {"prompt": "no model", "stop": "\n\n"},
+    # responses.create (the Responses API)
+    {"model": MODEL, "input": "Hello", "instructions": "Be brief", "max_output_tokens": 16},
+    {"model": MODEL, "input": [{"role": "user", "content": [{"type": "input_text", "text": "Hi"}]}], "stream": True,
+     "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}],
+     "text": {"format": {"type": "json_schema", "name": "p", "schema": schema}}},
     # /tokenize and /detokenize
     {"prompt": "Hello world", "add_special_tokens": True, "return_token_strs": True},
     {"messages": msgs, "add_generation_prompt": True},
@@ -175,7 +180,9 @@ for url, method, auth, clen in [("/v1/chat/completions", "POST", "Bearer sk-test
                                 ("/tokenize", "POST", "BEARER Bearer x", "33554432"),
                                 ("/detokenize", "PUT", "Bearer ", "-1"), ("/health", "GET", "Bearer k", "+12"),
                                 ("/metrics", "HEAD", "Bearer sk-test-012345678", " 7"),
-                                ("/v1/chat/completions?x=1", "POST", "Bearer k2 ", "12abc")]:
+                                ("/v1/chat/completions?x=1", "POST", "Bearer k2 ", "12abc"),
+                                ("/v1/responses", "POST", "Bearer k2", "10"), ("/v1/models/tiny-hybrid", "GET", "", ""),
+                                ("/v1/models/", "DELETE", "Bearer k2", "")]:
     put("http", "\n".join([url, method, auth, clen]))
 put("http", "\n".join(["/v1/chat/completions", "POST", "Bearer k2", "64", chunk, '{"choices":[]}',
                        "data: [DONE]", "\x01\x07\x10\xff"]))

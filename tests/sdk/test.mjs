@@ -49,6 +49,13 @@ try {
     const page = await client.models.list();
     assert.equal(page.data[0].id, "tiny");
   });
+  await check("models.retrieve", async () => {
+    const m = await client.models.retrieve("tiny");
+    assert.equal(m.id, "tiny");
+    assert.equal(m.object, "model");
+    await assert.rejects(client.models.retrieve("nope"),
+      (e) => e instanceof OpenAI.NotFoundError && e.status === 404 && /nope/.test(e.message));
+  });
   await check("completions.create", async () => {
     const r = await client.completions.create({ model: "tiny", prompt: "Hello", max_tokens: 5, temperature: 0 });
     assert.equal(r.object, "text_completion");
@@ -72,6 +79,18 @@ try {
     assert.equal(r.choices[0].message.role, "assistant");
     assert.equal(r.choices[0].logprobs.content.length, 4);
     assert.equal(r.choices[0].logprobs.content[0].top_logprobs.length, 2);
+  });
+  await check("developer messages reach the prompt", async () => {
+    const ask = (messages) => client.chat.completions.create({
+      model: "tiny", messages, max_tokens: 1, temperature: 0, return_token_ids: true,
+    });
+    const user = { role: "user", content: "Hi" };
+    const dev = await ask([{ role: "developer", content: "Answer in French." }, user]);
+    const sys = await ask([{ role: "system", content: "Answer in French." }, user]);
+    const none = await ask([user]);
+    // DeepSeek-V3's template has no developer role: the message is the system prompt
+    assert.deepEqual(dev.prompt_token_ids, sys.prompt_token_ids);
+    assert.ok(dev.usage.prompt_tokens > none.usage.prompt_tokens, "the developer message was dropped");
   });
   await check("chat streaming with usage", async () => {
     const full = await client.chat.completions.create({
@@ -153,6 +172,135 @@ try {
   await check("AuthenticationError without the key", async () => {
     const bad = new OpenAI({ baseURL, apiKey: "wrong", maxRetries: 0 });
     await assert.rejects(bad.models.list(), (e) => e instanceof OpenAI.AuthenticationError && e.status === 401);
+  });
+  // The Responses API: stateless, over the same engine as chat
+  await check("responses.create", async () => {
+    const r = await client.responses.create({ model: "tiny", input: "Hello", instructions: "Be brief",
+      max_output_tokens: 6, temperature: 0, store: false });
+    assert.equal(r.object, "response");
+    assert.equal(r.status, "incomplete"); // a random model writes until max_output_tokens
+    assert.equal(r.incomplete_details.reason, "max_output_tokens");
+    assert.equal(r.output[0].type, "message");
+    assert.equal(typeof r.output_text, "string");
+    assert.ok(r.output_text.length > 0);
+    assert.equal(r.usage.output_tokens, 6);
+    assert.equal(r.usage.total_tokens, r.usage.input_tokens + 6);
+    assert.equal(r.instructions, "Be brief");
+    // the same conversation through chat completions: the same prompt and the same greedy text
+    const c = await client.chat.completions.create({ model: "tiny", max_tokens: 6, temperature: 0,
+      messages: [{ role: "system", content: "Be brief" }, { role: "user", content: "Hello" }] });
+    assert.equal(r.usage.input_tokens, c.usage.prompt_tokens);
+    assert.equal(r.output_text, c.choices[0].message.content);
+  });
+  await check("responses streamed: the SDK's assembly equals the whole response", async () => {
+    // a schema the random model completes within the budget, so that the stream ends in response.completed
+    const req = { model: "tiny", input: [{ role: "user", content: [{ type: "input_text", text: "Yes or no?" }] }],
+      max_output_tokens: 40, temperature: 1, seed: 7,
+      text: { format: { type: "json_schema", name: "answer", strict: true,
+        schema: { type: "object", properties: { answer: { type: "string", enum: ["yes", "no", "maybe not"] } },
+          required: ["answer"], additionalProperties: false } } } };
+    const whole = await client.responses.create(req);
+    assert.equal(whole.status, "completed");
+    const stream = client.responses.stream(req);
+    let deltas = "", last = -1;
+    const types = [];
+    for await (const ev of stream) {
+      assert.equal(ev.sequence_number, last + 1, "sequence numbers count up from 0");
+      last = ev.sequence_number;
+      types.push(ev.type);
+      if (ev.type === "response.output_text.delta") deltas += ev.delta;
+    }
+    const fin = await stream.finalResponse();
+    assert.deepEqual(types.slice(0, 4), ["response.created", "response.in_progress", "response.output_item.added",
+      "response.content_part.added"]);
+    assert.deepEqual(types.slice(-4), ["response.output_text.done", "response.content_part.done",
+      "response.output_item.done", "response.completed"]);
+    assert.equal(deltas, whole.output_text);
+    // (this SDK adds output_text to a streamed response only when it parses it: read the item)
+    assert.equal(fin.output[0].content[0].text, whole.output_text);
+    assert.deepEqual(fin.usage, whole.usage);
+    assert.equal(fin.status, "completed");
+    assert.ok(["yes", "no", "maybe not"].includes(JSON.parse(whole.output_text).answer));
+  });
+  await check("responses streamed to max_output_tokens ends in response.incomplete", async () => {
+    const stream = await client.responses.create({ model: "tiny", input: "Hi", max_output_tokens: 5, temperature: 0,
+      stream: true });
+    const types = [];
+    let text = "", final = null;
+    for await (const ev of stream) {
+      types.push(ev.type);
+      if (ev.type === "response.output_text.delta") text += ev.delta;
+      if (ev.type === "response.incomplete") final = ev.response;
+    }
+    assert.equal(types[types.length - 1], "response.incomplete");
+    assert.equal(final.incomplete_details.reason, "max_output_tokens");
+    assert.equal(final.output[0].content[0].text, text);
+    assert.equal(final.usage.output_tokens, 5);
+  });
+  await check("responses.parse with a zod text format", async () => {
+    const { zodTextFormat } = await import("openai/helpers/zod");
+    const Pet = z.object({ kind: z.enum(["cat", "dog"]), legs: z.number().int().min(0).max(4) });
+    let parsed = 0;
+    for (let seed = 1; seed <= 6 && parsed < 2; seed++) {
+      const r = await client.responses.parse({ model: "tiny", input: "A pet, as JSON.", max_output_tokens: 100,
+        temperature: 1, seed, text: { format: zodTextFormat(Pet, "pet") } });
+      if (r.status !== "completed") continue;
+      assert.deepEqual(Pet.parse(JSON.parse(r.output_text)), r.output_parsed);
+      parsed++;
+    }
+    assert.ok(parsed > 0, "no seed gave a complete answer");
+  });
+  await check("responses: store is refused by name", async () => {
+    await assert.rejects(client.responses.create({ model: "tiny", input: "x", store: true }),
+      (e) => e instanceof OpenAI.BadRequestError && e.param === "store");
+    await assert.rejects(client.responses.create({ model: "tiny", input: "x", previous_response_id: "resp_1" }),
+      (e) => e instanceof OpenAI.BadRequestError && e.param === "previous_response_id");
+    await assert.rejects(client.responses.create({ model: "tiny", input: "x", max_output_tokens: 0 }),
+      (e) => e instanceof OpenAI.BadRequestError && e.param === "max_output_tokens");
+  });
+  await check("responses: input items become the chat conversation they stand for", async () => {
+    const tools = [{ type: "function", name: "get_weather", description: "Weather of a city",
+      parameters: { type: "object", properties: { city: { type: "string" } }, required: ["city"] } }];
+    const r = await client.responses.create({ model: "tiny", max_output_tokens: 3, temperature: 0, tools,
+      tool_choice: "none", instructions: "Answer briefly.",
+      input: [
+        { role: "user", content: [{ type: "input_text", text: "Weather in Paris?" }] },
+        { type: "function_call", call_id: "call_1", name: "get_weather", arguments: "{\"city\":\"Paris\"}" },
+        { type: "function_call_output", call_id: "call_1", output: "sunny" },
+        { type: "message", role: "developer", content: "Use Celsius." },
+      ] });
+    const c = await client.chat.completions.create({ model: "tiny", max_tokens: 3, temperature: 0, tool_choice: "none",
+      tools: tools.map(({ type, ...f }) => ({ type, function: f })),
+      messages: [
+        { role: "system", content: "Answer briefly." },
+        { role: "user", content: "Weather in Paris?" },
+        { role: "assistant", content: null, tool_calls: [{ id: "call_1", type: "function",
+          function: { name: "get_weather", arguments: "{\"city\":\"Paris\"}" } }] },
+        { role: "tool", tool_call_id: "call_1", content: "sunny" },
+        { role: "developer", content: "Use Celsius." },
+      ] });
+    assert.equal(r.usage.input_tokens, c.usage.prompt_tokens);
+    assert.equal(r.output_text, c.choices[0].message.content);
+    assert.deepEqual(r.tools, tools);
+  });
+  await check("responses: what is not implemented is refused by name", async () => {
+    const cases = [
+      [{ tools: [{ type: "web_search" }] }, "tools[0]"],
+      [{ input: [{ role: "user", content: [{ type: "input_image", image_url: "http://x/y.png" }] }] }, "input[0].content[0]"],
+      [{ input: [{ type: "reasoning", id: "rs_1", summary: [] }] }, "input[0]"],
+      [{ include: ["file_search_call.results"] }, "include[0]"],
+      [{ background: true }, "background"],
+      [{ conversation: "conv_1" }, "conversation"],
+      [{ reasoning: { effort: "high" } }, "reasoning"],
+      [{ truncation: "auto" }, "truncation"],
+      [{ text: { format: { type: "grammar" } } }, "text.format.type"],
+      [{ tool_choice: { type: "file_search" } }, "tool_choice"],
+      [{ top_logprobs: 21 }, "top_logprobs"],
+    ];
+    for (const [extra, param] of cases) {
+      await assert.rejects(client.responses.create({ model: "tiny", input: "x", max_output_tokens: 2, ...extra }),
+        (e) => e instanceof OpenAI.BadRequestError && e.param === param, JSON.stringify(extra));
+    }
   });
 } catch (e) {
   failed++;

@@ -146,6 +146,8 @@ struct hdrs {
     char retry_after[32];
     char content_type[128];
     char allow[64];
+    char all[4096];
+    size_t all_len;
 };
 
 static size_t on_header(char *ptr, size_t size, size_t nmemb, void *ud)
@@ -157,6 +159,13 @@ static size_t on_header(char *ptr, size_t size, size_t nmemb, void *ud)
     memcpy(line, ptr, l);
     line[l] = 0;
     line[strcspn(line, "\r\n")] = 0;
+    const size_t ll = strlen(line);
+    if (ll && h->all_len + ll + 2 <= sizeof h->all) {
+        memcpy(h->all + h->all_len, line, ll);
+        h->all_len += ll;
+        h->all[h->all_len++] = '\n';
+        h->all[h->all_len] = 0;
+    }
     if (!strncasecmp(line, "Retry-After: ", 13)) {
         snprintf(h->retry_after, sizeof h->retry_after, "%.31s", line + 13);
     } else if (!strncasecmp(line, "Allow: ", 7)) {
@@ -167,8 +176,8 @@ static size_t on_header(char *ptr, size_t size, size_t nmemb, void *ud)
     return n;
 }
 
-static long perform(const struct srv_proc *p, const char *method, const char *path, const char *body, const char *auth,
-                    struct buf *b, struct hdrs *h)
+static long perform_with(const struct srv_proc *p, const char *method, const char *path, const char *body,
+                         const char *auth, const char *const *extra, struct buf *b, struct hdrs *h)
 {
     CURL *c = curl_easy_init();
     cr_assert(c);
@@ -186,6 +195,9 @@ static long perform(const struct srv_proc *p, const char *method, const char *pa
     if (auth) {
         snprintf(ah, sizeof ah, "Authorization: Bearer %s", auth);
         hl = curl_slist_append(hl, ah);
+    }
+    for (size_t i = 0; extra && extra[i]; i++) {
+        hl = curl_slist_append(hl, extra[i]);
     }
     curl_easy_setopt(c, CURLOPT_HTTPHEADER, hl);
     if (body) {
@@ -209,17 +221,50 @@ static long perform(const struct srv_proc *p, const char *method, const char *pa
     return status;
 }
 
-void http(const struct srv_proc *p, const char *method, const char *path, const char *body, const char *auth,
-          struct http_res *out)
+static long perform(const struct srv_proc *p, const char *method, const char *path, const char *body, const char *auth,
+                    struct buf *b, struct hdrs *h)
+{
+    return perform_with(p, method, path, body, auth, NULL, b, h);
+}
+
+static void http_any(const struct srv_proc *p, const char *method, const char *path, const char *body, const char *auth,
+                     const char *const *extra, struct http_res *out)
 {
     struct buf b = {0};
-    struct hdrs h = {{0}, {0}, {0}};
-    out->status = perform(p, method, path, body, auth, &b, &h);
+    struct hdrs h;
+    memset(&h, 0, sizeof h);
+    out->status = perform_with(p, method, path, body, auth, extra, &b, &h);
+    memcpy(out->headers, h.all, sizeof out->headers);
     out->body = b.p;
     out->len = b.len;
     memcpy(out->retry_after, h.retry_after, sizeof out->retry_after);
     memcpy(out->allow, h.allow, sizeof out->allow);
     memcpy(out->content_type, h.content_type, sizeof out->content_type);
+}
+
+void http(const struct srv_proc *p, const char *method, const char *path, const char *body, const char *auth,
+          struct http_res *out)
+{
+    http_any(p, method, path, body, auth, NULL, out);
+}
+
+void http_with(const struct srv_proc *p, const char *method, const char *path, const char *body,
+               const char *const *headers, struct http_res *out)
+{
+    http_any(p, method, path, body, NULL, headers, out);
+}
+
+const char *http_header(const struct http_res *r, const char *name, char *buf, size_t cap)
+{
+    const size_t n = strlen(name);
+    for (const char *l = r->headers; *l; l = strchr(l, '\n') + 1) {
+        if (!strncasecmp(l, name, n) && l[n] == ':') {
+            const char *v = l + n + 1 + strspn(l + n + 1, " ");
+            snprintf(buf, cap, "%.*s", (int)strcspn(v, "\n"), v);
+            return buf;
+        }
+    }
+    return NULL;
 }
 
 void http_free(struct http_res *r)
@@ -243,7 +288,8 @@ json_t *post_json(const struct srv_proc *p, const char *path, const char *body, 
 char *post_stream(const struct srv_proc *p, const char *path, const char *body, size_t abort_after, long *status)
 {
     struct buf b = {.abort_after = abort_after};
-    struct hdrs h = {{0}, {0}, {0}};
+    struct hdrs h;
+    memset(&h, 0, sizeof h);
     *status = perform(p, "POST", path, body, NULL, &b, &h);
     return b.p;
 }

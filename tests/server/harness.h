@@ -28,12 +28,18 @@ struct http_res {
     char retry_after[32]; /* Retry-After header value, "" if none */
     char content_type[128];
     char allow[64];       /* Allow header value, "" if none */
+    char headers[4096];   /* every response header line, "Name: value\n" each (truncated) */
 };
 
 /* One request; `body` may be NULL (GET). `auth` adds "Authorization: Bearer <auth>". */
 void http(const struct srv_proc *p, const char *method, const char *path, const char *body, const char *auth,
           struct http_res *out);
 void http_free(struct http_res *r);
+/* As http, with further request headers (a NULL-terminated list of "Name: value"). */
+void http_with(const struct srv_proc *p, const char *method, const char *path, const char *body,
+               const char *const *headers, struct http_res *out);
+/* The value of response header `name` (case-insensitive) in r, copied to buf[cap]; NULL if absent. */
+const char *http_header(const struct http_res *r, const char *name, char *buf, size_t cap);
 /* POSTs and parses the JSON answer (cr_assert it parses). Caller json_decref()s. */
 json_t *post_json(const struct srv_proc *p, const char *path, const char *body, long *status);
 /* Streams a POST: returns the raw SSE text; when abort_after > 0 the transfer is aborted after that

@@ -252,7 +252,7 @@ static bool settle(size_t base, int max_ms)
 
 /* ---- what an answer must be ---------------------------------------------------------------------- */
 
-enum what { W_COMPLETION, W_CHAT, W_TOKENIZE };
+enum what { W_COMPLETION, W_CHAT, W_TOKENIZE, W_RESPONSES };
 
 struct kind {
     const char *name;
@@ -284,6 +284,15 @@ static const struct kind k_chat_stream = {
 static const struct kind k_tokenize = {
     "tokenize", "/tokenize",
     "{\"messages\":[{\"role\":\"user\",\"content\":\"Hi there\"}],\"return_token_strs\":true}", W_TOKENIZE, false};
+
+static const struct kind k_responses = {
+    "responses", "/v1/responses",
+    "{\"instructions\":\"Be brief.\",\"input\":[{\"role\":\"user\",\"content\":\"Hi there\"}],"
+    "\"max_output_tokens\":2,\"temperature\":0,\"top_logprobs\":1}",
+    W_RESPONSES, false};
+static const struct kind k_responses_stream = {
+    "responses stream", "/v1/responses",
+    "{\"input\":\"Hi there\",\"max_output_tokens\":2,\"temperature\":0,\"stream\":true}", W_RESPONSES, true};
 
 enum verdict { V_WHOLE, V_ERROR, V_BAD };
 
@@ -341,6 +350,19 @@ static json_t *summarize_plain(const struct kind *k, const char *body, char *why
         json_decref(j);
         if (json_object_size(sum) != 3) {
             snprintf(why, wn, "a /tokenize answer without tokens, count or token_strs: %.300s", body);
+            json_decref(sum);
+            return NULL;
+        }
+        return sum;
+    }
+    if (k->what == W_RESPONSES) {
+        const json_t *part = json_array_get(json_object_get(json_array_get(json_object_get(j, "output"), 0), "content"), 0);
+        json_object_set(sum, "text", json_object_get(part, "text"));
+        json_object_set(sum, "status", json_object_get(j, "status"));
+        json_object_set(sum, "usage", json_object_get(j, "usage"));
+        json_decref(j);
+        if (json_object_size(sum) != 3) {
+            snprintf(why, wn, "a response without output text, status or usage: %.300s", body);
             json_decref(sum);
             return NULL;
         }
@@ -447,6 +469,72 @@ bad:
     return NULL;
 }
 
+/* The same for a Responses stream ("event: name" and "data: {...}" per event, no [DONE]): the text
+ * deltas concatenated, the final event's type, status and usage. *error when an error event came
+ * (an out-of-memory end is the chat stream's: an error event and [DONE]). */
+static json_t *summarize_responses_stream(const char *body, bool *error, char *why, size_t wn)
+{
+    *error = strstr(body, "\nevent: error\n") != NULL || !strncmp(body, "event: error\n", 13) ||
+             strstr(body, "data: {\"error\"") != NULL;
+    if (*error) {
+        return json_object();
+    }
+    json_t *sum = json_object();
+    json_object_set_new(sum, "text", json_string(""));
+    int64_t seq = 0;
+    const char *s = body;
+    bool ended = false;
+    while (*s) {
+        if (ended) {
+            snprintf(why, wn, "events after the final one: %.200s", s);
+            goto bad;
+        }
+        const char *nl = strchr(s, '\n');
+        if (strncmp(s, "event: ", 7) != 0 || !nl || strncmp(nl + 1, "data: ", 6) != 0) {
+            snprintf(why, wn, "not an SSE event with a name and data: %.200s", s);
+            goto bad;
+        }
+        const char *d = nl + 7;
+        const char *e = strstr(d, "\n\n");
+        if (!e) {
+            snprintf(why, wn, "the stream ends in the middle of an event: %.200s", s);
+            goto bad;
+        }
+        json_error_t je;
+        json_t *j = json_loadb(d, (size_t)(e - d), 0, &je);
+        const char *type = json_string_value(json_object_get(j, "type"));
+        if (!type || strncmp(type, s + 7, (size_t)(nl - s - 7)) != 0 ||
+            json_integer_value(json_object_get(j, "sequence_number")) != seq++) {
+            snprintf(why, wn, "an event whose type or sequence number is wrong: %.200s", s);
+            json_decref(j);
+            goto bad;
+        }
+        if (!strcmp(type, "response.output_text.delta")) {
+            char buf[4096];
+            snprintf(buf, sizeof buf, "%s%s", json_string_value(json_object_get(sum, "text")),
+                     json_string_value(json_object_get(j, "delta")));
+            json_object_set_new(sum, "text", json_string(buf));
+        }
+        if (!strcmp(type, "response.completed") || !strcmp(type, "response.incomplete")) {
+            const json_t *resp = json_object_get(j, "response");
+            json_object_set_new(sum, "final", json_string(type));
+            json_object_set(sum, "status", json_object_get(resp, "status"));
+            json_object_set(sum, "usage", json_object_get(resp, "usage"));
+            ended = true;
+        }
+        json_decref(j);
+        s = e + 2;
+    }
+    if (!ended) {
+        snprintf(why, wn, "the stream ended without response.completed or response.incomplete");
+        goto bad;
+    }
+    return sum;
+bad:
+    json_decref(sum);
+    return NULL;
+}
+
 /* Judges one answer of kind k: the whole answer (its summary equal to want), a clean error (a 5xx
  * error object, or a stream that ends with an error event and [DONE]), or anything else (why says
  * what). With want NULL a whole answer's summary is returned in *got. */
@@ -475,7 +563,9 @@ static enum verdict judge(const struct kind *k, const struct resp *r, const json
         return V_BAD;
     }
     bool error = false;
-    json_t *sum = k->stream ? summarize_stream(k, r->body, &error, why, wn) : summarize_plain(k, r->body, why, wn);
+    json_t *sum = k->stream && k->what == W_RESPONSES ? summarize_responses_stream(r->body, &error, why, wn)
+                  : k->stream                         ? summarize_stream(k, r->body, &error, why, wn)
+                                                      : summarize_plain(k, r->body, why, wn);
     if (!sum) {
         return V_BAD;
     }
@@ -809,6 +899,12 @@ Test(faults, preparing_requests_survives_every_allocation_failure)
                        "\"Hi\"},{\"role\":\"assistant\",\"content\":\"Hello!\"},{\"role\":\"user\",\"content\":[{\"type\":"
                        "\"text\",\"text\":\"Why\"},{\"type\":\"text\",\"text\":\"not?\"}]}],\"max_tokens\":4,"
                        "\"stop\":\"\\n\",\"logprobs\":true,\"top_logprobs\":2}"},
+        {KR_SESS_CHAT, "{\"messages\":[{\"role\":\"system\",\"content\":\"Be brief.\"},{\"role\":\"user\",\"content\":\"Weather?\"},{\"role\":\"assistant\",\"content\":null,\"tool_calls\":[{\"id\":\"c1\",\"type\":\"function\",\"function\":{\"name\":\"get\",\"arguments\":\"{}\"}}]},{\"role\":\"tool\",\"tool_call_id\":\"c1\",\"content\":\"sunny\"}],\"max_completion_tokens\":4}"},
+        {KR_SESS_RESPONSES, "{\"instructions\":\"Be brief.\",\"input\":[{\"role\":\"user\",\"content\":[{\"type\":"
+                            "\"input_text\",\"text\":\"Weather?\"}]},{\"type\":\"function_call\",\"call_id\":\"c1\","
+                            "\"name\":\"get\",\"arguments\":\"{}\"},{\"type\":\"function_call_output\",\"call_id\":"
+                            "\"c1\",\"output\":\"sunny\"}],\"max_output_tokens\":4,\"top_logprobs\":1,\"metadata\":"
+                            "{\"k\":\"v\"},\"text\":{\"format\":{\"type\":\"text\"}}}"},
         {KR_SESS_TOKENIZE, "{\"messages\":[{\"role\":\"user\",\"content\":\"Hi there\"}],\"return_token_strs\":true}"},
         {KR_SESS_TOKENIZE, "{\"prompt\":\"Hello there, general Kenobi\",\"add_special_tokens\":false}"},
         {KR_SESS_DETOKENIZE, "{\"tokens\":[0,5,9,1000,23166]}"},
@@ -826,7 +922,8 @@ Test(faults, preparing_requests_survives_every_allocation_failure)
     static struct prepared want, got;
     for (size_t i = 0; i < sizeof reqs / sizeof reqs[0]; i++) {
         prepare_once(&env, reqs[i].kind, reqs[i].body, &want);
-        const bool generation = reqs[i].kind == KR_SESS_COMPLETIONS || reqs[i].kind == KR_SESS_CHAT;
+        const bool generation =
+            reqs[i].kind == KR_SESS_COMPLETIONS || reqs[i].kind == KR_SESS_CHAT || reqs[i].kind == KR_SESS_RESPONSES;
         cr_assert_eq(want.a.status, generation ? 429 : 200, "request %zu: %d %s", i, want.a.status, want.a.body);
         const size_t base = kr_alloc_bytes_in_use();
         for (int sticky = 0; sticky < 2; sticky++) {
@@ -900,6 +997,16 @@ Test(faults, a_chat_completion_survives_every_allocation_failure)
 Test(faults, a_streamed_chat_completion_survives_every_allocation_failure)
 {
     walk_both(&k_chat_stream);
+}
+
+Test(faults, a_response_survives_every_allocation_failure)
+{
+    walk_both(&k_responses);
+}
+
+Test(faults, a_streamed_response_survives_every_allocation_failure)
+{
+    walk_both(&k_responses_stream);
 }
 
 Test(faults, tokenize_survives_every_allocation_failure)

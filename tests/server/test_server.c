@@ -89,6 +89,149 @@ Test(server, health_models_version_and_unknown_routes)
     http_free(&r);
 }
 
+Test(server, a_model_is_retrieved_by_its_id_and_another_id_is_a_404_naming_it)
+{
+    struct http_res r;
+    http(&S, "GET", "/v1/models", NULL, NULL, &r);
+    json_t *list = json_loads(r.body, 0, NULL);
+    http_free(&r);
+    cr_assert(list);
+    json_t *want = json_array_get(json_object_get(list, "data"), 0);
+    http(&S, "GET", "/v1/models/tiny", NULL, NULL, &r);
+    cr_expect_eq(r.status, 200);
+    json_t *m = json_loads(r.body, 0, NULL);
+    http_free(&r);
+    cr_assert(m);
+    cr_expect(json_equal(m, want), "the retrieved model is the list's entry");
+    json_decref(m);
+    json_decref(list);
+    http(&S, "GET", "/v1/models/nope-model", NULL, NULL, &r);
+    json_t *e = json_loads(r.body, 0, NULL);
+    expect_error(e, r.status, 404, "model");
+    cr_expect(strstr(str(json_object_get(e, "error"), "message"), "nope-model"), "the error names the id");
+    cr_expect_str_eq(str(json_object_get(e, "error"), "code"), "model_not_found");
+    json_decref(e);
+    http_free(&r);
+    http(&S, "POST", "/v1/models/tiny", "{}", NULL, &r);
+    cr_expect_eq(r.status, 405);
+    cr_expect_str_eq(r.allow, "GET");
+    http_free(&r);
+}
+
+/* stream_options.continuous_usage_stats (with include_usage, as vLLM): every chunk carries the
+ * usage so far; its completion count matches the tokens streamed up to it (token_ids), the prompt
+ * count is /tokenize's, and the last one agrees with the final usage event. */
+Test(server, continuous_usage_stats_put_usage_on_every_chunk)
+{
+    long st;
+    json_t *tk = post_json(&S, "/tokenize", "{\"prompt\":\"Count to ten\"}", &st);
+    const json_int_t n_prompt = (json_int_t)json_array_size(json_object_get(tk, "tokens"));
+    json_decref(tk);
+    for (int chat = 0; chat < 2; chat++) {
+        const char *body = chat ? "{\"messages\":[{\"role\":\"user\",\"content\":\"Count to ten\"}],\"max_tokens\":5,"
+                                  "\"ignore_eos\":true,\"stream\":true,\"return_token_ids\":true,"
+                                  "\"stream_options\":{\"include_usage\":true,\"continuous_usage_stats\":true}}"
+                                : "{\"prompt\":\"Count to ten\",\"max_tokens\":5,\"ignore_eos\":true,\"stream\":true,"
+                                  "\"return_token_ids\":true,"
+                                  "\"stream_options\":{\"include_usage\":true,\"continuous_usage_stats\":true}}";
+        char *raw = post_stream(&S, chat ? "/v1/chat/completions" : "/v1/completions", body, 0, &st);
+        cr_assert_eq(st, 200);
+        bool done = false;
+        json_t *evs = sse_events(raw, &done);
+        cr_expect(done);
+        json_int_t seen = 0, last = -1, chat_prompt = -1;
+        size_t n_ev = json_array_size(evs);
+        cr_assert_geq(n_ev, 2);
+        for (size_t i = 0; i < n_ev; i++) {
+            json_t *ev = json_array_get(evs, i), *u = json_object_get(ev, "usage");
+            cr_assert(json_is_object(u), "event %zu (chat %d) has no usage", i, chat);
+            json_t *ch = json_array_get(json_object_get(ev, "choices"), 0);
+            seen += (json_int_t)json_array_size(json_object_get(ch, "token_ids"));
+            const json_int_t p = json_integer_value(json_object_get(u, "prompt_tokens"));
+            const json_int_t c = json_integer_value(json_object_get(u, "completion_tokens"));
+            cr_expect_eq(json_integer_value(json_object_get(u, "total_tokens")), p + c);
+            if (chat) {
+                chat_prompt = chat_prompt < 0 ? p : chat_prompt;
+                cr_expect_eq(p, chat_prompt, "the prompt count stays");
+            } else {
+                cr_expect_eq(p, n_prompt, "the prompt's tokens as /tokenize counts them");
+            }
+            if (ch) {
+                cr_expect_eq(c, seen, "event %zu: %lld completion tokens, %lld streamed", i, (long long)c,
+                             (long long)seen);
+            }
+            cr_expect_geq(c, last, "never decreasing");
+            last = c;
+        }
+        cr_expect_eq(last, 5, "the final usage counts every token");
+        json_decref(evs);
+        free(raw);
+    }
+}
+
+/* Fields krait does not implement are refused over HTTP with the field named (what the SDK shows). */
+Test(server, unimplemented_fields_are_400s_naming_them)
+{
+    static const char *const cases[][3] = {
+        {"/v1/chat/completions", "\"service_tier\":\"auto\"", "service_tier"},
+        {"/v1/chat/completions", "\"reasoning_effort\":\"high\"", "reasoning_effort"},
+        {"/v1/chat/completions", "\"modalities\":[\"text\",\"audio\"],\"audio\":{\"voice\":\"alloy\",\"format\":\"wav\"}",
+         "modalities"},
+        {"/v1/chat/completions", "\"audio\":{\"voice\":\"alloy\",\"format\":\"wav\"}", "audio"},
+        {"/v1/completions", "\"use_beam_search\":true", "use_beam_search"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        char body[512];
+        const bool chat = strstr(cases[i][0], "chat") != NULL;
+        snprintf(body, sizeof body, "{%s,\"max_tokens\":2,%s}",
+                 chat ? "\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]" : "\"prompt\":\"hi\"", cases[i][1]);
+        long st;
+        json_t *j = post_json(&S, cases[i][0], body, &st);
+        expect_error(j, st, 400, cases[i][2]);
+        cr_expect(strstr(str(json_object_get(j, "error"), "message"), cases[i][2]), "the message names %s",
+                  cases[i][2]);
+        json_decref(j);
+    }
+}
+
+/* A developer message reaches the prompt: DeepSeek-V3's template knows no such role, so it is the
+ * system prompt, token for token what a system message gives (prompt ids from return_token_ids),
+ * and the prompt differs from the one without it. */
+Test(server, a_developer_message_is_the_system_prompt_where_the_template_has_no_developer_role)
+{
+    const char *sys[3] = {"{\"role\":\"developer\",\"content\":\"Answer in French.\"},",
+                          "{\"role\":\"system\",\"content\":\"Answer in French.\"},", ""};
+    json_t *ids[3];
+    for (int i = 0; i < 3; i++) {
+        char body[512];
+        snprintf(body, sizeof body,
+                 "{\"messages\":[%s{\"role\":\"user\",\"content\":\"Hi\"}],\"max_tokens\":1,\"temperature\":0,"
+                 "\"return_token_ids\":true}",
+                 sys[i]);
+        long st;
+        json_t *j = post_json(&S, "/v1/chat/completions", body, &st);
+        cr_assert_eq(st, 200, "%s", body);
+        ids[i] = json_incref(json_object_get(j, "prompt_token_ids"));
+        cr_assert(json_is_array(ids[i]));
+        json_decref(j);
+    }
+    cr_expect(json_equal(ids[0], ids[1]), "a developer message is the system prompt");
+    cr_expect(!json_equal(ids[0], ids[2]), "a developer message is not dropped");
+    /* the text is in the prompt: /detokenize of its ids holds it */
+    char *dumped = json_dumps(ids[0], JSON_COMPACT);
+    char body[4096];
+    snprintf(body, sizeof body, "{\"tokens\":%s}", dumped);
+    free(dumped);
+    long st;
+    json_t *d = post_json(&S, "/detokenize", body, &st);
+    cr_expect_eq(st, 200);
+    cr_expect(strstr(str(d, "prompt"), "Answer in French."), "prompt: %s", str(d, "prompt"));
+    json_decref(d);
+    for (int i = 0; i < 3; i++) {
+        json_decref(ids[i]);
+    }
+}
+
 Test(server, completion_has_the_openai_shape)
 {
     long st;
@@ -216,6 +359,219 @@ Test(server, logprobs_and_echo)
     cr_expect(json_is_array(json_object_get(e0, "bytes")));
     cr_expect_eq(json_array_size(json_object_get(e0, "top_logprobs")), 3);
     json_decref(j);
+}
+
+/* The content of a special token named in the model's tokenizer_config.json ("bos_token"). */
+static char *special_token(const char *key)
+{
+    json_t *cfg = json_load_file(MODEL "/tokenizer_config.json", 0, NULL);
+    cr_assert(cfg);
+    json_t *t = json_object_get(cfg, key);
+    const char *v = json_is_string(t) ? json_string_value(t) : json_string_value(json_object_get(t, "content"));
+    cr_assert(v, "%s in tokenizer_config.json", key);
+    char *out = strdup(v);
+    json_decref(cfg);
+    return out;
+}
+
+/* The byte where code point `cp` of UTF-8 text s starts (strlen(s) past the end). */
+static size_t cp_to_byte(const char *s, long long cp)
+{
+    size_t b = 0;
+    for (long long i = 0; i < cp && s[b]; i++) {
+        b++;
+        while (((unsigned char)s[b] & 0xC0) == 0x80) {
+            b++;
+        }
+    }
+    return b;
+}
+
+Test(server, echo_text_offsets_index_the_returned_text)
+{
+    /* the prompt's tokens as /tokenize gives them: a BOS the echoed text does not hold, then the text */
+    long st;
+    json_t *tk = post_json(&S, "/tokenize", "{\"prompt\":\"Hi there, you\"}", &st);
+    cr_assert_eq(st, 200);
+    const size_t n_prompt = json_array_size(json_object_get(tk, "tokens"));
+    json_decref(tk);
+    cr_assert_geq(n_prompt, 3);
+    char *bos = special_token("bos_token"), *eos = special_token("eos_token");
+    for (int sampled = 0; sampled < 2; sampled++) {
+        char body[256];
+        snprintf(body, sizeof body,
+                 "{\"prompt\":\"Hi there, you\",\"max_tokens\":6,\"logprobs\":1,\"echo\":true,%s}",
+                 sampled ? "\"temperature\":1,\"seed\":7" : "\"temperature\":0");
+        json_t *j = post_json(&S, "/v1/completions", body, &st);
+        cr_assert_eq(st, 200);
+        json_t *c = json_array_get(json_object_get(j, "choices"), 0);
+        const char *text = str(c, "text");
+        cr_assert(text && !strncmp(text, "Hi there, you", 13), "echo puts the prompt first: %s", text);
+        json_t *lp = json_object_get(c, "logprobs");
+        json_t *toks = json_object_get(lp, "tokens"), *offs = json_object_get(lp, "text_offset");
+        cr_assert_eq(json_array_size(toks), n_prompt + 6);
+        cr_assert_eq(json_array_size(offs), n_prompt + 6);
+        cr_expect_str_eq(json_string_value(json_array_get(toks, 0)), bos, "the prompt's first token is the BOS");
+        long long prev = 0, n_cp = 0;
+        for (const char *q = text; *q; q++) {
+            n_cp += ((unsigned char)*q & 0xC0) != 0x80;
+        }
+        for (size_t i = 0; i < json_array_size(toks); i++) {
+            const long long off = json_integer_value(json_array_get(offs, i));
+            const char *t = json_string_value(json_array_get(toks, i));
+            cr_expect_geq(off, prev, "text_offset[%zu] = %lld goes back from %lld", i, off, prev);
+            cr_expect_leq(off, n_cp, "text_offset[%zu] = %lld is past the text's %lld code points", i, off, n_cp);
+            prev = off;
+            /* special tokens the text skips, and pieces of a character (shown as U+FFFD), aside */
+            if (!*t || !strcmp(t, bos) || !strcmp(t, eos) || strstr(t, "\xef\xbf\xbd")) {
+                continue;
+            }
+            cr_expect(!strncmp(text + cp_to_byte(text, off), t, strlen(t)),
+                      "token %zu \"%s\" is not at text_offset %lld of \"%s\"", i, t, off, text);
+        }
+        cr_expect_eq(json_integer_value(json_array_get(offs, n_prompt)), 13,
+                     "the first generated token starts right after the echoed prompt");
+        json_decref(j);
+    }
+    free(bos);
+    free(eos);
+}
+
+/* "[a,b,...]" of a JSON array of ints with `extra` appended (-1: none); caller frees. */
+static char *ids_json(json_t *ids, long long extra)
+{
+    char *out = malloc(16 * (json_array_size(ids) + 2) + 2), *p = out;
+    p += sprintf(p, "[");
+    for (size_t i = 0; i < json_array_size(ids); i++) {
+        p += sprintf(p, "%s%lld", i ? "," : "", (long long)json_integer_value(json_array_get(ids, i)));
+    }
+    if (extra >= 0) {
+        p += sprintf(p, ",%lld", extra);
+    }
+    sprintf(p, "]");
+    return out;
+}
+
+/* prompt_logprobs in vLLM's shape, checked against a separate generation: the prompt P extended by
+ * the token g that greedy decoding gives after it must report, at g's position, the logprob and the
+ * alternatives that generating g reported; every position names its own prompt token; the prefix
+ * cache (P was just computed) changes nothing; a bound of 20 as vLLM's max_logprobs. */
+Test(server, prompt_logprobs_agree_with_the_generation_logprobs_of_the_same_position)
+{
+    long st;
+    json_t *tk = post_json(&S, "/tokenize", "{\"prompt\":\"The quick brown fox\"}", &st);
+    cr_assert_eq(st, 200);
+    json_t *P = json_incref(json_object_get(tk, "tokens"));
+    json_decref(tk);
+    const size_t np = json_array_size(P);
+    char *pj = ids_json(P, -1), body[4096];
+    snprintf(body, sizeof body,
+             "{\"prompt\":%s,\"max_tokens\":1,\"temperature\":0,\"logprobs\":5,\"return_token_ids\":true}", pj);
+    json_t *a = post_json(&S, "/v1/completions", body, &st);
+    cr_assert_eq(st, 200);
+    json_t *ac = json_array_get(json_object_get(a, "choices"), 0);
+    const json_int_t g = json_integer_value(json_array_get(json_object_get(ac, "token_ids"), 0));
+    json_t *alp = json_object_get(ac, "logprobs");
+    const double lg = json_real_value(json_array_get(json_object_get(alp, "token_logprobs"), 0));
+    json_t *atop = json_array_get(json_object_get(alp, "top_logprobs"), 0);
+    const char *gtext = json_string_value(json_array_get(json_object_get(alp, "tokens"), 0));
+
+    char *pgj = ids_json(P, g);
+    snprintf(body, sizeof body, "{\"prompt\":%s,\"max_tokens\":1,\"temperature\":0,\"prompt_logprobs\":5}", pgj);
+    json_t *b = post_json(&S, "/v1/completions", body, &st);
+    cr_assert_eq(st, 200, "%s", body);
+    json_t *plp = json_object_get(json_array_get(json_object_get(b, "choices"), 0), "prompt_logprobs");
+    cr_assert(json_is_array(plp), "choices[0].prompt_logprobs is a list");
+    cr_assert_eq(json_array_size(plp), np + 1, "one entry per prompt token");
+    cr_expect(json_is_null(json_array_get(plp, 0)), "the first has none");
+    for (size_t i = 1; i <= np; i++) {
+        json_t *d = json_array_get(plp, i);
+        char key[16];
+        snprintf(key, sizeof key, "%lld", (long long)(i < np ? json_integer_value(json_array_get(P, i)) : g));
+        json_t *own = json_object_get(d, key);
+        cr_assert(json_is_object(own), "entry %zu names its prompt token %s", i, key);
+        cr_expect(json_is_real(json_object_get(own, "logprob")) && json_real_value(json_object_get(own, "logprob")) <= 0);
+        const json_int_t rank = json_integer_value(json_object_get(own, "rank"));
+        cr_expect_geq(rank, 1);
+        cr_expect(json_is_string(json_object_get(own, "decoded_token")));
+        cr_expect(json_object_size(d) == 5 || json_object_size(d) == 6, "entry %zu: the token and the 5 likeliest", i);
+        if (json_object_size(d) == 5) {
+            cr_expect_leq(rank, 5, "entry %zu: the token is among the 5 likeliest", i);
+        }
+    }
+    /* g's position: what generating g said */
+    char gkey[16];
+    snprintf(gkey, sizeof gkey, "%lld", (long long)g);
+    json_t *last = json_array_get(plp, np), *own = json_object_get(last, gkey);
+    cr_expect(fabs(json_real_value(json_object_get(own, "logprob")) - lg) < 1e-3, "prompt %g vs generated %g",
+              json_real_value(json_object_get(own, "logprob")), lg);
+    cr_expect_eq(json_integer_value(json_object_get(own, "rank")), 1, "greedy took the likeliest");
+    cr_expect_str_eq(json_string_value(json_object_get(own, "decoded_token")), gtext);
+    double want[8], got[8];
+    size_t nw = 0, ng = 0;
+    const char *k;
+    json_t *v;
+    json_object_foreach(atop, k, v)
+    {
+        want[nw++] = json_real_value(v);
+    }
+    json_object_foreach(last, k, v)
+    {
+        got[ng++] = json_real_value(json_object_get(v, "logprob"));
+    }
+    cr_assert_eq(ng, nw, "as many alternatives as the generation reported");
+    for (size_t i = 0; i < nw; i++) { /* the same values, whatever the order */
+        bool found = false;
+        for (size_t j = 0; j < ng; j++) {
+            found |= fabs(want[i] - got[j]) < 1e-3;
+        }
+        cr_expect(found, "alternative %g of the generation is among the prompt's", want[i]);
+    }
+    /* P alone, its prefix cached by now: the same entries for the same positions */
+    snprintf(body, sizeof body, "{\"prompt\":%s,\"max_tokens\":1,\"temperature\":0,\"prompt_logprobs\":5}", pj);
+    json_t *c = post_json(&S, "/v1/completions", body, &st);
+    json_t *cplp = json_object_get(json_array_get(json_object_get(c, "choices"), 0), "prompt_logprobs");
+    cr_assert_eq(json_array_size(cplp), np);
+    for (size_t i = 1; i < np; i++) {
+        json_t *x = json_array_get(cplp, i), *y = json_array_get(plp, i);
+        json_object_foreach(x, k, v)
+        {
+            json_t *w = json_object_get(y, k);
+            cr_expect(w && fabs(json_real_value(json_object_get(v, "logprob")) -
+                                json_real_value(json_object_get(w, "logprob"))) < 1e-4,
+                      "entry %zu token %s differs with a cached prefix", i, k);
+        }
+    }
+    json_decref(c);
+    /* chat: at the top level, one entry per prompt token */
+    json_t *ch = post_json(&S, "/v1/chat/completions",
+                           "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"max_tokens\":1,\"prompt_logprobs\":0}",
+                           &st);
+    cr_assert_eq(st, 200);
+    json_t *chp = json_object_get(ch, "prompt_logprobs");
+    cr_assert(json_is_array(chp));
+    cr_expect_eq((json_int_t)json_array_size(chp),
+                 json_integer_value(json_object_get(json_object_get(ch, "usage"), "prompt_tokens")));
+    cr_expect(json_is_null(json_array_get(chp, 0)));
+    cr_expect_eq(json_object_size(json_array_get(chp, 1)), 1, "prompt_logprobs 0: the prompt token alone");
+    json_decref(ch);
+    /* bounds */
+    json_t *e = post_json(&S, "/v1/completions", "{\"prompt\":\"a\",\"max_tokens\":1,\"prompt_logprobs\":21}", &st);
+    expect_error(e, st, 400, "prompt_logprobs");
+    json_decref(e);
+    e = post_json(&S, "/v1/chat/completions",
+                  "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"prompt_logprobs\":2,\"stream\":true}", &st);
+    expect_error(e, st, 400, "prompt_logprobs");
+    json_decref(e);
+    /* not asked: not there */
+    json_t *n = post_json(&S, "/v1/completions", "{\"prompt\":\"a\",\"max_tokens\":1}", &st);
+    cr_expect_null(json_object_get(json_array_get(json_object_get(n, "choices"), 0), "prompt_logprobs"));
+    json_decref(n);
+    json_decref(a);
+    json_decref(b);
+    json_decref(P);
+    free(pj);
+    free(pgj);
 }
 
 /* A choice longer than the server's first allocation for its entries (32 tokens), whole and streamed:
@@ -655,6 +1011,85 @@ Test(server_flags, api_key_guards_v1_and_tokenizing)
 
 /* Sends only the headers of a POST declaring a body of `declared` bytes, then waits up to 5 s for
  * an answer without sending the body; returns the status line's code, 0 when none came. */
+/* CORS with vLLM's defaults: every origin, method and header allowed; a preflight needs no key. */
+Test(server_flags, cors_defaults_allow_every_origin_and_preflights_need_no_key)
+{
+    struct srv_proc p;
+    srv_start(&p, MODEL, "--served-model-name", "tiny", "--api-key", "sekrit", NULL);
+    struct http_res r;
+    char v[512];
+    const char *pre[] = {"Origin: https://app.example", "Access-Control-Request-Method: POST",
+                         "Access-Control-Request-Headers: authorization, content-type, x-stainless-os", NULL};
+    http_with(&p, "OPTIONS", "/v1/chat/completions", NULL, pre, &r);
+    cr_expect(r.status == 204 || r.status == 200, "a preflight without the key: %ld", r.status);
+    cr_expect_str_eq(http_header(&r, "Access-Control-Allow-Origin", v, sizeof v) ? v : "(none)", "*");
+    cr_expect(http_header(&r, "Access-Control-Allow-Methods", v, sizeof v) && strstr(v, "POST"), "methods: %s", v);
+    cr_expect(http_header(&r, "Access-Control-Allow-Headers", v, sizeof v) && strstr(v, "authorization") &&
+                  strstr(v, "x-stainless-os"),
+              "headers: %s", v);
+    http_free(&r);
+    /* every answer to an allowed origin says so: a 200, a 401, a 404, a stream */
+    const char *from[] = {"Origin: https://app.example", "Authorization: Bearer sekrit", NULL};
+    http_with(&p, "GET", "/v1/models", NULL, from, &r);
+    cr_expect_eq(r.status, 200);
+    cr_expect_str_eq(http_header(&r, "Access-Control-Allow-Origin", v, sizeof v) ? v : "(none)", "*");
+    http_free(&r);
+    const char *nokey[] = {"Origin: https://app.example", NULL};
+    http_with(&p, "GET", "/v1/models", NULL, nokey, &r);
+    cr_expect_eq(r.status, 401);
+    cr_expect(http_header(&r, "Access-Control-Allow-Origin", v, sizeof v) != NULL, "a 401 carries it too");
+    http_free(&r);
+    http_with(&p, "POST", "/v1/completions",
+              "{\"prompt\":\"a\",\"max_tokens\":2,\"stream\":true}", from, &r);
+    cr_expect_eq(r.status, 200);
+    cr_expect(http_header(&r, "Access-Control-Allow-Origin", v, sizeof v) != NULL, "a stream carries it");
+    http_free(&r);
+    /* no Origin: no CORS headers */
+    http(&p, "GET", "/health", NULL, NULL, &r);
+    cr_expect_null(http_header(&r, "Access-Control-Allow-Origin", v, sizeof v));
+    http_free(&r);
+    cr_expect_eq(srv_stop(&p), 0);
+}
+
+Test(server_flags, cors_lists_restrict_origins_methods_and_headers)
+{
+    struct srv_proc p;
+    srv_start(&p, MODEL, "--allowed-origins", "[\"https://good.example\"]", "--allowed-methods", "GET,POST,OPTIONS",
+              "--allowed-headers", "[\"Content-Type\", \"Authorization\"]", "--allow-credentials", NULL);
+    struct http_res r;
+    char v[512];
+    const char *good[] = {"Origin: https://good.example", "Access-Control-Request-Method: POST",
+                          "Access-Control-Request-Headers: content-type", NULL};
+    http_with(&p, "OPTIONS", "/v1/completions", NULL, good, &r);
+    cr_expect(r.status == 204 || r.status == 200, "%ld", r.status);
+    cr_expect_str_eq(http_header(&r, "Access-Control-Allow-Origin", v, sizeof v) ? v : "(none)",
+                     "https://good.example", "with credentials the origin is echoed");
+    cr_expect_str_eq(http_header(&r, "Access-Control-Allow-Credentials", v, sizeof v) ? v : "(none)", "true");
+    cr_expect_str_eq(http_header(&r, "Access-Control-Allow-Methods", v, sizeof v) ? v : "(none)", "GET, POST, OPTIONS");
+    http_free(&r);
+    const char *bad_origin[] = {"Origin: https://evil.example", "Access-Control-Request-Method: POST", NULL};
+    http_with(&p, "OPTIONS", "/v1/completions", NULL, bad_origin, &r);
+    cr_expect_eq(r.status, 400);
+    cr_expect_null(http_header(&r, "Access-Control-Allow-Origin", v, sizeof v));
+    http_free(&r);
+    const char *bad_method[] = {"Origin: https://good.example", "Access-Control-Request-Method: DELETE", NULL};
+    http_with(&p, "OPTIONS", "/v1/completions", NULL, bad_method, &r);
+    cr_expect_eq(r.status, 400);
+    http_free(&r);
+    const char *bad_header[] = {"Origin: https://good.example", "Access-Control-Request-Method: POST",
+                                "Access-Control-Request-Headers: content-type, x-custom", NULL};
+    http_with(&p, "OPTIONS", "/v1/completions", NULL, bad_header, &r);
+    cr_expect_eq(r.status, 400);
+    cr_expect(strstr(r.body, "x-custom"), "the error names the header: %s", r.body);
+    http_free(&r);
+    const char *evil[] = {"Origin: https://evil.example", NULL};
+    http_with(&p, "GET", "/v1/models", NULL, evil, &r);
+    cr_expect_eq(r.status, 200, "CORS is the browser's check: the answer is given, without the header");
+    cr_expect_null(http_header(&r, "Access-Control-Allow-Origin", v, sizeof v));
+    http_free(&r);
+    cr_expect_eq(srv_stop(&p), 0);
+}
+
 static int answer_before_body(const struct srv_proc *p, const char *path, const char *auth, size_t declared)
 {
     const int fd = socket(AF_INET, SOCK_STREAM, 0);

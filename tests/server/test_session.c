@@ -23,6 +23,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #define MODEL KR_SOURCE_DIR "/models/tiny-hybrid"
 
@@ -794,4 +795,57 @@ Test(session, an_allocation_failure_while_tokens_arrive_ends_cleanly)
                      (unsigned long long)k, kr_alloc_bytes_in_use() - before);
     }
     kr_free(ids);
+}
+
+/* kr_chat_render of messages (JSON text) with template `tpl` (NULL: the model's); caller frees. */
+static char *render_with(const char *tpl, const char *messages)
+{
+    char path[] = "/tmp/krait-tpl-XXXXXX";
+    struct kr_chat *c = g_chat;
+    struct kr_err err = {0};
+    if (tpl) {
+        int fd = mkstemp(path);
+        cr_assert(fd >= 0);
+        FILE *fp = fdopen(fd, "w");
+        fputs(tpl, fp);
+        fclose(fp);
+        cr_assert_eq(kr_chat_load(g_tok, path, &c, &err), KR_OK, "%s", err.msg);
+        unlink(path);
+    }
+    json_t *m = json_loads(messages, 0, NULL);
+    cr_assert(m);
+    char *text = NULL;
+    size_t len = 0;
+    struct kr_oai_error e;
+    cr_assert_eq(kr_chat_render(c, m, NULL, true, false, NULL, &text, &len, &e), KR_OK, "%s", e.message);
+    json_decref(m);
+    if (tpl) {
+        kr_chat_free(c);
+    }
+    char *out = strdup(text);
+    kr_free(text);
+    return out;
+}
+
+Test(session, a_developer_message_is_a_system_message_unless_the_template_knows_the_role)
+{
+    const char *dev = "[{\"role\":\"developer\",\"content\":\"Be brief.\"},{\"role\":\"user\",\"content\":\"Hi\"}]";
+    const char *sys = "[{\"role\":\"system\",\"content\":\"Be brief.\"},{\"role\":\"user\",\"content\":\"Hi\"}]";
+    /* the model's template (DeepSeek-V3's) has no developer role: the message is its system prompt */
+    char *a = render_with(NULL, dev), *b = render_with(NULL, sys);
+    cr_expect(strstr(a, "Be brief.") != NULL, "the developer message is in the prompt: %s", a);
+    cr_expect_str_eq(a, b);
+    free(a);
+    free(b);
+    /* a template that has no developer role either */
+    const char *plain = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}";
+    a = render_with(plain, dev);
+    cr_expect_str_eq(a, "<system>Be brief.<user>Hi");
+    free(a);
+    /* a template that names the role sees it as it came */
+    const char *knows = "{% for m in messages %}{% if m.role == 'developer' %}!{% endif %}<{{ m.role }}>{{ m.content }}"
+                        "{% endfor %}";
+    a = render_with(knows, dev);
+    cr_expect_str_eq(a, "!<developer>Be brief.<user>Hi");
+    free(a);
 }
