@@ -3,14 +3,20 @@
 #                default model (OpenAI API on :8000)
 #   make test    install missing Debian packages, build (warnings as errors, ASan+UBSan), run every test
 #   make build   everything in Release: krait, the tests and the benchmarks (what docs/PERF.md measures)
+#   make fuzz    build the libFuzzer harnesses (clang, ASan+UBSan) and run each: RUNS=N executions (default
+#                100000) or FUZZ_SECONDS=S, FUZZ=name for one, FUZZ_JOBS=J in parallel (docs/FUZZING.md);
+#                make fuzz-merge minimises the checked-in corpora with what the runs found
 JOBS ?= $(shell nproc)
 BUILD ?= build
 TEST_BUILD ?= build-test
 CUDA_BUILD ?= build-cuda
+FUZZ_BUILD ?= build-fuzz
+RUNS ?= 100000
+FUZZ_JOBS ?= 1
 MODEL ?= models/tiny-hybrid
 PORT ?= 8000
 
-.PHONY: deps build build-krait serve test test-sdk test-cuda-build bench clean
+.PHONY: deps build build-krait serve test test-sdk test-cuda-build fuzz fuzz-build fuzz-merge bench clean
 
 deps:
 	@./tools/install-deps.sh
@@ -55,8 +61,22 @@ test-cuda-build:
 	   grep -aE "test_cuda:|Synthesis|tests passed|Failed|Skipped|did not run" gpu-tests.log; exit $$rc); \
 	else echo "nvcc not found: skipping the CUDA build check"; fi
 
+# Not part of make test: the fuzz build is clang's with coverage instrumentation. make test replays the
+# checked-in corpora (the fuzz_replay_* tests) under gcc's ASan+UBSan.
+fuzz-build: deps
+	@command -v clang >/dev/null 2>&1 || { echo "make fuzz needs clang and libFuzzer (Debian: apt-get install clang libfuzzer-14-dev)" >&2; exit 1; }
+	cmake -S . -B $(FUZZ_BUILD) -DCMAKE_C_COMPILER=clang -DKR_FUZZ=ON -DKR_WITH_CUDA=OFF -DKR_WERROR=ON \
+	  -DKR_BUILD_TESTS=OFF -DKR_BUILD_BENCH=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo
+	cmake --build $(FUZZ_BUILD) -j $(JOBS)
+
+fuzz: fuzz-build
+	RUNS=$(RUNS) FUZZ_SECONDS=$(FUZZ_SECONDS) FUZZ=$(FUZZ) FUZZ_JOBS=$(FUZZ_JOBS) ./tools/fuzz.sh $(FUZZ_BUILD)
+
+fuzz-merge: fuzz-build
+	FUZZ=$(FUZZ) FUZZ_MERGE=1 ./tools/fuzz.sh $(FUZZ_BUILD)
+
 bench: build
 	./$(BUILD)/bench/bench_cpu
 
 clean:
-	rm -rf $(BUILD) $(TEST_BUILD) $(CUDA_BUILD)
+	rm -rf $(BUILD) $(TEST_BUILD) $(CUDA_BUILD) $(FUZZ_BUILD)

@@ -248,6 +248,21 @@ static enum kr_status need_pos(int64_t v, const char *path, const char *key, str
     return KR_OK;
 }
 
+/* The largest width, head count or expert count a config may give (2^20: the widest released models
+ * stay below 2^17). Tensor sizes are products of up to three of them, which then fit an int64 with
+ * room to spare; 2^40 each would overflow a product of two. */
+#define KR_MAX_DIM ((int64_t)1 << 20)
+
+/* A width, head count or expert count: positive and at most KR_MAX_DIM (or >= 0 when zero_ok). */
+static enum kr_status need_dim(int64_t v, bool zero_ok, const char *path, const char *key, struct kr_err *err)
+{
+    if (v < !zero_ok || v > KR_MAX_DIM) {
+        return kr_err_set(err, KR_ERR_FORMAT, "%s: key \"%s\" must be a %s integer of at most %lld, got %lld", path,
+                          key, zero_ok ? "non-negative" : "positive", (long long)KR_MAX_DIM, (long long)v);
+    }
+    return KR_OK;
+}
+
 static enum kr_status parse_token_ids(struct kr_model_config *cfg, const struct kr_json *root, const char *path,
                                       struct kr_err *err)
 {
@@ -377,19 +392,17 @@ static enum kr_status parse_mla(struct kr_model_config *cfg, const struct kr_jso
 {
     cfg->dsa_seen = true;
     KR_TRY(get_int(root, path, KEYS("num_attention_heads"), true, 0, &cfg->mla_heads, err));
-    KR_TRY(need_pos(cfg->mla_heads, path, "num_attention_heads", err));
+    KR_TRY(need_dim(cfg->mla_heads, false, path, "num_attention_heads", err));
     KR_TRY(get_int(root, path, KEYS("q_lora_rank"), false, 0, &cfg->q_lora, err));
-    if (cfg->q_lora < 0) {
-        return kr_err_set(err, KR_ERR_FORMAT, "%s: key \"q_lora_rank\" must be a positive integer or null", path);
-    }
+    KR_TRY(need_dim(cfg->q_lora, true, path, "q_lora_rank", err)); /* 0 (or null): no q latent */
     KR_TRY(get_int(root, path, KEYS("kv_lora_rank"), true, 0, &cfg->kv_lora, err));
-    KR_TRY(need_pos(cfg->kv_lora, path, "kv_lora_rank", err));
+    KR_TRY(need_dim(cfg->kv_lora, false, path, "kv_lora_rank", err));
     KR_TRY(get_int(root, path, KEYS("qk_nope_head_dim"), true, 0, &cfg->qk_nope, err));
-    KR_TRY(need_pos(cfg->qk_nope, path, "qk_nope_head_dim", err));
+    KR_TRY(need_dim(cfg->qk_nope, false, path, "qk_nope_head_dim", err));
     KR_TRY(get_int(root, path, KEYS("qk_rope_head_dim"), true, 0, &cfg->qk_rope, err));
-    KR_TRY(need_pos(cfg->qk_rope, path, "qk_rope_head_dim", err));
+    KR_TRY(need_dim(cfg->qk_rope, false, path, "qk_rope_head_dim", err));
     KR_TRY(get_int(root, path, KEYS("v_head_dim"), true, 0, &cfg->v_head, err));
-    KR_TRY(need_pos(cfg->v_head, path, "v_head_dim", err));
+    KR_TRY(need_dim(cfg->v_head, false, path, "v_head_dim", err));
     if (cfg->qk_rope % 2 || cfg->qk_rope > 512) {
         return kr_err_set(err, KR_ERR_FORMAT, "%s: qk_rope_head_dim (%lld) must be even and at most 512", path,
                           (long long)cfg->qk_rope);
@@ -403,9 +416,9 @@ static enum kr_status parse_mla(struct kr_model_config *cfg, const struct kr_jso
     cfg->mla_eps = (float)d;
     if (kr_model_config_count(cfg, KR_LAYER_DSA)) {
         KR_TRY(get_int(root, path, KEYS("index_n_heads"), true, 0, &cfg->idx_heads, err));
-        KR_TRY(need_pos(cfg->idx_heads, path, "index_n_heads", err));
+        KR_TRY(need_dim(cfg->idx_heads, false, path, "index_n_heads", err));
         KR_TRY(get_int(root, path, KEYS("index_head_dim"), true, 0, &cfg->idx_head_dim, err));
-        KR_TRY(need_pos(cfg->idx_head_dim, path, "index_head_dim", err));
+        KR_TRY(need_dim(cfg->idx_head_dim, false, path, "index_head_dim", err));
         KR_TRY(get_int(root, path, KEYS("index_topk"), true, 0, &cfg->idx_topk, err));
         KR_TRY(need_pos(cfg->idx_topk, path, "index_topk", err));
         if (cfg->idx_head_dim < cfg->qk_rope) {
@@ -429,32 +442,26 @@ static enum kr_status parse_moe(struct kr_model_config *cfg, const struct kr_jso
 {
     double d;
     KR_TRY(get_int(root, path, KEYS("n_routed_experts", "num_local_experts"), true, 0, &cfg->n_expert, err));
-    KR_TRY(need_pos(cfg->n_expert, path, "n_routed_experts", err));
+    KR_TRY(need_dim(cfg->n_expert, false, path, "n_routed_experts", err));
     KR_TRY(get_int(root, path, KEYS("num_experts_per_tok"), true, 0, &cfg->n_expert_used, err));
-    KR_TRY(need_pos(cfg->n_expert_used, path, "num_experts_per_tok", err));
+    KR_TRY(need_dim(cfg->n_expert_used, false, path, "num_experts_per_tok", err));
     KR_TRY(get_int(root, path, KEYS("moe_intermediate_size"), true, 0, &cfg->moe_ffn, err));
-    KR_TRY(need_pos(cfg->moe_ffn, path, "moe_intermediate_size", err));
+    KR_TRY(need_dim(cfg->moe_ffn, false, path, "moe_intermediate_size", err));
     int64_t n_shared;
     KR_TRY(get_int(root, path, KEYS("n_shared_experts"), false, 1, &n_shared, err));
-    if (n_shared < 0) {
-        return kr_err_set(err, KR_ERR_FORMAT, "%s: key \"n_shared_experts\" must be >= 0", path);
-    }
+    KR_TRY(need_dim(n_shared, true, path, "n_shared_experts", err));
     KR_TRY(get_int(root, path, KEYS("moe_shared_expert_intermediate_size"), false, n_shared * cfg->moe_ffn,
                 &cfg->shared_ffn, err));
     if (n_shared == 0) {
         cfg->shared_ffn = 0;
     }
-    if (cfg->shared_ffn < 0) {
-        return kr_err_set(err, KR_ERR_FORMAT, "%s: key \"moe_shared_expert_intermediate_size\" must be >= 0", path);
-    }
+    KR_TRY(need_dim(cfg->shared_ffn, true, path, "moe_shared_expert_intermediate_size", err));
     KR_TRY(get_int(root, path, KEYS("moe_latent_size"), false, 0, &cfg->moe_latent, err));
-    if (cfg->moe_latent < 0) {
-        return kr_err_set(err, KR_ERR_FORMAT, "%s: key \"moe_latent_size\" must be >= 0", path);
-    }
+    KR_TRY(need_dim(cfg->moe_latent, true, path, "moe_latent_size", err));
     KR_TRY(get_int(root, path, KEYS("n_group"), false, 1, &cfg->n_group, err));
-    KR_TRY(need_pos(cfg->n_group, path, "n_group", err));
+    KR_TRY(need_dim(cfg->n_group, false, path, "n_group", err));
     KR_TRY(get_int(root, path, KEYS("topk_group"), false, 1, &cfg->topk_group, err));
-    KR_TRY(need_pos(cfg->topk_group, path, "topk_group", err));
+    KR_TRY(need_dim(cfg->topk_group, false, path, "topk_group", err));
     KR_TRY(get_bool(root, path, KEYS("norm_topk_prob"), true, &cfg->norm_topk_prob, err));
     KR_TRY(get_float(root, path, KEYS("routed_scaling_factor"), 1.0, &d, err));
     if (!isfinite(d) || !isfinite((float)d)) { /* 1e300 is a finite double but an infinite float */
@@ -548,7 +555,7 @@ static enum kr_status parse_dims(struct kr_model_config *cfg, const struct kr_js
         return kr_err_set(err, KR_ERR_FORMAT, "%s: vocab_size %lld does not fit token ids", path, (long long)cfg->vocab);
     }
     KR_TRY(get_int(root, path, KEYS("hidden_size"), true, 0, &cfg->dim, err));
-    KR_TRY(need_pos(cfg->dim, path, "hidden_size", err));
+    KR_TRY(need_dim(cfg->dim, false, path, "hidden_size", err));
     double d;
     KR_TRY(get_float(root, path, eps_keys, eps_def, &d, err));
     if (!(d > 0 && d < 1)) {
@@ -570,13 +577,13 @@ static enum kr_status parse_nemotron_h(struct kr_model_config *cfg, const struct
 
     if (kr_model_config_count(cfg, KR_LAYER_MAMBA)) {
         KR_TRY(get_int(root, path, KEYS("mamba_num_heads"), true, 0, &cfg->m_heads, err));
-        KR_TRY(need_pos(cfg->m_heads, path, "mamba_num_heads", err));
+        KR_TRY(need_dim(cfg->m_heads, false, path, "mamba_num_heads", err));
         KR_TRY(get_int(root, path, KEYS("mamba_head_dim"), true, 0, &cfg->m_head_dim, err));
-        KR_TRY(need_pos(cfg->m_head_dim, path, "mamba_head_dim", err));
+        KR_TRY(need_dim(cfg->m_head_dim, false, path, "mamba_head_dim", err));
         KR_TRY(get_int(root, path, KEYS("n_groups", "mamba_n_groups"), false, 8, &cfg->m_groups, err));
-        KR_TRY(need_pos(cfg->m_groups, path, "n_groups", err));
+        KR_TRY(need_dim(cfg->m_groups, false, path, "n_groups", err));
         KR_TRY(get_int(root, path, KEYS("ssm_state_size", "mamba_d_state"), false, 128, &cfg->m_state, err));
-        KR_TRY(need_pos(cfg->m_state, path, "ssm_state_size", err));
+        KR_TRY(need_dim(cfg->m_state, false, path, "ssm_state_size", err));
         KR_TRY(get_int(root, path, KEYS("conv_kernel", "mamba_d_conv"), false, 4, &cfg->m_conv, err));
         KR_TRY(need_pos(cfg->m_conv, path, "conv_kernel", err));
         KR_TRY(get_int(root, path, KEYS("chunk_size", "mamba_chunk_size"), false, 128, &cfg->m_chunk, err));
@@ -616,12 +623,12 @@ static enum kr_status parse_nemotron_h(struct kr_model_config *cfg, const struct
     }
     if (kr_model_config_count(cfg, KR_LAYER_ATTN)) {
         KR_TRY(get_int(root, path, KEYS("num_attention_heads"), true, 0, &cfg->n_head, err));
-        KR_TRY(need_pos(cfg->n_head, path, "num_attention_heads", err));
+        KR_TRY(need_dim(cfg->n_head, false, path, "num_attention_heads", err));
         KR_TRY(get_int(root, path, KEYS("num_key_value_heads"), false, cfg->n_head, &cfg->n_kv_head, err));
-        KR_TRY(need_pos(cfg->n_kv_head, path, "num_key_value_heads", err));
+        KR_TRY(need_dim(cfg->n_kv_head, false, path, "num_key_value_heads", err));
         KR_TRY(get_int(root, path, KEYS("head_dim", "attention_head_dim"), false, cfg->dim / cfg->n_head,
                     &cfg->head_dim, err));
-        KR_TRY(need_pos(cfg->head_dim, path, "head_dim", err));
+        KR_TRY(need_dim(cfg->head_dim, false, path, "head_dim", err));
         KR_TRY(get_bool(root, path, KEYS("attention_bias"), false, &cfg->attn_bias, err));
         if (cfg->n_head % cfg->n_kv_head) {
             return kr_err_set(err, KR_ERR_FORMAT,
@@ -633,7 +640,7 @@ static enum kr_status parse_nemotron_h(struct kr_model_config *cfg, const struct
     KR_TRY(get_bool(root, path, KEYS("mlp_bias"), false, &cfg->mlp_bias, err));
     if (kr_model_config_count(cfg, KR_LAYER_MLP)) {
         KR_TRY(get_int(root, path, KEYS("intermediate_size"), true, 0, &cfg->ffn, err));
-        KR_TRY(need_pos(cfg->ffn, path, "intermediate_size", err));
+        KR_TRY(need_dim(cfg->ffn, false, path, "intermediate_size", err));
     }
     if (kr_model_config_count(cfg, KR_LAYER_MOE)) {
         KR_TRY(parse_moe(cfg, root, path, err));
@@ -702,7 +709,7 @@ static enum kr_status parse_deepseek_v32(struct kr_model_config *cfg, const stru
     KR_TRY(parse_act(root, path, &cfg->act, err));
     if (kr_model_config_count(cfg, KR_LAYER_MLP)) {
         KR_TRY(get_int(root, path, KEYS("intermediate_size"), true, 0, &cfg->ffn, err));
-        KR_TRY(need_pos(cfg->ffn, path, "intermediate_size", err));
+        KR_TRY(need_dim(cfg->ffn, false, path, "intermediate_size", err));
     }
     if (kr_model_config_count(cfg, KR_LAYER_MOE)) {
         KR_TRY(parse_moe(cfg, root, path, err));

@@ -10,6 +10,7 @@
 #include "conns.h"
 #include "lane.h"
 #include "engine.h"
+#include "http-util.h"
 #include "log.h"
 #include "metrics.h"
 #include "model.h"
@@ -60,19 +61,6 @@ void kr_serve_opts_default(struct kr_serve_opts *o)
 
 /* ---- structures ---------------------------------------------------------------------------- */
 
-enum route {
-    R_NONE = 0,
-    R_COMPLETIONS,
-    R_CHAT,
-    R_RESPONSES,
-    R_MODELS,
-    R_HEALTH,
-    R_METRICS,
-    R_TOKENIZE,
-    R_DETOKENIZE,
-    R_VERSION,
-};
-
 struct srv;
 
 /* One HTTP request. Generation, /tokenize and /detokenize hand their body to an OpenAI session
@@ -82,7 +70,7 @@ struct hreq {
     struct MHD_Connection *conn;
     struct hreq *prev, *next;  /* in srv->reqs */
     int refs;                  /* MHD connection + the preparation on a worker */
-    enum route route;
+    enum kr_http_route route;
     char *body;
     size_t blen, bcap;
     bool too_big;
@@ -514,26 +502,9 @@ static void sink_stream_begin(void *user)
 static bool sink_stream_event_named(void *user, const char *name, const char *json, size_t len)
 {
     struct hreq *h = user;
-    const size_t nl = name ? strlen(name) + 8 : 0; /* "event: " name "\n" */
-    if (h->out_len + nl + len + 9 > h->out_cap) {
-        const size_t nc = (h->out_len + nl + len + 9) * 2;
-        char *np = kr_realloc(h->out, nc);
-        if (!np) {
-            return false;
-        }
-        h->out = np;
-        h->out_cap = nc;
+    if (!kr_http_sse_append(&h->out, &h->out_len, &h->out_cap, name, json, len)) {
+        return false;
     }
-    if (name) {
-        memcpy(h->out + h->out_len, "event: ", 7);
-        memcpy(h->out + h->out_len + 7, name, nl - 8);
-        h->out[h->out_len + nl - 1] = '\n';
-        h->out_len += nl;
-    }
-    memcpy(h->out + h->out_len, "data: ", 6);
-    memcpy(h->out + h->out_len + 6, json, len);
-    memcpy(h->out + h->out_len + 6 + len, "\n\n", 3);
-    h->out_len += len + 8;
     resume(h);
     return true;
 }
@@ -691,9 +662,7 @@ static ssize_t stream_reader(void *cls, uint64_t pos, char *buf, size_t max)
     struct hreq *h = cls;
     (void)pos;
     if (h->out_off < h->out_len) {
-        size_t n = h->out_len - h->out_off < max ? h->out_len - h->out_off : max;
-        memcpy(buf, h->out + h->out_off, n);
-        h->out_off += n;
+        const size_t n = kr_http_drain(h->out, h->out_len, &h->out_off, buf, max);
         if (h->out_off == h->out_len) {
             h->out_off = h->out_len = 0;
         }
@@ -701,10 +670,7 @@ static ssize_t stream_reader(void *cls, uint64_t pos, char *buf, size_t max)
     }
     if (h->out_eof) {
         if (h->tail_off < h->tail_len) {
-            size_t n = h->tail_len - h->tail_off < max ? h->tail_len - h->tail_off : max;
-            memcpy(buf, h->tail + h->tail_off, n);
-            h->tail_off += n;
-            return (ssize_t)n;
+            return (ssize_t)kr_http_drain(h->tail, h->tail_len, &h->tail_off, buf, max);
         }
         return MHD_CONTENT_READER_END_OF_STREAM;
     }
@@ -815,9 +781,10 @@ static void on_trim_timer(uv_timer_t *t)
  * BODY_FREE, on the lane of large preparations. */
 static enum MHD_Result handle_generate(struct hreq *h)
 {
-    static const enum kr_sess_kind kinds[] = {[R_COMPLETIONS] = KR_SESS_COMPLETIONS, [R_CHAT] = KR_SESS_CHAT,
-                                              [R_RESPONSES] = KR_SESS_RESPONSES,
-                                              [R_TOKENIZE] = KR_SESS_TOKENIZE, [R_DETOKENIZE] = KR_SESS_DETOKENIZE};
+    static const enum kr_sess_kind kinds[] = {
+        [KR_HTTP_ROUTE_COMPLETIONS] = KR_SESS_COMPLETIONS, [KR_HTTP_ROUTE_CHAT] = KR_SESS_CHAT,
+        [KR_HTTP_ROUTE_RESPONSES] = KR_SESS_RESPONSES,     [KR_HTTP_ROUTE_TOKENIZE] = KR_SESS_TOKENIZE,
+        [KR_HTTP_ROUTE_DETOKENIZE] = KR_SESS_DETOKENIZE};
     h->sess = kr_sess_create(&h->s->env, kinds[h->route], h->t_arrival);
     if (!h->sess) {
         return send_json_str(h, 500, NULL);
@@ -841,40 +808,15 @@ static enum MHD_Result handle_generate(struct hreq *h)
 
 static bool authorized(struct hreq *h)
 {
-    struct srv *s = h->s;
-    if (s->o.n_api_keys == 0) {
-        return true;
-    }
-    const char *a = MHD_lookup_connection_value(h->conn, MHD_HEADER_KIND, "Authorization");
-    if (!a || strncasecmp(a, "Bearer ", 7) != 0) {
-        return false;
-    }
-    a += 7;
-    for (int i = 0; i < s->o.n_api_keys; i++) {
-        const char *k = s->o.api_keys[i];
-        const size_t kl = strlen(k), al = strlen(a);
-        unsigned diff = (unsigned)(kl ^ al);
-        for (size_t j = 0; j < kl; j++) { /* constant time over the key */
-            diff |= (unsigned)(k[j] ^ (j < al ? a[j] : 0));
-        }
-        if (diff == 0) {
-            return true;
-        }
-    }
-    return false;
-}
-
-/* The key guards what costs work: the /v1/ routes and tokenizing (a big text keeps a worker busy);
- * probes and scrapers (/health, /metrics, /version) need none. */
-static bool guarded(const char *url)
-{
-    return !strncmp(url, "/v1/", 4) || !strcmp(url, "/tokenize") || !strcmp(url, "/detokenize");
+    const struct srv *s = h->s;
+    return kr_http_authorized(MHD_lookup_connection_value(h->conn, MHD_HEADER_KIND, "Authorization"), s->o.api_keys,
+                              s->o.n_api_keys);
 }
 
 static enum MHD_Result dispatch(struct hreq *h, const char *url, const char *method)
 {
     struct srv *s = h->s;
-    const bool get = !strcmp(method, "GET"), post = !strcmp(method, "POST");
+    const bool get = !strcmp(method, "GET");
     if (h->too_big) {
         char msg[128];
         snprintf(msg, sizeof msg, "the request body exceeds %zu bytes", s->o.max_body_bytes);
@@ -918,23 +860,15 @@ static enum MHD_Result dispatch(struct hreq *h, const char *url, const char *met
         return send_body(h, 200, "application/json", "{\"version\":\"0.1.0\"}", 19, NULL);
     }
     /* a guarded route without the key was refused when its headers came in (on_access) */
-    const struct {
-        const char *url;
-        enum route r;
-        bool post;
-    } routes[] = {
-        {"/v1/completions", R_COMPLETIONS, true}, {"/v1/chat/completions", R_CHAT, true},
-        {"/v1/responses", R_RESPONSES, true},     {"/v1/models", R_MODELS, false},          {"/tokenize", R_TOKENIZE, true},
-        {"/detokenize", R_DETOKENIZE, true},
-    };
+    const char *allow = NULL;
+    const enum kr_http_route route = kr_http_route_find(url, method, &allow);
+    if (route != KR_HTTP_ROUTE_NONE && allow) {
+        h->allow = allow;
+        return send_simple_error(h, KR_OAI_METHOD, !strcmp(allow, "POST") ? "use POST" : "use GET");
+    }
     /* GET /v1/models/{id} (the SDK's models.retrieve): the model object, or a 404 naming the id */
-    static const char k_model_prefix[] = "/v1/models/";
-    if (!strncmp(url, k_model_prefix, sizeof k_model_prefix - 1)) {
-        const char *id = url + sizeof k_model_prefix - 1;
-        if (!get) {
-            h->allow = "GET";
-            return send_simple_error(h, KR_OAI_METHOD, "use GET");
-        }
+    if (route == KR_HTTP_ROUTE_MODEL) {
+        const char *id = url + strlen("/v1/models/");
         if (!s->ready || s->draining) {
             return send_simple_error(h, KR_OAI_UNAVAILABLE, s->draining ? "the server is shutting down"
                                                                         : "the model is loading");
@@ -947,34 +881,28 @@ static enum MHD_Result dispatch(struct hreq *h, const char *url, const char *met
         }
         return send_json_str(h, 200, kr_oai_model_json(s->model_name, s->started, s->rt.max_model_len));
     }
-    for (size_t i = 0; i < sizeof routes / sizeof routes[0]; i++) {
-        if (strcmp(url, routes[i].url) != 0) {
-            continue;
-        }
-        if (routes[i].post ? !post : !get) {
-            h->allow = routes[i].post ? "POST" : "GET";
-            return send_simple_error(h, KR_OAI_METHOD, routes[i].post ? "use POST" : "use GET");
-        }
+    if (route != KR_HTTP_ROUTE_NONE) {
         if (!s->ready || s->draining) {
             return send_simple_error(h, KR_OAI_UNAVAILABLE,
                                      s->device_failed ? "the compute device failed; the server is restarting"
                                      : s->draining    ? "the server is shutting down"
                                                       : "the model is loading");
         }
-        h->route = routes[i].r;
+        h->route = route;
         switch (h->route) {
-        case R_COMPLETIONS:
-        case R_CHAT:
-        case R_RESPONSES:
+        case KR_HTTP_ROUTE_COMPLETIONS:
+        case KR_HTTP_ROUTE_CHAT:
+        case KR_HTTP_ROUTE_RESPONSES:
             return handle_generate(h);
-        case R_MODELS: {
+        case KR_HTTP_ROUTE_MODELS: {
             char *j = kr_oai_models_json(s->model_name, s->started, s->rt.max_model_len);
             return send_json_str(h, 200, j);
         }
-        case R_TOKENIZE:
-        case R_DETOKENIZE:
+        case KR_HTTP_ROUTE_TOKENIZE:
+        case KR_HTTP_ROUTE_DETOKENIZE:
             return handle_generate(h); /* same worker hand-off */
-        default:
+        case KR_HTTP_ROUTE_MODEL: /* answered above */
+        case KR_HTTP_ROUTE_NONE:
             break;
         }
     }
@@ -1104,14 +1032,12 @@ static enum MHD_Result on_access(void *cls, struct MHD_Connection *conn, const c
         if (!strcmp(method, "OPTIONS")) {
             return send_preflight(h);
         }
-        if (guarded(url) && !authorized(h)) {
+        if (kr_http_guarded(url) && !authorized(h)) {
             return send_simple_error(h, KR_OAI_UNAUTHORIZED,
                                      "missing or invalid API key (send Authorization: Bearer <key>)");
         }
         const char *cl = MHD_lookup_connection_value(conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
-        const unsigned long long clen = cl ? strtoull(cl, NULL, 10) : 0;
-        h->clen = clen <= s->o.max_body_bytes ? (size_t)clen : 0;
-        if (clen > (unsigned long long)s->o.max_body_bytes) {
+        if (!kr_http_content_length(cl, s->o.max_body_bytes, &h->clen)) {
             h->too_big = true;
             char msg[128];
             snprintf(msg, sizeof msg, "the request body exceeds %zu bytes", s->o.max_body_bytes);
@@ -1245,7 +1171,7 @@ static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
  * message is about; the request id of a connection that ends badly is in the access line that
  * on_completed writes for it. A client that goes away mid-answer is ordinary traffic (debug);
  * anything else is a warning. */
-static void mhd_logger(void *cls, const char *fmt, va_list ap)
+__attribute__((format(printf, 2, 0))) static void mhd_logger(void *cls, const char *fmt, va_list ap)
 {
     struct srv *s = cls;
     char line[512];

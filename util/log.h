@@ -20,7 +20,7 @@ enum kr_log_level kr_log_get_level(void);
 int kr_log_parse_level(const char *s, enum kr_log_level *out);
 
 void kr_log(enum kr_log_level level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-void kr_logv(enum kr_log_level level, const char *fmt, va_list ap);
+void kr_logv(enum kr_log_level level, const char *fmt, va_list ap) __attribute__((format(printf, 2, 0)));
 
 #define KR_LOG_DEBUG(...) kr_log(KR_LOG_LEVEL_DEBUG, __VA_ARGS__)
 #define KR_LOG_INFO(...)  kr_log(KR_LOG_LEVEL_INFO, __VA_ARGS__)

@@ -532,3 +532,23 @@ Test(loader, rejects_a_routed_scaling_factor_beyond_float)
                       "\"routed_scaling_factor\": 1e300");
     expect_error(KR_ERR_FORMAT, "routed_scaling_factor", "finite");
 }
+
+/* Widths within the old bound of 2^40 whose product overflowed an int64 while the config was read
+ * (mamba_num_heads x mamba_head_dim = 2^64, found by fuzzing config.json; undefined behaviour, and
+ * tensor sizes computed from garbage): a width, head count or expert count above 2^20 is refused,
+ * naming the key and the bound. */
+Test(loader, rejects_widths_whose_products_overflow)
+{
+    copy_fixture_edit("nemotron_h/nh_gated", "config.json", "\"mamba_num_heads\": 8,\n  \"mamba_head_dim\": 16",
+                      "\"mamba_num_heads\": 4294967296,\n  \"mamba_head_dim\": 4294967296");
+    expect_error(KR_ERR_FORMAT, "mamba_num_heads", "at most 1048576");
+}
+
+/* n_shared_experts had no upper bound: times moe_intermediate_size it overflowed (the default of
+ * the shared expert's width). */
+Test(loader, rejects_a_shared_expert_count_beyond_the_bound)
+{
+    copy_fixture_edit("deepseek_v32/ds_short", "config.json", "\"n_shared_experts\": 1",
+                      "\"n_shared_experts\": 4611686018427387904");
+    expect_error(KR_ERR_FORMAT, "n_shared_experts", "at most 1048576");
+}
