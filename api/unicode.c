@@ -119,6 +119,7 @@ enum kr_status kr_bs_reserve(struct kr_buf_s *b, size_t extra)
     }
     b->p = p;
     b->cap = cap;
+    p[b->len] = '\0'; /* the invariant holds from the first reserve: an empty text is "" */
     return KR_OK;
 }
 
