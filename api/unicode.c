@@ -96,8 +96,13 @@ enum kr_status kr_bs_reserve(struct kr_buf_s *b, size_t extra)
     if (b->oom) {
         return KR_ERR_NOMEM;
     }
-    if (b->len + extra + 1 <= b->cap) {
+    if (extra < b->cap && b->len + extra + 1 <= b->cap) {
         return KR_OK;
+    }
+    if (extra > SIZE_MAX / 2 - b->len || (b->limit && b->len + extra > b->limit)) {
+        b->over = b->limit != 0;
+        b->oom = true;
+        return KR_ERR_NOMEM;
     }
     size_t cap = b->cap ? b->cap : 64;
     while (cap < b->len + extra + 1) {
@@ -114,6 +119,7 @@ enum kr_status kr_bs_reserve(struct kr_buf_s *b, size_t extra)
     }
     b->p = p;
     b->cap = cap;
+    p[b->len] = '\0'; /* the invariant holds from the first reserve: an empty text is "" */
     return KR_OK;
 }
 
@@ -167,7 +173,7 @@ void kr_bs_free(struct kr_buf_s *b)
     kr_free(b->p);
     b->p = NULL;
     b->len = b->cap = 0;
-    b->oom = false;
+    b->oom = b->over = false;
 }
 
 enum kr_status kr_bs_append_lossy(struct kr_buf_s *b, const char *s, size_t n)

@@ -36,6 +36,9 @@ struct kr_buf_s {
     size_t len; /* bytes used */
     size_t cap; /* bytes allocated */
     bool oom;   /* an append failed: the contents are incomplete */
+    size_t limit; /* 0, or the most bytes it may hold: an append past it fails as a failed growth
+                     does, and sets over (kr_bs_free keeps the limit) */
+    bool over;    /* an append failed for the limit */
 };
 enum kr_status kr_bs_reserve(struct kr_buf_s *b, size_t extra);
 enum kr_status kr_bs_append(struct kr_buf_s *b, const void *data, size_t n);

@@ -1,6 +1,6 @@
 /* The chat-template builtins: calls (arguments, macros, range/namespace/dict/raise_exception/
  * strftime_now/cycler globals, str/dict/list methods) and Jinja's filters and tests. */
-#define _POSIX_C_SOURCE 200809L
+#define _GNU_SOURCE /* memmem */
 
 #include "impl.h"
 
@@ -86,7 +86,7 @@ static enum kr_status call_macro(struct ev *e, const struct node *m, const struc
     if (st != KR_OK) {
         return st;
     }
-    struct kr_buf_s buf = {0}, *saved = e->out;
+    struct kr_buf_s buf = CT_BUF, *saved = e->out;
     enum flow flow = FLOW_NORMAL;
     e->out = &buf;
     if (++e->depth > MAX_DEPTH) {
@@ -111,17 +111,18 @@ static enum kr_status split_str(struct ev *e, const struct jstr *s, const struct
     if (l.t == V_UNDEF) {
         return ct_oom(e);
     }
+    if (sep && sep->t != V_STR && sep->t != V_NONE) {
+        return ct_rt_err(e, "must be str or None, not %s", ct_type_name(*sep)); /* split(undefined) */
+    }
     if (sep && sep->t == V_STR && sep->u.s->len == 0) {
         return ct_rt_err(e, "empty separator");
     }
-    struct list tmp = {0, 0, NULL};
-    (void)tmp;
+    if (!ct_charge(e, ct_bytes_steps(s->len))) {
+        return e->fault;
+    }
     if (!sep || sep->t == V_NONE) { /* whitespace split */
         size_t i = 0;
         int64_t done = 0;
-        if (right) {
-            /* collect words from the left, then merge from the left if maxsplit limits */
-        }
         while (i < s->len) {
             size_t l1;
             while ((l1 = ct_py_space_len(s->s, s->len, i)) > 0) {
@@ -134,7 +135,7 @@ static enum kr_status split_str(struct ev *e, const struct jstr *s, const struct
             if (maxsplit >= 0 && done >= maxsplit && !right) {
                 size_t end = ct_py_rstrip_len(s->s, s->len);
                 struct value w = ct_mk_str(e, s->s + i, end - i);
-                if (!ct_list_push(e, l.u.l, w)) {
+                if (w.t != V_STR || !ct_list_push(e, l.u.l, w)) {
                     return ct_oom(e);
                 }
                 break;
@@ -159,8 +160,11 @@ static enum kr_status split_str(struct ev *e, const struct jstr *s, const struct
         size_t end = s->len;
         int64_t done = 0;
         struct value parts = ct_mk_list(e, V_LIST, 8);
+        if (parts.t == V_UNDEF) {
+            return ct_oom(e);
+        }
         while (done < maxsplit) {
-            const char *hit = ct_memfind(s->s, end, p->s, p->len, true);
+            const char *hit = ct_memfind(e, s->s, end, p->s, p->len, true);
             if (!hit) {
                 break;
             }
@@ -185,13 +189,14 @@ static enum kr_status split_str(struct ev *e, const struct jstr *s, const struct
     size_t i = 0;
     int64_t done = 0;
     for (;;) {
-        const char *hit = maxsplit >= 0 && done >= maxsplit ? NULL : ct_memfind(s->s + i, s->len - i, p->s, p->len, false);
+        const char *hit =
+            maxsplit >= 0 && done >= maxsplit ? NULL : ct_memfind(e, s->s + i, s->len - i, p->s, p->len, false);
         size_t end = hit ? (size_t)(hit - s->s) : s->len;
         struct value w = ct_mk_str(e, s->s + i, end - i);
         if (w.t != V_STR || !ct_list_push(e, l.u.l, w)) {
             return ct_oom(e);
         }
-        if (!hit) {
+        if (!hit || !ct_charge(e, 1)) {
             break;
         }
         i = end + p->len;
@@ -239,6 +244,9 @@ enum kr_status ct_call_func(struct ev *e, const struct func *f, const struct arg
     struct value *x = arg(a, 0, NULL), *y = arg(a, 1, NULL);
     enum kr_status st;
     *out = v_none();
+    if (f->b >= M_ISDIGIT && f->b <= M_ISLOWER && !ct_charge(e, ct_bytes_steps(self.u.s->len))) {
+        return e->fault;
+    }
     switch (f->b) {
     case B_MACRO: return call_macro(e, f->macro, a, out);
     case B_RAISE:
@@ -281,16 +289,20 @@ enum kr_status ct_call_func(struct ev *e, const struct func *f, const struct arg
         if (step == 0) {
             return ct_rt_err(e, "range() arg 3 must not be zero");
         }
-        int64_t count = step > 0 ? (hi > lo ? (hi - lo + step - 1) / step : 0) : (lo > hi ? (lo - hi - step - 1) / -step : 0);
-        if (count > MAX_RANGE) {
+        /* the span in unsigned arithmetic: hi - lo wraps int64 for range(-2**63, 2**63 - 1) */
+        uint64_t span = step > 0 ? (hi > lo ? (uint64_t)hi - (uint64_t)lo : 0) : (lo > hi ? (uint64_t)lo - (uint64_t)hi : 0);
+        uint64_t ustep = step > 0 ? (uint64_t)step : (uint64_t)0 - (uint64_t)step;
+        uint64_t ucount = span ? (span - 1) / ustep + 1 : 0;
+        if (ucount > MAX_RANGE) {
             return ct_rt_err(e, "range too big (more than %d items)", MAX_RANGE);
         }
+        int64_t count = (int64_t)ucount;
         struct value l = ct_mk_list(e, V_LIST, (size_t)count);
         if (l.t == V_UNDEF) {
             return ct_oom(e);
         }
-        for (int64_t i = 0; i < count; i++) {
-            l.u.l->v[i] = v_int(lo + i * step);
+        for (int64_t i = 0; i < count; i++) { /* lo + i * step lies between lo and hi: no overflow */
+            l.u.l->v[i] = v_int((int64_t)((uint64_t)lo + (uint64_t)i * (uint64_t)step));
         }
         l.u.l->n = (size_t)count;
         *out = l;
@@ -348,6 +360,9 @@ enum kr_status ct_call_func(struct ev *e, const struct func *f, const struct arg
             if (!p) {
                 return ct_rt_err(e, "%s arg must be str or a tuple of str", f->name);
             }
+            if (!ct_charge(e, ct_bytes_steps(p->len))) {
+                return e->fault;
+            }
             r = p->len <= self.u.s->len &&
                 memcmp(self.u.s->s + (f->b == M_STARTSWITH ? 0 : self.u.s->len - p->len), p->s, p->len) == 0;
         }
@@ -372,35 +387,39 @@ enum kr_status ct_call_func(struct ev *e, const struct func *f, const struct arg
         }
         if (f->b == M_COUNT) {
             int64_t c = 0;
+            if (!ct_charge(e, ct_bytes_steps(self.u.s->len))) {
+                return e->fault;
+            }
             if (x->u.s->len == 0) {
                 c = (int64_t)ct_u8_count(self.u.s->s, self.u.s->len) + 1;
             } else {
-                for (size_t i = 0; i + x->u.s->len <= self.u.s->len;) {
-                    if (memcmp(self.u.s->s + i, x->u.s->s, x->u.s->len) == 0) {
-                        c++;
-                        i += x->u.s->len;
-                    } else {
-                        i++;
-                    }
+                /* non-overlapping hits: memmem's linear time, where comparing at every byte was not */
+                const char *h = self.u.s->s, *end = h + self.u.s->len, *hit;
+                while ((hit = memmem(h, (size_t)(end - h), x->u.s->s, x->u.s->len)) != NULL) {
+                    c++;
+                    h = hit + x->u.s->len;
                 }
             }
             *out = v_int(c);
             return KR_OK;
         }
-        const char *h = ct_memfind(self.u.s->s, self.u.s->len, x->u.s->s, x->u.s->len, f->b == M_RFIND);
+        const char *h = ct_memfind(e, self.u.s->s, self.u.s->len, x->u.s->s, x->u.s->len, f->b == M_RFIND);
         *out = v_int(h ? (int64_t)ct_u8_count(self.u.s->s, (size_t)(h - self.u.s->s)) : -1);
-        return KR_OK;
+        return e->fault;
     }
     case M_JOIN: {
         struct list *items;
         if (!x || (st = ct_iter_list(e, *x, &items)) != KR_OK) {
             return x ? st : ct_rt_err(e, "join() takes exactly one argument");
         }
-        struct kr_buf_s b = {0};
+        struct kr_buf_s b = CT_BUF;
         for (size_t i = 0; i < items->n; i++) {
             if (items->v[i].t != V_STR) {
                 kr_bs_free(&b);
                 return ct_rt_err(e, "sequence item %zu: expected str instance, %s found", i, ct_type_name(items->v[i]));
+            }
+            if (!ct_charge(e, ct_bytes_steps(self.u.s->len + items->v[i].u.s->len))) {
+                break;
             }
             if (i) {
                 kr_bs_append(&b, self.u.s->s, self.u.s->len);
@@ -409,7 +428,7 @@ enum kr_status ct_call_func(struct ev *e, const struct func *f, const struct arg
         }
         *out = ct_mk_str_buf(e, &b);
         kr_bs_free(&b);
-        return KR_OK;
+        return e->fault ? e->fault : out->t == V_STR ? KR_OK : ct_oom(e);
     }
     case M_ISDIGIT: *out = v_bool(str_all(self.u.s, 0)); return KR_OK;
     case M_ISALPHA: *out = v_bool(str_all(self.u.s, 1)); return KR_OK;
@@ -450,8 +469,8 @@ enum kr_status ct_call_func(struct ev *e, const struct func *f, const struct arg
     case M_INDEX:
     case M_LCOUNT: {
         int64_t c = 0, first = -1;
-        for (size_t i = 0; x && i < self.u.l->n; i++) {
-            if (ct_v_eq(self.u.l->v[i], *x)) {
+        for (size_t i = 0; x && i < self.u.l->n && !e->fault; i++) {
+            if (ct_v_eq(e, self.u.l->v[i], *x)) {
                 c++;
                 first = first < 0 ? (int64_t)i : first;
             }
@@ -470,18 +489,54 @@ enum kr_status ct_call_func(struct ev *e, const struct func *f, const struct arg
 
 /* ---- filters and tests ------------------------------------------------------------------------------------ */
 
-static int cmp_for_sort(struct ev *e, struct value a, struct value b, bool ci)
+/* The key jinja's sort, unique, min and max compare: strings lowered unless case_sensitive. */
+static enum kr_status sort_key(struct ev *e, struct value v, bool ci, struct value *out)
 {
-    int c = 0;
-    if (ci && a.t == V_STR && b.t == V_STR) {
-        struct value la = ct_map_case(e, a.u.s, 0), lb = ct_map_case(e, b.u.s, 0);
-        if (la.t == V_STR && lb.t == V_STR) {
-            ct_v_cmp(e, la, lb, &c);
-            return c;
+    *out = v;
+    if (ci && v.t == V_STR) {
+        *out = ct_map_case(e, v.u.s, 0);
+        if (out->t != V_STR) {
+            return e->fault ? e->fault : ct_oom(e);
         }
     }
-    ct_v_cmp(e, a, b, &c);
-    return c;
+    return KR_OK;
+}
+
+struct sort_item {
+    struct value key, val;
+};
+
+/* A stable merge sort (Python's sort is stable; reverse keeps equal items in their order), a step a
+ * comparison: the insertion sort it replaces took n^2 / 4 steps uncharged. */
+static enum kr_status sort_items(struct ev *e, struct sort_item *it, size_t n, bool desc)
+{
+    struct sort_item *tmp = n > 1 ? ct_a_alloc(&e->arena, n * sizeof(*tmp)) : NULL;
+    if (n > 1 && !tmp) {
+        return ct_oom(e);
+    }
+    for (size_t w = 1; w < n; w *= 2) {
+        for (size_t lo = 0; lo < n - w; lo += 2 * w) {
+            size_t mid = lo + w, hi = mid + w < n ? mid + w : n, i = lo, j = mid, k = lo;
+            while (i < mid && j < hi) {
+                int c;
+                if (!ct_charge(e, 1) || !ct_v_cmp(e, it[i].key, it[j].key, &c)) {
+                    return e->fault ? e->fault : KR_ERR_INVAL;
+                }
+                tmp[k++] = (desc ? c >= 0 : c <= 0) ? it[i++] : it[j++];
+            }
+            while (i < mid) {
+                tmp[k++] = it[i++];
+            }
+            while (j < hi) {
+                tmp[k++] = it[j++];
+            }
+            memcpy(it + lo, tmp + lo, (hi - lo) * sizeof(*it));
+        }
+        if (w > n / 2) {
+            break;
+        }
+    }
+    return KR_OK;
 }
 
 static enum kr_status attr_path(struct ev *e, struct value v, const struct jstr *path, struct value *out)
@@ -562,7 +617,7 @@ enum kr_status ct_apply_filter(struct ev *e, const char *name, struct value v, c
             o.key_sep = sep->u.l->v[1].u.s->s;
         }
         o.sort_keys = sk && ct_truthy(*sk);
-        struct kr_buf_s b = {0};
+        struct kr_buf_s b = CT_BUF;
         if ((st = ct_to_json(e, v, &o, 0, &b)) == KR_OK) {
             *out = ct_mk_str_buf(e, &b);
         }
@@ -571,6 +626,9 @@ enum kr_status ct_apply_filter(struct ev *e, const char *name, struct value v, c
     }
     if (strcmp(name, "length") == 0 || strcmp(name, "count") == 0) {
         if (v.t == V_STR) {
+            if (!ct_charge(e, ct_bytes_steps(v.u.s->len))) {
+                return e->fault;
+            }
             *out = v_int((int64_t)ct_u8_count(v.u.s->s, v.u.s->len));
         } else if (v.t == V_LIST || v.t == V_TUPLE) {
             *out = v_int((int64_t)v.u.l->n);
@@ -603,7 +661,10 @@ enum kr_status ct_apply_filter(struct ev *e, const char *name, struct value v, c
     }
     if (strcmp(name, "e") == 0 || strcmp(name, "escape") == 0 || strcmp(name, "forceescape") == 0) {
         struct value s = ct_to_str(e, v);
-        struct kr_buf_s b = {0};
+        if (s.t == V_STR && !ct_charge(e, ct_bytes_steps(s.u.s->len))) {
+            return e->fault;
+        }
+        struct kr_buf_s b = CT_BUF;
         for (size_t i = 0; s.t == V_STR && i < s.u.s->len; i++) {
             char c = s.u.s->s[i];
             const char *r = c == '&' ? "&amp;" : c == '<' ? "&lt;" : c == '>' ? "&gt;" : c == '"' ? "&#34;" : c == '\'' ? "&#39;" : NULL;
@@ -620,6 +681,9 @@ enum kr_status ct_apply_filter(struct ev *e, const char *name, struct value v, c
     if (strcmp(name, "abs") == 0) {
         if (!ct_is_num(v)) {
             return ct_rt_err(e, "bad operand type for abs(): '%s'", ct_type_name(v));
+        }
+        if (v.t != V_FLOAT && ct_inum(v) == INT64_MIN) {
+            return ct_rt_err(e, "integer overflow");
         }
         *out = v.t == V_FLOAT ? v_float(fabs(v.u.f)) : v_int(ct_inum(v) < 0 ? -ct_inum(v) : ct_inum(v));
         return KR_OK;
@@ -638,29 +702,49 @@ enum kr_status ct_apply_filter(struct ev *e, const char *name, struct value v, c
         } else if (v.t == V_STR) {
             char *end;
             f = strtod(v.u.s->s, &end);
-            ok = end != v.u.s->s && *end == '\0';
+            /* all of it (a NUL inside is not the end), and no hex float: Python reads neither */
+            ok = end != v.u.s->s && end == v.u.s->s + v.u.s->len && !memchr(v.u.s->s, 'x', v.u.s->len) &&
+                 !memchr(v.u.s->s, 'X', v.u.s->len);
         } else {
             ok = false;
         }
         if (!ok) {
             *out = def ? *def : to_int ? v_int(0) : v_float(0.0);
         } else {
-            *out = to_int ? v_int((int64_t)f) : v_float(f);
+            *out = to_int ? v_int(ct_f2i(f)) : v_float(f); /* saturated: the cast is undefined past int64 */
         }
         return KR_OK;
     }
     if (strcmp(name, "round") == 0) {
         struct value *pr = arg(a, 0, "precision"), *me = arg(a, 1, "method");
+        if (!ct_is_num(v)) {
+            return ct_rt_err(e, "type %s doesn't define __round__ method", ct_type_name(v));
+        }
         int64_t p = pr ? ct_inum(*pr) : 0;
-        double m = pow(10.0, (double)p), f = ct_num(v);
         const char *method = me && me->t == V_STR ? me->u.s->s : "common";
-        double r = strcmp(method, "floor") == 0 ? floor(f * m) / m : strcmp(method, "ceil") == 0 ? ceil(f * m) / m
-                                                                                                  : round(f * m) / m;
+        bool common = strcmp(method, "floor") != 0 && strcmp(method, "ceil") != 0;
+        if (common && v.t != V_FLOAT && p >= 0) {
+            *out = v_int(ct_inum(v)); /* Python's round(int, n) is that int */
+            return KR_OK;
+        }
+        p = p < -400 ? -400 : p > 400 ? 400 : p; /* past a double's range either way */
+        double m = pow(10.0, (double)p), f = ct_num(v), r;
+        if (!isfinite(f) || !isfinite(f * m) || m == 0.0) {
+            r = m == 0.0 ? 0.0 * f : f;
+        } else {
+            double fm = f * m;
+            /* common: round half to even, as Python's round */
+            fm = strcmp(method, "floor") == 0 ? floor(fm) : strcmp(method, "ceil") == 0 ? ceil(fm) : nearbyint(fm);
+            r = fm / m;
+        }
         *out = v_float(r);
         return KR_OK;
     }
     if (strcmp(name, "indent") == 0) {
         struct value s = ct_to_str(e, v);
+        if (s.t != V_STR) {
+            return e->fault ? e->fault : ct_oom(e);
+        }
         struct value *w = arg(a, 0, "width"), *first = arg(a, 1, "first"), *blank = arg(a, 2, "blank");
         char pad[128] = "    ";
         if (w && w->t == V_STR) {
@@ -670,7 +754,7 @@ enum kr_status ct_apply_filter(struct ev *e, const char *name, struct value v, c
             memset(pad, ' ', (size_t)k);
             pad[k] = '\0';
         }
-        struct kr_buf_s b = {0};
+        struct kr_buf_s b = CT_BUF;
         size_t i = 0, line = 0;
         while (i <= s.u.s->len) {
             const char *nl = memchr(s.u.s->s + i, '\n', s.u.s->len - i);
@@ -693,6 +777,9 @@ enum kr_status ct_apply_filter(struct ev *e, const char *name, struct value v, c
     }
     if (strcmp(name, "replace") == 0) {
         struct value s = ct_to_str(e, v), *y = arg(a, 1, NULL), *c = arg(a, 2, "count");
+        if (s.t != V_STR) {
+            return e->fault ? e->fault : ct_oom(e);
+        }
         if ((st = need_str(e, x, "replace's old")) != KR_OK || (st = need_str(e, y, "replace's new")) != KR_OK) {
             return st;
         }
@@ -701,6 +788,9 @@ enum kr_status ct_apply_filter(struct ev *e, const char *name, struct value v, c
     }
     if (strcmp(name, "wordcount") == 0) {
         struct value s = ct_to_str(e, v), words;
+        if (s.t != V_STR) {
+            return e->fault ? e->fault : ct_oom(e);
+        }
         if ((st = split_str(e, s.u.s, NULL, -1, false, &words)) != KR_OK) {
             return st;
         }
@@ -727,19 +817,23 @@ enum kr_status ct_apply_filter(struct ev *e, const char *name, struct value v, c
     }
     if (strcmp(name, "join") == 0) {
         struct value *attr = arg(a, 1, "attribute");
-        struct kr_buf_s b = {0};
+        struct kr_buf_s b = CT_BUF;
         for (size_t i = 0; i < items->n && st == KR_OK; i++) {
             struct value it = items->v[i];
             if (attr && attr->t == V_STR) {
                 st = attr_path(e, it, attr->u.s, &it);
             }
             if (i && x && x->t == V_STR) {
+                if (!ct_charge(e, ct_bytes_steps(x->u.s->len))) {
+                    break;
+                }
                 kr_bs_append(&b, x->u.s->s, x->u.s->len);
             }
-            ct_py_str(it, &b, false);
+            ct_py_str(e, it, &b, false); /* charged by its bytes */
         }
         if (st == KR_OK) {
             *out = ct_mk_str_buf(e, &b);
+            st = e->fault ? e->fault : out->t == V_STR ? KR_OK : ct_oom(e);
         }
         kr_bs_free(&b);
         return st;
@@ -748,15 +842,20 @@ enum kr_status ct_apply_filter(struct ev *e, const char *name, struct value v, c
     if (l.t == V_UNDEF) {
         return ct_oom(e);
     }
+    if (!ct_charge(e, items->n)) { /* each filter below looks at each item at least once */
+        return e->fault;
+    }
     if (strcmp(name, "list") == 0) {
-        memcpy(l.u.l->v, items->v, items->n * sizeof(*items->v));
+        if (items->n) { /* an empty list's items may be NULL */
+            memcpy(l.u.l->v, items->v, items->n * sizeof(*items->v));
+        }
         l.u.l->n = items->n;
         *out = l;
         return KR_OK;
     }
     if (strcmp(name, "reverse") == 0) {
         if (v.t == V_STR) {
-            struct kr_buf_s b = {0};
+            struct kr_buf_s b = CT_BUF;
             for (size_t i = items->n; i-- > 0;) {
                 kr_bs_append(&b, items->v[i].u.s->s, items->v[i].u.s->len);
             }
@@ -784,7 +883,19 @@ enum kr_status ct_apply_filter(struct ev *e, const char *name, struct value v, c
             }
             if (name[0] == 's') {
                 st = ct_arith(e, OP_ADD, acc, it, &acc);
-            } else if (acc.t == V_UNDEF || (name[1] == 'a' ? cmp_for_sort(e, it, acc, true) > 0 : cmp_for_sort(e, it, acc, true) < 0)) {
+                continue;
+            }
+            struct value *cs = arg(a, 0, "case_sensitive");
+            struct value ik, ak;
+            int c = 0;
+            if ((st = sort_key(e, it, !(cs && ct_truthy(*cs)), &ik)) != KR_OK) {
+                break;
+            }
+            if (acc.t != V_UNDEF && ((st = sort_key(e, acc, !(cs && ct_truthy(*cs)), &ak)) != KR_OK ||
+                                     (!ct_v_cmp(e, ik, ak, &c) && (st = e->fault ? e->fault : KR_ERR_INVAL)))) {
+                break;
+            }
+            if (acc.t == V_UNDEF || (name[1] == 'a' ? c > 0 : c < 0)) {
                 acc = it;
             }
         }
@@ -792,14 +903,28 @@ enum kr_status ct_apply_filter(struct ev *e, const char *name, struct value v, c
         return st;
     }
     if (strcmp(name, "unique") == 0) {
+        /* the keys seen so far in a dict: comparing each item with every kept one was quadratic */
+        struct value *cs = arg(a, 0, "case_sensitive"), *attr = arg(a, 1, "attribute");
+        struct value seen = ct_mk_dict(e, V_DICT);
+        if (seen.t == V_UNDEF) {
+            return ct_oom(e);
+        }
         for (size_t i = 0; i < items->n; i++) {
-            bool seen = false;
-            for (size_t k = 0; k < l.u.l->n && !seen; k++) {
-                seen = ct_v_eq(l.u.l->v[k], items->v[i]);
+            struct value k = items->v[i];
+            if ((attr && attr->t == V_STR && (st = attr_path(e, k, attr->u.s, &k)) != KR_OK) ||
+                (st = sort_key(e, k, !(cs && ct_truthy(*cs)), &k)) != KR_OK) {
+                return st;
             }
-            if (!seen) {
-                l.u.l->v[l.u.l->n++] = items->v[i];
+            if (!ct_charge(e, k.t == V_STR ? ct_bytes_steps(k.u.s->len) : 1)) {
+                return e->fault;
             }
+            if (ct_dict_find(seen.u.d, k)) {
+                continue;
+            }
+            if (!ct_dict_set(e, seen.u.d, k, v_none())) {
+                return ct_oom(e);
+            }
+            l.u.l->v[l.u.l->n++] = items->v[i];
         }
         *out = l;
         return KR_OK;
@@ -820,32 +945,30 @@ enum kr_status ct_apply_filter(struct ev *e, const char *name, struct value v, c
             }
             items = its.u.l;
         }
-        memcpy(l.u.l->v, items->v, items->n * sizeof(*items->v));
-        l.u.l->n = items->n;
         bool ci = !(cs && ct_truthy(*cs)), desc = rev && ct_truthy(*rev);
         int kidx = by && by->t == V_STR && strcmp(by->u.s->s, "value") == 0 ? 1 : 0;
-        /* stable insertion sort (Python's sort is stable) */
-        for (size_t i = 1; i < l.u.l->n; i++) {
-            struct value cur_v = l.u.l->v[i];
-            struct value ck = dsort ? cur_v.u.l->v[kidx] : cur_v;
-            if (attr && attr->t == V_STR && (st = attr_path(e, cur_v, attr->u.s, &ck)) != KR_OK) {
+        struct sort_item *it = ct_a_alloc(&e->arena, (items->n + 1) * sizeof(*it));
+        if (!it) {
+            return ct_oom(e);
+        }
+        /* each key once: lowering strings at every comparison allocated n log n copies */
+        for (size_t i = 0; i < items->n; i++) {
+            struct value k = dsort ? items->v[i].u.l->v[kidx] : items->v[i];
+            if (attr && attr->t == V_STR && (st = attr_path(e, items->v[i], attr->u.s, &k)) != KR_OK) {
                 return st;
             }
-            size_t j = i;
-            while (j > 0) {
-                struct value pk = dsort ? l.u.l->v[j - 1].u.l->v[kidx] : l.u.l->v[j - 1];
-                if (attr && attr->t == V_STR && (st = attr_path(e, l.u.l->v[j - 1], attr->u.s, &pk)) != KR_OK) {
-                    return st;
-                }
-                int c = cmp_for_sort(e, pk, ck, ci);
-                if (desc ? c >= 0 : c <= 0) {
-                    break;
-                }
-                l.u.l->v[j] = l.u.l->v[j - 1];
-                j--;
+            if ((st = sort_key(e, k, ci, &it[i].key)) != KR_OK) {
+                return st;
             }
-            l.u.l->v[j] = cur_v;
+            it[i].val = items->v[i];
         }
+        if ((st = sort_items(e, it, items->n, desc)) != KR_OK) {
+            return st;
+        }
+        for (size_t i = 0; i < items->n; i++) {
+            l.u.l->v[i] = it[i].val;
+        }
+        l.u.l->n = items->n;
         *out = l;
         return KR_OK;
     }
@@ -944,7 +1067,11 @@ enum kr_status ct_apply_test(struct ev *e, const char *name, struct value v, con
         if (d == 0) {
             return ct_rt_err(e, "integer division or modulo by zero");
         }
-        int64_t m = ((ct_inum(v) % d) + d) % d;
+        /* Python's modulo, without C's overflow at INT64_MIN % -1 or m + d */
+        int64_t m = d == -1 ? 0 : ct_inum(v) % d;
+        if (m != 0 && ((m < 0) != (d < 0))) {
+            m += d;
+        }
         *res = name[0] == 'o' ? m == 1 : m == 0;
         return KR_OK;
     }
@@ -952,19 +1079,19 @@ enum kr_status ct_apply_test(struct ev *e, const char *name, struct value v, con
         return ct_rt_err(e, "test '%s' needs an argument", name);
     }
     if (strcmp(name, "sameas") == 0) {
-        *res = v.t == x->t && (v.t == V_NONE || v.t == V_UNDEF || (v.t == V_BOOL && v.u.b == x->u.b) || ct_v_eq(v, *x));
+        *res = v.t == x->t && (v.t == V_NONE || v.t == V_UNDEF || (v.t == V_BOOL && v.u.b == x->u.b) || ct_v_eq(e, v, *x));
         return KR_OK;
     }
     if (strcmp(name, "in") == 0) {
         return ct_contains(e, *x, v, res);
     }
     if (strcmp(name, "eq") == 0 || strcmp(name, "equalto") == 0 || strcmp(name, "==") == 0) {
-        *res = ct_v_eq(v, *x);
-        return KR_OK;
+        *res = ct_v_eq(e, v, *x);
+        return e->fault;
     }
     if (strcmp(name, "ne") == 0 || strcmp(name, "!=") == 0) {
-        *res = !ct_v_eq(v, *x);
-        return KR_OK;
+        *res = !ct_v_eq(e, v, *x);
+        return e->fault;
     }
     if (!ct_v_cmp(e, v, *x, &c)) {
         return KR_ERR_INVAL;

@@ -91,6 +91,9 @@ enum kr_status ct_get_item(struct ev *e, struct value obj, struct value key, str
     }
     if (obj.t == V_STR && (key.t == V_INT || key.t == V_BOOL)) {
         size_t k;
+        if (!ct_charge(e, ct_bytes_steps(obj.u.s->len))) {
+            return e->fault;
+        }
         if (py_index(ct_inum(key), ct_u8_count(obj.u.s->s, obj.u.s->len), &k)) {
             size_t a = ct_u8_offset(obj.u.s->s, obj.u.s->len, k), b = ct_u8_offset(obj.u.s->s, obj.u.s->len, k + 1);
             *out = ct_mk_str(e, obj.u.s->s + a, b - a);
@@ -116,6 +119,9 @@ static enum kr_status slice(struct ev *e, struct value obj, struct value va, str
     int64_t step = vc.t == V_NONE || vc.t == V_UNDEF ? 1 : ct_inum(vc);
     if (step == 0) {
         return ct_rt_err(e, "slice step cannot be zero");
+    }
+    if (step < -INT64_MAX) {
+        step = -INT64_MAX; /* as good as any for a slice, and it can be negated */
     }
     bool is_str = obj.t == V_STR;
     if (!is_str && obj.t != V_LIST && obj.t != V_TUPLE) {
@@ -150,26 +156,47 @@ static enum kr_status slice(struct ev *e, struct value obj, struct value va, str
         lo = lo >= n ? n - 1 : lo;
         hi = hi >= n ? n - 1 : hi;
     }
-    struct value r = is_str ? v_undef() : ct_mk_list(e, obj.t, 8);
-    struct kr_buf_s b = {0};
-    for (int64_t i = lo; step > 0 ? i < hi : i > hi; i += step) {
-        if (is_str) {
-            size_t a = ct_u8_offset(obj.u.s->s, obj.u.s->len, (size_t)i);
-            size_t z = ct_u8_offset(obj.u.s->s + a, obj.u.s->len - a, 1);
-            kr_bs_append(&b, obj.u.s->s + a, z);
-        } else if (r.t == V_UNDEF || !ct_list_push(e, r.u.l, obj.u.l->v[i])) {
+    /* walked once: each item is a step, and a string is walked a code point at a time from the last
+     * item (finding each item's offset from the start was quadratic in the string's length) */
+    int64_t count = step > 0 ? (hi > lo ? (hi - lo - 1) / step + 1 : 0) : (lo > hi ? (lo - hi - 1) / -step + 1 : 0);
+    if (!ct_charge(e, (uint64_t)count + (is_str ? ct_bytes_steps(obj.u.s->len) : 0))) {
+        return e->fault;
+    }
+    if (!is_str) {
+        struct value r = ct_mk_list(e, obj.t, (size_t)count);
+        if (r.t == V_UNDEF) {
             return ct_oom(e);
         }
+        for (int64_t k = 0, i = lo; k < count; k++, i += step) {
+            r.u.l->v[k] = obj.u.l->v[i];
+        }
+        r.u.l->n = (size_t)count;
+        *out = r;
+        return KR_OK;
     }
-    if (is_str) {
-        r = ct_mk_str_buf(e, &b);
-        kr_bs_free(&b);
-        if (r.t != V_STR) {
-            return ct_oom(e);
+    const char *s = obj.u.s->s;
+    size_t len = obj.u.s->len, at = count ? ct_u8_offset(s, len, (size_t)lo) : 0;
+    struct kr_buf_s b = CT_BUF;
+    for (int64_t k = 0; k < count; k++) {
+        size_t z = ct_u8_offset(s + at, len - at, 1);
+        kr_bs_append(&b, s + at, z);
+        if (k + 1 == count) {
+            break;
+        }
+        if (step > 0) { /* forward `step` code points (count bounds how far that can go) */
+            at += ct_u8_offset(s + at, len - at, (size_t)step);
+        } else {
+            for (int64_t m = 0; m < -step && at > 0; m++) {
+                at--;
+                while (at > 0 && ((unsigned char)s[at] & 0xC0) == 0x80) {
+                    at--;
+                }
+            }
         }
     }
-    *out = r;
-    return KR_OK;
+    *out = ct_mk_str_buf(e, &b);
+    kr_bs_free(&b);
+    return out->t == V_STR ? KR_OK : ct_oom(e);
 }
 
 /* ---- iteration ---------------------------------------------------------------------------------------- */
@@ -226,7 +253,7 @@ enum kr_status ct_arith(struct ev *e, int op, struct value a, struct value b, st
         return ct_rt_err(e, "an undefined value was used in arithmetic");
     }
     if (op == OP_ADD && a.t == V_STR && b.t == V_STR) {
-        struct kr_buf_s s = {0};
+        struct kr_buf_s s = CT_BUF;
         kr_bs_append(&s, a.u.s->s, a.u.s->len);
         kr_bs_append(&s, b.u.s->s, b.u.s->len);
         *out = ct_mk_str_buf(e, &s);
@@ -260,7 +287,7 @@ enum kr_status ct_arith(struct ev *e, int op, struct value a, struct value b, st
             return ct_rt_err(e, "template execution exceeded %ld steps", MAX_STEPS);
         }
         if (a.t == V_STR) {
-            struct kr_buf_s s = {0};
+            struct kr_buf_s s = CT_BUF;
             for (int64_t i = 0; i < k; i++) {
                 kr_bs_append(&s, a.u.s->s, a.u.s->len);
             }
@@ -282,7 +309,7 @@ enum kr_status ct_arith(struct ev *e, int op, struct value a, struct value b, st
     if (op == OP_MOD && a.t == V_STR) { /* printf-style formatting with %s / %d */
         struct list one = {1, 1, &b};
         struct list *args = b.t == V_TUPLE ? b.u.l : &one;
-        struct kr_buf_s s = {0};
+        struct kr_buf_s s = CT_BUF;
         size_t k = 0;
         for (size_t i = 0; i < a.u.s->len; i++) {
             char c = a.u.s->s[i];
@@ -296,9 +323,9 @@ enum kr_status ct_arith(struct ev *e, int op, struct value a, struct value b, st
             } else if ((f == 's' || f == 'd' || f == 'r') && k < args->n) {
                 struct value x = args->v[k++];
                 if (f == 'd') {
-                    kr_bs_printf(&s, "%lld", (long long)(x.t == V_FLOAT ? (int64_t)x.u.f : ct_inum(x)));
+                    kr_bs_printf(&s, "%lld", (long long)ct_inum(x));
                 } else {
-                    ct_py_str(x, &s, f == 'r');
+                    ct_py_str(e, x, &s, f == 'r');
                 }
             } else {
                 kr_bs_free(&s);
@@ -378,13 +405,14 @@ enum kr_status ct_arith(struct ev *e, int op, struct value a, struct value b, st
         return KR_OK;
     case OP_POW:
         if (ints && y >= 0) {
-            int64_t acc = 1;
-            for (int64_t i = 0; i < y; i++) {
-                if (__builtin_mul_overflow(acc, x, &acc)) {
+            /* by squaring: (-1) ** 10**18 counted to 10**18 one multiplication at a time */
+            int64_t acc = 1, base = x;
+            for (uint64_t k = (uint64_t)y; k; k >>= 1) {
+                if ((k & 1) && __builtin_mul_overflow(acc, base, &acc)) {
                     return ct_rt_err(e, "integer overflow");
                 }
-                if (acc == 0 || acc == 1) {
-                    break;
+                if (k > 1 && __builtin_mul_overflow(base, base, &base)) {
+                    return ct_rt_err(e, "integer overflow"); /* |x| ** 2 already overflows */
                 }
             }
             *out = v_int(acc);
@@ -403,18 +431,18 @@ enum kr_status ct_contains(struct ev *e, struct value hay, struct value needle, 
         if (needle.t != V_STR) {
             return ct_rt_err(e, "'in <string>' requires string as left operand, not %s", ct_type_name(needle));
         }
-        *res = ct_memfind(hay.u.s->s, hay.u.s->len, needle.u.s->s, needle.u.s->len, false) != NULL;
-        return KR_OK;
+        *res = ct_memfind(e, hay.u.s->s, hay.u.s->len, needle.u.s->s, needle.u.s->len, false) != NULL;
+        return e->fault;
     }
     if (hay.t == V_DICT || hay.t == V_NS) {
         *res = ct_dict_find(hay.u.d, needle) != NULL;
         return KR_OK;
     }
     if (hay.t == V_LIST || hay.t == V_TUPLE) {
-        for (size_t i = 0; i < hay.u.l->n && !*res; i++) {
-            *res = ct_v_eq(hay.u.l->v[i], needle);
+        for (size_t i = 0; i < hay.u.l->n && !*res && !e->fault; i++) {
+            *res = ct_v_eq(e, hay.u.l->v[i], needle); /* a step an item */
         }
-        return KR_OK;
+        return e->fault;
     }
     if (hay.t == V_UNDEF) {
         return KR_OK;
@@ -426,8 +454,8 @@ static enum kr_status compare(struct ev *e, int op, struct value a, struct value
 {
     int c;
     switch (op) {
-    case OP_EQ: *res = ct_v_eq(a, b); return KR_OK;
-    case OP_NE: *res = !ct_v_eq(a, b); return KR_OK;
+    case OP_EQ: *res = ct_v_eq(e, a, b); return e->fault;
+    case OP_NE: *res = !ct_v_eq(e, a, b); return e->fault;
     case OP_IN: return ct_contains(e, b, a, res);
     case OP_NOTIN: {
         enum kr_status st = ct_contains(e, b, a, res);
@@ -448,13 +476,25 @@ static enum kr_status compare(struct ev *e, int op, struct value a, struct value
 
 /* ---- expressions ---------------------------------------------------------------------------------------- */
 
+static enum kr_status eval(struct ev *e, const struct node *nd, struct value *out);
+
 enum kr_status ct_eval(struct ev *e, const struct node *nd, struct value *out)
+{
+    if (e->fault) {
+        return e->fault;
+    }
+    if (++e->steps > MAX_STEPS) {
+        return ct_fault(e, "template execution exceeded %ld steps", MAX_STEPS);
+    }
+    enum kr_status st = eval(e, nd, out);
+    /* a helper that met a limit (steps, nesting, size) returned some value: the fault decides */
+    return st == KR_OK && e->fault ? e->fault : st;
+}
+
+static enum kr_status eval(struct ev *e, const struct node *nd, struct value *out)
 {
     enum kr_status st = KR_OK;
     struct value a, b;
-    if (++e->steps > MAX_STEPS) {
-        return ct_rt_err(e, "template execution exceeded %ld steps", MAX_STEPS);
-    }
     if (nd == e->inject_node) {
         *out = e->inject_val;
         return KR_OK;
@@ -578,6 +618,9 @@ enum kr_status ct_eval(struct ev *e, const struct node *nd, struct value *out)
         if (!ct_is_num(a)) {
             return ct_rt_err(e, "bad operand type for unary %c: '%s'", nd->k == E_NEG ? '-' : '+', ct_type_name(a));
         }
+        if (nd->k == E_NEG && a.t == V_INT && a.u.i == INT64_MIN) {
+            return ct_rt_err(e, "integer overflow");
+        }
         *out = nd->k == E_POS ? (a.t == V_BOOL ? v_int(ct_inum(a)) : a)
                               : a.t == V_FLOAT ? v_float(-a.u.f) : v_int(-ct_inum(a));
         return KR_OK;
@@ -597,9 +640,9 @@ enum kr_status ct_eval(struct ev *e, const struct node *nd, struct value *out)
         }
         e->line = nd->line;
         if (nd->op == OP_CAT) {
-            struct kr_buf_s s = {0};
-            ct_py_str(a, &s, false);
-            ct_py_str(b, &s, false);
+            struct kr_buf_s s = CT_BUF;
+            ct_py_str(e, a, &s, false);
+            ct_py_str(e, b, &s, false);
             *out = ct_mk_str_buf(e, &s);
             kr_bs_free(&s);
             return out->t == V_STR ? KR_OK : ct_oom(e);
@@ -672,8 +715,11 @@ static enum kr_status assign(struct ev *e, struct scope *sc, const struct node *
 static enum kr_status emit(struct ev *e, struct value v)
 {
     size_t before = e->out->len;
-    ct_py_str(v, e->out, false);
-    if (e->out->len + e->arena.total > MAX_BYTES) {
+    ct_py_str(e, v, e->out, false);
+    if (e->fault) {
+        return e->fault;
+    }
+    if (e->out->over || e->out->len + e->arena.total > MAX_BYTES) {
         return ct_rt_err(e, "rendered text exceeds %u MiB", MAX_BYTES >> 20);
     }
     return e->out->p || before == e->out->len ? KR_OK : ct_oom(e);
@@ -684,8 +730,11 @@ static enum kr_status exec_node(struct ev *e, const struct node *nd, struct scop
     enum kr_status st = KR_OK;
     struct value v;
     struct scope *saved = e->scope;
+    if (e->fault) {
+        return e->fault;
+    }
     if (++e->steps > MAX_STEPS) {
-        return ct_rt_err(e, "template execution exceeded %ld steps", MAX_STEPS);
+        return ct_fault(e, "template execution exceeded %ld steps", MAX_STEPS);
     }
     e->scope = sc;
     e->line = nd->line;
@@ -694,7 +743,9 @@ static enum kr_status exec_node(struct ev *e, const struct node *nd, struct scop
         st = ct_exec_body(e, nd, sc, flow);
         break;
     case N_TEXT:
-        st = kr_bs_append(e->out, nd->v.u.s->s, nd->v.u.s->len) == KR_OK ? KR_OK : ct_oom(e);
+        st = kr_bs_append(e->out, nd->v.u.s->s, nd->v.u.s->len) == KR_OK ? KR_OK
+             : e->out->over ? ct_rt_err(e, "rendered text exceeds %u MiB", MAX_BYTES >> 20)
+                            : ct_oom(e);
         break;
     case N_OUTPUT:
         if ((st = ct_eval(e, nd->a, &v)) == KR_OK) {
@@ -763,7 +814,7 @@ static enum kr_status exec_node(struct ev *e, const struct node *nd, struct scop
                 break;
             }
             /* jinja gives each iteration fresh locals: assignments in the body do not carry over */
-            inner.vars.n = 0;
+            ct_dict_clear(&inner.vars);
             if (!ct_dict_set_str(e, &inner.vars, "loop", loop)) {
                 st = ct_oom(e);
                 break;
@@ -789,7 +840,7 @@ static enum kr_status exec_node(struct ev *e, const struct node *nd, struct scop
         break;
     case N_SET_BLOCK:
     case N_FILTER_BLOCK: {
-        struct kr_buf_s buf = {0}, *out = e->out;
+        struct kr_buf_s buf = CT_BUF, *out = e->out;
         e->out = &buf;
         st = ct_exec_body(e, nd->b, sc, flow);
         e->out = out;
@@ -844,7 +895,7 @@ static enum kr_status exec_node(struct ev *e, const struct node *nd, struct scop
         st = ct_rt_err(e, "internal error: expression node as a statement");
     }
     e->scope = saved;
-    return st;
+    return st == KR_OK && e->fault ? e->fault : st;
 }
 
 enum kr_status ct_exec_body(struct ev *e, const struct node *body, struct scope *sc, enum flow *flow)
@@ -871,7 +922,7 @@ enum kr_status kr_chat_template_render(const struct kr_chat_template *tpl, const
                                        char **out, size_t *out_len, struct kr_err *err)
 {
     struct ev e = {.err = err};
-    struct kr_buf_s buf = {0};
+    struct kr_buf_s buf = CT_BUF;
     struct scope root = {0};
     enum kr_status st = KR_OK;
     *out = NULL;
@@ -907,6 +958,10 @@ enum kr_status kr_chat_template_render(const struct kr_chat_template *tpl, const
     }
     enum flow flow = FLOW_NORMAL;
     if ((st = kr_bs_reserve(&buf, 0)) != KR_OK || (st = ct_exec_body(&e, tpl->body, &root, &flow)) != KR_OK) {
+        goto done;
+    }
+    if (e.fault || buf.over) {
+        st = e.fault ? e.fault : ct_rt_err(&e, "rendered text exceeds %u MiB", MAX_BYTES >> 20);
         goto done;
     }
     if (e.arena.failed || buf.oom) {

@@ -22,6 +22,10 @@
 #define MAX_BYTES (256u << 20)
 #define MAX_DEPTH 200
 #define MAX_RANGE 100000 /* jinja2.sandbox.MAX_RANGE */
+/* Work on text is charged a step per BYTES_PER_STEP bytes it scans (finding, counting, comparing,
+ * printing): a loop over a megabyte string is then held to the same budget as a loop over a short
+ * one that does a step of work per byte would be. */
+#define BYTES_PER_STEP 64
 
 /* ==== arena =================================================================================== */
 
@@ -35,6 +39,7 @@ struct arena {
     size_t total;
     bool failed; /* an allocation of the render failed (memory, or MAX_BYTES): what it was for is
                     missing, so the render fails even where the failure was not noticed */
+    bool over;   /* one failed for MAX_BYTES: the template's fault (KR_ERR_INVAL), not the server's */
 };
 
 /* ==== values ==================================================================================== */
@@ -64,9 +69,16 @@ struct list {
     size_t n, cap;
     struct value *v;
 };
+/* A dict keeps its keys in insertion order (Python's dict); past DICT_INDEX_MIN keys a hash index
+ * finds them, so that building a dict of n keys is O(n), not O(n^2) (a client's object of 10^5
+ * keys took minutes). */
+#define DICT_INDEX_MIN 8
 struct dict {
     size_t n, cap;
-    struct value *k, *v;
+    struct value *k, *v; /* [cap] keys and values, n used, in insertion order */
+    uint32_t *slot;      /* [n_slot] 1 + the index of a key, 0 = empty (open addressing); NULL below
+                            DICT_INDEX_MIN keys */
+    size_t n_slot;       /* a power of two, at least 2 * cap */
 };
 
 enum builtin {
@@ -178,6 +190,8 @@ struct ev {
     struct kr_buf_s *out;
     long steps;
     int depth;
+    enum kr_status fault; /* a limit a helper without a status met (steps, depth, bytes): set once, with
+                             its message in err; every later evaluation fails with it */
     struct scope *root;
     struct scope *scope;            /* innermost scope */
     const struct node *inject_node; /* set/filter blocks: this placeholder evaluates to inject_val */
@@ -185,6 +199,8 @@ struct ev {
     int line;
 };
 #define STR_OK(v) ((v).t == V_STR) /* a string made by ct_mk_str (else out of memory) */
+/* A scratch buffer of the renderer: an append past MAX_BYTES fails (b.oom) instead of growing. */
+#define CT_BUF {.limit = MAX_BYTES}
 
 /* tojson's options */
 struct json_opts {
@@ -222,6 +238,15 @@ void *ct_a_alloc(struct arena *a, size_t n);
 void ct_a_free(struct arena *a);
 enum kr_status ct_rt_err(struct ev *e, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 enum kr_status ct_oom(struct ev *e);
+/* Records a fault (the first one only) with its message; returns it. */
+enum kr_status ct_fault(struct ev *e, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* Charges n steps of work; false (the fault recorded) once the render has spent MAX_STEPS. */
+bool ct_charge(struct ev *e, uint64_t n);
+/* The steps that scanning n bytes costs. */
+static inline uint64_t ct_bytes_steps(size_t n)
+{
+    return 1 + n / BYTES_PER_STEP;
+}
 /* A string of b's contents, or V_UNDEF (and the arena marked failed) when b lost an append. b is
  * left to the caller. */
 struct value ct_mk_str_buf(struct ev *e, const struct kr_buf_s *b);
@@ -232,16 +257,23 @@ struct value ct_mk_dict(struct ev *e, enum vt t);
 struct value *ct_dict_find(const struct dict *d, struct value k);
 struct value *ct_dict_find_str(const struct dict *d, const char *k);
 bool ct_dict_set(struct ev *e, struct dict *d, struct value k, struct value v);
+void ct_dict_clear(struct dict *d); /* no keys, the capacity kept */
 bool ct_dict_set_str(struct ev *e, struct dict *d, const char *k, struct value v);
 struct value ct_mk_func(struct ev *e, enum builtin b, struct value self, const char *name);
 const char *ct_type_name(struct value v);
-void ct_py_str(struct value v, struct kr_buf_s *b, bool repr);
+/* Prints v as Python's str() (repr=false) or repr() does. Containers nested deeper than MAX_DEPTH,
+ * and printing past the step limit, record a fault. */
+void ct_py_str(struct ev *e, struct value v, struct kr_buf_s *b, bool repr);
 struct value ct_to_str(struct ev *e, struct value v);
 bool ct_truthy(struct value v);
 bool ct_is_num(struct value v);
 double ct_num(struct value v);
 int64_t ct_inum(struct value v);
-bool ct_v_eq(struct value a, struct value b);
+/* (int64_t)f saturated (NaN: 0): a plain cast of a float out of range is undefined. */
+int64_t ct_f2i(double f);
+/* Python's ==. With e, each element compared is a step and nesting deeper than MAX_DEPTH records a
+ * fault; e may be NULL (dict lookups), then deep values compare unequal. */
+bool ct_v_eq(struct ev *e, struct value a, struct value b);
 bool ct_v_cmp(struct ev *e, struct value a, struct value b, int *res);
 struct value ct_from_json(struct ev *e, const json_t *j);
 enum kr_status ct_to_json(struct ev *e, struct value v, const struct json_opts *o, int level, struct kr_buf_s *b);
@@ -251,7 +283,8 @@ struct value ct_py_strip(struct ev *e, const struct jstr *s, const struct jstr *
 struct value ct_map_case(struct ev *e, const struct jstr *s, int mode /* 0 lower 1 upper 2 title 3 capitalize */);
 struct value ct_str_replace(struct ev *e, const struct jstr *s, const struct jstr *old, const struct jstr *new,
                             int64_t count);
-const char *ct_memfind(const char *h, size_t hn, const char *n, size_t nn, bool last);
+/* The first (or last) occurrence of n in h, in time linear in hn + nn, charged to e. */
+const char *ct_memfind(struct ev *e, const char *h, size_t hn, const char *n, size_t nn, bool last);
 
 /* ---- eval.c: lookups, iteration, operators, expressions, statements -------------------------- */
 

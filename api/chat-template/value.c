@@ -2,7 +2,7 @@
  * and functions; Python's conversions (repr/str of floats and containers, truthiness, equality,
  * ordering); JSON in (the render parameters) and out (tojson); string helpers (code points,
  * strip, case mapping, replace, find). */
-#define _POSIX_C_SOURCE 200809L
+#define _GNU_SOURCE /* memmem */
 
 #include "impl.h"
 
@@ -22,7 +22,7 @@ void *ct_a_alloc(struct arena *a, size_t n)
     if (!a->head || a->head->cap - a->head->used < n) {
         size_t cap = n > 32768 ? n : 32768;
         if (a->total + cap > MAX_BYTES) {
-            a->failed = true;
+            a->failed = a->over = true;
             return NULL;
         }
         struct achunk *c = kr_malloc(sizeof(*c) + cap);
@@ -55,6 +55,9 @@ void ct_a_free(struct arena *a)
 
 enum kr_status ct_rt_err(struct ev *e, const char *fmt, ...)
 {
+    if (e->fault) { /* the limit met first is the error: what failed after it is its echo */
+        return e->fault;
+    }
     char msg[768];
     va_list ap;
     va_start(ap, fmt);
@@ -65,8 +68,35 @@ enum kr_status ct_rt_err(struct ev *e, const char *fmt, ...)
 
 enum kr_status ct_oom(struct ev *e)
 {
-    return kr_err_set(e->err, e->arena.total + 32768 > MAX_BYTES ? KR_ERR_INVAL : KR_ERR_NOMEM,
+    if (e->fault) {
+        return e->fault;
+    }
+    return kr_err_set(e->err, e->arena.over || e->arena.total + 32768 > MAX_BYTES ? KR_ERR_INVAL : KR_ERR_NOMEM,
                       "chat template line %d: out of memory (limit %u MiB)", e->line, MAX_BYTES >> 20);
+}
+
+enum kr_status ct_fault(struct ev *e, const char *fmt, ...)
+{
+    if (e->fault) {
+        return e->fault;
+    }
+    char msg[256];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof(msg), fmt, ap);
+    va_end(ap);
+    e->fault = kr_err_set(e->err, KR_ERR_INVAL, "chat template line %d: %s", e->line, msg);
+    return e->fault;
+}
+
+bool ct_charge(struct ev *e, uint64_t n)
+{
+    if (n > (uint64_t)MAX_STEPS || (e->steps += (long)n) > MAX_STEPS) {
+        e->steps = MAX_STEPS + 1;
+        ct_fault(e, "template execution exceeded %ld steps", MAX_STEPS);
+        return false;
+    }
+    return true;
 }
 
 struct value ct_mk_str(struct ev *e, const char *s, size_t n)
@@ -85,6 +115,9 @@ struct value ct_mk_str(struct ev *e, const char *s, size_t n)
 
 struct value ct_mk_str_buf(struct ev *e, const struct kr_buf_s *b)
 {
+    if (b->over) {
+        ct_fault(e, "a string exceeds %u MiB", MAX_BYTES >> 20);
+    }
     if (b->oom) {
         e->arena.failed = true;
         return v_undef();
@@ -128,20 +161,128 @@ struct value ct_mk_dict(struct ev *e, enum vt t)
     return (struct value){.t = t, .u.d = d};
 }
 
-struct value *ct_dict_find(const struct dict *d, struct value k)
+/* ---- the dict's hash index ---- */
+
+static uint64_t mix64(uint64_t x)
 {
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdULL;
+    x ^= x >> 33;
+    x *= 0xc4ceb9fe1a85ec53ULL;
+    x ^= x >> 33;
+    return x;
+}
+
+static uint64_t str_hash(const char *s, size_t n)
+{
+    uint64_t h = 0xcbf29ce484222325ULL; /* FNV-1a */
+    for (size_t i = 0; i < n; i++) {
+        h = (h ^ (unsigned char)s[i]) * 0x100000001b3ULL;
+    }
+    return mix64(h ^ n);
+}
+
+/* A hash that agrees with ct_v_eq: values that compare equal hash alike (1 == 1.0 == True). */
+static uint64_t v_hash(struct value v, int depth)
+{
+    switch (v.t) {
+    case V_UNDEF: return 0x9e3779b97f4a7c15ULL;
+    case V_NONE: return 0x7f4a7c159e3779b9ULL;
+    case V_BOOL:
+    case V_INT: return mix64((uint64_t)ct_inum(v));
+    case V_FLOAT: {
+        double f = v.u.f;
+        if (f >= -9223372036854775808.0 && f < 9223372036854775808.0 && f == (double)(int64_t)f) {
+            return mix64((uint64_t)(int64_t)f);
+        }
+        uint64_t u;
+        memcpy(&u, &f, sizeof(u));
+        return mix64(u ^ 0x5bd1e9955bd1e995ULL);
+    }
+    case V_STR: return str_hash(v.u.s->s, v.u.s->len);
+    case V_LIST:
+    case V_TUPLE: {
+        /* the length and the first few items (bounded, so that hashing stays cheap) */
+        uint64_t h = mix64((uint64_t)v.t * 31 + v.u.l->n);
+        for (size_t i = 0; depth < 3 && i < v.u.l->n && i < 4; i++) {
+            h = mix64(h ^ v_hash(v.u.l->v[i], depth + 1));
+        }
+        return h;
+    }
+    case V_DICT: return mix64(0xd1c7 + v.u.d->n); /* equality ignores order: the size only */
+    case V_NS:
+    case V_FUNC: return mix64((uint64_t)(uintptr_t)v.u.d); /* equal only to itself */
+    }
+    return 0;
+}
+
+/* Rebuilds the index for d's current capacity. */
+static bool dict_reindex(struct ev *e, struct dict *d)
+{
+    size_t n_slot = 16;
+    while (n_slot < 2 * d->cap) {
+        n_slot *= 2;
+    }
+    uint32_t *slot = ct_a_alloc(&e->arena, n_slot * sizeof(*slot));
+    if (!slot || d->cap >= UINT32_MAX) {
+        return false;
+    }
+    memset(slot, 0, n_slot * sizeof(*slot));
     for (size_t i = 0; i < d->n; i++) {
-        if (ct_v_eq(d->k[i], k)) {
-            return &d->v[i];
+        size_t at = (size_t)v_hash(d->k[i], 0) & (n_slot - 1);
+        while (slot[at]) {
+            at = (at + 1) & (n_slot - 1);
+        }
+        slot[at] = (uint32_t)i + 1;
+    }
+    d->slot = slot;
+    d->n_slot = n_slot;
+    return true;
+}
+
+/* The index in d of key k, or -1; *at_out (may be NULL) receives the free slot where k would go. */
+static int64_t dict_lookup(const struct dict *d, struct value k, size_t *at_out)
+{
+    if (!d->slot) {
+        for (size_t i = 0; i < d->n; i++) {
+            if (ct_v_eq(NULL, d->k[i], k)) {
+                return (int64_t)i;
+            }
+        }
+        return -1;
+    }
+    size_t at = (size_t)v_hash(k, 0) & (d->n_slot - 1);
+    for (; d->slot[at]; at = (at + 1) & (d->n_slot - 1)) {
+        size_t i = d->slot[at] - 1;
+        if (ct_v_eq(NULL, d->k[i], k)) {
+            return (int64_t)i;
         }
     }
-    return NULL;
+    if (at_out) {
+        *at_out = at;
+    }
+    return -1;
+}
+
+struct value *ct_dict_find(const struct dict *d, struct value k)
+{
+    int64_t i = dict_lookup(d, k, NULL);
+    return i < 0 ? NULL : &d->v[i];
 }
 
 struct value *ct_dict_find_str(const struct dict *d, const char *k)
 {
     size_t n = strlen(k);
-    for (size_t i = 0; i < d->n; i++) {
+    if (!d->slot) {
+        for (size_t i = 0; i < d->n; i++) {
+            if (d->k[i].t == V_STR && d->k[i].u.s->len == n && memcmp(d->k[i].u.s->s, k, n) == 0) {
+                return &d->v[i];
+            }
+        }
+        return NULL;
+    }
+    for (size_t at = (size_t)str_hash(k, n) & (d->n_slot - 1); d->slot[at]; at = (at + 1) & (d->n_slot - 1)) {
+        size_t i = d->slot[at] - 1;
         if (d->k[i].t == V_STR && d->k[i].u.s->len == n && memcmp(d->k[i].u.s->s, k, n) == 0) {
             return &d->v[i];
         }
@@ -149,11 +290,20 @@ struct value *ct_dict_find_str(const struct dict *d, const char *k)
     return NULL;
 }
 
+void ct_dict_clear(struct dict *d)
+{
+    d->n = 0;
+    if (d->slot) {
+        memset(d->slot, 0, d->n_slot * sizeof(*d->slot));
+    }
+}
+
 bool ct_dict_set(struct ev *e, struct dict *d, struct value k, struct value v)
 {
-    struct value *slot = ct_dict_find(d, k);
-    if (slot) {
-        *slot = v;
+    size_t at = 0;
+    int64_t found = dict_lookup(d, k, &at);
+    if (found >= 0) {
+        d->v[found] = v;
         return true;
     }
     if (d->n == d->cap) {
@@ -169,9 +319,18 @@ bool ct_dict_set(struct ev *e, struct dict *d, struct value k, struct value v)
         d->k = nk;
         d->v = nv;
         d->cap = cap;
+        if (cap > DICT_INDEX_MIN && !dict_reindex(e, d)) {
+            return false;
+        }
+        if (d->slot) { /* the free slot moved with the new index */
+            dict_lookup(d, k, &at);
+        }
     }
     d->k[d->n] = k;
     d->v[d->n] = v;
+    if (d->slot) {
+        d->slot[at] = (uint32_t)d->n + 1;
+    }
     d->n++;
     return true;
 }
@@ -276,6 +435,16 @@ static void py_repr_str(const struct jstr *s, struct kr_buf_s *b)
     char q = has_sq && !has_dq ? '"' : '\'';
     kr_bs_putc(b, q);
     for (size_t i = 0; i < s->len;) {
+        /* a run of printable ASCII in one append (a byte at a time made repr 10x slower) */
+        size_t run = i;
+        while (run < s->len && s->s[run] >= 0x20 && s->s[run] < 0x7F && s->s[run] != q && s->s[run] != '\\') {
+            run++;
+        }
+        if (run > i) {
+            kr_bs_append(b, s->s + i, run - i);
+            i = run;
+            continue;
+        }
         uint32_t cp;
         size_t l = kr_utf8_next(s->s + i, &cp);
         if (cp == (uint32_t)q || cp == '\\') {
@@ -305,15 +474,21 @@ static void py_repr_str(const struct jstr *s, struct kr_buf_s *b)
     kr_bs_putc(b, q);
 }
 
-static void py_repr_seq(struct value v, struct kr_buf_s *b)
+static void py_str(struct ev *e, struct value v, struct kr_buf_s *b, bool repr, int depth);
+
+static void py_repr_seq(struct ev *e, struct value v, struct kr_buf_s *b, int depth)
 {
+    if (depth > MAX_DEPTH) {
+        ct_fault(e, "a value nested more than %d deep cannot be printed", MAX_DEPTH);
+        return;
+    }
     if (v.t == V_LIST || v.t == V_TUPLE) {
         kr_bs_putc(b, v.t == V_LIST ? '[' : '(');
-        for (size_t i = 0; i < v.u.l->n; i++) {
+        for (size_t i = 0; i < v.u.l->n && !e->fault && !b->oom; i++) {
             if (i) {
                 kr_bs_append(b, ", ", 2);
             }
-            ct_py_str(v.u.l->v[i], b, true);
+            py_str(e, v.u.l->v[i], b, true, depth + 1);
         }
         if (v.t == V_TUPLE && v.u.l->n == 1) {
             kr_bs_putc(b, ',');
@@ -326,20 +501,25 @@ static void py_repr_seq(struct value v, struct kr_buf_s *b)
     } else {
         kr_bs_putc(b, '{');
     }
-    for (size_t i = 0; i < v.u.d->n; i++) {
+    for (size_t i = 0; i < v.u.d->n && !e->fault && !b->oom; i++) {
         if (i) {
             kr_bs_append(b, ", ", 2);
         }
-        ct_py_str(v.u.d->k[i], b, true);
+        py_str(e, v.u.d->k[i], b, true, depth + 1);
         kr_bs_append(b, ": ", 2);
-        ct_py_str(v.u.d->v[i], b, true);
+        py_str(e, v.u.d->v[i], b, true, depth + 1);
     }
     kr_bs_append(b, v.t == V_NS ? "}>" : "}", v.t == V_NS ? 2 : 1);
 }
 
-/* str(v) (repr=false) or repr(v) (repr=true) as Python prints them. */
-void ct_py_str(struct value v, struct kr_buf_s *b, bool repr)
+/* str(v) (repr=false) or repr(v) (repr=true) as Python prints them. Each value printed is a step
+ * (a list holding the same list ten times, ten deep, would print 10^10 items), and a string a step
+ * per BYTES_PER_STEP bytes. */
+static void py_str(struct ev *e, struct value v, struct kr_buf_s *b, bool repr, int depth)
 {
+    if (!ct_charge(e, v.t == V_STR ? ct_bytes_steps(v.u.s->len) : 1)) {
+        return;
+    }
     switch (v.t) {
     case V_UNDEF: break;
     case V_NONE: kr_bs_append(b, "None", 4); break;
@@ -356,9 +536,14 @@ void ct_py_str(struct value v, struct kr_buf_s *b, bool repr)
     case V_LIST:
     case V_TUPLE:
     case V_DICT:
-    case V_NS: py_repr_seq(v, b); break;
+    case V_NS: py_repr_seq(e, v, b, depth); break;
     case V_FUNC: kr_bs_printf(b, "<function %s>", v.u.fn->name ? v.u.fn->name : "?"); break;
     }
+}
+
+void ct_py_str(struct ev *e, struct value v, struct kr_buf_s *b, bool repr)
+{
+    py_str(e, v, b, repr, 0);
 }
 
 struct value ct_to_str(struct ev *e, struct value v)
@@ -366,8 +551,8 @@ struct value ct_to_str(struct ev *e, struct value v)
     if (v.t == V_STR) {
         return v;
     }
-    struct kr_buf_s b = {0};
-    ct_py_str(v, &b, false);
+    struct kr_buf_s b = CT_BUF;
+    ct_py_str(e, v, &b, false);
     struct value r = ct_mk_str_buf(e, &b);
     kr_bs_free(&b);
     return r;
@@ -401,13 +586,30 @@ double ct_num(struct value v)
     return v.t == V_FLOAT ? v.u.f : v.t == V_INT ? (double)v.u.i : (double)v.u.b;
 }
 
-int64_t ct_inum(struct value v)
+int64_t ct_f2i(double f)
 {
-    return v.t == V_INT ? v.u.i : v.t == V_BOOL ? (int64_t)v.u.b : v.t == V_FLOAT ? (int64_t)v.u.f : 0;
+    if (f != f) {
+        return 0;
+    }
+    if (f >= 9223372036854775807.0) {
+        return INT64_MAX;
+    }
+    if (f <= -9223372036854775808.0) {
+        return INT64_MIN;
+    }
+    return (int64_t)f;
 }
 
-bool ct_v_eq(struct value a, struct value b)
+int64_t ct_inum(struct value v)
 {
+    return v.t == V_INT ? v.u.i : v.t == V_BOOL ? (int64_t)v.u.b : v.t == V_FLOAT ? ct_f2i(v.u.f) : 0;
+}
+
+static bool v_eq(struct ev *e, struct value a, struct value b, int depth)
+{
+    if (e && !ct_charge(e, a.t == V_STR && b.t == V_STR ? ct_bytes_steps(a.u.s->len) : 1)) {
+        return false;
+    }
     if (ct_is_num(a) && ct_is_num(b)) {
         if (a.t != V_FLOAT && b.t != V_FLOAT) {
             return ct_inum(a) == ct_inum(b);
@@ -415,7 +617,13 @@ bool ct_v_eq(struct value a, struct value b)
         return ct_num(a) == ct_num(b);
     }
     if (a.t != b.t) {
-        return (a.t == V_LIST && b.t == V_TUPLE) ? false : false;
+        return false;
+    }
+    if (depth > MAX_DEPTH && (a.t == V_LIST || a.t == V_TUPLE || a.t == V_DICT)) {
+        if (e) {
+            ct_fault(e, "values nested more than %d deep cannot be compared", MAX_DEPTH);
+        }
+        return false;
     }
     switch (a.t) {
     case V_UNDEF:
@@ -423,22 +631,28 @@ bool ct_v_eq(struct value a, struct value b)
     case V_STR: return a.u.s->len == b.u.s->len && memcmp(a.u.s->s, b.u.s->s, a.u.s->len) == 0;
     case V_LIST:
     case V_TUPLE:
+        if (a.u.l == b.u.l) {
+            return true; /* the same list (NaN aside, as Python's identity shortcut) */
+        }
         if (a.u.l->n != b.u.l->n) {
             return false;
         }
         for (size_t i = 0; i < a.u.l->n; i++) {
-            if (!ct_v_eq(a.u.l->v[i], b.u.l->v[i])) {
+            if (!v_eq(e, a.u.l->v[i], b.u.l->v[i], depth + 1)) {
                 return false;
             }
         }
         return true;
     case V_DICT:
+        if (a.u.d == b.u.d) {
+            return true;
+        }
         if (a.u.d->n != b.u.d->n) {
             return false;
         }
         for (size_t i = 0; i < a.u.d->n; i++) {
             struct value *o = ct_dict_find(b.u.d, a.u.d->k[i]);
-            if (!o || !ct_v_eq(a.u.d->v[i], *o)) {
+            if (!o || !v_eq(e, a.u.d->v[i], *o, depth + 1)) {
                 return false;
             }
         }
@@ -447,8 +661,12 @@ bool ct_v_eq(struct value a, struct value b)
     }
 }
 
-/* Python ordering; returns false (with an error) for incomparable types. */
-bool ct_v_cmp(struct ev *e, struct value a, struct value b, int *res)
+bool ct_v_eq(struct ev *e, struct value a, struct value b)
+{
+    return v_eq(e, a, b, 0);
+}
+
+static bool v_cmp(struct ev *e, struct value a, struct value b, int *res, int depth)
 {
     if (ct_is_num(a) && ct_is_num(b)) {
         if (a.t != V_FLOAT && b.t != V_FLOAT) {
@@ -460,21 +678,38 @@ bool ct_v_cmp(struct ev *e, struct value a, struct value b, int *res)
     }
     if (a.t == V_STR && b.t == V_STR) {
         size_t n = a.u.s->len < b.u.s->len ? a.u.s->len : b.u.s->len;
-        int c = memcmp(a.u.s->s, b.u.s->s, n);
+        if (!ct_charge(e, ct_bytes_steps(n))) {
+            return false;
+        }
+        int c = n ? memcmp(a.u.s->s, b.u.s->s, n) : 0;
         *res = c ? (c < 0 ? -1 : 1) : (a.u.s->len < b.u.s->len ? -1 : a.u.s->len > b.u.s->len);
         return true;
     }
     if ((a.t == V_LIST || a.t == V_TUPLE) && a.t == b.t) {
+        if (depth > MAX_DEPTH) {
+            ct_fault(e, "values nested more than %d deep cannot be compared", MAX_DEPTH);
+            return false;
+        }
         for (size_t i = 0; i < a.u.l->n && i < b.u.l->n; i++) {
-            if (!ct_v_eq(a.u.l->v[i], b.u.l->v[i])) {
-                return ct_v_cmp(e, a.u.l->v[i], b.u.l->v[i], res);
+            if (!ct_charge(e, 1)) {
+                return false;
+            }
+            if (!ct_v_eq(e, a.u.l->v[i], b.u.l->v[i])) {
+                return !e->fault && v_cmp(e, a.u.l->v[i], b.u.l->v[i], res, depth + 1);
             }
         }
         *res = a.u.l->n < b.u.l->n ? -1 : a.u.l->n > b.u.l->n;
-        return true;
+        return !e->fault;
     }
     ct_rt_err(e, "'<' not supported between instances of '%s' and '%s'", ct_type_name(a), ct_type_name(b));
     return false;
+}
+
+/* Python ordering; returns false (with an error) for incomparable types. */
+bool ct_v_cmp(struct ev *e, struct value a, struct value b, int *res)
+{
+    *res = 0;
+    return v_cmp(e, a, b, res, 0);
 }
 
 /* ---- JSON in and out ---------------------------------------------------------------------------------- */
@@ -521,6 +756,15 @@ static void json_str(const char *s, size_t n, struct kr_buf_s *b)
 {
     kr_bs_putc(b, '"');
     for (size_t i = 0; i < n; i++) {
+        size_t run = i; /* bytes that need no escape, in one append */
+        while (run < n && (unsigned char)s[run] >= 0x20 && s[run] != '"' && s[run] != '\\') {
+            run++;
+        }
+        if (run > i) {
+            kr_bs_append(b, s + i, run - i);
+            i = run - 1;
+            continue;
+        }
         unsigned char c = (unsigned char)s[i];
         switch (c) {
         case '"': kr_bs_append(b, "\\\"", 2); break;
@@ -554,6 +798,9 @@ enum kr_status ct_to_json(struct ev *e, struct value v, const struct json_opts *
 {
     if (level > MAX_DEPTH) {
         return ct_rt_err(e, "tojson: value nested too deeply");
+    }
+    if (!ct_charge(e, v.t == V_STR ? ct_bytes_steps(v.u.s->len) : 1)) {
+        return e->fault;
     }
     switch (v.t) {
     case V_NONE: kr_bs_append(b, "null", 4); return KR_OK;
@@ -608,7 +855,7 @@ enum kr_status ct_to_json(struct ev *e, struct value v, const struct json_opts *
                 if (k.t == V_STR) {
                     json_str(k.u.s->s, k.u.s->len, b);
                 } else if (k.t == V_INT || k.t == V_FLOAT || k.t == V_BOOL || k.t == V_NONE) {
-                    struct kr_buf_s kb = {0};
+                    struct kr_buf_s kb = CT_BUF;
                     st = ct_to_json(e, k, o, level + 1, &kb);
                     if (st == KR_OK && kb.oom) {
                         st = ct_oom(e);
@@ -686,8 +933,15 @@ static bool in_chars(uint32_t cp, const struct jstr *chars)
 struct value ct_py_strip(struct ev *e, const struct jstr *s, const struct jstr *chars, bool left, bool right)
 {
     size_t a = 0, b = s->len;
+    const uint64_t per_cp = chars ? ct_bytes_steps(chars->len) : 1; /* in_chars scans chars */
+    if (!ct_charge(e, ct_bytes_steps(s->len))) {
+        return v_undef();
+    }
     while (left && a < b) {
         uint32_t cp;
+        if (chars && !ct_charge(e, per_cp)) {
+            return v_undef();
+        }
         size_t l = kr_utf8_next(s->s + a, &cp);
         if (!in_chars(cp, chars)) {
             break;
@@ -696,6 +950,9 @@ struct value ct_py_strip(struct ev *e, const struct jstr *s, const struct jstr *
     }
     while (right && b > a) {
         size_t k = b - 1;
+        if (chars && !ct_charge(e, per_cp)) {
+            return v_undef();
+        }
         while (k > a && ((unsigned char)s->s[k] & 0xC0) == 0x80) {
             k--;
         }
@@ -711,7 +968,10 @@ struct value ct_py_strip(struct ev *e, const struct jstr *s, const struct jstr *
 
 struct value ct_map_case(struct ev *e, const struct jstr *s, int mode /* 0 lower 1 upper 2 title 3 capitalize */)
 {
-    struct kr_buf_s b = {0};
+    struct kr_buf_s b = CT_BUF;
+    if (!ct_charge(e, ct_bytes_steps(s->len))) {
+        return v_undef();
+    }
     bool prev_cased = false;
     size_t idx = 0;
     for (size_t i = 0; i < s->len; idx++) {
@@ -739,11 +999,17 @@ struct value ct_map_case(struct ev *e, const struct jstr *s, int mode /* 0 lower
 struct value ct_str_replace(struct ev *e, const struct jstr *s, const struct jstr *old, const struct jstr *new,
                             int64_t count)
 {
-    struct kr_buf_s b = {0};
+    struct kr_buf_s b = CT_BUF; /* its limit stops 'a' * 10**6 replaced by a megabyte at 256 MiB */
     size_t i = 0;
     int64_t done = 0;
+    if (!ct_charge(e, ct_bytes_steps(s->len))) {
+        return v_undef();
+    }
     if (old->len == 0) { /* Python inserts `new` between every character */
-        for (size_t k = 0; k <= s->len && (count < 0 || done < count);) {
+        for (size_t k = 0; k <= s->len && (count < 0 || done < count) && !b.oom;) {
+            if (!ct_charge(e, ct_bytes_steps(new->len))) {
+                break;
+            }
             kr_bs_append(&b, new->s, new->len);
             done++;
             if (k == s->len) {
@@ -759,17 +1025,12 @@ struct value ct_str_replace(struct ev *e, const struct jstr *s, const struct jst
         }
         kr_bs_append(&b, s->s + i, s->len - i);
     } else {
-        while (i < s->len) {
+        while (i < s->len && !b.oom) {
             const char *hit = NULL;
             if (count < 0 || done < count) {
-                for (size_t k = i; k + old->len <= s->len; k++) {
-                    if (memcmp(s->s + k, old->s, old->len) == 0) {
-                        hit = s->s + k;
-                        break;
-                    }
-                }
+                hit = memmem(s->s + i, s->len - i, old->s, old->len);
             }
-            if (!hit) {
+            if (!hit || !ct_charge(e, ct_bytes_steps(new->len))) {
                 break;
             }
             kr_bs_append(&b, s->s + i, (size_t)(hit - (s->s + i)));
@@ -784,19 +1045,41 @@ struct value ct_str_replace(struct ev *e, const struct jstr *s, const struct jst
     return r;
 }
 
-const char *ct_memfind(const char *h, size_t hn, const char *n, size_t nn, bool last)
+const char *ct_memfind(struct ev *e, const char *h, size_t hn, const char *n, size_t nn, bool last)
 {
-    if (nn > hn) {
+    if (!ct_charge(e, ct_bytes_steps(hn) + ct_bytes_steps(nn)) || nn > hn) {
         return NULL;
     }
-    const char *found = NULL;
-    for (size_t i = 0; i + nn <= hn; i++) {
-        if (memcmp(h + i, n, nn) == 0) {
-            found = h + i;
-            if (!last) {
-                break;
+    if (nn == 0) {
+        return last ? h + hn : h;
+    }
+    if (!last) {
+        return memmem(h, hn, n, nn);
+    }
+    if (nn <= 8) { /* a short needle: a backward scan costs at most 8 compares a byte */
+        for (size_t i = hn - nn + 1; i-- > 0;) {
+            if (h[i] == n[0] && memcmp(h + i, n, nn) == 0) {
+                return h + i;
             }
         }
+        return NULL;
     }
-    return found;
+    /* the last occurrence is the first one in the reversed text: memmem is linear, a backward
+     * scan with a long needle is not ('a' * 10**6 rfind 'a' * 10**5 + 'b') */
+    char *rh = kr_malloc(hn + nn);
+    if (!rh) {
+        e->arena.failed = true;
+        return NULL;
+    }
+    char *rn = rh + hn;
+    for (size_t i = 0; i < hn; i++) {
+        rh[i] = h[hn - 1 - i];
+    }
+    for (size_t i = 0; i < nn; i++) {
+        rn[i] = n[nn - 1 - i];
+    }
+    const char *hit = memmem(rh, hn, rn, nn);
+    const char *r = hit ? h + (hn - (size_t)(hit - rh) - nn) : NULL;
+    kr_free(rh);
+    return r;
 }

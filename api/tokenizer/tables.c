@@ -15,7 +15,10 @@ void *tok_arena_alloc(struct arena *a, size_t n)
     n = (n + 15) & ~(size_t)15;
     struct arena_chunk *c = a->head;
     if (!c || c->cap - c->used < n) {
-        size_t cap = n > 65536 ? n : 65536;
+        /* chunks grow from 1 KiB to 64 KiB: a decode of a few ids (the streaming detokenizer
+         * does two per id) asked for 64 KiB each time, most of its cost */
+        size_t cap = c ? (c->cap < 32768 ? c->cap * 2 : 65536) : 1024;
+        cap = n > cap ? n : cap;
         c = kr_malloc(sizeof(*c) + cap);
         if (!c) {
             return NULL;

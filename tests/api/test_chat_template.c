@@ -197,3 +197,149 @@ Test(chat_template, repetition_is_bounded_by_the_step_and_byte_limits)
         kr_free(text);
     }
 }
+
+/* A client's object of 10^5 keys (a message field, chat_template_kwargs) renders: inserting each key
+ * scanned the keys before it, so a 1.7 MB body kept a worker busy for minutes. Keys keep their
+ * order, and lookups, `in` and |length see every one. */
+Test(chat_template, an_object_of_100000_keys_from_a_client_renders)
+{
+    enum { N = 100000 };
+    json_t *big = json_object(), *msgs = json_array(), *msg = json_object(), *extra = json_object();
+    for (int i = 0; i < N; i++) {
+        char k[16];
+        snprintf(k, sizeof k, "k%d", i);
+        json_object_set_new(big, k, json_integer(i));
+    }
+    json_object_set_new(msg, "role", json_string("user"));
+    json_object_set(msg, "meta", big);
+    json_array_append_new(msgs, msg);
+    json_object_set(extra, "kw", big);
+    const char *src = "{{ messages[0].meta|length }} {{ messages[0].meta.k99999 }} {{ kw['k123'] }} {{ 'k5' in kw }} "
+                      "{{ 'k100000' in kw }} {% for k in kw %}{% if loop.first or loop.last %}{{ k }} {% endif %}{% endfor %}"
+                      "{{ (kw|dictsort)[1][0] }} {{ (kw.items()|list)[-1][1] }}";
+    struct kr_chat_template *tpl = NULL;
+    struct kr_err err = {0};
+    cr_assert_eq(kr_chat_template_compile(src, strlen(src), &tpl, &err), KR_OK, "%s", err.msg);
+    struct kr_chat_params p = {.messages = msgs, .extra = extra};
+    char *out = NULL;
+    size_t len = 0;
+    cr_expect_eq(kr_chat_template_render(tpl, &p, &out, &len, &err), KR_OK, "%s", err.msg);
+    /* what jinja2 renders for the same template and variables */
+    cr_expect_str_eq(out ? out : "", "100000 99999 123 True False k0 k99999 k1 99999");
+    kr_free(out);
+    kr_chat_template_free(tpl);
+    json_decref(extra);
+    json_decref(msgs);
+    json_decref(big);
+}
+
+/* Expects `src` to fail naming one of the words in `why` (a '|'-separated list). */
+static void expect_refused(const char *src, const char *why)
+{
+    struct kr_err err = {0};
+    cr_expect_eq(render_src(src, NULL, &err), KR_ERR_INVAL, "%s rendered", src);
+    char words[128];
+    snprintf(words, sizeof words, "%s", why);
+    bool named = false;
+    for (char *w = strtok(words, "|"); w; w = strtok(NULL, "|")) {
+        named = named || strstr(err.msg, w) != NULL;
+    }
+    cr_expect(named, "%s: the error names the limit (%s): %s", src, why, err.msg);
+}
+
+/* Builtins that loop inside one step of the template (membership, unique, sort, slicing, searching,
+ * indexing a long string, equality of big values) pay for each item or each 64 bytes, so a loop
+ * around them meets the step limit instead of running for hours. */
+Test(chat_template, builtins_are_charged_to_the_step_limit)
+{
+    static const char *const runaway[] = {
+        "{% set l = range(100000)|list %}{% for i in l %}{{ i in l }}{% endfor %}",
+        "{% set l = range(100000)|list %}{% for i in range(2000) %}{{ (l|sort(reverse=true))[0] }}{% endfor %}",
+        "{% set l = range(100000)|list %}{% for i in range(2000) %}{{ l.index(99999) }}{% endfor %}",
+        "{% set l = range(100000)|list %}{% for i in range(2000) %}{{ l == l[:] }}{% endfor %}",
+        "{% set l = range(100000)|list %}{% for i in range(2000) %}{{ l[::-1][0] }}{% endfor %}",
+        "{% set s = 'x' * 1000000 %}{% for i in range(100000) %}{{ s[-1] }}{% endfor %}",
+        "{% set s = 'x' * 1000000 %}{% for i in range(100000) %}{{ s.find('y') }}{% endfor %}",
+        "{% set s = 'x' * 1000000 %}{% for i in range(100000) %}{{ s.count('y') }}{% endfor %}",
+        "{% set s = 'x' * 1000000 %}{% for i in range(100000) %}{{ 'y' in s }}{% endfor %}",
+        "{% set s = 'x' * 1000000 %}{% for i in range(100000) %}{{ s|length }}{% endfor %}",
+    };
+    for (size_t i = 0; i < sizeof runaway / sizeof runaway[0]; i++) {
+        expect_refused(runaway[i], "steps");
+    }
+    /* these make a value each time (a dict of what was seen, a stripped copy): memory may run out first */
+    expect_refused("{% set l = range(100000)|list %}{% for i in range(2000) %}{{ l|unique|length }}{% endfor %}",
+                   "steps|MiB");
+    expect_refused("{% set s = 'x' * 1000000 %}{% for i in range(100000) %}{{ s.strip('y' * 1000)|length }}{% endfor %}",
+                   "steps|MiB");
+}
+
+/* A string built by replace or join is held to the 256 MiB limit while it grows (a megabyte
+ * string joined a thousand times asked for a gigabyte), and searching uses linear-time matching:
+ * a long needle that almost matches everywhere is found (or not) at once. */
+Test(chat_template, replace_and_join_are_held_to_the_byte_limit)
+{
+    expect_refused("{{ ('x' * 1000000).replace('', 'y' * 1000)|length }}", "MiB|steps");
+    expect_refused("{% set s = 'x' * 1000000 %}{{ ([s] * 1000)|join|length }}", "MiB|steps");
+    expect_refused("{% set s = 'x' * 1000000 %}{{ ','.join([s] * 1000)|length }}", "MiB|steps");
+    expect_refused("{% set s = 'x' * 1000000 %}{{ ([s] * 1000)|string|length }}", "MiB|steps");
+    char *text = NULL;
+    struct kr_err err = {0};
+    cr_expect_eq(render_src("{% set h = 'a' * 1000000 %}{% set n = 'a' * 100000 ~ 'b' %}{{ n in h }} {{ h.find(n) }} "
+                            "{{ h.rfind(n) }} {{ h.count(n) }} {{ (h ~ 'b').rfind(n) }} {{ h.replace(n, '')|length }}",
+                            &text, &err),
+                 KR_OK, "%s", err.msg);
+    cr_expect_str_eq(text ? text : "", "False -1 -1 0 900000 1000000");
+    kr_free(text);
+}
+
+/* Printing and comparing stop at a depth of 200 with an error (they recursed without bound: a list
+ * nested 10^5 deep overflowed the stack), and a value that shares its parts (ten copies of ten
+ * copies of ...) costs what printing or comparing it all would. */
+Test(chat_template, nesting_and_sharing_are_bounded_when_printing_and_comparing)
+{
+    const char *deep = "{% set ns = namespace(x=[], y=[]) %}{% for i in range(100000) %}{% set ns.x = [ns.x] %}"
+                       "{% set ns.y = [ns.y] %}{% endfor %}";
+    static const char *const tails[] = {"{{ ns.x }}", "{{ ns.x == ns.y }}", "{{ ns.x < ns.y }}",
+                                        "{{ ns.x in [ns.y] }}", "{{ ns.x|tojson }}", "{{ ns.x ~ '' }}"};
+    for (size_t i = 0; i < sizeof tails / sizeof tails[0]; i++) {
+        char src[512];
+        snprintf(src, sizeof src, "%s%s", deep, tails[i]);
+        expect_refused(src, "deep|nested");
+    }
+    const char *wide = "{% set ns = namespace(a=[1, 1, 1, 1, 1, 1, 1, 1, 1, 1], b=[1, 1, 1, 1, 1, 1, 1, 1, 1, 1]) %}"
+                       "{% for i in range(12) %}{% set ns.a = [ns.a] * 10 %}{% set ns.b = [ns.b] * 10 %}{% endfor %}";
+    static const char *const wide_tails[] = {"{{ ns.a }}", "{{ ns.a == ns.b }}", "{{ ns.a|tojson|length }}"};
+    for (size_t i = 0; i < sizeof wide_tails / sizeof wide_tails[0]; i++) {
+        char src[512];
+        snprintf(src, sizeof src, "%s%s", wide, wide_tails[i]);
+        expect_refused(src, "steps|MiB");
+    }
+}
+
+/* Integers are 64-bit: arithmetic that leaves that range is an error (Python's integers would
+ * grow), never C's undefined overflow; a float too big for an integer saturates. */
+Test(chat_template, integer_overflow_is_an_error)
+{
+    static const char *const overflow[] = {
+        "{{ 9223372036854775807 + 1 }}",         "{{ -9223372036854775807 - 2 }}",
+        "{{ 3037000500 * 3037000500 }}",          "{{ -(-9223372036854775807 - 1) }}",
+        "{{ (-9223372036854775807 - 1)|abs }}",  "{{ (-9223372036854775807 - 1) // -1 }}",
+        "{{ 3 ** 40 }}",                          "{{ 2 ** 63 }}",
+        "{{ (-9223372036854775807 - 1) % -1 }}",
+    };
+    for (size_t i = 0; i < sizeof overflow / sizeof overflow[0]; i++) {
+        expect_refused(overflow[i], "overflow|modulo");
+    }
+    expect_refused("{{ range(-9223372036854775807 - 1, 9223372036854775807)|length }}", "range");
+    char *text = NULL;
+    struct kr_err err = {0};
+    cr_expect_eq(render_src("{{ 1e300|int }} {{ -1e300|int }} {{ 'nan'|float|int }} "
+                            "{{ '%d' % 1e300 }} {{ (-9223372036854775807 - 1) % 1 }} {{ 2 ** 62 }} {{ (-2) ** 63 }}",
+                            &text, &err),
+                 KR_OK, "%s", err.msg);
+    cr_expect_str_eq(text ? text : "",
+                     "9223372036854775807 -9223372036854775808 0 9223372036854775807 0 4611686018427387904 "
+                     "-9223372036854775808");
+    kr_free(text);
+}

@@ -141,6 +141,14 @@ features = {
     "error_unknown_filter": "{{ x|frobnicate }}",
     "error_unsafe": "{% set l = [1] %}{{ l.append(2) }}",
     "error_div_zero": "{{ 1 // 0 }}",
+    # the builtins' semantics where their algorithms changed (hash index, merge sort, memmem, slices)
+    "filters_unique_sort": "{{ ['a','A','b','B','a']|unique|list }}{{ ['a','A']|unique(case_sensitive=true)|list }}{{ [1, 1.0, true, 2]|unique|list }}{{ messages|unique(attribute='role')|map(attribute='role')|list }}{{ ['b','A','a','B']|sort }}{{ ['b','A','a','B']|sort(case_sensitive=true) }}{{ [3,1,2,1,3]|sort(reverse=true) }}{{ messages|sort(attribute='role')|map(attribute='content')|list }}{{ messages|sort(attribute='role', reverse=true)|map(attribute='role')|list }}{{ {'b':1,'A':2,'a':3}|dictsort }}{{ {'b':1,'A':2,'a':3}|dictsort(by='value') }}{{ {'b':1,'A':2,'a':3}|dictsort(reverse=true) }}{{ ['b','A','c']|max }}{{ ['b','A','c']|min }}{{ [2.5, 1, 3]|max }}",
+    "dict_keys": "{% set d = {'k0':0,'k1':1,'k2':2,'k3':3,'k4':4,'k5':5,'k6':6,'k7':7,'k8':8,'k9':9,'k10':10,'k11':11,'k3':33} %}{{ d }} {{ d|length }} {{ 'k11' in d }} {{ 'k12' in d }} {{ d.k7 }} {{ d['k3'] }} {{ {1:'a',2:'b',3:'c',4:'d',5:'e',6:'f',7:'g',8:'h',9:'i',10:'j',1.0:'A',true:'B',10.0:'J',0:'z',false:'Z'} }} {{ {(1, 2): 'x', (1, 2): 'y'} }} {{ dict(d, k0='new')|length }} {% set ns = namespace(a=1) %}{% set ns.b = 2 %}{% set ns.a = 3 %}{{ ns.a }}{{ ns.b }}",
+    "numbers_rounding": "{{ 5|round }} {{ 2.5|round }} {{ 3.5|round }} {{ -2.5|round }} {{ 2.567|round(2, 'floor') }} {{ 2.561|round(2, 'ceil') }} {{ 1234.5|round(-2) }} {{ (-1) ** 1000000000000000001 }} {{ 2 ** 62 }} {{ 0 ** 0 }} {{ 7 is divisibleby(-1) }} {{ -7 % -3 }} {{ 7 % -3 }} {{ -7 // 2 }} {{ '3.0'|float|int }} {{ -3.9|int }} {{ '0x1A'|int }} {{ 'abc'|int(7) }} {{ range(-5, 5, 3)|list }} {{ range(5, -5, -3)|list }}",
+    "slices_and_search": "{{ 'héllo wörld'[::3] }} {{ 'héllo wörld'[::-2] }} {{ 'héllo'[10:] }} {{ 'héllo'[-100:2] }} {{ 'héllo'[1:-1] }} {{ [1,2,3,4,5][::-2] }} {{ [1,2,3][5:1:-1] }} {{ 'abc'[1:1] }} {{ [1,2,3][::100] }} {{ 'aaaa'.count('aa') }} {{ 'abcabc'.rfind('bc') }} {{ 'abcabcabcabcabc'.rfind('abcabcabca') }} {{ 'x'.find('') }} {{ 'ab'.rfind('') }} {{ 'aXbXc'.split('X') }} {{ 'a.b.c.d'.rsplit('.', 2) }} {{ 'ab' in 'xaby' }} {{ 'abcabc'.replace('bc', '-', 1) }} {{ 'abc'.replace('', '.') }} {{ 'x' * 3 ~ 'y' }} {{ [1, [2, [3]]] == [1, [2, [3]]] }} {{ [1, 2] < [1, 3] }} {{ 'é'|length }}",
+    "error_split_undefined": "{{ 'a b'.split(nothing) }}",
+    "error_round_string": "{{ 'ab'|round }}",
+    "error_sort_mixed": "{{ [1, 'a']|sort }}",
 }
 for name, tpl in features.items():
     add("feature/" + name, tpl, dict(base))
