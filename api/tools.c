@@ -172,7 +172,10 @@ enum kr_status kr_tool_grammar_spec(enum kr_tool_format f, const json_t *tools, 
     }
     *len = strlen(text);
     *spec = kr_strndup(text, *len);
-    free(text); /* jansson's allocator is plain malloc unless krait routed it (kr_oai_free) */
+    json_malloc_t jmalloc = NULL;
+    json_free_t jfree = NULL;
+    json_get_alloc_funcs(&jmalloc, &jfree);
+    jfree(text); /* jansson's allocator (krait routes it through kr_malloc) */
     return *spec ? KR_OK : KR_ERR_NOMEM;
 }
 
