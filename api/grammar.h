@@ -75,6 +75,21 @@ enum kr_status kr_grammar_from_choice(const char *const *choices, const size_t *
 enum kr_status kr_grammar_from_gbnf(const char *text, size_t len, const char *start_rule, struct kr_grammar **out,
                                     struct kr_err *err);
 
+/* Tool calls in a model's own format (api/tools.h writes the specification), compiled from len
+ * bytes of JSON text (borrowed):
+ *   {"format": {"begin": B, "sep": S, "end": E, "prefix": P, "mid": M, "suffix": X, "dsml": bool},
+ *    "tools": [{"name": N, "parameters": schema or absent}, ...], "max_calls": K}
+ * The text is B CALL (S CALL)* E with at most K calls (K 0: no limit), each CALL one of the tools:
+ * P N M ARGS X. ARGS is a JSON document matching the tool's parameters (any object when it has
+ * none), or with dsml DeepSeek-V3.2's parameter elements, one per declared property in schema
+ * order (required ones present), each
+ *   <｜DSML｜parameter name="K" string="true">raw text</｜DSML｜parameter>\n      (a plain string)
+ *   <｜DSML｜parameter name="K" string="false">JSON value</｜DSML｜parameter>\n   (anything else)
+ * A schema that does not compile is an error whose message starts with
+ * "tools[I].function.parameters: ". */
+enum kr_status kr_grammar_from_tools(const char *spec, size_t len, const struct kr_grammar_json_opts *opts,
+                                     struct kr_grammar **out, struct kr_err *err);
+
 /* Drops a reference to a grammar (a compiled grammar starts with one), freeing it with the last;
  * NULL is a no-op. Matchers of the grammar must be gone before the last reference. */
 void kr_grammar_free(struct kr_grammar *g);
@@ -98,6 +113,7 @@ enum kr_grammar_kind {
     KR_GRAMMAR_REGEX,       /* text: the regex */
     KR_GRAMMAR_GBNF,        /* text: the grammar (start rule "root") */
     KR_GRAMMAR_CHOICE,      /* text: a JSON array of strings */
+    KR_GRAMMAR_TOOLS,       /* text: a tool-call specification (kr_grammar_from_tools) */
 };
 
 struct kr_grammar_cache;

@@ -610,6 +610,42 @@ char *kr_oai_completion_chunk(const char *id, int64_t created, const char *model
 
 /* ---- chat ------------------------------------------------------------------------------------ */
 
+/* [{index?, id, type, function: {name, arguments}}]: a message's calls (with_index false) or a
+ * delta's pieces (id, type and name only where given). */
+static json_t *jtool_calls(bool *ok, const struct kr_oai_tool_call *v, int32_t n, bool delta)
+{
+    json_t *a = json_array();
+    if (!a) {
+        *ok = false;
+        return NULL;
+    }
+    for (int32_t i = 0; i < n; i++) {
+        json_t *t = json_object(), *fn = json_object();
+        if (!t || !fn) {
+            *ok = false;
+            json_decref(t);
+            json_decref(fn);
+            break;
+        }
+        if (delta) {
+            oset(ok, t, "index", json_integer(v[i].index));
+        }
+        if (v[i].id) {
+            oset(ok, t, "id", json_string(v[i].id));
+            oset(ok, t, "type", json_string("function"));
+        }
+        if (v[i].name) {
+            oset(ok, fn, "name", jstr(v[i].name, strlen(v[i].name)));
+        }
+        if (!delta || v[i].args) {
+            oset(ok, fn, "arguments", jstr(v[i].args ? v[i].args : "", v[i].args_len));
+        }
+        oset(ok, t, "function", fn);
+        apush(ok, a, t);
+    }
+    return a;
+}
+
 char *kr_oai_chat_json(const struct kr_oai_completion *c)
 {
     bool ok = true;
@@ -627,7 +663,10 @@ char *kr_oai_chat_json(const struct kr_oai_completion *c)
         }
         oset(&ok, cj, "index", json_integer(ch->index));
         oset(&ok, msg, "role", json_string("assistant"));
-        oset(&ok, msg, "content", jstr(ch->text, ch->text_len));
+        oset(&ok, msg, "content", ch->content_null ? json_null() : jstr(ch->text, ch->text_len));
+        if (ch->n_tool_calls > 0) {
+            oset(&ok, msg, "tool_calls", jtool_calls(&ok, ch->tool_calls, ch->n_tool_calls, false));
+        }
         oset(&ok, cj, "message", msg);
         oset(&ok, cj, "logprobs",
              ch->logprobs ? chat_logprobs(&ok, ch->logprobs, ch->n_logprobs) : json_null());
@@ -667,8 +706,14 @@ char *kr_oai_chat_chunk(const char *id, int64_t created, const char *model, cons
     if (first) {
         oset(&ok, d, "role", json_string("assistant"));
     }
-    /* the final chunk carries an empty delta unless it still has text */
-    if (first || delta->text_len > 0 || !delta->finish_reason) {
+    /* the final chunk carries an empty delta unless it still has text; a tool-call piece carries no
+     * content (null in the first chunk, as OpenAI) */
+    if (delta->n_tool_calls > 0) {
+        if (first) {
+            oset(&ok, d, "content", json_null());
+        }
+        oset(&ok, d, "tool_calls", jtool_calls(&ok, delta->tool_calls, delta->n_tool_calls, true));
+    } else if (first || delta->text_len > 0 || !delta->finish_reason) {
         oset(&ok, d, "content", jstr(delta->text, delta->text_len));
     }
     oset(&ok, ch, "delta", d);

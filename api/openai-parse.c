@@ -12,6 +12,7 @@
 
 #include "alloc.h"
 #include "log.h"
+#include "tools.h"
 
 #include <jansson.h>
 
@@ -566,6 +567,10 @@ static enum kr_status parse_tools(struct kr_oai_request *r, struct kr_oai_error 
                 return name ? bad(e, npath, "'%s' must be a string", npath)
                             : bad(e, npath, "Missing required parameter: '%s'", npath);
             }
+            if (!kr_tool_name_valid(json_string_value(name), json_string_length(name))) {
+                return bad(e, npath, "Invalid '%s': '%.64s'. A function name is 1 to 64 characters of a-z, A-Z, 0-9, "
+                           "underscores and dashes", npath, json_string_value(name));
+            }
             if ((st = opt_member_string(fn, fpath, "description", e)) != KR_OK) {
                 return st;
             }
@@ -577,8 +582,14 @@ static enum kr_status parse_tools(struct kr_oai_request *r, struct kr_oai_error 
         }
         r->tools = tools;
     }
+    json_t *ptc = opt_get(r->root, "parallel_tool_calls");
+    if (ptc && !json_is_boolean(ptc)) {
+        return bad(e, "parallel_tool_calls", "'parallel_tool_calls' must be a boolean");
+    }
+    r->parallel_tool_calls = !ptc || json_is_true(ptc);
     /* tool_choice: "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}};
-     * accepted and type-checked, not acted upon */
+     * auto without tools is none */
+    r->tool_choice = r->tools && json_array_size(r->tools) ? KR_OAI_TOOL_AUTO : KR_OAI_TOOL_NONE;
     json_t *tc = opt_get(r->root, "tool_choice");
     if (!tc) {
         return KR_OK;
@@ -588,6 +599,14 @@ static enum kr_status parse_tools(struct kr_oai_request *r, struct kr_oai_error 
         if (strcmp(s, "none") != 0 && strcmp(s, "auto") != 0 && strcmp(s, "required") != 0) {
             return bad(e, "tool_choice",
                        "Invalid value: '%.64s'. Supported values are: 'none', 'auto', and 'required'", s);
+        }
+        if (!strcmp(s, "none")) {
+            r->tool_choice = KR_OAI_TOOL_NONE;
+        } else if (!strcmp(s, "required")) {
+            if (r->tool_choice == KR_OAI_TOOL_NONE) {
+                return bad(e, "tool_choice", "'tool_choice' 'required' needs a non-empty 'tools'");
+            }
+            r->tool_choice = KR_OAI_TOOL_REQUIRED;
         }
         return KR_OK;
     }
@@ -605,7 +624,19 @@ static enum kr_status parse_tools(struct kr_oai_request *r, struct kr_oai_error 
                     : bad(e, "tool_choice.function.name",
                           "Missing required parameter: 'tool_choice.function.name'");
     }
-    return KR_OK;
+    json_t *type = opt_get(tc, "type");
+    if (type && (!json_is_string(type) || strcmp(json_string_value(type), "function") != 0)) {
+        return bad(e, "tool_choice.type", "'tool_choice.type' must be 'function'");
+    }
+    for (size_t i = 0; i < json_array_size(r->tools); i++) {
+        if (json_equal(json_object_get(json_object_get(json_array_get(r->tools, i), "function"), "name"), name)) {
+            r->tool_choice = KR_OAI_TOOL_NAMED;
+            r->tool_name = json_string_value(name);
+            return KR_OK;
+        }
+    }
+    return bad(e, "tool_choice.function.name", "'tool_choice.function.name': no function named '%.64s' is in 'tools'",
+               json_string_value(name));
 }
 
 /* ---- request parsing: common fields ---------------------------------------------------------- */

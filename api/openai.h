@@ -92,6 +92,14 @@ struct kr_oai_constraint {
                                   "structured_outputs.regex"): compile errors name it */
 };
 
+/* tool_choice (OpenAI): what the model may do with `tools`. */
+enum kr_oai_tool_choice {
+    KR_OAI_TOOL_AUTO = 0, /* the model may call (the default when tools are given): its output is parsed */
+    KR_OAI_TOOL_NONE,     /* no call: the output is text (the default without tools) */
+    KR_OAI_TOOL_REQUIRED, /* one call or more, forced by constrained decoding */
+    KR_OAI_TOOL_NAMED,    /* {"type": "function", "function": {"name": N}}: a call of N, forced */
+};
+
 struct kr_oai_request {
     enum kr_oai_kind kind;
     json_t *root;              /* owned: the parsed body */
@@ -102,7 +110,10 @@ struct kr_oai_request {
     bool echo;
     /* chat: borrowed from root */
     json_t *messages;          /* array of {role, content (string | array of {type: text, text}), tool_calls, ...} */
-    json_t *tools;             /* array or NULL */
+    json_t *tools;             /* array or NULL (validated: function names are OpenAI-valid) */
+    enum kr_oai_tool_choice tool_choice;
+    const char *tool_name;     /* KR_OAI_TOOL_NAMED: the function (borrowed from root) */
+    bool parallel_tool_calls;  /* default true; false: at most one call */
     bool add_generation_prompt; /* default true */
     bool continue_final_message;
     json_t *chat_template_kwargs; /* object or NULL */
@@ -161,6 +172,15 @@ struct kr_oai_logprob {
 };
 
 struct kr_oai_usage;
+/* One tool call of a message, or a piece of one in a stream delta (id and name only in the first
+ * delta of a call, NULL after). */
+struct kr_oai_tool_call {
+    int32_t index;
+    const char *id;    /* "call_..." or NULL */
+    const char *name;  /* or NULL */
+    const char *args;  /* [args_len] JSON text (a fragment in a delta); NULL with 0 */
+    size_t args_len;
+};
 
 /* A finished or streaming choice as the server accumulated it. */
 struct kr_oai_choice {
@@ -175,6 +195,10 @@ struct kr_oai_choice {
     const char *stop_reason_str; /* the stop string hit (vLLM "stop_reason"), or NULL */
     int32_t stop_reason_id;     /* the stop token id hit, or -1 */
     const struct kr_oai_usage *usage; /* a delta chunk's usage so far (continuous_usage_stats), or NULL */
+    /* chat tool calls: the message's (or a delta's) calls; content null when content_null */
+    const struct kr_oai_tool_call *tool_calls; /* [n_tool_calls] */
+    int32_t n_tool_calls;
+    bool content_null;
 };
 
 struct kr_oai_usage {

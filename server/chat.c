@@ -11,6 +11,7 @@ struct kr_chat {
     struct kr_chat_template *tpl;
     char *bos, *eos;
     bool has_developer;        /* the template names the 'developer' role: such messages go as they are */
+    enum kr_tool_format tool_format; /* what the template's text teaches (NONE: it shows no format) */
 };
 
 static enum kr_status read_file(const char *path, char **out, size_t *len, struct kr_err *err)
@@ -72,6 +73,7 @@ enum kr_status kr_chat_load(const struct kr_tokenizer *tok, const char *template
      * (DeepSeek-V3's among them) only looks for "system" and would drop such messages silently, so
      * they are handed to it as system messages unless the template mentions the role itself */
     c->has_developer = memmem(src, len, "developer", 9) != NULL;
+    c->tool_format = kr_tool_format_detect(src, NULL);
     kr_free(src);
     if (st != KR_OK) {
         kr_err_prefix(err, "%s", what);
@@ -87,6 +89,14 @@ enum kr_status kr_chat_load(const struct kr_tokenizer *tok, const char *template
     }
     *out = c;
     return KR_OK;
+}
+
+enum kr_tool_format kr_chat_tool_format(const struct kr_chat *c, const char *model_type)
+{
+    if (c && c->tool_format != KR_TOOL_FORMAT_NONE) {
+        return c->tool_format;
+    }
+    return kr_tool_format_detect(NULL, model_type);
 }
 
 void kr_chat_free(struct kr_chat *c)

@@ -8,6 +8,7 @@
 #include "openai.h"
 #include "status.h"
 #include "tokenizer.h"
+#include "tools.h"
 
 struct kr_chat;
 
@@ -16,6 +17,10 @@ struct kr_chat;
 enum kr_status kr_chat_load(const struct kr_tokenizer *tok, const char *template_file, struct kr_chat **out,
                             struct kr_err *err);
 void kr_chat_free(struct kr_chat *c);
+
+/* How the model writes tool calls: the format its template teaches, else its family's (config.json's
+ * model_type, may be NULL), else none (kr_tool_format_detect). c may be NULL (no template). */
+enum kr_tool_format kr_chat_tool_format(const struct kr_chat *c, const char *model_type);
 
 /* Renders `messages` (content strings or arrays of text parts, joined with newlines) and `tools`.
  * With continue_final_message the text ends right after the last message's content (the

@@ -1474,6 +1474,7 @@ static void on_loaded(uv_async_t *a)
     s->env.engine_ctx = s->rt.eng;
     s->env.tok = s->rt.tok;
     s->env.chat = s->rt.chat;
+    s->env.tool_format = kr_chat_tool_format(s->rt.chat, s->rt.m->cfg.model_type);
     s->env.grammars = s->rt.grammars;
     s->env.gvocab = s->rt.gvocab;
     s->env.vocab = s->rt.m->cfg.vocab;

@@ -12,6 +12,7 @@
 #include "responses.h"
 #include "stops.h"
 #include "tokenizer.h"
+#include "tools.h"
 
 #include <jansson.h>
 #include <stdatomic.h>
@@ -67,6 +68,16 @@ struct choice {
     int32_t lp_sent;           /* stream: logprob entries sent */
     bool first_sent;
     bool final_sent;           /* stream: the chunk with finish_reason went out (once) */
+    /* tool calls (the session's tools_on): the text parsed so far, each call's id and the bytes of its
+     * arguments already streamed, and the finished message's calls */
+    struct kr_tool_parse tp;
+    struct tcall {
+        char id[40];
+        bool announced;        /* stream: its first piece (id, name) went out */
+        size_t sent;           /* stream: bytes of its arguments that went out */
+    } *tc;                     /* [n_tc] */
+    int32_t n_tc;
+    struct kr_oai_tool_call *tview; /* [tp.n_calls] once finished */
     double t_first, t_last;
 };
 
@@ -80,6 +91,8 @@ struct kr_sess {
     struct kr_oai_request o;
     bool have_o;
     struct kr_grammar *grammar; /* the compiled output constraint (a reference), or NULL */
+    bool tools_on;             /* chat output is parsed for tool calls (env->tool_format) */
+    int32_t max_calls;         /* 0: any number; 1 with parallel_tool_calls false */
     bool prep_failed;
     size_t prep_peak;          /* the most memory the preparation held (kr_alloc_limit_end) */
     char *def_body;            /* /tokenize, /detokenize: the answer (jansson's allocator) */
@@ -216,6 +229,9 @@ static void sess_free(struct kr_sess *s)
         kr_free(c->lps);
         kr_free(c->lp_top);
         kr_detok_destroy(c->detok);
+        kr_tool_parse_free(&c->tp);
+        kr_free(c->tc);
+        kr_free(c->tview);
     }
     for (int32_t i = 0; i < s->n_sub; i++) {
         struct kr_sess_sub *sb = &s->subs[i];
@@ -391,6 +407,114 @@ static void choice_view(struct choice *c, struct kr_oai_choice *v)
     v->finish_reason = c->finished ? c->finish : NULL;
     v->stop_reason_str = c->stop_str;
     v->stop_reason_id = c->stop_id;
+    if (c->tview) { /* a finished message with tool calls: the text before them is its content */
+        v->text_len = c->tp.content_len;
+        v->tool_calls = c->tview;
+        v->n_tool_calls = c->tp.n_calls;
+        v->content_null = c->tp.content_len == 0;
+    }
+}
+
+/* The ids of c's calls so far (new ones get one). False when out of memory. */
+static bool tool_ids(struct choice *c)
+{
+    if (c->n_tc >= c->tp.n_calls) {
+        return true;
+    }
+    struct tcall *v = kr_realloc(c->tc, (size_t)c->tp.n_calls * sizeof *v);
+    if (!v) {
+        return false;
+    }
+    c->tc = v;
+    for (; c->n_tc < c->tp.n_calls; c->n_tc++) {
+        kr_tool_call_id(v[c->n_tc].id, sizeof v[c->n_tc].id);
+        v[c->n_tc].announced = false;
+        v[c->n_tc].sent = 0;
+    }
+    return true;
+}
+
+/* Re-parses c's text for tool calls (final once the choice finished). False when out of memory. */
+static bool tool_reparse(struct kr_sess *s, struct choice *c, bool final)
+{
+    struct kr_tool_parse tp;
+    if (kr_tool_parse(s->env->tool_format, c->text, c->len, final, s->max_calls, &tp) != KR_OK) {
+        return false;
+    }
+    kr_tool_parse_free(&c->tp);
+    c->tp = tp;
+    return tool_ids(c);
+}
+
+/* Streams a choice whose text is parsed for tool calls: content up to where a call could begin (and
+ * before any stop string), then one chunk per call piece: its first with id, type, name and the
+ * arguments so far, later ones with more arguments; the finish_reason in a chunk of its own. */
+static void stream_tools(struct kr_sess *s, struct choice *c)
+{
+    const struct kr_sess_env *env = s->env;
+    size_t upto = kr_stops_sendable(&s->stops, c->text, c->len, c->sent, c->finished);
+    if (upto > c->tp.content_len) {
+        upto = c->tp.content_len > c->sent ? c->tp.content_len : c->sent;
+    }
+    const bool new_lp = c->lps && c->lp_sent < c->n_ids, new_ids = s->o.return_token_ids && c->lp_sent < c->n_ids;
+    struct kr_oai_choice d;
+    if (upto > c->sent || new_lp || new_ids) {
+        choice_view(c, &d);
+        d.tool_calls = NULL;
+        d.n_tool_calls = 0;
+        d.content_null = false;
+        d.text = c->text ? c->text + c->sent : "";
+        d.text_len = upto - c->sent;
+        d.token_ids = c->ids + c->lp_sent;
+        d.n_tokens = c->n_ids - c->lp_sent;
+        d.logprobs = c->lps ? c->lps + c->lp_sent : NULL;
+        d.n_logprobs = c->lps ? c->n_ids - c->lp_sent : 0;
+        d.finish_reason = NULL;
+        if (!emit_chunk(s, kr_oai_chat_chunk(s->id, s->created, env->model_name, &d, !c->first_sent))) {
+            return;
+        }
+        c->sent = upto;
+        c->lp_sent = c->n_ids;
+        c->first_sent = true;
+    }
+    for (int32_t i = 0; i < c->tp.n_calls && i < c->n_tc; i++) {
+        const struct kr_tool_call *k = &c->tp.calls[i];
+        struct tcall *t = &c->tc[i];
+        const bool fresh = !t->announced;
+        if (!fresh && k->args_len <= t->sent) {
+            continue;
+        }
+        const size_t from = fresh ? 0 : t->sent;
+        struct kr_oai_tool_call piece = {.index = i, .id = fresh ? t->id : NULL, .name = fresh ? k->name : NULL,
+                                         .args = k->args ? k->args + from : "", .args_len = k->args_len - from};
+        memset(&d, 0, sizeof d);
+        d.index = c->index;
+        d.stop_reason_id = -1;
+        d.text = "";
+        d.tool_calls = &piece;
+        d.n_tool_calls = 1;
+        if (!emit_chunk(s, kr_oai_chat_chunk(s->id, s->created, env->model_name, &d, !c->first_sent))) {
+            return;
+        }
+        c->first_sent = true;
+        t->announced = true;
+        t->sent = k->args_len;
+    }
+    if (c->finished) {
+        choice_view(c, &d);
+        d.tool_calls = NULL;
+        d.n_tool_calls = 0;
+        d.content_null = false;
+        d.text = "";
+        d.text_len = 0;
+        d.token_ids = NULL;
+        d.logprobs = NULL;
+        d.finish_reason = c->finish;
+        if (emit_chunk(s, kr_oai_chat_chunk(s->id, s->created, env->model_name, &d, !c->first_sent))) {
+            c->first_sent = true;
+            c->final_sent = true;
+        }
+    }
 }
 
 /* Sends what c has that may go out now (see kr_stops_sendable) as one delta chunk. */
@@ -400,6 +524,10 @@ static void stream_choice(struct kr_sess *s, struct choice *c)
         return; /* the stream already ended (cut by the shutdown deadline), or this choice did: a stop
                    string finishes it before the engine's FINISH of the cancelled choice arrives; or
                    the answer failed: its error event ends the stream, no more text goes out */
+    }
+    if (s->tools_on) {
+        stream_tools(s, c);
+        return;
     }
     const size_t upto = kr_stops_sendable(&s->stops, c->text, c->len, c->sent, c->finished);
     const bool new_text = upto > c->sent, new_lp = c->lps && c->lp_sent < c->n_ids;
@@ -675,6 +803,27 @@ static void finish_choice(struct kr_sess *s, struct choice *c, const char *why)
     c->finished = true;
     c->finish = why;
     s->env->met->requests_ok[!strcmp(why, "stop") ? 0 : !strcmp(why, "length") ? 1 : 2]++;
+    if (s->tools_on) {
+        if (!tool_reparse(s, c, true)) {
+            sess_oom(s); /* the calls would be missing */
+            return;
+        }
+        if (c->tp.n_calls > 0) {
+            c->tview = kr_calloc((size_t)c->tp.n_calls, sizeof *c->tview);
+            if (!c->tview) {
+                sess_oom(s);
+                return;
+            }
+            for (int32_t i = 0; i < c->tp.n_calls; i++) {
+                const struct kr_tool_call *k = &c->tp.calls[i];
+                c->tview[i] = (struct kr_oai_tool_call){.index = i, .id = c->tc[i].id, .name = k->name,
+                                                        .args = k->args, .args_len = k->args_len};
+            }
+            if (!strcmp(why, "stop")) {
+                c->finish = "tool_calls"; /* a call ended the turn (OpenAI); "length" stays */
+            }
+        }
+    }
 }
 
 /* The engine owes sb nothing more. Returns true when no prompt of s is live any more. */
@@ -806,6 +955,15 @@ static void on_token(struct kr_sess *s, struct kr_sess_sub *sb, const struct kr_
             } else if (check_stop(s, c, before)) {
                 finish_choice(s, c, "stop");
                 env->engine->cancel_choice(env->engine_ctx, sb->eng_id, ev->index);
+            } else if (s->tools_on) {
+                if (!tool_reparse(s, c, false)) {
+                    sess_oom(s);
+                } else if (c->tp.closed) {
+                    /* the calls are over (their section closed, or parallel_tool_calls false and one
+                     * was made): what the model would write next is not part of the answer */
+                    finish_choice(s, c, "stop");
+                    env->engine->cancel_choice(env->engine_ctx, sb->eng_id, ev->index);
+                }
             }
         }
     }
@@ -1030,6 +1188,67 @@ static enum kr_status compile_constraint(struct kr_sess *s)
     return KR_OK;
 }
 
+/* tool_choice auto: the output is parsed for calls in the model's format; required or a named
+ * function: a grammar forces calls (of that function) with arguments that match their schemas. */
+static enum kr_status prepare_tools(struct kr_sess *s)
+{
+    const struct kr_sess_env *env = s->env;
+    const bool forced = s->o.tool_choice == KR_OAI_TOOL_REQUIRED || s->o.tool_choice == KR_OAI_TOOL_NAMED;
+    if (env->tool_format == KR_TOOL_FORMAT_NONE) {
+        if (!forced) {
+            return KR_OK; /* the template may still show the tools; nothing parses calls */
+        }
+        return prep_simple_fail(s, KR_OAI_INVALID, "tool_choice",
+                                "this model has no known tool-call format, so a call cannot be forced");
+    }
+    s->tools_on = true;
+    s->max_calls = s->o.parallel_tool_calls ? 0 : 1;
+    if (!forced) {
+        return KR_OK;
+    }
+    if (s->o.constraint.on) {
+        kr_oai_error(&s->err, KR_OAI_INVALID, "tool_choice",
+                     "tool_choice '%s' cannot be combined with '%s' (both constrain the output)",
+                     s->o.tool_choice == KR_OAI_TOOL_NAMED ? "function" : "required", s->o.constraint.param);
+        s->prep_failed = true;
+        return KR_ERR_INVAL;
+    }
+    if (!env->tok || !env->gvocab || !env->grammars) {
+        return prep_simple_fail(s, KR_OAI_INVALID, "tool_choice",
+                                "forcing tool calls needs the tokenizer's tokens (constrained decoding)");
+    }
+    char *spec = NULL;
+    size_t len = 0;
+    enum kr_status st = kr_tool_grammar_spec(env->tool_format, s->o.tools,
+                                             s->o.tool_choice == KR_OAI_TOOL_NAMED ? s->o.tool_name : NULL,
+                                             s->max_calls, &spec, &len);
+    if (st != KR_OK) {
+        return prep_oom(s);
+    }
+    struct kr_err err = {0};
+    /* arguments as models write them ({"a": 1, "b": 2}): one whitespace byte per gap at most, so that
+     * a weak model cannot spend its tokens on whitespace */
+    const struct kr_grammar_json_opts opts = {.max_ws = 1};
+    st = kr_grammar_cache_get(env->grammars, KR_GRAMMAR_TOOLS, spec, len, &opts, &s->grammar, NULL, &err);
+    kr_free(spec);
+    if (st == KR_ERR_NOMEM) {
+        return prep_oom(s);
+    }
+    if (st != KR_OK) {
+        /* "tools[I].function.parameters: ..." names the field */
+        char param[64] = "tools";
+        const char *colon = strstr(err.msg, ": ");
+        if (!strncmp(err.msg, "tools[", 6) && colon && (size_t)(colon - err.msg) < sizeof param) {
+            memcpy(param, err.msg, (size_t)(colon - err.msg));
+            param[colon - err.msg] = 0;
+        }
+        kr_oai_error(&s->err, KR_OAI_INVALID, param, "invalid '%s': %s", param, err.msg);
+        s->prep_failed = true;
+        return KR_ERR_INVAL;
+    }
+    return KR_OK;
+}
+
 static enum kr_status prepare_generation(struct kr_sess *s, const char *body, size_t len)
 {
     const struct kr_sess_env *env = s->env;
@@ -1045,6 +1264,9 @@ static enum kr_status prepare_generation(struct kr_sess *s, const char *body, si
         return prep_fail(s, &e);
     }
     if (s->o.constraint.on && compile_constraint(s) != KR_OK) {
+        return KR_ERR_INVAL;
+    }
+    if (kind == KR_OAI_CHAT && s->o.tool_choice != KR_OAI_TOOL_NONE && prepare_tools(s) != KR_OK) {
         return KR_ERR_INVAL;
     }
     if (kind == KR_OAI_COMPLETIONS && (int64_t)s->o.n_prompts * s->o.n > 1024) {

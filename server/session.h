@@ -23,6 +23,7 @@
 #include "metrics.h"
 #include "openai.h"
 #include "status.h"
+#include "tools.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -78,6 +79,8 @@ struct kr_sess_env {
     void *engine_ctx;
     const struct kr_tokenizer *tok; /* NULL: token ids only (--skip-tokenizer-init) */
     const struct kr_chat *chat;     /* NULL: no chat template (chat answers 400) */
+    enum kr_tool_format tool_format; /* how the model writes tool calls (api/tools.h); NONE: tools are only
+                                        rendered, tool_choice required or a named function answers 400 */
     struct kr_grammar_cache *grammars;        /* compiled output constraints (thread-safe); NULL: none */
     const struct kr_grammar_vocab *gvocab;    /* the tokenizer's tokens for masks; NULL: no constrained
                                                  decoding (no tokenizer) */

@@ -24,6 +24,8 @@ enum kr_status kr_grammar_compile(enum kr_grammar_kind kind, const char *text, s
         return kr_grammar_from_regex(text, len, out, err);
     case KR_GRAMMAR_GBNF:
         return kr_grammar_from_gbnf(text, len, NULL, out, err);
+    case KR_GRAMMAR_TOOLS:
+        return kr_grammar_from_tools(text, len, opts, out, err);
     case KR_GRAMMAR_CHOICE:
         break;
     default:
@@ -132,7 +134,7 @@ enum kr_status kr_grammar_cache_get(struct kr_grammar_cache *c, enum kr_grammar_
         len = 0;
     }
     int32_t max_ws = opts ? opts->max_ws : -1;
-    if (kind != KR_GRAMMAR_JSON_SCHEMA && kind != KR_GRAMMAR_JSON_OBJECT) {
+    if (kind != KR_GRAMMAR_JSON_SCHEMA && kind != KR_GRAMMAR_JSON_OBJECT && kind != KR_GRAMMAR_TOOLS) {
         max_ws = -1;
     }
     uint64_t h = key_hash(kind, max_ws, text, len);

@@ -1358,3 +1358,145 @@ enum kr_status kr_grammar_from_choice(const char *const *choices, const size_t *
     gb_free(&b);
     return st;
 }
+
+/* ---- tool calls --------------------------------------------------------------------------------- */
+
+/* A string member of the format object ("" when absent). */
+static const char *spec_str(const struct kr_json *fmt, const char *key)
+{
+    const struct kr_json *v = kr_json_get(fmt, key);
+    return v && v->type == KR_JSON_STRING ? v->str : "";
+}
+
+/* Whether a property schema is a plain string (written raw, string="true", in DSML): "type":
+ * "string" and nothing else that validates. */
+static bool dsml_plain_string(const struct kr_json *s)
+{
+    if (s->type != KR_JSON_OBJECT) {
+        return false;
+    }
+    const struct kr_json *t = kr_json_get(s, "type");
+    if (!t || t->type != KR_JSON_STRING || strcmp(t->str, "string") != 0) {
+        return false;
+    }
+    for (size_t i = 0; i < s->n; i++) {
+        if (strcmp(s->keys[i], "type") != 0 && is_validation(s->keys[i])) {
+            return false;
+        }
+    }
+    return true;
+}
+
+/* DeepSeek-V3.2's parameter elements for one tool's object schema `s` (see kr_grammar_from_tools). */
+static struct gx *sc_dsml_params(struct sc *c, const struct kr_json *s)
+{
+    struct gb *b = c->b;
+    const struct kr_json *props = s ? kr_json_get(s, "properties") : NULL, *req = s ? kr_json_get(s, "required") : NULL;
+    if (props && props->type != KR_JSON_OBJECT) {
+        return sc_fail(c, "properties", "must be an object");
+    }
+    struct gx *seq = gx_list(b, GX_SEQ);
+    for (size_t i = 0; props && i < props->n; i++) {
+        const bool plain = dsml_plain_string(&props->items[i]);
+        struct gx *value;
+        if (plain) {
+            static const uint32_t lt[] = {'<', '<'};
+            value = gx_rep(b, gx_class(b, lt, 1, true), 0, -1); /* raw text up to the closing element */
+        } else {
+            size_t saved = path_push(c, "properties");
+            value = sc_sub(c, &props->items[i], props->keys[i]);
+            path_pop(c, saved);
+        }
+        struct gx *open = GX_SEQ(b, gx_str(b, "<｜DSML｜parameter name=\""), gx_str(b, props->keys[i]),
+                                 gx_str(b, plain ? "\" string=\"true\">" : "\" string=\"false\">"));
+        struct gx *param = GX_SEQ(b, open, value, gx_str(b, "</｜DSML｜parameter>\n"));
+        seq = gx_add(b, seq, is_required(req && req->type == KR_JSON_ARRAY ? req : NULL, props->keys[i])
+                                 ? param : gx_rep(b, param, 0, 1));
+    }
+    return seq;
+}
+
+enum kr_status kr_grammar_from_tools(const char *spec, size_t len, const struct kr_grammar_json_opts *opts,
+                                     struct kr_grammar **out, struct kr_err *err)
+{
+    *out = NULL;
+    struct kr_json *doc = NULL;
+    struct kr_err jerr = {0};
+    enum kr_status st = kr_json_parse(spec, len, &doc, &jerr);
+    if (st != KR_OK) {
+        return kr_err_set(err, st == KR_ERR_NOMEM ? st : KR_ERR_INVAL, "tools: %s", jerr.msg);
+    }
+    const struct kr_json *fmt = kr_json_get(doc, "format"), *tools = kr_json_get(doc, "tools");
+    int64_t max_calls = 0;
+    const struct kr_json *mc = kr_json_get(doc, "max_calls");
+    if (!fmt || fmt->type != KR_JSON_OBJECT || !tools || tools->type != KR_JSON_ARRAY || tools->n == 0 ||
+        (mc && !kr_json_as_int(mc, &max_calls)) || max_calls < 0 || max_calls > GB_MAX_REPEAT) {
+        kr_json_free(doc);
+        return kr_err_set(err, KR_ERR_INVAL, "tools: a malformed tool-call specification");
+    }
+    const struct kr_json *dsml = kr_json_get(fmt, "dsml");
+    const bool is_dsml = dsml && dsml->type == KR_JSON_BOOL && dsml->boolean;
+    struct gb b;
+    gb_init(&b, err);
+    struct sc c;
+    sc_init(&c, &b, opts);
+    int32_t root = gb_rule_new(&b, "root");
+    struct gx *alt = gx_list(&b, GX_ALT);
+    for (size_t i = 0; i < tools->n && b.st == KR_OK; i++) {
+        const struct kr_json *t = &tools->items[i];
+        const struct kr_json *name = kr_json_get(t, "name"), *params = kr_json_get(t, "parameters");
+        if (!name || name->type != KR_JSON_STRING) {
+            gb_fail(&b, KR_ERR_INVAL, "tools[%zu].function.name: missing", i);
+            break;
+        }
+        /* each tool's schema is a document of its own: "#" pointers resolve within it */
+        c.root = params;
+        c.path_len = 0;
+        c.path[0] = '\0';
+        struct gx *args;
+        if (is_dsml) {
+            args = sc_dsml_params(&c, params);
+        } else if (params) {
+            int32_t r = sc_rule(&c, "arguments");
+            if (c.n_refs == c.cap_refs) { /* the tool's "#" is its own parameters schema */
+                const size_t cap = c.cap_refs ? c.cap_refs * 2 : 16;
+                struct sc_ref *v = kr_realloc(c.refs, cap * sizeof(*v));
+                if (!v) {
+                    gb_fail(&b, KR_ERR_NOMEM, "tools: out of memory");
+                    break;
+                }
+                c.refs = v;
+                c.cap_refs = cap;
+            }
+            c.refs[c.n_refs++] = (struct sc_ref){params, r};
+            gb_rule_set(&b, r, sc_schema(&c, params));
+            args = gx_ref(&b, r);
+        } else {
+            args = object_any(&c);
+        }
+        if (b.st != KR_OK) {
+            /* name the tool's field ahead of the schema's own pointer */
+            char head[64];
+            const int n = snprintf(head, sizeof head, "tools[%zu].function.parameters: ", i);
+            const size_t have = strnlen(err->msg, sizeof err->msg - 1);
+            const size_t keep = have + (size_t)n < sizeof err->msg ? have : sizeof err->msg - 1 - (size_t)n;
+            memmove(err->msg + n, err->msg, keep);
+            memcpy(err->msg, head, (size_t)n);
+            err->msg[(size_t)n + keep] = '\0';
+            break;
+        }
+        alt = gx_add(&b, alt, GX_SEQ(&b, gx_str(&b, spec_str(fmt, "prefix")), gx_lit(&b, name->str, name->str_len),
+                                     gx_str(&b, spec_str(fmt, "mid")), args, gx_str(&b, spec_str(fmt, "suffix"))));
+    }
+    int32_t r_call = gb_rule_new(&b, "call");
+    gb_rule_set(&b, r_call, alt);
+    struct gx *more = gx_rep(&b, GX_SEQ(&b, gx_str(&b, spec_str(fmt, "sep")), gx_ref(&b, r_call)), 0,
+                             max_calls ? (int32_t)max_calls - 1 : -1);
+    gb_rule_set(&b, root, GX_SEQ(&b, gx_str(&b, spec_str(fmt, "begin")), gx_ref(&b, r_call), more,
+                                 gx_str(&b, spec_str(fmt, "end"))));
+    st = gb_finish(&b, root, out);
+    gb_free(&b);
+    kr_free(c.refs);
+    kr_json_free(doc);
+    return st;
+}

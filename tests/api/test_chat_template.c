@@ -101,6 +101,11 @@ Test(chat_template, deepseek_v3_template_matches_jinja2)
     cr_expect_gt(run_cases("deepseek_v3/"), 10);
 }
 
+Test(chat_template, tiny_hybrid_tools_template_matches_jinja2)
+{
+    cr_expect_eq(run_cases("tiny_hybrid/"), 32);
+}
+
 Test(chat_template, qwen3_template_matches_jinja2)
 {
     cr_expect_gt(run_cases("qwen3/"), 10);

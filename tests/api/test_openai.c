@@ -481,7 +481,7 @@ Test(openai, tool_choice_forms_are_accepted)
 {
     static const char *const ok[] = {
         "\"tool_choice\":\"none\"",
-        "\"tool_choice\":\"required\"",
+        "\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"f\"}}],\"tool_choice\":\"required\"",
         ("\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"f\"}}],"
          "\"tool_choice\":{\"type\":\"function\",\"function\":{\"name\":\"f\"}}"),
     };
@@ -490,6 +490,10 @@ Test(openai, tool_choice_forms_are_accepted)
         ok_with(KR_OAI_CHAT, ok[i], &r);
         kr_oai_request_free(&r);
     }
+    /* a call cannot be required, or a function named, without tools (OpenAI answers 400 too) */
+    bad_with(KR_OAI_CHAT, "\"tool_choice\":\"required\"", "tool_choice");
+    bad_with(KR_OAI_CHAT, "\"tool_choice\":{\"type\":\"function\",\"function\":{\"name\":\"f\"}}",
+             "tool_choice.function.name");
 }
 
 /* ---- parsing: errors ------------------------------------------------------------------------- */

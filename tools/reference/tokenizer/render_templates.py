@@ -104,6 +104,25 @@ for model, (bos, eos) in real.items():
         add("qwen3/enable_thinking_false", tpl, {"messages": CONVS["user_only"], "tools": None, "documents": None,
                                                "add_generation_prompt": True, "enable_thinking": False})
 
+# the embedded model's template (models/tiny-hybrid: DeepSeek-V3's format with tools rendered)
+with open(os.path.join(HERE, "../../../models/tiny-hybrid/tokenizer_config.json"), encoding="utf-8") as f:
+    tiny = json.load(f)["chat_template"]
+CALL_OBJ = {"id": "call_3", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Lyon"}}}
+tiny_convs = dict(CONVS)
+tiny_convs["tool_rounds"] = [{"role": "user", "content": "Two rounds"},
+                             {"role": "assistant", "content": "Let me look.", "tool_calls": [CALL1]},
+                             {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+                             {"role": "assistant", "content": None, "tool_calls": [CALL2, CALL_OBJ]},
+                             {"role": "tool", "tool_call_id": "call_2", "content": "news"},
+                             {"role": "tool", "tool_call_id": "call_3", "content": "rain"},
+                             {"role": "assistant", "content": "Done."}, {"role": "user", "content": "Thanks"}]
+for conv_name, conv in tiny_convs.items():
+    for agp in (False, True):
+        for tools in (None, TOOLS):
+            add("tiny_hybrid/%s/agp=%d/tools=%d" % (conv_name, agp, tools is not None), tiny,
+                {"messages": conv, "tools": tools, "documents": None, "add_generation_prompt": agp,
+                 "bos_token": real["deepseek_v3"][0], "eos_token": real["deepseek_v3"][1]})
+
 # feature templates: each exercises part of the Jinja subset
 M = CONVS["multi_turn"]
 base = {"messages": M, "tools": TOOLS, "documents": None, "add_generation_prompt": True, "bos_token": "<s>"}
