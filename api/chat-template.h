@@ -58,6 +58,13 @@ struct kr_chat_params {
 enum kr_status kr_chat_template_render(const struct kr_chat_template *tpl, const struct kr_chat_params *params,
                                        char **out, size_t *out_len, struct kr_err *err);
 
+struct kr_buf_s;
+
+/* Appends Python's json.dumps(v, ensure_ascii=False) of `v` to b: ", " and ": " between items,
+ * keys in their order, floats as Python writes them (the shortest digits that round-trip, 1e+22,
+ * 1.0). KR_ERR_NOMEM when b could not grow (b->oom). The depth is jansson's parser's, bounded. */
+enum kr_status kr_py_json_dumps(const json_t *v, struct kr_buf_s *b);
+
 #ifdef __cplusplus
 }
 #endif

@@ -127,8 +127,16 @@ static void *loader_main(void *arg)
             s->loaded(s->loaded_user);
             return NULL;
         }
+        if (!s->chat && kr_chat_builtin(s->m->cfg.model_type, &s->chat, &err) != KR_OK) {
+            KR_LOG_ERROR("cannot prepare the chat format: %s", err.msg);
+            s->load_failed = true;
+            s->loaded(s->loaded_user);
+            return NULL;
+        }
         if (!s->chat) {
             KR_LOG_WARN("the tokenizer has no chat template: /v1/chat/completions will answer 400");
+        } else if (!s->o.chat_template_file && !kr_tokenizer_chat_template(s->tok)) {
+            KR_LOG_INFO("no chat template: chat prompts are written in %s's own format", s->m->cfg.model_type);
         }
         if (structured_outputs_init(s, &err) != KR_OK) {
             KR_LOG_ERROR("cannot prepare constrained decoding: %s", err.msg);

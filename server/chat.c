@@ -1,6 +1,7 @@
 #include "chat.h"
 
 #include "alloc.h"
+#include "chat-dsv32.h"
 #include "chat-template.h"
 
 #include <errno.h>
@@ -12,6 +13,7 @@ struct kr_chat {
     char *bos, *eos;
     bool has_developer;        /* the template names the 'developer' role: such messages go as they are */
     enum kr_tool_format tool_format; /* what the template's text teaches (NONE: it shows no format) */
+    bool dsv32;                /* no template: DeepSeek-V3.2's encoder (chat-dsv32.c) renders */
 };
 
 static enum kr_status read_file(const char *path, char **out, size_t *len, struct kr_err *err)
@@ -87,6 +89,22 @@ enum kr_status kr_chat_load(const struct kr_tokenizer *tok, const char *template
         kr_chat_free(c);
         return kr_err_set(err, KR_ERR_NOMEM, "%s: out of memory", what);
     }
+    *out = c;
+    return KR_OK;
+}
+
+enum kr_status kr_chat_builtin(const char *model_type, struct kr_chat **out, struct kr_err *err)
+{
+    *out = NULL;
+    if (!model_type || strcmp(model_type, "deepseek_v32") != 0) {
+        return KR_OK;
+    }
+    struct kr_chat *c = kr_calloc(1, sizeof *c);
+    if (!c) {
+        return kr_err_set(err, KR_ERR_NOMEM, "DeepSeek-V3.2's prompt format: out of memory");
+    }
+    c->dsv32 = true;
+    c->tool_format = KR_TOOL_FORMAT_DEEPSEEK_V32;
     *out = c;
     return KR_OK;
 }
@@ -171,6 +189,25 @@ static json_t *normalize(const struct kr_chat *c, json_t *messages, struct kr_oa
     return out;
 }
 
+/* chat_template_kwargs' `thinking` or `enable_thinking` (the names vLLM and SGLang take), truthy as
+ * Python sees it. */
+static bool thinking(const json_t *kwargs)
+{
+    const char *const keys[2] = {"thinking", "enable_thinking"};
+    for (int i = 0; i < 2; i++) {
+        const json_t *v = json_object_get(kwargs, keys[i]);
+        if (json_is_true(v) || (json_is_integer(v) && json_integer_value(v) != 0) ||
+            (json_is_real(v) && json_real_value(v) != 0) || (json_is_string(v) && json_string_length(v) > 0) ||
+            (json_is_array(v) && json_array_size(v) > 0) || (json_is_object(v) && json_object_size(v) > 0)) {
+            return true;
+        }
+    }
+    return false;
+}
+
+static enum kr_status continue_final(json_t *msgs, bool continue_final_message, char **text, size_t *len,
+                                     struct kr_oai_error *e);
+
 enum kr_status kr_chat_render(const struct kr_chat *c, json_t *messages, json_t *tools, bool add_generation_prompt,
                               bool continue_final_message, json_t *kwargs, char **text, size_t *len,
                               struct kr_oai_error *e)
@@ -178,6 +215,18 @@ enum kr_status kr_chat_render(const struct kr_chat *c, json_t *messages, json_t 
     json_t *msgs = normalize(c, messages, e);
     if (!msgs) {
         return KR_ERR_NOMEM;
+    }
+    if (c->dsv32) {
+        struct kr_buf_s b = {0};
+        const enum kr_status st = kr_dsv32_render(msgs, tools, thinking(kwargs), &b, e);
+        if (st != KR_OK) {
+            kr_bs_free(&b);
+            json_decref(msgs);
+            return st;
+        }
+        *text = b.p;
+        *len = b.len;
+        return continue_final(msgs, continue_final_message, text, len, e);
     }
     struct kr_chat_params p = {.messages = msgs, .tools = tools, .add_generation_prompt = add_generation_prompt && !continue_final_message,
                                .bos_token = c->bos, .eos_token = c->eos, .extra = kwargs};
@@ -189,6 +238,14 @@ enum kr_status kr_chat_render(const struct kr_chat *c, json_t *messages, json_t 
                      "the chat template failed: %s", err.msg);
         return st == KR_ERR_NOMEM ? st : KR_ERR_INVAL;
     }
+    return continue_final(msgs, continue_final_message, text, len, e);
+}
+
+/* With continue_final_message, cuts the text right after the last message's content (the
+ * assistant turn left open, as transformers does). Consumes msgs; frees *text on failure. */
+static enum kr_status continue_final(json_t *msgs, bool continue_final_message, char **text, size_t *len,
+                                     struct kr_oai_error *e)
+{
     if (continue_final_message) {
         json_t *last = json_array_get(msgs, json_array_size(msgs) - 1);
         json_t *content = json_object_get(last, "content");

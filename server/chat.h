@@ -18,6 +18,13 @@ enum kr_status kr_chat_load(const struct kr_tokenizer *tok, const char *template
                             struct kr_err *err);
 void kr_chat_free(struct kr_chat *c);
 
+/* The prompt format a model family defines in code rather than in a template, for a checkpoint
+ * without one: `deepseek_v32` (config.json's model_type) gets DeepSeek-V3.2's encoder
+ * (encoding_dsv32.py's format: DSML tool calls, `thinking` / `enable_thinking` in
+ * chat_template_kwargs for thinking mode, `developer` as system). *out is NULL for any other
+ * family. KR_ERR_NOMEM on allocation failure. */
+enum kr_status kr_chat_builtin(const char *model_type, struct kr_chat **out, struct kr_err *err);
+
 /* How the model writes tool calls: the format its template teaches, else its family's (config.json's
  * model_type, may be NULL), else none (kr_tool_format_detect). c may be NULL (no template). */
 enum kr_tool_format kr_chat_tool_format(const struct kr_chat *c, const char *model_type);

@@ -1083,3 +1083,50 @@ const char *ct_memfind(struct ev *e, const char *h, size_t hn, const char *n, si
     kr_free(rh);
     return r;
 }
+
+/* ---- json.dumps of a JSON value ------------------------------------------------------------------- */
+
+enum kr_status kr_py_json_dumps(const json_t *v, struct kr_buf_s *b)
+{
+    switch (json_typeof(v)) {
+    case JSON_NULL: kr_bs_append(b, "null", 4); break;
+    case JSON_TRUE: kr_bs_append(b, "true", 4); break;
+    case JSON_FALSE: kr_bs_append(b, "false", 5); break;
+    case JSON_INTEGER: kr_bs_printf(b, "%lld", (long long)json_integer_value(v)); break;
+    case JSON_REAL: fmt_float(json_real_value(v), b, true); break;
+    case JSON_STRING: json_str(json_string_value(v), json_string_length(v), b); break;
+    case JSON_ARRAY: {
+        kr_bs_putc(b, '[');
+        size_t i;
+        const json_t *x;
+        json_array_foreach((json_t *)v, i, x)
+        {
+            if (i) {
+                kr_bs_append(b, ", ", 2);
+            }
+            kr_py_json_dumps(x, b);
+        }
+        kr_bs_putc(b, ']');
+        break;
+    }
+    case JSON_OBJECT: {
+        kr_bs_putc(b, '{');
+        bool first = true;
+        const char *k;
+        const json_t *x;
+        json_object_foreach((json_t *)v, k, x)
+        {
+            if (!first) {
+                kr_bs_append(b, ", ", 2);
+            }
+            first = false;
+            json_str(k, strlen(k), b);
+            kr_bs_append(b, ": ", 2);
+            kr_py_json_dumps(x, b);
+        }
+        kr_bs_putc(b, '}');
+        break;
+    }
+    }
+    return b->oom ? KR_ERR_NOMEM : KR_OK;
+}
