@@ -22,8 +22,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#ifndef KR_FUZZ_SOURCE_DIR
-#define KR_FUZZ_SOURCE_DIR "."
+#ifndef KR_FUZZ_SOURCE_DIR /* the tree the harness was built from (tests/fuzz/CMakeLists.txt) */
+#define KR_FUZZ_SOURCE_DIR KR_FUZZ_SOURCE_DIR_DEFAULT
 #endif
 
 #define MAX_IDS 512
