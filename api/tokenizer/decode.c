@@ -491,6 +491,12 @@ enum kr_status kr_detok_push(struct kr_detok *d, int32_t id, const char **piece,
     *len = 0;
     kr_free(d->piece);
     d->piece = NULL;
+    const struct kr_tokenizer *t = d->tok;
+    if (id < 0 || id >= t->n_ids || !t->id_str[id] || (d->skip_special && t->id_special[id])) {
+        /* The full decode drops this id before its decoder runs, so it must not end a run of byte
+         * tokens (or anything else) here either: it is as if it never came. */
+        return KR_OK;
+    }
     if (d->n == d->cap) {
         size_t cap = d->cap ? d->cap * 2 : 16;
         int32_t *v = kr_realloc(d->ids, cap * sizeof(*v));
@@ -501,9 +507,7 @@ enum kr_status kr_detok_push(struct kr_detok *d, int32_t id, const char **piece,
         d->cap = cap;
     }
     d->ids[d->n++] = id;
-    const struct kr_tokenizer *t = d->tok;
-    if (t->stream_byte_runs && id >= 0 && id < t->n_ids && t->id_str[id] &&
-        byte_token_value(t->id_str[id], t->id_len[id]) >= 0) {
+    if (t->stream_byte_runs && byte_token_value(t->id_str[id], t->id_len[id]) >= 0) {
         return KR_OK; /* wait until the run of byte tokens ends */
     }
     if (!d->tok->stream_window) {

@@ -253,6 +253,32 @@ Test(tokenizer, synthetic_subword_prefix_suffix_matches_hf)
     check_against_hf("synth/subword", true, 0);
 }
 
+/* Id sequences whose stream once differed from their full decode (the fuzzer found them: an id
+ * that names no token, or a skipped special token, inside a run of <0xXX> byte tokens let the
+ * stream release the run's first bytes as text before a later byte turned the whole run into
+ * U+FFFD). The full decode and the stream must both be HF's decode (streams.json, written by
+ * tools/reference/tokenizer/make_streams.mjs). */
+Test(tokenizer, streams_match_hf_where_ids_are_dropped_inside_byte_runs)
+{
+    json_t *streams = load_json(FIX "/streams.json");
+    const json_t *cases = json_object_get(streams, "cases");
+    cr_assert_gt(json_array_size(cases), 0);
+    for (size_t i = 0; i < json_array_size(cases); i++) {
+        const json_t *c = json_array_get(cases, i);
+        char dir[512];
+        snprintf(dir, sizeof dir, FIX "/%s", json_string_value(json_object_get(c, "tokenizer")));
+        struct kr_tokenizer *t = load_tok(dir);
+        const bool skip = json_is_true(json_object_get(c, "skip_special_tokens"));
+        int64_t n;
+        int32_t *ids = json_ids(json_object_get(c, "ids"), &n);
+        expect_decode(t, ids, n, skip, json_object_get(c, "decode"), json_string_value(json_object_get(c, "why")), i);
+        expect_stream(t, ids, n, skip, json_object_get(c, "decode"), i);
+        kr_free(ids);
+        kr_tokenizer_free(t);
+    }
+    json_decref(streams);
+}
+
 /* Which tokenizers bound the bytes a token stands for: byte-level BPE (every byte is in some token)
  * and Metaspace do; pre-tokenizers that drop whitespace do not (a text of spaces is no tokens). */
 Test(tokenizer, bytes_per_token_bound_is_given_only_where_it_holds)
