@@ -81,20 +81,26 @@ static enum kr_status decode_step(struct ctx *c, const struct decoder *d, struct
         for (size_t i = 0; i < in->n && st == KR_OK; i++) {
             const char *s = in->v[i].s;
             size_t n = in->v[i].len;
-            size_t mark = raw.len;
-            bool ok = true;
-            for (size_t k = 0; k < n && st == KR_OK;) {
+            /* a token of n bytes gives at most n bytes: written in place, not byte by byte through
+             * the buffer's checks (this loop is most of a streamed token's cost) */
+            if ((st = kr_bs_reserve(&raw, n)) != KR_OK) {
+                break;
+            }
+            size_t at = raw.len;
+            for (size_t k = 0; k < n;) {
                 uint32_t cp;
                 k += kr_utf8_next(s + k, &cp);
                 if (cp >= 0x144 || t->char_byte[cp] < 0) {
-                    ok = false;
+                    at = SIZE_MAX;
                     break;
                 }
-                st = kr_bs_putc(&raw, (char)t->char_byte[cp]);
+                raw.p[at++] = (char)t->char_byte[cp];
             }
-            if (!ok) { /* a char outside the byte alphabet: the token's own UTF-8 bytes are used */
-                raw.len = mark;
+            if (at == SIZE_MAX) { /* a char outside the byte alphabet: the token's own UTF-8 bytes are used */
                 st = kr_bs_append(&raw, s, n);
+            } else {
+                raw.len = at;
+                raw.p[at] = '\0';
             }
         }
         c->buf.len = 0;
