@@ -68,7 +68,22 @@ static int byte_token_value(const char *s, size_t n)
     return hi < 0 || lo < 0 ? -1 : hi * 16 + lo;
 }
 
-static enum kr_status decode_step(struct ctx *c, const struct decoder *d, struct toks *in, struct toks *out)
+/* What a decode keeps between its steps (and a detokenizer between its decodes): the token list a
+ * step's output goes into next, and the ByteLevel step's byte buffer. */
+struct dec_scratch {
+    struct toks spare;
+    struct kr_buf_s raw;
+};
+
+static void dec_scratch_free(struct dec_scratch *sc)
+{
+    kr_free(sc->spare.v);
+    kr_bs_free(&sc->raw);
+    sc->spare = (struct toks){0};
+}
+
+static enum kr_status decode_step(struct ctx *c, struct dec_scratch *sc, const struct decoder *d, struct toks *in,
+                                  struct toks *out)
 {
     enum kr_status st = KR_OK;
     const struct kr_tokenizer *t = c->t;
@@ -77,7 +92,8 @@ static enum kr_status decode_step(struct ctx *c, const struct decoder *d, struct
     case DEC_SEQUENCE:
         return KR_ERR_INTERNAL;
     case DEC_BYTE_LEVEL: {
-        struct kr_buf_s raw = {0};
+        struct kr_buf_s raw = sc->raw;
+        raw.len = 0;
         for (size_t i = 0; i < in->n && st == KR_OK; i++) {
             const char *s = in->v[i].s;
             size_t n = in->v[i].len;
@@ -107,7 +123,12 @@ static enum kr_status decode_step(struct ctx *c, const struct decoder *d, struct
         if (st == KR_OK) {
             st = kr_bs_append_lossy(&c->buf, raw.p ? raw.p : "", raw.len);
         }
-        kr_bs_free(&raw);
+        if (st == KR_OK) {
+            sc->raw = raw;
+        } else {
+            kr_bs_free(&raw);
+            sc->raw = raw;
+        }
         return st == KR_OK ? take_buf_tok(c, out) : st;
     }
     case DEC_METASPACE:
@@ -221,20 +242,23 @@ static enum kr_status decode_step(struct ctx *c, const struct decoder *d, struct
     return KR_ERR_INTERNAL;
 }
 
-static enum kr_status decode_chain(struct ctx *c, const struct decoder *d, struct toks *in)
+static enum kr_status decode_chain(struct ctx *c, struct dec_scratch *sc, const struct decoder *d, struct toks *in)
 {
     if (d->type == DEC_SEQUENCE) {
         for (size_t i = 0; i < d->n_sub; i++) {
-            enum kr_status st = decode_chain(c, &d->sub[i], in);
+            enum kr_status st = decode_chain(c, sc, &d->sub[i], in);
             if (st != KR_OK) {
                 return st;
             }
         }
         return KR_OK;
     }
-    struct toks out = {0};
-    enum kr_status st = decode_step(c, d, in, &out);
-    kr_free(in->v);
+    /* the step writes into the spare list; its input becomes the next spare */
+    struct toks out = sc->spare;
+    out.n = 0;
+    sc->spare = (struct toks){0};
+    enum kr_status st = decode_step(c, sc, d, in, &out);
+    sc->spare = *in;
     *in = out;
     return st;
 }
@@ -249,8 +273,8 @@ static bool id_decoded(const struct kr_tokenizer *t, int32_t id, bool skip)
  * joined by spaces) and c, whose regex state is open
  * and whose arena, scratch buffer and token list tk are reused from call to call. On failure the
  * reused buffers are freed (a failed growth is sticky) and out holds nothing. */
-static enum kr_status decode_ids(struct ctx *c, struct toks *tk, const struct decoder *dec, const int32_t *ids,
-                                 size_t n_ids, bool skip, struct kr_buf_s *out)
+static enum kr_status decode_ids(struct ctx *c, struct dec_scratch *sc, struct toks *tk, const struct decoder *dec,
+                                 const int32_t *ids, size_t n_ids, bool skip, struct kr_buf_s *out)
 {
     const struct kr_tokenizer *t = c->t;
     enum kr_status st = KR_OK;
@@ -264,7 +288,7 @@ static enum kr_status decode_ids(struct ctx *c, struct toks *tk, const struct de
         }
     }
     if (st == KR_OK && dec) {
-        st = decode_chain(c, dec, tk);
+        st = decode_chain(c, sc, dec, tk);
     }
     if (st == KR_OK) {
         st = kr_bs_reserve(out, 0);
@@ -280,6 +304,7 @@ static enum kr_status decode_ids(struct ctx *c, struct toks *tk, const struct de
     if (st != KR_OK) {
         kr_bs_free(out);
         kr_bs_free(&c->buf);
+        kr_bs_free(&sc->raw);
     }
     return st;
 }
@@ -290,11 +315,12 @@ enum kr_status kr_tokenizer_decode(const struct kr_tokenizer *t, const int32_t *
     *text = NULL;
     *len = 0;
     struct ctx c = {.t = t, .err = err};
+    struct dec_scratch sc = {0};
     struct toks tk = {0};
     struct kr_buf_s out = {0};
     enum kr_status st = tok_rx_open(&c.rx, t, err);
     if (st == KR_OK) {
-        st = decode_ids(&c, &tk, t->dec, ids, n_ids > 0 ? (size_t)n_ids : 0, skip_special_tokens, &out);
+        st = decode_ids(&c, &sc, &tk, t->dec, ids, n_ids > 0 ? (size_t)n_ids : 0, skip_special_tokens, &out);
     }
     if (st == KR_OK) {
         *text = out.p;
@@ -305,6 +331,7 @@ enum kr_status kr_tokenizer_decode(const struct kr_tokenizer *t, const int32_t *
     }
     kr_bs_free(&out);
     kr_free(tk.v);
+    dec_scratch_free(&sc);
     kr_free(c.ranges.v);
     kr_bs_free(&c.buf);
     tok_arena_free(&c.arena);
@@ -431,6 +458,7 @@ struct kr_detok {
     struct ctx c;           /* reused decode context; c.rx is open when rx_open */
     bool rx_open;
     struct toks tk;         /* reused token list */
+    struct dec_scratch sc;  /* reused between decodes */
     size_t strip_lead;      /* stream_strip: leading characters it may still remove */
     size_t strip_held;      /* stream_strip: its characters held back at the end of the text */
 };
@@ -459,6 +487,7 @@ void kr_detok_destroy(struct kr_detok *d)
     kr_bs_free(&d->text);
     kr_bs_free(&d->piece);
     kr_free(d->tk.v);
+    dec_scratch_free(&d->sc);
     kr_free(d->c.ranges.v);
     kr_bs_free(&d->c.buf);
     tok_arena_free(&d->c.arena);
@@ -499,7 +528,7 @@ static enum kr_status detok_decode(struct kr_detok *d, const int32_t *ids, size_
         d->rx_open = true;
     }
     d->c.rx.err = err;
-    st = decode_ids(&d->c, &d->tk, d->tok->stream_dec, ids, n, d->skip_special, &d->text);
+    st = decode_ids(&d->c, &d->sc, &d->tk, d->tok->stream_dec, ids, n, d->skip_special, &d->text);
     if (st == KR_ERR_NOMEM) {
         kr_err_set(err, st, "detokenizer: out of memory");
     }
