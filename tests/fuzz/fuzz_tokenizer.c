@@ -26,6 +26,8 @@
 #define KR_FUZZ_SOURCE_DIR "."
 #endif
 
+/* fuzz-max-len: 512 (tools/fuzz.sh passes it as -max_len) */
+
 #define MAX_IDS 512
 
 int LLVMFuzzerInitialize(int *argc, char ***argv);
