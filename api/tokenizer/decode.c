@@ -442,10 +442,13 @@ enum kr_status kr_tokenizer_token_bytes(const struct kr_tokenizer *t, int32_t id
 
 /* Only the ids the full decode keeps are pushed (see kr_detok_push), so the window below sees what
  * the decoders see. Window mode (HF's DecodeStream, as vLLM runs it): `ids` holds the ids since the
- * start of the previous emission, ids[0..read) decode to `prefix`, and a push decodes only that
- * window: a few ids, so a stream costs O(n). Full mode (decoders whose output a window cannot
- * reproduce): `ids` holds every id and `prefix` everything emitted. The decode context (regex match
- * data, arena, scratch) is kept from push to push. */
+ * start of the previous emission, ids[0..read) decode to `prefix` (with stream_dec), and a push
+ * decodes only that window: a few ids, so a stream costs O(n). When steps after the fusing one
+ * cannot run on a window (a regex Replace over the whole text), the window decodes up to the fusing
+ * step, the text it releases accumulates in `raw`, and those steps (stream_tail) run on all of
+ * `raw` when it grows: O(n) bytes of regex a push, no decoding of old ids. Full mode (any other
+ * decoder a window cannot reproduce): `ids` holds every id and `prefix` everything emitted. The
+ * decode context (regex match data, arena, scratch) is kept from push to push. */
 struct kr_detok {
     const struct kr_tokenizer *tok;
     bool skip_special;
@@ -461,6 +464,8 @@ struct kr_detok {
     struct dec_scratch sc;  /* reused between decodes */
     size_t strip_lead;      /* stream_strip: leading characters it may still remove */
     size_t strip_held;      /* stream_strip: its characters held back at the end of the text */
+    struct kr_buf_s raw;    /* stream_tail: the text the window released so far */
+    struct kr_buf_s sent;   /* stream_tail: what stream_tail made of it that was emitted */
 };
 
 enum kr_status kr_detok_create(const struct kr_tokenizer *tok, bool skip_special_tokens, struct kr_detok **out)
@@ -486,6 +491,8 @@ void kr_detok_destroy(struct kr_detok *d)
     kr_bs_free(&d->prefix);
     kr_bs_free(&d->text);
     kr_bs_free(&d->piece);
+    kr_bs_free(&d->raw);
+    kr_bs_free(&d->sent);
     kr_free(d->tk.v);
     dec_scratch_free(&d->sc);
     kr_free(d->c.ranges.v);
@@ -621,6 +628,58 @@ static enum kr_status detok_full(struct kr_detok *d, bool final, const char **pi
     return st;
 }
 
+/* stream_tail: runs the tail steps on all of d->raw and emits what extends the text sent so far,
+ * holding back what full mode holds back. */
+static enum kr_status tail_emit(struct kr_detok *d, bool final, const char **piece, size_t *len, struct kr_err *err)
+{
+    const struct kr_tokenizer *t = d->tok;
+    tok_arena_reset(&d->c.arena);
+    d->c.err = err;
+    d->c.rx.err = err;
+    d->tk.n = 0;
+    d->text.len = 0;
+    enum kr_status st = toks_push(&d->tk, d->raw.p ? d->raw.p : "", d->raw.len);
+    if (st == KR_OK) {
+        st = decode_chain(&d->c, &d->sc, t->stream_tail, &d->tk);
+    }
+    if (st == KR_OK) {
+        st = kr_bs_reserve(&d->text, 0);
+    }
+    for (size_t i = 0; i < d->tk.n && st == KR_OK; i++) {
+        st = kr_bs_append(&d->text, d->tk.v[i].s, d->tk.v[i].len);
+    }
+    if (st != KR_OK) {
+        kr_bs_free(&d->text);
+        kr_bs_free(&d->c.buf);
+        kr_bs_free(&d->sc.raw);
+        return st == KR_ERR_NOMEM ? kr_err_set(err, st, "detokenizer: out of memory") : st;
+    }
+    const char *s = d->text.p;
+    size_t n = d->text.len;
+    size_t upto = final ? n : without_trailing(s, n, t->stream_hold_cp);
+    if (!final && ends_with_replacement(s, upto)) {
+        upto = d->sent.len;
+    }
+    if (upto < d->sent.len || memcmp(s, d->sent.p ? d->sent.p : "", d->sent.len) != 0) {
+        if (upto < d->sent.len && !final) {
+            return KR_OK;
+        }
+        return kr_err_set(err, KR_ERR_INTERNAL, "detokenizer: this tokenizer's decoder rewrote text that was "
+                          "already streamed");
+    }
+    const size_t lead = d->strip_lead, held = d->strip_held;
+    st = detok_emit(d, s + d->sent.len, upto - d->sent.len, final, piece, len, err);
+    if (st == KR_OK && kr_bs_append(&d->sent, s + d->sent.len, upto - d->sent.len) != KR_OK) {
+        kr_bs_free(&d->sent);
+        d->strip_lead = lead;
+        d->strip_held = held;
+        *piece = "";
+        *len = 0;
+        st = kr_err_set(err, KR_ERR_NOMEM, "detokenizer: out of memory");
+    }
+    return st;
+}
+
 enum kr_status kr_detok_push(struct kr_detok *d, int32_t id, const char **piece, size_t *len, struct kr_err *err)
 {
     *piece = "";
@@ -658,11 +717,24 @@ enum kr_status kr_detok_push(struct kr_detok *d, int32_t id, const char **piece,
     if (d->prefix.len && memcmp(d->text.p, d->prefix.p, d->prefix.len) != 0) {
         return kr_err_set(err, KR_ERR_INTERNAL, "detokenizer: the decoded window no longer starts with its prefix");
     }
-    /* emit the new text; the window restarts at the read position, and its decode is the next
-     * prefix (on failure nothing changes: the next push emits this text) */
-    if ((st = detok_emit(d, d->text.p + d->prefix.len, d->text.len - d->prefix.len, false, piece, len, err)) !=
-            KR_OK ||
-        (st = detok_decode(d, d->ids + d->read, d->n - d->read, err)) != KR_OK) {
+    /* release the new text (emit it, or add it to `raw`); the window restarts at the read position,
+     * and its decode is the next prefix (on failure nothing changes: the next push releases this
+     * text) */
+    const size_t lead = d->strip_lead, held = d->strip_held, raw_len = d->raw.len;
+    const char *s = d->text.p + d->prefix.len;
+    const size_t n = d->text.len - d->prefix.len;
+    if (t->stream_tail) {
+        if (kr_bs_append(&d->raw, s, n) != KR_OK) {
+            kr_bs_free(&d->raw); /* the stream is lost either way; a flush restarts it */
+            return kr_err_set(err, KR_ERR_NOMEM, "detokenizer: out of memory");
+        }
+    } else if ((st = detok_emit(d, s, n, false, piece, len, err)) != KR_OK) {
+        return st;
+    }
+    if ((st = detok_decode(d, d->ids + d->read, d->n - d->read, err)) != KR_OK) {
+        d->strip_lead = lead;
+        d->strip_held = held;
+        d->raw.len = raw_len;
         *piece = "";
         *len = 0;
         return st;
@@ -673,7 +745,7 @@ enum kr_status kr_detok_push(struct kr_detok *d, int32_t id, const char **piece,
     struct kr_buf_s tmp = d->prefix;
     d->prefix = d->text;
     d->text = tmp;
-    return KR_OK;
+    return t->stream_tail ? tail_emit(d, false, piece, len, err) : KR_OK;
 }
 
 enum kr_status kr_detok_flush(struct kr_detok *d, const char **piece, size_t *len, struct kr_err *err)
@@ -687,12 +759,26 @@ enum kr_status kr_detok_flush(struct kr_detok *d, const char **piece, size_t *le
         st = detok_decode(d, d->ids, d->n, err);
         if (st == KR_OK) {
             size_t from = d->text.len > d->prefix.len ? d->prefix.len : d->text.len;
-            st = detok_emit(d, d->text.p + from, d->text.len - from, true, piece, len, err);
+            if (!d->tok->stream_tail) {
+                st = detok_emit(d, d->text.p + from, d->text.len - from, true, piece, len, err);
+            } else if (kr_bs_append(&d->raw, d->text.p + from, d->text.len - from) != KR_OK) {
+                st = kr_err_set(err, KR_ERR_NOMEM, "detokenizer: out of memory");
+            } else {
+                st = tail_emit(d, true, piece, len, err);
+            }
         }
     }
     d->n = 0;
     d->read = 0;
     d->prefix.len = 0;
+    d->raw.len = 0;
+    d->sent.len = 0;
+    if (d->raw.oom) { /* a failed growth is sticky */
+        kr_bs_free(&d->raw);
+    }
+    if (d->sent.oom) {
+        kr_bs_free(&d->sent);
+    }
     d->strip_lead = d->tok->stream_strip ? d->tok->stream_strip->start : 0;
     d->strip_held = 0;
     return st;
@@ -752,7 +838,29 @@ void tok_stream_setup(struct kr_tokenizer *t)
     }
     fused = false;
     t->stream_hold_cp = -1;
+    t->stream_tail = NULL;
     t->stream_window = !t->stream_dec || tok_decoder_window_safe(t->stream_dec, &fused, &t->stream_hold_cp);
+    const struct decoder *sd = t->stream_dec;
+    if (!t->stream_window && sd->type == DEC_SEQUENCE) {
+        /* the steps up to the first fusing one may still be windowed; the rest act on one string */
+        size_t f = 0;
+        while (f < sd->n_sub && sd->sub[f].type != DEC_BYTE_LEVEL && sd->sub[f].type != DEC_FUSE) {
+            f++;
+        }
+        struct decoder head = *sd;
+        head.n_sub = f + 1;
+        bool head_fused = false;
+        int32_t head_hold = -1;
+        if (f < sd->n_sub && tok_decoder_window_safe(&head, &head_fused, &head_hold)) {
+            t->stream_tail_seq = *sd;
+            t->stream_tail_seq.sub = sd->sub + f + 1;
+            t->stream_tail_seq.n_sub = sd->n_sub - (f + 1);
+            t->stream_tail = &t->stream_tail_seq;
+            t->stream_dec_cut = head;
+            t->stream_dec = &t->stream_dec_cut;
+            t->stream_window = true;
+        }
+    }
     t->stream_byte_runs = t->dec && tok_decoder_has(t->dec, DEC_BYTE_FALLBACK);
 }
 

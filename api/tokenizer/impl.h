@@ -213,6 +213,9 @@ struct kr_tokenizer {
     const struct decoder *stream_dec;   /* what it decodes with: dec, or &stream_dec_cut */
     struct decoder stream_dec_cut;      /* dec without its final Strip (a shallow copy, owning nothing) */
     const struct decoder *stream_strip; /* that Strip, applied to the streamed text as a whole, or NULL */
+    const struct decoder *stream_tail;  /* steps after the fusing one that a window cannot run, run on the
+                                           whole text stream_dec released so far; or NULL */
+    struct decoder stream_tail_seq;     /* what stream_tail points at (a shallow copy, owning nothing) */
     bool stream_window;          /* stream_dec allows HF's windowed DecodeStream (see decoder_window_safe) */
     bool stream_byte_runs;       /* ByteFallback: a later <0xXX> token can still change a run's text */
     int32_t stream_hold_cp;      /* a Strip inside stream_dec removing its content at the end, or -1 */
