@@ -253,12 +253,13 @@ Test(tokenizer, synthetic_subword_prefix_suffix_matches_hf)
     check_against_hf("synth/subword", true, 0);
 }
 
-/* Id sequences whose stream once differed from their full decode (the fuzzer found them: an id
- * that names no token, or a skipped special token, inside a run of <0xXX> byte tokens let the
+/* Id sequences whose stream once differed from their full decode (the fuzzer found the first: an
+ * id that names no token, or a skipped special token, inside a run of <0xXX> byte tokens let the
  * stream release the run's first bytes as text before a later byte turned the whole run into
- * U+FFFD). The full decode and the stream must both be HF's decode (streams.json, written by
+ * U+FFFD), and a Strip with `stop` after Fuse (synth/strip_stop), which the stream applies to the
+ * streamed text. The full decode and the stream must both be HF's decode (streams.json, written by
  * tools/reference/tokenizer/make_streams.mjs). */
-Test(tokenizer, streams_match_hf_where_ids_are_dropped_inside_byte_runs)
+Test(tokenizer, streams_match_hf_on_found_and_edge_sequences)
 {
     json_t *streams = load_json(FIX "/streams.json");
     const json_t *cases = json_object_get(streams, "cases");
