@@ -122,8 +122,9 @@ const char *kr_tokenizer_chat_template(const struct kr_tokenizer *tok);
  * A detokenizer turns a stream of ids into text pieces as they arrive. Pieces never split a UTF-8
  * character, and their concatenation (pushes, then the flush) is exactly
  * kr_tokenizer_decode(all ids). It follows HF's DecodeStream: it decodes a short window of ids and
- * emits the new text once it no longer ends in an incomplete character. One detokenizer belongs to
- * one stream and one thread at a time. */
+ * emits the new text once it no longer ends in an incomplete character; ids the full decode drops
+ * (ids that name no token, special tokens when skipping them) are ignored. One detokenizer belongs
+ * to one stream and one thread at a time. */
 struct kr_detok;
 
 /* Creates a detokenizer for `tok` (borrowed: it must outlive the detokenizer). Returns KR_OK or

@@ -68,7 +68,22 @@ static int byte_token_value(const char *s, size_t n)
     return hi < 0 || lo < 0 ? -1 : hi * 16 + lo;
 }
 
-static enum kr_status decode_step(struct ctx *c, const struct decoder *d, struct toks *in, struct toks *out)
+/* What a decode keeps between its steps (and a detokenizer between its decodes): the token list a
+ * step's output goes into next, and the ByteLevel step's byte buffer. */
+struct dec_scratch {
+    struct toks spare;
+    struct kr_buf_s raw;
+};
+
+static void dec_scratch_free(struct dec_scratch *sc)
+{
+    kr_free(sc->spare.v);
+    kr_bs_free(&sc->raw);
+    sc->spare = (struct toks){0};
+}
+
+static enum kr_status decode_step(struct ctx *c, struct dec_scratch *sc, const struct decoder *d, struct toks *in,
+                                  struct toks *out)
 {
     enum kr_status st = KR_OK;
     const struct kr_tokenizer *t = c->t;
@@ -77,31 +92,43 @@ static enum kr_status decode_step(struct ctx *c, const struct decoder *d, struct
     case DEC_SEQUENCE:
         return KR_ERR_INTERNAL;
     case DEC_BYTE_LEVEL: {
-        struct kr_buf_s raw = {0};
+        struct kr_buf_s raw = sc->raw;
+        raw.len = 0;
         for (size_t i = 0; i < in->n && st == KR_OK; i++) {
             const char *s = in->v[i].s;
             size_t n = in->v[i].len;
-            size_t mark = raw.len;
-            bool ok = true;
-            for (size_t k = 0; k < n && st == KR_OK;) {
+            /* a token of n bytes gives at most n bytes: written in place, not byte by byte through
+             * the buffer's checks (this loop is most of a streamed token's cost) */
+            if ((st = kr_bs_reserve(&raw, n)) != KR_OK) {
+                break;
+            }
+            size_t at = raw.len;
+            for (size_t k = 0; k < n;) {
                 uint32_t cp;
                 k += kr_utf8_next(s + k, &cp);
                 if (cp >= 0x144 || t->char_byte[cp] < 0) {
-                    ok = false;
+                    at = SIZE_MAX;
                     break;
                 }
-                st = kr_bs_putc(&raw, (char)t->char_byte[cp]);
+                raw.p[at++] = (char)t->char_byte[cp];
             }
-            if (!ok) { /* a char outside the byte alphabet: the token's own UTF-8 bytes are used */
-                raw.len = mark;
+            if (at == SIZE_MAX) { /* a char outside the byte alphabet: the token's own UTF-8 bytes are used */
                 st = kr_bs_append(&raw, s, n);
+            } else {
+                raw.len = at;
+                raw.p[at] = '\0';
             }
         }
         c->buf.len = 0;
         if (st == KR_OK) {
             st = kr_bs_append_lossy(&c->buf, raw.p ? raw.p : "", raw.len);
         }
-        kr_bs_free(&raw);
+        if (st == KR_OK) {
+            sc->raw = raw;
+        } else {
+            kr_bs_free(&raw);
+            sc->raw = raw;
+        }
         return st == KR_OK ? take_buf_tok(c, out) : st;
     }
     case DEC_METASPACE:
@@ -215,21 +242,70 @@ static enum kr_status decode_step(struct ctx *c, const struct decoder *d, struct
     return KR_ERR_INTERNAL;
 }
 
-static enum kr_status decode_chain(struct ctx *c, const struct decoder *d, struct toks *in)
+static enum kr_status decode_chain(struct ctx *c, struct dec_scratch *sc, const struct decoder *d, struct toks *in)
 {
     if (d->type == DEC_SEQUENCE) {
         for (size_t i = 0; i < d->n_sub; i++) {
-            enum kr_status st = decode_chain(c, &d->sub[i], in);
+            enum kr_status st = decode_chain(c, sc, &d->sub[i], in);
             if (st != KR_OK) {
                 return st;
             }
         }
         return KR_OK;
     }
-    struct toks out = {0};
-    enum kr_status st = decode_step(c, d, in, &out);
-    kr_free(in->v);
+    /* the step writes into the spare list; its input becomes the next spare */
+    struct toks out = sc->spare;
+    out.n = 0;
+    sc->spare = (struct toks){0};
+    enum kr_status st = decode_step(c, sc, d, in, &out);
+    sc->spare = *in;
     *in = out;
+    return st;
+}
+
+/* Whether the full decode keeps `id`: it drops ids that name no token and, with skip, special ones. */
+static bool id_decoded(const struct kr_tokenizer *t, int32_t id, bool skip)
+{
+    return id >= 0 && id < t->n_ids && t->id_str[id] && !(skip && t->id_special[id]);
+}
+
+/* Decodes ids[0..n_ids) into out (emptied first, NUL-terminated) with decoder dec (NULL: the tokens
+ * joined by spaces) and c, whose regex state is open
+ * and whose arena, scratch buffer and token list tk are reused from call to call. On failure the
+ * reused buffers are freed (a failed growth is sticky) and out holds nothing. */
+static enum kr_status decode_ids(struct ctx *c, struct dec_scratch *sc, struct toks *tk, const struct decoder *dec,
+                                 const int32_t *ids, size_t n_ids, bool skip, struct kr_buf_s *out)
+{
+    const struct kr_tokenizer *t = c->t;
+    enum kr_status st = KR_OK;
+    tok_arena_reset(&c->arena);
+    c->buf.len = 0;
+    tk->n = 0;
+    out->len = 0;
+    for (size_t i = 0; i < n_ids && st == KR_OK; i++) {
+        if (id_decoded(t, ids[i], skip)) {
+            st = toks_push(tk, t->id_str[ids[i]], t->id_len[ids[i]]);
+        }
+    }
+    if (st == KR_OK && dec) {
+        st = decode_chain(c, sc, dec, tk);
+    }
+    if (st == KR_OK) {
+        st = kr_bs_reserve(out, 0);
+    }
+    for (size_t i = 0; i < tk->n && st == KR_OK; i++) {
+        if (!dec && i > 0) {
+            st = kr_bs_putc(out, ' ');
+        }
+        if (st == KR_OK) {
+            st = kr_bs_append(out, tk->v[i].s, tk->v[i].len);
+        }
+    }
+    if (st != KR_OK) {
+        kr_bs_free(out);
+        kr_bs_free(&c->buf);
+        kr_bs_free(&sc->raw);
+    }
     return st;
 }
 
@@ -239,45 +315,23 @@ enum kr_status kr_tokenizer_decode(const struct kr_tokenizer *t, const int32_t *
     *text = NULL;
     *len = 0;
     struct ctx c = {.t = t, .err = err};
+    struct dec_scratch sc = {0};
     struct toks tk = {0};
     struct kr_buf_s out = {0};
-    enum kr_status st = KR_ERR_NOMEM;
-    if (tok_rx_open(&c.rx, t, err) != KR_OK) {
-        goto fail;
+    enum kr_status st = tok_rx_open(&c.rx, t, err);
+    if (st == KR_OK) {
+        st = decode_ids(&c, &sc, &tk, t->dec, ids, n_ids > 0 ? (size_t)n_ids : 0, skip_special_tokens, &out);
     }
-    for (int64_t i = 0; i < n_ids; i++) {
-        int32_t id = ids[i];
-        if (id < 0 || id >= t->n_ids || !t->id_str[id] || (skip_special_tokens && t->id_special[id])) {
-            continue;
-        }
-        if ((st = toks_push(&tk, t->id_str[id], t->id_len[id])) != KR_OK) {
-            goto fail;
-        }
-    }
-    if (t->dec && (st = decode_chain(&c, t->dec, &tk)) != KR_OK) {
-        goto fail;
-    }
-    st = kr_bs_reserve(&out, 0);
-    for (size_t i = 0; i < tk.n && st == KR_OK; i++) {
-        if (!t->dec && i > 0) {
-            st = kr_bs_putc(&out, ' ');
-        }
-        if (st == KR_OK) {
-            st = kr_bs_append(&out, tk.v[i].s, tk.v[i].len);
-        }
-    }
-    if (st != KR_OK) {
-        goto fail;
-    }
-    *text = out.p;
-    *len = out.len;
-    out.p = NULL;
-fail:
-    if (st == KR_ERR_NOMEM) {
+    if (st == KR_OK) {
+        *text = out.p;
+        *len = out.len;
+        out.p = NULL;
+    } else if (st == KR_ERR_NOMEM) {
         kr_err_set(err, st, "tokenizer: out of memory while decoding %lld ids", (long long)n_ids);
     }
     kr_bs_free(&out);
     kr_free(tk.v);
+    dec_scratch_free(&sc);
     kr_free(c.ranges.v);
     kr_bs_free(&c.buf);
     tok_arena_free(&c.arena);
@@ -386,15 +440,32 @@ enum kr_status kr_tokenizer_token_bytes(const struct kr_tokenizer *t, int32_t id
 
 /* ---- incremental detokenizer ------------------------------------------------------------------- */
 
+/* Only the ids the full decode keeps are pushed (see kr_detok_push), so the window below sees what
+ * the decoders see. Window mode (HF's DecodeStream, as vLLM runs it): `ids` holds the ids since the
+ * start of the previous emission, ids[0..read) decode to `prefix` (with stream_dec), and a push
+ * decodes only that window: a few ids, so a stream costs O(n). When steps after the fusing one
+ * cannot run on a window (a regex Replace over the whole text), the window decodes up to the fusing
+ * step, the text it releases accumulates in `raw`, and those steps (stream_tail) run on all of
+ * `raw` when it grows: O(n) bytes of regex a push, no decoding of old ids. Full mode (any other
+ * decoder a window cannot reproduce): `ids` holds every id and `prefix` everything emitted. The
+ * decode context (regex match data, arena, scratch) is kept from push to push. */
 struct kr_detok {
     const struct kr_tokenizer *tok;
     bool skip_special;
-    int32_t *ids;        /* [n] window mode: ids since the start of the previous emission; full mode: all */
+    int32_t *ids;           /* [n] see above */
     size_t n, cap;
-    size_t prefix_index; /* window mode: ids[0..prefix_index) decode to `prefix` */
-    char *prefix;        /* window mode: that decode; full mode: everything emitted so far */
-    size_t prefix_len;
-    char *piece;         /* the last piece returned */
+    size_t read;            /* window mode: ids[0..read) decode to `prefix` */
+    struct kr_buf_s prefix; /* window mode: that decode; full mode: everything emitted so far */
+    struct kr_buf_s text;   /* scratch: the latest decode */
+    struct kr_buf_s piece;  /* the last piece returned */
+    struct ctx c;           /* reused decode context; c.rx is open when rx_open */
+    bool rx_open;
+    struct toks tk;         /* reused token list */
+    struct dec_scratch sc;  /* reused between decodes */
+    size_t strip_lead;      /* stream_strip: leading characters it may still remove */
+    size_t strip_held;      /* stream_strip: its characters held back at the end of the text */
+    struct kr_buf_s raw;    /* stream_tail: the text the window released so far */
+    struct kr_buf_s sent;   /* stream_tail: what stream_tail made of it that was emitted */
 };
 
 enum kr_status kr_detok_create(const struct kr_tokenizer *tok, bool skip_special_tokens, struct kr_detok **out)
@@ -405,6 +476,8 @@ enum kr_status kr_detok_create(const struct kr_tokenizer *tok, bool skip_special
     }
     d->tok = tok;
     d->skip_special = skip_special_tokens;
+    d->c.t = tok;
+    d->strip_lead = tok->stream_strip ? tok->stream_strip->start : 0;
     *out = d;
     return KR_OK;
 }
@@ -415,8 +488,17 @@ void kr_detok_destroy(struct kr_detok *d)
         return;
     }
     kr_free(d->ids);
-    kr_free(d->prefix);
-    kr_free(d->piece);
+    kr_bs_free(&d->prefix);
+    kr_bs_free(&d->text);
+    kr_bs_free(&d->piece);
+    kr_bs_free(&d->raw);
+    kr_bs_free(&d->sent);
+    kr_free(d->tk.v);
+    dec_scratch_free(&d->sc);
+    kr_free(d->c.ranges.v);
+    kr_bs_free(&d->c.buf);
+    tok_arena_free(&d->c.arena);
+    tok_rx_close(&d->c.rx);
     kr_free(d);
 }
 
@@ -439,58 +521,175 @@ static size_t without_trailing(const char *s, size_t n, int32_t cp)
     return n;
 }
 
-/* Full mode (decoders whose output a window cannot reproduce): decode everything, emit what is
- * new, holding back an incomplete character and text a final Strip could still remove. */
+/* Decodes ids[0..n) of the detokenizer into d->text. */
+static enum kr_status detok_decode(struct kr_detok *d, const int32_t *ids, size_t n, struct kr_err *err)
+{
+    enum kr_status st = KR_OK;
+    d->c.err = err;
+    if (!d->rx_open) {
+        st = tok_rx_open(&d->c.rx, d->tok, err);
+        if (st != KR_OK) {
+            tok_rx_close(&d->c.rx);
+            return kr_err_set(err, st, "detokenizer: out of memory");
+        }
+        d->rx_open = true;
+    }
+    d->c.rx.err = err;
+    st = decode_ids(&d->c, &d->sc, &d->tk, d->tok->stream_dec, ids, n, d->skip_special, &d->text);
+    if (st == KR_ERR_NOMEM) {
+        kr_err_set(err, st, "detokenizer: out of memory");
+    }
+    return st;
+}
+
+/* Makes s[0..n), the text newly decoded by stream_dec, the piece returned through *piece / *len.
+ * A Strip cut off the decoder (stream_strip) applies to the whole text, so it is applied here to
+ * the stream: up to `start` of its characters at the very beginning are dropped, and a run of them
+ * at the end is held back (as a count) until other text follows, or the stream ends (`final`),
+ * when all but `stop` of them are released. */
+static enum kr_status detok_emit(struct kr_detok *d, const char *s, size_t n, bool final, const char **piece,
+                                 size_t *len, struct kr_err *err)
+{
+    const struct decoder *strip = d->tok->stream_strip;
+    char enc[4];
+    size_t enc_len = 0, held = 0, run = 0;
+    if (strip) {
+        enc_len = kr_utf8_put(strip->ch, enc);
+        while (d->strip_lead > 0 && n >= enc_len && memcmp(s, enc, enc_len) == 0) {
+            s += enc_len;
+            n -= enc_len;
+            d->strip_lead--;
+        }
+        if (n > 0) {
+            d->strip_lead = 0;
+        }
+        if (strip->stop > 0) {
+            while (n - run * enc_len >= enc_len && memcmp(s + n - (run + 1) * enc_len, enc, enc_len) == 0) {
+                run++;
+            }
+            if (run * enc_len < n) { /* other text: the held characters stay */
+                held = d->strip_held;
+                d->strip_held = 0;
+            }
+            d->strip_held += run;
+            n -= run * enc_len;
+            if (final) {
+                held += d->strip_held > strip->stop ? d->strip_held - strip->stop : 0;
+                d->strip_held = 0;
+            }
+        }
+    }
+    d->piece.len = 0;
+    enum kr_status st = kr_bs_reserve(&d->piece, held * enc_len + n);
+    for (size_t i = 0; i < held && st == KR_OK; i++) {
+        st = kr_bs_append(&d->piece, enc, enc_len);
+    }
+    if (st == KR_OK) {
+        st = kr_bs_append(&d->piece, s, n);
+    }
+    if (st != KR_OK) {
+        kr_bs_free(&d->piece);
+        return kr_err_set(err, KR_ERR_NOMEM, "detokenizer: out of memory");
+    }
+    *piece = d->piece.p;
+    *len = d->piece.len;
+    return KR_OK;
+}
+
+/* Full mode: decode everything, emit what is new, holding back an incomplete character and text a
+ * final Strip could still remove. */
 static enum kr_status detok_full(struct kr_detok *d, bool final, const char **piece, size_t *len, struct kr_err *err)
 {
-    char *s;
-    size_t n;
-    enum kr_status st = kr_tokenizer_decode(d->tok, d->ids, (int64_t)d->n, d->skip_special, &s, &n, err);
+    enum kr_status st = detok_decode(d, d->ids, d->n, err);
     if (st != KR_OK) {
         return st;
     }
+    const char *s = d->text.p;
+    size_t n = d->text.len;
     size_t upto = final ? n : without_trailing(s, n, d->tok->stream_hold_cp);
     if (!final && ends_with_replacement(s, upto)) {
-        upto = d->prefix_len; /* wait for the next id */
+        upto = d->prefix.len; /* wait for the next id */
     }
-    if (upto < d->prefix_len || memcmp(s, d->prefix ? d->prefix : "", d->prefix_len) != 0) {
-        kr_free(s);
-        if (upto < d->prefix_len && !final) {
+    if (upto < d->prefix.len || memcmp(s, d->prefix.p ? d->prefix.p : "", d->prefix.len) != 0) {
+        if (upto < d->prefix.len && !final) {
             return KR_OK;
         }
         return kr_err_set(err, KR_ERR_INTERNAL, "detokenizer: this tokenizer's decoder rewrote text that was "
                           "already streamed");
     }
-    size_t piece_len = upto - d->prefix_len;
-    char *p = kr_malloc(piece_len + 1);
-    char *np = kr_realloc(d->prefix, upto + 1);
-    if (!p || !np) {
-        kr_free(p);
-        kr_free(s);
-        if (np) {
-            d->prefix = np;
-        }
-        return kr_err_set(err, KR_ERR_NOMEM, "detokenizer: out of memory");
+    st = detok_emit(d, s + d->prefix.len, upto - d->prefix.len, final, piece, len, err);
+    if (st == KR_OK && kr_bs_append(&d->prefix, s + d->prefix.len, upto - d->prefix.len) != KR_OK) {
+        kr_bs_free(&d->prefix);
+        d->n = 0; /* the stream is lost either way; keep the detokenizer consistent */
+        *piece = "";
+        *len = 0;
+        st = kr_err_set(err, KR_ERR_NOMEM, "detokenizer: out of memory");
     }
-    memcpy(p, s + d->prefix_len, piece_len);
-    p[piece_len] = '\0';
-    memcpy(np, s, upto);
-    np[upto] = '\0';
-    d->prefix = np;
-    d->prefix_len = upto;
-    d->piece = p;
-    *piece = p;
-    *len = piece_len;
-    kr_free(s);
-    return KR_OK;
+    return st;
+}
+
+/* stream_tail: runs the tail steps on all of d->raw and emits what extends the text sent so far,
+ * holding back what full mode holds back. */
+static enum kr_status tail_emit(struct kr_detok *d, bool final, const char **piece, size_t *len, struct kr_err *err)
+{
+    const struct kr_tokenizer *t = d->tok;
+    tok_arena_reset(&d->c.arena);
+    d->c.err = err;
+    d->c.rx.err = err;
+    d->tk.n = 0;
+    d->text.len = 0;
+    enum kr_status st = toks_push(&d->tk, d->raw.p ? d->raw.p : "", d->raw.len);
+    if (st == KR_OK) {
+        st = decode_chain(&d->c, &d->sc, t->stream_tail, &d->tk);
+    }
+    if (st == KR_OK) {
+        st = kr_bs_reserve(&d->text, 0);
+    }
+    for (size_t i = 0; i < d->tk.n && st == KR_OK; i++) {
+        st = kr_bs_append(&d->text, d->tk.v[i].s, d->tk.v[i].len);
+    }
+    if (st != KR_OK) {
+        kr_bs_free(&d->text);
+        kr_bs_free(&d->c.buf);
+        kr_bs_free(&d->sc.raw);
+        return st == KR_ERR_NOMEM ? kr_err_set(err, st, "detokenizer: out of memory") : st;
+    }
+    const char *s = d->text.p;
+    size_t n = d->text.len;
+    size_t upto = final ? n : without_trailing(s, n, t->stream_hold_cp);
+    if (!final && ends_with_replacement(s, upto)) {
+        upto = d->sent.len;
+    }
+    if (upto < d->sent.len || memcmp(s, d->sent.p ? d->sent.p : "", d->sent.len) != 0) {
+        if (upto < d->sent.len && !final) {
+            return KR_OK;
+        }
+        return kr_err_set(err, KR_ERR_INTERNAL, "detokenizer: this tokenizer's decoder rewrote text that was "
+                          "already streamed");
+    }
+    const size_t lead = d->strip_lead, held = d->strip_held;
+    st = detok_emit(d, s + d->sent.len, upto - d->sent.len, final, piece, len, err);
+    if (st == KR_OK && kr_bs_append(&d->sent, s + d->sent.len, upto - d->sent.len) != KR_OK) {
+        kr_bs_free(&d->sent);
+        d->strip_lead = lead;
+        d->strip_held = held;
+        *piece = "";
+        *len = 0;
+        st = kr_err_set(err, KR_ERR_NOMEM, "detokenizer: out of memory");
+    }
+    return st;
 }
 
 enum kr_status kr_detok_push(struct kr_detok *d, int32_t id, const char **piece, size_t *len, struct kr_err *err)
 {
     *piece = "";
     *len = 0;
-    kr_free(d->piece);
-    d->piece = NULL;
+    const struct kr_tokenizer *t = d->tok;
+    if (!id_decoded(t, id, d->skip_special)) {
+        /* The full decode drops this id before its decoders run, so it must not end a run of byte
+         * tokens (or anything else) here either: it is as if it never came. */
+        return KR_OK;
+    }
     if (d->n == d->cap) {
         size_t cap = d->cap ? d->cap * 2 : 16;
         int32_t *v = kr_realloc(d->ids, cap * sizeof(*v));
@@ -501,81 +700,87 @@ enum kr_status kr_detok_push(struct kr_detok *d, int32_t id, const char **piece,
         d->cap = cap;
     }
     d->ids[d->n++] = id;
-    const struct kr_tokenizer *t = d->tok;
-    if (t->stream_byte_runs && id >= 0 && id < t->n_ids && t->id_str[id] &&
-        byte_token_value(t->id_str[id], t->id_len[id]) >= 0) {
+    if (t->stream_byte_runs && byte_token_value(t->id_str[id], t->id_len[id]) >= 0) {
         return KR_OK; /* wait until the run of byte tokens ends */
     }
-    if (!d->tok->stream_window) {
+    if (!t->stream_window) {
         return detok_full(d, false, piece, len, err);
     }
     /* HF's DecodeStream::step */
-    char *s;
-    size_t n;
-    enum kr_status st = kr_tokenizer_decode(d->tok, d->ids, (int64_t)d->n, d->skip_special, &s, &n, err);
+    enum kr_status st = detok_decode(d, d->ids, d->n, err);
     if (st != KR_OK) {
         return st;
     }
-    if (n <= d->prefix_len || ends_with_replacement(s, n)) {
-        kr_free(s);
+    if (d->text.len <= d->prefix.len || ends_with_replacement(d->text.p, d->text.len)) {
         return KR_OK;
     }
-    if (d->prefix_len && memcmp(s, d->prefix, d->prefix_len) != 0) {
-        kr_free(s);
+    if (d->prefix.len && memcmp(d->text.p, d->prefix.p, d->prefix.len) != 0) {
         return kr_err_set(err, KR_ERR_INTERNAL, "detokenizer: the decoded window no longer starts with its prefix");
     }
-    /* emit the new text; the window restarts at the previous read position */
-    size_t new_prefix_index = d->n - d->prefix_index;
-    memmove(d->ids, d->ids + d->prefix_index, (d->n - d->prefix_index) * sizeof(*d->ids));
-    d->n -= d->prefix_index;
-    d->prefix_index = new_prefix_index;
-    char *p;
-    size_t pn;
-    st = kr_tokenizer_decode(d->tok, d->ids, (int64_t)d->n, d->skip_special, &p, &pn, err);
-    if (st != KR_OK) {
-        kr_free(s);
+    /* release the new text (emit it, or add it to `raw`); the window restarts at the read position,
+     * and its decode is the next prefix (on failure nothing changes: the next push releases this
+     * text) */
+    const size_t lead = d->strip_lead, held = d->strip_held, raw_len = d->raw.len;
+    const char *s = d->text.p + d->prefix.len;
+    const size_t n = d->text.len - d->prefix.len;
+    if (t->stream_tail) {
+        if (kr_bs_append(&d->raw, s, n) != KR_OK) {
+            kr_bs_free(&d->raw); /* the stream is lost either way; a flush restarts it */
+            return kr_err_set(err, KR_ERR_NOMEM, "detokenizer: out of memory");
+        }
+    } else if ((st = detok_emit(d, s, n, false, piece, len, err)) != KR_OK) {
         return st;
     }
-    size_t piece_len = n - d->prefix_len;
-    memmove(s, s + d->prefix_len, piece_len);
-    s[piece_len] = '\0';
-    kr_free(d->prefix);
-    d->prefix = p;
-    d->prefix_len = pn;
-    d->piece = s;
-    *piece = s;
-    *len = piece_len;
-    return KR_OK;
+    if ((st = detok_decode(d, d->ids + d->read, d->n - d->read, err)) != KR_OK) {
+        d->strip_lead = lead;
+        d->strip_held = held;
+        d->raw.len = raw_len;
+        *piece = "";
+        *len = 0;
+        return st;
+    }
+    memmove(d->ids, d->ids + d->read, (d->n - d->read) * sizeof(*d->ids));
+    d->n -= d->read;
+    d->read = d->n;
+    struct kr_buf_s tmp = d->prefix;
+    d->prefix = d->text;
+    d->text = tmp;
+    return t->stream_tail ? tail_emit(d, false, piece, len, err) : KR_OK;
 }
 
 enum kr_status kr_detok_flush(struct kr_detok *d, const char **piece, size_t *len, struct kr_err *err)
 {
     *piece = "";
     *len = 0;
-    kr_free(d->piece);
-    d->piece = NULL;
     enum kr_status st = KR_OK;
     if (!d->tok->stream_window) {
         st = detok_full(d, true, piece, len, err);
     } else {
-        char *s;
-        size_t n;
-        st = kr_tokenizer_decode(d->tok, d->ids, (int64_t)d->n, d->skip_special, &s, &n, err);
-        if (st == KR_OK && n > d->prefix_len) {
-            memmove(s, s + d->prefix_len, n - d->prefix_len);
-            s[n - d->prefix_len] = '\0';
-            *len = n - d->prefix_len;
-            d->piece = s;
-            *piece = s;
-        } else if (st == KR_OK) {
-            kr_free(s);
+        st = detok_decode(d, d->ids, d->n, err);
+        if (st == KR_OK) {
+            size_t from = d->text.len > d->prefix.len ? d->prefix.len : d->text.len;
+            if (!d->tok->stream_tail) {
+                st = detok_emit(d, d->text.p + from, d->text.len - from, true, piece, len, err);
+            } else if (kr_bs_append(&d->raw, d->text.p + from, d->text.len - from) != KR_OK) {
+                st = kr_err_set(err, KR_ERR_NOMEM, "detokenizer: out of memory");
+            } else {
+                st = tail_emit(d, true, piece, len, err);
+            }
         }
     }
     d->n = 0;
-    d->prefix_index = 0;
-    kr_free(d->prefix);
-    d->prefix = NULL;
-    d->prefix_len = 0;
+    d->read = 0;
+    d->prefix.len = 0;
+    d->raw.len = 0;
+    d->sent.len = 0;
+    if (d->raw.oom) { /* a failed growth is sticky */
+        kr_bs_free(&d->raw);
+    }
+    if (d->sent.oom) {
+        kr_bs_free(&d->sent);
+    }
+    d->strip_lead = d->tok->stream_strip ? d->tok->stream_strip->start : 0;
+    d->strip_held = 0;
     return st;
 }
 
@@ -609,6 +814,54 @@ bool tok_decoder_window_safe(const struct decoder *d, bool *fused, int32_t *hold
         return true;
     }
     return false;
+}
+
+/* Chooses how kr_detok_* streams t's decoder. A Strip that ends a Sequence after the tokens were
+ * fused (ByteLevel, Fuse) acts on the whole text: only at its start and at its end. The stream
+ * decodes without it and applies it to the streamed text (detok_emit), which keeps a window exact
+ * for Strips of any `start` (a window cannot tell whether its first characters begin the text). */
+void tok_stream_setup(struct kr_tokenizer *t)
+{
+    bool fused = false;
+    int32_t hold = -1;
+    t->stream_dec = t->dec;
+    t->stream_strip = NULL;
+    if (t->dec && t->dec->type == DEC_SEQUENCE && t->dec->n_sub > 0 &&
+        t->dec->sub[t->dec->n_sub - 1].type == DEC_STRIP) {
+        t->stream_dec_cut = *t->dec;
+        t->stream_dec_cut.n_sub--;
+        tok_decoder_window_safe(&t->stream_dec_cut, &fused, &hold);
+        if (fused) {
+            t->stream_dec = &t->stream_dec_cut;
+            t->stream_strip = &t->dec->sub[t->dec->n_sub - 1];
+        }
+    }
+    fused = false;
+    t->stream_hold_cp = -1;
+    t->stream_tail = NULL;
+    t->stream_window = !t->stream_dec || tok_decoder_window_safe(t->stream_dec, &fused, &t->stream_hold_cp);
+    const struct decoder *sd = t->stream_dec;
+    if (!t->stream_window && sd->type == DEC_SEQUENCE) {
+        /* the steps up to the first fusing one may still be windowed; the rest act on one string */
+        size_t f = 0;
+        while (f < sd->n_sub && sd->sub[f].type != DEC_BYTE_LEVEL && sd->sub[f].type != DEC_FUSE) {
+            f++;
+        }
+        struct decoder head = *sd;
+        head.n_sub = f + 1;
+        bool head_fused = false;
+        int32_t head_hold = -1;
+        if (f < sd->n_sub && tok_decoder_window_safe(&head, &head_fused, &head_hold)) {
+            t->stream_tail_seq = *sd;
+            t->stream_tail_seq.sub = sd->sub + f + 1;
+            t->stream_tail_seq.n_sub = sd->n_sub - (f + 1);
+            t->stream_tail = &t->stream_tail_seq;
+            t->stream_dec_cut = head;
+            t->stream_dec = &t->stream_dec_cut;
+            t->stream_window = true;
+        }
+    }
+    t->stream_byte_runs = t->dec && tok_decoder_has(t->dec, DEC_BYTE_FALLBACK);
 }
 
 bool tok_decoder_has(const struct decoder *d, enum dec_type type)

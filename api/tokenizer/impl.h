@@ -209,9 +209,16 @@ struct kr_tokenizer {
     uint8_t bytes_char_len[256];
     int16_t char_byte[0x144];    /* inverse for code points < 0x144, -1 elsewhere */
 
-    bool stream_window;          /* the decoder allows HF's windowed DecodeStream (see decoder_window_safe) */
+    /* the streaming detokenizer's view of the decoder (tok_stream_setup) */
+    const struct decoder *stream_dec;   /* what it decodes with: dec, or &stream_dec_cut */
+    struct decoder stream_dec_cut;      /* dec without its final Strip (a shallow copy, owning nothing) */
+    const struct decoder *stream_strip; /* that Strip, applied to the streamed text as a whole, or NULL */
+    const struct decoder *stream_tail;  /* steps after the fusing one that a window cannot run, run on the
+                                           whole text stream_dec released so far; or NULL */
+    struct decoder stream_tail_seq;     /* what stream_tail points at (a shallow copy, owning nothing) */
+    bool stream_window;          /* stream_dec allows HF's windowed DecodeStream (see decoder_window_safe) */
     bool stream_byte_runs;       /* ByteFallback: a later <0xXX> token can still change a run's text */
-    int32_t stream_hold_cp;      /* a Strip decoder's content removed at the end of the text, or -1 */
+    int32_t stream_hold_cp;      /* a Strip inside stream_dec removing its content at the end, or -1 */
 
     char *bos_token, *eos_token; /* from tokenizer_config.json */
     int32_t bos_id, eos_id;
@@ -246,6 +253,7 @@ struct ctx {
 
 void *tok_arena_alloc(struct arena *a, size_t n);
 void tok_arena_free(struct arena *a);
+void tok_arena_reset(struct arena *a); /* empties it, keeping its newest chunk */
 enum kr_status tok_pieces_push(struct pieces *p, const char *s, size_t len, int32_t id, bool first);
 enum kr_status tok_ranges_push(struct ranges *r, size_t a, size_t b, bool m);
 enum kr_status tok_smap_init(struct smap *m, size_t expect);
@@ -286,4 +294,5 @@ enum kr_status tok_trie_insert(struct trie *tr, const char *s, size_t n, int32_t
 /* ---- decode.c: decode, incremental detokenizer ----------------------------------------------- */
 
 bool tok_decoder_window_safe(const struct decoder *d, bool *fused, int32_t *hold);
+void tok_stream_setup(struct kr_tokenizer *t);
 bool tok_decoder_has(const struct decoder *d, enum dec_type type);

@@ -1076,10 +1076,7 @@ enum kr_status kr_tokenizer_load_mem(const char *json, size_t len, const char *c
     if (cfg && (st = load_config(t, cfg, err)) != KR_OK) {
         goto fail;
     }
-    bool fused = false;
-    t->stream_hold_cp = -1;
-    t->stream_window = !t->dec || tok_decoder_window_safe(t->dec, &fused, &t->stream_hold_cp);
-    t->stream_byte_runs = t->dec && tok_decoder_has(t->dec, DEC_BYTE_FALLBACK);
+    tok_stream_setup(t);
     json_decref(root);
     json_decref(cfg);
     *out = t;

@@ -33,6 +33,19 @@ void *tok_arena_alloc(struct arena *a, size_t n)
     return p;
 }
 
+void tok_arena_reset(struct arena *a)
+{
+    /* keep the newest (largest) chunk for the next call */
+    if (a->head) {
+        struct arena_chunk *keep = a->head;
+        a->head = keep->next;
+        tok_arena_free(a);
+        keep->next = NULL;
+        keep->used = 0;
+        a->head = keep;
+    }
+}
+
 void tok_arena_free(struct arena *a)
 {
     while (a->head) {

@@ -16,15 +16,15 @@
 #include "tokenizer.h"
 
 #include "alloc.h"
+#include "fuzz.h"
 
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#ifndef KR_FUZZ_SOURCE_DIR /* the tree the harness was built from (tests/fuzz/CMakeLists.txt) */
-#define KR_FUZZ_SOURCE_DIR KR_FUZZ_SOURCE_DIR_DEFAULT
-#endif
+
+/* fuzz-max-len: 512 (tools/fuzz.sh passes it as -max_len) */
 
 #define MAX_IDS 512
 
@@ -62,10 +62,7 @@ int LLVMFuzzerInitialize(int *argc, char ***argv)
 {
     (void)argc;
     (void)argv;
-    const char *dir = getenv("KR_FUZZ_SOURCE_DIR");
-    if (!dir || !*dir) {
-        dir = KR_FUZZ_SOURCE_DIR;
-    }
+    const char *dir = kr_fuzz_source_dir();
     for (size_t i = 0; i < N_TOKENIZERS; i++) {
         char path[4096];
         struct kr_err err = {0};
