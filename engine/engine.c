@@ -13,6 +13,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 
 void kr_engine_config_default(struct kr_engine_config *c)
 {
@@ -339,6 +340,8 @@ void eng_fail_everything(struct kr_engine *e, const char *why)
 
 static void *engine_main(void *arg)
 {
+    /* a name for top -H and /proc/PID/task; the OpenMP team this thread starts inherits it */
+    prctl(PR_SET_NAME, "kr-engine", 0, 0, 0);
     struct kr_engine *e = arg;
     pthread_mutex_lock(&e->lock);
     for (;;) {

@@ -240,6 +240,7 @@ void kr_sampler_scratch_free(struct kr_sampler_scratch *s)
 {
     kr_free(s->v);
     kr_free(s->order);
+    kr_free(s->tmp);
     memset(s, 0, sizeof *s);
 }
 
@@ -305,55 +306,73 @@ void kr_top_k_ids(const float *lp, int64_t vocab, int32_t k, int32_t *ids)
     }
 }
 
-/* Descending by logit, lower id first on ties. */
-static int cmp_desc(const void *a, const void *b)
+/* Candidates are 64-bit keys whose ascending order is the sampling order: the high half is the
+ * logit mapped to an unsigned integer in descending order (-0 as +0), the low half the token id, so
+ * that ties go to the lower id and every comparison, selection and sort is on plain integers. */
+static inline uint64_t cand_key(float v, int32_t id)
 {
-    const struct kr_sampler_cand *x = a, *y = b;
-    if (x->v != y->v) {
-        return x->v > y->v ? -1 : 1;
+    if (v == 0.0f) {
+        v = 0.0f;
     }
-    return (x->id > y->id) - (x->id < y->id);
+    uint32_t u;
+    memcpy(&u, &v, sizeof u);
+    u = (u & 0x80000000u) ? ~u : (u | 0x80000000u); /* ascending in v */
+    return (uint64_t)~u << 32 | (uint32_t)id;
 }
 
-/* a before b in the sampling order (descending logit, lower id first) */
-static bool cand_before(const struct kr_sampler_cand *a, const struct kr_sampler_cand *b)
+static inline float cand_v(uint64_t k)
 {
-    return a->v > b->v || (a->v == b->v && a->id < b->id);
+    uint32_t u = ~(uint32_t)(k >> 32);
+    u = (u & 0x80000000u) ? (u & 0x7fffffffu) : ~u;
+    float v;
+    memcpy(&v, &u, sizeof v);
+    return v;
 }
 
-static void cand_swap(struct kr_sampler_cand *a, struct kr_sampler_cand *b)
+static inline int32_t cand_id(uint64_t k)
 {
-    const struct kr_sampler_cand t = *a;
+    return (int32_t)(uint32_t)k;
+}
+
+static int cmp_u64(const void *a, const void *b)
+{
+    const uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return (x > y) - (x < y);
+}
+
+static inline void key_swap(uint64_t *a, uint64_t *b)
+{
+    const uint64_t t = *a;
     *a = *b;
     *b = t;
 }
 
 /* Rearranges c[lo..hi) so that c[lo..k) holds the elements that come first in the sampling order
  * (in any order) and c[k..hi) the rest (quickselect, median of three). lo < k < hi. */
-static void select_first(struct kr_sampler_cand *c, int64_t lo, int64_t hi, int64_t k)
+static void select_first(uint64_t *c, int64_t lo, int64_t hi, int64_t k)
 {
     while (hi - lo > 16) {
         const int64_t mid = lo + (hi - lo) / 2;
-        if (cand_before(&c[hi - 1], &c[lo])) {
-            cand_swap(&c[hi - 1], &c[lo]);
+        if (c[hi - 1] < c[lo]) {
+            key_swap(&c[hi - 1], &c[lo]);
         }
-        if (cand_before(&c[mid], &c[lo])) {
-            cand_swap(&c[mid], &c[lo]);
+        if (c[mid] < c[lo]) {
+            key_swap(&c[mid], &c[lo]);
         }
-        if (cand_before(&c[hi - 1], &c[mid])) {
-            cand_swap(&c[hi - 1], &c[mid]);
+        if (c[hi - 1] < c[mid]) {
+            key_swap(&c[hi - 1], &c[mid]);
         }
-        const struct kr_sampler_cand pivot = c[mid];
+        const uint64_t pivot = c[mid];
         int64_t i = lo, j = hi - 1;
         while (i <= j) {
-            while (cand_before(&c[i], &pivot)) {
+            while (c[i] < pivot) {
                 i++;
             }
-            while (cand_before(&pivot, &c[j])) {
+            while (pivot < c[j]) {
                 j--;
             }
             if (i <= j) {
-                cand_swap(&c[i], &c[j]);
+                key_swap(&c[i], &c[j]);
                 i++;
                 j--;
             }
@@ -367,13 +386,65 @@ static void select_first(struct kr_sampler_cand *c, int64_t lo, int64_t hi, int6
             return; /* c[j+1..i) equal the pivot: the split at k holds */
         }
     }
-    qsort(c + lo, (size_t)(hi - lo), sizeof *c, cmp_desc);
+    qsort(c + lo, (size_t)(hi - lo), sizeof *c, cmp_u64);
+}
+
+#define SAMPLE_CHUNK 512
+#define RADIX_BITS 11
+#define RADIX_DIGITS 6 /* 6 x 11 bits cover the 64-bit key */
+
+/* Sorts c[0..n) ascending: qsort for a few, else an LSD radix sort through tmp[n] that skips the
+ * digits every key shares (the high bits of the ids, and of logits in a narrow range), so that a
+ * deep walk over a flat distribution (temperature 1 over a whole vocabulary) costs a few linear
+ * passes instead of a comparison sort. */
+static void sort_keys(uint64_t *c, uint64_t *tmp, int64_t n)
+{
+    if (n < 2048 || !tmp) {
+        qsort(c, (size_t)n, sizeof *c, cmp_u64);
+        return;
+    }
+    static _Thread_local uint32_t count[RADIX_DIGITS][1 << RADIX_BITS];
+    memset(count, 0, sizeof count);
+    for (int64_t i = 0; i < n; i++) {
+        const uint64_t k = c[i];
+        for (int d = 0; d < RADIX_DIGITS; d++) {
+            count[d][k >> (d * RADIX_BITS) & ((1u << RADIX_BITS) - 1)]++;
+        }
+    }
+    uint64_t *src = c, *dst = tmp;
+    for (int d = 0; d < RADIX_DIGITS; d++) {
+        uint32_t *cnt = count[d];
+        uint32_t at = 0;
+        bool uniform = false;
+        for (int x = 0; x < 1 << RADIX_BITS; x++) {
+            if (cnt[x] == (uint32_t)n) {
+                uniform = true;
+                break;
+            }
+            const uint32_t m = cnt[x];
+            cnt[x] = at;
+            at += m;
+        }
+        if (uniform) {
+            continue; /* every key has this digit: the pass would change nothing */
+        }
+        const int shift = d * RADIX_BITS;
+        for (int64_t i = 0; i < n; i++) {
+            dst[cnt[src[i] >> shift & ((1u << RADIX_BITS) - 1)]++] = src[i];
+        }
+        uint64_t *t = src;
+        src = dst;
+        dst = t;
+    }
+    if (src != c) {
+        memcpy(c, src, (size_t)n * sizeof *c);
+    }
 }
 
 /* Makes c[0..want) the first `want` of the n candidates in the sampling order, sorted, given that
  * c[0..sorted) already is; returns the new sorted length. Sorting happens a chunk at a time, so a
  * draw that stops early never pays for a sort of the whole vocabulary. */
-static int64_t extend_sorted(struct kr_sampler_cand *c, int64_t n, int64_t sorted, int64_t want)
+static int64_t extend_sorted(uint64_t *c, uint64_t *tmp, int64_t n, int64_t sorted, int64_t want)
 {
     if (want > n) {
         want = n;
@@ -381,17 +452,15 @@ static int64_t extend_sorted(struct kr_sampler_cand *c, int64_t n, int64_t sorte
     if (want <= sorted) {
         return sorted;
     }
-    if (want > n / 4) {
-        want = n; /* a deep walk: one sort of the rest is cheaper than more selections */
+    if (want > n / 4 || want > 4 * SAMPLE_CHUNK) {
+        want = n; /* a deep walk: one radix sort of the rest costs about two more selections */
     }
     if (want < n) {
         select_first(c, sorted, n, want);
     }
-    qsort(c + sorted, (size_t)(want - sorted), sizeof *c, cmp_desc);
+    sort_keys(c + sorted, tmp, want - sorted);
     return want;
 }
-
-#define SAMPLE_CHUNK 512
 
 static enum kr_status scratch_reserve(struct kr_sampler_scratch *sc, int64_t vocab)
 {
@@ -399,7 +468,8 @@ static enum kr_status scratch_reserve(struct kr_sampler_scratch *sc, int64_t voc
         kr_sampler_scratch_free(sc);
         sc->v = kr_malloc((size_t)vocab * sizeof(float));
         sc->order = kr_malloc((size_t)vocab * sizeof *sc->order);
-        if (!sc->v || !sc->order) {
+        sc->tmp = kr_malloc((size_t)vocab * sizeof *sc->tmp);
+        if (!sc->v || !sc->order || !sc->tmp) {
             kr_sampler_scratch_free(sc);
             return KR_ERR_NOMEM;
         }
@@ -430,9 +500,8 @@ static enum kr_status select_token(float temperature, int32_t top_k, float top_p
     /* candidates sorted by logit (descending, lower id first on ties) */
     int64_t n = 0;
     for (int64_t i = 0; i < vocab; i++) {
-        if (v[i] != -INFINITY) {
-            sc->order[n].v = v[i];
-            sc->order[n++].id = (int32_t)i;
+        if (v[i] != -INFINITY && !isnan(v[i])) { /* NaN counts as -inf, as in the greedy draw */
+            sc->order[n++] = cand_key(v[i], (int32_t)i);
         }
     }
     if (n == 0) {
@@ -446,13 +515,13 @@ static enum kr_status select_token(float temperature, int32_t top_k, float top_p
     }
     /* from here on only order[0..keep) matters; its sorted prefix grows only as far as the cuts and
      * the draw look, so a peaked distribution never pays for sorting the whole vocabulary */
-    int64_t sorted = extend_sorted(sc->order, keep, 0, keep < SAMPLE_CHUNK ? keep : SAMPLE_CHUNK);
+    int64_t sorted = extend_sorted(sc->order, sc->tmp, keep, 0, keep < SAMPLE_CHUNK ? keep : SAMPLE_CHUNK);
     const float inv_t = 1.0f / temperature;
-    const float mx = sc->order[0].v * inv_t;
-#define SORTED_AT(i) ((i) < sorted ? (void)0 : (void)(sorted = extend_sorted(sc->order, keep, sorted, 2 * (i) + 1)))
+    const float mx = cand_v(sc->order[0]) * inv_t;
+#define SORTED_AT(i) ((i) < sorted ? (void)0 : (void)(sorted = extend_sorted(sc->order, sc->tmp, keep, sorted, 2 * (i) + 1)))
     double total = 0.0;
     for (int64_t i = 0; i < keep; i++) { /* the sum needs no order */
-        total += exp((double)sc->order[i].v * inv_t - mx);
+        total += exp((double)cand_v(sc->order[i]) * inv_t - mx);
     }
     const int64_t keep0 = keep;
     if (top_p < 1.0f) { /* smallest prefix whose probability reaches top_p */
@@ -460,7 +529,7 @@ static enum kr_status select_token(float temperature, int32_t top_k, float top_p
         int64_t k2 = 0;
         while (k2 < keep) {
             SORTED_AT(k2);
-            cum += exp((double)sc->order[k2].v * inv_t - mx) / total;
+            cum += exp((double)cand_v(sc->order[k2]) * inv_t - mx) / total;
             k2++;
             if (cum >= top_p) {
                 break;
@@ -472,7 +541,7 @@ static enum kr_status select_token(float temperature, int32_t top_k, float top_p
         int64_t k2 = 1;
         while (k2 < keep) {
             SORTED_AT(k2);
-            if (exp((double)sc->order[k2].v * inv_t - mx) < min_p) {
+            if (exp((double)cand_v(sc->order[k2]) * inv_t - mx) < min_p) {
                 break;
             }
             k2++;
@@ -482,22 +551,22 @@ static enum kr_status select_token(float temperature, int32_t top_k, float top_p
     if (keep < keep0) { /* cut: the kept tokens are a sorted prefix */
         total = 0.0;
         for (int64_t i = 0; i < keep; i++) {
-            total += exp((double)sc->order[i].v * inv_t - mx);
+            total += exp((double)cand_v(sc->order[i]) * inv_t - mx);
         }
     }
     const double u = (rng ? kr_rng_uniform(rng) : u01) * total;
     double cum = 0.0;
     for (int64_t i = 0; i < keep; i++) {
         SORTED_AT(i);
-        cum += exp((double)sc->order[i].v * inv_t - mx);
+        cum += exp((double)cand_v(sc->order[i]) * inv_t - mx);
         if (u < cum) {
-            *out = sc->order[i].id;
+            *out = cand_id(sc->order[i]);
             return KR_OK;
         }
     }
 #undef SORTED_AT
-    sorted = extend_sorted(sc->order, keep, sorted, keep);
-    *out = sc->order[keep - 1].id;
+    sorted = extend_sorted(sc->order, sc->tmp, keep, sorted, keep);
+    *out = cand_id(sc->order[keep - 1]);
     return KR_OK;
 }
 

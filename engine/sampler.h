@@ -77,14 +77,11 @@ enum kr_status kr_token_counts_add(struct kr_token_counts *c, int32_t id, bool p
 enum kr_status kr_token_counts_copy(struct kr_token_counts *dst, const struct kr_token_counts *src);
 
 /* Scratch for one sampling call; reused across calls (engine thread). */
-struct kr_sampler_cand {
-    float v;           /* processed logit */
-    int32_t id;
-};
 struct kr_sampler_scratch {
     int64_t cap;
-    float *v;                      /* [vocab] processed logits */
-    struct kr_sampler_cand *order; /* [vocab] candidates, sorted by logit */
+    float *v;        /* [vocab] processed logits */
+    uint64_t *order; /* [vocab] candidates as keys (logit, then id), sorted by logit */
+    uint64_t *tmp;   /* [vocab] the radix sort's other buffer */
 };
 void kr_sampler_scratch_free(struct kr_sampler_scratch *s);
 

@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <string.h>
 #include <unistd.h>
+#include <sys/prctl.h>
 
 int kr_boot_check(const struct kr_serve_opts *o)
 {
@@ -93,6 +94,7 @@ static enum kr_status structured_outputs_init(struct kr_boot *s, struct kr_err *
 /* The loader thread: everything that takes long, then `loaded`. */
 static void *loader_main(void *arg)
 {
+    prctl(PR_SET_NAME, "kr-loader", 0, 0, 0); /* a name for top -H and /proc/PID/task */
     struct kr_boot *s = arg;
     struct kr_err err = {0};
     enum kr_status st = kr_model_load_progress(s->o.model_dir, s->be, progress, NULL, &s->m, &err);

@@ -5,6 +5,7 @@
 #include <sys/resource.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+#include <sys/prctl.h>
 
 static void push(struct kr_lane_work **h, struct kr_lane_work **t, struct kr_lane_work *w)
 {
@@ -19,6 +20,7 @@ static void push(struct kr_lane_work **h, struct kr_lane_work **t, struct kr_lan
 
 static void *lane_main(void *arg)
 {
+    prctl(PR_SET_NAME, "kr-lane", 0, 0, 0); /* a name for top -H and /proc/PID/task */
     struct kr_lane *l = arg;
     /* a thread's own nice value (Linux: setpriority on the thread id) */
     if (setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), l->nice) != 0) {

@@ -35,6 +35,7 @@
 #include <time.h>
 #include <unistd.h>
 #include <uv.h>
+#include <sys/prctl.h>
 
 void kr_serve_opts_default(struct kr_serve_opts *o)
 {
@@ -1362,6 +1363,7 @@ static struct {
 
 static void *watchdog_main(void *arg)
 {
+    prctl(PR_SET_NAME, "kr-watchdog", 0, 0, 0); /* a name for top -H and /proc/PID/task */
     (void)arg;
     pthread_mutex_lock(&g_wd.mu);
     while (!g_wd.stop) {

@@ -84,6 +84,49 @@ class Server:
             return -9
 
 
+def threads_cpu(pid):
+    """CPU seconds of the server's threads, summed by name (the main thread, which runs the event
+    loop, as "loop"; libuv's workers keep the process's name)."""
+    out = {}
+    tck = os.sysconf("SC_CLK_TCK")
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            st = open(f"/proc/{pid}/task/{tid}/stat").read()
+        except OSError:
+            continue
+        name = "loop" if int(tid) == pid else st[st.index("(") + 1:st.rindex(")")]
+        f = st[st.rindex(")") + 2:].split()
+        out[name] = out.get(name, 0.0) + (int(f[11]) + int(f[12])) / tck
+    return out
+
+
+def metrics(port):
+    """The server's counters that say how much work it did (engine steps, tokens, requests)."""
+    want = ("krait:engine_steps_total", "krait:prompt_tokens_total", "krait:generation_tokens_total",
+            "krait:http_requests_total")
+    out = {}
+    try:
+        c = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        c.request("GET", "/metrics", headers={"Authorization": "Bearer " + KEY})
+        for line in c.getresponse().read().decode().splitlines():
+            name = line.split("{")[0].split(" ")[0]
+            if name in want:
+                out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    except (OSError, ValueError, http.client.HTTPException):
+        pass
+    return out
+
+
+def connect(port, timeout=None):
+    """A client socket to the server, from SRC_ADDR when it is set (an attacker's own address)."""
+    return socket.create_connection(("127.0.0.1", port), timeout=timeout,
+                                    source_address=(SRC_ADDR, 0) if SRC_ADDR else None)
+
+
+SRC_ADDR = ""
+STORM_TEMPERATURE = None
+
+
 def probe(port):
     """An authenticated 1-token completion on a new connection; its latency in seconds."""
     body = json.dumps({"model": "m", "prompt": "Hello", "max_tokens": 1, "temperature": 0})
@@ -113,7 +156,8 @@ def post_loop(port, path, payload, stop, stats):
     """A client that posts `payload` again and again (a new connection each time)."""
     while not stop.is_set():
         try:
-            c = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=120,
+                                           source_address=(SRC_ADDR, 0) if SRC_ADDR else None)
             c.request("POST", path, payload, {"Content-Type": "application/json",
                                               "Authorization": "Bearer " + KEY})
             r = c.getresponse()
@@ -125,13 +169,15 @@ def post_loop(port, path, payload, stop, stats):
 
 
 def disconnect_loop(port, stop, stats, pause=0.1):
-    body = json.dumps({"model": "m", "prompt": "Once upon a time", "max_tokens": 200, "stream": True,
-                       "ignore_eos": True})
+    req_body = {"model": "m", "prompt": "Once upon a time", "max_tokens": 200, "stream": True, "ignore_eos": True}
+    if STORM_TEMPERATURE is not None:
+        req_body["temperature"] = STORM_TEMPERATURE
+    body = json.dumps(req_body)
     req = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}").encode()
     while not stop.is_set():
         try:
-            s = socket.create_connection(("127.0.0.1", port), timeout=60)
+            s = connect(port, 60)
             s.sendall(req)
             s.recv(256)
             s.close()
@@ -151,6 +197,8 @@ def trickle_loop(port, n, head, stop, stats, at_once=False):
     def opened():
         try:
             s = socket.socket()
+            if SRC_ADDR:
+                s.bind((SRC_ADDR, 0))
             s.setblocking(False)
             s.connect_ex(("127.0.0.1", port))
             socks[s] = False
@@ -232,6 +280,8 @@ def attack_threads(kind, port, a, stop, stats):
 
 def attack_proc(kind, port, a, stop, q):
     """One attack in a process of its own: its threads until `stop`, then its outcome counts on q."""
+    global SRC_ADDR, STORM_TEMPERATURE
+    SRC_ADDR, STORM_TEMPERATURE = a.attack_addr, a.storm_temperature
     if a.attack_cpus:
         os.sched_setaffinity(0, parse_cpus(a.attack_cpus))
     stats = {}
@@ -269,6 +319,11 @@ def main():
     ap.add_argument("--storm-clients", type=int, default=64, help="disconnect storm: clients, each 10 streams a second")
     ap.add_argument("--warmup-s", type=float, default=15, help="attack running before the probes start")
     ap.add_argument("--probes", type=int, default=20)
+    ap.add_argument("--storm-temperature", type=float, default=None,
+                    help="the disconnect storm's temperature (default: the server's, 1)")
+    ap.add_argument("--attack-addr", default="",
+                    help="the attackers' source address (e.g. 127.0.0.2): attackers at an address of "
+                         "their own, as on a network, while the probe comes from 127.0.0.1")
     ap.add_argument("--serve-arg", action="append", default=[])
     ap.add_argument("--server-cpus", default="", help="taskset list for the server, e.g. 0-1")
     ap.add_argument("--attack-cpus", default="", help="cores for the attackers and probes, e.g. 2-15")
@@ -294,6 +349,7 @@ def main():
             for p in procs:
                 p.start()
             time.sleep(a.warmup_s)
+            cpu0, met0, t0 = threads_cpu(srv.p.pid), metrics(srv.port), time.time()
             lat, fails, healths = [], [], []
             for _ in range(a.probes):
                 try:
@@ -303,6 +359,9 @@ def main():
                 healths.append(health(srv.port))
                 time.sleep(0.25)
             mem = srv.mem()
+            cpu1, met1, dt = threads_cpu(srv.p.pid), metrics(srv.port), time.time() - t0
+            cpu = {k: round((v - cpu0.get(k, 0.0)) / dt, 3) for k, v in cpu1.items() if v - cpu0.get(k, 0.0) > 0}
+            rates = {k.split(":")[1]: round((v - met0.get(k, 0.0)) / dt, 1) for k, v in met1.items()}
             stop.set()
             stats = {}
             for _ in procs:
@@ -316,13 +375,14 @@ def main():
                     p.kill()
             row = summarize(lat, idle_med) if lat else {"n": 0}
             row.update({"probe_failures": fails, "health": sorted(set(map(str, healths))), "mem_mb": mem,
-                        "attack_outcomes": stats})
+                        "attack_outcomes": stats, "server_cpu_cores_by_thread": cpu, "server_rates_per_s": rates})
             res["attacks"][kind] = row
             print(f"{kind}: " + (f"median {row['median_s'] * 1000:.1f} ms ({row['median_vs_idle']:.2f}x idle), "
                                  f"p90 {row['p90_s'] * 1000:.1f} ms, max {row['max_s'] * 1000:.1f} ms"
                                  if lat else "no probe answered") +
                   f", failures {len(fails)}, health {row['health']}, RSS {mem.get('VmRSS')} MB "
-                  f"(peak {mem.get('VmHWM')} MB), {json.dumps(stats)}", flush=True)
+                  f"(peak {mem.get('VmHWM')} MB), {json.dumps(stats)}\n    server CPU (cores) by thread "
+                  f"{json.dumps(cpu)}; per second {json.dumps(rates)}", flush=True)
             time.sleep(2)
     finally:
         res["exit_code"] = srv.stop()

@@ -79,6 +79,46 @@ Test(sampler, temperature_sampling_follows_the_softmax)
     }
 }
 
+/* A NaN logit counts as -inf at any temperature too (it was sorted by an inconsistent comparison
+ * and could be drawn), in a small vocabulary and in one large enough for the radix sort. */
+Test(sampler, temperature_sampling_never_draws_a_nan_logit)
+{
+    struct kr_sampling s;
+    kr_sampling_default(&s);
+    s.temperature = 1.0f;
+    struct kr_rng rng;
+    kr_rng_seed(&rng, 7);
+    float l[V] = {NAN, 1.0f, NAN, 0.5f, NAN, -1.0f, NAN, 0.0f};
+    double f[V] = {0}, p[V] = {0}, z = 0;
+    for (int i = 0; i < V; i++) {
+        p[i] = isnan(l[i]) ? 0.0 : exp((double)l[i]);
+        z += p[i];
+    }
+    for (int i = 0; i < 100000; i++) {
+        const int32_t t = draw(&s, l, &rng, NULL, 0);
+        cr_assert(t >= 0 && t < V && !isnan(l[t]), "drew token %d, whose logit is NaN", t);
+        f[t] += 1e-5;
+    }
+    for (int i = 0; i < V; i++) {
+        /* 100k draws: standard error <= 0.0016; 5 sigma */
+        cr_expect(fabs(f[i] - p[i] / z) < 0.008, "token %d: frequency %.4f, softmax %.4f", i, f[i], p[i] / z);
+    }
+    enum { NV = 65536 };
+    float *big = malloc(NV * sizeof(float));
+    cr_assert(big);
+    for (int32_t i = 0; i < NV; i++) {
+        big[i] = i % 3 == 0 ? NAN : (float)(i % 17) * 0.01f;
+    }
+    struct kr_sampler_scratch sc = {0};
+    for (int i = 0; i < 200; i++) {
+        int32_t t = -1;
+        cr_assert_eq(kr_sample(&s, big, NULL, NV, NULL, 0, NULL, 0, &rng, &sc, &t), KR_OK);
+        cr_assert(t >= 0 && t < NV && t % 3 != 0, "drew token %d, whose logit is NaN", t);
+    }
+    kr_sampler_scratch_free(&sc);
+    free(big);
+}
+
 Test(sampler, top_k_keeps_the_k_most_likely)
 {
     struct kr_sampling s;
