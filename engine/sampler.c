@@ -241,6 +241,9 @@ void kr_sampler_scratch_free(struct kr_sampler_scratch *s)
     kr_free(s->v);
     kr_free(s->order);
     kr_free(s->tmp);
+    kr_free(s->bmass);
+    kr_free(s->bwmin);
+    kr_free(s->bcount);
     memset(s, 0, sizeof *s);
 }
 
@@ -389,7 +392,6 @@ static void select_first(uint64_t *c, int64_t lo, int64_t hi, int64_t k)
     qsort(c + lo, (size_t)(hi - lo), sizeof *c, cmp_u64);
 }
 
-#define SAMPLE_CHUNK 512
 #define RADIX_BITS 11
 #define RADIX_DIGITS 6 /* 6 x 11 bits cover the 64-bit key */
 
@@ -441,41 +443,71 @@ static void sort_keys(uint64_t *c, uint64_t *tmp, int64_t n)
     }
 }
 
-/* Makes c[0..want) the first `want` of the n candidates in the sampling order, sorted, given that
- * c[0..sorted) already is; returns the new sorted length. Sorting happens a chunk at a time, so a
- * draw that stops early never pays for a sort of the whole vocabulary. */
-static int64_t extend_sorted(uint64_t *c, uint64_t *tmp, int64_t n, int64_t sorted, int64_t want)
-{
-    if (want > n) {
-        want = n;
-    }
-    if (want <= sorted) {
-        return sorted;
-    }
-    if (want > n / 4 || want > 4 * SAMPLE_CHUNK) {
-        want = n; /* a deep walk: one radix sort of the rest costs about two more selections */
-    }
-    if (want < n) {
-        select_first(c, sorted, n, want);
-    }
-    sort_keys(c + sorted, tmp, want - sorted);
-    return want;
-}
-
 static enum kr_status scratch_reserve(struct kr_sampler_scratch *sc, int64_t vocab)
 {
     if (sc->cap < vocab) {
         kr_sampler_scratch_free(sc);
         sc->v = kr_malloc((size_t)vocab * sizeof(float));
         sc->order = kr_malloc((size_t)vocab * sizeof *sc->order);
-        sc->tmp = kr_malloc((size_t)vocab * sizeof *sc->tmp);
-        if (!sc->v || !sc->order || !sc->tmp) {
+        sc->tmp = kr_malloc(2 * (size_t)vocab * sizeof *sc->tmp); /* a bucket, and the radix sort's buffer */
+        sc->bmass = kr_malloc(KR_SAMPLER_BUCKETS * sizeof *sc->bmass);
+        sc->bwmin = kr_malloc(KR_SAMPLER_BUCKETS * sizeof *sc->bwmin);
+        sc->bcount = kr_malloc(KR_SAMPLER_BUCKETS * sizeof *sc->bcount);
+        if (!sc->v || !sc->order || !sc->tmp || !sc->bmass || !sc->bwmin || !sc->bcount) {
             kr_sampler_scratch_free(sc);
             return KR_ERR_NOMEM;
         }
         sc->cap = vocab;
     }
     return KR_OK;
+}
+
+/* A draw's walk over the sampling order, bucket by bucket (select_token). */
+struct walk {
+    struct kr_sampler_scratch *sc;
+    int64_t keep;    /* candidates: sc->order[0..keep) */
+    float inv_t, mx; /* 1 / temperature, the top logit / temperature */
+    float top;       /* the top logit */
+    double scale;    /* buckets per unit of logit below the top */
+    int nb;          /* buckets */
+    int cur;         /* the bucket whose tokens sc->tmp holds, sorted (-1: none) */
+    int64_t m;       /* their number */
+};
+
+/* A logit's bucket: 0 for the top logit, growing as the logit falls (never decreasing, so that the
+ * buckets in order hold the sampling order's consecutive runs). */
+static inline int bucket_of(const struct walk *w, float v)
+{
+    const double x = ((double)w->top - (double)v) * w->scale;
+    if (!(x >= 1.0)) { /* the top bucket, and NaN when the range is not finite */
+        return 0;
+    }
+    return x >= (double)(w->nb - 1) ? w->nb - 1 : (int)x;
+}
+
+/* Gathers bucket b's tokens into sc->tmp, sorted into the sampling order; returns their number. */
+static int64_t open_bucket(struct walk *w, int b)
+{
+    if (w->cur == b) {
+        return w->m;
+    }
+    struct kr_sampler_scratch *sc = w->sc;
+    int64_t m = 0;
+    for (int64_t i = 0; i < w->keep; i++) {
+        if (bucket_of(w, cand_v(sc->order[i])) == b) {
+            sc->tmp[m++] = sc->order[i];
+        }
+    }
+    sort_keys(sc->tmp, sc->tmp + sc->cap, m);
+    w->cur = b;
+    w->m = m;
+    return m;
+}
+
+/* The unnormalized probability of the open bucket's j-th token (as the mass pass computed it). */
+static inline double walk_w(const struct walk *w, int64_t j)
+{
+    return exp((double)cand_v(w->sc->tmp[j]) * w->inv_t - w->mx);
 }
 
 /* The selection on processed logits v (penalties and masks applied): greedy, or temperature,
@@ -497,10 +529,10 @@ static enum kr_status select_token(float temperature, int32_t top_k, float top_p
         *out = (int32_t)best;
         return KR_OK;
     }
-    /* candidates sorted by logit (descending, lower id first on ties) */
+    /* the candidates: every finite logit (NaN counts as -inf, as in the greedy draw) */
     int64_t n = 0;
     for (int64_t i = 0; i < vocab; i++) {
-        if (v[i] != -INFINITY && !isnan(v[i])) { /* NaN counts as -inf, as in the greedy draw */
+        if (v[i] != -INFINITY && !isnan(v[i])) {
             sc->order[n++] = cand_key(v[i], (int32_t)i);
         }
     }
@@ -513,60 +545,116 @@ static enum kr_status select_token(float temperature, int32_t top_k, float top_p
         keep = top_k;
         select_first(sc->order, 0, n, keep); /* order[0..keep) holds the top k, unsorted */
     }
-    /* from here on only order[0..keep) matters; its sorted prefix grows only as far as the cuts and
-     * the draw look, so a peaked distribution never pays for sorting the whole vocabulary */
-    int64_t sorted = extend_sorted(sc->order, sc->tmp, keep, 0, keep < SAMPLE_CHUNK ? keep : SAMPLE_CHUNK);
-    const float inv_t = 1.0f / temperature;
-    const float mx = cand_v(sc->order[0]) * inv_t;
-#define SORTED_AT(i) ((i) < sorted ? (void)0 : (void)(sorted = extend_sorted(sc->order, sc->tmp, keep, sorted, 2 * (i) + 1)))
-    double total = 0.0;
-    for (int64_t i = 0; i < keep; i++) { /* the sum needs no order */
-        total += exp((double)cand_v(sc->order[i]) * inv_t - mx);
+    /* The sampling order (descending logit, lower id first) is walked through buckets of logit
+     * ranges: one pass gives each bucket its probability mass, and only the bucket where a cut or
+     * the draw lands is sorted. A flat distribution (temperature 1 over a whole vocabulary, where
+     * the draw lands deep) costs a few linear passes instead of a sort of the vocabulary. */
+    struct walk w = {.sc = sc, .keep = keep, .inv_t = 1.0f / temperature, .cur = -1};
+    uint64_t kmin = UINT64_MAX, kmax = 0;
+    for (int64_t i = 0; i < keep; i++) {
+        kmin = sc->order[i] < kmin ? sc->order[i] : kmin;
+        kmax = sc->order[i] > kmax ? sc->order[i] : kmax;
     }
-    const int64_t keep0 = keep;
+    w.top = cand_v(kmin);
+    w.mx = w.top * w.inv_t;
+    w.nb = keep < 4 * KR_SAMPLER_BUCKETS ? (int)(keep / 4) + 1 : KR_SAMPLER_BUCKETS;
+    const double range = (double)w.top - (double)cand_v(kmax);
+    w.scale = range > 0 && isfinite(range) ? w.nb / range : 0.0;
+    memset(sc->bmass, 0, (size_t)w.nb * sizeof *sc->bmass);
+    memset(sc->bcount, 0, (size_t)w.nb * sizeof *sc->bcount);
+    for (int b = 0; b < w.nb; b++) {
+        sc->bwmin[b] = INFINITY;
+    }
+    double total = 0.0;
+    for (int64_t i = 0; i < keep; i++) {
+        const float vi = cand_v(sc->order[i]);
+        const double e = exp((double)vi * w.inv_t - w.mx);
+        const int b = bucket_of(&w, vi);
+        total += e;
+        sc->bmass[b] += e;
+        sc->bcount[b]++;
+        sc->bwmin[b] = e < sc->bwmin[b] ? e : sc->bwmin[b];
+    }
+    /* what is kept: the first lim_c tokens of bucket lim_b and every token of the buckets before it */
+    int lim_b = w.nb;
+    int64_t lim_c = 0;
+    bool cut = false;
     if (top_p < 1.0f) { /* smallest prefix whose probability reaches top_p */
+        const double target = (double)top_p * total;
         double cum = 0.0;
-        int64_t k2 = 0;
-        while (k2 < keep) {
-            SORTED_AT(k2);
-            cum += exp((double)cand_v(sc->order[k2]) * inv_t - mx) / total;
-            k2++;
-            if (cum >= top_p) {
-                break;
-            }
+        int b = 0;
+        while (b < w.nb && (sc->bcount[b] == 0 || cum + sc->bmass[b] < target)) {
+            cum += sc->bmass[b++];
         }
-        keep = k2;
+        if (b < w.nb) {
+            const int64_t m = open_bucket(&w, b);
+            int64_t j = 0;
+            while (j < m) {
+                cum += walk_w(&w, j++);
+                if (cum >= target) {
+                    break;
+                }
+            }
+            lim_b = b;
+            lim_c = j;
+            cut = true;
+        }
     }
     if (min_p > 0.0f) { /* drop tokens below min_p times the top probability (top is exp(0) = 1) */
-        int64_t k2 = 1;
-        while (k2 < keep) {
-            SORTED_AT(k2);
-            if (exp((double)cand_v(sc->order[k2]) * inv_t - mx) < min_p) {
-                break;
-            }
-            k2++;
+        int b = 0;
+        while (b < w.nb && b <= lim_b && (sc->bcount[b] == 0 || sc->bwmin[b] >= min_p)) {
+            b++;
         }
-        keep = k2;
+        if (b < w.nb && b <= lim_b) {
+            const int64_t m = open_bucket(&w, b);
+            int64_t j = b == 0 ? 1 : 0; /* the top token always stays */
+            while (j < m && walk_w(&w, j) >= min_p) {
+                j++;
+            }
+            if (b < lim_b || j < lim_c) {
+                lim_b = b;
+                lim_c = j;
+                cut = true;
+            }
+        }
     }
-    if (keep < keep0) { /* cut: the kept tokens are a sorted prefix */
+    if (cut) { /* the kept tokens' mass */
         total = 0.0;
-        for (int64_t i = 0; i < keep; i++) {
-            total += exp((double)cand_v(sc->order[i]) * inv_t - mx);
+        for (int b = 0; b < lim_b; b++) {
+            total += sc->bmass[b];
+        }
+        if (lim_b < w.nb) {
+            open_bucket(&w, lim_b);
+            for (int64_t j = 0; j < lim_c; j++) {
+                total += walk_w(&w, j);
+            }
         }
     }
     const double u = (rng ? kr_rng_uniform(rng) : u01) * total;
     double cum = 0.0;
-    for (int64_t i = 0; i < keep; i++) {
-        SORTED_AT(i);
-        cum += exp((double)cand_v(sc->order[i]) * inv_t - mx);
-        if (u < cum) {
-            *out = cand_id(sc->order[i]);
-            return KR_OK;
+    int last_b = -1;
+    for (int b = 0; b < w.nb && (b < lim_b || (b == lim_b && lim_c > 0)); b++) {
+        if (sc->bcount[b] == 0) {
+            continue;
+        }
+        last_b = b;
+        if (b < lim_b && cum + sc->bmass[b] <= u) {
+            cum += sc->bmass[b];
+            continue;
+        }
+        const int64_t m = open_bucket(&w, b);
+        const int64_t lim = b == lim_b ? lim_c : m;
+        for (int64_t j = 0; j < lim; j++) {
+            cum += walk_w(&w, j);
+            if (u < cum) {
+                *out = cand_id(sc->tmp[j]);
+                return KR_OK;
+            }
         }
     }
-#undef SORTED_AT
-    sorted = extend_sorted(sc->order, sc->tmp, keep, sorted, keep);
-    *out = cand_id(sc->order[keep - 1]);
+    /* u at the very end of the mass (rounding): the last kept token */
+    const int64_t m = open_bucket(&w, last_b);
+    *out = cand_id(sc->tmp[(last_b == lim_b ? lim_c : m) - 1]);
     return KR_OK;
 }
 

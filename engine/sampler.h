@@ -77,11 +77,15 @@ enum kr_status kr_token_counts_add(struct kr_token_counts *c, int32_t id, bool p
 enum kr_status kr_token_counts_copy(struct kr_token_counts *dst, const struct kr_token_counts *src);
 
 /* Scratch for one sampling call; reused across calls (engine thread). */
+#define KR_SAMPLER_BUCKETS 4096
 struct kr_sampler_scratch {
     int64_t cap;
     float *v;        /* [vocab] processed logits */
-    uint64_t *order; /* [vocab] candidates as keys (logit, then id), sorted by logit */
-    uint64_t *tmp;   /* [vocab] the radix sort's other buffer */
+    uint64_t *order; /* [vocab] candidates as keys (logit, then id) */
+    uint64_t *tmp;   /* [2 vocab] one bucket's candidates, sorted, and the radix sort's buffer */
+    double *bmass;   /* [KR_SAMPLER_BUCKETS] per bucket of logits: probability mass, */
+    double *bwmin;   /* smallest probability */
+    int64_t *bcount; /* and number of candidates */
 };
 void kr_sampler_scratch_free(struct kr_sampler_scratch *s);
 
