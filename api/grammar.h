@@ -77,7 +77,8 @@ enum kr_status kr_grammar_from_gbnf(const char *text, size_t len, const char *st
 
 /* Tool calls in a model's own format (api/tools.h writes the specification), compiled from len
  * bytes of JSON text (borrowed):
- *   {"format": {"begin": B, "sep": S, "end": E, "prefix": P, "mid": M, "suffix": X, "dsml": bool},
+ *   {"format": {"begin": B, "sep": S, "end": E, "prefix": P, "mid": M, "suffix": X, "dsml": bool,
+ *               "xml": bool},
  *    "tools": [{"name": N, "parameters": schema or absent}, ...], "max_calls": K}
  * The text is B CALL (S CALL)* E with at most K calls (K 0: no limit), each CALL one of the tools:
  * P N M ARGS X. ARGS is a JSON document matching the tool's parameters (any object when it has
@@ -85,6 +86,12 @@ enum kr_status kr_grammar_from_gbnf(const char *text, size_t len, const char *st
  * order (required ones present), each
  *   <｜DSML｜parameter name="K" string="true">raw text</｜DSML｜parameter>\n      (a plain string)
  *   <｜DSML｜parameter name="K" string="false">JSON value</｜DSML｜parameter>\n   (anything else)
+ * or with xml qwen3_coder's parameter elements, likewise one per declared property, each
+ *   <parameter=K>\nVALUE\n</parameter>\n
+ * where VALUE, for a schema that allows a string (or says nothing of its type: the parser's rule,
+ * kr_tool_parse in api/tools.h), is one of its enum's (or const's) strings when it has some, else
+ * any text in which "</parameter>" does not occur (other string keywords are not enforced on the
+ * raw text); for any other schema a JSON value matching it.
  * A schema that does not compile is an error whose message starts with
  * "tools[I].function.parameters: ". */
 enum kr_status kr_grammar_from_tools(const char *spec, size_t len, const struct kr_grammar_json_opts *opts,

@@ -1416,6 +1416,124 @@ static struct gx *sc_dsml_params(struct sc *c, const struct kr_json *s)
     return seq;
 }
 
+/* qwen3_coder: whether a parameter's schema allows a string (or says nothing of its type), the
+ * rule by which the parser (api/tools.c, kr_tool_parse) takes its raw text as a JSON string. */
+static bool xml_allows_string(const struct kr_json *s, int depth)
+{
+    if (s->type != KR_JSON_OBJECT || depth > 16) {
+        return true;
+    }
+    const struct kr_json *t = kr_json_get(s, "type");
+    if (t && t->type == KR_JSON_STRING) {
+        return strcmp(t->str, "string") == 0;
+    }
+    if (t && t->type == KR_JSON_ARRAY) {
+        for (size_t i = 0; i < t->n; i++) {
+            if (t->items[i].type == KR_JSON_STRING && strcmp(t->items[i].str, "string") == 0) {
+                return true;
+            }
+        }
+        return false;
+    }
+    if (t) {
+        return true;
+    }
+    bool alts = false;
+    static const char *const keys[] = {"anyOf", "oneOf"};
+    for (size_t k = 0; k < 2; k++) {
+        const struct kr_json *l = kr_json_get(s, keys[k]);
+        for (size_t i = 0; l && l->type == KR_JSON_ARRAY && i < l->n; i++) {
+            alts = true;
+            if (xml_allows_string(&l->items[i], depth + 1)) {
+                return true;
+            }
+        }
+    }
+    if (alts) {
+        return false;
+    }
+    const struct kr_json *e = kr_json_get(s, "enum"), *k = kr_json_get(s, "const");
+    if (e && e->type == KR_JSON_ARRAY) {
+        for (size_t i = 0; i < e->n; i++) {
+            if (e->items[i].type == KR_JSON_STRING) {
+                return true;
+            }
+        }
+        return false;
+    }
+    return k ? k->type == KR_JSON_STRING : true;
+}
+
+/* Whether "</parameter>" occurs in t[0..n). */
+static bool xml_has_close(const char *t, size_t n)
+{
+    for (size_t i = 0; i + 12 <= n; i++) {
+        if (memcmp(t + i, "</parameter>", 12) == 0) {
+            return true;
+        }
+    }
+    return false;
+}
+
+/* Raw text in which "</parameter>" does not occur: after a '<', the closing tag's next characters
+ * may follow as far as a character that breaks it ('<' starts over), or the text may end there. */
+static struct gx *xml_raw_text(struct gb *b)
+{
+    static const char tail[] = "/parameter>"; /* the tag after its '<'; no '<' in it */
+    static const uint32_t lt[] = {'<', '<'};
+    struct gx *again = gx_list(b, GX_ALT), *out = gx_list(b, GX_ALT), *stop = gx_list(b, GX_ALT);
+    for (size_t k = 0; k < sizeof tail - 1; k++) {
+        const uint32_t br[] = {'<', '<', (uint32_t)tail[k], (uint32_t)tail[k]};
+        again = gx_add(b, again, GX_SEQ(b, gx_lit(b, tail, k), gx_char(b, '<')));
+        out = gx_add(b, out, GX_SEQ(b, gx_lit(b, tail, k), gx_class(b, br, 2, true)));
+        stop = gx_add(b, stop, gx_lit(b, tail, k));
+    }
+    struct gx *piece = GX_ALT(b, gx_class(b, lt, 1, true), GX_SEQ(b, gx_char(b, '<'), gx_rep(b, again, 0, -1), out));
+    return GX_SEQ(b, gx_rep(b, piece, 0, -1),
+                  gx_rep(b, GX_SEQ(b, gx_char(b, '<'), gx_rep(b, again, 0, -1), stop), 0, 1));
+}
+
+/* qwen3_coder's parameter elements for one tool's object schema `s` (see kr_grammar_from_tools). */
+static struct gx *sc_xml_params(struct sc *c, const struct kr_json *s)
+{
+    struct gb *b = c->b;
+    const struct kr_json *props = s ? kr_json_get(s, "properties") : NULL, *req = s ? kr_json_get(s, "required") : NULL;
+    if (props && props->type != KR_JSON_OBJECT) {
+        return sc_fail(c, "properties", "must be an object");
+    }
+    struct gx *seq = gx_list(b, GX_SEQ);
+    for (size_t i = 0; props && i < props->n; i++) {
+        const struct kr_json *p = &props->items[i];
+        struct gx *value = NULL;
+        if (xml_allows_string(p, 0)) {
+            /* the text is the string: an enum's (or const's) strings, else any raw text */
+            const struct kr_json *e = p->type == KR_JSON_OBJECT ? kr_json_get(p, "enum") : NULL;
+            const struct kr_json *k = p->type == KR_JSON_OBJECT ? kr_json_get(p, "const") : NULL;
+            const bool listed = e && e->type == KR_JSON_ARRAY;
+            const struct kr_json *vals = listed ? e->items : k;
+            const size_t n = listed ? e->n : k ? 1 : 0;
+            struct gx *alt = gx_list(b, GX_ALT);
+            bool some = false;
+            for (size_t j = 0; j < n; j++) {
+                if (vals[j].type == KR_JSON_STRING && !xml_has_close(vals[j].str, vals[j].str_len)) {
+                    alt = gx_add(b, alt, gx_lit(b, vals[j].str, vals[j].str_len));
+                    some = true;
+                }
+            }
+            value = some ? alt : xml_raw_text(b);
+        } else {
+            size_t saved = path_push(c, "properties");
+            value = sc_sub(c, p, props->keys[i]);
+            path_pop(c, saved);
+        }
+        struct gx *param = GX_SEQ(b, gx_str(b, "<parameter="), gx_str(b, props->keys[i]), gx_str(b, ">\n"), value,
+                                  gx_str(b, "\n</parameter>\n"));
+        seq = gx_add(b, seq, is_required(req && req->type == KR_JSON_ARRAY ? req : NULL, props->keys[i])
+                                 ? param : gx_rep(b, param, 0, 1));
+    }
+    return seq;
+}
+
 enum kr_status kr_grammar_from_tools(const char *spec, size_t len, const struct kr_grammar_json_opts *opts,
                                      struct kr_grammar **out, struct kr_err *err)
 {
@@ -1436,6 +1554,8 @@ enum kr_status kr_grammar_from_tools(const char *spec, size_t len, const struct 
     }
     const struct kr_json *dsml = kr_json_get(fmt, "dsml");
     const bool is_dsml = dsml && dsml->type == KR_JSON_BOOL && dsml->boolean;
+    const struct kr_json *xml = kr_json_get(fmt, "xml");
+    const bool is_xml = xml && xml->type == KR_JSON_BOOL && xml->boolean;
     struct gb b;
     gb_init(&b, err);
     struct sc c;
@@ -1456,6 +1576,8 @@ enum kr_status kr_grammar_from_tools(const char *spec, size_t len, const struct 
         struct gx *args;
         if (is_dsml) {
             args = sc_dsml_params(&c, params);
+        } else if (is_xml) {
+            args = sc_xml_params(&c, params);
         } else if (params) {
             int32_t r = sc_rule(&c, "arguments");
             if (c.n_refs == c.cap_refs) { /* the tool's "#" is its own parameters schema */
