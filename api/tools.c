@@ -7,6 +7,7 @@
 #include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
+#include <strings.h>
 #include <time.h>
 
 /* ---- formats --------------------------------------------------------------------------------- */
@@ -15,6 +16,7 @@ enum body {
     BODY_MARKED, /* NAME and ARGS between fixed markers (DeepSeek-V3, V3.1) */
     BODY_JSON,   /* {"name": NAME, "arguments": ARGS} (hermes, nemotron) */
     BODY_DSML,   /* DeepSeek-V3.2's invoke and parameter elements */
+    BODY_XML,    /* <function=NAME> and <parameter=K> elements (qwen3_coder) */
 };
 
 struct fmt {
@@ -54,6 +56,10 @@ static const struct fmt fmts[] = {
         .name = "nemotron", .body = BODY_JSON, .start = "<TOOLCALL>",
         .g_begin = "<TOOLCALL>[", .g_sep = ", ", .g_end = "]</TOOLCALL>", .g_prefix = "{\"name\": \"",
         .g_mid = "\", \"arguments\": ", .g_suffix = "}"},
+    [KR_TOOL_FORMAT_QWEN3_CODER] = {
+        .name = "qwen3_coder", .body = BODY_XML, .start = "<tool_call>",
+        .g_begin = "", .g_sep = "\n", .g_end = "", .g_prefix = "<tool_call>\n<function=", .g_mid = ">\n",
+        .g_suffix = "</function>\n</tool_call>"},
 };
 
 const char *kr_tool_format_name(enum kr_tool_format f)
@@ -72,6 +78,9 @@ enum kr_tool_format kr_tool_format_detect(const char *tpl, const char *model_typ
         }
         if (strstr(tpl, "<TOOLCALL>")) {
             return KR_TOOL_FORMAT_NEMOTRON;
+        }
+        if (strstr(tpl, "<function=") && (strstr(tpl, "<tool_call>") || strstr(tpl, "<parameter="))) {
+            return KR_TOOL_FORMAT_QWEN3_CODER;
         }
         if (strstr(tpl, "<tool_call>")) {
             return KR_TOOL_FORMAT_HERMES;
@@ -144,7 +153,8 @@ enum kr_status kr_tool_grammar_spec(enum kr_tool_format f, const json_t *tools, 
          !json_object_set_new(fo, "prefix", json_string(m->g_prefix)) &&
          !json_object_set_new(fo, "mid", json_string(m->g_mid)) &&
          !json_object_set_new(fo, "suffix", json_string(m->g_suffix)) &&
-         !json_object_set_new(fo, "dsml", json_boolean(m->body == BODY_DSML));
+         !json_object_set_new(fo, "dsml", json_boolean(m->body == BODY_DSML)) &&
+         !json_object_set_new(fo, "xml", json_boolean(m->body == BODY_XML));
     size_t i;
     json_t *t;
     json_array_foreach(tools, i, t)
@@ -589,6 +599,216 @@ static enum step parse_dsml(struct cur *c, int32_t max_calls, struct kr_tool_par
     }
 }
 
+/* qwen3_coder: how a parameter's raw text becomes a JSON value (kr_tool_parse in tools.h). */
+enum xml_kind {
+    XK_STRING, /* the JSON string of the text */
+    XK_TYPED,  /* the text as JSON (a declared non-string type) */
+    XK_GUESS,  /* no tools: JSON unless it is not a number, boolean, null, object or array */
+};
+
+/* Whether a parameter's JSON schema allows a string (or says nothing of its type). */
+static bool allows_string(const json_t *s, int depth)
+{
+    if (!json_is_object(s) || depth > 16) {
+        return true;
+    }
+    const json_t *t = json_object_get(s, "type");
+    if (json_is_string(t)) {
+        return strcmp(json_string_value(t), "string") == 0;
+    }
+    if (json_is_array(t)) {
+        for (size_t i = 0; i < json_array_size(t); i++) {
+            const char *v = json_string_value(json_array_get(t, i));
+            if (v && !strcmp(v, "string")) {
+                return true;
+            }
+        }
+        return false;
+    }
+    if (t) {
+        return true; /* a type this rule does not know */
+    }
+    bool alts = false;
+    static const char *const keys[] = {"anyOf", "oneOf"};
+    for (size_t k = 0; k < 2; k++) {
+        const json_t *l = json_object_get(s, keys[k]);
+        for (size_t i = 0; json_is_array(l) && i < json_array_size(l); i++) {
+            alts = true;
+            if (allows_string(json_array_get(l, i), depth + 1)) {
+                return true;
+            }
+        }
+    }
+    if (alts) {
+        return false;
+    }
+    const json_t *e = json_object_get(s, "enum"), *k = json_object_get(s, "const");
+    if (json_is_array(e)) {
+        for (size_t i = 0; i < json_array_size(e); i++) {
+            if (json_is_string(json_array_get(e, i))) {
+                return true;
+            }
+        }
+        return false;
+    }
+    return k ? json_is_string(k) : true;
+}
+
+/* The declared properties of function name[0..n) in the request's tools, or NULL. */
+static const json_t *xml_props(const json_t *tools, const char *name, size_t n)
+{
+    for (size_t i = 0; i < json_array_size(tools); i++) {
+        const json_t *fn = json_object_get(json_array_get(tools, i), "function");
+        const json_t *nm = json_object_get(fn, "name");
+        if (json_is_string(nm) && json_string_length(nm) == n && memcmp(json_string_value(nm), name, n) == 0) {
+            return json_object_get(json_object_get(fn, "parameters"), "properties");
+        }
+    }
+    return NULL;
+}
+
+static enum xml_kind xml_kind(const json_t *tools, const json_t *props, const char *key, size_t n)
+{
+    if (!tools) {
+        return XK_GUESS;
+    }
+    if (!json_is_object(props) || n > 256) {
+        return XK_STRING;
+    }
+    char k[257];
+    memcpy(k, key, n);
+    k[n] = 0;
+    const json_t *s = json_object_get(props, k);
+    return !s || allows_string(s, 0) ? XK_STRING : XK_TYPED;
+}
+
+/* Appends a closed non-string parameter's value v[0..n) (kind XK_TYPED or XK_GUESS). */
+static enum kr_status xml_value(struct kr_tool_parse *o, enum xml_kind kind, const char *v, size_t n)
+{
+    size_t a = 0, b = n;
+    while (a < b && is_ws(v[a])) {
+        a++;
+    }
+    while (b > a && is_ws(v[b - 1])) {
+        b--;
+    }
+    json_error_t je;
+    json_t *j = b > a ? json_loadb(v + a, b - a, JSON_DECODE_ANY | JSON_DECODE_INT_AS_REAL, &je) : NULL;
+    const bool as_json = j && (kind == XK_TYPED || !json_is_string(j));
+    json_decref(j);
+    if (as_json) {
+        return args_add(o, v + a, b - a);
+    }
+    if (kind == XK_TYPED) { /* Python's spelling, as a template's `value | string` writes it */
+        static const char *const py[][2] = {{"true", "true"}, {"false", "false"}, {"none", "null"}};
+        for (size_t i = 0; i < 3; i++) {
+            if (b - a == strlen(py[i][0]) && strncasecmp(v + a, py[i][0], b - a) == 0) {
+                return args_add(o, py[i][1], strlen(py[i][1]));
+            }
+        }
+    }
+    enum kr_status st = args_add(o, "\"", 1);
+    if (st == KR_OK) {
+        st = args_add_escaped(o, v, n);
+    }
+    return st == KR_OK ? args_add(o, "\"", 1) : st;
+}
+
+/* The calls from the cursor just past the first <tool_call>. A call is complete at its
+ * </function>; its </tool_call> ends it, and a further <tool_call> after whitespace continues the
+ * section. */
+static enum step parse_xml(const json_t *tools, struct cur *c, int32_t max_calls, struct kr_tool_parse *o,
+                           enum kr_status *st)
+{
+    for (;;) {
+        skip_ws(c);
+        enum step s = lit(c, "<function=");
+        if (s != ST_OK) {
+            return s;
+        }
+        size_t at, end;
+        s = until(c, ">", &at, &end);
+        if (!name_ok(c->t + at, end - at) || (s == ST_OK && end == at)) {
+            return ST_BAD;
+        }
+        if (s != ST_OK) {
+            return s;
+        }
+        if ((*st = add_call(o, c->t + at, end - at)) != KR_OK) {
+            return ST_BAD;
+        }
+        const json_t *props = xml_props(tools, c->t + at, end - at);
+        bool any = false;
+        for (;;) {
+            skip_ws(c);
+            if ((s = lit(c, "</function>")) == ST_OK) {
+                break;
+            }
+            if ((s = lit(c, "<parameter=")) != ST_OK) {
+                return s == ST_BAD && lit(c, "</function>") == ST_MORE ? ST_MORE : s;
+            }
+            size_t kat, kend;
+            s = until(c, ">", &kat, &kend);
+            if (!name_ok(c->t + kat, kend - kat) || (s == ST_OK && kend == kat)) {
+                return ST_BAD;
+            }
+            if (s != ST_OK) {
+                return s;
+            }
+            const enum xml_kind kind = xml_kind(tools, props, c->t + kat, kend - kat);
+            const bool str = kind == XK_STRING;
+            if ((*st = args_add(o, any ? ", \"" : "{\"", 2 + any)) != KR_OK ||
+                (*st = args_add_escaped(o, c->t + kat, kend - kat)) != KR_OK ||
+                (*st = args_add(o, str ? "\": \"" : "\": ", str ? 4 : 3)) != KR_OK) {
+                return ST_BAD;
+            }
+            any = true;
+            size_t vat, vend;
+            s = until(c, "</parameter>", &vat, &vend);
+            /* the newlines around the value are layout; while the text grows, a last newline
+             * is held back (it may be the one before </parameter>) */
+            if (vat < vend && c->t[vat] == '\n') {
+                vat++;
+            }
+            if (vend > vat && c->t[vend - 1] == '\n') {
+                vend--;
+            }
+            if (str) {
+                if ((*st = args_add_escaped(o, c->t + vat, vend - vat)) != KR_OK) {
+                    return ST_BAD;
+                }
+                if (s != ST_OK) {
+                    return s;
+                }
+                *st = args_add(o, "\"", 1);
+            } else {
+                if (s != ST_OK) {
+                    return s;
+                }
+                *st = xml_value(o, kind, c->t + vat, vend - vat);
+            }
+            if (*st != KR_OK) {
+                return ST_BAD;
+            }
+        }
+        if ((*st = args_add(o, any ? "}" : "{}", any ? 1 : 2)) != KR_OK) {
+            return ST_BAD;
+        }
+        o->calls[o->n_calls - 1].complete = true;
+        skip_ws(c);
+        if ((s = lit(c, "</tool_call>")) != ST_OK) {
+            return s;
+        }
+        if (max_calls && o->n_calls >= max_calls) {
+            return ST_OK;
+        }
+        skip_ws(c);
+        if ((s = lit(c, "<tool_call>")) != ST_OK) {
+            return s == ST_MORE ? ST_MORE : ST_OK; /* no further <tool_call>: the section ended */
+        }
+    }
+}
+
 void kr_tool_parse_free(struct kr_tool_parse *p)
 {
     for (int32_t i = 0; p && i < p->n_calls; i++) {
@@ -601,8 +821,8 @@ void kr_tool_parse_free(struct kr_tool_parse *p)
     }
 }
 
-enum kr_status kr_tool_parse(enum kr_tool_format f, const char *text, size_t len, bool final, int32_t max_calls,
-                             struct kr_tool_parse *out)
+enum kr_status kr_tool_parse(enum kr_tool_format f, const json_t *tools, const char *text, size_t len, bool final,
+                             int32_t max_calls, struct kr_tool_parse *out)
 {
     memset(out, 0, sizeof *out);
     out->content_len = len;
@@ -622,6 +842,9 @@ enum kr_status kr_tool_parse(enum kr_tool_format f, const char *text, size_t len
     if (m->body == BODY_JSON) {
         c.pos += strlen(m->start);
         s = parse_json(m, &c, max_calls, f == KR_TOOL_FORMAT_NEMOTRON, out, &st);
+    } else if (m->body == BODY_XML) {
+        c.pos += strlen(m->start);
+        s = parse_xml(tools, &c, max_calls, out, &st);
     } else {
         c.pos += strlen(m->start);
         s = m->body == BODY_DSML ? parse_dsml(&c, max_calls, out, &st) : parse_marked(m, &c, max_calls, out, &st);

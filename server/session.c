@@ -438,7 +438,7 @@ static bool tool_ids(struct choice *c)
 static bool tool_reparse(struct kr_sess *s, struct choice *c, bool final)
 {
     struct kr_tool_parse tp;
-    if (kr_tool_parse(s->env->tool_format, c->text, c->len, final, s->max_calls, &tp) != KR_OK) {
+    if (kr_tool_parse(s->env->tool_format, s->o.tools, c->text, c->len, final, s->max_calls, &tp) != KR_OK) {
         return false;
     }
     kr_tool_parse_free(&c->tp);
