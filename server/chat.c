@@ -128,8 +128,37 @@ void kr_chat_free(struct kr_chat *c)
     kr_free(c);
 }
 
+/* Turns a message's tool_calls[].function.arguments strings into the objects they spell (an
+ * empty string into {}), as vLLM hands them to templates: qwen3_coder templates (Nemotron 3,
+ * Qwen3-Coder) iterate `arguments|items`, which only a mapping has. A string that is not a JSON
+ * object stays as it is. False when out of memory. */
+static bool arguments_as_objects(json_t *m)
+{
+    json_t *calls = json_object_get(m, "tool_calls");
+    for (size_t i = 0; i < json_array_size(calls); i++) {
+        json_t *fn = json_object_get(json_array_get(calls, i), "function");
+        json_t *args = json_object_get(fn, "arguments");
+        if (!json_is_string(args)) {
+            continue;
+        }
+        json_error_t je;
+        json_t *obj = json_string_length(args) == 0
+                          ? json_object()
+                          : json_loadb(json_string_value(args), json_string_length(args), 0, &je);
+        if (json_is_object(obj)) {
+            if (json_object_set_new(fn, "arguments", obj) != 0) {
+                return false;
+            }
+        } else {
+            json_decref(obj);
+        }
+    }
+    return true;
+}
+
 /* A copy of messages whose array contents (text parts) are joined into strings, and whose
- * `developer` roles become `system` when the template knows no developer role. */
+ * `developer` roles become `system` when the template knows no developer role. For a template
+ * that teaches qwen3_coder, call arguments are objects (arguments_as_objects). */
 static json_t *normalize(const struct kr_chat *c, json_t *messages, struct kr_oai_error *e)
 {
     json_t *out = json_deep_copy(messages);
@@ -144,6 +173,11 @@ static json_t *normalize(const struct kr_chat *c, json_t *messages, struct kr_oa
         const char *role = json_string_value(json_object_get(m, "role"));
         if (!c->has_developer && role && !strcmp(role, "developer") &&
             json_object_set_new(m, "role", json_string("system")) != 0) {
+            json_decref(out);
+            kr_oai_error(e, KR_OAI_INTERNAL, "", "out of memory");
+            return NULL;
+        }
+        if (c->tool_format == KR_TOOL_FORMAT_QWEN3_CODER && !arguments_as_objects(m)) {
             json_decref(out);
             kr_oai_error(e, KR_OAI_INTERNAL, "", "out of memory");
             return NULL;

@@ -827,6 +827,33 @@ static char *render_with(const char *tpl, const char *messages)
     return out;
 }
 
+/* A template that writes qwen3_coder calls (as Nemotron 3's and Qwen3-Coder's do) iterates
+ * `arguments|items`: the JSON string OpenAI sends reaches it as the object it spells. Other
+ * templates get the string as it came. */
+Test(session, qwen3_coder_templates_get_call_arguments_as_objects)
+{
+    const char *tpl = "{%- for m in messages %}{%- if m.tool_calls %}{%- for tc in m.tool_calls %}"
+                      "{{- '<tool_call>\\n<function=' ~ tc.function.name ~ '>\\n' -}}"
+                      "{%- for k, v in tc.function.arguments|items %}"
+                      "{{- '<parameter=' ~ k ~ '>\\n' ~ (v | tojson if v is mapping else v | string) ~ '\\n</parameter>\\n' -}}"
+                      "{%- endfor %}{{- '</function>\\n</tool_call>\\n' -}}{%- endfor %}"
+                      "{%- else %}{{ m.content }}{%- endif %}{%- endfor %}";
+    const char *msgs = "[{\"role\":\"user\",\"content\":\"Hi\"},{\"role\":\"assistant\",\"content\":null,\"tool_calls\":["
+                       "{\"id\":\"a\",\"type\":\"function\",\"function\":{\"name\":\"get_weather\","
+                       "\"arguments\":\"{\\\"city\\\": \\\"Paris\\\", \\\"days\\\": 3, \\\"detailed\\\": true}\"}},"
+                       "{\"id\":\"b\",\"type\":\"function\",\"function\":{\"name\":\"now\",\"arguments\":\"\"}}]}]";
+    char *a = render_with(tpl, msgs);
+    cr_expect_str_eq(a, "Hi<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+                        "<parameter=days>\n3\n</parameter>\n<parameter=detailed>\nTrue\n</parameter>\n</function>\n"
+                        "</tool_call>\n<tool_call>\n<function=now>\n</function>\n</tool_call>\n");
+    free(a);
+    char *b = render_with("{%- for m in messages %}{%- if m.tool_calls %}<tool_call>{{ m.tool_calls[0].function.arguments }}"
+                          "{%- else %}{{ m.content }}{%- endif %}{%- endfor %}",
+                          msgs);
+    cr_expect_str_eq(b, "Hi<tool_call>{\"city\": \"Paris\", \"days\": 3, \"detailed\": true}");
+    free(b);
+}
+
 Test(session, a_developer_message_is_a_system_message_unless_the_template_knows_the_role)
 {
     const char *dev = "[{\"role\":\"developer\",\"content\":\"Be brief.\"},{\"role\":\"user\",\"content\":\"Hi\"}]";
