@@ -388,23 +388,44 @@ static void gpu_res_free(struct gpu_res *g)
 
 /* ---- the host side -------------------------------------------------------------------------------- */
 
+struct cand {
+    float v;
+    int32_t id;
+};
+
+/* Descending logit, lower id first on ties: the sampling order. */
+static int cand_cmp(const void *a, const void *b)
+{
+    const struct cand *x = a, *y = b;
+    if (x->v != y->v) {
+        return x->v > y->v ? -1 : 1;
+    }
+    return (x->id > y->id) - (x->id < y->id);
+}
+
 /* Distance from u to the nearest edge of the host's cumulative-probability interval of `tok`,
- * recomputed from the sorted candidates kr_sample leaves in its scratch (same formulas, same
- * order); negative when u is not inside that interval. */
+ * recomputed here from the processed logits kr_sample leaves in its scratch (sc->v: penalties and
+ * masks applied), sorted into the sampling order with the same formulas; negative when u is not
+ * inside that interval. */
 static double draw_margin(const struct kr_sampling *s, const struct kr_sampler_scratch *sc, int64_t vocab, double u,
                           int32_t tok)
 {
+    struct cand *c = malloc((size_t)vocab * sizeof *c);
+    cr_assert(c);
     int64_t n = 0;
     for (int64_t i = 0; i < vocab; i++) {
-        n += sc->v[i] != -INFINITY;
+        if (sc->v[i] != -INFINITY && !isnan(sc->v[i])) {
+            c[n++] = (struct cand){sc->v[i], (int32_t)i};
+        }
     }
+    qsort(c, (size_t)n, sizeof *c, cand_cmp);
     int64_t keep = n;
     if (s->top_k > 0 && s->top_k < keep) {
         keep = s->top_k;
     }
     const float inv_t = 1.0f / s->temperature;
-    const float mx = sc->order[0].v * inv_t;
-#define WEIGHT(i) exp((double)sc->order[i].v * inv_t - mx)
+    const float mx = c[0].v * inv_t;
+#define WEIGHT(i) exp((double)c[i].v * inv_t - mx)
     double total = 0.0;
     for (int64_t i = 0; i < keep; i++) {
         total += WEIGHT(i);
@@ -432,17 +453,19 @@ static double draw_margin(const struct kr_sampling *s, const struct kr_sampler_s
     for (int64_t i = 0; i < keep; i++) {
         total += WEIGHT(i);
     }
-    double cum = 0.0;
+    double cum = 0.0, margin = -1.0;
     for (int64_t i = 0; i < keep; i++) {
         const double lo = cum / total;
         cum += WEIGHT(i);
-        if (sc->order[i].id == tok) {
+        if (c[i].id == tok) {
             const double hi = i == keep - 1 ? 1.0 : cum / total;
-            return fmin(u - lo, hi - u);
+            margin = fmin(u - lo, hi - u);
+            break;
         }
     }
 #undef WEIGHT
-    return -1.0;
+    free(c);
+    return margin;
 }
 
 struct tally {
