@@ -189,6 +189,7 @@ void eng_free_dead(struct kr_engine *e);
 void eng_finish_seq(struct kr_engine *e, struct seq *s, enum kr_finish_reason why, int32_t stop_token);
 const uint64_t *eng_seq_hashes(struct kr_engine *e, struct seq *s, int32_t n_pos); /* NULL: out of memory */
 void eng_fail_req(struct kr_engine *e, struct req *r, enum kr_status st, const char *msg);
+void eng_apply_pending_cancels(struct kr_engine *e);                   /* mid-step, before sampling */
 void eng_fail_everything(struct kr_engine *e, const char *why);         /* the device is lost */
 
 /* sample.c */

@@ -322,6 +322,24 @@ static void apply_cancels(struct kr_engine *e, struct cancel *c, int32_t n)
     }
 }
 
+/* Mid-step (after the forward pass, before sampling): applies the cancellations queued since the
+ * step began to the requests the engine already holds, so that a client that left during the step
+ * costs no sampling and no token. The queue is left as it is (a cancellation of a request still in
+ * the inbox must wait for its intake; applying one twice is harmless): it is only read, into the
+ * engine thread's spare array, which the loop does not use until its next swap. */
+void eng_apply_pending_cancels(struct kr_engine *e)
+{
+    pthread_mutex_lock(&e->lock);
+    const int32_t n = e->n_cancels;
+    if (n == 0 || (n > e->cap_cancels_w && KR_ARRAY_RESERVE(e->cancels_w, e->cap_cancels_w, n, 64) != KR_OK)) {
+        pthread_mutex_unlock(&e->lock); /* nothing queued, or no memory for the copy: the loop applies them */
+        return;
+    }
+    memcpy(e->cancels_w, e->cancels, (size_t)n * sizeof *e->cancels_w);
+    pthread_mutex_unlock(&e->lock);
+    apply_cancels(e, e->cancels_w, n);
+}
+
 /* The device failed for good: every request ends with an error naming it, and so will every later
  * one (the server reports itself unhealthy and exits so that it is restarted). */
 void eng_fail_everything(struct kr_engine *e, const char *why)

@@ -583,6 +583,7 @@ void eng_run_step(struct kr_engine *e)
     }
     e->steps++;
     e->t_step_done = kr_clock_us();
+    eng_apply_pending_cancels(e); /* clients that left during the forward pass: no sampling for them */
     /* results, sequence by sequence, in batch order */
     o = 0;
     for (int32_t j = 0; j < ns; j++) {
