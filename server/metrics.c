@@ -206,12 +206,13 @@ char *kr_metrics_render(const struct kr_metrics *m, const struct kr_engine_stats
             "# TYPE krait:http_connections gauge\n"
             "krait:http_connections{%s} %lld\n",
         lbl, (long long)m->connections_open);
-    static const char *const why[3] = {"header_timeout", "body_timeout", "evicted"};
+    static const char *const why[4] = {"header_timeout", "body_timeout", "evicted", "refused"};
     put(&b, "# HELP krait:http_connections_closed_total Connections the server closed before their request "
-            "arrived: headers or body not in time (--header-timeout, --body-timeout), or the longest-waiting "
-            "connection when too many waited.\n"
+            "arrived: headers or body not in time (--header-timeout, --body-timeout), the longest-waiting "
+            "connection when too many waited, or a new one refused at accept because its address held most "
+            "of the waiting ones.\n"
             "# TYPE krait:http_connections_closed_total counter\n");
-    for (int i = 0; i < 3; i++) {
+    for (int i = 0; i < 4; i++) {
         put(&b, "krait:http_connections_closed_total{%s,reason=\"%s\"} %llu\n", lbl, why[i],
             (unsigned long long)m->connections_closed[i]);
     }

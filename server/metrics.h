@@ -21,7 +21,7 @@ struct kr_metrics {
     uint64_t requests_ok[3];    /* finished: stop, length, abort (cancelled or failed) */
     uint64_t http_requests[10]; /* by status: 2xx, 400, 401, 404, 405, 413, 429, 500, 503, other */
     int64_t connections_open;   /* copied from the connection deadlines (conns.h) before rendering */
-    uint64_t connections_closed[3]; /* by the server: header_timeout, body_timeout, evicted */
+    uint64_t connections_closed[4]; /* by the server: header_timeout, body_timeout, evicted, refused */
 };
 
 void kr_metrics_init(struct kr_metrics *m);

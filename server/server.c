@@ -848,6 +848,7 @@ static enum MHD_Result dispatch(struct hreq *h, const char *url, const char *met
         s->met.connections_closed[0] = s->conns.n_header_timeouts;
         s->met.connections_closed[1] = s->conns.n_body_timeouts;
         s->met.connections_closed[2] = s->conns.n_evicted;
+        s->met.connections_closed[3] = s->conns.n_refused;
         size_t len = 0;
         char *txt = kr_metrics_render(&s->met, &st, s->model_name, &len);
         if (!txt) {
@@ -955,8 +956,18 @@ static void on_connection(void *cls, struct MHD_Connection *conn, void **socket_
         return;
     }
     const union MHD_ConnectionInfo *fi = MHD_get_connection_info(conn, MHD_CONNECTION_INFO_CONNECTION_FD);
-    *socket_context = fi ? kr_conn_open(&s->conns, fi->connect_fd, now_s()) : NULL;
+    const union MHD_ConnectionInfo *ai = MHD_get_connection_info(conn, MHD_CONNECTION_INFO_CLIENT_ADDRESS);
+    const struct sockaddr *sa = ai ? ai->client_addr : NULL;
+    const unsigned sa_len = !sa ? 0 : sa->sa_family == AF_INET6 ? sizeof(struct sockaddr_in6) : sizeof(struct sockaddr_in);
+    *socket_context = fi ? kr_conn_open(&s->conns, fi->connect_fd, sa, sa_len, now_s()) : NULL;
     conn_watch(s);
+}
+
+/* Before a connection is set up: refused when its address crowds the others out (conns.h). */
+static enum MHD_Result on_accept(void *cls, const struct sockaddr *addr, socklen_t addrlen)
+{
+    struct srv *s = cls;
+    return kr_conns_admit(&s->conns, addr, (unsigned)addrlen, now_s()) ? MHD_YES : MHD_NO;
 }
 
 /* The con_cls of a request whose record could not be allocated: it was answered with a 500 when its
@@ -1620,7 +1631,7 @@ int kr_serve_run(const struct kr_serve_opts *o)
      * for connections with a request in progress */
     kr_conns_init(&s->conns, o->max_connections - o->max_connections / 4, o->header_timeout_s, o->body_timeout_s);
     s->body_pool_max = 4 * o->max_body_bytes;
-    s->d = MHD_start_daemon(flags, (uint16_t)o->port, NULL, NULL, on_access, s, MHD_OPTION_EXTERNAL_LOGGER, mhd_logger,
+    s->d = MHD_start_daemon(flags, (uint16_t)o->port, on_accept, s, on_access, s, MHD_OPTION_EXTERNAL_LOGGER, mhd_logger,
                             s, MHD_OPTION_NOTIFY_COMPLETED, on_completed, s, MHD_OPTION_NOTIFY_CONNECTION, on_connection, s,
                             MHD_OPTION_SOCK_ADDR, addr, MHD_OPTION_CONNECTION_TIMEOUT, (unsigned int)600,
                             MHD_OPTION_CONNECTION_LIMIT, (unsigned int)o->max_connections,
@@ -1681,6 +1692,7 @@ int kr_serve_run(const struct kr_serve_opts *o)
     /* shutdown: close connections (cancelling their work), stop the engine, settle its last events */
     MHD_stop_daemon(s->d);
     s->d = NULL;
+    kr_conns_free(&s->conns);
     kr_boot_load_join(&s->rt); /* a signal during loading: let the loader finish first */
     if (s->big_ok) {
         kr_lane_stop(&s->big); /* queued preparations cancelled, running ones finished */

@@ -7,6 +7,7 @@
 
 #include <criterion/criterion.h>
 #include <errno.h>
+#include <math.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <stdbool.h>
@@ -32,6 +33,19 @@ static int dial(const struct srv_proc *p)
 {
     int fd = socket(AF_INET, SOCK_STREAM, 0);
     cr_assert_geq(fd, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)p->port),
+                            .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    cr_assert_eq(connect(fd, (struct sockaddr *)&a, sizeof a), 0, "connect: %s", strerror(errno));
+    return fd;
+}
+
+/* A connection from source address 127.0.0.<host> (all of 127/8 is this machine's). */
+static int dial_from(const struct srv_proc *p, int host)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    cr_assert_geq(fd, 0);
+    struct sockaddr_in src = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(0x7f000000u | (unsigned)host)};
+    cr_assert_eq(bind(fd, (struct sockaddr *)&src, sizeof src), 0, "bind 127.0.0.%d: %s", host, strerror(errno));
     struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)p->port),
                             .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
     cr_assert_eq(connect(fd, (struct sockaddr *)&a, sizeof a), 0, "connect: %s", strerror(errno));
@@ -137,6 +151,79 @@ Test(hostile, beyond_three_quarters_of_the_connections_waiting_the_oldest_is_clo
         cr_expect_lt(closed_within(fd[i], 0.2), 0, "connection %d (among the newest 12) is still open", i);
     }
     expect_served(&S);
+    for (int i = 0; i < N; i++) {
+        close(fd[i]);
+    }
+    cr_expect_eq(srv_stop(&S), 0);
+}
+
+/* The value of krait:http_connections_closed_total{reason="<why>"}; NaN if absent. */
+static double closed_by(const struct srv_proc *p, const char *why)
+{
+    struct http_res r;
+    http(p, "GET", "/metrics", NULL, NULL, &r);
+    char key[96];
+    snprintf(key, sizeof key, "reason=\"%s\"}", why);
+    const char *at = r.body ? strstr(r.body, key) : NULL;
+    const double v = at ? strtod(at + strlen(key), NULL) : NAN;
+    http_free(&r);
+    return v;
+}
+
+/* --max-connections 16 (12 may wait), no flag about addresses: 127.0.0.2 holds 7 waiting
+ * connections, then another address connects. From then on, under pressure (6 or more waiting), a
+ * new connection from 127.0.0.2 is refused at accept: its waiting ones and the other address's stay
+ * open, nothing is evicted, and the refusal is counted. */
+Test(hostile, under_pressure_the_address_holding_most_waiting_connections_is_refused_at_accept)
+{
+    struct srv_proc S;
+    srv_start(&S, MODEL, "--max-connections", "16", "--header-timeout", "0", NULL);
+    usleep(300000); /* the start-up's health check connection is gone */
+    enum { N = 7 };
+    int fd[N];
+    for (int i = 0; i < N; i++) {
+        fd[i] = dial_from(&S, 2);
+        send_all(fd[i], "GET /he", 7);
+        usleep(20000);
+    }
+    const int other = dial_from(&S, 1);
+    send_all(other, "GET /he", 7);
+    usleep(100000);
+    const int late = dial_from(&S, 2);
+    cr_expect_gt(closed_within(late, 3), 0, "the new connection of the crowding address is refused");
+    for (int i = 0; i < N; i++) {
+        cr_expect_lt(closed_within(fd[i], 0.1), 0, "its waiting connection %d stays", i);
+    }
+    cr_expect_lt(closed_within(other, 0.1), 0, "the other address's connection stays");
+    cr_expect_eq(closed_by(&S, "refused"), 1.0, "one refusal counted");
+    cr_expect_eq(closed_by(&S, "evicted"), 0.0, "nothing evicted");
+    expect_served(&S); /* from 127.0.0.1 */
+    close(late);
+    close(other);
+    for (int i = 0; i < N; i++) {
+        close(fd[i]);
+    }
+    cr_expect_eq(srv_stop(&S), 0);
+}
+
+/* Clients that share one address cannot be told apart: with no other address in sight, a flood from
+ * one address is never refused at accept (its newest connections, an ordinary client's among them,
+ * survive by eviction instead). */
+Test(hostile, one_address_alone_is_never_refused_at_accept)
+{
+    struct srv_proc S;
+    srv_start(&S, MODEL, "--max-connections", "16", "--header-timeout", "0", NULL);
+    usleep(300000);
+    enum { N = 14 };
+    int fd[N];
+    for (int i = 0; i < N; i++) {
+        fd[i] = dial_from(&S, 3);
+        send_all(fd[i], "GET /he", 7);
+        usleep(20000);
+    }
+    cr_expect_lt(closed_within(fd[N - 1], 0.3), 0, "the newest connection is open");
+    cr_expect_gt(closed_within(fd[0], 3), 0, "the oldest was evicted");
+    cr_expect_eq(closed_by(&S, "refused"), 0.0, "nothing refused");
     for (int i = 0; i < N; i++) {
         close(fd[i]);
     }
