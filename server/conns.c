@@ -213,6 +213,11 @@ bool kr_conns_admit(struct kr_conns *g, const void *sa, unsigned sa_len, double 
         return true;
     }
     g->n_refused++;
+    if (g->door && g->blocked_until == 0) {
+        g->blocked_until = now + KR_CONNS_BLOCK_S;
+        g->n_blocks++;
+        g->door(g->door_user, key);
+    }
     return false;
 }
 
@@ -287,9 +292,18 @@ static double sweep_list(struct kr_conns *g, struct kr_conn_list *l, double limi
     return l->head ? l->head->since + limit - now : -1;
 }
 
+static double earliest(double a, double b)
+{
+    return a < 0 ? b : b < 0 ? a : a < b ? a : b;
+}
+
 double kr_conns_sweep(struct kr_conns *g, double now)
 {
     const double a = sweep_list(g, &g->waiting, g->header_timeout_s, now, &g->n_header_timeouts);
     const double b = sweep_list(g, &g->reading, g->body_timeout_s, now, &g->n_body_timeouts);
-    return a < 0 ? b : b < 0 ? a : a < b ? a : b;
+    if (g->blocked_until > 0 && now >= g->blocked_until) {
+        g->blocked_until = 0;
+        g->door(g->door_user, NULL);
+    }
+    return earliest(earliest(a, b), g->blocked_until > 0 ? g->blocked_until - now : -1);
 }

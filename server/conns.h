@@ -26,6 +26,12 @@
  * (behind one proxy or gateway) cannot be told apart: they are left to eviction, which still keeps
  * the newest connections, and the limits belong in the proxy.
  *
+ * Refusing still costs an accept and a close, and the refused client's connections wait in the
+ * kernel's accept queue ahead of everyone else's. So a refusal also asks the caller, through
+ * `door`, to keep that address's new connections out of the queue for KR_CONNS_BLOCK_S seconds (a
+ * socket filter on the listening socket dropping its SYNs: the client retries as after a lost
+ * packet); the sweep lifts it.
+ *
  * Loop thread only. */
 #include <stdbool.h>
 #include <stdint.h>
@@ -41,6 +47,7 @@ struct kr_conn_addr {
 };
 
 #define KR_CONNS_OTHERS_S 60.0
+#define KR_CONNS_BLOCK_S 2.0
 
 struct kr_conn {
     struct kr_conn *prev, *next; /* in the list of its state (waiting or reading), oldest first */
@@ -68,13 +75,19 @@ struct kr_conns {
                                    * address holds most waiting connections, it is this one */
     double other_seen_s;          /* the last connection opened by an address other than top while
                                    * top held most waiting ones (negative: never) */
+    /* keeps one address's new connections out (key) or lets everyone in again (NULL); optional */
+    void (*door)(void *user, const uint8_t key[17]);
+    void *door_user;
+    double blocked_until;         /* 0: nobody kept out */
+    uint64_t n_blocks;            /* times an address was kept out */
 };
 
 void kr_conns_init(struct kr_conns *g, int max_waiting, double header_timeout_s, double body_timeout_s);
 /* Frees what the connections left (call once every connection was closed). */
 void kr_conns_free(struct kr_conns *g);
 
-/* Whether a connection from sa (before it is set up) is let in: false refuses it and counts it. */
+/* Whether a connection from sa (before it is set up) is let in: false refuses it, counts it, and
+ * keeps the address out for a while through `door` when one is set. */
 bool kr_conns_admit(struct kr_conns *g, const void *sa, unsigned sa_len, double now);
 /* A new connection on descriptor fd (waiting), from sa (NULL: unknown). NULL when out of memory:
  * the connection is then closed by the caller's refusal, or simply not watched. May close the
@@ -87,6 +100,6 @@ void kr_conn_body_in(struct kr_conns *g, struct kr_conn *c);
 void kr_conn_answered(struct kr_conns *g, struct kr_conn *c, double now);
 /* libmicrohttpd closed it: forget and free c (NULL allowed). */
 void kr_conn_closed(struct kr_conns *g, struct kr_conn *c);
-/* Shuts down every connection past its deadline. Returns the seconds until the next deadline
- * (a negative value: none). */
+/* Shuts down every connection past its deadline and lifts an expired block. Returns the seconds
+ * until the next deadline (a negative value: none). */
 double kr_conns_sweep(struct kr_conns *g, double now);

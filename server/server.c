@@ -8,6 +8,7 @@
 #include "boot.h"
 #include "clock.h"
 #include "conns.h"
+#include "door.h"
 #include "lane.h"
 #include "engine.h"
 #include "http-util.h"
@@ -967,7 +968,35 @@ static void on_connection(void *cls, struct MHD_Connection *conn, void **socket_
 static enum MHD_Result on_accept(void *cls, const struct sockaddr *addr, socklen_t addrlen)
 {
     struct srv *s = cls;
-    return kr_conns_admit(&s->conns, addr, (unsigned)addrlen, now_s()) ? MHD_YES : MHD_NO;
+    if (kr_conns_admit(&s->conns, addr, (unsigned)addrlen, now_s())) {
+        return MHD_YES;
+    }
+    conn_watch(s); /* the sweep lifts the block it may have begun */
+    return MHD_NO;
+}
+
+/* conns.h's door: the address `key` kept out of the listening socket, or (NULL) everyone let in. */
+static void on_door(void *user, const uint8_t key[17])
+{
+    struct srv *s = user;
+    const union MHD_DaemonInfo *li = s->d ? MHD_get_daemon_info(s->d, MHD_DAEMON_INFO_LISTEN_FD) : NULL;
+    if (!li) {
+        return;
+    }
+    if (!key) {
+        if (kr_door_open(li->listen_fd) != 0) {
+            KR_LOG_WARN("http: cannot remove the listening socket's filter: %s", strerror(errno));
+        }
+        return;
+    }
+    char a[INET6_ADDRSTRLEN] = "?";
+    inet_ntop(key[0] == 4 ? AF_INET : AF_INET6, key + 1, a, sizeof a);
+    if (kr_door_keep_out(li->listen_fd, key) != 0) {
+        KR_LOG_WARN("http: cannot keep %s out at the listening socket: %s", a, strerror(errno));
+        return;
+    }
+    KR_LOG_WARN("http: %s holds %d of %d connections waiting for a request: its new connections are dropped "
+                "for %.0f s", a, s->conns.top ? s->conns.top->n_waiting : 0, s->conns.waiting.n, KR_CONNS_BLOCK_S);
 }
 
 /* The con_cls of a request whose record could not be allocated: it was answered with a 500 when its
@@ -1630,6 +1659,8 @@ int kr_serve_run(const struct kr_serve_opts *o)
     /* three quarters of the connections at most may wait for a request (conns.h): the rest stay
      * for connections with a request in progress */
     kr_conns_init(&s->conns, o->max_connections - o->max_connections / 4, o->header_timeout_s, o->body_timeout_s);
+    s->conns.door = on_door;
+    s->conns.door_user = s;
     s->body_pool_max = 4 * o->max_body_bytes;
     s->d = MHD_start_daemon(flags, (uint16_t)o->port, on_accept, s, on_access, s, MHD_OPTION_EXTERNAL_LOGGER, mhd_logger,
                             s, MHD_OPTION_NOTIFY_COMPLETED, on_completed, s, MHD_OPTION_NOTIFY_CONNECTION, on_connection, s,
