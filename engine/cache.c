@@ -220,7 +220,7 @@ enum kr_status kr_cache_block_copy(struct kr_cache *c, int32_t src, int32_t dst)
         char *p = kr_cache_mla_layer(c, l);
         st = kr_backend_copy_d2d(c->be, p + (size_t)dst * bb, p + (size_t)src * bb, bb);
     }
-    return st;
+    return st == KR_OK && c->on_copy ? c->on_copy(c->on_copy_user, 0, src, dst) : st;
 }
 
 enum kr_status kr_cache_slot_copy(struct kr_cache *c, int32_t src, int32_t dst)
@@ -236,7 +236,7 @@ enum kr_status kr_cache_slot_copy(struct kr_cache *c, int32_t src, int32_t dst)
                                      c->ssm_slot_bytes);
         }
     }
-    return st;
+    return st == KR_OK && c->on_copy ? c->on_copy(c->on_copy_user, 1, src, dst) : st;
 }
 
 void *kr_cache_conv_layer(const struct kr_cache *c, int32_t i)

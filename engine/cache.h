@@ -44,6 +44,10 @@ struct kr_cache {
     size_t ssm_slot_bytes;
     int32_t n_state_slots;    /* n_slots running + the prefix cache's snapshot slots */
     struct kr_prefix *prefix; /* the prefix cache (prefix.c), NULL when off */
+    /* (optional) told of every block (kind 0) and slot (kind 1) copy after it is made: the other
+     * ranks of a tensor-parallel group replay them (engine/ranks.h); an error fails the copy */
+    enum kr_status (*on_copy)(void *user, int kind, int32_t src, int32_t dst);
+    void *on_copy_user;
 };
 
 /* Bytes one state slot and one block cost across all layers of model `m` with blocks of

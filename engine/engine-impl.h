@@ -76,8 +76,11 @@ struct req {
     struct req *next_in;         /* inbox link */
 };
 
+struct kr_ranks;
+
 struct kr_engine {
-    struct kr_model *m;          /* borrowed */
+    struct kr_model *m;          /* borrowed; rank 0 of a tensor-parallel group */
+    struct kr_ranks *ranks;      /* the group's other ranks (engine/ranks.h); NULL alone */
     struct kr_cache *cache;
     struct kr_engine_config cfg;
     size_t slot_bytes, block_bytes;
@@ -210,4 +213,6 @@ void eng_prompt_logprobs_rows(struct kr_engine *e, struct req *r, int32_t p0, in
 
 /* step.c */
 void eng_run_step(struct kr_engine *e);
+/* The step's forward pass on every rank (rank 0's logits to `logits` when not NULL). */
+enum kr_status eng_forward(struct kr_engine *e, const struct kr_batch *b, float *logits, struct kr_err *err);
 void eng_check_invariants(struct kr_engine *e);

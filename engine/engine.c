@@ -2,6 +2,7 @@
  * and the public API. The scheduler's step is in step.c, sampling in sample.c (engine-impl.h holds
  * what they share). See engine.h for the contract. */
 #include "engine-impl.h"
+#include "ranks.h"
 
 #include "alloc.h"
 #include "array.h"
@@ -463,6 +464,13 @@ static void *engine_main(void *arg)
 enum kr_status kr_engine_create(struct kr_model *m, const struct kr_engine_config *cfg_in, struct kr_engine **out,
                                 struct kr_err *err)
 {
+    return kr_engine_create_group(&m, 1, cfg_in, out, err);
+}
+
+enum kr_status kr_engine_create_group(struct kr_model *const *ranks, int32_t n_ranks,
+                                      const struct kr_engine_config *cfg_in, struct kr_engine **out, struct kr_err *err)
+{
+    struct kr_model *m = ranks[0];
     struct kr_engine_config cfg = *cfg_in;
     if (cfg.max_num_seqs < 1 || cfg.max_num_batched_tokens < 1 || cfg.block_size < 1 || cfg.max_queued_requests < 0) {
         return kr_err_set(err, KR_ERR_INVAL,
@@ -474,8 +482,11 @@ enum kr_status kr_engine_create(struct kr_model *m, const struct kr_engine_confi
     }
     const int32_t n_slots = cfg.n_slots > 0 ? cfg.n_slots : cfg.max_num_seqs;
     /* the step workspace and backend scratch for the largest step, so that serving allocates nothing */
-    enum kr_status rst = kr_model_reserve(m, cfg.max_num_batched_tokens + cfg.max_num_seqs, cfg.max_num_seqs,
-                                          cfg.max_num_seqs, cfg.max_model_len, cfg.block_size);
+    enum kr_status rst = KR_OK;
+    for (int32_t r = 0; r < n_ranks && rst == KR_OK; r++) {
+        rst = kr_model_reserve(ranks[r], cfg.max_num_batched_tokens + cfg.max_num_seqs, cfg.max_num_seqs,
+                               cfg.max_num_seqs, cfg.max_model_len, cfg.block_size);
+    }
     if (rst != KR_OK) {
         return kr_err_set(err, rst, "engine: cannot reserve the forward workspace for %d tokens per step",
                           cfg.max_num_batched_tokens);
@@ -605,7 +616,21 @@ enum kr_status kr_engine_create(struct kr_model *m, const struct kr_engine_confi
                 n_slots, plan.n_snaps, slot_bytes, (long long)n_blocks, cfg.block_size, block_bytes,
                 kr_cache_bytes(e->cache), cfg.cache_bytes, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                 cfg.max_model_len);
+    if (n_ranks > 1) {
+        if ((st = kr_ranks_start(ranks + 1, n_ranks - 1, &plan, &e->ranks, err)) != KR_OK) {
+            kr_cache_free(e->cache);
+            kr_free(e->lp_row);
+            kr_free(e->cancels);
+            kr_free(e->cancels_w);
+            kr_free(e);
+            return st;
+        }
+        e->cache->on_copy = kr_ranks_record_copy;
+        e->cache->on_copy_user = e->ranks;
+        KR_LOG_INFO("tensor parallel: %d ranks, each with its shard and caches of this plan", n_ranks);
+    }
     if (pthread_create(&e->thread, NULL, engine_main, e) != 0) {
+        kr_ranks_stop(e->ranks);
         kr_cache_free(e->cache);
         kr_free(e->lp_row);
         kr_free(e->cancels);
@@ -643,6 +668,7 @@ void kr_engine_free(struct kr_engine *e)
     pthread_mutex_destroy(&e->lock);
     pthread_cond_destroy(&e->wake);
     pthread_cond_destroy(&e->idle_cv);
+    kr_ranks_stop(e->ranks);
     kr_cache_free(e->cache);
     kr_sampler_scratch_free(&e->scratch);
     kr_free(e->reqs);

@@ -148,6 +148,12 @@ struct kr_request_params {
  * thread. The model is borrowed (must outlive the engine). Logs the memory plan. */
 enum kr_status kr_engine_create(struct kr_model *m, const struct kr_engine_config *cfg, struct kr_engine **out,
                                 struct kr_err *err);
+/* The same over a tensor-parallel group: ranks[0..n_ranks) are the ranks' models, joined to one
+ * group in rank order (kr_backend_set_tp) and loaded; rank 0 is the engine's model. The engine
+ * plans each step once, every rank runs it on its thread, only rank 0 samples; a failed rank fails
+ * the group for good (kr_engine_failed). */
+enum kr_status kr_engine_create_group(struct kr_model *const *ranks, int32_t n_ranks,
+                                      const struct kr_engine_config *cfg, struct kr_engine **out, struct kr_err *err);
 
 /* Stops the thread (in-flight requests get KR_FINISH_CANCELLED) and frees everything. */
 void kr_engine_free(struct kr_engine *e);

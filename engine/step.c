@@ -2,6 +2,7 @@
  * choices of a prompt, planning a step under the token budget, running it and handing its results
  * to the sampler; the ownership invariants checked after a step in tests. */
 #include "engine-impl.h"
+#include "ranks.h"
 
 #include "alloc.h"
 #include "array.h"
@@ -511,7 +512,7 @@ void eng_run_step(struct kr_engine *e)
             dev = false;
         }
     }
-    enum kr_status st = kr_model_forward(e->m, e->cache, &b, dev ? NULL : e->logits, &err);
+    enum kr_status st = eng_forward(e, &b, dev ? NULL : e->logits, &err);
     if (++e->step_attempts == (uint64_t)e->fault_step && st == KR_OK) {
         st = KR_ERR_CUDA; /* KRAIT_FAULT_STEP: this step fails as a device error would */
         snprintf(err.msg, sizeof err.msg, "injected %s failure of step %lld", e->fault_fatal ? "fatal" : "transient",
@@ -565,7 +566,7 @@ void eng_run_step(struct kr_engine *e)
             }
         }
     }
-    if (st != KR_OK && (!kr_backend_check(e->m->be) || (e->fault_fatal && e->step_attempts == (uint64_t)e->fault_step))) {
+    if (st != KR_OK && (e->ranks || !kr_backend_check(e->m->be) || (e->fault_fatal && e->step_attempts == (uint64_t)e->fault_step))) {
         /* a sticky device error: the context cannot recover, nothing else will run */
         eng_fail_everything(e, err.msg[0] ? err.msg : kr_status_str(st));
         return;
@@ -676,3 +677,20 @@ void eng_check_invariants(struct kr_engine *e)
     }
 }
 
+
+enum kr_status eng_forward(struct kr_engine *e, const struct kr_batch *b, float *logits, struct kr_err *err)
+{
+    if (!e->ranks) {
+        return kr_model_forward(e->m, e->cache, b, logits, err);
+    }
+    kr_ranks_begin(e->ranks, b);
+    enum kr_status st = kr_model_forward(e->m, e->cache, b, logits, err);
+    struct kr_err rerr = {0};
+    const enum kr_status rst = kr_ranks_wait(e->ranks, &rerr);
+    /* the rank that failed first tells why; the others only saw the group abort */
+    if (rst != KR_OK && (st == KR_OK || st == KR_ERR_CANCELLED || rst != KR_ERR_CANCELLED)) {
+        *err = rerr;
+        st = rst;
+    }
+    return st;
+}

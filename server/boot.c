@@ -2,7 +2,9 @@
  * tokenizer, chat template, workspace and engine. */
 #include "boot.h"
 
+#include "alloc.h"
 #include "clock.h"
+#include "comm.h"
 #include "log.h"
 
 #include <stdio.h>
@@ -36,7 +38,48 @@ enum kr_status kr_boot_init(struct kr_boot *b, const struct kr_serve_opts *o, st
 {
     memset(b, 0, sizeof *b);
     b->o = *o;
-    return kr_backend_create(o->device, o->threads, &b->be, err);
+    b->tp = o->tensor_parallel_size > 1 ? o->tensor_parallel_size : 1;
+    if (b->tp == 1) {
+        return kr_backend_create(o->device, o->threads, &b->be, err);
+    }
+    /* one backend per rank, joined to one group; CPU ranks share the threads */
+    const long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    const int all = o->threads > 0 ? o->threads : (int)(cores > 0 ? cores : 1);
+    const int per = all / b->tp > 0 ? all / b->tp : 1;
+    b->rank_be = kr_calloc((size_t)b->tp, sizeof *b->rank_be);
+    b->rank_m = kr_calloc((size_t)b->tp, sizeof *b->rank_m);
+    if (!b->rank_be || !b->rank_m || kr_host_comm_create(b->tp, &b->comm) != KR_OK) {
+        return kr_err_set(err, KR_ERR_NOMEM, "out of memory");
+    }
+    for (int r = 0; r < b->tp; r++) {
+        KR_TRY(kr_backend_create(o->device, per, &b->rank_be[r], err));
+        enum kr_status st = kr_backend_set_tp(b->rank_be[r], r, b->tp, b->comm, err);
+        if (st != KR_OK) {
+            return kr_err_set(err, st, "--tensor-parallel-size %d: %s", b->tp, err->msg);
+        }
+    }
+    b->be = b->rank_be[0];
+    KR_LOG_INFO("tensor parallel: %d ranks on %s, %d threads each", b->tp, o->device ? o->device : "the default device",
+                per);
+    return KR_OK;
+}
+
+/* Loads ranks 1.. (rank 0 is loaded first, with progress); each fails the load with its rank named. */
+static enum kr_status load_other_ranks(struct kr_boot *s, struct kr_err *err)
+{
+    for (int r = 1; r < s->tp; r++) {
+        enum kr_status st = kr_model_load(s->o.model_dir, s->rank_be[r], &s->rank_m[r], err);
+        if (st == KR_OK && s->o.indexer != KR_INDEXER_AUTO) {
+            st = kr_model_set_indexer(s->rank_m[r], (enum kr_indexer)s->o.indexer, err);
+        }
+        if (st != KR_OK) {
+            return kr_err_set(err, st, "rank %d: %s", r, err->msg);
+        }
+        if (s->o.max_model_len > s->rank_m[r]->cfg.max_pos && s->o.allow_long_max_model_len) {
+            s->rank_m[r]->cfg.max_pos = s->o.max_model_len;
+        }
+    }
+    return KR_OK;
 }
 
 /* ---- loading (its own thread: /health answers 503 meanwhile) ------------------------------------------------ */
@@ -103,6 +146,10 @@ static void *loader_main(void *arg)
             kr_model_free(s->m);
             s->m = NULL;
         }
+    }
+    if (st == KR_OK && s->tp > 1) {
+        s->rank_m[0] = s->m;
+        st = load_other_ranks(s, &err);
     }
     if (st != KR_OK) {
         KR_LOG_ERROR("cannot load the model: %s", err.msg[0] ? err.msg : kr_status_str(st));
@@ -180,7 +227,8 @@ static void *loader_main(void *arg)
             cfg.cache_bytes = (size_t)512 << 20;
         }
     }
-    if (kr_engine_create(s->m, &cfg, &s->eng, &err) != KR_OK) {
+    if ((s->tp > 1 ? kr_engine_create_group(s->rank_m, s->tp, &cfg, &s->eng, &err)
+                   : kr_engine_create(s->m, &cfg, &s->eng, &err)) != KR_OK) {
         KR_LOG_ERROR("cannot start the engine: %s", err.msg);
         s->load_failed = true;
         s->loaded(s->loaded_user);
@@ -225,7 +273,19 @@ void kr_boot_free(struct kr_boot *b)
     kr_grammar_vocab_destroy(b->gvocab);
     kr_chat_free(b->chat);
     kr_tokenizer_free(b->tok);
-    kr_model_free(b->m);
-    kr_backend_free(b->be);
+    if (b->tp > 1) {
+        for (int r = 0; b->rank_m && r < b->tp; r++) {
+            kr_model_free(b->rank_m[r]); /* [0] is b->m */
+        }
+        for (int r = 0; b->rank_be && r < b->tp; r++) {
+            kr_backend_free(b->rank_be[r]); /* [0] is b->be */
+        }
+        kr_host_comm_free(b->comm);
+        kr_free(b->rank_m);
+        kr_free(b->rank_be);
+    } else {
+        kr_model_free(b->m);
+        kr_backend_free(b->be);
+    }
     memset(b, 0, sizeof *b);
 }

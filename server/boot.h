@@ -22,8 +22,12 @@ extern "C" {
 
 struct kr_boot {
     struct kr_serve_opts o;        /* borrowed strings: they outlive the server */
-    kr_backend_t be;
-    struct kr_model *m;            /* NULL until loaded */
+    kr_backend_t be;               /* rank 0's */
+    struct kr_model *m;            /* rank 0's; NULL until loaded */
+    int tp;                        /* tensor-parallel ranks (1: alone) */
+    kr_backend_t *rank_be;         /* [tp] every rank's backend ([0] == be); NULL alone */
+    struct kr_model **rank_m;      /* [tp] every rank's model ([0] == m) */
+    struct kr_host_comm *comm;     /* the ranks' collectives (CPU ranks: threads of this process) */
     struct kr_tokenizer *tok;      /* NULL with --skip-tokenizer-init */
     struct kr_chat *chat;          /* NULL without a chat template */
     struct kr_grammar_vocab *gvocab; /* the tokenizer's tokens for constrained decoding (NULL without a

@@ -70,6 +70,8 @@ static void usage(FILE *f)
             "  --gpu-memory-utilization F      share of GPU memory for weights + caches (default 0.9)\n"
             "  --indexer auto|bf16|fp8         DSA indexer precision (auto: the FP8 path for FP8 checkpoints)\n"
             "  --threads N                     CPU threads (default: all cores)              [KRAIT_THREADS]\n"
+            "  --tensor-parallel-size N, -tp N ranks the model is split over (default 1); on the CPU, threads\n"
+            "                                  of this process sharing --threads\n"
             "  --log-level LEVEL               debug | info | warn | error                   [KRAIT_LOG_LEVEL]\n"
             "  --port-file FILE                write the bound port there once listening\n"
             "  --help-env                      the KRAIT_* tuning switches: values, defaults, what each does\n"
@@ -241,7 +243,7 @@ int kr_serve_main(int argc, char **argv)
         O_TOK, O_TPL, O_SKIP, O_TOKIDS, O_BODY, O_SHUTDOWN, O_THREADS, O_LOG, O_PORTFILE, O_HELP, O_DEVICE, O_GPUMEM, O_INDEXER,
         O_ALLOW_LONG, O_HELP_ENV, O_PREFIX, O_NO_PREFIX, O_PREFIX_INTERVAL, O_PREFIX_SNAPS,
         O_REQMEM, O_MAXCONN, O_MAXCONN_IP, O_HDR_TIMEOUT, O_BODY_TIMEOUT, O_ORIGINS, O_METHODS, O_HEADERS,
-        O_CREDENTIALS,
+        O_CREDENTIALS, O_TP,
     };
     static const char *origins[MAX_CORS], *methods[MAX_CORS], *headers[MAX_CORS];
     static const struct option longopts[] = {
@@ -273,6 +275,7 @@ int kr_serve_main(int argc, char **argv)
         {"body-timeout", required_argument, NULL, O_BODY_TIMEOUT},
         {"shutdown-timeout", required_argument, NULL, O_SHUTDOWN},
         {"threads", required_argument, NULL, O_THREADS},
+        {"tensor-parallel-size", required_argument, NULL, O_TP},
         {"device", required_argument, NULL, O_DEVICE},
         {"gpu-memory-utilization", required_argument, NULL, O_GPUMEM},
         {"indexer", required_argument, NULL, O_INDEXER},
@@ -286,6 +289,15 @@ int kr_serve_main(int argc, char **argv)
         {"help-env", no_argument, NULL, O_HELP_ENV},
         {NULL, 0, NULL, 0},
     };
+    for (int i = 2; i < argc; i++) { /* vLLM's short name */
+        if (!strcmp(argv[i], "-tp")) {
+            argv[i] = (char *)"--tensor-parallel-size";
+        } else if (!strncmp(argv[i], "-tp=", 4)) {
+            static char buf[64];
+            snprintf(buf, sizeof buf, "--tensor-parallel-size=%.40s", argv[i] + 4);
+            argv[i] = buf;
+        }
+    }
     optind = 2;
     int ch;
     while ((ch = getopt_long(argc, argv, "", longopts, NULL)) != -1) {
@@ -422,6 +434,12 @@ int kr_serve_main(int argc, char **argv)
                 return 2;
             }
             o.threads = v;
+            break;
+        case O_TP:
+            if (parse_i32("--tensor-parallel-size", optarg, 1, 64, &v)) {
+                return 2;
+            }
+            o.tensor_parallel_size = v;
             break;
         case O_DEVICE:
             o.device = optarg;

@@ -44,6 +44,7 @@ void kr_serve_opts_default(struct kr_serve_opts *o)
     o->host = "0.0.0.0";
     o->port = 8000;
     o->max_num_seqs = 256;
+    o->tensor_parallel_size = 1;
     o->max_num_batched_tokens = 2048;
     o->cache_bytes = 0;
     o->device = "auto";

@@ -43,6 +43,7 @@ struct kr_serve_opts {
     double body_timeout_s;         /* ... and then its whole body within this */
     double drain_timeout_s;        /* SIGTERM: finish in-flight requests for at most this long */
     int threads;                   /* CPU backend threads (0 = all) */
+    int tensor_parallel_size;      /* ranks (1: none) */
     const char *port_file;         /* when set, the bound port is written there once listening (tests) */
     /* CORS (vLLM's --allowed-origins/-methods/-headers, --allow-credentials): a NULL list is ["*"],
      * everything allowed, as vLLM's defaults; an empty one allows nothing; entries borrowed */

@@ -1,0 +1,193 @@
+#include "ranks.h"
+
+#include "alloc.h"
+#include "log.h"
+
+#include <pthread.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <sys/prctl.h>
+
+struct copy_op {
+    int32_t kind, src, dst;
+};
+
+struct rank {
+    struct kr_ranks *g;
+    int32_t index;            /* its place in the group (1..) */
+    struct kr_model *m;
+    struct kr_cache *cache;
+    pthread_t thread;
+    bool started;
+    enum kr_status st;        /* of its last step */
+    struct kr_err err;
+};
+
+struct kr_ranks {
+    int32_t n;
+    struct rank *r;           /* [n] */
+    pthread_mutex_t mu;
+    pthread_cond_t go, done;
+    uint64_t gen;             /* steps handed out */
+    int32_t n_done;           /* ranks finished with step gen */
+    bool stop;
+    const struct kr_batch *b; /* the step */
+    struct copy_op *ops;      /* copies since the previous step, in order */
+    int32_t n_ops, cap_ops;
+    bool ops_lost;            /* a copy could not be recorded: the group's caches differ */
+};
+
+static enum kr_status replay(struct rank *k)
+{
+    const struct kr_ranks *g = k->g;
+    for (int32_t i = 0; i < g->n_ops; i++) {
+        const struct copy_op *o = &g->ops[i];
+        const enum kr_status st = o->kind == 0 ? kr_cache_block_copy(k->cache, o->src, o->dst)
+                                               : kr_cache_slot_copy(k->cache, o->src, o->dst);
+        if (st != KR_OK) {
+            return kr_err_set(&k->err, st, "rank %d: a cache copy failed: %s", k->index, kr_status_str(st));
+        }
+    }
+    return g->ops_lost ? kr_err_set(&k->err, KR_ERR_NOMEM, "rank %d: a cache copy of rank 0 was not recorded",
+                                    k->index)
+                       : KR_OK;
+}
+
+static void *rank_main(void *arg)
+{
+    struct rank *k = arg;
+    struct kr_ranks *g = k->g;
+    char name[16];
+    snprintf(name, sizeof name, "kr-rank%d", (int)k->index);
+    prctl(PR_SET_NAME, name, 0, 0, 0);
+    uint64_t seen = 0;
+    for (;;) {
+        pthread_mutex_lock(&g->mu);
+        while (!g->stop && g->gen == seen) {
+            pthread_cond_wait(&g->go, &g->mu);
+        }
+        if (g->stop) {
+            pthread_mutex_unlock(&g->mu);
+            return NULL;
+        }
+        seen = g->gen;
+        pthread_mutex_unlock(&g->mu);
+        k->err.msg[0] = 0;
+        k->st = replay(k);
+        if (k->st != KR_OK) {
+            kr_backend_tp_abort(k->m->be);
+        } else {
+            k->st = kr_model_forward(k->m, k->cache, g->b, NULL, &k->err); /* aborts the group on failure */
+        }
+        pthread_mutex_lock(&g->mu);
+        g->n_done++;
+        pthread_cond_signal(&g->done);
+        pthread_mutex_unlock(&g->mu);
+    }
+}
+
+enum kr_status kr_ranks_start(struct kr_model *const *models, int32_t n, const struct kr_cache_plan *plan,
+                              struct kr_ranks **out, struct kr_err *err)
+{
+    *out = NULL;
+    struct kr_ranks *g = kr_calloc(1, sizeof *g);
+    if (!g || !(g->r = kr_calloc((size_t)n, sizeof *g->r)) || !(g->ops = kr_malloc(64 * sizeof *g->ops))) {
+        if (g) {
+            kr_free(g->r);
+        }
+        kr_free(g);
+        return kr_err_set(err, KR_ERR_NOMEM, "out of memory");
+    }
+    g->n = n;
+    g->cap_ops = 64;
+    pthread_mutex_init(&g->mu, NULL);
+    pthread_cond_init(&g->go, NULL);
+    pthread_cond_init(&g->done, NULL);
+    for (int32_t i = 0; i < n; i++) {
+        struct rank *k = &g->r[i];
+        k->g = g;
+        k->index = i + 1;
+        k->m = models[i];
+        /* storage only (the prefix cache's bookkeeping is rank 0's): the snapshot slots as more
+         * slots, so that every state slot id means the same place */
+        struct kr_cache_plan p = *plan;
+        p.prefix = false;
+        p.n_slots = plan->n_slots + (plan->prefix && k->m->n_mamba > 0 ? plan->n_snaps : 0);
+        p.n_snaps = 0;
+        enum kr_status st = kr_cache_create_plan(k->m, &p, &k->cache);
+        if (st != KR_OK || pthread_create(&k->thread, NULL, rank_main, k) != 0) {
+            kr_ranks_stop(g);
+            return kr_err_set(err, st != KR_OK ? st : KR_ERR_NOMEM, "rank %d: cannot create its caches or thread",
+                              (int)(i + 1));
+        }
+        k->started = true;
+    }
+    *out = g;
+    return KR_OK;
+}
+
+void kr_ranks_stop(struct kr_ranks *g)
+{
+    if (!g) {
+        return;
+    }
+    pthread_mutex_lock(&g->mu);
+    g->stop = true;
+    pthread_cond_broadcast(&g->go);
+    pthread_mutex_unlock(&g->mu);
+    for (int32_t i = 0; i < g->n; i++) {
+        if (g->r[i].started) {
+            pthread_join(g->r[i].thread, NULL);
+        }
+        kr_cache_free(g->r[i].cache);
+    }
+    pthread_mutex_destroy(&g->mu);
+    pthread_cond_destroy(&g->go);
+    pthread_cond_destroy(&g->done);
+    kr_free(g->ops);
+    kr_free(g->r);
+    kr_free(g);
+}
+
+enum kr_status kr_ranks_record_copy(void *ranks, int kind, int32_t src, int32_t dst)
+{
+    struct kr_ranks *g = ranks;
+    if (g->n_ops == g->cap_ops) {
+        struct copy_op *o = kr_realloc(g->ops, (size_t)g->cap_ops * 2 * sizeof *o);
+        if (!o) {
+            g->ops_lost = true;
+            return KR_ERR_NOMEM;
+        }
+        g->ops = o;
+        g->cap_ops *= 2;
+    }
+    g->ops[g->n_ops++] = (struct copy_op){kind, src, dst};
+    return KR_OK;
+}
+
+void kr_ranks_begin(struct kr_ranks *g, const struct kr_batch *b)
+{
+    pthread_mutex_lock(&g->mu);
+    g->b = b;
+    g->n_done = 0;
+    g->gen++;
+    pthread_cond_broadcast(&g->go);
+    pthread_mutex_unlock(&g->mu);
+}
+
+enum kr_status kr_ranks_wait(struct kr_ranks *g, struct kr_err *err)
+{
+    pthread_mutex_lock(&g->mu);
+    while (g->n_done < g->n) {
+        pthread_cond_wait(&g->done, &g->mu);
+    }
+    pthread_mutex_unlock(&g->mu);
+    g->n_ops = 0;
+    for (int32_t i = 0; i < g->n; i++) {
+        if (g->r[i].st != KR_OK) {
+            const struct rank *k = &g->r[i];
+            return kr_err_set(err, k->st, "%s", k->err.msg[0] ? k->err.msg : kr_status_str(k->st));
+        }
+    }
+    return KR_OK;
+}

@@ -1,0 +1,36 @@
+#pragma once
+/* The ranks of a tensor-parallel group beyond the first, driven by the engine: one thread per rank,
+ * each with its model shard and its own caches. The engine (rank 0) plans every step once; each
+ * rank runs the same batch on its shard, the forward pass's collectives joining them, and only
+ * rank 0 samples (the logits are whole on every rank after the LM head's all-gather).
+ *
+ * The caches' bookkeeping (slots, blocks, the prefix cache) lives on rank 0 alone. The other
+ * ranks' caches are storage with the same plan, so a slot or block id means the same place on every
+ * rank; the copies rank 0 makes between steps (forks, snapshots) are recorded through the cache's
+ * copy hook and replayed by each rank, in order, before the next step.
+ *
+ * A rank whose step fails aborts the group's collectives (kr_backend_tp_abort), so that the others
+ * leave theirs with an error instead of waiting; the group is then unusable. Engine thread only. */
+#include <stdint.h>
+
+#include "batch.h"
+#include "cache.h"
+#include "model.h"
+#include "status.h"
+
+struct kr_ranks;
+
+/* Starts ranks 1..n (models[i] is rank i + 1, already joined to the group and reserved) with caches
+ * of `plan`. */
+enum kr_status kr_ranks_start(struct kr_model *const *models, int32_t n, const struct kr_cache_plan *plan,
+                              struct kr_ranks **out, struct kr_err *err);
+/* Stops the threads and frees their caches (the models stay the caller's). NULL allowed. */
+void kr_ranks_stop(struct kr_ranks *r);
+
+/* The cache hook: rank 0 copied a block (kind 0) or a slot (kind 1); replayed before the next step. */
+enum kr_status kr_ranks_record_copy(void *ranks, int kind, int32_t src, int32_t dst);
+
+/* Hands step b to every rank (b and what it points to must stay unchanged until kr_ranks_wait). */
+void kr_ranks_begin(struct kr_ranks *r, const struct kr_batch *b);
+/* Waits until every rank finished the step; the first rank's error, with its message in err. */
+enum kr_status kr_ranks_wait(struct kr_ranks *r, struct kr_err *err);

@@ -1,0 +1,212 @@
+/* Tensor parallelism served: `krait serve --tensor-parallel-size N` on the CPU (ranks as threads of
+ * one process) against the same checkpoint served whole, over HTTP. Every rank holds its shard and
+ * caches; the engine plans each step once and rank 0 samples. Checked per fixture family:
+ *  - greedy tokens equal and log-probabilities (generated and prompt) within 5e-5 of TP 1 (the
+ *    tolerance tests/backend/test_tp.c holds for the ranks run directly);
+ *  - n = 2 choices forking from one prefill (slot and block copies replayed on every rank);
+ *  - a prompt, then the same prompt extended: the second is restored from the prefix cache (a state
+ *    snapshot's copy on every rank) and must answer as TP 1 does;
+ *  - eight requests at once, batched together, each as TP 1 answers it alone;
+ *  - a rank count that does not divide the model is refused at start with a message naming it. */
+#include "harness.h"
+
+#include <criterion/criterion.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+
+#define FX KR_SOURCE_DIR "/tests/fixtures/"
+#define LP_TOL 5e-5
+
+TestSuite(tp_http, .timeout = 600);
+
+/* A prompt of n ids from a seed (ids below the fixtures' vocabulary of 256). */
+static void prompt_json(char *out, size_t cap, int n, unsigned seed)
+{
+    size_t k = (size_t)snprintf(out, cap, "[");
+    for (int i = 0; i < n; i++) {
+        seed = seed * 1103515245u + 12345u;
+        k += (size_t)snprintf(out + k, cap - k, "%s%u", i ? "," : "", 1 + (seed >> 16) % 250);
+    }
+    snprintf(out + k, cap - k, "]");
+}
+
+struct answer {
+    int n_choices;
+    int tok[2][16];
+    double lp[2][16];
+    int n_tok[2];
+    double plp[64];  /* prompt log-probabilities, [0] unused */
+    int n_plp;
+};
+
+static void ask(const struct srv_proc *p, const char *prompt, int n, int max_tokens, bool plp, struct answer *a)
+{
+    char body[4096];
+    snprintf(body, sizeof body,
+             "{\"prompt\":%s,\"max_tokens\":%d,\"temperature\":0,\"logprobs\":1,\"n\":%d,"
+             "\"return_tokens_as_token_ids\":true%s}",
+             prompt, max_tokens, n, plp ? ",\"prompt_logprobs\":0" : "");
+    long st = 0;
+    json_t *j = post_json(p, "/v1/completions", body, &st);
+    cr_assert_eq(st, 200, "status %ld: %s", st, json_dumps(j, 0));
+    memset(a, 0, sizeof *a);
+    json_t *ch = json_object_get(j, "choices");
+    a->n_choices = (int)json_array_size(ch);
+    for (size_t i = 0; i < json_array_size(ch) && i < 2; i++) {
+        json_t *c = json_array_get(ch, i);
+        const int idx = (int)json_integer_value(json_object_get(c, "index"));
+        cr_assert(idx >= 0 && idx < 2);
+        json_t *lps = json_object_get(c, "logprobs");
+        json_t *toks = json_object_get(lps, "tokens"), *tlp = json_object_get(lps, "token_logprobs");
+        for (size_t t = 0; t < json_array_size(toks) && t < 16; t++) {
+            a->tok[idx][t] = atoi(json_string_value(json_array_get(toks, t)) + strlen("token_id:"));
+            a->lp[idx][t] = json_number_value(json_array_get(tlp, t));
+            a->n_tok[idx]++;
+        }
+        json_t *pl = json_object_get(c, "prompt_logprobs");
+        if (!pl) {
+            pl = json_object_get(j, "prompt_logprobs");
+        }
+        for (size_t t = 1; plp && pl && t < json_array_size(pl) && t < 64; t++) {
+            const char *key;
+            json_t *v;
+            json_object_foreach(json_array_get(pl, t), key, v) {
+                if (json_integer_value(json_object_get(v, "rank")) >= 0) {
+                    a->plp[t] = json_number_value(json_object_get(v, "logprob"));
+                    break;
+                }
+            }
+            a->n_plp = (int)t + 1;
+        }
+    }
+    json_decref(j);
+}
+
+static void expect_same(const struct answer *whole, const struct answer *tp, const char *what)
+{
+    cr_assert_eq(tp->n_choices, whole->n_choices, "%s: choices", what);
+    for (int c = 0; c < whole->n_choices && c < 2; c++) {
+        cr_expect_eq(tp->n_tok[c], whole->n_tok[c], "%s: choice %d length", what, c);
+        for (int t = 0; t < whole->n_tok[c]; t++) {
+            cr_expect_eq(tp->tok[c][t], whole->tok[c][t], "%s: choice %d token %d: %d against %d whole", what, c, t,
+                         tp->tok[c][t], whole->tok[c][t]);
+            cr_expect_leq(fabs(tp->lp[c][t] - whole->lp[c][t]), LP_TOL, "%s: choice %d token %d log-probability %g "
+                          "against %g whole", what, c, t, tp->lp[c][t], whole->lp[c][t]);
+        }
+    }
+    cr_expect_eq(tp->n_plp, whole->n_plp, "%s: prompt log-probabilities", what);
+    for (int t = 1; t < whole->n_plp; t++) {
+        cr_expect_leq(fabs(tp->plp[t] - whole->plp[t]), LP_TOL, "%s: prompt position %d: %g against %g whole", what,
+                      t, tp->plp[t], whole->plp[t]);
+    }
+}
+
+struct job {
+    const struct srv_proc *p;
+    char prompt[1024];
+    struct answer a;
+};
+
+static void *job_main(void *arg)
+{
+    struct job *j = arg;
+    ask(j->p, j->prompt, 1, 8, false, &j->a);
+    return NULL;
+}
+
+static void check_family(const char *rel, const char *ranks)
+{
+    char dir[512];
+    snprintf(dir, sizeof dir, FX "%s", rel);
+    struct srv_proc whole, tp;
+    srv_start(&whole, dir, "--skip-tokenizer-init", "--device", "cpu", "--threads", "2", NULL);
+    srv_start(&tp, dir, "--skip-tokenizer-init", "--device", "cpu", "--threads", "2", "--tensor-parallel-size", ranks,
+              NULL);
+    char p[1024];
+    struct answer a, b;
+    /* one greedy request with its prompt's log-probabilities */
+    prompt_json(p, sizeof p, 21, 7);
+    ask(&whole, p, 1, 12, true, &a);
+    ask(&tp, p, 1, 12, true, &b);
+    cr_expect_gt(a.n_plp, 0, "prompt log-probabilities came back");
+    expect_same(&a, &b, "greedy");
+    /* two choices forking from one prefill */
+    prompt_json(p, sizeof p, 9, 11);
+    ask(&whole, p, 2, 8, false, &a);
+    ask(&tp, p, 2, 8, false, &b);
+    expect_same(&a, &b, "n = 2");
+    /* a prompt, then the same prompt extended: the second starts from the first's cached state
+     * (a snapshot at its end for Mamba layers, its full blocks for attention) */
+    prompt_json(p, sizeof p, 50, 13);
+    ask(&whole, p, 1, 6, false, &a);
+    ask(&tp, p, 1, 6, false, &b);
+    expect_same(&a, &b, "long prompt");
+    const double hits0 = metric(&tp, "krait:prefix_cache_hits_total");
+    char q[1100];
+    snprintf(q, sizeof q, "%.*s,9,8,7,6,5]", (int)strlen(p) - 1, p);
+    ask(&whole, q, 1, 6, false, &a);
+    ask(&tp, q, 1, 6, false, &b);
+    expect_same(&a, &b, "the prompt extended, from the prefix cache");
+    cr_expect_gt(metric(&tp, "krait:prefix_cache_hits_total"), hits0, "the extended prompt hit the prefix cache");
+    /* eight at once against each alone */
+    enum { J = 8 };
+    struct job jobs[J];
+    pthread_t th[J];
+    for (int i = 0; i < J; i++) {
+        jobs[i].p = &tp;
+        prompt_json(jobs[i].prompt, sizeof jobs[i].prompt, 5 + 4 * i, 100u + (unsigned)i);
+        cr_assert_eq(pthread_create(&th[i], NULL, job_main, &jobs[i]), 0);
+    }
+    for (int i = 0; i < J; i++) {
+        pthread_join(th[i], NULL);
+        ask(&whole, jobs[i].prompt, 1, 8, false, &a);
+        char what[32];
+        snprintf(what, sizeof what, "concurrent request %d", i);
+        expect_same(&a, &jobs[i].a, what);
+    }
+    cr_expect_eq(srv_stop(&tp), 0);
+    cr_expect_eq(srv_stop(&whole), 0);
+}
+
+Test(tp_http, hybrid_dsa_moe_2_ranks)
+{
+    check_family("hybrid/hy_mdme", "2");
+}
+
+Test(tp_http, hybrid_mla_dsa_2_ranks)
+{
+    check_family("hybrid/hy_plus", "2");
+}
+
+Test(tp_http, nemotron_h_moe_2_ranks)
+{
+    check_family("nemotron_h/nh_moe", "2");
+}
+
+Test(tp_http, deepseek_v32_2_and_4_ranks)
+{
+    check_family("deepseek_v32/ds_short", "2");
+    check_family("deepseek_v32/ds_short", "4");
+}
+
+/* 3 ranks do not divide the fixture's 4 heads and 2 Mamba groups: the server says so and exits. */
+Test(tp_http, an_indivisible_rank_count_is_refused_at_start)
+{
+    char cmd[1024];
+    snprintf(cmd, sizeof cmd,
+             "timeout 120 %s serve " FX "hybrid/hy_mdme --skip-tokenizer-init --device cpu --port 0 "
+             "--tensor-parallel-size 3 > tp3.log 2>&1",
+             KR_KRAIT_BIN);
+    const int rc = system(cmd);
+    cr_expect(WIFEXITED(rc) && WEXITSTATUS(rc) != 0 && WEXITSTATUS(rc) != 124, "exits with an error (rc %d)", rc);
+    FILE *f = fopen("tp3.log", "r");
+    cr_assert(f);
+    char log[8192] = {0};
+    (void)!fread(log, 1, sizeof log - 1, f);
+    fclose(f);
+    cr_expect(strstr(log, "tensor-parallel size 3 does not divide") != NULL, "the log names the cause: %s", log);
+}
