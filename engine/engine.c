@@ -627,6 +627,12 @@ enum kr_status kr_engine_create_group(struct kr_model *const *ranks, int32_t n_r
         }
         e->cache->on_copy = kr_ranks_record_copy;
         e->cache->on_copy_user = e->ranks;
+        if (sw.fault_step > 0 && sw.fault_rank > 0 && sw.fault_rank < n_ranks) {
+            kr_ranks_set_fault(e->ranks, sw.fault_rank, sw.fault_step);
+            e->fault_step = 0; /* that rank fails, not this one */
+            KR_LOG_WARN("KRAIT_FAULT_RANK=%d: rank %d fails step %lld", sw.fault_rank, sw.fault_rank,
+                        (long long)sw.fault_step);
+        }
         KR_LOG_INFO("tensor parallel: %d ranks, each with its shard and caches of this plan", n_ranks);
     }
     if (pthread_create(&e->thread, NULL, engine_main, e) != 0) {

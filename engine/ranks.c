@@ -35,6 +35,8 @@ struct kr_ranks {
     struct copy_op *ops;      /* copies since the previous step, in order */
     int32_t n_ops, cap_ops;
     bool ops_lost;            /* a copy could not be recorded: the group's caches differ */
+    int32_t fault_rank;       /* KRAIT_FAULT_RANK: this rank's step fault_step fails (0: none) */
+    int64_t fault_step;
 };
 
 static enum kr_status replay(struct rank *k)
@@ -74,6 +76,10 @@ static void *rank_main(void *arg)
         pthread_mutex_unlock(&g->mu);
         k->err.msg[0] = 0;
         k->st = replay(k);
+        if (k->st == KR_OK && k->index == g->fault_rank && (int64_t)seen == g->fault_step) {
+            k->st = kr_err_set(&k->err, KR_ERR_INTERNAL, "rank %d: injected failure of step %lld", k->index,
+                               (long long)seen);
+        }
         if (k->st != KR_OK) {
             kr_backend_tp_abort(k->m->be);
         } else {
@@ -163,6 +169,12 @@ enum kr_status kr_ranks_record_copy(void *ranks, int kind, int32_t src, int32_t 
     }
     g->ops[g->n_ops++] = (struct copy_op){kind, src, dst};
     return KR_OK;
+}
+
+void kr_ranks_set_fault(struct kr_ranks *g, int32_t rank, int64_t step)
+{
+    g->fault_rank = rank;
+    g->fault_step = step;
 }
 
 void kr_ranks_begin(struct kr_ranks *g, const struct kr_batch *b)

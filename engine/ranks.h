@@ -30,6 +30,10 @@ void kr_ranks_stop(struct kr_ranks *r);
 /* The cache hook: rank 0 copied a block (kind 0) or a slot (kind 1); replayed before the next step. */
 enum kr_status kr_ranks_record_copy(void *ranks, int kind, int32_t src, int32_t dst);
 
+/* KRAIT_FAULT_RANK (tests): the step handed out `step`-th (from 1) fails on rank `rank` as if it
+ * died there: it leaves the group (aborting its collectives) with an error. */
+void kr_ranks_set_fault(struct kr_ranks *r, int32_t rank, int64_t step);
+
 /* Hands step b to every rank (b and what it points to must stay unchanged until kr_ranks_wait). */
 void kr_ranks_begin(struct kr_ranks *r, const struct kr_batch *b);
 /* Waits until every rank finished the step; the first rank's error, with its message in err. */

@@ -16,7 +16,7 @@ static const size_t g_offset[] = {
     offsetof(struct kr_switches, dsa_score),   offsetof(struct kr_switches, mla_overlap),
     offsetof(struct kr_switches, skinny_max),  offsetof(struct kr_switches, ssd_stream),
     offsetof(struct kr_switches, pdl),         offsetof(struct kr_switches, backend_sampling),
-    offsetof(struct kr_switches, fault_step),
+    offsetof(struct kr_switches, fault_step),  offsetof(struct kr_switches, fault_rank),
 };
 
 static const struct kr_switch g_table[] = {
@@ -47,11 +47,14 @@ static const struct kr_switch g_table[] = {
      "device against host sampling, same tokens either way; the host path stays for host-logit steps"},
     {"KRAIT_FAULT_STEP", KR_SWITCH_STEP, 0, 0, NULL, "unset", KR_SWITCH_TEST,
      "step attempt N fails as a transient error (N:fatal: as a lost device); reliability tests", NULL},
+    {"KRAIT_FAULT_RANK", KR_SWITCH_INT, 0, 63, NULL, "0", KR_SWITCH_TEST,
+     "the tensor-parallel rank whose step KRAIT_FAULT_STEP fails (it leaves the group); reliability tests",
+     NULL},
 };
 #define N_SWITCHES ((int)(sizeof g_table / sizeof g_table[0]))
 _Static_assert(sizeof g_offset / sizeof g_offset[0] == sizeof g_table / sizeof g_table[0],
                "one struct field per table entry");
-_Static_assert(sizeof g_table / sizeof g_table[0] <= 32, "kr_switches.given has 32 bits");
+_Static_assert(sizeof g_table / sizeof g_table[0] <= 64, "kr_switches.given has 64 bits");
 
 const struct kr_switch *kr_switches_table(int *n)
 {
@@ -72,6 +75,7 @@ void kr_switches_defaults(struct kr_switches *sw)
         .backend_sampling = -1,
         .fault_step = 0,
         .fault_fatal = 0,
+        .fault_rank = 0,
         .given = 0,
     };
 }
@@ -199,7 +203,7 @@ enum kr_status kr_switches_parse(struct kr_switches *sw, const char *(*get)(cons
             const int32_t x32 = (int32_t)x;
             memcpy(field, &x32, sizeof x32);
         }
-        r.given |= 1u << i;
+        r.given |= 1ull << i;
     }
     *sw = r;
     return KR_OK;

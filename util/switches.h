@@ -35,7 +35,8 @@ struct kr_switches {
     int32_t backend_sampling; /* KRAIT_BACKEND_SAMPLING: -1 (unset) = the engine config decides */
     int64_t fault_step;       /* KRAIT_FAULT_STEP: 0 = none, else step attempt N fails (tests) */
     int32_t fault_fatal;      /* KRAIT_FAULT_STEP=N:fatal: that failure is a lost device */
-    uint32_t given;           /* bit i: table entry i was set (non-empty) in the environment */
+    int32_t fault_rank;       /* KRAIT_FAULT_RANK: the tensor-parallel rank whose step fails (0: rank 0) */
+    uint64_t given;           /* bit i: table entry i was set (non-empty) in the environment */
 };
 
 enum kr_switch_type {

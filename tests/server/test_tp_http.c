@@ -7,7 +7,9 @@
  *  - a prompt, then the same prompt extended: the second is restored from the prefix cache (a state
  *    snapshot's copy on every rank) and must answer as TP 1 does;
  *  - eight requests at once, batched together, each as TP 1 answers it alone;
- *  - a rank count that does not divide the model is refused at start with a message naming it. */
+ *  - a rank count that does not divide the model is refused at start with a message naming it;
+ *  - a rank that dies mid-step (KRAIT_FAULT_RANK): the group leaves its collectives, the request
+ *    gets an error naming the rank, and the process exits 3 on its own, never hanging. */
 #include "harness.h"
 
 #include <criterion/criterion.h>
@@ -16,7 +18,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <signal.h>
 #include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
 
 #define FX KR_SOURCE_DIR "/tests/fixtures/"
 #define LP_TOL 5e-5
@@ -209,4 +214,42 @@ Test(tp_http, an_indivisible_rank_count_is_refused_at_start)
     (void)!fread(log, 1, sizeof log - 1, f);
     fclose(f);
     cr_expect(strstr(log, "tensor-parallel size 3 does not divide") != NULL, "the log names the cause: %s", log);
+}
+
+/* Rank 1 of 2 fails the third step: the others' collectives are released, the request in flight
+ * gets a 503 naming the rank, /health stops answering 200 and the process exits 3 within 10 s. */
+Test(tp_http, a_rank_that_dies_mid_step_fails_the_group_cleanly)
+{
+    setenv("KRAIT_FAULT_STEP", "3", 1);
+    setenv("KRAIT_FAULT_RANK", "1", 1);
+    struct srv_proc p;
+    srv_start(&p, FX "hybrid/hy_mdme", "--skip-tokenizer-init", "--device", "cpu", "--threads", "2",
+              "--tensor-parallel-size", "2", NULL);
+    struct http_res r;
+    http(&p, "POST", "/v1/completions", "{\"prompt\":[1,2,3,4,5],\"max_tokens\":16}", NULL, &r);
+    cr_expect_eq(r.status, 503, "the request in flight: %ld", r.status);
+    cr_expect(r.body && strstr(r.body, "rank 1") && strstr(r.body, "injected failure"), "body: %s",
+              r.body ? r.body : "");
+    http_free(&r);
+    http(&p, "GET", "/health", NULL, NULL, &r);
+    cr_expect(r.status == 503 || r.status == 0, "/health after the group failed: %ld", r.status);
+    http_free(&r);
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    int st = 0, code = -1;
+    for (;;) {
+        if (waitpid(p.pid, &st, WNOHANG) == p.pid) {
+            code = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+            break;
+        }
+        clock_gettime(CLOCK_MONOTONIC, &t1);
+        if (t1.tv_sec - t0.tv_sec > 10) {
+            kill(p.pid, SIGKILL);
+            waitpid(p.pid, &st, 0);
+            break;
+        }
+        usleep(20000);
+    }
+    unlink(p.port_file);
+    cr_expect_eq(code, 3, "exit status %d (want 3; -1: it did not exit within 10 s)", code);
 }

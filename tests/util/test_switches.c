@@ -56,6 +56,7 @@ static int64_t field(const struct kr_switches *sw, const char *name)
         {"KRAIT_SSD_STREAM", offsetof(struct kr_switches, ssd_stream)},
         {"KRAIT_PDL", offsetof(struct kr_switches, pdl)},
         {"KRAIT_BACKEND_SAMPLING", offsetof(struct kr_switches, backend_sampling)},
+        {"KRAIT_FAULT_RANK", offsetof(struct kr_switches, fault_rank)},
     };
     if (!strcmp(name, "KRAIT_FAULT_STEP")) {
         return sw->fault_step;
@@ -78,6 +79,7 @@ Test(switches, table_lists_the_switches_the_code_had)
     static const char *const names[] = {
         "KRAIT_CUDA_GRAPHS", "KRAIT_MLA_ATTN", "KRAIT_DSA_SCORE", "KRAIT_MLA_OVERLAP",      "KRAIT_SKINNY_MAX",
         "KRAIT_SSD_STREAM",  "KRAIT_PDL",      "KRAIT_BACKEND_SAMPLING", "KRAIT_FAULT_STEP",
+        "KRAIT_FAULT_RANK",
     };
     int n;
     const struct kr_switch *t = kr_switches_table(&n);
@@ -91,6 +93,7 @@ Test(switches, table_lists_the_switches_the_code_had)
     }
     cr_expect_eq(find("KRAIT_CUDA_GRAPHS")->use, KR_SWITCH_OPERATOR);
     cr_expect_eq(find("KRAIT_FAULT_STEP")->use, KR_SWITCH_TEST);
+    cr_expect_eq(find("KRAIT_FAULT_RANK")->use, KR_SWITCH_TEST);
 }
 
 /* Switches removed on 2026-12-02 (their code paths went with them): not in the table, and a value
