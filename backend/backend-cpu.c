@@ -155,13 +155,19 @@ static float dot(const float *a, const float *b, int64_t n)
     return r;
 }
 
-static enum kr_status cpu_embed(kr_backend_t be, const struct kr_tensor *w, float *out)
+static enum kr_status cpu_embed(kr_backend_t be, const struct kr_tensor *w, int64_t row0, float *out)
 {
     const struct kr_batch *b = ctx_of(be)->batch;
     size_t esz = kr_dtype_size(w->dtype);
     for (int32_t t = 0; t < b->n_tok; t++) {
-        const char *row = (const char *)w->data + (size_t)b->tokens[t] * (size_t)w->cols * esz;
-        kr_convert_to_f32(out + (size_t)t * (size_t)w->cols, row, w->dtype, (size_t)w->cols);
+        const int64_t id = (int64_t)b->tokens[t] - row0;
+        float *o = out + (size_t)t * (size_t)w->cols;
+        if (id < 0 || id >= w->rows) { /* another rank's row */
+            memset(o, 0, (size_t)w->cols * sizeof(float));
+            continue;
+        }
+        const char *row = (const char *)w->data + (size_t)id * (size_t)w->cols * esz;
+        kr_convert_to_f32(o, row, w->dtype, (size_t)w->cols);
     }
     return KR_OK;
 }

@@ -825,7 +825,7 @@ static bool cuda_bf16_operands(kr_backend_t be, int64_t n)
 
 /* ---- ops ---------------------------------------------------------------------------------- */
 
-static enum kr_status cuda_embed_impl(kr_backend_t be, const struct kr_tensor *w, float *out)
+static enum kr_status cuda_embed_impl(kr_backend_t be, const struct kr_tensor *w, int64_t row0, float *out)
 {
     struct cuda_ctx *c = ctx_of(be);
     KR_TRY(op_enter(c));
@@ -833,7 +833,7 @@ static enum kr_status cuda_embed_impl(kr_backend_t be, const struct kr_tensor *w
         KR_LOG_ERROR("cuda: the embedding must be bf16 on the device");
         return KR_ERR_UNSUPPORTED;
     }
-    return krk_embed(w->data, c->batch.tokens, c->batch.n_tok, w->cols, out, c->stream);
+    return krk_embed(w->data, c->batch.tokens, c->batch.n_tok, w->cols, row0, w->rows, out, c->stream);
 }
 
 static enum kr_status cuda_rmsnorm_impl(kr_backend_t be, const struct krk_rmsnorm_params *p)
@@ -1436,7 +1436,7 @@ static enum kr_status cuda_sample(kr_backend_t be, const struct krk_sample_param
         return st;                                                                                 \
     }
 
-TIMED(cuda_embed, P_EMBED, (kr_backend_t be, const struct kr_tensor *w, float *out), (be, w, out))
+TIMED(cuda_embed, P_EMBED, (kr_backend_t be, const struct kr_tensor *w, int64_t row0, float *out), (be, w, row0, out))
 TIMED(cuda_rmsnorm, P_NORM, (kr_backend_t be, const struct krk_rmsnorm_params *p), (be, p))
 TIMED(cuda_layernorm, P_DSA, (kr_backend_t be, const struct krk_layernorm_params *p), (be, p))
 TIMED(cuda_scale, P_OTHER, (kr_backend_t be, float *y, float s, int64_t n), (be, y, s, n))

@@ -42,7 +42,7 @@ struct kr_backend_i {
     enum kr_status (*graph_run)(kr_backend_t be, int32_t key, bool *launched);
     void (*graph_reset)(kr_backend_t be);
     /* out[t] = w[tokens[t]] for every token of the batch; w is [vocab, dim]. */
-    enum kr_status (*embed)(kr_backend_t be, const struct kr_tensor *w, float *out);
+    enum kr_status (*embed)(kr_backend_t be, const struct kr_tensor *w, int64_t row0, float *out);
     /* struct krk_rmsnorm_params: the residual added first when res, the bf16 copy when out_bf16 */
     enum kr_status (*rmsnorm)(kr_backend_t be, const struct krk_rmsnorm_params *p);
     /* y[i] += x[i] for i < n. */

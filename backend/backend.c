@@ -186,9 +186,9 @@ enum kr_status kr_backend_sample(kr_backend_t be, const struct krk_sample_params
     return be->iface.sample ? be->iface.sample(be, p) : KR_ERR_UNSUPPORTED;
 }
 
-enum kr_status kr_backend_embed(kr_backend_t be, const struct kr_tensor *w, float *out)
+enum kr_status kr_backend_embed(kr_backend_t be, const struct kr_tensor *w, int64_t row0, float *out)
 {
-    return be->iface.embed(be, w, out);
+    return be->iface.embed(be, w, row0, out);
 }
 
 enum kr_status kr_backend_rmsnorm(kr_backend_t be, const struct krk_rmsnorm_params *p)

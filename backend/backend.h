@@ -172,7 +172,10 @@ bool kr_backend_can_sample(kr_backend_t be);
  * in host memory). */
 enum kr_status kr_backend_sample(kr_backend_t be, const struct krk_sample_params *p);
 
-enum kr_status kr_backend_embed(kr_backend_t be, const struct kr_tensor *w, float *out);
+/* out[t] = the embedding row of the step's token t, w holding the vocabulary rows [row0, row0 +
+ * w->rows) (0 and the whole table on one rank); a token outside them gets zeros, so that a sum
+ * over the ranks (vocabulary-parallel embedding) gives every row once. */
+enum kr_status kr_backend_embed(kr_backend_t be, const struct kr_tensor *w, int64_t row0, float *out);
 /* RMSNorm (struct krk_rmsnorm_params): with `res` it adds the residual into x first (the forward pass
  * asks for this in place of an add followed by the norm); with `out_bf16` it also writes the bf16
  * operand of the GEMM that reads out next (asked only when kr_backend_bf16_operands). */

@@ -804,7 +804,7 @@ enum kr_status kr_model_config_shard(struct kr_model_config *cfg, int32_t rank, 
     KR_TRY(shard_check(cfg->ffn, size, mlp, "intermediate_size (MLP layers are split by columns)", err));
     KR_TRY(shard_check(cfg->moe_ffn, size, moe, "moe_intermediate_size (experts are split by columns)", err));
     KR_TRY(shard_check(cfg->shared_ffn, size, moe, "the shared expert's intermediate size", err));
-    KR_TRY(shard_check(cfg->vocab, size, true, "vocab_size (the LM head is split by vocabulary rows)", err));
+    KR_TRY(shard_check(cfg->vocab, size, true, "vocab_size (the embedding and the LM head are split by vocabulary rows)", err));
     cfg->m_heads /= size;
     cfg->m_groups /= size;
     cfg->m_d_inner = cfg->m_heads * cfg->m_head_dim;

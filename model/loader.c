@@ -738,7 +738,12 @@ static enum kr_status load_all(struct loader *ld)
                           "\"model.embeddings.weight\", \"backbone.embedding.weight\")",
                           m->dir);
     }
-    KR_TRY(load_mat(ld, emb->name, c->vocab, c->dim, false, "token embedding [vocab, hidden]", &m->embed));
+    /* the embedding and the LM head are split by vocabulary rows (the embedding's ranks each give
+     * their rows and zeros for the others, summed by an all-reduce) */
+    const struct part vocab_rows = rows_share(ld, c->vocab);
+    KR_TRY(load_mat_p(ld, emb->name, c->vocab, c->dim, &vocab_rows, false, "token embedding [vocab, hidden]",
+                      &m->embed));
+    m->embed_row0 = ld->size > 1 ? vocab_rows.r0[0] : 0;
     if (ld->deepseek) {
         NAME(n, "model.norm.weight");
     } else {
@@ -750,20 +755,12 @@ static enum kr_status load_all(struct loader *ld)
         return KR_ERR_NOMEM;
     }
     KR_TRY(load_layers(ld));
-    /* the embedding is whole on every rank; the LM head is split by vocabulary rows */
-    const struct part vocab_rows = rows_share(ld, c->vocab);
     if (c->tie_embeddings) {
         struct kr_st_tensor *lm = find(ld, "lm_head.weight");
         if (lm) { /* some exports keep the tied copy; it must at least have the right shape */
             KR_TRY(check(ld, lm, 2, (const int64_t[]){c->vocab, c->dim}));
         }
-        if (ld->size > 1) {
-            const uint64_t counted = m->n_params;
-            KR_TRY(load_mat_p(ld, emb->name, c->vocab, c->dim, &vocab_rows, false, "", &m->lm_head));
-            m->n_params = counted; /* the same parameters as the embedding */
-        } else {
-            m->lm_head = m->embed;
-        }
+        m->lm_head = m->embed; /* the same rows on every rank */
     } else {
         KR_TRY(load_mat_p(ld, "lm_head.weight", c->vocab, c->dim, &vocab_rows, false,
                           "output projection [vocab, hidden] (tie_word_embeddings is false)", &m->lm_head));

@@ -661,7 +661,10 @@ static enum kr_status run_ops(struct kr_model *m, struct kr_cache *cache, const 
     const struct kr_model_config *c = &m->cfg;
     kr_backend_t be = m->be;
     const int64_t n = b->n_tok;
-    KR_TRY(kr_backend_embed(be, &m->embed, ws->x));
+    KR_TRY(kr_backend_embed(be, &m->embed, m->embed_row0, ws->x));
+    if (kr_backend_tp_size(be) > 1) { /* each rank gave its vocabulary rows, zeros elsewhere */
+        KR_TRY(kr_backend_all_reduce(be, ws->x, n * c->dim));
+    }
     for (int32_t i = 0; i < c->n_layer; i++) {
         const struct kr_layer *L = &m->layers[i];
         /* the previous layer's output joins the residual stream in the same kernel as this norm */

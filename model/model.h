@@ -88,7 +88,8 @@ struct kr_model {
     char *dir;                   /* checkpoint directory (owned) */
     kr_backend_t be;             /* borrowed */
     struct kr_st_archive *ar;    /* owned: weights may alias its mappings */
-    struct kr_tensor embed;      /* [vocab, dim] */
+    struct kr_tensor embed;      /* [vocab, dim], or a tensor-parallel rank's rows of it */
+    int64_t embed_row0;          /* the first vocabulary row embed holds (0 when whole) */
     struct kr_tensor lm_head;    /* [vocab, dim] (the embedding when tied) */
     const float *final_norm;     /* [dim] */
     struct kr_layer *layers;     /* [n_layer] */

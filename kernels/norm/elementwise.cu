@@ -102,15 +102,21 @@ template <int V> __global__ void scale_kernel(float *KRK_RESTRICT y, float s, in
 // V = 8: one 16-byte load of 8 bf16, two 16-byte stores.
 template <int V>
 __global__ void embed_kernel(const uint16_t *KRK_RESTRICT w, const int32_t *KRK_RESTRICT tokens, int64_t n, int64_t dim,
-                             float *KRK_RESTRICT out)
+                             int64_t row0, int64_t rows, float *KRK_RESTRICT out)
 {
     krk::kernel_prologue();
     const int64_t nv = dim / V;
     for (int64_t t = blockIdx.y; t < n; t += gridDim.y) {
-        const uint16_t *row = w + (int64_t)tokens[t] * dim;
+        const int64_t id = (int64_t)tokens[t] - row0;
+        const bool mine = id >= 0 && id < rows; /* another rank's vocabulary row: zeros */
+        const uint16_t *row = w + (mine ? id : 0) * dim;
         float *o = out + t * dim;
         for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < nv; i += (int64_t)gridDim.x * blockDim.x) {
-            if constexpr (V == 8) {
+            if (!mine) {
+                for (int k = 0; k < V; k++) {
+                    o[i * V + k] = 0.0f;
+                }
+            } else if constexpr (V == 8) {
                 const uint4 q = *reinterpret_cast<const uint4 *>(row + i * 8);
                 const float4 lo = make_float4(__uint_as_float(q.x << 16), __uint_as_float(q.x & 0xffff0000u),
                                               __uint_as_float(q.y << 16), __uint_as_float(q.y & 0xffff0000u));
@@ -309,20 +315,20 @@ extern "C" enum kr_status krk_scale(float *y, float s, int64_t n, cudaStream_t s
     return KR_OK;
 }
 
-extern "C" enum kr_status krk_embed(const krk_bf16 *w, const int32_t *tokens, int64_t n, int64_t dim, float *out,
-                                    cudaStream_t stream)
+extern "C" enum kr_status krk_embed(const krk_bf16 *w, const int32_t *tokens, int64_t n, int64_t dim, int64_t row0,
+                                    int64_t rows, float *out, cudaStream_t stream)
 {
-    KRK_REQUIRE(n >= 0 && dim >= 1);
+    KRK_REQUIRE(n >= 0 && dim >= 1 && row0 >= 0 && rows >= 1);
     if (n == 0) {
         return KR_OK;
     }
     KRK_REQUIRE(w && tokens && out);
     if (dim % 8 == 0 && is_aligned(w, 16) && is_aligned(out, 16)) {
         krk::launch_maybe_pdl(krk::pdl_enabled(), embed_kernel<8>, row_grid(n, dim / 8), kThreads, 0, stream, w, tokens,
-                              n, dim, out);
+                              n, dim, row0, rows, out);
     } else {
         krk::launch_maybe_pdl(krk::pdl_enabled(), embed_kernel<1>, row_grid(n, dim), kThreads, 0, stream, w, tokens, n,
-                              dim, out);
+                              dim, row0, rows, out);
     }
     KRK_CHECK_LAUNCH();
     return KR_OK;

@@ -99,7 +99,9 @@ static void expect_cols(const struct kr_tensor *whole, int64_t c0, const struct 
 static void expect_shards(const struct kr_model *w, const struct kr_model *s, int rank, int size)
 {
     const struct kr_model_config *c = &w->cfg;
-    cr_expect_eq(s->embed.rows, c->vocab, "the embedding is whole on every rank");
+    expect_rows(&w->embed, rank * c->vocab / size, &s->embed, 0, c->vocab / size, "embedding");
+    cr_expect_eq(s->embed.rows, c->vocab / size, "the embedding is split by vocabulary rows");
+    cr_expect_eq(s->embed_row0, rank * c->vocab / size);
     expect_rows(&w->lm_head, rank * c->vocab / size, &s->lm_head, 0, c->vocab / size, "lm_head");
     cr_expect_eq(s->lm_head.rows, c->vocab / size);
     for (int32_t i = 0; i < c->n_layer; i++) {

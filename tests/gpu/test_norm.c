@@ -394,11 +394,14 @@ Test(elementwise, add_and_scale_match_cpu_exactly)
 
 /* ---- embedding ----------------------------------------------------------------------------- */
 
+/* The whole table, then vocabulary shards of tensor-parallel ranks (rows [row0, row0 + rows)):
+ * every token's row is the table's, or zeros when the shard does not hold it. */
 Test(elementwise, embed_matches_cpu_exactly)
 {
     GT_REQUIRE_GPU();
     static const int64_t dims[] = {4096, 131, 5};
     static const int32_t seq_len[3] = {1, 700, 299}, pos0[3] = {5, 0, 17};
+    static const int64_t shard[3][2] = {{0, 1000}, {500, 500}, {250, 300}};
     const int32_t vocab = 1000;
     struct gt_rng rng = {.s = 5000};
     kr_backend_t be = kr_backend_cpu_create(1);
@@ -419,16 +422,27 @@ Test(elementwise, embed_matches_cpu_exactly)
             }
             krk_bf16 *d_w = gt_dup(wb, nw * 2);
             float *d_out = gt_dalloc(no * 4);
-            cr_assert_eq(krk_embed(d_w, b.dev.tokens, n, dim, d_out, 0), KR_OK);
-            gt_sync();
-            const struct kr_tensor t = {.data = wb, .dtype = KR_DTYPE_BF16, .rows = vocab, .cols = dim};
-            cr_assert_eq(kr_backend_begin_batch(be, &b.host), KR_OK);
-            cr_assert_eq(kr_backend_embed(be, &t, ref), KR_OK);
-            float *g = hdown(d_out, no);
-            char what[64];
-            snprintf(what, sizeof what, "embed n=%d dim=%lld", n, (long long)dim);
-            expect_same_bytes(what, g, ref, no * sizeof(float));
-            kr_free(g);
+            for (int sh = 0; sh < 3; sh++) {
+                const int64_t row0 = shard[sh][0], rows = shard[sh][1];
+                cr_assert_eq(krk_embed(d_w + row0 * dim, b.dev.tokens, n, dim, row0, rows, d_out, 0), KR_OK);
+                gt_sync();
+                const struct kr_tensor t = {.data = wb + row0 * dim, .dtype = KR_DTYPE_BF16, .rows = rows, .cols = dim};
+                cr_assert_eq(kr_backend_begin_batch(be, &b.host), KR_OK);
+                cr_assert_eq(kr_backend_embed(be, &t, row0, ref), KR_OK);
+                float *g = hdown(d_out, no);
+                char what[80];
+                snprintf(what, sizeof what, "embed n=%d dim=%lld rows [%lld, %lld)", n, (long long)dim,
+                         (long long)row0, (long long)(row0 + rows));
+                expect_same_bytes(what, g, ref, no * sizeof(float));
+                for (int32_t k = 0; k < n; k++) {
+                    const int64_t id = b.host.tokens[k];
+                    const bool mine = id >= row0 && id < row0 + rows;
+                    const float want = mine ? kr_bf16_to_f32(wb[id * dim + dim - 1]) : 0.0f;
+                    cr_expect_eq(g[(size_t)k * (size_t)dim + (size_t)dim - 1], want, "%s: token %d (id %lld)", what,
+                                 k, (long long)id);
+                }
+                kr_free(g);
+            }
             gt_dfree(d_w);
             gt_dfree(d_out);
             kr_free(wf);

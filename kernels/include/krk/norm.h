@@ -21,9 +21,11 @@ enum kr_status krk_add(float *y, const float *x, int64_t n, cudaStream_t stream)
 /* y[i] *= s for i < n. */
 enum kr_status krk_scale(float *y, float s, int64_t n, cudaStream_t stream);
 
-/* out[t, :] = w[tokens[t], :] as fp32 for t < n. */
-enum kr_status krk_embed(const krk_bf16 *w /* [vocab, dim] */, const int32_t *tokens /* [n] */, int64_t n,
-                         int64_t dim, float *out /* [n, dim] */, cudaStream_t stream);
+/* out[t, :] = w[tokens[t] - row0, :] as fp32 for t < n, where w holds the vocabulary rows
+ * [row0, row0 + rows) (a tensor-parallel rank's share; 0 and the vocabulary when whole); a token
+ * outside them gets a row of zeros (the ranks' rows are then summed). */
+enum kr_status krk_embed(const krk_bf16 *w /* [rows, dim] */, const int32_t *tokens /* [n] */, int64_t n,
+                         int64_t dim, int64_t row0, int64_t rows, float *out /* [n, dim] */, cudaStream_t stream);
 
 /* Activation, gated or not (struct krk_act_params, krk/ops.h). */
 enum kr_status krk_act(const struct krk_act_params *p, cudaStream_t stream);
