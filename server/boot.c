@@ -53,10 +53,7 @@ enum kr_status kr_boot_init(struct kr_boot *b, const struct kr_serve_opts *o, st
     }
     for (int r = 0; r < b->tp; r++) {
         KR_TRY(kr_backend_create(o->device, per, &b->rank_be[r], err));
-        enum kr_status st = kr_backend_set_tp(b->rank_be[r], r, b->tp, b->comm, err);
-        if (st != KR_OK) {
-            return kr_err_set(err, st, "--tensor-parallel-size %d: %s", b->tp, err->msg);
-        }
+        KR_TRY(kr_backend_set_tp(b->rank_be[r], r, b->tp, b->comm, err)); /* names the size */
     }
     b->be = b->rank_be[0];
     KR_LOG_INFO("tensor parallel: %d ranks on %s, %d threads each", b->tp, o->device ? o->device : "the default device",
@@ -73,7 +70,9 @@ static enum kr_status load_other_ranks(struct kr_boot *s, struct kr_err *err)
             st = kr_model_set_indexer(s->rank_m[r], (enum kr_indexer)s->o.indexer, err);
         }
         if (st != KR_OK) {
-            return kr_err_set(err, st, "rank %d: %s", r, err->msg);
+            char why[sizeof err->msg];
+            snprintf(why, sizeof why, "%s", err->msg);
+            return kr_err_set(err, st, "rank %d: %s", r, why);
         }
         if (s->o.max_model_len > s->rank_m[r]->cfg.max_pos && s->o.allow_long_max_model_len) {
             s->rank_m[r]->cfg.max_pos = s->o.max_model_len;
