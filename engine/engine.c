@@ -461,6 +461,17 @@ static void *engine_main(void *arg)
 
 /* ---- public API ------------------------------------------------------------------------------------ */
 
+/* What kr_engine_create_group allocated before a later step of it failed. */
+static void create_undo(struct kr_engine *e)
+{
+    kr_ranks_stop(e->ranks);
+    kr_cache_free(e->cache);
+    kr_free(e->lp_row);
+    kr_free(e->cancels);
+    kr_free(e->cancels_w);
+    kr_free(e);
+}
+
 enum kr_status kr_engine_create(struct kr_model *m, const struct kr_engine_config *cfg_in, struct kr_engine **out,
                                 struct kr_err *err)
 {
@@ -553,21 +564,13 @@ enum kr_status kr_engine_create_group(struct kr_model *const *ranks, int32_t n_r
     e->cancels_w = kr_malloc(64 * sizeof *e->cancels_w);
     e->cap_cancels = e->cap_cancels_w = 64;
     if (st != KR_OK || !e->lp_row || !e->cancels || !e->cancels_w) {
-        kr_cache_free(e->cache);
-        kr_free(e->lp_row);
-        kr_free(e->cancels);
-        kr_free(e->cancels_w);
-        kr_free(e);
+        create_undo(e);
         return kr_err_set(err, st != KR_OK ? st : KR_ERR_NOMEM, "engine: cannot allocate the cache pools");
     }
     /* where tokens are drawn: on a GPU backend by default (the logits stay on the device) */
     struct kr_switches sw; /* KRAIT_BACKEND_SAMPLING, KRAIT_FAULT_STEP (util/switches.h) */
     if ((st = kr_switches_from_env(&sw, err)) != KR_OK) {
-        kr_cache_free(e->cache);
-        kr_free(e->lp_row);
-        kr_free(e->cancels);
-        kr_free(e->cancels_w);
-        kr_free(e);
+        create_undo(e);
         return st;
     }
     int32_t where = sw.backend_sampling >= 0 ? sw.backend_sampling : cfg.backend_sampling;
@@ -618,11 +621,7 @@ enum kr_status kr_engine_create_group(struct kr_model *const *ranks, int32_t n_r
                 cfg.max_model_len);
     if (n_ranks > 1) {
         if ((st = kr_ranks_start(ranks + 1, n_ranks - 1, &plan, &e->ranks, err)) != KR_OK) {
-            kr_cache_free(e->cache);
-            kr_free(e->lp_row);
-            kr_free(e->cancels);
-            kr_free(e->cancels_w);
-            kr_free(e);
+            create_undo(e);
             return st;
         }
         e->cache->on_copy = kr_ranks_record_copy;
@@ -636,12 +635,7 @@ enum kr_status kr_engine_create_group(struct kr_model *const *ranks, int32_t n_r
         KR_LOG_INFO("tensor parallel: %d ranks, each with its shard and caches of this plan", n_ranks);
     }
     if (pthread_create(&e->thread, NULL, engine_main, e) != 0) {
-        kr_ranks_stop(e->ranks);
-        kr_cache_free(e->cache);
-        kr_free(e->lp_row);
-        kr_free(e->cancels);
-        kr_free(e->cancels_w);
-        kr_free(e);
+        create_undo(e);
         return kr_err_set(err, KR_ERR_NOMEM, "engine: cannot start its thread");
     }
     *out = e;
