@@ -619,8 +619,8 @@ enum kr_status kr_engine_create_group(struct kr_model *const *ranks, int32_t n_r
                 n_slots, plan.n_snaps, slot_bytes, (long long)n_blocks, cfg.block_size, block_bytes,
                 kr_cache_bytes(e->cache), cfg.cache_bytes, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                 cfg.max_model_len);
-    if (n_ranks > 1) {
-        if ((st = kr_ranks_start(ranks + 1, n_ranks - 1, &plan, &e->ranks, err)) != KR_OK) {
+    if (n_ranks > 1 || cfg.cluster) {
+        if ((st = kr_ranks_start(ranks + 1, n_ranks - 1, 1, &plan, cfg.cluster, &e->ranks, err)) != KR_OK) {
             create_undo(e);
             return st;
         }

@@ -18,6 +18,7 @@ extern "C" {
 #endif
 
 struct kr_engine;
+struct kr_cluster;
 
 struct kr_engine_config {
     int32_t max_num_seqs;           /* sequences running at once (each choice of n counts) */
@@ -36,6 +37,9 @@ struct kr_engine_config {
                                        block_size; 0: none on a grid) */
     int32_t prefix_snapshots;       /* snapshot slots beside the running ones; -1: an eighth of the budget
                                        left after the running slots, at most 1024 */
+    struct kr_cluster *cluster;     /* (optional) the leader's link to the ranks on other nodes
+                                       (engine/cluster.h): they get the cache plan and every step;
+                                       NULL: every rank is in this process */
 };
 
 /* Defaults: 256 seqs, 2048 tokens per step, no queue limit, block 16, 256 MiB of cache, prefix caching

@@ -10,7 +10,12 @@
  * copy hook and replayed by each rank, in order, before the next step.
  *
  * A rank whose step fails aborts the group's collectives (kr_backend_tp_abort), so that the others
- * leave theirs with an error instead of waiting; the group is then unusable. Engine thread only. */
+ * leave theirs with an error instead of waiting; the group is then unusable. Engine thread only.
+ *
+ * Over several nodes (engine/cluster.h) the leader's group also has remote ranks: each step's
+ * plan (the copies to replay, then the batch) goes to every worker before the local ranks start,
+ * and the step ends when the workers said so too. A worker drives its own ranks with a group of
+ * this kind (every local rank a thread) from the plans it receives. */
 #include <stdint.h>
 
 #include "batch.h"
@@ -19,16 +24,23 @@
 #include "status.h"
 
 struct kr_ranks;
+struct kr_cluster;
 
-/* Starts ranks 1..n (models[i] is rank i + 1, already joined to the group and reserved) with caches
- * of `plan`. */
-enum kr_status kr_ranks_start(struct kr_model *const *models, int32_t n, const struct kr_cache_plan *plan,
-                              struct kr_ranks **out, struct kr_err *err);
-/* Stops the threads and frees their caches (the models stay the caller's). NULL allowed. */
+/* Starts n ranks as threads (models[i] is rank first + i, already joined to the group and
+ * reserved; n may be 0) with caches of `plan`. `remote` (NULL: none) is the leader's link to the
+ * workers' ranks: they get the plan now (kr_cluster_start) and every step. */
+enum kr_status kr_ranks_start(struct kr_model *const *models, int32_t n, int32_t first, const struct kr_cache_plan *plan,
+                              struct kr_cluster *remote, struct kr_ranks **out, struct kr_err *err);
+/* A worker's group: a rank that fails its step tells the other nodes why (kr_cluster_abort). */
+void kr_ranks_set_cluster(struct kr_ranks *r, struct kr_cluster *c);
+/* Stops the threads and frees their caches (the models stay the caller's); a leader's workers are
+ * told that the group shuts down. NULL allowed. */
 void kr_ranks_stop(struct kr_ranks *r);
 
 /* The cache hook: rank 0 copied a block (kind 0) or a slot (kind 1); replayed before the next step. */
 enum kr_status kr_ranks_record_copy(void *ranks, int kind, int32_t src, int32_t dst);
+/* A copy could not be recorded (a worker's view of the leader's flag): the next step fails. */
+void kr_ranks_lose_copies(struct kr_ranks *r);
 
 /* KRAIT_FAULT_RANK (tests): the step handed out `step`-th (from 1) fails on rank `rank` as if it
  * died there: it leaves the group (aborting its collectives) with an error. */

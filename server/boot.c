@@ -11,6 +11,7 @@
 #include <string.h>
 #include <unistd.h>
 #include <sys/prctl.h>
+#include <sys/random.h>
 
 int kr_boot_check(const struct kr_serve_opts *o)
 {
@@ -34,10 +35,142 @@ int kr_boot_check(const struct kr_serve_opts *o)
     return 0;
 }
 
+/* ---- several nodes (engine/cluster.h) ---------------------------------------------------------------------- */
+
+/* This node's ranks of a group spread over --nnodes processes: a backend each, joined to a group
+ * whose other ranks are reached through the cluster's link. The leader listens already. */
+static enum kr_status init_node(struct kr_boot *b, const struct kr_serve_opts *o, struct kr_err *err)
+{
+    b->tp = o->tensor_parallel_size;
+    const struct kr_cluster_opts co = {.nnodes = o->nnodes, .node_rank = o->node_rank, .master_addr = o->master_addr,
+                                       .master_port = o->master_port, .tp = b->tp, .join_timeout_s = o->join_timeout_s};
+    KR_TRY(kr_cluster_create(&co, &b->cluster, err));
+    const int per = kr_cluster_per_node(b->cluster), first = kr_cluster_first_rank(b->cluster);
+    const long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    const int all = o->threads > 0 ? o->threads : (int)(cores > 0 ? cores : 1);
+    const int each = all / per > 0 ? all / per : 1;
+    /* [tp] entries as on one node, this node's at the front */
+    b->rank_be = kr_calloc((size_t)b->tp, sizeof *b->rank_be);
+    b->rank_m = kr_calloc((size_t)b->tp, sizeof *b->rank_m);
+    if (!b->rank_be || !b->rank_m) {
+        return kr_err_set(err, KR_ERR_NOMEM, "out of memory");
+    }
+    if (kr_host_comm_create_part(b->tp, first, per, kr_cluster_link(b->cluster), &b->comm) != KR_OK) {
+        return kr_err_set(err, KR_ERR_NOMEM, "out of memory");
+    }
+    for (int i = 0; i < per; i++) {
+        KR_TRY(kr_backend_create(o->device, each, &b->rank_be[i], err));
+        KR_TRY(kr_backend_set_tp(b->rank_be[i], first + i, b->tp, b->comm, err));
+    }
+    b->be = b->rank_be[0];
+    KR_LOG_INFO("tensor parallel: %d ranks over %d nodes; node %d holds ranks %d..%d on %s, %d threads each", b->tp,
+                o->nnodes, o->node_rank, first, first + per - 1, o->device ? o->device : "the default device", each);
+    return KR_OK;
+}
+
+/* The ranks this process holds. */
+static int local_ranks(const struct kr_boot *b)
+{
+    return b->cluster ? kr_cluster_per_node(b->cluster) : b->tp;
+}
+
+/* The bootstrap: this node's configuration, compared with the leader's; then the leader's group id
+ * (the start-up blob) to every node. */
+static enum kr_status join_nodes(struct kr_boot *b, struct kr_err *err)
+{
+    const struct kr_serve_opts *o = &b->o;
+    uint64_t cfg_fp = 0, w_fp = 0;
+    KR_TRY(kr_cluster_config_fingerprint(o->model_dir, &cfg_fp, err));
+    KR_TRY(kr_cluster_weights_fingerprint(o->model_dir, &w_fp, err));
+    const struct kr_wire_field f[] = {
+        {"protocol", KR_WIRE_VERSION},
+        {"node-rank", o->node_rank},
+        {"nnodes", o->nnodes},
+        {"tensor-parallel-size", o->tensor_parallel_size},
+        {"config.json fingerprint", (int64_t)cfg_fp},
+        {"weights fingerprint", (int64_t)w_fp},
+        {"max-model-len", o->max_model_len},
+        {"allow-long-max-model-len", o->allow_long_max_model_len},
+        {"max-num-seqs", o->max_num_seqs},
+        {"max-num-batched-tokens", o->max_num_batched_tokens},
+        {"block-size", o->block_size},
+        {"cache-memory-bytes", (int64_t)o->cache_bytes},
+        {"enable-prefix-caching", o->prefix_caching},
+        {"prefix-cache-state-interval", o->prefix_state_interval},
+        {"prefix-cache-snapshots", o->prefix_snapshots},
+        {"indexer", o->indexer},
+    };
+    KR_TRY(kr_cluster_join(b->cluster, f, (int32_t)(sizeof f / sizeof f[0]), err));
+    uint8_t id[16] = {0};
+    size_t len = sizeof id;
+    if (o->node_rank == 0 && getrandom(id, sizeof id, 0) != (ssize_t)sizeof id) {
+        memset(id, 0, sizeof id);
+    }
+    KR_TRY(kr_cluster_bcast_blob(b->cluster, id, &len, sizeof id, err));
+    char hex[33];
+    for (size_t i = 0; i < len && i < 16; i++) {
+        snprintf(hex + 2 * i, 3, "%02x", id[i]);
+    }
+    hex[2 * (len < 16 ? len : 16)] = 0;
+    KR_LOG_INFO("cluster: group %s: %d nodes joined", hex, o->nnodes);
+    return KR_OK;
+}
+
+/* A worker's thread: the leader's steps on this node's ranks until the group ends. */
+static void *node_main(void *arg)
+{
+    prctl(PR_SET_NAME, "kr-node", 0, 0, 0);
+    struct kr_boot *b = arg;
+    const struct kr_serve_opts *o = &b->o;
+    const int64_t max_pos = b->m->cfg.max_pos;
+    const struct kr_cluster_reserve rs = {
+        .n_tok = (int64_t)o->max_num_batched_tokens + o->max_num_seqs, /* as the engine reserves its ranks */
+        .n_out = o->max_num_seqs,
+        .n_seq = o->max_num_seqs,
+        .max_ctx = o->max_model_len > 0 && o->max_model_len <= max_pos ? o->max_model_len : max_pos,
+        .block_size = o->block_size,
+    };
+    b->node_st = kr_cluster_serve(b->cluster, b->rank_m, local_ranks(b), &rs, &b->node_err);
+    atomic_store(&b->node_done, true);
+    if (b->node_ended) {
+        b->node_ended(b->loaded_user);
+    }
+    return NULL;
+}
+
+bool kr_boot_group_healthy(struct kr_boot *b)
+{
+    return !b->cluster || (kr_cluster_healthy(b->cluster) && !atomic_load(&b->node_done));
+}
+
+void kr_boot_cancel(struct kr_boot *b)
+{
+    if (b->cluster && b->loader_running) {
+        kr_cluster_abort(b->cluster, "a node is shutting down while the group starts");
+    }
+}
+
+/* Stops a worker's loop (it tells the leader when it is still in the group) and frees the cluster. */
+static void node_free(struct kr_boot *b)
+{
+    if (b->node_running) {
+        char why[64];
+        snprintf(why, sizeof why, "node %d is shutting down", b->o.node_rank);
+        if (!atomic_load(&b->node_done)) {
+            kr_cluster_abort(b->cluster, why); /* wakes its loop, and the leader hears why */
+        }
+        pthread_join(b->node_thread, NULL);
+        b->node_running = false;
+    }
+}
+
 enum kr_status kr_boot_init(struct kr_boot *b, const struct kr_serve_opts *o, struct kr_err *err)
 {
     memset(b, 0, sizeof *b);
     b->o = *o;
+    if (o->nnodes > 1) {
+        return init_node(b, o, err);
+    }
     b->tp = o->tensor_parallel_size > 1 ? o->tensor_parallel_size : 1;
     if (b->tp == 1) {
         return kr_backend_create(o->device, o->threads, &b->be, err);
@@ -64,7 +197,7 @@ enum kr_status kr_boot_init(struct kr_boot *b, const struct kr_serve_opts *o, st
 /* Loads ranks 1.. (rank 0 is loaded first, with progress); each fails the load with its rank named. */
 static enum kr_status load_other_ranks(struct kr_boot *s, struct kr_err *err)
 {
-    for (int r = 1; r < s->tp; r++) {
+    for (int r = 1; r < local_ranks(s); r++) {
         enum kr_status st = kr_model_load(s->o.model_dir, s->rank_be[r], &s->rank_m[r], err);
         if (st == KR_OK && s->o.indexer != KR_INDEXER_AUTO) {
             st = kr_model_set_indexer(s->rank_m[r], (enum kr_indexer)s->o.indexer, err);
@@ -72,7 +205,7 @@ static enum kr_status load_other_ranks(struct kr_boot *s, struct kr_err *err)
         if (st != KR_OK) {
             char why[sizeof err->msg];
             snprintf(why, sizeof why, "%s", err->msg);
-            return kr_err_set(err, st, "rank %d: %s", r, why);
+            return kr_err_set(err, st, "rank %d: %s", r + (s->cluster ? kr_cluster_first_rank(s->cluster) : 0), why);
         }
         if (s->o.max_model_len > s->rank_m[r]->cfg.max_pos && s->o.allow_long_max_model_len) {
             s->rank_m[r]->cfg.max_pos = s->o.max_model_len;
@@ -139,6 +272,12 @@ static void *loader_main(void *arg)
     prctl(PR_SET_NAME, "kr-loader", 0, 0, 0); /* a name for top -H and /proc/PID/task */
     struct kr_boot *s = arg;
     struct kr_err err = {0};
+    if (s->cluster && join_nodes(s, &err) != KR_OK) {
+        KR_LOG_ERROR("cannot join the group of %d nodes: %s", s->o.nnodes, err.msg);
+        s->load_failed = true;
+        s->loaded(s->loaded_user);
+        return NULL;
+    }
     enum kr_status st = kr_model_load_progress(s->o.model_dir, s->be, progress, NULL, &s->m, &err);
     if (st == KR_OK && s->o.indexer != KR_INDEXER_AUTO) {
         if ((st = kr_model_set_indexer(s->m, (enum kr_indexer)s->o.indexer, &err)) != KR_OK) {
@@ -158,6 +297,17 @@ static void *loader_main(void *arg)
     }
     if (s->o.max_model_len > s->m->cfg.max_pos && s->o.allow_long_max_model_len) {
         s->m->cfg.max_pos = s->o.max_model_len; /* accepted at start with a warning */
+    }
+    if (kr_boot_is_worker(s)) {
+        /* no tokenizer, no engine: the leader's steps, on a thread of their own */
+        if (pthread_create(&s->node_thread, NULL, node_main, s) != 0) {
+            KR_LOG_ERROR("cannot start the node's thread");
+            s->load_failed = true;
+        } else {
+            s->node_running = true;
+        }
+        s->loaded(s->loaded_user);
+        return NULL;
     }
     if (!s->o.skip_tokenizer_init) {
         const char *tdir = s->o.tokenizer_dir ? s->o.tokenizer_dir : s->o.model_dir;
@@ -204,6 +354,7 @@ static void *loader_main(void *arg)
     cfg.prefix_state_interval = s->o.prefix_state_interval;
     cfg.prefix_snapshots = s->o.prefix_snapshots;
     cfg.cache_bytes = s->o.cache_bytes;
+    cfg.cluster = s->cluster;
     /* the step workspace first, so that the cache budget sees what is left */
     const int64_t max_len = s->o.max_model_len > 0 ? s->o.max_model_len : s->m->cfg.max_pos;
     if (kr_model_reserve(s->m, cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.max_num_seqs, max_len,
@@ -226,7 +377,7 @@ static void *loader_main(void *arg)
             cfg.cache_bytes = (size_t)512 << 20;
         }
     }
-    if ((s->tp > 1 ? kr_engine_create_group(s->rank_m, s->tp, &cfg, &s->eng, &err)
+    if ((s->tp > 1 ? kr_engine_create_group(s->rank_m, local_ranks(s), &cfg, &s->eng, &err)
                    : kr_engine_create(s->m, &cfg, &s->eng, &err)) != KR_OK) {
         KR_LOG_ERROR("cannot start the engine: %s", err.msg);
         s->load_failed = true;
@@ -268,6 +419,7 @@ void kr_boot_stop_engine(struct kr_boot *b)
 void kr_boot_free(struct kr_boot *b)
 {
     kr_boot_stop_engine(b); /* the engine's matchers use the vocabulary: they go first */
+    node_free(b);
     kr_grammar_cache_destroy(b->grammars);
     kr_grammar_vocab_destroy(b->gvocab);
     kr_chat_free(b->chat);
@@ -286,5 +438,6 @@ void kr_boot_free(struct kr_boot *b)
         kr_model_free(b->m);
         kr_backend_free(b->be);
     }
+    kr_cluster_free(b->cluster); /* after the ranks: the group's link is the cluster's */
     memset(b, 0, sizeof *b);
 }

@@ -4,11 +4,13 @@
  * cache budget. No HTTP and no event loop: the server is told through a callback when loading
  * ended. */
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
 
 #include "backend.h"
 #include "chat.h"
+#include "cluster.h"
 #include "engine.h"
 #include "grammar.h"
 #include "model.h"
@@ -28,6 +30,8 @@ struct kr_boot {
     kr_backend_t *rank_be;         /* [tp] every rank's backend ([0] == be); NULL alone */
     struct kr_model **rank_m;      /* [tp] every rank's model ([0] == m) */
     struct kr_host_comm *comm;     /* the ranks' collectives (CPU ranks: threads of this process) */
+    struct kr_cluster *cluster;    /* several nodes (--nnodes): the others; NULL on one node. rank_be and
+                                      rank_m then hold this node's ranks at [0 .. per), NULL after */
     struct kr_tokenizer *tok;      /* NULL with --skip-tokenizer-init */
     struct kr_chat *chat;          /* NULL without a chat template */
     struct kr_grammar_vocab *gvocab; /* the tokenizer's tokens for constrained decoding (NULL without a
@@ -40,7 +44,27 @@ struct kr_boot {
     bool loader_running;           /* started and not joined yet */
     void (*loaded)(void *user);    /* loader thread, once, when loading ended either way */
     void *loaded_user;
+    /* a worker node (--node-rank > 0): its loop running the leader's steps on its own thread */
+    void (*node_ended)(void *user); /* (set before kr_boot_load_start) that thread, once, when the loop
+                                       ended: node_st tells how (KR_OK: the leader shut the group down) */
+    pthread_t node_thread;
+    bool node_running;             /* started and not joined yet */
+    atomic_bool node_done;
+    enum kr_status node_st;
+    struct kr_err node_err;
 };
+
+/* Whether this process is a worker node (--node-rank > 0): no engine, no API. */
+static inline bool kr_boot_is_worker(const struct kr_boot *b)
+{
+    return b->o.nnodes > 1 && b->o.node_rank > 0;
+}
+
+/* Whether the group of nodes is whole (true on one node). Any thread. */
+bool kr_boot_group_healthy(struct kr_boot *b);
+
+/* Wakes a loader waiting for the other nodes (shutdown while starting): it fails at once. */
+void kr_boot_cancel(struct kr_boot *b);
 
 /* Checks the options against the checkpoint before anything is loaded (--max-model-len beyond the
  * trained length without --allow-long-max-model-len). Returns 0, or the exit code (2) after

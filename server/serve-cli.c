@@ -70,16 +70,23 @@ static void usage(FILE *f)
             "  --gpu-memory-utilization F      share of GPU memory for weights + caches (default 0.9)\n"
             "  --indexer auto|bf16|fp8         DSA indexer precision (auto: the FP8 path for FP8 checkpoints)\n"
             "  --threads N                     CPU threads (default: all cores)              [KRAIT_THREADS]\n"
-            "  --tensor-parallel-size N, -tp N ranks the model is split over (default 1); on the CPU, threads\n"
-            "                                  of this process sharing --threads\n"
+            "  --tensor-parallel-size N, -tp N ranks the model is split over (default 1), all nodes together;\n"
+            "                                  on the CPU, threads of each process sharing its --threads\n"
+            "  --nnodes N                      nodes (processes) the ranks are spread over, tp / N ranks each\n"
+            "                                  (default 1)                                 [LWS_GROUP_SIZE]\n"
+            "  --node-rank R                   this node: 0 is the leader (engine and API), 1.. are workers\n"
+            "                                  that run their ranks and serve /health only [LWS_WORKER_INDEX]\n"
+            "  --master-addr HOST              the leader's address (default 127.0.0.1)   [LWS_LEADER_ADDRESS]\n"
+            "  --master-port P                 the port the leader waits for the workers on (default 29500)\n"
+            "  --join-timeout SECONDS          how long the nodes wait for each other at start (default 600)\n"
             "  --log-level LEVEL               debug | info | warn | error                   [KRAIT_LOG_LEVEL]\n"
             "  --port-file FILE                write the bound port there once listening\n"
             "  --help-env                      the KRAIT_* tuning switches: values, defaults, what each does\n"
             "\n"
             "A full waiting queue answers 429 Too Many Requests with Retry-After: 1 (503 means loading or\n"
             "draining). /health and /metrics stay open without an API key. Exit status: 0 after SIGTERM,\n"
-            "1 when the model cannot load, 2 for bad flags, 3 when the compute device failed for good\n"
-            "(restart the process).\n");
+            "1 when the model cannot load (or a node was refused or missing at start), 2 for bad flags, 3 when\n"
+            "the compute device failed for good or a node of the group was lost (restart the process).\n");
 }
 
 static int parse_size(const char *opt, const char *s, size_t *out)
@@ -232,6 +239,16 @@ int kr_serve_main(int argc, char **argv)
     if ((env = getenv("KRAIT_THREADS")) && parse_i32("KRAIT_THREADS", env, 0, 4096, &v) == 0) {
         o.threads = v;
     }
+    /* a LeaderWorkerSet's pod: its group's size, its index in it, the leader's address */
+    if ((env = getenv("LWS_GROUP_SIZE")) && *env && parse_i32("LWS_GROUP_SIZE", env, 1, 64, &v) == 0) {
+        o.nnodes = v;
+    }
+    if ((env = getenv("LWS_WORKER_INDEX")) && *env && parse_i32("LWS_WORKER_INDEX", env, 0, 63, &v) == 0) {
+        o.node_rank = v;
+    }
+    if ((env = getenv("LWS_LEADER_ADDRESS")) && *env) {
+        o.master_addr = env;
+    }
     if ((env = getenv("KRAIT_LOG_LEVEL"))) {
         enum kr_log_level lvl;
         if (kr_log_parse_level(env, &lvl) == 0) {
@@ -243,7 +260,7 @@ int kr_serve_main(int argc, char **argv)
         O_TOK, O_TPL, O_SKIP, O_TOKIDS, O_BODY, O_SHUTDOWN, O_THREADS, O_LOG, O_PORTFILE, O_HELP, O_DEVICE, O_GPUMEM, O_INDEXER,
         O_ALLOW_LONG, O_HELP_ENV, O_PREFIX, O_NO_PREFIX, O_PREFIX_INTERVAL, O_PREFIX_SNAPS,
         O_REQMEM, O_MAXCONN, O_MAXCONN_IP, O_HDR_TIMEOUT, O_BODY_TIMEOUT, O_ORIGINS, O_METHODS, O_HEADERS,
-        O_CREDENTIALS, O_TP,
+        O_CREDENTIALS, O_TP, O_NNODES, O_NODE_RANK, O_MASTER_ADDR, O_MASTER_PORT, O_JOIN_TIMEOUT,
     };
     static const char *origins[MAX_CORS], *methods[MAX_CORS], *headers[MAX_CORS];
     static const struct option longopts[] = {
@@ -276,6 +293,11 @@ int kr_serve_main(int argc, char **argv)
         {"shutdown-timeout", required_argument, NULL, O_SHUTDOWN},
         {"threads", required_argument, NULL, O_THREADS},
         {"tensor-parallel-size", required_argument, NULL, O_TP},
+        {"nnodes", required_argument, NULL, O_NNODES},
+        {"node-rank", required_argument, NULL, O_NODE_RANK},
+        {"master-addr", required_argument, NULL, O_MASTER_ADDR},
+        {"master-port", required_argument, NULL, O_MASTER_PORT},
+        {"join-timeout", required_argument, NULL, O_JOIN_TIMEOUT},
         {"device", required_argument, NULL, O_DEVICE},
         {"gpu-memory-utilization", required_argument, NULL, O_GPUMEM},
         {"indexer", required_argument, NULL, O_INDEXER},
@@ -441,6 +463,37 @@ int kr_serve_main(int argc, char **argv)
             }
             o.tensor_parallel_size = v;
             break;
+        case O_NNODES:
+            if (parse_i32("--nnodes", optarg, 1, 64, &v)) {
+                return 2;
+            }
+            o.nnodes = v;
+            break;
+        case O_NODE_RANK:
+            if (parse_i32("--node-rank", optarg, 0, 63, &v)) {
+                return 2;
+            }
+            o.node_rank = v;
+            break;
+        case O_MASTER_ADDR:
+            if (!*optarg || strlen(optarg) > 255) {
+                fprintf(stderr, "krait serve: --master-addr: expected a host name or address\n");
+                return 2;
+            }
+            o.master_addr = optarg;
+            break;
+        case O_MASTER_PORT:
+            if (parse_i32("--master-port", optarg, 1, 65535, &v)) {
+                return 2;
+            }
+            o.master_port = v;
+            break;
+        case O_JOIN_TIMEOUT:
+            if (parse_i32("--join-timeout", optarg, 1, 86400, &v)) {
+                return 2;
+            }
+            o.join_timeout_s = v;
+            break;
         case O_DEVICE:
             o.device = optarg;
             break;
@@ -523,6 +576,18 @@ int kr_serve_main(int argc, char **argv)
     if (o.prefix_caching && o.prefix_state_interval % o.block_size != 0) {
         fprintf(stderr, "krait serve: --prefix-cache-state-interval (%d) must be a multiple of --block-size (%d)\n",
                 o.prefix_state_interval, o.block_size);
+        return 2;
+    }
+    if (o.node_rank >= o.nnodes) {
+        fprintf(stderr, "krait serve: --node-rank %d is not a node of --nnodes %d (0..%d)\n", o.node_rank, o.nnodes,
+                o.nnodes - 1);
+        return 2;
+    }
+    if (o.nnodes > 1 && (o.tensor_parallel_size < o.nnodes || o.tensor_parallel_size % o.nnodes != 0)) {
+        fprintf(stderr,
+                "krait serve: --tensor-parallel-size %d is not a multiple of --nnodes %d: every node holds the same "
+                "number of ranks (--tensor-parallel-size counts the ranks of all nodes together)\n",
+                o.tensor_parallel_size, o.nnodes);
         return 2;
     }
     o.api_keys = keys;

@@ -45,6 +45,10 @@ void kr_serve_opts_default(struct kr_serve_opts *o)
     o->port = 8000;
     o->max_num_seqs = 256;
     o->tensor_parallel_size = 1;
+    o->nnodes = 1;
+    o->master_addr = "127.0.0.1";
+    o->master_port = 29500;
+    o->join_timeout_s = 600.0;
     o->max_num_batched_tokens = 2048;
     o->cache_bytes = 0;
     o->device = "auto";
@@ -833,13 +837,22 @@ static enum MHD_Result dispatch(struct hreq *h, const char *url, const char *met
     }
     if (!strcmp(url, "/health") || !strcmp(url, "/ping")) {
         const bool dev_ok = kr_backend_healthy(s->rt.be) && !s->device_failed && !(s->rt.eng && kr_engine_failed(s->rt.eng));
-        if (s->ready && !s->draining && dev_ok) {
+        const bool group_ok = kr_boot_group_healthy(&s->rt);
+        if (s->ready && !s->draining && dev_ok && group_ok) {
             return send_body(h, 200, "application/json", "{}", 2, NULL);
         }
         return send_simple_error(h, KR_OAI_UNAVAILABLE,
                                  !dev_ok       ? "the compute device failed; restart the server"
+                                 : !group_ok && s->ready ? "the group of nodes failed; restart it"
                                  : s->draining ? "the server is shutting down"
+                                 : s->o.nnodes > 1 ? "the nodes are joining or the model is loading"
                                                : "the model is loading");
+    }
+    if (kr_boot_is_worker(&s->rt)) {
+        char msg[384];
+        snprintf(msg, sizeof msg, "this is node %d of a group of %d: it serves /health only; send requests to the "
+                 "leader (node 0, %.200s)", s->o.node_rank, s->o.nnodes, s->o.master_addr);
+        return send_simple_error(h, KR_OAI_NOT_FOUND, msg);
     }
     if (!strcmp(url, "/metrics") && get) {
         struct kr_engine_stats st = {0};
@@ -1514,6 +1527,12 @@ static void on_loaded(uv_async_t *a)
         stop_everything(s);
         return;
     }
+    if (kr_boot_is_worker(&s->rt)) {
+        s->ready = true;
+        KR_LOG_INFO("ready: node %d of %d runs its ranks of %s; the leader at %s serves the API", s->o.node_rank,
+                    s->o.nnodes, s->o.model_dir, s->o.master_addr);
+        return;
+    }
     s->env.engine_ctx = s->rt.eng;
     s->env.tok = s->rt.tok;
     s->env.chat = s->rt.chat;
@@ -1528,6 +1547,35 @@ static void on_loaded(uv_async_t *a)
     s->env.snapshot_hints = est.snapshots_total > 0; /* a prefix cache that keeps Mamba state snapshots */
     s->ready = true;
     KR_LOG_INFO("ready: serving %s as \"%s\" (max_model_len=%d)", s->o.model_dir, s->model_name, s->rt.max_model_len);
+}
+
+/* ---- a worker node: its loop ended (boot.h) --------------------------------------------------------------- */
+
+static uv_async_t g_node_end;
+
+/* The worker's loop thread: the group ended, either way. */
+static void node_ended(void *user)
+{
+    (void)user;
+    uv_async_send(&g_node_end);
+}
+
+/* The leader shut the group down (exit 0), or the group failed or the leader went away (exit 3, for
+ * an orchestrator to restart the group). */
+static void on_node_end(uv_async_t *a)
+{
+    struct srv *s = a->data;
+    if (!atomic_load(&s->rt.node_done)) {
+        return;
+    }
+    if (s->rt.node_st == KR_OK) {
+        KR_LOG_INFO("the leader shut the group down: exiting");
+    } else {
+        KR_LOG_ERROR("the group of nodes failed: %s; exiting with status 3", s->rt.node_err.msg);
+        s->exit_code = 3;
+        g_exit_code = 3;
+    }
+    stop_everything(s);
 }
 
 static void close_cb(uv_handle_t *h)
@@ -1698,6 +1746,9 @@ int kr_serve_run(const struct kr_serve_opts *o)
     uv_unref((uv_handle_t *)&s->trim_timer);
     uv_async_init(&s->loop, &g_loaded, on_loaded);
     g_loaded.data = s;
+    uv_async_init(&s->loop, &g_node_end, on_node_end);
+    g_node_end.data = s;
+    s->rt.node_ended = node_ended;
     uv_signal_init(&s->loop, &s->sig_term);
     s->sig_term.data = s;
     uv_signal_start(&s->sig_term, on_signal, SIGTERM);
@@ -1725,6 +1776,7 @@ int kr_serve_run(const struct kr_serve_opts *o)
     MHD_stop_daemon(s->d);
     s->d = NULL;
     kr_conns_free(&s->conns);
+    kr_boot_cancel(&s->rt);    /* a signal while the nodes join: they stop waiting */
     kr_boot_load_join(&s->rt); /* a signal during loading: let the loader finish first */
     if (s->big_ok) {
         kr_lane_stop(&s->big); /* queued preparations cancelled, running ones finished */
@@ -1739,6 +1791,7 @@ int kr_serve_run(const struct kr_serve_opts *o)
     uv_close((uv_handle_t *)&s->trim_timer, close_cb);
     uv_close((uv_handle_t *)&s->wake, close_cb);
     uv_close((uv_handle_t *)&g_loaded, close_cb);
+    uv_close((uv_handle_t *)&g_node_end, close_cb);
     uv_close((uv_handle_t *)&s->sig_term, close_cb);
     uv_close((uv_handle_t *)&s->sig_int, close_cb);
     if (s->reserve_fd >= 0) {

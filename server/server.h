@@ -43,7 +43,12 @@ struct kr_serve_opts {
     double body_timeout_s;         /* ... and then its whole body within this */
     double drain_timeout_s;        /* SIGTERM: finish in-flight requests for at most this long */
     int threads;                   /* CPU backend threads (0 = all) */
-    int tensor_parallel_size;      /* ranks (1: none) */
+    int tensor_parallel_size;      /* ranks (1: none), all nodes together */
+    int nnodes;                    /* nodes the ranks are spread over (1: this process holds them all) */
+    int node_rank;                 /* this node: 0 leads (engine, API), 1.. run their ranks, /health only */
+    const char *master_addr;       /* the leader's address (default 127.0.0.1) */
+    int master_port;               /* where the leader waits for the other nodes (default 29500) */
+    double join_timeout_s;         /* how long the nodes wait for each other at start (default 600) */
     const char *port_file;         /* when set, the bound port is written there once listening (tests) */
     /* CORS (vLLM's --allowed-origins/-methods/-headers, --allow-credentials): a NULL list is ["*"],
      * everything allowed, as vLLM's defaults; an empty one allows nothing; entries borrowed */
