@@ -656,8 +656,12 @@ static int admit(struct kr_cluster *c, int fd, const struct kr_wire_field *f, in
         snprintf(why, cap, "it sent no HELLO within %.0f s", HELLO_TIMEOUT_S);
         return -1;
     }
-    if (kr_wire_header_get(h, &type, &len, &err) != KR_OK || type != KR_WIRE_HELLO || len > 64 * 1024) {
+    if (kr_wire_header_get(h, &type, &len, &err) != KR_OK || type != KR_WIRE_HELLO) {
         snprintf(why, cap, "it did not say HELLO: %.200s", err.msg[0] ? err.msg : kr_wire_type_name(type));
+        return -1;
+    }
+    if (len > 64 * 1024) {
+        snprintf(why, cap, "a HELLO of %llu bytes (at most 65536)", (unsigned long long)len);
         return -1;
     }
     uint8_t *buf = kr_malloc(len ? (size_t)len : 1);

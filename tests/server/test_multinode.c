@@ -7,8 +7,10 @@
  *    worker); four streams at once, each as TP 1 answers it;
  *  - the worker answers /health (200 while the group is whole) and nothing else (404);
  *  - SIGTERM on the leader shuts the group down: both exit 0;
- *  - a worker whose --max-model-len differs is refused with the field named (it exits non-zero,
- *    the leader keeps waiting), and so is a second worker claiming a taken node rank;
+ *  - peers that are not workers (another protocol, a HELLO cut short, a HELLO header claiming
+ *    1 GiB) are refused with what was wrong; a worker whose --max-model-len differs is refused with
+ *    the field named (it exits non-zero), and so is a second worker claiming a taken node rank;
+ *    the leader keeps waiting through all of them;
  *  - a worker killed (SIGKILL) mid-stream: the stream ends with an error event, the worker's
  *    /health is gone and the leader exits 3 within 10 s; the leader killed: the worker exits
  *    non-zero within 10 s;
@@ -354,6 +356,35 @@ Test(multinode, a_worker_that_differs_or_repeats_a_node_rank_is_refused)
     const int mp = free_port();
     struct srv_proc lead, bad, w1, dup;
     node_start(&lead, "mn-mm-leader.log", mp, 3, 0, "3", FX "hybrid/hy_mdme", NULL);
+    /* a stranger, a HELLO cut short and one too long for a HELLO: each refused, the leader unmoved */
+    static const unsigned char hello_hdr[16] = {'K', 'R', 'T', 'W', 1, 0, 1, 0, 100, 0, 0, 0, 0, 0, 0, 0};
+    static const unsigned char huge_hdr[16] = {'K', 'R', 'T', 'W', 1, 0, 1, 0, 0, 0, 0, 0x40, 0, 0, 0, 0};
+    const struct {
+        const void *bytes;
+        size_t n;
+    } peers[] = {{"GET / HTTP/1.0\r\n\r\n", 18}, {hello_hdr, sizeof hello_hdr}, {huge_hdr, sizeof huge_hdr}};
+    for (size_t i = 0; i < sizeof peers / sizeof peers[0]; i++) {
+        int fd = -1;
+        for (int t = 0; t < 500 && fd < 0; t++) {
+            struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)mp),
+                                    .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+            fd = socket(AF_INET, SOCK_STREAM, 0);
+            if (connect(fd, (struct sockaddr *)&a, sizeof a) != 0) {
+                close(fd);
+                fd = -1;
+                sleep_ms(20);
+            }
+        }
+        cr_assert(fd >= 0, "the leader listens on the master port");
+        cr_expect_eq(write(fd, peers[i].bytes, peers[i].n), (ssize_t)peers[i].n);
+        shutdown(fd, SHUT_WR);
+        char got[256];
+        (void)!read(fd, got, sizeof got); /* the refusal, then the end of the connection */
+        close(fd);
+    }
+    const char *llog = slurp("mn-mm-leader.log");
+    cr_expect(strstr(llog, "not a krait frame") && strstr(llog, "its HELLO was cut short") &&
+              strstr(llog, "1073741824 bytes"), "the leader names each bad peer: %s", llog);
     static const char *const longer[] = {"--max-model-len", "64", NULL};
     node_start(&bad, "mn-bad.log", mp, 3, 1, "3", FX "hybrid/hy_mdme", longer);
     const int code = wait_exit(&bad, 30);
