@@ -14,6 +14,7 @@
  * with out_bf16 and a matmul reads through struct krk_bf16_in).
  * One instance drives one device: a tensor-parallel rank is one instance holding its shard. */
 #include "backend-impl.h"
+#include "comm-cuda.h"
 #include "sampler.h"
 
 #include "alloc.h"
@@ -36,14 +37,14 @@
 #define PROF_MAX_EV 4096
 
 enum prof_cat {
-    P_GEMM, P_GEMV, P_NORM, P_ACT, P_CONV, P_SSD, P_ATTN, P_MOE, P_MLA, P_DSA, P_EMBED, P_OTHER,
+    P_GEMM, P_GEMV, P_NORM, P_ACT, P_CONV, P_SSD, P_ATTN, P_MOE, P_MLA, P_DSA, P_EMBED, P_COMM, P_OTHER,
     /* parts of P_SSD (names start with "ssd:": not to be added to the total again) */
     P_SSD_DECODE, P_SSD_BMM, P_SSD_SCAN, P_DSA_SCORE, P_DSA_SELECT, PROF_N_CAT
 };
 static const char *const prof_names[PROF_N_CAT] = {
     "gemm (cuBLAS)", "gemv + skinny (tensor cores)", "norm+residual", "activation", "conv1d", "ssd", "attention", "moe",
     "mla attention + latent cache", "dsa indexer (scores, top-k)",
-    "embed/gather/rope", "other", "ssd: one-token update",
+    "embed/gather/rope", "collectives (all-reduce, all-gather)", "other", "ssd: one-token update",
     "ssd: C.B^T", "ssd: chunk scan", "dsa: scores", "dsa: top-k",
 };
 
@@ -129,6 +130,10 @@ struct cuda_ctx {
     int n_graphs;
     bool capturing;
     int32_t cap_key;
+
+    /* tensor parallelism: this rank's group (NULL alone) */
+    struct kr_cuda_comm *comm;
+    int rank;
 };
 
 static struct cuda_ctx *ctx_of(kr_backend_t be)
@@ -289,7 +294,32 @@ static void cuda_free(kr_backend_t be)
 
 static bool cuda_healthy(kr_backend_t be)
 {
-    return !atomic_load(&ctx_of(be)->failed);
+    struct cuda_ctx *c = ctx_of(be);
+    return !atomic_load(&c->failed) && (!c->comm || kr_cuda_comm_ok(c->comm, c->rank));
+}
+
+/* Makes the backend's device the calling thread's current one: the ranks of a tensor-parallel group
+ * are driven by different threads (and loaded by one), each on its own device. */
+static enum kr_status on_device(struct cuda_ctx *c)
+{
+    if (c->comm) {
+        const cudaError_t e = cudaSetDevice(c->dev);
+        if (e != cudaSuccess) {
+            return cu_fail(c, e, "cudaSetDevice", __FILE__, __LINE__);
+        }
+    }
+    return KR_OK;
+}
+
+/* After a synchronization of the stream: whether the rank's collectives of the work before it
+ * completed (the group was not aborted, no peer kernel gave up); else the results are garbage. */
+static enum kr_status group_after_sync(struct cuda_ctx *c)
+{
+    if (c->comm && !kr_cuda_comm_ok(c->comm, c->rank)) {
+        KR_LOG_ERROR("cuda: rank %d: the tensor-parallel group failed during the step", c->rank);
+        return KR_ERR_CANCELLED;
+    }
+    return KR_OK;
 }
 
 /* Synchronizes both streams: a sticky error (an illegal access, a kernel trap) surfaces there
@@ -297,6 +327,7 @@ static bool cuda_healthy(kr_backend_t be)
 static bool cuda_check(kr_backend_t be)
 {
     struct cuda_ctx *c = ctx_of(be);
+    (void)on_device(c);
     if (!c->failed) {
         cudaError_t e = c->side ? cudaStreamSynchronize(c->side) : cudaSuccess;
         if (e == cudaSuccess) {
@@ -316,6 +347,7 @@ static bool cuda_check(kr_backend_t be)
 static enum kr_status cuda_mem_info(kr_backend_t be, size_t *free_b, size_t *total_b)
 {
     struct cuda_ctx *c = ctx_of(be);
+    KR_TRY(on_device(c));
     CU_TRY(c, cudaMemGetInfo(free_b, total_b));
     return KR_OK;
 }
@@ -337,6 +369,7 @@ static enum kr_status dev_alloc(struct cuda_ctx *c, size_t size, void **out)
         KR_LOG_ERROR("cuda: device allocation of %zu bytes requested during graph capture", size);
         return KR_ERR_INTERNAL;
     }
+    KR_TRY(on_device(c));
     cudaError_t e = cudaMalloc(out, size ? size : 16);
     if (e == cudaErrorMemoryAllocation) {
         (void)cudaGetLastError();
@@ -372,6 +405,7 @@ static enum kr_status cuda_buf_alloc(kr_backend_t be, size_t size, struct kr_buf
 static void cuda_buf_free(kr_backend_t be, struct kr_buf *buf)
 {
     struct cuda_ctx *c = ctx_of(be);
+    (void)on_device(c);
     cudaStreamSynchronize(c->stream);
     cudaFree(buf->ptr);
     c->bytes_alloc -= buf->size < c->bytes_alloc ? buf->size : c->bytes_alloc;
@@ -462,9 +496,10 @@ static enum kr_status cuda_copy(kr_backend_t be, void *dst, const void *src, siz
         KR_LOG_ERROR("cuda: a synchronous copy was requested during graph capture");
         return KR_ERR_INTERNAL;
     }
+    KR_TRY(on_device(c));
     CU_TRY(c, cudaMemcpyAsync(dst, src, n, kind, c->stream));
     CU_TRY(c, cudaStreamSynchronize(c->stream));
-    return KR_OK;
+    return kind == cudaMemcpyDeviceToHost ? group_after_sync(c) : KR_OK;
 }
 
 static enum kr_status cuda_copy_d2h(kr_backend_t be, void *dst, const void *src, size_t n)
@@ -717,6 +752,10 @@ static enum kr_status cuda_begin_batch(kr_backend_t be, const struct kr_batch *b
     if (c->failed) {
         KR_LOG_ERROR("cuda: the device hit an unrecoverable error earlier; refusing work");
         return KR_ERR_CUDA;
+    }
+    KR_TRY(on_device(c));
+    if (c->comm && !kr_cuda_comm_ok(c->comm, c->rank)) {
+        return KR_ERR_CANCELLED; /* the group is finished */
     }
     const size_t nt = (size_t)b->n_tok, ns = (size_t)b->n_seq, bt = ns * (size_t)b->max_blocks;
     const size_t total = 4 * nt + 3 * ns + 1 + bt + (size_t)b->n_out + 8;
@@ -1412,6 +1451,7 @@ static enum kr_status cuda_sample(kr_backend_t be, const struct krk_sample_param
     KR_TRY(krk_sample(&dp, &k));
     CU_TRY(c, cudaMemcpyAsync(h + o_out, d + o_out, total - o_out, cudaMemcpyDeviceToHost, c->stream));
     CU_TRY(c, cudaStreamSynchronize(c->stream));
+    KR_TRY(group_after_sync(c));
     memcpy(p->out, h + o_out, n * 4);
     if (p->out_logprob) {
         memcpy(p->out_logprob, h + o_lp, n * 4);
@@ -1473,8 +1513,8 @@ TIMED(cuda_fp8_round, P_DSA, (kr_backend_t be, const struct krk_fp8_round_params
 static int32_t cuda_graph_bucket(kr_backend_t be, int32_t n)
 {
     struct cuda_ctx *c = ctx_of(be);
-    if (!c->graphs_on || c->prof.on) {
-        return 0;
+    if (!c->graphs_on || c->prof.on || (c->comm && kr_cuda_comm_one_device(c->comm))) {
+        return 0; /* ranks sharing a device meet on the host at each collective (comm-cuda.h) */
     }
     for (size_t i = 0; i < sizeof graph_buckets / sizeof graph_buckets[0]; i++) {
         if (graph_buckets[i] >= n) {
@@ -1514,6 +1554,7 @@ static enum kr_status cuda_end_batch(kr_backend_t be, bool ok)
     struct cuda_ctx *c = ctx_of(be);
     if (!c->capturing) {
         prof_collect(c);
+        kr_cuda_comm_step_issued(c->comm, c->rank, c->stream);
         return KR_OK;
     }
     c->capturing = false;
@@ -1536,7 +1577,52 @@ static enum kr_status cuda_end_batch(kr_backend_t be, bool ok)
     c->graphs[c->n_graphs++] = (struct graph){.key = c->cap_key, .exec = exec};
     KR_LOG_DEBUG("cuda: captured the decode graph for %d sequences", c->cap_key);
     CU_TRY(c, cudaGraphLaunch(exec, c->stream));
+    kr_cuda_comm_step_issued(c->comm, c->rank, c->stream);
     return KR_OK;
+}
+
+/* ---- tensor parallelism --------------------------------------------------------------------- */
+
+static enum kr_status cuda_set_tp(kr_backend_t be, int rank, int size, void *comm)
+{
+    struct cuda_ctx *c = ctx_of(be);
+    if (size == 1) {
+        c->comm = NULL;
+        c->rank = 0;
+        return KR_OK;
+    }
+    if (!comm || kr_cuda_comm_size(comm) != size || kr_cuda_comm_device(comm, rank) != c->dev) {
+        KR_LOG_ERROR("cuda: rank %d of %d: the group has another size or puts the rank on another device", rank, size);
+        return KR_ERR_INVAL;
+    }
+    c->comm = comm;
+    c->rank = rank;
+    return KR_OK;
+}
+
+static enum kr_status cuda_all_reduce(kr_backend_t be, float *x, int64_t n)
+{
+    struct cuda_ctx *c = ctx_of(be);
+    KR_TRY(op_enter(c));
+    prof_begin(c, P_COMM);
+    const enum kr_status st = kr_cuda_comm_all_reduce(c->comm, c->rank, x, n, c->stream, 0);
+    prof_end(c);
+    return st;
+}
+
+static enum kr_status cuda_all_gather(kr_backend_t be, const float *src, int64_t rows, int64_t cols, float *dst)
+{
+    struct cuda_ctx *c = ctx_of(be);
+    KR_TRY(op_enter(c));
+    prof_begin(c, P_COMM);
+    const enum kr_status st = kr_cuda_comm_all_gather(c->comm, c->rank, src, rows, cols, dst, c->stream, 0);
+    prof_end(c);
+    return st;
+}
+
+static void cuda_tp_abort(kr_backend_t be)
+{
+    kr_cuda_comm_abort(ctx_of(be)->comm);
 }
 
 static void cuda_graph_reset(kr_backend_t be)
@@ -1652,6 +1738,10 @@ enum kr_status kr_backend_cuda_create_with(int dev, const struct kr_switches *sw
         .mla_attention = cuda_mla_attention,
         .fp8_round = cuda_fp8_round,
         .sample = cuda_sample,
+        .set_tp = cuda_set_tp,
+        .all_reduce = cuda_all_reduce,
+        .all_gather = cuda_all_gather,
+        .tp_abort = cuda_tp_abort,
     };
     c->dev = dev;
     c->graphs_on = sw->cuda_graphs != 0;
@@ -1705,4 +1795,59 @@ enum kr_status kr_backend_cuda_create_with(int dev, const struct kr_switches *sw
 fail:
     cuda_free(be);
     return st;
+}
+
+enum kr_status kr_backend_cuda_create_group(int dev0, int size, kr_backend_t *be, struct kr_cuda_comm **comm,
+                                            struct kr_err *err)
+{
+    *comm = NULL;
+    for (int r = 0; r < size; r++) {
+        be[r] = NULL;
+    }
+    struct kr_switches sw;
+    KR_TRY(kr_switches_from_env(&sw, err));
+    const int n = krk_device_count();
+    const bool one = sw.tp_one_device != 0;
+    if (size < 1 || size > KRK_PEER_MAX_RANKS) {
+        return kr_err_set(err, KR_ERR_INVAL, "tensor parallel: %d ranks on CUDA devices (1 to %d are supported)",
+                          size, KRK_PEER_MAX_RANKS);
+    }
+    if (!one && dev0 + size > n) {
+        return kr_err_set(err, KR_ERR_INVAL,
+                          "tensor parallel: %d ranks from CUDA device %d need devices %d..%d, but %d %s visible "
+                          "(CUDA_VISIBLE_DEVICES, or a smaller --tensor-parallel-size)",
+                          size, dev0, dev0, dev0 + size - 1, n, n == 1 ? "is" : "are");
+    }
+    int devs[KRK_PEER_MAX_RANKS];
+    for (int r = 0; r < size; r++) {
+        devs[r] = one ? dev0 : dev0 + r;
+    }
+    kr_backend_cuda_setup(&sw);
+    enum kr_status st = KR_OK;
+    for (int r = 0; r < size && st == KR_OK; r++) {
+        st = kr_backend_cuda_create_with(devs[r], &sw, &be[r], err);
+    }
+    if (st == KR_OK) {
+        const struct kr_cuda_comm_opts o = {.size = size, .devices = devs, .one_device = one,
+                                            .peer_max_bytes = (size_t)sw.tp_peer_kb << 10,
+                                            .timeout_s = sw.tp_timeout_s};
+        st = kr_cuda_comm_create(&o, comm, err);
+    }
+    for (int r = 0; r < size && st == KR_OK; r++) {
+        st = kr_backend_set_tp(be[r], r, size, *comm, err);
+    }
+    if (st != KR_OK) {
+        for (int r = 0; r < size; r++) {
+            kr_backend_free(be[r]);
+            be[r] = NULL;
+        }
+        kr_cuda_comm_free(*comm);
+        *comm = NULL;
+    }
+    return st;
+}
+
+void kr_backend_cuda_group_free(struct kr_cuda_comm *comm)
+{
+    kr_cuda_comm_free(comm);
 }

@@ -407,6 +407,22 @@ int kr_backend_cuda_device_count(void)
 {
     return 0;
 }
+
+enum kr_status kr_backend_cuda_create_group(int dev0, int size, kr_backend_t *be, struct kr_cuda_comm **comm,
+                                            struct kr_err *err)
+{
+    (void)dev0;
+    for (int r = 0; r < size; r++) {
+        be[r] = NULL;
+    }
+    *comm = NULL;
+    return kr_err_set(err, KR_ERR_UNSUPPORTED, "this build of krait has no CUDA support (rebuild with CUDA)");
+}
+
+void kr_backend_cuda_group_free(struct kr_cuda_comm *comm)
+{
+    (void)comm;
+}
 #endif
 
 enum kr_status kr_backend_cuda_create(int dev, bool graphs, kr_backend_t *out, struct kr_err *err)
@@ -419,21 +435,15 @@ enum kr_status kr_backend_cuda_create(int dev, bool graphs, kr_backend_t *out, s
     return kr_backend_cuda_create_with(dev, &sw, out, err);
 }
 
-enum kr_status kr_backend_create(const char *device, int threads, kr_backend_t *out, struct kr_err *err)
+enum kr_status kr_backend_parse_device(const char *device, int *cuda_dev, struct kr_err *err)
 {
-    *out = NULL;
-    struct kr_switches sw;
-    KR_TRY(kr_switches_from_env(&sw, err));
+    *cuda_dev = -1;
     if (!device || !strcmp(device, "auto")) {
-        if (kr_backend_cuda_device_count() > 0) {
-            kr_backend_cuda_setup(&sw);
-            return kr_backend_cuda_create_with(0, &sw, out, err);
-        }
-        device = "cpu";
+        *cuda_dev = kr_backend_cuda_device_count() > 0 ? 0 : -1;
+        return KR_OK;
     }
     if (!strcmp(device, "cpu")) {
-        *out = kr_backend_cpu_create(threads);
-        return *out ? KR_OK : kr_err_set(err, KR_ERR_NOMEM, "out of memory creating the CPU backend");
+        return KR_OK;
     }
     if (!strncmp(device, "cuda", 4)) {
         int dev = 0;
@@ -448,8 +458,23 @@ enum kr_status kr_backend_create(const char *device, int threads, kr_backend_t *
         } else if (device[4]) {
             return kr_err_set(err, KR_ERR_INVAL, "invalid device '%s' (expected cpu, cuda, cuda:N or auto)", device);
         }
-        kr_backend_cuda_setup(&sw);
-        return kr_backend_cuda_create_with(dev, &sw, out, err);
+        *cuda_dev = dev;
+        return KR_OK;
     }
     return kr_err_set(err, KR_ERR_INVAL, "invalid device '%s' (expected cpu, cuda, cuda:N or auto)", device);
+}
+
+enum kr_status kr_backend_create(const char *device, int threads, kr_backend_t *out, struct kr_err *err)
+{
+    *out = NULL;
+    struct kr_switches sw;
+    KR_TRY(kr_switches_from_env(&sw, err));
+    int dev;
+    KR_TRY(kr_backend_parse_device(device, &dev, err));
+    if (dev < 0) {
+        *out = kr_backend_cpu_create(threads);
+        return *out ? KR_OK : kr_err_set(err, KR_ERR_NOMEM, "out of memory creating the CPU backend");
+    }
+    kr_backend_cuda_setup(&sw);
+    return kr_backend_cuda_create_with(dev, &sw, out, err);
 }

@@ -84,6 +84,16 @@ uint64_t kr_backend_cuda_overlap_count(kr_backend_t be);
 int kr_backend_cuda_profile_read(kr_backend_t be, const char **names, double *ms, int64_t *calls, int cap);
 /* CUDA devices visible (0 in a build without CUDA). */
 int kr_backend_cuda_device_count(void);
+/* A tensor-parallel group of `size` CUDA ranks (backend/comm-cuda.h): rank r on device dev0 + r
+ * (every rank on dev0 with KRAIT_TP_ONE_DEVICE=1, tests), each backend in be[r] already joined to the
+ * group *comm as rank r. Fails with a message naming what is missing (devices, NCCL); then nothing
+ * is left allocated. The caller frees the backends, then the group (kr_backend_cuda_group_free). */
+struct kr_cuda_comm;
+enum kr_status kr_backend_cuda_create_group(int dev0, int size, kr_backend_t *be, struct kr_cuda_comm **comm,
+                                            struct kr_err *err);
+void kr_backend_cuda_group_free(struct kr_cuda_comm *comm);
+/* What `device` names (see kr_backend_create): *cuda_dev = the CUDA device, or -1 for the CPU. */
+enum kr_status kr_backend_parse_device(const char *device, int *cuda_dev, struct kr_err *err);
 /* Creates the backend named by `device`: "cpu", "cuda" or "cuda:N", or "auto" (CUDA device 0 when
  * one is visible, else the CPU). `threads` applies to the CPU backend. The tuning switches are
  * parsed from the environment first (util/switches.h): a refused value fails with KR_ERR_INVAL and

@@ -166,7 +166,7 @@ void kr_cluster_abort(struct kr_cluster *c, const char *why)
 {
     pthread_mutex_lock(&c->why_mu);
     if (!c->why[0]) {
-        snprintf(c->why, sizeof c->why, "%s", why);
+        snprintf(c->why, sizeof c->why, "%.500s", why); /* bounded: why may be a long message */
     }
     pthread_mutex_unlock(&c->why_mu);
     if (atomic_exchange(&c->aborted, true)) {

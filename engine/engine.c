@@ -346,7 +346,6 @@ void eng_apply_pending_cancels(struct kr_engine *e)
 void eng_fail_everything(struct kr_engine *e, const char *why)
 {
     pthread_mutex_lock(&e->lock);
-    e->failed = true;
     snprintf(e->failed_msg, sizeof e->failed_msg, "the compute device failed (%.180s); the server must be restarted", why);
     pthread_mutex_unlock(&e->lock);
     KR_LOG_ERROR("%s", e->failed_msg);
@@ -355,6 +354,12 @@ void eng_fail_everything(struct kr_engine *e, const char *why)
     }
     eng_free_dead(e);
     eng_flush_events(e);
+    /* visible only now: a server that sees the failure shuts down and answers what is still open
+     * with a message of its own, which must not overtake these requests' errors naming the cause
+     * (the server looks at kr_engine_failed after each delivery and on a timer) */
+    pthread_mutex_lock(&e->lock);
+    e->failed = true;
+    pthread_mutex_unlock(&e->lock);
 }
 
 static void *engine_main(void *arg)

@@ -8,6 +8,7 @@
 #include "log.h"
 
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 #include <sys/prctl.h>
@@ -42,6 +43,14 @@ int kr_boot_check(const struct kr_serve_opts *o)
 static enum kr_status init_node(struct kr_boot *b, const struct kr_serve_opts *o, struct kr_err *err)
 {
     b->tp = o->tensor_parallel_size;
+    int cuda_dev;
+    KR_TRY(kr_backend_parse_device(o->device, &cuda_dev, err));
+    if (cuda_dev >= 0) {
+        return kr_err_set(err, KR_ERR_UNSUPPORTED,
+                          "several nodes (--nnodes %d) with CUDA ranks are not supported yet: the group over nodes "
+                          "runs CPU ranks (--device cpu); on one node, --tensor-parallel-size alone uses NCCL",
+                          o->nnodes);
+    }
     const struct kr_cluster_opts co = {.nnodes = o->nnodes, .node_rank = o->node_rank, .master_addr = o->master_addr,
                                        .master_port = o->master_port, .tp = b->tp, .join_timeout_s = o->join_timeout_s};
     KR_TRY(kr_cluster_create(&co, &b->cluster, err));
@@ -168,12 +177,34 @@ enum kr_status kr_boot_init(struct kr_boot *b, const struct kr_serve_opts *o, st
 {
     memset(b, 0, sizeof *b);
     b->o = *o;
+    if (o->tensor_parallel_size > 1) {
+        /* before CUDA starts: kernels loaded lazily make the loading thread wait for the whole device,
+         * and a rank's collective spinning there for a peer blocked on that load never ends */
+        const char *ml = getenv("CUDA_MODULE_LOADING");
+        if (ml && strcmp(ml, "EAGER") != 0) {
+            KR_LOG_WARN("tensor parallel: CUDA_MODULE_LOADING=%s replaced by EAGER (lazy loading can deadlock ranks)",
+                        ml);
+        }
+        setenv("CUDA_MODULE_LOADING", "EAGER", 1);
+    }
     if (o->nnodes > 1) {
         return init_node(b, o, err);
     }
     b->tp = o->tensor_parallel_size > 1 ? o->tensor_parallel_size : 1;
     if (b->tp == 1) {
         return kr_backend_create(o->device, o->threads, &b->be, err);
+    }
+    int cuda_dev;
+    KR_TRY(kr_backend_parse_device(o->device, &cuda_dev, err));
+    if (cuda_dev >= 0) { /* CUDA ranks: a device each, NCCL and peer-memory collectives */
+        b->rank_be = kr_calloc((size_t)b->tp, sizeof *b->rank_be);
+        b->rank_m = kr_calloc((size_t)b->tp, sizeof *b->rank_m);
+        if (!b->rank_be || !b->rank_m) {
+            return kr_err_set(err, KR_ERR_NOMEM, "out of memory");
+        }
+        KR_TRY(kr_backend_cuda_create_group(cuda_dev, b->tp, b->rank_be, &b->cuda_comm, err));
+        b->be = b->rank_be[0];
+        return KR_OK;
     }
     /* one backend per rank, joined to one group; CPU ranks share the threads */
     const long cores = sysconf(_SC_NPROCESSORS_ONLN);
@@ -370,6 +401,12 @@ static void *loader_main(void *arg)
             const double keep = (1.0 - s->o.gpu_mem_util) * (double)total_b;
             cfg.cache_bytes = (double)free_b > keep + (double)(256u << 20) ? (size_t)((double)free_b - keep)
                                                                           : (size_t)256 << 20;
+            /* ranks sharing rank 0's device (KRAIT_TP_ONE_DEVICE) share its memory: each takes its part */
+            int shared = 1;
+            for (int r = 1; r < local_ranks(s); r++) {
+                shared += !strcmp(kr_backend_name(s->rank_be[r]), kr_backend_name(s->be));
+            }
+            cfg.cache_bytes /= (size_t)shared;
             KR_LOG_INFO("cache budget %.2f GiB (%.0f%% of %.1f GiB device memory; %.2f GiB free before caches)",
                         (double)cfg.cache_bytes / (1 << 30), s->o.gpu_mem_util * 100, (double)total_b / (1 << 30),
                         (double)free_b / (1 << 30));
@@ -432,6 +469,7 @@ void kr_boot_free(struct kr_boot *b)
             kr_backend_free(b->rank_be[r]); /* [0] is b->be */
         }
         kr_host_comm_free(b->comm);
+        kr_backend_cuda_group_free(b->cuda_comm);
         kr_free(b->rank_m);
         kr_free(b->rank_be);
     } else {

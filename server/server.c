@@ -776,6 +776,11 @@ static void trim_after(struct kr_lane_work *w, int status)
 static void on_trim_timer(uv_timer_t *t)
 {
     struct srv *s = t->data;
+    /* the engine marks itself failed after delivering its requests' errors: when no delivery
+     * followed, this is where the server learns of it */
+    if (s->rt.eng && !s->device_failed && !s->stopping && kr_engine_failed(s->rt.eng)) {
+        on_device_failed(s);
+    }
     if (s->big_ok && !s->trim_queued && !s->stopping && atomic_exchange(&kr_sess_trim_wanted, false)) {
         s->trim_queued = true;
         s->trim_work = (struct kr_lane_work){.work = trim_work, .after = trim_after, .data = s};

@@ -17,6 +17,8 @@ static const size_t g_offset[] = {
     offsetof(struct kr_switches, skinny_max),  offsetof(struct kr_switches, ssd_stream),
     offsetof(struct kr_switches, pdl),         offsetof(struct kr_switches, backend_sampling),
     offsetof(struct kr_switches, fault_step),  offsetof(struct kr_switches, fault_rank),
+    offsetof(struct kr_switches, tp_peer_kb),  offsetof(struct kr_switches, tp_timeout_s),
+    offsetof(struct kr_switches, tp_one_device),
 };
 
 static const struct kr_switch g_table[] = {
@@ -50,6 +52,17 @@ static const struct kr_switch g_table[] = {
     {"KRAIT_FAULT_RANK", KR_SWITCH_INT, 0, 63, NULL, "0", KR_SWITCH_TEST,
      "the tensor-parallel rank whose step KRAIT_FAULT_STEP fails (it leaves the group); reliability tests",
      NULL},
+    {"KRAIT_TP_PEER_KB", KR_SWITCH_INT, 0, 65536, NULL, "512", KR_SWITCH_MEASURE,
+     "tensor parallel on GPUs with peer access: all-reduces up to this many KiB take the one-shot peer "
+     "kernels, larger ones NCCL; 0 = NCCL only",
+     "moves the peer-kernel/NCCL crossover for A/B runs (docs/TENSOR_PARALLEL.md)"},
+    {"KRAIT_TP_TIMEOUT_S", KR_SWITCH_INT, 1, 86400, NULL, "300", KR_SWITCH_OPERATOR,
+     "a tensor-parallel step (CUDA) not completed after this many seconds aborts the group (the server "
+     "then exits with status 3)",
+     NULL},
+    {"KRAIT_TP_ONE_DEVICE", KR_SWITCH_BOOL, 0, 1, NULL, "0", KR_SWITCH_TEST,
+     "1 puts every CUDA tensor-parallel rank on one device, collectives through its memory; tests",
+     NULL},
 };
 #define N_SWITCHES ((int)(sizeof g_table / sizeof g_table[0]))
 _Static_assert(sizeof g_offset / sizeof g_offset[0] == sizeof g_table / sizeof g_table[0],
@@ -64,20 +77,18 @@ const struct kr_switch *kr_switches_table(int *n)
 
 void kr_switches_defaults(struct kr_switches *sw)
 {
-    *sw = (struct kr_switches){
-        .cuda_graphs = 1,
-        .mla_attn = KR_MLA_ATTN_HEADS,
-        .dsa_score = KR_DSA_SCORE_MMA,
-        .mla_overlap = 1,
-        .skinny_max = KR_SKINNY_MAX_DEFAULT,
-        .ssd_stream = 1,
-        .pdl = 1,
-        .backend_sampling = -1,
-        .fault_step = 0,
-        .fault_fatal = 0,
-        .fault_rank = 0,
-        .given = 0,
-    };
+    memset(sw, 0, sizeof *sw); /* padding too: two default structs compare equal byte for byte */
+    sw->cuda_graphs = 1;
+    sw->mla_attn = KR_MLA_ATTN_HEADS;
+    sw->dsa_score = KR_DSA_SCORE_MMA;
+    sw->mla_overlap = 1;
+    sw->skinny_max = KR_SKINNY_MAX_DEFAULT;
+    sw->ssd_stream = 1;
+    sw->pdl = 1;
+    sw->backend_sampling = -1;
+    sw->tp_peer_kb = 512;
+    sw->tp_timeout_s = 300;
+    /* the others (faults, KRAIT_TP_ONE_DEVICE, given) are 0 */
 }
 
 /* An enum switch's names joined by `sep`, the last two by `last` ("a|b|c", "a, b or c"). */

@@ -36,6 +36,9 @@ struct kr_switches {
     int64_t fault_step;       /* KRAIT_FAULT_STEP: 0 = none, else step attempt N fails (tests) */
     int32_t fault_fatal;      /* KRAIT_FAULT_STEP=N:fatal: that failure is a lost device */
     int32_t fault_rank;       /* KRAIT_FAULT_RANK: the tensor-parallel rank whose step fails (0: rank 0) */
+    int32_t tp_peer_kb;       /* KRAIT_TP_PEER_KB: largest all-reduce of the peer kernels, KiB (0: NCCL) */
+    int32_t tp_timeout_s;     /* KRAIT_TP_TIMEOUT_S: longest a tensor-parallel step may take */
+    int32_t tp_one_device;    /* KRAIT_TP_ONE_DEVICE: every CUDA rank on one device (tests) */
     uint64_t given;           /* bit i: table entry i was set (non-empty) in the environment */
 };
 

@@ -24,4 +24,5 @@
 #include "krk/mla.h"
 #include "krk/moe.h"
 #include "krk/sampling.h"
+#include "krk/comm.h"
 #endif

@@ -31,7 +31,7 @@ void srv_start(struct srv_proc *p, const char *model, ...)
     unlink(p->port_file);
     const char *argv[64];
     int n = 0;
-    argv[n++] = KR_KRAIT_BIN;
+    argv[n++] = getenv("KR_KRAIT_BIN") ? getenv("KR_KRAIT_BIN") : KR_KRAIT_BIN; /* the binary moved */
     argv[n++] = "serve";
     argv[n++] = model;
     argv[n++] = "--host";

@@ -57,6 +57,9 @@ static int64_t field(const struct kr_switches *sw, const char *name)
         {"KRAIT_PDL", offsetof(struct kr_switches, pdl)},
         {"KRAIT_BACKEND_SAMPLING", offsetof(struct kr_switches, backend_sampling)},
         {"KRAIT_FAULT_RANK", offsetof(struct kr_switches, fault_rank)},
+        {"KRAIT_TP_PEER_KB", offsetof(struct kr_switches, tp_peer_kb)},
+        {"KRAIT_TP_TIMEOUT_S", offsetof(struct kr_switches, tp_timeout_s)},
+        {"KRAIT_TP_ONE_DEVICE", offsetof(struct kr_switches, tp_one_device)},
     };
     if (!strcmp(name, "KRAIT_FAULT_STEP")) {
         return sw->fault_step;
@@ -79,7 +82,7 @@ Test(switches, table_lists_the_switches_the_code_had)
     static const char *const names[] = {
         "KRAIT_CUDA_GRAPHS", "KRAIT_MLA_ATTN", "KRAIT_DSA_SCORE", "KRAIT_MLA_OVERLAP",      "KRAIT_SKINNY_MAX",
         "KRAIT_SSD_STREAM",  "KRAIT_PDL",      "KRAIT_BACKEND_SAMPLING", "KRAIT_FAULT_STEP",
-        "KRAIT_FAULT_RANK",
+        "KRAIT_FAULT_RANK",  "KRAIT_TP_PEER_KB", "KRAIT_TP_TIMEOUT_S", "KRAIT_TP_ONE_DEVICE",
     };
     int n;
     const struct kr_switch *t = kr_switches_table(&n);
@@ -94,6 +97,8 @@ Test(switches, table_lists_the_switches_the_code_had)
     cr_expect_eq(find("KRAIT_CUDA_GRAPHS")->use, KR_SWITCH_OPERATOR);
     cr_expect_eq(find("KRAIT_FAULT_STEP")->use, KR_SWITCH_TEST);
     cr_expect_eq(find("KRAIT_FAULT_RANK")->use, KR_SWITCH_TEST);
+    cr_expect_eq(find("KRAIT_TP_ONE_DEVICE")->use, KR_SWITCH_TEST);
+    cr_expect_eq(find("KRAIT_TP_TIMEOUT_S")->use, KR_SWITCH_OPERATOR);
 }
 
 /* Switches removed on 2026-12-02 (their code paths went with them): not in the table, and a value
@@ -133,6 +138,9 @@ Test(switches, defaults_are_the_backends_former_ones)
     cr_expect_eq(sw.backend_sampling, -1, "unset: the engine config decides");
     cr_expect_eq(sw.fault_step, 0);
     cr_expect_eq(sw.fault_fatal, 0);
+    cr_expect_eq(sw.tp_peer_kb, 512);
+    cr_expect_eq(sw.tp_timeout_s, 300);
+    cr_expect_eq(sw.tp_one_device, 0);
     cr_expect_eq(sw.given, 0u);
     struct kr_switches d;
     kr_switches_defaults(&d);
@@ -185,14 +193,20 @@ Test(switches, accepts_every_valid_value)
         char v[32];
         switch (s->type) {
         case KR_SWITCH_BOOL:
-        case KR_SWITCH_INT:
-            for (int x = s->lo; x <= s->hi; x++) {
+        case KR_SWITCH_INT: {
+            /* every value of a short range; both ends and about a hundred values of a long one */
+            const int step = s->hi - s->lo > 256 ? (s->hi - s->lo) / 97 : 1;
+            for (int x = s->lo; x <= s->hi; x = x < s->hi && x + step > s->hi ? s->hi : x + step) {
                 snprintf(v, sizeof v, "%d", x);
                 cr_assert_eq(parse1(s->name, v, &sw, &err), KR_OK, "%s=%s: %s", s->name, v, err.msg);
                 cr_expect_eq(field(&sw, s->name), x, "%s=%s", s->name, v);
                 cr_expect(kr_switches_given(&sw, s->name));
+                if (x == s->hi) {
+                    break;
+                }
             }
             break;
+        }
         case KR_SWITCH_ENUM:
             for (int x = 0; s->names[x]; x++) {
                 cr_assert_eq(parse1(s->name, s->names[x], &sw, &err), KR_OK, "%s=%s: %s", s->name, s->names[x],
