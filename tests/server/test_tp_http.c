@@ -282,13 +282,14 @@ struct cuda_answer {
     int n_plp;
 };
 
-static void ask_cuda(const struct srv_proc *p, const char *prompt, int n, int max_tokens, struct cuda_answer *a)
+static void ask_cuda(const struct srv_proc *p, const char *prompt, int n, int max_tokens, bool plp,
+                     struct cuda_answer *a)
 {
     char body[4096];
     snprintf(body, sizeof body,
              "{\"prompt\":%s,\"max_tokens\":%d,\"temperature\":0,\"logprobs\":2,\"n\":%d,"
-             "\"return_tokens_as_token_ids\":true,\"prompt_logprobs\":0}",
-             prompt, max_tokens, n);
+             "\"return_tokens_as_token_ids\":true%s}",
+             prompt, max_tokens, n, plp ? ",\"prompt_logprobs\":0" : "");
     long st = 0;
     json_t *j = post_json(p, "/v1/completions", body, &st);
     cr_assert_eq(st, 200, "status %ld: %s", st, json_dumps(j, 0));
@@ -389,31 +390,32 @@ static void check_family_cuda(const char *rel, const char *ranks)
     struct cuda_answer a, b;
     snprintf(what, sizeof what, "%s at %s ranks: greedy", rel, ranks);
     prompt_json(p, sizeof p, 40, 7);
-    ask_cuda(&whole, p, 1, 16, &a);
-    ask_cuda(&tp, p, 1, 16, &b);
+    ask_cuda(&whole, p, 1, 16, true, &a);
+    ask_cuda(&tp, p, 1, 16, true, &b);
     cr_expect_gt(a.n_plp, 0, "prompt log-probabilities came back");
     expect_close_cuda(&a, &b, what);
     snprintf(what, sizeof what, "%s at %s ranks: n = 2", rel, ranks);
     prompt_json(p, sizeof p, 9, 11);
-    ask_cuda(&whole, p, 2, 8, &a);
-    ask_cuda(&tp, p, 2, 8, &b);
+    ask_cuda(&whole, p, 2, 8, true, &a);
+    ask_cuda(&tp, p, 2, 8, true, &b);
     expect_close_cuda(&a, &b, what);
     snprintf(what, sizeof what, "%s at %s ranks: long prompt", rel, ranks);
     prompt_json(p, sizeof p, 50, 13);
-    ask_cuda(&whole, p, 1, 6, &a);
-    ask_cuda(&tp, p, 1, 6, &b);
+    ask_cuda(&whole, p, 1, 6, false, &a); /* prompt log-probabilities would compute every position */
+    ask_cuda(&tp, p, 1, 6, false, &b);
     expect_close_cuda(&a, &b, what);
     const double hits0 = metric(&tp, "krait:prefix_cache_hits_total");
     const double whole0 = metric(&whole, "krait:prefix_cache_hits_total");
     char q[1100];
     snprintf(q, sizeof q, "%.*s,9,8,7,6,5]", (int)strlen(p) - 1, p);
     snprintf(what, sizeof what, "%s at %s ranks: from the prefix cache", rel, ranks);
-    ask_cuda(&whole, q, 1, 6, &a);
-    ask_cuda(&tp, q, 1, 6, &b);
+    ask_cuda(&whole, q, 1, 6, false, &a);
+    ask_cuda(&tp, q, 1, 6, false, &b);
     expect_close_cuda(&a, &b, what);
     const double hits = metric(&tp, "krait:prefix_cache_hits_total") - hits0;
     const double whole_hits = metric(&whole, "krait:prefix_cache_hits_total") - whole0;
     fprintf(stderr, "  %s: %.0f prompt tokens from the prefix cache (one rank: %.0f)\n", what, hits, whole_hits);
+    cr_expect_gt(hits, 0, "%s: the extended prompt hit the prefix cache", what);
     cr_expect_eq(hits, whole_hits, "%s: %.0f prompt tokens from the prefix cache, one rank %.0f", what, hits,
                  whole_hits);
     /* sixteen at once (one decode graph of 16 rows with its collectives) against each alone */
