@@ -1797,6 +1797,96 @@ fail:
     return st;
 }
 
+/* n backends on devices[0..n) with the switches `sw`; on failure none is left. */
+static enum kr_status create_on(const int *devices, int n, const struct kr_switches *sw, kr_backend_t *be,
+                                struct kr_err *err)
+{
+    enum kr_status st = KR_OK;
+    for (int r = 0; r < n && st == KR_OK; r++) {
+        st = kr_backend_cuda_create_with(devices[r], sw, &be[r], err);
+    }
+    if (st != KR_OK) {
+        for (int r = 0; r < n; r++) {
+            kr_backend_free(be[r]);
+            be[r] = NULL;
+        }
+    }
+    return st;
+}
+
+/* The devices of n ranks from dev0 (all on dev0 with KRAIT_TP_ONE_DEVICE), checked against what is
+ * visible. */
+static enum kr_status rank_devices(int dev0, int n, const struct kr_switches *sw, int *devs, struct kr_err *err)
+{
+    const int visible = krk_device_count();
+    const bool one = sw->tp_one_device != 0;
+    if (n < 1 || n > KRK_PEER_MAX_RANKS) {
+        return kr_err_set(err, KR_ERR_INVAL, "tensor parallel: %d ranks on CUDA devices in one process (1 to %d are "
+                          "supported)", n, KRK_PEER_MAX_RANKS);
+    }
+    if (!one && dev0 + n > visible) {
+        return kr_err_set(err, KR_ERR_INVAL,
+                          "tensor parallel: %d ranks from CUDA device %d need devices %d..%d, but %d %s visible "
+                          "(CUDA_VISIBLE_DEVICES, or a smaller --tensor-parallel-size)",
+                          n, dev0, dev0, dev0 + n - 1, visible, visible == 1 ? "is" : "are");
+    }
+    for (int r = 0; r < n; r++) {
+        devs[r] = one ? dev0 : dev0 + r;
+    }
+    return KR_OK;
+}
+
+enum kr_status kr_backend_cuda_create_ranks(int dev0, int n, kr_backend_t *be, struct kr_err *err)
+{
+    for (int r = 0; r < n; r++) {
+        be[r] = NULL;
+    }
+    struct kr_switches sw;
+    KR_TRY(kr_switches_from_env(&sw, err));
+    int devs[KRK_PEER_MAX_RANKS];
+    KR_TRY(rank_devices(dev0, n, &sw, devs, err));
+    kr_backend_cuda_setup(&sw);
+    return create_on(devs, n, &sw, be, err);
+}
+
+enum kr_status kr_backend_cuda_nccl_id(void *out, size_t cap, size_t *len, struct kr_err *err)
+{
+    return kr_cuda_comm_unique_id(out, cap, len, err);
+}
+
+enum kr_status kr_backend_cuda_join(kr_backend_t *be, int n, int first, int world, const void *nccl_id,
+                                    struct kr_cuda_comm **comm, struct kr_err *err)
+{
+    *comm = NULL;
+    struct kr_switches sw;
+    KR_TRY(kr_switches_from_env(&sw, err));
+    int devs[KRK_PEER_MAX_RANKS];
+    if (n < 1 || n > KRK_PEER_MAX_RANKS) {
+        return kr_err_set(err, KR_ERR_INVAL, "tensor parallel: %d ranks in one process", n);
+    }
+    for (int r = 0; r < n; r++) {
+        devs[r] = ctx_of(be[r])->dev;
+    }
+    const struct kr_cuda_comm_opts o = {.size = n, .devices = devs, .nccl_id = nccl_id, .first = first,
+                                        .world = world, .peer_max_bytes = (size_t)sw.tp_peer_kb << 10,
+                                        .timeout_s = sw.tp_timeout_s};
+    KR_TRY(kr_cuda_comm_create(&o, comm, err));
+    for (int r = 0; r < n; r++) {
+        const enum kr_status st = kr_backend_set_tp(be[r], first + r, world, *comm, err);
+        if (st != KR_OK) {
+            kr_cuda_comm_free(*comm);
+            *comm = NULL;
+            return st;
+        }
+    }
+    return KR_OK;
+}
+
+void kr_backend_cuda_group_abort(struct kr_cuda_comm *comm)
+{
+    kr_cuda_comm_abort(comm);
+}
+
 enum kr_status kr_backend_cuda_create_group(int dev0, int size, kr_backend_t *be, struct kr_cuda_comm **comm,
                                             struct kr_err *err)
 {
@@ -1806,33 +1896,14 @@ enum kr_status kr_backend_cuda_create_group(int dev0, int size, kr_backend_t *be
     }
     struct kr_switches sw;
     KR_TRY(kr_switches_from_env(&sw, err));
-    const int n = krk_device_count();
-    const bool one = sw.tp_one_device != 0;
-    if (size < 1 || size > KRK_PEER_MAX_RANKS) {
-        return kr_err_set(err, KR_ERR_INVAL, "tensor parallel: %d ranks on CUDA devices (1 to %d are supported)",
-                          size, KRK_PEER_MAX_RANKS);
-    }
-    if (!one && dev0 + size > n) {
-        return kr_err_set(err, KR_ERR_INVAL,
-                          "tensor parallel: %d ranks from CUDA device %d need devices %d..%d, but %d %s visible "
-                          "(CUDA_VISIBLE_DEVICES, or a smaller --tensor-parallel-size)",
-                          size, dev0, dev0, dev0 + size - 1, n, n == 1 ? "is" : "are");
-    }
     int devs[KRK_PEER_MAX_RANKS];
-    for (int r = 0; r < size; r++) {
-        devs[r] = one ? dev0 : dev0 + r;
-    }
+    KR_TRY(rank_devices(dev0, size, &sw, devs, err));
     kr_backend_cuda_setup(&sw);
-    enum kr_status st = KR_OK;
-    for (int r = 0; r < size && st == KR_OK; r++) {
-        st = kr_backend_cuda_create_with(devs[r], &sw, &be[r], err);
-    }
-    if (st == KR_OK) {
-        const struct kr_cuda_comm_opts o = {.size = size, .devices = devs, .one_device = one,
-                                            .peer_max_bytes = (size_t)sw.tp_peer_kb << 10,
-                                            .timeout_s = sw.tp_timeout_s};
-        st = kr_cuda_comm_create(&o, comm, err);
-    }
+    KR_TRY(create_on(devs, size, &sw, be, err));
+    const struct kr_cuda_comm_opts o = {.size = size, .devices = devs, .one_device = sw.tp_one_device != 0,
+                                        .peer_max_bytes = (size_t)sw.tp_peer_kb << 10,
+                                        .timeout_s = sw.tp_timeout_s};
+    enum kr_status st = kr_cuda_comm_create(&o, comm, err);
     for (int r = 0; r < size && st == KR_OK; r++) {
         st = kr_backend_set_tp(be[r], r, size, *comm, err);
     }

@@ -423,6 +423,40 @@ void kr_backend_cuda_group_free(struct kr_cuda_comm *comm)
 {
     (void)comm;
 }
+
+enum kr_status kr_backend_cuda_create_ranks(int dev0, int n, kr_backend_t *be, struct kr_err *err)
+{
+    (void)dev0;
+    for (int r = 0; r < n; r++) {
+        be[r] = NULL;
+    }
+    return kr_err_set(err, KR_ERR_UNSUPPORTED, "this build of krait has no CUDA support (rebuild with CUDA)");
+}
+
+enum kr_status kr_backend_cuda_nccl_id(void *out, size_t cap, size_t *len, struct kr_err *err)
+{
+    (void)out;
+    (void)cap;
+    *len = 0;
+    return kr_err_set(err, KR_ERR_UNSUPPORTED, "this build of krait has no CUDA support (rebuild with CUDA)");
+}
+
+enum kr_status kr_backend_cuda_join(kr_backend_t *be, int n, int first, int world, const void *nccl_id,
+                                    struct kr_cuda_comm **comm, struct kr_err *err)
+{
+    (void)be;
+    (void)n;
+    (void)first;
+    (void)world;
+    (void)nccl_id;
+    *comm = NULL;
+    return kr_err_set(err, KR_ERR_UNSUPPORTED, "this build of krait has no CUDA support (rebuild with CUDA)");
+}
+
+void kr_backend_cuda_group_abort(struct kr_cuda_comm *comm)
+{
+    (void)comm;
+}
 #endif
 
 enum kr_status kr_backend_cuda_create(int dev, bool graphs, kr_backend_t *out, struct kr_err *err)

@@ -92,6 +92,16 @@ struct kr_cuda_comm;
 enum kr_status kr_backend_cuda_create_group(int dev0, int size, kr_backend_t *be, struct kr_cuda_comm **comm,
                                             struct kr_err *err);
 void kr_backend_cuda_group_free(struct kr_cuda_comm *comm);
+/* A group over several processes (nodes), built in two steps: the backends of this process's ranks
+ * (local rank i on device dev0 + i), then, once the processes have agreed on the group's NCCL id
+ * (made by one of them with kr_backend_cuda_nccl_id), kr_backend_cuda_join makes be[0..n) ranks
+ * first .. first + n - 1 of `world` (NCCL carries every collective). */
+enum kr_status kr_backend_cuda_create_ranks(int dev0, int n, kr_backend_t *be, struct kr_err *err);
+enum kr_status kr_backend_cuda_nccl_id(void *out, size_t cap, size_t *len, struct kr_err *err);
+enum kr_status kr_backend_cuda_join(kr_backend_t *be, int n, int first, int world, const void *nccl_id,
+                                    struct kr_cuda_comm **comm, struct kr_err *err);
+/* Aborts the group's collectives (any thread; see comm-cuda.h). NULL allowed. */
+void kr_backend_cuda_group_abort(struct kr_cuda_comm *comm);
 /* What `device` names (see kr_backend_create): *cuda_dev = the CUDA device, or -1 for the CPU. */
 enum kr_status kr_backend_parse_device(const char *device, int *cuda_dev, struct kr_err *err);
 /* Creates the backend named by `device`: "cpu", "cuda" or "cuda:N", or "auto" (CUDA device 0 when

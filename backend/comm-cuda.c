@@ -39,7 +39,8 @@ struct member {
 };
 
 struct kr_cuda_comm {
-    int size;
+    int size;                 /* ranks in this process: m[0 .. size) are ranks first .. first + size - 1 */
+    int first, world;         /* of a group of `world` ranks (several processes: NCCL only) */
     bool one_device, peer_ok, nccl_ok;
     size_t peer_max;
     double timeout_s;
@@ -193,9 +194,12 @@ static bool enable_peer_access(const struct kr_cuda_comm *c)
 enum kr_status kr_cuda_comm_create(const struct kr_cuda_comm_opts *o, struct kr_cuda_comm **out, struct kr_err *err)
 {
     *out = NULL;
-    if (o->size < 1 || o->size > KRK_PEER_MAX_RANKS) {
-        return kr_err_set(err, KR_ERR_INVAL, "tensor parallel: %d ranks on CUDA devices (1 to %d are supported)",
-                          o->size, KRK_PEER_MAX_RANKS);
+    const int world = o->nccl_id ? o->world : o->size, first = o->nccl_id ? o->first : 0;
+    if (o->size < 1 || o->size > KRK_PEER_MAX_RANKS || world < o->size || first < 0 || first + o->size > world ||
+        (o->nccl_id && o->one_device)) {
+        return kr_err_set(err, KR_ERR_INVAL,
+                          "tensor parallel: ranks %d..%d of %d on CUDA devices (1 to %d in a process are supported)",
+                          first, first + o->size - 1, world, KRK_PEER_MAX_RANKS);
     }
     for (int i = 0; i < o->size && !o->one_device; i++) {
         for (int j = 0; j < i; j++) {
@@ -206,7 +210,7 @@ enum kr_status kr_cuda_comm_create(const struct kr_cuda_comm_opts *o, struct kr_
         }
     }
 #ifndef KR_WITH_NCCL
-    if (!o->one_device && o->size > 1) {
+    if (!o->one_device && world > 1) {
         return kr_err_set(err, KR_ERR_UNSUPPORTED,
                           "tensor parallel: this build has no NCCL (install NCCL and rebuild to serve over several GPUs)");
     }
@@ -217,6 +221,8 @@ enum kr_status kr_cuda_comm_create(const struct kr_cuda_comm_opts *o, struct kr_
     }
     enum kr_status st = KR_ERR_CUDA;
     c->size = o->size;
+    c->first = first;
+    c->world = world;
     c->one_device = o->one_device;
     c->timeout_s = o->timeout_s > 0 ? o->timeout_s : 300;
     atomic_init(&c->aborted, false);
@@ -233,7 +239,8 @@ enum kr_status kr_cuda_comm_create(const struct kr_cuda_comm_opts *o, struct kr_
     CU_OR_FAIL(cudaHostAlloc((void **)&c->abort_word, sizeof(int32_t), cudaHostAllocMapped | cudaHostAllocPortable),
                "the abort word's allocation");
     *c->abort_word = 0;
-    c->peer_ok = c->size > 1 && (o->one_device || enable_peer_access(c));
+    /* peer memory within one process only: a group over processes takes NCCL for everything */
+    c->peer_ok = c->size > 1 && !o->nccl_id && (o->one_device || enable_peer_access(c));
     c->peer_max = o->one_device ? SIZE_MAX : c->peer_ok ? o->peer_max_bytes : 0;
     const int64_t cap = o->one_device ? ONE_DEVICE_CAP : (int64_t)((o->peer_max_bytes / sizeof(float) + 3) & ~(size_t)3);
     if (c->peer_ok && c->peer_max > 0) {
@@ -286,10 +293,33 @@ enum kr_status kr_cuda_comm_create(const struct kr_cuda_comm_opts *o, struct kr_
         for (int r = 0; r < c->size; r++) {
             devs[r] = c->m[r].dev;
         }
-        const ncclResult_t nr = ncclCommInitAll(comms, c->size, devs);
+        ncclResult_t nr = ncclSuccess;
+        if (!o->nccl_id) {
+            nr = ncclCommInitAll(comms, c->size, devs);
+        } else {
+            /* this process's ranks of a group over processes: one communicator per local rank, from
+             * the id the leader made (kr_cuda_comm_unique_id), created together */
+            ncclUniqueId id;
+            memcpy(&id, o->nccl_id, sizeof id);
+            nr = ncclGroupStart();
+            for (int r = 0; r < c->size && nr == ncclSuccess; r++) {
+                if (cudaSetDevice(devs[r]) != cudaSuccess) {
+                    nr = ncclUnhandledCudaError;
+                    break;
+                }
+                nr = ncclCommInitRank(&comms[r], world, id, first + r);
+            }
+            const ncclResult_t ne = ncclGroupEnd();
+            nr = nr != ncclSuccess ? nr : ne;
+        }
         if (nr != ncclSuccess) {
-            kr_err_set(err, KR_ERR_CUDA, "tensor parallel: NCCL could not create the group of %d ranks: %s", c->size,
-                       ncclGetErrorString(nr));
+            kr_err_set(err, KR_ERR_CUDA, "tensor parallel: NCCL could not create ranks %d..%d of a group of %d: %s",
+                       first, first + c->size - 1, world, ncclGetErrorString(nr));
+            for (int r = 0; r < c->size; r++) {
+                if (comms[r]) {
+                    ncclCommAbort(comms[r]);
+                }
+            }
             goto fail;
         }
         for (int r = 0; r < c->size; r++) {
@@ -306,7 +336,7 @@ enum kr_status kr_cuda_comm_create(const struct kr_cuda_comm_opts *o, struct kr_
         goto fail;
     }
     c->wd_started = true;
-    KR_LOG_INFO("tensor parallel: %d CUDA ranks%s; collectives: %s%s%s", c->size,
+    KR_LOG_INFO("tensor parallel: CUDA ranks %d..%d of %d%s; collectives: %s%s%s", first, first + c->size - 1, world,
                 o->one_device ? " on one device (tests)" : "", c->peer_max > 0 ? "peer kernels" : "",
                 c->peer_max > 0 && c->nccl_ok ? " up to a size, then " : "", c->nccl_ok ? "NCCL" : "");
     *out = c;
@@ -373,12 +403,39 @@ void kr_cuda_comm_free(struct kr_cuda_comm *c)
 
 int kr_cuda_comm_size(const struct kr_cuda_comm *c)
 {
-    return c->size;
+    return c->world;
 }
 
 int kr_cuda_comm_device(const struct kr_cuda_comm *c, int rank)
 {
+    rank -= c->first;
     return rank >= 0 && rank < c->size ? c->m[rank].dev : -1;
+}
+
+enum kr_status kr_cuda_comm_unique_id(void *out, size_t cap, size_t *len, struct kr_err *err)
+{
+#ifdef KR_WITH_NCCL
+    ncclUniqueId id;
+    if (cap < sizeof id) {
+        return kr_err_set(err, KR_ERR_INVAL, "tensor parallel: room for %zu bytes of NCCL id, %zu needed", cap,
+                          sizeof id);
+    }
+    setenv("NCCL_NVLS_ENABLE", "0", 0);
+    const ncclResult_t r = ncclGetUniqueId(&id);
+    if (r != ncclSuccess) {
+        return kr_err_set(err, KR_ERR_CUDA, "tensor parallel: NCCL could not make the group's id: %s",
+                          ncclGetErrorString(r));
+    }
+    memcpy(out, &id, sizeof id);
+    *len = sizeof id;
+    return KR_OK;
+#else
+    (void)out;
+    (void)cap;
+    *len = 0;
+    return kr_err_set(err, KR_ERR_UNSUPPORTED,
+                      "tensor parallel: this build has no NCCL (install NCCL and rebuild to serve over several GPUs)");
+#endif
 }
 
 bool kr_cuda_comm_has_nccl(const struct kr_cuda_comm *c)
@@ -495,6 +552,7 @@ static enum kr_status exchange_one_device(struct kr_cuda_comm *c, int rank, cons
 enum kr_status kr_cuda_comm_all_reduce(struct kr_cuda_comm *c, int rank, float *x, int64_t n, void *stream,
                                        int force)
 {
+    rank -= c->first; /* this process's index of the rank */
     if (rank < 0 || rank >= c->size || n < 0) {
         return KR_ERR_INVAL;
     }
@@ -505,7 +563,7 @@ enum kr_status kr_cuda_comm_all_reduce(struct kr_cuda_comm *c, int rank, float *
         return KR_OK;
     }
     struct member *m = &c->m[rank];
-    if (c->size == 1 && force != 2) {
+    if (c->world == 1 && force != 2) {
         return KR_OK;
     }
     switch (path_for(c, (size_t)n * sizeof(float), force)) {
@@ -539,6 +597,7 @@ enum kr_status kr_cuda_comm_all_reduce(struct kr_cuda_comm *c, int rank, float *
 enum kr_status kr_cuda_comm_all_gather(struct kr_cuda_comm *c, int rank, const float *src, int64_t rows,
                                        int64_t cols, float *dst, void *stream, int force)
 {
+    rank -= c->first;
     if (rank < 0 || rank >= c->size || rows < 0 || cols < 1) {
         return KR_ERR_INVAL;
     }
@@ -549,7 +608,7 @@ enum kr_status kr_cuda_comm_all_gather(struct kr_cuda_comm *c, int rank, const f
         return KR_OK;
     }
     struct member *m = &c->m[rank];
-    if (c->size == 1 && force != 2) {
+    if (c->world == 1 && force != 2) {
         return cudaMemcpyAsync(dst, src, (size_t)(rows * cols) * sizeof(float), cudaMemcpyDeviceToDevice,
                                (cudaStream_t)stream) == cudaSuccess
                    ? KR_OK
@@ -578,11 +637,11 @@ enum kr_status kr_cuda_comm_all_gather(struct kr_cuda_comm *c, int rank, const f
     case 2: {
         /* NCCL lays the blocks one after another: gather chunks of rows into the staging, then put
          * each rank's block at its columns */
-        const int64_t per = (int64_t)(GATHER_TMP_BYTES / sizeof(float)) / ((int64_t)c->size * cols);
+        const int64_t per = (int64_t)(GATHER_TMP_BYTES / sizeof(float)) / ((int64_t)c->world * cols);
         if (per < 1) {
             return KR_ERR_UNSUPPORTED;
         }
-        const size_t width = (size_t)c->size * (size_t)cols * sizeof(float);
+        const size_t width = (size_t)c->world * (size_t)cols * sizeof(float);
         for (int64_t r0 = 0; r0 < rows; r0 += per) {
             const int64_t k = rows - r0 < per ? rows - r0 : per;
             pthread_mutex_lock(&m->mu);
@@ -594,8 +653,8 @@ enum kr_status kr_cuda_comm_all_gather(struct kr_cuda_comm *c, int rank, const f
                 KR_LOG_ERROR("tensor parallel: rank %d: ncclAllGather: %s", rank, ncclGetErrorString(r));
                 return atomic_load(&c->aborted) ? KR_ERR_CANCELLED : KR_ERR_CUDA;
             }
-            for (int q = 0; q < c->size; q++) {
-                if (cudaMemcpy2DAsync((char *)(dst + r0 * c->size * cols + (int64_t)q * cols), width,
+            for (int q = 0; q < c->world; q++) {
+                if (cudaMemcpy2DAsync((char *)(dst + r0 * c->world * cols + (int64_t)q * cols), width,
                                       m->tmp + (int64_t)q * k * cols, (size_t)cols * sizeof(float),
                                       (size_t)cols * sizeof(float), (size_t)k, cudaMemcpyDeviceToDevice,
                                       (cudaStream_t)stream) != cudaSuccess) {
@@ -613,6 +672,9 @@ enum kr_status kr_cuda_comm_all_gather(struct kr_cuda_comm *c, int rank, const f
 
 void kr_cuda_comm_step_issued(struct kr_cuda_comm *c, int rank, void *stream)
 {
+    if (c) {
+        rank -= c->first;
+    }
     if (!c || rank < 0 || rank >= c->size) {
         return;
     }
@@ -628,7 +690,8 @@ void kr_cuda_comm_step_issued(struct kr_cuda_comm *c, int rank, void *stream)
 
 bool kr_cuda_comm_ok(struct kr_cuda_comm *c, int rank)
 {
-    if (atomic_load(&c->aborted)) {
+    rank -= c->first;
+    if (atomic_load(&c->aborted) || rank < 0 || rank >= c->size) {
         return false;
     }
     const struct member *m = &c->m[rank];

@@ -34,8 +34,12 @@ extern "C" {
 struct kr_cuda_comm;
 
 struct kr_cuda_comm_opts {
-    int size;               /* ranks (1..8) */
+    int size;               /* ranks in this process (1..8) */
     const int *devices;     /* [size] the CUDA device of each rank */
+    const void *nccl_id;    /* several processes: the group's NCCL id (kr_cuda_comm_unique_id on one of
+                               them, passed to every other), else NULL */
+    int first, world;       /* with nccl_id: this process holds ranks first .. first + size - 1 of
+                               world (NCCL carries every collective) */
     bool one_device;        /* every rank on devices[0], peer kernels only (tests) */
     size_t peer_max_bytes;  /* largest message of the peer kernels when NCCL is there (0: NCCL only) */
     double timeout_s;       /* longest a step may take before the group is aborted */
@@ -44,8 +48,12 @@ struct kr_cuda_comm_opts {
 /* Creates the group: NCCL communicators (ncclCommInitAll), the peer buffers on each device, peer
  * access between the devices, the watchdog. Errors name what failed. */
 enum kr_status kr_cuda_comm_create(const struct kr_cuda_comm_opts *o, struct kr_cuda_comm **out, struct kr_err *err);
+/* The group id of NCCL (ncclGetUniqueId), made by one process of a group over several and passed
+ * to the others (kr_cuda_comm_opts.nccl_id): out[cap], *len bytes. */
+enum kr_status kr_cuda_comm_unique_id(void *out, size_t cap, size_t *len, struct kr_err *err);
 /* After every rank stopped using it. NULL allowed. */
 void kr_cuda_comm_free(struct kr_cuda_comm *c);
+/* Ranks in the whole group; the device of (group-wide) rank `rank` when this process holds it, else -1. */
 int kr_cuda_comm_size(const struct kr_cuda_comm *c);
 int kr_cuda_comm_device(const struct kr_cuda_comm *c, int rank);
 /* Whether NCCL carries (some of) the group's collectives. */
@@ -53,7 +61,7 @@ bool kr_cuda_comm_has_nccl(const struct kr_cuda_comm *c);
 /* Whether the ranks share one device (their collectives then meet on the host: no CUDA graphs). */
 bool kr_cuda_comm_one_device(const struct kr_cuda_comm *c);
 
-/* Rank `rank`'s part of a collective, enqueued on `stream` (a cudaStream_t of its device):
+/* Rank `rank`'s part (group-wide numbers; this process must hold it) of a collective, enqueued on `stream` (a cudaStream_t of its device):
  * x [n] summed over the ranks in place; dst [rows, size * cols] = the ranks' src [rows, cols] side
  * by side. KR_ERR_CANCELLED once the group was aborted. `force` (tests, benchmarks): 0 chooses (by
  * size; one device: the event-ordered exchange, whose calls must come from the ranks' own threads),

@@ -56,6 +56,8 @@ struct kr_cluster {
     float *scratch;          /* the link's receive buffer (the collectives' thread only) */
     size_t scratch_cap;
     struct kr_wire_buf plan; /* the leader's step frame, reused */
+    void (*on_abort)(void *user); /* kr_cluster_on_abort */
+    void *on_abort_user;
 };
 
 /* ---- sockets ------------------------------------------------------------------------------------ */
@@ -196,6 +198,15 @@ void kr_cluster_abort(struct kr_cluster *c, const char *why)
     }
     kr_wire_buf_free(&b);
     KR_LOG_ERROR("cluster: node %d leaves the group: %s", c->node, c->why);
+    if (c->on_abort) {
+        c->on_abort(c->on_abort_user);
+    }
+}
+
+void kr_cluster_on_abort(struct kr_cluster *c, void (*fn)(void *user), void *user)
+{
+    c->on_abort = fn;
+    c->on_abort_user = user;
 }
 
 const char *kr_cluster_why(struct kr_cluster *c)

@@ -77,6 +77,10 @@ enum kr_status kr_cluster_bcast_blob(struct kr_cluster *c, void *data, size_t *l
 /* Leaves the group with a reason: wakes every blocked call (they return KR_ERR_CANCELLED) and
  * tells the peers. Idempotent, any thread. */
 void kr_cluster_abort(struct kr_cluster *c, const char *why);
+/* Start-up, before the group runs: fn(user) is called once by the first kr_cluster_abort (any
+ * thread, after the peers were told), e.g. to abort collectives that do not go through the link
+ * (NCCL's, which would otherwise wait for a node that left). */
+void kr_cluster_on_abort(struct kr_cluster *c, void (*fn)(void *user), void *user);
 /* Whether the group is whole: joined and not aborted (a peer's closed connection is seen too). */
 bool kr_cluster_healthy(struct kr_cluster *c);
 /* Why the group was aborted ("" when it was not); valid while c lives. */

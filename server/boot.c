@@ -45,12 +45,6 @@ static enum kr_status init_node(struct kr_boot *b, const struct kr_serve_opts *o
     b->tp = o->tensor_parallel_size;
     int cuda_dev;
     KR_TRY(kr_backend_parse_device(o->device, &cuda_dev, err));
-    if (cuda_dev >= 0) {
-        return kr_err_set(err, KR_ERR_UNSUPPORTED,
-                          "several nodes (--nnodes %d) with CUDA ranks are not supported yet: the group over nodes "
-                          "runs CPU ranks (--device cpu); on one node, --tensor-parallel-size alone uses NCCL",
-                          o->nnodes);
-    }
     const struct kr_cluster_opts co = {.nnodes = o->nnodes, .node_rank = o->node_rank, .master_addr = o->master_addr,
                                        .master_port = o->master_port, .tp = b->tp, .join_timeout_s = o->join_timeout_s};
     KR_TRY(kr_cluster_create(&co, &b->cluster, err));
@@ -63,6 +57,15 @@ static enum kr_status init_node(struct kr_boot *b, const struct kr_serve_opts *o
     b->rank_m = kr_calloc((size_t)b->tp, sizeof *b->rank_m);
     if (!b->rank_be || !b->rank_m) {
         return kr_err_set(err, KR_ERR_NOMEM, "out of memory");
+    }
+    if (cuda_dev >= 0) {
+        /* a GPU each; they join the group (NCCL, with the leader's id) once the nodes have met */
+        b->cuda_nodes = true;
+        KR_TRY(kr_backend_cuda_create_ranks(cuda_dev, per, b->rank_be, err));
+        b->be = b->rank_be[0];
+        KR_LOG_INFO("tensor parallel: %d ranks over %d nodes; node %d holds ranks %d..%d on CUDA devices %d..%d",
+                    b->tp, o->nnodes, o->node_rank, first, first + per - 1, cuda_dev, cuda_dev + per - 1);
+        return KR_OK;
     }
     if (kr_host_comm_create_part(b->tp, first, per, kr_cluster_link(b->cluster), &b->comm) != KR_OK) {
         return kr_err_set(err, KR_ERR_NOMEM, "out of memory");
@@ -83,8 +86,16 @@ static int local_ranks(const struct kr_boot *b)
     return b->cluster ? kr_cluster_per_node(b->cluster) : b->tp;
 }
 
+/* The cluster's abort hook: NCCL's collectives do not go through the cluster's link, so a node
+ * that left would leave them waiting (until the watchdog's timeout). */
+static void abort_cuda_group(void *user)
+{
+    struct kr_boot *b = user;
+    kr_backend_cuda_group_abort(b->cuda_comm);
+}
+
 /* The bootstrap: this node's configuration, compared with the leader's; then the leader's group id
- * (the start-up blob) to every node. */
+ * (the start-up blob) to every node, with the NCCL id when the ranks are on GPUs. */
 static enum kr_status join_nodes(struct kr_boot *b, struct kr_err *err)
 {
     const struct kr_serve_opts *o = &b->o;
@@ -108,14 +119,31 @@ static enum kr_status join_nodes(struct kr_boot *b, struct kr_err *err)
         {"prefix-cache-state-interval", o->prefix_state_interval},
         {"prefix-cache-snapshots", o->prefix_snapshots},
         {"indexer", o->indexer},
+        {"CUDA ranks", b->cuda_nodes},
     };
     KR_TRY(kr_cluster_join(b->cluster, f, (int32_t)(sizeof f / sizeof f[0]), err));
-    uint8_t id[16] = {0};
-    size_t len = sizeof id;
-    if (o->node_rank == 0 && getrandom(id, sizeof id, 0) != (ssize_t)sizeof id) {
-        memset(id, 0, sizeof id);
+    /* the blob: a group id of 16 bytes, then (CUDA ranks) the NCCL id the leader made */
+    uint8_t id[16 + 512] = {0};
+    size_t len = 16;
+    if (o->node_rank == 0) {
+        if (getrandom(id, 16, 0) != 16) {
+            memset(id, 0, 16);
+        }
+        if (b->cuda_nodes) {
+            size_t nlen = 0;
+            KR_TRY(kr_backend_cuda_nccl_id(id + 16, sizeof id - 16, &nlen, err));
+            len += nlen;
+        }
     }
     KR_TRY(kr_cluster_bcast_blob(b->cluster, id, &len, sizeof id, err));
+    if (b->cuda_nodes) {
+        if (len <= 16) {
+            return kr_err_set(err, KR_ERR_FORMAT, "the leader sent no NCCL id: is it serving on CUDA too?");
+        }
+        KR_TRY(kr_backend_cuda_join(b->rank_be, kr_cluster_per_node(b->cluster), kr_cluster_first_rank(b->cluster),
+                                    b->tp, id + 16, &b->cuda_comm, err));
+        kr_cluster_on_abort(b->cluster, abort_cuda_group, b); /* a node that left releases NCCL here */
+    }
     char hex[33];
     for (size_t i = 0; i < len && i < 16; i++) {
         snprintf(hex + 2 * i, 3, "%02x", id[i]);

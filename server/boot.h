@@ -33,6 +33,7 @@ struct kr_boot {
     struct kr_cluster *cluster;    /* several nodes (--nnodes): the others; NULL on one node. rank_be and
                                       rank_m then hold this node's ranks at [0 .. per), NULL after */
     struct kr_cuda_comm *cuda_comm; /* the ranks' collectives (CUDA ranks) */
+    bool cuda_nodes;               /* several nodes with CUDA ranks: cuda_comm is made after the join */
     struct kr_tokenizer *tok;      /* NULL with --skip-tokenizer-init */
     struct kr_chat *chat;          /* NULL without a chat template */
     struct kr_grammar_vocab *gvocab; /* the tokenizer's tokens for constrained decoding (NULL without a
