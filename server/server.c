@@ -781,6 +781,13 @@ static void on_trim_timer(uv_timer_t *t)
     if (s->rt.eng && !s->device_failed && !s->stopping && kr_engine_failed(s->rt.eng)) {
         on_device_failed(s);
     }
+    /* a leader whose worker left while no step ran: nothing would notice until the next request, so
+     * the group fails now (exit 3: whoever restarts the leader restarts the group) */
+    if (s->ready && s->rt.eng && s->o.nnodes > 1 && !kr_boot_is_worker(&s->rt) && !s->device_failed &&
+        !s->stopping && !s->draining && !kr_boot_group_healthy(&s->rt)) {
+        KR_LOG_ERROR("the group of %d nodes lost a node while idle", s->o.nnodes);
+        on_device_failed(s);
+    }
     if (s->big_ok && !s->trim_queued && !s->stopping && atomic_exchange(&kr_sess_trim_wanted, false)) {
         s->trim_queued = true;
         s->trim_work = (struct kr_lane_work){.work = trim_work, .after = trim_after, .data = s};

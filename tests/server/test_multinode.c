@@ -479,6 +479,24 @@ Test(multinode, a_worker_killed_mid_stream_fails_the_leader_cleanly)
 }
 
 /* The leader killed: the worker sees its connection close and exits non-zero within 10 s. */
+/* The worker killed while nothing runs: the leader notices on its own (no request needed), answers
+ * /health 503 and exits 3 within 10 s. */
+Test(multinode, a_worker_killed_while_idle_fails_the_leader)
+{
+    const int mp = free_port();
+    struct srv_proc lead, work;
+    node_start(&lead, "mn-idle-leader.log", mp, 2, 0, "2", FX "hybrid/hy_mdme", NULL);
+    node_start(&work, "mn-idle-worker.log", mp, 2, 1, "2", FX "hybrid/hy_mdme", NULL);
+    node_wait_healthy(&lead);
+    node_wait_healthy(&work);
+    kill(work.pid, SIGKILL);
+    cr_expect_eq(wait_exit(&work, 5), 128 + SIGKILL);
+    const int code = wait_exit(&lead, 10);
+    cr_expect_eq(code, 3, "the leader's exit status %d (want 3; -1: still running after 10 s): %s", code,
+                 slurp("mn-idle-leader.log"));
+    cr_expect(strstr(slurp("mn-idle-leader.log"), "lost a node while idle"), "the leader says why");
+}
+
 Test(multinode, the_leader_killed_ends_the_worker)
 {
     const int mp = free_port();
