@@ -49,6 +49,14 @@ struct kr_buf {
 /* Creates the CPU reference backend using `n_threads` threads (0 = all cores).
  * Returns NULL on OOM. */
 kr_backend_t kr_backend_cpu_create(int n_threads);
+/* The planning backend: the loader run against it (kr_model_load) reads only the checkpoint's
+ * headers, and each upload counts the bytes a device backend would hold: weights of weight_elt
+ * bytes (2: bf16 as on CUDA), fp32 vectors of 4; caches of cache_elt bytes. It runs no op (they
+ * fail with KR_ERR_UNSUPPORTED). NULL on a bad size or out of memory. */
+kr_backend_t kr_backend_plan_create(size_t weight_elt, size_t cache_elt);
+bool kr_backend_is_plan(kr_backend_t be);
+/* The bytes uploaded or allocated so far (0 for another backend). */
+uint64_t kr_backend_plan_bytes(kr_backend_t be);
 void kr_backend_free(kr_backend_t be);
 const char *kr_backend_name(kr_backend_t be);
 /* Bytes per activation element. */

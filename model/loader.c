@@ -222,7 +222,19 @@ static enum kr_status load_part(struct loader *ld, const char *name, int n_dim, 
     const void *src = t->data;
     enum kr_dtype dt = t->dtype;
     float *deq = NULL;
-    if (dt == KR_DTYPE_F8_E4M3) {
+    const bool plan = kr_backend_is_plan(ld->m->be); /* sizes only: no byte of the weights is read */
+    if (dt == KR_DTYPE_F8_E4M3 && plan) {
+        char sname[600];
+        scale_name(sname, sizeof sname, name);
+        struct kr_st_tensor *sc = find(ld, sname);
+        if (!sc) {
+            return kr_err_set(ld->err, KR_ERR_FORMAT,
+                              "%s: tensor \"%s\" is F8_E4M3 but its block scales \"%s\" are missing", t->file->path,
+                              t->name, sname);
+        }
+        sc->used = true;
+        dt = KR_DTYPE_F32; /* dequantized at load */
+    } else if (dt == KR_DTYPE_F8_E4M3) {
         char sname[600];
         scale_name(sname, sizeof sname, name);
         KR_TRY(dequant_fp8(ld, t, t->data, R, C, sname, 0, &deq));
@@ -252,7 +264,7 @@ static enum kr_status load_part(struct loader *ld, const char *name, int n_dim, 
     const size_t esz = kr_dtype_size(dt);
     void *gathered = NULL;
     const void *data = (const char *)src + (size_t)(r0[0] * C) * esz;
-    if (n_seg > 1 || nc != C) { /* copy the share's rows (and columns) together */
+    if ((n_seg > 1 || nc != C) && !plan) { /* copy the share's rows (and columns) together */
         gathered = kr_malloc((size_t)(rows * nc) * esz + 1);
         if (!gathered) {
             kr_free(deq);
@@ -509,7 +521,7 @@ static enum kr_status upload_expert(struct loader *ld, const struct kr_st_tensor
     }
     struct kr_tensor host = {.data = base + (size_t)(r0 * C) * esz, .dtype = t->dtype, .rows = rows, .cols = nc};
     char *g = NULL;
-    if (nc != C) {
+    if (nc != C && !kr_backend_is_plan(ld->m->be)) {
         if (!(g = kr_malloc((size_t)(rows * nc) * esz + 1))) {
             return KR_ERR_NOMEM;
         }

@@ -6,6 +6,7 @@
 #include "clock.h"
 #include "log.h"
 #include "model.h"
+#include "plan.h"
 #include "runner.h"
 #include "server.h"
 
@@ -26,6 +27,7 @@ static void usage(FILE *f)
             "  serve      OpenAI-compatible HTTP server (krait serve --help)\n"
             "  generate   greedy generation from token ids, printed as JSON\n"
             "  logprobs   log-probabilities of every prompt token, printed as JSON\n"
+            "  plan       a checkpoint's memory plan per GPU from its headers (krait plan --help)\n"
             "  help       this text\n"
             "\n"
             "options:\n"
@@ -201,6 +203,9 @@ int kr_cli_main(int argc, char **argv)
     const char *cmd = argv[1];
     if (!strcmp(cmd, "serve")) {
         return kr_serve_main(argc, argv);
+    }
+    if (!strcmp(cmd, "plan")) {
+        return kr_plan_main(argc, argv);
     }
     if (strcmp(cmd, "generate") != 0 && strcmp(cmd, "logprobs") != 0) {
         fprintf(stderr, "krait: unknown command \"%s\"\n\n", cmd);
