@@ -134,3 +134,63 @@ enum kr_status kr_fp8_index_score(const uint8_t *q, const float *q_scale, const 
     }
     return KR_OK;
 }
+
+/* ---- the block-scaled weight recipe ------------------------------------------------------------ */
+
+enum kr_status kr_fp8_weight_quant(const float *w, int64_t rows, int64_t cols, int64_t block_r, int64_t block_c,
+                                   uint8_t *q, float *scale_inv)
+{
+    if (!w || !q || !scale_inv || rows < 1 || cols < 1 || block_r < 1 || block_c < 1) {
+        return KR_ERR_INVAL;
+    }
+    for (int64_t i = 0; i < rows * cols; i++) {
+        if (!isfinite(w[i])) {
+            return KR_ERR_INVAL;
+        }
+    }
+    const int64_t sr = (rows + block_r - 1) / block_r, sc = (cols + block_c - 1) / block_c;
+    for (int64_t br = 0; br < sr; br++) {
+        const int64_t r0 = br * block_r, r1 = r0 + block_r < rows ? r0 + block_r : rows;
+        for (int64_t bc = 0; bc < sc; bc++) {
+            const int64_t c0 = bc * block_c, c1 = c0 + block_c < cols ? c0 + block_c : cols;
+            float amax = 1e-4f;
+            for (int64_t r = r0; r < r1; r++) {
+                for (int64_t c = c0; c < c1; c++) {
+                    amax = fmaxf(amax, fabsf(w[r * cols + c]));
+                }
+            }
+            const float s = amax * (1.0f / KR_FP8_E4M3_MAX);
+            scale_inv[br * sc + bc] = s;
+            for (int64_t r = r0; r < r1; r++) {
+                for (int64_t c = c0; c < c1; c++) {
+                    q[r * cols + c] = kr_fp8_e4m3_from_f32(w[r * cols + c] / s);
+                }
+            }
+        }
+    }
+    return KR_OK;
+}
+
+enum kr_status kr_fp8_gemm(const uint8_t *a, const float *a_s, int64_t m, int64_t k, const uint8_t *b,
+                           const float *b_s, int64_t n, int64_t block_k, int64_t block_n, float *c)
+{
+    if (!a || !a_s || !b || !b_s || !c || m < 0 || n < 0 || k < 1 || block_k < 1 || block_n < 1 ||
+        k % block_k != 0) {
+        return KR_ERR_INVAL;
+    }
+    const int64_t nkb = k / block_k;
+    for (int64_t i = 0; i < m; i++) {
+        for (int64_t j = 0; j < n; j++) {
+            float acc = 0.0f;
+            for (int64_t kb = 0; kb < nkb; kb++) {
+                double dot = 0.0; /* exact: see fp8.h */
+                for (int64_t t = kb * block_k; t < (kb + 1) * block_k; t++) {
+                    dot += (double)kr_e4m3_to_f32(a[i * k + t]) * (double)kr_e4m3_to_f32(b[j * k + t]);
+                }
+                acc += ((float)dot * a_s[i * nkb + kb]) * b_s[(j / block_n) * nkb + kb];
+            }
+            c[i * n + j] = acc;
+        }
+    }
+    return KR_OK;
+}

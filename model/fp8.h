@@ -1,8 +1,9 @@
 #pragma once
-/* CPU reference of the FP8 path of the DSA lightning indexer (MODEL_SPEC §1.5), as the DeepSeek-V3.2
- * reference `kernel.py` computes it: an orthonormal Walsh-Hadamard transform of the indexer query and
- * key vectors, per-block quantization to OCP FP8 E4M3 (`act_quant`), and the index score over the
- * cached keys (`fp8_index`). Everything is plain fp32 (fp64 where that makes a result exact), written
+/* CPU reference of the FP8 recipes of DeepSeek-V3.2 as its reference `kernel.py` computes them: the
+ * DSA lightning indexer's path (MODEL_SPEC §1.5: an orthonormal Walsh-Hadamard transform of the
+ * indexer query and key vectors, per-block quantization to OCP FP8 E4M3 (`act_quant`), the index
+ * score over the cached keys (`fp8_index`)), and the block-scaled weights with their product
+ * (`weight_quant` with 128 x 128 scales, `fp8_gemm` over activations quantized per 128 values). Everything is plain fp32 (fp64 where that makes a result exact), written
  * to define what a device kernel has to reproduce. All functions are pure and may be called from any
  * thread; every pointer is borrowed for the duration of the call. */
 #include <stdbool.h>
@@ -65,6 +66,29 @@ enum kr_status kr_fp8_act_quant(const float *x, int64_t n, int64_t block, bool u
 enum kr_status kr_fp8_index_score(const uint8_t *q, const float *q_scale, const float *w, int64_t n_head,
                                   int64_t head_dim, const uint8_t *k, const float *k_scale, int64_t n_kv,
                                   float *score);
+
+/* ---- the block-scaled weight recipe (DeepSeek-V3 / V3.2 checkpoints; `--quantization fp8`) ---- */
+
+/* Quantizes w [rows, cols] (fp32) in blocks of [block_r, block_c] (128 x 128 in the checkpoints;
+ * edge blocks are smaller): for each block amax = max(max |w|, 1e-4), s = amax * fp32(1/448) and
+ * q = e4m3(w / s), the same rule as kr_fp8_act_quant; writes q [rows, cols] (E4M3 codes) and
+ * scale_inv [ceil(rows / block_r), ceil(cols / block_c)] = s, the checkpoints' `weight_scale_inv`
+ * (w ~= e4m3_to_f32(q) * scale_inv). KR_ERR_INVAL, writing nothing, on a NULL pointer, a size below
+ * 1 or a non-finite element. */
+enum kr_status kr_fp8_weight_quant(const float *w, int64_t rows, int64_t cols, int64_t block_r, int64_t block_c,
+                                   uint8_t *q, float *scale_inv);
+
+/* The reference FP8 product (DeepSeek's `fp8_gemm`): c [m, n] = a [m, k] * b [n, k]^T with a
+ * quantized per row in blocks of block_k along k (kr_fp8_act_quant: a_s [m, k / block_k]) and b in
+ * blocks of [block_n, block_k] (kr_fp8_weight_quant: b_s [ceil(n / block_n), k / block_k]). For each
+ * output, over the k blocks in order:
+ *   d   = the block's dot product of the decoded E4M3 values, exact in fp64 (every product is a
+ *         multiple of 2^-18 below 2^18) and rounded once to fp32
+ *   acc = acc + (d * a_s[i, kb]) * b_s[j / block_n, kb]        (fp32, acc from 0)
+ * the order of the reference kernel's `acc += dot(a, b) * a_s[:, None] * b_s[None, :]`. k must be a
+ * multiple of block_k (the activations' groups). KR_ERR_INVAL on a NULL pointer or a bad size. */
+enum kr_status kr_fp8_gemm(const uint8_t *a, const float *a_s, int64_t m, int64_t k, const uint8_t *b,
+                           const float *b_s, int64_t n, int64_t block_k, int64_t block_n, float *c);
 
 #ifdef __cplusplus
 }
