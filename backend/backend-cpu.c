@@ -280,9 +280,49 @@ static enum kr_status cpu_act(kr_backend_t be, const struct krk_act_params *p)
 
 /* y[t, r] = x[t, :] . w[r, :] (+ bias[r]); converts weight rows to fp32 on the fly so that bf16 and
  * f16 checkpoints are used in place. Parallel over blocks of weight rows. */
+/* The FP8 recipe (model/fp8.h): each row of x quantized per block of the weight's block_c columns
+ * (the last one may be shorter), then the reference product with the weight's codes and scales. */
+static enum kr_status matmul_fp8(const float *x, int64_t ldx, int64_t n, const struct kr_tensor *w, const float *bias,
+                                 float *y, int64_t ldy)
+{
+    const int64_t rows = w->rows, cols = w->cols, bc = w->block_c, br = w->block_r;
+    if (!w->scale || bc < 1 || br < 1) {
+        KR_LOG_ERROR("cpu: an FP8 weight [%lld, %lld] without its block scales", (long long)rows, (long long)cols);
+        return KR_ERR_INVAL;
+    }
+    const int64_t nkb = (cols + bc - 1) / bc;
+    uint8_t *aq = kr_malloc((size_t)(n * cols));
+    float *as = kr_malloc((size_t)(n * nkb) * sizeof(float)), *c = kr_malloc((size_t)(n * rows) * sizeof(float));
+    enum kr_status st = aq && as && c ? KR_OK : KR_ERR_NOMEM;
+    for (int64_t t = 0; t < n && st == KR_OK; t++) {
+        for (int64_t kb = 0; kb < nkb && st == KR_OK; kb++) {
+            const int64_t len = cols - kb * bc < bc ? cols - kb * bc : bc;
+            st = kr_fp8_act_quant(x + t * ldx + kb * bc, len, len, false, aq + t * cols + kb * bc, as + t * nkb + kb);
+        }
+    }
+    if (st == KR_OK) {
+        st = kr_fp8_gemm(aq, as, n, cols, w->data, w->scale, rows, bc, br, c);
+    }
+    for (int64_t t = 0; t < n && st == KR_OK; t++) {
+        for (int64_t r = 0; r < rows; r++) {
+            y[t * ldy + r] = bias ? c[t * rows + r] + bias[r] : c[t * rows + r];
+        }
+    }
+    if (st == KR_ERR_INVAL) {
+        KR_LOG_ERROR("cpu: an FP8 product's activations are not finite");
+    }
+    kr_free(aq);
+    kr_free(as);
+    kr_free(c);
+    return st;
+}
+
 static enum kr_status matmul_impl(int n_threads, const float *x, int64_t ldx, int64_t n, const struct kr_tensor *w,
                                   const float *bias, float *y, int64_t ldy)
 {
+    if (w->dtype == KR_DTYPE_F8_E4M3) {
+        return matmul_fp8(x, ldx, n, w, bias, y, ldy);
+    }
     const int64_t rows = w->rows, cols = w->cols;
     const int64_t n_blk = (rows + MM_ROWS - 1) / MM_ROWS;
     const size_t esz = kr_dtype_size(w->dtype);
@@ -1102,6 +1142,12 @@ static void cpu_tp_abort(kr_backend_t be)
     }
 }
 
+static bool cpu_fp8_matmul(kr_backend_t be)
+{
+    (void)be;
+    return true;
+}
+
 kr_backend_t kr_backend_cpu_create(int n_threads)
 {
     kr_backend_t be = kr_calloc(1, sizeof *be);
@@ -1143,6 +1189,7 @@ kr_backend_t kr_backend_cpu_create(int n_threads)
         .dsa_index = cpu_dsa_index,
         .set_tp = cpu_set_tp,
         .fp8_round = cpu_fp8_round,
+        .fp8_matmul = cpu_fp8_matmul,
         .all_reduce = cpu_all_reduce,
         .all_gather = cpu_all_gather,
         .tp_abort = cpu_tp_abort,

@@ -97,6 +97,8 @@ struct kr_backend_i {
     enum kr_status (*all_reduce)(kr_backend_t be, float *x, int64_t n);
     enum kr_status (*all_gather)(kr_backend_t be, const float *src, int64_t rows, int64_t cols, float *dst);
     void (*tp_abort)(kr_backend_t be);
+    /* (optional) whether matmul takes F8_E4M3 weights with block scales (struct kr_tensor.scale) */
+    bool (*fp8_matmul)(kr_backend_t be);
 };
 
 struct kr_backend {
@@ -104,6 +106,7 @@ struct kr_backend {
     void *ctx;
     int api_version;
     int tp_rank, tp_size; /* this backend's place in its tensor-parallel group (0, 1 alone) */
+    bool fp8_weights;     /* kr_backend_set_fp8_weights */
 };
 
 #define KR_BACKEND_API_VERSION 1

@@ -73,6 +73,22 @@ enum kr_status kr_backend_set_tp(kr_backend_t be, int rank, int size, void *comm
     return KR_OK;
 }
 
+enum kr_status kr_backend_set_fp8_weights(kr_backend_t be, bool on, struct kr_err *err)
+{
+    if (on && !(be->iface.fp8_matmul && be->iface.fp8_matmul(be))) {
+        return kr_err_set(err, KR_ERR_UNSUPPORTED,
+                          "FP8 weights (--quantization fp8): the %s backend has no FP8 product yet (the CPU "
+                          "reference has)", kr_backend_name(be));
+    }
+    be->fp8_weights = on;
+    return KR_OK;
+}
+
+bool kr_backend_fp8_weights(kr_backend_t be)
+{
+    return be->fp8_weights;
+}
+
 int kr_backend_tp_rank(kr_backend_t be)
 {
     return be->tp_size > 1 ? be->tp_rank : 0;

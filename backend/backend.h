@@ -28,6 +28,10 @@ struct kr_tensor {
     enum kr_dtype dtype;
     int64_t rows;
     int64_t cols;
+    /* F8_E4M3 weights kept as FP8 (kr_backend_set_fp8_weights): the blocks' scales
+     * [ceil(rows / block_r), ceil(cols / block_c)] in backend memory (weight = code * scale) */
+    const float *scale;
+    int32_t block_r, block_c;
 };
 
 /* One product of kr_backend_matmul_multi: y[t, :w->rows] = x[t, :] * w^T (+ bias), row stride ldy. */
@@ -127,6 +131,15 @@ bool kr_backend_healthy(kr_backend_t be);
  * cuBLAS status) may be the echo of an illegal access by an earlier kernel; this finds out.
  * Engine thread. True when the device is still usable. */
 bool kr_backend_check(kr_backend_t be);
+
+/* FP8 weights (model/fp8.h's block-scaled recipe): with `on`, the loader keeps FP8 checkpoint
+ * matrices as E4M3 codes with their block scales instead of dequantizing them, and quantizes the
+ * other checkpoints' matrices to it (`--quantization fp8`); the products then quantize their
+ * activations per block (kr_fp8_act_quant) and run the reference product (kr_fp8_gemm). Before the
+ * model is loaded. KR_ERR_UNSUPPORTED with a message for a backend without that product (today
+ * every backend but the CPU reference). */
+enum kr_status kr_backend_set_fp8_weights(kr_backend_t be, bool on, struct kr_err *err);
+bool kr_backend_fp8_weights(kr_backend_t be);
 
 /* Tensor parallelism (DESIGN.md): one backend instance is one rank. kr_backend_set_tp joins the
  * group `comm` as `rank` of `size`, before the model is loaded (the loader then takes only this

@@ -174,17 +174,16 @@ enum kr_status kr_fp8_weight_quant(const float *w, int64_t rows, int64_t cols, i
 enum kr_status kr_fp8_gemm(const uint8_t *a, const float *a_s, int64_t m, int64_t k, const uint8_t *b,
                            const float *b_s, int64_t n, int64_t block_k, int64_t block_n, float *c)
 {
-    if (!a || !a_s || !b || !b_s || !c || m < 0 || n < 0 || k < 1 || block_k < 1 || block_n < 1 ||
-        k % block_k != 0) {
+    if (!a || !a_s || !b || !b_s || !c || m < 0 || n < 0 || k < 1 || block_k < 1 || block_n < 1) {
         return KR_ERR_INVAL;
     }
-    const int64_t nkb = k / block_k;
+    const int64_t nkb = (k + block_k - 1) / block_k;
     for (int64_t i = 0; i < m; i++) {
         for (int64_t j = 0; j < n; j++) {
             float acc = 0.0f;
             for (int64_t kb = 0; kb < nkb; kb++) {
                 double dot = 0.0; /* exact: see fp8.h */
-                for (int64_t t = kb * block_k; t < (kb + 1) * block_k; t++) {
+                for (int64_t t = kb * block_k; t < (kb + 1) * block_k && t < k; t++) {
                     dot += (double)kr_e4m3_to_f32(a[i * k + t]) * (double)kr_e4m3_to_f32(b[j * k + t]);
                 }
                 acc += ((float)dot * a_s[i * nkb + kb]) * b_s[(j / block_n) * nkb + kb];

@@ -79,14 +79,15 @@ enum kr_status kr_fp8_weight_quant(const float *w, int64_t rows, int64_t cols, i
                                    uint8_t *q, float *scale_inv);
 
 /* The reference FP8 product (DeepSeek's `fp8_gemm`): c [m, n] = a [m, k] * b [n, k]^T with a
- * quantized per row in blocks of block_k along k (kr_fp8_act_quant: a_s [m, k / block_k]) and b in
- * blocks of [block_n, block_k] (kr_fp8_weight_quant: b_s [ceil(n / block_n), k / block_k]). For each
- * output, over the k blocks in order:
+ * quantized per row in blocks of block_k along k (kr_fp8_act_quant per block: a_s [m, nkb]) and b in
+ * blocks of [block_n, block_k] (kr_fp8_weight_quant: b_s [ceil(n / block_n), nkb]), nkb =
+ * ceil(k / block_k): the last block along k may be shorter (the reference kernel needs k a multiple
+ * of 128; the small test checkpoints are narrower). For each output, over the k blocks in order:
  *   d   = the block's dot product of the decoded E4M3 values, exact in fp64 (every product is a
  *         multiple of 2^-18 below 2^18) and rounded once to fp32
  *   acc = acc + (d * a_s[i, kb]) * b_s[j / block_n, kb]        (fp32, acc from 0)
- * the order of the reference kernel's `acc += dot(a, b) * a_s[:, None] * b_s[None, :]`. k must be a
- * multiple of block_k (the activations' groups). KR_ERR_INVAL on a NULL pointer or a bad size. */
+ * the order of the reference kernel's `acc += dot(a, b) * a_s[:, None] * b_s[None, :]`. KR_ERR_INVAL
+ * on a NULL pointer or a bad size. */
 enum kr_status kr_fp8_gemm(const uint8_t *a, const float *a_s, int64_t m, int64_t k, const uint8_t *b,
                            const float *b_s, int64_t n, int64_t block_k, int64_t block_n, float *c);
 

@@ -6,6 +6,7 @@
 #include "model.h"
 
 #include "alloc.h"
+#include "fp8.h"
 #include "log.h"
 
 #include <stdarg.h>
@@ -20,6 +21,7 @@ struct loader {
     void *progress_user;
     const char *prefix; /* "backbone." or "model." */
     bool deepseek;      /* HF deepseek_v32 naming (layer i -> native 2i, 2i+1) */
+    bool whole_precision; /* the embedding and the LM head: never kept as FP8 */
     struct kr_err *err;
 };
 
@@ -202,6 +204,110 @@ static struct part rank0_only(const struct loader *ld)
     return (struct part){.skip = ld->rank != 0};
 }
 
+/* Part `pt` of matrix `t` ([R, C]) kept as FP8 (kr_backend_set_fp8_weights): an FP8 checkpoint's
+ * codes and block scales as they are, any other matrix quantized by the block recipe
+ * (kr_fp8_weight_quant). The share must consist of whole blocks (a tensor-parallel split that cuts
+ * a block is refused). */
+static enum kr_status load_fp8_part(struct loader *ld, struct kr_st_tensor *t, const char *name, int64_t R, int64_t C,
+                                    const struct part *pt, struct kr_tensor *out)
+{
+    const struct kr_model_config *c = &ld->m->cfg;
+    const int64_t B0 = c->fp8_block[0] > 0 ? c->fp8_block[0] : 128, B1 = c->fp8_block[1] > 0 ? c->fp8_block[1] : 128;
+    int n_seg = pt && pt->n_rows ? pt->n_rows : 1;
+    int64_t r0[5] = {0}, nr[5] = {R};
+    if (pt && pt->n_rows) {
+        memcpy(r0, pt->r0, sizeof r0);
+        memcpy(nr, pt->nr, sizeof nr);
+    }
+    const int64_t c0 = pt && pt->nc ? pt->c0 : 0, nc = pt && pt->nc ? pt->nc : C;
+    int64_t rows = 0, srows = 0;
+    bool whole = c0 % B1 == 0 && (nc % B1 == 0 || c0 + nc == C);
+    for (int i = 0; i < n_seg; i++) {
+        whole = whole && r0[i] % B0 == 0 && (nr[i] % B0 == 0 || r0[i] + nr[i] == R);
+        rows += nr[i];
+        srows += (nr[i] + B0 - 1) / B0;
+    }
+    if (!whole) {
+        return kr_err_set(ld->err, KR_ERR_UNSUPPORTED,
+                          "%s: FP8 weights are kept in blocks of %lldx%lld, and this rank's share of \"%s\" [%lld, "
+                          "%lld] cuts a block (a smaller --tensor-parallel-size, or no --quantization fp8)",
+                          t->file->path, (long long)B0, (long long)B1, name, (long long)R, (long long)C);
+    }
+    const int64_t scols = (nc + B1 - 1) / B1, scol0 = c0 / B1;
+    uint8_t *codes = kr_malloc((size_t)(rows * nc) + 1);
+    float *scales = kr_malloc((size_t)(srows * scols) * sizeof(float) + 1);
+    float *tmp = NULL;
+    enum kr_status st = codes && scales ? KR_OK : KR_ERR_NOMEM;
+    if (st == KR_OK && t->dtype == KR_DTYPE_F8_E4M3) {
+        char sname[600];
+        scale_name(sname, sizeof sname, name);
+        struct kr_st_tensor *sc = find(ld, sname);
+        const int64_t full_scols = (C + B1 - 1) / B1;
+        if (!sc || (sc->dtype != KR_DTYPE_F32 && sc->dtype != KR_DTYPE_BF16) || sc->n_dim != 2 ||
+            sc->shape[0] != (R + B0 - 1) / B0 || sc->shape[1] != full_scols) {
+            st = kr_err_set(ld->err, KR_ERR_FORMAT, "%s: \"%s\" is F8_E4M3 but its block scales \"%s\" are missing "
+                            "or not [%lld, %lld]", t->file->path, name, sname, (long long)((R + B0 - 1) / B0),
+                            (long long)full_scols);
+        } else {
+            sc->used = true;
+            const size_t ssz = kr_dtype_size(sc->dtype);
+            int64_t o = 0, so = 0;
+            for (int i = 0; i < n_seg; i++) {
+                for (int64_t r = r0[i]; r < r0[i] + nr[i]; r++, o++) {
+                    memcpy(codes + o * nc, (const uint8_t *)t->data + r * C + c0, (size_t)nc);
+                }
+                for (int64_t b = r0[i] / B0; b < (r0[i] + nr[i] + B0 - 1) / B0; b++, so++) {
+                    kr_convert_to_f32(scales + so * scols,
+                                      (const char *)sc->data + (size_t)(b * full_scols + scol0) * ssz, sc->dtype,
+                                      (size_t)scols);
+                }
+            }
+        }
+    } else if (st == KR_OK) {
+        /* the share in fp32, then the recipe; each segment's blocks are quantized on their own so
+         * that its block rows start at the segment's first row, as a checkpoint's would */
+        const size_t esz = kr_dtype_size(t->dtype);
+        int64_t o = 0, so = 0;
+        for (int i = 0; i < n_seg && st == KR_OK; i++) {
+            kr_free(tmp);
+            tmp = kr_malloc((size_t)(nr[i] * nc) * sizeof(float) + 1);
+            if (!tmp) {
+                st = KR_ERR_NOMEM;
+                break;
+            }
+            for (int64_t r = 0; r < nr[i]; r++) {
+                kr_convert_to_f32(tmp + r * nc, (const char *)t->data + (size_t)((r0[i] + r) * C + c0) * esz, t->dtype,
+                                  (size_t)nc);
+            }
+            if (nr[i] > 0 && kr_fp8_weight_quant(tmp, nr[i], nc, B0, B1, codes + o * nc, scales + so * scols) != KR_OK) {
+                st = kr_err_set(ld->err, KR_ERR_FORMAT, "%s: \"%s\" has values that are not finite", t->file->path, name);
+            }
+            o += nr[i];
+            so += (nr[i] + B0 - 1) / B0;
+        }
+    }
+    kr_free(tmp);
+    struct kr_tensor sc_dev = {0};
+    if (st == KR_OK) {
+        const struct kr_tensor hc = {.data = codes, .dtype = KR_DTYPE_F8_E4M3, .rows = rows, .cols = nc};
+        const struct kr_tensor hs = {.data = scales, .dtype = KR_DTYPE_F32, .rows = srows, .cols = scols};
+        struct kr_buf oc, os;
+        st = kr_backend_upload(ld->m->be, &hc, false, false, out, &oc);
+        if (st == KR_OK && (st = own_buf(ld->m, &oc)) == KR_OK &&
+            (st = kr_backend_upload(ld->m->be, &hs, true, false, &sc_dev, &os)) == KR_OK) {
+            st = own_buf(ld->m, &os);
+        }
+    }
+    kr_free(codes);
+    kr_free(scales);
+    if (st == KR_OK) {
+        out->scale = sc_dev.data;
+        out->block_r = (int32_t)B0;
+        out->block_c = (int32_t)B1;
+    }
+    return st;
+}
+
 /* Loads part `pt` of tensor `name` (NULL: all of it). Its stored shape must be `shape` (n_dim
  * dims); [R, C] is its logical matrix shape (a vector: R elements, C = 1; a conv weight: [conv_dim,
  * K]). `vec`: the result is a row vector. `to_f32`: an fp32 copy. F8_E4M3 matrices (when `fp8_ok`)
@@ -218,6 +324,9 @@ static enum kr_status load_part(struct loader *ld, const char *name, int n_dim, 
     KR_TRY(check_any(ld, t, n_dim, shape, fp8_ok));
     if (pt && pt->skip) {
         return KR_OK;
+    }
+    if (fp8_ok && !to_f32 && !vec && !ld->whole_precision && kr_backend_fp8_weights(ld->m->be)) {
+        return load_fp8_part(ld, t, name, R, C, pt, out);
     }
     const void *src = t->data;
     enum kr_dtype dt = t->dtype;
@@ -753,8 +862,10 @@ static enum kr_status load_all(struct loader *ld)
     /* the embedding and the LM head are split by vocabulary rows (the embedding's ranks each give
      * their rows and zeros for the others, summed by an all-reduce) */
     const struct part vocab_rows = rows_share(ld, c->vocab);
+    ld->whole_precision = true; /* a table lookup, not a product; the LM head stays as DeepSeek keeps it */
     KR_TRY(load_mat_p(ld, emb->name, c->vocab, c->dim, &vocab_rows, false, "token embedding [vocab, hidden]",
                       &m->embed));
+    ld->whole_precision = false;
     m->embed_row0 = ld->size > 1 ? vocab_rows.r0[0] : 0;
     if (ld->deepseek) {
         NAME(n, "model.norm.weight");
@@ -774,8 +885,10 @@ static enum kr_status load_all(struct loader *ld)
         }
         m->lm_head = m->embed; /* the same rows on every rank */
     } else {
+        ld->whole_precision = true;
         KR_TRY(load_mat_p(ld, "lm_head.weight", c->vocab, c->dim, &vocab_rows, false,
                           "output projection [vocab, hidden] (tie_word_embeddings is false)", &m->lm_head));
+        ld->whole_precision = false;
     }
     if (m->n_mla) {
         struct kr_tensor host = {.data = c->rope_inv_freq, .dtype = KR_DTYPE_F32, .rows = 1, .cols = c->qk_rope / 2}, dev;
@@ -790,7 +903,12 @@ static enum kr_status load_all(struct loader *ld)
         KR_LOG_INFO("%s: skipped %d multi-token-prediction layer(s) after layer %d", m->dir, c->n_mtp_layers,
                     c->n_layer / 2 - 1);
     }
-    if (c->fp8_weights) {
+    if (kr_backend_fp8_weights(m->be)) {
+        KR_LOG_INFO("%s: matrices %s FP8 in blocks of %dx%d (the embedding and the LM head excepted); products "
+                    "quantize their activations per block",
+                    m->dir, c->fp8_weights ? "kept in" : "quantized to",
+                    (int)(c->fp8_block[0] > 0 ? c->fp8_block[0] : 128), (int)(c->fp8_block[1] > 0 ? c->fp8_block[1] : 128));
+    } else if (c->fp8_weights) {
         KR_LOG_INFO("%s: FP8 block-quantized weights were dequantized at load (no FP8 GEMM path yet): the %s "
                     "backend holds them in its weight precision (%s)",
                     m->dir, kr_backend_name(m->be), kr_backend_cache_elt_size(m->be) == 2 ? "bf16" : "fp32");

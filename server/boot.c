@@ -120,6 +120,7 @@ static enum kr_status join_nodes(struct kr_boot *b, struct kr_err *err)
         {"prefix-cache-snapshots", o->prefix_snapshots},
         {"indexer", o->indexer},
         {"CUDA ranks", b->cuda_nodes},
+        {"quantization fp8", o->fp8_weights},
     };
     KR_TRY(kr_cluster_join(b->cluster, f, (int32_t)(sizeof f / sizeof f[0]), err));
     /* the blob: a group id of 16 bytes, then (CUDA ranks) the NCCL id the leader made */
@@ -336,6 +337,15 @@ static void *loader_main(void *arg)
         s->load_failed = true;
         s->loaded(s->loaded_user);
         return NULL;
+    }
+    /* --quantization: every rank of this process, before its weights are read */
+    for (int r = 0; r < (s->rank_be ? local_ranks(s) : 1); r++) {
+        if (kr_backend_set_fp8_weights(s->rank_be ? s->rank_be[r] : s->be, s->o.fp8_weights, &err) != KR_OK) {
+            KR_LOG_ERROR("cannot load the model: %s", err.msg);
+            s->load_failed = true;
+            s->loaded(s->loaded_user);
+            return NULL;
+        }
     }
     enum kr_status st = kr_model_load_progress(s->o.model_dir, s->be, progress, NULL, &s->m, &err);
     if (st == KR_OK && s->o.indexer != KR_INDEXER_AUTO) {

@@ -70,6 +70,9 @@ static void usage(FILE *f)
             "  --gpu-memory-utilization F      share of GPU memory for weights + caches (default 0.9)\n"
             "  --indexer auto|bf16|fp8         DSA indexer precision (auto: the FP8 path for FP8 checkpoints)\n"
             "  --threads N                     CPU threads (default: all cores)              [KRAIT_THREADS]\n"
+            "  --quantization fp8|none         fp8: matrices kept in (FP8 checkpoints) or quantized to FP8 blocks of\n"
+            "                                  128x128 at load, activations quantized per block (the CPU reference\n"
+            "                                  only so far); none (default): bf16/fp32 weights\n"
             "  --tensor-parallel-size N, -tp N ranks the model is split over (default 1), all nodes together;\n"
             "                                  on the CPU, threads of each process sharing its --threads\n"
             "  --nnodes N                      nodes (processes) the ranks are spread over, tp / N ranks each\n"
@@ -260,7 +263,7 @@ int kr_serve_main(int argc, char **argv)
         O_TOK, O_TPL, O_SKIP, O_TOKIDS, O_BODY, O_SHUTDOWN, O_THREADS, O_LOG, O_PORTFILE, O_HELP, O_DEVICE, O_GPUMEM, O_INDEXER,
         O_ALLOW_LONG, O_HELP_ENV, O_PREFIX, O_NO_PREFIX, O_PREFIX_INTERVAL, O_PREFIX_SNAPS,
         O_REQMEM, O_MAXCONN, O_MAXCONN_IP, O_HDR_TIMEOUT, O_BODY_TIMEOUT, O_ORIGINS, O_METHODS, O_HEADERS,
-        O_CREDENTIALS, O_TP, O_NNODES, O_NODE_RANK, O_MASTER_ADDR, O_MASTER_PORT, O_JOIN_TIMEOUT,
+        O_CREDENTIALS, O_TP, O_QUANT, O_NNODES, O_NODE_RANK, O_MASTER_ADDR, O_MASTER_PORT, O_JOIN_TIMEOUT,
     };
     static const char *origins[MAX_CORS], *methods[MAX_CORS], *headers[MAX_CORS];
     static const struct option longopts[] = {
@@ -293,6 +296,7 @@ int kr_serve_main(int argc, char **argv)
         {"shutdown-timeout", required_argument, NULL, O_SHUTDOWN},
         {"threads", required_argument, NULL, O_THREADS},
         {"tensor-parallel-size", required_argument, NULL, O_TP},
+        {"quantization", required_argument, NULL, O_QUANT},
         {"nnodes", required_argument, NULL, O_NNODES},
         {"node-rank", required_argument, NULL, O_NODE_RANK},
         {"master-addr", required_argument, NULL, O_MASTER_ADDR},
@@ -462,6 +466,13 @@ int kr_serve_main(int argc, char **argv)
                 return 2;
             }
             o.tensor_parallel_size = v;
+            break;
+        case O_QUANT:
+            if (strcmp(optarg, "fp8") != 0 && strcmp(optarg, "none") != 0) {
+                fprintf(stderr, "krait serve: --quantization: \"%s\" (expected fp8 or none)\n", optarg);
+                return 2;
+            }
+            o.fp8_weights = !strcmp(optarg, "fp8");
             break;
         case O_NNODES:
             if (parse_i32("--nnodes", optarg, 1, 64, &v)) {
