@@ -62,10 +62,16 @@ static enum kr_status plan_upload(kr_backend_t be, const struct kr_tensor *host,
 {
     (void)src_persistent;
     struct plan_ctx *c = ctx_of(be);
-    const size_t esz = to_f32 ? sizeof(float) : c->weight_elt;
+    /* FP8 codes are a byte; the matrices the loader keeps in their precision (the embedding, the LM
+     * head) are bf16 in an FP8 plan */
+    const size_t esz = to_f32                                ? sizeof(float)
+                       : host->dtype == KR_DTYPE_F8_E4M3 ? 1
+                       : c->weight_elt == 1              ? 2
+                                                         : c->weight_elt;
     c->bytes += (uint64_t)host->rows * (uint64_t)host->cols * esz;
     c->n_up++;
-    *out = (struct kr_tensor){.data = g_nothing, .dtype = to_f32 || esz == 4 ? KR_DTYPE_F32 : KR_DTYPE_BF16,
+    *out = (struct kr_tensor){.data = g_nothing,
+                              .dtype = esz == 1 ? KR_DTYPE_F8_E4M3 : to_f32 || esz == 4 ? KR_DTYPE_F32 : KR_DTYPE_BF16,
                               .rows = host->rows, .cols = host->cols};
     memset(owned, 0, sizeof *owned);
     return KR_OK;
@@ -83,6 +89,12 @@ static enum kr_status plan_copy(kr_backend_t be, void *dst, const void *src, siz
     (void)src;
     (void)n;
     return plan_no_op(be);
+}
+
+/* A plan made for FP8 weights (weight_elt 1) takes kr_backend_set_fp8_weights: codes of a byte. */
+static bool plan_fp8_matmul(kr_backend_t be)
+{
+    return ctx_of(be)->weight_elt == 1;
 }
 
 static enum kr_status plan_set_tp(kr_backend_t be, int rank, int size, void *comm)
@@ -114,7 +126,7 @@ kr_backend_t kr_backend_plan_create(size_t weight_elt, size_t cache_elt)
 {
     kr_backend_t be = kr_calloc(1, sizeof *be);
     struct plan_ctx *c = kr_calloc(1, sizeof *c);
-    if (!be || !c || (weight_elt != 2 && weight_elt != 4) || (cache_elt != 2 && cache_elt != 4)) {
+    if (!be || !c || (weight_elt != 1 && weight_elt != 2 && weight_elt != 4) || (cache_elt != 2 && cache_elt != 4)) {
         kr_free(be);
         kr_free(c);
         return NULL;
@@ -137,6 +149,7 @@ kr_backend_t kr_backend_plan_create(size_t weight_elt, size_t cache_elt)
         .set_tp = plan_set_tp,
         .all_reduce = plan_all_reduce,
         .all_gather = plan_all_gather,
+        .fp8_matmul = plan_fp8_matmul,
     };
     return be;
 }

@@ -55,8 +55,9 @@ struct kr_buf {
 kr_backend_t kr_backend_cpu_create(int n_threads);
 /* The planning backend: the loader run against it (kr_model_load) reads only the checkpoint's
  * headers, and each upload counts the bytes a device backend would hold: weights of weight_elt
- * bytes (2: bf16 as on CUDA), fp32 vectors of 4; caches of cache_elt bytes. It runs no op (they
- * fail with KR_ERR_UNSUPPORTED). NULL on a bad size or out of memory. */
+ * bytes (2: bf16 as on CUDA; 1: FP8, after kr_backend_set_fp8_weights, the matrices as codes with
+ * their block scales and the embedding and LM head in bf16), fp32 vectors of 4; caches of cache_elt
+ * bytes. It runs no op (they fail with KR_ERR_UNSUPPORTED). NULL on a bad size or out of memory. */
 kr_backend_t kr_backend_plan_create(size_t weight_elt, size_t cache_elt);
 bool kr_backend_is_plan(kr_backend_t be);
 /* The bytes uploaded or allocated so far (0 for another backend). */

@@ -234,6 +234,28 @@ static enum kr_status load_fp8_part(struct loader *ld, struct kr_st_tensor *t, c
                           t->file->path, (long long)B0, (long long)B1, name, (long long)R, (long long)C);
     }
     const int64_t scols = (nc + B1 - 1) / B1, scol0 = c0 / B1;
+    if (kr_backend_is_plan(ld->m->be)) { /* sizes only: codes of a byte, fp32 scales */
+        if (t->dtype == KR_DTYPE_F8_E4M3) {
+            char sname[600];
+            scale_name(sname, sizeof sname, name);
+            struct kr_st_tensor *sc = find(ld, sname);
+            if (!sc) {
+                return kr_err_set(ld->err, KR_ERR_FORMAT, "%s: \"%s\" is F8_E4M3 but its block scales \"%s\" are "
+                                  "missing", t->file->path, name, sname);
+            }
+            sc->used = true;
+        }
+        const struct kr_tensor hc = {.dtype = KR_DTYPE_F8_E4M3, .rows = rows, .cols = nc};
+        const struct kr_tensor hs = {.dtype = KR_DTYPE_F32, .rows = srows, .cols = scols};
+        struct kr_tensor sd;
+        struct kr_buf ob;
+        KR_TRY(kr_backend_upload(ld->m->be, &hc, false, false, out, &ob));
+        KR_TRY(kr_backend_upload(ld->m->be, &hs, true, false, &sd, &ob));
+        out->scale = sd.data;
+        out->block_r = (int32_t)B0;
+        out->block_c = (int32_t)B1;
+        return KR_OK;
+    }
     uint8_t *codes = kr_malloc((size_t)(rows * nc) + 1);
     float *scales = kr_malloc((size_t)(srows * scols) * sizeof(float) + 1);
     float *tmp = NULL;

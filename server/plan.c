@@ -30,6 +30,7 @@ struct plan_opts {
     uint64_t gpu_bytes;
     double util;
     bool cpu;              /* fp32 weights and caches, as the CPU backend holds them */
+    bool fp8;              /* --quantization fp8: matrices as FP8 codes with block scales */
     bool json;
 };
 
@@ -49,6 +50,7 @@ static void plan_usage(FILE *f)
             "  --gpu-memory-bytes X             memory of one GPU (default 150110011392: an H200)\n"
             "  --gpu-memory-utilization F       share of it for weights + caches (default 0.9)\n"
             "  --device cuda|cpu                element sizes of that backend (default cuda: bf16)\n"
+            "  --quantization fp8|none          fp8: matrices as FP8 codes + 128x128 block scales (as serve's flag)\n"
             "  --json                           one JSON object instead of the table\n");
 }
 
@@ -82,6 +84,7 @@ static int parse_opts(int argc, char **argv, struct plan_opts *o)
         {"gpu-memory-bytes", required_argument, NULL, 'g'},
         {"gpu-memory-utilization", required_argument, NULL, 'u'},
         {"device", required_argument, NULL, 'd'},
+        {"quantization", required_argument, NULL, 'q'},
         {"json", no_argument, NULL, 'j'},
         {"help", no_argument, NULL, 'h'},
         {0},
@@ -129,6 +132,13 @@ static int parse_opts(int argc, char **argv, struct plan_opts *o)
                 return 2;
             }
             o->cpu = !strcmp(optarg, "cpu");
+            break;
+        case 'q':
+            if (strcmp(optarg, "fp8") && strcmp(optarg, "none")) {
+                fprintf(stderr, "krait plan: --quantization: \"%s\" (expected fp8 or none)\n", optarg);
+                return 2;
+            }
+            o->fp8 = !strcmp(optarg, "fp8");
             break;
         case 'j':
             o->json = true;
@@ -191,7 +201,7 @@ int kr_plan_main(int argc, char **argv)
         return prc == 1 ? 0 : prc;
     }
     kr_log_set_level(KR_LOG_LEVEL_WARN); /* the loader's lines are not the plan */
-    const size_t welt = o.cpu ? 4 : 2, celt = o.cpu ? 4 : 2;
+    const size_t welt = o.fp8 ? 1 : o.cpu ? 4 : 2, celt = o.cpu ? 4 : 2;
     uint64_t *w = kr_calloc((size_t)o.tp, sizeof *w);
     if (!w) {
         fprintf(stderr, "krait plan: out of memory\n");
@@ -210,7 +220,8 @@ int kr_plan_main(int argc, char **argv)
             rc = 1;
             break;
         }
-        if (kr_backend_set_tp(be, r, o.tp, NULL, &err) != KR_OK || kr_model_load(o.model, be, &m, &err) != KR_OK) {
+        if (kr_backend_set_tp(be, r, o.tp, NULL, &err) != KR_OK ||
+            kr_backend_set_fp8_weights(be, o.fp8, &err) != KR_OK || kr_model_load(o.model, be, &m, &err) != KR_OK) {
             fprintf(stderr, "krait plan: %s (rank %d of %d)\n", err.msg, r, o.tp);
             kr_backend_free(be);
             rc = 1;
@@ -243,10 +254,11 @@ int kr_plan_main(int argc, char **argv)
             for (int r = 0; r < o.tp; r++) {
                 json_array_append_new(ws, json_integer((json_int_t)w[r]));
             }
-            json_t *j = json_pack("{s:s, s:s, s:s, s:i, s:s, s:o, s:I, s:I, s:{s:I, s:I, s:I, s:I}, s:I, s:i, s:I, "
+            json_t *j = json_pack("{s:s, s:s, s:s, s:i, s:s, s:s, s:o, s:I, s:I, s:{s:I, s:I, s:I, s:I}, s:I, s:i, s:I, "
                                   "s:I, s:I, s:I, s:f, s:I, s:I}",
                                   "model", o.model, "model_type", c->model_type, "pattern", c->pattern,
-                                  "tensor_parallel_size", o.tp, "device", o.cpu ? "cpu" : "cuda", "weights_bytes", ws,
+                                  "tensor_parallel_size", o.tp, "device", o.cpu ? "cpu" : "cuda", "quantization",
+                                  o.fp8 ? "fp8" : "none", "weights_bytes", ws,
                                   "weights_bytes_max", (json_int_t)w_max, "weights_bytes_total", (json_int_t)w_sum,
                                   "cache_bytes_per_token", "kv", (json_int_t)p.kv, "latent", (json_int_t)p.latent,
                                   "indexer", (json_int_t)p.indexer, "total", (json_int_t)per_tok,
@@ -265,11 +277,14 @@ int kr_plan_main(int argc, char **argv)
             kr_free(text);
             json_decref(j);
         } else {
-            printf("%s: %s, %d layers \"%s\", tensor-parallel size %d, %s elements\n", o.model, c->model_type,
-                   c->n_layer, c->pattern, o.tp, o.cpu ? "fp32 (CPU)" : "bf16 (CUDA)");
-            printf("weights per rank:      %.2f GiB (largest of %d ranks; %.2f GiB in all; FP8 checkpoints are "
-                   "dequantized to bf16 at load)\n",
-                   gib(w_max), o.tp, gib(w_sum));
+            printf("%s: %s, %d layers \"%s\", tensor-parallel size %d, %s weights, %s caches\n", o.model,
+                   c->model_type, c->n_layer, c->pattern, o.tp,
+                   o.fp8 ? "FP8 (codes + 128x128 block scales; embedding and LM head bf16)"
+                   : o.cpu ? "fp32 (CPU)"
+                           : "bf16 (CUDA)",
+                   o.cpu ? "fp32" : "bf16");
+            printf("weights per rank:      %.2f GiB (largest of %d ranks; %.2f GiB in all%s)\n", gib(w_max), o.tp,
+                   gib(w_sum), o.fp8 ? "" : "; FP8 checkpoints are dequantized to bf16 at load");
             printf("cache per token:       %llu B per rank (K/V %llu, MLA latent %llu, DSA indexer keys %llu)\n",
                    (unsigned long long)per_tok, (unsigned long long)p.kv, (unsigned long long)p.latent,
                    (unsigned long long)p.indexer);

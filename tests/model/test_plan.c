@@ -131,3 +131,38 @@ Test(plan, an_fp8_checkpoint_is_planned_at_its_bf16_size)
     kr_model_free(m);
     kr_backend_free(be);
 }
+
+/* FP8 weights planned (`krait plan --quantization fp8`): the matrices' codes take a byte where bf16
+ * takes two, and the embedding, the LM head, the vectors and the block scales are unchanged or
+ * small: the plan lies between half the bf16 plan and the bf16 plan, on the FP8 checkpoint and on a
+ * bf16 one (quantized at load), and a plan made for bf16 refuses FP8. */
+static uint64_t plan_fp8(const char *dir)
+{
+    kr_backend_t be = kr_backend_plan_create(1, 2);
+    cr_assert(be);
+    struct kr_err err = {0};
+    cr_assert_eq(kr_backend_set_fp8_weights(be, true, &err), KR_OK, "%s", err.msg);
+    struct kr_model *m = NULL;
+    cr_assert_eq(kr_model_load(dir, be, &m, &err), KR_OK, "%s: %s", dir, err.msg);
+    const uint64_t b = kr_backend_plan_bytes(be);
+    kr_model_free(m);
+    kr_backend_free(be);
+    return b;
+}
+
+Test(plan, fp8_weights_take_about_half)
+{
+    static const char *const rel[] = {"deepseek_v32/ds_fp8", "nemotron_h/nh_moe", "hybrid/hy_mdme"};
+    for (size_t i = 0; i < sizeof rel / sizeof rel[0]; i++) {
+        char dir[512];
+        snprintf(dir, sizeof dir, "%s/%s", fx_root(), rel[i]);
+        const uint64_t f = plan_fp8(dir), b = plan_rank(dir, 0, 1, 2, NULL);
+        fprintf(stderr, "  %-24s FP8 %llu bytes, bf16 %llu\n", rel[i], (unsigned long long)f, (unsigned long long)b);
+        cr_expect(f < b && 2 * f >= b, "%s: FP8 plan %llu bytes against bf16 %llu", rel[i], (unsigned long long)f,
+                  (unsigned long long)b);
+    }
+    kr_backend_t be = kr_backend_plan_create(2, 2);
+    struct kr_err err = {0};
+    cr_expect_eq(kr_backend_set_fp8_weights(be, true, &err), KR_ERR_UNSUPPORTED);
+    kr_backend_free(be);
+}
