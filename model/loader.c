@@ -171,6 +171,22 @@ struct part {
     bool skip;
 };
 
+/* Part `pt` of an [R, C] tensor spelled out: its row segments and columns (NULL: all of it). */
+static struct part share_of(const struct part *pt, int64_t R, int64_t C)
+{
+    struct part s = {.n_rows = 1, .nr = {R}, .nc = C};
+    if (pt && pt->n_rows) {
+        s.n_rows = pt->n_rows;
+        memcpy(s.r0, pt->r0, sizeof s.r0);
+        memcpy(s.nr, pt->nr, sizeof s.nr);
+    }
+    if (pt && pt->nc) {
+        s.c0 = pt->c0;
+        s.nc = pt->nc;
+    }
+    return s;
+}
+
 /* Appends this rank's 1/size of the `total` rows starting at `off` to p. */
 static void add_rows(const struct loader *ld, struct part *p, int64_t off, int64_t total)
 {
@@ -213,13 +229,9 @@ static enum kr_status load_fp8_part(struct loader *ld, struct kr_st_tensor *t, c
 {
     const struct kr_model_config *c = &ld->m->cfg;
     const int64_t B0 = c->fp8_block[0] > 0 ? c->fp8_block[0] : 128, B1 = c->fp8_block[1] > 0 ? c->fp8_block[1] : 128;
-    int n_seg = pt && pt->n_rows ? pt->n_rows : 1;
-    int64_t r0[5] = {0}, nr[5] = {R};
-    if (pt && pt->n_rows) {
-        memcpy(r0, pt->r0, sizeof r0);
-        memcpy(nr, pt->nr, sizeof nr);
-    }
-    const int64_t c0 = pt && pt->nc ? pt->c0 : 0, nc = pt && pt->nc ? pt->nc : C;
+    const struct part sh = share_of(pt, R, C);
+    const int n_seg = sh.n_rows;
+    const int64_t *r0 = sh.r0, *nr = sh.nr, c0 = sh.c0, nc = sh.nc;
     int64_t rows = 0, srows = 0;
     bool whole = c0 % B1 == 0 && (nc % B1 == 0 || c0 + nc == C);
     for (int i = 0; i < n_seg; i++) {
@@ -372,13 +384,9 @@ static enum kr_status load_part(struct loader *ld, const char *name, int n_dim, 
         src = deq;
         dt = KR_DTYPE_F32;
     }
-    int n_seg = pt && pt->n_rows ? pt->n_rows : 1;
-    int64_t r0[5] = {0}, nr[5] = {R};
-    if (pt && pt->n_rows) {
-        memcpy(r0, pt->r0, sizeof r0);
-        memcpy(nr, pt->nr, sizeof nr);
-    }
-    const int64_t c0 = pt && pt->nc ? pt->c0 : 0, nc = pt && pt->nc ? pt->nc : C;
+    const struct part sh = share_of(pt, R, C);
+    const int n_seg = sh.n_rows;
+    const int64_t *r0 = sh.r0, *nr = sh.nr, c0 = sh.c0, nc = sh.nc;
     int64_t rows = 0;
     for (int i = 0; i < n_seg; i++) {
         if (r0[i] < 0 || nr[i] < 0 || r0[i] + nr[i] > R) {
