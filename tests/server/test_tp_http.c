@@ -198,6 +198,30 @@ Test(tp_http, deepseek_v32_2_and_4_ranks)
     check_family("deepseek_v32/ds_short", "4");
 }
 
+/* The server's exit status once it exits on its own within `secs` seconds, else -1 (it is then
+ * killed); its port file is removed either way. */
+static int exit_within(struct srv_proc *p, int secs)
+{
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    int st = 0, code = -1;
+    for (;;) {
+        if (waitpid(p->pid, &st, WNOHANG) == p->pid) {
+            code = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+            break;
+        }
+        clock_gettime(CLOCK_MONOTONIC, &t1);
+        if (t1.tv_sec - t0.tv_sec > secs) {
+            kill(p->pid, SIGKILL);
+            waitpid(p->pid, &st, 0);
+            break;
+        }
+        usleep(20000);
+    }
+    unlink(p->port_file);
+    return code;
+}
+
 /* 3 ranks do not divide the fixture's 4 heads and 2 Mamba groups: the server says so and exits. */
 Test(tp_http, an_indivisible_rank_count_is_refused_at_start)
 {
@@ -234,23 +258,7 @@ Test(tp_http, a_rank_that_dies_mid_step_fails_the_group_cleanly)
     http(&p, "GET", "/health", NULL, NULL, &r);
     cr_expect(r.status == 503 || r.status == 0, "/health after the group failed: %ld", r.status);
     http_free(&r);
-    struct timespec t0, t1;
-    clock_gettime(CLOCK_MONOTONIC, &t0);
-    int st = 0, code = -1;
-    for (;;) {
-        if (waitpid(p.pid, &st, WNOHANG) == p.pid) {
-            code = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-            break;
-        }
-        clock_gettime(CLOCK_MONOTONIC, &t1);
-        if (t1.tv_sec - t0.tv_sec > 10) {
-            kill(p.pid, SIGKILL);
-            waitpid(p.pid, &st, 0);
-            break;
-        }
-        usleep(20000);
-    }
-    unlink(p.port_file);
+    const int code = exit_within(&p, 10);
     cr_expect_eq(code, 3, "exit status %d (want 3; -1: it did not exit within 10 s)", code);
 }
 
@@ -480,22 +488,6 @@ Test(tp_http, a_cuda_rank_that_dies_mid_step_fails_the_group_cleanly)
     cr_expect_eq(r.status, 503, "the request in flight: %ld", r.status);
     cr_expect(r.body && strstr(r.body, "rank 1"), "body: %s", r.body ? r.body : "");
     http_free(&r);
-    struct timespec t0, t1;
-    clock_gettime(CLOCK_MONOTONIC, &t0);
-    int st = 0, code = -1;
-    for (;;) {
-        if (waitpid(p.pid, &st, WNOHANG) == p.pid) {
-            code = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-            break;
-        }
-        clock_gettime(CLOCK_MONOTONIC, &t1);
-        if (t1.tv_sec - t0.tv_sec > 20) {
-            kill(p.pid, SIGKILL);
-            waitpid(p.pid, &st, 0);
-            break;
-        }
-        usleep(20000);
-    }
-    unlink(p.port_file);
+    const int code = exit_within(&p, 20);
     cr_expect_eq(code, 3, "exit status %d (want 3; -1: it did not exit within 20 s)", code);
 }
