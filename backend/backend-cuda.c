@@ -106,6 +106,7 @@ struct cuda_ctx {
     struct ptr_entry {
         const struct kr_tensor *host; /* the model's array of expert tensors */
         const void *first;             /* its first tensor's data (a new model may reuse the array's address) */
+        bool scale;                    /* the table holds the tensors' FP8 block scales */
         size_t off;                    /* its pointers at ptr_table[off..off+n) */
     } *ptr_idx;
     size_t n_ptr_idx, cap_ptr_idx;
@@ -134,6 +135,14 @@ struct cuda_ctx {
     /* tensor parallelism: this rank's group (NULL alone) */
     struct kr_cuda_comm *comm;
     int rank;
+
+    /* FP8 weights (kr_backend_set_fp8_weights): cuBLASLt's block-scaled matmul (NULL: none, every
+     * product takes krk_fp8_gemv), the row count from which it takes over (KRAIT_FP8_GEMV_MAX), and
+     * the staging of the quantized activations (codes, scales or dequantized values) */
+    struct krk_fp8_lt *lt;
+    int fp8_gemv_max;
+    void *f8;
+    size_t f8_size;
 };
 
 static struct cuda_ctx *ctx_of(kr_backend_t be)
@@ -262,6 +271,8 @@ static void cuda_free(kr_backend_t be)
         cudaFree(c->scratch);
         cudaFree(c->xb);
         cudaFree(c->sk_ws);
+        krk_fp8_lt_free(c->lt);
+        cudaFree(c->f8);
         cudaFree(c->d_meta);
         cudaFree(c->ptr_table);
         cudaFreeHost(c->h_meta);
@@ -427,7 +438,8 @@ static enum kr_status upload_bytes(struct cuda_ctx *c, void *dst, const void *sr
 
 /* Uploads a weight: an fp32 copy with `to_f32` (vectors, routers, kv_b: what the model computes
  * in fp32), bf16 otherwise (F16 and F32 sources are rounded to bf16; FP8 checkpoints arrive here
- * dequantized to F32). Conversions run on the host. */
+ * dequantized to F32 unless the loader keeps FP8 weights, whose E4M3 codes are copied as they are
+ * and their block scales as fp32). Conversions run on the host. */
 static enum kr_status cuda_upload(kr_backend_t be, const struct kr_tensor *host, bool to_f32, bool src_persistent,
                                   struct kr_tensor *out, struct kr_buf *owned)
 {
@@ -435,6 +447,18 @@ static enum kr_status cuda_upload(kr_backend_t be, const struct kr_tensor *host,
     memset(owned, 0, sizeof *owned);
     const size_t n = (size_t)host->rows * (size_t)host->cols;
     const bool f32 = to_f32;
+    if (host->dtype == KR_DTYPE_F8_E4M3 && !to_f32) { /* FP8 codes kept as they are */
+        struct kr_buf b;
+        KR_TRY(cuda_buf_alloc(be, n, &b));
+        const enum kr_status st = upload_bytes(c, b.ptr, host->data, n);
+        if (st != KR_OK) {
+            cuda_buf_free(be, &b);
+            return st;
+        }
+        *out = (struct kr_tensor){.data = b.ptr, .dtype = KR_DTYPE_F8_E4M3, .rows = host->rows, .cols = host->cols};
+        *owned = b;
+        return KR_OK;
+    }
     if (host->dtype != KR_DTYPE_F32 && host->dtype != KR_DTYPE_F16 && host->dtype != KR_DTYPE_BF16) {
         KR_LOG_ERROR("cuda: cannot upload a tensor of dtype %s", kr_dtype_name(host->dtype));
         return KR_ERR_UNSUPPORTED;
@@ -558,6 +582,26 @@ static enum kr_status ensure_xb(struct cuda_ctx *c, size_t elems)
     return KR_OK;
 }
 
+/* The staging of an FP8 product's quantized activations, at least `bytes`. */
+static enum kr_status ensure_f8(struct cuda_ctx *c, size_t bytes)
+{
+    if (bytes <= c->f8_size) {
+        return KR_OK;
+    }
+    bytes = (bytes + 255) & ~(size_t)255;
+    if (c->stream) {
+        CU_TRY(c, cudaStreamSynchronize(c->stream));
+    }
+    cudaFree(c->f8);
+    c->bytes_alloc -= c->f8_size;
+    c->f8 = NULL;
+    c->f8_size = 0;
+    KR_TRY(dev_alloc(c, bytes, &c->f8));
+    c->f8_size = bytes;
+    graphs_clear(c); /* captured graphs point at the old staging */
+    return KR_OK;
+}
+
 /* krk_skinny's workspace of at least `bytes`, zeroed (it holds counters every product leaves at 0). */
 static enum kr_status ensure_skinny_ws(struct cuda_ctx *c, size_t bytes)
 {
@@ -670,6 +714,13 @@ static size_t align256(size_t v)
 
 /* Sizes the scratch for steps of up to n_tok tokens in n_seq sequences and contexts up to max_ctx in
  * cache blocks of block_size positions (the model has rounded n_seq up to the graph batch size). */
+/* Staging of an FP8 product of n rows on cuBLASLt: the codes [n, round16(cols)], then from a
+ * 256-byte boundary the scales [ceil(cols / bc), n]. */
+static size_t f8_lt_bytes(int64_t n, int64_t cols, int64_t bc)
+{
+    return align256((size_t)(n * ((cols + 15) / 16 * 16))) + (size_t)(n * ((cols + bc - 1) / bc)) * 4;
+}
+
 static enum kr_status cuda_reserve(kr_backend_t be, const struct kr_model_config *m, int64_t n_tok, int64_t n_seq,
                                    int64_t max_ctx, int32_t block_size)
 {
@@ -714,6 +765,17 @@ static enum kr_status cuda_reserve(kr_backend_t be, const struct kr_model_config
         /* counters for products of up to the vocabulary's or 16 activations' rows (a product with
          * more takes cuBLAS), and the partial sums of the resident blocks */
         KR_TRY(ensure_skinny_ws(c, krk_skinny_ws_bytes(max64(m->vocab, 16 * wide) + 4 * 128)));
+    }
+    if (be->fp8_weights) { /* FP8 products' staging (matmul_fp8, the experts' FP8 path) */
+        const int64_t bc = m->fp8_block[1] > 0 ? m->fp8_block[1] : 128;
+        size_t f8 = f8_lt_bytes(n_tok, wide, bc);
+        const size_t gemv = (size_t)(c->fp8_gemv_max < n_tok ? c->fp8_gemv_max : n_tok) * (size_t)(wide + 4) * 4;
+        f8 = gemv > f8 ? gemv : f8;
+        if (m->n_expert) {
+            const size_t ex = (size_t)n_tok * (size_t)(m->dim + 4) * 4;
+            f8 = ex > f8 ? ex : f8;
+        }
+        KR_TRY(ensure_f8(c, f8));
     }
     /* sampling staging for every sequence at once: the most top log-probabilities, penalty entries
      * for every distinct token a sequence can hold (its context, at most the vocabulary) and an
@@ -915,6 +977,13 @@ static enum kr_status cuda_fp8_round_impl(kr_backend_t be, const struct krk_fp8_
     return krk_fp8_round(p, c->stream);
 }
 
+/* FP8 weights: products through matmul_fp8, the experts through krk_moe_experts's FP8 path. */
+static bool cuda_fp8_matmul(kr_backend_t be)
+{
+    (void)be;
+    return true;
+}
+
 static enum kr_status cuda_add(kr_backend_t be, float *y, const float *x, int64_t n)
 {
     struct cuda_ctx *c = ctx_of(be);
@@ -986,6 +1055,50 @@ static enum kr_status skinny_run(struct cuda_ctx *c, const float *x, int64_t ldx
     return krk_skinny(&p, c->stream);
 }
 
+static struct krk_fp8_weight fp8_weight(const struct kr_tensor *w)
+{
+    return (struct krk_fp8_weight){.q = w->data, .scale = w->scale, .rows = w->rows, .cols = w->cols,
+                                   .ld_s = (w->cols + w->block_c - 1) / w->block_c, .block_r = w->block_r,
+                                   .block_c = w->block_c};
+}
+
+/* A product with an FP8 weight (model/fp8.h's recipe): the rows of x quantized per block of the
+ * weight's columns, then cuBLASLt's block-scaled matmul for more than fp8_gemv_max rows where it
+ * takes the shape, else krk_fp8_gemv on the dequantized activations. */
+static enum kr_status matmul_fp8(struct cuda_ctx *c, const float *x, int64_t ldx, int64_t n, const struct kr_tensor *w,
+                                 const float *bias, float *y, int64_t ldy)
+{
+    if (!w->scale || w->block_r < 1 || w->block_c < 1) {
+        KR_LOG_ERROR("cuda: an FP8 weight [%lld, %lld] without its block scales", (long long)w->rows,
+                     (long long)w->cols);
+        return KR_ERR_INVAL;
+    }
+    const struct krk_fp8_weight fw = fp8_weight(w);
+    if (c->lt && n > c->fp8_gemv_max && krk_fp8_lt_takes(&fw, n)) {
+        const int64_t ldq = (fw.cols + 15) / 16 * 16;
+        KR_TRY(ensure_f8(c, f8_lt_bytes(n, fw.cols, fw.block_c)));
+        uint8_t *q = c->f8;
+        float *s = (float *)((char *)c->f8 + align256((size_t)(n * ldq)));
+        const struct krk_fp8_quant_params qp = {.x = x, .ldx = ldx, .n = n, .cols = fw.cols, .block = fw.block_c,
+                                                .q = q, .ldq = ldq, .scale = s, .s_ld = n};
+        KR_TRY(krk_fp8_quant(&qp, c->stream));
+        const struct krk_fp8_lt_params lp = {.q = q, .ldq = ldq, .scale = s, .n = n, .w = fw, .bias = bias, .y = y,
+                                             .ldy = ldy};
+        const enum kr_status st = krk_fp8_gemm_lt(c->lt, &lp, c->stream);
+        if (st != KR_ERR_UNSUPPORTED) {
+            return st;
+        }
+    }
+    const int64_t ldxq = (fw.cols + 3) / 4 * 4;
+    KR_TRY(ensure_f8(c, (size_t)(n * ldxq) * 4));
+    float *xq = c->f8;
+    const struct krk_fp8_quant_params qp = {.x = x, .ldx = ldx, .n = n, .cols = fw.cols, .block = fw.block_c,
+                                            .xq = xq, .ldxq = ldxq};
+    KR_TRY(krk_fp8_quant(&qp, c->stream));
+    const struct krk_fp8_gemv_params gp = {.xq = xq, .ldx = ldxq, .n = n, .w = fw, .bias = bias, .y = y, .ldy = ldy};
+    return krk_fp8_gemv(&gp, c->stream);
+}
+
 /* One product; `used` (or NULL) receives the bf16 operand it read (filled: false when none).
  * The matmul ops are a dispatch rather than a translation of one struct: the engine names a weight
  * tensor, and the kernel is chosen here by rows and weight (fp32 weights: cuBLAS SGEMM; one row:
@@ -1012,6 +1125,8 @@ static enum kr_status matmul_one(struct cuda_ctx *c, const float *x, int64_t ldx
         BLAS_TRY(cublasSgemm(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)rows, (int)n, (int)cols, &one, w->data,
                              (int)cols, x, (int)ldx, &zero, y, (int)ldy));
         st = bias ? krk_add_bias(y, ldy, bias, n, rows, c->stream) : KR_OK;
+    } else if (w->dtype == KR_DTYPE_F8_E4M3) {
+        st = matmul_fp8(c, x, ldx, n, w, bias, y, ldy);
     } else if (w->dtype != KR_DTYPE_BF16) {
         KR_LOG_ERROR("cuda: matmul weight of dtype %s", kr_dtype_name(w->dtype));
         return KR_ERR_UNSUPPORTED;
@@ -1190,22 +1305,27 @@ static enum kr_status cuda_moe_route_impl(kr_backend_t be, const struct krk_rout
 }
 
 /* Device array of the data pointers of `n` expert tensors (made once per array, then reused). */
-static enum kr_status expert_ptrs(struct cuda_ctx *c, const struct kr_tensor *t, int64_t n,
-                                  const krk_bf16 *const **out)
+/* The device array of the n tensors' data (or with `scale`, their FP8 block scales), made on first
+ * use. The tensors must all be bf16, or all FP8 with the same blocks as t[0]. */
+static enum kr_status expert_ptrs(struct cuda_ctx *c, const struct kr_tensor *t, int64_t n, bool scale,
+                                  const void *const **out)
 {
     *out = NULL;
     if (!t) {
         return KR_OK;
     }
     for (size_t i = 0; i < c->n_ptr_idx; i++) {
-        if (c->ptr_idx[i].host == t && c->ptr_idx[i].first == t[0].data) {
-            *out = (const krk_bf16 *const *)(c->ptr_table + c->ptr_idx[i].off);
+        if (c->ptr_idx[i].host == t && c->ptr_idx[i].first == t[0].data && c->ptr_idx[i].scale == scale) {
+            *out = (const void *const *)(c->ptr_table + c->ptr_idx[i].off);
             return KR_OK;
         }
     }
     for (int64_t e = 0; e < n; e++) {
-        if (t[e].dtype != KR_DTYPE_BF16) {
-            KR_LOG_ERROR("cuda: expert weights must be bf16 on the device (got %s)", kr_dtype_name(t[e].dtype));
+        const bool fp8 = t[0].dtype == KR_DTYPE_F8_E4M3;
+        if (t[e].dtype != t[0].dtype || (t[0].dtype != KR_DTYPE_BF16 && !fp8) ||
+            (fp8 && (!t[e].scale || t[e].block_r != t[0].block_r || t[e].block_c != t[0].block_c))) {
+            KR_LOG_ERROR("cuda: expert weights must be bf16, or FP8 with their block scales, all alike (expert %lld "
+                         "is %s)", (long long)e, kr_dtype_name(t[e].dtype));
             return KR_ERR_UNSUPPORTED;
         }
     }
@@ -1231,7 +1351,7 @@ static enum kr_status expert_ptrs(struct cuda_ctx *c, const struct kr_tensor *t,
         return KR_ERR_NOMEM;
     }
     for (int64_t e = 0; e < n; e++) {
-        h[e] = t[e].data;
+        h[e] = scale ? (const void *)t[e].scale : t[e].data;
     }
     cudaError_t err = cudaMemcpyAsync(c->ptr_table + c->ptr_used, h, (size_t)n * sizeof *h, cudaMemcpyHostToDevice,
                                       c->stream);
@@ -1240,8 +1360,9 @@ static enum kr_status expert_ptrs(struct cuda_ctx *c, const struct kr_tensor *t,
     }
     kr_free(h);
     CU_TRY(c, err);
-    c->ptr_idx[c->n_ptr_idx++] = (struct ptr_entry){.host = t, .first = t[0].data, .off = c->ptr_used};
-    *out = (const krk_bf16 *const *)(c->ptr_table + c->ptr_used);
+    c->ptr_idx[c->n_ptr_idx++] =
+        (struct ptr_entry){.host = t, .first = t[0].data, .scale = scale, .off = c->ptr_used};
+    *out = (const void *const *)(c->ptr_table + c->ptr_used);
     c->ptr_used += (size_t)n;
     return KR_OK;
 }
@@ -1253,10 +1374,29 @@ static enum kr_status cuda_moe_experts_impl(kr_backend_t be, const struct krk_ex
 {
     struct cuda_ctx *c = ctx_of(be);
     KR_TRY(op_enter(c));
-    struct krk_expert_ptrs d;
-    KR_TRY(expert_ptrs(c, w->gate, p->n_expert, &d.gate));
-    KR_TRY(expert_ptrs(c, w->up, p->n_expert, &d.up));
-    KR_TRY(expert_ptrs(c, w->down, p->n_expert, &d.down));
+    struct krk_expert_ptrs d = {0};
+    KR_TRY(expert_ptrs(c, w->gate, p->n_expert, false, &d.gate));
+    KR_TRY(expert_ptrs(c, w->up, p->n_expert, false, &d.up));
+    KR_TRY(expert_ptrs(c, w->down, p->n_expert, false, &d.down));
+    const bool fp8 = w->up[0].dtype == KR_DTYPE_F8_E4M3;
+    if (fp8 != (w->down[0].dtype == KR_DTYPE_F8_E4M3) || (w->gate && fp8 != (w->gate[0].dtype == KR_DTYPE_F8_E4M3)) ||
+        (fp8 && (w->down[0].block_r != w->up[0].block_r || w->down[0].block_c != w->up[0].block_c))) {
+        KR_LOG_ERROR("cuda: an MoE layer's expert matrices mix FP8 and other weights, or FP8 blocks");
+        return KR_ERR_UNSUPPORTED;
+    }
+    if (fp8) {
+        const void *const *gs, *const *us, *const *ds;
+        KR_TRY(expert_ptrs(c, w->gate, p->n_expert, true, &gs));
+        KR_TRY(expert_ptrs(c, w->up, p->n_expert, true, &us));
+        KR_TRY(expert_ptrs(c, w->down, p->n_expert, true, &ds));
+        d.gate_s = (const float *const *)gs;
+        d.up_s = (const float *const *)us;
+        d.down_s = (const float *const *)ds;
+        d.block_r = w->up[0].block_r;
+        d.block_c = w->up[0].block_c;
+        KR_TRY(ensure_f8(c, (size_t)(p->n * p->d_in) * 4));
+        d.xq = c->f8;
+    }
     const size_t ws = krk_moe_experts_workspace_bytes(p->n, p->n_used, p->d_ffn);
     if (ws > c->scratch_size) {
         KR_TRY(ensure_scratch(c, ws));
@@ -1737,6 +1877,7 @@ enum kr_status kr_backend_cuda_create_with(int dev, const struct kr_switches *sw
         .dsa_index = cuda_dsa_index,
         .mla_attention = cuda_mla_attention,
         .fp8_round = cuda_fp8_round,
+        .fp8_matmul = cuda_fp8_matmul,
         .sample = cuda_sample,
         .set_tp = cuda_set_tp,
         .all_reduce = cuda_all_reduce,
@@ -1749,6 +1890,7 @@ enum kr_status kr_backend_cuda_create_with(int dev, const struct kr_switches *sw
     c->dsa_score = sw->dsa_score;
     c->mla_overlap = sw->mla_overlap != 0;
     c->skinny_max = sw->skinny_max;
+    c->fp8_gemv_max = sw->fp8_gemv_max;
     /* the process-wide launch mode and state hints are kr_backend_cuda_setup's, not the device's */
     c->pdl = sw->pdl != 0;
     enum kr_status st = KR_ERR_INVAL;
@@ -1788,6 +1930,10 @@ enum kr_status kr_backend_cuda_create_with(int dev, const struct kr_switches *sw
         st = KR_ERR_CUDA;
         kr_err_set(err, st, "cuda: cannot configure cuBLAS");
         goto fail;
+    }
+    /* cuBLASLt shares cuBLAS's workspace: both run on `stream`, one product after the other */
+    if (!(c->lt = krk_fp8_lt_create(c->blas_ws, c->blas_ws_size))) {
+        KR_LOG_WARN("cuda: no cuBLASLt handle; FP8 products of every size take the CUDA-core kernel");
     }
     KR_LOG_INFO("cuda: using %s, graphs %s", c->desc, c->graphs_on ? "on" : "off");
     *out = be;

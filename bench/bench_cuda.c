@@ -16,6 +16,7 @@
 #include "clock.h"
 #include "log.h"
 
+#include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 #include <getopt.h>
@@ -119,39 +120,173 @@ static double gemm_rate(void)
     return 2.0 * N * (double)N * N / (median(t, 10) * 1e-3) / 1e12;
 }
 
-/* Bytes of weight matrices one decode step reads (the embedding gathers rows only). */
-static double weight_bytes(const struct kr_model *m)
+/* FP8 GEMM rate in TFLOP/s at m = n = k = 8192, median of 10: cuBLASLt's block-scaled matmul as the
+ * backend calls it (block = true: 128 x 128 weight scales, activation scales per 128, fp32 out), or
+ * its plain FP8 matmul (per-tensor scales of 1, bf16 out): the tensor cores' FP8 rate. */
+static double fp8_rate(bool block)
+{
+    const int N = 8192;
+    const size_t el = (size_t)N * N, nkb = N / 128;
+    uint8_t *h = malloc(el);
+    float *hs = malloc(nkb * N * 4);
+    uint32_t s = 3;
+    for (size_t i = 0; i < el; i++) {
+        s = s * 1664525u + 1013904223u;
+        h[i] = (uint8_t)((s >> 24) & 0x77); /* finite codes of both signs below 2^8 */
+    }
+    for (size_t i = 0; i < nkb * N; i++) {
+        hs[i] = 1.0f / 64;
+    }
+    void *a, *b, *c, *sa, *sb, *ws;
+    const size_t wsb = (size_t)32 << 20;
+    CK(cudaMalloc(&a, el));
+    CK(cudaMalloc(&b, el));
+    CK(cudaMalloc(&c, el * 4));
+    CK(cudaMalloc(&sa, nkb * N * 4));
+    CK(cudaMalloc(&sb, nkb * N * 4));
+    CK(cudaMalloc(&ws, wsb));
+    CK(cudaMemcpy(a, h, el, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(b, h, el, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(sa, hs, nkb * N * 4, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(sb, hs, nkb * N * 4, cudaMemcpyHostToDevice));
+    free(h);
+    free(hs);
+    struct krk_fp8_lt *lt = krk_fp8_lt_create(ws, wsb);
+    cublasLtHandle_t hl;
+    cublasLtMatmulDesc_t op = NULL;
+    cublasLtMatrixLayout_t la = NULL, lb = NULL, ld = NULL;
+    cublasLtMatmulHeuristicResult_t res = {0};
+    if (!block) {
+        const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+        cublasLtMatmulPreference_t pref;
+        int n_res = 0;
+        if (cublasLtCreate(&hl) != CUBLAS_STATUS_SUCCESS ||
+            cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F) != CUBLAS_STATUS_SUCCESS ||
+            cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta) != CUBLAS_STATUS_SUCCESS ||
+            cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb) != CUBLAS_STATUS_SUCCESS ||
+            cublasLtMatrixLayoutCreate(&la, CUDA_R_8F_E4M3, N, N, N) != CUBLAS_STATUS_SUCCESS ||
+            cublasLtMatrixLayoutCreate(&lb, CUDA_R_8F_E4M3, N, N, N) != CUBLAS_STATUS_SUCCESS ||
+            cublasLtMatrixLayoutCreate(&ld, CUDA_R_16BF, N, N, N) != CUBLAS_STATUS_SUCCESS ||
+            cublasLtMatmulPreferenceCreate(&pref) != CUBLAS_STATUS_SUCCESS ||
+            cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &wsb, sizeof wsb) !=
+                CUBLAS_STATUS_SUCCESS ||
+            cublasLtMatmulAlgoGetHeuristic(hl, op, la, lb, ld, ld, pref, 1, &res, &n_res) != CUBLAS_STATUS_SUCCESS ||
+            n_res < 1) {
+            fprintf(stderr, "bench_cuda: no plain FP8 cuBLASLt matmul\n");
+            return 0;
+        }
+        cublasLtMatmulPreferenceDestroy(pref);
+    }
+    const struct krk_fp8_lt_params p = {.q = b, .ldq = N, .scale = sb, .n = N,
+                                        .w = {.q = a, .scale = sa, .rows = N, .cols = N, .ld_s = N / 128,
+                                              .block_r = 128, .block_c = 128},
+                                        .y = c, .ldy = N};
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    double t[10];
+    const float one = 1, zero = 0;
+    for (int i = 0; i < 13; i++) {
+        CK(cudaEventRecord(e0, 0));
+        if (block) {
+            if (krk_fp8_gemm_lt(lt, &p, 0) != KR_OK) {
+                fprintf(stderr, "bench_cuda: the block-scaled FP8 matmul failed\n");
+                return 0;
+            }
+        } else if (cublasLtMatmul(hl, op, &one, a, la, b, lb, &zero, c, ld, c, ld, &res.algo, ws, res.workspaceSize,
+                                  0) != CUBLAS_STATUS_SUCCESS) {
+            fprintf(stderr, "bench_cuda: the plain FP8 matmul failed\n");
+            return 0;
+        }
+        CK(cudaEventRecord(e1, 0));
+        CK(cudaEventSynchronize(e1));
+        float ms;
+        CK(cudaEventElapsedTime(&ms, e0, e1));
+        if (i >= 3) {
+            t[i - 3] = ms;
+        }
+    }
+    if (!block) {
+        cublasLtMatrixLayoutDestroy(la);
+        cublasLtMatrixLayoutDestroy(lb);
+        cublasLtMatrixLayoutDestroy(ld);
+        cublasLtMatmulDescDestroy(op);
+        cublasLtDestroy(hl);
+    }
+    krk_fp8_lt_free(lt);
+    cudaFree(a);
+    cudaFree(b);
+    cudaFree(c);
+    cudaFree(sa);
+    cudaFree(sb);
+    cudaFree(ws);
+    return 2.0 * N * (double)N * N / (median(t, 10) * 1e-3) / 1e12;
+}
+
+/* Bytes of a weight matrix: bf16 elements, or FP8 codes with their fp32 block scales. */
+static double mat_bytes(const struct kr_tensor *t)
+{
+    if (!t->data) {
+        return 0;
+    }
+    const double el = (double)t->rows * (double)t->cols;
+    if (t->dtype == KR_DTYPE_F8_E4M3) {
+        return el + 4.0 * (double)((t->rows + t->block_r - 1) / t->block_r) *
+                        (double)((t->cols + t->block_c - 1) / t->block_c);
+    }
+    return el * (double)kr_dtype_size(t->dtype);
+}
+
+/* Bytes of weight matrices one decode step reads (the embedding gathers rows only), and their
+ * elements (*params, for the prefill's FLOPs). */
+static double weight_bytes_params(const struct kr_model *m, double *params)
 {
     const struct kr_model_config *c = &m->cfg;
-    double b = (double)m->lm_head.rows * (double)m->lm_head.cols * 2.0;
+    double b = mat_bytes(&m->lm_head), p = (double)m->lm_head.rows * (double)m->lm_head.cols;
+#define W(t)                                                                                           do {                                                                                                   b += mat_bytes(&(t));                                                                              p += (t).data ? (double)(t).rows * (double)(t).cols : 0.0;                                     } while (0)
     for (int32_t i = 0; i < c->n_layer; i++) {
         const struct kr_layer *L = &m->layers[i];
         switch (L->type) {
         case KR_LAYER_MAMBA:
-            b += 2.0 * (double)(L->mamba.in_proj.rows * L->mamba.in_proj.cols +
-                                L->mamba.out_proj.rows * L->mamba.out_proj.cols);
+            W(L->mamba.in_proj);
+            W(L->mamba.out_proj);
             break;
         case KR_LAYER_ATTN:
-            b += 2.0 * (double)(L->attn.q.rows * L->attn.q.cols + 2 * L->attn.k.rows * L->attn.k.cols +
-                                L->attn.o.rows * L->attn.o.cols);
+            W(L->attn.q);
+            W(L->attn.k);
+            W(L->attn.v);
+            W(L->attn.o);
             break;
         case KR_LAYER_MLP:
-            b += 2.0 * (double)(L->mlp.up.rows * L->mlp.up.cols + L->mlp.down.rows * L->mlp.down.cols +
-                                (L->mlp.gate.data ? L->mlp.gate.rows * L->mlp.gate.cols : 0));
+            W(L->mlp.up);
+            W(L->mlp.down);
+            W(L->mlp.gate);
             break;
-        case KR_LAYER_MOE:
-            b += 2.0 * (double)(c->n_expert_used * (L->moe.gate ? 3 : 2) * c->moe_ffn * c->dim +
-                                c->n_expert * c->dim);
+        case KR_LAYER_MOE: { /* the routed experts a token uses, the router, the shared expert */
+            if (L->moe.has_shared) {
+                W(L->moe.shared.up);
+                W(L->moe.shared.down);
+                W(L->moe.shared.gate);
+            }
+            const double per = (double)((L->moe.gate ? 3 : 2) * c->moe_ffn * c->dim);
+            const double elt = L->moe.up[0].dtype == KR_DTYPE_F8_E4M3 ? 1.0 + 4.0 / (128.0 * 128.0) : 2.0;
+            b += (double)c->n_expert_used * per * elt + 2.0 * (double)(c->n_expert * c->dim);
+            p += (double)c->n_expert_used * per + (double)(c->n_expert * c->dim);
             break;
+        }
         case KR_LAYER_DSA:
         case KR_LAYER_MLA: {
             const struct kr_mla_w *w = &L->mla;
-            b += 2.0 * (double)(w->q_a.rows * w->q_a.cols + w->q_b.rows * w->q_b.cols + w->kv_a.rows * w->kv_a.cols +
-                                w->o.rows * w->o.cols);
+            W(w->q_a);
+            W(w->q_b);
+            W(w->kv_a);
+            W(w->o);
             b += 4.0 * (double)(c->mla_heads * (c->qk_nope + c->v_head) * c->kv_lora);
+            p += (double)(c->mla_heads * (c->qk_nope + c->v_head) * c->kv_lora);
             if (w->has_indexer) {
-                b += 2.0 * (double)(w->idx_wq_b.rows * w->idx_wq_b.cols + w->idx_wk.rows * w->idx_wk.cols +
-                                    w->idx_w.rows * w->idx_w.cols);
+                W(w->idx_wq_b);
+                W(w->idx_wk);
+                W(w->idx_w);
             }
             break;
         }
@@ -159,7 +294,16 @@ static double weight_bytes(const struct kr_model *m)
             break;
         }
     }
+#undef W
+    if (params) {
+        *params = p;
+    }
     return b;
+}
+
+static double weight_bytes(const struct kr_model *m)
+{
+    return weight_bytes_params(m, NULL);
 }
 
 /* Per-sequence bytes of a decode step at context ctx: states read + written, K/V or latent rows
@@ -188,7 +332,9 @@ static double seq_bytes(const struct kr_model *m, int64_t ctx)
 static double prefill_flops(const struct kr_model *m, double L, double *gemm_part)
 {
     const struct kr_model_config *c = &m->cfg;
-    const double gemm = weight_bytes(m) / 2.0 * 2.0 * L - 2.0 * (double)m->lm_head.rows * m->lm_head.cols * (L - 1);
+    double params;
+    (void)weight_bytes_params(m, &params);
+    const double gemm = params * 2.0 * L - 2.0 * (double)m->lm_head.rows * m->lm_head.cols * (L - 1);
     double f = gemm;
     f += (double)m->n_attn * 4.0 * (double)(c->n_head * c->head_dim) * L * L / 2.0;
     const double Q = (double)c->m_chunk, H = (double)c->m_heads, P = (double)c->m_head_dim, N = (double)c->m_state;
@@ -469,13 +615,14 @@ static int parse_list(const char *s, int32_t *v, int cap)
 int main(int argc, char **argv)
 {
     int32_t batches[16] = {1, 16, 64, 256}, prefills[8] = {2048, 8192}, ctxs[8] = {256};
-    int nb = 4, np = 2, nc = 1, steps = 32, ctx = 256, profile = 0, fill = 0;
+    int nb = 4, np = 2, nc = 1, steps = 32, ctx = 256, profile = 0, fill = 0, fp8 = 0;
     const char *json = NULL;
     static const struct option lo[] = {
         {"batches", required_argument, NULL, 'b'}, {"prefill", required_argument, NULL, 'p'},
         {"steps", required_argument, NULL, 's'},   {"ctx", required_argument, NULL, 'c'},
         {"json", required_argument, NULL, 'j'},    {"profile", no_argument, NULL, 'P'},
         {"ctxs", required_argument, NULL, 'C'},    {"fill", no_argument, NULL, 'F'},
+        {"quantization", required_argument, NULL, 'Q'},
         {"help", no_argument, NULL, 'h'},          {NULL, 0, NULL, 0},
     };
     int ch;
@@ -501,6 +648,13 @@ int main(int argc, char **argv)
         case 'F':
             fill = 1;
             break;
+        case 'Q':
+            if (strcmp(optarg, "fp8") && strcmp(optarg, "none")) {
+                fprintf(stderr, "bench_cuda: --quantization: \"%s\" (expected fp8 or none)\n", optarg);
+                return 2;
+            }
+            fp8 = !strcmp(optarg, "fp8");
+            break;
         case 'j':
             json = optarg;
             break;
@@ -509,7 +663,10 @@ int main(int argc, char **argv)
             break;
         default:
             fprintf(stderr, "usage: bench_cuda [--batches 1,16,64,256] [--prefill 2048,8192] [--steps N]\n"
-                            "                  [--ctx N | --ctxs 2048,16384,...] [--fill] [--profile] [--json FILE] MODEL_DIR\n"
+                            "                  [--ctx N | --ctxs 2048,16384,...] [--fill] [--profile] [--json FILE]\n"
+                            "                  [--quantization fp8|none] MODEL_DIR\n"
+                            "  --quantization fp8  matrices quantized to FP8 blocks at load (krait serve's flag); the\n"
+                            "                      prefill ceiling is then the block-scaled FP8 GEMM rate\n"
                             "  --fill  decode over caches holding random data instead of a real prefill (long contexts)\n");
             return 2;
         }
@@ -537,8 +694,21 @@ int main(int argc, char **argv)
         fprintf(x.json, "{\"kind\":\"ceilings\",\"device\":\"%s\",\"copy_gbs\":%.1f,\"gemm_tflops\":%.1f}\n", dev, x.bw,
                 x.tflops);
     }
+    if (fp8) {
+        const double plain = fp8_rate(false), blk = fp8_rate(true);
+        printf("FP8 GEMM 8192^3: plain (per-tensor scales) %.0f TFLOP/s, block-scaled (the recipe's, as served) %.0f "
+               "TFLOP/s; the prefill ceiling below is the block-scaled rate\n", plain, blk);
+        if (x.json) {
+            fprintf(x.json, "{\"kind\":\"fp8_ceilings\",\"plain_tflops\":%.1f,\"block_tflops\":%.1f}\n", plain, blk);
+        }
+        x.tflops = blk > 0 ? blk : x.tflops;
+    }
     struct kr_err err = {0};
     if (kr_backend_create("cuda", 0, &x.be, &err) != KR_OK) { /* KRAIT_CUDA_GRAPHS=0: no graphs */
+        fprintf(stderr, "bench_cuda: %s\n", err.msg);
+        return 1;
+    }
+    if (kr_backend_set_fp8_weights(x.be, fp8, &err) != KR_OK) {
         fprintf(stderr, "bench_cuda: %s\n", err.msg);
         return 1;
     }
@@ -547,8 +717,9 @@ int main(int argc, char **argv)
         fprintf(stderr, "bench_cuda: %s\n", err.msg);
         return 1;
     }
-    printf("model: %s (%s, %.2fB parameters) loaded in %.1f s\n", dir, x.m->cfg.pattern, (double)x.m->n_params / 1e9,
-           kr_clock_s() - t0);
+    printf("model: %s (%s, %.2fB parameters%s) loaded in %.1f s; weights read per decode step %.2f GB\n", dir,
+           x.m->cfg.pattern, (double)x.m->n_params / 1e9, fp8 ? ", matrices in FP8 blocks of 128x128" : "",
+           kr_clock_s() - t0, weight_bytes(x.m) / 1e9);
     int32_t max_b = 1, max_p = 1;
     for (int i = 0; i < nb; i++) {
         max_b = batches[i] > max_b ? batches[i] : max_b;

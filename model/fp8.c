@@ -3,6 +3,7 @@
 #include "dtype.h"
 
 #include <math.h>
+#include <string.h>
 
 /* ---- E4M3 ---------------------------------------------------------------------------------- */
 
@@ -11,31 +12,28 @@ uint8_t kr_fp8_e4m3_from_f32(float x)
     if (isnan(x)) {
         return KR_FP8_E4M3_NAN;
     }
-    const uint8_t sign = signbit(x) ? 0x80 : 0x00;
-    const float a = fabsf(x);
-    if (a >= KR_FP8_E4M3_MAX) { /* saturate, infinities included */
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    const uint8_t sign = (uint8_t)((u >> 24) & 0x80);
+    u &= 0x7fffffffu; /* |x| */
+    if (u >= 0x43e00000u) { /* |x| >= 448 (infinities included): saturate */
         return sign | 0x7e;
     }
-    /* a = f * 2^e with f in [0.5, 1) lies in binade E = e - 1, where E4M3 values are spaced 2^(E-3).
-     * Below 2^-6 (zero included) the subnormals share binade -6's spacing 2^-9. */
-    int E = -6;
-    if (a >= 0x1p-6f) {
-        int e;
-        (void)frexpf(a, &e);
-        E = e - 1;
+    if (u < 0x3c800000u) {
+        /* |x| < 2^-6: multiples of 2^-9 (the subnormals, and 2^-6 itself, which is code 8). Adding
+         * 2^14, whose floats are spaced 2^-9, rounds |x| to one of them, ties to even, in one
+         * operation; the difference of the bit patterns counts the steps. */
+        float a;
+        memcpy(&a, &u, 4);
+        const float t = a + 0x1p14f;
+        uint32_t tb;
+        memcpy(&tb, &t, 4);
+        return sign | (uint8_t)(tb - 0x46800000u);
     }
-    /* a in units of the spacing: a power-of-two scaling, hence exact, and below 16. */
-    const float u = ldexpf(a, 3 - E);
-    const float fl = floorf(u);
-    const float frac = u - fl; /* exact: the fractional part of a float is a float */
-    int r = (int)fl;
-    if (frac > 0.5f || (frac == 0.5f && (r & 1))) {
-        r++;
-    }
-    /* The value is r * 2^(E-3) with r in [8, 16] (or [0, 16] for E = -6); its code is
-     * (E + 7) * 8 + (r - 8) = (E + 6) * 8 + r, which also carries r = 16 into the next binade and maps
-     * r < 8 at E = -6 onto the subnormal codes. a < 448 keeps the result at or below 0x7e. */
-    return sign | (uint8_t)((E + 6) * 8 + r);
+    /* Normal: keep 3 of the 23 mantissa bits, rounding to nearest even (a carry moves into the
+     * exponent); then rebias the exponent from 127 to 7. |x| < 448 keeps the result at or below 0x7e. */
+    const uint32_t r = u + 0x7ffffu + ((u >> 20) & 1u);
+    return sign | (uint8_t)((r >> 20) - (120u << 3));
 }
 
 float kr_fp8_e4m3_to_f32(uint8_t b)
@@ -149,6 +147,9 @@ enum kr_status kr_fp8_weight_quant(const float *w, int64_t rows, int64_t cols, i
         }
     }
     const int64_t sr = (rows + block_r - 1) / block_r, sc = (cols + block_c - 1) / block_c;
+    /* block rows are independent: spread over the cores (a model quantized at load has billions of
+     * values); each value's code depends only on its block, so the result does not depend on it */
+#pragma omp parallel for schedule(dynamic, 1) if (rows * cols >= ((int64_t)1 << 20))
     for (int64_t br = 0; br < sr; br++) {
         const int64_t r0 = br * block_r, r1 = r0 + block_r < rows ? r0 + block_r : rows;
         for (int64_t bc = 0; bc < sc; bc++) {

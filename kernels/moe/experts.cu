@@ -6,7 +6,13 @@
 // Each dot product reads a bf16 weight row with 16-byte loads (8 values) when the row and the fp32
 // vector are 16-byte aligned and the length is a multiple of 8, else one value per lane and step.
 // Expert ids outside [0, n_expert) contribute zero.
+// FP8 experts (krk_expert_ptrs.block_c > 0): x is quantized per block before kernel 1 and the hidden
+// rows in place before kernel 2 (krk_fp8_quant's dequantized values), and each dot product reads
+// E4M3 codes, 16 per lane and load, the sum over a block scaled by the block's weight scale.
+#include <cuda_fp8.h>
+
 #include "common/util.cuh"
+#include "krk/gemm.h"
 #include "norm/act.cuh"
 
 namespace krk {
@@ -41,10 +47,56 @@ __device__ __forceinline__ float warp_dot(const uint16_t *KRK_RESTRICT w, const 
     return warp_sum(acc);
 }
 
+// Sum over the warp of w[c] * x[c], c < len, with w[c] = e4m3(q[c]) * s[c / bc].
+__device__ __forceinline__ float warp_dot_fp8(const uint8_t *KRK_RESTRICT q, const float *KRK_RESTRICT s, int bc,
+                                              const float *KRK_RESTRICT x, int64_t len)
+{
+    const int lane = threadIdx.x & 31;
+    float acc = 0.0f;
+    if (len % 16 == 0 && bc % 16 == 0 && ((uintptr_t)q & 15) == 0 && ((uintptr_t)x & 15) == 0) {
+        for (int64_t c = lane * 16; c < len; c += 512) {
+            const uint4 v = __ldg(reinterpret_cast<const uint4 *>(q + c));
+            const uint32_t w4[4] = {v.x, v.y, v.z, v.w};
+            const float4 *xp = reinterpret_cast<const float4 *>(x + c);
+            float d = 0.0f;
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const __half2_raw lo = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w4[i] & 0xffffu), __NV_E4M3);
+                const __half2_raw hi = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w4[i] >> 16), __NV_E4M3);
+                const float2 a = __half22float2(__half2(lo)), b = __half22float2(__half2(hi));
+                const float4 xv = __ldg(xp + i);
+                d = fmaf(a.x, xv.x, d);
+                d = fmaf(a.y, xv.y, d);
+                d = fmaf(b.x, xv.z, d);
+                d = fmaf(b.y, xv.w, d);
+            }
+            acc = fmaf(d, __ldg(s + c / bc), acc);
+        }
+    } else {
+        for (int64_t c = lane; c < len; c += 32) {
+            const __half_raw h = __nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)q[c], __NV_E4M3);
+            acc = fmaf(__half2float(__half(h)) * s[c / bc], x[c], acc);
+        }
+    }
+    return warp_sum(acc);
+}
+
+// One row j of expert e: its dot product with x, bf16 or FP8 (block_c > 0).
+__device__ __forceinline__ float row_dot(const void *w, const float *ws, int br, int bc, int64_t j, int64_t len,
+                                         const float *x)
+{
+    if (bc > 0) {
+        const int64_t ld_s = (len + bc - 1) / bc;
+        return warp_dot_fp8(static_cast<const uint8_t *>(w) + j * len, ws + (j / br) * ld_s, bc, x, len);
+    }
+    return warp_dot(static_cast<const uint16_t *>(w) + j * len, x, len);
+}
+
 __global__ void __launch_bounds__(kExpWarps * 32)
     experts_hidden_kernel(const float *KRK_RESTRICT x, int64_t d_in, int64_t d_ffn, int64_t n_expert, int64_t n_used,
-                          const int32_t *KRK_RESTRICT ids, const uint16_t *const *KRK_RESTRICT gate,
-                          const uint16_t *const *KRK_RESTRICT up, int act, float *KRK_RESTRICT hidden)
+                          const int32_t *KRK_RESTRICT ids, const void *const *KRK_RESTRICT gate,
+                          const void *const *KRK_RESTRICT up, const float *const *gate_s, const float *const *up_s,
+                          int br, int bc, int act, float *KRK_RESTRICT hidden)
 {
     krk::kernel_prologue();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -58,9 +110,9 @@ __global__ void __launch_bounds__(kExpWarps * 32)
     float h = 0.0f;
     if (e >= 0 && e < n_expert) {
         const float *xt = x + t * d_in;
-        const float u = warp_dot(up[e] + j * d_in, xt, d_in);
+        const float u = row_dot(up[e], bc ? up_s[e] : nullptr, br, bc, j, d_in, xt);
         if (gate) {
-            const float g = warp_dot(gate[e] + j * d_in, xt, d_in);
+            const float g = row_dot(gate[e], bc ? gate_s[e] : nullptr, br, bc, j, d_in, xt);
             h = act_apply(act, g) * u;
         } else {
             h = act_apply(act, u);
@@ -74,7 +126,8 @@ __global__ void __launch_bounds__(kExpWarps * 32)
 __global__ void __launch_bounds__(kExpWarps * 32)
     experts_out_kernel(const float *KRK_RESTRICT hidden, int64_t d_ffn, int64_t d_out, int64_t n_expert, int64_t n_used,
                        const int32_t *KRK_RESTRICT ids, const float *KRK_RESTRICT weights,
-                       const uint16_t *const *KRK_RESTRICT down, float *KRK_RESTRICT out)
+                       const void *const *KRK_RESTRICT down, const float *const *down_s, int br, int bc,
+                       float *KRK_RESTRICT out)
 {
     krk::kernel_prologue();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -88,7 +141,7 @@ __global__ void __launch_bounds__(kExpWarps * 32)
         const int64_t pk = t * n_used + k;
         const int32_t e = ids[pk];
         if (e >= 0 && e < n_expert) {
-            acc += weights[pk] * warp_dot(down[e] + o * d_ffn, hidden + pk * d_ffn, d_ffn);
+            acc += weights[pk] * row_dot(down[e], bc ? down_s[e] : nullptr, br, bc, o, d_ffn, hidden + pk * d_ffn);
         }
     }
     if (lane == 0) {
@@ -124,13 +177,36 @@ extern "C" enum kr_status krk_moe_experts(const struct krk_experts_params *p, co
     KRK_REQUIRE(p->x && p->ids && p->weights && w->up && w->down && ctx->workspace && p->out);
     KRK_REQUIRE(ctx->workspace_bytes >= krk_moe_experts_workspace_bytes(p->n, p->n_used, p->d_ffn));
     float *hidden = static_cast<float *>(ctx->workspace);
+    const bool fp8 = w->block_c > 0;
+    const float *x = p->x;
+    if (fp8) {
+        KRK_REQUIRE(w->block_r > 0 && w->up_s && w->down_s && (!w->gate || w->gate_s) && w->xq);
+        const struct krk_fp8_quant_params q = {.x = p->x, .ldx = p->d_in, .n = p->n, .cols = p->d_in,
+                                               .block = w->block_c, .xq = w->xq, .ldxq = p->d_in};
+        const enum kr_status st = krk_fp8_quant(&q, ctx->stream);
+        if (st != KR_OK) {
+            return st;
+        }
+        x = w->xq;
+    }
     const dim3 g1((unsigned)(p->n * p->n_used), (unsigned)ffn_tiles);
-    krk::launch_maybe_pdl(krk::pdl_enabled(), experts_hidden_kernel, g1, kExpWarps * 32, 0, ctx->stream, p->x, p->d_in,
-                          p->d_ffn, p->n_expert, p->n_used, p->ids, w->gate, w->up, (int)p->act, hidden);
+    krk::launch_maybe_pdl(krk::pdl_enabled(), experts_hidden_kernel, g1, kExpWarps * 32, 0, ctx->stream, x, p->d_in,
+                          p->d_ffn, p->n_expert, p->n_used, p->ids, w->gate, w->up, w->gate_s, w->up_s,
+                          (int)w->block_r, fp8 ? (int)w->block_c : 0, (int)p->act, hidden);
     KRK_CHECK_LAUNCH();
+    if (fp8) { /* the hidden rows quantized in place, as the down projection's input */
+        const struct krk_fp8_quant_params q = {.x = hidden, .ldx = p->d_ffn, .n = p->n * p->n_used,
+                                               .cols = p->d_ffn, .block = w->block_c, .xq = hidden,
+                                               .ldxq = p->d_ffn};
+        const enum kr_status st = krk_fp8_quant(&q, ctx->stream);
+        if (st != KR_OK) {
+            return st;
+        }
+    }
     const dim3 g2((unsigned)p->n, (unsigned)out_tiles);
     krk::launch_maybe_pdl(krk::pdl_enabled(), experts_out_kernel, g2, kExpWarps * 32, 0, ctx->stream, hidden, p->d_ffn,
-                          p->d_out, p->n_expert, p->n_used, p->ids, p->weights, w->down, p->out);
+                          p->d_out, p->n_expert, p->n_used, p->ids, p->weights, w->down, w->down_s, (int)w->block_r,
+                          fp8 ? (int)w->block_c : 0, p->out);
     KRK_CHECK_LAUNCH();
     return KR_OK;
 }

@@ -259,7 +259,8 @@ static void run_experts_case(const struct experts_case *c, int64_t n, uint64_t s
     p.ids = d_ids;
     p.weights = d_wt;
     p.out = d_out;
-    const struct krk_expert_ptrs dw = {.gate = c->gated ? d_gate : NULL, .up = d_up, .down = d_down};
+    const struct krk_expert_ptrs dw = {.gate = c->gated ? (const void *const *)d_gate : NULL,
+                                       .up = (const void *const *)d_up, .down = (const void *const *)d_down};
     const struct krk_ctx k = {.workspace = d_hidden, .workspace_bytes = ws};
     cr_assert_eq(krk_moe_experts(&p, &dw, &k), KR_OK);
     gt_sync();

@@ -85,6 +85,75 @@ size_t krk_skinny_ws_bytes(int64_t tile_rows);
 int krk_skinny_cols_step(int config);
 enum kr_status krk_skinny(const struct krk_skinny_params *p, cudaStream_t stream);
 
+/* ---- FP8 block-scaled products (kernels/gemm/fp8.cu; the recipe of model/fp8.h) ---- */
+
+/* An FP8 weight: E4M3 codes [rows, cols] row-major, weight = code * scale[(r / block_r) * ld_s +
+ * c / block_c], ld_s >= ceil(cols / block_c). */
+struct krk_fp8_weight {
+    const uint8_t *q;
+    const float *scale;
+    int64_t rows, cols, ld_s;
+    int32_t block_r, block_c;
+};
+
+/* The activations' quantization (kr_fp8_act_quant per row, in blocks of `block` columns, the last
+ * block possibly shorter), bit for bit: per row t and block kb, s = max(max |x|, 1e-4) * fp32(1/448)
+ * and q = e4m3(x / s) (nearest even, saturated). Writes whichever of these is not NULL:
+ *   q     [n, ldq] the codes
+ *   scale [nkb, s_ld] the scales, scale[kb * s_ld + t] (the block-major layout cuBLASLt's VEC128_32F
+ *         mode reads), s_ld >= n
+ *   xq    [n, ldxq] fp32 e4m3_to_f32(q) * s: the values the reference's product multiplies (xq may
+ *         be x itself, with ldxq == ldx). */
+struct krk_fp8_quant_params {
+    const float *x;
+    int64_t ldx, n, cols, block;
+    uint8_t *q;
+    int64_t ldq;
+    float *scale;
+    int64_t s_ld;
+    float *xq;
+    int64_t ldxq;
+};
+enum kr_status krk_fp8_quant(const struct krk_fp8_quant_params *p, cudaStream_t stream);
+
+/* y[t, r] = sum over blocks kb of scale(r, kb) * sum_{c in kb} e4m3_to_f32(q[r, c]) * xq[t, c]
+ * (+ bias[r]) for any n, xq from krk_fp8_quant: the reference product (kr_fp8_gemm) up to the order
+ * of fp32 rounding. Bound by streaming the codes once (16-byte loads) when cols and block_c are
+ * multiples of 16, q and xq 16-byte aligned and ldx % 4 == 0; otherwise a code at a time. */
+struct krk_fp8_gemv_params {
+    const float *xq;
+    int64_t ldx, n;
+    struct krk_fp8_weight w;
+    const float *bias;      /* [rows] or NULL */
+    float *y;               /* [n, ldy] */
+    int64_t ldy;
+    bool any_kernel;        /* tests: the code-at-a-time kernel whatever the shape */
+};
+enum kr_status krk_fp8_gemv(const struct krk_fp8_gemv_params *p, cudaStream_t stream);
+
+/* cuBLASLt's block-scaled FP8 matmul (128 x 128 weight blocks, activation blocks of 128 along K,
+ * fp32 output): a handle with its workspace (device memory, borrowed) and the algorithms chosen per
+ * shape. One thread at a time. */
+struct krk_fp8_lt;
+struct krk_fp8_lt *krk_fp8_lt_create(void *ws, size_t ws_bytes);
+void krk_fp8_lt_free(struct krk_fp8_lt *lt);
+/* Whether the weight has the layout the matmul takes (blocks of 128 x 128, rows and cols multiples
+ * of 16, ld_s = ceil(cols / 128), codes 16-byte aligned). */
+bool krk_fp8_lt_takes(const struct krk_fp8_weight *w, int64_t n);
+struct krk_fp8_lt_params {
+    const uint8_t *q;       /* [n, ldq] activation codes, ldq % 16 == 0, 16-byte aligned */
+    int64_t ldq;
+    const float *scale;     /* [ceil(cols / 128), n] activation scales (s_ld = n) */
+    int64_t n;
+    struct krk_fp8_weight w;
+    const float *bias;
+    float *y;               /* [n, ldy] fp32 */
+    int64_t ldy;
+};
+/* y = the product; KR_ERR_UNSUPPORTED (nothing launched) when the weight's layout is not one it
+ * takes or cuBLASLt has no algorithm for the shape: the caller runs krk_fp8_gemv. */
+enum kr_status krk_fp8_gemm_lt(struct krk_fp8_lt *lt, const struct krk_fp8_lt_params *p, cudaStream_t stream);
+
 /* y[t, r] += bias[r] for t < n, r < rows (after a cuBLAS product). */
 enum kr_status krk_add_bias(float *y, int64_t ldy, const float *bias, int64_t n, int64_t rows, cudaStream_t stream);
 

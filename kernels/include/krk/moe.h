@@ -11,11 +11,17 @@ extern "C" {
 enum kr_status krk_moe_route(const struct krk_route_params *p, cudaStream_t stream);
 
 /* The routed experts' weights on the device: arrays of n_expert pointers to bf16 matrices (the
- * CUDA backend builds them from the engine's tensors once per model). */
+ * CUDA backend builds them from the engine's tensors once per model), or with block_c > 0 to FP8
+ * codes with their block scales (model/fp8.h's recipe: the tokens' rows and the hidden rows are
+ * quantized per block of block_c before their products, as the CPU reference's products do). */
 struct krk_expert_ptrs {
-    const krk_bf16 *const *gate;        /* [n_expert] -> [d_ffn, d_in], NULL when not gated */
-    const krk_bf16 *const *up;          /* [n_expert] -> [d_ffn, d_in] */
-    const krk_bf16 *const *down;        /* [n_expert] -> [d_out, d_ffn] */
+    const void *const *gate;            /* [n_expert] -> [d_ffn, d_in], NULL when not gated */
+    const void *const *up;              /* [n_expert] -> [d_ffn, d_in] */
+    const void *const *down;            /* [n_expert] -> [d_out, d_ffn] */
+    /* FP8: each matrix's scales [ceil(rows / block_r), ceil(cols / block_c)] */
+    const float *const *gate_s, *const *up_s, *const *down_s;
+    int32_t block_r, block_c;           /* 0: bf16 weights */
+    float *xq;                          /* FP8: staging of the quantized token rows [n, d_in] */
 };
 /* Workspace of krk_moe_experts: the hidden rows of n tokens' n_used experts. */
 size_t krk_moe_experts_workspace_bytes(int64_t n, int64_t n_used, int64_t d_ffn);
