@@ -136,11 +136,12 @@ struct cuda_ctx {
     struct kr_cuda_comm *comm;
     int rank;
 
-    /* FP8 weights (kr_backend_set_fp8_weights): cuBLASLt's block-scaled matmul (NULL: none, every
-     * product takes krk_fp8_gemv), the row count from which it takes over (KRAIT_FP8_GEMV_MAX), and
+    /* FP8 weights (kr_backend_set_fp8_weights): cuBLASLt's block-scaled matmul (NULL: none, products
+     * take the skinny or CUDA-core kernels), the row count above which it takes over
+     * (KRAIT_FP8_SKINNY_MAX), and
      * the staging of the quantized activations (codes, scales or dequantized values) */
     struct krk_fp8_lt *lt;
-    int fp8_gemv_max;
+    int fp8_skinny_max;
     void *f8;
     size_t f8_size;
 };
@@ -769,7 +770,9 @@ static enum kr_status cuda_reserve(kr_backend_t be, const struct kr_model_config
     if (be->fp8_weights) { /* FP8 products' staging (matmul_fp8, the experts' FP8 path) */
         const int64_t bc = m->fp8_block[1] > 0 ? m->fp8_block[1] : 128;
         size_t f8 = f8_lt_bytes(n_tok, wide, bc);
-        const size_t gemv = (size_t)(c->fp8_gemv_max < n_tok ? c->fp8_gemv_max : n_tok) * (size_t)(wide + 4) * 4;
+        /* the CUDA-core path's dequantized rows (weights not in 128-column blocks) for a decode graph's
+         * rows; larger products of such weights allocate when they first run, outside any graph */
+        const size_t gemv = (size_t)(n_tok < 256 ? n_tok : 256) * (size_t)(wide + 4) * 4;
         f8 = gemv > f8 ? gemv : f8;
         if (m->n_expert) {
             const size_t ex = (size_t)n_tok * (size_t)(m->dim + 4) * 4;
@@ -1062,9 +1065,28 @@ static struct krk_fp8_weight fp8_weight(const struct kr_tensor *w)
                                    .block_c = w->block_c};
 }
 
+/* Rows [t0, t0 + n) of x quantized per block of the weight's columns (codes into q [.., ldq], scales
+ * into s [nkb, n]), then the tensor-core skinny product into the same rows of y. */
+static enum kr_status fp8_rows_skinny(struct cuda_ctx *c, const float *x, int64_t ldx, int64_t t0, int64_t n,
+                                      const struct krk_fp8_weight *fw, const float *bias, float *y, int64_t ldy,
+                                      uint8_t *q, int64_t ldq, float *s)
+{
+    const struct krk_fp8_quant_params qp = {.x = x + t0 * ldx, .ldx = ldx, .n = n, .cols = fw->cols,
+                                            .block = fw->block_c, .q = q + t0 * ldq, .ldq = ldq, .scale = s,
+                                            .s_ld = n};
+    KR_TRY(krk_fp8_quant(&qp, c->stream));
+    const struct krk_fp8_mm_params mp = {.q = q + t0 * ldq, .ldq = ldq, .scale = s, .s_ld = n, .n = n, .w = *fw,
+                                         .bias = bias, .y = y + t0 * ldy, .ldy = ldy};
+    return krk_fp8_skinny(&mp, c->stream);
+}
+
 /* A product with an FP8 weight (model/fp8.h's recipe): the rows of x quantized per block of the
- * weight's columns, then cuBLASLt's block-scaled matmul for more than fp8_gemv_max rows where it
- * takes the shape, else krk_fp8_gemv on the dequantized activations. */
+ * weight's columns, then
+ *  - weights in 128-column blocks (krk_fp8_skinny_takes): up to fp8_skinny_max rows on the tensor-core
+ *    skinny kernel; more on cuBLASLt's block-scaled matmul in a multiple of 4 rows (the rows its
+ *    heuristic takes), the rest on the skinny kernel;
+ *  - other blocks: cuBLASLt where it takes the shape (n a multiple of 4), else the CUDA-core kernel
+ *    on the dequantized activations (the tiny checkpoints' 64-wide matrices). */
 static enum kr_status matmul_fp8(struct cuda_ctx *c, const float *x, int64_t ldx, int64_t n, const struct kr_tensor *w,
                                  const float *bias, float *y, int64_t ldy)
 {
@@ -1074,19 +1096,36 @@ static enum kr_status matmul_fp8(struct cuda_ctx *c, const float *x, int64_t ldx
         return KR_ERR_INVAL;
     }
     const struct krk_fp8_weight fw = fp8_weight(w);
-    if (c->lt && n > c->fp8_gemv_max && krk_fp8_lt_takes(&fw, n)) {
+    const bool sk = krk_fp8_skinny_takes(&fw);
+    int64_t n_lt = n & ~(int64_t)3;
+    if (!c->lt || n <= c->fp8_skinny_max || !krk_fp8_lt_takes(&fw, n_lt) || (!sk && n_lt != n)) {
+        n_lt = 0;
+    }
+    if (sk || n_lt > 0) {
         const int64_t ldq = (fw.cols + 15) / 16 * 16;
         KR_TRY(ensure_f8(c, f8_lt_bytes(n, fw.cols, fw.block_c)));
         uint8_t *q = c->f8;
         float *s = (float *)((char *)c->f8 + align256((size_t)(n * ldq)));
-        const struct krk_fp8_quant_params qp = {.x = x, .ldx = ldx, .n = n, .cols = fw.cols, .block = fw.block_c,
-                                                .q = q, .ldq = ldq, .scale = s, .s_ld = n};
-        KR_TRY(krk_fp8_quant(&qp, c->stream));
-        const struct krk_fp8_lt_params lp = {.q = q, .ldq = ldq, .scale = s, .n = n, .w = fw, .bias = bias, .y = y,
-                                             .ldy = ldy};
-        const enum kr_status st = krk_fp8_gemm_lt(c->lt, &lp, c->stream);
-        if (st != KR_ERR_UNSUPPORTED) {
-            return st;
+        if (n_lt > 0) {
+            const struct krk_fp8_quant_params qp = {.x = x, .ldx = ldx, .n = n_lt, .cols = fw.cols,
+                                                    .block = fw.block_c, .q = q, .ldq = ldq, .scale = s,
+                                                    .s_ld = n_lt};
+            KR_TRY(krk_fp8_quant(&qp, c->stream));
+            const struct krk_fp8_mm_params mp = {.q = q, .ldq = ldq, .scale = s, .s_ld = n_lt, .n = n_lt, .w = fw,
+                                                 .bias = bias, .y = y, .ldy = ldy};
+            const enum kr_status st = krk_fp8_gemm_lt(c->lt, &mp, c->stream);
+            if (st == KR_ERR_UNSUPPORTED) {
+                n_lt = 0; /* no algorithm for the shape: every row on the other kernels */
+            } else if (st != KR_OK) {
+                return st;
+            }
+        }
+        if (n_lt < n && sk) {
+            return fp8_rows_skinny(c, x, ldx, n_lt, n - n_lt, &fw, bias, y, ldy, q, ldq,
+                                   s + (size_t)(fw.ld_s * n_lt));
+        }
+        if (n_lt == n && n > 0) {
+            return KR_OK;
         }
     }
     const int64_t ldxq = (fw.cols + 3) / 4 * 4;
@@ -1890,7 +1929,7 @@ enum kr_status kr_backend_cuda_create_with(int dev, const struct kr_switches *sw
     c->dsa_score = sw->dsa_score;
     c->mla_overlap = sw->mla_overlap != 0;
     c->skinny_max = sw->skinny_max;
-    c->fp8_gemv_max = sw->fp8_gemv_max;
+    c->fp8_skinny_max = sw->fp8_skinny_max;
     /* the process-wide launch mode and state hints are kr_backend_cuda_setup's, not the device's */
     c->pdl = sw->pdl != 0;
     enum kr_status st = KR_ERR_INVAL;

@@ -177,7 +177,7 @@ static double fp8_rate(bool block)
         }
         cublasLtMatmulPreferenceDestroy(pref);
     }
-    const struct krk_fp8_lt_params p = {.q = b, .ldq = N, .scale = sb, .n = N,
+    const struct krk_fp8_mm_params p = {.q = b, .ldq = N, .scale = sb, .s_ld = N, .n = N,
                                         .w = {.q = a, .scale = sa, .rows = N, .cols = N, .ld_s = N / 128,
                                               .block_r = 128, .block_c = 128},
                                         .y = c, .ldy = N};

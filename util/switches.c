@@ -18,7 +18,7 @@ static const size_t g_offset[] = {
     offsetof(struct kr_switches, pdl),         offsetof(struct kr_switches, backend_sampling),
     offsetof(struct kr_switches, fault_step),  offsetof(struct kr_switches, fault_rank),
     offsetof(struct kr_switches, tp_peer_kb),  offsetof(struct kr_switches, tp_timeout_s),
-    offsetof(struct kr_switches, tp_one_device), offsetof(struct kr_switches, fp8_gemv_max),
+    offsetof(struct kr_switches, tp_one_device), offsetof(struct kr_switches, fp8_skinny_max),
 };
 
 static const struct kr_switch g_table[] = {
@@ -63,9 +63,9 @@ static const struct kr_switch g_table[] = {
     {"KRAIT_TP_ONE_DEVICE", KR_SWITCH_BOOL, 0, 1, NULL, "0", KR_SWITCH_TEST,
      "1 puts every CUDA tensor-parallel rank on one device, collectives through its memory; tests",
      NULL},
-    {"KRAIT_FP8_GEMV_MAX", KR_SWITCH_INT, 0, 4096, NULL, "4", KR_SWITCH_MEASURE,
-     "FP8 weights: products of up to this many rows take the CUDA-core kernel, more cuBLASLt's "
-     "block-scaled matmul; 0 = cuBLASLt from one row",
+    {"KRAIT_FP8_SKINNY_MAX", KR_SWITCH_INT, 0, 4096, NULL, "16", KR_SWITCH_MEASURE,
+     "FP8 weights: products of up to this many rows take the tensor-core skinny kernel, more cuBLASLt's "
+     "block-scaled matmul (its rows in multiples of 4, the rest skinny); 0 = cuBLASLt from 4 rows",
      "moves the crossover for A/B runs; the default is the bound measured best (docs/FP8.md)"},
 };
 #define N_SWITCHES ((int)(sizeof g_table / sizeof g_table[0]))
@@ -92,7 +92,7 @@ void kr_switches_defaults(struct kr_switches *sw)
     sw->backend_sampling = -1;
     sw->tp_peer_kb = 512;
     sw->tp_timeout_s = 300;
-    sw->fp8_gemv_max = 4;
+    sw->fp8_skinny_max = 16;
     /* the others (faults, KRAIT_TP_ONE_DEVICE, given) are 0 */
 }
 

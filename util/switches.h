@@ -39,8 +39,8 @@ struct kr_switches {
     int32_t tp_peer_kb;       /* KRAIT_TP_PEER_KB: largest all-reduce of the peer kernels, KiB (0: NCCL) */
     int32_t tp_timeout_s;     /* KRAIT_TP_TIMEOUT_S: longest a tensor-parallel step may take */
     int32_t tp_one_device;    /* KRAIT_TP_ONE_DEVICE: every CUDA rank on one device (tests) */
-    int32_t fp8_gemv_max;     /* KRAIT_FP8_GEMV_MAX: FP8 products of up to this many rows take the
-                                 CUDA-core kernel, more cuBLASLt */
+    int32_t fp8_skinny_max;   /* KRAIT_FP8_SKINNY_MAX: FP8 products of up to this many rows take the
+                                 tensor-core skinny kernel, more cuBLASLt */
     uint64_t given;           /* bit i: table entry i was set (non-empty) in the environment */
 };
 

@@ -225,6 +225,137 @@ __global__ void __launch_bounds__(kGemvWarps * 32) fp8_gemv_any_kernel(const Fp8
     }
 }
 
+// ---- the tensor-core skinny product (krk_fp8_skinny) ---------------------------------------------
+//
+// A block owns 16 weight rows (one m16 tile; block_r % 16 == 0 keeps them in one scale row) and its
+// 8 warps share the 128-column blocks of K (warp w takes blocks w, w + 8, ...). Per block a lane
+// (g = lane / 4, t = lane % 4) loads 16 codes of rows g and g + 8 at columns 128 kb + 64 h + 16 t
+// (h = 0, 1) and the 16 codes of token g of every tile of 8 tokens at the same columns; the 32-bit
+// words go to mma.sync m16n8k32 e4m3 (A words 0/2 of row g, 1/3 of row g + 8 as the fragment's
+// k-halves): the k order inside a block is permuted, the same way for both operands, which the sum
+// does not see. A block's four products accumulate in a fragment that is then added to the lane's
+// fp32 accumulators times the weight block's scale and each token's activation scale (the recipe's
+// promotion per 128 columns). The weights of the next block are in flight while one is multiplied.
+// Up to 16 tokens (two n8 tiles) per pass.
+// The warps' accumulators are summed in shared memory in warp order (deterministic).
+
+__device__ __forceinline__ void mma_e4m3(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1)
+{
+    asm volatile("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+constexpr int kSkWarps = 8;
+
+struct Fp8SkinnyArgs {
+    const uint8_t *q;      // activation codes [n, ldq]
+    int64_t ldq;
+    const float *as;       // activation scales [nkb, s_ld]
+    int64_t s_ld, n;
+    const uint8_t *w;      // weight codes [rows, cols]
+    const float *ws;       // [ceil(rows / br), ld_s]
+    int64_t rows, cols, ld_s;
+    int br;
+    const float *bias;
+    float *y;
+    int64_t ldy;
+};
+
+template <int NT>
+__global__ void __launch_bounds__(kSkWarps * 32) fp8_skinny_kernel(const Fp8SkinnyArgs a, int t0)
+{
+    __shared__ float red[kSkWarps][NT * 4][32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tg = lane & 3;
+    const int64_t r0 = (int64_t)blockIdx.x * 16;
+    const int64_t nkb = a.cols / 128;
+    const bool v0 = r0 + g < a.rows, v1 = r0 + g + 8 < a.rows;
+    const uint8_t *w0 = a.w + (v0 ? r0 + g : 0) * a.cols + 16 * tg;
+    const uint8_t *w1 = a.w + (v1 ? r0 + g + 8 : 0) * a.cols + 16 * tg;
+    const float *wsr = a.ws + (r0 / a.br) * a.ld_s;
+    float acc[NT][4];
+#pragma unroll
+    for (int j = 0; j < NT; j++) {
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            acc[j][i] = 0.0f;
+        }
+    }
+    const uint4 z = make_uint4(0, 0, 0, 0);
+    int64_t kb = warp;
+    uint4 cur[4];
+    if (kb < nkb) {
+        cur[0] = v0 ? ld_stream8(w0 + kb * 128) : z;
+        cur[1] = v1 ? ld_stream8(w1 + kb * 128) : z;
+        cur[2] = v0 ? ld_stream8(w0 + kb * 128 + 64) : z;
+        cur[3] = v1 ? ld_stream8(w1 + kb * 128 + 64) : z;
+    }
+    pdl_trigger();
+    pdl_wait(); // the activations come from the kernel before
+    for (; kb < nkb; kb += kSkWarps) {
+        const int64_t kn = kb + kSkWarps;
+        uint4 nxt[4] = {z, z, z, z};
+        if (kn < nkb) {
+            nxt[0] = v0 ? ld_stream8(w0 + kn * 128) : z;
+            nxt[1] = v1 ? ld_stream8(w1 + kn * 128) : z;
+            nxt[2] = v0 ? ld_stream8(w0 + kn * 128 + 64) : z;
+            nxt[3] = v1 ? ld_stream8(w1 + kn * 128 + 64) : z;
+        }
+        const float wsc = __ldg(wsr + kb);
+#pragma unroll
+        for (int j = 0; j < NT; j++) {
+            const int64_t tok = t0 + j * 8 + g; // the token whose codes this lane feeds to B
+            uint4 b0 = z, b1 = z;
+            if (tok < a.n) {
+                const uint8_t *xr = a.q + tok * a.ldq + kb * 128 + 16 * tg;
+                b0 = __ldg(reinterpret_cast<const uint4 *>(xr));
+                b1 = __ldg(reinterpret_cast<const uint4 *>(xr + 64));
+            }
+            float f[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            mma_e4m3(f, cur[0].x, cur[1].x, cur[0].y, cur[1].y, b0.x, b0.y);
+            mma_e4m3(f, cur[0].z, cur[1].z, cur[0].w, cur[1].w, b0.z, b0.w);
+            mma_e4m3(f, cur[2].x, cur[3].x, cur[2].y, cur[3].y, b1.x, b1.y);
+            mma_e4m3(f, cur[2].z, cur[3].z, cur[2].w, cur[3].w, b1.z, b1.w);
+            // the fragment's columns are tokens t0 + 8 j + 2 tg + (i & 1)
+            const int64_t ta = t0 + j * 8 + 2 * tg, tb = ta + 1;
+            const float sa = ta < a.n ? __ldg(a.as + kb * a.s_ld + ta) * wsc : 0.0f;
+            const float sb = tb < a.n ? __ldg(a.as + kb * a.s_ld + tb) * wsc : 0.0f;
+            acc[j][0] = fmaf(f[0], sa, acc[j][0]);
+            acc[j][1] = fmaf(f[1], sb, acc[j][1]);
+            acc[j][2] = fmaf(f[2], sa, acc[j][2]);
+            acc[j][3] = fmaf(f[3], sb, acc[j][3]);
+        }
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            cur[i] = nxt[i];
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < NT; j++) {
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            red[warp][j * 4 + i][lane] = acc[j][i];
+        }
+    }
+    __syncthreads();
+    // NT * 4 * 32 sums of kSkWarps values, a thread each (in warp order)
+    for (int e = threadIdx.x; e < NT * 4 * 32; e += kSkWarps * 32) {
+        const int l = e & 31, ji = e >> 5, j = ji >> 2, i = ji & 3;
+        float v = 0.0f;
+#pragma unroll
+        for (int w = 0; w < kSkWarps; w++) {
+            v += red[w][ji][l];
+        }
+        const int64_t row = r0 + (l >> 2) + (i >= 2 ? 8 : 0);
+        const int64_t tok = t0 + j * 8 + 2 * (l & 3) + (i & 1);
+        if (row < a.rows && tok < a.n) {
+            a.y[tok * a.ldy + row] = a.bias ? v + a.bias[row] : v;
+        }
+    }
+}
+
 template <int N, int RW>
 enum kr_status gemv_launch(const Fp8GemvArgs &a, int t0, cudaStream_t stream)
 {
@@ -315,6 +446,40 @@ extern "C" enum kr_status krk_fp8_gemv(const struct krk_fp8_gemv_params *p, cuda
             return st;
         }
         t0 += take;
+    }
+    return KR_OK;
+}
+
+extern "C" bool krk_fp8_skinny_takes(const struct krk_fp8_weight *w)
+{
+    return w->block_c == 128 && w->block_r % 16 == 0 && w->cols % 128 == 0 && aligned16(w->q) &&
+           w->ld_s >= w->cols / 128;
+}
+
+extern "C" enum kr_status krk_fp8_skinny(const struct krk_fp8_mm_params *p, cudaStream_t stream)
+{
+    KRK_REQUIRE(p && weight_valid(&p->w) && p->n >= 0 && p->ldq >= p->w.cols && p->ldq % 16 == 0 &&
+                p->ldy >= p->w.rows && p->s_ld >= p->n);
+    if (p->n == 0) {
+        return KR_OK;
+    }
+    KRK_REQUIRE(p->q && p->scale && p->y && aligned16(p->q));
+    KRK_REQUIRE_MSG(krk_fp8_skinny_takes(&p->w), "FP8 weight [%lld, %lld] in blocks of %dx%d",
+                    (long long)p->w.rows, (long long)p->w.cols, (int)p->w.block_r, (int)p->w.block_c);
+    const Fp8SkinnyArgs a = {.q = p->q, .ldq = p->ldq, .as = p->scale, .s_ld = p->s_ld, .n = p->n, .w = p->w.q,
+                             .ws = p->w.scale, .rows = p->w.rows, .cols = p->w.cols, .ld_s = p->w.ld_s,
+                             .br = p->w.block_r, .bias = p->bias, .y = p->y, .ldy = p->ldy};
+    const int64_t blocks = (p->w.rows + 15) / 16;
+    KRK_REQUIRE(blocks <= INT32_MAX);
+    for (int64_t t0 = 0; t0 < p->n; t0 += 16) { /* tokens in groups of 16 (two m16n8 tiles) */
+        if (p->n - t0 > 8) {
+            krk::launch_maybe_pdl(krk::pdl_enabled(), fp8_skinny_kernel<2>, (unsigned)blocks, kSkWarps * 32, 0,
+                                  stream, a, (int)t0);
+        } else {
+            krk::launch_maybe_pdl(krk::pdl_enabled(), fp8_skinny_kernel<1>, (unsigned)blocks, kSkWarps * 32, 0,
+                                  stream, a, (int)t0);
+        }
+        KRK_CHECK_LAUNCH();
     }
     return KR_OK;
 }
@@ -478,15 +643,15 @@ static LtPlan *plan_for(struct krk_fp8_lt *lt, int64_t rows, int64_t cols, int64
 
 extern "C" bool krk_fp8_lt_takes(const struct krk_fp8_weight *w, int64_t n)
 {
-    return w->block_r == 128 && w->block_c == 128 && w->cols % 16 == 0 && w->rows % 16 == 0 && n >= 1 &&
+    return w->block_r == 128 && w->block_c == 128 && w->cols % 16 == 0 && w->rows % 16 == 0 && n >= 4 && n % 4 == 0 &&
            w->ld_s == (w->cols + 127) / 128 && aligned16(w->q);
 }
 
-extern "C" enum kr_status krk_fp8_gemm_lt(struct krk_fp8_lt *lt, const struct krk_fp8_lt_params *p,
+extern "C" enum kr_status krk_fp8_gemm_lt(struct krk_fp8_lt *lt, const struct krk_fp8_mm_params *p,
                                           cudaStream_t stream)
 {
     KRK_REQUIRE(lt && p && weight_valid(&p->w) && p->n >= 0 && p->ldq >= p->w.cols && p->ldq % 16 == 0 &&
-                p->ldy >= p->w.rows);
+                p->ldy >= p->w.rows && (p->n == 0 || p->s_ld == p->n));
     if (p->n == 0) {
         return KR_OK;
     }

@@ -60,7 +60,7 @@ static int64_t field(const struct kr_switches *sw, const char *name)
         {"KRAIT_TP_PEER_KB", offsetof(struct kr_switches, tp_peer_kb)},
         {"KRAIT_TP_TIMEOUT_S", offsetof(struct kr_switches, tp_timeout_s)},
         {"KRAIT_TP_ONE_DEVICE", offsetof(struct kr_switches, tp_one_device)},
-        {"KRAIT_FP8_GEMV_MAX", offsetof(struct kr_switches, fp8_gemv_max)},
+        {"KRAIT_FP8_SKINNY_MAX", offsetof(struct kr_switches, fp8_skinny_max)},
     };
     if (!strcmp(name, "KRAIT_FAULT_STEP")) {
         return sw->fault_step;
@@ -84,7 +84,7 @@ Test(switches, table_lists_the_switches_the_code_had)
         "KRAIT_CUDA_GRAPHS", "KRAIT_MLA_ATTN", "KRAIT_DSA_SCORE", "KRAIT_MLA_OVERLAP",      "KRAIT_SKINNY_MAX",
         "KRAIT_SSD_STREAM",  "KRAIT_PDL",      "KRAIT_BACKEND_SAMPLING", "KRAIT_FAULT_STEP",
         "KRAIT_FAULT_RANK",  "KRAIT_TP_PEER_KB", "KRAIT_TP_TIMEOUT_S", "KRAIT_TP_ONE_DEVICE",
-        "KRAIT_FP8_GEMV_MAX",
+        "KRAIT_FP8_SKINNY_MAX",
     };
     int n;
     const struct kr_switch *t = kr_switches_table(&n);

@@ -137,13 +137,16 @@ enum kr_status krk_fp8_gemv(const struct krk_fp8_gemv_params *p, cudaStream_t st
 struct krk_fp8_lt;
 struct krk_fp8_lt *krk_fp8_lt_create(void *ws, size_t ws_bytes);
 void krk_fp8_lt_free(struct krk_fp8_lt *lt);
-/* Whether the weight has the layout the matmul takes (blocks of 128 x 128, rows and cols multiples
- * of 16, ld_s = ceil(cols / 128), codes 16-byte aligned). */
+/* Whether the weight and row count are ones the matmul takes (blocks of 128 x 128, rows and cols
+ * multiples of 16, ld_s = ceil(cols / 128), codes 16-byte aligned; n a multiple of 4: the heuristic
+ * of CUDA 13.0 has no algorithm for other n, the caller runs the rest of the rows elsewhere). */
 bool krk_fp8_lt_takes(const struct krk_fp8_weight *w, int64_t n);
-struct krk_fp8_lt_params {
+/* The activations as codes and scales (krk_fp8_quant with q and scale) against an FP8 weight. */
+struct krk_fp8_mm_params {
     const uint8_t *q;       /* [n, ldq] activation codes, ldq % 16 == 0, 16-byte aligned */
     int64_t ldq;
-    const float *scale;     /* [ceil(cols / 128), n] activation scales (s_ld = n) */
+    const float *scale;     /* [ceil(cols / block_c), s_ld] activation scales, scale[kb * s_ld + t] */
+    int64_t s_ld;           /* >= n; cuBLASLt: == n */
     int64_t n;
     struct krk_fp8_weight w;
     const float *bias;
@@ -151,8 +154,15 @@ struct krk_fp8_lt_params {
     int64_t ldy;
 };
 /* y = the product; KR_ERR_UNSUPPORTED (nothing launched) when the weight's layout is not one it
- * takes or cuBLASLt has no algorithm for the shape: the caller runs krk_fp8_gemv. */
-enum kr_status krk_fp8_gemm_lt(struct krk_fp8_lt *lt, const struct krk_fp8_lt_params *p, cudaStream_t stream);
+ * takes or cuBLASLt has no algorithm for the shape: the caller runs another kernel. */
+enum kr_status krk_fp8_gemm_lt(struct krk_fp8_lt *lt, const struct krk_fp8_mm_params *p, cudaStream_t stream);
+
+/* Decode-shaped products on tensor cores (mma.sync m16n8k32 e4m3, fp32 promotion per 128-column
+ * block as the recipe does): bound by streaming the weight's codes once for up to 16 rows of x (more
+ * run in groups of 16, the weight read again per group). Takes weights in column blocks of 128, row
+ * blocks a multiple of 16, cols a multiple of 128 (krk_fp8_skinny_takes); KR_ERR_INVAL otherwise. */
+bool krk_fp8_skinny_takes(const struct krk_fp8_weight *w);
+enum kr_status krk_fp8_skinny(const struct krk_fp8_mm_params *p, cudaStream_t stream);
 
 /* y[t, r] += bias[r] for t < n, r < rows (after a cuBLAS product). */
 enum kr_status krk_add_bias(float *y, int64_t ldy, const float *bias, int64_t n, int64_t rows, cudaStream_t stream);
