@@ -643,8 +643,8 @@ static LtPlan *plan_for(struct krk_fp8_lt *lt, int64_t rows, int64_t cols, int64
 
 extern "C" bool krk_fp8_lt_takes(const struct krk_fp8_weight *w, int64_t n)
 {
-    return w->block_r == 128 && w->block_c == 128 && w->cols % 16 == 0 && w->rows % 16 == 0 && n >= 4 && n % 4 == 0 &&
-           w->ld_s == (w->cols + 127) / 128 && aligned16(w->q);
+    return w->block_r == 128 && w->block_c == 128 && w->cols % 16 == 0 && w->cols >= 128 && w->rows % 128 == 0 &&
+           n >= 4 && n % 4 == 0 && w->ld_s == (w->cols + 127) / 128 && aligned16(w->q);
 }
 
 extern "C" enum kr_status krk_fp8_gemm_lt(struct krk_fp8_lt *lt, const struct krk_fp8_mm_params *p,

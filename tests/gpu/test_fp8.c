@@ -298,16 +298,18 @@ ParameterizedTest(int *idx, fp8_gpu, gemv_matches_cpu)
     fw_free(&w);
 }
 
-/* cuBLASLt's block-scaled matmul takes 128 x 128 blocks with rows and cols multiples of 16. */
+/* cuBLASLt's block-scaled matmul takes 128 x 128 blocks with rows and cols multiples of 16 (a short
+ * last block of columns included: 400 = 3 x 128 + 16). */
+static const struct pshape ltshapes[] = {{4096, 4096, 128, 128}, {24576, 1536, 128, 128}, {256, 400, 128, 128}};
 ParameterizedTestParameters(fp8_gpu, cublaslt_matches_cpu)
 {
-    static int lt_idx[] = {0, 2, 3};
+    static int lt_idx[] = {0, 1, 2};
     return cr_make_param_array(int, lt_idx, sizeof lt_idx / sizeof lt_idx[0]);
 }
 ParameterizedTest(int *idx, fp8_gpu, cublaslt_matches_cpu)
 {
     GT_REQUIRE_GPU();
-    const struct pshape *s = &pshapes[*idx];
+    const struct pshape *s = &ltshapes[*idx];
     struct gt_rng r = {.s = 200 + (uint64_t)*idx};
     struct fw w = fw_make(&r, s->rows, s->cols, s->br, s->bc);
     void *ws = gt_dalloc((size_t)32 << 20);
@@ -560,7 +562,12 @@ Test(fp8_gpu, experts_match_cpu)
  *  - the log-probabilities against HF's hold the CPU recipe's bound (tests/model/test_fp8_model.c:
  *    the tiny 64-wide models quantize a whole activation row with one scale, which moves them by
  *    0.09-0.63 on the CPU; FP8_MEAN = 0.8), the worst quarter of positions left out where routing or
- *    the DSA selection can flip (as the bf16 GPU tests do). The GPU's FP8 run against the CPU's is printed:
+ *    the DSA selection can flip (as the bf16 GPU tests do). The DSA indexer scores in bf16 here on
+ *    both sides: its FP8 path quantizes the scores coarsely enough that the GPU and the CPU select
+ *    differently at most positions of a 40-token prompt (measured: a mean of 1.14 against HF on
+ *    ds_fp8's longest prompt, 1.35 against the CPU), which fp8_indexer_matches_cpu
+ *    (test_backend.c) covers on its own; this test is about the weights. The GPU's FP8 run against
+ *    the CPU's is printed:
  *    the activations the two quantize differ by the GPU's bf16 caches and operands elsewhere, and a
  *    code tipped over by that moves a 64-wide model visibly, so it is not a tight check. */
 #define FP8_MEAN 0.8
@@ -625,6 +632,10 @@ ParameterizedTest(int *idx, fp8_gpu, models_match_the_cpu_recipe)
     fx_load_on(&g, fx_all[*idx].family, fx_all[*idx].name, gbe, 2);
     fx_load_on(&c, fx_all[*idx].family, fx_all[*idx].name, cbe, 2);
     const char *name = fx_all[*idx].name;
+    if (g.m->idx_fp8) {
+        cr_assert_eq(kr_model_set_indexer(g.m, KR_INDEXER_BF16, &err), KR_OK, "%s", err.msg);
+        cr_assert_eq(kr_model_set_indexer(c.m, KR_INDEXER_BF16, &err), KR_OK, "%s", err.msg);
+    }
     /* every FP8 matrix: the GPU's product against the CPU's on the same rows */
     const struct kr_tensor *gm[4096], *cm[4096];
     const int ng = fp8_mats(g.m, gm, 4096), nc = fp8_mats(c.m, cm, 4096);
@@ -638,25 +649,27 @@ ParameterizedTest(int *idx, fp8_gpu, models_match_the_cpu_recipe)
         const struct fw h = {.rows = b->rows, .cols = b->cols, .br = b->block_r, .bc = b->block_c,
                              .sr = (b->rows + b->block_r - 1) / b->block_r, .sc = (b->cols + b->block_c - 1) / b->block_c,
                              .q = (uint8_t *)b->data, .s = (float *)b->scale};
-        const int64_t n = 3;
-        float *x = act_make(&r, n, h.cols);
-        struct ref f = ref_make(x, n, &h);
-        float *dx = gt_dup(x, (size_t)(n * h.cols) * 4), *dy = gt_dalloc((size_t)(n * h.rows) * 4),
-              *y = kr_malloc((size_t)(n * h.rows) * 4);
-        cr_assert_eq(kr_backend_matmul(gbe, dx, h.cols, n, a, NULL, dy, h.rows, NULL), KR_OK);
-        gt_sync();
-        gt_down(y, dy, (size_t)(n * h.rows) * 4);
-        for (int64_t i = 0; i < n * h.rows; i++) {
-            const double e = isfinite(y[i]) ? fabs((double)y[i] - (double)f.y[i]) / ((double)f.mag[i] + 1e-30) : INFINITY;
-            worst = e > worst ? e : worst;
+        for (int64_t n = 3; n <= 40; n += 37) { /* decode rows; a prefill's (cuBLASLt where it takes them) */
+            float *x = act_make(&r, n, h.cols);
+            struct ref f = ref_make(x, n, &h);
+            float *dx = gt_dup(x, (size_t)(n * h.cols) * 4), *dy = gt_dalloc((size_t)(n * h.rows) * 4),
+                  *y = kr_malloc((size_t)(n * h.rows) * 4);
+            cr_assert_eq(kr_backend_matmul(gbe, dx, h.cols, n, a, NULL, dy, h.rows, NULL), KR_OK);
+            gt_sync();
+            gt_down(y, dy, (size_t)(n * h.rows) * 4);
+            for (int64_t i = 0; i < n * h.rows; i++) {
+                const double e = isfinite(y[i]) ? fabs((double)y[i] - (double)f.y[i]) / ((double)f.mag[i] + 1e-30) : INFINITY;
+                worst = e > worst ? e : worst;
+            }
+            gt_dfree(dx);
+            gt_dfree(dy);
+            kr_free(y);
+            kr_free(x);
+            ref_free(&f);
         }
-        gt_dfree(dx);
-        gt_dfree(dy);
-        kr_free(y);
-        kr_free(x);
-        ref_free(&f);
     }
-    fprintf(stderr, "  %-18s %d FP8 matrices: GPU product vs the CPU recipe max |err| / S = %.3g\n", name, ng, worst);
+    fprintf(stderr, "  %-18s %d FP8 matrices, 3 and 40 rows: GPU product vs the CPU recipe max |err| / S = %.3g\n",
+            name, ng, worst);
     cr_expect_leq(worst, LT_REL, "%s: an FP8 matrix multiplies differently on the GPU (%g)", name, worst);
     /* the log-probabilities */
     const bool discrete = g.m->cfg.n_expert > 0 || strchr(g.m->cfg.pattern, 'D') != NULL;

@@ -137,9 +137,12 @@ enum kr_status krk_fp8_gemv(const struct krk_fp8_gemv_params *p, cudaStream_t st
 struct krk_fp8_lt;
 struct krk_fp8_lt *krk_fp8_lt_create(void *ws, size_t ws_bytes);
 void krk_fp8_lt_free(struct krk_fp8_lt *lt);
-/* Whether the weight and row count are ones the matmul takes (blocks of 128 x 128, rows and cols
- * multiples of 16, ld_s = ceil(cols / 128), codes 16-byte aligned; n a multiple of 4: the heuristic
- * of CUDA 13.0 has no algorithm for other n, the caller runs the rest of the rows elsewhere). */
+/* Whether the weight and row count are ones the matmul takes: blocks of 128 x 128, whole row blocks
+ * (rows % 128 == 0), cols >= 128 and a multiple of 16 (a short last column block is taken),
+ * ld_s = ceil(cols / 128), codes 16-byte aligned; n a multiple of 4 (the heuristic of CUDA 13.0 has
+ * no algorithm for other n; the caller runs the rest of the rows elsewhere). Partial row blocks and
+ * matrices narrower than one block are left to the other kernels: they are not what the device tests
+ * cover, and a fixture's 40-row prefill through them deviated (docs/FP8.md). */
 bool krk_fp8_lt_takes(const struct krk_fp8_weight *w, int64_t n);
 /* The activations as codes and scales (krk_fp8_quant with q and scale) against an FP8 weight. */
 struct krk_fp8_mm_params {
