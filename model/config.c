@@ -9,6 +9,7 @@
 #endif
 #include <stdio.h>
 #include <string.h>
+#include <strings.h>
 
 /* ---- typed lookups with aliases ------------------------------------------------------------ */
 
@@ -565,6 +566,65 @@ static enum kr_status parse_dims(struct kr_model_config *cfg, const struct kr_js
     return KR_OK;
 }
 
+/* quantization_config (either family): DeepSeek's FP8 block scales ("quant_method": "fp8",
+ * weight_block_size, scale_fmt) or NVIDIA ModelOpt's ("quant_method": "modelopt", quant_algo,
+ * kv_cache_quant_algo); anything else is refused by name. */
+static enum kr_status parse_quant(struct kr_model_config *cfg, const struct kr_json *root, const char *path,
+                                  struct kr_err *err)
+{
+    const struct kr_json *q = kr_json_get(root, "quantization_config");
+    const struct kr_json *qm0 = q && q->type == KR_JSON_OBJECT ? kr_json_get(q, "quant_method") : NULL;
+    if (qm0 && qm0->type == KR_JSON_STRING && !strcmp(qm0->str, "modelopt")) {
+        /* NVIDIA's ModelOpt export (Nemotron FP8 checkpoints): quant_algo names the scales' layout;
+         * the matrices it leaves out ("ignore") are stored in bf16 and load as such */
+        const struct kr_json *qa = kr_json_get(q, "quant_algo");
+        static const char *const algos[] = {"FP8", "FP8_PER_CHANNEL_PER_TOKEN", "FP8_PB_WO"};
+        bool ok = false;
+        for (size_t i = 0; qa && qa->type == KR_JSON_STRING && i < sizeof algos / sizeof algos[0]; i++) {
+            ok = ok || !strcasecmp(qa->str, algos[i]);
+        }
+        if (!ok) {
+            return kr_err_set(err, KR_ERR_UNSUPPORTED,
+                              "%s: quantization_config.quant_algo %s%s%s of a modelopt checkpoint is not supported "
+                              "(FP8, FP8_PER_CHANNEL_PER_TOKEN or FP8_PB_WO)",
+                              path, qa && qa->type == KR_JSON_STRING ? "\"" : "",
+                              qa && qa->type == KR_JSON_STRING ? qa->str : "(missing)",
+                              qa && qa->type == KR_JSON_STRING ? "\"" : "");
+        }
+        const struct kr_json *kv = kr_json_get(q, "kv_cache_quant_algo");
+        if (kv && kv->type == KR_JSON_STRING && strcasecmp(kv->str, "FP8") != 0) {
+            return kr_err_set(err, KR_ERR_UNSUPPORTED,
+                              "%s: quantization_config.kv_cache_quant_algo \"%s\" is not supported (FP8, or none)", path,
+                              kv->str);
+        }
+        cfg->fp8_kv_scales = kv && kv->type == KR_JSON_STRING;
+        cfg->fp8_weights = cfg->fp8_modelopt = true;
+        cfg->fp8_block[0] = cfg->fp8_block[1] = 128;
+        return KR_OK;
+    }
+    if (q && q->type == KR_JSON_OBJECT) {
+        const struct kr_json *qm = kr_json_get(q, "quant_method");
+        if (!qm || qm->type != KR_JSON_STRING || strcmp(qm->str, "fp8") != 0) {
+            return kr_err_set(err, KR_ERR_UNSUPPORTED, "%s: quantization_config.quant_method %s%s%s is not supported (fp8, modelopt)",
+                              path, qm && qm->type == KR_JSON_STRING ? "\"" : "",
+                              qm && qm->type == KR_JSON_STRING ? qm->str : "(missing)",
+                              qm && qm->type == KR_JSON_STRING ? "\"" : "");
+        }
+        const struct kr_json *bs = kr_json_get(q, "weight_block_size");
+        cfg->fp8_block[0] = cfg->fp8_block[1] = 128;
+        if (bs && (bs->type != KR_JSON_ARRAY || bs->n != 2 || !kr_json_as_int(&bs->items[0], &cfg->fp8_block[0]) ||
+                   !kr_json_as_int(&bs->items[1], &cfg->fp8_block[1]) || cfg->fp8_block[0] < 1 ||
+                   cfg->fp8_block[1] < 1)) {
+            return kr_err_set(err, KR_ERR_FORMAT,
+                              "%s: quantization_config.weight_block_size must be two positive integers", path);
+        }
+        cfg->fp8_weights = true;
+        const struct kr_json *sf = kr_json_get(q, "scale_fmt");
+        cfg->fp8_ue8m0 = sf && sf->type == KR_JSON_STRING && !strcmp(sf->str, "ue8m0");
+    }
+    return KR_OK;
+}
+
 static enum kr_status parse_nemotron_h(struct kr_model_config *cfg, const struct kr_json *root, const char *path,
                                        struct kr_err *err)
 {
@@ -717,27 +777,6 @@ static enum kr_status parse_deepseek_v32(struct kr_model_config *cfg, const stru
     int64_t mtp;
     KR_TRY(get_int(root, path, KEYS("num_nextn_predict_layers"), false, 0, &mtp, err));
     cfg->n_mtp_layers = (int32_t)(mtp > 0 && mtp < 64 ? mtp : 0);
-    const struct kr_json *q = kr_json_get(root, "quantization_config");
-    if (q && q->type == KR_JSON_OBJECT) {
-        const struct kr_json *qm = kr_json_get(q, "quant_method");
-        if (!qm || qm->type != KR_JSON_STRING || strcmp(qm->str, "fp8") != 0) {
-            return kr_err_set(err, KR_ERR_UNSUPPORTED, "%s: quantization_config.quant_method %s%s%s is not supported (fp8)",
-                              path, qm && qm->type == KR_JSON_STRING ? "\"" : "",
-                              qm && qm->type == KR_JSON_STRING ? qm->str : "(missing)",
-                              qm && qm->type == KR_JSON_STRING ? "\"" : "");
-        }
-        const struct kr_json *bs = kr_json_get(q, "weight_block_size");
-        cfg->fp8_block[0] = cfg->fp8_block[1] = 128;
-        if (bs && (bs->type != KR_JSON_ARRAY || bs->n != 2 || !kr_json_as_int(&bs->items[0], &cfg->fp8_block[0]) ||
-                   !kr_json_as_int(&bs->items[1], &cfg->fp8_block[1]) || cfg->fp8_block[0] < 1 ||
-                   cfg->fp8_block[1] < 1)) {
-            return kr_err_set(err, KR_ERR_FORMAT,
-                              "%s: quantization_config.weight_block_size must be two positive integers", path);
-        }
-        cfg->fp8_weights = true;
-        const struct kr_json *sf = kr_json_get(q, "scale_fmt");
-        cfg->fp8_ue8m0 = sf && sf->type == KR_JSON_STRING && !strcmp(sf->str, "ue8m0");
-    }
     return parse_mla(cfg, root, path, err);
 }
 
@@ -755,10 +794,12 @@ enum kr_status kr_model_config_from_json(struct kr_model_config *cfg, const stru
     }
     snprintf(cfg->model_type, sizeof cfg->model_type, "%s", mt->str);
     if (!strcmp(mt->str, "nemotron_h")) {
-        return parse_nemotron_h(cfg, root, path, err);
+        KR_TRY(parse_nemotron_h(cfg, root, path, err));
+        return parse_quant(cfg, root, path, err);
     }
     if (!strcmp(mt->str, "deepseek_v32")) {
-        return parse_deepseek_v32(cfg, root, path, err);
+        KR_TRY(parse_deepseek_v32(cfg, root, path, err));
+        return parse_quant(cfg, root, path, err);
     }
     return kr_err_set(err, KR_ERR_UNSUPPORTED,
                       "%s: unsupported model_type \"%s\" (supported: nemotron_h, deepseek_v32)", path,

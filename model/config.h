@@ -101,7 +101,10 @@ struct kr_model_config {
 
     /* checkpoint layout */
     int32_t n_mtp_layers;      /* num_nextn_predict_layers (deepseek_v32; tensors skipped) */
-    bool fp8_weights;          /* quantization_config fp8 with block scales (dequantized at load) */
+    bool fp8_weights;          /* quantization_config fp8 (DeepSeek: block scales) or modelopt FP8 (NVIDIA:
+                                  per-tensor, per-channel or block scales), matrices F8_E4M3 */
+    bool fp8_modelopt;         /* the modelopt form (scales `<w>_scale`, `input_scale`, KV scales) */
+    bool fp8_kv_scales;        /* modelopt kv_cache_quant_algo FP8: the checkpoint carries K/V scales */
     bool fp8_ue8m0;            /* quantization_config.scale_fmt "ue8m0": FP8 activation scales are powers of two */
     int64_t fp8_block[2];      /* weight_block_size [rows, cols] */
 };

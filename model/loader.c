@@ -96,63 +96,135 @@ static enum kr_status check(struct loader *ld, struct kr_st_tensor *t, int n_dim
     return check_any(ld, t, n_dim, shape, false);
 }
 
-/* Dequantizes an F8_E4M3 matrix [rows, cols] (a view at `data`) with its block scales
- * `<name>_scale_inv` ([ceil(rows/B0), ceil(cols/B1)] fp32, one per weight_block_size block) into a
- * new fp32 host buffer (caller frees). The scale tensor `sname` must exist. */
-static enum kr_status dequant_fp8(struct loader *ld, const struct kr_st_tensor *t, const void *data, int64_t rows,
-                                  int64_t cols, const char *sname, int64_t scale_row0, float **out)
+/* Where an F8_E4M3 matrix's scales come from (weight = code x scale):
+ *  - DeepSeek: `<w>_scale_inv` [ceil(R / B0), ceil(C / B1)], blocks of weight_block_size (FP8_BLOCKS);
+ *  - NVIDIA ModelOpt: `<w>_scale`, a scalar or [1] (quant_algo FP8: FP8_TENSOR), [R] or [R, 1]
+ *    (FP8_PER_CHANNEL_PER_TOKEN: FP8_ROWS), [ceil(R / 128), 1, ceil(C / 128), 1] (FP8_PB_WO:
+ *    FP8_BLOCKS of 128). Its `<prefix>.input_scale` (a static activation scale) is consumed and not
+ *    used: activations are quantized per block of 128 here, dynamically (finer than one scale per
+ *    tensor). */
+enum { FP8_BLOCKS, FP8_TENSOR, FP8_ROWS };
+struct fp8_src {
+    struct kr_st_tensor *sc;
+    int kind;
+    int64_t br, bc;   /* FP8_BLOCKS: the blocks; the scales are [ceil(R / br), ceil(C / bc)] */
+};
+
+/* Finds and checks the scales of F8_E4M3 tensor `name` ([R, C], stored as t); marks them used. */
+static enum kr_status fp8_scales(struct loader *ld, const struct kr_st_tensor *t, const char *name, int64_t R,
+                                 int64_t C, struct fp8_src *s)
 {
     const struct kr_model_config *c = &ld->m->cfg;
+    char sname[600];
+    memset(s, 0, sizeof *s);
+    snprintf(sname, sizeof sname, "%s_scale%s", name, c->fp8_modelopt ? "" : "_inv");
     struct kr_st_tensor *sc = find(ld, sname);
     if (!sc) {
-        return kr_err_set(ld->err, KR_ERR_FORMAT,
-                          "%s: tensor \"%s\" is F8_E4M3 but its block scales \"%s\" are missing", t->file->path,
-                          t->name, sname);
+        return kr_err_set(ld->err, KR_ERR_FORMAT, "%s: tensor \"%s\" is F8_E4M3 but its scales \"%s\" are missing",
+                          t->file->path, t->name, sname);
     }
-    const int64_t B0 = c->fp8_block[0] > 0 ? c->fp8_block[0] : 128, B1 = c->fp8_block[1] > 0 ? c->fp8_block[1] : 128;
-    const int64_t sr = (rows + B0 - 1) / B0, scol = (cols + B1 - 1) / B1;
     if (sc->dtype != KR_DTYPE_F32 && sc->dtype != KR_DTYPE_BF16) {
         return kr_err_set(ld->err, KR_ERR_UNSUPPORTED, "%s: scale tensor \"%s\" has dtype %s, expected F32",
                           sc->file->path, sc->name, kr_dtype_name(sc->dtype));
     }
-    const int64_t want_rows = sc->n_dim == 3 ? sc->shape[1] : sc->n_dim == 2 ? sc->shape[0] : -1;
-    const int64_t want_cols = sc->n_dim >= 2 ? sc->shape[sc->n_dim - 1] : -1;
-    if (want_rows != sr || want_cols != scol) {
-        char got[128];
-        fmt_shape(got, sizeof got, sc->n_dim, sc->shape);
-        return kr_err_set(ld->err, KR_ERR_FORMAT,
-                          "%s: scale tensor \"%s\" has shape %s, expected [%lld, %lld] (%lldx%lld blocks of %s)",
-                          sc->file->path, sc->name, got, (long long)sr, (long long)scol, (long long)B0, (long long)B1,
-                          t->name);
+    int64_t numel = 1;
+    for (int i = 0; i < sc->n_dim; i++) {
+        numel *= sc->shape[i];
+    }
+    s->sc = sc;
+    if (c->fp8_modelopt) {
+        const int64_t ob = (R + 127) / 128, ib = (C + 127) / 128;
+        if (numel == 1 && sc->n_dim <= 1) {
+            s->kind = FP8_TENSOR;
+        } else if ((sc->n_dim == 1 || (sc->n_dim == 2 && sc->shape[1] == 1)) && sc->shape[0] == R) {
+            s->kind = FP8_ROWS;
+        } else if (sc->n_dim == 4 && sc->shape[0] == ob && sc->shape[1] == 1 && sc->shape[2] == ib &&
+                   sc->shape[3] == 1) {
+            s->kind = FP8_BLOCKS;
+            s->br = s->bc = 128;
+        } else {
+            char got[128];
+            fmt_shape(got, sizeof got, sc->n_dim, sc->shape);
+            return kr_err_set(ld->err, KR_ERR_FORMAT,
+                              "%s: scale tensor \"%s\" has shape %s; a modelopt FP8 weight [%lld, %lld] takes a "
+                              "scalar (per tensor), [%lld] (per channel) or [%lld, 1, %lld, 1] (blocks of 128)",
+                              sc->file->path, sc->name, got, (long long)R, (long long)C, (long long)R, (long long)ob,
+                              (long long)ib);
+        }
+        /* the static activation scale: consumed, not used (see above) */
+        const size_t wl = strlen(name);
+        if (wl > 7 && !strcmp(name + wl - 7, ".weight")) {
+            snprintf(sname, sizeof sname, "%.*s.input_scale", (int)(wl - 7), name);
+            struct kr_st_tensor *is = find(ld, sname);
+            if (is) {
+                is->used = true;
+            }
+        }
+    } else {
+        s->kind = FP8_BLOCKS;
+        s->br = c->fp8_block[0] > 0 ? c->fp8_block[0] : 128;
+        s->bc = c->fp8_block[1] > 0 ? c->fp8_block[1] : 128;
+        const int64_t sr = (R + s->br - 1) / s->br, scol = (C + s->bc - 1) / s->bc;
+        const int64_t want_rows = sc->n_dim == 3 ? sc->shape[1] : sc->n_dim == 2 ? sc->shape[0] : -1;
+        const int64_t want_cols = sc->n_dim >= 2 ? sc->shape[sc->n_dim - 1] : -1;
+        if (want_rows != sr || want_cols != scol) {
+            char got[128];
+            fmt_shape(got, sizeof got, sc->n_dim, sc->shape);
+            return kr_err_set(ld->err, KR_ERR_FORMAT,
+                              "%s: scale tensor \"%s\" has shape %s, expected [%lld, %lld] (%lldx%lld blocks of %s)",
+                              sc->file->path, sc->name, got, (long long)sr, (long long)scol, (long long)s->br,
+                              (long long)s->bc, t->name);
+        }
     }
     sc->used = true;
+    return KR_OK;
+}
+
+/* Row r's scales, one per column block: out[j] for columns [j * bc, (j + 1) * bc), bc = s->bc for
+ * FP8_BLOCKS and all C columns (one value) otherwise; returns the column block width. */
+static int64_t fp8_row_scales(const struct fp8_src *s, int64_t r, int64_t C, float *out)
+{
+    const size_t ssz = kr_dtype_size(s->sc->dtype);
+    const char *d = s->sc->data;
+    switch (s->kind) {
+    case FP8_TENSOR:
+        kr_convert_to_f32(out, d, s->sc->dtype, 1);
+        return C;
+    case FP8_ROWS:
+        kr_convert_to_f32(out, d + (size_t)r * ssz, s->sc->dtype, 1);
+        return C;
+    default: {
+        const int64_t scol = (C + s->bc - 1) / s->bc;
+        kr_convert_to_f32(out, d + (size_t)((r / s->br) * scol) * ssz, s->sc->dtype, (size_t)scol);
+        return s->bc;
+    }
+    }
+}
+
+/* Dequantizes an F8_E4M3 matrix [rows, cols] (a view at `data`) with its scales into a new fp32
+ * host buffer (caller frees). */
+static enum kr_status dequant_fp8(struct loader *ld, const struct kr_st_tensor *t, const char *name, const void *data,
+                                  int64_t rows, int64_t cols, float **out)
+{
+    struct fp8_src s;
+    KR_TRY(fp8_scales(ld, t, name, rows, cols, &s));
     float *w = kr_malloc((size_t)(rows * cols) * sizeof(float));
-    float *srow = kr_malloc((size_t)scol * sizeof(float));
+    float *srow = kr_malloc((size_t)cols * sizeof(float) + sizeof(float));
     if (!w || !srow) {
         kr_free(w);
         kr_free(srow);
         return KR_ERR_NOMEM;
     }
     const unsigned char *q = data;
-    const size_t ssz = kr_dtype_size(sc->dtype);
     for (int64_t r = 0; r < rows; r++) {
-        if (r % B0 == 0) {
-            kr_convert_to_f32(srow, (const char *)sc->data + (size_t)((scale_row0 + r / B0) * scol) * ssz, sc->dtype,
-                              (size_t)scol);
-        }
+        const int64_t bc = fp8_row_scales(&s, r, cols, srow);
         for (int64_t j = 0; j < cols; j++) {
-            w[r * cols + j] = kr_e4m3_to_f32(q[r * cols + j]) * srow[j / B1];
+            w[r * cols + j] = kr_e4m3_to_f32(q[r * cols + j]) * srow[j / bc];
         }
     }
     kr_free(srow);
     *out = w;
     return KR_OK;
-}
-
-/* "x.weight" -> "x.weight_scale_inv" */
-static void scale_name(char *out, size_t n, const char *wname)
-{
-    snprintf(out, n, "%s_scale_inv", wname);
 }
 
 static enum kr_status missing(struct loader *ld, const char *name, const char *what)
@@ -221,21 +293,30 @@ static struct part rank0_only(const struct loader *ld)
 }
 
 /* Part `pt` of matrix `t` ([R, C]) kept as FP8 (kr_backend_set_fp8_weights): an FP8 checkpoint's
- * codes and block scales as they are, any other matrix quantized by the block recipe
- * (kr_fp8_weight_quant). The share must consist of whole blocks (a tensor-parallel split that cuts
- * a block is refused). */
+ * codes as they are with its scales in the block form the products take (DeepSeek's blocks as
+ * stored; a ModelOpt per-tensor scale as blocks of 128 x 128 that all hold it, a per-channel one as
+ * blocks of 1 row x 128 columns, both exact), any other matrix quantized by the block recipe
+ * (kr_fp8_weight_quant). A block-scaled share must consist of whole blocks (a tensor-parallel split
+ * that cuts a block is refused). */
 static enum kr_status load_fp8_part(struct loader *ld, struct kr_st_tensor *t, const char *name, int64_t R, int64_t C,
                                     const struct part *pt, struct kr_tensor *out)
 {
     const struct kr_model_config *c = &ld->m->cfg;
-    const int64_t B0 = c->fp8_block[0] > 0 ? c->fp8_block[0] : 128, B1 = c->fp8_block[1] > 0 ? c->fp8_block[1] : 128;
+    struct fp8_src fs = {.kind = FP8_BLOCKS, .br = c->fp8_block[0] > 0 ? c->fp8_block[0] : 128,
+                         .bc = c->fp8_block[1] > 0 ? c->fp8_block[1] : 128};
+    if (t->dtype == KR_DTYPE_F8_E4M3) {
+        KR_TRY(fp8_scales(ld, t, name, R, C, &fs));
+    }
+    /* the block form kept: blocks of B0 x B1 (per channel: rows of their own) */
+    const int64_t B0 = fs.kind == FP8_BLOCKS ? fs.br : fs.kind == FP8_ROWS ? 1 : 128;
+    const int64_t B1 = fs.kind == FP8_BLOCKS ? fs.bc : 128;
     const struct part sh = share_of(pt, R, C);
     const int n_seg = sh.n_rows;
     const int64_t *r0 = sh.r0, *nr = sh.nr, c0 = sh.c0, nc = sh.nc;
     int64_t rows = 0, srows = 0;
-    bool whole = c0 % B1 == 0 && (nc % B1 == 0 || c0 + nc == C);
+    bool whole = fs.kind != FP8_BLOCKS || (c0 % B1 == 0 && (nc % B1 == 0 || c0 + nc == C));
     for (int i = 0; i < n_seg; i++) {
-        whole = whole && r0[i] % B0 == 0 && (nr[i] % B0 == 0 || r0[i] + nr[i] == R);
+        whole = whole && (fs.kind != FP8_BLOCKS || (r0[i] % B0 == 0 && (nr[i] % B0 == 0 || r0[i] + nr[i] == R)));
         rows += nr[i];
         srows += (nr[i] + B0 - 1) / B0;
     }
@@ -247,16 +328,6 @@ static enum kr_status load_fp8_part(struct loader *ld, struct kr_st_tensor *t, c
     }
     const int64_t scols = (nc + B1 - 1) / B1, scol0 = c0 / B1;
     if (kr_backend_is_plan(ld->m->be)) { /* sizes only: codes of a byte, fp32 scales */
-        if (t->dtype == KR_DTYPE_F8_E4M3) {
-            char sname[600];
-            scale_name(sname, sizeof sname, name);
-            struct kr_st_tensor *sc = find(ld, sname);
-            if (!sc) {
-                return kr_err_set(ld->err, KR_ERR_FORMAT, "%s: \"%s\" is F8_E4M3 but its block scales \"%s\" are "
-                                  "missing", t->file->path, name, sname);
-            }
-            sc->used = true;
-        }
         const struct kr_tensor hc = {.dtype = KR_DTYPE_F8_E4M3, .rows = rows, .cols = nc};
         const struct kr_tensor hs = {.dtype = KR_DTYPE_F32, .rows = srows, .cols = scols};
         struct kr_tensor sd;
@@ -273,30 +344,24 @@ static enum kr_status load_fp8_part(struct loader *ld, struct kr_st_tensor *t, c
     float *tmp = NULL;
     enum kr_status st = codes && scales ? KR_OK : KR_ERR_NOMEM;
     if (st == KR_OK && t->dtype == KR_DTYPE_F8_E4M3) {
-        char sname[600];
-        scale_name(sname, sizeof sname, name);
-        struct kr_st_tensor *sc = find(ld, sname);
-        const int64_t full_scols = (C + B1 - 1) / B1;
-        if (!sc || (sc->dtype != KR_DTYPE_F32 && sc->dtype != KR_DTYPE_BF16) || sc->n_dim != 2 ||
-            sc->shape[0] != (R + B0 - 1) / B0 || sc->shape[1] != full_scols) {
-            st = kr_err_set(ld->err, KR_ERR_FORMAT, "%s: \"%s\" is F8_E4M3 but its block scales \"%s\" are missing "
-                            "or not [%lld, %lld]", t->file->path, name, sname, (long long)((R + B0 - 1) / B0),
-                            (long long)full_scols);
-        } else {
-            sc->used = true;
-            const size_t ssz = kr_dtype_size(sc->dtype);
-            int64_t o = 0, so = 0;
-            for (int i = 0; i < n_seg; i++) {
-                for (int64_t r = r0[i]; r < r0[i] + nr[i]; r++, o++) {
-                    memcpy(codes + o * nc, (const uint8_t *)t->data + r * C + c0, (size_t)nc);
-                }
-                for (int64_t b = r0[i] / B0; b < (r0[i] + nr[i] + B0 - 1) / B0; b++, so++) {
-                    kr_convert_to_f32(scales + so * scols,
-                                      (const char *)sc->data + (size_t)(b * full_scols + scol0) * ssz, sc->dtype,
-                                      (size_t)scols);
+        float *srow = kr_malloc((size_t)(C + 1) * sizeof(float));
+        if (!srow) {
+            st = KR_ERR_NOMEM;
+        }
+        int64_t o = 0, so = 0;
+        for (int i = 0; i < n_seg && st == KR_OK; i++) {
+            for (int64_t r = r0[i]; r < r0[i] + nr[i]; r++, o++) {
+                memcpy(codes + o * nc, (const uint8_t *)t->data + r * C + c0, (size_t)nc);
+            }
+            /* the share's block rows: each block row's scales for the share's columns */
+            for (int64_t b = r0[i] / B0; b < (r0[i] + nr[i] + B0 - 1) / B0; b++, so++) {
+                const int64_t bc = fp8_row_scales(&fs, b * B0, C, srow);
+                for (int64_t j = 0; j < scols; j++) {
+                    scales[so * scols + j] = bc == C ? srow[0] : srow[scol0 + j];
                 }
             }
         }
+        kr_free(srow);
     } else if (st == KR_OK) {
         /* the share in fp32, then the recipe; each segment's blocks are quantized on their own so
          * that its block rows start at the segment's first row, as a checkpoint's would */
@@ -359,7 +424,10 @@ static enum kr_status load_part(struct loader *ld, const char *name, int n_dim, 
     if (pt && pt->skip) {
         return KR_OK;
     }
-    if (fp8_ok && !to_f32 && !vec && !ld->whole_precision && kr_backend_fp8_weights(ld->m->be)) {
+    /* FP8 weights kept: the checkpoint's FP8 matrices, and every other matrix quantized at load, except
+     * in a ModelOpt checkpoint, whose bf16 matrices are the ones its recipe leaves unquantized */
+    if (fp8_ok && !to_f32 && !vec && !ld->whole_precision && kr_backend_fp8_weights(ld->m->be) &&
+        !(ld->m->cfg.fp8_modelopt && t->dtype != KR_DTYPE_F8_E4M3)) {
         return load_fp8_part(ld, t, name, R, C, pt, out);
     }
     const void *src = t->data;
@@ -367,20 +435,11 @@ static enum kr_status load_part(struct loader *ld, const char *name, int n_dim, 
     float *deq = NULL;
     const bool plan = kr_backend_is_plan(ld->m->be); /* sizes only: no byte of the weights is read */
     if (dt == KR_DTYPE_F8_E4M3 && plan) {
-        char sname[600];
-        scale_name(sname, sizeof sname, name);
-        struct kr_st_tensor *sc = find(ld, sname);
-        if (!sc) {
-            return kr_err_set(ld->err, KR_ERR_FORMAT,
-                              "%s: tensor \"%s\" is F8_E4M3 but its block scales \"%s\" are missing", t->file->path,
-                              t->name, sname);
-        }
-        sc->used = true;
+        struct fp8_src fs;
+        KR_TRY(fp8_scales(ld, t, name, R, C, &fs));
         dt = KR_DTYPE_F32; /* dequantized at load */
     } else if (dt == KR_DTYPE_F8_E4M3) {
-        char sname[600];
-        scale_name(sname, sizeof sname, name);
-        KR_TRY(dequant_fp8(ld, t, t->data, R, C, sname, 0, &deq));
+        KR_TRY(dequant_fp8(ld, t, name, t->data, R, C, &deq));
         src = deq;
         dt = KR_DTYPE_F32;
     }
@@ -850,6 +909,11 @@ static enum kr_status check_unused(struct loader *ld)
         if (len >= sizeof inv - 1 && !strcmp(t->name + len - (sizeof inv - 1), inv)) {
             continue; /* recomputed buffers some exporters save */
         }
+        if (ld->m->cfg.fp8_modelopt && len > 8 &&
+            (!strcmp(t->name + len - 8, ".k_scale") || !strcmp(t->name + len - 8, ".v_scale"))) {
+            KR_LOG_DEBUG("%s: K/V cache scale %s not used (the caches are bf16)", ld->m->dir, t->name);
+            continue;
+        }
         if (!strncmp(t->name, "mtp.", 4) || strstr(t->name, ".mtp.")) {
             KR_LOG_DEBUG("skipping multi-token-prediction tensor %s", t->name);
             continue;
@@ -933,14 +997,19 @@ static enum kr_status load_all(struct loader *ld)
         KR_LOG_INFO("%s: skipped %d multi-token-prediction layer(s) after layer %d", m->dir, c->n_mtp_layers,
                     c->n_layer / 2 - 1);
     }
-    if (kr_backend_fp8_weights(m->be)) {
+    if (kr_backend_fp8_weights(m->be) && c->fp8_modelopt) {
+        KR_LOG_INFO("%s: the ModelOpt FP8 matrices kept in FP8 (their per-tensor or per-channel scales as blocks), "
+                    "the others in their precision; products quantize their activations per block of 128 "
+                    "(dynamically: the checkpoint's static input scales are not used)%s",
+                    m->dir, c->fp8_kv_scales ? "; its K/V cache scales are not used (the caches are bf16)" : "");
+    } else if (kr_backend_fp8_weights(m->be)) {
         KR_LOG_INFO("%s: matrices %s FP8 in blocks of %dx%d (the embedding and the LM head excepted); products "
                     "quantize their activations per block",
                     m->dir, c->fp8_weights ? "kept in" : "quantized to",
                     (int)(c->fp8_block[0] > 0 ? c->fp8_block[0] : 128), (int)(c->fp8_block[1] > 0 ? c->fp8_block[1] : 128));
     } else if (c->fp8_weights) {
-        KR_LOG_INFO("%s: FP8 block-quantized weights were dequantized at load (no FP8 GEMM path yet): the %s "
-                    "backend holds them in its weight precision (%s)",
+        KR_LOG_INFO("%s: FP8 weights dequantized at load (--quantization fp8 keeps them): the %s backend holds them "
+                    "in its weight precision (%s)",
                     m->dir, kr_backend_name(m->be), kr_backend_cache_elt_size(m->be) == 2 ? "bf16" : "fp32");
     }
     return KR_OK;

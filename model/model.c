@@ -152,8 +152,10 @@ enum kr_status kr_model_set_indexer(struct kr_model *m, enum kr_indexer mode, st
         }
         m->idx_fp8 = true;
     } else if (mode == KR_INDEXER_AUTO) {
-        m->idx_fp8 = has_d && c->fp8_weights && pow2 && kr_backend_can_fp8_round(m->be);
-        if (has_d && c->fp8_weights && !m->idx_fp8) {
+        /* the DeepSeek reference's FP8 indexer goes with DeepSeek's FP8 checkpoints, not ModelOpt's */
+        const bool ds_fp8 = c->fp8_weights && !c->fp8_modelopt;
+        m->idx_fp8 = has_d && ds_fp8 && pow2 && kr_backend_can_fp8_round(m->be);
+        if (has_d && ds_fp8 && !m->idx_fp8) {
             if (!pow2) {
                 KR_LOG_INFO("%s: FP8 checkpoint, but index_head_dim %lld is not a power of two in 32..1024 (the "
                             "FP8 path's Hadamard transform): the indexer scores in bf16",
