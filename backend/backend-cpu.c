@@ -560,18 +560,59 @@ static float *kv_row(void *cache, const struct kr_batch *b, int32_t s, int32_t p
     return (float *)cache + ((int64_t)blk * block_size + pos % block_size) * row;
 }
 
+/* --kv-cache-dtype fp8, K/V: each value as e4m3 with the tensor's scale, x -> e4m3(x / s) * s (the
+ * encoder saturates at +-448; NaN stays NaN). */
+static void fp8_tensor_round(float *x, int64_t n, float s)
+{
+    for (int64_t i = 0; i < n; i++) {
+        x[i] = kr_fp8_e4m3_to_f32(kr_fp8_e4m3_from_f32(x[i] / s)) * s;
+    }
+}
+
+/* --kv-cache-dtype fp8, the latent (fp8_ds_mla): per block of 128 values (the last may be shorter)
+ * the e4m3 codes and fp32 scale of kr_fp8_act_quant, stored back as code x scale. A block with a
+ * value that is not finite is left as it is (the step's result is then not finite either). */
+static void fp8_block_round(float *x, int64_t n)
+{
+    uint8_t q[128];
+    float s;
+    for (int64_t b0 = 0; b0 < n; b0 += 128) {
+        const int64_t len = n - b0 < 128 ? n - b0 : 128;
+        if (kr_fp8_act_quant(x + b0, len, len, false, q, &s) == KR_OK) {
+            for (int64_t i = 0; i < len; i++) {
+                x[b0 + i] = kr_fp8_e4m3_to_f32(q[i]) * s;
+            }
+        }
+    }
+}
+
+static void bf16_round(float *x, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++) {
+        x[i] = kr_bf16_to_f32(kr_f32_to_bf16(x[i]));
+    }
+}
+
 static enum kr_status cpu_attention(kr_backend_t be, const struct krk_attn_params *p)
 {
     struct cpu_ctx *ctx = ctx_of(be);
     const struct kr_batch *b = ctx->batch;
     const int64_t hd = p->head_dim, row = p->n_kv_head * hd, group = p->n_head / p->n_kv_head;
+    if (p->kv_fp8 && !(p->k_scale > 0.0f && p->v_scale > 0.0f)) {
+        KR_LOG_ERROR("cpu: FP8 K/V cache scales must be positive (%g, %g)", (double)p->k_scale, (double)p->v_scale);
+        return KR_ERR_INVAL;
+    }
     /* 1. write the new keys and values into the paged cache */
     for (int32_t s = 0; s < b->n_seq; s++) {
         for (int32_t t = b->seq_tok0[s]; t < b->seq_tok0[s + 1]; t++) {
-            memcpy(kv_row(p->k_cache, b, s, b->pos[t], p->block_size, row), p->k + t * p->ld_qkv,
-                   (size_t)row * sizeof(float));
-            memcpy(kv_row(p->v_cache, b, s, b->pos[t], p->block_size, row), p->v + t * p->ld_qkv,
-                   (size_t)row * sizeof(float));
+            float *kr = kv_row(p->k_cache, b, s, b->pos[t], p->block_size, row);
+            float *vr = kv_row(p->v_cache, b, s, b->pos[t], p->block_size, row);
+            memcpy(kr, p->k + t * p->ld_qkv, (size_t)row * sizeof(float));
+            memcpy(vr, p->v + t * p->ld_qkv, (size_t)row * sizeof(float));
+            if (p->kv_fp8) {
+                fp8_tensor_round(kr, row, p->k_scale);
+                fp8_tensor_round(vr, row, p->v_scale);
+            }
         }
     }
     int32_t max_ctx = 1, max_nt = 0;
@@ -836,6 +877,10 @@ static enum kr_status cpu_mla_cache_write(kr_backend_t be, const struct krk_mla_
             float *r = latent_row(p->cache, b, s, b->pos[t], p->block_size, row);
             memcpy(r, p->c_kv + t * p->ld_ckv, (size_t)p->kv_lora * sizeof(float));
             memcpy(r + p->kv_lora, p->k_pe + t * p->ld_kpe, (size_t)p->rope * sizeof(float));
+            if (p->fp8) {
+                fp8_block_round(r, p->kv_lora);
+                bf16_round(r + p->kv_lora, p->rope);
+            }
             if (p->idx_dim) {
                 memcpy(r + p->kv_lora + p->rope, p->ik + t * p->idx_dim, (size_t)p->idx_dim * sizeof(float));
             }
@@ -1148,6 +1193,12 @@ static bool cpu_fp8_matmul(kr_backend_t be)
     return true;
 }
 
+static bool cpu_kv_fp8(kr_backend_t be)
+{
+    (void)be;
+    return true;
+}
+
 kr_backend_t kr_backend_cpu_create(int n_threads)
 {
     kr_backend_t be = kr_calloc(1, sizeof *be);
@@ -1190,6 +1241,7 @@ kr_backend_t kr_backend_cpu_create(int n_threads)
         .set_tp = cpu_set_tp,
         .fp8_round = cpu_fp8_round,
         .fp8_matmul = cpu_fp8_matmul,
+        .kv_fp8 = cpu_kv_fp8,
         .all_reduce = cpu_all_reduce,
         .all_gather = cpu_all_gather,
         .tp_abort = cpu_tp_abort,

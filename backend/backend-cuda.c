@@ -1327,6 +1327,10 @@ static enum kr_status cuda_gated_rmsnorm_impl(kr_backend_t be, const struct krk_
 static enum kr_status cuda_attention_impl(kr_backend_t be, const struct krk_attn_params *p)
 {
     struct cuda_ctx *c = ctx_of(be);
+    if (p->kv_fp8) { /* kr_model_set_kv_cache_dtype refuses it first */
+        KR_LOG_ERROR("cuda: FP8 K/V caches are not implemented on CUDA yet");
+        return KR_ERR_UNSUPPORTED;
+    }
     KR_TRY(op_enter(c));
     const size_t ws = krk_attn_workspace_bytes(c->batch.n_tok, p->n_head, p->head_dim);
     if (ws > c->scratch_size) {
@@ -1473,6 +1477,10 @@ static enum kr_status cuda_rope_pair_impl(kr_backend_t be, const struct krk_rope
 static enum kr_status cuda_mla_cache_write_impl(kr_backend_t be, const struct krk_mla_cache_params *p)
 {
     struct cuda_ctx *c = ctx_of(be);
+    if (p->fp8) {
+        KR_LOG_ERROR("cuda: FP8 latent caches are not implemented on CUDA yet");
+        return KR_ERR_UNSUPPORTED;
+    }
     KR_TRY(op_enter(c));
     const struct krk_ctx k = launch_ctx(c);
     return krk_mla_cache_write(p, &k);
@@ -1484,7 +1492,7 @@ static enum kr_status cuda_mla_prep_impl(kr_backend_t be, const struct krk_mla_p
 {
     struct cuda_ctx *c = ctx_of(be);
     const int64_t row = p->kv_lora + p->rope + (p->ik ? p->idx_dim : 0);
-    if (p->ik_fp8 || p->n != c->batch.n_tok || row > KRK_MLA_PREP_MAX_ROW ||
+    if (p->ik_fp8 || p->cache_fp8 || p->n != c->batch.n_tok || row > KRK_MLA_PREP_MAX_ROW ||
         (p->q_norm && p->q_dim > KRK_MLA_PREP_MAX_ROW)) {
         return KR_ERR_UNSUPPORTED;
     }

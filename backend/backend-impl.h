@@ -99,6 +99,9 @@ struct kr_backend_i {
     void (*tp_abort)(kr_backend_t be);
     /* (optional) whether matmul takes F8_E4M3 weights with block scales (struct kr_tensor.scale) */
     bool (*fp8_matmul)(kr_backend_t be);
+    /* (optional) true when the backend rounds cached rows to FP8 (krk_attn_params.kv_fp8,
+     * krk_mla_cache_params.fp8) */
+    bool (*kv_fp8)(kr_backend_t be);
 };
 
 struct kr_backend {

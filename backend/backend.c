@@ -41,6 +41,11 @@ bool kr_backend_healthy(kr_backend_t be)
     return !be->iface.healthy || be->iface.healthy(be);
 }
 
+bool kr_backend_can_kv_fp8(kr_backend_t be)
+{
+    return be->iface.kv_fp8 && be->iface.kv_fp8(be);
+}
+
 bool kr_backend_can_fp8_round(kr_backend_t be)
 {
     return be->iface.fp8_round != NULL;
@@ -319,7 +324,7 @@ enum kr_status kr_backend_mla_prep(kr_backend_t be, const struct krk_mla_prep_pa
                                            .k_pe = p->kva + p->kv_lora, .ld_kpe = ld, .ik = p->ik,
                                            .kv_lora = p->kv_lora, .rope = p->rope,
                                            .idx_dim = p->ik ? p->idx_dim : 0, .cache = p->cache,
-                                           .block_size = p->block_size};
+                                           .block_size = p->block_size, .fp8 = p->cache_fp8};
     return be->iface.mla_cache_write(be, &cw);
 }
 

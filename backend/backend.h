@@ -204,6 +204,9 @@ struct kr_expert_weights {
 
 enum kr_status kr_backend_mla_prep(kr_backend_t be, const struct krk_mla_prep_params *p);
 
+/* True when the backend stores FP8 caches (--kv-cache-dtype fp8: krk_attn_params.kv_fp8,
+ * krk_mla_cache_params.fp8). */
+bool kr_backend_can_kv_fp8(kr_backend_t be);
 /* True when the backend has the FP8 indexer path (kr_backend_fp8_round). */
 bool kr_backend_can_fp8_round(kr_backend_t be);
 enum kr_status kr_backend_fp8_round(kr_backend_t be, const struct krk_fp8_round_params *p);

@@ -129,6 +129,40 @@ bool kr_indexer_parse(const char *s, enum kr_indexer *out)
     return false;
 }
 
+bool kr_kv_cache_dtype_parse(const char *s, enum kr_kv_cache_dtype *out)
+{
+    static const char *const names[] = {"auto", "bf16", "fp8"};
+    for (int i = 0; i < 3; i++) {
+        if (s && !strcmp(s, names[i])) {
+            *out = (enum kr_kv_cache_dtype)i;
+            return true;
+        }
+    }
+    return false;
+}
+
+enum kr_status kr_model_set_kv_cache_dtype(struct kr_model *m, enum kr_kv_cache_dtype mode, struct kr_err *err)
+{
+    if (mode != KR_KV_CACHE_FP8) {
+        m->kv_fp8 = false;
+        return KR_OK;
+    }
+    if (!kr_backend_can_kv_fp8(m->be)) {
+        return kr_err_set(err, KR_ERR_UNSUPPORTED,
+                          "--kv-cache-dtype fp8: the %s backend has no FP8 caches yet (the CPU reference has)",
+                          kr_backend_name(m->be));
+    }
+    if (kr_model_config_count(&m->cfg, KR_LAYER_DSA) > 0) {
+        struct kr_err e2 = {0};
+        if (kr_model_set_indexer(m, KR_INDEXER_FP8, &e2) != KR_OK) {
+            return kr_err_set(err, KR_ERR_UNSUPPORTED, "--kv-cache-dtype fp8 stores DSA index keys in FP8: %s",
+                              e2.msg);
+        }
+    }
+    m->kv_fp8 = true;
+    return KR_OK;
+}
+
 enum kr_status kr_model_set_indexer(struct kr_model *m, enum kr_indexer mode, struct kr_err *err)
 {
     const struct kr_model_config *c = &m->cfg;
@@ -391,6 +425,9 @@ static enum kr_status attn_fwd(struct kr_model *m, struct kr_cache *cache, const
         .v_cache = kr_cache_v_layer(cache, L->cache_idx),
         .block_size = cache->block_size,
         .out = ws->y,
+        .kv_fp8 = m->kv_fp8,
+        .k_scale = 1.0f,
+        .v_scale = 1.0f,
     };
     KR_TRY(kr_backend_attention(be, &p));
     return kr_backend_matmul(be, ws->y, qd, n, &w->o, w->o_b, ws->o, c->dim, &room);
@@ -457,6 +494,7 @@ static enum kr_status mla_fwd(struct kr_model *m, struct kr_cache *cache, const 
         .w_scale = (float)(1.0 / sqrt((double)Hi) / sqrt((double)Di)),
         .cache = lat,
         .block_size = cache->block_size,
+        .cache_fp8 = m->kv_fp8,
     };
     KR_TRY(kr_backend_mla_prep(be, &pp));
     if (Rq) {

@@ -97,6 +97,7 @@ struct kr_model {
     int32_t n_mla;               /* layers with a latent cache (D and +) */
     const float *rope_inv_freq;  /* [qk_rope/2] backend copy of cfg.rope_inv_freq (MLA layers) */
     bool idx_fp8;                /* D layers score with the FP8 indexer path (kr_model_set_indexer) */
+    bool kv_fp8;                 /* the caches hold FP8 rows (kr_model_set_kv_cache_dtype) */
     /* (optional) observer of the DSA selection: called after every D layer with the batch's
      * selected positions idx [n_tok, topk] (host memory, -1 padded). Tests use it. */
     void (*on_index)(void *user, int32_t layer, const struct kr_batch *b, const int32_t *idx, int32_t topk);
@@ -142,6 +143,18 @@ enum kr_indexer {
 enum kr_status kr_model_set_indexer(struct kr_model *m, enum kr_indexer mode, struct kr_err *err);
 /* "auto", "bf16" or "fp8" (what --indexer takes); false for anything else. */
 bool kr_indexer_parse(const char *s, enum kr_indexer *out);
+
+/* --kv-cache-dtype. auto and bf16 keep the backend's cache precision (the CPU reference fp32, CUDA
+ * bf16). fp8: attention K/V as e4m3 with one scale per tensor (1.0: the checkpoints' calibrated
+ * K/V scales are not read yet), MLA/DSA latents as DeepSeek's fp8_ds_mla (c_kv e4m3 in blocks of 128
+ * with fp32 scales, k_pe bf16), and D layers' index keys as the FP8 indexer path makes them (the FP8
+ * indexer is switched on). Mamba states are not affected. KR_ERR_UNSUPPORTED with a message on a
+ * backend without FP8 caches (CUDA so far) or when the FP8 indexer cannot serve the model's D layers.
+ * Call before caches are filled. */
+enum kr_kv_cache_dtype { KR_KV_CACHE_AUTO = 0, KR_KV_CACHE_BF16 = 1, KR_KV_CACHE_FP8 = 2 };
+enum kr_status kr_model_set_kv_cache_dtype(struct kr_model *m, enum kr_kv_cache_dtype mode, struct kr_err *err);
+/* "auto", "bf16" or "fp8" (what --kv-cache-dtype takes); false for anything else. */
+bool kr_kv_cache_dtype_parse(const char *s, enum kr_kv_cache_dtype *out);
 
 struct kr_cache;
 

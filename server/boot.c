@@ -119,6 +119,7 @@ static enum kr_status join_nodes(struct kr_boot *b, struct kr_err *err)
         {"prefix-cache-state-interval", o->prefix_state_interval},
         {"prefix-cache-snapshots", o->prefix_snapshots},
         {"indexer", o->indexer},
+        {"kv-cache-dtype", o->kv_cache_dtype},
         {"CUDA ranks", b->cuda_nodes},
         {"quantization fp8", o->fp8_weights},
     };
@@ -254,6 +255,18 @@ enum kr_status kr_boot_init(struct kr_boot *b, const struct kr_serve_opts *o, st
     return KR_OK;
 }
 
+/* --kv-cache-dtype on one rank's model: fp8 stores the DSA index keys in FP8, which an explicit
+ * --indexer bf16 contradicts. */
+static enum kr_status set_kv_cache_dtype(const struct kr_boot *s, struct kr_model *m, struct kr_err *err)
+{
+    if (s->o.kv_cache_dtype == KR_KV_CACHE_FP8 && s->o.indexer == KR_INDEXER_BF16 &&
+        kr_model_config_count(&m->cfg, KR_LAYER_DSA) > 0) {
+        return kr_err_set(err, KR_ERR_INVAL, "--kv-cache-dtype fp8 stores the DSA index keys in FP8, which "
+                          "--indexer bf16 contradicts (use --indexer fp8 or auto)");
+    }
+    return kr_model_set_kv_cache_dtype(m, (enum kr_kv_cache_dtype)s->o.kv_cache_dtype, err);
+}
+
 /* Loads ranks 1.. (rank 0 is loaded first, with progress); each fails the load with its rank named. */
 static enum kr_status load_other_ranks(struct kr_boot *s, struct kr_err *err)
 {
@@ -261,6 +274,9 @@ static enum kr_status load_other_ranks(struct kr_boot *s, struct kr_err *err)
         enum kr_status st = kr_model_load(s->o.model_dir, s->rank_be[r], &s->rank_m[r], err);
         if (st == KR_OK && s->o.indexer != KR_INDEXER_AUTO) {
             st = kr_model_set_indexer(s->rank_m[r], (enum kr_indexer)s->o.indexer, err);
+        }
+        if (st == KR_OK) {
+            st = set_kv_cache_dtype(s, s->rank_m[r], err);
         }
         if (st != KR_OK) {
             char why[sizeof err->msg];
@@ -353,6 +369,10 @@ static void *loader_main(void *arg)
             kr_model_free(s->m);
             s->m = NULL;
         }
+    }
+    if (st == KR_OK && (st = set_kv_cache_dtype(s, s->m, &err)) != KR_OK) {
+        kr_model_free(s->m);
+        s->m = NULL;
     }
     if (st == KR_OK && s->tp > 1) {
         s->rank_m[0] = s->m;

@@ -69,6 +69,8 @@ static void usage(FILE *f)
             "  --device DEV                    cpu | cuda | cuda:N | auto (default: a GPU when present) [KRAIT_DEVICE]\n"
             "  --gpu-memory-utilization F      share of GPU memory for weights + caches (default 0.9)\n"
             "  --indexer auto|bf16|fp8         DSA indexer precision (auto: the FP8 path for FP8 checkpoints)\n"
+            "  --kv-cache-dtype auto|bf16|fp8  fp8: K/V and MLA latents cached in FP8 (DeepSeek's fp8_ds_mla; the\n"
+            "                                  CPU reference so far, with the FP8 indexer); auto/bf16: as today\n"
             "  --threads N                     CPU threads (default: all cores)              [KRAIT_THREADS]\n"
             "  --quantization fp8|none         fp8: matrices kept in (FP8 checkpoints) or quantized to FP8 blocks of\n"
             "                                  128x128 at load, activations quantized per block (CPU and CUDA);\n"
@@ -263,7 +265,7 @@ int kr_serve_main(int argc, char **argv)
         O_TOK, O_TPL, O_SKIP, O_TOKIDS, O_BODY, O_SHUTDOWN, O_THREADS, O_LOG, O_PORTFILE, O_HELP, O_DEVICE, O_GPUMEM, O_INDEXER,
         O_ALLOW_LONG, O_HELP_ENV, O_PREFIX, O_NO_PREFIX, O_PREFIX_INTERVAL, O_PREFIX_SNAPS,
         O_REQMEM, O_MAXCONN, O_MAXCONN_IP, O_HDR_TIMEOUT, O_BODY_TIMEOUT, O_ORIGINS, O_METHODS, O_HEADERS,
-        O_CREDENTIALS, O_TP, O_QUANT, O_NNODES, O_NODE_RANK, O_MASTER_ADDR, O_MASTER_PORT, O_JOIN_TIMEOUT,
+        O_CREDENTIALS, O_TP, O_QUANT, O_KVDT, O_NNODES, O_NODE_RANK, O_MASTER_ADDR, O_MASTER_PORT, O_JOIN_TIMEOUT,
     };
     static const char *origins[MAX_CORS], *methods[MAX_CORS], *headers[MAX_CORS];
     static const struct option longopts[] = {
@@ -305,6 +307,7 @@ int kr_serve_main(int argc, char **argv)
         {"device", required_argument, NULL, O_DEVICE},
         {"gpu-memory-utilization", required_argument, NULL, O_GPUMEM},
         {"indexer", required_argument, NULL, O_INDEXER},
+        {"kv-cache-dtype", required_argument, NULL, O_KVDT},
         {"log-level", required_argument, NULL, O_LOG},
         {"port-file", required_argument, NULL, O_PORTFILE},
         {"allowed-origins", required_argument, NULL, O_ORIGINS},
@@ -508,6 +511,15 @@ int kr_serve_main(int argc, char **argv)
         case O_DEVICE:
             o.device = optarg;
             break;
+        case O_KVDT: {
+            enum kr_kv_cache_dtype mode;
+            if (!kr_kv_cache_dtype_parse(optarg, &mode)) {
+                fprintf(stderr, "krait serve: --kv-cache-dtype: expected auto, bf16 or fp8, got '%s'\n", optarg);
+                return 2;
+            }
+            o.kv_cache_dtype = (int)mode;
+            break;
+        }
         case O_INDEXER: {
             enum kr_indexer mode;
             if (!kr_indexer_parse(optarg, &mode)) {

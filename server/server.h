@@ -27,6 +27,7 @@ struct kr_serve_opts {
     const char *device;            /* cpu | cuda | cuda:N | auto (default: CUDA when a GPU is visible) */
     double gpu_mem_util;           /* fraction of the GPU's memory krait may hold (weights + caches) */
     int indexer;                   /* enum kr_indexer: DSA indexer precision (0 auto, 1 bf16, 2 fp8) */
+    int kv_cache_dtype;            /* enum kr_kv_cache_dtype (0 auto, 1 bf16, 2 fp8) */
     int32_t block_size;
     bool prefix_caching;           /* default on (--no-enable-prefix-caching turns it off) */
     int32_t prefix_state_interval; /* tokens between Mamba state snapshots (a multiple of block_size) */

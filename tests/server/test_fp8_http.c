@@ -103,3 +103,60 @@ Test(fp8_http, an_unknown_quantization_is_refused_at_start)
     fclose(fl);
     cr_expect(strstr(log, "--quantization") && strstr(log, "int4"), "the message names the flag and value: %s", log);
 }
+
+/* `--kv-cache-dtype fp8` over HTTP: the server answers each prompt position as the engine in this
+ * process with FP8 caches does (1e-5), and differently from a server with bf16 (here: fp32) caches
+ * and the same FP8 indexer (the flag reaches the caches); `--indexer bf16` with it is refused at
+ * start on a DSA model, naming the contradiction; a value other than auto, bf16 or fp8 too. */
+Test(fp8_http, the_fp8_kv_cache_is_served_as_the_engine_runs_it)
+{
+    kr_backend_t be = kr_backend_cpu_create(1);
+    struct kr_err err = {0};
+    struct fx f;
+    fx_load_on(&f, "deepseek_v32", "ds_short", be, 2);
+    cr_assert_eq(kr_model_set_kv_cache_dtype(f.m, KR_KV_CACHE_FP8, &err), KR_OK, "%s", err.msg);
+    cr_assert(f.m->kv_fp8 && f.m->idx_fp8, "FP8 caches switch the FP8 indexer on");
+    const struct fx_prompt *pr = &f.prompts[f.n_prompts - 1];
+    const int n = pr->n < 40 ? pr->n : 40;
+    float *lp = kr_malloc((size_t)n * (size_t)f.vocab * sizeof(float));
+    cr_assert(lp);
+    cr_assert_eq(kr_run_prompt_logprobs(f.m, f.c, pr->ids, n, 0, lp, &err), KR_OK, "%s", err.msg);
+    struct srv_proc kv8, plain;
+    srv_start(&kv8, FX "deepseek_v32/ds_short", "--skip-tokenizer-init", "--device", "cpu", "--kv-cache-dtype", "fp8",
+              NULL);
+    srv_start(&plain, FX "deepseek_v32/ds_short", "--skip-tokenizer-init", "--device", "cpu", "--indexer", "fp8", NULL);
+    double a[64] = {0}, b[64] = {0};
+    cr_assert_eq(served(&kv8, pr->ids, n, a), n - 1, "every position's log-probability came back");
+    cr_assert_eq(served(&plain, pr->ids, n, b), n - 1);
+    double worst = 0, apart = 0;
+    for (int t = 1; t < n; t++) {
+        const double want = lp[(size_t)(t - 1) * (size_t)f.vocab + (size_t)pr->ids[t]];
+        worst = fmax(worst, fabs(a[t] - want));
+        apart = fmax(apart, fabs(b[t] - want));
+    }
+    fprintf(stderr, "  served FP8 caches against the engine's: max %.2g; without the flag: max %.3g\n", worst, apart);
+    cr_expect_leq(worst, 1e-5, "the FP8-cache server's log-probabilities differ from the engine's by %g", worst);
+    cr_expect_gt(apart, 1e-3, "the server without --kv-cache-dtype answers as the FP8-cache engine (%g)", apart);
+    cr_expect_eq(srv_stop(&kv8), 0);
+    cr_expect_eq(srv_stop(&plain), 0);
+    kr_free(lp);
+    fx_free(&f);
+    /* refusals at start */
+    static const struct {
+        const char *args, *needle;
+    } bad[] = {{"--kv-cache-dtype fp8 --indexer bf16", "contradicts"}, {"--kv-cache-dtype fp16", "fp16"}};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        char cmd[1024];
+        snprintf(cmd, sizeof cmd,
+                 "%s serve " FX "deepseek_v32/ds_short --skip-tokenizer-init --device cpu --port 0 %s > kvq.log 2>&1",
+                 KR_KRAIT_BIN, bad[i].args);
+        const int rc = system(cmd);
+        cr_expect(WIFEXITED(rc) && WEXITSTATUS(rc) != 0, "%s: a non-zero exit (rc %d)", bad[i].args, rc);
+        FILE *fl = fopen("kvq.log", "r");
+        cr_assert(fl);
+        char log[8192] = {0};
+        (void)!fread(log, 1, sizeof log - 1, fl);
+        fclose(fl);
+        cr_expect(strstr(log, bad[i].needle) != NULL, "%s: the message names it: %s", bad[i].args, log);
+    }
+}

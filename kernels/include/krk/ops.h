@@ -181,6 +181,10 @@ struct krk_attn_params {
     void *v_cache;          /* [n_block, block_size, n_kv_head, head_dim] */
     int32_t block_size;
     float *out;             /* [n_tok, n_head * head_dim] */
+    bool kv_fp8;            /* --kv-cache-dtype fp8: cached keys and values are e4m3 with one scale per
+                               tensor, x -> e4m3(x / s) * s (k_scale, v_scale); the CPU reference rounds
+                               them so on write (CUDA: not yet) */
+    float k_scale, v_scale;
 };
 
 /* MLA/DSA latent cache write: for every token of the batch, its row of this layer's latent cache
@@ -194,6 +198,9 @@ struct krk_mla_cache_params {
     int64_t kv_lora, rope, idx_dim; /* row = kv_lora + rope + idx_dim (idx_dim 0 for '+') */
     void *cache;            /* [n_block, block_size, row] this layer's latent cache */
     int32_t block_size;
+    bool fp8;               /* --kv-cache-dtype fp8 (DeepSeek's fp8_ds_mla): c_kv as e4m3 in blocks of 128
+                               with an fp32 scale each (kr_fp8_act_quant), k_pe as bf16; the index key as
+                               the FP8 indexer path made it. The CPU reference rounds them so on write. */
 };
 
 /* Lightning indexer selection (DeepSeek sparse attention): for every token t of the batch at
@@ -279,6 +286,7 @@ struct krk_mla_prep_params {
     float w_scale;
     void *cache;                /* [n_block, block_size, kv_lora + rope + (ik ? idx_dim : 0)] */
     int32_t block_size;
+    bool cache_fp8;             /* the cache rows as krk_mla_cache_params.fp8 */
 };
 
 /* One row of token sampling parameters (the host sampler's semantics, engine/sampler.h). */
