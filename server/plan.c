@@ -31,6 +31,7 @@ struct plan_opts {
     double util;
     bool cpu;              /* fp32 weights and caches, as the CPU backend holds them */
     bool fp8;              /* --quantization fp8: matrices as FP8 codes with block scales */
+    bool kv8;              /* --kv-cache-dtype fp8: the FP8 caches' layout (fp8_ds_mla) */
     bool json;
 };
 
@@ -51,6 +52,8 @@ static void plan_usage(FILE *f)
             "  --gpu-memory-utilization F       share of it for weights + caches (default 0.9)\n"
             "  --device cuda|cpu                element sizes of that backend (default cuda: bf16)\n"
             "  --quantization fp8|none          fp8: matrices as FP8 codes + 128x128 block scales (as serve's flag)\n"
+            "  --kv-cache-dtype auto|bf16|fp8   fp8: K/V of a byte, MLA latents as fp8_ds_mla (kv_lora e4m3 + an fp32\n"
+            "                                   scale per 128 + rope bf16), DSA index keys e4m3 + an fp32 scale\n"
             "  --json                           one JSON object instead of the table\n");
 }
 
@@ -85,6 +88,7 @@ static int parse_opts(int argc, char **argv, struct plan_opts *o)
         {"gpu-memory-utilization", required_argument, NULL, 'u'},
         {"device", required_argument, NULL, 'd'},
         {"quantization", required_argument, NULL, 'q'},
+        {"kv-cache-dtype", required_argument, NULL, 'k'},
         {"json", no_argument, NULL, 'j'},
         {"help", no_argument, NULL, 'h'},
         {0},
@@ -140,6 +144,13 @@ static int parse_opts(int argc, char **argv, struct plan_opts *o)
             }
             o->fp8 = !strcmp(optarg, "fp8");
             break;
+        case 'k':
+            if (strcmp(optarg, "fp8") && strcmp(optarg, "bf16") && strcmp(optarg, "auto")) {
+                fprintf(stderr, "krait plan: --kv-cache-dtype: \"%s\" (expected auto, bf16 or fp8)\n", optarg);
+                return 2;
+            }
+            o->kv8 = !strcmp(optarg, "fp8");
+            break;
         case 'j':
             o->json = true;
             break;
@@ -167,24 +178,29 @@ struct pools {
     uint64_t block;               /* per cache block (kr_cache_unit_bytes) */
 };
 
-static struct pools pools_of(const struct kr_model *m, int32_t block, size_t elt)
+/* kv8: the FP8 caches' layout: K/V a byte per value (one scale per tensor), a latent row as DeepSeek's
+ * fp8_ds_mla (kv_lora e4m3, an fp32 scale per 128 of them, the rope part bf16: 656 B for
+ * DeepSeek-V3.2), an index key as e4m3 with one fp32 scale; the Mamba states as they are. */
+static struct pools pools_of(const struct kr_model *m, int32_t block, size_t elt, bool kv8)
 {
     const struct kr_model_config *c = &m->cfg;
     struct pools p = {0};
-    p.kv = (uint64_t)m->n_attn * 2 * (uint64_t)(c->n_kv_head * c->head_dim) * elt;
+    p.kv = (uint64_t)m->n_attn * 2 * (uint64_t)(c->n_kv_head * c->head_dim) * (kv8 ? 1 : elt);
     for (int32_t i = 0; i < c->n_layer; i++) {
         const char t = c->pattern[i];
         if (t == KR_LAYER_DSA || t == KR_LAYER_MLA) {
-            p.latent += (uint64_t)(c->kv_lora + c->qk_rope) * elt;
+            p.latent += kv8 ? (uint64_t)(c->kv_lora + 4 * ((c->kv_lora + 127) / 128) + 2 * c->qk_rope)
+                            : (uint64_t)(c->kv_lora + c->qk_rope) * elt;
         }
         if (t == KR_LAYER_DSA) {
-            p.indexer += (uint64_t)c->idx_head_dim * elt;
+            p.indexer += kv8 ? (uint64_t)c->idx_head_dim + 4 : (uint64_t)c->idx_head_dim * elt;
         }
     }
     size_t slot = 0, blk = 0;
     kr_cache_unit_bytes(m, block, &slot, &blk);
     p.state = slot;
-    p.block = blk;
+    /* a block holds block tokens of every pool (kr_cache_unit_bytes counts the backend's elements) */
+    p.block = kv8 ? (uint64_t)block * (p.kv + p.latent + p.indexer) : blk;
     return p;
 }
 
@@ -241,7 +257,7 @@ int kr_plan_main(int argc, char **argv)
     if (rc == 0) {
         const struct kr_model_config *c = &m0->cfg;
         const int64_t len = o.max_len > 0 ? o.max_len : c->max_pos;
-        const struct pools p = pools_of(m0, o.block, celt);
+        const struct pools p = pools_of(m0, o.block, celt, o.kv8);
         const uint64_t per_tok = p.block / (uint64_t)o.block;
         const uint64_t blocks = (uint64_t)((len + o.block - 1) / o.block);
         const uint64_t per_seq = p.state + blocks * p.block;
@@ -254,11 +270,12 @@ int kr_plan_main(int argc, char **argv)
             for (int r = 0; r < o.tp; r++) {
                 json_array_append_new(ws, json_integer((json_int_t)w[r]));
             }
-            json_t *j = json_pack("{s:s, s:s, s:s, s:i, s:s, s:s, s:o, s:I, s:I, s:{s:I, s:I, s:I, s:I}, s:I, s:i, s:I, "
+            json_t *j = json_pack("{s:s, s:s, s:s, s:i, s:s, s:s, s:s, s:o, s:I, s:I, s:{s:I, s:I, s:I, s:I}, s:I, s:i, s:I, "
                                   "s:I, s:I, s:I, s:f, s:I, s:I}",
                                   "model", o.model, "model_type", c->model_type, "pattern", c->pattern,
                                   "tensor_parallel_size", o.tp, "device", o.cpu ? "cpu" : "cuda", "quantization",
-                                  o.fp8 ? "fp8" : "none", "weights_bytes", ws,
+                                  o.fp8 ? "fp8" : "none", "kv_cache_dtype", o.kv8 ? "fp8" : o.cpu ? "fp32" : "bf16",
+                                  "weights_bytes", ws,
                                   "weights_bytes_max", (json_int_t)w_max, "weights_bytes_total", (json_int_t)w_sum,
                                   "cache_bytes_per_token", "kv", (json_int_t)p.kv, "latent", (json_int_t)p.latent,
                                   "indexer", (json_int_t)p.indexer, "total", (json_int_t)per_tok,
@@ -282,7 +299,10 @@ int kr_plan_main(int argc, char **argv)
                    o.fp8 ? "FP8 (codes + 128x128 block scales; embedding and LM head bf16)"
                    : o.cpu ? "fp32 (CPU)"
                            : "bf16 (CUDA)",
-                   o.cpu ? "fp32" : "bf16");
+                   o.kv8 ? "FP8 (fp8_ds_mla latents; the layout a GPU backend will hold: `krait serve --kv-cache-dtype "
+                           "fp8` runs on the CPU reference so far)"
+                   : o.cpu ? "fp32"
+                           : "bf16");
             printf("weights per rank:      %.2f GiB (largest of %d ranks; %.2f GiB in all%s)\n", gib(w_max), o.tp,
                    gib(w_sum), o.fp8 ? "" : "; FP8 checkpoints are dequantized to bf16 at load");
             printf("cache per token:       %llu B per rank (K/V %llu, MLA latent %llu, DSA indexer keys %llu)\n",

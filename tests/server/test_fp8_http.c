@@ -160,3 +160,34 @@ Test(fp8_http, the_fp8_kv_cache_is_served_as_the_engine_runs_it)
         cr_expect(strstr(log, bad[i].needle) != NULL, "%s: the message names it: %s", bad[i].args, log);
     }
 }
+
+/* `krait plan --kv-cache-dtype fp8` counts the FP8 caches' layout: per D/+ layer and token a latent
+ * row of kv_lora e4m3 values, an fp32 scale per 128 of them and the rope part in bf16 (DeepSeek's
+ * fp8_ds_mla), per D layer an index key of index_head_dim e4m3 values and an fp32 scale; computed here
+ * from the checkpoint's config.json. */
+Test(fp8_http, the_plan_counts_fp8_caches)
+{
+    json_error_t je;
+    json_t *cfg = json_load_file(FX "deepseek_v32/ds_short/config.json", 0, &je);
+    cr_assert(cfg, "%s", je.text);
+    const long long kv_lora = json_integer_value(json_object_get(cfg, "kv_lora_rank")),
+                    rope = json_integer_value(json_object_get(cfg, "qk_rope_head_dim")),
+                    idx = json_integer_value(json_object_get(cfg, "index_head_dim")),
+                    layers = json_integer_value(json_object_get(cfg, "num_hidden_layers"));
+    json_decref(cfg);
+    cr_assert(kv_lora > 0 && rope > 0 && idx > 0 && layers > 0);
+    char cmd[1024];
+    snprintf(cmd, sizeof cmd, "%s plan " FX "deepseek_v32/ds_short --kv-cache-dtype fp8 --json > kvplan.json 2> kvplan.err",
+             KR_KRAIT_BIN);
+    cr_assert_eq(system(cmd), 0);
+    json_t *j = json_load_file("kvplan.json", 0, &je);
+    cr_assert(j, "%s", je.text);
+    json_t *pt = json_object_get(j, "cache_bytes_per_token");
+    /* every deepseek_v32 layer has an MLA mixer with an indexer (DSA) */
+    const long long lat = layers * (kv_lora + 4 * ((kv_lora + 127) / 128) + 2 * rope), ik = layers * (idx + 4);
+    cr_expect_eq(json_integer_value(json_object_get(pt, "latent")), lat);
+    cr_expect_eq(json_integer_value(json_object_get(pt, "indexer")), ik);
+    cr_expect_eq(json_integer_value(json_object_get(pt, "total")), lat + ik);
+    cr_expect_str_eq(json_string_value(json_object_get(j, "kv_cache_dtype")), "fp8");
+    json_decref(j);
+}
