@@ -9,6 +9,7 @@
 #include "fp8.h"
 #include "log.h"
 
+#include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
@@ -618,6 +619,31 @@ static enum kr_status load_attn(struct loader *ld, const char *base, struct kr_a
     KR_TRY(load_vec_p(ld, n, kv, &kvs, opt, "v_proj bias (attention_bias)", &w->v_b));
     NAME(n, "%so_proj.bias", base);
     KR_TRY(load_vec_p(ld, n, c->dim, &ob, opt, "o_proj bias (attention_bias)", &w->o_b));
+    /* the FP8 K/V cache scales a ModelOpt export calibrated (`k_proj.k_scale`, or `k_scale` beside
+     * the projections), one per tensor; 1 without them */
+    w->k_scale = w->v_scale = 1.0f;
+    for (int kv_i = 0; kv_i < 2; kv_i++) {
+        static const char *const spell[2][2] = {{"k_proj.k_scale", "k_scale"}, {"v_proj.v_scale", "v_scale"}};
+        for (int sp = 0; sp < 2; sp++) {
+            NAME(n, "%s%s", base, spell[kv_i][sp]);
+            struct kr_st_tensor *t = find(ld, n);
+            if (!t) {
+                continue;
+            }
+            float v = 0.0f;
+            if (t->n_elem != 1 || (t->dtype != KR_DTYPE_F32 && t->dtype != KR_DTYPE_BF16)) {
+                return kr_err_set(ld->err, KR_ERR_FORMAT, "%s: \"%s\" must be one F32 value (a K/V cache scale)",
+                                  t->file->path, n);
+            }
+            kr_convert_to_f32(&v, t->data, t->dtype, 1);
+            if (!(v > 0.0f) || !isfinite(v)) {
+                return kr_err_set(ld->err, KR_ERR_FORMAT, "%s: K/V cache scale \"%s\" is %g (must be positive)",
+                                  t->file->path, n, (double)v);
+            }
+            t->used = true;
+            *(kv_i ? &w->v_scale : &w->k_scale) = v;
+        }
+    }
     return KR_OK;
 }
 
@@ -911,7 +937,7 @@ static enum kr_status check_unused(struct loader *ld)
         }
         if (ld->m->cfg.fp8_modelopt && len > 8 &&
             (!strcmp(t->name + len - 8, ".k_scale") || !strcmp(t->name + len - 8, ".v_scale"))) {
-            KR_LOG_DEBUG("%s: K/V cache scale %s not used (the caches are bf16)", ld->m->dir, t->name);
+            KR_LOG_DEBUG("%s: K/V cache scale %s not used (no attention layer reads it)", ld->m->dir, t->name);
             continue;
         }
         if (!strncmp(t->name, "mtp.", 4) || strstr(t->name, ".mtp.")) {
@@ -1001,7 +1027,7 @@ static enum kr_status load_all(struct loader *ld)
         KR_LOG_INFO("%s: the ModelOpt FP8 matrices kept in FP8 (their per-tensor or per-channel scales as blocks), "
                     "the others in their precision; products quantize their activations per block of 128 "
                     "(dynamically: the checkpoint's static input scales are not used)%s",
-                    m->dir, c->fp8_kv_scales ? "; its K/V cache scales are not used (the caches are bf16)" : "");
+                    m->dir, c->fp8_kv_scales ? "; its K/V cache scales serve --kv-cache-dtype fp8" : "");
     } else if (kr_backend_fp8_weights(m->be)) {
         KR_LOG_INFO("%s: matrices %s FP8 in blocks of %dx%d (the embedding and the LM head excepted); products "
                     "quantize their activations per block",

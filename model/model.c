@@ -426,8 +426,8 @@ static enum kr_status attn_fwd(struct kr_model *m, struct kr_cache *cache, const
         .block_size = cache->block_size,
         .out = ws->y,
         .kv_fp8 = m->kv_fp8,
-        .k_scale = 1.0f,
-        .v_scale = 1.0f,
+        .k_scale = w->k_scale,
+        .v_scale = w->v_scale,
     };
     KR_TRY(kr_backend_attention(be, &p));
     return kr_backend_matmul(be, ws->y, qd, n, &w->o, w->o_b, ws->o, c->dim, &room);

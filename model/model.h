@@ -40,6 +40,8 @@ struct kr_attn_w {
     struct kr_tensor q, k, v;   /* [n_head*hd, dim], [n_kv*hd, dim], [n_kv*hd, dim] */
     struct kr_tensor o;         /* [dim, n_head*hd] */
     const float *q_b, *k_b, *v_b, *o_b; /* biases or NULL */
+    float k_scale, v_scale;     /* FP8 K/V cache scales (ModelOpt's calibrated k_scale / v_scale; 1 when the
+                                   checkpoint has none): used with --kv-cache-dtype fp8 */
 };
 
 struct kr_moe_w {
@@ -145,8 +147,8 @@ enum kr_status kr_model_set_indexer(struct kr_model *m, enum kr_indexer mode, st
 bool kr_indexer_parse(const char *s, enum kr_indexer *out);
 
 /* --kv-cache-dtype. auto and bf16 keep the backend's cache precision (the CPU reference fp32, CUDA
- * bf16). fp8: attention K/V as e4m3 with one scale per tensor (1.0: the checkpoints' calibrated
- * K/V scales are not read yet), MLA/DSA latents as DeepSeek's fp8_ds_mla (c_kv e4m3 in blocks of 128
+ * bf16). fp8: attention K/V as e4m3 with one scale per tensor (the checkpoint's calibrated k_scale /
+ * v_scale where it has them, else 1), MLA/DSA latents as DeepSeek's fp8_ds_mla (c_kv e4m3 in blocks of 128
  * with fp32 scales, k_pe bf16), and D layers' index keys as the FP8 indexer path makes them (the FP8
  * indexer is switched on). Mamba states are not affected. KR_ERR_UNSUPPORTED with a message on a
  * backend without FP8 caches (CUDA so far) or when the FP8 indexer cannot serve the model's D layers.

@@ -16,6 +16,8 @@
  *    the weights' FP8 rounding only: bound MODELOPT_MEAN on the mean |logprob - HF| over the
  *    vocabulary (measured values printed; a scale applied to the wrong tensor or not at all moves
  *    them by O(1), the weights being off by factors of hundreds; measured 0.08-0.22, 2026-12-03);
+ *  - the checkpoint's K/V cache scales reach the attention layers, and with --kv-cache-dtype fp8
+ *    the cached keys and values lie on the e4m3 grid of those scales;
  *  - what the loader does not know is refused with a message naming it: quant_algo "NVFP4", a
  *    kv_cache_quant_algo other than FP8, a scale of another shape, a missing scale. */
 #include "fixture.h"
@@ -23,6 +25,7 @@
 #include "alloc.h"
 #include "fp8.h"
 #include "runner.h"
+#include "cache.h"
 #include "safetensors.h"
 
 #include <criterion/criterion.h>
@@ -49,6 +52,21 @@ static double spec_e4m3(uint8_t b)
     }
     const double v = e == 0 ? ldexp(m / 8.0, -6) : ldexp(1.0 + m / 8.0, e - 7);
     return s ? -v : v;
+}
+
+/* The e4m3 value nearest x by a scan of the codes (ties: the first, i.e. the smaller magnitude; the
+ * callers compare values that are on the grid already). */
+static double spec_nearest(double x)
+{
+    double best = 0, bd = INFINITY;
+    for (int c = 0; c < 0x7f; c++) {
+        const double v = spec_e4m3((uint8_t)c), d = fabs(v - fabs(x));
+        if (d < bd) {
+            bd = d;
+            best = v;
+        }
+    }
+    return x < 0 ? -best : best;
 }
 
 /* ---- a small safetensors writer ---- */
@@ -399,6 +417,40 @@ static void run_scheme(const char *family, const char *name, enum scheme scheme)
                 p->n, mean);
         cr_expect_leq(mean, MODELOPT_MEAN, "%s %s prompt %d: mean |logprob - HF| %g", name, algo_names[scheme], i, mean);
         kr_free(lp);
+    }
+    /* the calibrated K/V cache scales reach the attention layers, and with --kv-cache-dtype fp8 the
+     * cached keys and values lie on the e4m3 grid of those scales */
+    int attn = 0;
+    for (int32_t l = 0; l < f.m->cfg.n_layer; l++) {
+        if (f.m->layers[l].type == KR_LAYER_ATTN) {
+            attn++;
+            cr_expect_eq(f.m->layers[l].attn.k_scale, 0.05f);
+            cr_expect_eq(f.m->layers[l].attn.v_scale, 0.05f);
+        }
+    }
+    cr_assert_gt(attn, 0);
+    cr_assert_eq(kr_model_set_kv_cache_dtype(f.m, KR_KV_CACHE_FP8, &err), KR_OK, "%s", err.msg);
+    {
+        const struct fx_prompt *p = &f.prompts[f.n_prompts - 1];
+        float *lp = kr_malloc((size_t)p->n * (size_t)f.vocab * sizeof(float));
+        cr_assert(lp);
+        cr_assert_eq(kr_run_prompt_logprobs(f.m, f.c, p->ids, p->n, 0, lp, &err), KR_OK, "%s", err.msg);
+        kr_free(lp);
+        const int64_t nk = (int64_t)f.c->n_blocks * f.c->block_size * f.m->cfg.n_kv_head * f.m->cfg.head_dim;
+        int64_t off = 0, nonzero = 0;
+        for (int32_t l = 0; l < f.m->n_attn; l++) {
+            const float *k = kr_cache_k_layer(f.c, l), *v = kr_cache_v_layer(f.c, l);
+            for (int64_t i = 0; i < nk; i++) {
+                const double qk = k[i] / 0.05, qv = v[i] / 0.05;
+                off += fabs(qk) > 448.5 || fabs(qv) > 448.5 || (float)(spec_nearest(qk) * 0.05f) != k[i] ||
+                       (float)(spec_nearest(qv) * 0.05f) != v[i];
+                nonzero += k[i] != 0;
+            }
+        }
+        fprintf(stderr, "  %-18s %-26s FP8 K/V cache with the checkpoint's scales: %lld values off their grid (%lld "
+                        "non-zero keys)\n", name, algo_names[scheme], (long long)off, (long long)nonzero);
+        cr_expect_eq(off, 0);
+        cr_expect_gt(nonzero, 0);
     }
     /* kept in FP8: every FP8 matrix multiplies like the plain load's, the excluded one stays bf16 */
     kr_backend_t be = kr_backend_cpu_create(2);
