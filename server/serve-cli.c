@@ -71,6 +71,7 @@ static void usage(FILE *f)
             "  --indexer auto|bf16|fp8         DSA indexer precision (auto: the FP8 path for FP8 checkpoints)\n"
             "  --kv-cache-dtype auto|bf16|fp8  fp8: K/V and MLA latents cached in FP8 (DeepSeek's fp8_ds_mla; the\n"
             "                                  CPU reference so far, with the FP8 indexer); auto/bf16: the backend's\n"
+            "                                  precision (CPU fp32, CUDA bf16)\n"
             "  --threads N                     CPU threads (default: all cores)              [KRAIT_THREADS]\n"
             "  --quantization fp8|none         fp8: matrices kept in (FP8 checkpoints) or quantized to FP8 blocks of\n"
             "                                  128x128 at load, activations quantized per block (CPU and CUDA);\n"
