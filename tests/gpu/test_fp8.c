@@ -716,3 +716,20 @@ ParameterizedTest(int *idx, fp8_gpu, models_match_the_cpu_recipe)
     fx_free(&g);
     fx_free(&c);
 }
+
+/* The FP8 caches run on the CPU reference only so far: the CUDA backend refuses them with a message
+ * naming the flag, before any step runs. */
+Test(fp8_gpu, fp8_caches_are_refused_on_cuda)
+{
+    GT_REQUIRE_GPU();
+    kr_backend_t be = NULL;
+    struct kr_err err = {0};
+    cr_assert_eq(kr_backend_cuda_create(0, false, &be, &err), KR_OK, "%s", err.msg);
+    cr_expect(!kr_backend_can_kv_fp8(be));
+    struct fx f;
+    fx_load_on(&f, "deepseek_v32", "ds_short", be, 2);
+    cr_expect_eq(kr_model_set_kv_cache_dtype(f.m, KR_KV_CACHE_FP8, &err), KR_ERR_UNSUPPORTED);
+    cr_expect(strstr(err.msg, "--kv-cache-dtype fp8") != NULL, "%s", err.msg);
+    cr_expect(!f.m->kv_fp8);
+    fx_free(&f);
+}
