@@ -375,9 +375,13 @@ static enum kr_status load_fp8_part(struct loader *ld, struct kr_st_tensor *t, c
                 st = KR_ERR_NOMEM;
                 break;
             }
-            for (int64_t r = 0; r < nr[i]; r++) {
-                kr_convert_to_f32(tmp + r * nc, (const char *)t->data + (size_t)((r0[i] + r) * C + c0) * esz, t->dtype,
-                                  (size_t)nc);
+            /* rows are independent: over every core, as the quantization below (an 8B model's
+             * matrices are billions of values) */
+            const int64_t seg_rows = nr[i], seg_r0 = r0[i];
+#pragma omp parallel for schedule(static) if (seg_rows * nc >= ((int64_t)1 << 20))
+            for (int64_t r = 0; r < seg_rows; r++) {
+                kr_convert_to_f32(tmp + r * nc, (const char *)t->data + (size_t)((seg_r0 + r) * C + c0) * esz,
+                                  t->dtype, (size_t)nc);
             }
             if (nr[i] > 0 && kr_fp8_weight_quant(tmp, nr[i], nc, B0, B1, codes + o * nc, scales + so * scols) != KR_OK) {
                 st = kr_err_set(ld->err, KR_ERR_FORMAT, "%s: \"%s\" has values that are not finite", t->file->path, name);
