@@ -354,9 +354,11 @@ static enum kr_status load_fp8_part(struct loader *ld, struct kr_st_tensor *t, c
             for (int64_t r = r0[i]; r < r0[i] + nr[i]; r++, o++) {
                 memcpy(codes + o * nc, (const uint8_t *)t->data + r * C + c0, (size_t)nc);
             }
-            /* the share's block rows: each block row's scales for the share's columns */
-            for (int64_t b = r0[i] / B0; b < (r0[i] + nr[i] + B0 - 1) / B0; b++, so++) {
-                const int64_t bc = fp8_row_scales(&fs, b * B0, C, srow);
+            /* the share's block rows (its own: a per-tensor scale's share may start anywhere; a
+             * block-scaled one starts on a block, checked above): each one's scales for the share's
+             * columns, read at the checkpoint row the block row starts at */
+            for (int64_t k = 0; k < (nr[i] + B0 - 1) / B0; k++, so++) {
+                const int64_t bc = fp8_row_scales(&fs, r0[i] + k * B0, C, srow);
                 for (int64_t j = 0; j < scols; j++) {
                     scales[so * scols + j] = bc == C ? srow[0] : srow[scol0 + j];
                 }

@@ -26,6 +26,7 @@
 #include "fp8.h"
 #include "runner.h"
 #include "cache.h"
+#include "comm.h"
 #include "safetensors.h"
 
 #include <criterion/criterion.h>
@@ -550,4 +551,51 @@ Test(fp8_modelopt, what_is_not_known_is_refused_by_name)
     expect_refused(NULL, "INT8", false, false, "INT8");
     expect_refused(NULL, NULL, true, false, "_scale");
     expect_refused(NULL, NULL, false, true, "_scale");
+}
+
+/* Kept in FP8 at tensor-parallel size 2: a per-tensor scale serves shares that start anywhere (the
+ * GQA and Mamba shares of these 64-wide models do not start on a 128-row block); each rank's scales
+ * hold the tensor's one value in every block. */
+Test(fp8_modelopt, per_tensor_scales_at_two_ranks)
+{
+    struct conv cv;
+    convert(&cv, "nemotron_h", "nh_mamba_attn_mlp", PER_TENSOR, NULL, NULL, false, false);
+    struct kr_host_comm *comm = NULL;
+    cr_assert_eq(kr_host_comm_create(2, &comm), KR_OK);
+    struct kr_st_archive *ar = NULL;
+    struct kr_err err = {0};
+    cr_assert_eq(kr_st_open_dir(cv.dir, &ar, &err), KR_OK, "%s", err.msg);
+    int checked = 0;
+    for (int r = 0; r < 2; r++) {
+        kr_backend_t be = kr_backend_cpu_create(1);
+        cr_assert_eq(kr_backend_set_tp(be, r, 2, comm, &err), KR_OK, "%s", err.msg);
+        cr_assert_eq(kr_backend_set_fp8_weights(be, true, &err), KR_OK, "%s", err.msg);
+        struct kr_model *m = NULL;
+        cr_assert_eq(kr_model_load(cv.dir, be, &m, &err), KR_OK, "rank %d: %s", r, err.msg);
+        char n[256];
+        for (int32_t l = 0; l < m->cfg.n_layer; l++) {
+            const struct kr_tensor *t = m->layers[l].type == KR_LAYER_MAMBA ? &m->layers[l].mamba.in_proj
+                                        : m->layers[l].type == KR_LAYER_ATTN ? &m->layers[l].attn.k
+                                                                               : NULL;
+            if (!t || t->dtype != KR_DTYPE_F8_E4M3) {
+                continue;
+            }
+            snprintf(n, sizeof n, "backbone.layers.%d.mixer.%s_scale", l,
+                     m->layers[l].type == KR_LAYER_MAMBA ? "in_proj.weight" : "k_proj.weight");
+            const struct kr_st_tensor *s = kr_st_find(ar, n);
+            cr_assert(s, "%s", n);
+            const float want = *(const float *)s->data;
+            const int64_t nb = ((t->rows + t->block_r - 1) / t->block_r) * ((t->cols + t->block_c - 1) / t->block_c);
+            for (int64_t b = 0; b < nb; b++) {
+                cr_expect_eq(t->scale[b], want, "rank %d %s block %lld", r, n, (long long)b);
+            }
+            checked++;
+        }
+        kr_model_free(m);
+        kr_backend_free(be);
+    }
+    cr_expect_gt(checked, 0);
+    kr_st_close(ar);
+    kr_host_comm_free(comm);
+    conv_free(&cv);
 }
