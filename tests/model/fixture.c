@@ -292,3 +292,26 @@ const struct fx_id fx_all[FX_N_ALL] = {
     {"deepseek_v32", "ds_fp8"},          {"deepseek_v32", "ds_short"},   {"hybrid", "hy_mdme"},
     {"hybrid", "hy_plus"},
 };
+
+double fx_e4m3(uint8_t b)
+{
+    const int s = b >> 7, e = (b >> 3) & 15, m = b & 7;
+    if (e == 15 && m == 7) {
+        return NAN;
+    }
+    const double v = e == 0 ? ldexp(m / 8.0, -6) : ldexp(1.0 + m / 8.0, e - 7);
+    return s ? -v : v;
+}
+
+double fx_e4m3_nearest(double x)
+{
+    double best = 0, bd = INFINITY;
+    for (int c = 0; c < 0x7f; c++) {
+        const double v = fx_e4m3((uint8_t)c), d = fabs(v - fabs(x));
+        if (d < bd) {
+            bd = d;
+            best = v;
+        }
+    }
+    return x < 0 ? -best : best;
+}

@@ -48,6 +48,12 @@ struct fx_id {
 #define FX_N_ALL 10
 extern const struct fx_id fx_all[FX_N_ALL];
 
+/* E4M3 by the format's definition (bias 7, 3 mantissa bits, exponent field 0 subnormal, S.1111.111
+ * NaN), independent of the project's decoder; and the E4M3 value nearest x by a scan of the codes
+ * (an exact tie: the smaller magnitude). For tests of what FP8 paths store. */
+double fx_e4m3(uint8_t code);
+double fx_e4m3_nearest(double x);
+
 /* One sequence for the multi-sequence driver. */
 struct drv_seq {
     const int32_t *prompt;   /* [n_prompt] */

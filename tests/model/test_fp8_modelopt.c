@@ -44,32 +44,6 @@ TestSuite(fp8_modelopt, .timeout = 300);
 enum scheme { PER_TENSOR, PER_CHANNEL, BLOCK128 };
 static const char *const algo_names[] = {"FP8", "FP8_PER_CHANNEL_PER_TOKEN", "FP8_PB_WO"};
 
-/* E4M3 by its definition: bias 7, 3 mantissa bits, exponent field 0 subnormal, S.1111.111 NaN. */
-static double spec_e4m3(uint8_t b)
-{
-    const int s = b >> 7, e = (b >> 3) & 15, m = b & 7;
-    if (e == 15 && m == 7) {
-        return NAN;
-    }
-    const double v = e == 0 ? ldexp(m / 8.0, -6) : ldexp(1.0 + m / 8.0, e - 7);
-    return s ? -v : v;
-}
-
-/* The e4m3 value nearest x by a scan of the codes (ties: the first, i.e. the smaller magnitude; the
- * callers compare values that are on the grid already). */
-static double spec_nearest(double x)
-{
-    double best = 0, bd = INFINITY;
-    for (int c = 0; c < 0x7f; c++) {
-        const double v = spec_e4m3((uint8_t)c), d = fabs(v - fabs(x));
-        if (d < bd) {
-            bd = d;
-            best = v;
-        }
-    }
-    return x < 0 ? -best : best;
-}
-
 /* ---- a small safetensors writer ---- */
 
 struct out_tensor {
@@ -353,7 +327,7 @@ static int check_plain_weights(const struct conv *cv, const struct kr_model *m, 
                     bool same = true;
                     for (int64_t c = 0; c < C && same; c++) { /* row 0: its scale, or its blocks' */
                         const float sc = scheme == BLOCK128 ? sv[c / 128] : sv[0];
-                        same = (float)(spec_e4m3(((const uint8_t *)t->data)[c]) * sc) == d[c];
+                        same = (float)(fx_e4m3(((const uint8_t *)t->data)[c]) * sc) == d[c];
                     }
                     hit = same ? d : NULL;
                 }
@@ -366,7 +340,7 @@ static int check_plain_weights(const struct conv *cv, const struct kr_model *m, 
                         bool same = true;
                         for (int64_t c = 0; c < C && same; c++) {
                             const float sc = scheme == BLOCK128 ? sv[c / 128] : sv[0];
-                            same = (float)(spec_e4m3(((const uint8_t *)t->data)[c]) * sc) == d[c];
+                            same = (float)(fx_e4m3(((const uint8_t *)t->data)[c]) * sc) == d[c];
                         }
                         hit = same ? d : NULL;
                     }
@@ -379,7 +353,7 @@ static int check_plain_weights(const struct conv *cv, const struct kr_model *m, 
         for (int64_t r = 0; r < R; r++) {
             for (int64_t c = 0; c < C; c++) {
                 const float sc = scheme == PER_TENSOR ? sv[0] : scheme == PER_CHANNEL ? sv[r] : sv[(r / 128) * ib + c / 128];
-                bad += (float)(spec_e4m3(((const uint8_t *)t->data)[r * C + c]) * sc) != hit[r * C + c];
+                bad += (float)(fx_e4m3(((const uint8_t *)t->data)[r * C + c]) * sc) != hit[r * C + c];
             }
         }
         cr_expect_eq(bad, 0, "%s: %lld elements are not code x scale", t->name, (long long)bad);
@@ -443,8 +417,8 @@ static void run_scheme(const char *family, const char *name, enum scheme scheme)
             const float *k = kr_cache_k_layer(f.c, l), *v = kr_cache_v_layer(f.c, l);
             for (int64_t i = 0; i < nk; i++) {
                 const double qk = k[i] / 0.05, qv = v[i] / 0.05;
-                off += fabs(qk) > 448.5 || fabs(qv) > 448.5 || (float)(spec_nearest(qk) * 0.05f) != k[i] ||
-                       (float)(spec_nearest(qv) * 0.05f) != v[i];
+                off += fabs(qk) > 448.5 || fabs(qv) > 448.5 || (float)(fx_e4m3_nearest(qk) * 0.05f) != k[i] ||
+                       (float)(fx_e4m3_nearest(qv) * 0.05f) != v[i];
                 nonzero += k[i] != 0;
             }
         }

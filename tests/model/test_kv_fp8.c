@@ -30,23 +30,6 @@
 
 TestSuite(kv_fp8, .timeout = 300);
 
-/* The e4m3 value nearest x (ties to even) by a scan of the positive codes: this file's own rounding. */
-static double nearest_e4m3(double x)
-{
-    const double a = fabs(x);
-    double best = 0, bd = INFINITY;
-    for (int c = 0; c < 0x7f; c++) {
-        const int e = c >> 3, m = c & 7;
-        const double v = e == 0 ? ldexp(m / 8.0, -6) : ldexp(1.0 + m / 8.0, e - 7);
-        const double d = fabs(v - a);
-        if (d < bd) {
-            bd = d;
-            best = v;
-        }
-    }
-    return x < 0 ? -best : best;
-}
-
 /* Checks the stored rows of every cache pool of f; returns the count of non-zero rows checked. */
 static int64_t check_pools(const struct fx *f, const char *name)
 {
@@ -58,7 +41,7 @@ static int64_t check_pools(const struct fx *f, const char *name)
         const float *k = kr_cache_k_layer(c, l), *v = kr_cache_v_layer(c, l);
         const int64_t n = slots * cfg->n_kv_head * cfg->head_dim;
         for (int64_t i = 0; i < n; i++) {
-            bad_kv += (double)k[i] != nearest_e4m3(k[i]) || (double)v[i] != nearest_e4m3(v[i]);
+            bad_kv += (double)k[i] != fx_e4m3_nearest(k[i]) || (double)v[i] != fx_e4m3_nearest(v[i]);
         }
         rows += n > 0 && k[0] != 0;
     }
@@ -81,7 +64,7 @@ static int64_t check_pools(const struct fx *f, const char *name)
                 const double s = amax / 448.0;
                 for (int64_t i = 0; i < len; i++) {
                     const double q = x[b0 + i] / s;
-                    bad_lat += fabs(q - nearest_e4m3(q)) > 1e-5 * fabs(q) + 1e-12;
+                    bad_lat += fabs(q - fx_e4m3_nearest(q)) > 1e-5 * fabs(q) + 1e-12;
                 }
             }
             for (int64_t i = 0; i < cfg->qk_rope; i++) {
