@@ -102,6 +102,10 @@ struct kr_backend_i {
     /* (optional) true when the backend rounds cached rows to FP8 (krk_attn_params.kv_fp8,
      * krk_mla_cache_params.fp8) */
     bool (*kv_fp8)(kr_backend_t be);
+    /* (optional) true when those FP8 caches hold the bytes (a byte per K/V value, packed latent rows:
+     * krk/ops.h krk_fp8_latent_bytes), so that the pools are sized so; false: the backend keeps the
+     * rounded values in its cache element type (the CPU reference) */
+    bool (*kv_fp8_packed)(kr_backend_t be);
 };
 
 struct kr_backend {

@@ -46,6 +46,11 @@ bool kr_backend_can_kv_fp8(kr_backend_t be)
     return be->iface.kv_fp8 && be->iface.kv_fp8(be);
 }
 
+bool kr_backend_kv_fp8_packed(kr_backend_t be)
+{
+    return kr_backend_can_kv_fp8(be) && be->iface.kv_fp8_packed && be->iface.kv_fp8_packed(be);
+}
+
 bool kr_backend_can_fp8_round(kr_backend_t be)
 {
     return be->iface.fp8_round != NULL;

@@ -207,6 +207,10 @@ enum kr_status kr_backend_mla_prep(kr_backend_t be, const struct krk_mla_prep_pa
 /* True when the backend stores FP8 caches (--kv-cache-dtype fp8: krk_attn_params.kv_fp8,
  * krk_mla_cache_params.fp8). */
 bool kr_backend_can_kv_fp8(kr_backend_t be);
+/* True when the backend's FP8 caches hold the bytes (CUDA: a byte per K/V value, packed latent rows,
+ * krk/ops.h krk_fp8_latent_bytes); false when it keeps the rounded values in its cache elements
+ * (the CPU reference) or has no FP8 caches. */
+bool kr_backend_kv_fp8_packed(kr_backend_t be);
 /* True when the backend has the FP8 indexer path (kr_backend_fp8_round). */
 bool kr_backend_can_fp8_round(kr_backend_t be);
 enum kr_status kr_backend_fp8_round(kr_backend_t be, const struct krk_fp8_round_params *p);

@@ -13,6 +13,28 @@ enum kr_status kr_cache_create(const struct kr_model *m, int32_t n_slots, int32_
     return kr_cache_create_plan(m, &plan, out);
 }
 
+/* Bytes per cached K/V value and per latent row (D layers with the index key), for packed FP8 pools
+ * or the backend's elements. */
+static bool packed_fp8(const struct kr_model *m)
+{
+    return m->kv_fp8 && kr_backend_kv_fp8_packed(m->be);
+}
+
+static size_t kv_elt_bytes(const struct kr_model *m)
+{
+    return packed_fp8(m) ? 1 : kr_backend_cache_elt_size(m->be);
+}
+
+static size_t latent_row_bytes(const struct kr_model *m, bool dsa)
+{
+    const struct kr_model_config *cfg = &m->cfg;
+    if (packed_fp8(m)) {
+        return (size_t)(krk_fp8_latent_bytes(cfg->kv_lora, cfg->qk_rope) +
+                        (dsa ? krk_fp8_key_bytes(cfg->idx_head_dim) : 0));
+    }
+    return (size_t)(cfg->kv_lora + cfg->qk_rope + (dsa ? cfg->idx_head_dim : 0)) * kr_backend_cache_elt_size(m->be);
+}
+
 enum kr_status kr_cache_create_plan(const struct kr_model *m, const struct kr_cache_plan *plan, struct kr_cache **out)
 {
     const struct kr_model_config *cfg = &m->cfg;
@@ -35,6 +57,7 @@ enum kr_status kr_cache_create_plan(const struct kr_model *m, const struct kr_ca
     c->block_size = block_size;
     c->n_mamba = m->n_mamba;
     c->n_attn = m->n_attn;
+    c->fp8 = packed_fp8(m);
     if (c->n_mamba) {
         c->conv_slot_bytes = (size_t)(cfg->m_conv - 1) * (size_t)cfg->m_conv_dim * act;
         c->ssm_slot_bytes = (size_t)(cfg->m_heads * cfg->m_head_dim * cfg->m_state) * sizeof(float);
@@ -46,7 +69,8 @@ enum kr_status kr_cache_create_plan(const struct kr_model *m, const struct kr_ca
         }
     }
     if (c->n_attn) {
-        c->kv_layer_bytes = (size_t)n_blocks * (size_t)block_size * (size_t)(cfg->n_kv_head * cfg->head_dim) * act;
+        c->kv_layer_bytes =
+            (size_t)n_blocks * (size_t)block_size * (size_t)(cfg->n_kv_head * cfg->head_dim) * kv_elt_bytes(m);
         if ((st = kr_backend_buf_alloc(c->be, c->kv_layer_bytes * (size_t)c->n_attn, &c->k)) != KR_OK ||
             (st = kr_backend_buf_alloc(c->be, c->kv_layer_bytes * (size_t)c->n_attn, &c->v)) != KR_OK) {
             goto fail;
@@ -66,11 +90,12 @@ enum kr_status kr_cache_create_plan(const struct kr_model *m, const struct kr_ca
             if (L->type != KR_LAYER_DSA && L->type != KR_LAYER_MLA) {
                 continue;
             }
-            const int64_t row = cfg->kv_lora + cfg->qk_rope + (L->type == KR_LAYER_DSA ? cfg->idx_head_dim : 0);
-            c->mla_row[L->cache_idx] = row;
+            const size_t row_bytes = latent_row_bytes(m, L->type == KR_LAYER_DSA);
+            c->mla_row[L->cache_idx] = (int64_t)(c->fp8 ? row_bytes : row_bytes / act);
             c->mla_off[L->cache_idx] = total;
-            total += (size_t)n_blocks * (size_t)block_size * (size_t)row * act;
+            total += (size_t)n_blocks * (size_t)block_size * row_bytes;
         }
+        c->mla_key_off = c->fp8 ? krk_fp8_latent_bytes(cfg->kv_lora, cfg->qk_rope) : cfg->kv_lora + cfg->qk_rope;
         if ((st = kr_backend_buf_alloc(c->be, total, &c->mla)) != KR_OK) {
             goto fail;
         }
@@ -188,16 +213,16 @@ void kr_cache_unit_bytes(const struct kr_model *m, int32_t block_size, size_t *s
     const struct kr_model_config *cfg = &m->cfg;
     const size_t act = kr_backend_cache_elt_size(m->be);
     size_t sb = 0, bb = 0;
+    const size_t kv_elt = kv_elt_bytes(m);
     if (m->n_mamba) {
         sb = (size_t)m->n_mamba * ((size_t)(cfg->m_conv - 1) * (size_t)cfg->m_conv_dim * act +
                                    (size_t)(cfg->m_heads * cfg->m_head_dim * cfg->m_state) * sizeof(float));
     }
-    bb += (size_t)m->n_attn * 2 * (size_t)block_size * (size_t)(cfg->n_kv_head * cfg->head_dim) * act;
+    bb += (size_t)m->n_attn * 2 * (size_t)block_size * (size_t)(cfg->n_kv_head * cfg->head_dim) * kv_elt;
     for (int32_t i = 0; i < cfg->n_layer; i++) {
         const char t = cfg->pattern[i];
         if (t == KR_LAYER_DSA || t == KR_LAYER_MLA) {
-            bb += (size_t)block_size *
-                  (size_t)(cfg->kv_lora + cfg->qk_rope + (t == KR_LAYER_DSA ? cfg->idx_head_dim : 0)) * act;
+            bb += (size_t)block_size * latent_row_bytes(m, t == KR_LAYER_DSA);
         }
     }
     *slot_bytes = sb;
@@ -216,7 +241,7 @@ enum kr_status kr_cache_block_copy(struct kr_cache *c, int32_t src, int32_t dst)
         }
     }
     for (int32_t l = 0; l < c->n_mla && st == KR_OK; l++) {
-        const size_t bb = (size_t)c->block_size * (size_t)c->mla_row[l] * c->act;
+        const size_t bb = (size_t)c->block_size * (size_t)c->mla_row[l] * (c->fp8 ? 1 : c->act);
         char *p = kr_cache_mla_layer(c, l);
         st = kr_backend_copy_d2d(c->be, p + (size_t)dst * bb, p + (size_t)src * bb, bb);
     }

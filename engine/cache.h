@@ -31,7 +31,12 @@ struct kr_cache {
     struct kr_buf ssm;        /* [n_mamba][n_slots][Hm][P][N] fp32 */
     struct kr_buf k, v;       /* [n_attn][n_blocks][block_size][n_kv][hd] */
     int32_t n_mla;            /* layers with a latent cache (D, +) */
-    int64_t *mla_row;         /* [n_mla] floats per cached token of each latent layer */
+    int64_t *mla_row;         /* [n_mla] per cached token of each latent layer: elements of `act`
+                                 bytes, or with fp8 bytes (the packed row) */
+    int64_t mla_key_off;      /* where a D layer's index key starts in its row (same units) */
+    bool fp8;                 /* packed FP8 pools (--kv-cache-dtype fp8 on a backend that stores
+                                 the bytes, kr_backend_kv_fp8_packed): K/V a byte per value, latent
+                                 rows as krk/ops.h krk_fp8_latent_bytes + krk_fp8_key_bytes */
     size_t *mla_off;          /* [n_mla] byte offset of each layer's pool in `mla` */
     struct kr_buf mla;        /* per latent layer [n_blocks][block_size][mla_row] */
     int32_t *free_slots;      /* [n_slots] stack */
@@ -51,7 +56,8 @@ struct kr_cache {
 };
 
 /* Bytes one state slot and one block cost across all layers of model `m` with blocks of
- * `block_size` tokens (what the memory plan divides a budget by). */
+ * `block_size` tokens (what the memory plan divides a budget by), with the model's cache dtype
+ * (kr_model_set_kv_cache_dtype, which must come first). */
 void kr_cache_unit_bytes(const struct kr_model *m, int32_t block_size, size_t *slot_bytes, size_t *block_bytes);
 
 /* Creates caches for `m` with `n_slots` state slots and `n_blocks` blocks of `block_size` tokens

@@ -284,6 +284,11 @@ static enum kr_status validate(const struct kr_model *m, const struct kr_cache *
     if (b->seq_tok0[0] != 0 || b->seq_tok0[b->n_seq] != b->n_tok) {
         return kr_err_set(err, KR_ERR_INVAL, "batch: sequence offsets must start at 0 and end at n_tok");
     }
+    if (kr_backend_kv_fp8_packed(m->be) && c->fp8 != m->kv_fp8) { /* the pools' sizes and layout */
+        return kr_err_set(err, KR_ERR_INVAL, "caches made with %s pools for a model with --kv-cache-dtype %s: make "
+                          "the caches after kr_model_set_kv_cache_dtype", c->fp8 ? "FP8" : "plain",
+                          m->kv_fp8 ? "fp8" : "auto/bf16");
+    }
     for (int32_t t = 0; t < b->n_tok; t++) {
         if (b->tokens[t] < 0 || b->tokens[t] >= m->cfg.vocab) {
             return kr_err_set(err, KR_ERR_INVAL, "token id %d at batch index %d is outside the vocabulary [0, %lld)",
@@ -526,12 +531,12 @@ static enum kr_status mla_fwd(struct kr_model *m, struct kr_cache *cache, const 
     const int32_t topk = (int32_t)c->idx_topk;
     /* the selection runs as part of the attention (a backend may overlap it with the absorption) */
     const struct krk_dsa_index_params ip = {.iq = iq, .w = ws->m_w, .n_head = Hi, .head_dim = Di, .cache = lat,
-                                            .row = row, .key_off = Rkv + Dr, .block_size = cache->block_size,
-                                            .topk = topk, .idx = ws->m_idx};
+                                            .row = row, .key_off = cache->mla_key_off, .block_size = cache->block_size,
+                                            .topk = topk, .idx = ws->m_idx, .fp8 = cache->fp8};
     struct krk_mla_attn_params ap = {.q = q, .n_head = H, .nope = Dn, .rope = Dr, .v_dim = c->v_head, .kv_lora = Rkv,
                                      .kv_b = w->kv_b, .cache = lat, .row = row, .block_size = cache->block_size,
                                      .idx = select ? ws->m_idx : NULL, .topk = topk, .scale = c->mla_scale,
-                                     .out = ws->y, .select = select ? &ip : NULL};
+                                     .out = ws->y, .select = select ? &ip : NULL, .fp8 = cache->fp8};
     KR_TRY(kr_backend_mla_attention(be, &ap));
     if (w->has_indexer && m->on_index) {
         const size_t nb = (size_t)n * (size_t)topk * sizeof(int32_t);

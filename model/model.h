@@ -150,9 +150,11 @@ bool kr_indexer_parse(const char *s, enum kr_indexer *out);
  * bf16). fp8: attention K/V as e4m3 with one scale per tensor (the checkpoint's calibrated k_scale /
  * v_scale where it has them, else 1), MLA/DSA latents as DeepSeek's fp8_ds_mla (c_kv e4m3 in blocks of 128
  * with fp32 scales, k_pe bf16), and D layers' index keys as the FP8 indexer path makes them (the FP8
- * indexer is switched on). Mamba states are not affected. KR_ERR_UNSUPPORTED with a message on a
- * backend without FP8 caches (CUDA so far) or when the FP8 indexer cannot serve the model's D layers.
- * Call before caches are filled. */
+ * indexer is switched on). Mamba states are not affected. The CPU reference keeps the rounded values
+ * in its fp32 rows; CUDA stores the bytes (kr_backend_kv_fp8_packed), so there the caches must be
+ * made after this call (a step over caches of the other layout is refused). KR_ERR_UNSUPPORTED with a
+ * message on a backend without FP8 caches or when the FP8 indexer cannot serve the model's D layers.
+ * Call before caches are made. */
 enum kr_kv_cache_dtype { KR_KV_CACHE_AUTO = 0, KR_KV_CACHE_BF16 = 1, KR_KV_CACHE_FP8 = 2 };
 enum kr_status kr_model_set_kv_cache_dtype(struct kr_model *m, enum kr_kv_cache_dtype mode, struct kr_err *err);
 /* "auto", "bf16" or "fp8" (what --kv-cache-dtype takes); false for anything else. */

@@ -53,7 +53,7 @@ static void plan_usage(FILE *f)
             "  --device cuda|cpu                element sizes of that backend (default cuda: bf16)\n"
             "  --quantization fp8|none          fp8: matrices as FP8 codes + 128x128 block scales (as serve's flag)\n"
             "  --kv-cache-dtype auto|bf16|fp8   fp8: K/V of a byte, MLA latents as fp8_ds_mla (kv_lora e4m3 + an fp32\n"
-            "                                   scale per 128 + rope bf16), DSA index keys e4m3 + an fp32 scale\n"
+            "                                   scale per 128 + rope bf16), DSA index keys e4m3 + fp32 scales\n"
             "  --json                           one JSON object instead of the table\n");
 }
 
@@ -178,9 +178,10 @@ struct pools {
     uint64_t block;               /* per cache block (kr_cache_unit_bytes) */
 };
 
-/* kv8: the FP8 caches' layout: K/V a byte per value (one scale per tensor), a latent row as DeepSeek's
+/* kv8: the FP8 caches' layout, as the CUDA backend holds it (krk/ops.h krk_fp8_latent_bytes,
+ * krk_fp8_key_bytes): K/V a byte per value (one scale per tensor), a latent row as DeepSeek's
  * fp8_ds_mla (kv_lora e4m3, an fp32 scale per 128 of them, the rope part bf16: 656 B for
- * DeepSeek-V3.2), an index key as e4m3 with one fp32 scale; the Mamba states as they are. */
+ * DeepSeek-V3.2), an index key as e4m3 with an fp32 scale per 128; the Mamba states as they are. */
 static struct pools pools_of(const struct kr_model *m, int32_t block, size_t elt, bool kv8)
 {
     const struct kr_model_config *c = &m->cfg;
@@ -189,11 +190,11 @@ static struct pools pools_of(const struct kr_model *m, int32_t block, size_t elt
     for (int32_t i = 0; i < c->n_layer; i++) {
         const char t = c->pattern[i];
         if (t == KR_LAYER_DSA || t == KR_LAYER_MLA) {
-            p.latent += kv8 ? (uint64_t)(c->kv_lora + 4 * ((c->kv_lora + 127) / 128) + 2 * c->qk_rope)
+            p.latent += kv8 ? (uint64_t)krk_fp8_latent_bytes(c->kv_lora, c->qk_rope)
                             : (uint64_t)(c->kv_lora + c->qk_rope) * elt;
         }
         if (t == KR_LAYER_DSA) {
-            p.indexer += kv8 ? (uint64_t)c->idx_head_dim + 4 : (uint64_t)c->idx_head_dim * elt;
+            p.indexer += kv8 ? (uint64_t)krk_fp8_key_bytes(c->idx_head_dim) : (uint64_t)c->idx_head_dim * elt;
         }
     }
     size_t slot = 0, blk = 0;
@@ -299,8 +300,7 @@ int kr_plan_main(int argc, char **argv)
                    o.fp8 ? "FP8 (codes + 128x128 block scales; embedding and LM head bf16)"
                    : o.cpu ? "fp32 (CPU)"
                            : "bf16 (CUDA)",
-                   o.kv8 ? "FP8 (fp8_ds_mla latents; the layout a GPU backend will hold: `krait serve --kv-cache-dtype "
-                           "fp8` runs on the CPU reference so far)"
+                   o.kv8 ? "FP8 (fp8_ds_mla latents, the layout the CUDA backend holds)"
                    : o.cpu ? "fp32"
                            : "bf16");
             printf("weights per rank:      %.2f GiB (largest of %d ranks; %.2f GiB in all%s)\n", gib(w_max), o.tp,

@@ -1,6 +1,7 @@
 #pragma once
 // Internals of the attention family shared by launch.cu, decode.cu and prefill.cu: the launch
 // arguments as the kernels see them, the split-K sizing rule and the per-path launchers.
+#include "common/fp8-cache.cuh"
 #include "common/util.cuh"
 
 namespace krk {
@@ -38,14 +39,44 @@ struct Args {
     int n_head, n_kv_head, head_dim;
     int group;                      // n_head / n_kv_head: query heads per KV head
     float scale_log2;               // softmax scale * log2(e): scores in base 2
-    uint16_t *KRK_RESTRICT k_cache; // [n_block, block_size, n_kv_head, head_dim] bf16
-    uint16_t *KRK_RESTRICT v_cache; // [n_block, block_size, n_kv_head, head_dim] bf16
+    void *KRK_RESTRICT k_cache; // [n_block, block_size, n_kv_head, head_dim] of the cache type
+    void *KRK_RESTRICT v_cache; // [n_block, block_size, n_kv_head, head_dim]
+    float k_scale, v_scale;     // e4m3 caches: value = code * scale (bf16: unused)
     int block_size;
     float *KRK_RESTRICT out;      // [n_tok, n_head*head_dim]
     float *KRK_RESTRICT part_acc; // [n_tok, n_split, n_head, head_dim] decode partial sums
     float2 *KRK_RESTRICT part_ml; // [n_tok, n_split, n_head] decode partial (max, sum), base 2
     int n_split;                  // decode splits (1: the decode kernel writes out directly)
     struct krk_batch b;
+};
+
+// The cache element types the kernels are templated on: 8 consecutive values of a row form one
+// Chunk (16 bytes of bf16, 8 bytes of e4m3 codes). to_f32 gives their fp32 values (times the
+// tensor's scale for e4m3: code * s, the CPU reference's value); to_bf16 gives bf16 operands of the
+// tensor-core path (for e4m3 the codes, exact in bf16: the scale is applied to the products).
+struct CacheBf16 {
+    using T = uint16_t;
+    using Chunk = uint4;
+    static constexpr bool kScaled = false;
+    __device__ __forceinline__ static void to_f32(const Chunk &w, float s, float f[8])
+    {
+        (void)s;
+        const uint32_t u[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            f[2 * i] = __uint_as_float(u[i] << 16);
+            f[2 * i + 1] = __uint_as_float(u[i] & 0xffff0000u);
+        }
+    }
+};
+struct CacheE4m3 {
+    using T = uint8_t;
+    using Chunk = uint2;
+    static constexpr bool kScaled = true;
+    __device__ __forceinline__ static void to_f32(const Chunk &w, float s, float f[8])
+    {
+        e4m3x8_to_f32(w, s, f);
+    }
 };
 
 // Offset (elements) of the cache row holding position `pos` of the sequence whose block table row
@@ -62,8 +93,9 @@ inline size_t part_acc_bytes(int64_t n_rows, int64_t n_head, int64_t head_dim)
     return (size_t)(n_rows * n_head * head_dim) * sizeof(float);
 }
 
-enum kr_status launch_decode(const Args &a, cudaStream_t stream);
-enum kr_status launch_prefill(const Args &a, cudaStream_t stream);
+// Instantiated for CacheBf16 and CacheE4m3.
+template <class C> enum kr_status launch_decode(const Args &a, cudaStream_t stream);
+template <class C> enum kr_status launch_prefill(const Args &a, cudaStream_t stream);
 
 } // namespace attn
 } // namespace krk

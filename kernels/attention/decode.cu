@@ -1,4 +1,4 @@
-// Decode path (one token per sequence): flash-decoding split-K over the paged cache. The grid is
+// Decode path (one token per sequence): flash-decoding split-K over the paged cache (bf16 or e4m3). The grid is
 // (n_tok, n_kv_head * head chunks, n_split), fixed by host-known sizes; each block walks its share of
 // the token's context, computed from the device-side position, for every query head of one KV head
 // (GQA: each K/V row is read once per split), then a combine kernel merges the splits.
@@ -10,21 +10,11 @@ namespace attn {
 constexpr int DEC_THREADS = 128;
 constexpr int COMBINE_THREADS = 128;
 
-__device__ __forceinline__ void bf16x8_to_f32(const uint4 &w, float f[8])
-{
-    const uint32_t u[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        f[2 * i] = __uint_as_float(u[i] << 16);
-        f[2 * i + 1] = __uint_as_float(u[i] & 0xffff0000u);
-    }
-}
-
 // L lanes share one key row (lane i holds elements 8i..8i+7, lanes with 8i >= head_dim idle); HB
 // query heads of one KV head per block; KB keys per lane group per step, the next step's rows
 // loaded while the current ones are used (loads in flight). Online softmax in base 2 and fp32
-// throughout, from fp32 queries and the bf16 cache.
-template <int NT, int L, int HB, int KB> __global__ void __launch_bounds__(NT) decode_kernel(Args a)
+// throughout, from fp32 queries and the cache's values (bf16, or e4m3 code * scale: C).
+template <class C, int NT, int L, int HB, int KB> __global__ void __launch_bounds__(NT) decode_kernel(Args a)
 {
     krk::kernel_prologue();
     constexpr int NG = NT / L;  // lane groups in the block
@@ -88,21 +78,22 @@ template <int NT, int L, int HB, int KB> __global__ void __launch_bounds__(NT) d
 
     const int32_t *bt = a.b.block_table + (int64_t)s * a.b.max_blocks;
     const int64_t row_len = (int64_t)a.n_kv_head * hd;
-    const uint16_t *kc = a.k_cache + (int64_t)g * hd + li * 8;
-    const uint16_t *vc = a.v_cache + (int64_t)g * hd + li * 8;
+    using Chunk = typename C::Chunk;
+    const typename C::T *kc = static_cast<const typename C::T *>(a.k_cache) + (int64_t)g * hd + li * 8;
+    const typename C::T *vc = static_cast<const typename C::T *>(a.v_cache) + (int64_t)g * hd + li * 8;
 
     // rows of keys j0 .. j0 + KB - 1 (zeros past j_end)
-    auto load = [&](int j0, uint4 kr[KB], uint4 vr[KB]) {
+    auto load = [&](int j0, Chunk kr[KB], Chunk vr[KB]) {
 #pragma unroll
         for (int u = 0; u < KB; u++) {
             const int j = j0 + u;
             if (active && j < j_end) {
                 const int64_t off = cache_row(bt, j, a.block_size, row_len);
-                kr[u] = __ldg(reinterpret_cast<const uint4 *>(kc + off));
-                vr[u] = __ldg(reinterpret_cast<const uint4 *>(vc + off));
+                kr[u] = __ldg(reinterpret_cast<const Chunk *>(kc + off));
+                vr[u] = __ldg(reinterpret_cast<const Chunk *>(vc + off));
             } else {
-                kr[u] = make_uint4(0, 0, 0, 0);
-                vr[u] = make_uint4(0, 0, 0, 0);
+                kr[u] = Chunk{};
+                vr[u] = Chunk{};
             }
         }
     };
@@ -111,17 +102,17 @@ template <int NT, int L, int HB, int KB> __global__ void __launch_bounds__(NT) d
     // keys past j_end are masked.
     constexpr int STEP = NG * KB;
     const int jw0 = j_begin + warp * GPW * KB, sub = (lane / L) * KB;
-    uint4 kr[KB], vr[KB];
+    Chunk kr[KB], vr[KB];
     load(jw0 + sub, kr, vr);
     for (int jw = jw0; jw < j_end; jw += STEP) {
         const int j0 = jw + sub;
-        uint4 kn[KB], vn[KB];
+        Chunk kn[KB], vn[KB];
         load(jw + STEP + sub, kn, vn); // next step (all zeros past the end)
         float sc[KB][HB];
 #pragma unroll
         for (int u = 0; u < KB; u++) {
             float kf[8];
-            bf16x8_to_f32(kr[u], kf);
+            C::to_f32(kr[u], a.k_scale, kf);
 #pragma unroll
             for (int hh = 0; hh < HB; hh++) {
                 float d = 0.0f;
@@ -156,7 +147,7 @@ template <int NT, int L, int HB, int KB> __global__ void __launch_bounds__(NT) d
                 const float pu = exp2_approx(sc[u][hh] - mref);
                 l[hh] += pu;
                 float vf[8];
-                bf16x8_to_f32(vr[u], vf);
+                C::to_f32(vr[u], a.v_scale, vf);
 #pragma unroll
                 for (int i = 0; i < 8; i++) {
                     acc[hh][i] = fmaf(pu, vf[i], acc[hh][i]);
@@ -245,7 +236,7 @@ __global__ void __launch_bounds__(COMBINE_THREADS) combine_kernel(Args a)
     }
 }
 
-template <int L, int HB> static void decode_launch(const Args &a, cudaStream_t stream)
+template <class C, int L, int HB> static void decode_launch(const Args &a, cudaStream_t stream)
 {
     // 4 keys per step and lane group, 2 where the per-thread state is large (no spills). Measured
     // on H200 (32/8 heads x 128): 128 threads per block beat 256, 8 keys per step gained nothing
@@ -253,34 +244,35 @@ template <int L, int HB> static void decode_launch(const Args &a, cudaStream_t s
     constexpr int KB = HB >= 8 || HB * L >= 128 ? 2 : 4;
     const int n_chunk = (a.group + HB - 1) / HB;
     const dim3 grid((unsigned)a.b.n_tok, (unsigned)(a.n_kv_head * n_chunk), (unsigned)a.n_split);
-    krk::launch_maybe_pdl(krk::pdl_enabled(), decode_kernel<DEC_THREADS, L, HB, KB>, grid, DEC_THREADS, 0, stream, a);
+    krk::launch_maybe_pdl(krk::pdl_enabled(), decode_kernel<C, DEC_THREADS, L, HB, KB>, grid, DEC_THREADS, 0, stream,
+                          a);
 }
 
-template <int L> static void decode_launch_heads(const Args &a, cudaStream_t stream)
+template <class C, int L> static void decode_launch_heads(const Args &a, cudaStream_t stream)
 {
     if (a.group == 1) {
-        decode_launch<L, 1>(a, stream);
+        decode_launch<C, L, 1>(a, stream);
     } else if (a.group == 2) {
-        decode_launch<L, 2>(a, stream);
+        decode_launch<C, L, 2>(a, stream);
     } else if (a.group <= 4) {
-        decode_launch<L, 4>(a, stream);
+        decode_launch<C, L, 4>(a, stream);
     } else {
-        decode_launch<L, 8>(a, stream);
+        decode_launch<C, L, 8>(a, stream);
     }
 }
 
-enum kr_status launch_decode(const Args &a, cudaStream_t stream)
+template <class C> enum kr_status launch_decode(const Args &a, cudaStream_t stream)
 {
     // grid.y = n_kv_head * head chunks <= n_head <= 65535 (checked by krk_attn)
-    const int chunks = a.head_dim / 8; // 16-byte chunks of a row
+    const int chunks = a.head_dim / 8; // 8-value chunks of a row
     if (chunks <= 4) {
-        decode_launch_heads<4>(a, stream);
+        decode_launch_heads<C, 4>(a, stream);
     } else if (chunks <= 8) {
-        decode_launch_heads<8>(a, stream);
+        decode_launch_heads<C, 8>(a, stream);
     } else if (chunks <= 16) {
-        decode_launch_heads<16>(a, stream);
+        decode_launch_heads<C, 16>(a, stream);
     } else {
-        decode_launch_heads<32>(a, stream);
+        decode_launch_heads<C, 32>(a, stream);
     }
     KRK_CHECK_LAUNCH();
     if (a.n_split > 1) {
@@ -290,6 +282,9 @@ enum kr_status launch_decode(const Args &a, cudaStream_t stream)
     }
     return KR_OK;
 }
+
+template enum kr_status launch_decode<CacheBf16>(const Args &a, cudaStream_t stream);
+template enum kr_status launch_decode<CacheE4m3>(const Args &a, cudaStream_t stream);
 
 } // namespace attn
 } // namespace krk

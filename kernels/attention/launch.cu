@@ -1,5 +1,6 @@
-// GQA attention over the block-paged bf16 K/V cache: parameter checks, the cache write and the
-// choice between the split-K decode path (decode.cu) and the tiled prefill path (prefill.cu).
+// GQA attention over the block-paged K/V cache (bf16, or e4m3 codes with a scale per tensor):
+// parameter checks, the cache write and the choice between the split-K decode path (decode.cu) and
+// the tiled prefill path (prefill.cu).
 #include "attention/attention-impl.cuh"
 
 namespace krk {
@@ -7,9 +8,10 @@ namespace attn {
 
 constexpr int WRITE_THREADS = 128;
 
-// One block per token: rounds the token's new K and V rows [n_kv_head*head_dim] to bf16 and stores
-// them at its position in its sequence's cache blocks. Padding sequences write nothing.
-__global__ void __launch_bounds__(WRITE_THREADS) cache_write_kernel(Args a)
+// One block per token: stores the token's new K and V rows [n_kv_head*head_dim] at its position in
+// its sequence's cache blocks, rounded to bf16 or encoded as e4m3(x / s) (the CPU reference's
+// rounding). Padding sequences write nothing.
+template <class C> __global__ void __launch_bounds__(WRITE_THREADS) cache_write_kernel(Args a)
 {
     krk::kernel_prologue();
     const int t = blockIdx.x;
@@ -22,16 +24,29 @@ __global__ void __launch_bounds__(WRITE_THREADS) cache_write_kernel(Args a)
         cache_row(a.b.block_table + (int64_t)s * a.b.max_blocks, a.b.pos[t], a.block_size, row_len);
     const float *k = a.k + (int64_t)t * a.ld_qkv;
     const float *v = a.v + (int64_t)t * a.ld_qkv;
-    // 8 elements (16 bytes of bf16) per step; row_len is a multiple of 8 and dst 16-byte aligned.
+    typename C::T *kc = static_cast<typename C::T *>(a.k_cache) + dst;
+    typename C::T *vc = static_cast<typename C::T *>(a.v_cache) + dst;
+    // 8 elements (one chunk) per step; row_len is a multiple of 8 and dst chunk-aligned.
     for (int64_t e = (int64_t)threadIdx.x * 8; e < row_len; e += (int64_t)WRITE_THREADS * 8) {
-        uint32_t kw[4], vw[4];
+        if constexpr (C::kScaled) {
+            uint32_t kw[2] = {0, 0}, vw[2] = {0, 0};
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
-            kw[i] = (uint32_t)f32_to_bf16(k[e + 2 * i]) | ((uint32_t)f32_to_bf16(k[e + 2 * i + 1]) << 16);
-            vw[i] = (uint32_t)f32_to_bf16(v[e + 2 * i]) | ((uint32_t)f32_to_bf16(v[e + 2 * i + 1]) << 16);
+            for (int i = 0; i < 8; i++) {
+                kw[i / 4] |= (uint32_t)e4m3_from_f32(__fdiv_rn(k[e + i], a.k_scale)) << (8 * (i % 4));
+                vw[i / 4] |= (uint32_t)e4m3_from_f32(__fdiv_rn(v[e + i], a.v_scale)) << (8 * (i % 4));
+            }
+            *reinterpret_cast<uint2 *>(kc + e) = make_uint2(kw[0], kw[1]);
+            *reinterpret_cast<uint2 *>(vc + e) = make_uint2(vw[0], vw[1]);
+        } else {
+            uint32_t kw[4], vw[4];
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                kw[i] = (uint32_t)f32_to_bf16(k[e + 2 * i]) | ((uint32_t)f32_to_bf16(k[e + 2 * i + 1]) << 16);
+                vw[i] = (uint32_t)f32_to_bf16(v[e + 2 * i]) | ((uint32_t)f32_to_bf16(v[e + 2 * i + 1]) << 16);
+            }
+            *reinterpret_cast<uint4 *>(kc + e) = make_uint4(kw[0], kw[1], kw[2], kw[3]);
+            *reinterpret_cast<uint4 *>(vc + e) = make_uint4(vw[0], vw[1], vw[2], vw[3]);
         }
-        *reinterpret_cast<uint4 *>(a.k_cache + dst + e) = make_uint4(kw[0], kw[1], kw[2], kw[3]);
-        *reinterpret_cast<uint4 *>(a.v_cache + dst + e) = make_uint4(vw[0], vw[1], vw[2], vw[3]);
     }
 }
 
@@ -79,8 +94,12 @@ extern "C" enum kr_status krk_attn(const struct krk_attn_params *p, const struct
                     "attention: contexts up to %d positions, but block tables of %d blocks of %d hold %lld",
                     b.max_ctx, b.max_blocks, p->block_size, (long long)b.max_blocks * p->block_size);
     KRK_REQUIRE(p->scale > 0.0f && p->scale < INFINITY);
-    // 16-byte loads and stores of bf16 cache rows
+    // 16-byte loads and stores of bf16 cache rows (8-byte of e4m3 rows)
     KRK_REQUIRE((uintptr_t)p->k_cache % 16 == 0 && (uintptr_t)p->v_cache % 16 == 0);
+    KRK_REQUIRE_MSG(!p->kv_fp8 || (p->k_scale > 0.0f && p->k_scale < INFINITY && p->v_scale > 0.0f &&
+                                   p->v_scale < INFINITY),
+                    "attention: FP8 K/V cache scales must be positive and finite (%g, %g)", (double)p->k_scale,
+                    (double)p->v_scale);
 
     Args a;
     a.q = p->q;
@@ -92,8 +111,10 @@ extern "C" enum kr_status krk_attn(const struct krk_attn_params *p, const struct
     a.head_dim = (int)p->head_dim;
     a.group = (int)(p->n_head / p->n_kv_head);
     a.scale_log2 = p->scale * LOG2E;
-    a.k_cache = static_cast<krk_bf16 *>(p->k_cache);
-    a.v_cache = static_cast<krk_bf16 *>(p->v_cache);
+    a.k_cache = p->k_cache;
+    a.v_cache = p->v_cache;
+    a.k_scale = p->kv_fp8 ? p->k_scale : 1.0f;
+    a.v_scale = p->kv_fp8 ? p->v_scale : 1.0f;
     a.block_size = p->block_size;
     a.out = p->out;
     a.part_acc = nullptr;
@@ -113,7 +134,13 @@ extern "C" enum kr_status krk_attn(const struct krk_attn_params *p, const struct
         }
     }
 
-    krk::launch_maybe_pdl(krk::pdl_enabled(), cache_write_kernel, b.n_tok, WRITE_THREADS, 0, stream, a);
+    if (p->kv_fp8) {
+        krk::launch_maybe_pdl(krk::pdl_enabled(), cache_write_kernel<CacheE4m3>, b.n_tok, WRITE_THREADS, 0, stream,
+                              a);
+        KRK_CHECK_LAUNCH();
+        return decode ? launch_decode<CacheE4m3>(a, stream) : launch_prefill<CacheE4m3>(a, stream);
+    }
+    krk::launch_maybe_pdl(krk::pdl_enabled(), cache_write_kernel<CacheBf16>, b.n_tok, WRITE_THREADS, 0, stream, a);
     KRK_CHECK_LAUNCH();
-    return decode ? launch_decode(a, stream) : launch_prefill(a, stream);
+    return decode ? launch_decode<CacheBf16>(a, stream) : launch_prefill<CacheBf16>(a, stream);
 }

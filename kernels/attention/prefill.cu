@@ -1,4 +1,4 @@
-// Prefill path (and mixed batches): flash-attention tiles on bf16 tensor cores (mma.sync m16n8k16,
+// Prefill path (and mixed batches), bf16 or e4m3 caches: flash-attention tiles on bf16 tensor cores (mma.sync m16n8k16,
 // fp32 accumulation). A block takes BM = 128 queries of one sequence and one query head (8 warps of
 // 16 rows), streams BN-key tiles of its KV head from the paged cache into shared memory (cp.async,
 // two stages) and keeps the online softmax in fp32 registers. Queries are rounded to bf16 and the
@@ -20,7 +20,9 @@ template <int DP, int BN> constexpr int prefill_smem_bytes()
 }
 
 // DP: head_dim rounded up to a supported tile width (extra columns are zero); BN: keys per tile.
-template <int DP, int BN> __global__ void __launch_bounds__(PF_THREADS) prefill_kernel(Args a)
+// C: the cache type. e4m3 rows enter the tiles as their codes in bf16 (exact); the key scale is
+// folded into the score scale and the value scale into the output.
+template <class C, int DP, int BN> __global__ void __launch_bounds__(PF_THREADS) prefill_kernel(Args a)
 {
     krk::kernel_prologue();
     constexpr int BM = PF_BM, LD = DP + 8, CH = DP / 8; // CH: 16-byte chunks of a tile row
@@ -78,8 +80,9 @@ template <int DP, int BN> __global__ void __launch_bounds__(PF_THREADS) prefill_
 
     const int32_t *bt = a.b.block_table + (int64_t)s * a.b.max_blocks;
     const int64_t row_len = (int64_t)a.n_kv_head * hd;
-    const uint16_t *kc = a.k_cache + (int64_t)g * hd;
-    const uint16_t *vc = a.v_cache + (int64_t)g * hd;
+    const typename C::T *kc = static_cast<const typename C::T *>(a.k_cache) + (int64_t)g * hd;
+    const typename C::T *vc = static_cast<const typename C::T *>(a.v_cache) + (int64_t)g * hd;
+    const float scale_log2 = C::kScaled ? a.scale_log2 * a.k_scale : a.scale_log2;
 
     // K and V rows of key tile kt into stage st; keys past kv_end and columns past hd are zeros
     // (V must be finite where P is 0). TPK threads per key: each looks its row up in the block table
@@ -94,8 +97,18 @@ template <int DP, int BN> __global__ void __launch_bounds__(PF_THREADS) prefill_
         for (int ci = kpart; ci < CH; ci += TPK) {
             const int c = ci * 8;
             const bool in = j < kv_end && c < hd;
-            cp_async16(dk + c, in ? kc + off + c : a.k_cache, in ? 16 : 0);
-            cp_async16(dv + c, in ? vc + off + c : a.v_cache, in ? 16 : 0);
+            if constexpr (C::kScaled) { // plain loads, converted on the way to shared memory
+                uint4 kw = make_uint4(0, 0, 0, 0), vw = make_uint4(0, 0, 0, 0);
+                if (in) {
+                    kw = e4m3x8_to_bf16x8(__ldg(reinterpret_cast<const uint2 *>(kc + off + c)));
+                    vw = e4m3x8_to_bf16x8(__ldg(reinterpret_cast<const uint2 *>(vc + off + c)));
+                }
+                *reinterpret_cast<uint4 *>(dk + c) = kw;
+                *reinterpret_cast<uint4 *>(dv + c) = vw;
+            } else {
+                cp_async16(dk + c, in ? kc + off + c : kc, in ? 16 : 0);
+                cp_async16(dv + c, in ? vc + off + c : vc, in ? 16 : 0);
+            }
         }
     };
 
@@ -165,7 +178,7 @@ template <int DP, int BN> __global__ void __launch_bounds__(PF_THREADS) prefill_
                 for (int e = 0; e < 4; e++) {
                     const int j = kt * BN + n * 8 + (lane & 3) * 2 + (e & 1);
                     const int pq = e < 2 ? pos_lo : pos_hi;
-                    sc[n][e] = j <= pq ? sc[n][e] * a.scale_log2 : -INFINITY;
+                    sc[n][e] = j <= pq ? sc[n][e] * scale_log2 : -INFINITY;
                 }
             }
             flash_softmax_step(sc, m_r, l_r, o_acc);
@@ -198,7 +211,11 @@ template <int DP, int BN> __global__ void __launch_bounds__(PF_THREADS) prefill_
         l_r[r] += __shfl_xor_sync(0xffffffffu, l_r[r], 2);
     }
     // every real row saw key 0, so l > 0 there
-    const float inv[2] = {l_r[0] > 0.0f ? 1.0f / l_r[0] : 0.0f, l_r[1] > 0.0f ? 1.0f / l_r[1] : 0.0f};
+    float inv[2] = {l_r[0] > 0.0f ? 1.0f / l_r[0] : 0.0f, l_r[1] > 0.0f ? 1.0f / l_r[1] : 0.0f};
+    if constexpr (C::kScaled) {
+        inv[0] *= a.v_scale;
+        inv[1] *= a.v_scale;
+    }
 #pragma unroll
     for (int n = 0; n < DP / 8; n++) {
         const int c = n * 8 + (lane & 3) * 2;
@@ -216,33 +233,36 @@ template <int DP, int BN> __global__ void __launch_bounds__(PF_THREADS) prefill_
     }
 }
 
-template <int DP, int BN> static enum kr_status prefill_launch(const Args &a, cudaStream_t stream)
+template <class C, int DP, int BN> static enum kr_status prefill_launch(const Args &a, cudaStream_t stream)
 {
     constexpr int smem = prefill_smem_bytes<DP, BN>();
     KRK_CUDA_TRY(
-        cudaFuncSetAttribute(prefill_kernel<DP, BN>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+        cudaFuncSetAttribute(prefill_kernel<C, DP, BN>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     const dim3 grid((unsigned)((a.b.max_seq_tok + PF_BM - 1) / PF_BM), (unsigned)a.n_head,
                     (unsigned)a.b.n_seq);
-    krk::launch_maybe_pdl(krk::pdl_enabled(), prefill_kernel<DP, BN>, grid, PF_THREADS, smem, stream, a);
+    krk::launch_maybe_pdl(krk::pdl_enabled(), prefill_kernel<C, DP, BN>, grid, PF_THREADS, smem, stream, a);
     KRK_CHECK_LAUNCH();
     return KR_OK;
 }
 
-enum kr_status launch_prefill(const Args &a, cudaStream_t stream)
+template <class C> enum kr_status launch_prefill(const Args &a, cudaStream_t stream)
 {
     // key tiles: 64 keys up to head_dim 64, 32 above (measured on H200: 130 against 100 TFLOP/s
     // at head_dim 128, 112 against 96 at 64)
     if (a.head_dim <= 32) {
-        return prefill_launch<32, 64>(a, stream);
+        return prefill_launch<C, 32, 64>(a, stream);
     }
     if (a.head_dim <= 64) {
-        return prefill_launch<64, 64>(a, stream);
+        return prefill_launch<C, 64, 64>(a, stream);
     }
     if (a.head_dim <= 128) {
-        return prefill_launch<128, 32>(a, stream);
+        return prefill_launch<C, 128, 32>(a, stream);
     }
-    return prefill_launch<256, 32>(a, stream);
+    return prefill_launch<C, 256, 32>(a, stream);
 }
+
+template enum kr_status launch_prefill<CacheBf16>(const Args &a, cudaStream_t stream);
+template enum kr_status launch_prefill<CacheE4m3>(const Args &a, cudaStream_t stream);
 
 } // namespace attn
 } // namespace krk

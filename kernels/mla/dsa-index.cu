@@ -8,6 +8,7 @@
 //     (ties go to the lower position, as in the CPU reference): threads own contiguous runs of
 //     positions, placed by two block scans.
 // Tokens whose context fits in topk take every position without scoring.
+#include "common/fp8-cache.cuh"
 #include "common/mma.cuh"
 #include "mla/mla-common.cuh"
 
@@ -50,7 +51,12 @@ __global__ void __launch_bounds__(kScoreThreads)
         float v = 0.0f;
         if (s0 + j < n_keys) {
             const int64_t off = krk::mla::latent_row_off(b, seq, (int32_t)(s0 + j), p.block_size, p.row);
-            v = krk::bf16_to_f32(p.cache[off + p.key_off + d]);
+            if (p.fp8) { // packed key: code * its block's scale, the fp32 value the CPU reference keeps
+                const uint8_t *key = reinterpret_cast<const uint8_t *>(p.cache) + off + p.key_off;
+                v = krk::e4m3_to_f32(key[d]) * reinterpret_cast<const float *>(key + hd)[d / KRK_FP8_CACHE_BLOCK];
+            } else {
+                v = krk::bf16_to_f32(p.cache[off + p.key_off + d]);
+            }
         }
         keys[j * ldk + d] = v;
     }
@@ -86,7 +92,8 @@ __global__ void __launch_bounds__(kScoreThreads)
 // shared memory, each tile of keys is copied from the paged cache with 16-byte loads, and warp w
 // computes heads [16w, 16w + 16) x 64 keys with mma.sync m16n8k16 (bf16 in, fp32 accumulate). Then
 // relu, times w[h], summed over the warp's heads by shuffles and over the warps in order. Needs
-// Hi a multiple of 16 up to 64, Di a multiple of 16 up to 256, and 16-byte aligned key rows.
+// Hi a multiple of 16 up to 64, Di a multiple of 16 up to 256, and 16-byte aligned bf16 key rows
+// (packed FP8 keys go to dsa_score_kernel).
 constexpr int kMmaWarps = 4;
 constexpr int kMmaKeys = 64;  // keys per tile
 constexpr int kMmaTiles = 8;  // most tiles per block (512 keys): amortizes the query load
@@ -218,7 +225,7 @@ size_t mma_smem_bytes(int64_t n_head, int64_t head_dim)
 
 bool mma_fits(const krk_dsa_index_params *p)
 {
-    return p->n_head % 16 == 0 && p->n_head <= 64 && p->head_dim % 16 == 0 && p->head_dim <= 256 &&
+    return !p->fp8 && p->n_head % 16 == 0 && p->n_head <= 64 && p->head_dim % 16 == 0 && p->head_dim <= 256 &&
            p->key_off % 8 == 0 && p->row % 8 == 0 && ((uintptr_t)p->cache & 15) == 0 &&
            mma_smem_bytes(p->n_head, p->head_dim) <= 48 * 1024;
 }
@@ -444,6 +451,12 @@ extern "C" enum kr_status krk_dsa_index(const struct krk_dsa_index_params *p, co
         KRK_REQUIRE_MSG(p->head_dim <= kMaxHeadDim, "dsa index: index head_dim %lld, at most %lld",
                         (long long)p->head_dim, (long long)kMaxHeadDim);
         KRK_REQUIRE(p->key_off >= 0 && p->row >= p->key_off + p->head_dim && p->block_size > 0);
+        KRK_REQUIRE_MSG(!p->fp8 || (p->key_off % 4 == 0 && p->row % 4 == 0 && p->head_dim % 4 == 0 &&
+                                    p->row >= p->key_off + krk_fp8_key_bytes(p->head_dim) &&
+                                    (p->head_dim <= KRK_FP8_CACHE_BLOCK || p->head_dim % KRK_FP8_CACHE_BLOCK == 0) &&
+                                    ((uintptr_t)p->cache & 3) == 0),
+                        "dsa index: FP8 keys need 4-byte aligned rows (row %lld, key_off %lld) holding head_dim %lld "
+                        "codes and their scales", (long long)p->row, (long long)p->key_off, (long long)p->head_dim);
         KRK_REQUIRE(ctx->workspace && (uintptr_t)ctx->workspace % alignof(float) == 0);
         group = (int64_t)(ctx->workspace_bytes / ((size_t)ld * sizeof(float)));
         KRK_REQUIRE_MSG(group >= 1, "dsa index: a workspace of %zu bytes holds no score row of a %d-position context "

@@ -1,10 +1,12 @@
-// Absorbed-form MLA attention (krk_mla_attention): one block per (token, head).
+// Absorbed-form MLA attention (krk_mla_attention): one block per (token, head), over bf16 or packed
+// FP8 latent rows.
 //   q_abs = W_UK[h]^T q_nope                       (kv_lora, in shared memory)
 //   score(s) = scale (q_abs . c_kv[s] + q_pe . k_pe[s])   over the selected positions (idx) or all
 //                                                  positions <= pos (idx NULL)
 //   o_lat = softmax-weighted sum of c_kv[s]       (online softmax over tiles of keys, so dense
 //                                                  contexts of any length need no score storage)
 //   out = W_UV[h] o_lat
+#include "common/fp8-cache.cuh"
 #include "mla/mla-common.cuh"
 
 namespace {
@@ -18,7 +20,9 @@ size_t attn_smem_bytes(int64_t nope, int64_t rope, int64_t kv_lora)
     return kTile * sizeof(int64_t) + (size_t)(2 * kTile + nope + rope + 2 * kv_lora) * sizeof(float);
 }
 
-__global__ void __launch_bounds__(kThreads) mla_attn_kernel(krk::mla::AttnArgs p)
+// FP8: the latent rows are packed (krk_fp8_latent_bytes): c_kv[r] = code * its block's scale and k_pe
+// bf16, read as the fp32 values the CPU reference keeps.
+template <bool FP8> __global__ void __launch_bounds__(kThreads) mla_attn_kernel(krk::mla::AttnArgs p)
 {
     krk::kernel_prologue();
     extern __shared__ __align__(16) unsigned char smem[];
@@ -77,13 +81,25 @@ __global__ void __launch_bounds__(kThreads) mla_attn_kernel(krk::mla::AttnArgs p
             const int64_t off = rowoff[jj];
             float acc = -INFINITY;
             if (off >= 0) {
-                const krk_bf16 *row = p.cache + off;
                 float d = 0.0f;
-                for (int64_t r = lane; r < R; r += 32) {
-                    d = fmaf(q_abs[r], krk::bf16_to_f32(row[r]), d);
-                }
-                for (int64_t i = lane; i < p.rope; i += 32) {
-                    d = fmaf(qv[p.nope + i], krk::bf16_to_f32(row[R + i]), d);
+                if constexpr (FP8) {
+                    const uint8_t *row = p.cache8 + off;
+                    const float *rs = reinterpret_cast<const float *>(row + R);
+                    const krk_bf16 *pe = reinterpret_cast<const krk_bf16 *>(row + R + 4 * krk_fp8_cache_blocks(R));
+                    for (int64_t r = lane; r < R; r += 32) {
+                        d = fmaf(q_abs[r], krk::e4m3_to_f32(row[r]) * rs[r / KRK_FP8_CACHE_BLOCK], d);
+                    }
+                    for (int64_t i = lane; i < p.rope; i += 32) {
+                        d = fmaf(qv[p.nope + i], krk::bf16_to_f32(pe[i]), d);
+                    }
+                } else {
+                    const krk_bf16 *row = p.cache + off;
+                    for (int64_t r = lane; r < R; r += 32) {
+                        d = fmaf(q_abs[r], krk::bf16_to_f32(row[r]), d);
+                    }
+                    for (int64_t i = lane; i < p.rope; i += 32) {
+                        d = fmaf(qv[p.nope + i], krk::bf16_to_f32(row[R + i]), d);
+                    }
                 }
                 acc = krk::warp_sum(d) * p.scale;
             }
@@ -113,7 +129,15 @@ __global__ void __launch_bounds__(kThreads) mla_attn_kernel(krk::mla::AttnArgs p
                 float acc = o_lat[r] * alpha;
                 for (int jj = 0; jj < kTile; jj++) {
                     if (rowoff[jj] >= 0) {
-                        acc = fmaf(pr[jj], krk::bf16_to_f32(p.cache[rowoff[jj] + r]), acc);
+                        float v;
+                        if constexpr (FP8) {
+                            const uint8_t *row = p.cache8 + rowoff[jj];
+                            v = krk::e4m3_to_f32(row[r]) *
+                                reinterpret_cast<const float *>(row + R)[r / KRK_FP8_CACHE_BLOCK];
+                        } else {
+                            v = krk::bf16_to_f32(p.cache[rowoff[jj] + r]);
+                        }
+                        acc = fmaf(pr[jj], v, acc);
                     }
                 }
                 o_lat[r] = acc;
@@ -167,6 +191,11 @@ extern "C" enum kr_status krk_mla_attention(const struct krk_mla_attn_params *p,
                     "mla attention: contexts up to %d positions, but block tables of %d blocks of %d hold %lld",
                     b.max_ctx, b.max_blocks, p->block_size, (long long)b.max_blocks * p->block_size);
     KRK_REQUIRE(p->idx == nullptr || p->topk > 0);
+    KRK_REQUIRE_MSG(!p->fp8 || (p->kv_lora % 4 == 0 && p->rope % 2 == 0 && p->row % 4 == 0 &&
+                                p->row >= krk_fp8_latent_bytes(p->kv_lora, p->rope) && ((uintptr_t)p->cache & 3) == 0),
+                    "mla attention: FP8 rows need kv_lora a multiple of 4, an even rope and 4-byte aligned rows of at "
+                    "least %lld bytes (row %lld)", (long long)krk_fp8_latent_bytes(p->kv_lora, p->rope),
+                    (long long)p->row);
     const krk::mla::AttnArgs args = krk::mla::attn_args(*p, *ctx);
     if (ctx->mla_attn == KRK_MLA_ATTN_HEADS && krk::mla::heads_fits(args)) {
         return krk::mla::heads_attention(args, stream, ctx->idx_ready);
@@ -181,7 +210,13 @@ extern "C" enum kr_status krk_mla_attention(const struct krk_mla_attn_params *p,
     if (ctx->idx_ready) { // this kernel absorbs each head's query itself: nothing to overlap
         KRK_CUDA_TRY(cudaStreamWaitEvent(stream, ctx->idx_ready, 0));
     }
-    krk::launch_maybe_pdl(krk::pdl_enabled(), mla_attn_kernel, (unsigned)blocks, kThreads, smem, stream, args);
+    if (p->fp8) {
+        krk::launch_maybe_pdl(krk::pdl_enabled(), mla_attn_kernel<true>, (unsigned)blocks, kThreads, smem, stream,
+                              args);
+    } else {
+        krk::launch_maybe_pdl(krk::pdl_enabled(), mla_attn_kernel<false>, (unsigned)blocks, kThreads, smem, stream,
+                              args);
+    }
     KRK_CHECK_LAUNCH();
     return KR_OK;
 }

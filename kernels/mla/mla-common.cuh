@@ -32,6 +32,7 @@ inline bool paged_ctx_ok(const krk_batch &b, int32_t block_size)
 // pointer), and the batch and workspace of the launch's krk_ctx.
 struct AttnArgs : krk_mla_attn_params {
     const krk_bf16 *cache;
+    const uint8_t *cache8; // the same, as bytes (fp8: packed rows of `row` bytes)
     krk_batch batch;
     void *workspace;
     size_t workspace_bytes;
@@ -41,6 +42,7 @@ inline AttnArgs attn_args(const krk_mla_attn_params &p, const krk_ctx &ctx)
     AttnArgs a;
     static_cast<krk_mla_attn_params &>(a) = p;
     a.cache = static_cast<const krk_bf16 *>(p.cache);
+    a.cache8 = static_cast<const uint8_t *>(p.cache);
     a.batch = ctx.batch;
     a.workspace = ctx.workspace;
     a.workspace_bytes = ctx.workspace_bytes;

@@ -6,7 +6,8 @@
  * workspace, tuning variants) travels beside it in struct krk_ctx (krk/common.h).
  *
  * Pointers are backend memory (device memory on CUDA, host memory on the CPU). Activations are
- * fp32; caches are the backend's cache element type (bf16 on CUDA, fp32 on the CPU), hence void. */
+ * fp32; caches are the backend's cache element type (bf16 on CUDA, fp32 on the CPU; with
+ * --kv-cache-dtype fp8 on CUDA, e4m3 bytes and scales), hence void. */
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -164,6 +165,8 @@ struct krk_experts_params {
     const float *weights;   /* [n, n_used] */
     enum kr_act act;
     float *out;             /* [n, d_out] overwritten */
+    bool plain;             /* CUDA, FP8 experts: the per-element kernels even where the grouped
+                               tensor-core products take the shape (tests) */
 };
 
 /* GQA attention for one layer over the block-paged K/V cache: the batch's new K/V rows are written
@@ -182,10 +185,44 @@ struct krk_attn_params {
     int32_t block_size;
     float *out;             /* [n_tok, n_head * head_dim] */
     bool kv_fp8;            /* --kv-cache-dtype fp8: cached keys and values are e4m3 with one scale per
-                               tensor, x -> e4m3(x / s) * s (k_scale, v_scale); the CPU reference rounds
-                               them so on write (CUDA: not yet) */
+                               tensor, x -> e4m3(x / s) * s (k_scale, v_scale). The CPU reference keeps
+                               the rounded values in its fp32 rows; CUDA stores the e4m3 codes, a byte
+                               per value, and reads them back as code * s */
     float k_scale, v_scale;
 };
+
+/* --kv-cache-dtype fp8 on a backend that stores the bytes (CUDA): a latent cache row is DeepSeek's
+ * fp8_ds_mla row, then (D layers) the index key, all byte offsets from the row's start:
+ *   [0, kv_lora)                    c_kv as e4m3 codes, in blocks of KRK_FP8_CACHE_BLOCK (the last may
+ *                                   be shorter), each block's codes and scale those of kr_fp8_act_quant
+ *   [kv_lora, + 4 * blocks)         the blocks' fp32 scales
+ *   [.., + 2 * rope)                k_pe as bf16
+ *   [key_off, + idx_dim)            the index key as e4m3 codes (the FP8 indexer's rounding: the key
+ *                                   the indexer made, code * scale, bit for bit)
+ *   [.., + 4 * key blocks)          its fp32 scales, one per block of min(idx_dim, 128)
+ * (656 + 132 bytes a token for DeepSeek-V3.2: kv_lora 512, rope 64, idx_dim 128.) A value is read
+ * back as fp32 code * scale, which is what the CPU reference keeps. kv_lora and idx_dim must be
+ * multiples of 4 and rope even (4-byte aligned scales). */
+#define KRK_FP8_CACHE_BLOCK 128
+#ifdef __CUDACC__
+#define KRK_HOST_DEVICE __host__ __device__
+#else
+#define KRK_HOST_DEVICE
+#endif
+KRK_HOST_DEVICE static inline int64_t krk_fp8_cache_blocks(int64_t n)
+{
+    return (n + KRK_FP8_CACHE_BLOCK - 1) / KRK_FP8_CACHE_BLOCK;
+}
+/* Bytes of [c_kv | scales | k_pe]: the offset of the index key. */
+KRK_HOST_DEVICE static inline int64_t krk_fp8_latent_bytes(int64_t kv_lora, int64_t rope)
+{
+    return kv_lora + 4 * krk_fp8_cache_blocks(kv_lora) + 2 * rope;
+}
+/* Bytes of an index key of idx_dim values (0: none). */
+KRK_HOST_DEVICE static inline int64_t krk_fp8_key_bytes(int64_t idx_dim)
+{
+    return idx_dim + 4 * krk_fp8_cache_blocks(idx_dim);
+}
 
 /* MLA/DSA latent cache write: for every token of the batch, its row of this layer's latent cache
  * (block-paged like K/V) becomes [c_kv (kv_lora) | k_pe (rope) | index key (idx_dim, D only)]. */
@@ -200,7 +237,9 @@ struct krk_mla_cache_params {
     int32_t block_size;
     bool fp8;               /* --kv-cache-dtype fp8 (DeepSeek's fp8_ds_mla): c_kv as e4m3 in blocks of 128
                                with an fp32 scale each (kr_fp8_act_quant), k_pe as bf16; the index key as
-                               the FP8 indexer path made it. The CPU reference rounds them so on write. */
+                               the FP8 indexer path made it. The CPU reference rounds them so on write
+                               (fp32 rows of `row` values); CUDA writes the bytes (rows of
+                               krk_fp8_latent_bytes + krk_fp8_key_bytes, layout above) */
 };
 
 /* Lightning indexer selection (DeepSeek sparse attention): for every token t of the batch at
@@ -217,6 +256,8 @@ struct krk_dsa_index_params {
     int32_t block_size;
     int32_t topk;
     int32_t *idx;           /* [n_tok, topk] out */
+    bool fp8;               /* packed FP8 rows (CUDA, --kv-cache-dtype fp8): row and key_off in bytes, the key
+                               head_dim e4m3 codes then their fp32 scales (krk_fp8_key_bytes) */
 };
 
 /* Absorbed-form MLA attention over the latent cache: per token t at position p and head h,
@@ -239,6 +280,8 @@ struct krk_mla_attn_params {
     float scale;
     float *out;             /* [n_tok, n_head * v_dim] */
     const struct krk_dsa_index_params *select; /* or NULL: idx is already filled (or NULL) */
+    bool fp8;               /* packed FP8 rows (CUDA, --kv-cache-dtype fp8): row in bytes, the latent as
+                               krk_fp8_latent_bytes lays it out */
 };
 
 /* FP8 round trip of activation rows (the DSA indexer's FP8 path, MODEL_SPEC §1.5): each of the n rows
