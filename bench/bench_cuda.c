@@ -306,6 +306,27 @@ static double weight_bytes(const struct kr_model *m)
     return weight_bytes_params(m, NULL);
 }
 
+/* The weight bytes of a decode step of B sequences: weight_bytes() counts n_expert_used routed
+ * experts per MoE layer; B tokens touch more, E (1 - (1 - k/E)^B) distinct ones on average when the
+ * router picks uniformly and independently (random weights route close to that). */
+static double weight_bytes_batch(const struct kr_model *m, int32_t B)
+{
+    const struct kr_model_config *c = &m->cfg;
+    double b = weight_bytes(m);
+    for (int32_t i = 0; i < c->n_layer; i++) {
+        const struct kr_layer *L = &m->layers[i];
+        if (L->type != KR_LAYER_MOE || c->n_expert < 1) {
+            continue;
+        }
+        const double E = (double)c->n_expert, k = (double)c->n_expert_used;
+        const double touched = E * (1.0 - pow(1.0 - k / E, (double)B));
+        const double per = (double)((L->moe.gate ? 3 : 2) * c->moe_ffn * c->dim);
+        const double elt = L->moe.up[0].dtype == KR_DTYPE_F8_E4M3 ? 1.0 + 4.0 / (128.0 * 128.0) : 2.0;
+        b += (touched > k ? touched - k : 0.0) * per * elt;
+    }
+    return b;
+}
+
 /* Per-sequence bytes of a decode step at context ctx: states read + written, K/V or latent rows
  * read (the new row written). */
 static double seq_bytes(const struct kr_model *m, int64_t ctx)
@@ -338,7 +359,9 @@ static double prefill_flops(const struct kr_model *m, double L, double *gemm_par
     double f = gemm;
     f += (double)m->n_attn * 4.0 * (double)(c->n_head * c->head_dim) * L * L / 2.0;
     const double Q = (double)c->m_chunk, H = (double)c->m_heads, P = (double)c->m_head_dim, N = (double)c->m_state;
-    f += (double)m->n_mamba * 2.0 * L * H * (Q * N / (H / (double)c->m_groups) + Q * P / 2.0 + 2.0 * N * P);
+    if (m->n_mamba > 0 && c->m_groups > 0) { /* (MLA/DSA attention is not counted: its products only) */
+        f += (double)m->n_mamba * 2.0 * L * H * (Q * N / (H / (double)c->m_groups) + Q * P / 2.0 + 2.0 * N * P);
+    }
     *gemm_part = gemm;
     return f;
 }
@@ -512,7 +535,7 @@ static double bench_decode(struct ctx *x, int32_t B, int32_t ctx, int32_t steps,
     kr_free(bt);
     kr_free(out);
     if (!quiet) {
-        const double bytes = weight_bytes(x->m) + (double)B * seq_bytes(x->m, ctx + steps / 2);
+        const double bytes = weight_bytes_batch(x->m, B) + (double)B * seq_bytes(x->m, ctx + steps / 2);
         const double ceil_ms = bytes / (x->bw * 1e9) * 1e3;
         printf("| decode | batch %d, context %d | %.3f ms/step | %.0f tok/s | %.2f GB/step | %.3f ms | %.0f%% |\n", B,
                ctx, ms, B / ms * 1e3, bytes / 1e9, ceil_ms, 100.0 * ceil_ms / ms);
@@ -576,6 +599,139 @@ static double bench_prefill(struct ctx *x, int32_t L, int reps, bool quiet)
     return t;
 }
 
+/* --logprobs FILE [--logprobs-ref REF]: a prefill of L random tokens (fixed seed) with logits at every
+ * position; FILE gets, per position, the log-probability of the next prompt token and the 20 most
+ * likely ids with theirs. With REF (such a file from another run: bf16 against FP8) the deviation of
+ * this run from it is printed: |delta| of the next-token log-probabilities and of REF's top 20, and
+ * how often the most likely id agrees. */
+#define LP_TOP 20
+struct lp_row {
+    float next;
+    int32_t id[LP_TOP];
+    float lp[LP_TOP];
+};
+
+static void logprob_run(struct ctx *x, int32_t L, const char *out_path, const char *ref_path)
+{
+    const int64_t V = x->m->cfg.vocab;
+    int32_t *tok = kr_malloc((size_t)L * 4), *pos = kr_malloc((size_t)L * 4), *outs = kr_malloc((size_t)L * 4);
+    float *lg = kr_malloc((size_t)L * (size_t)V * 4);
+    struct lp_row *rows = kr_calloc((size_t)L, sizeof *rows), *ref = NULL;
+    if (!tok || !pos || !outs || !lg || !rows) {
+        fprintf(stderr, "bench_cuda: --logprobs: out of memory\n");
+        exit(1);
+    }
+    uint32_t s = 13;
+    for (int32_t t = 0; t < L; t++) {
+        s = s * 1664525u + 1013904223u;
+        tok[t] = (int32_t)((s >> 8) % (uint32_t)V);
+        pos[t] = t;
+        outs[t] = t;
+    }
+    struct kr_seq_cache sc;
+    if (kr_seq_cache_init(x->c, &sc) != KR_OK || kr_seq_cache_reserve(x->c, &sc, L) != KR_OK) {
+        fprintf(stderr, "bench_cuda: cache too small for a prefill of %d\n", L);
+        exit(1);
+    }
+    int32_t tok0[2] = {0, L}, pos0 = 0;
+    struct kr_batch b = {.n_tok = L, .n_seq = 1, .tokens = tok, .pos = pos, .seq_tok0 = tok0, .seq_pos0 = &pos0,
+                         .seq_slot = &sc.slot, .block_table = sc.blocks, .max_blocks = sc.n_blocks, .n_out = L,
+                         .out_tok = outs};
+    struct kr_err err = {0};
+    if (kr_model_forward(x->m, x->c, &b, lg, &err) != KR_OK) {
+        fprintf(stderr, "bench_cuda: --logprobs forward: %s\n", err.msg);
+        exit(1);
+    }
+    kr_seq_cache_release(x->c, &sc);
+    for (int32_t t = 0; t < L; t++) { /* log-softmax in double, the top 20 by selection */
+        float *r = lg + (size_t)t * (size_t)V;
+        double mx = -INFINITY, sum = 0;
+        for (int64_t v = 0; v < V; v++) {
+            mx = r[v] > mx ? r[v] : mx;
+        }
+        for (int64_t v = 0; v < V; v++) {
+            sum += exp((double)r[v] - mx);
+        }
+        const double lse = mx + log(sum);
+        for (int64_t v = 0; v < V; v++) {
+            r[v] = (float)((double)r[v] - lse);
+        }
+        struct lp_row *o = &rows[t];
+        o->next = t + 1 < L ? r[tok[t + 1]] : 0.0f;
+        for (int k = 0; k < LP_TOP; k++) {
+            o->id[k] = -1;
+            o->lp[k] = -INFINITY;
+        }
+        for (int64_t v = 0; v < V; v++) {
+            if (r[v] <= o->lp[LP_TOP - 1]) {
+                continue;
+            }
+            int k = LP_TOP - 1;
+            while (k > 0 && o->lp[k - 1] < r[v]) {
+                o->lp[k] = o->lp[k - 1];
+                o->id[k] = o->id[k - 1];
+                k--;
+            }
+            o->lp[k] = r[v];
+            o->id[k] = (int32_t)v;
+        }
+    }
+    if (ref_path) {
+        FILE *f = fopen(ref_path, "rb");
+        int32_t hdr[2] = {0, 0};
+        ref = kr_calloc((size_t)L, sizeof *ref);
+        if (!f || !ref || fread(hdr, 4, 2, f) != 2 || hdr[0] != L || hdr[1] != (int32_t)V ||
+            fread(ref, sizeof *ref, (size_t)L, f) != (size_t)L) {
+            fprintf(stderr, "bench_cuda: --logprobs-ref %s: not a dump of %d positions over vocab %lld\n", ref_path,
+                    L, (long long)V);
+            exit(1);
+        }
+        fclose(f);
+        double sn = 0, mn = 0, st = 0, mt = 0;
+        int64_t agree = 0, nt = 0;
+        for (int32_t t = 0; t < L; t++) {
+            const float *r = lg + (size_t)t * (size_t)V;
+            if (t + 1 < L) {
+                const double d = fabs((double)rows[t].next - ref[t].next);
+                sn += d;
+                mn = d > mn ? d : mn;
+            }
+            for (int k = 0; k < LP_TOP; k++) {
+                const double d = fabs((double)r[ref[t].id[k]] - ref[t].lp[k]);
+                st += d;
+                mt = d > mt ? d : mt;
+                nt++;
+            }
+            agree += rows[t].id[0] == ref[t].id[0];
+        }
+        printf("logprobs against %s (%d positions): next token mean |d| %.4f max %.4f; the reference's top %d "
+               "mean |d| %.4f max %.4f; most likely id agrees at %.1f%% of positions\n",
+               ref_path, L, sn / (L - 1), mn, LP_TOP, st / (double)nt, mt, 100.0 * (double)agree / L);
+        if (x->json) {
+            fprintf(x->json,
+                    "{\"kind\":\"logprob_dev\",\"positions\":%d,\"next_mean\":%.5f,\"next_max\":%.5f,"
+                    "\"top_mean\":%.5f,\"top_max\":%.5f,\"top1_agree\":%.4f}\n",
+                    L, sn / (L - 1), mn, st / (double)nt, mt, (double)agree / L);
+        }
+        kr_free(ref);
+    }
+    if (out_path) {
+        FILE *f = fopen(out_path, "wb");
+        const int32_t hdr[2] = {L, (int32_t)V};
+        if (!f || fwrite(hdr, 4, 2, f) != 2 || fwrite(rows, sizeof *rows, (size_t)L, f) != (size_t)L || fclose(f)) {
+            fprintf(stderr, "bench_cuda: cannot write %s\n", out_path);
+            exit(1);
+        }
+        printf("logprobs of %d positions written to %s\n", L, out_path);
+    }
+    fflush(stdout);
+    kr_free(tok);
+    kr_free(pos);
+    kr_free(outs);
+    kr_free(lg);
+    kr_free(rows);
+}
+
 static void profile_report(struct ctx *x, const char *what, int steps)
 {
     const char *names[32];
@@ -615,14 +771,18 @@ static int parse_list(const char *s, int32_t *v, int cap)
 int main(int argc, char **argv)
 {
     int32_t batches[16] = {1, 16, 64, 256}, prefills[8] = {2048, 8192}, ctxs[8] = {256};
-    int nb = 4, np = 2, nc = 1, steps = 32, ctx = 256, profile = 0, fill = 0, fp8 = 0;
-    const char *json = NULL;
+    int32_t case_b[16], case_ctx[16];
+    int nb = 4, np = 2, nc = 1, ncase = 0, steps = 32, ctx = 256, profile = 0, fill = 0, fp8 = 0;
+    const char *json = NULL, *lp_out = NULL, *lp_ref = NULL;
+    int32_t lp_len = 512;
     static const struct option lo[] = {
         {"batches", required_argument, NULL, 'b'}, {"prefill", required_argument, NULL, 'p'},
         {"steps", required_argument, NULL, 's'},   {"ctx", required_argument, NULL, 'c'},
         {"json", required_argument, NULL, 'j'},    {"profile", no_argument, NULL, 'P'},
         {"ctxs", required_argument, NULL, 'C'},    {"fill", no_argument, NULL, 'F'},
-        {"quantization", required_argument, NULL, 'Q'},
+        {"quantization", required_argument, NULL, 'Q'}, {"cases", required_argument, NULL, 'K'},
+        {"logprobs", required_argument, NULL, 'L'}, {"logprobs-ref", required_argument, NULL, 'R'},
+        {"logprobs-len", required_argument, NULL, 'N'},
         {"help", no_argument, NULL, 'h'},          {NULL, 0, NULL, 0},
     };
     int ch;
@@ -648,6 +808,26 @@ int main(int argc, char **argv)
         case 'F':
             fill = 1;
             break;
+        case 'K': { /* B@CTX,B@CTX,... */
+            const char *q = optarg;
+            ncase = 0;
+            while (*q && ncase < 16) {
+                char *e;
+                case_b[ncase] = (int32_t)strtol(q, &e, 10);
+                if (*e != '@') {
+                    fprintf(stderr, "bench_cuda: --cases: \"%s\" (expected B@CTX,...)\n", optarg);
+                    return 2;
+                }
+                case_ctx[ncase] = (int32_t)strtol(e + 1, &e, 10);
+                if (case_b[ncase] < 1 || case_ctx[ncase] < 1 || (*e && *e != ',')) {
+                    fprintf(stderr, "bench_cuda: --cases: \"%s\" (expected B@CTX,...)\n", optarg);
+                    return 2;
+                }
+                ncase++;
+                q = *e ? e + 1 : e;
+            }
+            break;
+        }
         case 'Q':
             if (strcmp(optarg, "fp8") && strcmp(optarg, "none")) {
                 fprintf(stderr, "bench_cuda: --quantization: \"%s\" (expected fp8 or none)\n", optarg);
@@ -658,18 +838,40 @@ int main(int argc, char **argv)
         case 'j':
             json = optarg;
             break;
+        case 'L':
+            lp_out = optarg;
+            break;
+        case 'R':
+            lp_ref = optarg;
+            break;
+        case 'N':
+            lp_len = atoi(optarg);
+            break;
         case 'P':
             profile = 1;
             break;
         default:
             fprintf(stderr, "usage: bench_cuda [--batches 1,16,64,256] [--prefill 2048,8192] [--steps N]\n"
                             "                  [--ctx N | --ctxs 2048,16384,...] [--fill] [--profile] [--json FILE]\n"
-                            "                  [--quantization fp8|none] MODEL_DIR\n"
+                            "                  [--quantization fp8|none] [--cases B@CTX,...] MODEL_DIR\n"
                             "  --quantization fp8  matrices quantized to FP8 blocks at load (krait serve's flag); the\n"
                             "                      prefill ceiling is then the block-scaled FP8 GEMM rate\n"
-                            "  --fill  decode over caches holding random data instead of a real prefill (long contexts)\n");
+                            "  --fill  decode over caches holding random data instead of a real prefill (long contexts)\n"
+                            "  --cases B@CTX,...  decode these (batch, context) pairs instead of every batch at every\n"
+                            "                     context; the caches hold the largest pair\n"
+                            "  --logprobs FILE  [--logprobs-ref REF] [--logprobs-len 512]: log-probabilities of a\n"
+                            "                   random prompt at every position into FILE; with REF, the deviation\n"
+                            "                   from that run (bf16 against FP8)\n");
             return 2;
         }
+    }
+    if (ncase > 0) { /* the pairs replace the batch and context lists */
+        nb = nc = ncase;
+        for (int i = 0; i < ncase; i++) {
+            batches[i] = case_b[i];
+            ctxs[i] = case_ctx[i];
+        }
+        ctx = 1;
     }
     for (int i = 0; i < nc; i++) {
         ctx = ctxs[i] > ctx ? ctxs[i] : ctx; /* the largest context sizes the caches */
@@ -728,7 +930,15 @@ int main(int argc, char **argv)
         max_p = prefills[i] > max_p ? prefills[i] : max_p;
     }
     const int32_t bs = 64;
-    const int64_t blocks = (int64_t)max_b * ((ctx + steps + 16) / bs + 2) + max_p / bs + 4;
+    int64_t blocks = (int64_t)max_b * ((ctx + steps + 16) / bs + 2) + max_p / bs + 4;
+    if (ncase > 0) { /* the largest pair, not the largest batch at the largest context */
+        blocks = 0;
+        for (int i = 0; i < ncase; i++) {
+            const int64_t need = (int64_t)case_b[i] * ((case_ctx[i] + steps + 16) / bs + 2);
+            blocks = need > blocks ? need : blocks;
+        }
+        blocks += max_p / bs + 4;
+    }
     if (kr_cache_create(x.m, max_b + 1, (int32_t)blocks, bs, &x.c) != KR_OK) {
         fprintf(stderr, "bench_cuda: cannot allocate caches for batch %d\n", max_b);
         return 1;
@@ -765,13 +975,22 @@ int main(int argc, char **argv)
         printf("caches filled with random data (decode contexts are not prefilled)\n");
     }
     printf("\n");
+    if (lp_out || lp_ref) {
+        if (lp_len < 2) {
+            fprintf(stderr, "bench_cuda: --logprobs-len: at least 2\n");
+            return 2;
+        }
+        logprob_run(&x, lp_len, lp_out, lp_ref);
+    }
     printf("| phase | shape | time | throughput | work | ceiling | of ceiling |\n|---|---|---|---|---|---|---|\n");
     for (int i = 0; i < np; i++) {
         bench_prefill(&x, prefills[i], 3, false);
     }
     for (int k = 0; k < nc; k++) {
         for (int i = 0; i < nb; i++) {
-            bench_decode(&x, batches[i], ctxs[k], steps, false, false);
+            if (ncase == 0 || i == k) {
+                bench_decode(&x, batches[i], ctxs[k], steps, false, false);
+            }
         }
     }
     if (profile) {
