@@ -105,7 +105,9 @@ struct cuda_ctx {
     size_t ptr_cap, ptr_used;
     struct ptr_entry {
         const struct kr_tensor *host; /* the model's array of expert tensors */
-        const void *first;             /* its first tensor's data (a new model may reuse the array's address) */
+        const void **ptrs;             /* the n pointers the table holds (host copy): a new model (or test)
+                                          may reuse the array's address and some of the tensors' */
+        int64_t n;
         bool scale;                    /* the table holds the tensors' FP8 block scales */
         size_t off;                    /* its pointers at ptr_table[off..off+n) */
     } *ptr_idx;
@@ -297,6 +299,9 @@ static void cuda_free(kr_backend_t be)
         }
         if (c->stream) {
             cudaStreamDestroy(c->stream);
+        }
+        for (size_t i = 0; i < c->n_ptr_idx; i++) {
+            kr_free(c->ptr_idx[i].ptrs);
         }
         kr_free(c->ptr_idx);
         kr_free(c);
@@ -741,7 +746,7 @@ static enum kr_status cuda_reserve(kr_backend_t be, const struct kr_model_config
         NEED(krk_attn_workspace_bytes(n_tok, m->n_head, m->head_dim));
     }
     if (m->n_expert) {
-        NEED(krk_moe_experts_workspace_bytes(n_tok, m->n_expert_used, m->moe_ffn));
+        NEED(krk_moe_experts_workspace_bytes(n_tok, m->n_expert_used, m->dim, m->moe_ffn, m->dim, be->fp8_weights));
     }
     if (m->kv_lora) {
         /* MLA / DSA scratch grows with the context; the kernels process queries in groups that fit.
@@ -1327,10 +1332,6 @@ static enum kr_status cuda_gated_rmsnorm_impl(kr_backend_t be, const struct krk_
 static enum kr_status cuda_attention_impl(kr_backend_t be, const struct krk_attn_params *p)
 {
     struct cuda_ctx *c = ctx_of(be);
-    if (p->kv_fp8) { /* kr_model_set_kv_cache_dtype refuses it first */
-        KR_LOG_ERROR("cuda: FP8 K/V caches are not implemented on CUDA yet");
-        return KR_ERR_UNSUPPORTED;
-    }
     KR_TRY(op_enter(c));
     const size_t ws = krk_attn_workspace_bytes(c->batch.n_tok, p->n_head, p->head_dim);
     if (ws > c->scratch_size) {
@@ -1347,7 +1348,6 @@ static enum kr_status cuda_moe_route_impl(kr_backend_t be, const struct krk_rout
     return krk_moe_route(p, c->stream);
 }
 
-/* Device array of the data pointers of `n` expert tensors (made once per array, then reused). */
 /* The device array of the n tensors' data (or with `scale`, their FP8 block scales), made on first
  * use. The tensors must all be bf16, or all FP8 with the same blocks as t[0]. */
 static enum kr_status expert_ptrs(struct cuda_ctx *c, const struct kr_tensor *t, int64_t n, bool scale,
@@ -1358,8 +1358,16 @@ static enum kr_status expert_ptrs(struct cuda_ctx *c, const struct kr_tensor *t,
         return KR_OK;
     }
     for (size_t i = 0; i < c->n_ptr_idx; i++) {
-        if (c->ptr_idx[i].host == t && c->ptr_idx[i].first == t[0].data && c->ptr_idx[i].scale == scale) {
-            *out = (const void *const *)(c->ptr_table + c->ptr_idx[i].off);
+        const struct ptr_entry *q = &c->ptr_idx[i];
+        if (q->host != t || q->n != n || q->scale != scale) {
+            continue;
+        }
+        int64_t e = 0;
+        while (e < n && q->ptrs[e] == (scale ? (const void *)t[e].scale : t[e].data)) {
+            e++;
+        }
+        if (e == n) {
+            *out = (const void *const *)(c->ptr_table + q->off);
             return KR_OK;
         }
     }
@@ -1401,10 +1409,11 @@ static enum kr_status expert_ptrs(struct cuda_ctx *c, const struct kr_tensor *t,
     if (err == cudaSuccess) {
         err = cudaStreamSynchronize(c->stream);
     }
-    kr_free(h);
+    if (err != cudaSuccess) {
+        kr_free(h);
+    }
     CU_TRY(c, err);
-    c->ptr_idx[c->n_ptr_idx++] =
-        (struct ptr_entry){.host = t, .first = t[0].data, .scale = scale, .off = c->ptr_used};
+    c->ptr_idx[c->n_ptr_idx++] = (struct ptr_entry){.host = t, .ptrs = h, .n = n, .scale = scale, .off = c->ptr_used};
     *out = (const void *const *)(c->ptr_table + c->ptr_used);
     c->ptr_used += (size_t)n;
     return KR_OK;
@@ -1440,7 +1449,7 @@ static enum kr_status cuda_moe_experts_impl(kr_backend_t be, const struct krk_ex
         KR_TRY(ensure_f8(c, (size_t)(p->n * p->d_in) * 4));
         d.xq = c->f8;
     }
-    const size_t ws = krk_moe_experts_workspace_bytes(p->n, p->n_used, p->d_ffn);
+    const size_t ws = krk_moe_experts_workspace_bytes(p->n, p->n_used, p->d_in, p->d_ffn, p->d_out, fp8);
     if (ws > c->scratch_size) {
         KR_TRY(ensure_scratch(c, ws));
     }
@@ -1477,17 +1486,20 @@ static enum kr_status cuda_rope_pair_impl(kr_backend_t be, const struct krk_rope
 static enum kr_status cuda_mla_cache_write_impl(kr_backend_t be, const struct krk_mla_cache_params *p)
 {
     struct cuda_ctx *c = ctx_of(be);
-    if (p->fp8) {
-        KR_LOG_ERROR("cuda: FP8 latent caches are not implemented on CUDA yet");
-        return KR_ERR_UNSUPPORTED;
-    }
     KR_TRY(op_enter(c));
     const struct krk_ctx k = launch_ctx(c);
     return krk_mla_cache_write(p, &k);
 }
 
+/* --kv-cache-dtype fp8: K/V as e4m3 bytes, latents as packed fp8_ds_mla rows (krk/ops.h). */
+static bool cuda_kv_fp8(kr_backend_t be)
+{
+    (void)be;
+    return true;
+}
+
 /* The key side of an MLA / DSA layer (and its q latent's norm) as one kernel; the FP8 round trip of
- * the index key runs as the individual ops. */
+ * the index key and the packed FP8 cache rows run as the individual ops. */
 static enum kr_status cuda_mla_prep_impl(kr_backend_t be, const struct krk_mla_prep_params *p)
 {
     struct cuda_ctx *c = ctx_of(be);
@@ -1925,6 +1937,8 @@ enum kr_status kr_backend_cuda_create_with(int dev, const struct kr_switches *sw
         .mla_attention = cuda_mla_attention,
         .fp8_round = cuda_fp8_round,
         .fp8_matmul = cuda_fp8_matmul,
+        .kv_fp8 = cuda_kv_fp8,
+        .kv_fp8_packed = cuda_kv_fp8,
         .sample = cuda_sample,
         .set_tp = cuda_set_tp,
         .all_reduce = cuda_all_reduce,

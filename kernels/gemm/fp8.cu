@@ -25,6 +25,7 @@
 #include <mutex>
 
 #include "common/util.cuh"
+#include "gemm/fp8-mma.cuh"
 #include "krk/gemm.h"
 
 namespace krk {
@@ -72,15 +73,6 @@ __global__ void __launch_bounds__(kQuantWarps * 32)
     if (scale && lane == 0) {
         scale[kb * s_ld + t] = s;
     }
-}
-
-__device__ __forceinline__ uint4 ld_stream8(const uint8_t *p)
-{
-    uint4 r;
-    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-        : "l"(p));
-    return r;
 }
 
 // The 16 codes of v as floats (exact).
@@ -238,15 +230,6 @@ __global__ void __launch_bounds__(kGemvWarps * 32) fp8_gemv_any_kernel(const Fp8
 // promotion per 128 columns). The weights of the next block are in flight while one is multiplied.
 // Up to 16 tokens (two n8 tiles) per pass.
 // The warps' accumulators are summed in shared memory in warp order (deterministic).
-
-__device__ __forceinline__ void mma_e4m3(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                         uint32_t b0, uint32_t b1)
-{
-    asm volatile("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-                 "{%8, %9}, {%0, %1, %2, %3};\n"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
 
 constexpr int kSkWarps = 8;
 

@@ -482,56 +482,62 @@ Test(fp8_gpu, backend_matmul_matches_cpu)
     kr_backend_free(gpu);
 }
 
-/* The experts' FP8 path against the CPU backend's experts with the same FP8 weights. */
-Test(fp8_gpu, experts_match_cpu)
+/* Each case: tokens, experts, experts per token, widths, gated, every 7th selection invalid (-1). */
+struct ecase {
+    int n, E, K;
+    int64_t d_in, d_ffn;
+    bool gated, holes;
+};
+
+/* One case's FP8 experts on the GPU against the CPU backend's with the same FP8 weights: the grouped
+ * tensor-core products (widths in whole 128-blocks), and the per-element kernels (plain). */
+static void experts_case(kr_backend_t cpu, kr_backend_t gpu, const struct ecase *c, uint64_t seed)
 {
-    GT_REQUIRE_GPU();
-    kr_backend_t gpu = NULL, cpu = kr_backend_cpu_create(2);
-    struct kr_err err = {0};
-    cr_assert_eq(kr_backend_cuda_create(0, false, &gpu, &err), KR_OK, "%s", err.msg);
-    struct gt_rng r = {.s = 400};
-    enum { E = 8, K = 3 };
-    enum { n = 6 };
-    const int64_t d_in = 512, d_ffn = 384;
-    struct fw g[E], u[E], d[E];
-    struct kr_tensor tg[E], tu[E], td[E], cg[E], cu[E], cd[E];
+    struct gt_rng r = {.s = seed};
+    const int E = c->E, K = c->K, n = c->n;
+    const int64_t d_in = c->d_in, d_ffn = c->d_ffn;
+    struct fw *g = kr_calloc((size_t)E, sizeof *g), *u = kr_calloc((size_t)E, sizeof *u),
+              *d = kr_calloc((size_t)E, sizeof *d);
+    struct kr_tensor *t = kr_calloc((size_t)E * 6, sizeof *t);
+    cr_assert(g && u && d && t);
+    struct kr_tensor *tg = t, *tu = t + E, *td = t + 2 * E, *cg = t + 3 * E, *cu = t + 4 * E, *cd = t + 5 * E;
     for (int e = 0; e < E; e++) {
-        g[e] = fw_make(&r, d_ffn, d_in, 128, 128);
+        if (c->gated) {
+            g[e] = fw_make(&r, d_ffn, d_in, 128, 128);
+        }
         u[e] = fw_make(&r, d_ffn, d_in, 128, 128);
         d[e] = fw_make(&r, d_in, d_ffn, 128, 128);
 #define T(dst, src, dev)                                                                           \
     dst = (struct kr_tensor){.data = dev ? (const void *)src.dq : (const void *)src.q, .dtype = KR_DTYPE_F8_E4M3,  \
                              .rows = src.rows, .cols = src.cols, .scale = dev ? src.ds : src.s, .block_r = 128, \
                              .block_c = 128}
-        T(tg[e], g[e], 1);
+        if (c->gated) {
+            T(tg[e], g[e], 1);
+            T(cg[e], g[e], 0);
+        }
         T(tu[e], u[e], 1);
         T(td[e], d[e], 1);
-        T(cg[e], g[e], 0);
         T(cu[e], u[e], 0);
         T(cd[e], d[e], 0);
 #undef T
     }
-    float *x = act_make(&r, n, d_in), wts[n * K];
-    int32_t ids[n * K];
-    for (int i = 0; i < n * K; i++) {
-        ids[i] = (int32_t)((i * 5 + i / K) % E);
+    float *x = act_make(&r, n, d_in), *wts = kr_malloc((size_t)(n * K) * 4);
+    int32_t *ids = kr_malloc((size_t)(n * K) * 4);
+    cr_assert(wts && ids);
+    for (int i = 0; i < n * K; i++) { /* distinct experts per token */
+        ids[i] = (int32_t)((i % K + (i / K) * 3 + (i / K) / E) % E);
+        if (c->holes && i % 7 == 3) {
+            ids[i] = -1;
+        }
         wts[i] = 0.2f + 0.1f * (float)(i % 4);
     }
     float *ref = kr_malloc((size_t)(n * d_in) * 4), *got = kr_malloc((size_t)(n * d_in) * 4);
     cr_assert(ref && got);
+    const enum kr_act act = c->gated ? KR_ACT_SILU : KR_ACT_RELU2;
     const struct krk_experts_params cp = {.x = x, .n = n, .d_in = d_in, .d_ffn = d_ffn, .d_out = d_in, .n_expert = E,
-                                          .n_used = K, .ids = ids, .weights = wts, .act = KR_ACT_SILU, .out = ref};
-    const struct kr_expert_weights cw = {.gate = cg, .up = cu, .down = cd};
+                                          .n_used = K, .ids = ids, .weights = wts, .act = act, .out = ref};
+    const struct kr_expert_weights cw = {.gate = c->gated ? cg : NULL, .up = cu, .down = cd};
     cr_assert_eq(kr_backend_moe_experts(cpu, &cp, &cw), KR_OK);
-    struct krk_experts_params gp = cp;
-    gp.x = gt_dup(x, (size_t)(n * d_in) * 4);
-    gp.ids = gt_dup(ids, sizeof ids);
-    gp.weights = gt_dup(wts, sizeof wts);
-    gp.out = gt_dalloc((size_t)(n * d_in) * 4);
-    const struct kr_expert_weights gw = {.gate = tg, .up = tu, .down = td};
-    cr_assert_eq(kr_backend_moe_experts(gpu, &gp, &gw), KR_OK);
-    gt_sync();
-    gt_down(got, gp.out, (size_t)(n * d_in) * 4);
     /* the hidden rows are quantized after an fp32 activation on each side: a code may round the other
      * way where the two sides' hidden values straddle a rounding boundary (rare), so the bound is on
      * the error relative to the output's magnitude */
@@ -539,19 +545,61 @@ Test(fp8_gpu, experts_match_cpu)
     for (int64_t i = 0; i < n * d_in; i++) {
         scale = fmax(scale, fabs(ref[i]));
     }
-    gt_expect_close("FP8 experts GPU vs CPU", got, ref, (size_t)(n * d_in), 1e-6, 1e-3 * scale);
-    gt_dfree((void *)gp.x);
-    gt_dfree((void *)gp.ids);
-    gt_dfree((void *)gp.weights);
-    gt_dfree(gp.out);
+    for (int plain = 0; plain < 2; plain++) {
+        struct krk_experts_params gp = cp;
+        gp.x = gt_dup(x, (size_t)(n * d_in) * 4);
+        gp.ids = gt_dup(ids, (size_t)(n * K) * 4);
+        gp.weights = gt_dup(wts, (size_t)(n * K) * 4);
+        gp.out = gt_dalloc((size_t)(n * d_in) * 4);
+        gp.plain = plain;
+        const struct kr_expert_weights gw = {.gate = c->gated ? tg : NULL, .up = tu, .down = td};
+        cr_assert_eq(kr_backend_moe_experts(gpu, &gp, &gw), KR_OK);
+        gt_sync();
+        gt_down(got, gp.out, (size_t)(n * d_in) * 4);
+        char what[128];
+        snprintf(what, sizeof what, "FP8 experts %s n=%d E=%d K=%d %lldx%lld%s%s", plain ? "per element" : "grouped",
+                 n, E, K, (long long)d_in, (long long)d_ffn, c->gated ? " gated" : "", c->holes ? " holes" : "");
+        gt_expect_close(what, got, ref, (size_t)(n * d_in), 1e-6, 1e-3 * scale);
+        gt_dfree((void *)gp.x);
+        gt_dfree((void *)gp.ids);
+        gt_dfree((void *)gp.weights);
+        gt_dfree(gp.out);
+    }
     for (int e = 0; e < E; e++) {
-        fw_free(&g[e]);
+        if (c->gated) {
+            fw_free(&g[e]);
+        }
         fw_free(&u[e]);
         fw_free(&d[e]);
     }
+    kr_free(g);
+    kr_free(u);
+    kr_free(d);
+    kr_free(t);
     kr_free(x);
+    kr_free(wts);
+    kr_free(ids);
     kr_free(ref);
     kr_free(got);
+}
+
+/* The FP8 experts against the CPU backend: one token per expert chunk and less, chunks of 16 and
+ * partial ones (70 tokens x 4 over 16 experts), not gated, invalid selections. */
+Test(fp8_gpu, experts_match_cpu)
+{
+    GT_REQUIRE_GPU();
+    kr_backend_t gpu = NULL, cpu = kr_backend_cpu_create(2);
+    struct kr_err err = {0};
+    cr_assert_eq(kr_backend_cuda_create(0, false, &gpu, &err), KR_OK, "%s", err.msg);
+    static const struct ecase cases[] = {
+        {6, 8, 3, 512, 384, true, false},
+        {1, 8, 3, 512, 384, true, false},
+        {70, 16, 4, 384, 256, true, true},
+        {40, 8, 2, 256, 640, false, true},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        experts_case(cpu, gpu, &cases[i], 400 + i);
+    }
     kr_backend_free(gpu);
     kr_backend_free(cpu);
 }
@@ -717,19 +765,18 @@ ParameterizedTest(int *idx, fp8_gpu, models_match_the_cpu_recipe)
     fx_free(&c);
 }
 
-/* The FP8 caches run on the CPU reference only so far: the CUDA backend refuses them with a message
- * naming the flag, before any step runs. */
-Test(fp8_gpu, fp8_caches_are_refused_on_cuda)
+/* The CUDA backend takes the FP8 caches (tests/gpu/test_kv_fp8.c checks what they hold): the setting
+ * is accepted, stores the bytes and switches the FP8 indexer on for D layers. */
+Test(fp8_gpu, fp8_caches_are_taken_on_cuda)
 {
     GT_REQUIRE_GPU();
     kr_backend_t be = NULL;
     struct kr_err err = {0};
     cr_assert_eq(kr_backend_cuda_create(0, false, &be, &err), KR_OK, "%s", err.msg);
-    cr_expect(!kr_backend_can_kv_fp8(be));
+    cr_expect(kr_backend_can_kv_fp8(be) && kr_backend_kv_fp8_packed(be));
     struct fx f;
     fx_load_on(&f, "deepseek_v32", "ds_short", be, 2);
-    cr_expect_eq(kr_model_set_kv_cache_dtype(f.m, KR_KV_CACHE_FP8, &err), KR_ERR_UNSUPPORTED);
-    cr_expect(strstr(err.msg, "--kv-cache-dtype fp8") != NULL, "%s", err.msg);
-    cr_expect(!f.m->kv_fp8);
+    cr_expect_eq(kr_model_set_kv_cache_dtype(f.m, KR_KV_CACHE_FP8, &err), KR_OK, "%s", err.msg);
+    cr_expect(f.m->kv_fp8 && f.m->idx_fp8);
     fx_free(&f);
 }

@@ -244,7 +244,7 @@ static void run_experts_case(const struct experts_case *c, int64_t n, uint64_t s
     const krk_bf16 *const *d_down = gt_dup(dd, (size_t)E * sizeof *dd);
     float *d_x = gt_dup(x, (size_t)(n * c->d_in) * 4), *d_wt = gt_dup(w, (size_t)(n * K) * 4);
     int32_t *d_ids = gt_dup(ids, (size_t)(n * K) * 4);
-    const size_t ws = krk_moe_experts_workspace_bytes(n, K, c->d_ffn);
+    const size_t ws = krk_moe_experts_workspace_bytes(n, K, c->d_in, c->d_ffn, c->d_out, false);
     cr_assert_eq(ws, (size_t)(n * K * c->d_ffn) * 4, "the hidden rows of every token's experts");
     float *d_hidden = gt_dalloc(ws), *d_out = gt_dalloc((size_t)(n * c->d_out) * 4);
     float *ref = kr_malloc((size_t)(n * c->d_out) * 4), *got = kr_malloc((size_t)(n * c->d_out) * 4);

@@ -23,10 +23,14 @@ struct krk_expert_ptrs {
     int32_t block_r, block_c;           /* 0: bf16 weights */
     float *xq;                          /* FP8: staging of the quantized token rows [n, d_in] */
 };
-/* Workspace of krk_moe_experts: the hidden rows of n tokens' n_used experts. */
-size_t krk_moe_experts_workspace_bytes(int64_t n, int64_t n_used, int64_t d_ffn);
+/* Workspace of krk_moe_experts: the hidden rows of n tokens' n_used experts; with fp8, room for the
+ * grouped FP8 path too (its products' rows, the activations' codes and scales, the sort by expert). */
+size_t krk_moe_experts_workspace_bytes(int64_t n, int64_t n_used, int64_t d_in, int64_t d_ffn, int64_t d_out,
+                                       bool fp8);
 /* Routed experts (struct krk_experts_params, krk/ops.h) with the weights `w`, on ctx->stream, the
- * hidden rows [n * n_used, d_ffn] in ctx->workspace (krk_moe_experts_workspace_bytes()). */
+ * hidden rows [n * n_used, d_ffn] in ctx->workspace (krk_moe_experts_workspace_bytes()). FP8 experts
+ * in 128 x 128 blocks whose widths are whole blocks run as grouped tensor-core products over the
+ * pairs sorted by expert (unless p->plain); others one warp per output element. */
 enum kr_status krk_moe_experts(const struct krk_experts_params *p, const struct krk_expert_ptrs *w,
                                const struct krk_ctx *ctx);
 
