@@ -76,17 +76,63 @@ static void put(struct sbuf *b, const char *fmt, ...)
     }
 }
 
-static void hist(struct sbuf *b, const char *name, const char *help, const struct kr_hist *h, const char *lbl)
+static void hist(struct sbuf *b, const char *pfx, const char *name, const char *help, const struct kr_hist *h,
+                 const char *lbl)
 {
-    put(b, "# HELP krait:%s %s\n# TYPE krait:%s histogram\n", name, help, name);
+    put(b, "# HELP %s:%s %s\n# TYPE %s:%s histogram\n", pfx, name, help, pfx, name);
     uint64_t cum = 0;
     for (int i = 0; i < h->n; i++) {
         cum += h->count[i];
-        put(b, "krait:%s_bucket{%s,le=\"%g\"} %llu\n", name, lbl, h->le[i], (unsigned long long)cum);
+        put(b, "%s:%s_bucket{%s,le=\"%g\"} %llu\n", pfx, name, lbl, h->le[i], (unsigned long long)cum);
     }
-    put(b, "krait:%s_bucket{%s,le=\"+Inf\"} %llu\n", name, lbl, (unsigned long long)h->total);
-    put(b, "krait:%s_sum{%s} %.9g\nkrait:%s_count{%s} %llu\n", name, lbl, h->sum, name, lbl,
+    put(b, "%s:%s_bucket{%s,le=\"+Inf\"} %llu\n", pfx, name, lbl, (unsigned long long)h->total);
+    put(b, "%s:%s_sum{%s} %.9g\n%s:%s_count{%s} %llu\n", pfx, name, lbl, h->sum, pfx, name, lbl,
         (unsigned long long)h->total);
+}
+
+static void gauge(struct sbuf *b, const char *name, const char *lbl, double v)
+{
+    put(b, "# HELP vllm:%s krait:%s under vLLM's name.\n# TYPE vllm:%s gauge\nvllm:%s{%s} %.9g\n", name, name, name,
+        name, lbl, v);
+}
+
+static void counter(struct sbuf *b, const char *name, const char *lbl, uint64_t v)
+{
+    put(b, "# HELP vllm:%s krait:%s under vLLM's name.\n# TYPE vllm:%s counter\nvllm:%s{%s} %llu\n", name, name,
+        name, name, lbl, (unsigned long long)v);
+}
+
+/* The families an endpoint picker or a dashboard made for vLLM reads, under vLLM's own names
+ * (`vllm:`), always beside the `krait:` ones, with the same values: the Gateway API inference
+ * extension (llm-d, KServe) scores endpoints by vllm:num_requests_waiting, vllm:num_requests_running
+ * and vllm:kv_cache_usage_perc; the latency histograms keep vLLM's buckets (kr_metrics_init), and
+ * vllm:time_per_output_token_seconds is the older name vLLM still emits for the inter-token
+ * intervals. */
+static void vllm_families(struct sbuf *b, const struct kr_metrics *m, const struct kr_engine_stats *st,
+                          const char *lbl, double kv)
+{
+    gauge(b, "num_requests_running", lbl, st->running);
+    gauge(b, "num_requests_waiting", lbl, st->waiting);
+    gauge(b, "kv_cache_usage_perc", lbl, kv);
+    counter(b, "num_preemptions_total", lbl, st->preemptions);
+    counter(b, "prompt_tokens_total", lbl, st->prompt_tokens);
+    counter(b, "generation_tokens_total", lbl, st->generation_tokens);
+    counter(b, "prefix_cache_queries_total", lbl, st->prefix_queries);
+    counter(b, "prefix_cache_hits_total", lbl, st->prefix_hits);
+    static const char *const reasons[3] = {"stop", "length", "abort"};
+    put(b, "# HELP vllm:request_success_total krait:request_success_total under vLLM's name.\n"
+           "# TYPE vllm:request_success_total counter\n");
+    for (int i = 0; i < 3; i++) {
+        put(b, "vllm:request_success_total{%s,finished_reason=\"%s\"} %llu\n", lbl, reasons[i],
+            (unsigned long long)m->requests_ok[i]);
+    }
+    static const char same[] = "The krait: histogram of the same name under vLLM's name.";
+    hist(b, "vllm", "time_to_first_token_seconds", same, &m->ttft, lbl);
+    hist(b, "vllm", "inter_token_latency_seconds", same, &m->itl, lbl);
+    hist(b, "vllm", "time_per_output_token_seconds",
+         "krait:inter_token_latency_seconds under the older vLLM name.", &m->itl, lbl);
+    hist(b, "vllm", "e2e_request_latency_seconds", same, &m->e2e, lbl);
+    hist(b, "vllm", "request_queue_time_seconds", same, &m->queue, lbl);
 }
 
 char *kr_metrics_render(const struct kr_metrics *m, const struct kr_engine_stats *st, const char *model_name,
@@ -216,10 +262,11 @@ char *kr_metrics_render(const struct kr_metrics *m, const struct kr_engine_stats
         put(&b, "krait:http_connections_closed_total{%s,reason=\"%s\"} %llu\n", lbl, why[i],
             (unsigned long long)m->connections_closed[i]);
     }
-    hist(&b, "time_to_first_token_seconds", "Time to first token.", &m->ttft, lbl);
-    hist(&b, "inter_token_latency_seconds", "Time between consecutive tokens of a choice.", &m->itl, lbl);
-    hist(&b, "e2e_request_latency_seconds", "End-to-end request latency.", &m->e2e, lbl);
-    hist(&b, "request_queue_time_seconds", "Time from arrival to first admission.", &m->queue, lbl);
+    hist(&b, "krait", "time_to_first_token_seconds", "Time to first token.", &m->ttft, lbl);
+    hist(&b, "krait", "inter_token_latency_seconds", "Time between consecutive tokens of a choice.", &m->itl, lbl);
+    hist(&b, "krait", "e2e_request_latency_seconds", "End-to-end request latency.", &m->e2e, lbl);
+    hist(&b, "krait", "request_queue_time_seconds", "Time from arrival to first admission.", &m->queue, lbl);
+    vllm_families(&b, m, st, lbl, kv);
     if (b.oom) {
         kr_free(b.p);
         return NULL;

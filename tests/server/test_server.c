@@ -967,6 +967,103 @@ Test(server, metrics_are_prometheus_text)
     cr_expect_geq(metric(&S, "krait:engine_step_host_gap_seconds_sum"), 0);
 }
 
+/* The first sample of `name` (any labels) in a /metrics body; NaN if absent. */
+static double body_metric(const char *body, const char *name)
+{
+    char key[160];
+    snprintf(key, sizeof key, "\n%s{", name);
+    const char *p = strstr(body, key);
+    p = p ? strchr(p + 1, '}') : NULL;
+    return p ? strtod(p + 1, NULL) : NAN;
+}
+
+/* Le values of the buckets of histogram `name` in a /metrics body, in order (without +Inf). */
+static int bucket_les(const char *body, const char *name, double *le, int cap)
+{
+    char key[128];
+    snprintf(key, sizeof key, "\n%s_bucket{", name);
+    int n = 0;
+    for (const char *p = strstr(body, key); p && n < cap; p = strstr(p + 1, key)) {
+        const char *q = strstr(p, "le=\"");
+        const char *eol = strchr(p + 1, '\n');
+        if (!q || (eol && q > eol) || !strncmp(q + 4, "+Inf", 4)) {
+            continue;
+        }
+        le[n++] = strtod(q + 4, NULL);
+    }
+    return n;
+}
+
+/* vLLM's metric names, beside krait's with the same values, so that endpoint pickers (the Gateway API
+ * inference extension reads vllm:num_requests_waiting, vllm:num_requests_running,
+ * vllm:kv_cache_usage_perc) and vLLM dashboards work unchanged; the histograms with vLLM's buckets as
+ * its metrics code defines them (vllm/v1/metrics/loggers.py). */
+Test(server, metrics_have_vllm_names)
+{
+    long st;
+    json_t *j = post_json(&S, "/v1/completions", "{\"prompt\":\"v\",\"max_tokens\":3}", &st);
+    cr_expect_eq(st, 200);
+    json_decref(j);
+    static const char *const same[] = {
+        "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens_total",
+        "generation_tokens_total", "num_preemptions_total", "prefix_cache_queries_total", "prefix_cache_hits_total",
+        "request_success_total", "time_to_first_token_seconds_count", "inter_token_latency_seconds_count",
+        "e2e_request_latency_seconds_count", "request_queue_time_seconds_count", "e2e_request_latency_seconds_sum",
+    };
+    /* one scrape: other tests' requests may move the values between two */
+    struct http_res r;
+    http(&S, "GET", "/metrics", NULL, NULL, &r);
+    cr_assert_eq(r.status, 200);
+    for (size_t i = 0; i < sizeof same / sizeof same[0]; i++) {
+        char k[96], v[96];
+        snprintf(k, sizeof k, "krait:%s", same[i]);
+        snprintf(v, sizeof v, "vllm:%s", same[i]);
+        const double a = body_metric(r.body, k), b = body_metric(r.body, v);
+        cr_expect(!isnan(a) && !isnan(b), "%s or %s missing", k, v);
+        cr_expect(a == b, "%s = %g, %s = %g", v, b, k, a);
+    }
+    cr_expect_eq(body_metric(r.body, "vllm:time_per_output_token_seconds_count"),
+                 body_metric(r.body, "krait:inter_token_latency_seconds_count"));
+    cr_expect_gt(body_metric(r.body, "vllm:generation_tokens_total"), 0);
+    static const char *const types[] = {
+        "# TYPE vllm:num_requests_running gauge", "# TYPE vllm:num_requests_waiting gauge",
+        "# TYPE vllm:kv_cache_usage_perc gauge", "# TYPE vllm:request_success_total counter",
+        "# TYPE vllm:time_to_first_token_seconds histogram", "# TYPE vllm:time_per_output_token_seconds histogram",
+        "# TYPE vllm:e2e_request_latency_seconds histogram", "# TYPE vllm:request_queue_time_seconds histogram",
+        "vllm:request_success_total{model_name=\"tiny\",finished_reason=\"length\"} ",
+    };
+    for (size_t i = 0; i < sizeof types / sizeof types[0]; i++) {
+        cr_expect(strstr(r.body, types[i]), "missing %s", types[i]);
+    }
+    /* vLLM's bucket boundaries (seconds) */
+    static const double ttft[] = {0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08,  0.1,   0.25,  0.5,    0.75,
+                                  1.0,   2.5,   5.0,  7.5,  10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0};
+    static const double tpot[] = {0.01, 0.025, 0.05, 0.075, 0.1,  0.15, 0.2,  0.3,  0.4, 0.5,
+                                  0.75, 1.0,   2.5,  5.0,   7.5, 10.0, 20.0, 40.0, 80.0};
+    static const double lat[] = {0.3,  0.5,  0.8,  1.0,  1.5,   2.0,   2.5,   5.0,   10.0,   15.0,  20.0,
+                                 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0};
+    const struct {
+        const char *name;
+        const double *le;
+        int n;
+    } hs[] = {
+        {"vllm:time_to_first_token_seconds", ttft, (int)(sizeof ttft / sizeof ttft[0])},
+        {"vllm:inter_token_latency_seconds", tpot, (int)(sizeof tpot / sizeof tpot[0])},
+        {"vllm:time_per_output_token_seconds", tpot, (int)(sizeof tpot / sizeof tpot[0])},
+        {"vllm:e2e_request_latency_seconds", lat, (int)(sizeof lat / sizeof lat[0])},
+        {"vllm:request_queue_time_seconds", lat, (int)(sizeof lat / sizeof lat[0])},
+    };
+    for (size_t i = 0; i < sizeof hs / sizeof hs[0]; i++) {
+        double le[64];
+        const int n = bucket_les(r.body, hs[i].name, le, 64);
+        cr_expect_eq(n, hs[i].n, "%s: %d buckets, vLLM has %d", hs[i].name, n, hs[i].n);
+        for (int k = 0; k < n && k < hs[i].n; k++) {
+            cr_expect(le[k] == hs[i].le[k], "%s bucket %d: le %g, vLLM's %g", hs[i].name, k, le[k], hs[i].le[k]);
+        }
+    }
+    http_free(&r);
+}
+
 /* ---- servers with other flags -------------------------------------------------------------------- */
 
 /* The key guards the /v1/ routes and the tokenizing ones (work a client without the key must not be able
