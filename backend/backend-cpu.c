@@ -281,7 +281,8 @@ static enum kr_status cpu_act(kr_backend_t be, const struct krk_act_params *p)
 /* y[t, r] = x[t, :] . w[r, :] (+ bias[r]); converts weight rows to fp32 on the fly so that bf16 and
  * f16 checkpoints are used in place. Parallel over blocks of weight rows. */
 /* The FP8 recipe (model/fp8.h): each row of x quantized per block of the weight's block_c columns
- * (the last one may be shorter), then the reference product with the weight's codes and scales. */
+ * (the last one may be shorter; power-of-two scales with w->act_ue8m0), then the reference product
+ * with the weight's codes and scales. */
 static enum kr_status matmul_fp8(const float *x, int64_t ldx, int64_t n, const struct kr_tensor *w, const float *bias,
                                  float *y, int64_t ldy)
 {
@@ -297,7 +298,8 @@ static enum kr_status matmul_fp8(const float *x, int64_t ldx, int64_t n, const s
     for (int64_t t = 0; t < n && st == KR_OK; t++) {
         for (int64_t kb = 0; kb < nkb && st == KR_OK; kb++) {
             const int64_t len = cols - kb * bc < bc ? cols - kb * bc : bc;
-            st = kr_fp8_act_quant(x + t * ldx + kb * bc, len, len, false, aq + t * cols + kb * bc, as + t * nkb + kb);
+            st = kr_fp8_act_quant(x + t * ldx + kb * bc, len, len, w->act_ue8m0, aq + t * cols + kb * bc,
+                                  as + t * nkb + kb);
         }
     }
     if (st == KR_OK) {

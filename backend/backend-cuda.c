@@ -1073,12 +1073,12 @@ static struct krk_fp8_weight fp8_weight(const struct kr_tensor *w)
 /* Rows [t0, t0 + n) of x quantized per block of the weight's columns (codes into q [.., ldq], scales
  * into s [nkb, n]), then the tensor-core skinny product into the same rows of y. */
 static enum kr_status fp8_rows_skinny(struct cuda_ctx *c, const float *x, int64_t ldx, int64_t t0, int64_t n,
-                                      const struct krk_fp8_weight *fw, const float *bias, float *y, int64_t ldy,
-                                      uint8_t *q, int64_t ldq, float *s)
+                                      const struct krk_fp8_weight *fw, bool ue8m0, const float *bias, float *y,
+                                      int64_t ldy, uint8_t *q, int64_t ldq, float *s)
 {
     const struct krk_fp8_quant_params qp = {.x = x + t0 * ldx, .ldx = ldx, .n = n, .cols = fw->cols,
                                             .block = fw->block_c, .q = q + t0 * ldq, .ldq = ldq, .scale = s,
-                                            .s_ld = n};
+                                            .s_ld = n, .ue8m0 = ue8m0};
     KR_TRY(krk_fp8_quant(&qp, c->stream));
     const struct krk_fp8_mm_params mp = {.q = q + t0 * ldq, .ldq = ldq, .scale = s, .s_ld = n, .n = n, .w = *fw,
                                          .bias = bias, .y = y + t0 * ldy, .ldy = ldy};
@@ -1114,7 +1114,7 @@ static enum kr_status matmul_fp8(struct cuda_ctx *c, const float *x, int64_t ldx
         if (n_lt > 0) {
             const struct krk_fp8_quant_params qp = {.x = x, .ldx = ldx, .n = n_lt, .cols = fw.cols,
                                                     .block = fw.block_c, .q = q, .ldq = ldq, .scale = s,
-                                                    .s_ld = n_lt};
+                                                    .s_ld = n_lt, .ue8m0 = w->act_ue8m0};
             KR_TRY(krk_fp8_quant(&qp, c->stream));
             const struct krk_fp8_mm_params mp = {.q = q, .ldq = ldq, .scale = s, .s_ld = n_lt, .n = n_lt, .w = fw,
                                                  .bias = bias, .y = y, .ldy = ldy};
@@ -1126,7 +1126,7 @@ static enum kr_status matmul_fp8(struct cuda_ctx *c, const float *x, int64_t ldx
             }
         }
         if (n_lt < n && sk) {
-            return fp8_rows_skinny(c, x, ldx, n_lt, n - n_lt, &fw, bias, y, ldy, q, ldq,
+            return fp8_rows_skinny(c, x, ldx, n_lt, n - n_lt, &fw, w->act_ue8m0, bias, y, ldy, q, ldq,
                                    s + (size_t)(fw.ld_s * n_lt));
         }
         if (n_lt == n && n > 0) {
@@ -1137,7 +1137,7 @@ static enum kr_status matmul_fp8(struct cuda_ctx *c, const float *x, int64_t ldx
     KR_TRY(ensure_f8(c, (size_t)(n * ldxq) * 4));
     float *xq = c->f8;
     const struct krk_fp8_quant_params qp = {.x = x, .ldx = ldx, .n = n, .cols = fw.cols, .block = fw.block_c,
-                                            .xq = xq, .ldxq = ldxq};
+                                            .xq = xq, .ldxq = ldxq, .ue8m0 = w->act_ue8m0};
     KR_TRY(krk_fp8_quant(&qp, c->stream));
     const struct krk_fp8_gemv_params gp = {.xq = xq, .ldx = ldxq, .n = n, .w = fw, .bias = bias, .y = y, .ldy = ldy};
     return krk_fp8_gemv(&gp, c->stream);
@@ -1446,6 +1446,7 @@ static enum kr_status cuda_moe_experts_impl(kr_backend_t be, const struct krk_ex
         d.down_s = (const float *const *)ds;
         d.block_r = w->up[0].block_r;
         d.block_c = w->up[0].block_c;
+        d.ue8m0 = w->up[0].act_ue8m0;
         KR_TRY(ensure_f8(c, (size_t)(p->n * p->d_in) * 4));
         d.xq = c->f8;
     }

@@ -32,6 +32,8 @@ struct kr_tensor {
      * [ceil(rows / block_r), ceil(cols / block_c)] in backend memory (weight = code * scale) */
     const float *scale;
     int32_t block_r, block_c;
+    bool act_ue8m0; /* FP8: products quantize their activations with power-of-two (ue8m0) scales, as a
+                       DeepSeek checkpoint's quantization_config.scale_fmt "ue8m0" asks; else amax / 448 */
 };
 
 /* One product of kr_backend_matmul_multi: y[t, :w->rows] = x[t, :] * w^T (+ bias), row stride ldy. */

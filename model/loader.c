@@ -338,6 +338,7 @@ static enum kr_status load_fp8_part(struct loader *ld, struct kr_st_tensor *t, c
         out->scale = sd.data;
         out->block_r = (int32_t)B0;
         out->block_c = (int32_t)B1;
+        out->act_ue8m0 = ld->m->cfg.fp8_ue8m0;
         return KR_OK;
     }
     uint8_t *codes = kr_malloc((size_t)(rows * nc) + 1);
@@ -410,6 +411,8 @@ static enum kr_status load_fp8_part(struct loader *ld, struct kr_st_tensor *t, c
         out->scale = sc_dev.data;
         out->block_r = (int32_t)B0;
         out->block_c = (int32_t)B1;
+        out->act_ue8m0 = ld->m->cfg.fp8_ue8m0; /* the checkpoint's scale_fmt (DeepSeek's linear() quantizes
+                                                  every product's activations with it) */
     }
     return st;
 }

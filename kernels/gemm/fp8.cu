@@ -3,7 +3,8 @@
 // activations quantized per row in blocks of block_c columns, fp32 accumulation.
 //
 //  - krk_fp8_quant: the activation quantization, bit for bit the CPU's (amax = max(|x|, 1e-4),
-//    s = amax * fp32(1/448), q = e4m3(x / s) rounded to nearest even and saturated), one warp per
+//    s = amax * fp32(1/448) or with ue8m0 the smallest power of two with s * 448 >= amax,
+//    q = e4m3(x / s) rounded to nearest even and saturated), one warp per
 //    (row, block). It writes the codes and scales cuBLASLt reads, and/or the dequantized values
 //    xq = e4m3_to_f32(q) * s that the CUDA-core kernels below multiply with the weight codes.
 //  - krk_fp8_gemv: decode-shaped products, bound by streaming the codes once. A warp owns RW weight
@@ -44,7 +45,7 @@ __device__ __forceinline__ float e4m3_to_f32(uint8_t b)
 __global__ void __launch_bounds__(kQuantWarps * 32)
     fp8_quant_kernel(const float *x, int64_t ldx, int64_t n, int64_t cols, int block, int64_t nkb,
                      uint8_t *KRK_RESTRICT q, int64_t ldq, float *KRK_RESTRICT scale, int64_t s_ld, float *xq,
-                     int64_t ldxq)
+                     int64_t ldxq, bool ue8m0)
 {
     krk::kernel_prologue();
     const int lane = threadIdx.x & 31;
@@ -60,7 +61,12 @@ __global__ void __launch_bounds__(kQuantWarps * 32)
         amax = fmaxf(amax, fabsf(xr[c]));
     }
     amax = warp_max(amax);
-    const float s = amax * (1.0f / 448.0f);
+    float s = amax * (1.0f / 448.0f);
+    if (ue8m0) { // the smallest power of two s with s * 448 >= amax, exactly as the CPU computes it
+        int e;
+        const float f = frexpf(amax, &e);
+        s = ldexpf(1.0f, f <= 0.875f ? e - 9 : e - 8);
+    }
     for (int64_t c = c0 + lane; c < c1; c += 32) {
         const __nv_fp8_storage_t code = __nv_cvt_float_to_fp8(xr[c] / s, __NV_SATFINITE, __NV_E4M3);
         if (q) {
@@ -375,7 +381,8 @@ extern "C" enum kr_status krk_fp8_quant(const struct krk_fp8_quant_params *p, cu
     const int64_t blocks = (p->n * nkb + kQuantWarps - 1) / kQuantWarps;
     KRK_REQUIRE_MSG(blocks <= INT32_MAX, "%lld rows of %lld blocks", (long long)p->n, (long long)nkb);
     krk::launch_maybe_pdl(krk::pdl_enabled(), fp8_quant_kernel, (unsigned)blocks, kQuantWarps * 32, 0, stream, p->x,
-                          p->ldx, p->n, p->cols, (int)p->block, nkb, p->q, p->ldq, p->scale, p->s_ld, p->xq, p->ldxq);
+                          p->ldx, p->n, p->cols, (int)p->block, nkb, p->q, p->ldq, p->scale, p->s_ld, p->xq, p->ldxq,
+                          p->ue8m0);
     KRK_CHECK_LAUNCH();
     return KR_OK;
 }

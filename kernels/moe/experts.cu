@@ -451,7 +451,7 @@ enum kr_status experts_grouped(const struct krk_experts_params *p, const struct 
                           p->n_expert, g.rowmap, g.chunks, g.n_chunks);
     KRK_CHECK_LAUNCH();
     const struct krk_fp8_quant_params qx = {.x = p->x, .ldx = p->d_in, .n = p->n, .cols = p->d_in, .block = 128,
-                                            .q = g.xq, .ldq = p->d_in, .scale = g.xs, .s_ld = p->n};
+                                            .q = g.xq, .ldq = p->d_in, .scale = g.xs, .s_ld = p->n, .ue8m0 = w->ue8m0};
     enum kr_status st = krk_fp8_quant(&qx, ctx->stream);
     if (st != KR_OK) {
         return st;
@@ -470,7 +470,8 @@ enum kr_status experts_grouped(const struct krk_experts_params *p, const struct 
     }
     KRK_CHECK_LAUNCH();
     const struct krk_fp8_quant_params qh = {.x = g.y, .ldx = p->d_ffn, .n = pairs, .cols = p->d_ffn, .block = 128,
-                                            .q = g.hq, .ldq = p->d_ffn, .scale = g.hs, .s_ld = pairs};
+                                            .q = g.hq, .ldq = p->d_ffn, .scale = g.hs, .s_ld = pairs,
+                                            .ue8m0 = w->ue8m0};
     st = krk_fp8_quant(&qh, ctx->stream);
     if (st != KR_OK) {
         return st;
@@ -541,7 +542,8 @@ extern "C" enum kr_status krk_moe_experts(const struct krk_experts_params *p, co
     if (fp8) {
         KRK_REQUIRE(w->block_r > 0 && w->up_s && w->down_s && (!w->gate || w->gate_s) && w->xq);
         const struct krk_fp8_quant_params q = {.x = p->x, .ldx = p->d_in, .n = p->n, .cols = p->d_in,
-                                               .block = w->block_c, .xq = w->xq, .ldxq = p->d_in};
+                                               .block = w->block_c, .xq = w->xq, .ldxq = p->d_in,
+                                               .ue8m0 = w->ue8m0};
         const enum kr_status st = krk_fp8_quant(&q, ctx->stream);
         if (st != KR_OK) {
             return st;
@@ -556,7 +558,7 @@ extern "C" enum kr_status krk_moe_experts(const struct krk_experts_params *p, co
     if (fp8) { /* the hidden rows quantized in place, as the down projection's input */
         const struct krk_fp8_quant_params q = {.x = hidden, .ldx = p->d_ffn, .n = p->n * p->n_used,
                                                .cols = p->d_ffn, .block = w->block_c, .xq = hidden,
-                                               .ldxq = p->d_ffn};
+                                               .ldxq = p->d_ffn, .ue8m0 = w->ue8m0};
         const enum kr_status st = krk_fp8_quant(&q, ctx->stream);
         if (st != KR_OK) {
             return st;

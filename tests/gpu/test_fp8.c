@@ -164,7 +164,10 @@ Test(fp8_gpu, quant_equals_the_cpu_bit_for_bit)
     struct gt_rng r = {.s = 11};
     /* a model width, a width whose last block is short, one narrower than a block, a block of 64 */
     static const int64_t shapes[][3] = {{5, 7168, 128}, {3, 300, 128}, {4, 64, 128}, {2, 320, 64}};
-    for (size_t k = 0; k < sizeof shapes / sizeof shapes[0]; k++) {
+    const size_t n_shapes = sizeof shapes / sizeof shapes[0];
+    for (size_t kk = 0; kk < 2 * n_shapes; kk++) { /* amax / 448 scales, then power-of-two (ue8m0) ones */
+        const size_t k = kk % n_shapes;
+        const bool ue = kk >= n_shapes;
         const int64_t n = shapes[k][0], cols = shapes[k][1], bc = shapes[k][2], nkb = (cols + bc - 1) / bc;
         const int64_t ldx = cols + 3;
         float *x = kr_malloc((size_t)(n * ldx) * sizeof(float));
@@ -183,7 +186,7 @@ Test(fp8_gpu, quant_equals_the_cpu_bit_for_bit)
         for (int64_t t = 0; t < n; t++) {
             for (int64_t kb = 0; kb < nkb; kb++) {
                 const int64_t len = cols - kb * bc < bc ? cols - kb * bc : bc;
-                cr_assert_eq(kr_fp8_act_quant(x + t * ldx + kb * bc, len, len, false, rq + t * cols + kb * bc,
+                cr_assert_eq(kr_fp8_act_quant(x + t * ldx + kb * bc, len, len, ue, rq + t * cols + kb * bc,
                                               rs + t * nkb + kb), KR_OK);
             }
         }
@@ -191,7 +194,8 @@ Test(fp8_gpu, quant_equals_the_cpu_bit_for_bit)
               *dxq = gt_dalloc((size_t)(n * cols) * 4);
         uint8_t *dq = gt_dalloc((size_t)(n * cols));
         const struct krk_fp8_quant_params p = {.x = dx, .ldx = ldx, .n = n, .cols = cols, .block = bc, .q = dq,
-                                               .ldq = cols, .scale = ds, .s_ld = n, .xq = dxq, .ldxq = cols};
+                                               .ldq = cols, .scale = ds, .s_ld = n, .xq = dxq, .ldxq = cols,
+                                               .ue8m0 = ue};
         cr_assert_eq(krk_fp8_quant(&p, NULL), KR_OK);
         gt_sync();
         gt_down(gq, dq, (size_t)(n * cols));
@@ -208,9 +212,9 @@ Test(fp8_gpu, quant_equals_the_cpu_bit_for_bit)
                 dq_scales += memcmp(&gs[kb * n + t], &rs[t * nkb + kb], 4) != 0;
             }
         }
-        fprintf(stderr, "  quant n %lld cols %lld block %lld: %lld codes, %lld scales, %lld values differ\n",
-                (long long)n, (long long)cols, (long long)bc, (long long)dq_codes, (long long)dq_scales,
-                (long long)dq_vals);
+        fprintf(stderr, "  quant n %lld cols %lld block %lld%s: %lld codes, %lld scales, %lld values differ\n",
+                (long long)n, (long long)cols, (long long)bc, ue ? " ue8m0" : "", (long long)dq_codes,
+                (long long)dq_scales, (long long)dq_vals);
         cr_expect_eq(dq_codes + dq_scales + dq_vals, 0, "cols %lld: the GPU's quantization differs from the CPU's",
                      (long long)cols);
         gt_dfree(dx);

@@ -713,6 +713,76 @@ Test(fp8, gemm_equals_the_fp64_sum_of_scaled_block_products)
     cr_expect_eq(bad, 0, "%d outputs beyond 8 ulp of the blocks' magnitude (worst %.3g)", bad, worst);
 }
 
+/* An FP8 weight's products on the CPU backend quantize their activations as the weight says: amax / 448
+ * scales, or with act_ue8m0 (a DeepSeek checkpoint's scale_fmt "ue8m0", as its linear() does) the
+ * reference kernel's power-of-two scale. Held to the fp64 sum of block products over activations
+ * quantized here by the definitions (brute-force encoding), 8 ulp of the blocks' magnitude. */
+Test(fp8, backend_matmul_quantizes_activations_as_the_weight_says)
+{
+    enum { M = 3, K = 320, N = 130, B = 128, NKB = (K + B - 1) / B };
+    static float x[M * K], w[N * K], ws[((N + B - 1) / B) * NKB], y[2][M * N];
+    static uint8_t wq[N * K];
+    uint64_t seed = 11;
+    for (int i = 0; i < M * K; i++) {
+        x[i] = (float)(rng_gauss(&seed) * (i % 37 == 0 ? 30.0 : 1.0));
+    }
+    for (int i = 0; i < N * K; i++) {
+        w[i] = (float)(rng_gauss(&seed) * 0.05);
+    }
+    cr_assert_eq(kr_fp8_weight_quant(w, N, K, B, B, wq, ws), KR_OK);
+    kr_backend_t be = kr_backend_cpu_create(1);
+    cr_assert(be);
+    for (int ue = 0; ue < 2; ue++) {
+        const struct kr_tensor t = {.data = wq, .dtype = KR_DTYPE_F8_E4M3, .rows = N, .cols = K, .scale = ws,
+                                    .block_r = B, .block_c = B, .act_ue8m0 = ue};
+        cr_assert_eq(kr_backend_matmul(be, x, K, M, &t, NULL, y[ue], N, NULL), KR_OK);
+        int bad = 0;
+        for (int i = 0; i < M; i++) {
+            double as[NKB];
+            static uint8_t aq[K];
+            for (int kb = 0; kb < NKB; kb++) {
+                const int t0 = kb * B, t1 = t0 + B < K ? t0 + B : K;
+                float amax = 1e-4f;
+                for (int c = t0; c < t1; c++) {
+                    amax = fmaxf(amax, fabsf(x[i * K + c]));
+                }
+                float sc = amax * (1.0f / 448.0f);
+                if (ue) { /* the smallest power of two with 448 s >= amax */
+                    double p2 = 0x1p-140;
+                    while (p2 * 448.0 < amax) {
+                        p2 *= 2.0;
+                    }
+                    sc = (float)p2;
+                }
+                as[kb] = sc;
+                for (int c = t0; c < t1; c++) {
+                    aq[c] = brute_encode(x[i * K + c] / sc);
+                }
+            }
+            for (int j = 0; j < N; j++) {
+                double ref = 0, mag = 0;
+                for (int kb = 0; kb < NKB; kb++) {
+                    double d = 0;
+                    for (int c = kb * B; c < (kb + 1) * B && c < K; c++) {
+                        d += spec_e4m3(aq[c]) * spec_e4m3(wq[j * K + c]);
+                    }
+                    const double term = d * as[kb] * ws[(j / B) * NKB + kb];
+                    ref += term;
+                    mag += fabs(term);
+                }
+                bad += fabs((double)y[ue][i * N + j] - ref) > 8 * FLT_EPSILON * mag;
+            }
+        }
+        cr_expect_eq(bad, 0, "%d outputs (act_ue8m0 %d) beyond 8 ulp of the blocks' magnitude", bad, ue);
+    }
+    int differ = 0;
+    for (int i = 0; i < M * N; i++) {
+        differ += y[0][i] != y[1][i];
+    }
+    cr_expect_gt(differ, 0, "power-of-two activation scales changed no output");
+    kr_backend_free(be);
+}
+
 /* Against the unquantized product (fp64 of the original fp32 values): E4M3 keeps 3 mantissa bits,
  * so each product is off by up to about 2 x 2^-4 relative and the errors of a dot product of random
  * signs add up like a random walk; the normalized error of the whole output stays near 2^-4 / sqrt(3)

@@ -174,6 +174,40 @@ static void expect_same_product(kr_backend_t fbe, kr_backend_t pbe, const struct
     kr_free(yp);
 }
 
+/* DeepSeek's linear() quantizes every FP8 product's activations with the checkpoint's scale_fmt:
+ * ds_fp8 says "ue8m0", so its kept matrices carry power-of-two activation scales (the product's
+ * arithmetic is test_fp8.c's backend_matmul_quantizes_activations_as_the_weight_says); a bf16
+ * checkpoint quantized at load (ds_short, no quantization_config) keeps amax / 448. */
+Test(fp8_model, the_checkpoints_scale_fmt_reaches_the_products)
+{
+    const char *names[2] = {"ds_fp8", "ds_short"};
+    for (int k = 0; k < 2; k++) {
+        char dir[512];
+        snprintf(dir, sizeof dir, "%s/deepseek_v32/%s", fx_root(), names[k]);
+        kr_backend_t be = kr_backend_cpu_create(1);
+        struct kr_err err = {0};
+        cr_assert_eq(kr_backend_set_fp8_weights(be, true, &err), KR_OK, "%s", err.msg);
+        struct kr_model *m = NULL;
+        cr_assert_eq(kr_model_load(dir, be, &m, &err), KR_OK, "%s", err.msg);
+        int kept = 0, ue = 0;
+        for (int32_t i = 0; i < m->cfg.n_layer; i++) {
+            const struct kr_tensor *ts[] = {&m->layers[i].mla.q_a, &m->layers[i].mla.o, &m->layers[i].mlp.up,
+                                            m->layers[i].moe.up ? &m->layers[i].moe.up[0] : NULL};
+            for (size_t j = 0; j < sizeof ts / sizeof ts[0]; j++) {
+                if (ts[j] && ts[j]->data && ts[j]->dtype == KR_DTYPE_F8_E4M3) {
+                    kept++;
+                    ue += ts[j]->act_ue8m0;
+                }
+            }
+        }
+        cr_expect_gt(kept, 4, "%s: %d FP8 matrices kept", names[k], kept);
+        cr_expect_eq(ue, k == 0 ? kept : 0, "%s: %d of %d kept matrices with ue8m0 activation scales", names[k], ue,
+                     kept);
+        kr_model_free(m);
+        kr_backend_free(be);
+    }
+}
+
 Test(fp8_model, the_kept_fp8_matrices_equal_the_dequantized_ones)
 {
     char dir[512];

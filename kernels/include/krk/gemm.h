@@ -113,6 +113,8 @@ struct krk_fp8_quant_params {
     int64_t s_ld;
     float *xq;
     int64_t ldxq;
+    bool ue8m0;             /* power-of-two scales: the smallest 2^k with 2^k * 448 >= amax (the CPU's
+                               kr_fp8_act_quant with ue8m0) */
 };
 enum kr_status krk_fp8_quant(const struct krk_fp8_quant_params *p, cudaStream_t stream);
 

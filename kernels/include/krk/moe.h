@@ -22,6 +22,7 @@ struct krk_expert_ptrs {
     const float *const *gate_s, *const *up_s, *const *down_s;
     int32_t block_r, block_c;           /* 0: bf16 weights */
     float *xq;                          /* FP8: staging of the quantized token rows [n, d_in] */
+    bool ue8m0;                         /* FP8: power-of-two activation scales (krk_fp8_quant_params) */
 };
 /* Workspace of krk_moe_experts: the hidden rows of n tokens' n_used experts; with fp8, room for the
  * grouped FP8 path too (its products' rows, the activations' codes and scales, the sort by expert). */
