@@ -11,7 +11,13 @@
  * shape times the number of times the step runs it). For n > 1 also cuBLASLt: every algorithm its
  * heuristic offers (up to 16, 32 MiB of workspace) is timed on each shape and the fastest shown,
  * with its index in the heuristic's order and its split-K factor.
- *   bench_gemv [--n 1,16,32] [--reps N] [--json FILE]   (n <= 64; the GEMV runs n <= KRK_GEMV_MAX_N) */
+ *   bench_gemv [--n 1,16,32] [--reps N] [--json FILE]   (n <= 64; the GEMV runs n <= KRK_GEMV_MAX_N)
+ *
+ * With --fp8 the same shapes as FP8 weights in 128 x 128 blocks (codes and fp32 scales, each launch
+ * on a different copy), n <= 16, for the decode paths of the backend's FP8 products: the activation
+ * quantization alone, quantization + the tensor-core skinny kernel, quantization + the CUDA-core
+ * gemv; the read rate counts codes and scales. Then the
+ * step's FP8 products at n = 1 replayed as one graph (the LM head left out: it stays bf16). */
 #include "krk.h"
 #include "switches.h"
 
@@ -271,6 +277,196 @@ static double time_chain(struct ctx *c, int small, int *n_gemv)
     return ms;
 }
 
+/* ---- FP8 ---------------------------------------------------------------------------------------- */
+
+enum fp8_kind { F_QUANT, F_SKINNY, F_GEMV2, F_SKINNY_ONLY, F_KINDS };
+static const char *const fp8_names[] = {"quantization alone", "quant + skinny (tensor cores)",
+                                        "quant + gemv (CUDA cores)", "skinny alone (activations quantized before)"};
+
+static size_t fp8_bytes(const struct shape *s)
+{
+    return (size_t)s->rows * (size_t)s->cols + (size_t)((s->rows + 127) / 128) * (size_t)(s->cols / 128) * 4;
+}
+
+/* One FP8 product of kind k on the copy of the weight at byte offset `off` of the pool; the codes
+ * first, the scales after them (256-aligned). */
+static int fp8_run(struct ctx *c, enum fp8_kind k, const struct shape *s, int n, size_t off, uint8_t *q, float *as,
+                   float *xq)
+{
+    const size_t codes = ((size_t)s->rows * (size_t)s->cols + 255) / 256 * 256;
+    const struct krk_fp8_weight w = {.q = (const uint8_t *)(c->pool + off),
+                                     .scale = (const float *)(c->pool + off + codes), .rows = s->rows,
+                                     .cols = s->cols, .ld_s = s->cols / 128, .block_r = 128, .block_c = 128};
+    if (k == F_SKINNY_ONLY) {
+        const struct krk_fp8_mm_params p = {.q = q, .ldq = s->cols, .scale = as, .s_ld = n, .n = n, .w = w,
+                                            .y = c->y, .ldy = s->rows};
+        return krk_fp8_skinny(&p, c->stream) == KR_OK ? 0 : -1;
+    }
+    const struct krk_fp8_quant_params qp = {.x = c->x, .ldx = s->cols, .n = n, .cols = s->cols, .block = 128,
+                                            .q = k == F_GEMV2 ? NULL : q, .ldq = s->cols,
+                                            .scale = k == F_GEMV2 ? NULL : as, .s_ld = n,
+                                            .xq = k == F_GEMV2 ? xq : NULL, .ldxq = s->cols};
+    if (krk_fp8_quant(&qp, c->stream) != KR_OK) {
+        return -1;
+    }
+    if (k == F_SKINNY) {
+        const struct krk_fp8_mm_params p = {.q = q, .ldq = s->cols, .scale = as, .s_ld = n, .n = n, .w = w,
+                                            .y = c->y, .ldy = s->rows};
+        return krk_fp8_skinny(&p, c->stream) == KR_OK ? 0 : -1;
+    }
+    if (k == F_GEMV2) {
+        const struct krk_fp8_gemv_params p = {.xq = xq, .ldx = s->cols, .n = n, .w = w, .y = c->y, .ldy = s->rows};
+        return krk_fp8_gemv(&p, c->stream) == KR_OK ? 0 : -1;
+    }
+    return 0;
+}
+
+static double fp8_time(struct ctx *c, enum fp8_kind k, const struct shape *s, int n, uint8_t *q, float *as, float *xq)
+{
+    const size_t wb = (fp8_bytes(s) + 512 + 255) / 256 * 256, copies = c->pool_bytes / wb;
+    for (int r = 0; r < 3; r++) {
+        if (fp8_run(c, k, s, n, (size_t)r % copies * wb, q, as, xq) != 0) {
+            return -1;
+        }
+    }
+    cudaEvent_t e0, e1;
+    CUDA_OK(cudaEventCreate(&e0));
+    CUDA_OK(cudaEventCreate(&e1));
+    CUDA_OK(cudaEventRecord(e0, c->stream));
+    for (int r = 0; r < c->reps; r++) {
+        fp8_run(c, k, s, n, (size_t)r % copies * wb, q, as, xq);
+    }
+    CUDA_OK(cudaEventRecord(e1, c->stream));
+    CUDA_OK(cudaEventSynchronize(e1));
+    float ms = 0;
+    CUDA_OK(cudaEventElapsedTime(&ms, e0, e1));
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+    return 1000.0 * ms / c->reps;
+}
+
+/* The FP8 products of the decode step at n = 1 (shapes as time_chain, without the LM head) as one
+ * graph: ms per replay, and the codes and scales read in *bytes. */
+static double fp8_chain(struct ctx *c, enum fp8_kind k, uint8_t *q, float *as, float *xq, double *bytes)
+{
+    static const char pattern[] = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-";
+    cudaGraph_t g = NULL;
+    cudaGraphExec_t exec = NULL;
+    size_t off = 0;
+    int ok = 1;
+    *bytes = 0;
+    CUDA_OK(cudaStreamSynchronize(c->stream));
+    CUDA_OK(cudaStreamBeginCapture(c->stream, cudaStreamCaptureModeThreadLocal));
+    for (int l = 0; l < (int)sizeof pattern - 1 && ok; l++) {
+        const char t = pattern[l];
+        const struct shape *sh[2] = {t == 'M' ? &shapes[0] : t == '-' ? &shapes[2] : &shapes[4],
+                                     t == 'M' ? &shapes[1] : t == '-' ? &shapes[3] : &shapes[5]};
+        for (int i = 0; i < 2; i++) {
+            const size_t wb = (fp8_bytes(sh[i]) + 512 + 255) / 256 * 256;
+            if (off + wb > c->pool_bytes) {
+                off = 0;
+            }
+            ok &= fp8_run(c, k, sh[i], 1, off, q, as, xq) == 0;
+            off += wb;
+            *bytes += (double)fp8_bytes(sh[i]);
+        }
+    }
+    CUDA_OK(cudaStreamEndCapture(c->stream, &g));
+    double ms = -1;
+    if (ok && cudaGraphInstantiate(&exec, g, 0) == cudaSuccess) {
+        cudaEvent_t e0, e1;
+        CUDA_OK(cudaEventCreate(&e0));
+        CUDA_OK(cudaEventCreate(&e1));
+        CUDA_OK(cudaGraphLaunch(exec, c->stream));
+        CUDA_OK(cudaEventRecord(e0, c->stream));
+        for (int r = 0; r < 10; r++) {
+            CUDA_OK(cudaGraphLaunch(exec, c->stream));
+        }
+        CUDA_OK(cudaEventRecord(e1, c->stream));
+        CUDA_OK(cudaEventSynchronize(e1));
+        float f = 0;
+        CUDA_OK(cudaEventElapsedTime(&f, e0, e1));
+        ms = f / 10.0;
+        cudaEventDestroy(e0);
+        cudaEventDestroy(e1);
+        cudaGraphExecDestroy(exec);
+    }
+    if (g) {
+        cudaGraphDestroy(g);
+    }
+    (void)cudaGetLastError();
+    return ms;
+}
+
+static void fp8_bench(struct ctx *c, const int *ns, int n_ns, int64_t max_cols)
+{
+    uint8_t *q = NULL;
+    float *as = NULL, *xq = NULL;
+    CUDA_OK(cudaMalloc((void **)&q, (size_t)16 * (size_t)max_cols));
+    CUDA_OK(cudaMalloc((void **)&as, (size_t)16 * (size_t)(max_cols / 128) * 4));
+    CUDA_OK(cudaMalloc((void **)&xq, (size_t)16 * (size_t)max_cols * 4));
+    CUDA_OK(cudaMemset(q, 0x38, (size_t)16 * (size_t)max_cols)); /* codes of 1.0 for the skinny alone */
+    CUDA_OK(cudaMemset(as, 0, (size_t)16 * (size_t)(max_cols / 128) * 4));
+    /* codes 0x38 (1.0) and scales of 2^-10 in every copy: finite sums whatever the kernel */
+    {
+        const size_t n = c->pool_bytes / 4;
+        float *h = malloc(c->pool_bytes);
+        if (!h) {
+            fprintf(stderr, "bench_gemv: out of host memory\n");
+            exit(1);
+        }
+        for (size_t i = 0; i < n; i++) {
+            h[i] = 0x1p-10f;
+        }
+        CUDA_OK(cudaMemcpy(c->pool, h, c->pool_bytes, cudaMemcpyHostToDevice));
+        free(h);
+    }
+    printf("\nFP8 weights (128 x 128 blocks; us per product and the read rate of codes + scales):\n\n| kernel | n |");
+    for (int i = 0; i < N_SHAPES; i++) {
+        printf(" %s |", shapes[i].name);
+    }
+    printf(" products of a step (no LM head) |\n|---|---|");
+    for (int i = 0; i <= N_SHAPES; i++) {
+        printf("---|");
+    }
+    printf("\n");
+    for (int in = 0; in < n_ns; in++) {
+        const int n = ns[in];
+        if (n > 16) {
+            continue;
+        }
+        for (int k = 0; k < F_KINDS; k++) {
+            printf("| %s | %d |", fp8_names[k], n);
+            double step = 0;
+            for (int i = 0; i < N_SHAPES; i++) {
+                if (i == 6) { /* the LM head is bf16 in an FP8 model */
+                    printf(" - |");
+                    continue;
+                }
+                const double us = fp8_time(c, (enum fp8_kind)k, &shapes[i], n, q, as, xq);
+                if (us < 0) {
+                    printf(" refused |");
+                    continue;
+                }
+                printf(" %.1f us, %.2f TB/s |", us, (double)fp8_bytes(&shapes[i]) / (us * 1e-6) / 1e12);
+                step += us * shapes[i].per_step;
+            }
+            printf(" %.3f ms |\n", step / 1000.0);
+            fflush(stdout);
+        }
+    }
+    printf("\nThe step's FP8 products at n = 1 as one graph:\n\n| kernels | ms per step | TB/s |\n|---|---|---|\n");
+    for (int k = F_SKINNY; k < F_KINDS; k++) {
+        double bytes = 0;
+        const double ms = fp8_chain(c, (enum fp8_kind)k, q, as, xq, &bytes);
+        printf("| %s | %.3f | %.2f |\n", fp8_names[k], ms, bytes / (ms * 1e-3) / 1e12);
+        fflush(stdout);
+    }
+    cudaFree(q);
+    cudaFree(as);
+    cudaFree(xq);
+}
+
 int main(int argc, char **argv)
 {
     int ns[16] = {1, 16, 32}, n_ns = 3, reps = 40;
@@ -278,7 +474,9 @@ int main(int argc, char **argv)
     static const struct option lo[] = {{"n", required_argument, 0, 'n'},
                                        {"reps", required_argument, 0, 'r'},
                                        {"json", required_argument, 0, 'j'},
+                                       {"fp8", no_argument, 0, 'f'},
                                        {0, 0, 0, 0}};
+    bool fp8 = false;
     int ch;
     while ((ch = getopt_long(argc, argv, "", lo, NULL)) != -1) {
         if (ch == 'n') {
@@ -290,8 +488,10 @@ int main(int argc, char **argv)
             reps = atoi(optarg);
         } else if (ch == 'j') {
             json = optarg;
+        } else if (ch == 'f') {
+            fp8 = true;
         } else {
-            fprintf(stderr, "usage: bench_gemv [--n 1,16,32] [--reps N] [--json FILE]\n");
+            fprintf(stderr, "usage: bench_gemv [--n 1,16,32] [--reps N] [--json FILE] [--fp8]\n");
             return 2;
         }
     }
@@ -349,6 +549,11 @@ int main(int argc, char **argv)
     }
     char dev[128] = "cuda";
     krk_device_describe(0, dev, sizeof dev);
+    if (fp8) {
+        CUDA_OK(cudaMemset(c.x, 0, (size_t)MAX_N * (size_t)max_cols * 4));
+        fp8_bench(&c, ns, n_ns, max_cols);
+        return 0;
+    }
     FILE *jf = json ? fopen(json, "w") : NULL;
     printf("device: %s; %d products per figure, each on a different copy of the weight (pool %.1f GiB)%s\n\n", dev,
            reps, (double)c.pool_bytes / (1u << 30), kr_switches_given(&sw, "KRAIT_PDL") ? "; KRAIT_PDL set" : "");

@@ -39,6 +39,7 @@ TestSuite(fp8_gpu, .timeout = 600);
  * block magnitudes varying over two decades (so that a misplaced scale shows). */
 struct fw {
     int64_t rows, cols, br, bc, sr, sc;
+    bool ue8m0; /* the activations' scales as powers of two (the matrix's act_ue8m0) */
     uint8_t *q;
     float *s;
     uint8_t *dq;
@@ -104,7 +105,7 @@ static struct ref ref_make(const float *x, int64_t n, const struct fw *w)
     for (int64_t t = 0; t < n; t++) {
         for (int64_t kb = 0; kb < nkb; kb++) {
             const int64_t c0 = kb * w->bc, len = w->cols - c0 < w->bc ? w->cols - c0 : w->bc;
-            cr_assert_eq(kr_fp8_act_quant(x + t * w->cols + c0, len, len, false, f.aq + t * w->cols + c0,
+            cr_assert_eq(kr_fp8_act_quant(x + t * w->cols + c0, len, len, w->ue8m0, f.aq + t * w->cols + c0,
                                           f.as + t * nkb + kb), KR_OK);
         }
     }
@@ -700,7 +701,7 @@ ParameterizedTest(int *idx, fp8_gpu, models_match_the_cpu_recipe)
         cr_assert(a->rows == b->rows && a->cols == b->cols && a->block_r == b->block_r && a->block_c == b->block_c);
         const struct fw h = {.rows = b->rows, .cols = b->cols, .br = b->block_r, .bc = b->block_c,
                              .sr = (b->rows + b->block_r - 1) / b->block_r, .sc = (b->cols + b->block_c - 1) / b->block_c,
-                             .q = (uint8_t *)b->data, .s = (float *)b->scale};
+                             .q = (uint8_t *)b->data, .s = (float *)b->scale, .ue8m0 = b->act_ue8m0};
         for (int64_t n = 3; n <= 40; n += 37) { /* decode rows; a prefill's (cuBLASLt where it takes them) */
             float *x = act_make(&r, n, h.cols);
             struct ref f = ref_make(x, n, &h);
