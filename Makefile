@@ -16,7 +16,7 @@ FUZZ_JOBS ?= 1
 MODEL ?= models/tiny-hybrid
 PORT ?= 8000
 
-.PHONY: deps build build-krait serve test test-sdk test-cuda-build fuzz fuzz-build fuzz-merge bench clean
+.PHONY: deps build build-krait serve test test-sdk test-deploy test-cuda-build fuzz fuzz-build fuzz-merge bench clean
 
 deps:
 	@./tools/install-deps.sh
@@ -42,6 +42,7 @@ test: deps
 	cd $(TEST_BUILD) && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
 	  ctest --output-on-failure -j $(JOBS)
 	@$(MAKE) --no-print-directory test-sdk
+	@$(MAKE) --no-print-directory test-deploy
 	@$(MAKE) --no-print-directory test-cuda-build
 
 # OpenAI Node SDK compatibility (runs wherever node and npm are present, as in CI).
@@ -50,6 +51,15 @@ test-sdk:
 	  cd tests/sdk && npm ci --no-audit --no-fund --silent && \
 	  ASAN_OPTIONS=detect_leaks=1 node test.mjs ../../$(TEST_BUILD)/krait ../../models/tiny-hybrid; \
 	else echo "node/npm not found: skipping the OpenAI SDK compatibility test"; fi
+
+# deploy/: every Kustomize overlay rendered and validated offline against the Kubernetes API and CRD
+# schemas, and against the flags and defaults of the krait just built; the Dockerfiles linted
+# (tests/deploy/check.mjs, docs/DEPLOY.md). Runs wherever node and npm are present, as in CI.
+test-deploy:
+	@if command -v node >/dev/null 2>&1 && command -v npm >/dev/null 2>&1; then \
+	  cd tests/deploy && npm ci --no-audit --no-fund --silent && \
+	  ASAN_OPTIONS=detect_leaks=1 node check.mjs ../../$(TEST_BUILD)/krait; \
+	else echo "node/npm not found: skipping the deployment manifests check"; fi
 
 # The CUDA build must keep compiling wherever nvcc exists; its GPU tests run (tests/gpu/run.sh on a GPU
 # machine) or skip with a message where no GPU is present.

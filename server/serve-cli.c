@@ -88,11 +88,60 @@ static void usage(FILE *f)
             "  --log-level LEVEL               debug | info | warn | error                   [KRAIT_LOG_LEVEL]\n"
             "  --port-file FILE                write the bound port there once listening\n"
             "  --help-env                      the KRAIT_* tuning switches: values, defaults, what each does\n"
+            "  --defaults-json                 every flag, whether it takes a value, and its default, as JSON\n"
+            "                                  (what deployment manifests are checked against)\n"
             "\n"
             "A full waiting queue answers 429 Too Many Requests with Retry-After: 1 (503 means loading or\n"
             "draining). /health and /metrics stay open without an API key. Exit status: 0 after SIGTERM,\n"
             "1 when the model cannot load (or a node was refused or missing at start), 2 for bad flags, 3 when\n"
             "the compute device failed for good or a node of the group was lost (restart the process).\n");
+}
+
+/* --defaults-json: the flags as getopt knows them and the defaults kr_serve_opts_default sets, so that
+ * manifests are checked against the binary rather than against a copy of this list (tests/deploy). */
+static void print_defaults(const struct option *opts)
+{
+    struct kr_serve_opts d;
+    kr_serve_opts_default(&d);
+    json_t *flags = json_object();
+    for (const struct option *p = opts; p->name; p++) {
+        const bool value = p->has_arg == required_argument;
+        json_object_set_new(flags, p->name, json_pack("{s:b,s:n}", "value", value, "default"));
+    }
+    struct {
+        const char *name;
+        json_t *v;
+    } defs[] = {
+        {"host", json_string(d.host)},
+        {"port", json_integer(d.port)},
+        {"max-num-seqs", json_integer(d.max_num_seqs)},
+        {"max-num-batched-tokens", json_integer(d.max_num_batched_tokens)},
+        {"block-size", json_integer(d.block_size)},
+        {"prefix-cache-state-interval", json_integer(d.prefix_state_interval)},
+        {"max-request-bytes", json_integer((json_int_t)d.max_body_bytes)},
+        {"max-request-memory", json_integer((json_int_t)d.max_request_memory)},
+        {"max-connections", json_integer(d.max_connections)},
+        {"max-connections-per-ip", json_integer(d.max_connections_per_ip)},
+        {"header-timeout", json_real(d.header_timeout_s)},
+        {"body-timeout", json_real(d.body_timeout_s)},
+        {"shutdown-timeout", json_real(d.drain_timeout_s)},
+        {"device", json_string(d.device)},
+        {"gpu-memory-utilization", json_real(d.gpu_mem_util)},
+        {"tensor-parallel-size", json_integer(d.tensor_parallel_size)},
+        {"nnodes", json_integer(d.nnodes)},
+        {"node-rank", json_integer(d.node_rank)},
+        {"master-addr", json_string(d.master_addr)},
+        {"master-port", json_integer(d.master_port)},
+        {"join-timeout", json_real(d.join_timeout_s)},
+        {"enable-prefix-caching", json_boolean(d.prefix_caching)},
+    };
+    for (size_t i = 0; i < sizeof defs / sizeof defs[0]; i++) {
+        json_object_set_new(json_object_get(flags, defs[i].name), "default", defs[i].v);
+    }
+    json_t *root = json_pack("{s:o}", "flags", flags);
+    json_dumpf(root, stdout, JSON_INDENT(1) | JSON_SORT_KEYS);
+    fputc('\n', stdout);
+    json_decref(root);
 }
 
 static int parse_size(const char *opt, const char *s, size_t *out)
@@ -267,6 +316,7 @@ int kr_serve_main(int argc, char **argv)
         O_ALLOW_LONG, O_HELP_ENV, O_PREFIX, O_NO_PREFIX, O_PREFIX_INTERVAL, O_PREFIX_SNAPS,
         O_REQMEM, O_MAXCONN, O_MAXCONN_IP, O_HDR_TIMEOUT, O_BODY_TIMEOUT, O_ORIGINS, O_METHODS, O_HEADERS,
         O_CREDENTIALS, O_TP, O_QUANT, O_KVDT, O_NNODES, O_NODE_RANK, O_MASTER_ADDR, O_MASTER_PORT, O_JOIN_TIMEOUT,
+        O_DEFAULTS_JSON,
     };
     static const char *origins[MAX_CORS], *methods[MAX_CORS], *headers[MAX_CORS];
     static const struct option longopts[] = {
@@ -317,6 +367,7 @@ int kr_serve_main(int argc, char **argv)
         {"allow-credentials", no_argument, NULL, O_CREDENTIALS},
         {"help", no_argument, NULL, O_HELP},
         {"help-env", no_argument, NULL, O_HELP_ENV},
+        {"defaults-json", no_argument, NULL, O_DEFAULTS_JSON},
         {NULL, 0, NULL, 0},
     };
     for (int i = 2; i < argc; i++) { /* vLLM's short name */
@@ -577,6 +628,9 @@ int kr_serve_main(int argc, char **argv)
             return 0;
         case O_HELP_ENV:
             kr_switches_print(stdout);
+            return 0;
+        case O_DEFAULTS_JSON:
+            print_defaults(longopts);
             return 0;
         default:
             usage(stderr);
