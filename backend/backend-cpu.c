@@ -959,7 +959,7 @@ static enum kr_status cpu_dsa_index(kr_backend_t be, const struct krk_dsa_index_
             float acc = 0.0f;
             for (int64_t h = 0; h < p->n_head; h++) {
                 const float d = dot(iq + h * p->head_dim, ik, p->head_dim);
-                acc += w[h] * (d > 0.0f ? d : 0.0f);
+                acc += w[h] * (d > 0.0f || p->no_relu ? d : 0.0f);
             }
             sc[j].score = acc;
             sc[j].pos = j;

@@ -90,7 +90,7 @@ enum kr_status kr_cache_create_plan(const struct kr_model *m, const struct kr_ca
             if (L->type != KR_LAYER_DSA && L->type != KR_LAYER_MLA) {
                 continue;
             }
-            const size_t row_bytes = latent_row_bytes(m, L->type == KR_LAYER_DSA);
+            const size_t row_bytes = latent_row_bytes(m, L->mla.has_indexer); /* index keys where indexed */
             c->mla_row[L->cache_idx] = (int64_t)(c->fp8 ? row_bytes : row_bytes / act);
             c->mla_off[L->cache_idx] = total;
             total += (size_t)n_blocks * (size_t)block_size * row_bytes;
@@ -222,7 +222,7 @@ void kr_cache_unit_bytes(const struct kr_model *m, int32_t block_size, size_t *s
     for (int32_t i = 0; i < cfg->n_layer; i++) {
         const char t = cfg->pattern[i];
         if (t == KR_LAYER_DSA || t == KR_LAYER_MLA) {
-            bb += (size_t)block_size * latent_row_bytes(m, t == KR_LAYER_DSA);
+            bb += (size_t)block_size * latent_row_bytes(m, t == KR_LAYER_DSA && kr_model_config_topk_source(cfg, i) == i);
         }
     }
     *slot_bytes = sb;

@@ -239,6 +239,16 @@ int32_t kr_model_config_count(const struct kr_model_config *cfg, enum kr_layer_t
     return n;
 }
 
+int32_t kr_model_config_topk_source(const struct kr_model_config *cfg, int32_t layer)
+{
+    const int64_t freq = cfg->idx_topk_freq > 1 ? cfg->idx_topk_freq : 1;
+    const int64_t off = cfg->idx_skip_offset > 1 ? cfg->idx_skip_offset : 1, ln = (int64_t)layer + 1;
+    if (freq == 1 || ln <= off) {
+        return layer;
+    }
+    return (int32_t)(ln - (ln - off) % freq - 1);
+}
+
 /* Positive-integer check with a message naming the key. */
 static enum kr_status need_pos(int64_t v, const char *path, const char *key, struct kr_err *err)
 {
@@ -433,6 +443,24 @@ static enum kr_status parse_mla(struct kr_model_config *cfg, const struct kr_jso
         }
         KR_TRY(get_float(root, path, KEYS("index_k_norm_eps", "dsa_indexer_k_norm_epsilon"), 1e-6, &d, err));
         cfg->idx_eps = (float)d;
+        KR_TRY(get_bool(root, path, KEYS("index_scoring_relu", "dsa_indexer_scoring_relu"), true, &cfg->idx_relu,
+                        err));
+        KR_TRY(get_int(root, path, KEYS("index_topk_freq", "dsa_indexer_topk_freq"), false, 1, &cfg->idx_topk_freq,
+                       err));
+        KR_TRY(need_pos(cfg->idx_topk_freq, path, "index_topk_freq", err));
+        KR_TRY(get_int(root, path, KEYS("index_skip_topk_offset", "dsa_indexer_skip_topk_offset"), false, 0,
+                       &cfg->idx_skip_offset, err));
+        KR_TRY(need_dim(cfg->idx_skip_offset, true, path, "index_skip_topk_offset", err));
+        /* a layer sharing a selection needs a D layer with an indexer at its source */
+        for (int32_t i = 0; i < cfg->n_layer; i++) {
+            const int32_t src = kr_model_config_topk_source(cfg, i);
+            if (cfg->pattern[i] == KR_LAYER_DSA && src != i && cfg->pattern[src] != KR_LAYER_DSA) {
+                return kr_err_set(err, KR_ERR_FORMAT,
+                                  "%s: with index_topk_freq %lld and index_skip_topk_offset %lld, D layer %d would "
+                                  "reuse the top-k of layer %d, which is not a D layer",
+                                  path, (long long)cfg->idx_topk_freq, (long long)cfg->idx_skip_offset, i, src);
+            }
+        }
     }
     return parse_rope(cfg, root, path, err);
 }
@@ -777,7 +805,14 @@ static enum kr_status parse_deepseek_v32(struct kr_model_config *cfg, const stru
     int64_t mtp;
     KR_TRY(get_int(root, path, KEYS("num_nextn_predict_layers"), false, 0, &mtp, err));
     cfg->n_mtp_layers = (int32_t)(mtp > 0 && mtp < 64 ? mtp : 0);
-    return parse_mla(cfg, root, path, err);
+    KR_TRY(parse_mla(cfg, root, path, err));
+    if (cfg->idx_topk_freq > 1) { /* the layer numbering of shared selections is the hybrid stack's */
+        return kr_err_set(err, KR_ERR_UNSUPPORTED,
+                          "%s: index_topk_freq %lld (D layers sharing top-k selections) is supported in the hybrid "
+                          "layout (model_type nemotron_h with D layers), not in deepseek_v32",
+                          path, (long long)cfg->idx_topk_freq);
+    }
+    return KR_OK;
 }
 
 enum kr_status kr_model_config_from_json(struct kr_model_config *cfg, const struct kr_json *root,

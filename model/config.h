@@ -89,6 +89,9 @@ struct kr_model_config {
     int64_t idx_topk;          /* index_topk: K */
     float mla_eps;             /* eps of the q/kv latent RMSNorms (rms_norm_eps) */
     float idx_eps;             /* eps of the indexer key LayerNorm (1e-6) */
+    int64_t idx_topk_freq;     /* index_topk_freq: 1, or D layers share top-k selections (below) */
+    int64_t idx_skip_offset;   /* index_skip_topk_offset */
+    bool idx_relu;             /* index_scoring_relu: ReLU on each head's q.k before the weighted sum */
     float mla_scale;           /* softmax scale: (Dn+Dr)^-0.5 * mscale(factor, mscale_all_dim)^2 */
     float rope_attn_factor;    /* cos/sin multiplier (YaRN attention factor; 1 without YaRN) */
     float rope_inv_freq[256];  /* [Dr/2] rotary frequencies after YaRN correction */
@@ -130,6 +133,12 @@ enum kr_status kr_model_config_shard(struct kr_model_config *cfg, int32_t rank, 
 
 /* Counts of each layer type. */
 int32_t kr_model_config_count(const struct kr_model_config *cfg, enum kr_layer_type t);
+
+/* The layer whose indexer selection D layer `layer` (0-based) attends with: itself, or with
+ * index_topk_freq > 1 (Megatron's dsa_indexer_topk_freq / skip_topk_offset, layer numbers 1-based
+ * over the whole hybrid stack) an earlier D layer whose top-k it reuses; such a layer has no
+ * indexer of its own. */
+int32_t kr_model_config_topk_source(const struct kr_model_config *cfg, int32_t layer);
 
 const char *kr_act_name(enum kr_act a);
 

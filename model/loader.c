@@ -917,7 +917,9 @@ static enum kr_status load_layers(struct loader *ld)
         case KR_LAYER_DSA:
         case KR_LAYER_MLA:
             L->cache_idx = m->n_mla++;
-            KR_TRY(load_mla(ld, base, L->type == KR_LAYER_DSA, &L->mla));
+            /* a D layer reusing an earlier layer's top-k (index_topk_freq) has no indexer */
+            KR_TRY(load_mla(ld, base, L->type == KR_LAYER_DSA && kr_model_config_topk_source(c, i) == i, &L->mla));
+            L->mla.shares_topk = L->type == KR_LAYER_DSA && !L->mla.has_indexer;
             break;
         default:
             return kr_err_set(ld->err, KR_ERR_UNSUPPORTED, "%s: layer %d: unsupported layer type '%c'", m->dir, i,

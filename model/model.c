@@ -457,14 +457,17 @@ static enum kr_status mla_fwd(struct kr_model *m, struct kr_cache *cache, const 
     /* When no query of the step sees more than index_topk keys, the indexer would select every
      * visible key: its query side (projections, scores, selection) is skipped and the layer attends
      * densely over the same keys. The new keys are still indexed for later queries. */
-    const bool select = w->has_indexer && ws->dsa_select;
+    const bool select = (w->has_indexer || w->shares_topk) && ws->dsa_select;
+    /* a layer sharing a selection attends with the one the last indexed D layer left in ws->m_idx (no
+     * layer between them selects); it runs no indexer of its own */
+    const bool own = select && w->has_indexer;
     /* every product of the layer input at once: q_a (or q), kv_a, the indexer key and head weights */
     struct kr_matmul_part in[4] = {{&w->q_a, NULL, Rq ? ws->m_cq : q, Rq ? Rq : H * qd},
                                    {&w->kv_a, NULL, ws->m_kva, Rkv + Dr}};
     int n_in = 2;
     if (w->has_indexer) {
         in[n_in++] = (struct kr_matmul_part){&w->idx_wk, NULL, ws->m_ik, Di};
-        if (select) {
+        if (own) {
             in[n_in++] = (struct kr_matmul_part){&w->idx_w, NULL, ws->m_w, Hi};
         }
     }
@@ -494,7 +497,7 @@ static enum kr_status mla_fwd(struct kr_model *m, struct kr_cache *cache, const 
         .ik_norm_b = w->idx_k_norm_b,
         .idx_eps = c->idx_eps,
         .ik_fp8 = w->has_indexer && m->idx_fp8 ? &fk : NULL,
-        .w = select ? ws->m_w : NULL,
+        .w = own ? ws->m_w : NULL,
         .n_w = Hi,
         .w_scale = (float)(1.0 / sqrt((double)Hi) / sqrt((double)Di)),
         .cache = lat,
@@ -507,8 +510,8 @@ static enum kr_status mla_fwd(struct kr_model *m, struct kr_cache *cache, const 
         ld_cq = Rq;
         /* q_b and the indexer's query projection read the same normalised q latent */
         const struct kr_matmul_part qp[2] = {{&w->q_b, NULL, q, H * qd}, {&w->idx_wq_b, NULL, iq, Hi * Di}};
-        KR_TRY(kr_backend_matmul_multi(be, cq, Rq, n, select ? 2 : 1, qp, &room));
-    } else if (select) {
+        KR_TRY(kr_backend_matmul_multi(be, cq, Rq, n, own ? 2 : 1, qp, &room));
+    } else if (own) {
         KR_TRY(kr_backend_matmul(be, cq, ld_cq, n, &w->idx_wq_b, NULL, iq, Hi * Di, &room));
     }
     /* interleaved RoPE on q_pe (each head's last Dr dims); with the indexer, half-split RoPE on the
@@ -519,9 +522,9 @@ static enum kr_status mla_fwd(struct kr_model *m, struct kr_cache *cache, const 
     const struct krk_rope_params ri = {.x = iq, .ld = Hi * Di, .n_vec = Hi, .stride = Di, .off = 0, .dim = Dr,
                                        .interleaved = false, .inv_freq = m->rope_inv_freq,
                                        .factor = c->rope_attn_factor};
-    KR_TRY(select ? kr_backend_rope_pair(be, &rq, &ri) : kr_backend_rope(be, &rq));
-    m->idx_query_rows += select ? (uint64_t)n : 0;
-    if (select) {
+    KR_TRY(own ? kr_backend_rope_pair(be, &rq, &ri) : kr_backend_rope(be, &rq));
+    m->idx_query_rows += own ? (uint64_t)n : 0;
+    if (own) {
         if (m->idx_fp8) { /* rotate and quantize queries as the reference's FP8 kernels see them */
             struct krk_fp8_round_params fq = {.x = iq, .ld = Di, .n = n * Hi, .dim = Di, .block = Di_blk,
                                              .hadamard = true, .ue8m0 = c->fp8_ue8m0};
@@ -532,11 +535,12 @@ static enum kr_status mla_fwd(struct kr_model *m, struct kr_cache *cache, const 
     /* the selection runs as part of the attention (a backend may overlap it with the absorption) */
     const struct krk_dsa_index_params ip = {.iq = iq, .w = ws->m_w, .n_head = Hi, .head_dim = Di, .cache = lat,
                                             .row = row, .key_off = cache->mla_key_off, .block_size = cache->block_size,
-                                            .topk = topk, .idx = ws->m_idx, .fp8 = cache->fp8};
+                                            .topk = topk, .idx = ws->m_idx, .fp8 = cache->fp8,
+                                            .no_relu = !c->idx_relu};
     struct krk_mla_attn_params ap = {.q = q, .n_head = H, .nope = Dn, .rope = Dr, .v_dim = c->v_head, .kv_lora = Rkv,
                                      .kv_b = w->kv_b, .cache = lat, .row = row, .block_size = cache->block_size,
                                      .idx = select ? ws->m_idx : NULL, .topk = topk, .scale = c->mla_scale,
-                                     .out = ws->y, .select = select ? &ip : NULL, .fp8 = cache->fp8};
+                                     .out = ws->y, .select = own ? &ip : NULL, .fp8 = cache->fp8};
     KR_TRY(kr_backend_mla_attention(be, &ap));
     if (w->has_indexer && m->on_index) {
         const size_t nb = (size_t)n * (size_t)topk * sizeof(int32_t);

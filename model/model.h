@@ -66,7 +66,9 @@ struct kr_mla_w {
     const float *kv_a_norm;     /* [kv_lora] or NULL */
     const float *kv_b;          /* [H*(Dn+Dv), kv_lora] fp32: per head [W_UK (Dn rows) | W_UV (Dv rows)] */
     struct kr_tensor o;         /* [dim, H*Dv] */
-    bool has_indexer;           /* D layers */
+    bool has_indexer;           /* D layers (but those sharing a selection) */
+    bool shares_topk;           /* a D layer attending with the selection of the last D layer with an
+                                   indexer (kr_model_config_topk_source) */
     struct kr_tensor idx_wq_b;  /* [Hi*Di, q_lora] (or [Hi*Di, dim] without q latent) */
     struct kr_tensor idx_wk;    /* [Di, dim] */
     const float *idx_k_norm_w;  /* [Di] LayerNorm weight */

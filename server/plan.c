@@ -193,7 +193,7 @@ static struct pools pools_of(const struct kr_model *m, int32_t block, size_t elt
             p.latent += kv8 ? (uint64_t)krk_fp8_latent_bytes(c->kv_lora, c->qk_rope)
                             : (uint64_t)(c->kv_lora + c->qk_rope) * elt;
         }
-        if (t == KR_LAYER_DSA) {
+        if (t == KR_LAYER_DSA && kr_model_config_topk_source(c, i) == i) { /* layers sharing a selection keep no keys */
             p.indexer += kv8 ? (uint64_t)krk_fp8_key_bytes(c->idx_head_dim) : (uint64_t)c->idx_head_dim * elt;
         }
     }

@@ -1,5 +1,6 @@
 // Lightning indexer + top-k (krk_dsa_index), in two phases per group of tokens:
-//  1. dsa_score_kernel: I[t,s] = sum_h w[t,h] relu(iq[t,h] . ik[s]) for every cached position
+//  1. dsa_score_kernel: I[t,s] = sum_h w[t,h] relu(iq[t,h] . ik[s]) (without the ReLU when no_relu)
+//     for every cached position
 //     s <= pos(t), fp32, into the workspace [group, max_ctx]. Grid (key tiles, tokens); a block
 //     loads its tile of 32 keys once and scores it against every head of its token.
 //  2. dsa_select_kernel: one block per token finds the exact k-th largest score by a 4-pass radix
@@ -13,6 +14,7 @@
 #include "mla/mla-common.cuh"
 
 #include <algorithm>
+#include <cmath>
 
 namespace {
 
@@ -74,7 +76,7 @@ __global__ void __launch_bounds__(kScoreThreads)
         for (int64_t i = 0; i < hd; i++) {
             d = fmaf(__ldg(q + i), k[i], d);
         }
-        acc = fmaf(__ldg(w + h), d > 0.0f ? d : 0.0f, acc);
+        acc = fmaf(__ldg(w + h), d > 0.0f || p.no_relu ? d : 0.0f, acc);
     }
     part[warp * kScoreKeys + lane] = acc;
     __syncthreads();
@@ -185,10 +187,11 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
             }
             // rows h0 + g and h0 + g + 8, columns 2 q4 and 2 q4 + 1 of each n-tile
             const float w0 = ws[h0 + g], w1 = ws[h0 + g + 8];
+            const float lo = p.no_relu ? -INFINITY : 0.0f; // ReLU, or the products as they are
 #pragma unroll
             for (int n = 0; n < kMmaKeys / 8; n++) {
-                sum[n][0] += w0 * fmaxf(acc[n][0], 0.0f) + w1 * fmaxf(acc[n][2], 0.0f);
-                sum[n][1] += w0 * fmaxf(acc[n][1], 0.0f) + w1 * fmaxf(acc[n][3], 0.0f);
+                sum[n][0] += w0 * fmaxf(acc[n][0], lo) + w1 * fmaxf(acc[n][2], lo);
+                sum[n][1] += w0 * fmaxf(acc[n][1], lo) + w1 * fmaxf(acc[n][3], lo);
             }
         }
 #pragma unroll

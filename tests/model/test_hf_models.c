@@ -21,7 +21,7 @@
 #define FP8_MIN_OVERLAP 0.85
 
 #define N_FIXTURES FX_N_ALL
-static int fixture_idx[N_FIXTURES] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9};
+static int fixture_idx[N_FIXTURES] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11};
 _Static_assert(sizeof fixture_idx / sizeof fixture_idx[0] == N_FIXTURES, "one index per fixture");
 
 #define FIXTURE_PARAMS(test)                                                                       \
@@ -206,7 +206,7 @@ ParameterizedTest(int *idx, hf_models, mixed_batch_equals_alone)
 
 /* ---- DSA-specific checks ------------------------------------------------------------------------ */
 
-static int dsa_fixture_idx[] = {5, 6, 7, 8, 9};
+static int dsa_fixture_idx[] = {5, 6, 7, 8, 9, 10, 11};
 #define N_DSA ((int)(sizeof dsa_fixture_idx / sizeof dsa_fixture_idx[0]))
 
 /* Collects the selections of every D layer of a run, in call order. */
@@ -232,12 +232,13 @@ static void on_index(void *user, int32_t layer, const struct kr_batch *b, const 
     memcpy(cap->idx[i], idx, (size_t)b->n_tok * (size_t)topk * sizeof(int32_t));
 }
 
-/* Ordinal of layer `layer` among the D layers (calls come per step in layer order). */
+/* The ordinal of an indexed D layer among the indexed ones (those sharing a selection have none;
+ * calls come per step in layer order). */
 static int32_t d_ordinal(const struct kr_model_config *c, int32_t layer)
 {
     int32_t ord = 0;
     for (int32_t l = 0; l < layer; l++) {
-        ord += c->pattern[l] == KR_LAYER_DSA;
+        ord += c->pattern[l] == KR_LAYER_DSA && kr_model_config_topk_source(c, l) == l;
     }
     return ord;
 }
@@ -281,7 +282,7 @@ ParameterizedTest(int *idx, hf_models, index_sets_match_hf)
     struct fx f;
     fx_load(&f, fx_all[*idx].family, name, 2, 2);
     const int32_t K = (int32_t)f.m->cfg.idx_topk;
-    int32_t n_d = kr_model_config_count(&f.m->cfg, KR_LAYER_DSA);
+    const int32_t n_d = d_ordinal(&f.m->cfg, f.m->cfg.n_layer);
     cr_assert_gt(n_d, 0);
     static const int32_t chunks[] = {0, 3};
     for (size_t ci = 0; ci < 2; ci++) {
@@ -519,7 +520,7 @@ ParameterizedTest(int *idx, hf_models, short_contexts_skip_the_indexer_queries)
     struct fx f;
     fx_load(&f, fx_all[*idx].family, name, 2, 2);
     const int64_t K = f.m->cfg.idx_topk;
-    const int32_t n_d = kr_model_config_count(&f.m->cfg, KR_LAYER_DSA);
+    const int32_t n_d = d_ordinal(&f.m->cfg, f.m->cfg.n_layer); /* the layers with an indexer */
     int32_t n_short = 0;
     for (int32_t i = 0; i < f.n_prompts; i++) {
         struct fx_prompt *p = &f.prompts[i];

@@ -458,6 +458,21 @@ Test(loader, rejects_indexer_heads_that_do_not_match_the_tensors)
     expect_error(KR_ERR_FORMAT, "indexer.", "expected [");
 }
 
+/* Megatron's shared top-k selections: a D layer may only reuse the selection of a D layer with an
+ * indexer (offset 1 makes layer 2 reuse layer 1, a Mamba layer), and the DeepSeek layout has no
+ * hybrid-stack numbering for them. */
+Test(loader, rejects_a_shared_selection_without_a_d_layer_at_its_source)
+{
+    copy_fixture_edit("hybrid/hy_share", "config.json", "\"index_skip_topk_offset\": 3", "\"index_skip_topk_offset\": 1");
+    expect_error(KR_ERR_FORMAT, "index_skip_topk_offset 1", "not a D layer");
+}
+
+Test(loader, rejects_shared_selections_in_the_deepseek_layout)
+{
+    copy_fixture_edit("deepseek_v32/ds_yarn", "config.json", "\"index_topk\": 8", "\"index_topk\": 8, \"index_topk_freq\": 2");
+    expect_error(KR_ERR_UNSUPPORTED, "index_topk_freq 2", "hybrid layout");
+}
+
 Test(loader, rejects_fp8_weights_whose_scales_are_missing)
 {
     copy_fixture_edit("deepseek_v32/ds_fp8", "model.safetensors", "o_proj.weight_scale_inv", "o_proj.weight_scale_inX");

@@ -258,6 +258,8 @@ struct krk_dsa_index_params {
     int32_t *idx;           /* [n_tok, topk] out */
     bool fp8;               /* packed FP8 rows (CUDA, --kv-cache-dtype fp8): row and key_off in bytes, the key
                                head_dim e4m3 codes then their fp32 scales (krk_fp8_key_bytes) */
+    bool no_relu;           /* the heads' q.k enter the weighted sum as they are (Megatron's
+                               dsa_indexer_scoring_relu false), not through ReLU */
 };
 
 /* Absorbed-form MLA attention over the latent cache: per token t at position p and head h,
