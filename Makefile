@@ -16,7 +16,7 @@ FUZZ_JOBS ?= 1
 MODEL ?= models/tiny-hybrid
 PORT ?= 8000
 
-.PHONY: deps build build-krait serve test test-sdk test-deploy test-cuda-build fuzz fuzz-build fuzz-merge bench clean
+.PHONY: deps build build-krait serve test test-sdk test-deploy test-megatron test-cuda-build fuzz fuzz-build fuzz-merge bench clean
 
 deps:
 	@./tools/install-deps.sh
@@ -43,6 +43,7 @@ test: deps
 	  ctest --output-on-failure -j $(JOBS)
 	@$(MAKE) --no-print-directory test-sdk
 	@$(MAKE) --no-print-directory test-deploy
+	@$(MAKE) --no-print-directory test-megatron
 	@$(MAKE) --no-print-directory test-cuda-build
 
 # OpenAI Node SDK compatibility (runs wherever node and npm are present, as in CI).
@@ -60,6 +61,14 @@ test-deploy:
 	  cd tests/deploy && npm ci --no-audit --no-fund --silent && \
 	  ASAN_OPTIONS=detect_leaks=1 node check.mjs ../../$(TEST_BUILD)/krait; \
 	else echo "node/npm not found: skipping the deployment manifests check"; fi
+
+# The Megatron converter (tools/megatron, docs/MEGATRON.md): fixtures of every family written as
+# Megatron checkpoints (torch_dist and legacy, TP/PP/EP splits), converted back, held to the fixtures'
+# tensors bit for bit and to their krait logprobs exactly. Needs PyTorch: Debian's, installed here for
+# this test only (Debian's python3, not another one first on PATH).
+test-megatron:
+	@./tools/install-deps.sh python3-torch
+	/usr/bin/python3 tests/megatron/roundtrip.py --krait $(TEST_BUILD)/krait
 
 # The CUDA build must keep compiling wherever nvcc exists; its GPU tests run (tests/gpu/run.sh on a GPU
 # machine) or skip with a message where no GPU is present.

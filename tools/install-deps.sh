@@ -3,8 +3,10 @@
 # example), skipping those already present: when nothing is missing it exits without calling
 # apt-get. Runs apt-get directly as root, through sudo otherwise, and stops with a message when
 # neither is possible. Needs only sh and dpkg, so it runs before make exists. Safe to run repeatedly.
+# Arguments name further packages a single test needs (make test-megatron: python3-torch), so that
+# serving never pulls them.
 set -eu
-PKGS="build-essential cmake pkg-config libjansson-dev libcriterion-dev libmicrohttpd-dev libuv1-dev libpcre2-dev libutf8proc-dev libsodium-dev libcurl4-openssl-dev python3 curl"
+PKGS="build-essential cmake pkg-config libjansson-dev libcriterion-dev libmicrohttpd-dev libuv1-dev libpcre2-dev libutf8proc-dev libsodium-dev libcurl4-openssl-dev python3 curl $*"
 missing=""
 for p in $PKGS; do
     if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
