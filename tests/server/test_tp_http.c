@@ -187,6 +187,18 @@ Test(tp_http, hybrid_mla_dsa_2_ranks)
     check_family("hybrid/hy_plus", "2");
 }
 
+/* Megatron's shared top-k selections (skip layers attend with the last indexed layer's) and the
+ * ReLU-less indexer score, sharded, batched and restored from the prefix cache as the rest are */
+Test(tp_http, hybrid_shared_topk_2_ranks)
+{
+    check_family("hybrid/hy_share", "2");
+}
+
+Test(tp_http, hybrid_relu_less_indexer_2_ranks)
+{
+    check_family("hybrid/hy_norelu", "2");
+}
+
 Test(tp_http, nemotron_h_moe_2_ranks)
 {
     check_family("nemotron_h/nh_moe", "2");
