@@ -65,10 +65,13 @@ test-deploy:
 # The Megatron converter (tools/megatron, docs/MEGATRON.md): fixtures of every family written as
 # Megatron checkpoints (torch_dist and legacy, TP/PP/EP splits), converted back, held to the fixtures'
 # tensors bit for bit and to their krait logprobs exactly. Needs PyTorch: Debian's, installed here for
-# this test only (Debian's python3, not another one first on PATH).
+# this test only (Debian's python3, not another one first on PATH). Where it cannot be installed (no
+# mirror, no disk) the test says it did not run, as the GPU tests do without a GPU.
 test-megatron:
-	@./tools/install-deps.sh python3-torch
-	/usr/bin/python3 tests/megatron/roundtrip.py --krait $(TEST_BUILD)/krait
+	@./tools/install-deps.sh python3-torch || echo "test-megatron: python3-torch could not be installed"
+	@if /usr/bin/python3 -c 'import torch' 2>/dev/null; then \
+	  /usr/bin/python3 tests/megatron/roundtrip.py --krait $(TEST_BUILD)/krait; \
+	else echo "test-megatron: NOT RUN: Debian's python3 cannot import torch (apt-get install python3-torch)"; fi
 
 # The CUDA build must keep compiling wherever nvcc exists; its GPU tests run (tests/gpu/run.sh on a GPU
 # machine) or skip with a message where no GPU is present.
