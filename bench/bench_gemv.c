@@ -203,6 +203,37 @@ static double time_lt(struct ctx *c, const struct shape *s, int n, int *best, in
     return best_us;
 }
 
+/* A captured graph (freed here) replayed: ms per replay, the mean of 10 after a warm-up; -1 when
+ * !ok or it does not instantiate. */
+static double replay_ms(struct ctx *c, cudaGraph_t g, int ok)
+{
+    cudaGraphExec_t exec = NULL;
+    double ms = -1;
+    if (ok && cudaGraphInstantiate(&exec, g, 0) == cudaSuccess) {
+        cudaEvent_t e0, e1;
+        CUDA_OK(cudaEventCreate(&e0));
+        CUDA_OK(cudaEventCreate(&e1));
+        CUDA_OK(cudaGraphLaunch(exec, c->stream));
+        CUDA_OK(cudaEventRecord(e0, c->stream));
+        for (int r = 0; r < 10; r++) {
+            CUDA_OK(cudaGraphLaunch(exec, c->stream));
+        }
+        CUDA_OK(cudaEventRecord(e1, c->stream));
+        CUDA_OK(cudaEventSynchronize(e1));
+        float f = 0;
+        CUDA_OK(cudaEventElapsedTime(&f, e0, e1));
+        ms = f / 10.0;
+        cudaEventDestroy(e0);
+        cudaEventDestroy(e1);
+        cudaGraphExecDestroy(exec);
+    }
+    if (g) {
+        cudaGraphDestroy(g);
+    }
+    (void)cudaGetLastError();
+    return ms;
+}
+
 /* The decode step's GEMV sequence of the 52-layer model (pattern below), captured as one CUDA
  * graph: the GEMVs alone, then with `small` small kernels (an elementwise add over 4096 floats,
  * the size of a norm's row) before each GEMV, as a step has its norms, convolutions and
@@ -216,7 +247,6 @@ static double time_chain(struct ctx *c, int small, int *n_gemv)
     CUDA_OK(cudaMemset(tmp, 0, 2 * 4096 * sizeof(float)));
     CUDA_OK(cudaStreamSynchronize(c->stream));
     cudaGraph_t g = NULL;
-    cudaGraphExec_t exec = NULL;
     size_t off = 0;
     int ok = 1;
     *n_gemv = 0;
@@ -250,29 +280,7 @@ static double time_chain(struct ctx *c, int small, int *n_gemv)
         }
     }
     CUDA_OK(cudaStreamEndCapture(c->stream, &g));
-    double ms = -1;
-    if (ok && cudaGraphInstantiate(&exec, g, 0) == cudaSuccess) {
-        cudaEvent_t e0, e1;
-        CUDA_OK(cudaEventCreate(&e0));
-        CUDA_OK(cudaEventCreate(&e1));
-        CUDA_OK(cudaGraphLaunch(exec, c->stream));
-        CUDA_OK(cudaEventRecord(e0, c->stream));
-        for (int r = 0; r < 10; r++) {
-            CUDA_OK(cudaGraphLaunch(exec, c->stream));
-        }
-        CUDA_OK(cudaEventRecord(e1, c->stream));
-        CUDA_OK(cudaEventSynchronize(e1));
-        float f = 0;
-        CUDA_OK(cudaEventElapsedTime(&f, e0, e1));
-        ms = f / 10.0;
-        cudaEventDestroy(e0);
-        cudaEventDestroy(e1);
-        cudaGraphExecDestroy(exec);
-    }
-    if (g) {
-        cudaGraphDestroy(g);
-    }
-    (void)cudaGetLastError();
+    const double ms = replay_ms(c, g, ok);
     cudaFree(tmp);
     return ms;
 }
@@ -351,7 +359,6 @@ static double fp8_chain(struct ctx *c, enum fp8_kind k, uint8_t *q, float *as, f
 {
     static const char pattern[] = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-";
     cudaGraph_t g = NULL;
-    cudaGraphExec_t exec = NULL;
     size_t off = 0;
     int ok = 1;
     *bytes = 0;
@@ -372,29 +379,7 @@ static double fp8_chain(struct ctx *c, enum fp8_kind k, uint8_t *q, float *as, f
         }
     }
     CUDA_OK(cudaStreamEndCapture(c->stream, &g));
-    double ms = -1;
-    if (ok && cudaGraphInstantiate(&exec, g, 0) == cudaSuccess) {
-        cudaEvent_t e0, e1;
-        CUDA_OK(cudaEventCreate(&e0));
-        CUDA_OK(cudaEventCreate(&e1));
-        CUDA_OK(cudaGraphLaunch(exec, c->stream));
-        CUDA_OK(cudaEventRecord(e0, c->stream));
-        for (int r = 0; r < 10; r++) {
-            CUDA_OK(cudaGraphLaunch(exec, c->stream));
-        }
-        CUDA_OK(cudaEventRecord(e1, c->stream));
-        CUDA_OK(cudaEventSynchronize(e1));
-        float f = 0;
-        CUDA_OK(cudaEventElapsedTime(&f, e0, e1));
-        ms = f / 10.0;
-        cudaEventDestroy(e0);
-        cudaEventDestroy(e1);
-        cudaGraphExecDestroy(exec);
-    }
-    if (g) {
-        cudaGraphDestroy(g);
-    }
-    (void)cudaGetLastError();
+    const double ms = replay_ms(c, g, ok);
     return ms;
 }
 
