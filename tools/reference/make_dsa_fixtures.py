@@ -1356,47 +1356,17 @@ def to_storage_tensors(stored):
     return out
 
 
-# A float64-spec fixture (spec_ref) needs neither transformers nor the safetensors package: the file format
-# (8-byte little-endian header length, JSON header of dtype / shape / data_offsets, then the raw data) is
-# written and read back here, and the versions name what ran.
+# A float64-spec fixture (spec_ref) needs neither transformers nor the safetensors package: it writes and
+# reads the file with the converter's self-contained safetensors code (tools/megatron/common.py), and the
+# versions name what ran.
 SPEC_HF = {"transformers": type("none", (), {"__version__": "not used"}),
-           "safetensors": type("none", (), {"__version__": "not used (the format written by this script)"})}
-ST_DTYPES = {torch.bfloat16: ("BF16", torch.int16), torch.float32: ("F32", torch.int32)}
+           "safetensors": type("none", (), {"__version__": "not used (tools/megatron/common.py)"})}
 
 
-def save_safetensors(tensors, path):
-    header, blobs, off = {}, [], 0
-    for name in sorted(tensors):
-        t = tensors[name].contiguous()
-        code, as_int = ST_DTYPES[t.dtype]
-        raw = t.view(as_int).numpy().tobytes()  # little-endian hosts (x86, arm64)
-        header[name] = {"dtype": code, "shape": list(t.shape), "data_offsets": [off, off + len(raw)]}
-        blobs.append(raw)
-        off += len(raw)
-    header["__metadata__"] = {"format": "pt"}
-    h = json.dumps(header, separators=(",", ":")).encode()
-    h += b" " * (-len(h) % 8)
-    with open(path, "wb") as f:
-        f.write(len(h).to_bytes(8, "little") + h)
-        for b in blobs:
-            f.write(b)
-
-
-def load_safetensors(path):
-    import numpy as np
-    with open(path, "rb") as f:
-        data = f.read()
-    n = int.from_bytes(data[:8], "little")
-    header = json.loads(data[8:8 + n])
-    out = {}
-    for name, e in header.items():
-        if name == "__metadata__":
-            continue
-        dt = {"BF16": (np.int16, torch.bfloat16), "F32": (np.int32, torch.float32)}[e["dtype"]]
-        a, b = e["data_offsets"]
-        arr = np.frombuffer(data[8 + n + a:8 + n + b], dtype=dt[0]).copy()
-        out[name] = torch.from_numpy(arr).view(dt[1]).reshape(e["shape"])
-    return out
+def st_common():
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "megatron"))
+    import common  # noqa: E402  (tools/megatron/common.py)
+    return common
 
 
 def dequant_loaded(tensors):
@@ -1602,7 +1572,7 @@ def run_fixture(fx, root, device, spec_only=False):
     # ---- write ----
     tensors = to_storage_tensors(stored)
     if spec_ref:
-        save_safetensors(tensors, os.path.join(d, "model.safetensors"))
+        st_common().st_write(os.path.join(d, "model.safetensors"), tensors)
     else:
         hf["st"].save_file(tensors, os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
     cfgd = ds_config_json(fx) if fx["kind"] == "ds" else hybrid_config_json(fx)
@@ -1645,7 +1615,8 @@ def run_fixture(fx, root, device, spec_only=False):
     write_json(os.path.join(d, "reference.json"), ref)
 
     # ---- reload check: files -> dequantize -> HF state -> fresh model -> same logprobs / greedy / index sets ----
-    loaded = (load_safetensors if spec_ref else hf["st"].load_file)(os.path.join(d, "model.safetensors"))
+    loaded = (st_common().st_read_dir_torch(d) if spec_ref
+              else hf["st"].load_file(os.path.join(d, "model.safetensors")))
     check(set(loaded) == set(tensors), f"{name}: reloaded tensor names differ")
     for k, v in loaded.items():
         check(v.dtype == tensors[k].dtype and torch.equal(v.to(F64), tensors[k].to(F64)), f"{name}: {k} changed on disk")
