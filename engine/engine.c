@@ -226,7 +226,7 @@ void eng_finish_seq(struct kr_engine *e, struct seq *s, enum kr_finish_reason wh
 }
 
 /* Fails a whole request (a backend error): ERROR event, everything freed. */
-void eng_fail_req(struct kr_engine *e, struct req *r, enum kr_status st, const char *msg)
+static void fail_req(struct kr_engine *e, struct req *r, enum kr_status st, const char *msg, bool lost)
 {
     for (int32_t i = 0; i < r->n; i++) {
         struct seq *s = &r->seqs[i];
@@ -236,10 +236,15 @@ void eng_fail_req(struct kr_engine *e, struct req *r, enum kr_status st, const c
             s->state = KR_SEQ_DONE;
         }
     }
-    struct kr_event ev = {.type = KR_EVENT_ERROR, .status = st, .message = msg};
+    struct kr_event ev = {.type = KR_EVENT_ERROR, .status = st, .message = msg, .device_lost = lost};
     eng_emit(e, r, &ev);
     r->n_done = r->n;
     eng_retire(e, r);
+}
+
+void eng_fail_req(struct kr_engine *e, struct req *r, enum kr_status st, const char *msg)
+{
+    fail_req(e, r, st, msg, false);
 }
 
 /* ---- intake and cancellation (engine thread) ------------------------------------------------------ */
@@ -261,7 +266,7 @@ static void intake(struct kr_engine *e, struct req *r)
     }
     if (e->failed || e->cap_dead < need_dead || PUSH(e, reqs, r, false) != KR_OK) {
         struct kr_event ev = {.type = KR_EVENT_ERROR, .status = e->failed ? KR_ERR_CUDA : KR_ERR_NOMEM,
-                              .message = e->failed ? e->failed_msg : "out of memory"};
+                              .message = e->failed ? e->failed_msg : "out of memory", .device_lost = e->failed};
         eng_emit(e, r, &ev);
         eng_req_free(r);
         return;
@@ -350,7 +355,7 @@ void eng_fail_everything(struct kr_engine *e, const char *why)
     pthread_mutex_unlock(&e->lock);
     KR_LOG_ERROR("%s", e->failed_msg);
     while (e->n_reqs > 0) {
-        eng_fail_req(e, e->reqs[0], KR_ERR_CUDA, e->failed_msg);
+        fail_req(e, e->reqs[0], KR_ERR_CUDA, e->failed_msg, true);
     }
     eng_free_dead(e);
     eng_flush_events(e);

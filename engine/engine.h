@@ -93,6 +93,8 @@ struct kr_event {
     /* KR_EVENT_ERROR */
     enum kr_status status;
     const char *message;
+    bool device_lost;           /* the device failed for good with this error (kr_engine_failed, which
+                                 * may turn true only after the event is delivered) */
 };
 
 typedef void (*kr_event_cb)(const struct kr_event *ev, void *user);

@@ -991,7 +991,8 @@ static void on_error(struct kr_sess *s, struct kr_sess_sub *sb, const struct kr_
     const struct kr_sess_env *env = s->env;
     if (!s->failed) {
         s->failed = true;
-        const bool lost = ev->status == KR_ERR_CUDA && env->engine->failed(env->engine_ctx);
+        /* the event says so itself: the engine's flag turns true only after its errors are out */
+        const bool lost = ev->status == KR_ERR_CUDA && (ev->device_lost || env->engine->failed(env->engine_ctx));
         char msg[600];
         snprintf(msg, sizeof msg, lost ? "%s" : "generation failed: %s", ev->message);
         /* a step that failed is the server's fault (500) whatever its status, unless the device is lost */

@@ -608,6 +608,30 @@ Test(session, a_cut_stream_ends_with_one_error_event)
     rec_free(&r);
 }
 
+/* An engine error: a lost device answers 503 as soon as its error event says so, before the
+ * engine's own flag turns (the scripted engine's never does); any other step failure is 500. */
+Test(session, a_lost_device_answers_503_from_its_event_alone)
+{
+    for (int lost = 0; lost < 2; lost++) {
+        g_n_reqs = 0;
+        struct rec r;
+        rec_init(&r);
+        struct kr_sess *s = start(KR_SESS_COMPLETIONS, "{\"prompt\":[1,2]}", &r);
+        feed(0, 0, "Hello");
+        struct kr_event ev = {.type = KR_EVENT_ERROR, .req_id = g_reqs[0].id, .user = g_reqs[0].p.user,
+                              .status = KR_ERR_CUDA, .message = "the compute device failed (test)",
+                              .device_lost = lost != 0};
+        g_reqs[0].p.cb(&ev, g_reqs[0].p.user);
+        drain();
+        cr_assert_eq(r.n_done, 1);
+        cr_expect_eq(r.status, lost ? 503 : 500, "device_lost %d: status %d", lost, r.status);
+        const char *msg = json_string_value(json_object_get(json_object_get(r.body, "error"), "message"));
+        cr_expect(msg && strstr(msg, "compute device failed"), "message: %s", msg ? msg : "(none)");
+        kr_sess_release(s);
+        rec_free(&r);
+    }
+}
+
 /* The second prompt is refused (queue full): one 429 answer, the first prompt cancelled, and its
  * later events neither answer again nor leave the session counted as running. */
 Test(session, a_refused_prompt_answers_once_and_cancels_the_others)
