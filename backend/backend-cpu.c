@@ -395,6 +395,13 @@ static void mamba_conv(const struct kr_batch *b, const struct krk_mamba_params *
                 }
                 p->xbc[(int64_t)(t0 + i) * cd + c] = silu(acc);
                 memmove(win, win + 1, (size_t)H * sizeof(float));
+                const int32_t keep = b->tok_state_slot ? b->tok_state_slot[t0 + i] : -1;
+                if (keep >= 0) { /* the state after this token, kept in its own slot */
+                    float *ks = states + (size_t)keep * (size_t)(H * cd);
+                    for (int64_t k = 0; k < H; k++) {
+                        ks[k * cd + c] = win[k];
+                    }
+                }
             }
             for (int64_t k = 0; k < H; k++) {
                 st[k * cd + c] = win[k];
@@ -515,7 +522,22 @@ static enum kr_status cpu_mamba(kr_backend_t be, const struct krk_mamba_params *
                 memset(S, 0, (size_t)(p->head_dim * p->d_state) * sizeof(float));
             }
             int32_t t0 = b->seq_tok0[s], nt = b->seq_tok0[s + 1] - t0;
-            if (nt > 0) {
+            bool keeps = false;
+            for (int32_t i = 0; i < nt && b->tok_state_slot && !keeps; i++) {
+                keeps = b->tok_state_slot[t0 + i] >= 0;
+            }
+            if (keeps) {
+                /* token by token, as decode steps run it, keeping the states asked for */
+                const size_t head_sz = (size_t)(p->head_dim * p->d_state);
+                for (int32_t i = 0; i < nt; i++) {
+                    mamba_ssd_head(p, cd, t0 + i, 1, h, S, sc, sc + max_nt);
+                    const int32_t keep = b->tok_state_slot[t0 + i];
+                    if (keep >= 0) {
+                        memcpy(p->ssm_state + (size_t)keep * state_sz + (size_t)h * head_sz, S,
+                               head_sz * sizeof(float));
+                    }
+                }
+            } else if (nt > 0) {
                 mamba_ssd_head(p, cd, t0, nt, h, S, sc, sc + max_nt);
             }
         }
@@ -1201,6 +1223,12 @@ static bool cpu_kv_fp8(kr_backend_t be)
     return true;
 }
 
+static bool cpu_token_states(kr_backend_t be)
+{
+    (void)be;
+    return true;
+}
+
 kr_backend_t kr_backend_cpu_create(int n_threads)
 {
     kr_backend_t be = kr_calloc(1, sizeof *be);
@@ -1244,6 +1272,7 @@ kr_backend_t kr_backend_cpu_create(int n_threads)
         .fp8_round = cpu_fp8_round,
         .fp8_matmul = cpu_fp8_matmul,
         .kv_fp8 = cpu_kv_fp8,
+        .token_states = cpu_token_states,
         .all_reduce = cpu_all_reduce,
         .all_gather = cpu_all_gather,
         .tp_abort = cpu_tp_abort,

@@ -106,6 +106,8 @@ struct kr_backend_i {
      * krk/ops.h krk_fp8_latent_bytes), so that the pools are sized so; false: the backend keeps the
      * rounded values in its cache element type (the CPU reference) */
     bool (*kv_fp8_packed)(kr_backend_t be);
+    /* (optional) true when mamba honours struct kr_batch.tok_state_slot */
+    bool (*token_states)(kr_backend_t be);
 };
 
 struct kr_backend {

@@ -199,7 +199,15 @@ enum kr_status kr_backend_copy_d2d(kr_backend_t be, void *dst, const void *src, 
 
 enum kr_status kr_backend_begin_batch(kr_backend_t be, const struct kr_batch *b)
 {
+    if (b->tok_state_slot && !kr_backend_can_token_states(be)) {
+        return KR_ERR_UNSUPPORTED; /* it would drop the states asked for */
+    }
     return be->iface.begin_batch(be, b);
+}
+
+bool kr_backend_can_token_states(kr_backend_t be)
+{
+    return be->iface.token_states && be->iface.token_states(be);
 }
 
 bool kr_backend_can_sample(kr_backend_t be)

@@ -217,6 +217,9 @@ bool kr_backend_kv_fp8_packed(kr_backend_t be);
 bool kr_backend_can_fp8_round(kr_backend_t be);
 enum kr_status kr_backend_fp8_round(kr_backend_t be, const struct krk_fp8_round_params *p);
 
+/* True when the backend's Mamba op keeps the states after chosen tokens (struct
+ * kr_batch.tok_state_slot: the verification step of speculative decoding). */
+bool kr_backend_can_token_states(kr_backend_t be);
 /* True when the backend samples on its own (kr_backend_sample is available). */
 bool kr_backend_can_sample(kr_backend_t be);
 /* One token per logits row (struct krk_sample_params: logits in backend memory, every other array

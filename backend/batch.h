@@ -21,6 +21,12 @@ struct kr_batch {
     int32_t max_blocks;          /* row length of block_table */
     int32_t n_out;               /* tokens whose logits are wanted */
     const int32_t *out_tok;      /* [n_out] token indices (into 0..n_tok-1) whose logits are wanted */
+    const int32_t *tok_state_slot; /* (optional, NULL: none) [n_tok] a state slot that receives every Mamba
+                                    layer's conv and SSM state after this token (speculative decoding
+                                    keeps the state after each draft), -1 for none; a sequence with
+                                    any such token runs the recurrence token by token, as decode
+                                    steps do, so that its states and outputs are theirs exactly.
+                                    Backends without it (kr_backend_can_token_states) refuse it */
     int32_t ctx_bound;           /* (optional, 0: none) a bound on every sequence's context that holds for
                                     every step replaying a captured graph of this shape; kernels of MLA
                                     layers size their grids by it while a graph is captured */

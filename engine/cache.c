@@ -315,6 +315,15 @@ enum kr_status kr_seq_cache_reserve(struct kr_cache *c, struct kr_seq_cache *s, 
     return st;
 }
 
+void kr_seq_cache_trim(struct kr_cache *c, struct kr_seq_cache *s, int32_t n_tokens)
+{
+    const int32_t keep = n_tokens <= 0 ? 0 : (n_tokens + c->block_size - 1) / c->block_size;
+    if (s->n_blocks > keep) {
+        kr_cache_blocks_free(c, s->n_blocks - keep, s->blocks + keep);
+        s->n_blocks = keep;
+    }
+}
+
 void kr_seq_cache_release(struct kr_cache *c, struct kr_seq_cache *s)
 {
     if (s->slot >= 0) {

@@ -115,6 +115,9 @@ struct kr_seq_cache {
 enum kr_status kr_seq_cache_init(struct kr_cache *c, struct kr_seq_cache *s);
 /* Grows the block table to hold `n_tokens` positions; KR_AGAIN if the pool is short. */
 enum kr_status kr_seq_cache_reserve(struct kr_cache *c, struct kr_seq_cache *s, int32_t n_tokens);
+/* Gives back the blocks of the table beyond the first `n_tokens` positions (rows written past
+ * them, such as refused speculative drafts, are dropped with them). */
+void kr_seq_cache_trim(struct kr_cache *c, struct kr_seq_cache *s, int32_t n_tokens);
 /* Returns everything the sequence holds to the pools. Safe to call again on a released struct
  * (slot -1); a struct never passed to kr_seq_cache_init must not be released. */
 void kr_seq_cache_release(struct kr_cache *c, struct kr_seq_cache *s);

@@ -51,6 +51,13 @@ struct seq {
     int32_t n_reg;               /* full blocks of its table registered in the prefix cache */
     void *cm;                    /* its constraint's matcher (constrained requests), made before its
                                     first token; NULL before, and once the choice ended */
+    /* speculative decoding, within one step: the drafts it feeds after its next token, and the
+     * state slots holding the Mamba states after each fed token: spec_held[i] after token i (the
+     * last one is the sequence's own slot), spec_held[spec_cur] being cache.slot */
+    int32_t spec_n;
+    int32_t spec_cur;
+    int32_t spec_draft[KR_SPEC_MAX_TOKENS];
+    int32_t spec_held[KR_SPEC_MAX_TOKENS + 1];
 };
 
 struct req {
@@ -152,6 +159,11 @@ struct kr_engine {
     int32_t cap_row_mask;
     uint64_t n_masks;              /* masks made, and the host time spent on them (µs) */
     double mask_us;
+    /* speculative decoding (spec.c) */
+    int32_t spec_slots;            /* slots of the pool set aside for the drafts' states */
+    int32_t *b_keep;               /* [cap_tok] the step's tok_state_slot */
+    uint64_t spec_drafts, spec_draft_tokens, spec_accepted;
+    uint64_t spec_accepted_pos[KR_SPEC_MAX_TOKENS];
     /* events held back while the device works (see emit) */
     bool defer_events;
     struct pending_ev *outbox;
@@ -210,6 +222,18 @@ enum kr_status eng_ensure_sample_buffers(struct kr_engine *e, int32_t n, int64_t
 enum kr_status eng_sample_on_backend(struct kr_engine *e, struct seq **seqs, const uint8_t *host, int32_t n,
                                       int32_t *n_top_out); /* row i's mask: eng_row_mask(e, i) */
 void eng_prompt_logprobs_rows(struct kr_engine *e, struct req *r, int32_t p0, int32_t n, const float *rows);
+
+/* spec.c: speculative decoding */
+/* Drafts for decoding sequence s this step, planned after its next token got its cache room:
+ * proposes at most `max` tokens, grows its block table for them and takes the state slots that
+ * keep the Mamba states after them (never the slots that waiting sequences may be admitted to);
+ * sets s->spec_n (0 when nothing was proposed or there is no room) and returns it. */
+int32_t eng_spec_plan(struct kr_engine *e, struct seq *s, int32_t max);
+/* After the step: samples s's rows (1 + s->spec_n of them, `rows` [.., vocab] on the host) in order,
+ * keeping drafts while the draw equals them, and leaves s in the state after its kept tokens. */
+void eng_spec_verify(struct kr_engine *e, struct seq *s, const float *rows);
+/* Gives back the draft state slots s holds other than its own (no-op outside a step). */
+void eng_spec_end(struct kr_engine *e, struct seq *s);
 
 /* step.c */
 void eng_run_step(struct kr_engine *e);

@@ -153,6 +153,7 @@ const uint64_t *eng_seq_hashes(struct kr_engine *e, struct seq *s, int32_t n_pos
  * never a failed step): the prefix cache keeps what it computed. */
 void eng_release_seq(struct kr_engine *e, struct seq *s, bool keep)
 {
+    eng_spec_end(e, s); /* draft state slots held in a step it leaves */
     if (s->state == KR_SEQ_PREFILL || s->state == KR_SEQ_DECODE) {
         const uint64_t *h = keep && e->cache->prefix ? eng_seq_hashes(e, s, s->cache.n_pos) : NULL;
         if (h) {
@@ -442,6 +443,10 @@ static void *engine_main(void *arg)
         e->stats.generation_tokens = e->gen_tokens;
         e->stats.steps = e->steps;
         e->stats.masks = e->n_masks;
+        e->stats.spec_drafts = e->spec_drafts;
+        e->stats.spec_draft_tokens = e->spec_draft_tokens;
+        e->stats.spec_accepted_tokens = e->spec_accepted;
+        memcpy(e->stats.spec_accepted_per_pos, e->spec_accepted_pos, sizeof e->spec_accepted_pos);
         e->stats.mask_us_total = e->mask_us;
         e->stats.slots_free = e->cache->n_free_slots;
         e->stats.blocks_free = e->cache->n_free_blocks;
@@ -501,6 +506,31 @@ enum kr_status kr_engine_create_group(struct kr_model *const *ranks, int32_t n_r
     if (cfg.max_model_len <= 0 || cfg.max_model_len > m->cfg.max_pos) {
         cfg.max_model_len = (int32_t)(m->cfg.max_pos < INT32_MAX ? m->cfg.max_pos : INT32_MAX);
     }
+    const struct kr_spec_config *sp = &cfg.spec;
+    if (sp->method != KR_SPEC_OFF) {
+        if (sp->method != KR_SPEC_NGRAM) {
+            return kr_err_set(err, KR_ERR_INVAL, "engine: unknown speculative decoding method %d", (int)sp->method);
+        }
+        if (sp->k < 1 || sp->k > KR_SPEC_MAX_TOKENS) {
+            return kr_err_set(err, KR_ERR_INVAL, "engine: num_speculative_tokens must be in [1, %d] (got %d)",
+                              KR_SPEC_MAX_TOKENS, sp->k);
+        }
+        if (sp->ngram_min < 1 || sp->ngram_max < sp->ngram_min) {
+            return kr_err_set(err, KR_ERR_INVAL,
+                              "engine: n-gram drafting needs 1 <= prompt_lookup_min <= prompt_lookup_max (got %d and %d)",
+                              sp->ngram_min, sp->ngram_max);
+        }
+        if (n_ranks > 1 || cfg.cluster) {
+            return kr_err_set(err, KR_ERR_UNSUPPORTED,
+                              "engine: speculative decoding does not run with tensor parallelism yet (one rank only)");
+        }
+        if (m->n_mamba > 0 && !kr_backend_can_token_states(m->be)) {
+            return kr_err_set(err, KR_ERR_UNSUPPORTED,
+                              "engine: speculative decoding on a model with Mamba layers needs the states after each "
+                              "draft, which the %s backend does not keep yet (the CPU backend does)",
+                              kr_backend_name(m->be));
+        }
+    }
     const int32_t n_slots = cfg.n_slots > 0 ? cfg.n_slots : cfg.max_num_seqs;
     /* the step workspace and backend scratch for the largest step, so that serving allocates nothing */
     enum kr_status rst = KR_OK;
@@ -520,10 +550,25 @@ enum kr_status kr_engine_create_group(struct kr_model *const *ranks, int32_t n_r
                           "engine: %d state slots need %zu bytes, more than the cache budget of %zu bytes", n_slots,
                           slots_total, cfg.cache_bytes);
     }
+    /* speculative decoding's draft states: k slots per running sequence, or as many as a quarter of
+     * the budget left after the running slots holds (a sequence drafts no more than the slots left
+     * free; none when there is not one) */
+    int32_t spec_slots = 0;
+    if (sp->method != KR_SPEC_OFF && m->n_mamba > 0 && slot_bytes > 0) {
+        const int64_t want = (int64_t)sp->k * cfg.max_num_seqs;
+        const int64_t fit = (int64_t)((cfg.cache_bytes - slots_total) / 4 / slot_bytes);
+        spec_slots = (int32_t)(want < fit ? want : fit);
+        if (spec_slots < 1) {
+            return kr_err_set(err, KR_ERR_INVAL,
+                              "engine: no room for the state of one speculative draft (%zu bytes) in the cache budget "
+                              "left after %d running slots", slot_bytes, n_slots);
+        }
+    }
+    const size_t spec_total = slot_bytes * (size_t)spec_slots;
     /* the prefix cache's state snapshots: slots of their own, out of the budget left after the
      * running slots (by default an eighth of it); the blocks they pin come from the block pool */
-    struct kr_cache_plan plan = {.n_slots = n_slots, .block_size = cfg.block_size, .prefix = cfg.prefix_caching,
-                                 .state_interval = cfg.prefix_state_interval};
+    struct kr_cache_plan plan = {.n_slots = n_slots + spec_slots, .block_size = cfg.block_size,
+                                 .prefix = cfg.prefix_caching, .state_interval = cfg.prefix_state_interval};
     if (cfg.prefix_caching && cfg.prefix_state_interval < 0) {
         return kr_err_set(err, KR_ERR_INVAL, "engine: prefix_state_interval must be >= 0 (got %d)",
                           cfg.prefix_state_interval);
@@ -534,7 +579,7 @@ enum kr_status kr_engine_create_group(struct kr_model *const *ranks, int32_t n_r
                           "(%d tokens)", cfg.prefix_state_interval, cfg.block_size);
     }
     if (cfg.prefix_caching && m->n_mamba > 0 && slot_bytes > 0) {
-        const size_t left = cfg.cache_bytes - slots_total;
+        const size_t left = cfg.cache_bytes - slots_total - spec_total;
         int64_t ns = cfg.prefix_snapshots;
         if (ns < 0) {
             ns = (int64_t)(left / 8 / slot_bytes);
@@ -550,7 +595,7 @@ enum kr_status kr_engine_create_group(struct kr_model *const *ranks, int32_t n_r
     const size_t snaps_total = slot_bytes * (size_t)plan.n_snaps;
     int64_t n_blocks = 0;
     if (block_bytes) {
-        n_blocks = (int64_t)((cfg.cache_bytes - slots_total - snaps_total) / block_bytes);
+        n_blocks = (int64_t)((cfg.cache_bytes - slots_total - spec_total - snaps_total) / block_bytes);
         if (n_blocks > INT32_MAX / 2) {
             n_blocks = INT32_MAX / 2;
         }
@@ -602,9 +647,12 @@ enum kr_status kr_engine_create_group(struct kr_model *const *ranks, int32_t n_r
     pthread_mutex_init(&e->lock, NULL);
     pthread_cond_init(&e->wake, NULL);
     pthread_cond_init(&e->idle_cv, NULL);
-    e->stats.slots_total = n_slots;
+    e->stats.slots_total = n_slots + spec_slots;
     e->stats.blocks_total = (int32_t)n_blocks;
-    e->stats.slots_free = n_slots;
+    e->stats.slots_free = n_slots + spec_slots;
+    e->stats.spec_slots = spec_slots;
+    e->stats.spec_k = sp->method != KR_SPEC_OFF ? sp->k : 0;
+    e->spec_slots = spec_slots;
     e->stats.blocks_free = (int32_t)n_blocks;
     e->stats.slot_bytes = slot_bytes;
     e->stats.block_bytes = block_bytes;
@@ -623,6 +671,11 @@ enum kr_status kr_engine_create_group(struct kr_model *const *ranks, int32_t n_r
         }
     } else {
         KR_LOG_INFO("prefix cache: off");
+    }
+    if (sp->method != KR_SPEC_OFF) {
+        KR_LOG_INFO("speculative decoding: n-gram drafts (prompt lookup, n = %d..%d), up to %d tokens per step; %d "
+                    "state slots x %zu B for the drafts' Mamba states", sp->ngram_min, sp->ngram_max, sp->k,
+                    spec_slots, slot_bytes);
     }
     KR_LOG_INFO("memory plan: (%d running + %d snapshot) state slots x %zu B + %lld blocks x %d tokens x %zu B = "
                 "%zu B of %zu B budget (max_num_seqs=%d max_num_batched_tokens=%d max_model_len=%d)",
@@ -690,6 +743,7 @@ void kr_engine_free(struct kr_engine *e)
     kr_free(e->b_tokens);
     kr_free(e->b_pos);
     kr_free(e->b_out);
+    kr_free(e->b_keep);
     kr_free(e->b_tok0);
     kr_free(e->b_pos0);
     kr_free(e->b_slot);

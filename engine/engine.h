@@ -20,6 +20,27 @@ extern "C" {
 struct kr_engine;
 struct kr_cluster;
 
+/* Speculative decoding: each step a decoding sequence feeds its next token followed by up to k
+ * drafted tokens, the step gives the logits after each of them, and the sequence keeps the drafts
+ * that the sampler would have drawn anyway, one by one, plus the token drawn where the first draft
+ * is refused (or after the last one): between 1 and k + 1 tokens per step, each distributed
+ * exactly as plain decoding draws it (a draft is one token, so drawing from the row and keeping the
+ * draft when the draw equals it is the rejection sampling of a one-token proposal). Mamba layers
+ * keep their state after every drafted token (struct kr_batch.tok_state_slot, in slots of the pool
+ * set aside for it) and the sequence goes on from the one after its last kept token; the cache rows
+ * of refused drafts are released. */
+#define KR_SPEC_MAX_TOKENS 16
+enum kr_spec_method {
+    KR_SPEC_OFF = 0,
+    KR_SPEC_NGRAM = 1,   /* prompt lookup: the tokens that followed the latest earlier occurrence of the
+                            sequence's last n tokens (n from ngram_max down to ngram_min) */
+};
+struct kr_spec_config {
+    enum kr_spec_method method;
+    int32_t k;                  /* drafted tokens per step, 1..KR_SPEC_MAX_TOKENS */
+    int32_t ngram_min, ngram_max; /* KR_SPEC_NGRAM: 1 <= ngram_min <= ngram_max */
+};
+
 struct kr_engine_config {
     int32_t max_num_seqs;           /* sequences running at once (each choice of n counts) */
     int32_t max_num_batched_tokens; /* tokens per step (decodes + prefill chunks) */
@@ -37,6 +58,7 @@ struct kr_engine_config {
                                        block_size; 0: none on a grid) */
     int32_t prefix_snapshots;       /* snapshot slots beside the running ones; -1: an eighth of the budget
                                        left after the running slots, at most 1024 */
+    struct kr_spec_config spec;     /* speculative decoding (method KR_SPEC_OFF: none) */
     struct kr_cluster *cluster;     /* (optional) the leader's link to the ranks on other nodes
                                        (engine/cluster.h): they get the cache plan and every step;
                                        NULL: every rank is in this process */
@@ -210,6 +232,12 @@ struct kr_engine_stats {
     int32_t snapshots_total, snapshots_used;
     int32_t blocks_cached;      /* blocks nobody holds, kept for reuse (counted in blocks_free's complement) */
     size_t snapshot_bytes;
+    /* speculative decoding: steps in which a sequence verified drafts, the drafted tokens, the
+     * drafts kept, and the drafts kept at each position (the first draft, the second, ...) */
+    uint64_t spec_drafts, spec_draft_tokens, spec_accepted_tokens;
+    uint64_t spec_accepted_per_pos[KR_SPEC_MAX_TOKENS];
+    int32_t spec_slots;         /* state slots set aside for the drafts' states */
+    int32_t spec_k;             /* drafted tokens per step at most (0: speculative decoding off) */
 };
 void kr_engine_get_stats(struct kr_engine *e, struct kr_engine_stats *s);
 

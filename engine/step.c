@@ -19,6 +19,7 @@
 
 static void preempt(struct kr_engine *e, struct seq *s)
 {
+    eng_spec_end(e, s);
     /* its caches stay reusable: re-admitted, it starts from them unless they were evicted meanwhile */
     const uint64_t *h = e->cache->prefix ? eng_seq_hashes(e, s, s->cache.n_pos) : NULL;
     if (h) {
@@ -195,10 +196,12 @@ static enum kr_status ensure_step_buffers(struct kr_engine *e, int32_t n_tok, in
         kr_free(e->b_tokens);
         kr_free(e->b_pos);
         kr_free(e->b_out);
+        kr_free(e->b_keep);
         e->b_tokens = kr_malloc((size_t)c * sizeof(int32_t));
         e->b_pos = kr_malloc((size_t)c * sizeof(int32_t));
         e->b_out = kr_malloc((size_t)c * sizeof(int32_t));
-        e->cap_tok = e->b_tokens && e->b_pos && e->b_out ? c : 0;
+        e->b_keep = kr_malloc((size_t)c * sizeof(int32_t));
+        e->cap_tok = e->b_tokens && e->b_pos && e->b_out && e->b_keep ? c : 0;
         if (!e->cap_tok) {
             return KR_ERR_NOMEM;
         }
@@ -327,6 +330,13 @@ static int32_t plan(struct kr_engine *e, int32_t *n_tok_out)
         e->b_nsched[ns++] = 1;
         nt++;
         budget--;
+    }
+    /* 1b. drafts for the decodes, once every decode has its room: speculation never preempts */
+    for (int32_t j = 0; j < ns && budget > 0 && e->cfg.spec.method != KR_SPEC_OFF; j++) {
+        const int32_t nd = eng_spec_plan(e, e->b_seqs[j], budget);
+        e->b_nsched[j] += nd;
+        nt += nd;
+        budget -= nd;
     }
     /* 2. running prefills, oldest first */
     for (int32_t i = 0; i < e->n_running && budget > 0; i++) {
@@ -463,7 +473,7 @@ void eng_run_step(struct kr_engine *e)
         max_blocks = s->cache.n_blocks > max_blocks ? s->cache.n_blocks : max_blocks;
         const int32_t k = e->b_nsched[j];
         const bool last = s->n_fed + k == s->n_toks;
-        n_out += wants_prompt_rows(s) ? k : (last ? 1 : 0);
+        n_out += s->spec_n > 0 ? k : wants_prompt_rows(s) ? k : (last ? 1 : 0);
     }
     if (ensure_step_buffers(e, nt, ns, ns * max_blocks, (size_t)(n_out ? n_out : 1) * (size_t)V) != KR_OK) {
         for (int32_t j = 0; j < ns; j++) {
@@ -475,9 +485,32 @@ void eng_run_step(struct kr_engine *e)
         return;
     }
     int32_t t = 0, o = 0;
+    bool keeps = false; /* some Mamba state is kept after a draft */
     for (int32_t j = 0; j < ns; j++) {
         struct seq *s = e->b_seqs[j];
         const int32_t k = e->b_nsched[j];
+        if (s->spec_n > 0) {
+            /* its next token and its drafts, every one an output row, the states after the drafts
+             * but the last one kept */
+            e->b_tok0[j] = t;
+            e->b_pos0[j] = s->n_fed;
+            e->b_slot[j] = s->cache.slot;
+            memset(e->b_bt + (size_t)j * (size_t)max_blocks, 0, (size_t)max_blocks * sizeof(int32_t));
+            memcpy(e->b_bt + (size_t)j * (size_t)max_blocks, s->cache.blocks,
+                   (size_t)s->cache.n_blocks * sizeof(int32_t));
+            for (int32_t i = 0; i < k; i++) {
+                e->b_tokens[t + i] = i == 0 ? s->toks[s->n_fed] : s->spec_draft[i - 1];
+                e->b_pos[t + i] = s->n_fed + i;
+                e->b_keep[t + i] = i < s->spec_n ? s->spec_held[i] : -1;
+                keeps |= e->b_keep[t + i] >= 0;
+                e->b_out[o++] = t + i;
+            }
+            t += k;
+            continue;
+        }
+        for (int32_t i = 0; i < k; i++) {
+            e->b_keep[t + i] = -1;
+        }
         e->b_tok0[j] = t;
         e->b_pos0[j] = s->n_fed;
         e->b_slot[j] = s->cache.slot;
@@ -496,7 +529,8 @@ void eng_run_step(struct kr_engine *e)
     e->b_tok0[ns] = t;
     struct kr_batch b = {.n_tok = nt, .n_seq = ns, .tokens = e->b_tokens, .pos = e->b_pos, .seq_tok0 = e->b_tok0,
                          .seq_pos0 = e->b_pos0, .seq_slot = e->b_slot, .block_table = e->b_bt,
-                         .max_blocks = max_blocks, .n_out = n_out, .out_tok = e->b_out};
+                         .max_blocks = max_blocks, .n_out = n_out, .out_tok = e->b_out,
+                         .tok_state_slot = keeps ? e->b_keep : NULL};
     const double t1 = kr_clock_us();
     const double gap = e->t_step_done > 0 ? t1 - e->t_step_done : -1.0; /* counted with the step's stats */
     e->t_step_done = 0;
@@ -508,8 +542,8 @@ void eng_run_step(struct kr_engine *e)
      * the device: one such request no longer sends every row of every step to the host. */
     bool dev = e->dev_sample && n_out > 0;
     for (int32_t j = 0; j < ns && dev; j++) {
-        if (wants_prompt_rows(e->b_seqs[j])) {
-            dev = false;
+        if (wants_prompt_rows(e->b_seqs[j]) || e->b_seqs[j]->spec_n > 0) {
+            dev = false; /* drafts are verified on the host, row after row */
         }
     }
     enum kr_status st = eng_forward(e, &b, dev ? NULL : e->logits, &err);
@@ -529,6 +563,10 @@ void eng_run_step(struct kr_engine *e)
         }
         for (int32_t j = 0, o2 = 0; j < ns && st == KR_OK; j++) {
             struct seq *s = e->b_seqs[j];
+            if (s->spec_n > 0) {
+                o2 += e->b_nsched[j]; /* sampled while verified, each row's mask made then */
+                continue;
+            }
             const bool last = s->n_fed + e->b_nsched[j] == s->n_toks;
             o2 += wants_prompt_rows(s) ? e->b_nsched[j] : (last ? 1 : 0);
             if (last) {
@@ -590,6 +628,17 @@ void eng_run_step(struct kr_engine *e)
     for (int32_t j = 0; j < ns; j++) {
         struct seq *s = e->b_seqs[j];
         const int32_t k = e->b_nsched[j];
+        if (s->spec_n > 0) {
+            const float *rows = e->logits + (size_t)o * (size_t)V;
+            o += k;
+            if (s->state == KR_SEQ_DECODE) {
+                eng_spec_verify(e, s, rows);
+            }
+            if (s->state == KR_SEQ_DECODE) {
+                after_step_cache(e, s, false);
+            }
+            continue;
+        }
         const bool rows = wants_prompt_rows(s), last = s->n_fed + k == s->n_toks;
         const int32_t n_rows = rows ? k : (last ? 1 : 0);
         const float *first = e->logits + (size_t)o * (size_t)V;

@@ -341,6 +341,29 @@ static enum kr_status validate(const struct kr_model *m, const struct kr_cache *
                               b->out_tok[i], b->n_tok);
         }
     }
+    /* kept states: each in a slot of its own, apart from every sequence's and every other kept one */
+    for (int32_t t = 0; b->tok_state_slot && t < b->n_tok; t++) {
+        const int32_t k = b->tok_state_slot[t];
+        if (k < 0) {
+            continue;
+        }
+        if (k >= c->n_state_slots) {
+            return kr_err_set(err, KR_ERR_INVAL, "batch: token %d keeps its state in slot %d outside [0, %d)", t, k,
+                              c->n_state_slots);
+        }
+        for (int32_t s = 0; s < b->n_seq; s++) {
+            if (b->seq_slot[s] == k) {
+                return kr_err_set(err, KR_ERR_INVAL, "batch: token %d keeps its state in slot %d, sequence %d's", t,
+                                  k, s);
+            }
+        }
+        for (int32_t u = 0; u < t; u++) {
+            if (b->tok_state_slot[u] == k) {
+                return kr_err_set(err, KR_ERR_INVAL, "batch: tokens %d and %d keep their states in one slot %d", u,
+                                  t, k);
+            }
+        }
+    }
     return KR_OK;
 }
 
@@ -648,7 +671,7 @@ static enum kr_status moe_fwd(struct kr_model *m, const struct kr_layer *L, int6
 /* A decode-only step (one token per sequence, every token an output) can replay a CUDA graph. */
 static bool graphable(const struct kr_model *m, const struct kr_batch *b)
 {
-    if (m->n_steps == 0 || m->on_index || b->n_tok != b->n_seq || b->n_out != b->n_tok) {
+    if (m->n_steps == 0 || m->on_index || b->n_tok != b->n_seq || b->n_out != b->n_tok || b->tok_state_slot) {
         return false;
     }
     for (int32_t i = 0; i < b->n_out; i++) {

@@ -442,6 +442,8 @@ static void *loader_main(void *arg)
     cfg.prefix_caching = s->o.prefix_caching;
     cfg.prefix_state_interval = s->o.prefix_state_interval;
     cfg.prefix_snapshots = s->o.prefix_snapshots;
+    cfg.spec = (struct kr_spec_config){.method = (enum kr_spec_method)s->o.spec_method, .k = s->o.spec_k,
+                                       .ngram_min = s->o.spec_ngram_min, .ngram_max = s->o.spec_ngram_max};
     cfg.cache_bytes = s->o.cache_bytes;
     cfg.cluster = s->cluster;
     /* the step workspace first, so that the cache budget sees what is left */

@@ -126,6 +126,17 @@ static void vllm_families(struct sbuf *b, const struct kr_metrics *m, const stru
         put(b, "vllm:request_success_total{%s,finished_reason=\"%s\"} %llu\n", lbl, reasons[i],
             (unsigned long long)m->requests_ok[i]);
     }
+    if (st->spec_k > 0) {
+        counter(b, "spec_decode_num_drafts_total", lbl, st->spec_drafts);
+        counter(b, "spec_decode_num_draft_tokens_total", lbl, st->spec_draft_tokens);
+        counter(b, "spec_decode_num_accepted_tokens_total", lbl, st->spec_accepted_tokens);
+        put(b, "# HELP vllm:spec_decode_num_accepted_tokens_per_pos_total krait:spec_decode_num_accepted_tokens_per_"
+               "pos_total under vLLM's name.\n# TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter\n");
+        for (int32_t i = 0; i < st->spec_k && i < KR_SPEC_MAX_TOKENS; i++) {
+            put(b, "vllm:spec_decode_num_accepted_tokens_per_pos_total{%s,position=\"%d\"} %llu\n", lbl, i,
+                (unsigned long long)st->spec_accepted_per_pos[i]);
+        }
+    }
     static const char same[] = "The krait: histogram of the same name under vLLM's name.";
     hist(b, "vllm", "time_to_first_token_seconds", same, &m->ttft, lbl);
     hist(b, "vllm", "inter_token_latency_seconds", same, &m->itl, lbl);
@@ -233,6 +244,26 @@ char *kr_metrics_render(const struct kr_metrics *m, const struct kr_engine_stats
             "krait:prefix_cache_evictions_total{%s,kind=\"snapshot\"} %llu\n"
             "krait:prefix_cache_evictions_total{%s,kind=\"block\"} %llu\n",
         lbl, (unsigned long long)st->prefix_evicted_snapshots, lbl, (unsigned long long)st->prefix_evicted_blocks);
+    if (st->spec_k > 0) {
+        put(&b, "# HELP krait:spec_decode_num_drafts_total Steps in which a sequence verified drafted tokens.\n"
+                "# TYPE krait:spec_decode_num_drafts_total counter\nkrait:spec_decode_num_drafts_total{%s} %llu\n",
+            lbl, (unsigned long long)st->spec_drafts);
+        put(&b, "# HELP krait:spec_decode_num_draft_tokens_total Drafted tokens verified.\n"
+                "# TYPE krait:spec_decode_num_draft_tokens_total counter\n"
+                "krait:spec_decode_num_draft_tokens_total{%s} %llu\n",
+            lbl, (unsigned long long)st->spec_draft_tokens);
+        put(&b, "# HELP krait:spec_decode_num_accepted_tokens_total Drafted tokens kept (the sampler drew them).\n"
+                "# TYPE krait:spec_decode_num_accepted_tokens_total counter\n"
+                "krait:spec_decode_num_accepted_tokens_total{%s} %llu\n",
+            lbl, (unsigned long long)st->spec_accepted_tokens);
+        put(&b, "# HELP krait:spec_decode_num_accepted_tokens_per_pos_total Drafted tokens kept, by their position "
+                "among a step's drafts (0: the first).\n"
+                "# TYPE krait:spec_decode_num_accepted_tokens_per_pos_total counter\n");
+        for (int32_t i = 0; i < st->spec_k && i < KR_SPEC_MAX_TOKENS; i++) {
+            put(&b, "krait:spec_decode_num_accepted_tokens_per_pos_total{%s,position=\"%d\"} %llu\n", lbl, i,
+                (unsigned long long)st->spec_accepted_per_pos[i]);
+        }
+    }
     static const char *const reasons[3] = {"stop", "length", "abort"};
     put(&b, "# HELP krait:request_success_total Finished choices by finish reason.\n"
             "# TYPE krait:request_success_total counter\n");

@@ -3,6 +3,7 @@
 #include "server.h"
 
 #include "alloc.h"
+#include "engine.h"
 #include "log.h"
 #include "model.h"
 #include "switches.h"
@@ -43,6 +44,11 @@ static void usage(FILE *f)
             "                                  --block-size; default 2048; 0 = only at turn and prompt ends)\n"
             "  --prefix-cache-snapshots N      Mamba state snapshots kept (default: an eighth of the cache\n"
             "                                  budget left after the running sequences' states, at most 1024)\n"
+            "  --speculative-config JSON       speculative decoding, as vLLM spells it:\n"
+            "                                  '{\"method\":\"ngram\",\"num_speculative_tokens\":K}' drafts up to K\n"
+            "                                  (1..16) tokens per step by prompt lookup (\"prompt_lookup_max\",\n"
+            "                                  \"prompt_lookup_min\": the n-gram lengths matched, default 5);\n"
+            "                                  outputs are distributed exactly as without it (docs/SPECULATIVE.md)\n"
             "  --tokenizer DIR                 tokenizer.json + tokenizer_config.json location (default MODEL_DIR)\n"
             "  --chat-template FILE            Jinja chat template replacing the tokenizer's\n"
             "  --skip-tokenizer-init           no tokenizer: prompts are token ids, outputs carry ids\n"
@@ -95,6 +101,88 @@ static void usage(FILE *f)
             "draining). /health and /metrics stay open without an API key. Exit status: 0 after SIGTERM,\n"
             "1 when the model cannot load (or a node was refused or missing at start), 2 for bad flags, 3 when\n"
             "the compute device failed for good or a node of the group was lost (restart the process).\n");
+}
+
+/* --speculative-config: vLLM's JSON object. Known keys only, so that a misspelt one is not silently
+ * dropped; MTP methods are named and refused until their drafting exists. 0, or 2 after a message. */
+static int parse_spec(const char *text, struct kr_serve_opts *o)
+{
+    json_error_t je;
+    json_t *j = json_loads(text, 0, &je);
+    int rc = 2;
+    if (!json_is_object(j)) {
+        fprintf(stderr, "krait serve: --speculative-config is not a JSON object: %s\n",
+                j ? "another JSON value" : je.text);
+        goto out;
+    }
+    const char *key;
+    json_t *v;
+    const char *method = NULL;
+    int32_t k = -1, nmin = -1, nmax = -1;
+    json_object_foreach(j, key, v) {
+        int32_t *dst = !strcmp(key, "num_speculative_tokens") ? &k
+                       : !strcmp(key, "prompt_lookup_min")   ? &nmin
+                       : !strcmp(key, "prompt_lookup_max")   ? &nmax
+                                                             : NULL;
+        if (!strcmp(key, "method")) {
+            if (!json_is_string(v)) {
+                fprintf(stderr, "krait serve: --speculative-config: \"method\" must be a string\n");
+                goto out;
+            }
+            method = json_string_value(v);
+        } else if (dst) {
+            if (!json_is_integer(v) || json_integer_value(v) < 1 || json_integer_value(v) > 1024) {
+                fprintf(stderr, "krait serve: --speculative-config: \"%s\" must be a positive integer\n", key);
+                goto out;
+            }
+            *dst = (int32_t)json_integer_value(v);
+        } else {
+            fprintf(stderr,
+                    "krait serve: --speculative-config: unknown key \"%s\" (known: method, num_speculative_tokens, "
+                    "prompt_lookup_max, prompt_lookup_min)\n", key);
+            goto out;
+        }
+    }
+    if (!method) {
+        fprintf(stderr, "krait serve: --speculative-config: \"method\" is required (\"ngram\")\n");
+        goto out;
+    }
+    if (strcmp(method, "ngram") != 0) {
+        const bool mtp = !strcmp(method, "mtp") || !strcmp(method, "deepseek_mtp") || !strcmp(method, "nemotron_h_mtp");
+        fprintf(stderr, "krait serve: --speculative-config: method \"%s\" %s; use \"ngram\"\n", method,
+                mtp ? "(drafting with the checkpoint's MTP layers) is not available yet" : "is unknown");
+        goto out;
+    }
+    if (k < 0) {
+        fprintf(stderr, "krait serve: --speculative-config: \"num_speculative_tokens\" is required\n");
+        goto out;
+    }
+    if (k > KR_SPEC_MAX_TOKENS) {
+        fprintf(stderr, "krait serve: --speculative-config: \"num_speculative_tokens\" %d is more than %d\n", k,
+                KR_SPEC_MAX_TOKENS);
+        goto out;
+    }
+    /* vLLM's rule: both unset means 5; one set gives the other its value */
+    if (nmin < 0 && nmax < 0) {
+        nmin = nmax = 5;
+    } else if (nmin < 0) {
+        nmin = nmax;
+    } else if (nmax < 0) {
+        nmax = nmin;
+    }
+    if (nmin > nmax) {
+        fprintf(stderr, "krait serve: --speculative-config: prompt_lookup_min %d is more than prompt_lookup_max %d\n",
+                nmin, nmax);
+        goto out;
+    }
+    o->spec_method = KR_SPEC_NGRAM;
+    o->spec_k = k;
+    o->spec_ngram_min = nmin;
+    o->spec_ngram_max = nmax;
+    rc = 0;
+out:
+    json_decref(j);
+    return rc;
 }
 
 /* --defaults-json: the flags as getopt knows them and the defaults kr_serve_opts_default sets, so that
@@ -316,7 +404,7 @@ int kr_serve_main(int argc, char **argv)
         O_ALLOW_LONG, O_HELP_ENV, O_PREFIX, O_NO_PREFIX, O_PREFIX_INTERVAL, O_PREFIX_SNAPS,
         O_REQMEM, O_MAXCONN, O_MAXCONN_IP, O_HDR_TIMEOUT, O_BODY_TIMEOUT, O_ORIGINS, O_METHODS, O_HEADERS,
         O_CREDENTIALS, O_TP, O_QUANT, O_KVDT, O_NNODES, O_NODE_RANK, O_MASTER_ADDR, O_MASTER_PORT, O_JOIN_TIMEOUT,
-        O_DEFAULTS_JSON,
+        O_DEFAULTS_JSON, O_SPEC,
     };
     static const char *origins[MAX_CORS], *methods[MAX_CORS], *headers[MAX_CORS];
     static const struct option longopts[] = {
@@ -368,6 +456,7 @@ int kr_serve_main(int argc, char **argv)
         {"help", no_argument, NULL, O_HELP},
         {"help-env", no_argument, NULL, O_HELP_ENV},
         {"defaults-json", no_argument, NULL, O_DEFAULTS_JSON},
+        {"speculative-config", required_argument, NULL, O_SPEC},
         {NULL, 0, NULL, 0},
     };
     for (int i = 2; i < argc; i++) { /* vLLM's short name */
@@ -632,6 +721,11 @@ int kr_serve_main(int argc, char **argv)
         case O_DEFAULTS_JSON:
             print_defaults(longopts);
             return 0;
+        case O_SPEC:
+            if (parse_spec(optarg, &o)) {
+                return 2;
+            }
+            break;
         default:
             usage(stderr);
             return 2;

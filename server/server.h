@@ -32,6 +32,8 @@ struct kr_serve_opts {
     bool prefix_caching;           /* default on (--no-enable-prefix-caching turns it off) */
     int32_t prefix_state_interval; /* tokens between Mamba state snapshots (a multiple of block_size) */
     int32_t prefix_snapshots;      /* state snapshot slots; -1 = automatic */
+    int spec_method;               /* enum kr_spec_method (--speculative-config; 0: off) */
+    int32_t spec_k, spec_ngram_min, spec_ngram_max;
     const char *tokenizer_dir;     /* default: the model directory */
     const char *chat_template_file;
     bool skip_tokenizer_init;
