@@ -293,3 +293,139 @@ Test(spec, greedy_equals_plain_decoding_default_model)
 {
     greedy_family(KR_FIXTURES "/../../models/tiny-hybrid");
 }
+
+/* One request on engine e; waits for it. */
+static void run_one(struct kr_engine *e, const int32_t *prompt, int32_t n, const struct kr_sampling *s, struct out *o)
+{
+    memset(o, 0, sizeof *o);
+    struct kr_request_params p = {.prompt = prompt, .n_prompt = n, .n = 1, .sampling = *s, .cb = on_event, .user = o};
+    uint64_t id;
+    struct kr_err err = {0};
+    cr_assert_eq(kr_engine_submit(e, &p, &id, &err), KR_OK, "%s", err.msg);
+    kr_engine_wait_idle(e);
+    cr_assert_eq(o->n_error, 0);
+}
+
+/* The exact probability of every outcome of D tokens after prompt[0..n): P(t1..tD) = prod q(t_i | prefix),
+ * q the softmax at temperature T over the top two log-probabilities of each prefix, read from plain greedy
+ * runs. Leaves are numbered by their choices, the first choice the highest bit. */
+enum { D = 4, LEAVES = 1 << D };
+static void tree(struct kr_engine *e, int32_t *prompt, int32_t n, int32_t depth, int32_t leaf, double p, double T,
+                 int32_t ids[LEAVES][D], double prob[LEAVES])
+{
+    if (depth == D) {
+        memcpy(ids[leaf], prompt + n - D, D * sizeof(int32_t));
+        prob[leaf] = p;
+        return;
+    }
+    struct kr_sampling g;
+    kr_sampling_default(&g);
+    g.temperature = 0.0f;
+    g.logprobs = 2;
+    g.ignore_eos = true;
+    g.max_tokens = 1;
+    struct out *o = calloc(1, sizeof *o);
+    run_one(e, prompt, n, &g, o);
+    for (int32_t c = 0; c < 2; c++) {
+        const double q = 1.0 / (1.0 + exp((o->top_lp[0][1 - c] - o->top_lp[0][c]) / T));
+        prompt[n] = o->top[0][c];
+        tree(e, prompt, n + 1, depth + 1, leaf * 2 + c, p * q, T, ids, prob);
+    }
+    free(o);
+}
+
+/* The draws with drafts follow the distribution that temperature 0.8 and top-k 2 make of the model's
+ * own log-probabilities: four tokens after a prompt ending in the model's greedy loop (so that the
+ * drafts are often drawn and up to two of them verified in one step), 16 outcomes whose probabilities
+ * come from plain greedy runs, 300 seeded draws with drafts (3000 pass too, in 12 minutes under the sanitizers), chi-square (p > 0.001). */
+Test(spec, sampled_outputs_follow_the_models_distribution)
+{
+    load(KR_FIXTURES "/../../models/tiny-hybrid"); /* its greedy continuations fall into loops */
+    const struct run_cfg plain_cfg = {.k = 0, .seqs = 8, .tokens = 4096, .block = 16, .bytes = (size_t)64 << 20};
+    struct kr_engine *e = make(&plain_cfg);
+    struct kr_sampling g;
+    kr_sampling_default(&g);
+    g.temperature = 0.0f;
+    g.ignore_eos = true;
+    /* the prompt: a seed and the model's greedy continuation of it */
+    int32_t prompt[48 + D];
+    int32_t n = 8;
+    for (int32_t i = 0; i < n; i++) {
+        prompt[i] = 10 + 7 * i;
+    }
+    static struct out o;
+    g.max_tokens = 40;
+    run_one(e, prompt, n, &g, &o);
+    cr_assert_eq(o.n, 40);
+    memcpy(prompt + n, o.tok, 40 * sizeof(int32_t));
+    n += 40;
+    const double T = 0.8;
+    static int32_t ids[LEAVES][D];
+    static double prob[LEAVES];
+    tree(e, prompt, n, 0, 0, 1.0, T, ids, prob);
+    kr_engine_free(e);
+    /* draws with up to three drafts per step */
+    enum { N = 300 };
+    const struct run_cfg spec_cfg = {.k = 3, .seqs = 256, .tokens = 8192, .block = 16, .bytes = (size_t)128 << 20};
+    e = make(&spec_cfg);
+    static struct out outs[N];
+    memset(outs, 0, sizeof outs);
+    struct kr_sampling s;
+    kr_sampling_default(&s);
+    s.temperature = (float)T;
+    s.top_k = 2;
+    s.max_tokens = D;
+    s.ignore_eos = true;
+    s.has_seed = true;
+    for (int32_t i = 0; i < N; i++) {
+        s.seed = 1000u + (uint64_t)i;
+        struct kr_request_params p = {.prompt = prompt, .n_prompt = n, .n = 1, .sampling = s, .cb = on_event,
+                                      .user = &outs[i]};
+        uint64_t id;
+        struct kr_err err = {0};
+        cr_assert_eq(kr_engine_submit(e, &p, &id, &err), KR_OK, "%s", err.msg);
+    }
+    kr_engine_wait_idle(e);
+    struct kr_engine_stats st;
+    kr_engine_get_stats(e, &st);
+    expect_pools_whole(e);
+    kr_engine_free(e);
+    unload();
+    int32_t count[LEAVES + 1] = {0}; /* [LEAVES]: an outcome outside the tree (top-k 2 makes it impossible) */
+    for (int32_t i = 0; i < N; i++) {
+        cr_assert_eq(outs[i].n, D, "draw %d: %d tokens", i, outs[i].n);
+        int32_t j = 0;
+        while (j < LEAVES && memcmp(ids[j], outs[i].tok, sizeof ids[j]) != 0) {
+            j++;
+        }
+        count[j]++;
+    }
+    cr_expect_eq(count[LEAVES], 0, "%d draws outside the top-2 tree", count[LEAVES]);
+    /* outcomes expected fewer than 5 times are pooled */
+    double chi2 = 0.0, pooled_e = 0.0;
+    int32_t pooled_o = 0, bins = 0;
+    for (int32_t j = 0; j < LEAVES; j++) {
+        const double ex = prob[j] * N;
+        if (ex < 5.0) {
+            pooled_e += ex;
+            pooled_o += count[j];
+            continue;
+        }
+        chi2 += (count[j] - ex) * (count[j] - ex) / ex;
+        bins++;
+    }
+    if (pooled_e >= 1.0) {
+        chi2 += (pooled_o - pooled_e) * (pooled_o - pooled_e) / pooled_e;
+        bins++;
+    }
+    /* the 0.999 quantiles of chi-square with 1..15 degrees of freedom */
+    static const double crit[16] = {0,     10.83, 13.82, 16.27, 18.47, 20.52, 22.46, 24.32,
+                                    26.12, 27.88, 29.59, 31.26, 32.91, 34.53, 36.12, 37.70};
+    cr_assert_gt(bins, 1, "the model's top-2 tree leaves one outcome: nothing to test");
+    cr_expect_lt(chi2, crit[bins - 1], "chi-square %.2f over %d bins (limit %.2f): the draws do not follow the "
+                 "model's distribution", chi2, bins, crit[bins - 1]);
+    /* and drafts were drawn: some kept, the second of a step among them */
+    cr_expect_gt(st.spec_accepted_tokens, (uint64_t)N / 4, "drafts kept: %llu of %llu",
+                 (unsigned long long)st.spec_accepted_tokens, (unsigned long long)st.spec_draft_tokens);
+    cr_expect_gt(st.spec_accepted_per_pos[1], 0, "no second draft was ever kept");
+}
