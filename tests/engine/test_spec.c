@@ -325,6 +325,7 @@ static void tree(struct kr_engine *e, int32_t *prompt, int32_t n, int32_t depth,
     g.ignore_eos = true;
     g.max_tokens = 1;
     struct out *o = calloc(1, sizeof *o);
+    cr_assert_not_null(o);
     run_one(e, prompt, n, &g, o);
     for (int32_t c = 0; c < 2; c++) {
         const double q = 1.0 / (1.0 + exp((o->top_lp[0][1 - c] - o->top_lp[0][c]) / T));
