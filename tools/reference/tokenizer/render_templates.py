@@ -123,6 +123,17 @@ for conv_name, conv in tiny_convs.items():
                 {"messages": conv, "tools": tools, "documents": None, "add_generation_prompt": agp,
                  "bos_token": real["deepseek_v3"][0], "eos_token": real["deepseek_v3"][1]})
 
+# the trained default model's template (tools/default-model/chat_template.jinja, in its
+# tokenizer_config.json): tools listed in the system turn, calls in the hermes format
+with open(os.path.join(HERE, "../../default-model/chat_template.jinja"), encoding="utf-8") as f:
+    small = f.read()
+for conv_name, conv in tiny_convs.items():
+    for agp in (False, True):
+        for tools in (None, TOOLS):
+            add("small_hybrid/%s/agp=%d/tools=%d" % (conv_name, agp, tools is not None), small,
+                {"messages": conv, "tools": tools, "documents": None, "add_generation_prompt": agp,
+                 "bos_token": "<|bos|>", "eos_token": "<|end|>"})
+
 # feature templates: each exercises part of the Jinja subset
 M = CONVS["multi_turn"]
 base = {"messages": M, "tools": TOOLS, "documents": None, "add_generation_prompt": True, "bos_token": "<s>"}
