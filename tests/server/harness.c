@@ -21,7 +21,7 @@ static void sleep_ms(int ms)
 
 const char *srv_log_path;
 
-void srv_start(struct srv_proc *p, const char *model, ...)
+static void srv_vspawn(struct srv_proc *p, const char *model, va_list ap)
 {
     memset(p, 0, sizeof *p);
     snprintf(p->port_file, sizeof p->port_file, "/tmp/krait-port-XXXXXX");
@@ -44,8 +44,6 @@ void srv_start(struct srv_proc *p, const char *model, ...)
     argv[n++] = "1";
     argv[n++] = "--log-level";
     argv[n++] = "warn";
-    va_list ap;
-    va_start(ap, model);
     const char *a;
     snprintf(p->host, sizeof p->host, "127.0.0.1");
     bool host_next = false;
@@ -56,7 +54,6 @@ void srv_start(struct srv_proc *p, const char *model, ...)
         }
         host_next = !strcmp(a, "--host");
     }
-    va_end(ap);
     argv[n] = NULL;
     p->pid = fork();
     cr_assert(p->pid >= 0);
@@ -67,6 +64,27 @@ void srv_start(struct srv_proc *p, const char *model, ...)
         execv(argv[0], (char *const *)argv);
         _exit(127);
     }
+}
+
+void srv_spawn(struct srv_proc *p, const char *model, ...)
+{
+    va_list ap;
+    va_start(ap, model);
+    srv_vspawn(p, model, ap);
+    va_end(ap);
+}
+
+void srv_start(struct srv_proc *p, const char *model, ...)
+{
+    va_list ap;
+    va_start(ap, model);
+    srv_vspawn(p, model, ap);
+    va_end(ap);
+    srv_ready(p);
+}
+
+void srv_ready(struct srv_proc *p)
+{
     for (int i = 0; i < 600 && !p->port; i++) { /* up to 60 s under sanitizers */
         FILE *fp = fopen(p->port_file, "r");
         if (fp) {
@@ -333,4 +351,47 @@ double metric(const struct srv_proc *p, const char *name)
     }
     http_free(&r);
     return v;
+}
+
+double metric_with(const struct srv_proc *p, const char *name, const char *label)
+{
+    struct http_res r;
+    http(p, "GET", "/metrics", NULL, NULL, &r);
+    double v = NAN;
+    const size_t nl = strlen(name);
+    for (const char *line = r.body; line && *line;) {
+        const char *end = strchr(line, '\n');
+        if (!strncmp(line, name, nl) && line[nl] == '{') {
+            const char *close = strchr(line, '}');
+            const char *lab = strstr(line, label);
+            if (close && lab && lab < close && (!end || close < end)) {
+                v = strtod(close + 1, NULL);
+                break;
+            }
+        }
+        line = end ? end + 1 : NULL;
+    }
+    http_free(&r);
+    return v;
+}
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+double srv_wait_idle(const struct srv_proc *p, double limit)
+{
+    const double t0 = now_s();
+    while (now_s() - t0 < limit) {
+        if (metric(p, "krait:num_requests_running") == 0 && metric(p, "krait:num_requests_waiting") == 0 &&
+            metric_with(p, "krait:state_slots", "state=\"used\"") == 0 &&
+            metric_with(p, "krait:cache_blocks", "state=\"used\"") == 0) {
+            return now_s() - t0;
+        }
+        sleep_ms(20);
+    }
+    return -1;
 }

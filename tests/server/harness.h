@@ -18,6 +18,10 @@ struct srv_proc {
  * srv_log_path when that is set (a test's own process: Criterion runs each test in one). */
 void srv_start(struct srv_proc *p, const char *model, ...);
 extern const char *srv_log_path;
+/* srv_start in two halves, so that several servers load at once: srv_spawn starts the process,
+ * srv_ready waits until it wrote its port and /health is 200 (cr_assert on failure). */
+void srv_spawn(struct srv_proc *p, const char *model, ...);
+void srv_ready(struct srv_proc *p);
 /* SIGTERM and wait; returns the exit status (or -1). */
 int srv_stop(struct srv_proc *p);
 
@@ -50,3 +54,9 @@ char *post_stream(const struct srv_proc *p, const char *path, const char *body, 
 json_t *sse_events(const char *text, bool *done);
 /* A metric value from /metrics (first sample of `name` with any labels); NaN if absent. */
 double metric(const struct srv_proc *p, const char *name);
+/* The first sample of `name` whose labels hold `label`, e.g. ("krait:state_slots", "state=\"used\"");
+ * NaN if absent. */
+double metric_with(const struct srv_proc *p, const char *name, const char *label);
+/* Polls until nothing runs or waits and every state slot and cache block is free; returns the
+ * seconds it took, or -1 after `limit` seconds. */
+double srv_wait_idle(const struct srv_proc *p, double limit);

@@ -25,45 +25,6 @@ static double now_s(void)
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-/* A labelled sample of /metrics, e.g. ("krait:state_slots", "state=\"used\""); NaN if absent. */
-static double metric_with(const struct srv_proc *p, const char *name, const char *label)
-{
-    struct http_res r;
-    http(p, "GET", "/metrics", NULL, NULL, &r);
-    double v = NAN;
-    const size_t nl = strlen(name);
-    for (const char *line = r.body; line && *line;) {
-        const char *end = strchr(line, '\n');
-        if (!strncmp(line, name, nl) && line[nl] == '{') {
-            const char *close = strchr(line, '}');
-            const char *lab = strstr(line, label);
-            if (close && lab && lab < close && (!end || close < end)) {
-                v = strtod(close + 1, NULL);
-                break;
-            }
-        }
-        line = end ? end + 1 : NULL;
-    }
-    http_free(&r);
-    return v;
-}
-
-/* Polls until nothing runs or waits and every state slot and cache block is free; returns the
- * seconds it took, or -1 after `limit` seconds. */
-static double wait_idle(const struct srv_proc *p, double limit)
-{
-    const double t0 = now_s();
-    while (now_s() - t0 < limit) {
-        if (metric(p, "krait:num_requests_running") == 0 && metric(p, "krait:num_requests_waiting") == 0 &&
-            metric_with(p, "krait:state_slots", "state=\"used\"") == 0 &&
-            metric_with(p, "krait:cache_blocks", "state=\"used\"") == 0) {
-            return now_s() - t0;
-        }
-        usleep(20000);
-    }
-    return -1;
-}
-
 /* Waits for the process to exit; its status, or -1 after `limit` seconds (then it is killed). */
 static int wait_exit(struct srv_proc *p, double limit, double *took)
 {
@@ -117,7 +78,7 @@ Test(reliability, a_disconnect_storm_leaves_the_engine_idle, .timeout = 300)
         pthread_join(th[i], NULL);
     }
     /* one engine step frees them; a few seconds cover the sanitized build's slow steps */
-    const double idle = wait_idle(&p, 10.0);
+    const double idle = srv_wait_idle(&p, 10.0);
     cr_expect_geq(idle, 0, "the engine still holds work 10 s after every client left");
     long st;
     json_t *j = post_json(&p, "/v1/completions", "{\"prompt\":[1,2,3],\"max_tokens\":4}", &st);
