@@ -14,6 +14,14 @@ Prompts are random token ids sent as `"prompt": [ids]` with `max_tokens` = the o
 TPOT, ITL and end-to-end latency (mean, p50, p99), output and total tokens/s, requests/s, and the
 completed / failed / clean-error / client-cut counts.
 
+Server counters: /metrics is read before and after the measured requests, and what the server
+counted meanwhile is reported beside the client's figures: engine steps and generated tokens per
+step, and with speculative decoding on (`krait serve --speculative-config`) vLLM's figures from the
+krait:spec_decode_* counters: drafts (steps in which a sequence verified drafted tokens), drafted
+and accepted tokens, the draft acceptance rate (accepted / drafted), the mean acceptance length
+(1 + accepted / drafts: the tokens a sequence gains from one step that verifies drafts) and the
+acceptance rate per draft position (accepted at that position / drafts).
+
 Stress extras: --cut-prob P (a request closes its socket after a random time up to --cut-max-s or
 after a random number of bytes up to --cut-max-bytes, or right after sending), --n, --mixed
 (random sampling parameters, logprobs, stop strings, max_tokens per request), --stop S. Every
@@ -35,6 +43,7 @@ import json
 import math
 import os
 import random
+import re
 import resource
 import socket
 import struct
@@ -931,6 +940,63 @@ def build_requests(a, model, rng):
 
 
 # ---------------------------------------------------------------------------------------------------
+# server counters
+# ---------------------------------------------------------------------------------------------------
+
+SPEC = "krait:spec_decode_"
+
+
+async def scrape_counters(host, port):
+    """The krait: samples of /metrics as {name: value} (a per-position sample as name[position]);
+    {} when /metrics cannot be read."""
+    try:
+        st, body = await http_get(host, port, "/metrics")
+    except (OSError, ConnectionError, asyncio.TimeoutError):
+        return {}
+    if st != 200:
+        return {}
+    out = {}
+    for line in body.decode("utf-8", "replace").splitlines():
+        if not line.startswith("krait:"):
+            continue
+        head, _, val = line.rpartition(" ")
+        name, _, labels = head.partition("{")
+        pos = re.search(r'position="(\d+)"', labels)
+        try:
+            out[name + (f"[{pos.group(1)}]" if pos else "")] = float(val)
+        except ValueError:
+            pass
+    return out
+
+
+def counter_figures(m0, m1):
+    """What the server counted between two scrapes: engine steps and generated tokens per step, and
+    the speculative-decoding figures when its counters are there (None otherwise)."""
+
+    def d(k):
+        return m1[k] - m0.get(k, 0.0) if k in m1 else None
+
+    steps, gen = d("krait:engine_steps_total"), d("krait:generation_tokens_total")
+    out = {"engine_steps": steps, "generation_tokens": gen,
+           "tokens_per_step": gen / steps if steps and gen is not None else None, "spec_decode": None}
+    drafts = d(SPEC + "num_drafts_total")
+    if drafts is None:
+        return out
+    drafted, acc = d(SPEC + "num_draft_tokens_total"), d(SPEC + "num_accepted_tokens_total")
+    per_pos = []
+    while SPEC + f"num_accepted_tokens_per_pos_total[{len(per_pos)}]" in m1:
+        x = d(SPEC + f"num_accepted_tokens_per_pos_total[{len(per_pos)}]")
+        per_pos.append(x / drafts if drafts else None)
+    out["spec_decode"] = {
+        "drafts": drafts, "draft_tokens": drafted, "accepted_tokens": acc,
+        "acceptance_rate": acc / drafted if drafted else None,
+        "mean_acceptance_length": 1 + acc / drafts if drafts else None,
+        "per_position_acceptance_rate": per_pos,
+    }
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
 # figures
 # ---------------------------------------------------------------------------------------------------
 
@@ -1011,6 +1077,21 @@ def format_table(s, title="Serving Benchmark Result"):
         row(f"Mean {short} (ms):", _f(s[key]["mean"]))
         row(f"Median {short} (ms):", _f(s[key]["p50"]))
         row(f"P99 {short} (ms):", _f(s[key]["p99"]))
+    sv = s.get("server")
+    if sv and sv["engine_steps"] is not None:
+        lines.append(" Server counters ".center(w, "-"))
+        row("Engine steps:", _f(sv["engine_steps"], "{:.0f}"))
+        row("Generated tokens per engine step:", _f(sv["tokens_per_step"]))
+    sd = sv and sv["spec_decode"]
+    if sd:
+        lines.append(" Speculative Decoding ".center(w, "-"))
+        row("Drafts (steps verifying drafts):", _f(sd["drafts"], "{:.0f}"))
+        row("Draft tokens:", _f(sd["draft_tokens"], "{:.0f}"))
+        row("Accepted tokens:", _f(sd["accepted_tokens"], "{:.0f}"))
+        row("Draft acceptance rate (%):", _f(None if sd["acceptance_rate"] is None else 100 * sd["acceptance_rate"]))
+        row("Mean acceptance length:", _f(sd["mean_acceptance_length"]))
+        for i, x in enumerate(sd["per_position_acceptance_rate"]):
+            row(f"Acceptance rate at position {i} (%):", _f(None if x is None else 100 * x))
     lines.append("=" * w)
     return "\n".join(lines)
 
@@ -1045,6 +1126,7 @@ async def cli_main(a):
         wu = build_requests(argparse.Namespace(**{**vars(a), "num_prompts": a.warmup, "cut_prob": 0}), model,
                             random.Random(a.seed + 1))
         await run_closed(wu, a.host, a.port, min(a.warmup, a.concurrency or a.warmup))
+    m0 = await scrape_counters(a.host, a.port)
     t0 = time.perf_counter()
     if a.request_rate != math.inf or not a.concurrency:
         res = await run_poisson(reqs, a.host, a.port, a.request_rate, a.max_concurrency, a.burstiness, a.seed)
@@ -1052,6 +1134,7 @@ async def cli_main(a):
         res = await run_closed(reqs, a.host, a.port, a.concurrency)
     dur = time.perf_counter() - t0
     s = summarize(res, dur)
+    s["server"] = counter_figures(m0, await scrape_counters(a.host, a.port))
     s["config"] = {k: v for k, v in vars(a).items() if k not in ("api_key",)}
     s["config"]["request_rate"] = str(a.request_rate)
     s["config"]["model"] = model
