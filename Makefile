@@ -13,7 +13,7 @@ CUDA_BUILD ?= build-cuda
 FUZZ_BUILD ?= build-fuzz
 RUNS ?= 100000
 FUZZ_JOBS ?= 1
-MODEL ?= models/tiny-hybrid
+MODEL ?= models/small-hybrid
 PORT ?= 8000
 
 .PHONY: deps build build-krait serve test test-sdk test-deploy test-megatron test-cuda-build fuzz fuzz-build fuzz-merge bench clean

@@ -45,7 +45,7 @@ static bool discrete(const struct kr_model *m)
 }
 
 #define N_FIXTURES FX_N_ALL
-static int fixture_idx[N_FIXTURES] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11};
+static int fixture_idx[N_FIXTURES] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12};
 
 #define FIXTURE_PARAMS(test)                                                                       \
     ParameterizedTestParameters(cuda_backend, test)                                                \
@@ -587,7 +587,7 @@ Test(cuda_backend, gpu_sampling_equals_host_sampling)
  * them may take another MoE routing branch, as against HF), every output must be
  * finite, and the path must be in use: somewhere beyond index_topk the GPU's FP8 results differ
  * from its bf16 indexer's. */
-static int dsa_fixture_idx[] = {5, 6, 7, 8, 9, 10, 11};
+static int dsa_fixture_idx[] = {5, 6, 7, 8, 9, 10, 11, 12};
 ParameterizedTestParameters(cuda_backend, fp8_indexer_matches_cpu)
 {
     return cr_make_param_array(int, dsa_fixture_idx, sizeof dsa_fixture_idx / sizeof dsa_fixture_idx[0]);

@@ -291,6 +291,7 @@ const struct fx_id fx_all[FX_N_ALL] = {
     {"nemotron_h", "nh_gated"},          {"nemotron_h", "nh_long_chunks"}, {"deepseek_v32", "ds_yarn"},
     {"deepseek_v32", "ds_fp8"},          {"deepseek_v32", "ds_short"},   {"hybrid", "hy_mdme"},
     {"hybrid", "hy_plus"},             {"hybrid", "hy_share"},         {"hybrid", "hy_norelu"},
+    {"default", "small-hybrid"}, /* the trained default model (links to models/small-hybrid) */
 };
 
 double fx_e4m3(uint8_t b)

@@ -45,7 +45,7 @@ void fx_free(struct fx *f);
 struct fx_id {
     const char *family, *name;
 };
-#define FX_N_ALL 12
+#define FX_N_ALL 13
 extern const struct fx_id fx_all[FX_N_ALL];
 
 /* E4M3 by the format's definition (bias 7, 3 mantissa bits, exponent field 0 subnormal, S.1111.111

@@ -21,7 +21,7 @@
 #define FP8_MIN_OVERLAP 0.85
 
 #define N_FIXTURES FX_N_ALL
-static int fixture_idx[N_FIXTURES] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11};
+static int fixture_idx[N_FIXTURES] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12};
 _Static_assert(sizeof fixture_idx / sizeof fixture_idx[0] == N_FIXTURES, "one index per fixture");
 
 #define FIXTURE_PARAMS(test)                                                                       \
@@ -206,23 +206,25 @@ ParameterizedTest(int *idx, hf_models, mixed_batch_equals_alone)
 
 /* ---- DSA-specific checks ------------------------------------------------------------------------ */
 
-static int dsa_fixture_idx[] = {5, 6, 7, 8, 9, 10, 11};
+static int dsa_fixture_idx[] = {5, 6, 7, 8, 9, 10, 11, 12};
 #define N_DSA ((int)(sizeof dsa_fixture_idx / sizeof dsa_fixture_idx[0]))
 
 /* Collects the selections of every D layer of a run, in call order. */
+#define CAP_CALLS 256 /* D-layer calls of one run: prompts up to 150 tokens in chunks of 3, two D layers */
+
 struct capture {
     int32_t n_calls;
-    int32_t layer[64];
-    int32_t n_tok[64];
-    int32_t pos0[64];
-    int32_t *idx[64];
+    int32_t layer[CAP_CALLS];
+    int32_t n_tok[CAP_CALLS];
+    int32_t pos0[CAP_CALLS];
+    int32_t *idx[CAP_CALLS];
     int32_t topk;
 };
 
 static void on_index(void *user, int32_t layer, const struct kr_batch *b, const int32_t *idx, int32_t topk)
 {
     struct capture *cap = user;
-    cr_assert(cap->n_calls < 64 && b->n_seq == 1);
+    cr_assert(cap->n_calls < CAP_CALLS && b->n_seq == 1);
     const int32_t i = cap->n_calls++;
     cap->layer[i] = layer;
     cap->n_tok[i] = b->n_tok;
@@ -324,7 +326,7 @@ static void copy_with_topk(const char *dir, char *out, size_t n, long topk)
     snprintf(out, n, "/tmp/krait-dsa-XXXXXX");
     cr_assert(mkdtemp(out));
     char cmd[1400];
-    snprintf(cmd, sizeof cmd, "cp -r '%s'/. '%s'/", dir, out);
+    snprintf(cmd, sizeof cmd, "cp -rL '%s'/. '%s'/", dir, out); /* -L: fixtures may link to models/ */
     cr_assert_eq(system(cmd), 0);
     char path[700];
     snprintf(path, sizeof path, "%s/config.json", out);
