@@ -203,6 +203,12 @@ Test(tokenizer, llama3_matches_hf_on_the_corpus)
     check_against_hf("llama3", true, 0);
 }
 
+/* the trained default model's own byte-level BPE (4096 tokens, models/small-hybrid) */
+Test(tokenizer, small_hybrid_matches_hf_on_the_corpus)
+{
+    check_against_hf("small_hybrid", true, 0);
+}
+
 Test(tokenizer, llama2_metaspace_bpe_matches_hf_on_the_corpus)
 {
     check_against_hf("llama2", true, 0);
@@ -290,6 +296,7 @@ Test(tokenizer, bytes_per_token_bound_is_given_only_where_it_holds)
     } cases[] = {
         {"deepseek_v3", true},
         {"llama3", true},
+        {"small_hybrid", true},
         {"llama2", true},                    /* Metaspace, Replace(" " -> "▁"), byte fallback */
         {"synth/whitespace", false},         /* drops whitespace */
         {"synth/bert_pretok", false},        /* drops whitespace */

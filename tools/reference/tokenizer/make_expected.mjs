@@ -176,7 +176,8 @@ function cfgPostProcessor(tok, dir) {
   tok.setPostProcessor(templateProcessing(single, pair, specials));
 }
 
-const dirs = [...Object.keys(real), ...Object.keys(synth).map((s) => 'synth/' + s)];
+// the trained default model's own byte-level BPE (small_hybrid/ links to models/small-hybrid/)
+const dirs = [...Object.keys(real), 'small_hybrid', ...Object.keys(synth).map((s) => 'synth/' + s)];
 for (const name of dirs) {
   const dir = path.join(fix, name);
   const tok = Tokenizer.fromFile(path.join(dir, 'tokenizer.json'));
