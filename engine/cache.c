@@ -85,7 +85,7 @@ enum kr_status kr_cache_create_plan(const struct kr_model *m, const struct kr_ca
             goto fail;
         }
         size_t total = 0;
-        for (int32_t i = 0; i < cfg->n_layer; i++) {
+        for (int32_t i = 0; i < cfg->n_layer + m->n_mtp; i++) { /* the MTP head's blocks have caches too */
             const struct kr_layer *L = &m->layers[i];
             if (L->type != KR_LAYER_DSA && L->type != KR_LAYER_MLA) {
                 continue;
@@ -219,10 +219,10 @@ void kr_cache_unit_bytes(const struct kr_model *m, int32_t block_size, size_t *s
                                    (size_t)(cfg->m_heads * cfg->m_head_dim * cfg->m_state) * sizeof(float));
     }
     bb += (size_t)m->n_attn * 2 * (size_t)block_size * (size_t)(cfg->n_kv_head * cfg->head_dim) * kv_elt;
-    for (int32_t i = 0; i < cfg->n_layer; i++) {
-        const char t = cfg->pattern[i];
-        if (t == KR_LAYER_DSA || t == KR_LAYER_MLA) {
-            bb += (size_t)block_size * latent_row_bytes(m, t == KR_LAYER_DSA && kr_model_config_topk_source(cfg, i) == i);
+    for (int32_t i = 0; i < cfg->n_layer + m->n_mtp; i++) {
+        const struct kr_layer *L = &m->layers[i];
+        if (L->type == KR_LAYER_DSA || L->type == KR_LAYER_MLA) {
+            bb += (size_t)block_size * latent_row_bytes(m, L->mla.has_indexer);
         }
     }
     *slot_bytes = sb;

@@ -58,6 +58,10 @@ struct seq {
     int32_t spec_cur;
     int32_t spec_draft[KR_SPEC_MAX_TOKENS];
     int32_t spec_held[KR_SPEC_MAX_TOKENS + 1];
+    /* MTP drafting: the draft the MTP head made after the step that ended at mtp_step (e->steps then)
+     * with n_fed == mtp_at, and the row of m->mtp_g holding its final-normed output */
+    int32_t mtp_draft, mtp_at, mtp_g_row;
+    uint64_t mtp_step;
 };
 
 struct req {
@@ -164,6 +168,11 @@ struct kr_engine {
     int32_t *b_keep;               /* [cap_tok] the step's tok_state_slot */
     uint64_t spec_drafts, spec_draft_tokens, spec_accepted;
     uint64_t spec_accepted_pos[KR_SPEC_MAX_TOKENS];
+    int32_t *mtp_i;                /* MTP passes: their batch arrays (int32) and logits */
+    size_t cap_mtp_i;
+    float *mtp_logits;
+    size_t cap_mtp_logits;
+    uint64_t mtp_passes, mtp_rows; /* MTP passes run and the rows they computed */
     /* events held back while the device works (see emit) */
     bool defer_events;
     struct pending_ev *outbox;
@@ -234,6 +243,13 @@ int32_t eng_spec_plan(struct kr_engine *e, struct seq *s, int32_t max);
 void eng_spec_verify(struct kr_engine *e, struct seq *s, const float *rows);
 /* Gives back the draft state slots s holds other than its own (no-op outside a step). */
 void eng_spec_end(struct kr_engine *e, struct seq *s);
+/* MTP drafting. After a step (its batch b, its sequences e->b_seqs[0..ns)): the MTP head's pass over
+ * every row of the step whose next token is now known, which writes the head's cache rows and gives
+ * each sequence that goes on decoding its first draft for the next step. */
+void eng_mtp_after_step(struct kr_engine *e, const struct kr_batch *b, int32_t ns);
+/* While planning, once eng_spec_plan gave the decodes their room: the passes of the MTP head over its
+ * own drafts that make the drafts after the first (one pass per drafted position). */
+void eng_mtp_chain(struct kr_engine *e, int32_t ns);
 
 /* step.c */
 void eng_run_step(struct kr_engine *e);

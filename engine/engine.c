@@ -508,14 +508,24 @@ enum kr_status kr_engine_create_group(struct kr_model *const *ranks, int32_t n_r
     }
     const struct kr_spec_config *sp = &cfg.spec;
     if (sp->method != KR_SPEC_OFF) {
-        if (sp->method != KR_SPEC_NGRAM) {
+        if (sp->method != KR_SPEC_NGRAM && sp->method != KR_SPEC_MTP) {
             return kr_err_set(err, KR_ERR_INVAL, "engine: unknown speculative decoding method %d", (int)sp->method);
+        }
+        if (sp->method == KR_SPEC_MTP && m->n_mtp == 0) {
+            return kr_err_set(err, KR_ERR_INVAL,
+                              "engine: MTP drafting needs the model's multi-token-prediction head, which was not loaded "
+                              "(%s has num_nextn_predict_layers %d)", m->dir, m->cfg.n_mtp_layers);
+        }
+        if (sp->method == KR_SPEC_MTP && strcmp(kr_backend_name(m->be), "cpu") != 0) {
+            return kr_err_set(err, KR_ERR_UNSUPPORTED,
+                              "engine: MTP drafting runs on the CPU backend only so far (not on %s)",
+                              kr_backend_name(m->be));
         }
         if (sp->k < 1 || sp->k > KR_SPEC_MAX_TOKENS) {
             return kr_err_set(err, KR_ERR_INVAL, "engine: num_speculative_tokens must be in [1, %d] (got %d)",
                               KR_SPEC_MAX_TOKENS, sp->k);
         }
-        if (sp->ngram_min < 1 || sp->ngram_max < sp->ngram_min) {
+        if (sp->method == KR_SPEC_NGRAM && (sp->ngram_min < 1 || sp->ngram_max < sp->ngram_min)) {
             return kr_err_set(err, KR_ERR_INVAL,
                               "engine: n-gram drafting needs 1 <= prompt_lookup_min <= prompt_lookup_max (got %d and %d)",
                               sp->ngram_min, sp->ngram_max);
@@ -672,7 +682,12 @@ enum kr_status kr_engine_create_group(struct kr_model *const *ranks, int32_t n_r
     } else {
         KR_LOG_INFO("prefix cache: off");
     }
-    if (sp->method != KR_SPEC_OFF) {
+    if (sp->method == KR_SPEC_MTP) {
+        m->mtp_keep = true; /* every step keeps its residual stream for the head's pass */
+        KR_LOG_INFO("speculative decoding: drafts by the model's multi-token-prediction head (blocks %s, greedy, "
+                    "chained), up to %d tokens per step; %d state slots x %zu B for the drafts' Mamba states",
+                    m->cfg.mtp_pattern, sp->k, spec_slots, slot_bytes);
+    } else if (sp->method != KR_SPEC_OFF) {
         KR_LOG_INFO("speculative decoding: n-gram drafts (prompt lookup, n = %d..%d), up to %d tokens per step; %d "
                     "state slots x %zu B for the drafts' Mamba states", sp->ngram_min, sp->ngram_max, sp->k,
                     spec_slots, slot_bytes);
@@ -715,6 +730,7 @@ void kr_engine_free(struct kr_engine *e)
     pthread_cond_signal(&e->wake);
     pthread_mutex_unlock(&e->lock);
     pthread_join(e->thread, NULL);
+    e->m->mtp_keep = false;
     eng_flush_events(e);
     e->defer_events = false;
     /* requests submitted after the thread's last look at the inbox */
@@ -751,6 +767,8 @@ void kr_engine_free(struct kr_engine *e)
     kr_free(e->b_nsched);
     kr_free(e->b_seqs);
     kr_free(e->logits);
+    kr_free(e->mtp_i);
+    kr_free(e->mtp_logits);
     kr_free(e->lp_row);
     kr_free(e->s_seqs);
     kr_free(e->s_host);

@@ -34,6 +34,8 @@ enum kr_spec_method {
     KR_SPEC_OFF = 0,
     KR_SPEC_NGRAM = 1,   /* prompt lookup: the tokens that followed the latest earlier occurrence of the
                             sequence's last n tokens (n from ngram_max down to ngram_min) */
+    KR_SPEC_MTP = 2,     /* the model's multi-token-prediction head (kr_model_load_opts.mtp), run after each
+                            step over the step's tokens, then again over its own drafts for the next ones */
 };
 struct kr_spec_config {
     enum kr_spec_method method;

@@ -4,6 +4,7 @@
 #include "engine-impl.h"
 
 #include "log.h"
+#include "alloc.h"
 
 #include <string.h>
 
@@ -60,7 +61,17 @@ int32_t eng_spec_plan(struct kr_engine *e, struct seq *s, int32_t max)
         return 0;
     }
     int32_t d[KR_SPEC_MAX_TOKENS];
-    int32_t n = ngram_propose(s->toks, s->n_toks, sc->ngram_min, sc->ngram_max, lim, d);
+    int32_t n;
+    if (sc->method == KR_SPEC_MTP) { /* the first draft made after the last step; the others, chained, later */
+        const bool fresh = s->mtp_at == s->n_fed && s->mtp_step == e->steps && s->mtp_draft >= 0;
+        n = fresh ? lim : 0;
+        d[0] = s->mtp_draft;
+        for (int32_t i = 1; i < n; i++) {
+            d[i] = s->mtp_draft; /* placeholders until eng_mtp_chain */
+        }
+    } else {
+        n = ngram_propose(s->toks, s->n_toks, sc->ngram_min, sc->ngram_max, lim, d);
+    }
     /* a state slot per draft, out of those no waiting sequence may be admitted to this step */
     if (n > 0 && c->n_mamba > 0) {
         const int32_t admit = e->cfg.max_num_seqs - e->n_running;
@@ -142,5 +153,195 @@ void eng_spec_verify(struct kr_engine *e, struct seq *s, const float *rows)
     eng_spec_end(e, s);
     if (live) {
         kr_seq_cache_trim(c, &s->cache, s->n_toks); /* the refused drafts' rows */
+    }
+}
+
+/* ---- MTP drafting -------------------------------------------------------------------------------- */
+
+/* Room for an MTP pass of n_tok rows in n_seq sequences (block tables of max_blocks) with n_out
+ * logits rows: the batch arrays in e->mtp_i, in the order tokens, pos, out, src, tok0 (n_seq + 1),
+ * pos0, slot, block table. */
+static enum kr_status mtp_room(struct kr_engine *e, int32_t n_tok, int32_t n_seq, int32_t max_blocks, int32_t n_out)
+{
+    const size_t ni = (size_t)n_tok * 4 + (size_t)n_seq * 3 + 1 + (size_t)n_seq * (size_t)max_blocks;
+    if (ni > e->cap_mtp_i) {
+        int32_t *p = kr_realloc(e->mtp_i, ni * sizeof *p);
+        if (!p) {
+            return KR_ERR_NOMEM;
+        }
+        e->mtp_i = p;
+        e->cap_mtp_i = ni;
+    }
+    const size_t nl = (size_t)(n_out > 0 ? n_out : 1) * (size_t)e->m->cfg.vocab;
+    if (nl > e->cap_mtp_logits) {
+        float *p = kr_realloc(e->mtp_logits, nl * sizeof *p);
+        if (!p) {
+            return KR_ERR_NOMEM;
+        }
+        e->mtp_logits = p;
+        e->cap_mtp_logits = nl;
+    }
+    return KR_OK;
+}
+
+static int32_t argmax(const float *x, int64_t n)
+{
+    int32_t best = 0;
+    for (int64_t i = 1; i < n; i++) {
+        if (x[i] > x[best]) {
+            best = (int32_t)i;
+        }
+    }
+    return best;
+}
+
+/* The rows of s's step that the MTP head takes: positions [p0, s->n_fed) whose next token is known,
+ * of a sequence that is still running (a finished one has given back its caches). */
+static int32_t mtp_rows_of(const struct seq *s, int32_t p0)
+{
+    if (s->state != KR_SEQ_PREFILL && s->state != KR_SEQ_DECODE) {
+        return 0;
+    }
+    const int32_t end = s->n_fed < s->n_toks - 1 ? s->n_fed : s->n_toks - 1;
+    return end > p0 ? end - p0 : 0;
+}
+
+void eng_mtp_after_step(struct kr_engine *e, const struct kr_batch *b, int32_t ns)
+{
+    if (e->cfg.spec.method != KR_SPEC_MTP) {
+        return;
+    }
+    int32_t n_tok = 0, n_seq = 0, n_out = 0, max_blocks = 1;
+    for (int32_t j = 0; j < ns; j++) {
+        struct seq *s = e->b_seqs[j];
+        s->mtp_at = -1;
+        const int32_t r = mtp_rows_of(s, b->seq_pos0[j]);
+        if (r > 0) {
+            n_tok += r;
+            n_seq++;
+            n_out += s->state == KR_SEQ_DECODE;
+            max_blocks = s->cache.n_blocks > max_blocks ? s->cache.n_blocks : max_blocks;
+        }
+    }
+    if (n_tok == 0) {
+        return;
+    }
+    if (mtp_room(e, n_tok, n_seq, max_blocks, n_out) != KR_OK) {
+        KR_LOG_WARN("MTP drafting: out of memory for a pass of %d rows; no drafts next step", n_tok);
+        return;
+    }
+    int32_t *tokens = e->mtp_i, *pos = tokens + n_tok, *out = pos + n_tok, *src = out + n_tok, *tok0 = src + n_tok,
+            *pos0 = tok0 + n_seq + 1, *slot = pos0 + n_seq, *bt = slot + n_seq;
+    int32_t t = 0, q = 0, o = 0;
+    for (int32_t j = 0; j < ns; j++) {
+        struct seq *s = e->b_seqs[j];
+        const int32_t p0 = b->seq_pos0[j], r = mtp_rows_of(s, p0);
+        if (r <= 0) {
+            continue;
+        }
+        tok0[q] = t;
+        pos0[q] = p0;
+        slot[q] = s->cache.slot;
+        memset(bt + (size_t)q * (size_t)max_blocks, 0, (size_t)max_blocks * sizeof(int32_t));
+        memcpy(bt + (size_t)q * (size_t)max_blocks, s->cache.blocks, (size_t)s->cache.n_blocks * sizeof(int32_t));
+        for (int32_t i = 0; i < r; i++) {
+            tokens[t + i] = s->toks[p0 + i + 1];
+            pos[t + i] = p0 + i;
+            src[t + i] = b->seq_tok0[j] + i; /* the step's row at that position */
+        }
+        if (s->state == KR_SEQ_DECODE) {
+            out[o] = t + r - 1;
+            s->mtp_g_row = o++;
+        }
+        t += r;
+        q++;
+    }
+    tok0[n_seq] = n_tok;
+    const struct kr_batch mb = {.n_tok = n_tok, .n_seq = n_seq, .tokens = tokens, .pos = pos, .seq_tok0 = tok0,
+                                .seq_pos0 = pos0, .seq_slot = slot, .block_table = bt, .max_blocks = max_blocks,
+                                .n_out = n_out, .out_tok = out};
+    struct kr_err err = {0};
+    if (kr_model_mtp_forward(e->m, e->cache, &mb, &e->m->mtp_h, true, src, e->mtp_logits, &err) != KR_OK) {
+        KR_LOG_WARN("MTP drafting: %s; no drafts next step", err.msg);
+        return;
+    }
+    e->mtp_passes++;
+    e->mtp_rows += (uint64_t)n_tok;
+    const int64_t V = e->m->cfg.vocab;
+    for (int32_t j = 0; j < ns; j++) {
+        struct seq *s = e->b_seqs[j];
+        if (s->state == KR_SEQ_DECODE && mtp_rows_of(s, b->seq_pos0[j]) > 0) {
+            s->mtp_draft = argmax(e->mtp_logits + (size_t)s->mtp_g_row * (size_t)V, V);
+            s->mtp_at = s->n_fed;
+            s->mtp_step = e->steps;
+        }
+    }
+}
+
+void eng_mtp_chain(struct kr_engine *e, int32_t ns)
+{
+    if (e->cfg.spec.method != KR_SPEC_MTP) {
+        return;
+    }
+    const int64_t V = e->m->cfg.vocab;
+    for (int32_t d = 1; d < e->cfg.spec.k; d++) {
+        /* pass d: each sequence with more than d drafts, one row at position n_fed + d - 1 taking draft
+         * d - 1 (the token there) and the head's own output for the position before */
+        int32_t n = 0, max_blocks = 1;
+        for (int32_t j = 0; j < ns; j++) {
+            const struct seq *s = e->b_seqs[j];
+            if (s->spec_n > d) {
+                n++;
+                max_blocks = s->cache.n_blocks > max_blocks ? s->cache.n_blocks : max_blocks;
+            }
+        }
+        if (n == 0) {
+            return;
+        }
+        if (mtp_room(e, n, n, max_blocks, n) != KR_OK) {
+            return; /* the placeholders stay: drafts that are only less likely to be kept */
+        }
+        int32_t *tokens = e->mtp_i, *pos = tokens + n, *out = pos + n, *src = out + n, *tok0 = src + n,
+                *pos0 = tok0 + n + 1, *slot = pos0 + n, *bt = slot + n;
+        int32_t q = 0;
+        for (int32_t j = 0; j < ns; j++) {
+            struct seq *s = e->b_seqs[j];
+            if (s->spec_n <= d) {
+                continue;
+            }
+            tokens[q] = s->spec_draft[d - 1];
+            pos[q] = s->n_fed + d - 1;
+            out[q] = q;
+            src[q] = s->mtp_g_row;
+            tok0[q] = q;
+            pos0[q] = pos[q];
+            slot[q] = s->cache.slot;
+            memset(bt + (size_t)q * (size_t)max_blocks, 0, (size_t)max_blocks * sizeof(int32_t));
+            memcpy(bt + (size_t)q * (size_t)max_blocks, s->cache.blocks, (size_t)s->cache.n_blocks * sizeof(int32_t));
+            q++;
+        }
+        tok0[n] = n;
+        const struct kr_batch mb = {.n_tok = n, .n_seq = n, .tokens = tokens, .pos = pos, .seq_tok0 = tok0,
+                                    .seq_pos0 = pos0, .seq_slot = slot, .block_table = bt, .max_blocks = max_blocks,
+                                    .n_out = n, .out_tok = out};
+        struct kr_err err = {0};
+        if (kr_model_mtp_forward(e->m, e->cache, &mb, &e->m->mtp_g, false, src, e->mtp_logits, &err) != KR_OK) {
+            KR_LOG_WARN("MTP drafting: %s; the drafts after the first are placeholders this step", err.msg);
+            return;
+        }
+        e->mtp_passes++;
+        e->mtp_rows += (uint64_t)n;
+        q = 0;
+        for (int32_t j = 0; j < ns; j++) {
+            struct seq *s = e->b_seqs[j];
+            if (s->spec_n <= d) {
+                continue;
+            }
+            s->spec_draft[d] = argmax(e->mtp_logits + (size_t)q * (size_t)V, V);
+            for (int32_t i = d + 1; i < s->spec_n; i++) {
+                s->spec_draft[i] = s->spec_draft[d];
+            }
+            s->mtp_g_row = q++;
+        }
     }
 }

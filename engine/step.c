@@ -20,6 +20,7 @@
 static void preempt(struct kr_engine *e, struct seq *s)
 {
     eng_spec_end(e, s);
+    s->mtp_at = -1;
     /* its caches stay reusable: re-admitted, it starts from them unless they were evicted meanwhile */
     const uint64_t *h = e->cache->prefix ? eng_seq_hashes(e, s, s->cache.n_pos) : NULL;
     if (h) {
@@ -338,6 +339,7 @@ static int32_t plan(struct kr_engine *e, int32_t *n_tok_out)
         nt += nd;
         budget -= nd;
     }
+    eng_mtp_chain(e, ns); /* the MTP head's drafts after the first */
     /* 2. running prefills, oldest first */
     for (int32_t i = 0; i < e->n_running && budget > 0; i++) {
         struct seq *s = e->running[i];
@@ -694,6 +696,7 @@ void eng_run_step(struct kr_engine *e)
             }
         }
     }
+    eng_mtp_after_step(e, &b, ns);
     eng_free_dead(e);
     pthread_mutex_lock(&e->lock);
     e->stats.step_sched_us_last = t1 - t0;

@@ -653,6 +653,35 @@ static enum kr_status parse_quant(struct kr_model_config *cfg, const struct kr_j
     return KR_OK;
 }
 
+/* Multi-token prediction in the hybrid layout: num_nextn_predict_layers MTP layers under mtp.layers.N.,
+ * each made of the blocks mtp_hybrid_override_pattern names (Megatron's pattern letters). */
+static enum kr_status parse_mtp(struct kr_model_config *cfg, const struct kr_json *root, const char *path,
+                                struct kr_err *err)
+{
+    int64_t n;
+    KR_TRY(get_int(root, path, KEYS("num_nextn_predict_layers"), false, 0, &n, err));
+    if (n < 0 || n > 64) {
+        return kr_err_set(err, KR_ERR_FORMAT, "%s: key \"num_nextn_predict_layers\" = %lld is outside 0..64", path,
+                          (long long)n);
+    }
+    cfg->n_mtp_layers = (int32_t)n;
+    const struct kr_json *pat = kr_json_get(root, "mtp_hybrid_override_pattern");
+    if (!pat || pat->type == KR_JSON_NULL) {
+        return KR_OK;
+    }
+    if (pat->type != KR_JSON_STRING) {
+        return kr_err_set(err, KR_ERR_FORMAT, "%s: key \"mtp_hybrid_override_pattern\" must be a string", path);
+    }
+    struct kr_model_config tmp = {0};
+    KR_TRY(parse_pattern_string(&tmp, pat->str, path, "mtp_hybrid_override_pattern", err));
+    if (tmp.n_layer > KR_MAX_MTP_PATTERN) {
+        return kr_err_set(err, KR_ERR_UNSUPPORTED, "%s: key \"mtp_hybrid_override_pattern\" has %d blocks (at most %d)",
+                          path, tmp.n_layer, KR_MAX_MTP_PATTERN);
+    }
+    memcpy(cfg->mtp_pattern, tmp.pattern, (size_t)tmp.n_layer + 1);
+    return KR_OK;
+}
+
 static enum kr_status parse_nemotron_h(struct kr_model_config *cfg, const struct kr_json *root, const char *path,
                                        struct kr_err *err)
 {
@@ -736,7 +765,7 @@ static enum kr_status parse_nemotron_h(struct kr_model_config *cfg, const struct
     if (cfg->dsa_seen || kr_model_config_count(cfg, KR_LAYER_DSA) || kr_model_config_count(cfg, KR_LAYER_MLA)) {
         KR_TRY(parse_mla(cfg, root, path, err));
     }
-    return KR_OK;
+    return parse_mtp(cfg, root, path, err);
 }
 
 

@@ -24,6 +24,7 @@ enum kr_layer_type {
 
 #define KR_MAX_LAYERS 1024
 #define KR_MAX_EOS 8
+#define KR_MAX_MTP_PATTERN 16
 
 struct kr_model_config {
     char model_type[32];       /* "nemotron_h" */
@@ -103,7 +104,10 @@ struct kr_model_config {
     int64_t kv_head0;          /* first KV head of this rank (GQA heads replicated when tp > n_kv) */
 
     /* checkpoint layout */
-    int32_t n_mtp_layers;      /* num_nextn_predict_layers (deepseek_v32; tensors skipped) */
+    int32_t n_mtp_layers;      /* num_nextn_predict_layers: multi-token-prediction layers the checkpoint
+                                  carries (loaded only for drafting: struct kr_model_load_opts.mtp) */
+    char mtp_pattern[KR_MAX_MTP_PATTERN + 1]; /* nemotron_h: mtp_hybrid_override_pattern, the blocks of one
+                                  MTP layer (e.g. "DE"); empty when the config has none */
     bool fp8_weights;          /* quantization_config fp8 (DeepSeek: block scales) or modelopt FP8 (NVIDIA:
                                   per-tensor, per-channel or block scales), matrices F8_E4M3 */
     bool fp8_modelopt;         /* the modelopt form (scales `<w>_scale`, `input_scale`, KV scales) */

@@ -23,6 +23,7 @@ struct loader {
     const char *prefix; /* "backbone." or "model." */
     bool deepseek;      /* HF deepseek_v32 naming (layer i -> native 2i, 2i+1) */
     bool whole_precision; /* the embedding and the LM head: never kept as FP8 */
+    bool mtp;           /* load the multi-token-prediction head too */
     struct kr_err *err;
 };
 
@@ -87,8 +88,10 @@ static enum kr_status check_any(struct loader *ld, struct kr_st_tensor *t, int n
                           t->file->path, t->name, kr_dtype_name(t->dtype),
                           fp8_ok ? " (or F8_E4M3 with weight_scale_inv)" : "");
     }
+    if (!t->used) { /* a tensor loaded in parts (eh_proj's halves) counts once */
+        ld->m->n_params += (uint64_t)t->n_elem;
+    }
     t->used = true;
-    ld->m->n_params += (uint64_t)t->n_elem;
     return KR_OK;
 }
 
@@ -889,6 +892,38 @@ static void layer_names(const struct loader *ld, int32_t i, char *norm, size_t n
     snprintf(base, nb, "%slayers.%d.mixer.", ld->prefix, i);
 }
 
+/* One block of type L->type: its pre-norm `norm` and the mixer under `base` (`indexer`: a D layer with
+ * an indexer of its own). */
+static enum kr_status load_block(struct loader *ld, struct kr_layer *L, int32_t i, const char *norm,
+                                 const char *base, bool indexer)
+{
+    struct kr_model *m = ld->m;
+    const struct kr_model_config *c = &ld->full;
+    KR_TRY(load_vec(ld, norm, c->dim, false, "block RMSNorm weight [hidden]", &L->norm));
+    switch (L->type) {
+    case KR_LAYER_MAMBA:
+        L->cache_idx = m->n_mamba++;
+        return load_mamba(ld, base, &L->mamba);
+    case KR_LAYER_ATTN:
+        L->cache_idx = m->n_attn++;
+        return load_attn(ld, base, &L->attn);
+    case KR_LAYER_MLP:
+        return load_mlp(ld, base, c->dim, c->ffn, c->dim, &L->mlp);
+    case KR_LAYER_MOE:
+        return load_moe(ld, base, &L->moe);
+    case KR_LAYER_DSA:
+    case KR_LAYER_MLA:
+        L->cache_idx = m->n_mla++;
+        /* a D layer reusing an earlier layer's top-k (index_topk_freq) has no indexer */
+        KR_TRY(load_mla(ld, base, L->type == KR_LAYER_DSA && indexer, &L->mla));
+        L->mla.shares_topk = L->type == KR_LAYER_DSA && !L->mla.has_indexer;
+        return KR_OK;
+    default:
+        return kr_err_set(ld->err, KR_ERR_UNSUPPORTED, "%s: layer %d: unsupported layer type '%c'", m->dir, i,
+                          (char)L->type);
+    }
+}
+
 static enum kr_status load_layers(struct loader *ld)
 {
     struct kr_model *m = ld->m;
@@ -898,36 +933,67 @@ static enum kr_status load_layers(struct loader *ld)
         struct kr_layer *L = &m->layers[i];
         L->type = (enum kr_layer_type)c->pattern[i];
         layer_names(ld, i, n, sizeof n, base, sizeof base);
-        KR_TRY(load_vec(ld, n, c->dim, false, "block RMSNorm weight [hidden]", &L->norm));
-        switch (L->type) {
-        case KR_LAYER_MAMBA:
-            L->cache_idx = m->n_mamba++;
-            KR_TRY(load_mamba(ld, base, &L->mamba));
-            break;
-        case KR_LAYER_ATTN:
-            L->cache_idx = m->n_attn++;
-            KR_TRY(load_attn(ld, base, &L->attn));
-            break;
-        case KR_LAYER_MLP:
-            KR_TRY(load_mlp(ld, base, c->dim, c->ffn, c->dim, &L->mlp));
-            break;
-        case KR_LAYER_MOE:
-            KR_TRY(load_moe(ld, base, &L->moe));
-            break;
-        case KR_LAYER_DSA:
-        case KR_LAYER_MLA:
-            L->cache_idx = m->n_mla++;
-            /* a D layer reusing an earlier layer's top-k (index_topk_freq) has no indexer */
-            KR_TRY(load_mla(ld, base, L->type == KR_LAYER_DSA && kr_model_config_topk_source(c, i) == i, &L->mla));
-            L->mla.shares_topk = L->type == KR_LAYER_DSA && !L->mla.has_indexer;
-            break;
-        default:
-            return kr_err_set(ld->err, KR_ERR_UNSUPPORTED, "%s: layer %d: unsupported layer type '%c'", m->dir, i,
-                              (char)L->type);
-        }
+        KR_TRY(load_block(ld, L, i, n, base, kr_model_config_topk_source(c, i) == i));
         if (ld->progress) {
             ld->progress(ld->progress_user, i + 1, c->n_layer);
         }
+    }
+    return KR_OK;
+}
+
+/* The multi-token-prediction head in the hybrid layout (mtp.layers.0.: enorm, hnorm, eh_proj
+ * [hidden, 2 hidden], the blocks of mtp_hybrid_override_pattern under layers.N., final_layernorm),
+ * as layers n_layer.. of m->layers. Its blocks use the main stack's hyper-parameters, so each kind
+ * must occur there; Mamba blocks are refused (drafting keeps no per-token states for them). */
+static enum kr_status load_mtp(struct loader *ld)
+{
+    struct kr_model *m = ld->m;
+    const struct kr_model_config *c = &ld->full;
+    if (ld->deepseek) {
+        return kr_err_set(ld->err, KR_ERR_UNSUPPORTED,
+                          "%s: drafting with the multi-token-prediction layer of a deepseek_v32 checkpoint "
+                          "(model.layers.%d.*) is not supported yet; the hybrid layout's mtp.layers.0.* is",
+                          m->dir, c->n_layer / 2);
+    }
+    if (c->n_mtp_layers != 1 || !c->mtp_pattern[0]) {
+        return kr_err_set(ld->err, KR_ERR_UNSUPPORTED,
+                          "%s: config.json has num_nextn_predict_layers %d and mtp_hybrid_override_pattern \"%s\": "
+                          "drafting with MTP needs one MTP layer with a block pattern",
+                          m->dir, c->n_mtp_layers, c->mtp_pattern);
+    }
+    if (ld->size > 1) {
+        return kr_err_set(ld->err, KR_ERR_UNSUPPORTED,
+                          "%s: the MTP head is not loaded under tensor parallelism yet", m->dir);
+    }
+    const int32_t nb = (int32_t)strlen(c->mtp_pattern);
+    for (int32_t j = 0; j < nb; j++) {
+        const char t = c->mtp_pattern[j];
+        if (t == KR_LAYER_MAMBA || !strchr(c->pattern, t)) {
+            return kr_err_set(ld->err, KR_ERR_UNSUPPORTED,
+                              "%s: mtp_hybrid_override_pattern \"%s\": block '%c' %s", m->dir, c->mtp_pattern, t,
+                              t == KR_LAYER_MAMBA ? "(Mamba) is not supported in an MTP layer"
+                                                  : "does not occur in the main pattern, whose hyper-parameters it uses");
+        }
+    }
+    char n[512], base[256];
+    const char *p = "mtp.layers.0.";
+    NAME(n, "%senorm.weight", p);
+    KR_TRY(load_vec(ld, n, c->dim, false, "MTP embedding RMSNorm weight [hidden]", &m->mtp.enorm));
+    NAME(n, "%shnorm.weight", p);
+    KR_TRY(load_vec(ld, n, c->dim, false, "MTP hidden-state RMSNorm weight [hidden]", &m->mtp.hnorm));
+    NAME(n, "%seh_proj.weight", p);
+    const struct part pe = {.c0 = 0, .nc = c->dim}, ph = {.c0 = c->dim, .nc = c->dim};
+    KR_TRY(load_mat_p(ld, n, c->dim, 2 * c->dim, &pe, false, "MTP projection [hidden, 2 hidden]", &m->mtp.eh_e));
+    KR_TRY(load_mat_p(ld, n, c->dim, 2 * c->dim, &ph, false, "MTP projection [hidden, 2 hidden]", &m->mtp.eh_h));
+    NAME(n, "%sfinal_layernorm.weight", p);
+    KR_TRY(load_vec(ld, n, c->dim, false, "MTP final RMSNorm weight [hidden]", &m->mtp.final_norm));
+    for (int32_t j = 0; j < nb; j++) {
+        struct kr_layer *L = &m->layers[c->n_layer + j];
+        L->type = (enum kr_layer_type)c->mtp_pattern[j];
+        NAME(n, "%slayers.%d.norm.weight", p, j);
+        NAME(base, "%slayers.%d.mixer.", p, j);
+        m->n_mtp++; /* freed with the model from here on, loaded or not */
+        KR_TRY(load_block(ld, L, c->n_layer + j, n, base, true));
     }
     return KR_OK;
 }
@@ -1004,11 +1070,14 @@ static enum kr_status load_all(struct loader *ld)
         NAME(n, "%snorm_f.weight", ld->prefix);
     }
     KR_TRY(load_vec(ld, n, c->dim, false, "final RMSNorm weight [hidden]", &m->final_norm));
-    m->layers = kr_calloc((size_t)c->n_layer, sizeof *m->layers);
+    m->layers = kr_calloc((size_t)c->n_layer + KR_MAX_MTP_PATTERN, sizeof *m->layers);
     if (!m->layers) {
         return KR_ERR_NOMEM;
     }
     KR_TRY(load_layers(ld));
+    if (ld->mtp) {
+        KR_TRY(load_mtp(ld));
+    }
     if (c->tie_embeddings) {
         struct kr_st_tensor *lm = find(ld, "lm_head.weight");
         if (lm) { /* some exports keep the tied copy; it must at least have the right shape */
@@ -1030,7 +1099,9 @@ static enum kr_status load_all(struct loader *ld)
     }
     KR_TRY(check_unused(ld));
     KR_TRY(kr_model_set_indexer(m, KR_INDEXER_AUTO, ld->err));
-    if (ld->deepseek && c->n_mtp_layers) {
+    if (m->n_mtp) {
+        KR_LOG_INFO("%s: multi-token-prediction head loaded (blocks %s) for drafting", m->dir, c->mtp_pattern);
+    } else if (ld->deepseek && c->n_mtp_layers) {
         KR_LOG_INFO("%s: skipped %d multi-token-prediction layer(s) after layer %d", m->dir, c->n_mtp_layers,
                     c->n_layer / 2 - 1);
     }
@@ -1060,6 +1131,13 @@ enum kr_status kr_model_load(const char *dir, kr_backend_t be, struct kr_model *
 enum kr_status kr_model_load_progress(const char *dir, kr_backend_t be, kr_progress_cb cb, void *user,
                                       struct kr_model **out, struct kr_err *err)
 {
+    const struct kr_model_load_opts o = {.progress = cb, .progress_user = user};
+    return kr_model_load_opts(dir, be, &o, out, err);
+}
+
+enum kr_status kr_model_load_opts(const char *dir, kr_backend_t be, const struct kr_model_load_opts *o,
+                                  struct kr_model **out, struct kr_err *err)
+{
     struct kr_model *m = kr_calloc(1, sizeof *m);
     if (!m) {
         return kr_err_set(err, KR_ERR_NOMEM, "%s: out of memory while loading", dir);
@@ -1083,7 +1161,7 @@ enum kr_status kr_model_load_progress(const char *dir, kr_backend_t be, kr_progr
         goto fail;
     }
     struct loader ld = {.m = m, .full = full, .rank = m->cfg.tp_rank, .size = m->cfg.tp_size, .err = err,
-                        .progress = cb, .progress_user = user};
+                        .progress = o->progress, .progress_user = o->progress_user, .mtp = o->mtp};
     if ((st = load_all(&ld)) != KR_OK) {
         goto fail;
     }
@@ -1115,7 +1193,7 @@ void kr_model_free(struct kr_model *m)
     }
     kr_backend_graph_reset(m->be); /* captured steps point at these weights */
     if (m->layers) {
-        for (int32_t i = 0; i < m->cfg.n_layer; i++) {
+        for (int32_t i = 0; i < m->cfg.n_layer + m->n_mtp; i++) {
             kr_free(m->layers[i].moe.gate);
             kr_free(m->layers[i].moe.up);
             kr_free(m->layers[i].moe.down);
@@ -1125,6 +1203,8 @@ void kr_model_free(struct kr_model *m)
         kr_backend_buf_free(m->be, &m->owned[i]);
     }
     kr_backend_buf_free(m->be, &m->work);
+    kr_backend_buf_free(m->be, &m->mtp_h);
+    kr_backend_buf_free(m->be, &m->mtp_g);
     kr_free(m->pad);
     kr_free(m->owned);
     kr_free(m->layers);

@@ -727,6 +727,10 @@ static enum kr_status pad_batch(struct kr_model *m, const struct kr_batch *b, in
     return KR_OK;
 }
 
+static enum kr_status run_layers(struct kr_model *m, struct kr_cache *cache, const struct kr_batch *b, struct ws *ws,
+                                 int32_t i0, int32_t i1);
+static enum kr_status lm_head(struct kr_model *m, const struct kr_batch *b, struct ws *ws, bool bf16);
+
 /* The layers, final norm and LM head of one step (the ops a graph replays). */
 static enum kr_status run_ops(struct kr_model *m, struct kr_cache *cache, const struct kr_batch *b, struct ws *ws)
 {
@@ -737,10 +741,30 @@ static enum kr_status run_ops(struct kr_model *m, struct kr_cache *cache, const 
     if (kr_backend_tp_size(be) > 1) { /* each rank gave its vocabulary rows, zeros elsewhere */
         KR_TRY(kr_backend_all_reduce(be, ws->x, n * c->dim));
     }
-    for (int32_t i = 0; i < c->n_layer; i++) {
+    KR_TRY(run_layers(m, cache, b, ws, 0, c->n_layer));
+    if (b->n_out == 0) {
+        return KR_OK;
+    }
+    KR_TRY(kr_backend_gather_out(be, ws->x, c->dim, ws->fin));
+    const bool bf16 = kr_backend_bf16_operands(be, b->n_out);
+    const struct krk_rmsnorm_params fn = {.x = ws->fin, .ldx = c->dim, .w = m->final_norm, .n = b->n_out,
+                                          .dim = c->dim, .eps = c->norm_eps, .out = ws->fin,
+                                          .out_bf16 = bf16 ? ws->xb : NULL};
+    KR_TRY(kr_backend_rmsnorm(be, &fn));
+    return lm_head(m, b, ws, bf16);
+}
+
+/* Layers [i0, i1) over the residual stream ws->x, which holds their sum at the end. */
+static enum kr_status run_layers(struct kr_model *m, struct kr_cache *cache, const struct kr_batch *b, struct ws *ws,
+                                 int32_t i0, int32_t i1)
+{
+    const struct kr_model_config *c = &m->cfg;
+    kr_backend_t be = m->be;
+    const int64_t n = b->n_tok;
+    for (int32_t i = i0; i < i1; i++) {
         const struct kr_layer *L = &m->layers[i];
         /* the previous layer's output joins the residual stream in the same kernel as this norm */
-        const struct krk_rmsnorm_params np = {.x = ws->x, .ldx = c->dim, .res = i > 0 ? ws->o : NULL, .w = L->norm,
+        const struct krk_rmsnorm_params np = {.x = ws->x, .ldx = c->dim, .res = i > i0 ? ws->o : NULL, .w = L->norm,
                                               .n = n, .dim = c->dim, .eps = c->norm_eps, .out = ws->h,
                                               .out_bf16 = bf16_out(ws)};
         KR_TRY(kr_backend_rmsnorm(be, &np));
@@ -771,18 +795,17 @@ static enum kr_status run_ops(struct kr_model *m, struct kr_cache *cache, const 
         /* under tensor parallelism every mixer's output is a partial sum (row-parallel output projection) */
         KR_TRY(kr_backend_all_reduce(be, ws->o, n * c->dim));
     }
-    if (c->n_layer > 0) { /* the last layer's output (the others' joined the next layer's norm) */
+    if (i1 > i0) { /* the last layer's output (the others' joined the next layer's norm) */
         KR_TRY(kr_backend_add(be, ws->x, ws->o, n * c->dim));
     }
-    if (b->n_out == 0) {
-        return KR_OK;
-    }
-    KR_TRY(kr_backend_gather_out(be, ws->x, c->dim, ws->fin));
-    const bool bf16 = kr_backend_bf16_operands(be, b->n_out);
-    const struct krk_rmsnorm_params fn = {.x = ws->fin, .ldx = c->dim, .w = m->final_norm, .n = b->n_out,
-                                          .dim = c->dim, .eps = c->norm_eps, .out = ws->fin,
-                                          .out_bf16 = bf16 ? ws->xb : NULL};
-    KR_TRY(kr_backend_rmsnorm(be, &fn));
+    return KR_OK;
+}
+
+/* The LM head over the final-normed out rows ws->fin (their bf16 operand in ws->xb when `bf16`). */
+static enum kr_status lm_head(struct kr_model *m, const struct kr_batch *b, struct ws *ws, bool bf16)
+{
+    const struct kr_model_config *c = &m->cfg;
+    kr_backend_t be = m->be;
     const struct krk_bf16_in fb = {.data = ws->xb, .ld = c->dim, .cap = ws->xb_cap, .filled = bf16};
     if (c->tp_size > 1) { /* this rank's vocabulary rows, then every rank's side by side */
         const int64_t part = c->vocab / c->tp_size;
@@ -790,6 +813,16 @@ static enum kr_status run_ops(struct kr_model *m, struct kr_cache *cache, const 
         return kr_backend_all_gather(be, ws->lg_part, b->n_out, part, ws->lg);
     }
     return kr_backend_matmul(be, ws->fin, c->dim, b->n_out, &m->lm_head, NULL, ws->lg, c->vocab, &fb);
+}
+
+/* `buf` holds at least `bytes` (grown by half again when it must grow). */
+static enum kr_status buf_fit(struct kr_model *m, struct kr_buf *buf, size_t bytes)
+{
+    if (buf->ptr && buf->size >= bytes) {
+        return KR_OK;
+    }
+    kr_backend_buf_free(m->be, buf);
+    return kr_backend_buf_alloc(m->be, bytes + bytes / 2 + 64, buf);
 }
 
 enum kr_status kr_model_forward(struct kr_model *m, struct kr_cache *cache, const struct kr_batch *b, float *logits,
@@ -839,6 +872,14 @@ enum kr_status kr_model_forward(struct kr_model *m, struct kr_cache *cache, cons
         goto fail;
     }
     m->n_steps++;
+    if (m->mtp_keep) { /* the residual stream of every row, for the MTP head's pass after sampling */
+        const size_t rb = (size_t)c->dim * kr_backend_act_size(be);
+        if ((st = buf_fit(m, &m->mtp_h, (size_t)b->n_tok * rb)) != KR_OK ||
+            (st = kr_backend_copy_d2d(be, m->mtp_h.ptr, ws.x, (size_t)b->n_tok * rb)) != KR_OK) {
+            goto fail;
+        }
+        m->mtp_h_rows = b->n_tok;
+    }
     if (b->n_out > 0 && logits &&
         (st = kr_backend_copy_d2h(be, logits, ws.lg, (size_t)b->n_out * (size_t)c->vocab * sizeof(float))) != KR_OK) {
         goto fail;
@@ -851,4 +892,101 @@ fail:
     }
     kr_backend_tp_abort(be); /* the other ranks must not wait for this one's collectives */
     return kr_err_set(err, st, "forward pass failed: %s", kr_status_str(st));
+}
+
+/* ---- the multi-token-prediction head ----------------------------------------------------------- */
+
+static enum kr_status mtp_ops(struct kr_model *m, struct kr_cache *cache, const struct kr_batch *b, struct ws *ws,
+                              const struct kr_buf *src, bool src_final, const int32_t *src_row)
+{
+    const struct kr_model_config *c = &m->cfg;
+    const struct kr_mtp_w *w = &m->mtp;
+    kr_backend_t be = m->be;
+    const int64_t n = b->n_tok;
+    const size_t rb = (size_t)c->dim * kr_backend_act_size(be);
+    /* the hidden states, gathered in runs of consecutive source rows */
+    for (int64_t t = 0; t < n;) {
+        int64_t e = t + 1;
+        while (e < n && src_row[e] == src_row[e - 1] + 1) {
+            e++;
+        }
+        KR_TRY(kr_backend_copy_d2d(be, (char *)ws->h + (size_t)t * rb, (const char *)src->ptr + (size_t)src_row[t] * rb,
+                                   (size_t)(e - t) * rb));
+        t = e;
+    }
+    if (src_final) {
+        const struct krk_rmsnorm_params fn = {.x = ws->h, .ldx = c->dim, .w = m->final_norm, .n = n, .dim = c->dim,
+                                              .eps = c->norm_eps, .out = ws->h};
+        KR_TRY(kr_backend_rmsnorm(be, &fn));
+    }
+    const struct krk_bf16_in hb = bf16_filled(ws, c->dim);
+    const struct krk_rmsnorm_params hn = {.x = ws->h, .ldx = c->dim, .w = w->hnorm, .n = n, .dim = c->dim,
+                                          .eps = c->norm_eps, .out = ws->h, .out_bf16 = bf16_out(ws)};
+    KR_TRY(kr_backend_rmsnorm(be, &hn));
+    KR_TRY(kr_backend_matmul(be, ws->h, c->dim, n, &w->eh_h, NULL, ws->o, c->dim, &hb));
+    KR_TRY(kr_backend_embed(be, &m->embed, m->embed_row0, ws->x));
+    const struct krk_rmsnorm_params en = {.x = ws->x, .ldx = c->dim, .w = w->enorm, .n = n, .dim = c->dim,
+                                          .eps = c->norm_eps, .out = ws->h, .out_bf16 = bf16_out(ws)};
+    KR_TRY(kr_backend_rmsnorm(be, &en));
+    KR_TRY(kr_backend_matmul(be, ws->h, c->dim, n, &w->eh_e, NULL, ws->x, c->dim, &hb));
+    KR_TRY(kr_backend_add(be, ws->x, ws->o, n * c->dim));
+    KR_TRY(run_layers(m, cache, b, ws, c->n_layer, c->n_layer + m->n_mtp));
+    if (b->n_out == 0) {
+        return KR_OK;
+    }
+    KR_TRY(kr_backend_gather_out(be, ws->x, c->dim, ws->fin));
+    const bool bf16 = kr_backend_bf16_operands(be, b->n_out);
+    const struct krk_rmsnorm_params fn = {.x = ws->fin, .ldx = c->dim, .w = w->final_norm, .n = b->n_out,
+                                          .dim = c->dim, .eps = c->norm_eps, .out = ws->fin,
+                                          .out_bf16 = bf16 ? ws->xb : NULL};
+    KR_TRY(kr_backend_rmsnorm(be, &fn));
+    KR_TRY(buf_fit(m, &m->mtp_g, (size_t)b->n_out * rb));
+    KR_TRY(kr_backend_copy_d2d(be, m->mtp_g.ptr, ws->fin, (size_t)b->n_out * rb));
+    return lm_head(m, b, ws, bf16);
+}
+
+enum kr_status kr_model_mtp_forward(struct kr_model *m, struct kr_cache *cache, const struct kr_batch *b,
+                                    const struct kr_buf *src, bool src_final, const int32_t *src_row, float *logits,
+                                    struct kr_err *err)
+{
+    const struct kr_model_config *c = &m->cfg;
+    kr_backend_t be = m->be;
+    if (m->n_mtp == 0) {
+        return kr_err_set(err, KR_ERR_INVAL, "%s: no multi-token-prediction head is loaded", m->dir);
+    }
+    enum kr_status st = validate(m, cache, b, err);
+    if (st != KR_OK || b->n_tok == 0) {
+        return st;
+    }
+    const size_t rb = (size_t)c->dim * kr_backend_act_size(be);
+    const int64_t have = src && src->ptr ? (int64_t)(src->size / rb) : 0;
+    for (int32_t t = 0; t < b->n_tok; t++) {
+        if (src_row[t] < 0 || src_row[t] >= have) {
+            return kr_err_set(err, KR_ERR_INVAL, "MTP pass: row %d takes hidden state %d of %lld", t, src_row[t],
+                              (long long)have);
+        }
+    }
+    struct ws ws;
+    bool begun = false;
+    if ((st = ws_prepare(m, b, &ws)) != KR_OK || (st = kr_backend_begin_batch(be, b)) != KR_OK) {
+        goto fail;
+    }
+    begun = true;
+    if ((st = mtp_ops(m, cache, b, &ws, src, src_final, src_row)) != KR_OK) {
+        goto fail;
+    }
+    begun = false;
+    if ((st = kr_backend_end_batch(be, true)) != KR_OK) {
+        goto fail;
+    }
+    if (b->n_out > 0 && logits &&
+        (st = kr_backend_copy_d2h(be, logits, ws.lg, (size_t)b->n_out * (size_t)c->vocab * sizeof(float))) != KR_OK) {
+        goto fail;
+    }
+    return KR_OK;
+fail:
+    if (begun) {
+        (void)kr_backend_end_batch(be, false);
+    }
+    return kr_err_set(err, st, "MTP pass failed: %s", kr_status_str(st));
 }

@@ -87,6 +87,19 @@ struct kr_layer {
     struct kr_mla_w mla;
 };
 
+/* The multi-token-prediction head (DeepSeek-V3's form, in the hybrid layout's names mtp.layers.0.*):
+ * from the main model's final-normed hidden state h_i and the next token t_{i+1},
+ * x = eh_proj([enorm(embed(t_{i+1})); hnorm(h_i)]), then its own blocks (layers n_layer ..
+ * n_layer + n_mtp - 1 of struct kr_model.layers, with caches of their own), final_norm and the
+ * model's LM head: logits for t_{i+2}. */
+struct kr_mtp_w {
+    const float *enorm;         /* [dim] */
+    const float *hnorm;         /* [dim] */
+    struct kr_tensor eh_e;      /* [dim, dim]: eh_proj's columns that take the normed embedding */
+    struct kr_tensor eh_h;      /* [dim, dim]: those that take the normed hidden state */
+    const float *final_norm;    /* [dim] */
+};
+
 struct kr_model {
     struct kr_model_config cfg;
     char *dir;                   /* checkpoint directory (owned) */
@@ -96,7 +109,13 @@ struct kr_model {
     int64_t embed_row0;          /* the first vocabulary row embed holds (0 when whole) */
     struct kr_tensor lm_head;    /* [vocab, dim] (the embedding when tied) */
     const float *final_norm;     /* [dim] */
-    struct kr_layer *layers;     /* [n_layer] */
+    struct kr_layer *layers;     /* [n_layer + n_mtp]: the main stack, then the MTP head's blocks */
+    int32_t n_mtp;               /* blocks of the MTP head (0: not loaded) */
+    struct kr_mtp_w mtp;
+    bool mtp_keep;               /* each step keeps its residual stream for kr_model_mtp_forward */
+    struct kr_buf mtp_h;         /* [rows, dim] the last step's residual stream (mtp_keep) */
+    struct kr_buf mtp_g;         /* [rows, dim] the last MTP pass's final-normed outputs of its out rows */
+    int32_t mtp_h_rows;          /* rows of the last step kept in mtp_h */
     int32_t n_mamba, n_attn;     /* layers per cache kind */
     int32_t n_mla;               /* layers with a latent cache (D and +) */
     const float *rope_inv_freq;  /* [qk_rope/2] backend copy of cfg.rope_inv_freq (MLA layers) */
@@ -132,6 +151,16 @@ void kr_model_free(struct kr_model *m);
 typedef void (*kr_progress_cb)(void *user, int done, int total);
 enum kr_status kr_model_load_progress(const char *dir, kr_backend_t be, kr_progress_cb cb, void *user,
                                       struct kr_model **out, struct kr_err *err);
+
+/* What to load beside the main stack. */
+struct kr_model_load_opts {
+    kr_progress_cb progress;    /* (optional) called with (layers loaded, total layers) after each layer */
+    void *progress_user;
+    bool mtp;                   /* the multi-token-prediction head too (speculative drafting): the
+                                   checkpoint must have one (num_nextn_predict_layers 1, hybrid layout) */
+};
+enum kr_status kr_model_load_opts(const char *dir, kr_backend_t be, const struct kr_model_load_opts *o,
+                                  struct kr_model **out, struct kr_err *err);
 
 /* Precision of the DSA lightning indexer's scores (D layers). */
 enum kr_indexer {
@@ -176,6 +205,17 @@ enum kr_status kr_model_reserve(struct kr_model *m, int64_t n_tok, int64_t n_out
  * invalid input is KR_ERR_INVAL with a message, never a crash. Engine thread only. */
 enum kr_status kr_model_forward(struct kr_model *m, struct kr_cache *c, const struct kr_batch *b, float *logits,
                                 struct kr_err *err);
+
+/* The MTP head (struct kr_mtp_w) over `b`, a batch laid out as for kr_model_forward whose row t
+ * stands at position b->pos[t] with token b->tokens[t] = the token at the next position, and whose
+ * hidden state is row src_row[t] of `src` (backend memory, [*, dim]): the main model's residual
+ * stream (m->mtp_h, kept by the last kr_model_forward with m->mtp_keep; `src_final`: the model's
+ * final norm is applied first) or the final-normed outputs of an earlier MTP pass (m->mtp_g).
+ * Writes the MTP blocks' cache rows at b's positions, the logits of b's out rows to `logits`
+ * ([n_out, vocab], host) and their final-normed outputs to m->mtp_g rows 0..n_out-1. */
+enum kr_status kr_model_mtp_forward(struct kr_model *m, struct kr_cache *c, const struct kr_batch *b,
+                                    const struct kr_buf *src, bool src_final, const int32_t *src_row, float *logits,
+                                    struct kr_err *err);
 
 #ifdef __cplusplus
 }

@@ -363,7 +363,8 @@ static void *loader_main(void *arg)
             return NULL;
         }
     }
-    enum kr_status st = kr_model_load_progress(s->o.model_dir, s->be, progress, NULL, &s->m, &err);
+    const struct kr_model_load_opts lo = {.progress = progress, .mtp = s->o.spec_method == KR_SPEC_MTP};
+    enum kr_status st = kr_model_load_opts(s->o.model_dir, s->be, &lo, &s->m, &err);
     if (st == KR_OK && s->o.indexer != KR_INDEXER_AUTO) {
         if ((st = kr_model_set_indexer(s->m, (enum kr_indexer)s->o.indexer, &err)) != KR_OK) {
             kr_model_free(s->m);

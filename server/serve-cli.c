@@ -144,13 +144,18 @@ static int parse_spec(const char *text, struct kr_serve_opts *o)
         }
     }
     if (!method) {
-        fprintf(stderr, "krait serve: --speculative-config: \"method\" is required (\"ngram\")\n");
+        fprintf(stderr, "krait serve: --speculative-config: \"method\" is required (\"ngram\" or \"mtp\")\n");
         goto out;
     }
-    if (strcmp(method, "ngram") != 0) {
-        const bool mtp = !strcmp(method, "mtp") || !strcmp(method, "deepseek_mtp") || !strcmp(method, "nemotron_h_mtp");
-        fprintf(stderr, "krait serve: --speculative-config: method \"%s\" %s; use \"ngram\"\n", method,
-                mtp ? "(drafting with the checkpoint's MTP layers) is not available yet" : "is unknown");
+    const bool mtp = !strcmp(method, "mtp") || !strcmp(method, "deepseek_mtp") || !strcmp(method, "nemotron_h_mtp");
+    if (strcmp(method, "ngram") != 0 && !mtp) {
+        fprintf(stderr, "krait serve: --speculative-config: method \"%s\" is unknown; use \"ngram\" or \"mtp\"\n",
+                method);
+        goto out;
+    }
+    if (mtp && (nmin >= 0 || nmax >= 0)) {
+        fprintf(stderr, "krait serve: --speculative-config: prompt_lookup_min and prompt_lookup_max apply to method "
+                        "\"ngram\", not \"%s\"\n", method);
         goto out;
     }
     if (k < 0) {
@@ -175,7 +180,7 @@ static int parse_spec(const char *text, struct kr_serve_opts *o)
                 nmin, nmax);
         goto out;
     }
-    o->spec_method = KR_SPEC_NGRAM;
+    o->spec_method = mtp ? KR_SPEC_MTP : KR_SPEC_NGRAM;
     o->spec_k = k;
     o->spec_ngram_min = nmin;
     o->spec_ngram_max = nmax;

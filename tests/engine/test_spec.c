@@ -55,13 +55,22 @@ static void on_event(const struct kr_event *ev, void *user)
 static kr_backend_t g_be;
 static struct kr_model *g_m;
 
-static void load(const char *dir)
+/* Loads `dir`, its multi-token-prediction head too when `mtp`. */
+static void load_mtp(const char *dir, bool mtp)
 {
     kr_log_set_level(KR_LOG_LEVEL_WARN);
     g_be = kr_backend_cpu_create(2);
     struct kr_err err = {0};
-    cr_assert_eq(kr_model_load(dir, g_be, &g_m, &err), KR_OK, "%s: %s", dir, err.msg);
+    const struct kr_model_load_opts o = {.mtp = mtp};
+    cr_assert_eq(kr_model_load_opts(dir, g_be, &o, &g_m, &err), KR_OK, "%s: %s", dir, err.msg);
 }
+
+static void load(const char *dir)
+{
+    load_mtp(dir, false);
+}
+
+static enum kr_spec_method g_method = KR_SPEC_NGRAM; /* how run_cfg.k > 0 drafts */
 
 static void unload(void)
 {
@@ -90,7 +99,7 @@ static struct kr_engine *make(const struct run_cfg *rc)
     cfg.prefix_state_interval = rc->block; /* prompts of a few blocks get snapshots to hit */
     cfg.debug_checks = true;
     if (rc->k > 0) {
-        cfg.spec = (struct kr_spec_config){.method = KR_SPEC_NGRAM, .k = rc->k, .ngram_min = 1, .ngram_max = 3};
+        cfg.spec = (struct kr_spec_config){.method = g_method, .k = rc->k, .ngram_min = 1, .ngram_max = 3};
     }
     struct kr_engine *e = NULL;
     struct kr_err err = {0};
@@ -193,13 +202,18 @@ static void expect_same_greedy(const struct out *ref, const struct out *got, con
     }
 }
 
-static void greedy_family(const char *dir)
+static void greedy_family_by(const char *dir, enum kr_spec_method method)
 {
-    load(dir);
+    g_method = method;
+    load_mtp(dir, method == KR_SPEC_MTP);
     make_prompts();
     static struct out plain[N_REQ], spec[N_REQ], other[N_REQ], plain_small[N_REQ];
     struct kr_engine_stats st;
-    const struct run_cfg big = {.k = 0, .seqs = 32, .tokens = 4096, .block = 16, .bytes = (size_t)64 << 20};
+    size_t slot_b, block_b;
+    kr_cache_unit_bytes(g_m, 4, &slot_b, &block_b);
+    /* 64 MiB and room for 16 state slots per sequence (running, drafts' and the prefix cache's) */
+    const struct run_cfg big = {.k = 0, .seqs = 32, .tokens = 4096, .block = 16,
+                                .bytes = ((size_t)64 << 20) + slot_b * 32 * 16};
     run_all(&big, plain, &st);
     /* the same configuration with drafts: every prompt prefilled alike, so bit for bit */
     for (int32_t k = 1; k <= 5; k += 4) {
@@ -223,8 +237,6 @@ static void greedy_family(const char *dir)
     }
     /* 29-token steps over a cache that preempts, with and without drafts: the same steps cannot
      * be kept (drafts take room), so equal up to near-ties */
-    size_t slot_b, block_b;
-    kr_cache_unit_bytes(g_m, 4, &slot_b, &block_b);
     struct run_cfg small = {.k = 0, .seqs = 12, .tokens = 29, .block = 4, .bytes = 0, .prefix = false};
     small.bytes = slot_b * (12 + 4 * 12 / 4) + block_b * 48;
     run_all(&small, plain_small, &st);
@@ -256,13 +268,26 @@ static void greedy_family(const char *dir)
         expect_same_greedy(plain, other, pass ? "prefix cache, second pass" : "prefix cache, first pass");
     }
     kr_engine_get_stats(e, &st);
-    cr_expect_gt(st.prefix_hits, 0, "%s: the second pass hit nothing", dir);
+    cr_expect_gt(st.prefix_hits, 0, "%s: the second pass hit nothing (queries %llu, snapshots %llu, evicted %llu)", dir, (unsigned long long)st.prefix_queries, (unsigned long long)st.prefix_snapshots, (unsigned long long)st.prefix_evicted_snapshots);
     expect_pools_whole(e);
     kr_engine_free(e);
     unload();
+    g_method = KR_SPEC_NGRAM;
+}
+
+static void greedy_family(const char *dir)
+{
+    greedy_family_by(dir, KR_SPEC_NGRAM);
 }
 
 TestSuite(spec, .timeout = 900);
+
+/* Drafts by the trained default model's MTP head (its D and E blocks with caches of their own, run
+ * after each step and chained for later drafts): the same exactness as n-gram drafts. */
+Test(spec, greedy_equals_plain_decoding_mtp_default_model)
+{
+    greedy_family_by(KR_FIXTURES "/../../models/small-hybrid", KR_SPEC_MTP);
+}
 
 Test(spec, greedy_equals_plain_decoding_nemotron_h)
 {
