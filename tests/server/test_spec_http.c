@@ -1,7 +1,7 @@
-/* Speculative decoding served: `krait serve --speculative-config` (n-gram drafts, k = 4) on the
- * embedded default model against the same model served without it, the independent reference. The
- * default model's greedy output repeats itself (its weights are random: it falls into runs of one
- * token), so that drafts are proposed and kept. Every request goes to both servers at once; each
+/* Speculative decoding served: `krait serve --speculative-config` (n-gram drafts, k = 4, on the
+ * tiny test model; drafts by the trained default model's MTP head, k = 3) against the same model
+ * served without it, the independent reference. The tiny model's greedy output repeats itself (its
+ * weights are random: it falls into runs of one token), so that n-gram drafts are proposed and kept. Every request goes to both servers at once; each
  * serves it alone and
  * both get the same requests in the same order (their prefix caches hold the same prompts), so
  * the answers must be equal but for their ids and timestamps:
@@ -33,21 +33,36 @@
 #include <unistd.h>
 
 #define MODEL KR_SOURCE_DIR "/models/tiny-hybrid"
-#define SPEC_K 4
 #define SPEC "{\"method\":\"ngram\",\"num_speculative_tokens\":4}"
+/* the trained default model drafting with its multi-token-prediction head */
+#define MTP_MODEL KR_SOURCE_DIR "/models/small-hybrid"
+#define MTP_SPEC "{\"method\":\"mtp\",\"num_speculative_tokens\":3}"
 #define MAX_TOKENS 64
 
 static struct srv_proc P, S; /* plain, speculating */
+static int SPEC_K = 4;       /* the speculating server's num_speculative_tokens */
 
 /* Both load at once; 64 MiB of cache (plenty here) start sooner under the sanitizers than the
  * default 512 MiB. */
-static void start_pair(void)
+static void start_pair_of(const char *model, const char *spec, int k, const char *cache)
 {
-    srv_spawn(&S, MODEL, "--served-model-name", "tiny", "--cache-memory-bytes", "67108864", "--speculative-config",
-              SPEC, NULL);
-    srv_spawn(&P, MODEL, "--served-model-name", "tiny", "--cache-memory-bytes", "67108864", NULL);
+    SPEC_K = k;
+    srv_spawn(&S, model, "--served-model-name", "tiny", "--cache-memory-bytes", cache, "--speculative-config", spec,
+              NULL);
+    srv_spawn(&P, model, "--served-model-name", "tiny", "--cache-memory-bytes", cache, NULL);
     srv_ready(&S);
     srv_ready(&P);
+}
+
+static void start_pair(void)
+{
+    start_pair_of(MODEL, SPEC, 4, "67108864");
+}
+
+/* the default model's Mamba states are larger: 256 MiB */
+static void start_pair_mtp(void)
+{
+    start_pair_of(MTP_MODEL, MTP_SPEC, 3, "268435456");
 }
 
 static void stop_pair(void)
@@ -340,7 +355,7 @@ static const char *const prompts[] = {
     "of Italy is",
 };
 
-Test(spec_http, greedy_answers_whole_and_streamed_equal_plain_decoding, .init = start_pair, .fini = stop_pair)
+static void greedy_both(void)
 {
     const double a0 = accepted();
     char body[2048], what[128];
@@ -411,6 +426,25 @@ Test(spec_http, greedy_answers_whole_and_streamed_equal_plain_decoding, .init = 
     }
     cr_expect_eq(sum, kept, "the per-position counts add up to %g, not %g", sum, kept);
     cr_expect_geq(srv_wait_idle(&S, 30.0), 0, "the speculating server holds slots or blocks after its answers");
+}
+
+Test(spec_http, greedy_answers_whole_and_streamed_equal_plain_decoding, .init = start_pair, .fini = stop_pair)
+{
+    greedy_both();
+}
+
+/* The same with drafts from the trained default model's MTP head (k = 3), then n = 2 sampled with a
+ * seed: the plain server's draws. */
+Test(spec_http, mtp_greedy_and_seeded_answers_equal_plain_decoding, .init = start_pair_mtp, .fini = stop_pair)
+{
+    greedy_both();
+    const double a0 = accepted();
+    char *sb = cmpl(prompts[0], "{\"max_tokens\":%d,\"temperature\":0.7,\"seed\":11,\"n\":2,\"logprobs\":2}",
+                    MAX_TOKENS);
+    json_decref(same_whole_and_streamed("/v1/completions", sb, "n = 2, seed 11"));
+    free(sb);
+    cr_expect_gt(accepted() - a0, 0, "n = 2 sampled: no draft was kept");
+    cr_expect_geq(srv_wait_idle(&S, 30.0), 0);
 }
 
 /* ---- sampled, stops, lengths, schemas -------------------------------------------------------------- */
@@ -599,7 +633,7 @@ Test(spec_http, sampled_stopped_cut_and_constrained_answers_equal_plain_decoding
 /* Eight streams (two of n = 2) of a looping greedy output, their clients leaving after 1 to 8 KiB
  * (from a few tokens to about thirty: drafts run by then), all at once: the engine idles with every
  * slot and block back, /health stays 200, and the next request answers as the plain server does. */
-Test(spec_http, clients_leaving_mid_draft_leave_the_pools_whole, .init = start_pair, .fini = stop_pair)
+static void leaving_clients(void)
 {
     const double a0 = accepted();
     enum { N = 8 };
@@ -634,6 +668,16 @@ Test(spec_http, clients_leaving_mid_draft_leave_the_pools_whole, .init = start_p
     json_decref(same_whole_and_streamed("/v1/completions", next, "after the clients left"));
     free(next);
     cr_expect_geq(srv_wait_idle(&S, 30.0), 0);
+}
+
+Test(spec_http, clients_leaving_mid_draft_leave_the_pools_whole, .init = start_pair, .fini = stop_pair)
+{
+    leaving_clients();
+}
+
+Test(spec_http, mtp_clients_leaving_mid_draft_leave_the_pools_whole, .init = start_pair_mtp, .fini = stop_pair)
+{
+    leaving_clients();
 }
 
 /* ---- refusals ------------------------------------------------------------------------------------ */
@@ -682,8 +726,8 @@ Test(spec_http, a_bad_speculative_config_exits_2_naming_the_problem)
         {"{\"method\":", "not a JSON object"},
         {"[1]", "not a JSON object"},
         {"{\"method\":\"ngram\",\"num_speculative_tokens\":4,\"draft_model\":\"x\"}", "unknown key \"draft_model\""},
-        {"{\"method\":\"mtp\",\"num_speculative_tokens\":1}", "method \"mtp\""},
-        {"{\"method\":\"deepseek_mtp\",\"num_speculative_tokens\":1}", "not available yet"},
+        {"{\"method\":\"mtp\",\"num_speculative_tokens\":2,\"prompt_lookup_max\":3}",
+         "prompt_lookup_min and prompt_lookup_max apply to method \"ngram\""},
         {"{\"method\":\"eagle\",\"num_speculative_tokens\":1}", "method \"eagle\" is unknown"},
         {"{\"method\":\"ngram\",\"num_speculative_tokens\":0}", "\"num_speculative_tokens\" must be a positive"},
         {"{\"method\":\"ngram\",\"num_speculative_tokens\":17}", "\"num_speculative_tokens\" 17 is more than 16"},
@@ -705,4 +749,10 @@ Test(spec_http, a_bad_speculative_config_exits_2_naming_the_problem)
     const int rc = run_serve(KR_SOURCE_DIR "/tests/fixtures/hybrid/hy_share", tp, out, sizeof out);
     cr_expect_neq(rc, 0, "speculative decoding with 2 ranks: exit status 0");
     cr_expect(strstr(out, "speculative decoding does not run with tensor parallelism"), "stderr: %s", out);
+    /* MTP drafting with a checkpoint that has no MTP head: the load fails, saying so */
+    const char *mtp[] = {"--speculative-config", MTP_SPEC, NULL};
+    const int rm = run_serve(MODEL, mtp, out, sizeof out);
+    cr_expect_neq(rm, 0, "MTP drafting without an MTP head: exit status 0");
+    cr_expect(strstr(out, "num_nextn_predict_layers 0") && strstr(out, "drafting with MTP needs one MTP layer"),
+              "stderr: %s", out);
 }
