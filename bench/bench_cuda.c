@@ -456,18 +456,27 @@ static void forward(struct ctx *x, const struct kr_batch *b)
     }
 }
 
-/* Prefills B sequences with ctx random tokens each, then times `steps` greedy decode steps. */
-static double bench_decode(struct ctx *x, int32_t B, int32_t ctx, int32_t steps, bool quiet, bool profile)
+/* Prefills B sequences with ctx random tokens each, then times `steps` greedy decode steps. With
+ * k > 0 each step is a verification step of speculative decoding instead: every sequence feeds 1 + k
+ * tokens at consecutive positions, each an output row chosen greedily on the GPU (and, with
+ * host_logits, all rows' logits copied to the host, as the engine's host-side verification does);
+ * positions advance by 1 + k per step. Such steps have more tokens than sequences: no graph. */
+static double bench_decode_k(struct ctx *x, int32_t B, int32_t ctx, int32_t steps, bool quiet, bool profile,
+                             int32_t k, bool host_logits)
 {
     struct kr_seq_cache *sc = kr_calloc((size_t)B, sizeof *sc);
-    const int32_t maxb = (ctx + steps + 8) / x->c->block_size + 2;
-    const size_t nt_max = x->fill ? (size_t)B : (size_t)B * (size_t)(ctx < 8192 ? ctx : 8192) + (size_t)B;
+    const int32_t r = 1 + k; /* rows per sequence and step */
+    const int32_t maxb = (ctx + steps * r + 8 * r) / x->c->block_size + 2;
+    size_t nt_max = x->fill ? (size_t)B : (size_t)B * (size_t)(ctx < 8192 ? ctx : 8192) + (size_t)B;
+    nt_max = nt_max > (size_t)B * (size_t)r ? nt_max : (size_t)B * (size_t)r;
+    float *host = host_logits ? kr_malloc((size_t)B * (size_t)r * (size_t)x->m->cfg.vocab * sizeof(float)) : NULL;
     int32_t *tok = kr_malloc(nt_max * 4), *pos = kr_malloc(nt_max * 4);
     int32_t *tok0 = kr_malloc(((size_t)B + 1) * 4), *pos0 = kr_malloc((size_t)B * 4), *slot = kr_malloc((size_t)B * 4);
     int32_t *bt = kr_calloc((size_t)B * (size_t)maxb, 4), *out = kr_malloc(nt_max * 4);
     uint32_t s = 7;
     for (int32_t i = 0; i < B; i++) {
-        if (kr_seq_cache_init(x->c, &sc[i]) != KR_OK || kr_seq_cache_reserve(x->c, &sc[i], ctx + steps + 4) != KR_OK) {
+        if (kr_seq_cache_init(x->c, &sc[i]) != KR_OK ||
+            kr_seq_cache_reserve(x->c, &sc[i], ctx + (steps + 3) * r + 4) != KR_OK) {
             fprintf(stderr, "bench_cuda: cache too small for batch %d at context %d\n", B, ctx);
             exit(1);
         }
@@ -499,11 +508,13 @@ static double bench_decode(struct ctx *x, int32_t B, int32_t ctx, int32_t steps,
     for (int32_t i = 0; i < B; i++) {
         slot[i] = sc[i].slot;
         memcpy(bt + (size_t)i * maxb, sc[i].blocks, (size_t)sc[i].n_blocks * 4);
-        tok0[i] = i;
-        out[i] = i;
-        tok[i] = (int32_t)(i * 7919 % x->m->cfg.vocab);
+        tok0[i] = i * r;
     }
-    tok0[B] = B;
+    for (int32_t t = 0; t < B * r; t++) {
+        out[t] = t;
+        tok[t] = (int32_t)(t * 7919 % x->m->cfg.vocab);
+    }
+    tok0[B] = B * r;
     if (profile) {
         kr_backend_cuda_profile(x->be, true); /* time the decode steps only, not the prefill above */
     }
@@ -515,14 +526,37 @@ static double bench_decode(struct ctx *x, int32_t B, int32_t ctx, int32_t steps,
             t0 = kr_clock_s();
         }
         for (int32_t i = 0; i < B; i++) {
-            pos[i] = pos0[i] = ctx + st;
+            pos0[i] = ctx + st * r;
+            for (int32_t j = 0; j < r; j++) {
+                pos[i * r + j] = pos0[i] + j;
+            }
         }
-        struct kr_batch b = {.n_tok = B, .n_seq = B, .tokens = tok, .pos = pos, .seq_tok0 = tok0, .seq_pos0 = pos0,
-                             .seq_slot = slot, .block_table = bt, .max_blocks = maxb, .n_out = B, .out_tok = out};
+        struct kr_batch b = {.n_tok = B * r, .n_seq = B, .tokens = tok, .pos = pos, .seq_tok0 = tok0,
+                             .seq_pos0 = pos0, .seq_slot = slot, .block_table = bt, .max_blocks = maxb,
+                             .n_out = B * r, .out_tok = out};
         forward(x, &b);
-        gpu_greedy(x, B, tok);
+        gpu_greedy(x, B * r, tok);
+        if (host) {
+            CK(cudaMemcpy(host, x->m->last_logits, (size_t)B * (size_t)r * (size_t)x->m->cfg.vocab * sizeof(float),
+                          cudaMemcpyDeviceToHost));
+        }
     }
     const double ms = (kr_clock_s() - t0) / steps * 1e3;
+    kr_free(host);
+    if (k > 0) { /* the caller reports it */
+        for (int32_t i = 0; i < B; i++) {
+            kr_seq_cache_release(x->c, &sc[i]);
+        }
+        kr_free(sc);
+        kr_free(tok);
+        kr_free(pos);
+        kr_free(tok0);
+        kr_free(pos0);
+        kr_free(slot);
+        kr_free(bt);
+        kr_free(out);
+        return ms;
+    }
     for (int32_t i = 0; i < B; i++) {
         kr_seq_cache_release(x->c, &sc[i]);
     }
@@ -548,6 +582,45 @@ static double bench_decode(struct ctx *x, int32_t B, int32_t ctx, int32_t steps,
         fflush(stdout);
     }
     return ms;
+}
+
+static double bench_decode(struct ctx *x, int32_t B, int32_t ctx, int32_t steps, bool quiet, bool profile)
+{
+    return bench_decode_k(x, B, ctx, steps, quiet, profile, 0, false);
+}
+
+/* The cost side of speculative decoding at batch B: plain decode steps (graphs) against verification
+ * steps of 1 + k rows per sequence, as ms per generated token when a step keeps L tokens per
+ * sequence on average (L = 1 + accepted drafts: 1.5, 2.5, 3.5, where L <= 1 + k), and the break-even
+ * L (the verification step's time over the plain step's). The acceptance is set by construction,
+ * not measured: only the time of the steps is. */
+static void bench_spec(struct ctx *x, int32_t B, int32_t ctx, int32_t steps, const int32_t *ks, int nk)
+{
+    const double plain = bench_decode(x, B, ctx, steps, true, false);
+    static const double Ls[3] = {1.5, 2.5, 3.5};
+    for (int i = 0; i < nk; i++) {
+        const int32_t k = ks[i];
+        const double ms = bench_decode_k(x, B, ctx, steps, true, false, k, false);
+        const double ms_h = bench_decode_k(x, B, ctx, steps, true, false, k, true);
+        char per[160] = "";
+        size_t o = 0;
+        for (int j = 0; j < 3; j++) {
+            if (Ls[j] <= 1 + k) {
+                o += (size_t)snprintf(per + o, sizeof per - o, "%sL %.1f: %.3f", o ? ", " : "", Ls[j], ms_h / Ls[j]);
+            }
+        }
+        printf("| verify k=%d | batch %d, context %d | %.3f ms/step (%.3f with the logits to the host) | plain %.3f "
+               "ms/token | ms/token at %s | break-even L %.2f (%.2f on the device alone) |\n",
+               k, B, ctx, ms, ms_h, plain, per, ms_h / plain, ms / plain);
+        if (x->json) {
+            fprintf(x->json,
+                    "{\"kind\":\"spec_verify\",\"batch\":%d,\"ctx\":%d,\"k\":%d,\"ms_per_step\":%.4f,"
+                    "\"ms_per_step_host_logits\":%.4f,\"plain_ms_per_step\":%.4f,\"break_even_L\":%.4f,"
+                    "\"break_even_L_device\":%.4f}\n",
+                    B, ctx, k, ms, ms_h, plain, ms_h / plain, ms / plain);
+        }
+        fflush(stdout);
+    }
 }
 
 static double bench_prefill(struct ctx *x, int32_t L, int reps, bool quiet)
@@ -772,7 +845,8 @@ int main(int argc, char **argv)
 {
     int32_t batches[16] = {1, 16, 64, 256}, prefills[8] = {2048, 8192}, ctxs[8] = {256};
     int32_t case_b[16], case_ctx[16];
-    int nb = 4, np = 2, nc = 1, ncase = 0, steps = 32, ctx = 256, profile = 0, fill = 0, fp8 = 0;
+    int nb = 4, np = 2, nc = 1, ncase = 0, steps = 32, ctx = 256, profile = 0, fill = 0, fp8 = 0, nk = 0;
+    int32_t spec_k[8], kmax = 0;
     const char *json = NULL, *lp_out = NULL, *lp_ref = NULL;
     int32_t lp_len = 512;
     static const struct option lo[] = {
@@ -782,7 +856,7 @@ int main(int argc, char **argv)
         {"ctxs", required_argument, NULL, 'C'},    {"fill", no_argument, NULL, 'F'},
         {"quantization", required_argument, NULL, 'Q'}, {"cases", required_argument, NULL, 'K'},
         {"logprobs", required_argument, NULL, 'L'}, {"logprobs-ref", required_argument, NULL, 'R'},
-        {"logprobs-len", required_argument, NULL, 'N'},
+        {"logprobs-len", required_argument, NULL, 'N'}, {"spec", required_argument, NULL, 'S'},
         {"help", no_argument, NULL, 'h'},          {NULL, 0, NULL, 0},
     };
     int ch;
@@ -850,6 +924,16 @@ int main(int argc, char **argv)
         case 'P':
             profile = 1;
             break;
+        case 'S':
+            nk = parse_list(optarg, spec_k, 8);
+            for (int i = 0; i < nk; i++) {
+                if (spec_k[i] < 1 || spec_k[i] > 16) {
+                    fprintf(stderr, "bench_cuda: --spec: k from 1 to 16 (got %d)\n", spec_k[i]);
+                    return 2;
+                }
+                kmax = spec_k[i] > kmax ? spec_k[i] : kmax;
+            }
+            break;
         default:
             fprintf(stderr, "usage: bench_cuda [--batches 1,16,64,256] [--prefill 2048,8192] [--steps N]\n"
                             "                  [--ctx N | --ctxs 2048,16384,...] [--fill] [--profile] [--json FILE]\n"
@@ -861,7 +945,10 @@ int main(int argc, char **argv)
                             "                     context; the caches hold the largest pair\n"
                             "  --logprobs FILE  [--logprobs-ref REF] [--logprobs-len 512]: log-probabilities of a\n"
                             "                   random prompt at every position into FILE; with REF, the deviation\n"
-                            "                   from that run (bf16 against FP8)\n");
+                            "                   from that run (bf16 against FP8)\n"
+                            "  --spec 1,2,3  also verification steps of speculative decoding with k drafted tokens\n"
+                            "                per sequence at every batch (first context): ms per token at a given\n"
+                            "                acceptance length and the break-even acceptance length\n");
             return 2;
         }
     }
@@ -930,11 +1017,12 @@ int main(int argc, char **argv)
         max_p = prefills[i] > max_p ? prefills[i] : max_p;
     }
     const int32_t bs = 64;
-    int64_t blocks = (int64_t)max_b * ((ctx + steps + 16) / bs + 2) + max_p / bs + 4;
+    const int32_t span = steps * (1 + kmax) + 16 * (1 + kmax); /* positions the decode steps take */
+    int64_t blocks = (int64_t)max_b * ((ctx + span) / bs + 2) + max_p / bs + 4;
     if (ncase > 0) { /* the largest pair, not the largest batch at the largest context */
         blocks = 0;
         for (int i = 0; i < ncase; i++) {
-            const int64_t need = (int64_t)case_b[i] * ((case_ctx[i] + steps + 16) / bs + 2);
+            const int64_t need = (int64_t)case_b[i] * ((case_ctx[i] + span) / bs + 2);
             blocks = need > blocks ? need : blocks;
         }
         blocks += max_p / bs + 4;
@@ -945,20 +1033,21 @@ int main(int argc, char **argv)
     }
     const int64_t max_tok = fill ? (max_p > max_b ? max_p : max_b)
                                  : (max_p > (int64_t)max_b * ctx ? max_p : (max_b * ctx < 8192 ? max_b * ctx : 8192));
-    if (kr_model_reserve(x.m, max_tok > max_b ? max_tok : max_b, max_b, max_b,
-                         ctx + steps + 16 > max_p ? ctx + steps + 16 : max_p, bs) != KR_OK) {
+    const int64_t max_rows = (int64_t)max_b * (1 + kmax);
+    if (kr_model_reserve(x.m, max_tok > max_rows ? max_tok : max_rows, max_rows, max_b,
+                         ctx + span > max_p ? ctx + span : max_p, bs) != KR_OK) {
         fprintf(stderr, "bench_cuda: cannot reserve the workspace\n");
         return 1;
     }
-    x.sample_ws_bytes = krk_sample_workspace_bytes(max_b, x.m->cfg.vocab);
+    x.sample_ws_bytes = krk_sample_workspace_bytes((int32_t)max_rows, x.m->cfg.vocab);
     CK(cudaMalloc(&x.sample_ws, x.sample_ws_bytes + 16));
-    CK(cudaMalloc((void **)&x.ids_d, (size_t)max_b * 4));
-    CK(cudaMalloc((void **)&x.rows_d, (size_t)max_b * sizeof(struct krk_sample_row)));
-    struct krk_sample_row *rows = kr_calloc((size_t)max_b, sizeof *rows);
-    for (int32_t i = 0; i < max_b; i++) {
+    CK(cudaMalloc((void **)&x.ids_d, (size_t)max_rows * 4));
+    CK(cudaMalloc((void **)&x.rows_d, (size_t)max_rows * sizeof(struct krk_sample_row)));
+    struct krk_sample_row *rows = kr_calloc((size_t)max_rows, sizeof *rows);
+    for (int64_t i = 0; i < max_rows; i++) {
         rows[i] = (struct krk_sample_row){.temperature = 0, .top_k = 0, .top_p = 1, .min_p = 0, .repetition = 1};
     }
-    CK(cudaMemcpy(x.rows_d, rows, (size_t)max_b * sizeof *rows, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(x.rows_d, rows, (size_t)max_rows * sizeof *rows, cudaMemcpyHostToDevice));
     kr_free(rows);
     size_t fr, tot;
     CK(cudaMemGetInfo(&fr, &tot));
@@ -991,6 +1080,12 @@ int main(int argc, char **argv)
             if (ncase == 0 || i == k) {
                 bench_decode(&x, batches[i], ctxs[k], steps, false, false);
             }
+        }
+    }
+    if (nk > 0) {
+        printf("\n| steps | shape | time | plain | per token | break-even |\n|---|---|---|---|---|---|\n");
+        for (int i = 0; i < nb; i++) {
+            bench_spec(&x, batches[i], ctxs[0], steps, spec_k, nk);
         }
     }
     if (profile) {
