@@ -1088,6 +1088,16 @@ int main(int argc, char **argv)
             bench_spec(&x, batches[i], ctxs[0], steps, spec_k, nk);
         }
     }
+    if (profile && nk > 0) { /* where a verification step's time goes: k = the first --spec value */
+        for (int i = 0; i < nb; i++) {
+            kr_backend_cuda_profile(x.be, true);
+            bench_decode_k(&x, batches[i], ctxs[0], 8, true, true, spec_k[0], false);
+            char what[64];
+            snprintf(what, sizeof what, "verify k=%d batch %d", spec_k[0], batches[i]);
+            profile_report(&x, what, 8 + 3);
+        }
+        kr_backend_cuda_profile(x.be, false);
+    }
     if (profile) {
         kr_backend_cuda_profile(x.be, true);
         for (int i = 0; i < nb && i < 2; i++) {

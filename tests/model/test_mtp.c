@@ -1,0 +1,232 @@
+/* The multi-token-prediction head of the trained default model (models/small-hybrid, MTP blocks "DE")
+ * against an independent reference: tests/fixtures/default/small-hybrid/mtp.json, written by
+ * tools/default-model/mtp_reference.py in float64 from the stored bf16 weights with the spec model's
+ * mixers (and checked there against the PyTorch training code, 2.3e-5). For each reference prompt
+ * of T tokens the main model runs over the prompt, then the head over rows 0..T-2 (row i: the main
+ * model's hidden state at i and token i+1), teacher-forced, as the engine runs it after each step:
+ * once over the whole prompt, and chunk by chunk (each chunk's head pass right after its forward
+ * pass, over that chunk's rows). Compared per row: the largest logit and the log-sum-exp (through
+ * them, the log-probability scale), the argmax where the reference's top-2 margin leaves room, and
+ * the whole last row of logits. Tolerance: 2e-3 on logits where the head's indexer does not select
+ * (T - 1 <= index_topk), 2e-2 where it does (the reference notes that one selection at a relative
+ * gap of 5e-5, and one of the main model's at 4e-7, each move the logits by about 0.01 when
+ * flipped). Also: the head loads only when asked, its cache rows are counted in a block's bytes, and
+ * a pass over a model without the head is refused with a message. */
+#include "cache.h"
+#include "model.h"
+
+#include "alloc.h"
+#include "json.h"
+#include "log.h"
+
+#include <criterion/criterion.h>
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+#ifndef KR_FIXTURES
+#define KR_FIXTURES "tests/fixtures"
+#endif
+
+static const char *root(void)
+{
+    const char *e = getenv("KR_FIXTURES");
+    return e && *e ? e : KR_FIXTURES;
+}
+
+static struct kr_model *load(kr_backend_t be, bool mtp)
+{
+    char dir[1024];
+    snprintf(dir, sizeof dir, "%s/default/small-hybrid", root());
+    struct kr_model *m = NULL;
+    struct kr_err err = {0};
+    const struct kr_model_load_opts o = {.mtp = mtp};
+    cr_assert_eq(kr_model_load_opts(dir, be, &o, &m, &err), KR_OK, "%s: %s", dir, err.msg);
+    return m;
+}
+
+struct ref {
+    int32_t ids[512];
+    int32_t n;
+    int32_t argmax[512];
+    double margin[512], top[512], lse[512];
+    double last[8192];
+};
+
+static void read_ref(struct ref *r, const struct kr_json *p, int64_t vocab)
+{
+    const struct kr_json *ids = kr_json_get(p, "ids");
+    cr_assert(ids && ids->type == KR_JSON_ARRAY && ids->n <= 512);
+    r->n = (int32_t)ids->n;
+    for (int32_t i = 0; i < r->n; i++) {
+        int64_t v;
+        cr_assert(kr_json_as_int(&ids->items[i], &v));
+        r->ids[i] = (int32_t)v;
+    }
+    static const char *const keys[] = {"argmax", "margin", "top_logit", "lse"};
+    for (int k = 0; k < 4; k++) {
+        const struct kr_json *a = kr_json_get(p, keys[k]);
+        cr_assert(a && a->type == KR_JSON_ARRAY && (int32_t)a->n == r->n - 1, "%s", keys[k]);
+        for (int32_t i = 0; i < r->n - 1; i++) {
+            double v;
+            cr_assert(kr_json_as_double(&a->items[i], &v));
+            if (k == 0) {
+                r->argmax[i] = (int32_t)v;
+            } else {
+                (k == 1 ? r->margin : k == 2 ? r->top : r->lse)[i] = v;
+            }
+        }
+    }
+    const struct kr_json *last = kr_json_get(p, "last_logits");
+    cr_assert(last && (int64_t)last->n == vocab && vocab <= 8192);
+    for (int64_t j = 0; j < vocab; j++) {
+        cr_assert(kr_json_as_double(&last->items[j], &r->last[j]));
+    }
+}
+
+/* Rows [p0, p1) of one sequence: the main model's forward pass over tokens p0..p1-1, then the head
+ * over the rows of that chunk whose next token the prompt gives, logits of every such row to
+ * lg + p0 * vocab. */
+static void chunk(struct kr_model *m, struct kr_cache *c, struct kr_seq_cache *sc, const struct ref *r, int32_t p0,
+                  int32_t p1, float *lg)
+{
+    const int64_t V = m->cfg.vocab;
+    int32_t tok[512], pos[512], out[512], src[512], tok0[2] = {0, p1 - p0}, pos0[1] = {p0}, slot[1] = {sc->slot};
+    for (int32_t t = p0; t < p1; t++) {
+        tok[t - p0] = r->ids[t];
+        pos[t - p0] = t;
+    }
+    struct kr_err err = {0};
+    const struct kr_batch b = {.n_tok = p1 - p0, .n_seq = 1, .tokens = tok, .pos = pos, .seq_tok0 = tok0,
+                               .seq_pos0 = pos0, .seq_slot = slot, .block_table = sc->blocks,
+                               .max_blocks = sc->n_blocks, .n_out = 0, .out_tok = out};
+    cr_assert_eq(kr_model_forward(m, c, &b, NULL, &err), KR_OK, "%s", err.msg);
+    const int32_t n = (p1 < r->n - 1 ? p1 : r->n - 1) - p0; /* rows with a next token */
+    for (int32_t i = 0; i < n; i++) {
+        tok[i] = r->ids[p0 + i + 1];
+        out[i] = i;
+        src[i] = i;
+    }
+    tok0[1] = n;
+    const struct kr_batch mb = {.n_tok = n, .n_seq = 1, .tokens = tok, .pos = pos, .seq_tok0 = tok0,
+                                .seq_pos0 = pos0, .seq_slot = slot, .block_table = sc->blocks,
+                                .max_blocks = sc->n_blocks, .n_out = n, .out_tok = out};
+    cr_assert_eq(kr_model_mtp_forward(m, c, &mb, &m->mtp_h, true, src, lg + (size_t)p0 * (size_t)V, &err), KR_OK,
+                 "%s", err.msg);
+}
+
+static void compare(const struct kr_model *m, const struct ref *r, const float *lg, const char *what)
+{
+    const int64_t V = m->cfg.vocab;
+    const bool selects = r->n - 1 > m->cfg.idx_topk;
+    const double tol = selects ? 2e-2 : 2e-3;
+    double worst = 0;
+    for (int32_t i = 0; i < r->n - 1; i++) {
+        const float *x = lg + (size_t)i * (size_t)V;
+        int32_t best = 0;
+        double mx = x[0];
+        for (int64_t j = 1; j < V; j++) {
+            if (x[j] > mx) {
+                mx = x[j];
+                best = (int32_t)j;
+            }
+        }
+        double s = 0;
+        for (int64_t j = 0; j < V; j++) {
+            s += exp((double)x[j] - mx);
+        }
+        const double lse = mx + log(s);
+        worst = fmax(worst, fmax(fabs(mx - r->top[i]), fabs(lse - r->lse[i])));
+        cr_expect(fabs(mx - r->top[i]) <= tol && fabs(lse - r->lse[i]) <= tol,
+                  "%s, T %d, row %d: top logit %.6f, log-sum-exp %.6f; reference %.6f, %.6f (tolerance %g)", what,
+                  r->n, i, mx, lse, r->top[i], r->lse[i], tol);
+        if (r->margin[i] > 2 * tol) {
+            cr_expect_eq(best, r->argmax[i], "%s, T %d, row %d: argmax %d, reference %d (margin %.4f)", what, r->n, i,
+                         best, r->argmax[i], r->margin[i]);
+        }
+    }
+    const float *x = lg + (size_t)(r->n - 2) * (size_t)V;
+    double d = 0;
+    for (int64_t j = 0; j < V; j++) {
+        d = fmax(d, fabs((double)x[j] - r->last[j]));
+    }
+    cr_expect_leq(d, tol, "%s, T %d: the last row's logits differ from the reference by up to %g (tolerance %g)",
+                  what, r->n, d, tol);
+    fprintf(stderr, "%s, T %d: last row max |d| %.3g, per-row top logit / log-sum-exp max |d| %.3g\n", what, r->n, d, worst);
+}
+
+TestSuite(mtp, .timeout = 600);
+
+Test(mtp, head_matches_the_float64_reference_whole_and_chunked)
+{
+    kr_log_set_level(KR_LOG_LEVEL_WARN);
+    kr_backend_t be = kr_backend_cpu_create(2);
+    struct kr_model *m = load(be, true);
+    cr_assert_eq(m->n_mtp, 2, "the head's blocks: %d", m->n_mtp);
+    m->mtp_keep = true;
+    char path[1024];
+    snprintf(path, sizeof path, "%s/default/small-hybrid/mtp.json", root());
+    struct kr_json *j = NULL;
+    struct kr_err err = {0};
+    cr_assert_eq(kr_json_parse_file(path, &j, &err), KR_OK, "%s", err.msg);
+    const struct kr_json *ps = kr_json_get(j, "prompts");
+    cr_assert(ps && ps->type == KR_JSON_ARRAY && ps->n >= 3, "%s: no prompts", path);
+    struct kr_cache *c = NULL;
+    cr_assert_eq(kr_cache_create(m, 2, 64, 16, &c), KR_OK);
+    static struct ref r;
+    const int64_t V = m->cfg.vocab;
+    float *lg = kr_malloc((size_t)512 * (size_t)V * sizeof(float));
+    int32_t selecting = 0;
+    for (size_t p = 0; p < ps->n; p++) {
+        read_ref(&r, &ps->items[p], V);
+        selecting += r.n - 1 > m->cfg.idx_topk;
+        for (int pass = 0; pass < 2; pass++) {
+            struct kr_seq_cache sc;
+            cr_assert_eq(kr_seq_cache_init(c, &sc), KR_OK);
+            cr_assert_eq(kr_seq_cache_reserve(c, &sc, r.n), KR_OK);
+            const int32_t step = pass == 0 ? r.n : 37; /* whole, or chunks of 37 */
+            for (int32_t p0 = 0; p0 < r.n; p0 += step) {
+                chunk(m, c, &sc, &r, p0, p0 + step < r.n ? p0 + step : r.n, lg);
+            }
+            compare(m, &r, lg, pass == 0 ? "whole prompt" : "chunks of 37");
+            kr_seq_cache_release(c, &sc);
+        }
+    }
+    cr_expect_gt(selecting, 0, "no prompt is long enough for the head's indexer to select");
+    kr_free(lg);
+    kr_json_free(j);
+    kr_cache_free(c);
+    kr_model_free(m);
+    kr_backend_free(be);
+}
+
+Test(mtp, loaded_only_when_asked_and_counted_in_the_cache)
+{
+    kr_log_set_level(KR_LOG_LEVEL_WARN);
+    kr_backend_t be = kr_backend_cpu_create(1);
+    struct kr_model *plain = load(be, false), *mtp = load(be, true);
+    cr_expect_eq(plain->n_mtp, 0);
+    cr_expect_eq(mtp->n_mla, plain->n_mla + 1, "the head's D block has a latent cache of its own");
+    cr_expect_gt(mtp->n_params, plain->n_params);
+    size_t sp, bp, sm, bm;
+    kr_cache_unit_bytes(plain, 16, &sp, &bp);
+    kr_cache_unit_bytes(mtp, 16, &sm, &bm);
+    const struct kr_model_config *c = &plain->cfg;
+    cr_expect_eq(sm, sp, "the head keeps no state");
+    cr_expect_eq(bm - bp, (size_t)16 * (size_t)(c->kv_lora + c->qk_rope + c->idx_head_dim) * sizeof(float),
+                 "a block's bytes grow by the head's latent and index-key rows");
+    /* a head pass over the model loaded without it */
+    int32_t tok[1] = {5}, pos[1] = {0}, tok0[2] = {0, 1}, pos0[1] = {0}, slot[1] = {0}, bt[1] = {0}, out[1] = {0},
+            src[1] = {0};
+    const struct kr_batch b = {.n_tok = 1, .n_seq = 1, .tokens = tok, .pos = pos, .seq_tok0 = tok0, .seq_pos0 = pos0,
+                               .seq_slot = slot, .block_table = bt, .max_blocks = 1, .n_out = 1, .out_tok = out};
+    struct kr_cache *cache = NULL;
+    cr_assert_eq(kr_cache_create(plain, 1, 4, 16, &cache), KR_OK);
+    struct kr_err err = {0};
+    cr_expect_eq(kr_model_mtp_forward(plain, cache, &b, &plain->mtp_h, true, src, NULL, &err), KR_ERR_INVAL);
+    cr_expect(strstr(err.msg, "no multi-token-prediction head is loaded"), "%s", err.msg);
+    kr_cache_free(cache);
+    kr_model_free(plain);
+    kr_model_free(mtp);
+    kr_backend_free(be);
+}
