@@ -51,27 +51,10 @@ import torch  # noqa: E402
 
 import make_dsa_fixtures as S  # noqa: E402
 import train as TR  # noqa: E402
+from reference import fx_from_config  # noqa: E402  (the fixture description reference.py uses)
 
 F64 = torch.float64
 MTP = "mtp.layers.0."
-
-
-def fx_from_config(c):
-    """The make_dsa_fixtures fixture description of the model (as tools/default-model/reference.py builds it)."""
-    return dict(
-        name="default", kind="hybrid", pattern=c["hybrid_override_pattern"], hidden=c["hidden_size"],
-        vocab=c["vocab_size"], intermediate=c["intermediate_size"], max_pos=c["max_position_embeddings"],
-        mla=dict(heads=c["num_attention_heads"], q_lora=c["q_lora_rank"], kv_lora=c["kv_lora_rank"],
-                 nope=c["qk_nope_head_dim"], rope=c["qk_rope_head_dim"], v=c["v_head_dim"],
-                 idx_heads=c["index_n_heads"], idx_dim=c["index_head_dim"], topk=c["index_topk"],
-                 rope_theta=c["rope_theta"]),
-        rope_scaling=None,
-        mamba=dict(heads=c["mamba_num_heads"], head_dim=c["mamba_head_dim"], groups=c["n_groups"],
-                   state=c["ssm_state_size"], conv=c["conv_kernel"], chunk=c["chunk_size"],
-                   conv_bias=c["use_conv_bias"]),
-        moe=dict(E=c["n_routed_experts"], top_k=c["num_experts_per_tok"], n_group=c["n_group"],
-                 topk_group=c["topk_group"], scale=c["routed_scaling_factor"], norm=c["norm_topk_prob"],
-                 ffn=c["moe_intermediate_size"], shared=c["moe_shared_expert_intermediate_size"], n_shared=1))
 
 
 KINDS = {"M": "mamba", "D": "mla_idx", "-": "mlp_relu2", "E": "moe_relu2"}
