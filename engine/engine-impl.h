@@ -172,7 +172,6 @@ struct kr_engine {
     size_t cap_mtp_i;
     float *mtp_logits;
     size_t cap_mtp_logits;
-    uint64_t mtp_passes, mtp_rows; /* MTP passes run and the rows they computed */
     /* events held back while the device works (see emit) */
     bool defer_events;
     struct pending_ev *outbox;

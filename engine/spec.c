@@ -2,6 +2,7 @@
  * step (blocks, and state slots for the Mamba states after each drafted token), and verification,
  * which keeps the drafts the sampler draws and moves the sequence to the state after them. */
 #include "engine-impl.h"
+#include "runner.h"
 
 #include "log.h"
 #include "alloc.h"
@@ -184,15 +185,32 @@ static enum kr_status mtp_room(struct kr_engine *e, int32_t n_tok, int32_t n_seq
     return KR_OK;
 }
 
-static int32_t argmax(const float *x, int64_t n)
+/* Sequence q of an MTP pass: s's state slot and block table (zero-padded to max_blocks). */
+static void mtp_put_seq(const struct seq *s, int32_t q, int32_t max_blocks, int32_t *slot, int32_t *bt)
 {
-    int32_t best = 0;
-    for (int64_t i = 1; i < n; i++) {
-        if (x[i] > x[best]) {
-            best = (int32_t)i;
-        }
+    slot[q] = s->cache.slot;
+    memset(bt + (size_t)q * (size_t)max_blocks, 0, (size_t)max_blocks * sizeof(int32_t));
+    memcpy(bt + (size_t)q * (size_t)max_blocks, s->cache.blocks, (size_t)s->cache.n_blocks * sizeof(int32_t));
+}
+
+/* The MTP head over the batch laid out in e->mtp_i (mtp_room's order), hidden states from `src`
+ * (the step's residual stream when src_final, else the head's own last outputs), logits of the
+ * out rows into e->mtp_logits. False (logged) when the pass failed: no drafts from it. */
+static bool mtp_pass(struct kr_engine *e, int32_t n_tok, int32_t n_seq, int32_t max_blocks, int32_t n_out,
+                     const struct kr_buf *src, bool src_final)
+{
+    int32_t *tokens = e->mtp_i, *pos = tokens + n_tok, *out = pos + n_tok, *srow = out + n_tok, *tok0 = srow + n_tok,
+            *pos0 = tok0 + n_seq + 1, *slot = pos0 + n_seq, *bt = slot + n_seq;
+    tok0[n_seq] = n_tok;
+    const struct kr_batch mb = {.n_tok = n_tok, .n_seq = n_seq, .tokens = tokens, .pos = pos, .seq_tok0 = tok0,
+                                .seq_pos0 = pos0, .seq_slot = slot, .block_table = bt, .max_blocks = max_blocks,
+                                .n_out = n_out, .out_tok = out};
+    struct kr_err err = {0};
+    if (kr_model_mtp_forward(e->m, e->cache, &mb, src, src_final, srow, e->mtp_logits, &err) != KR_OK) {
+        KR_LOG_WARN("MTP drafting: %s; no drafts from this pass", err.msg);
+        return false;
     }
-    return best;
+    return true;
 }
 
 /* The rows of s's step that the MTP head takes: positions [p0, s->n_fed) whose next token is known,
@@ -241,9 +259,7 @@ void eng_mtp_after_step(struct kr_engine *e, const struct kr_batch *b, int32_t n
         }
         tok0[q] = t;
         pos0[q] = p0;
-        slot[q] = s->cache.slot;
-        memset(bt + (size_t)q * (size_t)max_blocks, 0, (size_t)max_blocks * sizeof(int32_t));
-        memcpy(bt + (size_t)q * (size_t)max_blocks, s->cache.blocks, (size_t)s->cache.n_blocks * sizeof(int32_t));
+        mtp_put_seq(s, q, max_blocks, slot, bt);
         for (int32_t i = 0; i < r; i++) {
             tokens[t + i] = s->toks[p0 + i + 1];
             pos[t + i] = p0 + i;
@@ -256,22 +272,14 @@ void eng_mtp_after_step(struct kr_engine *e, const struct kr_batch *b, int32_t n
         t += r;
         q++;
     }
-    tok0[n_seq] = n_tok;
-    const struct kr_batch mb = {.n_tok = n_tok, .n_seq = n_seq, .tokens = tokens, .pos = pos, .seq_tok0 = tok0,
-                                .seq_pos0 = pos0, .seq_slot = slot, .block_table = bt, .max_blocks = max_blocks,
-                                .n_out = n_out, .out_tok = out};
-    struct kr_err err = {0};
-    if (kr_model_mtp_forward(e->m, e->cache, &mb, &e->m->mtp_h, true, src, e->mtp_logits, &err) != KR_OK) {
-        KR_LOG_WARN("MTP drafting: %s; no drafts next step", err.msg);
+    if (!mtp_pass(e, n_tok, n_seq, max_blocks, n_out, &e->m->mtp_h, true)) {
         return;
     }
-    e->mtp_passes++;
-    e->mtp_rows += (uint64_t)n_tok;
     const int64_t V = e->m->cfg.vocab;
     for (int32_t j = 0; j < ns; j++) {
         struct seq *s = e->b_seqs[j];
         if (s->state == KR_SEQ_DECODE && mtp_rows_of(s, b->seq_pos0[j]) > 0) {
-            s->mtp_draft = argmax(e->mtp_logits + (size_t)s->mtp_g_row * (size_t)V, V);
+            s->mtp_draft = kr_argmax(e->mtp_logits + (size_t)s->mtp_g_row * (size_t)V, V);
             s->mtp_at = s->n_fed;
             s->mtp_step = e->steps;
         }
@@ -315,29 +323,19 @@ void eng_mtp_chain(struct kr_engine *e, int32_t ns)
             src[q] = s->mtp_g_row;
             tok0[q] = q;
             pos0[q] = pos[q];
-            slot[q] = s->cache.slot;
-            memset(bt + (size_t)q * (size_t)max_blocks, 0, (size_t)max_blocks * sizeof(int32_t));
-            memcpy(bt + (size_t)q * (size_t)max_blocks, s->cache.blocks, (size_t)s->cache.n_blocks * sizeof(int32_t));
+            mtp_put_seq(s, q, max_blocks, slot, bt);
             q++;
         }
-        tok0[n] = n;
-        const struct kr_batch mb = {.n_tok = n, .n_seq = n, .tokens = tokens, .pos = pos, .seq_tok0 = tok0,
-                                    .seq_pos0 = pos0, .seq_slot = slot, .block_table = bt, .max_blocks = max_blocks,
-                                    .n_out = n, .out_tok = out};
-        struct kr_err err = {0};
-        if (kr_model_mtp_forward(e->m, e->cache, &mb, &e->m->mtp_g, false, src, e->mtp_logits, &err) != KR_OK) {
-            KR_LOG_WARN("MTP drafting: %s; the drafts after the first are placeholders this step", err.msg);
-            return;
+        if (!mtp_pass(e, n, n, max_blocks, n, &e->m->mtp_g, false)) {
+            return; /* the placeholders stay: drafts that are only less likely to be kept */
         }
-        e->mtp_passes++;
-        e->mtp_rows += (uint64_t)n;
         q = 0;
         for (int32_t j = 0; j < ns; j++) {
             struct seq *s = e->b_seqs[j];
             if (s->spec_n <= d) {
                 continue;
             }
-            s->spec_draft[d] = argmax(e->mtp_logits + (size_t)q * (size_t)V, V);
+            s->spec_draft[d] = kr_argmax(e->mtp_logits + (size_t)q * (size_t)V, V);
             for (int32_t i = d + 1; i < s->spec_n; i++) {
                 s->spec_draft[i] = s->spec_draft[d];
             }
