@@ -828,7 +828,7 @@ static enum kr_status cuda_begin_batch(kr_backend_t be, const struct kr_batch *b
         return KR_ERR_CANCELLED; /* the group is finished */
     }
     const size_t nt = (size_t)b->n_tok, ns = (size_t)b->n_seq, bt = ns * (size_t)b->max_blocks;
-    const size_t total = 4 * nt + 3 * ns + 1 + bt + (size_t)b->n_out + 8;
+    const size_t total = 5 * nt + 3 * ns + 1 + bt + (size_t)b->n_out + 8;
     KR_TRY(ensure_meta(c, total));
     /* The previous step's upload from this pinned buffer is asynchronous and waits behind that
      * step's predecessor on the stream. A step with no output rows (a prefill chunk that is not a
@@ -875,6 +875,10 @@ static enum kr_status cuda_begin_batch(kr_backend_t be, const struct kr_batch *b
     PUT(b->block_table, bt);
     const size_t o_out = off;
     PUT(b->out_tok, (size_t)b->n_out);
+    const size_t o_keep = off;
+    if (b->tok_state_slot) { /* the Mamba states kept per token (speculative decoding's verification) */
+        PUT(b->tok_state_slot, nt);
+    }
 #undef PUT
     if (off) {
         CU_TRY(c, cudaMemcpyAsync(c->d_meta, h, off * 4, cudaMemcpyHostToDevice, c->stream));
@@ -886,7 +890,8 @@ static enum kr_status cuda_begin_batch(kr_backend_t be, const struct kr_batch *b
     c->batch = (struct krk_batch){.n_tok = b->n_tok, .n_seq = b->n_seq, .tokens = d + o_tokens, .pos = d + o_pos,
                                   .tok_seq = d + o_tok_seq, .seq_tok0 = d + o_tok0, .seq_pos0 = d + o_pos0,
                                   .seq_slot = d + o_slot, .block_table = d + o_bt, .max_blocks = b->max_blocks,
-                                  .max_seq_tok = max_tok, .max_ctx = max_ctx};
+                                  .max_seq_tok = max_tok, .max_ctx = max_ctx,
+                                  .tok_keep = b->tok_state_slot ? d + o_keep : NULL};
     c->d_out_tok = d + o_out;
     return KR_OK;
 }
@@ -1320,6 +1325,14 @@ static enum kr_status cuda_mamba(kr_backend_t be, const struct krk_mamba_params 
     static const int phase_cats[5] = {P_CONV, P_SSD, P_SSD_DECODE, P_SSD_BMM, P_SSD_SCAN};
     prof_phases_done(c, k.events, st, phase_cats, 5);
     return st;
+}
+
+/* The Mamba kernels keep the states after single tokens (struct krk_batch.tok_keep): the conv's
+ * state kernel writes their windows, the SSD runs such a sequence token by token. */
+static bool cuda_token_states(kr_backend_t be)
+{
+    (void)be;
+    return true;
 }
 
 static enum kr_status cuda_gated_rmsnorm_impl(kr_backend_t be, const struct krk_gated_rmsnorm_params *p)
@@ -1925,6 +1938,7 @@ enum kr_status kr_backend_cuda_create_with(int dev, const struct kr_switches *sw
         .mla_prep = cuda_mla_prep,
         .rope_pair = cuda_rope_pair,
         .mamba = cuda_mamba,
+        .token_states = cuda_token_states,
         .gated_rmsnorm = cuda_gated_rmsnorm,
         .attention = cuda_attention,
         .moe_route = cuda_moe_route,

@@ -112,6 +112,21 @@ __global__ void __launch_bounds__(kConvThreads) conv1d_state_kernel(ConvArgs a)
     }
     const int t0 = a.batch.seq_tok0[s], nt = a.batch.seq_tok0[s + 1] - t0;
     const bool fresh = a.batch.seq_pos0[s] == 0;
+    // the states kept after single tokens (batch.tok_keep): the K-1 inputs ending at that token,
+    // into slots of their own, while the sequence's slot still holds its old rows
+    if (a.batch.tok_keep) {
+        for (int i = 0; i < nt; i++) {
+            const int ks = a.batch.tok_keep[t0 + i];
+            if (ks < 0) {
+                continue;
+            }
+#pragma unroll
+            for (int r = 0; r < K - 1; r++) {
+                const float x = conv_input<K>(a, c, t0, i - (K - 2) + r, slot, fresh);
+                a.state[((int64_t)ks * (K - 1) + r) * a.conv_dim + c] = krk::f32_to_bf16(x);
+            }
+        }
+    }
     float v[K - 1];
 #pragma unroll
     for (int r = 0; r < K - 1; r++) { // every old row is read before any is written
@@ -185,7 +200,7 @@ template <int K>
 cudaError_t conv1d_launch(const ConvArgs &a, cudaStream_t stream)
 {
     const unsigned cblocks = (unsigned)((a.conv_dim + kConvThreads - 1) / kConvThreads);
-    if (a.batch.max_seq_tok <= 1) {
+    if (a.batch.max_seq_tok <= 1 && !a.batch.tok_keep) { /* kept states: the state kernel writes them */
         krk::launch_maybe_pdl(krk::pdl_enabled(), conv1d_decode_kernel<K>, dim3(cblocks, (unsigned)a.batch.n_seq),
                               kConvThreads, 0, stream, a);
         return cudaGetLastError();

@@ -18,8 +18,9 @@ __global__ void __launch_bounds__(kBmmThreads) ssd_bmm_kernel(SsdArgs a)
     const int j = blockIdx.x, g = blockIdx.y;
     const int N = a.d_state;
     int s, c, t0, len;
-    if (!ssd_slot_owner(a, j, s, c, t0, len)) {
-        return;
+    if (!ssd_slot_owner(a, j, s, c, t0, len) ||
+        ssd_keeps(a, a.batch.seq_tok0[s], a.batch.seq_tok0[s + 1] - a.batch.seq_tok0[s])) {
+        return; // no chunk here, or a sequence the decode kernel runs token by token
     }
     __shared__ __align__(16) float C_sh[kChunk * kBmmLd];
     __shared__ __align__(16) float B_sh[kChunk * kBmmLd];

@@ -32,6 +32,21 @@ struct SsdArgs {
     krk_batch batch;
 };
 
+// Whether sequence tokens [t0, t0 + nt) keep a state after any of their tokens (batch.tok_keep): such
+// a sequence runs the one-token recurrence token by token (ssd_decode_kernel), never the chunked scan.
+__device__ __forceinline__ bool ssd_keeps(const SsdArgs &a, int t0, int nt)
+{
+    if (!a.batch.tok_keep) {
+        return false;
+    }
+    for (int i = 0; i < nt; i++) {
+        if (a.batch.tok_keep[t0 + i] >= 0) {
+            return true;
+        }
+    }
+    return false;
+}
+
 // softplus(x) = log(1 + e^x), computed as the CPU reference does (x itself above 20), then the
 // optional clamp.
 __device__ __forceinline__ float ssd_dt(const SsdArgs &a, int64_t t, int h)

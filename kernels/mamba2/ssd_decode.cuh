@@ -1,5 +1,6 @@
 #pragma once
-// SSD decode: the exact one-step recurrence for sequences with one token this step,
+// SSD decode: the exact one-step recurrence for sequences with one token this step (and, token by
+// token, for sequences that keep their states after each token: struct krk_batch.tok_keep),
 //   state[q, :] = exp(dt A) state[q, :] + dt x[q] B;  y[q] = state[q, :] . C + D x[q].
 // Memory bound: every state element is read and written once. One block per (sequence, head,
 // slice of kDecodeRows rows of head_dim); one warp per row walks d_state with 16-byte accesses,
@@ -41,7 +42,7 @@ __global__ void __launch_bounds__(kDecodeThreads) ssd_decode_kernel(SsdArgs a)
     krk::pdl_trigger();
     const int s = blockIdx.z, h = blockIdx.y, q0 = blockIdx.x * kDecodeRows;
     const int t = a.batch.seq_tok0[s], nt = a.batch.seq_tok0[s + 1] - t;
-    if (nt > 1) {
+    if (nt > 1 && !ssd_keeps(a, t, nt)) {
         // chunked path. Wait all the same: in a step of prefill chunks only, no block of this grid
         // would reach a wait, the grid could complete before the conv kernels it follows, and the
         // C.B^T kernel (which waits only for this grid) would read xBC while they still write it.
@@ -69,9 +70,6 @@ __global__ void __launch_bounds__(kDecodeThreads) ssd_decode_kernel(SsdArgs a)
     __shared__ __align__(16) float B_sh[kMaxState];
     __shared__ __align__(16) float C_sh[kMaxState];
     const int g = h / a.heads_per_group;
-    const float *row = a.xbc + (int64_t)t * a.conv_dim;
-    const float *Bg = row + (int64_t)a.n_head * P + (int64_t)g * N;
-    const float *Cg = Bg + (int64_t)a.n_group * N;
     const int qw = q0 + warp * kDecodeRowsPerWarp;
     // the state loads go first: they need nothing from B, C or dt, and their latency dominates
     constexpr int kPer = VEC ? 2 : kMaxState / 32; // float4s or floats per lane and row
@@ -98,66 +96,90 @@ __global__ void __launch_bounds__(kDecodeThreads) ssd_decode_kernel(SsdArgs a)
     const float A = -expf(a.A_log[h]);
     const float Dh = a.D[h];
     krk::pdl_wait(); // x, B, C and dt come from the previous kernel
-    float xq[kDecodeRowsPerWarp];
-#pragma unroll
-    for (int r = 0; r < kDecodeRowsPerWarp; r++) {
-        xq[r] = qw + r < P ? row[(int64_t)h * P + qw + r] : 0.0f;
-    }
-    for (int n = threadIdx.x; n < N; n += kDecodeThreads) {
-        B_sh[n] = Bg[n];
-        C_sh[n] = Cg[n];
-    }
-    const float dt = ssd_dt(a, t, h);
-    const float dA = expf(dt * A);
-    __syncthreads();
-
-    if constexpr (VEC) {
-        const int N4 = N >> 2;
-#pragma unroll
-        for (int r = 0; r < kDecodeRowsPerWarp; r++) {
-            const float dx = dt * xq[r];
-            float acc = 0.0f;
-#pragma unroll
-            for (int k = 0; k < kPer; k++) {
-                const int i = lane + 32 * k;
-                if (i < N4) {
-                    const float4 b = reinterpret_cast<const float4 *>(B_sh)[i];
-                    const float4 c = reinterpret_cast<const float4 *>(C_sh)[i];
-                    float4 u = v[r][k];
-                    u.x = u.x * dA + dx * b.x;
-                    u.y = u.y * dA + dx * b.y;
-                    u.z = u.z * dA + dx * b.z;
-                    u.w = u.w * dA + dx * b.w;
-                    acc += u.x * c.x + u.y * c.y + u.z * c.z + u.w * c.w;
-                    if (slot >= 0 && qw + r < P) {
-                        st_store(reinterpret_cast<float4 *>(st_head + (int64_t)(qw + r) * N) + i, u, CS);
-                    }
-                }
-            }
-            acc = warp_sum(acc);
-            if (lane == 0 && qw + r < P) {
-                a.y[(int64_t)t * a.n_head * P + (int64_t)h * P + qw + r] = acc + Dh * xq[r];
-            }
+    // One token (decode), or a sequence that keeps its states (speculative decoding's verification):
+    // its tokens one after another, the state carried in registers and stored after its last token
+    // (the sequence's slot) and after each token that keeps one (that token's slot).
+    for (int j = 0; j < nt; j++) {
+        const int tj = t + j;
+        const float *row = a.xbc + (int64_t)tj * a.conv_dim;
+        const float *Bg = row + (int64_t)a.n_head * P + (int64_t)g * N;
+        const float *Cg = Bg + (int64_t)a.n_group * N;
+        float *dst = j == nt - 1 ? st_head : nullptr, *kept = nullptr;
+        if (a.batch.tok_keep && a.batch.tok_keep[tj] >= 0) {
+            kept = a.state + ((int64_t)a.batch.tok_keep[tj] * a.n_head + h) * (int64_t)P * N;
         }
-    } else {
+        float xq[kDecodeRowsPerWarp];
 #pragma unroll
         for (int r = 0; r < kDecodeRowsPerWarp; r++) {
-            const float dx = dt * xq[r];
-            float acc = 0.0f;
+            xq[r] = qw + r < P ? row[(int64_t)h * P + qw + r] : 0.0f;
+        }
+        if (j > 0) {
+            __syncthreads(); // every warp is done with the previous token's B and C
+        }
+        for (int n = threadIdx.x; n < N; n += kDecodeThreads) {
+            B_sh[n] = Bg[n];
+            C_sh[n] = Cg[n];
+        }
+        const float dt = ssd_dt(a, tj, h);
+        const float dA = expf(dt * A);
+        __syncthreads();
+
+        if constexpr (VEC) {
+            const int N4 = N >> 2;
 #pragma unroll
-            for (int k = 0; k < kPer; k++) {
-                const int n = lane + 32 * k;
-                if (n < N) {
-                    const float u = v[r][k] * dA + dx * B_sh[n];
-                    acc += u * C_sh[n];
-                    if (slot >= 0 && qw + r < P) {
-                        st_store(st_head + (int64_t)(qw + r) * N + n, u, CS);
+            for (int r = 0; r < kDecodeRowsPerWarp; r++) {
+                const float dx = dt * xq[r];
+                float acc = 0.0f;
+#pragma unroll
+                for (int k = 0; k < kPer; k++) {
+                    const int i = lane + 32 * k;
+                    if (i < N4) {
+                        const float4 b = reinterpret_cast<const float4 *>(B_sh)[i];
+                        const float4 c = reinterpret_cast<const float4 *>(C_sh)[i];
+                        float4 u = v[r][k];
+                        u.x = u.x * dA + dx * b.x;
+                        u.y = u.y * dA + dx * b.y;
+                        u.z = u.z * dA + dx * b.z;
+                        u.w = u.w * dA + dx * b.w;
+                        acc += u.x * c.x + u.y * c.y + u.z * c.z + u.w * c.w;
+                        v[r][k] = u;
+                        if (dst && qw + r < P) {
+                            st_store(reinterpret_cast<float4 *>(dst + (int64_t)(qw + r) * N) + i, u, CS);
+                        }
+                        if (kept && qw + r < P) {
+                            reinterpret_cast<float4 *>(kept + (int64_t)(qw + r) * N)[i] = u;
+                        }
                     }
                 }
+                acc = warp_sum(acc);
+                if (lane == 0 && qw + r < P) {
+                    a.y[(int64_t)tj * a.n_head * P + (int64_t)h * P + qw + r] = acc + Dh * xq[r];
+                }
             }
-            acc = warp_sum(acc);
-            if (lane == 0 && qw + r < P) {
-                a.y[(int64_t)t * a.n_head * P + (int64_t)h * P + qw + r] = acc + Dh * xq[r];
+        } else {
+#pragma unroll
+            for (int r = 0; r < kDecodeRowsPerWarp; r++) {
+                const float dx = dt * xq[r];
+                float acc = 0.0f;
+#pragma unroll
+                for (int k = 0; k < kPer; k++) {
+                    const int n = lane + 32 * k;
+                    if (n < N) {
+                        const float u = v[r][k] * dA + dx * B_sh[n];
+                        acc += u * C_sh[n];
+                        v[r][k] = u;
+                        if (dst && qw + r < P) {
+                            st_store(dst + (int64_t)(qw + r) * N + n, u, CS);
+                        }
+                        if (kept && qw + r < P) {
+                            kept[(int64_t)(qw + r) * N + n] = u;
+                        }
+                    }
+                }
+                acc = warp_sum(acc);
+                if (lane == 0 && qw + r < P) {
+                    a.y[(int64_t)tj * a.n_head * P + (int64_t)h * P + qw + r] = acc + Dh * xq[r];
+                }
             }
         }
     }

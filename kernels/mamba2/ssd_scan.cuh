@@ -107,8 +107,8 @@ template <int NPC, bool VEC> __global__ void __launch_bounds__(kScanThreads, 2) 
     krk::kernel_prologue();
     const int s = blockIdx.z, h = blockIdx.y, p0 = blockIdx.x * kScanP;
     const int t0 = a.batch.seq_tok0[s], nt = a.batch.seq_tok0[s + 1] - t0;
-    if (nt < 2) {
-        return; // decode path
+    if (nt < 2 || ssd_keeps(a, t0, nt)) {
+        return; // decode path (token by token for a sequence that keeps its states)
     }
     const int P = a.head_dim, N = a.d_state;
     const int NP = NPC ? NPC : ssd_scan_np(N);

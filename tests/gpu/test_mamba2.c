@@ -44,44 +44,54 @@ struct m2_case {
     int32_t pos0[M2_MAX_SEQ];
     uint64_t pad_mask;
     int32_t decode_n;
+    uint64_t keep_mask; /* sequences keeping their states after each token but the last (tok_keep) */
 };
 
 static const struct m2_case cases[] = {
-    {"real: decode 1", SHAPE_REAL, 1, {1}, {100}, 0, 0},
-    {"real: decode 37", SHAPE_REAL, 0, {0}, {0}, 0, 37},
-    {"real: prefill 1 from empty", SHAPE_REAL, 1, {1}, {0}, 0, 0},
-    {"real: prefill 5 from empty", SHAPE_REAL, 1, {5}, {0}, 0, 0},
-    {"real: prefill 200 from empty", SHAPE_REAL, 1, {200}, {0}, 0, 0},
-    {"real: prefill 3000 from empty", SHAPE_REAL, 1, {3000}, {0}, 0, 0},
-    {"real: prefill 1 from state", SHAPE_REAL, 1, {1}, {50}, 0, 0},
-    {"real: prefill 5 from state", SHAPE_REAL, 1, {5}, {300}, 0, 0},
-    {"real: prefill 200 from state", SHAPE_REAL, 1, {200}, {64}, 0, 0},
-    {"real: prefill 3000 from state", SHAPE_REAL, 1, {3000}, {1000}, 0, 0},
-    {"real: mixed batch", SHAPE_REAL, 7, {1, 300, 1, 2, 129, 1, 64}, {40, 0, 7, 12, 500, 0, 3}, 0, 0},
-    {"real: decode with padding", SHAPE_REAL, 5, {1, 1, 1, 1, 1}, {9, 30, 0, 4, 77}, 1u << 2, 0},
-    {"real: mixed with padding", SHAPE_REAL, 5, {70, 1, 1, 65, 3}, {0, 9, 5, 33, 0}, (1u << 1) | (1u << 3), 0},
-    {"odd: decode 1", SHAPE_ODD, 1, {1}, {11}, 0, 0},
-    {"odd: decode 37", SHAPE_ODD, 0, {0}, {0}, 0, 37},
-    {"odd: prefill 1 from empty", SHAPE_ODD, 1, {1}, {0}, 0, 0},
-    {"odd: prefill 5 from empty", SHAPE_ODD, 1, {5}, {0}, 0, 0},
-    {"odd: prefill 200 from empty", SHAPE_ODD, 1, {200}, {0}, 0, 0},
-    {"odd: prefill 3000 from empty", SHAPE_ODD, 1, {3000}, {0}, 0, 0},
-    {"odd: prefill 5 from state", SHAPE_ODD, 1, {5}, {2}, 0, 0},
-    {"odd: prefill 200 from state", SHAPE_ODD, 1, {200}, {129}, 0, 0},
-    {"odd: prefill 3000 from state", SHAPE_ODD, 1, {3000}, {4097}, 0, 0},
-    {"odd: mixed with padding", SHAPE_ODD, 6, {1, 130, 2, 1, 63, 9}, {5, 0, 0, 0, 1, 2}, 1u << 4, 0},
-    {"scalar: decode 37", SHAPE_SCALAR, 0, {0}, {0}, 0, 37},
-    {"scalar: prefill 200 from state", SHAPE_SCALAR, 1, {200}, {17}, 0, 0},
-    {"scalar: mixed with padding", SHAPE_SCALAR, 5, {1, 67, 1, 2, 128}, {3, 0, 0, 8, 40}, 1u << 2, 0},
-    {"wide: decode 37", SHAPE_WIDE, 0, {0}, {0}, 0, 37},
-    {"wide: prefill 3000 from state", SHAPE_WIDE, 1, {3000}, {21}, 0, 0},
-    {"wide: mixed with padding", SHAPE_WIDE, 4, {1, 257, 1, 7}, {6, 0, 2, 0}, 1u << 2, 0},
+    {"real: decode 1", SHAPE_REAL, 1, {1}, {100}, 0, 0, 0},
+    {"real: decode 37", SHAPE_REAL, 0, {0}, {0}, 0, 37, 0},
+    {"real: prefill 1 from empty", SHAPE_REAL, 1, {1}, {0}, 0, 0, 0},
+    {"real: prefill 5 from empty", SHAPE_REAL, 1, {5}, {0}, 0, 0, 0},
+    {"real: prefill 200 from empty", SHAPE_REAL, 1, {200}, {0}, 0, 0, 0},
+    {"real: prefill 3000 from empty", SHAPE_REAL, 1, {3000}, {0}, 0, 0, 0},
+    {"real: prefill 1 from state", SHAPE_REAL, 1, {1}, {50}, 0, 0, 0},
+    {"real: prefill 5 from state", SHAPE_REAL, 1, {5}, {300}, 0, 0, 0},
+    {"real: prefill 200 from state", SHAPE_REAL, 1, {200}, {64}, 0, 0, 0},
+    {"real: prefill 3000 from state", SHAPE_REAL, 1, {3000}, {1000}, 0, 0, 0},
+    {"real: mixed batch", SHAPE_REAL, 7, {1, 300, 1, 2, 129, 1, 64}, {40, 0, 7, 12, 500, 0, 3}, 0, 0, 0},
+    {"real: decode with padding", SHAPE_REAL, 5, {1, 1, 1, 1, 1}, {9, 30, 0, 4, 77}, 1u << 2, 0, 0},
+    {"real: mixed with padding", SHAPE_REAL, 5, {70, 1, 1, 65, 3}, {0, 9, 5, 33, 0}, (1u << 1) | (1u << 3), 0, 0},
+    {"odd: decode 1", SHAPE_ODD, 1, {1}, {11}, 0, 0, 0},
+    {"odd: decode 37", SHAPE_ODD, 0, {0}, {0}, 0, 37, 0},
+    {"odd: prefill 1 from empty", SHAPE_ODD, 1, {1}, {0}, 0, 0, 0},
+    {"odd: prefill 5 from empty", SHAPE_ODD, 1, {5}, {0}, 0, 0, 0},
+    {"odd: prefill 200 from empty", SHAPE_ODD, 1, {200}, {0}, 0, 0, 0},
+    {"odd: prefill 3000 from empty", SHAPE_ODD, 1, {3000}, {0}, 0, 0, 0},
+    {"odd: prefill 5 from state", SHAPE_ODD, 1, {5}, {2}, 0, 0, 0},
+    {"odd: prefill 200 from state", SHAPE_ODD, 1, {200}, {129}, 0, 0, 0},
+    {"odd: prefill 3000 from state", SHAPE_ODD, 1, {3000}, {4097}, 0, 0, 0},
+    {"odd: mixed with padding", SHAPE_ODD, 6, {1, 130, 2, 1, 63, 9}, {5, 0, 0, 0, 1, 2}, 1u << 4, 0, 0},
+    {"scalar: decode 37", SHAPE_SCALAR, 0, {0}, {0}, 0, 37, 0},
+    {"scalar: prefill 200 from state", SHAPE_SCALAR, 1, {200}, {17}, 0, 0, 0},
+    {"scalar: mixed with padding", SHAPE_SCALAR, 5, {1, 67, 1, 2, 128}, {3, 0, 0, 8, 40}, 1u << 2, 0, 0},
+    {"wide: decode 37", SHAPE_WIDE, 0, {0}, {0}, 0, 37, 0},
+    {"wide: prefill 3000 from state", SHAPE_WIDE, 1, {3000}, {21}, 0, 0, 0},
+    {"wide: mixed with padding", SHAPE_WIDE, 4, {1, 257, 1, 7}, {6, 0, 2, 0}, 1u << 2, 0, 0},
     /* long contexts: chunks of the server's 2048 tokens whose positions cross 32768 and 65536 from
      * carried states (the SSD itself does not depend on the position: only whether a state is
      * carried), the last chunk of a 40,000-token prompt next to a decode at 100,000 */
-    {"odd: chunk 2048 crossing 32768", SHAPE_ODD, 1, {2048}, {32768 - 1024}, 0, 0},
-    {"odd: chunk 2048 crossing 65536 + decode", SHAPE_ODD, 2, {2048, 1}, {65536 - 1024, 99999}, 0, 0},
-    {"real: last chunk of 40000 + decode 100000", SHAPE_REAL, 2, {1088, 1}, {40000 - 1088, 99999}, 0, 0},
+    {"odd: chunk 2048 crossing 32768", SHAPE_ODD, 1, {2048}, {32768 - 1024}, 0, 0, 0},
+    {"odd: chunk 2048 crossing 65536 + decode", SHAPE_ODD, 2, {2048, 1}, {65536 - 1024, 99999}, 0, 0, 0},
+    {"real: last chunk of 40000 + decode 100000", SHAPE_REAL, 2, {1088, 1}, {40000 - 1088, 99999}, 0, 0, 0},
+    /* speculative decoding's verification: sequences of 2..5 tokens keeping the state after each
+     * token but their last in slots of their own, run token by token, beside prefill chunks, decodes
+     * and padding; from carried states and from empty */
+    {"real: verify 4 + prefill 70 + decode", SHAPE_REAL, 3, {4, 70, 1}, {300, 0, 9}, 0, 0, 1u << 0},
+    {"real: verify 16 x 4", SHAPE_REAL, 16, {4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4},
+     {10, 20, 30, 40, 50, 60, 70, 80, 90, 100, 110, 120, 130, 140, 150, 160}, 0, 0, 0xffffu},
+    {"odd: verify 2 and 5 with padding", SHAPE_ODD, 4, {2, 1, 5, 65}, {10, 4, 7, 0}, 1u << 1, 0, (1u << 0) | (1u << 2)},
+    {"scalar: verify 3 from empty + decode", SHAPE_SCALAR, 2, {3, 1}, {0, 5}, 0, 0, 1u << 0},
+    {"wide: verify 5 + prefill 257", SHAPE_WIDE, 2, {5, 257}, {33, 0}, 0, 0, 1u << 0},
 };
 #define N_CASES ((int)(sizeof cases / sizeof cases[0]))
 
@@ -152,7 +162,11 @@ static void run_case(const struct m2_case *tc, uint64_t seed)
         memcpy(len, tc->len, sizeof len);
         memcpy(pos0, tc->pos0, sizeof pos0);
     }
-    const int32_t block_size = 64, n_slots = n_seq + 3; /* spare slots must stay untouched */
+    int32_t n_keep = 0;
+    for (int32_t s = 0; s < n_seq; s++) {
+        n_keep += tc->keep_mask >> s & 1 ? len[s] - 1 : 0;
+    }
+    const int32_t block_size = 64, n_slots = n_seq + 3 + n_keep; /* spare slots must stay untouched */
     int32_t n_blocks = 0;
     for (int32_t s = 0; s < n_seq; s++) {
         n_blocks += (pos0[s] + len[s] + block_size - 1) / block_size;
@@ -160,6 +174,33 @@ static void run_case(const struct m2_case *tc, uint64_t seed)
     struct gt_batch gb;
     gt_batch_make(&gb, &rng, n_seq, len, pos0, block_size, n_blocks, n_slots, 100);
     const int64_t n_tok = gb.host.n_tok;
+    /* kept states: slots no sequence holds, in order, for the keeping sequences' tokens but their last */
+    int32_t *keep = xmalloc((size_t)(n_tok > 0 ? n_tok : 1) * sizeof(int32_t));
+    bool *is_keep = calloc((size_t)n_slots, sizeof(bool));
+    int32_t *d_keep = NULL;
+    if (tc->keep_mask) {
+        int32_t next = 0;
+        for (int64_t t = 0; t < n_tok; t++) {
+            keep[t] = -1;
+        }
+        for (int32_t s = 0; s < n_seq; s++) {
+            for (int32_t i = 0; (tc->keep_mask >> s & 1) && i < len[s] - 1; i++) {
+                bool used = true;
+                while (used) {
+                    used = false;
+                    for (int32_t q = 0; q < n_seq; q++) {
+                        used |= gb.seq_slot[q] == next;
+                    }
+                    next += used;
+                }
+                cr_assert_lt(next, n_slots);
+                keep[gb.seq_tok0[s] + i] = next;
+                is_keep[next++] = true;
+            }
+        }
+        gb.host.tok_state_slot = keep;
+        d_keep = gt_dup(keep, (size_t)n_tok * sizeof(int32_t));
+    }
     for (int32_t s = 0; s < n_seq; s++) {
         if (tc->pad_mask >> s & 1) {
             const int32_t minus1 = -1;
@@ -236,7 +277,8 @@ static void run_case(const struct m2_case *tc, uint64_t seed)
     dp.ssm_state = d_ssm;
     dp.xbc = d_xbc;
     dp.y = d_y;
-    const struct krk_ctx kc = {.batch = gb.dev, .workspace = d_ws, .workspace_bytes = ws_bytes};
+    struct krk_ctx kc = {.batch = gb.dev, .workspace = d_ws, .workspace_bytes = ws_bytes};
+    kc.batch.tok_keep = d_keep;
     cr_assert_eq(krk_mamba(&dp, &kc), KR_OK);
     gt_sync();
 
@@ -271,7 +313,7 @@ static void run_case(const struct m2_case *tc, uint64_t seed)
     }
     size_t ns = 0, nc = 0;
     for (int32_t slot = 0; slot < n_slots; slot++) {
-        int32_t owner = -1;
+        int32_t owner = is_keep[slot] ? n_seq : -1; /* a kept state: compared like a sequence's */
         for (int32_t s = 0; s < n_seq; s++) {
             if (gb.seq_slot[s] == slot && !(tc->pad_mask >> s & 1)) {
                 owner = s;
@@ -291,7 +333,7 @@ static void run_case(const struct m2_case *tc, uint64_t seed)
         memmove(cpu_conv16 + nc, cpu_conv16 + slot * conv_slot, conv_slot * sizeof(float));
         nc += conv_slot;
     }
-    gt_expect_close("final SSM states", pg, pc, ns, SSD_NMSE, SSD_ABS);
+    gt_expect_close(tc->keep_mask ? "final and kept SSM states" : "final SSM states", pg, pc, ns, SSD_NMSE, SSD_ABS);
     gt_expect_close("conv states (bf16)", gpu_conv, cpu_conv16, nc, 0.0, 0.0);
 
     free(pg);
@@ -325,6 +367,9 @@ static void run_case(const struct m2_case *tc, uint64_t seed)
     free(cpu_ssm);
     free(cpu_xbc);
     free(cpu_y);
+    free(keep);
+    free(is_keep);
+    gt_dfree(d_keep);
     gt_batch_free(&gb);
 }
 

@@ -34,6 +34,10 @@ struct krk_batch {
                                    (1 for decode-only steps); grids may be sized by it */
     int32_t max_ctx;            /* host-known upper bound on pos + 1 over the batch; 0 when unknown
                                    (graph-captured steps): kernels must then not size grids by it */
+    const int32_t *tok_keep;    /* (or NULL) [n_tok] a state slot receiving the Mamba layers' conv and SSM
+                                   states after that token, -1 for none (struct kr_batch.tok_state_slot);
+                                   a sequence with any runs the SSD as the one-token recurrence, token by
+                                   token */
 };
 
 /* What a launcher needs beside an op's parameters (struct krk_*_params of krk/ops.h): the stream,
