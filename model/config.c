@@ -806,6 +806,15 @@ static enum kr_status parse_ds_layers(struct kr_model_config *cfg, const struct 
     }
     cfg->n_layer = (int32_t)(2 * nl);
     cfg->pattern[cfg->n_layer] = 0;
+    /* the first multi-token-prediction layer (HF layer nl), when there is one: its attention half, and
+     * its MLP half by the rule above (mlp_layer_types covers the main layers only) */
+    int64_t mtp;
+    KR_TRY(get_int(root, path, KEYS("num_nextn_predict_layers"), false, 0, &mtp, err));
+    if (mtp > 0) {
+        cfg->mtp_pattern[0] = KR_LAYER_DSA;
+        cfg->mtp_pattern[1] = nl >= k_dense && nl % freq == 0 ? KR_LAYER_MOE : KR_LAYER_MLP;
+        cfg->mtp_pattern[2] = 0;
+    }
     return KR_OK;
 }
 

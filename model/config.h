@@ -106,8 +106,9 @@ struct kr_model_config {
     /* checkpoint layout */
     int32_t n_mtp_layers;      /* num_nextn_predict_layers: multi-token-prediction layers the checkpoint
                                   carries (loaded only for drafting: struct kr_model_load_opts.mtp) */
-    char mtp_pattern[KR_MAX_MTP_PATTERN + 1]; /* nemotron_h: mtp_hybrid_override_pattern, the blocks of one
-                                  MTP layer (e.g. "DE"); empty when the config has none */
+    char mtp_pattern[KR_MAX_MTP_PATTERN + 1]; /* the blocks of one MTP layer (e.g. "DE"): nemotron_h's
+                                  mtp_hybrid_override_pattern; deepseek_v32's decoder layer after the main ones
+                                  (D, then E or - as a main layer there would be); empty when there is none */
     bool fp8_weights;          /* quantization_config fp8 (DeepSeek: block scales) or modelopt FP8 (NVIDIA:
                                   per-tensor, per-channel or block scales), matrices F8_E4M3 */
     bool fp8_modelopt;         /* the modelopt form (scales `<w>_scale`, `input_scale`, KV scales) */

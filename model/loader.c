@@ -941,25 +941,43 @@ static enum kr_status load_layers(struct loader *ld)
     return KR_OK;
 }
 
-/* The multi-token-prediction head in the hybrid layout (mtp.layers.0.: enorm, hnorm, eh_proj
- * [hidden, 2 hidden], the blocks of mtp_hybrid_override_pattern under layers.N., final_layernorm),
- * as layers n_layer.. of m->layers. Its blocks use the main stack's hyper-parameters, so each kind
- * must occur there; Mamba blocks are refused (drafting keeps no per-token states for them). */
+/* A table the MTP layer may keep a copy of (DeepSeek's embed_tokens and shared_head.head beside the
+ * main model's): NULL when absent or byte for byte the main one (marked used: the main one serves),
+ * else the tensor, to be loaded as the head's own. */
+static struct kr_st_tensor *own_copy(struct loader *ld, const char *name, const char *main_name)
+{
+    struct kr_st_tensor *t = find(ld, name), *mt = find(ld, main_name);
+    if (!t) {
+        return NULL;
+    }
+    if (mt && mt->dtype == t->dtype && mt->nbytes == t->nbytes && !memcmp(mt->data, t->data, t->nbytes)) {
+        t->used = true;
+        return NULL;
+    }
+    return t;
+}
+
+/* The multi-token-prediction head, as layers n_layer.. of m->layers. Its blocks use the main stack's
+ * hyper-parameters, so each kind must occur there; Mamba blocks are refused (drafting keeps no
+ * per-token states for them). Two layouts:
+ *   hybrid (Nemotron-H, Megatron): mtp.layers.0.{enorm, hnorm, eh_proj [hidden, 2 hidden], the blocks
+ *     of mtp_hybrid_override_pattern under layers.N., final_layernorm}; the main embedding and head;
+ *   deepseek_v32: model.layers.{num_hidden_layers}.{enorm, hnorm, eh_proj, input_layernorm, self_attn
+ *     (with its indexer), post_attention_layernorm, mlp, shared_head.norm}, with embed_tokens and
+ *     shared_head.head: copies of the main tables in released checkpoints (then those serve), or
+ *     tables of their own. */
 static enum kr_status load_mtp(struct loader *ld)
 {
     struct kr_model *m = ld->m;
     const struct kr_model_config *c = &ld->full;
-    if (ld->deepseek) {
-        return kr_err_set(ld->err, KR_ERR_UNSUPPORTED,
-                          "%s: drafting with the multi-token-prediction layer of a deepseek_v32 checkpoint "
-                          "(model.layers.%d.*) is not supported yet; the hybrid layout's mtp.layers.0.* is",
-                          m->dir, c->n_layer / 2);
+    if (c->n_mtp_layers != 1) {
+        return kr_err_set(ld->err, c->n_mtp_layers ? KR_ERR_UNSUPPORTED : KR_ERR_INVAL,
+                          "%s: config.json has num_nextn_predict_layers %d: drafting with MTP needs one MTP layer%s",
+                          m->dir, c->n_mtp_layers, c->n_mtp_layers ? " (several are not supported yet)" : "");
     }
-    if (c->n_mtp_layers != 1 || !c->mtp_pattern[0]) {
-        return kr_err_set(ld->err, KR_ERR_UNSUPPORTED,
-                          "%s: config.json has num_nextn_predict_layers %d and mtp_hybrid_override_pattern \"%s\": "
-                          "drafting with MTP needs one MTP layer with a block pattern",
-                          m->dir, c->n_mtp_layers, c->mtp_pattern);
+    if (!c->mtp_pattern[0]) {
+        return kr_err_set(ld->err, KR_ERR_FORMAT,
+                          "%s: config.json has no mtp_hybrid_override_pattern naming the MTP layer's blocks", m->dir);
     }
     if (ld->size > 1) {
         return kr_err_set(ld->err, KR_ERR_UNSUPPORTED,
@@ -970,13 +988,17 @@ static enum kr_status load_mtp(struct loader *ld)
         const char t = c->mtp_pattern[j];
         if (t == KR_LAYER_MAMBA || !strchr(c->pattern, t)) {
             return kr_err_set(ld->err, KR_ERR_UNSUPPORTED,
-                              "%s: mtp_hybrid_override_pattern \"%s\": block '%c' %s", m->dir, c->mtp_pattern, t,
+                              "%s: the MTP layer's blocks \"%s\": block '%c' %s", m->dir, c->mtp_pattern, t,
                               t == KR_LAYER_MAMBA ? "(Mamba) is not supported in an MTP layer"
                                                   : "does not occur in the main pattern, whose hyper-parameters it uses");
         }
     }
-    char n[512], base[256];
-    const char *p = "mtp.layers.0.";
+    char n[512], base[256], p[64];
+    if (ld->deepseek) {
+        NAME(p, "model.layers.%d.", c->n_layer / 2);
+    } else {
+        NAME(p, "mtp.layers.0.");
+    }
     NAME(n, "%senorm.weight", p);
     KR_TRY(load_vec(ld, n, c->dim, false, "MTP embedding RMSNorm weight [hidden]", &m->mtp.enorm));
     NAME(n, "%shnorm.weight", p);
@@ -985,13 +1007,34 @@ static enum kr_status load_mtp(struct loader *ld)
     const struct part pe = {.c0 = 0, .nc = c->dim}, ph = {.c0 = c->dim, .nc = c->dim};
     KR_TRY(load_mat_p(ld, n, c->dim, 2 * c->dim, &pe, false, "MTP projection [hidden, 2 hidden]", &m->mtp.eh_e));
     KR_TRY(load_mat_p(ld, n, c->dim, 2 * c->dim, &ph, false, "MTP projection [hidden, 2 hidden]", &m->mtp.eh_h));
-    NAME(n, "%sfinal_layernorm.weight", p);
+    if (ld->deepseek) {
+        NAME(n, "%sshared_head.norm.weight", p);
+    } else {
+        NAME(n, "%sfinal_layernorm.weight", p);
+    }
     KR_TRY(load_vec(ld, n, c->dim, false, "MTP final RMSNorm weight [hidden]", &m->mtp.final_norm));
+    if (ld->deepseek) {
+        ld->whole_precision = true; /* as the main tables */
+        NAME(n, "%sembed_tokens.weight", p);
+        if (own_copy(ld, n, "model.embed_tokens.weight")) {
+            KR_TRY(load_mat(ld, n, c->vocab, c->dim, false, "MTP token embedding [vocab, hidden]", &m->mtp.embed));
+        }
+        NAME(n, "%sshared_head.head.weight", p);
+        if (own_copy(ld, n, c->tie_embeddings ? "model.embed_tokens.weight" : "lm_head.weight")) {
+            KR_TRY(load_mat(ld, n, c->vocab, c->dim, false, "MTP output projection [vocab, hidden]", &m->mtp.head));
+        }
+        ld->whole_precision = false;
+    }
     for (int32_t j = 0; j < nb; j++) {
         struct kr_layer *L = &m->layers[c->n_layer + j];
         L->type = (enum kr_layer_type)c->mtp_pattern[j];
-        NAME(n, "%slayers.%d.norm.weight", p, j);
-        NAME(base, "%slayers.%d.mixer.", p, j);
+        if (ld->deepseek) { /* the decoder layer's attention half, then its MLP half */
+            NAME(n, "%s%s", p, j == 0 ? "input_layernorm.weight" : "post_attention_layernorm.weight");
+            NAME(base, "%s%s", p, j == 0 ? "self_attn." : "mlp.");
+        } else {
+            NAME(n, "%slayers.%d.norm.weight", p, j);
+            NAME(base, "%slayers.%d.mixer.", p, j);
+        }
         m->n_mtp++; /* freed with the model from here on, loaded or not */
         KR_TRY(load_block(ld, L, c->n_layer + j, n, base, true));
     }
@@ -1017,12 +1060,14 @@ static enum kr_status check_unused(struct loader *ld)
             KR_LOG_DEBUG("%s: K/V cache scale %s not used (no attention layer reads it)", ld->m->dir, t->name);
             continue;
         }
-        if (!strncmp(t->name, "mtp.", 4) || strstr(t->name, ".mtp.")) {
+        /* multi-token-prediction tensors are skipped unless the head was loaded (then every one of
+         * them must have been consumed, as the main model's) */
+        if (!ld->m->n_mtp && (!strncmp(t->name, "mtp.", 4) || strstr(t->name, ".mtp."))) {
             KR_LOG_DEBUG("skipping multi-token-prediction tensor %s", t->name);
             continue;
         }
         int hf_layer = -1;
-        if (ld->deepseek && sscanf(t->name, "model.layers.%d.", &hf_layer) == 1 &&
+        if (!ld->m->n_mtp && ld->deepseek && sscanf(t->name, "model.layers.%d.", &hf_layer) == 1 &&
             hf_layer >= ld->m->cfg.n_layer / 2 && hf_layer < ld->m->cfg.n_layer / 2 + ld->m->cfg.n_mtp_layers) {
             continue; /* multi-token-prediction layers follow the main layers; not used for decoding */
         }
@@ -1075,9 +1120,6 @@ static enum kr_status load_all(struct loader *ld)
         return KR_ERR_NOMEM;
     }
     KR_TRY(load_layers(ld));
-    if (ld->mtp) {
-        KR_TRY(load_mtp(ld));
-    }
     if (c->tie_embeddings) {
         struct kr_st_tensor *lm = find(ld, "lm_head.weight");
         if (lm) { /* some exports keep the tied copy; it must at least have the right shape */
@@ -1089,6 +1131,9 @@ static enum kr_status load_all(struct loader *ld)
         KR_TRY(load_mat_p(ld, "lm_head.weight", c->vocab, c->dim, &vocab_rows, false,
                           "output projection [vocab, hidden] (tie_word_embeddings is false)", &m->lm_head));
         ld->whole_precision = false;
+    }
+    if (ld->mtp) {
+        KR_TRY(load_mtp(ld));
     }
     if (m->n_mla) {
         struct kr_tensor host = {.data = c->rope_inv_freq, .dtype = KR_DTYPE_F32, .rows = 1, .cols = c->qk_rope / 2}, dev;

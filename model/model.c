@@ -210,6 +210,16 @@ enum kr_status kr_model_set_indexer(struct kr_model *m, enum kr_indexer mode, st
     return KR_OK;
 }
 
+/* `buf` holds at least `bytes` (grown by half again when it must grow). */
+static enum kr_status buf_fit(struct kr_model *m, struct kr_buf *buf, size_t bytes)
+{
+    if (buf->ptr && buf->size >= bytes) {
+        return KR_OK;
+    }
+    kr_backend_buf_free(m->be, buf);
+    return kr_backend_buf_alloc(m->be, bytes + bytes / 2 + 64, buf);
+}
+
 enum kr_status kr_model_reserve(struct kr_model *m, int64_t n_tok, int64_t n_out, int64_t n_seq, int64_t max_ctx,
                                 int32_t block_size)
 {
@@ -224,7 +234,13 @@ enum kr_status kr_model_reserve(struct kr_model *m, int64_t n_tok, int64_t n_out
         n_out = n_out > bucket ? n_out : bucket;
         n_seq = bucket;
     }
-    return grow(m, n_tok, n_out, n_seq, max_ctx);
+    KR_TRY(grow(m, n_tok, n_out, n_seq, max_ctx));
+    if (m->n_mtp > 0) { /* the head's inputs: a step's residual rows, a pass's final-normed rows */
+        const size_t rb = (size_t)m->cfg.dim * kr_backend_act_size(m->be);
+        KR_TRY(buf_fit(m, &m->mtp_h, (size_t)n_tok * rb));
+        KR_TRY(buf_fit(m, &m->mtp_g, (size_t)n_out * rb));
+    }
+    return KR_OK;
 }
 
 static enum kr_status ws_prepare(struct kr_model *m, const struct kr_batch *b, struct ws *ws)
@@ -729,7 +745,8 @@ static enum kr_status pad_batch(struct kr_model *m, const struct kr_batch *b, in
 
 static enum kr_status run_layers(struct kr_model *m, struct kr_cache *cache, const struct kr_batch *b, struct ws *ws,
                                  int32_t i0, int32_t i1);
-static enum kr_status lm_head(struct kr_model *m, const struct kr_batch *b, struct ws *ws, bool bf16);
+static enum kr_status lm_head(struct kr_model *m, const struct kr_batch *b, struct ws *ws, bool bf16,
+                              const struct kr_tensor *head);
 
 /* The layers, final norm and LM head of one step (the ops a graph replays). */
 static enum kr_status run_ops(struct kr_model *m, struct kr_cache *cache, const struct kr_batch *b, struct ws *ws)
@@ -751,7 +768,7 @@ static enum kr_status run_ops(struct kr_model *m, struct kr_cache *cache, const 
                                           .dim = c->dim, .eps = c->norm_eps, .out = ws->fin,
                                           .out_bf16 = bf16 ? ws->xb : NULL};
     KR_TRY(kr_backend_rmsnorm(be, &fn));
-    return lm_head(m, b, ws, bf16);
+    return lm_head(m, b, ws, bf16, &m->lm_head);
 }
 
 /* Layers [i0, i1) over the residual stream ws->x, which holds their sum at the end. */
@@ -802,27 +819,19 @@ static enum kr_status run_layers(struct kr_model *m, struct kr_cache *cache, con
 }
 
 /* The LM head over the final-normed out rows ws->fin (their bf16 operand in ws->xb when `bf16`). */
-static enum kr_status lm_head(struct kr_model *m, const struct kr_batch *b, struct ws *ws, bool bf16)
+/* The logits of b's out rows (ws->fin, final-normed) through `head` (m->lm_head, or the MTP head's). */
+static enum kr_status lm_head(struct kr_model *m, const struct kr_batch *b, struct ws *ws, bool bf16,
+                              const struct kr_tensor *head)
 {
     const struct kr_model_config *c = &m->cfg;
     kr_backend_t be = m->be;
     const struct krk_bf16_in fb = {.data = ws->xb, .ld = c->dim, .cap = ws->xb_cap, .filled = bf16};
     if (c->tp_size > 1) { /* this rank's vocabulary rows, then every rank's side by side */
         const int64_t part = c->vocab / c->tp_size;
-        KR_TRY(kr_backend_matmul(be, ws->fin, c->dim, b->n_out, &m->lm_head, NULL, ws->lg_part, part, &fb));
+        KR_TRY(kr_backend_matmul(be, ws->fin, c->dim, b->n_out, head, NULL, ws->lg_part, part, &fb));
         return kr_backend_all_gather(be, ws->lg_part, b->n_out, part, ws->lg);
     }
-    return kr_backend_matmul(be, ws->fin, c->dim, b->n_out, &m->lm_head, NULL, ws->lg, c->vocab, &fb);
-}
-
-/* `buf` holds at least `bytes` (grown by half again when it must grow). */
-static enum kr_status buf_fit(struct kr_model *m, struct kr_buf *buf, size_t bytes)
-{
-    if (buf->ptr && buf->size >= bytes) {
-        return KR_OK;
-    }
-    kr_backend_buf_free(m->be, buf);
-    return kr_backend_buf_alloc(m->be, bytes + bytes / 2 + 64, buf);
+    return kr_backend_matmul(be, ws->fin, c->dim, b->n_out, head, NULL, ws->lg, c->vocab, &fb);
 }
 
 enum kr_status kr_model_forward(struct kr_model *m, struct kr_cache *cache, const struct kr_batch *b, float *logits,
@@ -924,7 +933,7 @@ static enum kr_status mtp_ops(struct kr_model *m, struct kr_cache *cache, const 
                                           .eps = c->norm_eps, .out = ws->h, .out_bf16 = bf16_out(ws)};
     KR_TRY(kr_backend_rmsnorm(be, &hn));
     KR_TRY(kr_backend_matmul(be, ws->h, c->dim, n, &w->eh_h, NULL, ws->o, c->dim, &hb));
-    KR_TRY(kr_backend_embed(be, &m->embed, m->embed_row0, ws->x));
+    KR_TRY(kr_backend_embed(be, w->embed.data ? &w->embed : &m->embed, m->embed_row0, ws->x));
     const struct krk_rmsnorm_params en = {.x = ws->x, .ldx = c->dim, .w = w->enorm, .n = n, .dim = c->dim,
                                           .eps = c->norm_eps, .out = ws->h, .out_bf16 = bf16_out(ws)};
     KR_TRY(kr_backend_rmsnorm(be, &en));
@@ -942,7 +951,7 @@ static enum kr_status mtp_ops(struct kr_model *m, struct kr_cache *cache, const 
     KR_TRY(kr_backend_rmsnorm(be, &fn));
     KR_TRY(buf_fit(m, &m->mtp_g, (size_t)b->n_out * rb));
     KR_TRY(kr_backend_copy_d2d(be, m->mtp_g.ptr, ws->fin, (size_t)b->n_out * rb));
-    return lm_head(m, b, ws, bf16);
+    return lm_head(m, b, ws, bf16, w->head.data ? &w->head : &m->lm_head);
 }
 
 enum kr_status kr_model_mtp_forward(struct kr_model *m, struct kr_cache *cache, const struct kr_batch *b,

@@ -98,6 +98,8 @@ struct kr_mtp_w {
     struct kr_tensor eh_e;      /* [dim, dim]: eh_proj's columns that take the normed embedding */
     struct kr_tensor eh_h;      /* [dim, dim]: those that take the normed hidden state */
     const float *final_norm;    /* [dim] */
+    struct kr_tensor embed;     /* (data NULL: the model's) [vocab, dim] a token embedding of its own */
+    struct kr_tensor head;      /* (data NULL: the model's) [vocab, dim] an output projection of its own */
 };
 
 struct kr_model {

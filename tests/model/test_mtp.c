@@ -13,7 +13,9 @@
  * flipped). Also: the head loads only when asked, its cache rows are counted in a block's bytes, and
  * a pass over a model without the head is refused with a message. */
 #include "cache.h"
+#include "ckpt-writer.h"
 #include "model.h"
+#include "safetensors.h"
 
 #include "alloc.h"
 #include "json.h"
@@ -34,10 +36,11 @@ static const char *root(void)
     return e && *e ? e : KR_FIXTURES;
 }
 
-static struct kr_model *load(kr_backend_t be, bool mtp)
+/* The checkpoint under the fixtures' `rel`, its MTP head too when `mtp`. */
+static struct kr_model *load_rel(kr_backend_t be, const char *rel, bool mtp)
 {
     char dir[1024];
-    snprintf(dir, sizeof dir, "%s/default/small-hybrid", root());
+    snprintf(dir, sizeof dir, "%s/%s", root(), rel);
     struct kr_model *m = NULL;
     struct kr_err err = {0};
     const struct kr_model_load_opts o = {.mtp = mtp};
@@ -155,19 +158,28 @@ static void compare(const struct kr_model *m, const struct ref *r, const float *
     fprintf(stderr, "%s, T %d: last row max |d| %.3g, per-row top logit / log-sum-exp max |d| %.3g\n", what, r->n, d, worst);
 }
 
+static struct kr_model *load(kr_backend_t be, bool mtp)
+{
+    return load_rel(be, "default/small-hybrid", mtp);
+}
+
 TestSuite(mtp, .timeout = 600);
 
-Test(mtp, head_matches_the_float64_reference_whole_and_chunked)
+/* The head of the checkpoint under `rel` against rel/mtp.json, each prompt whole and in chunks of
+ * `step` tokens. */
+static void head_vs_reference(const char *rel, int32_t step)
 {
     kr_log_set_level(KR_LOG_LEVEL_WARN);
     kr_backend_t be = kr_backend_cpu_create(2);
-    struct kr_model *m = load(be, true);
+    struct kr_model *m = load_rel(be, rel, true);
     cr_assert_eq(m->n_mtp, 2, "the head's blocks: %d", m->n_mtp);
     m->mtp_keep = true;
-    char path[1024];
-    snprintf(path, sizeof path, "%s/default/small-hybrid/mtp.json", root());
-    struct kr_json *j = NULL;
     struct kr_err err = {0};
+    /* the reference's indexer scores unquantized (an FP8 checkpoint would take the FP8 path) */
+    cr_assert_eq(kr_model_set_indexer(m, KR_INDEXER_BF16, &err), KR_OK, "%s", err.msg);
+    char path[1024], what[64];
+    snprintf(path, sizeof path, "%s/%s/mtp.json", root(), rel);
+    struct kr_json *j = NULL;
     cr_assert_eq(kr_json_parse_file(path, &j, &err), KR_OK, "%s", err.msg);
     const struct kr_json *ps = kr_json_get(j, "prompts");
     cr_assert(ps && ps->type == KR_JSON_ARRAY && ps->n >= 3, "%s: no prompts", path);
@@ -184,11 +196,12 @@ Test(mtp, head_matches_the_float64_reference_whole_and_chunked)
             struct kr_seq_cache sc;
             cr_assert_eq(kr_seq_cache_init(c, &sc), KR_OK);
             cr_assert_eq(kr_seq_cache_reserve(c, &sc, r.n), KR_OK);
-            const int32_t step = pass == 0 ? r.n : 37; /* whole, or chunks of 37 */
-            for (int32_t p0 = 0; p0 < r.n; p0 += step) {
-                chunk(m, c, &sc, &r, p0, p0 + step < r.n ? p0 + step : r.n, lg);
+            const int32_t n = pass == 0 ? r.n : step; /* whole, or in chunks */
+            for (int32_t p0 = 0; p0 < r.n; p0 += n) {
+                chunk(m, c, &sc, &r, p0, p0 + n < r.n ? p0 + n : r.n, lg);
             }
-            compare(m, &r, lg, pass == 0 ? "whole prompt" : "chunks of 37");
+            snprintf(what, sizeof what, "%s, %s", rel, pass == 0 ? "whole prompt" : "chunks");
+            compare(m, &r, lg, what);
             kr_seq_cache_release(c, &sc);
         }
     }
@@ -198,6 +211,20 @@ Test(mtp, head_matches_the_float64_reference_whole_and_chunked)
     kr_cache_free(c);
     kr_model_free(m);
     kr_backend_free(be);
+}
+
+/* The trained default model's head (the hybrid layout, mtp.layers.0.*: D and E blocks, tied head). */
+Test(mtp, head_matches_the_float64_reference_whole_and_chunked)
+{
+    head_vs_reference("default/small-hybrid", 37);
+}
+
+/* DeepSeek-V3.2's layout (model.layers.N.*: its attention with an indexer, MoE, shared_head), FP8
+ * blocks, with an embedding and a head of its own that differ from the main model's (reference:
+ * tools/reference/ds_mtp_reference.py). */
+Test(mtp, deepseek_layer_matches_the_float64_reference_whole_and_chunked)
+{
+    head_vs_reference("deepseek_v32/ds_fp8", 7);
 }
 
 Test(mtp, loaded_only_when_asked_and_counted_in_the_cache)
@@ -228,5 +255,86 @@ Test(mtp, loaded_only_when_asked_and_counted_in_the_cache)
     kr_cache_free(cache);
     kr_model_free(plain);
     kr_model_free(mtp);
+    kr_backend_free(be);
+}
+
+/* Copies `src` (a checkpoint directory of config.json and one model.safetensors) to `dst`, the
+ * config's text with `from` replaced by `to` (when given), and the data of tensor dst_name[i]
+ * replaced by that of src_name[i] (same dtype and shape). */
+static void copy_ckpt(const char *src, const char *dst, const char *from, const char *to, const char *const *dst_name,
+                      const char *const *src_name, int n)
+{
+    char path[1200];
+    snprintf(path, sizeof path, "%s/config.json", src);
+    FILE *f = fopen(path, "rb");
+    cr_assert(f);
+    static char cfg[1 << 16];
+    const size_t len = fread(cfg, 1, sizeof cfg - 1, f);
+    fclose(f);
+    cfg[len] = 0;
+    static char out[1 << 16];
+    const char *at = from ? strstr(cfg, from) : NULL;
+    if (from) {
+        cr_assert(at, "%s not in %s", from, path);
+        snprintf(out, sizeof out, "%.*s%s%s", (int)(at - cfg), cfg, to, at + strlen(from));
+    } else {
+        snprintf(out, sizeof out, "%s", cfg);
+    }
+    snprintf(path, sizeof path, "%s/config.json", dst);
+    ckw_write_text(path, out);
+    struct kr_st_archive *ar = NULL;
+    struct kr_err err = {0};
+    cr_assert_eq(kr_st_open_dir(src, &ar, &err), KR_OK, "%s", err.msg);
+    cr_assert_eq(ar->n_files, 1);
+    char *bytes = kr_malloc(ar->files[0].map_size);
+    memcpy(bytes, ar->files[0].map, ar->files[0].map_size);
+    for (int i = 0; i < n; i++) {
+        const struct kr_st_tensor *d = kr_st_find(ar, dst_name[i]), *s = kr_st_find(ar, src_name[i]);
+        cr_assert(d && s && d->nbytes == s->nbytes && d->dtype == s->dtype, "%s, %s", dst_name[i], src_name[i]);
+        memcpy(bytes + ((const char *)d->data - (const char *)ar->files[0].map), s->data, s->nbytes);
+    }
+    snprintf(path, sizeof path, "%s/model.safetensors", dst);
+    f = fopen(path, "wb");
+    cr_assert(f && fwrite(bytes, 1, ar->files[0].map_size, f) == ar->files[0].map_size);
+    fclose(f);
+    kr_free(bytes);
+    kr_st_close(ar);
+}
+
+/* DeepSeek-V3.2's MTP layer: loaded only when asked (a plain load skips model.layers.N.*); its
+ * embedding and head are tables of its own where they differ from the main ones (the fixture) and
+ * the main tables where they are copies (released checkpoints); several MTP layers are refused. */
+Test(mtp, deepseek_tables_of_its_own_or_the_main_ones)
+{
+    kr_log_set_level(KR_LOG_LEVEL_WARN);
+    kr_backend_t be = kr_backend_cpu_create(1);
+    struct kr_model *plain = load_rel(be, "deepseek_v32/ds_fp8", false), *own = load_rel(be, "deepseek_v32/ds_fp8", true);
+    cr_expect_eq(plain->n_mtp, 0);
+    cr_expect_eq(own->n_mtp, 2);
+    cr_expect_str_eq(own->cfg.mtp_pattern, "DE");
+    cr_expect(own->mtp.embed.data && own->mtp.head.data, "the layer's own embedding and head are loaded");
+    const uint64_t table = (uint64_t)own->cfg.vocab * (uint64_t)own->cfg.dim;
+    char src[1024], dir[1024];
+    snprintf(src, sizeof src, "%s/deepseek_v32/ds_fp8", root());
+    ckw_tmpdir(dir, sizeof dir);
+    static const char *const dst_names[] = {"model.layers.4.embed_tokens.weight", "model.layers.4.shared_head.head.weight"};
+    static const char *const src_names[] = {"model.embed_tokens.weight", "lm_head.weight"};
+    copy_ckpt(src, dir, NULL, NULL, dst_names, src_names, 2);
+    struct kr_model *copies = NULL;
+    struct kr_err err = {0};
+    const struct kr_model_load_opts o = {.mtp = true};
+    cr_assert_eq(kr_model_load_opts(dir, be, &o, &copies, &err), KR_OK, "%s", err.msg);
+    cr_expect(!copies->mtp.embed.data && !copies->mtp.head.data, "copies of the main tables are not loaded twice");
+    cr_expect_eq(copies->n_params + 2 * table, own->n_params);
+    kr_model_free(copies);
+    ckw_rmtree(dir);
+    /* two MTP layers */
+    ckw_tmpdir(dir, sizeof dir);
+    copy_ckpt(src, dir, "\"num_nextn_predict_layers\": 1", "\"num_nextn_predict_layers\": 2", NULL, NULL, 0);
+    cr_expect_neq(kr_model_load_opts(dir, be, &o, &copies, &err), KR_OK);
+    cr_expect(strstr(err.msg, "num_nextn_predict_layers 2"), "%s", err.msg);
+    ckw_rmtree(dir);
+    kr_model_free(plain);
+    kr_model_free(own);
     kr_backend_free(be);
 }

@@ -92,6 +92,30 @@ def spec_mtp(W, fx, cfg, ids):
                 mtp_rmin=mtp_rmin)
 
 
+def prompt_entry(ids, L, rmin, infos, K):
+    """mtp.json's entry of a prompt of T tokens from the head's logits L [T-1, V], the smallest router margin
+    of its MoE block and the index infos of its one indexer (top-k K)."""
+    T = len(ids)
+    top2 = L.topk(2, -1)
+    entry = {
+        "ids": ids, "rows": T - 1,
+        "argmax": top2.indices[:, 0].tolist(),
+        "margin": [g9(v) for v in (top2.values[:, 0] - top2.values[:, 1]).tolist()],
+        "top_logit": [g9(v) for v in top2.values[:, 0].tolist()],
+        "lse": [g9(v) for v in torch.logsumexp(L, -1).tolist()],
+        "router_margin_min": g6(rmin),
+    }
+    S.check(len(infos) == 1, "one MTP indexer expected")
+    rels = [(v, i) for i, v in enumerate(infos[0]["rel"]) if v is not None]
+    if rels:
+        S.check(T - 1 > K, "selection below index_topk")
+        v, i = min(rels)
+        entry["index_margin_min"] = g6(v)
+        entry["index_margin_min_row"] = i
+    entry["last_logits"] = [g6(v) for v in L[-1].tolist()]
+    return entry
+
+
 def g6(x):
     return float(f"{x:.6g}")
 
@@ -160,27 +184,9 @@ def main():
         checks["vs_train_py_main_max_abs"] = max(checks["vs_train_py_main_max_abs"], dm)
         checks["vs_train_py_per_prompt"].append(g6(d))
 
-        L = r["logits"]
-        top2 = L.topk(2, -1)
-        am = top2.indices[:, 0]
-        if not torch.equal(am, mtp_t.argmax(-1)):
+        if not torch.equal(r["logits"].argmax(-1), mtp_t.argmax(-1)):
             checks["argmax_agrees_with_train_py"] = False
-        entry = {
-            "ids": ids, "rows": T - 1,
-            "argmax": am.tolist(),
-            "margin": [g9(v) for v in (top2.values[:, 0] - top2.values[:, 1]).tolist()],
-            "top_logit": [g9(v) for v in top2.values[:, 0].tolist()],
-            "lse": [g9(v) for v in torch.logsumexp(L, -1).tolist()],
-            "router_margin_min": g6(r["mtp_rmin"]),
-        }
-        S.check(len(r["mtp_infos"]) == 1, "one MTP indexer expected")
-        rels = [(v, i) for i, v in enumerate(r["mtp_infos"][0]["rel"]) if v is not None]
-        if rels:
-            S.check(T - 1 > K, "selection below index_topk")
-            v, i = min(rels)
-            entry["index_margin_min"] = g6(v)
-            entry["index_margin_min_row"] = i
-        entry["last_logits"] = [g6(v) for v in L[-1].tolist()]
+        entry = prompt_entry(ids, r["logits"], r["mtp_rmin"], r["mtp_infos"], K)
         out_prompts.append(entry)
         print(f"T {T}: rows {T - 1}, min logit margin {min(entry['margin']):.4g}, mtp index margin "
               f"{entry.get('index_margin_min')}, router margin {entry['router_margin_min']:.4g}, vs train.py {d:.3e} "

@@ -715,6 +715,12 @@ def block_eps(fx):
 
 def spec_forward(W, fx, ids):
     """End-to-end float64 model -> (logprobs [T,V], index infos per indexer layer, min router margin)."""
+    h, infos, rmin = spec_hidden(W, fx, ids)
+    return torch.log_softmax(h @ W["lm_head.weight"].T, -1), infos, rmin
+
+
+def spec_hidden(W, fx, ids):
+    """The float64 model up to its final norm -> (hidden states [T,H], index infos, min router margin)."""
     eps = block_eps(fx)
     emb = W["model.embed_tokens.weight"] if fx["kind"] == "ds" else W["backbone.embeddings.weight"]
     h = emb[torch.tensor(ids)]
@@ -733,8 +739,7 @@ def spec_forward(W, fx, ids):
             rmin = min(rmin, mg.min().item())
         h = h + y
     fn = W["model.norm.weight"] if fx["kind"] == "ds" else W["backbone.norm_f.weight"]
-    h = rms(h, fn, eps)
-    return torch.log_softmax(h @ W["lm_head.weight"].T, -1), infos, rmin
+    return rms(h, fn, eps), infos, rmin
 
 
 def index_ok(infos, thr=IDX_REL_MARGIN):
