@@ -516,11 +516,6 @@ enum kr_status kr_engine_create_group(struct kr_model *const *ranks, int32_t n_r
                               "engine: MTP drafting needs the model's multi-token-prediction head, which was not loaded "
                               "(%s has num_nextn_predict_layers %d)", m->dir, m->cfg.n_mtp_layers);
         }
-        if (sp->method == KR_SPEC_MTP && strcmp(kr_backend_name(m->be), "cpu") != 0) {
-            return kr_err_set(err, KR_ERR_UNSUPPORTED,
-                              "engine: MTP drafting runs on the CPU backend only so far (not on %s)",
-                              kr_backend_name(m->be));
-        }
         if (sp->k < 1 || sp->k > KR_SPEC_MAX_TOKENS) {
             return kr_err_set(err, KR_ERR_INVAL, "engine: num_speculative_tokens must be in [1, %d] (got %d)",
                               KR_SPEC_MAX_TOKENS, sp->k);
@@ -542,11 +537,14 @@ enum kr_status kr_engine_create_group(struct kr_model *const *ranks, int32_t n_r
         }
     }
     const int32_t n_slots = cfg.n_slots > 0 ? cfg.n_slots : cfg.max_num_seqs;
-    /* the step workspace and backend scratch for the largest step, so that serving allocates nothing */
+    /* the step workspace and backend scratch for the largest step, so that serving allocates nothing;
+     * a verification step has a logits row per draft too */
+    const int64_t step_tok = (int64_t)cfg.max_num_batched_tokens + cfg.max_num_seqs;
+    int64_t step_out = (int64_t)cfg.max_num_seqs * (sp->method != KR_SPEC_OFF ? 1 + sp->k : 1);
+    step_out = step_out < step_tok ? step_out : step_tok;
     enum kr_status rst = KR_OK;
     for (int32_t r = 0; r < n_ranks && rst == KR_OK; r++) {
-        rst = kr_model_reserve(ranks[r], cfg.max_num_batched_tokens + cfg.max_num_seqs, cfg.max_num_seqs,
-                               cfg.max_num_seqs, cfg.max_model_len, cfg.block_size);
+        rst = kr_model_reserve(ranks[r], step_tok, step_out, cfg.max_num_seqs, cfg.max_model_len, cfg.block_size);
     }
     if (rst != KR_OK) {
         return kr_err_set(err, rst, "engine: cannot reserve the forward workspace for %d tokens per step",
