@@ -473,6 +473,22 @@ static double bench_decode_k(struct ctx *x, int32_t B, int32_t ctx, int32_t step
     int32_t *tok = kr_malloc(nt_max * 4), *pos = kr_malloc(nt_max * 4);
     int32_t *tok0 = kr_malloc(((size_t)B + 1) * 4), *pos0 = kr_malloc((size_t)B * 4), *slot = kr_malloc((size_t)B * 4);
     int32_t *bt = kr_calloc((size_t)B * (size_t)maxb, 4), *out = kr_malloc(nt_max * 4);
+    /* a verification step of a model with Mamba layers keeps the states after every token but each
+     * sequence's last (the engine's tok_state_slot), in slots of their own */
+    const int32_t n_keep = k > 0 && x->m->n_mamba > 0 ? B * k : 0;
+    struct kr_seq_cache *kc = n_keep ? kr_calloc((size_t)n_keep, sizeof *kc) : NULL;
+    int32_t *keep = n_keep ? kr_malloc((size_t)B * (size_t)r * 4) : NULL;
+    for (int32_t i = 0; i < n_keep; i++) {
+        if (kr_seq_cache_init(x->c, &kc[i]) != KR_OK) {
+            fprintf(stderr, "bench_cuda: no state slot left for the kept states of batch %d, k %d\n", B, k);
+            exit(1);
+        }
+    }
+    for (int32_t i = 0; i < B && keep; i++) {
+        for (int32_t j = 0; j < r; j++) {
+            keep[i * r + j] = j < k ? kc[i * k + j].slot : -1;
+        }
+    }
     uint32_t s = 7;
     for (int32_t i = 0; i < B; i++) {
         if (kr_seq_cache_init(x->c, &sc[i]) != KR_OK ||
@@ -533,7 +549,7 @@ static double bench_decode_k(struct ctx *x, int32_t B, int32_t ctx, int32_t step
         }
         struct kr_batch b = {.n_tok = B * r, .n_seq = B, .tokens = tok, .pos = pos, .seq_tok0 = tok0,
                              .seq_pos0 = pos0, .seq_slot = slot, .block_table = bt, .max_blocks = maxb,
-                             .n_out = B * r, .out_tok = out};
+                             .n_out = B * r, .out_tok = out, .tok_state_slot = keep};
         forward(x, &b);
         gpu_greedy(x, B * r, tok);
         if (host) {
@@ -547,6 +563,11 @@ static double bench_decode_k(struct ctx *x, int32_t B, int32_t ctx, int32_t step
         kr_seq_cache_release(x->c, &sc[i]);
     }
     kr_free(sc);
+    for (int32_t i = 0; i < n_keep; i++) {
+        kr_seq_cache_release(x->c, &kc[i]);
+    }
+    kr_free(kc);
+    kr_free(keep);
     kr_free(tok);
     kr_free(pos);
     kr_free(tok0);
@@ -1013,7 +1034,8 @@ int main(int argc, char **argv)
         }
         blocks += max_p / bs + 4;
     }
-    if (kr_cache_create(x.m, max_b + 1, (int32_t)blocks, bs, &x.c) != KR_OK) {
+    const int32_t keep_slots = kmax > 0 && x.m->n_mamba > 0 ? max_b * kmax : 0; /* verification's kept states */
+    if (kr_cache_create(x.m, max_b + 1 + keep_slots, (int32_t)blocks, bs, &x.c) != KR_OK) {
         fprintf(stderr, "bench_cuda: cannot allocate caches for batch %d\n", max_b);
         return 1;
     }
