@@ -690,9 +690,9 @@ enum kr_status kr_engine_create_group(struct kr_model *const *ranks, int32_t n_r
                     "state slots x %zu B for the drafts' Mamba states", sp->ngram_min, sp->ngram_max, sp->k,
                     spec_slots, slot_bytes);
     }
-    KR_LOG_INFO("memory plan: (%d running + %d snapshot) state slots x %zu B + %lld blocks x %d tokens x %zu B = "
-                "%zu B of %zu B budget (max_num_seqs=%d max_num_batched_tokens=%d max_model_len=%d)",
-                n_slots, plan.n_snaps, slot_bytes, (long long)n_blocks, cfg.block_size, block_bytes,
+    KR_LOG_INFO("memory plan: (%d running + %d draft + %d snapshot) state slots x %zu B + %lld blocks x %d tokens x "
+                "%zu B = %zu B of %zu B budget (max_num_seqs=%d max_num_batched_tokens=%d max_model_len=%d)",
+                n_slots, spec_slots, plan.n_snaps, slot_bytes, (long long)n_blocks, cfg.block_size, block_bytes,
                 kr_cache_bytes(e->cache), cfg.cache_bytes, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                 cfg.max_model_len);
     if (n_ranks > 1 || cfg.cluster) {
