@@ -1,3 +1,4 @@
+#define _GNU_SOURCE /* memmem */
 #include "ckpt-writer.h"
 
 #include <criterion/criterion.h>
@@ -201,6 +202,37 @@ void ckw_tmpdir(char *out, size_t n)
 {
     snprintf(out, n, "/tmp/krait-test-XXXXXX");
     cr_assert(mkdtemp(out));
+}
+
+void ckw_copy_edit(const char *src, const char *dst, const char *file, const char *from, const char *to)
+{
+    char cmd[1400];
+    snprintf(cmd, sizeof cmd, "cp -rL '%s'/. '%s'/", src, dst); /* -L: fixtures may link to models/ */
+    cr_assert_eq(system(cmd), 0);
+    if (!file) {
+        return;
+    }
+    char path[700];
+    snprintf(path, sizeof path, "%s/%s", dst, file);
+    FILE *fp = fopen(path, "rb");
+    cr_assert(fp, "cannot read %s", path);
+    fseek(fp, 0, SEEK_END);
+    const long n = ftell(fp);
+    fseek(fp, 0, SEEK_SET);
+    char *buf = malloc((size_t)n + 1);
+    cr_assert(buf && fread(buf, 1, (size_t)n, fp) == (size_t)n);
+    fclose(fp);
+    buf[n] = 0;
+    char *hit = memmem(buf, (size_t)n, from, strlen(from));
+    cr_assert(hit, "%s has no \"%s\"", file, from);
+    fp = fopen(path, "wb");
+    cr_assert(fp);
+    fwrite(buf, 1, (size_t)(hit - buf), fp);
+    fputs(to, fp);
+    const char *rest = hit + strlen(from);
+    fwrite(rest, 1, (size_t)(buf + n - rest), fp);
+    fclose(fp);
+    free(buf);
 }
 
 void ckw_rmtree(const char *dir)

@@ -39,6 +39,10 @@ void ckw_write(const struct ckw *w, const char *path);
 void ckw_write_text(const char *path, const char *text);
 /* Makes a fresh temporary directory; returns its path (static storage per call site is fine). */
 void ckw_tmpdir(char *out, size_t n);
+/* Copies directory `src` into the existing directory `dst` (links followed), then, when `file` is
+ * given, replaces the first `from` in dst/file with `to` (of the same length in binary files, so that
+ * offsets stay valid). */
+void ckw_copy_edit(const char *src, const char *dst, const char *file, const char *from, const char *to);
 /* Removes a directory tree created by ckw_tmpdir. */
 void ckw_rmtree(const char *dir);
 

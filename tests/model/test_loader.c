@@ -400,32 +400,9 @@ Test(loader, rejects_inconsistent_head_counts)
  * (same length for binary files, so offsets stay valid). */
 static void copy_fixture_edit(const char *rel, const char *file, const char *from, const char *to)
 {
-    char cmd[1024];
-    snprintf(cmd, sizeof cmd, "cp -r '%s/%s'/. '%s'/", KR_FIXTURES, rel, dir);
-    cr_assert_eq(system(cmd), 0);
-    if (!file) {
-        return;
-    }
-    char path[512];
-    snprintf(path, sizeof path, "%s/%s", dir, file);
-    FILE *fp = fopen(path, "rb");
-    cr_assert(fp);
-    fseek(fp, 0, SEEK_END);
-    long n = ftell(fp);
-    fseek(fp, 0, SEEK_SET);
-    char *buf = malloc((size_t)n + 1);
-    cr_assert(fread(buf, 1, (size_t)n, fp) == (size_t)n);
-    fclose(fp);
-    buf[n] = 0;
-    char *hit = memmem(buf, (size_t)n, from, strlen(from));
-    cr_assert(hit, "%s has no \"%s\"", file, from);
-    fp = fopen(path, "wb");
-    fwrite(buf, 1, (size_t)(hit - buf), fp);
-    fputs(to, fp);
-    const char *rest = hit + strlen(from);
-    fwrite(rest, 1, (size_t)(buf + n - rest), fp);
-    fclose(fp);
-    free(buf);
+    char src[512];
+    snprintf(src, sizeof src, "%s/%s", KR_FIXTURES, rel);
+    ckw_copy_edit(src, dir, file, from, to);
 }
 
 Test(loader, loads_the_dsa_fixtures_unchanged)

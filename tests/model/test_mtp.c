@@ -258,46 +258,21 @@ Test(mtp, loaded_only_when_asked_and_counted_in_the_cache)
     kr_backend_free(be);
 }
 
-/* Copies `src` (a checkpoint directory of config.json and one model.safetensors) to `dst`, the
- * config's text with `from` replaced by `to` (when given), and the data of tensor dst_name[i]
- * replaced by that of src_name[i] (same dtype and shape). */
-static void copy_ckpt(const char *src, const char *dst, const char *from, const char *to, const char *const *dst_name,
-                      const char *const *src_name, int n)
+/* In the checkpoint of `dir` (one safetensors file), the data of tensor `dst_name` overwritten with
+ * that of `src_name` (same dtype and shape). */
+static void copy_tensor_data(const char *dir, const char *dst_name, const char *src_name)
 {
-    char path[1200];
-    snprintf(path, sizeof path, "%s/config.json", src);
-    FILE *f = fopen(path, "rb");
-    cr_assert(f);
-    static char cfg[1 << 16];
-    const size_t len = fread(cfg, 1, sizeof cfg - 1, f);
-    fclose(f);
-    cfg[len] = 0;
-    static char out[1 << 16];
-    const char *at = from ? strstr(cfg, from) : NULL;
-    if (from) {
-        cr_assert(at, "%s not in %s", from, path);
-        snprintf(out, sizeof out, "%.*s%s%s", (int)(at - cfg), cfg, to, at + strlen(from));
-    } else {
-        snprintf(out, sizeof out, "%s", cfg);
-    }
-    snprintf(path, sizeof path, "%s/config.json", dst);
-    ckw_write_text(path, out);
     struct kr_st_archive *ar = NULL;
     struct kr_err err = {0};
-    cr_assert_eq(kr_st_open_dir(src, &ar, &err), KR_OK, "%s", err.msg);
+    cr_assert_eq(kr_st_open_dir(dir, &ar, &err), KR_OK, "%s", err.msg);
     cr_assert_eq(ar->n_files, 1);
-    char *bytes = kr_malloc(ar->files[0].map_size);
-    memcpy(bytes, ar->files[0].map, ar->files[0].map_size);
-    for (int i = 0; i < n; i++) {
-        const struct kr_st_tensor *d = kr_st_find(ar, dst_name[i]), *s = kr_st_find(ar, src_name[i]);
-        cr_assert(d && s && d->nbytes == s->nbytes && d->dtype == s->dtype, "%s, %s", dst_name[i], src_name[i]);
-        memcpy(bytes + ((const char *)d->data - (const char *)ar->files[0].map), s->data, s->nbytes);
-    }
-    snprintf(path, sizeof path, "%s/model.safetensors", dst);
-    f = fopen(path, "wb");
-    cr_assert(f && fwrite(bytes, 1, ar->files[0].map_size, f) == ar->files[0].map_size);
+    const struct kr_st_tensor *d = kr_st_find(ar, dst_name), *s = kr_st_find(ar, src_name);
+    cr_assert(d && s && d->nbytes == s->nbytes && d->dtype == s->dtype, "%s, %s", dst_name, src_name);
+    FILE *f = fopen(ar->files[0].path, "r+b");
+    cr_assert(f);
+    cr_assert_eq(fseek(f, (long)((const char *)d->data - (const char *)ar->files[0].map), SEEK_SET), 0);
+    cr_assert_eq(fwrite(s->data, 1, s->nbytes, f), s->nbytes);
     fclose(f);
-    kr_free(bytes);
     kr_st_close(ar);
 }
 
@@ -317,9 +292,9 @@ Test(mtp, deepseek_tables_of_its_own_or_the_main_ones)
     char src[1024], dir[1024];
     snprintf(src, sizeof src, "%s/deepseek_v32/ds_fp8", root());
     ckw_tmpdir(dir, sizeof dir);
-    static const char *const dst_names[] = {"model.layers.4.embed_tokens.weight", "model.layers.4.shared_head.head.weight"};
-    static const char *const src_names[] = {"model.embed_tokens.weight", "lm_head.weight"};
-    copy_ckpt(src, dir, NULL, NULL, dst_names, src_names, 2);
+    ckw_copy_edit(src, dir, NULL, NULL, NULL);
+    copy_tensor_data(dir, "model.layers.4.embed_tokens.weight", "model.embed_tokens.weight");
+    copy_tensor_data(dir, "model.layers.4.shared_head.head.weight", "lm_head.weight");
     struct kr_model *copies = NULL;
     struct kr_err err = {0};
     const struct kr_model_load_opts o = {.mtp = true};
@@ -330,7 +305,7 @@ Test(mtp, deepseek_tables_of_its_own_or_the_main_ones)
     ckw_rmtree(dir);
     /* two MTP layers */
     ckw_tmpdir(dir, sizeof dir);
-    copy_ckpt(src, dir, "\"num_nextn_predict_layers\": 1", "\"num_nextn_predict_layers\": 2", NULL, NULL, 0);
+    ckw_copy_edit(src, dir, "config.json", "\"num_nextn_predict_layers\": 1", "\"num_nextn_predict_layers\": 2");
     cr_expect_neq(kr_model_load_opts(dir, be, &o, &copies, &err), KR_OK);
     cr_expect(strstr(err.msg, "num_nextn_predict_layers 2"), "%s", err.msg);
     ckw_rmtree(dir);
