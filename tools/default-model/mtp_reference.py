@@ -94,7 +94,7 @@ def spec_mtp(W, fx, cfg, ids):
 
 def prompt_entry(ids, L, rmin, infos, K):
     """mtp.json's entry of a prompt of T tokens from the head's logits L [T-1, V], the smallest router margin
-    of its MoE block and the index infos of its one indexer (top-k K)."""
+    of its MoE block (None or inf without one) and the index infos of its one indexer (top-k K)."""
     T = len(ids)
     top2 = L.topk(2, -1)
     entry = {
@@ -103,7 +103,7 @@ def prompt_entry(ids, L, rmin, infos, K):
         "margin": [g9(v) for v in (top2.values[:, 0] - top2.values[:, 1]).tolist()],
         "top_logit": [g9(v) for v in top2.values[:, 0].tolist()],
         "lse": [g9(v) for v in torch.logsumexp(L, -1).tolist()],
-        "router_margin_min": g6(rmin),
+        "router_margin_min": g6(rmin) if rmin is not None and math.isfinite(rmin) else None,  # None: no MoE block
     }
     S.check(len(infos) == 1, "one MTP indexer expected")
     rels = [(v, i) for i, v in enumerate(infos[0]["rel"]) if v is not None]

@@ -122,7 +122,7 @@ def main():
         entry = prompt_entry(ids, r["logits"], r["rmin"], r["infos"], K)
         out.append(entry)
         print(f"T {len(ids)}: min logit margin {min(entry['margin']):.4g}, index margin "
-              f"{entry.get('index_margin_min')}, router margin {entry['router_margin_min']:.4g}", flush=True)
+              f"{entry.get('index_margin_min')}, router margin {entry['router_margin_min']}", flush=True)
     res = {
         "generator": f"tools/reference/ds_mtp_reference.py (torch {torch.__version__}, float64 spec mixers of "
                      f"tools/reference/make_dsa_fixtures.py, CPU)",
