@@ -842,7 +842,11 @@ static enum kr_status parse_deepseek_v32(struct kr_model_config *cfg, const stru
     }
     int64_t mtp;
     KR_TRY(get_int(root, path, KEYS("num_nextn_predict_layers"), false, 0, &mtp, err));
-    cfg->n_mtp_layers = (int32_t)(mtp > 0 && mtp < 64 ? mtp : 0);
+    if (mtp < 0 || mtp > 64) {
+        return kr_err_set(err, KR_ERR_FORMAT, "%s: key \"num_nextn_predict_layers\" = %lld is outside 0..64", path,
+                          (long long)mtp);
+    }
+    cfg->n_mtp_layers = (int32_t)mtp;
     KR_TRY(parse_mla(cfg, root, path, err));
     if (cfg->idx_topk_freq > 1) { /* the layer numbering of shared selections is the hybrid stack's */
         return kr_err_set(err, KR_ERR_UNSUPPORTED,

@@ -309,6 +309,13 @@ Test(mtp, deepseek_tables_of_its_own_or_the_main_ones)
     cr_expect_neq(kr_model_load_opts(dir, be, &o, &copies, &err), KR_OK);
     cr_expect(strstr(err.msg, "num_nextn_predict_layers 2"), "%s", err.msg);
     ckw_rmtree(dir);
+    /* a count no checkpoint has: refused, with or without the head asked for */
+    ckw_tmpdir(dir, sizeof dir);
+    ckw_copy_edit(src, dir, "config.json", "\"num_nextn_predict_layers\": 1", "\"num_nextn_predict_layers\": 100");
+    cr_expect_eq(kr_model_load_opts(dir, be, &o, &copies, &err), KR_ERR_FORMAT);
+    cr_expect(strstr(err.msg, "num_nextn_predict_layers") && strstr(err.msg, "outside 0..64"), "%s", err.msg);
+    cr_expect_eq(kr_model_load(dir, be, &copies, &err), KR_ERR_FORMAT);
+    ckw_rmtree(dir);
     kr_model_free(plain);
     kr_model_free(own);
     kr_backend_free(be);
