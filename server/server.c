@@ -26,7 +26,9 @@
 #include <microhttpd.h>
 #include <netinet/in.h>
 #include <pthread.h>
+#include <sched.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -125,7 +127,7 @@ struct srv {
     uv_poll_t mhd_poll;
     uv_timer_t mhd_timer;
     uv_async_t wake;
-    uv_signal_t sig_term, sig_int;
+    int sig_seen;              /* SIGTERM/SIGINT taken so far (see "signals") */
     uv_timer_t drain_timer;
     uv_poll_t reserve;         /* keeps libuv's watcher table grown (reserve_watchers) */
     int reserve_fd;            /* -1: none */
@@ -1314,6 +1316,62 @@ static void arm_timer(struct srv *s)
     }
 }
 
+/* ---- signals -------------------------------------------------------------------------------------------
+ *
+ * SIGTERM and SIGINT are caught by a handler of our own that counts them and wakes the loop
+ * (uv_async_send is async-signal-safe); the loop thread acts on each (on_signal). libuv's uv_signal_t
+ * is not used for them: stopping one puts back the default action, and a signal arriving between that
+ * and the SIG_IGN set after it killed the process with a signal status in the middle of an orderly
+ * shutdown. Here one sigaction swaps the handler for SIG_IGN, so there is no such moment. */
+
+static struct {
+    uv_async_t async;
+    atomic_int count; /* signals caught */
+    atomic_int last;  /* the last one's number */
+    atomic_int busy;  /* handlers running now (the async handle is closed once none is) */
+} g_sig;
+
+static void signal_caught(int signum)
+{
+    const int saved = errno;
+    atomic_fetch_add(&g_sig.busy, 1);
+    atomic_store(&g_sig.last, signum);
+    atomic_fetch_add(&g_sig.count, 1);
+    uv_async_send(&g_sig.async);
+    atomic_fetch_sub(&g_sig.busy, 1);
+    errno = saved;
+}
+
+static void signals_set(void (*handler)(int))
+{
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = handler;
+    sigfillset(&sa.sa_mask);
+    sa.sa_flags = SA_RESTART;
+    sigaction(SIGTERM, &sa, NULL);
+    sigaction(SIGINT, &sa, NULL);
+}
+
+static void signals_catch(void)
+{
+    signals_set(signal_caught);
+}
+
+static void signals_ignore(void)
+{
+    signals_set(SIG_IGN);
+}
+
+/* Before the async handle closes: no handler is caught half-way (they are ignored by then). */
+static void signals_release(void)
+{
+    signals_ignore();
+    while (atomic_load(&g_sig.busy) > 0) {
+        sched_yield();
+    }
+}
+
 static void stop_everything(struct srv *s)
 {
     if (s->stopping) {
@@ -1330,13 +1388,9 @@ static void stop_everything(struct srv *s)
     uv_timer_stop(&s->conn_timer);
     uv_timer_stop(&s->trim_timer);
     uv_timer_stop(&s->drain_timer);
-    uv_signal_stop(&s->sig_term);
-    uv_signal_stop(&s->sig_int);
     /* the shutdown is under way and bounded (work is cancelled, nothing waits on clients): a further
-     * SIGTERM or SIGINT must not kill the process on its way out with a signal status instead of
-     * its exit code (uv_signal_stop put back the default action) */
-    signal(SIGTERM, SIG_IGN);
-    signal(SIGINT, SIG_IGN);
+     * SIGTERM or SIGINT is ignored from here on */
+    signals_ignore();
     uv_stop(&s->loop);
 }
 
@@ -1485,9 +1539,8 @@ static void begin_drain(struct srv *s, double timeout_s)
     uv_timer_start(&s->drain_timer, on_drain_tick, 0, 50);
 }
 
-static void on_signal(uv_signal_t *sig, int signum)
+static void on_signal(struct srv *s, int signum)
 {
-    struct srv *s = sig->data;
     if (s->draining) {
         KR_LOG_WARN("second signal: stopping now");
         cut_all(s, "the server was stopped before this request finished");
@@ -1502,6 +1555,17 @@ static void on_signal(uv_signal_t *sig, int signum)
         return;
     }
     begin_drain(s, s->o.drain_timeout_s);
+}
+
+/* The loop's side of signal_caught: each signal caught since the last call, in turn. */
+static void on_signal_async(uv_async_t *a)
+{
+    struct srv *s = a->data;
+    const int n = atomic_load(&g_sig.count);
+    while (s->sig_seen < n && !s->stopping) {
+        s->sig_seen++;
+        on_signal(s, atomic_load(&g_sig.last));
+    }
 }
 
 /* The engine lost its device: every request failed with 503; report unhealthy and exit 3 so that
@@ -1761,12 +1825,9 @@ int kr_serve_run(const struct kr_serve_opts *o)
     uv_async_init(&s->loop, &g_node_end, on_node_end);
     g_node_end.data = s;
     s->rt.node_ended = node_ended;
-    uv_signal_init(&s->loop, &s->sig_term);
-    s->sig_term.data = s;
-    uv_signal_start(&s->sig_term, on_signal, SIGTERM);
-    uv_signal_init(&s->loop, &s->sig_int);
-    s->sig_int.data = s;
-    uv_signal_start(&s->sig_int, on_signal, SIGINT);
+    uv_async_init(&s->loop, &g_sig.async, on_signal_async);
+    g_sig.async.data = s;
+    signals_catch();
     signal(SIGPIPE, SIG_IGN);
     KR_LOG_INFO("listening on http://%s:%d", o->host, port);
     if (o->port_file) {
@@ -1804,8 +1865,8 @@ int kr_serve_run(const struct kr_serve_opts *o)
     uv_close((uv_handle_t *)&s->wake, close_cb);
     uv_close((uv_handle_t *)&g_loaded, close_cb);
     uv_close((uv_handle_t *)&g_node_end, close_cb);
-    uv_close((uv_handle_t *)&s->sig_term, close_cb);
-    uv_close((uv_handle_t *)&s->sig_int, close_cb);
+    signals_release();
+    uv_close((uv_handle_t *)&g_sig.async, close_cb);
     if (s->reserve_fd >= 0) {
         uv_close((uv_handle_t *)&s->reserve, close_cb);
     }

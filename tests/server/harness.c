@@ -126,10 +126,19 @@ int srv_stop(struct srv_proc *p)
         if (r == p->pid) {
             unlink(p->port_file);
             p->pid = 0;
-            return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+            if (WIFSIGNALED(st)) {
+                fprintf(stderr, "srv_stop: krait serve was ended by signal %d (%s)\n", WTERMSIG(st),
+                        strsignal(WTERMSIG(st)));
+                return -1;
+            }
+            if (WEXITSTATUS(st) != 0) {
+                fprintf(stderr, "srv_stop: krait serve exited with status %d\n", WEXITSTATUS(st));
+            }
+            return WEXITSTATUS(st);
         }
         sleep_ms(100);
     }
+    fprintf(stderr, "srv_stop: krait serve was still running 60 s after SIGTERM: killed\n");
     kill(p->pid, SIGKILL);
     waitpid(p->pid, &st, 0);
     p->pid = 0;
