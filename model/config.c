@@ -653,8 +653,10 @@ static enum kr_status parse_quant(struct kr_model_config *cfg, const struct kr_j
     return KR_OK;
 }
 
-/* Multi-token prediction in the hybrid layout: num_nextn_predict_layers MTP layers under mtp.layers.N.,
- * each made of the blocks mtp_hybrid_override_pattern names (Megatron's pattern letters). */
+/* Multi-token prediction in the hybrid layout: num_nextn_predict_layers MTP layers, each made of the
+ * blocks named by mtp_hybrid_override_pattern (Megatron's pattern letters) or by mtp_layers_block_type
+ * (a list of layer type names, as Nemotron 3's config.json has it: ["attention", "moe"]); where both
+ * are given they must agree. */
 static enum kr_status parse_mtp(struct kr_model_config *cfg, const struct kr_json *root, const char *path,
                                 struct kr_err *err)
 {
@@ -666,17 +668,36 @@ static enum kr_status parse_mtp(struct kr_model_config *cfg, const struct kr_jso
     }
     cfg->n_mtp_layers = (int32_t)n;
     const struct kr_json *pat = kr_json_get(root, "mtp_hybrid_override_pattern");
-    if (!pat || pat->type == KR_JSON_NULL) {
-        return KR_OK;
+    const struct kr_json *list = kr_json_get(root, "mtp_layers_block_type");
+    if (pat && pat->type == KR_JSON_NULL) {
+        pat = NULL;
     }
-    if (pat->type != KR_JSON_STRING) {
+    if (list && list->type == KR_JSON_NULL) {
+        list = NULL;
+    }
+    if (pat && pat->type != KR_JSON_STRING) {
         return kr_err_set(err, KR_ERR_FORMAT, "%s: key \"mtp_hybrid_override_pattern\" must be a string", path);
     }
-    struct kr_model_config tmp = {0};
-    KR_TRY(parse_pattern_string(&tmp, pat->str, path, "mtp_hybrid_override_pattern", err));
+    struct kr_model_config tmp = {0}, other = {0};
+    const char *key = list ? "mtp_layers_block_type" : "mtp_hybrid_override_pattern";
+    if (list) {
+        KR_TRY(parse_pattern_list(&tmp, list, path, "mtp_layers_block_type", err));
+        if (pat) {
+            KR_TRY(parse_pattern_string(&other, pat->str, path, "mtp_hybrid_override_pattern", err));
+            if (strcmp(tmp.pattern, other.pattern) != 0) {
+                return kr_err_set(err, KR_ERR_FORMAT,
+                                  "%s: \"mtp_hybrid_override_pattern\" (%s) and \"mtp_layers_block_type\" (%s) disagree",
+                                  path, other.pattern, tmp.pattern);
+            }
+        }
+    } else if (pat) {
+        KR_TRY(parse_pattern_string(&tmp, pat->str, path, "mtp_hybrid_override_pattern", err));
+    } else {
+        return KR_OK;
+    }
     if (tmp.n_layer > KR_MAX_MTP_PATTERN) {
-        return kr_err_set(err, KR_ERR_UNSUPPORTED, "%s: key \"mtp_hybrid_override_pattern\" has %d blocks (at most %d)",
-                          path, tmp.n_layer, KR_MAX_MTP_PATTERN);
+        return kr_err_set(err, KR_ERR_UNSUPPORTED, "%s: key \"%s\" has %d blocks (at most %d)", path, key, tmp.n_layer,
+                          KR_MAX_MTP_PATTERN);
     }
     memcpy(cfg->mtp_pattern, tmp.pattern, (size_t)tmp.n_layer + 1);
     return KR_OK;

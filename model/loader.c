@@ -960,8 +960,11 @@ static struct kr_st_tensor *own_copy(struct loader *ld, const char *name, const 
 /* The multi-token-prediction head, as layers n_layer.. of m->layers. Its blocks use the main stack's
  * hyper-parameters, so each kind must occur there; Mamba blocks are refused (drafting keeps no
  * per-token states for them). Two layouts:
- *   hybrid (Nemotron-H, Megatron): mtp.layers.0.{enorm, hnorm, eh_proj [hidden, 2 hidden], the blocks
- *     of mtp_hybrid_override_pattern under layers.N., final_layernorm}; the main embedding and head;
+ *   hybrid, nested (Megatron, the default model): mtp.layers.0.{enorm, hnorm, eh_proj [hidden,
+ *     2 hidden], the blocks under layers.N. (norm, mixer), final_layernorm}; the main embedding and head;
+ *   hybrid, flat (Nemotron 3's released checkpoints): block N of the layer is mtp.layers.N.{norm,
+ *     mixer}, the first block carries enorm, hnorm and eh_proj, the last final_layernorm; the main
+ *     embedding and head;
  *   deepseek_v32: model.layers.{num_hidden_layers}.{enorm, hnorm, eh_proj, input_layernorm, self_attn
  *     (with its indexer), post_attention_layernorm, mlp, shared_head.norm}, with embed_tokens and
  *     shared_head.head: copies of the main tables in released checkpoints (then those serve), or
@@ -977,7 +980,8 @@ static enum kr_status load_mtp(struct loader *ld)
     }
     if (!c->mtp_pattern[0]) {
         return kr_err_set(ld->err, KR_ERR_FORMAT,
-                          "%s: config.json has no mtp_hybrid_override_pattern naming the MTP layer's blocks", m->dir);
+                          "%s: config.json has no mtp_hybrid_override_pattern or mtp_layers_block_type naming the "
+                          "MTP layer's blocks", m->dir);
     }
     if (ld->size > 1) {
         return kr_err_set(ld->err, KR_ERR_UNSUPPORTED,
@@ -994,10 +998,12 @@ static enum kr_status load_mtp(struct loader *ld)
         }
     }
     char n[512], base[256], p[64];
+    bool flat = false;
     if (ld->deepseek) {
         NAME(p, "model.layers.%d.", c->n_layer / 2);
     } else {
         NAME(p, "mtp.layers.0.");
+        flat = !find(ld, "mtp.layers.0.layers.0.norm.weight") && find(ld, "mtp.layers.0.norm.weight");
     }
     NAME(n, "%senorm.weight", p);
     KR_TRY(load_vec(ld, n, c->dim, false, "MTP embedding RMSNorm weight [hidden]", &m->mtp.enorm));
@@ -1009,6 +1015,8 @@ static enum kr_status load_mtp(struct loader *ld)
     KR_TRY(load_mat_p(ld, n, c->dim, 2 * c->dim, &ph, false, "MTP projection [hidden, 2 hidden]", &m->mtp.eh_h));
     if (ld->deepseek) {
         NAME(n, "%sshared_head.norm.weight", p);
+    } else if (flat) {
+        NAME(n, "mtp.layers.%d.final_layernorm.weight", nb - 1);
     } else {
         NAME(n, "%sfinal_layernorm.weight", p);
     }
@@ -1031,6 +1039,9 @@ static enum kr_status load_mtp(struct loader *ld)
         if (ld->deepseek) { /* the decoder layer's attention half, then its MLP half */
             NAME(n, "%s%s", p, j == 0 ? "input_layernorm.weight" : "post_attention_layernorm.weight");
             NAME(base, "%s%s", p, j == 0 ? "self_attn." : "mlp.");
+        } else if (flat) {
+            NAME(n, "mtp.layers.%d.norm.weight", j);
+            NAME(base, "mtp.layers.%d.mixer.", j);
         } else {
             NAME(n, "%slayers.%d.norm.weight", p, j);
             NAME(base, "%slayers.%d.mixer.", p, j);

@@ -340,6 +340,13 @@ Test(SUITE, greedy_equals_plain_decoding_mtp_deepseek)
     greedy_family_by("deepseek_v32/ds_fp8", KR_SPEC_MTP);
 }
 
+/* Drafts by a layer in Nemotron 3's layout (mtp.layers.j.*: GQA attention with a KV cache of its own,
+ * then MoE; random weights, so few drafts are kept). */
+Test(SUITE, greedy_equals_plain_decoding_mtp_nemotron3)
+{
+    greedy_family_by("nemotron_h/nh_mtp", KR_SPEC_MTP);
+}
+
 Test(SUITE, greedy_equals_plain_decoding_nemotron_h)
 {
     greedy_family("nemotron_h/nh_moe");

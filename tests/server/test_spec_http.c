@@ -26,6 +26,7 @@
 #include <pthread.h>
 #include <signal.h>
 #include <stdarg.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -37,6 +38,7 @@
 /* the trained default model drafting with its multi-token-prediction head */
 #define MTP_MODEL KR_SOURCE_DIR "/models/small-hybrid"
 #define MTP_SPEC "{\"method\":\"mtp\",\"num_speculative_tokens\":3}"
+#define NH_MTP_MODEL KR_SOURCE_DIR "/tests/fixtures/nemotron_h/nh_mtp"
 #define MAX_TOKENS 64
 
 static struct srv_proc P, S; /* plain, speculating */
@@ -44,25 +46,32 @@ static int SPEC_K = 4;       /* the speculating server's num_speculative_tokens 
 
 /* Both load at once; 64 MiB of cache (plenty here) start sooner under the sanitizers than the
  * default 512 MiB. */
-static void start_pair_of(const char *model, const char *spec, int k, const char *cache)
+static void start_pair_of(const char *model, const char *spec, int k, const char *cache, bool no_tokenizer)
 {
     SPEC_K = k;
+    const char *tok = no_tokenizer ? "--skip-tokenizer-init" : NULL;
     srv_spawn(&S, model, "--served-model-name", "tiny", "--cache-memory-bytes", cache, "--speculative-config", spec,
-              NULL);
-    srv_spawn(&P, model, "--served-model-name", "tiny", "--cache-memory-bytes", cache, NULL);
+              tok, NULL);
+    srv_spawn(&P, model, "--served-model-name", "tiny", "--cache-memory-bytes", cache, tok, NULL);
     srv_ready(&S);
     srv_ready(&P);
 }
 
 static void start_pair(void)
 {
-    start_pair_of(MODEL, SPEC, 4, "67108864");
+    start_pair_of(MODEL, SPEC, 4, "67108864", false);
 }
 
 /* the default model's Mamba states are larger: 256 MiB */
 static void start_pair_mtp(void)
 {
-    start_pair_of(MTP_MODEL, MTP_SPEC, 3, "268435456");
+    start_pair_of(MTP_MODEL, MTP_SPEC, 3, "268435456", false);
+}
+
+/* a checkpoint in Nemotron 3's MTP layout, without a tokenizer: token ids in and out */
+static void start_pair_nh_mtp(void)
+{
+    start_pair_of(NH_MTP_MODEL, MTP_SPEC, 3, "67108864", true);
 }
 
 static void stop_pair(void)
@@ -445,6 +454,33 @@ Test(spec_http, mtp_greedy_and_seeded_answers_equal_plain_decoding, .init = star
     free(sb);
     cr_expect_gt(accepted() - a0, 0, "n = 2 sampled: no draft was kept");
     cr_expect_geq(srv_wait_idle(&S, 30.0), 0);
+}
+
+/* Drafts by a layer in Nemotron 3's layout (tests/fixtures/nemotron_h/nh_mtp: mtp.layers.j.*, GQA
+ * attention then MoE, random weights), served without a tokenizer: prompts of token ids from 2 to
+ * 3000 long (max_model_len 4096), greedy with log-probabilities, whole and streamed, equal to the
+ * plain server's answers. */
+Test(spec_http, mtp_nemotron3_layout_answers_equal_plain_decoding, .init = start_pair_nh_mtp, .fini = stop_pair)
+{
+    const double a0 = accepted();
+    static const int lengths[] = {2, 7, 40, 300, 3000};
+    uint32_t x = 12345;
+    for (size_t i = 0; i < sizeof lengths / sizeof lengths[0]; i++) {
+        json_t *ids = json_array();
+        for (int t = 0; t < lengths[i]; t++) {
+            x = x * 1103515245u + 12345u;
+            json_array_append_new(ids, json_integer((x >> 16) % 256));
+        }
+        json_t *b = json_pack("{s:o,s:i,s:i,s:i,s:b}", "prompt", ids, "max_tokens", 48, "temperature", 0, "logprobs",
+                              3, "return_token_ids", 1);
+        char *body = json_dumps(b, JSON_COMPACT), what[64];
+        json_decref(b);
+        snprintf(what, sizeof what, "nh_mtp, a prompt of %d token ids", lengths[i]);
+        json_decref(same_whole_and_streamed("/v1/completions", body, what));
+        free(body);
+    }
+    cr_expect_gt(accepted() - a0, 0, "no draft was kept: the comparison says nothing about speculation");
+    cr_expect_geq(srv_wait_idle(&S, 30.0), 0, "the speculating server holds slots or blocks after its answers");
 }
 
 /* ---- sampled, stops, lengths, schemas -------------------------------------------------------------- */

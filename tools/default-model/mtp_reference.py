@@ -94,7 +94,7 @@ def spec_mtp(W, fx, cfg, ids):
 
 def prompt_entry(ids, L, rmin, infos, K):
     """mtp.json's entry of a prompt of T tokens from the head's logits L [T-1, V], the smallest router margin
-    of its MoE block (None or inf without one) and the index infos of its one indexer (top-k K)."""
+    of its MoE block (None or inf without one) and the index infos of its indexer (top-k K; none: [])."""
     T = len(ids)
     top2 = L.topk(2, -1)
     entry = {
@@ -105,8 +105,8 @@ def prompt_entry(ids, L, rmin, infos, K):
         "lse": [g9(v) for v in torch.logsumexp(L, -1).tolist()],
         "router_margin_min": g6(rmin) if rmin is not None and math.isfinite(rmin) else None,  # None: no MoE block
     }
-    S.check(len(infos) == 1, "one MTP indexer expected")
-    rels = [(v, i) for i, v in enumerate(infos[0]["rel"]) if v is not None]
+    S.check(len(infos) <= 1, "at most one MTP indexer expected")
+    rels = [(v, i) for i, v in enumerate(infos[0]["rel"]) if v is not None] if infos else []
     if rels:
         S.check(T - 1 > K, "selection below index_topk")
         v, i = min(rels)
