@@ -525,9 +525,10 @@ enum kr_status kr_engine_create_group(struct kr_model *const *ranks, int32_t n_r
                               "engine: n-gram drafting needs 1 <= prompt_lookup_min <= prompt_lookup_max (got %d and %d)",
                               sp->ngram_min, sp->ngram_max);
         }
-        if (n_ranks > 1 || cfg.cluster) {
+        if (sp->method == KR_SPEC_MTP && (n_ranks > 1 || cfg.cluster)) {
             return kr_err_set(err, KR_ERR_UNSUPPORTED,
-                              "engine: speculative decoding does not run with tensor parallelism yet (one rank only)");
+                              "engine: drafting with the MTP head does not run with tensor parallelism yet (one rank "
+                              "only; n-gram drafts do)");
         }
         if (m->n_mamba > 0 && !kr_backend_can_token_states(m->be)) {
             return kr_err_set(err, KR_ERR_UNSUPPORTED,

@@ -293,6 +293,7 @@ void kr_wire_put_step(struct kr_wire_buf *b, const struct kr_wire_copy *ops, int
     put_array(b, bt->seq_slot, bt->n_seq);
     put_array(b, bt->block_table, (int64_t)bt->n_seq * bt->max_blocks);
     put_array(b, bt->out_tok, bt->n_out);
+    put_array(b, bt->tok_state_slot, bt->n_tok);
 }
 
 void kr_wire_step_free(struct kr_wire_step *s)
@@ -332,24 +333,26 @@ enum kr_status kr_wire_get_step(struct kr_wire_rd *r, struct kr_wire_step *s, st
         return kr_err_set(err, KR_ERR_FORMAT, "a PLAN with impossible counts (%d tokens, %d sequences, %d blocks each, "
                           "%d outputs)", b->n_tok, b->n_seq, b->max_blocks, b->n_out);
     }
-    const int64_t want[7] = {b->n_tok, b->n_tok, (int64_t)b->n_seq + 1, b->n_seq, b->n_seq,
-                             (int64_t)b->n_seq * b->max_blocks, b->n_out};
-    static const char *const names[7] = {"tokens", "pos", "seq_tok0", "seq_pos0", "seq_slot", "block_table", "out_tok"};
-    /* every array fits in what is left of the payload (4 bytes a value): the arena is bounded by the frame */
+    enum { N_ARRAYS = 8 };
+    const int64_t want[N_ARRAYS] = {b->n_tok, b->n_tok, (int64_t)b->n_seq + 1, b->n_seq, b->n_seq,
+                                    (int64_t)b->n_seq * b->max_blocks, b->n_out, b->n_tok};
+    static const char *const names[N_ARRAYS] = {"tokens", "pos", "seq_tok0", "seq_pos0", "seq_slot", "block_table",
+                                                "out_tok", "tok_state_slot"};
+    /* the arrays present (an absent one is a count of -1) fit in what is left of the payload, 4 bytes a
+     * value, each checked before it is read: the arena is bounded by the frame */
     int64_t total = 0;
-    for (int i = 0; i < 7; i++) {
+    for (int i = 0; i < N_ARRAYS; i++) {
         total += want[i];
     }
-    if ((uint64_t)total * 4 > r->len - r->off || !(s->arena = kr_malloc((size_t)(total ? total : 1) * 4))) {
-        const bool big = (uint64_t)total * 4 > r->len - r->off;
+    const int64_t room = (int64_t)((r->len - r->off) / 4);
+    total = total < room ? total : room;
+    if (!(s->arena = kr_malloc((size_t)(total ? total : 1) * 4))) {
         kr_wire_step_free(s);
-        return big ? kr_err_set(err, KR_ERR_FORMAT, "a PLAN's arrays (%lld values) exceed its %zu bytes", (long long)total,
-                                r->len)
-                   : kr_err_set(err, KR_ERR_NOMEM, "out of memory for a PLAN's arrays");
+        return kr_err_set(err, KR_ERR_NOMEM, "out of memory for a PLAN's arrays");
     }
-    const int32_t *arrays[7];
+    const int32_t *arrays[N_ARRAYS];
     int32_t *at = s->arena;
-    for (int i = 0; i < 7; i++) {
+    for (int i = 0; i < N_ARRAYS; i++) {
         const int32_t n = kr_wire_get_i32(r);
         if (n == -1) {
             arrays[i] = NULL;
@@ -358,6 +361,10 @@ enum kr_status kr_wire_get_step(struct kr_wire_rd *r, struct kr_wire_step *s, st
         if (r->bad || n != want[i]) {
             kr_wire_step_free(s);
             return kr_err_set(err, KR_ERR_FORMAT, "a PLAN's %s has %d values, want %lld", names[i], n, (long long)want[i]);
+        }
+        if ((uint64_t)n * 4 > r->len - r->off) {
+            kr_wire_step_free(s);
+            return kr_err_set(err, KR_ERR_FORMAT, "a PLAN's %s (%d values) exceeds its %zu bytes", names[i], n, r->len);
         }
         for (int32_t j = 0; j < n; j++) {
             at[j] = kr_wire_get_i32(r);
@@ -376,6 +383,7 @@ enum kr_status kr_wire_get_step(struct kr_wire_rd *r, struct kr_wire_step *s, st
     b->seq_slot = arrays[4];
     b->block_table = arrays[5];
     b->out_tok = arrays[6];
+    b->tok_state_slot = arrays[7]; /* the drafts' kept Mamba states: validated with the batch by the forward */
     if (b->seq_tok0 && (b->seq_tok0[0] != 0 || b->seq_tok0[b->n_seq] != b->n_tok)) {
         kr_wire_step_free(s);
         return kr_err_set(err, KR_ERR_FORMAT, "a PLAN whose sequences do not cover its %d tokens", b->n_tok);

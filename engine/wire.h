@@ -20,8 +20,9 @@
  *   READY       worker  i32 status, str why: the worker's ranks have their caches (or why not)
  *   PLAN        leader  one step: u8 copies_lost, u32 n_copies, n_copies x (i32 kind, src, dst),
  *                       i32 n_tok, n_seq, max_blocks, n_out, ctx_bound, then the batch's arrays
- *                       tokens, pos, seq_tok0, seq_pos0, seq_slot, block_table, out_tok, each as
- *                       i32 count (-1: NULL) + count x i32
+ *                       tokens, pos, seq_tok0, seq_pos0, seq_slot, block_table, out_tok,
+ *                       tok_state_slot (speculative decoding's kept states), each as i32 count
+ *                       (-1: NULL) + count x i32
  *   DONE        worker  i32 status, str why: the worker's ranks finished the step
  *   REDUCE      both    n x f32: a node's partial sum (worker), the group's sum (leader)
  *   GATHER      both    a node's columns of every row (worker), every row whole (leader)
@@ -36,7 +37,7 @@
 #include "status.h"
 
 #define KR_WIRE_MAGIC       0x5754524bu /* "KRTW" as bytes */
-#define KR_WIRE_VERSION     1
+#define KR_WIRE_VERSION     2 /* 2: PLAN carries tok_state_slot */
 #define KR_WIRE_HEADER      16
 #define KR_WIRE_MAX_CONTROL ((uint64_t)256 << 20) /* bytes of any frame but REDUCE and GATHER */
 #define KR_WIRE_MAX_DATA    ((uint64_t)16 << 30)  /* REDUCE and GATHER: read into buffers of known size */

@@ -16,6 +16,7 @@
  *    non-zero within 10 s;
  *  - --tensor-parallel-size not a multiple of --nnodes is refused at start. */
 #include "harness.h"
+#include "wire.h" /* KR_WIRE_VERSION */
 
 #include <criterion/criterion.h>
 #include <curl/curl.h>
@@ -26,6 +27,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -84,6 +86,7 @@ static void node_start(struct srv_proc *p, const char *log, int master_port, int
     p->pid = fork();
     cr_assert(p->pid >= 0);
     if (p->pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL); /* gone with the test's process (harness.c) */
         if (!freopen(log, "w", stderr)) {
             _exit(126);
         }
@@ -168,8 +171,8 @@ static void prompt_json(char *out, size_t cap, int n, unsigned seed)
 
 struct answer {
     int n_choices;
-    int tok[2][16];
-    double lp[2][16];
+    int tok[2][160];
+    double lp[2][160];
     int n_tok[2];
     double plp[64];
     int n_plp;
@@ -194,7 +197,7 @@ static void ask(const struct srv_proc *p, const char *prompt, int n, int max_tok
         cr_assert(idx >= 0 && idx < 2);
         json_t *lps = json_object_get(c, "logprobs");
         json_t *toks = json_object_get(lps, "tokens"), *tlp = json_object_get(lps, "token_logprobs");
-        for (size_t t = 0; t < json_array_size(toks) && t < 16; t++) {
+        for (size_t t = 0; t < json_array_size(toks) && t < 160; t++) {
             a->tok[idx][t] = atoi(json_string_value(json_array_get(toks, t)) + strlen("token_id:"));
             a->lp[idx][t] = json_number_value(json_array_get(tlp, t));
             a->n_tok[idx]++;
@@ -351,14 +354,52 @@ Test(multinode, two_ranks_per_node_match_one_process)
 
 /* A worker whose --max-model-len differs is refused with the field named and exits non-zero; the
  * leader logs it and keeps waiting; a second worker claiming node rank 1 is refused too. */
+/* n-gram drafts across two nodes (-tp 2): the drafts' kept Mamba states travel in the PLAN to the
+ * worker's rank; periodic prompts, whose drafts random weights partly continue, so that steps keep
+ * some drafts and refuse others; greedy answers of 160 tokens against one process at TP 1 without
+ * drafts (test_tp_http's tolerance). */
+Test(multinode, ngram_drafts_across_two_nodes_match_one_process)
+{
+    const char *dir = FX "nemotron_h/nh_moe";
+    const char *spec[] = {"--speculative-config",
+                          "{\"method\":\"ngram\",\"num_speculative_tokens\":4,\"prompt_lookup_min\":2,"
+                          "\"prompt_lookup_max\":4}",
+                          NULL};
+    const int mp = free_port();
+    struct srv_proc lead, work, whole;
+    node_start(&lead, "mn-spec-leader.log", mp, 2, 0, "2", dir, spec);
+    node_start(&work, "mn-spec-worker.log", mp, 2, 1, "2", dir, spec);
+    srv_start(&whole, dir, "--skip-tokenizer-init", "--device", "cpu", NULL);
+    node_wait_healthy(&lead);
+    node_wait_healthy(&work);
+    static const char *const prompts[] = {"[5,6,7,5,6,7,5,6,7,5,6,7]", "[11,12,13,14,15,11,12,13,14,15,11,12]",
+                                          "[40,41,40,41,40,41,40,41]", "[100,3,77,100,3,77,100,3,77]"};
+    struct answer a, b;
+    char what[64];
+    for (size_t i = 0; i < sizeof prompts / sizeof prompts[0]; i++) {
+        ask(&whole, prompts[i], 1, 160, false, &a);
+        ask(&lead, prompts[i], 1, 160, false, &b);
+        snprintf(what, sizeof what, "drafts, prompt %zu", i);
+        expect_same(&a, &b, what);
+    }
+    const double kept = metric(&lead, "krait:spec_decode_num_accepted_tokens_total");
+    const double drafted = metric(&lead, "krait:spec_decode_num_draft_tokens_total");
+    cr_expect_gt(kept, 0, "no draft was kept (%g drafted): the comparison says nothing about kept states", drafted);
+    cr_expect_gt(drafted, kept, "every draft was kept: the comparison says nothing about refused ones");
+    cr_expect_eq(srv_stop(&lead), 0, "the leader's exit status");
+    cr_expect_eq(wait_exit(&work, 15), 0, "the worker's exit status after the leader's SIGTERM: %s",
+                 slurp("mn-spec-worker.log"));
+    cr_expect_eq(srv_stop(&whole), 0);
+}
+
 Test(multinode, a_worker_that_differs_or_repeats_a_node_rank_is_refused)
 {
     const int mp = free_port();
     struct srv_proc lead, bad, w1, dup;
     node_start(&lead, "mn-mm-leader.log", mp, 3, 0, "3", FX "hybrid/hy_mdme", NULL);
     /* a stranger, a HELLO cut short and one too long for a HELLO: each refused, the leader unmoved */
-    static const unsigned char hello_hdr[16] = {'K', 'R', 'T', 'W', 1, 0, 1, 0, 100, 0, 0, 0, 0, 0, 0, 0};
-    static const unsigned char huge_hdr[16] = {'K', 'R', 'T', 'W', 1, 0, 1, 0, 0, 0, 0, 0x40, 0, 0, 0, 0};
+    static const unsigned char hello_hdr[16] = {'K', 'R', 'T', 'W', KR_WIRE_VERSION, 0, 1, 0, 100, 0, 0, 0, 0, 0, 0, 0};
+    static const unsigned char huge_hdr[16] = {'K', 'R', 'T', 'W', KR_WIRE_VERSION, 0, 1, 0, 0, 0, 0, 0x40, 0, 0, 0, 0};
     const struct {
         const void *bytes;
         size_t n;

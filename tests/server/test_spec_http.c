@@ -483,6 +483,44 @@ Test(spec_http, mtp_nemotron3_layout_answers_equal_plain_decoding, .init = start
     cr_expect_geq(srv_wait_idle(&S, 30.0), 0, "the speculating server holds slots or blocks after its answers");
 }
 
+/* n-gram drafts under tensor parallelism: two ranks (nh_moe splits in two), each keeping its share
+ * of the drafts' Mamba states, against the plain server at the same size: periodic prompts of token
+ * ids (which random weights partly continue, so drafts are kept and refused), greedy with
+ * log-probabilities, whole and streamed, equal. */
+#define TP_MODEL KR_SOURCE_DIR "/tests/fixtures/nemotron_h/nh_moe"
+#define TP_SPEC "{\"method\":\"ngram\",\"num_speculative_tokens\":4,\"prompt_lookup_min\":2,\"prompt_lookup_max\":4}"
+
+static void start_pair_tp(void)
+{
+    SPEC_K = 4;
+    srv_spawn(&S, TP_MODEL, "--served-model-name", "tiny", "--cache-memory-bytes", "67108864", "--skip-tokenizer-init",
+              "--tensor-parallel-size", "2", "--speculative-config", TP_SPEC, NULL);
+    srv_spawn(&P, TP_MODEL, "--served-model-name", "tiny", "--cache-memory-bytes", "67108864", "--skip-tokenizer-init",
+              "--tensor-parallel-size", "2", NULL);
+    srv_ready(&S);
+    srv_ready(&P);
+}
+
+Test(spec_http, ngram_drafts_under_tensor_parallelism_equal_plain_decoding, .init = start_pair_tp, .fini = stop_pair)
+{
+    const double a0 = accepted(), d0 = metric(&S, "krait:spec_decode_num_draft_tokens_total");
+    static const char *const prompts_tp[] = {"[5,6,7,5,6,7,5,6,7,5,6,7]", "[11,12,13,14,15,11,12,13,14,15,11,12]",
+                                             "[40,41,40,41,40,41,40,41]", "[100,3,77,100,3,77,100,3,77]"};
+    char body[512], what[64];
+    for (size_t i = 0; i < sizeof prompts_tp / sizeof prompts_tp[0]; i++) {
+        snprintf(body, sizeof body,
+                 "{\"prompt\":%s,\"max_tokens\":160,\"temperature\":0,\"ignore_eos\":true,\"logprobs\":2,"
+                 "\"return_token_ids\":true}",
+                 prompts_tp[i]);
+        snprintf(what, sizeof what, "two ranks, prompt %zu", i);
+        json_decref(same_whole_and_streamed("/v1/completions", body, what));
+    }
+    const double kept = accepted() - a0, drafted = metric(&S, "krait:spec_decode_num_draft_tokens_total") - d0;
+    cr_expect_gt(kept, 0, "no draft was kept (%g drafted): the comparison says nothing about kept states", drafted);
+    cr_expect_gt(drafted, kept, "every draft was kept: the comparison says nothing about refused ones");
+    cr_expect_geq(srv_wait_idle(&S, 30.0), 0, "the speculating server holds slots or blocks after its answers");
+}
+
 /* ---- sampled, stops, lengths, schemas -------------------------------------------------------------- */
 
 /* Where a greedy output repeats itself: the longest stretch [from, to) of its ids with ids[t] ==
@@ -780,11 +818,11 @@ Test(spec_http, a_bad_speculative_config_exits_2_naming_the_problem)
         cr_expect(strstr(out, "--speculative-config") && strstr(out, cases[i].says),
                   "--speculative-config '%s': stderr does not say \"%s\": %s", cases[i].config, cases[i].says, out);
     }
-    /* tensor parallelism: the engine refuses to start (a fixture that two ranks can split) */
-    const char *tp[] = {"--skip-tokenizer-init", "--tensor-parallel-size", "2", "--speculative-config", SPEC, NULL};
-    const int rc = run_serve(KR_SOURCE_DIR "/tests/fixtures/hybrid/hy_share", tp, out, sizeof out);
-    cr_expect_neq(rc, 0, "speculative decoding with 2 ranks: exit status 0");
-    cr_expect(strstr(out, "speculative decoding does not run with tensor parallelism"), "stderr: %s", out);
+    /* MTP drafts under tensor parallelism: refused at load (the head is not split across ranks) */
+    const char *tp[] = {"--skip-tokenizer-init", "--tensor-parallel-size", "2", "--speculative-config", MTP_SPEC, NULL};
+    const int rc = run_serve(NH_MTP_MODEL, tp, out, sizeof out);
+    cr_expect_neq(rc, 0, "MTP drafting with 2 ranks: exit status 0");
+    cr_expect(strstr(out, "the MTP head is not loaded under tensor parallelism yet"), "stderr: %s", out);
     /* MTP drafting with a checkpoint that has no MTP head: the load fails, saying so */
     const char *mtp[] = {"--speculative-config", MTP_SPEC, NULL};
     const int rm = run_serve(MODEL, mtp, out, sizeof out);
