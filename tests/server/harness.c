@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -58,6 +59,9 @@ static void srv_vspawn(struct srv_proc *p, const char *model, va_list ap)
     p->pid = fork();
     cr_assert(p->pid >= 0);
     if (p->pid == 0) {
+        /* a test that fails an assertion ends its process: the server goes with it (else it holds
+         * the runner's output open and the suite waits for it) */
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
         if (srv_log_path && !freopen(srv_log_path, "w", stderr)) {
             _exit(126);
         }
