@@ -2,14 +2,17 @@
  * safetensors headers alone (no weight is read, nothing is allocated on a device): each rank's
  * weights as the loader would place them (its own sharding rules, run against the planning
  * backend), the cache bytes per token of each pool and per sequence of the state pool, and how many
- * sequences of a given length fit in the memory left on each GPU. */
+ * sequences of a given length fit in the memory left on each GPU. With --speculative-config, as
+ * serve takes it: the MTP head's weights and cache rows, and the drafts' Mamba states. */
 #include "plan.h"
 
 #include "alloc.h"
 #include "backend.h"
 #include "cache.h"
 #include "log.h"
+#include "engine.h"
 #include "model.h"
+#include "server.h"
 
 #include <jansson.h>
 
@@ -33,6 +36,8 @@ struct plan_opts {
     bool fp8;              /* --quantization fp8: matrices as FP8 codes with block scales */
     bool kv8;              /* --kv-cache-dtype fp8: the FP8 caches' layout (fp8_ds_mla) */
     bool json;
+    int spec_method;       /* enum kr_spec_method (0: no --speculative-config) */
+    int32_t spec_k;
 };
 
 static void plan_usage(FILE *f)
@@ -54,6 +59,8 @@ static void plan_usage(FILE *f)
             "  --quantization fp8|none          fp8: matrices as FP8 codes + 128x128 block scales (as serve's flag)\n"
             "  --kv-cache-dtype auto|bf16|fp8   fp8: K/V of a byte, MLA latents as fp8_ds_mla (kv_lora e4m3 + an fp32\n"
             "                                   scale per 128 + rope bf16), DSA index keys e4m3 + fp32 scales\n"
+            "  --speculative-config JSON        as serve takes it: \"mtp\" counts the MTP head's weights and cache rows;\n"
+            "                                   either method counts num_speculative_tokens more Mamba states a sequence\n"
             "  --json                           one JSON object instead of the table\n");
 }
 
@@ -90,6 +97,7 @@ static int parse_opts(int argc, char **argv, struct plan_opts *o)
         {"quantization", required_argument, NULL, 'q'},
         {"kv-cache-dtype", required_argument, NULL, 'k'},
         {"json", no_argument, NULL, 'j'},
+        {"speculative-config", required_argument, NULL, 's'},
         {"help", no_argument, NULL, 'h'},
         {0},
     };
@@ -154,6 +162,13 @@ static int parse_opts(int argc, char **argv, struct plan_opts *o)
         case 'j':
             o->json = true;
             break;
+        case 's': {
+            int32_t nmin, nmax;
+            if (kr_spec_parse("krait plan", optarg, &o->spec_method, &o->spec_k, &nmin, &nmax)) {
+                return 2;
+            }
+            break;
+        }
         case 'h':
             plan_usage(stdout);
             return 1;
@@ -197,6 +212,16 @@ static struct pools pools_of(const struct kr_model *m, int32_t block, size_t elt
             p.indexer += kv8 ? (uint64_t)krk_fp8_key_bytes(c->idx_head_dim) : (uint64_t)c->idx_head_dim * elt;
         }
     }
+    for (int32_t j = 0; j < m->n_mtp; j++) { /* the MTP head's attention blocks keep rows of their own */
+        const struct kr_layer *L = &m->layers[c->n_layer + j];
+        if (L->type == KR_LAYER_DSA || L->type == KR_LAYER_MLA) {
+            p.latent += kv8 ? (uint64_t)krk_fp8_latent_bytes(c->kv_lora, c->qk_rope)
+                            : (uint64_t)(c->kv_lora + c->qk_rope) * elt;
+            if (L->mla.has_indexer) {
+                p.indexer += kv8 ? (uint64_t)krk_fp8_key_bytes(c->idx_head_dim) : (uint64_t)c->idx_head_dim * elt;
+            }
+        }
+    }
     size_t slot = 0, blk = 0;
     kr_cache_unit_bytes(m, block, &slot, &blk);
     p.state = slot;
@@ -238,7 +263,9 @@ int kr_plan_main(int argc, char **argv)
             break;
         }
         if (kr_backend_set_tp(be, r, o.tp, NULL, &err) != KR_OK ||
-            kr_backend_set_fp8_weights(be, o.fp8, &err) != KR_OK || kr_model_load(o.model, be, &m, &err) != KR_OK) {
+            kr_backend_set_fp8_weights(be, o.fp8, &err) != KR_OK ||
+            kr_model_load_opts(o.model, be, &(struct kr_model_load_opts){.mtp = o.spec_method == KR_SPEC_MTP}, &m,
+                               &err) != KR_OK) {
             fprintf(stderr, "krait plan: %s (rank %d of %d)\n", err.msg, r, o.tp);
             kr_backend_free(be);
             rc = 1;
@@ -261,7 +288,8 @@ int kr_plan_main(int argc, char **argv)
         const struct pools p = pools_of(m0, o.block, celt, o.kv8);
         const uint64_t per_tok = p.block / (uint64_t)o.block;
         const uint64_t blocks = (uint64_t)((len + o.block - 1) / o.block);
-        const uint64_t per_seq = p.state + blocks * p.block;
+        const uint64_t drafts = o.spec_method ? p.state * (uint64_t)o.spec_k : 0; /* the drafts' Mamba states */
+        const uint64_t per_seq = p.state + drafts + blocks * p.block;
         const double usable = (double)o.gpu_bytes * o.util;
         const uint64_t left = usable > (double)w_max ? (uint64_t)(usable - (double)w_max) : 0;
         const uint64_t fit = per_seq ? left / per_seq : 0;
@@ -285,6 +313,15 @@ int kr_plan_main(int argc, char **argv)
                                   "bytes_per_sequence", (json_int_t)per_seq, "gpu_memory_bytes",
                                   (json_int_t)o.gpu_bytes, "gpu_memory_utilization", o.util, "cache_bytes",
                                   (json_int_t)left, "sequences", (json_int_t)fit);
+            if (j) {
+                json_object_set_new(j, "speculative",
+                                    o.spec_method ? json_pack("{s:s, s:i, s:I, s:b}", "method",
+                                                              o.spec_method == KR_SPEC_MTP ? "mtp" : "ngram",
+                                                              "num_speculative_tokens", (int)o.spec_k,
+                                                              "draft_state_bytes_per_sequence", (json_int_t)drafts,
+                                                              "mtp_head", m0->n_mtp > 0)
+                                                  : json_null());
+            }
             char *text = j ? json_dumps(j, JSON_COMPACT) : NULL;
             if (!text) {
                 fprintf(stderr, "krait plan: out of memory\n");
@@ -309,8 +346,16 @@ int kr_plan_main(int argc, char **argv)
                    (unsigned long long)per_tok, (unsigned long long)p.kv, (unsigned long long)p.latent,
                    (unsigned long long)p.indexer);
             printf("state per sequence:    %llu B per rank (Mamba conv + SSM)\n", (unsigned long long)p.state);
-            printf("one sequence of %lld:  %.2f MiB per rank (%llu blocks of %d tokens + its state)\n", (long long)len,
-                   (double)per_seq / (1 << 20), (unsigned long long)blocks, (int)o.block);
+            if (o.spec_method) {
+                printf("drafts:                %s, %d tokens a step: %llu B per sequence per rank for their Mamba "
+                       "states%s\n",
+                       o.spec_method == KR_SPEC_MTP ? "the MTP head" : "n-gram", (int)o.spec_k,
+                       (unsigned long long)drafts,
+                       m0->n_mtp ? "; the head's weights and cache rows are counted above" : "");
+            }
+            printf("one sequence of %lld:  %.2f MiB per rank (%llu blocks of %d tokens + its state%s)\n",
+                   (long long)len, (double)per_seq / (1 << 20), (unsigned long long)blocks, (int)o.block,
+                   drafts ? " + its drafts' states" : "");
             printf("per GPU:               %.2f GiB x %.2f usable, %.2f GiB left for caches\n", gib(o.gpu_bytes),
                    o.util, gib(left));
             if (fits) {

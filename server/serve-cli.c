@@ -104,15 +104,16 @@ static void usage(FILE *f)
 }
 
 /* --speculative-config: vLLM's JSON object. Known keys only, so that a misspelt one is not silently
- * dropped; MTP methods are named and refused until their drafting exists. 0, or 2 after a message. */
-static int parse_spec(const char *text, struct kr_serve_opts *o)
+ * dropped. 0, or 2 after a message on stderr that starts with `prog` ("krait serve"). */
+int kr_spec_parse(const char *prog, const char *text, int *method_out, int32_t *k_out, int32_t *nmin_out,
+                  int32_t *nmax_out)
 {
     json_error_t je;
     json_t *j = json_loads(text, 0, &je);
     int rc = 2;
     if (!json_is_object(j)) {
-        fprintf(stderr, "krait serve: --speculative-config is not a JSON object: %s\n",
-                j ? "another JSON value" : je.text);
+        fprintf(stderr, "%s: --speculative-config is not a JSON object: %s\n",
+                prog, j ? "another JSON value" : je.text);
         goto out;
     }
     const char *key;
@@ -126,44 +127,44 @@ static int parse_spec(const char *text, struct kr_serve_opts *o)
                                                              : NULL;
         if (!strcmp(key, "method")) {
             if (!json_is_string(v)) {
-                fprintf(stderr, "krait serve: --speculative-config: \"method\" must be a string\n");
+                fprintf(stderr, "%s: --speculative-config: \"method\" must be a string\n", prog);
                 goto out;
             }
             method = json_string_value(v);
         } else if (dst) {
             if (!json_is_integer(v) || json_integer_value(v) < 1 || json_integer_value(v) > 1024) {
-                fprintf(stderr, "krait serve: --speculative-config: \"%s\" must be a positive integer\n", key);
+                fprintf(stderr, "%s: --speculative-config: \"%s\" must be a positive integer\n", prog, key);
                 goto out;
             }
             *dst = (int32_t)json_integer_value(v);
         } else {
             fprintf(stderr,
-                    "krait serve: --speculative-config: unknown key \"%s\" (known: method, num_speculative_tokens, "
-                    "prompt_lookup_max, prompt_lookup_min)\n", key);
+                    "%s: --speculative-config: unknown key \"%s\" (known: method, num_speculative_tokens, "
+                    "prompt_lookup_max, prompt_lookup_min)\n", prog, key);
             goto out;
         }
     }
     if (!method) {
-        fprintf(stderr, "krait serve: --speculative-config: \"method\" is required (\"ngram\" or \"mtp\")\n");
+        fprintf(stderr, "%s: --speculative-config: \"method\" is required (\"ngram\" or \"mtp\")\n", prog);
         goto out;
     }
     const bool mtp = !strcmp(method, "mtp") || !strcmp(method, "deepseek_mtp") || !strcmp(method, "nemotron_h_mtp");
     if (strcmp(method, "ngram") != 0 && !mtp) {
-        fprintf(stderr, "krait serve: --speculative-config: method \"%s\" is unknown; use \"ngram\" or \"mtp\"\n",
-                method);
+        fprintf(stderr, "%s: --speculative-config: method \"%s\" is unknown; use \"ngram\" or \"mtp\"\n",
+                prog, method);
         goto out;
     }
     if (mtp && (nmin >= 0 || nmax >= 0)) {
-        fprintf(stderr, "krait serve: --speculative-config: prompt_lookup_min and prompt_lookup_max apply to method "
-                        "\"ngram\", not \"%s\"\n", method);
+        fprintf(stderr, "%s: --speculative-config: prompt_lookup_min and prompt_lookup_max apply to method "
+                        "\"ngram\", not \"%s\"\n", prog, method);
         goto out;
     }
     if (k < 0) {
-        fprintf(stderr, "krait serve: --speculative-config: \"num_speculative_tokens\" is required\n");
+        fprintf(stderr, "%s: --speculative-config: \"num_speculative_tokens\" is required\n", prog);
         goto out;
     }
     if (k > KR_SPEC_MAX_TOKENS) {
-        fprintf(stderr, "krait serve: --speculative-config: \"num_speculative_tokens\" %d is more than %d\n", k,
+        fprintf(stderr, "%s: --speculative-config: \"num_speculative_tokens\" %d is more than %d\n", prog, k,
                 KR_SPEC_MAX_TOKENS);
         goto out;
     }
@@ -176,14 +177,14 @@ static int parse_spec(const char *text, struct kr_serve_opts *o)
         nmax = nmin;
     }
     if (nmin > nmax) {
-        fprintf(stderr, "krait serve: --speculative-config: prompt_lookup_min %d is more than prompt_lookup_max %d\n",
-                nmin, nmax);
+        fprintf(stderr, "%s: --speculative-config: prompt_lookup_min %d is more than prompt_lookup_max %d\n",
+                prog, nmin, nmax);
         goto out;
     }
-    o->spec_method = mtp ? KR_SPEC_MTP : KR_SPEC_NGRAM;
-    o->spec_k = k;
-    o->spec_ngram_min = nmin;
-    o->spec_ngram_max = nmax;
+    *method_out = mtp ? KR_SPEC_MTP : KR_SPEC_NGRAM;
+    *k_out = k;
+    *nmin_out = nmin;
+    *nmax_out = nmax;
     rc = 0;
 out:
     json_decref(j);
@@ -727,7 +728,8 @@ int kr_serve_main(int argc, char **argv)
             print_defaults(longopts);
             return 0;
         case O_SPEC:
-            if (parse_spec(optarg, &o)) {
+            if (kr_spec_parse("krait serve", optarg, &o.spec_method, &o.spec_k, &o.spec_ngram_min,
+                              &o.spec_ngram_max)) {
                 return 2;
             }
             break;

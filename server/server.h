@@ -76,6 +76,11 @@ int kr_serve_run(const struct kr_serve_opts *o);
  * overrides, then runs. Returns the exit code. */
 int kr_serve_main(int argc, char **argv);
 
+/* --speculative-config's JSON text (vLLM's spelling) into its method (enum kr_spec_method), k and
+ * n-gram bounds. 0, or 2 after a message on stderr that starts with `prog` ("krait serve"). */
+int kr_spec_parse(const char *prog, const char *text, int *method, int32_t *k, int32_t *ngram_min,
+                  int32_t *ngram_max);
+
 #ifdef __cplusplus
 }
 #endif

@@ -830,3 +830,92 @@ Test(spec_http, a_bad_speculative_config_exits_2_naming_the_problem)
     cr_expect(strstr(out, "num_nextn_predict_layers 0") && strstr(out, "drafting with MTP needs one MTP layer"),
               "stderr: %s", out);
 }
+
+/* `krait plan` with --speculative-config, as serve takes it: "mtp" adds the head's weights and, for
+ * its D block, a latent row and an index key per token (kv_lora + qk_rope + index_head_dim fp32
+ * values on the CPU, from config.json); either method adds num_speculative_tokens Mamba states to a
+ * sequence; MTP under two ranks and a bad value are refused as serve refuses them. */
+static json_t *plan_json(const char *model, const char *extra, int *rc)
+{
+    char cmd[2048];
+    snprintf(cmd, sizeof cmd, "%s plan %s --device cpu --json %s > spec-plan.json 2> spec-plan.err", KR_KRAIT_BIN,
+             model, extra);
+    const int st = system(cmd);
+    *rc = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+    json_error_t je;
+    return *rc == 0 ? json_load_file("spec-plan.json", 0, &je) : NULL;
+}
+
+static json_int_t jint(const json_t *j, const char *a, const char *b)
+{
+    const json_t *v = json_object_get(j, a);
+    return json_integer_value(b ? json_object_get(v, b) : v);
+}
+
+Test(spec_http, the_plan_counts_the_mtp_head_and_the_drafts_states)
+{
+    /* config.json spells time_step_limit's bound Infinity, which is not JSON: blanked before parsing */
+    char text[16384] = {0};
+    FILE *cf = fopen(MTP_MODEL "/config.json", "r");
+    cr_assert(cf);
+    (void)!fread(text, 1, sizeof text - 1, cf);
+    fclose(cf);
+    for (char *inf = strstr(text, "Infinity"); inf; inf = strstr(inf, "Infinity")) {
+        memcpy(inf, "0       ", 8);
+    }
+    json_error_t je;
+    json_t *cfg = json_loads(text, 0, &je);
+    cr_assert(cfg, "%s", je.text);
+    const json_int_t kv_lora = json_integer_value(json_object_get(cfg, "kv_lora_rank")),
+                     rope = json_integer_value(json_object_get(cfg, "qk_rope_head_dim")),
+                     idx = json_integer_value(json_object_get(cfg, "index_head_dim"));
+    cr_assert_str_eq(json_string_value(json_object_get(cfg, "mtp_hybrid_override_pattern")), "DE");
+    json_decref(cfg);
+    int rc;
+    json_t *base = plan_json(MTP_MODEL, "", &rc);
+    cr_assert(base, "krait plan exited %d", rc);
+    cr_expect(json_is_null(json_object_get(base, "speculative")));
+    json_t *mtp = plan_json(MTP_MODEL, "--speculative-config '" MTP_SPEC "'", &rc);
+    cr_assert(mtp, "krait plan with MTP exited %d", rc);
+    const json_int_t state = jint(base, "state_bytes_per_sequence", NULL);
+    cr_assert_gt(state, 0);
+    cr_expect_eq(jint(mtp, "cache_bytes_per_token", "latent") - jint(base, "cache_bytes_per_token", "latent"),
+                 (kv_lora + rope) * 4, "the head's D block: one latent row per token");
+    cr_expect_eq(jint(mtp, "cache_bytes_per_token", "indexer") - jint(base, "cache_bytes_per_token", "indexer"),
+                 idx * 4, "the head's D block: one index key per token");
+    cr_expect_eq(jint(mtp, "cache_bytes_per_token", "total") - jint(base, "cache_bytes_per_token", "total"),
+                 (kv_lora + rope + idx) * 4);
+    cr_expect_gt(jint(mtp, "weights_bytes_total", NULL), jint(base, "weights_bytes_total", NULL),
+                 "the head's weights are counted");
+    cr_expect_eq(jint(mtp, "speculative", "draft_state_bytes_per_sequence"), 3 * state);
+    cr_expect(json_is_true(json_object_get(json_object_get(mtp, "speculative"), "mtp_head")));
+    const json_int_t blocks = (jint(base, "max_model_len", NULL) + 15) / 16;
+    cr_expect_eq(jint(mtp, "bytes_per_sequence", NULL),
+                 4 * state + blocks * jint(mtp, "block_bytes", NULL), "a sequence: its state, 3 drafts' and its blocks");
+    json_t *ng = plan_json(MTP_MODEL, "--speculative-config '" SPEC "'", &rc);
+    cr_assert(ng, "krait plan with n-gram drafts exited %d", rc);
+    cr_expect_eq(jint(ng, "cache_bytes_per_token", "total"), jint(base, "cache_bytes_per_token", "total"));
+    cr_expect_eq(jint(ng, "weights_bytes_total", NULL), jint(base, "weights_bytes_total", NULL));
+    cr_expect_eq(jint(ng, "bytes_per_sequence", NULL), jint(base, "bytes_per_sequence", NULL) + 4 * state);
+    cr_expect_str_eq(json_string_value(json_object_get(json_object_get(ng, "speculative"), "method")), "ngram");
+    json_decref(base);
+    json_decref(mtp);
+    json_decref(ng);
+    /* refusals */
+    cr_expect_null(plan_json(NH_MTP_MODEL, "-tp 2 --speculative-config '" MTP_SPEC "'", &rc));
+    cr_expect_eq(rc, 1);
+    char err[4096] = {0};
+    FILE *f = fopen("spec-plan.err", "r");
+    cr_assert(f);
+    (void)!fread(err, 1, sizeof err - 1, f);
+    fclose(f);
+    cr_expect(strstr(err, "not loaded under tensor parallelism"), "%s", err);
+    cr_expect_null(plan_json(MTP_MODEL, "--speculative-config '{\"method\":\"eagle\",\"num_speculative_tokens\":2}'", &rc));
+    cr_expect_eq(rc, 2);
+    f = fopen("spec-plan.err", "r");
+    cr_assert(f);
+    memset(err, 0, sizeof err);
+    (void)!fread(err, 1, sizeof err - 1, f);
+    fclose(f);
+    cr_expect(strstr(err, "krait plan: --speculative-config: method \"eagle\" is unknown"), "%s", err);
+}
