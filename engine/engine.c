@@ -525,10 +525,15 @@ enum kr_status kr_engine_create_group(struct kr_model *const *ranks, int32_t n_r
                               "engine: n-gram drafting needs 1 <= prompt_lookup_min <= prompt_lookup_max (got %d and %d)",
                               sp->ngram_min, sp->ngram_max);
         }
-        if (sp->method == KR_SPEC_MTP && (n_ranks > 1 || cfg.cluster)) {
+        if (sp->method == KR_SPEC_MTP && cfg.cluster) {
             return kr_err_set(err, KR_ERR_UNSUPPORTED,
-                              "engine: drafting with the MTP head does not run with tensor parallelism yet (one rank "
-                              "only; n-gram drafts do)");
+                              "engine: drafting with the MTP head does not run across nodes yet (the ranks of one "
+                              "process do; n-gram drafts run across nodes)");
+        }
+        for (int32_t r = 0; sp->method == KR_SPEC_MTP && r < n_ranks; r++) {
+            if (ranks[r]->n_mtp == 0) {
+                return kr_err_set(err, KR_ERR_INVAL, "engine: rank %d has no MTP head loaded", r);
+            }
         }
         if (m->n_mamba > 0 && !kr_backend_can_token_states(m->be)) {
             return kr_err_set(err, KR_ERR_UNSUPPORTED,
@@ -682,7 +687,9 @@ enum kr_status kr_engine_create_group(struct kr_model *const *ranks, int32_t n_r
         KR_LOG_INFO("prefix cache: off");
     }
     if (sp->method == KR_SPEC_MTP) {
-        m->mtp_keep = true; /* every step keeps its residual stream for the head's pass */
+        for (int32_t r = 0; r < n_ranks; r++) {
+            ranks[r]->mtp_keep = true; /* every step keeps its residual stream for the head's pass */
+        }
         KR_LOG_INFO("speculative decoding: drafts by the model's multi-token-prediction head (blocks %s, greedy, "
                     "chained), up to %d tokens per step; %d state slots x %zu B for the drafts' Mamba states",
                     m->cfg.mtp_pattern, sp->k, spec_slots, slot_bytes);

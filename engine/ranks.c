@@ -28,7 +28,10 @@ struct kr_ranks {
     uint64_t gen;             /* steps handed out */
     int32_t n_done;           /* ranks finished with step gen */
     bool stop;
-    const struct kr_batch *b; /* the step */
+    const struct kr_batch *b; /* the step, or the MTP pass */
+    bool mtp;                 /* b is an MTP head pass (kr_model_mtp_forward), not a step */
+    bool mtp_from_head;       /* its hidden states: the head's last outputs (else the step's residual stream) */
+    const int32_t *mtp_src;   /* its rows' hidden-state rows */
     struct kr_wire_copy *ops;      /* copies since the previous step, in order */
     int32_t n_ops, cap_ops;
     bool ops_lost;            /* a copy could not be recorded: the group's caches differ */
@@ -91,6 +94,9 @@ static void *rank_main(void *arg)
                 kr_cluster_abort(g->told, k->err.msg); /* the other nodes hear why */
             }
             kr_backend_tp_abort(k->m->be);
+        } else if (g->mtp) {
+            k->st = kr_model_mtp_forward(k->m, k->cache, g->b, g->mtp_from_head ? &k->m->mtp_g : &k->m->mtp_h,
+                                         !g->mtp_from_head, g->mtp_src, NULL, &k->err);
         } else {
             k->st = kr_model_forward(k->m, k->cache, g->b, NULL, &k->err); /* aborts the group on failure */
         }
@@ -217,6 +223,20 @@ void kr_ranks_begin(struct kr_ranks *g, const struct kr_batch *b)
     }
     pthread_mutex_lock(&g->mu);
     g->b = b;
+    g->mtp = false;
+    g->n_done = 0;
+    g->gen++;
+    pthread_cond_broadcast(&g->go);
+    pthread_mutex_unlock(&g->mu);
+}
+
+void kr_ranks_begin_mtp(struct kr_ranks *g, const struct kr_batch *b, bool from_head, const int32_t *src_row)
+{
+    pthread_mutex_lock(&g->mu);
+    g->b = b;
+    g->mtp = true;
+    g->mtp_from_head = from_head;
+    g->mtp_src = src_row;
     g->n_done = 0;
     g->gen++;
     pthread_cond_broadcast(&g->go);

@@ -48,5 +48,10 @@ void kr_ranks_set_fault(struct kr_ranks *r, int32_t rank, int64_t step);
 
 /* Hands step b to every rank (b and what it points to must stay unchanged until kr_ranks_wait). */
 void kr_ranks_begin(struct kr_ranks *r, const struct kr_batch *b);
+/* Hands an MTP head pass to every rank of this process (kr_model_mtp_forward over each rank's own
+ * hidden states: the head's last outputs when from_head, else the step's residual stream; rows
+ * src_row): the head's blocks are split like the main stack's. Not across nodes (the engine refuses
+ * MTP drafting there). Ends with kr_ranks_wait. */
+void kr_ranks_begin_mtp(struct kr_ranks *r, const struct kr_batch *b, bool from_head, const int32_t *src_row);
 /* Waits until every rank finished the step; the first rank's error, with its message in err. */
 enum kr_status kr_ranks_wait(struct kr_ranks *r, struct kr_err *err);

@@ -2,6 +2,7 @@
  * step (blocks, and state slots for the Mamba states after each drafted token), and verification,
  * which keeps the drafts the sampler draws and moves the sequence to the state after them. */
 #include "engine-impl.h"
+#include "ranks.h"
 #include "runner.h"
 
 #include "log.h"
@@ -206,7 +207,21 @@ static bool mtp_pass(struct kr_engine *e, int32_t n_tok, int32_t n_seq, int32_t 
                                 .seq_pos0 = pos0, .seq_slot = slot, .block_table = bt, .max_blocks = max_blocks,
                                 .n_out = n_out, .out_tok = out};
     struct kr_err err = {0};
-    if (kr_model_mtp_forward(e->m, e->cache, &mb, src, src_final, srow, e->mtp_logits, &err) != KR_OK) {
+    if (e->ranks) { /* every rank runs its share of the head's blocks, over its own copy of the rows */
+        kr_ranks_begin_mtp(e->ranks, &mb, src == &e->m->mtp_g, srow);
+    }
+    enum kr_status st = kr_model_mtp_forward(e->m, e->cache, &mb, src, src_final, srow, e->mtp_logits, &err);
+    if (e->ranks) {
+        struct kr_err rerr = {0};
+        const enum kr_status rst = kr_ranks_wait(e->ranks, &rerr);
+        if (rst != KR_OK && (st == KR_OK || st == KR_ERR_CANCELLED || rst != KR_ERR_CANCELLED)) {
+            err = rerr;
+            st = rst;
+        }
+    }
+    if (st != KR_OK) {
+        /* alone, a failed pass costs this step's drafts; in a group it also aborted the collectives,
+         * so the next step fails and reports it */
         KR_LOG_WARN("MTP drafting: %s; no drafts from this pass", err.msg);
         return false;
     }

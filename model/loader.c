@@ -983,10 +983,6 @@ static enum kr_status load_mtp(struct loader *ld)
                           "%s: config.json has no mtp_hybrid_override_pattern or mtp_layers_block_type naming the "
                           "MTP layer's blocks", m->dir);
     }
-    if (ld->size > 1) {
-        return kr_err_set(ld->err, KR_ERR_UNSUPPORTED,
-                          "%s: the MTP head is not loaded under tensor parallelism yet", m->dir);
-    }
     const int32_t nb = (int32_t)strlen(c->mtp_pattern);
     for (int32_t j = 0; j < nb; j++) {
         const char t = c->mtp_pattern[j];
@@ -1024,6 +1020,15 @@ static enum kr_status load_mtp(struct loader *ld)
     if (ld->deepseek) {
         ld->whole_precision = true; /* as the main tables */
         NAME(n, "%sembed_tokens.weight", p);
+        char hn[512];
+        NAME(hn, "%sshared_head.head.weight", p);
+        const char *main_head = c->tie_embeddings ? "model.embed_tokens.weight" : "lm_head.weight";
+        if (ld->size > 1 && (own_copy(ld, n, "model.embed_tokens.weight") || own_copy(ld, hn, main_head))) {
+            return kr_err_set(ld->err, KR_ERR_UNSUPPORTED,
+                              "%s: the MTP layer's embedding or LM head differs from the main model's, and tables "
+                              "of its own are not split across ranks yet (tensor-parallel size %d)",
+                              m->dir, (int)ld->size);
+        }
         if (own_copy(ld, n, "model.embed_tokens.weight")) {
             KR_TRY(load_mat(ld, n, c->vocab, c->dim, false, "MTP token embedding [vocab, hidden]", &m->mtp.embed));
         }

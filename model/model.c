@@ -934,6 +934,9 @@ static enum kr_status mtp_ops(struct kr_model *m, struct kr_cache *cache, const 
     KR_TRY(kr_backend_rmsnorm(be, &hn));
     KR_TRY(kr_backend_matmul(be, ws->h, c->dim, n, &w->eh_h, NULL, ws->o, c->dim, &hb));
     KR_TRY(kr_backend_embed(be, w->embed.data ? &w->embed : &m->embed, m->embed_row0, ws->x));
+    if (kr_backend_tp_size(be) > 1) { /* the main table's vocabulary rows of each rank, as the step's */
+        KR_TRY(kr_backend_all_reduce(be, ws->x, n * c->dim));
+    }
     const struct krk_rmsnorm_params en = {.x = ws->x, .ldx = c->dim, .w = w->enorm, .n = n, .dim = c->dim,
                                           .eps = c->norm_eps, .out = ws->h, .out_bf16 = bf16_out(ws)};
     KR_TRY(kr_backend_rmsnorm(be, &en));
@@ -997,5 +1000,6 @@ fail:
     if (begun) {
         (void)kr_backend_end_batch(be, false);
     }
+    kr_backend_tp_abort(be); /* the other ranks must not wait for this one's collectives */
     return kr_err_set(err, st, "MTP pass failed: %s", kr_status_str(st));
 }

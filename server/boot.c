@@ -271,7 +271,8 @@ static enum kr_status set_kv_cache_dtype(const struct kr_boot *s, struct kr_mode
 static enum kr_status load_other_ranks(struct kr_boot *s, struct kr_err *err)
 {
     for (int r = 1; r < local_ranks(s); r++) {
-        enum kr_status st = kr_model_load(s->o.model_dir, s->rank_be[r], &s->rank_m[r], err);
+        const struct kr_model_load_opts lo = {.mtp = s->o.spec_method == KR_SPEC_MTP}; /* its share of the head too */
+        enum kr_status st = kr_model_load_opts(s->o.model_dir, s->rank_be[r], &lo, &s->rank_m[r], err);
         if (st == KR_OK && s->o.indexer != KR_INDEXER_AUTO) {
             st = kr_model_set_indexer(s->rank_m[r], (enum kr_indexer)s->o.indexer, err);
         }

@@ -14,6 +14,7 @@
  * a pass over a model without the head is refused with a message. */
 #include "cache.h"
 #include "ckpt-writer.h"
+#include "comm.h"
 #include "model.h"
 #include "safetensors.h"
 
@@ -23,6 +24,7 @@
 
 #include <criterion/criterion.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -402,4 +404,101 @@ Test(mtp, nemotron3_config_keys_and_both_hybrid_layouts)
     cr_expect(strstr(err.msg, "mtp_layers_block_type") && strstr(err.msg, "\"conv\""), "%s", err.msg);
     ckw_rmtree(dir);
     kr_backend_free(be);
+}
+
+/* The head split across ranks, as the main stack is (tensor parallelism in one process: a host
+ * communicator, a thread per rank): nh_mtp at two ranks, each prompt whole and in chunks, every
+ * rank's logits against the float64 reference within the single rank's tolerance, and rank 1's
+ * equal to rank 0's (the LM head's gather gives each rank the whole rows). DeepSeek's layer with
+ * tables of its own (ds_fp8) is refused at two ranks, saying why. */
+struct head_rank {
+    kr_backend_t be;
+    struct kr_model *m;
+    struct kr_cache *c;
+    const struct ref *r;
+    int32_t step;
+    float *lg;
+    bool ok;
+};
+
+static void *head_rank_main(void *arg)
+{
+    struct head_rank *k = arg;
+    struct kr_seq_cache sc;
+    k->ok = kr_seq_cache_init(k->c, &sc) == KR_OK && kr_seq_cache_reserve(k->c, &sc, k->r->n) == KR_OK;
+    for (int32_t p0 = 0; k->ok && p0 < k->r->n; p0 += k->step) {
+        chunk(k->m, k->c, &sc, k->r, p0, p0 + k->step < k->r->n ? p0 + k->step : k->r->n, k->lg);
+    }
+    kr_seq_cache_release(k->c, &sc);
+    return NULL;
+}
+
+Test(mtp, nemotron3_head_split_across_two_ranks_matches_the_float64_reference)
+{
+    kr_log_set_level(KR_LOG_LEVEL_WARN);
+    enum { R = 2 };
+    char dir[1024], path[1100], what[96];
+    snprintf(dir, sizeof dir, "%s/nemotron_h/nh_mtp", root());
+    struct kr_host_comm *comm = NULL;
+    cr_assert_eq(kr_host_comm_create(R, &comm), KR_OK);
+    struct head_rank k[R] = {0};
+    struct kr_err err = {0};
+    const struct kr_model_load_opts o = {.mtp = true};
+    for (int r = 0; r < R; r++) {
+        k[r].be = kr_backend_cpu_create(1);
+        cr_assert_eq(kr_backend_set_tp(k[r].be, r, R, comm, &err), KR_OK, "%s", err.msg);
+        cr_assert_eq(kr_model_load_opts(dir, k[r].be, &o, &k[r].m, &err), KR_OK, "rank %d: %s", r, err.msg);
+        cr_assert_eq(k[r].m->n_mtp, 2);
+        k[r].m->mtp_keep = true;
+        cr_assert_eq(kr_cache_create(k[r].m, 2, 64, 16, &k[r].c), KR_OK);
+    }
+    const int64_t V = k[0].m->cfg.vocab;
+    snprintf(path, sizeof path, "%s/mtp.json", dir);
+    struct kr_json *j = NULL;
+    cr_assert_eq(kr_json_parse_file(path, &j, &err), KR_OK, "%s", err.msg);
+    const struct kr_json *ps = kr_json_get(j, "prompts");
+    cr_assert(ps && ps->type == KR_JSON_ARRAY && ps->n >= 3);
+    static struct ref ref;
+    for (int r = 0; r < R; r++) {
+        k[r].lg = kr_malloc((size_t)512 * (size_t)V * sizeof(float));
+        k[r].r = &ref;
+    }
+    for (size_t p = 0; p < ps->n; p++) {
+        read_ref(&ref, &ps->items[p], V);
+        for (int pass = 0; pass < 2; pass++) {
+            pthread_t th[R];
+            for (int r = 0; r < R; r++) {
+                k[r].step = pass == 0 ? ref.n : 23;
+                cr_assert_eq(pthread_create(&th[r], NULL, head_rank_main, &k[r]), 0);
+            }
+            for (int r = 0; r < R; r++) {
+                pthread_join(th[r], NULL);
+                cr_assert(k[r].ok, "rank %d: no cache for the prompt", r);
+            }
+            for (int r = 0; r < R; r++) {
+                snprintf(what, sizeof what, "nh_mtp at %d ranks, rank %d, %s", R, r, pass == 0 ? "whole prompt" : "chunks");
+                compare(k[r].m, &ref, k[r].lg, what);
+            }
+            cr_expect(!memcmp(k[1].lg, k[0].lg, (size_t)(ref.n - 1) * (size_t)V * sizeof(float)),
+                      "T %d: rank 1's head logits differ from rank 0's", ref.n);
+        }
+    }
+    kr_json_free(j);
+    for (int r = 0; r < R; r++) {
+        kr_free(k[r].lg);
+        kr_cache_free(k[r].c);
+        kr_model_free(k[r].m);
+        kr_backend_free(k[r].be);
+    }
+    kr_host_comm_free(comm);
+    /* DeepSeek's layer with an embedding and a head of its own: not split yet, refused */
+    snprintf(dir, sizeof dir, "%s/deepseek_v32/ds_fp8", root());
+    cr_assert_eq(kr_host_comm_create(R, &comm), KR_OK);
+    kr_backend_t be = kr_backend_cpu_create(1);
+    cr_assert_eq(kr_backend_set_tp(be, 0, R, comm, &err), KR_OK, "%s", err.msg);
+    struct kr_model *m = NULL;
+    cr_expect_eq(kr_model_load_opts(dir, be, &o, &m, &err), KR_ERR_UNSUPPORTED);
+    cr_expect(strstr(err.msg, "tables of its own are not split across ranks"), "%s", err.msg);
+    kr_backend_free(be);
+    kr_host_comm_free(comm);
 }

@@ -39,6 +39,7 @@
 #define MTP_MODEL KR_SOURCE_DIR "/models/small-hybrid"
 #define MTP_SPEC "{\"method\":\"mtp\",\"num_speculative_tokens\":3}"
 #define NH_MTP_MODEL KR_SOURCE_DIR "/tests/fixtures/nemotron_h/nh_mtp"
+#define DS_MTP_MODEL KR_SOURCE_DIR "/tests/fixtures/deepseek_v32/ds_fp8"
 #define MAX_TOKENS 64
 
 static struct srv_proc P, S; /* plain, speculating */
@@ -490,15 +491,44 @@ Test(spec_http, mtp_nemotron3_layout_answers_equal_plain_decoding, .init = start
 #define TP_MODEL KR_SOURCE_DIR "/tests/fixtures/nemotron_h/nh_moe"
 #define TP_SPEC "{\"method\":\"ngram\",\"num_speculative_tokens\":4,\"prompt_lookup_min\":2,\"prompt_lookup_max\":4}"
 
-static void start_pair_tp(void)
+static void start_pair_tp_of(const char *model, const char *spec, int k)
 {
-    SPEC_K = 4;
-    srv_spawn(&S, TP_MODEL, "--served-model-name", "tiny", "--cache-memory-bytes", "67108864", "--skip-tokenizer-init",
-              "--tensor-parallel-size", "2", "--speculative-config", TP_SPEC, NULL);
-    srv_spawn(&P, TP_MODEL, "--served-model-name", "tiny", "--cache-memory-bytes", "67108864", "--skip-tokenizer-init",
+    SPEC_K = k;
+    srv_spawn(&S, model, "--served-model-name", "tiny", "--cache-memory-bytes", "67108864", "--skip-tokenizer-init",
+              "--tensor-parallel-size", "2", "--speculative-config", spec, NULL);
+    srv_spawn(&P, model, "--served-model-name", "tiny", "--cache-memory-bytes", "67108864", "--skip-tokenizer-init",
               "--tensor-parallel-size", "2", NULL);
     srv_ready(&S);
     srv_ready(&P);
+}
+
+static void start_pair_tp(void)
+{
+    start_pair_tp_of(TP_MODEL, TP_SPEC, 4);
+}
+
+static void start_pair_tp_mtp(void)
+{
+    start_pair_tp_of(NH_MTP_MODEL, MTP_SPEC, 3);
+}
+
+/* MTP drafts at two ranks: the head split as the main stack is (its logits against the float64
+ * reference at two ranks: tests/model/test_mtp.c), every pass run by both ranks; greedy answers,
+ * whole and streamed, equal to the plain server's at the same size. */
+Test(spec_http, mtp_drafts_under_tensor_parallelism_equal_plain_decoding, .init = start_pair_tp_mtp, .fini = stop_pair)
+{
+    static const char *const prompts_tp[] = {"[5,6,7,8,9,10,5,6,7,8,9]", "[100,3,77,100,3,77,100,3,77]"};
+    char body[512], what[64];
+    for (size_t i = 0; i < sizeof prompts_tp / sizeof prompts_tp[0]; i++) {
+        snprintf(body, sizeof body,
+                 "{\"prompt\":%s,\"max_tokens\":60,\"temperature\":0,\"ignore_eos\":true,\"logprobs\":2,"
+                 "\"return_token_ids\":true}",
+                 prompts_tp[i]);
+        snprintf(what, sizeof what, "MTP at two ranks, prompt %zu", i);
+        json_decref(same_whole_and_streamed("/v1/completions", body, what));
+    }
+    cr_expect_gt(metric(&S, "krait:spec_decode_num_draft_tokens_total"), 0, "no draft was made");
+    cr_expect_geq(srv_wait_idle(&S, 30.0), 0, "the speculating server holds slots or blocks after its answers");
 }
 
 Test(spec_http, ngram_drafts_under_tensor_parallelism_equal_plain_decoding, .init = start_pair_tp, .fini = stop_pair)
@@ -818,11 +848,11 @@ Test(spec_http, a_bad_speculative_config_exits_2_naming_the_problem)
         cr_expect(strstr(out, "--speculative-config") && strstr(out, cases[i].says),
                   "--speculative-config '%s': stderr does not say \"%s\": %s", cases[i].config, cases[i].says, out);
     }
-    /* MTP drafts under tensor parallelism: refused at load (the head is not split across ranks) */
+    /* MTP drafts under tensor parallelism from a layer with tables of its own: refused at load */
     const char *tp[] = {"--skip-tokenizer-init", "--tensor-parallel-size", "2", "--speculative-config", MTP_SPEC, NULL};
-    const int rc = run_serve(NH_MTP_MODEL, tp, out, sizeof out);
-    cr_expect_neq(rc, 0, "MTP drafting with 2 ranks: exit status 0");
-    cr_expect(strstr(out, "the MTP head is not loaded under tensor parallelism yet"), "stderr: %s", out);
+    const int rc = run_serve(DS_MTP_MODEL, tp, out, sizeof out);
+    cr_expect_neq(rc, 0, "MTP drafting with 2 ranks and the layer's own tables: exit status 0");
+    cr_expect(strstr(out, "tables of its own are not split across ranks"), "stderr: %s", out);
     /* MTP drafting with a checkpoint that has no MTP head: the load fails, saying so */
     const char *mtp[] = {"--speculative-config", MTP_SPEC, NULL};
     const int rm = run_serve(MODEL, mtp, out, sizeof out);
@@ -834,7 +864,8 @@ Test(spec_http, a_bad_speculative_config_exits_2_naming_the_problem)
 /* `krait plan` with --speculative-config, as serve takes it: "mtp" adds the head's weights and, for
  * its D block, a latent row and an index key per token (kv_lora + qk_rope + index_head_dim fp32
  * values on the CPU, from config.json); either method adds num_speculative_tokens Mamba states to a
- * sequence; MTP under two ranks and a bad value are refused as serve refuses them. */
+ * sequence; at two ranks each holds its share of the head; a layer with tables of its own at two
+ * ranks and a bad value are refused as serve refuses them. */
 static json_t *plan_json(const char *model, const char *extra, int *rc)
 {
     char cmd[2048];
@@ -901,15 +932,24 @@ Test(spec_http, the_plan_counts_the_mtp_head_and_the_drafts_states)
     json_decref(base);
     json_decref(mtp);
     json_decref(ng);
-    /* refusals */
-    cr_expect_null(plan_json(NH_MTP_MODEL, "-tp 2 --speculative-config '" MTP_SPEC "'", &rc));
+    /* the head split at two ranks: each rank holds less of it than one rank does */
+    json_t *one = plan_json(NH_MTP_MODEL, "--speculative-config '" MTP_SPEC "'", &rc);
+    cr_assert(one, "krait plan of nh_mtp exited %d", rc);
+    json_t *two = plan_json(NH_MTP_MODEL, "-tp 2 --speculative-config '" MTP_SPEC "'", &rc);
+    cr_assert(two, "krait plan of nh_mtp at two ranks exited %d", rc);
+    cr_expect_lt(jint(two, "weights_bytes_max", NULL), jint(one, "weights_bytes_max", NULL));
+    cr_expect(json_is_true(json_object_get(json_object_get(two, "speculative"), "mtp_head")));
+    json_decref(one);
+    json_decref(two);
+    /* refusals: a layer with tables of its own at two ranks; a bad value */
+    cr_expect_null(plan_json(DS_MTP_MODEL, "-tp 2 --speculative-config '" MTP_SPEC "'", &rc));
     cr_expect_eq(rc, 1);
     char err[4096] = {0};
     FILE *f = fopen("spec-plan.err", "r");
     cr_assert(f);
     (void)!fread(err, 1, sizeof err - 1, f);
     fclose(f);
-    cr_expect(strstr(err, "not loaded under tensor parallelism"), "%s", err);
+    cr_expect(strstr(err, "tables of its own are not split across ranks"), "%s", err);
     cr_expect_null(plan_json(MTP_MODEL, "--speculative-config '{\"method\":\"eagle\",\"num_speculative_tokens\":2}'", &rc));
     cr_expect_eq(rc, 2);
     f = fopen("spec-plan.err", "r");
