@@ -928,11 +928,11 @@ enum kr_status kr_cluster_start(struct kr_cluster *c, const struct kr_cache_plan
 }
 
 enum kr_status kr_cluster_step_send(struct kr_cluster *c, const struct kr_wire_copy *ops, int32_t n_ops, bool lost_ops,
-                                    const struct kr_batch *b, struct kr_err *err)
+                                    const struct kr_batch *b, int mtp, const int32_t *src_row, struct kr_err *err)
 {
     c->plan.len = 0;
     c->plan.nomem = false;
-    kr_wire_put_step(&c->plan, ops, n_ops, lost_ops, b);
+    kr_wire_put_step(&c->plan, ops, n_ops, lost_ops, b, mtp, src_row);
     if (c->plan.nomem || c->plan.len > KR_WIRE_MAX_CONTROL) {
         kr_cluster_abort(c, "the leader cannot write a step's plan (out of memory or too large)");
         return kr_err_set(err, KR_ERR_CANCELLED, "%s", c->why);
@@ -1029,6 +1029,7 @@ static enum kr_status worker_start(struct kr_cluster *c, struct kr_model *const 
         return lost(c, 0, st, "reading the cache plan", &e);
     }
     for (int32_t i = 0; i < n && st == KR_OK; i++) {
+        models[i]->mtp_keep = models[i]->n_mtp > 0; /* loaded for MTP drafting: steps keep their residual stream */
         if ((st = kr_model_reserve(models[i], rs->n_tok, rs->n_out, rs->n_seq, rs->max_ctx, rs->block_size)) != KR_OK) {
             kr_err_set(&e, st, "rank %d: cannot reserve the forward workspace", c->node * c->per + i);
         }
@@ -1089,7 +1090,11 @@ enum kr_status kr_cluster_serve(struct kr_cluster *c, struct kr_model *const *mo
         if (s.lost) {
             kr_ranks_lose_copies(g);
         }
-        kr_ranks_begin(g, &s.b);
+        if (s.mtp != KR_WIRE_STEP) {
+            kr_ranks_begin_mtp(g, &s.b, s.mtp == KR_WIRE_MTP_FROM_HEAD, s.src_row);
+        } else {
+            kr_ranks_begin(g, &s.b);
+        }
         st = kr_ranks_wait(g, &e);
         kr_wire_step_free(&s);
         if (st != KR_OK) {

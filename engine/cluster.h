@@ -92,7 +92,7 @@ const char *kr_cluster_why(struct kr_cluster *c);
 enum kr_status kr_cluster_start(struct kr_cluster *c, const struct kr_cache_plan *plan, struct kr_err *err);
 /* Sends a step: the copies to replay first (lost: one was not recorded), then the batch. */
 enum kr_status kr_cluster_step_send(struct kr_cluster *c, const struct kr_wire_copy *ops, int32_t n_ops, bool lost,
-                                    const struct kr_batch *b, struct kr_err *err);
+                                    const struct kr_batch *b, int mtp, const int32_t *src_row, struct kr_err *err);
 /* Waits for every worker to end the step; the first failure with its node named. */
 enum kr_status kr_cluster_step_wait(struct kr_cluster *c, struct kr_err *err);
 /* Tells the workers that the group shuts down (they exit 0). No-op once aborted. */

@@ -525,11 +525,6 @@ enum kr_status kr_engine_create_group(struct kr_model *const *ranks, int32_t n_r
                               "engine: n-gram drafting needs 1 <= prompt_lookup_min <= prompt_lookup_max (got %d and %d)",
                               sp->ngram_min, sp->ngram_max);
         }
-        if (sp->method == KR_SPEC_MTP && cfg.cluster) {
-            return kr_err_set(err, KR_ERR_UNSUPPORTED,
-                              "engine: drafting with the MTP head does not run across nodes yet (the ranks of one "
-                              "process do; n-gram drafts run across nodes)");
-        }
         for (int32_t r = 0; sp->method == KR_SPEC_MTP && r < n_ranks; r++) {
             if (ranks[r]->n_mtp == 0) {
                 return kr_err_set(err, KR_ERR_INVAL, "engine: rank %d has no MTP head loaded", r);

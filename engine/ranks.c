@@ -219,7 +219,8 @@ void kr_ranks_begin(struct kr_ranks *g, const struct kr_batch *b)
         /* the workers first: their ranks meet these in the step's first collective. A failure
          * aborted the group, so the local ranks' collectives fail too */
         g->remote_err.msg[0] = 0;
-        g->remote_st = kr_cluster_step_send(g->remote, g->ops, g->n_ops, g->ops_lost, b, &g->remote_err);
+        g->remote_st = kr_cluster_step_send(g->remote, g->ops, g->n_ops, g->ops_lost, b, KR_WIRE_STEP, NULL,
+                                            &g->remote_err);
     }
     pthread_mutex_lock(&g->mu);
     g->b = b;
@@ -232,6 +233,12 @@ void kr_ranks_begin(struct kr_ranks *g, const struct kr_batch *b)
 
 void kr_ranks_begin_mtp(struct kr_ranks *g, const struct kr_batch *b, bool from_head, const int32_t *src_row)
 {
+    if (g->remote) { /* as kr_ranks_begin: the workers first */
+        g->remote_err.msg[0] = 0;
+        g->remote_st = kr_cluster_step_send(g->remote, g->ops, g->n_ops, g->ops_lost, b,
+                                            from_head ? KR_WIRE_MTP_FROM_HEAD : KR_WIRE_MTP_FROM_STEP, src_row,
+                                            &g->remote_err);
+    }
     pthread_mutex_lock(&g->mu);
     g->b = b;
     g->mtp = true;

@@ -50,8 +50,8 @@ void kr_ranks_set_fault(struct kr_ranks *r, int32_t rank, int64_t step);
 void kr_ranks_begin(struct kr_ranks *r, const struct kr_batch *b);
 /* Hands an MTP head pass to every rank of this process (kr_model_mtp_forward over each rank's own
  * hidden states: the head's last outputs when from_head, else the step's residual stream; rows
- * src_row): the head's blocks are split like the main stack's. Not across nodes (the engine refuses
- * MTP drafting there). Ends with kr_ranks_wait. */
+ * src_row): the head's blocks are split like the main stack's. A leader's workers get it as a PLAN
+ * too. Ends with kr_ranks_wait. */
 void kr_ranks_begin_mtp(struct kr_ranks *r, const struct kr_batch *b, bool from_head, const int32_t *src_row);
 /* Waits until every rank finished the step; the first rank's error, with its message in err. */
 enum kr_status kr_ranks_wait(struct kr_ranks *r, struct kr_err *err);

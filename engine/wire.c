@@ -272,7 +272,7 @@ static void put_array(struct kr_wire_buf *b, const int32_t *a, int64_t n)
 }
 
 void kr_wire_put_step(struct kr_wire_buf *b, const struct kr_wire_copy *ops, int32_t n_ops, bool lost,
-                      const struct kr_batch *bt)
+                      const struct kr_batch *bt, int mtp, const int32_t *src_row)
 {
     kr_wire_put_u8(b, lost ? 1 : 0);
     kr_wire_put_u32(b, (uint32_t)n_ops);
@@ -286,6 +286,7 @@ void kr_wire_put_step(struct kr_wire_buf *b, const struct kr_wire_copy *ops, int
     kr_wire_put_i32(b, bt->max_blocks);
     kr_wire_put_i32(b, bt->n_out);
     kr_wire_put_i32(b, bt->ctx_bound);
+    kr_wire_put_u8(b, (uint8_t)mtp);
     put_array(b, bt->tokens, bt->n_tok);
     put_array(b, bt->pos, bt->n_tok);
     put_array(b, bt->seq_tok0, (int64_t)bt->n_seq + 1);
@@ -294,6 +295,7 @@ void kr_wire_put_step(struct kr_wire_buf *b, const struct kr_wire_copy *ops, int
     put_array(b, bt->block_table, (int64_t)bt->n_seq * bt->max_blocks);
     put_array(b, bt->out_tok, bt->n_out);
     put_array(b, bt->tok_state_slot, bt->n_tok);
+    put_array(b, mtp ? src_row : NULL, bt->n_tok);
 }
 
 void kr_wire_step_free(struct kr_wire_step *s)
@@ -326,6 +328,11 @@ enum kr_status kr_wire_get_step(struct kr_wire_rd *r, struct kr_wire_step *s, st
     b->max_blocks = kr_wire_get_i32(r);
     b->n_out = kr_wire_get_i32(r);
     b->ctx_bound = kr_wire_get_i32(r);
+    s->mtp = kr_wire_get_u8(r);
+    if (s->mtp > KR_WIRE_MTP_FROM_HEAD) {
+        kr_wire_step_free(s);
+        return kr_err_set(err, KR_ERR_FORMAT, "a PLAN asks for pass kind %d (0..2)", s->mtp);
+    }
     if (r->bad || b->n_tok < 0 || b->n_seq < 0 || b->max_blocks < 0 || b->n_out < 0 || b->ctx_bound < 0 ||
         b->n_tok > (1 << 24) || b->n_seq > (1 << 24) || b->n_out > b->n_tok ||
         (int64_t)b->n_seq * b->max_blocks > (1 << 28)) {
@@ -333,11 +340,11 @@ enum kr_status kr_wire_get_step(struct kr_wire_rd *r, struct kr_wire_step *s, st
         return kr_err_set(err, KR_ERR_FORMAT, "a PLAN with impossible counts (%d tokens, %d sequences, %d blocks each, "
                           "%d outputs)", b->n_tok, b->n_seq, b->max_blocks, b->n_out);
     }
-    enum { N_ARRAYS = 8 };
+    enum { N_ARRAYS = 9 };
     const int64_t want[N_ARRAYS] = {b->n_tok, b->n_tok, (int64_t)b->n_seq + 1, b->n_seq, b->n_seq,
-                                    (int64_t)b->n_seq * b->max_blocks, b->n_out, b->n_tok};
+                                    (int64_t)b->n_seq * b->max_blocks, b->n_out, b->n_tok, b->n_tok};
     static const char *const names[N_ARRAYS] = {"tokens", "pos", "seq_tok0", "seq_pos0", "seq_slot", "block_table",
-                                                "out_tok", "tok_state_slot"};
+                                                "out_tok", "tok_state_slot", "src_row"};
     /* the arrays present (an absent one is a count of -1) fit in what is left of the payload, 4 bytes a
      * value, each checked before it is read: the arena is bounded by the frame */
     int64_t total = 0;
@@ -384,6 +391,12 @@ enum kr_status kr_wire_get_step(struct kr_wire_rd *r, struct kr_wire_step *s, st
     b->block_table = arrays[5];
     b->out_tok = arrays[6];
     b->tok_state_slot = arrays[7]; /* the drafts' kept Mamba states: validated with the batch by the forward */
+    s->src_row = arrays[8];        /* checked by the MTP pass against the rows it holds */
+    if ((s->mtp != KR_WIRE_STEP) != (s->src_row != NULL)) {
+        kr_wire_step_free(s);
+        return kr_err_set(err, KR_ERR_FORMAT, "a PLAN for %s %s hidden-state rows", s->mtp ? "an MTP pass" : "a step",
+                          s->mtp ? "without" : "with");
+    }
     if (b->seq_tok0 && (b->seq_tok0[0] != 0 || b->seq_tok0[b->n_seq] != b->n_tok)) {
         kr_wire_step_free(s);
         return kr_err_set(err, KR_ERR_FORMAT, "a PLAN whose sequences do not cover its %d tokens", b->n_tok);

@@ -20,9 +20,11 @@
  *   READY       worker  i32 status, str why: the worker's ranks have their caches (or why not)
  *   PLAN        leader  one step: u8 copies_lost, u32 n_copies, n_copies x (i32 kind, src, dst),
  *                       i32 n_tok, n_seq, max_blocks, n_out, ctx_bound, then the batch's arrays
- *                       tokens, pos, seq_tok0, seq_pos0, seq_slot, block_table, out_tok,
- *                       tok_state_slot (speculative decoding's kept states), each as i32 count
- *                       (-1: NULL) + count x i32
+ *                       u8 what (0 a step, 1 an MTP head pass over the step's residual stream,
+ *                       2 one over the head's own outputs), then the batch's arrays tokens, pos,
+ *                       seq_tok0, seq_pos0, seq_slot, block_table, out_tok, tok_state_slot
+ *                       (speculative decoding's kept states), src_row (an MTP pass's hidden-state
+ *                       rows), each as i32 count (-1: NULL) + count x i32
  *   DONE        worker  i32 status, str why: the worker's ranks finished the step
  *   REDUCE      both    n x f32: a node's partial sum (worker), the group's sum (leader)
  *   GATHER      both    a node's columns of every row (worker), every row whole (leader)
@@ -37,7 +39,7 @@
 #include "status.h"
 
 #define KR_WIRE_MAGIC       0x5754524bu /* "KRTW" as bytes */
-#define KR_WIRE_VERSION     2 /* 2: PLAN carries tok_state_slot */
+#define KR_WIRE_VERSION     2 /* 2: PLAN carries tok_state_slot and MTP passes */
 #define KR_WIRE_HEADER      16
 #define KR_WIRE_MAX_CONTROL ((uint64_t)256 << 20) /* bytes of any frame but REDUCE and GATHER */
 #define KR_WIRE_MAX_DATA    ((uint64_t)16 << 30)  /* REDUCE and GATHER: read into buffers of known size */
@@ -119,11 +121,16 @@ struct kr_wire_copy {
 };
 
 void kr_wire_put_step(struct kr_wire_buf *b, const struct kr_wire_copy *ops, int32_t n_ops, bool lost,
-                      const struct kr_batch *bt);
+                      const struct kr_batch *bt, int mtp, const int32_t *src_row);
 
 /* A decoded PLAN: the batch's arrays point into `arena` (owned; kr_wire_step_free). */
+/* What a PLAN asks for: a step, or an MTP head pass over the step's residual stream or over the
+ * head's own last outputs (kr_model_mtp_forward), its rows taking hidden-state rows src_row. */
+enum { KR_WIRE_STEP = 0, KR_WIRE_MTP_FROM_STEP = 1, KR_WIRE_MTP_FROM_HEAD = 2 };
 struct kr_wire_step {
     struct kr_batch b;
+    int mtp;                  /* KR_WIRE_STEP, KR_WIRE_MTP_FROM_STEP or KR_WIRE_MTP_FROM_HEAD */
+    const int32_t *src_row;   /* an MTP pass's [b.n_tok] (in arena); NULL for a step */
     struct kr_wire_copy *ops; /* [n_ops] */
     int32_t n_ops;
     bool lost;

@@ -122,6 +122,8 @@ static enum kr_status join_nodes(struct kr_boot *b, struct kr_err *err)
         {"kv-cache-dtype", o->kv_cache_dtype},
         {"CUDA ranks", b->cuda_nodes},
         {"quantization fp8", o->fp8_weights},
+        {"speculative-config method", o->spec_method}, /* MTP: every node loads its share of the head */
+        {"speculative-config num_speculative_tokens", o->spec_k},
     };
     KR_TRY(kr_cluster_join(b->cluster, f, (int32_t)(sizeof f / sizeof f[0]), err));
     /* the blob: a group id of 16 bytes, then (CUDA ranks) the NCCL id the leader made */

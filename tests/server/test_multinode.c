@@ -392,6 +392,59 @@ Test(multinode, ngram_drafts_across_two_nodes_match_one_process)
     cr_expect_eq(srv_stop(&whole), 0);
 }
 
+/* MTP drafts across two nodes (-tp 2, nh_mtp): each node holds its share of the head and runs every
+ * head pass the leader plans (the PLAN says which rows' hidden states it takes); greedy answers
+ * against one process at TP 1 without drafts, and as many drafts made and kept as one process
+ * drafting alone makes for the same prompts. A worker started without the MTP flag is refused
+ * when it joins, naming the field. */
+Test(multinode, mtp_drafts_across_two_nodes_match_one_process)
+{
+    const char *dir = FX "nemotron_h/nh_mtp";
+    static const char *const spec[] = {"--speculative-config", "{\"method\":\"mtp\",\"num_speculative_tokens\":3}",
+                                       NULL};
+    const int mp = free_port();
+    struct srv_proc lead, work, whole, alone;
+    node_start(&lead, "mn-mtp-leader.log", mp, 2, 0, "2", dir, spec);
+    node_start(&work, "mn-mtp-worker.log", mp, 2, 1, "2", dir, spec);
+    srv_start(&whole, dir, "--skip-tokenizer-init", "--device", "cpu", NULL);
+    srv_start(&alone, dir, "--skip-tokenizer-init", "--device", "cpu", "--speculative-config", spec[1], NULL);
+    node_wait_healthy(&lead);
+    node_wait_healthy(&work);
+    static const char *const prompts[] = {"[5,6,7,8,9,10,5,6,7,8,9]", "[100,3,77,100,3,77,100,3,77]"};
+    struct answer a, b, c;
+    char what[64];
+    for (size_t i = 0; i < sizeof prompts / sizeof prompts[0]; i++) {
+        ask(&whole, prompts[i], 1, 60, false, &a);
+        ask(&lead, prompts[i], 1, 60, false, &b);
+        ask(&alone, prompts[i], 1, 60, false, &c);
+        snprintf(what, sizeof what, "MTP drafts, prompt %zu", i);
+        expect_same(&a, &b, what);
+    }
+    static const char *const counters[] = {"krait:spec_decode_num_draft_tokens_total",
+                                           "krait:spec_decode_num_accepted_tokens_total"};
+    for (int i = 0; i < 2; i++) {
+        cr_expect_eq(metric(&lead, counters[i]), metric(&alone, counters[i]), "%s: %g across nodes, %g alone",
+                     counters[i], metric(&lead, counters[i]), metric(&alone, counters[i]));
+    }
+    cr_expect_gt(metric(&lead, counters[0]), 0, "no draft was made");
+    cr_expect_eq(srv_stop(&lead), 0, "the leader's exit status");
+    cr_expect_eq(wait_exit(&work, 15), 0, "the worker's exit status after the leader's SIGTERM: %s",
+                 slurp("mn-mtp-worker.log"));
+    cr_expect_eq(srv_stop(&whole), 0);
+    cr_expect_eq(srv_stop(&alone), 0);
+    /* a worker without the flag */
+    const int mp2 = free_port();
+    struct srv_proc lead2, bare;
+    node_start(&lead2, "mn-mtp-leader2.log", mp2, 2, 0, "2", dir, spec);
+    node_start(&bare, "mn-mtp-bare.log", mp2, 2, 1, "2", dir, NULL);
+    const int code = wait_exit(&bare, 30);
+    cr_expect(code > 0 && code < 128, "the worker without the flag exits with an error (%d)", code);
+    const char *log = slurp("mn-mtp-bare.log");
+    cr_expect(strstr(log, "speculative-config method"), "the worker says why: %s", log);
+    kill(lead2.pid, SIGKILL);
+    waitpid(lead2.pid, NULL, 0);
+}
+
 Test(multinode, a_worker_that_differs_or_repeats_a_node_rank_is_refused)
 {
     const int mp = free_port();
