@@ -512,21 +512,28 @@ static void start_pair_tp_mtp(void)
     start_pair_tp_of(NH_MTP_MODEL, MTP_SPEC, 3);
 }
 
+/* Greedy completions of prompts given as token-id lists, ignoring EOS, with log-probabilities, whole
+ * and streamed, to both servers: equal. */
+static void same_greedy_token_ids(const char *const *prompts_ids, size_t n, int max_tokens, const char *label)
+{
+    char body[512], what[64];
+    for (size_t i = 0; i < n; i++) {
+        snprintf(body, sizeof body,
+                 "{\"prompt\":%s,\"max_tokens\":%d,\"temperature\":0,\"ignore_eos\":true,\"logprobs\":2,"
+                 "\"return_token_ids\":true}",
+                 prompts_ids[i], max_tokens);
+        snprintf(what, sizeof what, "%s, prompt %zu", label, i);
+        json_decref(same_whole_and_streamed("/v1/completions", body, what));
+    }
+}
+
 /* MTP drafts at two ranks: the head split as the main stack is (its logits against the float64
  * reference at two ranks: tests/model/test_mtp.c), every pass run by both ranks; greedy answers,
  * whole and streamed, equal to the plain server's at the same size. */
 Test(spec_http, mtp_drafts_under_tensor_parallelism_equal_plain_decoding, .init = start_pair_tp_mtp, .fini = stop_pair)
 {
     static const char *const prompts_tp[] = {"[5,6,7,8,9,10,5,6,7,8,9]", "[100,3,77,100,3,77,100,3,77]"};
-    char body[512], what[64];
-    for (size_t i = 0; i < sizeof prompts_tp / sizeof prompts_tp[0]; i++) {
-        snprintf(body, sizeof body,
-                 "{\"prompt\":%s,\"max_tokens\":60,\"temperature\":0,\"ignore_eos\":true,\"logprobs\":2,"
-                 "\"return_token_ids\":true}",
-                 prompts_tp[i]);
-        snprintf(what, sizeof what, "MTP at two ranks, prompt %zu", i);
-        json_decref(same_whole_and_streamed("/v1/completions", body, what));
-    }
+    same_greedy_token_ids(prompts_tp, sizeof prompts_tp / sizeof prompts_tp[0], 60, "MTP at two ranks");
     cr_expect_gt(metric(&S, "krait:spec_decode_num_draft_tokens_total"), 0, "no draft was made");
     cr_expect_geq(srv_wait_idle(&S, 30.0), 0, "the speculating server holds slots or blocks after its answers");
 }
@@ -536,15 +543,7 @@ Test(spec_http, ngram_drafts_under_tensor_parallelism_equal_plain_decoding, .ini
     const double a0 = accepted(), d0 = metric(&S, "krait:spec_decode_num_draft_tokens_total");
     static const char *const prompts_tp[] = {"[5,6,7,5,6,7,5,6,7,5,6,7]", "[11,12,13,14,15,11,12,13,14,15,11,12]",
                                              "[40,41,40,41,40,41,40,41]", "[100,3,77,100,3,77,100,3,77]"};
-    char body[512], what[64];
-    for (size_t i = 0; i < sizeof prompts_tp / sizeof prompts_tp[0]; i++) {
-        snprintf(body, sizeof body,
-                 "{\"prompt\":%s,\"max_tokens\":160,\"temperature\":0,\"ignore_eos\":true,\"logprobs\":2,"
-                 "\"return_token_ids\":true}",
-                 prompts_tp[i]);
-        snprintf(what, sizeof what, "two ranks, prompt %zu", i);
-        json_decref(same_whole_and_streamed("/v1/completions", body, what));
-    }
+    same_greedy_token_ids(prompts_tp, sizeof prompts_tp / sizeof prompts_tp[0], 160, "two ranks");
     const double kept = accepted() - a0, drafted = metric(&S, "krait:spec_decode_num_draft_tokens_total") - d0;
     cr_expect_gt(kept, 0, "no draft was kept (%g drafted): the comparison says nothing about kept states", drafted);
     cr_expect_gt(drafted, kept, "every draft was kept: the comparison says nothing about refused ones");
