@@ -130,14 +130,15 @@ extern "C" enum kr_status krk_ssd(const struct krk_ssd_params *p, const struct k
     {
         const dim3 grid((unsigned)((p->head_dim + kDecodeRows - 1) / kDecodeRows), (unsigned)p->n_head,
                         (unsigned)b.n_seq);
-        const bool cs = krk_state_streaming();
-        if (p->d_state % 4 == 0) {
-            krk::launch_maybe_pdl(krk::pdl_enabled(), cs ? ssd_decode_kernel<true, true> : ssd_decode_kernel<true, false>,
-                                  grid, kDecodeThreads, 0, stream, a);
-        } else {
-            krk::launch_maybe_pdl(krk::pdl_enabled(), cs ? ssd_decode_kernel<false, true> : ssd_decode_kernel<false, false>,
-                                  grid, kDecodeThreads, 0, stream, a);
-        }
+        const bool cs = krk_state_streaming(), keep = b.tok_keep != nullptr;
+        // [vec][cs][keep]: the variant of this step (keep: kept states, token by token)
+        static void (*const kernels[2][2][2])(SsdArgs) = {
+            {{ssd_decode_kernel<false, false, false>, ssd_decode_kernel<false, false, true>},
+             {ssd_decode_kernel<false, true, false>, ssd_decode_kernel<false, true, true>}},
+            {{ssd_decode_kernel<true, false, false>, ssd_decode_kernel<true, false, true>},
+             {ssd_decode_kernel<true, true, false>, ssd_decode_kernel<true, true, true>}}};
+        krk::launch_maybe_pdl(krk::pdl_enabled(), kernels[p->d_state % 4 == 0][cs][keep], grid, kDecodeThreads, 0,
+                              stream, a);
         KRK_CHECK_LAUNCH();
     }
     mark(0, 1);

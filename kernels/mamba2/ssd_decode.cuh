@@ -19,7 +19,9 @@ constexpr int kMaxState = 256;
 
 // VEC: d_state % 4 == 0 (16-byte state rows); lane i owns float4 i and i + 32 of a row.
 // Otherwise lane i owns elements i, i + 32, ... (d_state <= 256: at most 8). CS: the state is loaded
-// and stored with the streaming (evict-first) hints.
+// and stored with the streaming (evict-first) hints. KEEP: the batch keeps states after single tokens
+// (batch.tok_keep set), so a sequence may run several tokens here; without it every sequence this
+// kernel runs has one token, and the loop over them compiles to the one-token update alone.
 template <typename T> __device__ __forceinline__ T st_load(const T *p, bool cs)
 {
     return cs ? __ldcs(p) : *p;
@@ -33,7 +35,7 @@ template <typename T> __device__ __forceinline__ void st_store(T *p, T v, bool c
     }
 }
 
-template <bool VEC, bool CS>
+template <bool VEC, bool CS, bool KEEP>
 __global__ void __launch_bounds__(kDecodeThreads) ssd_decode_kernel(SsdArgs a)
 {
     // Until the wait only what no kernel of this step writes is read: the batch arrays (uploaded
@@ -42,7 +44,7 @@ __global__ void __launch_bounds__(kDecodeThreads) ssd_decode_kernel(SsdArgs a)
     krk::pdl_trigger();
     const int s = blockIdx.z, h = blockIdx.y, q0 = blockIdx.x * kDecodeRows;
     const int t = a.batch.seq_tok0[s], nt = a.batch.seq_tok0[s + 1] - t;
-    if (nt > 1 && !ssd_keeps(a, t, nt)) {
+    if (nt > 1 && (!KEEP || !ssd_keeps(a, t, nt))) {
         // chunked path. Wait all the same: in a step of prefill chunks only, no block of this grid
         // would reach a wait, the grid could complete before the conv kernels it follows, and the
         // C.B^T kernel (which waits only for this grid) would read xBC while they still write it.
@@ -99,13 +101,14 @@ __global__ void __launch_bounds__(kDecodeThreads) ssd_decode_kernel(SsdArgs a)
     // One token (decode), or a sequence that keeps its states (speculative decoding's verification):
     // its tokens one after another, the state carried in registers and stored after its last token
     // (the sequence's slot) and after each token that keeps one (that token's slot).
-    for (int j = 0; j < nt; j++) {
+    const int n_run = KEEP ? nt : 1;
+    for (int j = 0; j < n_run; j++) {
         const int tj = t + j;
         const float *row = a.xbc + (int64_t)tj * a.conv_dim;
         const float *Bg = row + (int64_t)a.n_head * P + (int64_t)g * N;
         const float *Cg = Bg + (int64_t)a.n_group * N;
-        float *dst = j == nt - 1 ? st_head : nullptr, *kept = nullptr;
-        if (a.batch.tok_keep && a.batch.tok_keep[tj] >= 0) {
+        float *dst = j == n_run - 1 ? st_head : nullptr, *kept = nullptr;
+        if (KEEP && a.batch.tok_keep[tj] >= 0) {
             kept = a.state + ((int64_t)a.batch.tok_keep[tj] * a.n_head + h) * (int64_t)P * N;
         }
         float xq[kDecodeRowsPerWarp];
