@@ -537,15 +537,16 @@ void eng_run_step(struct kr_engine *e)
     const double gap = e->t_step_done > 0 ? t1 - e->t_step_done : -1.0; /* counted with the step's stats */
     e->t_step_done = 0;
     struct kr_err err = {0};
-    /* sampling on the backend when every output row of the step is one sequence's next token (no
-     * prompt log-probability rows: a step with some goes to the host sampler whole). A row the
-     * device sampler cannot take (an n > 1 fork sampling several choices from one row, logit_bias,
-     * which it does not apply) is copied to the host and sampled there, the other rows staying on
-     * the device: one such request no longer sends every row of every step to the host. */
+    /* sampling on the backend when no output row of the step is a prompt log-probability row (a
+     * step with some goes to the host sampler whole). A row the device sampler cannot take (an n > 1
+     * fork sampling several choices from one row, logit_bias, which it does not apply) and the rows
+     * of a sequence verifying drafts (verified on the host, row after row) are copied to the host,
+     * the other rows staying on the device: one such request no longer sends every row of every
+     * step to the host. */
     bool dev = e->dev_sample && n_out > 0;
     for (int32_t j = 0; j < ns && dev; j++) {
-        if (wants_prompt_rows(e->b_seqs[j]) || e->b_seqs[j]->spec_n > 0) {
-            dev = false; /* drafts are verified on the host, row after row */
+        if (wants_prompt_rows(e->b_seqs[j])) {
+            dev = false;
         }
     }
     enum kr_status st = eng_forward(e, &b, dev ? NULL : e->logits, &err);
@@ -582,28 +583,47 @@ void eng_run_step(struct kr_engine *e)
     }
     int32_t n_top = 0;
     if (st == KR_OK && dev) {
-        /* rows the host samples: an n > 1 prompt's (its choices fork from it), logit_bias, and the
-         * rows of requests that failed while their masks were made (their results are not used) */
-        for (int32_t i = 0; i < n_samp; i++) {
-            const struct seq *s = e->s_seqs[i];
-            e->s_host[i] = (s->state == KR_SEQ_PREFILL && s->index == 0 && s->req->n > 1) || s->req->s.n_bias > 0 ||
-                           s->state == KR_SEQ_DONE;
+        /* every output row in row order, with its sequence (the mask list above is done with). Rows
+         * the host samples: a verifying sequence's (all of them), an n > 1 prompt's (its choices
+         * fork from it), logit_bias, and the rows of requests that failed while their masks were
+         * made (their results are not used) */
+        int32_t r = 0;
+        for (int32_t j = 0; j < ns && r >= 0; j++) {
+            struct seq *s = e->b_seqs[j];
+            const int32_t n_rows =
+                s->spec_n > 0 ? e->b_nsched[j] : (s->n_fed + e->b_nsched[j] == s->n_toks ? 1 : 0);
+            const bool host = s->spec_n > 0 || (s->state == KR_SEQ_PREFILL && s->index == 0 && s->req->n > 1) ||
+                              s->req->s.n_bias > 0 || s->state == KR_SEQ_DONE;
+            if (r + n_rows > n_out) {
+                r = -1; /* the rows were not counted as the batch was built */
+                break;
+            }
+            for (int32_t i = 0; i < n_rows; i++, r++) {
+                e->s_seqs[r] = s;
+                e->s_host[r] = host;
+            }
         }
-        const int32_t r = n_samp;
         st = r == n_out ? eng_sample_on_backend(e, e->s_seqs, e->s_host, r, &n_top) : KR_ERR_INTERNAL;
         if (st != KR_OK) {
             snprintf(err.msg, sizeof err.msg, "sampling on the backend failed: %s", kr_status_str(st));
         }
-        /* the rows left to the host: their logits at the same rows of the host buffer */
-        for (int32_t i = 0; i < r && st == KR_OK; i++) {
-            if (e->s_host[i] && e->s_seqs[i]->state != KR_SEQ_DONE) {
-                st = kr_backend_copy_d2h(e->m->be, e->logits + (size_t)i * (size_t)V,
-                                         e->m->last_logits + (size_t)i * (size_t)V, (size_t)V * sizeof(float));
-                if (st != KR_OK) {
-                    snprintf(err.msg, sizeof err.msg, "copying a row's logits to the host failed: %s",
-                             kr_status_str(st));
-                }
+        /* the rows left to the host: their logits at the same rows of the host buffer, each run of
+         * consecutive rows (a verifying sequence's) in one copy */
+        for (int32_t i = 0; i < r && st == KR_OK;) {
+            if (!e->s_host[i] || e->s_seqs[i]->state == KR_SEQ_DONE) {
+                i++;
+                continue;
             }
+            int32_t n = 1;
+            while (i + n < r && e->s_host[i + n] && e->s_seqs[i + n]->state != KR_SEQ_DONE) {
+                n++;
+            }
+            st = kr_backend_copy_d2h(e->m->be, e->logits + (size_t)i * (size_t)V,
+                                     e->m->last_logits + (size_t)i * (size_t)V, (size_t)n * (size_t)V * sizeof(float));
+            if (st != KR_OK) {
+                snprintf(err.msg, sizeof err.msg, "copying rows' logits to the host failed: %s", kr_status_str(st));
+            }
+            i += n;
         }
     }
     if (st != KR_OK && (e->ranks || !kr_backend_check(e->m->be) || (e->fault_fatal && e->step_attempts == (uint64_t)e->fault_step))) {

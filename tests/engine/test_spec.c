@@ -106,6 +106,7 @@ struct run_cfg {
     int32_t seqs, tokens, block;
     size_t bytes;
     bool prefix;
+    bool backend; /* sampling on the backend (struct kr_engine_config.backend_sampling 1) */
 };
 
 static struct kr_engine *make(const struct run_cfg *rc)
@@ -119,6 +120,9 @@ static struct kr_engine *make(const struct run_cfg *rc)
     cfg.prefix_caching = rc->prefix;
     cfg.prefix_state_interval = rc->block; /* prompts of a few blocks get snapshots to hit */
     cfg.debug_checks = true;
+    if (rc->backend) {
+        cfg.backend_sampling = 1;
+    }
     if (rc->k > 0) {
         cfg.spec = (struct kr_spec_config){.method = g_method, .k = rc->k, .ngram_min = 1, .ngram_max = 3};
     }
@@ -325,6 +329,42 @@ static void greedy_family(const char *dir)
 }
 
 TestSuite(SUITE, .timeout = 900);
+
+/* Sampling on the backend: a step's rows of sequences verifying drafts are copied to the host and
+ * verified there while the other rows are sampled on the backend (before, one verifying sequence
+ * sent every row of the step to the host). Every row must reach its own sequence: greedy outputs
+ * (and on the CPU their log-probabilities) equal plain decoding's with backend sampling, and drafts
+ * are verified and kept in steps beside plain rows (N_REQ sequences, half of them drafting from
+ * their prompts). */
+Test(SUITE, drafts_verified_beside_rows_sampled_on_the_backend)
+{
+    load_mtp("hybrid/hy_share", false);
+    make_prompts();
+    static struct out plain[N_REQ], spec[N_REQ];
+    struct kr_engine_stats st;
+    size_t slot_b, block_b;
+    kr_cache_unit_bytes(g_m, 4, &slot_b, &block_b);
+    struct run_cfg rc = {.k = 0, .seqs = 32, .tokens = 4096, .block = 16, .backend = true,
+                         .bytes = ((size_t)64 << 20) + slot_b * 32 * 16};
+    run_all(&rc, plain, &st);
+    rc.k = 3;
+    run_all(&rc, spec, &st);
+    expect_same_greedy(plain, spec, "hy_share, backend sampling, k=3");
+#ifndef KR_SPEC_ON_CUDA
+    /* on the GPU a verification step's products round differently (see the header): tokens only */
+    for (int32_t i = 0; i < N_REQ; i++) {
+        for (int32_t t = 0; t < plain[i].n && t < spec[i].n && spec[i].tok[t] == plain[i].tok[t]; t++) {
+            /* the host's and the backend's log-softmax of the same row (1e-5: their summation orders) */
+            cr_expect(fabsf(spec[i].lp[t] - plain[i].lp[t]) <= 1e-5f, "request %d token %d: lp %.9g, plain %.9g", i,
+                      t, spec[i].lp[t], plain[i].lp[t]);
+        }
+    }
+#endif
+    cr_expect_gt(st.spec_drafts, 0, "no draft was verified");
+    cr_expect_gt(st.spec_accepted_tokens, 0, "no draft was kept (%llu drafted)",
+                 (unsigned long long)st.spec_draft_tokens);
+    unload();
+}
 
 /* Drafts by the trained default model's MTP head (its D and E blocks with caches of their own, run
  * after each step and chained for later drafts): the same exactness as n-gram drafts. */
