@@ -296,13 +296,34 @@ class Suite:
         except (OSError, ConnectionError):
             return None
 
+    async def spec_counts(self):
+        """The server's draft counters (drafts, drafted tokens, kept tokens); None without them."""
+        try:
+            m = await self.metrics()
+        except (OSError, ConnectionError):
+            return None
+        names = ("krait:spec_decode_num_drafts_total", "krait:spec_decode_num_draft_tokens_total",
+                 "krait:spec_decode_num_accepted_tokens_total")
+        if any(n not in m for n in names):
+            return None
+        return tuple(mget(m, n) for n in names)
+
     def body(self, prompt, **kw):
         b = {"model": self.model, "prompt": prompt}
         b.update(kw)
         return b
 
     def ids(self, n):
-        return L.random_ids(self.rng, n, self.a.token_lo, self.a.token_hi)
+        return self.rand_ids(self.rng, n)
+
+    def rand_ids(self, rng, n):
+        """n random prompt ids; with --prompt-period P, a random block of P ids repeated (so that
+        n-gram drafting finds its matches in every prompt longer than P)."""
+        a = self.a
+        if a.prompt_period > 0 and n > a.prompt_period:
+            block = L.random_ids(rng, a.prompt_period, a.token_lo, a.token_hi)
+            return (block * (n // a.prompt_period + 1))[:n]
+        return L.random_ids(rng, n, a.token_lo, a.token_hi)
 
     def check_results(self, phase, results, what=None):
         counts = {}
@@ -414,6 +435,7 @@ class Suite:
         print(f"== {name}", flush=True)
         row = {"phase": name}
         s0 = await self.steps()
+        d0 = await self.spec_counts()
         t0 = time.perf_counter()
         try:
             results = await asyncio.wait_for(fn(row), timeout=budget if self.a.deadline else None)
@@ -425,6 +447,12 @@ class Suite:
             results = []
         dt = time.perf_counter() - t0
         s1 = await self.steps()
+        d1 = await self.spec_counts()
+        if d0 is not None and d1 is not None and d1[0] > d0[0]:
+            drafts, drafted, kept = (b - a for a, b in zip(d0, d1))
+            row["spec_decode"] = {"drafts": drafts, "draft_tokens": drafted, "accepted_tokens": kept}
+            self.note(name, f"speculative decoding: {drafts:g} drafts of {drafted:g} tokens, {kept:g} kept "
+                            f"(mean acceptance length {1 + kept / drafts:.2f})")
         row["seconds"] = dt
         if s0 is not None and s1 is not None:
             row["steps"] = s1 - s0
@@ -458,7 +486,7 @@ class Suite:
         """Several long prompts at once: the longest, half of it with n = 2, a chunk + 1, 1 token with
         n = 2, and random lengths; streams and whole responses."""
         a, lim = self.a, self.mml - self.a.long_max_tokens
-        lens = [lim, lim // 2 + 1, a.max_num_batched_tokens + 1, 1]
+        lens = [lim, lim // 2 + 1, min(a.max_num_batched_tokens + 1, lim), 1]
         while len(lens) < a.long_concurrent:
             lens.append(self.rng.randint(1, lim))
         reqs = []
@@ -476,7 +504,8 @@ class Suite:
         # the long group reaches the later phases' peak of host memory on the CPU; on a GPU (its
         # caches allocated at start) it would cost a minute of prefill next to the streams
         reqs = self.long_group({}) if a.warmup_long else [
-            L.Req("/v1/completions", self.body(self.ids(a.max_num_batched_tokens + 1), max_tokens=4, ignore_eos=True),
+            L.Req("/v1/completions", self.body(self.ids(min(a.max_num_batched_tokens + 1, self.mml - 4)), max_tokens=4,
+                                                 ignore_eos=True),
                   tag="warm-up chunked prefill", timeout=a.request_timeout)]
         for i in range(a.max_num_seqs):
             reqs.append(L.Req("/v1/completions", self.body(self.ids(self.rng.randint(1, a.storm_prompt_max)),
@@ -548,7 +577,7 @@ class Suite:
                 cut = L.Cut(kind, rst=rst)
             n = 1 + (rng.random() < 0.35)
             plen = rng.randint(1, a.storm_prompt_max)
-            body = self.body(L.random_ids(rng, plen, a.token_lo, a.token_hi), max_tokens=a.storm_max_tokens,
+            body = self.body(self.rand_ids(rng, plen), max_tokens=a.storm_max_tokens,
                              ignore_eos=True, stream=True, temperature=rng.choice([0.0, 1.0]), n=n)
             if rng.random() < 0.3:
                 body["stream_options"] = {"include_usage": True}
@@ -648,10 +677,10 @@ class Suite:
             elif self.has_tok and x < 0.4:
                 body["prompt"] = "The quick brown fox " * rng.randint(1, 20)
             elif x < 0.5:
-                body["prompt"] = [L.random_ids(rng, rng.randint(1, a.mixed_prompt_max // 4), a.token_lo, a.token_hi)
+                body["prompt"] = [self.rand_ids(rng, rng.randint(1, a.mixed_prompt_max // 4))
                                   for _ in range(rng.randint(2, 3))]
             else:
-                body["prompt"] = L.random_ids(rng, rng.randint(1, a.mixed_prompt_max), a.token_lo, a.token_hi)
+                body["prompt"] = self.rand_ids(rng, rng.randint(1, a.mixed_prompt_max))
             reqs.append(L.Req(path, body, tag=f"mixed #{i}", timeout=a.request_timeout))
         return reqs
 
@@ -693,7 +722,7 @@ class Suite:
                 self.note("bench", f"concurrency {c}: skipped, {self.left():.0f} s left of the --deadline")
                 continue
             reqs = [L.Req("/v1/completions",
-                          self.body(L.random_ids(rng, a.bench_input_len, a.token_lo, a.token_hi),
+                          self.body(self.rand_ids(rng, a.bench_input_len),
                                     max_tokens=a.bench_output_len, ignore_eos=True, temperature=0.0, stream=True,
                                     stream_options={"include_usage": True}),
                           tag=f"bench c={c} #{i}", timeout=a.request_timeout) for i in range(n)]
@@ -1048,6 +1077,8 @@ def main(argv=None):
     ap.add_argument("--token-lo", type=int, default=1000, help="random prompt ids from [lo, hi)")
     ap.add_argument("--token-hi", type=int, default=30000)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--prompt-period", type=int, default=0,
+                    help="prompts repeat a random block of this many ids (n-gram drafts find matches); 0: none")
     ap.add_argument("--deadline", type=float, default=0, help="seconds for the whole run; phases that would start "
                                                                "too late are skipped, saying so (0: none)")
     ap.add_argument("--bench-concurrency", default="1,16,64,256", help="the bench phase's concurrency levels")
