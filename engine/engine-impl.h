@@ -134,6 +134,8 @@ struct kr_engine {
     /* step buffers */
     int32_t cap_tok, cap_seq, cap_bt;
     int32_t *b_tokens, *b_pos, *b_out, *b_tok0, *b_pos0, *b_slot, *b_bt, *b_nsched;
+    int32_t *b_nout; /* [cap_seq] output rows of each sequence of the step, fixed as the batch is built
+                        (a sequence cancelled mid-step no longer says how many it had) */
     struct seq **b_seqs;
     float *logits;
     size_t cap_logits;

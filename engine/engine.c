@@ -766,6 +766,7 @@ void kr_engine_free(struct kr_engine *e)
     kr_free(e->b_slot);
     kr_free(e->b_bt);
     kr_free(e->b_nsched);
+    kr_free(e->b_nout);
     kr_free(e->b_seqs);
     kr_free(e->logits);
     kr_free(e->mtp_i);

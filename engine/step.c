@@ -213,13 +213,15 @@ static enum kr_status ensure_step_buffers(struct kr_engine *e, int32_t n_tok, in
         kr_free(e->b_pos0);
         kr_free(e->b_slot);
         kr_free(e->b_nsched);
+        kr_free(e->b_nout);
         kr_free(e->b_seqs);
         e->b_tok0 = kr_malloc((size_t)c * sizeof(int32_t));
         e->b_pos0 = kr_malloc((size_t)c * sizeof(int32_t));
         e->b_slot = kr_malloc((size_t)c * sizeof(int32_t));
         e->b_nsched = kr_malloc((size_t)c * sizeof(int32_t));
+        e->b_nout = kr_malloc((size_t)c * sizeof(int32_t));
         e->b_seqs = kr_malloc((size_t)c * sizeof(struct seq *));
-        e->cap_seq = e->b_tok0 && e->b_pos0 && e->b_slot && e->b_nsched && e->b_seqs ? c : 0;
+        e->cap_seq = e->b_tok0 && e->b_pos0 && e->b_slot && e->b_nsched && e->b_nout && e->b_seqs ? c : 0;
         if (!e->cap_seq) {
             return KR_ERR_NOMEM;
         }
@@ -475,7 +477,8 @@ void eng_run_step(struct kr_engine *e)
         max_blocks = s->cache.n_blocks > max_blocks ? s->cache.n_blocks : max_blocks;
         const int32_t k = e->b_nsched[j];
         const bool last = s->n_fed + k == s->n_toks;
-        n_out += s->spec_n > 0 ? k : wants_prompt_rows(s) ? k : (last ? 1 : 0);
+        e->b_nout[j] = s->spec_n > 0 ? k : wants_prompt_rows(s) ? k : (last ? 1 : 0);
+        n_out += e->b_nout[j];
     }
     if (ensure_step_buffers(e, nt, ns, ns * max_blocks, (size_t)(n_out ? n_out : 1) * (size_t)V) != KR_OK) {
         for (int32_t j = 0; j < ns; j++) {
@@ -571,7 +574,7 @@ void eng_run_step(struct kr_engine *e)
                 continue;
             }
             const bool last = s->n_fed + e->b_nsched[j] == s->n_toks;
-            o2 += wants_prompt_rows(s) ? e->b_nsched[j] : (last ? 1 : 0);
+            o2 += e->b_nout[j];
             if (last) {
                 e->s_seqs[n_samp] = s;
                 e->s_rows[n_samp++] = o2 - 1;
@@ -590,8 +593,7 @@ void eng_run_step(struct kr_engine *e)
         int32_t r = 0;
         for (int32_t j = 0; j < ns && r >= 0; j++) {
             struct seq *s = e->b_seqs[j];
-            const int32_t n_rows =
-                s->spec_n > 0 ? e->b_nsched[j] : (s->n_fed + e->b_nsched[j] == s->n_toks ? 1 : 0);
+            const int32_t n_rows = e->b_nout[j];
             const bool host = s->spec_n > 0 || (s->state == KR_SEQ_PREFILL && s->index == 0 && s->req->n > 1) ||
                               s->req->s.n_bias > 0 || s->state == KR_SEQ_DONE;
             if (r + n_rows > n_out) {
@@ -662,7 +664,8 @@ void eng_run_step(struct kr_engine *e)
             continue;
         }
         const bool rows = wants_prompt_rows(s), last = s->n_fed + k == s->n_toks;
-        const int32_t n_rows = rows ? k : (last ? 1 : 0);
+        /* as the batch was built: a verifying sequence cancelled since (its drafts ended) had k rows */
+        const int32_t n_rows = e->b_nout[j];
         const float *first = e->logits + (size_t)o * (size_t)V;
         o += n_rows;
         if (s->state == KR_SEQ_DONE) {

@@ -330,6 +330,89 @@ static void greedy_family(const char *dir)
 
 TestSuite(SUITE, .timeout = 900);
 
+/* Cancellations that land mid-step (after the forward pass, before sampling: the engine applies the
+ * ones queued while the device computed, as a client leaving does) end a verifying sequence's drafts;
+ * the step's later rows must still reach their own sequences. Every other looping (drafting) request
+ * cancels itself at its 10th token: with sampling on the backend, events are delivered while the
+ * next step's forward pass runs, so the cancellation is applied inside a step the request may be
+ * verifying drafts in. The requests not cancelled answer as plain decoding does (before, a verifying
+ * sequence cancelled mid-step was counted with one row instead of its 1 + drafts, and the rows after
+ * it went to the wrong sequences: this test failed three times in three). */
+static struct out *g_watch; /* the outputs array: a callback's request index */
+static struct kr_engine *g_cancel_e;
+static uint64_t g_cancel_ids[N_REQ];
+static int32_t g_cancel_at[N_REQ], g_n_cancel;
+
+static void on_event_cancelling(const struct kr_event *ev, void *user)
+{
+    on_event(ev, user);
+    struct out *o = (struct out *)user + ev->index;
+    pthread_mutex_lock(&g_mu);
+    const int32_t at = (int32_t)(o - g_watch);
+    const bool now = ev->type == KR_EVENT_TOKEN && o->n == 10;
+    pthread_mutex_unlock(&g_mu);
+    for (int32_t i = 0; now && i < g_n_cancel; i++) {
+        if (g_cancel_at[i] == at) {
+            kr_engine_cancel(g_cancel_e, g_cancel_ids[i]);
+        }
+    }
+}
+
+Test(SUITE, drafting_sequences_cancelled_mid_step_leave_the_others_rows_alone)
+{
+    load_mtp("hybrid/hy_share", false);
+    make_prompts();
+    static struct out plain[N_REQ], spec[N_REQ];
+    struct kr_engine_stats st;
+    size_t slot_b, block_b;
+    kr_cache_unit_bytes(g_m, 4, &slot_b, &block_b);
+    struct run_cfg rc = {.k = 0, .seqs = 32, .tokens = 4096, .block = 16, .backend = true,
+                         .bytes = ((size_t)64 << 20) + slot_b * 32 * 16};
+    run_all(&rc, plain, &st);
+    rc.k = 3;
+    struct kr_engine *e = make(&rc);
+    struct kr_sampling s;
+    kr_sampling_default(&s);
+    s.temperature = 0.0f;
+    s.logprobs = 2;
+    s.ignore_eos = true;
+    memset(spec, 0, sizeof spec);
+    g_watch = &spec[0];
+    g_cancel_e = e;
+    g_n_cancel = 0;
+    bool cancelled[N_REQ] = {false};
+    for (int32_t i = 0; i < N_REQ; i++) {
+        s.max_tokens = MAX_GEN; /* long enough to be running when the cancellations come */
+        struct kr_request_params p = {.prompt = g_prompt[i], .n_prompt = g_len[i], .n = 1, .sampling = s,
+                                      .cb = on_event_cancelling, .user = &spec[i]};
+        uint64_t id;
+        struct kr_err err = {0};
+        cr_assert_eq(kr_engine_submit(e, &p, &id, &err), KR_OK, "%s", err.msg);
+        if (i % 4 == 2) { /* looping prompts draft from the start */
+            g_cancel_at[g_n_cancel] = i;
+            g_cancel_ids[g_n_cancel++] = id;
+            cancelled[i] = true;
+        }
+    }
+    kr_engine_wait_idle(e);
+    kr_engine_get_stats(e, &st);
+    expect_pools_whole(e);
+    kr_engine_free(e);
+    cr_expect_gt(st.spec_drafts, 0, "no draft was verified");
+    int32_t ended_early = 0;
+    for (int32_t i = 0; i < N_REQ; i++) {
+        if (cancelled[i]) {
+            ended_early += spec[i].n < MAX_GEN;
+            spec[i] = plain[i]; /* not compared */
+        } else {
+            spec[i].n = spec[i].n < plain[i].n ? spec[i].n : plain[i].n; /* plain ran to its own max_tokens */
+        }
+    }
+    cr_expect_gt(ended_early, 0, "no cancellation took effect");
+    expect_same_greedy(plain, spec, "hy_share, drafting requests cancelled mid-step");
+    unload();
+}
+
 /* Sampling on the backend: a step's rows of sequences verifying drafts are copied to the host and
  * verified there while the other rows are sampled on the backend (before, one verifying sequence
  * sent every row of the step to the host). Every row must reach its own sequence: greedy outputs
