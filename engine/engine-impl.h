@@ -6,6 +6,7 @@
 #include "engine.h"
 
 #include "cache.h"
+#include "ngram.h"
 
 #include <pthread.h>
 #include <stdatomic.h>
@@ -61,6 +62,7 @@ struct seq {
     /* MTP drafting: the draft the MTP head made after the step that ended at mtp_step (e->steps then)
      * with n_fed == mtp_at, and the row of m->mtp_g holding its final-normed output */
     int32_t mtp_draft, mtp_at, mtp_g_row;
+    struct kr_ngram ngram;       /* n-gram drafting: the index of toks for prompt lookup */
     uint64_t mtp_step;
 };
 

@@ -176,6 +176,7 @@ void eng_req_free(struct req *r)
         eng_seq_con_end(&r->seqs[i]);
         kr_free(r->seqs[i].toks);
         kr_free(r->seqs[i].bh);
+        kr_ngram_free(&r->seqs[i].ngram);
         kr_token_counts_free(&r->seqs[i].counts);
     }
     if (r->con.iface) {

@@ -1,6 +1,7 @@
-/* Speculative decoding (engine.h, struct kr_spec_config): drafting, the room a draft takes in the
- * step (blocks, and state slots for the Mamba states after each drafted token), and verification,
- * which keeps the drafts the sampler draws and moves the sequence to the state after them. */
+/* Speculative decoding (engine.h, struct kr_spec_config): drafting (prompt lookup: ngram.h), the
+ * room a draft takes in the step (blocks, and state slots for the Mamba states after each drafted
+ * token), and verification, which keeps the drafts the sampler draws and moves the sequence to the
+ * state after them. */
 #include "engine-impl.h"
 #include "ranks.h"
 #include "runner.h"
@@ -9,38 +10,6 @@
 #include "alloc.h"
 
 #include <string.h>
-
-/* ---- drafting ------------------------------------------------------------------------------------ */
-
-/* Prompt lookup: an earlier occurrence of the last n tokens of toks[0..n_toks), for n from nmax
- * down to nmin, and up to `max` of the tokens that followed it: the latest occurrence followed by
- * `max` tokens, else the one followed by most (in a loop the latest is followed by a few only). */
-static int32_t ngram_propose(const int32_t *toks, int32_t n_toks, int32_t nmin, int32_t nmax, int32_t max,
-                             int32_t *out)
-{
-    for (int32_t g = nmax; g >= nmin; g--) {
-        if (g >= n_toks) {
-            continue;
-        }
-        const int32_t *tail = toks + n_toks - g;
-        int32_t best = -1, best_m = 0;
-        for (int32_t p = n_toks - g - 1; p >= 0 && best_m < max; p--) { /* at p, followed by toks[p + g] */
-            if (toks[p + g - 1] != tail[g - 1] || memcmp(toks + p, tail, (size_t)g * sizeof(int32_t)) != 0) {
-                continue;
-            }
-            const int32_t m = n_toks - (p + g);
-            if (m > best_m) {
-                best = p;
-                best_m = m < max ? m : max;
-            }
-        }
-        if (best >= 0) {
-            memcpy(out, toks + best + g, (size_t)best_m * sizeof(int32_t));
-            return best_m;
-        }
-    }
-    return 0;
-}
 
 /* ---- planning ------------------------------------------------------------------------------------ */
 
@@ -72,7 +41,7 @@ int32_t eng_spec_plan(struct kr_engine *e, struct seq *s, int32_t max)
             d[i] = s->mtp_draft; /* placeholders until eng_mtp_chain */
         }
     } else {
-        n = ngram_propose(s->toks, s->n_toks, sc->ngram_min, sc->ngram_max, lim, d);
+        n = kr_ngram_propose(&s->ngram, s->toks, s->n_toks, sc->ngram_min, sc->ngram_max, lim, d);
     }
     /* a state slot per draft, out of those no waiting sequence may be admitted to this step */
     if (n > 0 && c->n_mamba > 0) {
