@@ -330,6 +330,21 @@ static void greedy_family(const char *dir)
 
 TestSuite(SUITE, .timeout = 900);
 
+/* hy_share (M and D layers) loaded, the prompts made, plain decoding with sampling on the backend
+ * run into plain; the configuration returned drafts 3 tokens with the same batch and cache. */
+static struct run_cfg backend_sampling_plain(struct out *plain, struct kr_engine_stats *st)
+{
+    load_mtp("hybrid/hy_share", false);
+    make_prompts();
+    size_t slot_b, block_b;
+    kr_cache_unit_bytes(g_m, 4, &slot_b, &block_b);
+    struct run_cfg rc = {.k = 0, .seqs = 32, .tokens = 4096, .block = 16, .backend = true,
+                         .bytes = ((size_t)64 << 20) + slot_b * 32 * 16};
+    run_all(&rc, plain, st);
+    rc.k = 3;
+    return rc;
+}
+
 /* Cancellations that land mid-step (after the forward pass, before sampling: the engine applies the
  * ones queued while the device computed, as a client leaving does) end a verifying sequence's drafts;
  * the step's later rows must still reach their own sequences. Every other looping (drafting) request
@@ -360,16 +375,9 @@ static void on_event_cancelling(const struct kr_event *ev, void *user)
 
 Test(SUITE, drafting_sequences_cancelled_mid_step_leave_the_others_rows_alone)
 {
-    load_mtp("hybrid/hy_share", false);
-    make_prompts();
     static struct out plain[N_REQ], spec[N_REQ];
     struct kr_engine_stats st;
-    size_t slot_b, block_b;
-    kr_cache_unit_bytes(g_m, 4, &slot_b, &block_b);
-    struct run_cfg rc = {.k = 0, .seqs = 32, .tokens = 4096, .block = 16, .backend = true,
-                         .bytes = ((size_t)64 << 20) + slot_b * 32 * 16};
-    run_all(&rc, plain, &st);
-    rc.k = 3;
+    struct run_cfg rc = backend_sampling_plain(plain, &st);
     struct kr_engine *e = make(&rc);
     struct kr_sampling s;
     kr_sampling_default(&s);
@@ -421,16 +429,9 @@ Test(SUITE, drafting_sequences_cancelled_mid_step_leave_the_others_rows_alone)
  * their prompts). */
 Test(SUITE, drafts_verified_beside_rows_sampled_on_the_backend)
 {
-    load_mtp("hybrid/hy_share", false);
-    make_prompts();
     static struct out plain[N_REQ], spec[N_REQ];
     struct kr_engine_stats st;
-    size_t slot_b, block_b;
-    kr_cache_unit_bytes(g_m, 4, &slot_b, &block_b);
-    struct run_cfg rc = {.k = 0, .seqs = 32, .tokens = 4096, .block = 16, .backend = true,
-                         .bytes = ((size_t)64 << 20) + slot_b * 32 * 16};
-    run_all(&rc, plain, &st);
-    rc.k = 3;
+    struct run_cfg rc = backend_sampling_plain(plain, &st);
     run_all(&rc, spec, &st);
     expect_same_greedy(plain, spec, "hy_share, backend sampling, k=3");
 #ifndef KR_SPEC_ON_CUDA
