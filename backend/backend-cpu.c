@@ -1223,6 +1223,17 @@ static bool cpu_kv_fp8(kr_backend_t be)
     return true;
 }
 
+/* Every op of the reference computes a row, a token or a sequence on its own, in a fixed order,
+ * whatever the step holds (the hf_models and engine suites compare batched runs with runs alone
+ * bit for bit): the mode asks nothing more of it. */
+static enum kr_status cpu_set_batch_invariant(kr_backend_t be, bool on, struct kr_err *err)
+{
+    (void)be;
+    (void)on;
+    (void)err;
+    return KR_OK;
+}
+
 static bool cpu_token_states(kr_backend_t be)
 {
     (void)be;
@@ -1273,6 +1284,7 @@ kr_backend_t kr_backend_cpu_create(int n_threads)
         .fp8_matmul = cpu_fp8_matmul,
         .kv_fp8 = cpu_kv_fp8,
         .token_states = cpu_token_states,
+        .set_batch_invariant = cpu_set_batch_invariant,
         .all_reduce = cpu_all_reduce,
         .all_gather = cpu_all_gather,
         .tp_abort = cpu_tp_abort,

@@ -146,6 +146,14 @@ struct cuda_ctx {
     int fp8_skinny_max;
     void *f8;
     size_t f8_size;
+
+    /* --batch-invariant (kr_backend_set_batch_invariant): every product takes krk_fixed_gemm (one
+     * cuBLASLt algorithm per weight shape for any row count, made at reserve for its steps' rows),
+     * attention splits by each token's context, MLA attention runs per head */
+    bool invariant;
+    struct krk_fixed_lt *fixed;
+    int64_t fixed_max_n;
+    int32_t mla_attn_sw;   /* the KRAIT_MLA_ATTN choice, back when the mode is turned off */
 };
 
 static struct cuda_ctx *ctx_of(kr_backend_t be)
@@ -275,6 +283,7 @@ static void cuda_free(kr_backend_t be)
         cudaFree(c->xb);
         cudaFree(c->sk_ws);
         krk_fp8_lt_free(c->lt);
+        krk_fixed_lt_free(c->fixed);
         cudaFree(c->f8);
         cudaFree(c->d_meta);
         cudaFree(c->ptr_table);
@@ -744,6 +753,9 @@ static enum kr_status cuda_reserve(kr_backend_t be, const struct kr_model_config
     }
     if (m->n_head) {
         NEED(krk_attn_workspace_bytes(n_tok, m->n_head, m->head_dim));
+        if (c->invariant) {
+            NEED(krk_attn_workspace_bytes_invariant(n_seq, m->n_head, m->head_dim));
+        }
     }
     if (m->n_expert) {
         NEED(krk_moe_experts_workspace_bytes(n_tok, m->n_expert_used, m->dim, m->moe_ffn, m->dim, be->fp8_weights));
@@ -759,6 +771,15 @@ static enum kr_status cuda_reserve(kr_backend_t be, const struct kr_model_config
     NEED(krk_sample_workspace_bytes(n_seq, m->vocab));
 #undef NEED
     KR_TRY(ensure_scratch(c, need));
+    if (c->invariant && (!c->fixed || c->fixed_max_n < n_tok)) {
+        /* before any product of the model: the algorithms are chosen for steps of up to n_tok rows */
+        krk_fixed_lt_free(c->fixed);
+        if (!(c->fixed = krk_fixed_lt_create(c->blas_ws, c->blas_ws_size, n_tok))) {
+            KR_LOG_ERROR("cuda: cannot create the cuBLASLt handle of --batch-invariant");
+            return KR_ERR_CUDA;
+        }
+        c->fixed_max_n = n_tok;
+    }
     int64_t wide = max64(m->dim, m->m_d_inner);
     wide = max64(wide, m->ffn);
     wide = max64(wide, m->shared_ffn);
@@ -908,7 +929,7 @@ static struct krk_ctx launch_ctx(const struct cuda_ctx *c)
 {
     return (struct krk_ctx){.stream = c->stream, .batch = c->batch, .workspace = c->scratch,
                             .workspace_bytes = c->scratch_size, .dsa_score = c->dsa_score,
-                            .mla_attn = c->mla_attn};
+                            .mla_attn = c->mla_attn, .batch_invariant = c->invariant};
 }
 
 /* Rows up to this many take krk_gemv (fp32 x), more take cuBLAS (bf16 x): on an H200 the GEMV reads
@@ -934,7 +955,7 @@ _Static_assert((int)KRK_MLA_ATTN_PER_HEAD == (int)KR_MLA_ATTN_PER_HEAD &&
  * inputs for the bf16 copies (out_bf16) at those row counts only. */
 static bool cuda_bf16_operands(kr_backend_t be, int64_t n)
 {
-    return n > GEMV_ROWS;
+    return n > GEMV_ROWS || ctx_of(be)->invariant;
 }
 
 /* ---- ops ---------------------------------------------------------------------------------- */
@@ -990,6 +1011,21 @@ static enum kr_status cuda_fp8_round_impl(kr_backend_t be, const struct krk_fp8_
     return krk_fp8_round(p, c->stream);
 }
 
+static enum kr_status cuda_set_batch_invariant(kr_backend_t be, bool on, struct kr_err *err)
+{
+    struct cuda_ctx *c = ctx_of(be);
+    if (on && be->fp8_weights) {
+        return kr_err_set(err, KR_ERR_UNSUPPORTED,
+                          "--batch-invariant with FP8 weights (--quantization fp8): the GPU's FP8 products choose "
+                          "their kernel by the row count; serve the bf16 weights");
+    }
+    c->invariant = on;
+    /* the per-head MLA kernel tiles every token's keys from position 0 whatever the step; the
+     * head-batched one splits them by the step's size */
+    c->mla_attn = on ? KRK_MLA_ATTN_PER_HEAD : c->mla_attn_sw;
+    return KR_OK;
+}
+
 /* FP8 weights: products through matmul_fp8, the experts through krk_moe_experts's FP8 path. */
 static bool cuda_fp8_matmul(kr_backend_t be)
 {
@@ -1039,7 +1075,7 @@ static enum kr_status bf16_x(struct cuda_ctx *c, const float *x, int64_t ldx, in
 /* Weights krk_skinny takes for n rows of x: bf16, 16-byte aligned, columns a multiple of its step. */
 static bool skinny_takes(const struct cuda_ctx *c, int64_t n, const struct kr_tensor *w)
 {
-    return n >= 2 && n <= c->skinny_max && n <= KRK_SKINNY_MAX_N && w->dtype == KR_DTYPE_BF16 &&
+    return !c->invariant && n >= 2 && n <= c->skinny_max && n <= KRK_SKINNY_MAX_N && w->dtype == KR_DTYPE_BF16 &&
            w->cols % krk_skinny_cols_step(0) == 0 && ((uintptr_t)w->data & 15) == 0;
 }
 
@@ -1148,6 +1184,34 @@ static enum kr_status matmul_fp8(struct cuda_ctx *c, const float *x, int64_t ldx
     return krk_fp8_gemv(&gp, c->stream);
 }
 
+/* --batch-invariant products: krk_fixed_gemm for every row count (fp32 weights on fp32 x, bf16 on
+ * the bf16 copy of x), so that a row's result does not depend on the rows beside it. */
+static enum kr_status matmul_fixed(struct cuda_ctx *c, const float *x, int64_t ldx, int64_t n, const struct kr_tensor *w,
+                                   const float *bias, float *y, int64_t ldy, const struct krk_bf16_in *in,
+                                   struct krk_bf16_in *used)
+{
+    if (w->dtype != KR_DTYPE_F32 && w->dtype != KR_DTYPE_BF16) {
+        KR_LOG_ERROR("cuda: --batch-invariant products take bf16 or fp32 weights, not %s", kr_dtype_name(w->dtype));
+        return KR_ERR_UNSUPPORTED;
+    }
+    if (!c->fixed || n > c->fixed_max_n) {
+        KR_LOG_ERROR("cuda: --batch-invariant product of %lld rows, beyond the %lld reserved", (long long)n,
+                     (long long)c->fixed_max_n);
+        return KR_ERR_UNSUPPORTED;
+    }
+    struct krk_fixed_gemm_params p = {.w = w->data, .x = x, .ldx = ldx, .y = y, .ldy = ldy, .rows = w->rows,
+                                      .cols = w->cols, .n = n, .f32 = w->dtype == KR_DTYPE_F32};
+    if (!p.f32) {
+        const krk_bf16 *xb = NULL;
+        int64_t ldb = w->cols;
+        KR_TRY(bf16_x(c, x, ldx, n, w->cols, in, &xb, &ldb, used));
+        p.x = xb;
+        p.ldx = ldb;
+    }
+    KR_TRY(krk_fixed_gemm(c->fixed, &p, c->stream));
+    return bias ? krk_add_bias(y, ldy, bias, n, w->rows, c->stream) : KR_OK;
+}
+
 /* One product; `used` (or NULL) receives the bf16 operand it read (filled: false when none).
  * The matmul ops are a dispatch rather than a translation of one struct: the engine names a weight
  * tensor, and the kernel is chosen here by rows and weight (fp32 weights: cuBLAS SGEMM; one row:
@@ -1168,18 +1232,20 @@ static enum kr_status matmul_one(struct cuda_ctx *c, const float *x, int64_t ldx
     }
     const int64_t rows = w->rows, cols = w->cols;
     enum kr_status st = KR_OK;
-    if (w->dtype == KR_DTYPE_F32) {
+    if (w->dtype == KR_DTYPE_F32 && !c->invariant) {
         /* full-precision weights (routers of mixed checkpoints): fp32 GEMM, no TF32 */
         const float one = 1.0f, zero = 0.0f;
         BLAS_TRY(cublasSgemm(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)rows, (int)n, (int)cols, &one, w->data,
                              (int)cols, x, (int)ldx, &zero, y, (int)ldy));
         st = bias ? krk_add_bias(y, ldy, bias, n, rows, c->stream) : KR_OK;
+    } else if (c->invariant) {
+        st = matmul_fixed(c, x, ldx, n, w, bias, y, ldy, in, used);
     } else if (w->dtype == KR_DTYPE_F8_E4M3) {
         st = matmul_fp8(c, x, ldx, n, w, bias, y, ldy);
     } else if (w->dtype != KR_DTYPE_BF16) {
         KR_LOG_ERROR("cuda: matmul weight of dtype %s", kr_dtype_name(w->dtype));
         return KR_ERR_UNSUPPORTED;
-    } else if (n <= GEMV_ROWS && cols % 8 == 0) {
+    } else if (n <= GEMV_ROWS && cols % 8 == 0) { /* (not with c->invariant: taken above) */
         struct krk_gemv_params p = {.x = x, .ldx = ldx, .w = w->data, .bias = bias, .n = n, .rows = rows,
                                     .cols = cols, .y = y, .ldy = ldy};
         st = krk_gemv(&p, c->stream);
@@ -1213,9 +1279,9 @@ static enum kr_status cuda_matmul_impl(kr_backend_t be, const float *x, int64_t 
 }
 
 /* Weights that one krk_gemv launch can take for n rows of x (bf16, cols a multiple of 8). */
-static bool gemv_takes(int64_t n, const struct kr_tensor *w)
+static bool gemv_takes(const struct cuda_ctx *c, int64_t n, const struct kr_tensor *w)
 {
-    return n <= GEMV_ROWS && w->dtype == KR_DTYPE_BF16 && w->cols % 8 == 0 && ((uintptr_t)w->data & 15) == 0;
+    return !c->invariant && n <= GEMV_ROWS && w->dtype == KR_DTYPE_BF16 && w->cols % 8 == 0 && ((uintptr_t)w->data & 15) == 0;
 }
 
 /* Decode rows: the products run as one GEMV launch (the small projections of one input then fill the
@@ -1232,7 +1298,7 @@ static enum kr_status cuda_matmul_multi_impl(kr_backend_t be, const float *x, in
         const struct kr_matmul_part *q = &parts[i];
         const bool ok = q->w->cols == parts[0].w->cols && q->ldy >= q->w->rows &&
                         !overlaps(q->y, (size_t)(n * q->ldy) * 4, x, (size_t)(n * ldx) * 4);
-        fused = fused && ok && gemv_takes(n, q->w);
+        fused = fused && ok && gemv_takes(c, n, q->w);
         sk = sk && ok && skinny_takes(c, n, q->w);
     }
     struct krk_bf16_in cur = xb ? *xb : (struct krk_bf16_in){0}, used = {0};
@@ -1279,7 +1345,7 @@ static enum kr_status cuda_matmul_act_impl(kr_backend_t be, const float *x, int6
     if (c->failed) {
         return KR_ERR_CUDA;
     }
-    if (n > 0 && gemv_takes(n, w) && ldy >= w->rows && (int)act >= (int)KR_ACT_RELU2 && (int)act <= (int)KR_ACT_RELU &&
+    if (n > 0 && gemv_takes(c, n, w) && ldy >= w->rows && (int)act >= (int)KR_ACT_RELU2 && (int)act <= (int)KR_ACT_RELU &&
         !overlaps(y, (size_t)(n * ldy) * 4, x, (size_t)(n * ldx) * 4) &&
         !overlaps(out, (size_t)(n * w->rows) * 4, x, (size_t)(n * ldx) * 4) &&
         !overlaps(out, (size_t)(n * w->rows) * 4, y, (size_t)(n * ldy) * 4)) {
@@ -1346,7 +1412,11 @@ static enum kr_status cuda_attention_impl(kr_backend_t be, const struct krk_attn
 {
     struct cuda_ctx *c = ctx_of(be);
     KR_TRY(op_enter(c));
-    const size_t ws = krk_attn_workspace_bytes(c->batch.n_tok, p->n_head, p->head_dim);
+    size_t ws = krk_attn_workspace_bytes(c->batch.n_tok, p->n_head, p->head_dim);
+    if (c->invariant) {
+        const size_t inv = krk_attn_workspace_bytes_invariant(c->batch.n_seq, p->n_head, p->head_dim);
+        ws = inv > ws ? inv : ws;
+    }
     if (ws > c->scratch_size) {
         KR_TRY(ensure_scratch(c, ws));
     }
@@ -1952,6 +2022,7 @@ enum kr_status kr_backend_cuda_create_with(int dev, const struct kr_switches *sw
         .mla_attention = cuda_mla_attention,
         .fp8_round = cuda_fp8_round,
         .fp8_matmul = cuda_fp8_matmul,
+        .set_batch_invariant = cuda_set_batch_invariant,
         .kv_fp8 = cuda_kv_fp8,
         .kv_fp8_packed = cuda_kv_fp8,
         .sample = cuda_sample,
@@ -1963,6 +2034,7 @@ enum kr_status kr_backend_cuda_create_with(int dev, const struct kr_switches *sw
     c->dev = dev;
     c->graphs_on = sw->cuda_graphs != 0;
     c->mla_attn = sw->mla_attn;
+    c->mla_attn_sw = sw->mla_attn;
     c->dsa_score = sw->dsa_score;
     c->mla_overlap = sw->mla_overlap != 0;
     c->skinny_max = sw->skinny_max;

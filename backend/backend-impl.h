@@ -97,6 +97,10 @@ struct kr_backend_i {
     enum kr_status (*all_reduce)(kr_backend_t be, float *x, int64_t n);
     enum kr_status (*all_gather)(kr_backend_t be, const float *src, int64_t rows, int64_t cols, float *dst);
     void (*tp_abort)(kr_backend_t be);
+    /* (optional) --batch-invariant: every op computes a token's result the same way whatever else the
+     * step holds (kr_backend_set_batch_invariant; be->fp8_weights is current); a backend without it
+     * cannot */
+    enum kr_status (*set_batch_invariant)(kr_backend_t be, bool on, struct kr_err *err);
     /* (optional) whether matmul takes F8_E4M3 weights with block scales (struct kr_tensor.scale) */
     bool (*fp8_matmul)(kr_backend_t be);
     /* (optional) true when the backend rounds cached rows to FP8 (krk_attn_params.kv_fp8,
@@ -116,6 +120,7 @@ struct kr_backend {
     int api_version;
     int tp_rank, tp_size; /* this backend's place in its tensor-parallel group (0, 1 alone) */
     bool fp8_weights;     /* kr_backend_set_fp8_weights */
+    bool batch_invariant; /* kr_backend_set_batch_invariant */
 };
 
 #define KR_BACKEND_API_VERSION 1

@@ -92,6 +92,16 @@ static enum kr_status plan_copy(kr_backend_t be, void *dst, const void *src, siz
 }
 
 /* A plan made for FP8 weights (weight_elt 1) takes kr_backend_set_fp8_weights: codes of a byte. */
+/* Sizes only: the mode changes no byte a plan counts (the CUDA backend's larger attention
+ * workspace is scratch, outside the plan). */
+static enum kr_status plan_set_batch_invariant(kr_backend_t be, bool on, struct kr_err *err)
+{
+    (void)be;
+    (void)on;
+    (void)err;
+    return KR_OK;
+}
+
 static bool plan_fp8_matmul(kr_backend_t be)
 {
     return ctx_of(be)->weight_elt == 1;
@@ -150,6 +160,7 @@ kr_backend_t kr_backend_plan_create(size_t weight_elt, size_t cache_elt)
         .all_reduce = plan_all_reduce,
         .all_gather = plan_all_gather,
         .fp8_matmul = plan_fp8_matmul,
+        .set_batch_invariant = plan_set_batch_invariant,
     };
     return be;
 }

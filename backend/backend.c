@@ -85,18 +85,45 @@ enum kr_status kr_backend_set_tp(kr_backend_t be, int rank, int size, void *comm
 
 enum kr_status kr_backend_set_fp8_weights(kr_backend_t be, bool on, struct kr_err *err)
 {
+
     if (on && !(be->iface.fp8_matmul && be->iface.fp8_matmul(be))) {
         return kr_err_set(err, KR_ERR_UNSUPPORTED,
                           "FP8 weights (--quantization fp8): the %s backend has no FP8 product yet (the CPU "
                           "reference has)", kr_backend_name(be));
     }
+    const bool was = be->fp8_weights;
     be->fp8_weights = on;
+    if (be->batch_invariant) { /* the invariant mode may not take FP8 products on this backend */
+        const enum kr_status st = be->iface.set_batch_invariant(be, true, err);
+        if (st != KR_OK) {
+            be->fp8_weights = was;
+            return st;
+        }
+    }
     return KR_OK;
 }
 
 bool kr_backend_fp8_weights(kr_backend_t be)
 {
     return be->fp8_weights;
+}
+
+enum kr_status kr_backend_set_batch_invariant(kr_backend_t be, bool on, struct kr_err *err)
+{
+    if (on && !be->iface.set_batch_invariant) {
+        return kr_err_set(err, KR_ERR_UNSUPPORTED, "--batch-invariant: the %s backend has no batch-invariant mode",
+                          kr_backend_name(be));
+    }
+    if (be->iface.set_batch_invariant) {
+        KR_TRY(be->iface.set_batch_invariant(be, on, err));
+    }
+    be->batch_invariant = on;
+    return KR_OK;
+}
+
+bool kr_backend_batch_invariant(kr_backend_t be)
+{
+    return be->batch_invariant;
 }
 
 int kr_backend_tp_rank(kr_backend_t be)

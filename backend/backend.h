@@ -144,6 +144,16 @@ bool kr_backend_check(kr_backend_t be);
 enum kr_status kr_backend_set_fp8_weights(kr_backend_t be, bool on, struct kr_err *err);
 bool kr_backend_fp8_weights(kr_backend_t be);
 
+/* --batch-invariant: a sequence's results (logits, and so its tokens) are the same bits whatever
+ * other sequences share its steps and however its prompt is cut into chunks (the engine then cuts
+ * them at multiples of KR_INVARIANT_CHUNK). The CPU reference is so already; the CUDA backend then
+ * takes one product path per weight shape whatever the row count (cuBLASLt with an algorithm fixed
+ * per shape), splits attention by each token's own context, and runs MLA attention per head. Before
+ * the model is reserved. KR_ERR_UNSUPPORTED with a message for backends without it, and on CUDA
+ * for FP8 weights (their products choose kernels by row count). */
+enum kr_status kr_backend_set_batch_invariant(kr_backend_t be, bool on, struct kr_err *err);
+bool kr_backend_batch_invariant(kr_backend_t be);
+
 /* Tensor parallelism (DESIGN.md): one backend instance is one rank. kr_backend_set_tp joins the
  * group `comm` as `rank` of `size`, before the model is loaded (the loader then takes only this
  * rank's shard of each weight). For the CPU backend `comm` is a struct kr_host_comm (comm.h) shared

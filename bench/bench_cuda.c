@@ -852,7 +852,7 @@ int main(int argc, char **argv)
 {
     int32_t batches[16] = {1, 16, 64, 256}, prefills[8] = {2048, 8192}, ctxs[8] = {256};
     int32_t case_b[16], case_ctx[16];
-    int nb = 4, np = 2, nc = 1, ncase = 0, steps = 32, ctx = 256, profile = 0, fill = 0, fp8 = 0, nk = 0;
+    int nb = 4, np = 2, nc = 1, ncase = 0, steps = 32, ctx = 256, profile = 0, fill = 0, fp8 = 0, nk = 0, invariant = 0;
     int32_t spec_k[8], kmax = 0;
     const char *json = NULL, *lp_out = NULL, *lp_ref = NULL;
     int32_t lp_len = 512;
@@ -862,6 +862,7 @@ int main(int argc, char **argv)
         {"json", required_argument, NULL, 'j'},    {"profile", no_argument, NULL, 'P'},
         {"ctxs", required_argument, NULL, 'C'},    {"fill", no_argument, NULL, 'F'},
         {"quantization", required_argument, NULL, 'Q'}, {"cases", required_argument, NULL, 'K'},
+        {"batch-invariant", no_argument, NULL, 'I'},
         {"logprobs", required_argument, NULL, 'L'}, {"logprobs-ref", required_argument, NULL, 'R'},
         {"logprobs-len", required_argument, NULL, 'N'}, {"spec", required_argument, NULL, 'S'},
         {"help", no_argument, NULL, 'h'},          {NULL, 0, NULL, 0},
@@ -919,6 +920,9 @@ int main(int argc, char **argv)
         case 'j':
             json = optarg;
             break;
+        case 'I':
+            invariant = 1;
+            break;
         case 'L':
             lp_out = optarg;
             break;
@@ -947,6 +951,8 @@ int main(int argc, char **argv)
                             "                  [--quantization fp8|none] [--cases B@CTX,...] MODEL_DIR\n"
                             "  --quantization fp8  matrices quantized to FP8 blocks at load (krait serve's flag); the\n"
                             "                      prefill ceiling is then the block-scaled FP8 GEMM rate\n"
+                            "  --batch-invariant  krait serve's flag: one product algorithm per shape, fixed attention\n"
+                            "                     splits, MLA attention per head\n"
                             "  --fill  decode over caches holding random data instead of a real prefill (long contexts)\n"
                             "  --cases B@CTX,...  decode these (batch, context) pairs instead of every batch at every\n"
                             "                     context; the caches hold the largest pair\n"
@@ -1004,7 +1010,8 @@ int main(int argc, char **argv)
         fprintf(stderr, "bench_cuda: %s\n", err.msg);
         return 1;
     }
-    if (kr_backend_set_fp8_weights(x.be, fp8, &err) != KR_OK) {
+    if (kr_backend_set_fp8_weights(x.be, fp8, &err) != KR_OK ||
+        kr_backend_set_batch_invariant(x.be, invariant, &err) != KR_OK) {
         fprintf(stderr, "bench_cuda: %s\n", err.msg);
         return 1;
     }

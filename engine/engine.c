@@ -538,6 +538,27 @@ enum kr_status kr_engine_create_group(struct kr_model *const *ranks, int32_t n_r
                               kr_backend_name(m->be));
         }
     }
+    if (cfg.batch_invariant) {
+        if (sp->method != KR_SPEC_OFF) {
+            return kr_err_set(err, KR_ERR_INVAL,
+                              "engine: --batch-invariant with speculative decoding: a verification step computes "
+                              "tokens as a chunk, plain decoding one at a time, so results would depend on the drafts");
+        }
+        if (!kr_backend_batch_invariant(m->be)) {
+            return kr_err_set(err, KR_ERR_INVAL, "engine: --batch-invariant on a backend not set to it");
+        }
+        if (cfg.max_num_batched_tokens < KR_INVARIANT_CHUNK + cfg.max_num_seqs) {
+            return kr_err_set(err, KR_ERR_INVAL,
+                              "engine: --batch-invariant cuts prompts into chunks of %d tokens: "
+                              "--max-num-batched-tokens (%d) must be at least that plus --max-num-seqs (%d)",
+                              KR_INVARIANT_CHUNK, cfg.max_num_batched_tokens, cfg.max_num_seqs);
+        }
+        if (cfg.prefix_caching && m->n_mamba > 0) {
+            KR_LOG_WARN("--batch-invariant: no prefix caching for a model with Mamba layers (a state snapshot "
+                        "taken after decoded tokens is not what a prefill computes)");
+            cfg.prefix_caching = false;
+        }
+    }
     const int32_t n_slots = cfg.n_slots > 0 ? cfg.n_slots : cfg.max_num_seqs;
     /* the step workspace and backend scratch for the largest step, so that serving allocates nothing;
      * a verification step has a logits row per draft too */

@@ -43,6 +43,10 @@ struct kr_spec_config {
     int32_t ngram_min, ngram_max; /* KR_SPEC_NGRAM: 1 <= ngram_min <= ngram_max */
 };
 
+/* --batch-invariant: prefill chunks end at multiples of this many tokens from the prompt's start (a
+ * multiple of the SSD's 64-token chunk, so that the scan's tiles fall alike however a prompt is cut) */
+#define KR_INVARIANT_CHUNK 256
+
 struct kr_engine_config {
     int32_t max_num_seqs;           /* sequences running at once (each choice of n counts) */
     int32_t max_num_batched_tokens; /* tokens per step (decodes + prefill chunks) */
@@ -61,6 +65,12 @@ struct kr_engine_config {
     int32_t prefix_snapshots;       /* snapshot slots beside the running ones; -1: an eighth of the budget
                                        left after the running slots, at most 1024 */
     struct kr_spec_config spec;     /* speculative decoding (method KR_SPEC_OFF: none) */
+    bool batch_invariant;           /* --batch-invariant (the backend's mode set already): prompts are cut
+                                       into chunks at multiples of KR_INVARIANT_CHUNK from their start and
+                                       never one token short of their end, cached prefixes end at least two
+                                       tokens short of it, Mamba models keep no prefix cache (a snapshot
+                                       taken after decoded tokens is not what a prefill computes), and
+                                       speculative decoding is refused */
     struct kr_cluster *cluster;     /* (optional) the leader's link to the ranks on other nodes
                                        (engine/cluster.h): they get the cache plan and every step;
                                        NULL: every rank is in this process */

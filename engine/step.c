@@ -279,6 +279,21 @@ static int32_t fail_planned(struct kr_engine *e, struct seq *s, int32_t i, int32
     return gone;
 }
 
+/* --batch-invariant: a prefill chunk of k tokens from n_fed ends at the prompt's end, or at a
+ * multiple of KR_INVARIANT_CHUNK from its start and never one token short of the end (that token
+ * would run alone, as a decode does); 0: the sequence waits for a step with more room. */
+static int32_t invariant_cut(const struct kr_engine *e, const struct seq *s, int32_t k)
+{
+    if (!e->cfg.batch_invariant || k <= 0 || s->n_fed + k >= s->n_toks) {
+        return k;
+    }
+    int32_t end = (s->n_fed + k) / KR_INVARIANT_CHUNK * KR_INVARIANT_CHUNK;
+    if (s->n_toks - end == 1) {
+        end -= KR_INVARIANT_CHUNK;
+    }
+    return end > s->n_fed ? end - s->n_fed : 0;
+}
+
 /* Plans one step: decodes first, then running prefills, then admissions (FCFS). Fills the
  * per-sequence token counts into b_nsched/b_seqs and returns the number of sequences. */
 static int32_t plan(struct kr_engine *e, int32_t *n_tok_out)
@@ -366,7 +381,7 @@ static int32_t plan(struct kr_engine *e, int32_t *n_tok_out)
             preempt(e, v);
             room = room_for(e, s, k);
         }
-        k = k < room ? k : room;
+        k = invariant_cut(e, s, k < room ? k : room);
         const enum kr_status rst = k > 0 ? kr_seq_cache_reserve(c, &s->cache, s->n_fed + k) : KR_AGAIN;
         if (rst == KR_ERR_NOMEM) {
             i -= fail_planned(e, s, i, &ns, &nt, &budget);
@@ -389,8 +404,10 @@ static int32_t plan(struct kr_engine *e, int32_t *n_tok_out)
         /* from the longest cached prefix, unless the request wants the prompt's log-probabilities
          * (they need every row) */
         const struct req *r = s->req;
-        const bool lookup = c->prefix && !(s->index == 0 && r->s.prompt_logprobs >= 0 && !r->prompt_lp_sent);
-        const uint64_t *h = lookup ? eng_seq_hashes(e, s, s->n_toks - 1) : NULL;
+        const int32_t n_look = s->n_toks - (e->cfg.batch_invariant ? 2 : 1); /* invariant: >= 2 tokens left */
+        const bool lookup = c->prefix && n_look > 0 &&
+                            !(s->index == 0 && r->s.prompt_logprobs >= 0 && !r->prompt_lp_sent);
+        const uint64_t *h = lookup ? eng_seq_hashes(e, s, n_look) : NULL;
         if (paged && c->n_free_blocks == 0) {
             /* a block for its next token (a restored partial block is copied into one, with room left)
              * before anything is restored: a head that cannot start would otherwise restore a snapshot,
@@ -402,7 +419,7 @@ static int32_t plan(struct kr_engine *e, int32_t *n_tok_out)
         }
         int32_t hit = 0;
         const enum kr_status ast =
-            h ? kr_prefix_admit(c, s->toks, s->n_toks - 1, h, &s->cache, &hit) : kr_seq_cache_init(c, &s->cache);
+            h ? kr_prefix_admit(c, s->toks, n_look, h, &s->cache, &hit) : kr_seq_cache_init(c, &s->cache);
         if (ast == KR_ERR_NOMEM) {
             eng_fail_req(e, s->req, KR_ERR_NOMEM, "out of memory"); /* the head leaves the queue */
             continue;
@@ -419,6 +436,7 @@ static int32_t plan(struct kr_engine *e, int32_t *n_tok_out)
             const int32_t room = room_for(e, s, k);
             k = room < k ? room : k;
         }
+        k = invariant_cut(e, s, k);
         enum kr_status rst = k > 0 ? kr_seq_cache_reserve(c, &s->cache, hit + k) : KR_AGAIN;
         if (rst == KR_OK) {
             rst = PUSH(e, running, s, false);

@@ -6,6 +6,7 @@
 #include "alloc.h"
 #include "log.h"
 
+#include <assert.h>
 #include <math.h>
 #include <string.h>
 
@@ -58,6 +59,13 @@ static int64_t xb_floats(const struct kr_model_config *c, int64_t n, int64_t mid
     return ((n * xb_width(c, mid) + 1) / 2 + 63) / 64 * 64;
 }
 
+/* Every buffer of the step's workspace starts on a multiple of this many floats (256 bytes), so that
+ * a buffer's alignment, and with it the kernel variant a launcher picks by alignment (vector widths,
+ * cuBLASLt algorithms), does not depend on the step's token count; WS_BUFS: the buffers ws_prepare
+ * takes. */
+#define WS_ALIGN 64
+#define WS_BUFS 21
+
 static size_t ws_floats(const struct kr_model_config *c, int64_t n, int64_t n_out, int64_t *wide, int64_t *mid)
 {
     int64_t w = c->dim;
@@ -77,7 +85,7 @@ static size_t ws_floats(const struct kr_model_config *c, int64_t n, int64_t n_ou
     *mid = md;
     const int64_t mla = c->q_lora + 2 * c->kv_lora + c->qk_rope + c->idx_head_dim + c->idx_heads + c->idx_topk;
     const int64_t part = c->tp_size > 1 ? c->vocab / c->tp_size : 0;
-    return (size_t)(xb_floats(c, n, md) +
+    return (size_t)(WS_BUFS * WS_ALIGN + xb_floats(c, n, md) +
                     n * (3 * c->dim + 2 * w + c->m_conv_dim + 2 * md + c->n_expert + 2 * c->n_expert_used + mla) +
                     n_out * (c->dim + c->vocab + part));
 }
@@ -249,17 +257,21 @@ static enum kr_status ws_prepare(struct kr_model *m, const struct kr_batch *b, s
     int64_t wide, mid;
     (void)ws_floats(c, b->n_tok, b->n_out, &wide, &mid);
     const int32_t max_ctx = batch_max_ctx(b);
-    ws->dsa_select = max_ctx > c->idx_topk;
+    /* --batch-invariant: selection on whatever the other sequences' contexts (it takes every key of a
+     * shorter one, the same keys as dense attention, but not in the same kernel) */
+    ws->dsa_select = max_ctx > c->idx_topk || kr_backend_batch_invariant(m->be);
     enum kr_status st = grow(m, b->n_tok, b->n_out, b->n_seq, max_ctx);
     if (st != KR_OK) {
         return st;
     }
     const int64_t n = b->n_tok;
     float *p = m->work.ptr;
+    int n_bufs = 0;
 #define TAKE(field, count)                                                                         \
     do {                                                                                           \
         ws->field = (void *)p;                                                                     \
-        p += (count);                                                                              \
+        p += ((count) + WS_ALIGN - 1) / WS_ALIGN * WS_ALIGN;                                       \
+        n_bufs++;                                                                                  \
     } while (0)
     TAKE(xb, xb_floats(c, n, mid));
     ws->xb_cap = xb_floats(c, n, mid) * 2;
@@ -284,6 +296,7 @@ static enum kr_status ws_prepare(struct kr_model *m, const struct kr_batch *b, s
     TAKE(fin, (int64_t)b->n_out * c->dim);
     TAKE(lg, (int64_t)b->n_out * c->vocab);
     ws->lg_part = c->tp_size > 1 ? p : NULL;
+    assert(n_bufs + 1 <= WS_BUFS); /* the last, lg_part, needs no padding after it */
 #undef TAKE
     return KR_OK;
 }

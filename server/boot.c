@@ -122,6 +122,7 @@ static enum kr_status join_nodes(struct kr_boot *b, struct kr_err *err)
         {"kv-cache-dtype", o->kv_cache_dtype},
         {"CUDA ranks", b->cuda_nodes},
         {"quantization fp8", o->fp8_weights},
+        {"batch-invariant", o->batch_invariant},
         {"speculative-config method", o->spec_method}, /* MTP: every node loads its share of the head */
         {"speculative-config num_speculative_tokens", o->spec_k},
     };
@@ -357,9 +358,11 @@ static void *loader_main(void *arg)
         s->loaded(s->loaded_user);
         return NULL;
     }
-    /* --quantization: every rank of this process, before its weights are read */
+    /* --quantization and --batch-invariant: every rank of this process, before its weights are read */
     for (int r = 0; r < (s->rank_be ? local_ranks(s) : 1); r++) {
-        if (kr_backend_set_fp8_weights(s->rank_be ? s->rank_be[r] : s->be, s->o.fp8_weights, &err) != KR_OK) {
+        kr_backend_t rb = s->rank_be ? s->rank_be[r] : s->be;
+        if (kr_backend_set_fp8_weights(rb, s->o.fp8_weights, &err) != KR_OK ||
+            kr_backend_set_batch_invariant(rb, s->o.batch_invariant, &err) != KR_OK) {
             KR_LOG_ERROR("cannot load the model: %s", err.msg);
             s->load_failed = true;
             s->loaded(s->loaded_user);
@@ -444,6 +447,7 @@ static void *loader_main(void *arg)
     cfg.max_model_len = s->o.max_model_len;
     cfg.block_size = s->o.block_size;
     cfg.prefix_caching = s->o.prefix_caching;
+    cfg.batch_invariant = s->o.batch_invariant;
     cfg.prefix_state_interval = s->o.prefix_state_interval;
     cfg.prefix_snapshots = s->o.prefix_snapshots;
     cfg.spec = (struct kr_spec_config){.method = (enum kr_spec_method)s->o.spec_method, .k = s->o.spec_k,

@@ -79,6 +79,11 @@ static void usage(FILE *f)
             "                                  the FP8 indexer; CUDA stores the bytes, the CPU emulates them);\n"
             "                                  auto/bf16: the backend's precision (CPU fp32, CUDA bf16)\n"
             "  --threads N                     CPU threads (default: all cores)              [KRAIT_THREADS]\n"
+"  --batch-invariant               a request's outputs do not depend on the requests served beside it\n"
+            "                                  (nor on prompt chunking): fixed product algorithms and attention\n"
+            "                                  splits, prompts cut at multiples of 256 tokens; greedy and seeded\n"
+            "                                  sampling then repeat exactly (docs/CUDA.md; not with FP8 weights or\n"
+            "                                  --speculative-config)\n"
             "  --quantization fp8|none         fp8: matrices kept in (FP8 checkpoints) or quantized to FP8 blocks of\n"
             "                                  128x128 at load, activations quantized per block (CPU and CUDA);\n"
             "                                  none (default): bf16/fp32 weights\n"
@@ -228,6 +233,7 @@ static void print_defaults(const struct option *opts)
         {"master-port", json_integer(d.master_port)},
         {"join-timeout", json_real(d.join_timeout_s)},
         {"enable-prefix-caching", json_boolean(d.prefix_caching)},
+        {"batch-invariant", json_boolean(d.batch_invariant)},
     };
     for (size_t i = 0; i < sizeof defs / sizeof defs[0]; i++) {
         json_object_set_new(json_object_get(flags, defs[i].name), "default", defs[i].v);
@@ -407,7 +413,7 @@ int kr_serve_main(int argc, char **argv)
     enum {
         O_HOST = 256, O_PORT, O_KEY, O_KEYFILE, O_NAME, O_MAXLEN, O_SEQS, O_TOKENS, O_QUEUED, O_CACHE, O_BLOCK,
         O_TOK, O_TPL, O_SKIP, O_TOKIDS, O_BODY, O_SHUTDOWN, O_THREADS, O_LOG, O_PORTFILE, O_HELP, O_DEVICE, O_GPUMEM, O_INDEXER,
-        O_ALLOW_LONG, O_HELP_ENV, O_PREFIX, O_NO_PREFIX, O_PREFIX_INTERVAL, O_PREFIX_SNAPS,
+        O_ALLOW_LONG, O_HELP_ENV, O_BATCH_INVARIANT, O_PREFIX, O_NO_PREFIX, O_PREFIX_INTERVAL, O_PREFIX_SNAPS,
         O_REQMEM, O_MAXCONN, O_MAXCONN_IP, O_HDR_TIMEOUT, O_BODY_TIMEOUT, O_ORIGINS, O_METHODS, O_HEADERS,
         O_CREDENTIALS, O_TP, O_QUANT, O_KVDT, O_NNODES, O_NODE_RANK, O_MASTER_ADDR, O_MASTER_PORT, O_JOIN_TIMEOUT,
         O_DEFAULTS_JSON, O_SPEC,
@@ -427,6 +433,7 @@ int kr_serve_main(int argc, char **argv)
         {"cache-memory-bytes", required_argument, NULL, O_CACHE},
         {"block-size", required_argument, NULL, O_BLOCK},
         {"enable-prefix-caching", no_argument, NULL, O_PREFIX},
+        {"batch-invariant", no_argument, NULL, O_BATCH_INVARIANT},
         {"no-enable-prefix-caching", no_argument, NULL, O_NO_PREFIX},
         {"prefix-cache-state-interval", required_argument, NULL, O_PREFIX_INTERVAL},
         {"prefix-cache-snapshots", required_argument, NULL, O_PREFIX_SNAPS},
@@ -537,6 +544,9 @@ int kr_serve_main(int argc, char **argv)
             break;
         case O_PREFIX:
             o.prefix_caching = true;
+            break;
+        case O_BATCH_INVARIANT:
+            o.batch_invariant = true;
             break;
         case O_NO_PREFIX:
             o.prefix_caching = false;
@@ -755,6 +765,12 @@ int kr_serve_main(int argc, char **argv)
     if (o.prefix_caching && o.prefix_state_interval % o.block_size != 0) {
         fprintf(stderr, "krait serve: --prefix-cache-state-interval (%d) must be a multiple of --block-size (%d)\n",
                 o.prefix_state_interval, o.block_size);
+        return 2;
+    }
+    if (o.batch_invariant && o.spec_method != 0) {
+        fprintf(stderr, "krait serve: --batch-invariant with --speculative-config: a verification step computes "
+                        "tokens as a chunk, plain decoding one at a time, so results would depend on the drafts; "
+                        "use one or the other\n");
         return 2;
     }
     if (o.node_rank >= o.nnodes) {

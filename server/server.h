@@ -48,6 +48,7 @@ struct kr_serve_opts {
     int threads;                   /* CPU backend threads (0 = all) */
     int tensor_parallel_size;      /* ranks (1: none), all nodes together */
     bool fp8_weights;              /* --quantization fp8 (kr_backend_set_fp8_weights) */
+    bool batch_invariant;          /* --batch-invariant (kr_backend_set_batch_invariant, engine chunking) */
     int nnodes;                    /* nodes the ranks are spread over (1: this process holds them all) */
     int node_rank;                 /* this node: 0 leads (engine, API), 1.. run their ranks, /health only */
     const char *master_addr;       /* the leader's address (default 127.0.0.1) */

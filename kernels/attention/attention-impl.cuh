@@ -23,6 +23,13 @@ inline int decode_splits(int64_t n_tok)
     return (int)(s < 1 ? 1 : s > MAX_SPLIT ? MAX_SPLIT : s);
 }
 
+// --batch-invariant (krk_ctx.batch_invariant): every one-token sequence takes the decode path with
+// this many splits, whatever else the step holds, so that a token's sum over its keys is split the
+// same way in every step (the splits in use still depend on its context alone); its partial rows
+// are indexed by sequence. Sequences of more tokens take the prefill path, whose tiles start at key
+// 0 and hold one query row's arithmetic apart from the others'.
+constexpr int INV_SPLIT = 16;
+
 // Splits in use for a context of ctx positions (at least 1, at most n_split); device and host agree.
 __host__ __device__ __forceinline__ int active_splits(int ctx, int n_split)
 {
@@ -47,6 +54,8 @@ struct Args {
     float *KRK_RESTRICT part_acc; // [n_tok, n_split, n_head, head_dim] decode partial sums
     float2 *KRK_RESTRICT part_ml; // [n_tok, n_split, n_head] decode partial (max, sum), base 2
     int n_split;                  // decode splits (1: the decode kernel writes out directly)
+    int route;                    // --batch-invariant: decode blocks per sequence, taking one-token
+                                  // sequences only; prefill blocks take the others
     struct krk_batch b;
 };
 

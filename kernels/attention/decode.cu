@@ -1,5 +1,6 @@
 // Decode path (one token per sequence): flash-decoding split-K over the paged cache (bf16 or e4m3). The grid is
-// (n_tok, n_kv_head * head chunks, n_split), fixed by host-known sizes; each block walks its share of
+// (n_tok, n_kv_head * head chunks, n_split), fixed by host-known sizes (routed, --batch-invariant:
+// (n_seq, ..., INV_SPLIT), blocks of sequences with more than one token exit); each block walks its share of
 // the token's context, computed from the device-side position, for every query head of one KV head
 // (GQA: each K/V row is read once per split), then a combine kernel merges the splits.
 #include "attention/attention-impl.cuh"
@@ -9,6 +10,20 @@ namespace attn {
 
 constexpr int DEC_THREADS = 128;
 constexpr int COMBINE_THREADS = 128;
+
+// The token of a decode or combine block: blockIdx.x is the token, or routed the sequence, whose
+// one token it is (false: the sequence has more this step and takes the prefill path).
+__device__ __forceinline__ bool block_token(const Args &a, int *t, int *s)
+{
+    if (!a.route) {
+        *t = blockIdx.x;
+        *s = a.b.tok_seq[*t];
+        return true;
+    }
+    *s = blockIdx.x;
+    *t = a.b.seq_tok0[*s];
+    return a.b.seq_tok0[*s + 1] - *t == 1;
+}
 
 // L lanes share one key row (lane i holds elements 8i..8i+7, lanes with 8i >= head_dim idle); HB
 // query heads of one KV head per block; KB keys per lane group per step, the next step's rows
@@ -22,7 +37,13 @@ template <class C, int NT, int L, int HB, int KB> __global__ void __launch_bound
     __shared__ float sh_m[NG][HB], sh_l[NG][HB];
     __shared__ float sh_acc[NG][HB][L * 8];
 
-    const int t = blockIdx.x;
+    // the block's token (routed: its sequence, taken only when it has one token this step) and the
+    // row of its partial sums
+    int t, s;
+    if (!block_token(a, &t, &s)) {
+        return;
+    }
+    const int64_t prow = a.route ? s : t;
     const int n_chunk = (a.group + HB - 1) / HB;
     const int g = blockIdx.y / n_chunk;                       // KV head
     const int h0 = g * a.group + (blockIdx.y % n_chunk) * HB; // first query head of the block
@@ -31,7 +52,6 @@ template <class C, int NT, int L, int HB, int KB> __global__ void __launch_bound
     const int hd = a.head_dim;
     const int64_t ld_out = (int64_t)a.n_head * hd;
 
-    const int s = a.b.tok_seq[t];
     if (a.b.seq_slot[s] < 0) {
         // padding: no cache read; with splits the combine writes the zeros
         if (a.n_split == 1) {
@@ -191,7 +211,7 @@ template <class C, int NT, int L, int HB, int KB> __global__ void __launch_bound
         if (a.n_split == 1) {
             a.out[t * ld_out + (int64_t)h * hd + d] = num / sum;
         } else {
-            const int64_t r = ((int64_t)t * a.n_split + split) * a.n_head + h;
+            const int64_t r = (prow * a.n_split + split) * a.n_head + h;
             a.part_acc[r * hd + d] = num;
             if (d == 0) {
                 a.part_ml[r] = make_float2(mx, sum);
@@ -204,10 +224,13 @@ template <class C, int NT, int L, int HB, int KB> __global__ void __launch_bound
 __global__ void __launch_bounds__(COMBINE_THREADS) combine_kernel(Args a)
 {
     krk::kernel_prologue();
-    const int t = blockIdx.x, h = blockIdx.y;
+    const int h = blockIdx.y;
+    int t, s;
+    if (!block_token(a, &t, &s)) {
+        return;
+    }
     const int hd = a.head_dim;
     float *o = a.out + (int64_t)t * a.n_head * hd + (int64_t)h * hd;
-    const int s = a.b.tok_seq[t];
     if (a.b.seq_slot[s] < 0) {
         for (int d = threadIdx.x; d < hd; d += COMBINE_THREADS) {
             o[d] = 0.0f;
@@ -215,7 +238,7 @@ __global__ void __launch_bounds__(COMBINE_THREADS) combine_kernel(Args a)
         return;
     }
     const int n_act = active_splits(a.b.pos[t] + 1, a.n_split);
-    const int64_t r0 = (int64_t)t * a.n_split * a.n_head + h; // row of split 0; split i at + i*n_head
+    const int64_t r0 = (int64_t)(a.route ? s : t) * a.n_split * a.n_head + h; // split 0; split i at + i*n_head
     float mx = -INFINITY;
     for (int i = 0; i < n_act; i++) {
         mx = fmaxf(mx, a.part_ml[r0 + (int64_t)i * a.n_head].x);
@@ -243,7 +266,8 @@ template <class C, int L, int HB> static void decode_launch(const Args &a, cudaS
     // overall, and 64 splits no more than 32.
     constexpr int KB = HB >= 8 || HB * L >= 128 ? 2 : 4;
     const int n_chunk = (a.group + HB - 1) / HB;
-    const dim3 grid((unsigned)a.b.n_tok, (unsigned)(a.n_kv_head * n_chunk), (unsigned)a.n_split);
+    const dim3 grid((unsigned)(a.route ? a.b.n_seq : a.b.n_tok), (unsigned)(a.n_kv_head * n_chunk),
+                    (unsigned)a.n_split);
     krk::launch_maybe_pdl(krk::pdl_enabled(), decode_kernel<C, DEC_THREADS, L, HB, KB>, grid, DEC_THREADS, 0, stream,
                           a);
 }
@@ -276,7 +300,8 @@ template <class C> enum kr_status launch_decode(const Args &a, cudaStream_t stre
     }
     KRK_CHECK_LAUNCH();
     if (a.n_split > 1) {
-        krk::launch_maybe_pdl(krk::pdl_enabled(), combine_kernel, dim3((unsigned)a.b.n_tok, (unsigned)a.n_head),
+        krk::launch_maybe_pdl(krk::pdl_enabled(), combine_kernel,
+                              dim3((unsigned)(a.route ? a.b.n_seq : a.b.n_tok), (unsigned)a.n_head),
                               COMBINE_THREADS, 0, stream, a);
         KRK_CHECK_LAUNCH();
     }

@@ -55,6 +55,24 @@ template <class C> __global__ void __launch_bounds__(WRITE_THREADS) cache_write_
 
 using namespace krk::attn;
 
+// The decode path, the prefill path, or (routed) both: each then skips the other's sequences.
+template <class C> static enum kr_status run_paths(const Args &a, bool decode, bool prefill, cudaStream_t stream)
+{
+    if (decode && (a.route || !prefill)) {
+        KR_TRY(launch_decode<C>(a, stream));
+    }
+    return prefill ? launch_prefill<C>(a, stream) : KR_OK;
+}
+
+extern "C" size_t krk_attn_workspace_bytes_invariant(int64_t n_seq, int64_t n_head, int64_t head_dim)
+{
+    if (n_seq <= 0 || n_head <= 0 || head_dim <= 0) {
+        return 0;
+    }
+    const int64_t n_rows = n_seq * INV_SPLIT;
+    return part_acc_bytes(n_rows, n_head, head_dim) + (size_t)(n_rows * n_head) * sizeof(float2);
+}
+
 extern "C" size_t krk_attn_workspace_bytes(int64_t n_tok, int64_t n_head, int64_t head_dim)
 {
     // Partial rows of a decode step: n_tok * decode_splits(n_tok) <= min(MAX_SPLIT * n_tok,
@@ -122,12 +140,20 @@ extern "C" enum kr_status krk_attn(const struct krk_attn_params *p, const struct
     a.n_split = 1;
     a.b = b;
 
-    const bool decode = b.max_seq_tok == 1;
+    // routed (--batch-invariant): the decode path for one-token sequences, the prefill path for the
+    // others, in any step
+    a.route = ctx->batch_invariant ? 1 : 0;
+    const bool decode = b.max_seq_tok == 1 || a.route;
+    const bool prefill = b.max_seq_tok > 1;
     if (decode) {
-        a.n_split = decode_splits(b.n_tok);
+        a.n_split = a.route ? INV_SPLIT : decode_splits(b.n_tok);
         if (a.n_split > 1) {
+            const int64_t n_rows = (int64_t)(a.route ? b.n_seq : b.n_tok) * a.n_split;
             KRK_REQUIRE(ctx->workspace != nullptr && (uintptr_t)ctx->workspace % 16 == 0);
-            const int64_t n_rows = (int64_t)b.n_tok * a.n_split;
+            KRK_REQUIRE_MSG(!a.route || ctx->workspace_bytes >= part_acc_bytes(n_rows, p->n_head, p->head_dim) +
+                                                        (size_t)(n_rows * p->n_head) * sizeof(float2),
+                            "attention: workspace of %zu bytes, the decode splits of %lld rows need more",
+                            ctx->workspace_bytes, (long long)n_rows);
             a.part_acc = static_cast<float *>(ctx->workspace);
             a.part_ml = reinterpret_cast<float2 *>(static_cast<char *>(ctx->workspace) +
                                                    part_acc_bytes(n_rows, p->n_head, p->head_dim));
@@ -138,9 +164,9 @@ extern "C" enum kr_status krk_attn(const struct krk_attn_params *p, const struct
         krk::launch_maybe_pdl(krk::pdl_enabled(), cache_write_kernel<CacheE4m3>, b.n_tok, WRITE_THREADS, 0, stream,
                               a);
         KRK_CHECK_LAUNCH();
-        return decode ? launch_decode<CacheE4m3>(a, stream) : launch_prefill<CacheE4m3>(a, stream);
+        return run_paths<CacheE4m3>(a, decode, prefill, stream);
     }
     krk::launch_maybe_pdl(krk::pdl_enabled(), cache_write_kernel<CacheBf16>, b.n_tok, WRITE_THREADS, 0, stream, a);
     KRK_CHECK_LAUNCH();
-    return decode ? launch_decode<CacheBf16>(a, stream) : launch_prefill<CacheBf16>(a, stream);
+    return run_paths<CacheBf16>(a, decode, prefill, stream);
 }

@@ -36,7 +36,7 @@ template <class C, int DP, int BN> __global__ void __launch_bounds__(PF_THREADS)
     const int m0 = (int)(gridDim.x - 1 - blockIdx.x) * BM; // longest tiles first
     const int tok0 = a.b.seq_tok0[s];
     const int ntok = a.b.seq_tok0[s + 1] - tok0;
-    if (m0 >= ntok) {
+    if (m0 >= ntok || (a.route && ntok == 1)) { // routed: one-token sequences take the decode path
         return;
     }
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;

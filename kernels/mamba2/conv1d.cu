@@ -23,15 +23,24 @@ struct ConvArgs {
     krk_bf16 *__restrict__ state;
     float *__restrict__ out;
     krk_batch batch;
+    // --batch-invariant: earlier inputs of a sequence enter its later outputs rounded to bf16, as the
+    // state carries them across steps, so that an output does not depend on where its step began
+    bool round_taps;
 };
+
+__device__ __forceinline__ float round_bf16(float v)
+{
+    return krk::bf16_to_f32(krk::f32_to_bf16(v));
+}
 
 // Input i of sequence s (i < 0: the state's rows, i = -1 the newest; zeros for a fresh or
 // padding sequence).
 template <int K>
 __device__ __forceinline__ float conv_input(const ConvArgs &a, int64_t c, int t0, int i, int slot, bool fresh)
 {
-    if (i >= 0) {
-        return a.in[(int64_t)(t0 + i) * a.ld_in + a.in_off + c];
+    if (i >= 0) { // an earlier input of the same step
+        const float v = a.in[(int64_t)(t0 + i) * a.ld_in + a.in_off + c];
+        return a.round_taps ? round_bf16(v) : v;
     }
     if (fresh) {
         return 0.0f;
@@ -96,6 +105,9 @@ __global__ void __launch_bounds__(kConvThreads) conv1d_out_kernel(ConvArgs a)
             acc += w[k] * win[k];
         }
         a.out[(int64_t)t * a.conv_dim + c] = acc / (1.0f + expf(-acc));
+        if (a.round_taps) {
+            win[K - 1] = round_bf16(win[K - 1]); // an earlier input from now on
+        }
     }
 }
 
@@ -247,6 +259,7 @@ extern "C" enum kr_status krk_conv1d(const struct krk_conv1d_params *p, const st
     a.state = p->state;
     a.out = p->out;
     a.batch = b;
+    a.round_taps = ctx->batch_invariant;
     cudaError_t e = cudaSuccess;
     switch (p->d_conv) {
     case 2: e = conv1d_launch<2>(a, stream); break;

@@ -277,6 +277,101 @@ ParameterizedTest(int *idx, cuda_backend, batch_composition_independent)
     fx_free(&f);
 }
 
+/* Sequences 0..n-1 of runs a and b, bit for bit: every row and every token (tests of
+ * --batch-invariant). */
+static void expect_bitwise(const struct fx *f, const struct run *a, const struct run *b, int32_t n, const char *what)
+{
+    for (int32_t i = 0; i < n; i++) {
+        const struct drv_seq *sa = &a->seq[i], *sb = &b->seq[i];
+        const int32_t n_rows = sa->n_prompt + sa->n_decode - 1;
+        int32_t differ = 0, first = -1;
+        double worst = 0;
+        for (int32_t t = 0; t < n_rows; t++) {
+            const float *ra = sa->rows + (size_t)t * (size_t)f->vocab, *rb = sb->rows + (size_t)t * (size_t)f->vocab;
+            if (memcmp(ra, rb, (size_t)f->vocab * sizeof(float)) != 0) {
+                differ++;
+                first = first < 0 ? t : first;
+                const double d = max_abs_diff(ra, rb, f->vocab);
+                worst = d > worst ? d : worst;
+            }
+        }
+        cr_expect_eq(differ, 0, "%s: sequence %d (%d prompt tokens): %d of %d rows differ, from row %d, by up to %g",
+                     what, i, sa->n_prompt, differ, n_rows, first, worst);
+        cr_expect(memcmp(sa->gen, sb->gen, (size_t)sa->n_decode * sizeof(int32_t)) == 0,
+                  "%s: sequence %d: tokens differ", what, i);
+    }
+}
+
+/* One sequence at a time, its prompt in one chunk, on a backend with --batch-invariant set. */
+static void invariant_alone(struct fx *f, struct run *alone, int32_t n, int32_t dec)
+{
+    memset(alone, 0, sizeof *alone);
+    for (int32_t i = 0; i < n; i++) {
+        const int32_t st = 0, ch = 1 << 20;
+        struct run one;
+        memset(&one, 0, sizeof one);
+        drive(f, &one, i, 1, &st, &ch, dec);
+        alone->seq[i] = one.seq[0];
+        memcpy(alone->gen[i], one.gen[0], sizeof one.gen[0]);
+        alone->seq[i].gen = alone->gen[i];
+    }
+}
+
+static void load_invariant(struct fx *f, int idx, bool graphs)
+{
+    kr_backend_t be = NULL;
+    struct kr_err err = {0};
+    cr_assert_eq(kr_backend_cuda_create(0, graphs, &be, &err), KR_OK, "%s", err.msg);
+    cr_assert_eq(kr_backend_set_batch_invariant(be, true, &err), KR_OK, "%s", err.msg);
+    fx_load_on(f, fx_all[idx].family, fx_all[idx].name, be, 12);
+}
+
+/* --batch-invariant (kr_backend_set_batch_invariant): the batch_composition_independent schedule,
+ * now bit for bit. Alone: one sequence at a time, its prompt in one chunk. Together: every sequence
+ * from the first step, prompts whole (one prefill step, then decode-only steps replaying padded
+ * graphs). Staggered: starts spread over seven steps and prompts in chunks of 64 tokens (the SSD's
+ * tile; never leaving one token for a last chunk, which would run as a decode), so that prefill
+ * chunks of some sequences share steps with the decodes of others. And alone again without graphs.
+ * Every row of every sequence must be the same bits in all four, and so every token, routing and
+ * selection decisions included. */
+FIXTURE_PARAMS(batch_invariant_mode_is_bitwise)
+ParameterizedTest(int *idx, cuda_backend, batch_invariant_mode_is_bitwise)
+{
+    GT_REQUIRE_GPU();
+    enum { N = 10, DEC = 12 };
+    struct fx f, fe;
+    load_invariant(&f, *idx, true);
+    struct run alone, together, staggered, eager;
+    invariant_alone(&f, &alone, N, DEC);
+    int32_t start[N], chunk[N], zero[N], whole[N];
+    for (int32_t i = 0; i < N; i++) {
+        const int32_t n = f.prompts[i % f.n_prompts].n;
+        start[i] = (i * 3) % 7;
+        chunk[i] = n % 64 == 1 ? 1 << 20 : 64;
+        zero[i] = 0;
+        whole[i] = 1 << 20;
+    }
+    memset(&together, 0, sizeof together);
+    drive(&f, &together, 0, N, zero, whole, DEC);
+    memset(&staggered, 0, sizeof staggered);
+    drive(&f, &staggered, 0, N, start, chunk, DEC);
+    load_invariant(&fe, *idx, false);
+    invariant_alone(&fe, &eager, N, DEC);
+    char what[96];
+    snprintf(what, sizeof what, "%s together", fx_all[*idx].name);
+    expect_bitwise(&f, &alone, &together, N, what);
+    snprintf(what, sizeof what, "%s staggered", fx_all[*idx].name);
+    expect_bitwise(&f, &alone, &staggered, N, what);
+    snprintf(what, sizeof what, "%s alone without graphs", fx_all[*idx].name);
+    expect_bitwise(&f, &alone, &eager, N, what);
+    run_free(&alone, N);
+    run_free(&together, N);
+    run_free(&staggered, N);
+    run_free(&eager, N);
+    fx_free(&f);
+    fx_free(&fe);
+}
+
 /* Decode steps replayed from graphs (padded to bucket sizes) equal the same steps run eagerly. */
 FIXTURE_PARAMS(graphs_equal_eager)
 ParameterizedTest(int *idx, cuda_backend, graphs_equal_eager)

@@ -798,3 +798,103 @@ Test(gemm, add_bias_adds_per_row)
     }
     kr_backend_free(be);
 }
+
+/* The bounds of the fixed-order products: an algorithm without a split of K sums a 21504-column
+ * row in one fp32 accumulator (NMSE 5.7e-10, max 6e-3 on |y| ~ 50, measured); split in four, 3e-11
+ * and 1.3e-3. A missed or repeated block of columns gives errors of order 1. */
+#define FIXED_NMSE 2e-9
+#define FIXED_ABS 2e-2
+
+/* --batch-invariant's products (krk_fixed_gemm): for each shape, row t of y is the same bits whatever
+ * the row count n of the product it was computed in (n = 1..70 and a few prefill-sized counts),
+ * bf16 and fp32 weights; and every row against the CPU's product within the bounds of the skinny
+ * kernels (bf16-exact x: the same operands, another summation order). The shapes: a Nemotron-H-8B
+ * in_proj and down projection, an MoE router (fp32), and ragged small ones. */
+Test(gemm, fixed_order_rows_do_not_depend_on_the_row_count)
+{
+    GT_REQUIRE_GPU();
+    static const struct {
+        int64_t rows, cols;
+        bool f32;
+    } shapes[] = {{18560, 4096, false}, {4096, 21504, false}, {131, 264, false}, {4096, 4096, false},
+                  {64, 2048, true}, {72, 104, true}};
+    static const int64_t counts[] = {1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 70, 128, 255, 600};
+    enum { N_COUNTS = sizeof counts / sizeof counts[0], MAX_N = 600 };
+    struct gt_rng rng = {.s = 4242};
+    kr_backend_t be = kr_backend_cpu_create(0);
+    cr_assert(be);
+    const size_t ws_bytes = (size_t)64 << 20; /* the backend's */
+    void *d_ws = gt_dalloc(ws_bytes);
+    /* algorithms chosen for steps of up to MAX_N rows, and (as a server of 8192-token steps chooses
+     * them: split-K partial sums that would outgrow the workspace are reduced in place) 8192 */
+    for (int h = 0; h < 2; h++) {
+    struct krk_fixed_lt *lt = krk_fixed_lt_create(d_ws, ws_bytes, h ? 8192 : MAX_N);
+    cr_assert(lt, "cuBLASLt handle");
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+        const int64_t rows = shapes[si].rows, cols = shapes[si].cols;
+        const bool f32 = shapes[si].f32;
+        const size_t nw = (size_t)(rows * cols), nx = (size_t)(MAX_N * cols), ny = (size_t)(MAX_N * rows);
+        float *wf = hrand(&rng, nw, -1.0f, 1.0f), *x = hrand(&rng, nx, -1.0f, 1.0f);
+        uint16_t *wb = kr_malloc(nw * sizeof(uint16_t));
+        cr_assert(wb);
+        for (size_t i = 0; i < nw; i++) {
+            wb[i] = kr_f32_to_bf16(wf[i]);
+            wf[i] = f32 ? wf[i] : kr_bf16_to_f32(wb[i]);
+        }
+        if (!f32) {
+            gt_round_bf16(x, nx);
+        }
+        void *d_w = f32 ? gt_dup(wf, nw * 4) : gt_dup(wb, nw * 2);
+        void *d_x = f32 ? gt_dup(x, nx * 4) : (void *)gt_dup_bf16(x, nx);
+        float *d_y = gt_dalloc(ny * 4);
+        float *full = kr_malloc(ny * sizeof(float)), *got = kr_malloc(ny * sizeof(float));
+        cr_assert(full && got);
+        for (int ci = N_COUNTS - 1; ci >= 0; ci--) { /* the largest first: the rows the others must repeat */
+            const int64_t n = counts[ci];
+            cr_assert_eq(cudaMemset(d_y, 0xff, ny * 4), cudaSuccess);
+            const struct krk_fixed_gemm_params p = {.w = d_w, .x = d_x, .ldx = cols, .y = d_y, .ldy = rows,
+                                                    .rows = rows, .cols = cols, .n = n, .f32 = f32};
+            cr_assert_eq(krk_fixed_gemm(lt, &p, NULL), KR_OK, "%lldx%lld n=%lld", (long long)rows, (long long)cols,
+                         (long long)n);
+            gt_sync();
+            gt_down(ci == N_COUNTS - 1 ? full : got, d_y, (size_t)(n * rows) * 4);
+            if (ci < N_COUNTS - 1) {
+                size_t differ = 0;
+                for (size_t i = 0; i < (size_t)(n * rows); i++) {
+                    differ += memcmp(&got[i], &full[i], 4) != 0;
+                }
+                cr_expect_eq(differ, 0, "%s %lldx%lld (up to %d rows): %zu values of the first %lld rows differ from the %d-row "
+                             "product", f32 ? "fp32" : "bf16", (long long)rows, (long long)cols,
+                             h ? 8192 : MAX_N, differ, (long long)n, MAX_N);
+            }
+        }
+        /* against the CPU reference: the first 70 rows (the CPU product of 600 rows at cols 21504 is slow) */
+        const int64_t nref = 70;
+        struct kr_tensor t = {.data = f32 ? (void *)wf : (void *)wb, .dtype = f32 ? KR_DTYPE_F32 : KR_DTYPE_BF16,
+                              .rows = rows, .cols = cols};
+        float *ref = kr_malloc((size_t)(nref * rows) * sizeof(float));
+        cr_assert(ref);
+        cr_assert_eq(kr_backend_matmul(be, x, cols, nref, &t, NULL, ref, rows, NULL), KR_OK);
+        char what[96];
+        snprintf(what, sizeof what, "fixed-order %s %lldx%lld (up to %d rows)", f32 ? "fp32" : "bf16",
+                 (long long)rows, (long long)cols, h ? 8192 : MAX_N);
+        gt_expect_close(what, full, ref, (size_t)(nref * rows), FIXED_NMSE, FIXED_ABS);
+        int splits = -1;
+        const int id = krk_fixed_algo_id(lt, f32, rows, cols, &splits);
+        cr_expect_geq(id, 0, "%s: an algorithm is kept", what);
+        fprintf(stderr, "  %s: cuBLASLt algorithm %d, split-K %d\n", what, id, splits);
+        kr_free(ref);
+        kr_free(full);
+        kr_free(got);
+        kr_free(wf);
+        kr_free(wb);
+        kr_free(x);
+        gt_dfree(d_w);
+        gt_dfree(d_x);
+        gt_dfree(d_y);
+    }
+    krk_fixed_lt_free(lt);
+    }
+    gt_dfree(d_ws);
+    kr_backend_free(be);
+}

@@ -53,6 +53,9 @@ struct krk_ctx {
     /* tuning variants (0: the plain kernels) */
     int32_t dsa_score;      /* krk_dsa_index: KRK_DSA_SCORE_* (krk/mla.h) */
     int32_t mla_attn;       /* krk_mla_attention: KRK_MLA_ATTN_* (krk/mla.h) */
+    /* --batch-invariant: the launchers that choose their split or path by the step's size (krk_attn,
+     * the MLA and DSA kernels) choose by each token's own sequence and context instead */
+    bool batch_invariant;
     /* krk_mla_attention: an event recorded after the work that writes the params' idx (on another
      * stream), or NULL; the launcher makes `stream` wait on it after the kernels that do not read idx
      * (the absorption of the queries) and before the first that does (whenever it returns KR_OK) */

@@ -169,6 +169,31 @@ enum kr_status krk_fp8_gemm_lt(struct krk_fp8_lt *lt, const struct krk_fp8_mm_pa
 bool krk_fp8_skinny_takes(const struct krk_fp8_weight *w);
 enum kr_status krk_fp8_skinny(const struct krk_fp8_mm_params *p, cudaStream_t stream);
 
+/* Products whose rows do not depend on the row count (--batch-invariant): y [n, ldy] = x [n, ldx]
+ * times W^T (bf16 x and W, or fp32 both; fp32 accumulation and output) through cuBLASLt with one
+ * algorithm per (weight type, shape, operand alignment), chosen the first time the shape is seen
+ * and kept: among the heuristic's algorithms (and their splits of K) that take 1 to max_n rows
+ * within the workspace, the fastest over 1, 16, 64 and 512 rows timed on that first call's weight
+ * (the heuristic's first when the stream is being captured). Row t of y is then the same bits for
+ * any n. A handle borrows the workspace (device memory); one thread at a time. */
+struct krk_fixed_lt;
+struct krk_fixed_lt *krk_fixed_lt_create(void *ws, size_t ws_bytes, int64_t max_n);
+void krk_fixed_lt_free(struct krk_fixed_lt *lt);
+struct krk_fixed_gemm_params {
+    const void *w;          /* [rows, cols] bf16, or fp32 when f32 */
+    const void *x;          /* [n, ldx] of the same type */
+    int64_t ldx;
+    float *y;               /* [n, ldy] */
+    int64_t ldy;
+    int64_t rows, cols, n;  /* n <= max_n */
+    bool f32;
+};
+/* KR_ERR_UNSUPPORTED (nothing launched, a message on stderr) when no algorithm takes the shape at
+ * every row count, or the one kept does not take this call's leading dimensions. */
+enum kr_status krk_fixed_gemm(struct krk_fixed_lt *lt, const struct krk_fixed_gemm_params *p, cudaStream_t stream);
+/* The kept algorithm's cuBLASLt id for a shape (-1: none yet) and its split of K (tests, logs). */
+int krk_fixed_algo_id(struct krk_fixed_lt *lt, bool f32, int64_t rows, int64_t cols, int *splits);
+
 /* y[t, r] += bias[r] for t < n, r < rows (after a cuBLAS product). */
 enum kr_status krk_add_bias(float *y, int64_t ldy, const float *bias, int64_t n, int64_t rows, cudaStream_t stream);
 

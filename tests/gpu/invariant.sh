@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# --batch-invariant on the GPU: the tests that check it bit for bit, then decode and prefill with and
+# without it on a synthetic 8B checkpoint (docs/PERF.md, "Batch-invariant mode").
+#   tests/gpu/invariant.sh [--build DIR] [--shape NAME] [--suites "a b"] [--deadline SECONDS]
+# Logs and a summary go to $OUT (or ./gpu-out).
+set -u
+build=build-gpu shape=nemotron_h_8b suites="" deadline=560
+while [ $# -gt 0 ]; do
+  case $1 in
+    --build) build=$2; shift ;;
+    --shape) shape=$2; shift ;;
+    --suites) suites=$2; shift ;;
+    --deadline) deadline=$2; shift ;;
+    *) echo "invariant.sh: unknown option $1" >&2; exit 2 ;;
+  esac
+  shift
+done
+out=${OUT:-$PWD/gpu-out}
+mkdir -p "$out"
+export LD_LIBRARY_PATH=$PWD/$build/devlibs:${LD_LIBRARY_PATH:-}
+export KR_FIXTURES=$PWD/tests/fixtures
+t_start=$(date +%s)
+left() {
+  local r=$(( deadline - ($(date +%s) - t_start) ))
+  [ $r -lt 20 ] && { echo 0; return; }
+  [ $r -gt $1 ] && r=$1
+  echo $r
+}
+run_for() {
+  local b; b=$(left $1); shift
+  [ "$b" = 0 ] && { echo "skipped: deadline reached"; return 125; }
+  timeout "$b" "$@"
+}
+log=$out/invariant.log
+{
+  echo "# --batch-invariant $(date -u +%Y-%m-%dT%H:%MZ)"
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | sed 's/^/device: /'
+} > "$log"
+bin=$build/tests/gpu/test_cuda
+# the mode's test again under each measurement switch that changes a kernel it runs
+for v in ${VARIANTS-KRAIT_DSA_SCORE=fp32 KRAIT_PDL=0}; do
+  env "$v" timeout 120 "$bin" --filter 'cuda_backend/batch_invariant*' --jobs 4 > "$out/variant.tmp" 2>&1
+  echo "== cuda_backend/batch_invariant* with $v rc=$?: $(grep -a 'Synthesis:' "$out/variant.tmp" | tail -1)" >> "$log"
+  grep -a 'rows differ' "$out/variant.tmp" | head -4 >> "$log"
+done
+rm -f "$out/variant.tmp"
+for f in 'gemm/fixed_order*' 'cuda_backend/batch_invariant*' $suites; do
+  case $f in */*) ;; *) f="$f/*" ;; esac
+  run_for 240 "$bin" --filter "$f" --jobs 4 --verbose=1 > "$out/test-${f%%/*}.log" 2>&1
+  echo "== $f rc=$?: $(grep -a 'Synthesis:' "$out/test-${f%%/*}.log" | tail -1)" >> "$log"
+done
+synth=/tmp/krait-synth-$shape
+if [ ! -f "$synth/config.json" ]; then
+  PYTHONUNBUFFERED=1 run_for 200 python3 tools/bench/synth_model.py make --shape "$shape" --out "$synth" \
+    > "$out/synth.log" 2>&1 || echo "synthetic checkpoint failed" >> "$log"
+fi
+if [ -f "$synth/config.json" ]; then
+  # the same process order both ways, twice, so that the spread between processes shows
+  for mode in ${MODES:-plain invariant plain invariant}; do
+    args=""
+    [ $mode = invariant ] && args=--batch-invariant
+    echo "## $shape $mode" >> "$log"
+    run_for 150 "$build/bench/bench_cuda" $args --batches 1,16,64 --prefill 2048 --steps 24 "$synth" \
+      > "$out/bench.tmp" 2>&1
+    echo "bench_cuda rc=$?" >> "$out/bench.tmp"
+    cat "$out/bench.tmp" >> "$out/bench.log"
+    grep -Eai 'decode|prefill|device|error|krk|rc=' "$out/bench.tmp" >> "$log"
+  done
+fi
+rm -f "$out/bench.tmp"
+echo "total $(( $(date +%s) - t_start )) s" >> "$log"
+cat "$log"
