@@ -1019,6 +1019,12 @@ static enum kr_status cuda_set_batch_invariant(kr_backend_t be, bool on, struct 
                           "--batch-invariant with FP8 weights (--quantization fp8): the GPU's FP8 products choose "
                           "their kernel by the row count; serve the bf16 weights");
     }
+    if (on && be->tp_size > 1) {
+        return kr_err_set(err, KR_ERR_UNSUPPORTED,
+                          "--batch-invariant with tensor parallelism on GPUs: the all-reduces' summation order "
+                          "follows the message size (peer kernels or NCCL's algorithm), so the step's size would "
+                          "show in the results; serve on one GPU");
+    }
     c->invariant = on;
     /* the per-head MLA kernel tiles every token's keys from position 0 whatever the step; the
      * head-batched one splits them by the step's size */
@@ -1873,6 +1879,11 @@ static enum kr_status cuda_set_tp(kr_backend_t be, int rank, int size, void *com
         c->comm = NULL;
         c->rank = 0;
         return KR_OK;
+    }
+    if (c->invariant) {
+        KR_LOG_ERROR("cuda: --batch-invariant with tensor parallelism on GPUs: the all-reduces' summation order "
+                     "follows the message size; serve on one GPU");
+        return KR_ERR_UNSUPPORTED;
     }
     if (!comm || kr_cuda_comm_size(comm) != size || kr_cuda_comm_device(comm, rank) != c->dev) {
         KR_LOG_ERROR("cuda: rank %d of %d: the group has another size or puts the rank on another device", rank, size);
