@@ -44,7 +44,7 @@ for v in ${VARIANTS-KRAIT_DSA_SCORE=fp32 KRAIT_PDL=0}; do
   grep -a 'rows differ' "$out/variant.tmp" | head -4 >> "$log"
 done
 rm -f "$out/variant.tmp"
-for f in 'gemm/fixed_order*' 'cuda_backend/batch_invariant*' $suites; do
+for f in 'gemm/fixed_order*' 'cuda_backend/batch_invariant*' 'cuda_invariant/*' $suites; do
   case $f in */*) ;; *) f="$f/*" ;; esac
   run_for 240 "$bin" --filter "$f" --jobs 4 --verbose=1 > "$out/test-${f%%/*}.log" 2>&1
   echo "== $f rc=$?: $(grep -a 'Synthesis:' "$out/test-${f%%/*}.log" | tail -1)" >> "$log"
