@@ -771,13 +771,16 @@ static enum kr_status cuda_reserve(kr_backend_t be, const struct kr_model_config
     NEED(krk_sample_workspace_bytes(n_seq, m->vocab));
 #undef NEED
     KR_TRY(ensure_scratch(c, need));
-    if (c->invariant && (!c->fixed || c->fixed_max_n < n_tok)) {
-        /* before any product of the model: the algorithms are chosen for steps of up to n_tok rows */
-        krk_fixed_lt_free(c->fixed);
+    if (c->invariant && !c->fixed) {
+        /* the algorithms are chosen for steps of up to n_tok rows */
         if (!(c->fixed = krk_fixed_lt_create(c->blas_ws, c->blas_ws_size, n_tok))) {
             KR_LOG_ERROR("cuda: cannot create the cuBLASLt handle of --batch-invariant");
             return KR_ERR_CUDA;
         }
+        c->fixed_max_n = n_tok;
+    } else if (c->invariant && c->fixed_max_n < n_tok) {
+        /* a larger step later: the algorithms kept stay (a result must not change mid-process) */
+        krk_fixed_lt_grow(c->fixed, n_tok);
         c->fixed_max_n = n_tok;
     }
     int64_t wide = max64(m->dim, m->m_d_inner);

@@ -61,6 +61,13 @@ extern "C" struct krk_fixed_lt *krk_fixed_lt_create(void *ws, size_t ws_bytes, i
     return lt;
 }
 
+extern "C" void krk_fixed_lt_grow(struct krk_fixed_lt *lt, int64_t max_n)
+{
+    if (lt && max_n > lt->max_n) {
+        lt->max_n = max_n;
+    }
+}
+
 extern "C" void krk_fixed_lt_free(struct krk_fixed_lt *lt)
 {
     if (lt) {

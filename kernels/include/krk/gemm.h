@@ -178,6 +178,9 @@ enum kr_status krk_fp8_skinny(const struct krk_fp8_mm_params *p, cudaStream_t st
  * any n. A handle borrows the workspace (device memory); one thread at a time. */
 struct krk_fixed_lt;
 struct krk_fixed_lt *krk_fixed_lt_create(void *ws, size_t ws_bytes, int64_t max_n);
+/* Steps of up to max_n rows from now on: the algorithms kept stay (a product they cannot take is
+ * refused with a message, never run another way); shapes seen from now on are chosen for max_n. */
+void krk_fixed_lt_grow(struct krk_fixed_lt *lt, int64_t max_n);
 void krk_fixed_lt_free(struct krk_fixed_lt *lt);
 struct krk_fixed_gemm_params {
     const void *w;          /* [rows, cols] bf16, or fp32 when f32 */
