@@ -117,6 +117,11 @@ static enum kr_status grow(struct kr_model *m, int64_t n_tok, int64_t n_out, int
         m->work_tokens = (int32_t)n_tok;
     }
     if (n_tok > m->res_tok || n_seq > m->res_seq || max_ctx > m->res_ctx) {
+        if (max_ctx > m->res_ctx && m->n_mla) {
+            /* the MLA layers of a captured graph take every context up to the one reserved for
+             * when it was captured (kr_model_forward's bound), and no further */
+            kr_backend_graph_reset(m->be);
+        }
         m->res_tok = n_tok > m->res_tok ? n_tok : m->res_tok;
         m->res_seq = n_seq > m->res_seq ? n_seq : m->res_seq;
         m->res_ctx = max_ctx > m->res_ctx ? max_ctx : m->res_ctx;
@@ -868,8 +873,15 @@ enum kr_status kr_model_forward(struct kr_model *m, struct kr_cache *cache, cons
         int32_t bound = 0, selects = 0;
         if (m->n_mla) {
             const int64_t cap = (int64_t)mb * cache->block_size, mc = batch_max_ctx(b);
-            const int64_t res = m->res_ctx > mc ? m->res_ctx : mc;
-            bound = (int32_t)(cap < res ? cap : res);
+            /* the bound must hold every context the graph will be replayed with: the contexts
+             * reserved for, raised first when this one is beyond them (to a power of two, so that
+             * a sequence growing a token a step has its graphs captured again now and then, not
+             * every step; raising them drops the graphs captured under the lower bound) */
+            if (mc > m->res_ctx && bucket > 0 &&
+                (st = grow(m, 0, 0, 0, mc < (1 << 30) ? pow2_at_least((int32_t)mc, 256) : mc)) != KR_OK) {
+                return kr_err_set(err, st, "forward pass failed: %s", kr_status_str(st));
+            }
+            bound = (int32_t)(cap < m->res_ctx ? cap : m->res_ctx);
             selects = mc > c->idx_topk; /* ws->dsa_select of this step (always set without D layers: topk 0) */
         }
         if (bucket > 0 && mb < (1 << 14) && pad_batch(m, b, bucket, mb, bound, &padded) == KR_OK) {
