@@ -736,6 +736,10 @@ static size_t f8_lt_bytes(int64_t n, int64_t cols, int64_t bc)
     return align256((size_t)(n * ((cols + 15) / 16 * 16))) + (size_t)(n * ((cols + bc - 1) / bc)) * 4;
 }
 
+/* --batch-invariant: the fewest rows the product algorithms are chosen to take (the chunk of 256
+ * prompt tokens plus a batch of decodes) */
+#define FIXED_MIN_ROWS 512
+
 static enum kr_status cuda_reserve(kr_backend_t be, const struct kr_model_config *m, int64_t n_tok, int64_t n_seq,
                                    int64_t max_ctx, int32_t block_size)
 {
@@ -772,12 +776,15 @@ static enum kr_status cuda_reserve(kr_backend_t be, const struct kr_model_config
 #undef NEED
     KR_TRY(ensure_scratch(c, need));
     if (c->invariant && !c->fixed) {
-        /* the algorithms are chosen for steps of up to n_tok rows */
-        if (!(c->fixed = krk_fixed_lt_create(c->blas_ws, c->blas_ws_size, n_tok))) {
+        /* the algorithms are chosen for steps of up to n_tok rows, and at least FIXED_MIN_ROWS: a
+         * driver that does not reserve its largest step first (the server does) starts with a
+         * small one, and an algorithm chosen for it may not take the later, larger ones */
+        const int64_t rows = n_tok > FIXED_MIN_ROWS ? n_tok : FIXED_MIN_ROWS;
+        if (!(c->fixed = krk_fixed_lt_create(c->blas_ws, c->blas_ws_size, rows))) {
             KR_LOG_ERROR("cuda: cannot create the cuBLASLt handle of --batch-invariant");
             return KR_ERR_CUDA;
         }
-        c->fixed_max_n = n_tok;
+        c->fixed_max_n = rows;
     } else if (c->invariant && c->fixed_max_n < n_tok) {
         /* a larger step later: the algorithms kept stay (a result must not change mid-process) */
         krk_fixed_lt_grow(c->fixed, n_tok);
