@@ -8,7 +8,8 @@
  * absolute deviation by LP_MEAN_TOL = 0.02 (measured on an H200: at most 0.074 and 0.012; the CPU
  * reference is within 1e-3 of HF on the same data, and a wrong kernel moves them by O(1)). Greedy
  * tokens must equal HF's up to the first step where HF's top-2 margin is below MARGIN = 0.3, twice LP_TOL (beyond a near-tie either continuation is legitimate at bf16
- * precision). */
+ * precision). Where a fixture has HF's own bf16 run on the same weights (hf_bf16.json), the
+ * deviation is also bounded relative to that run's (BF16_MAX_RATIO, BF16_MEAN_RATIO). */
 #include "ckpt-writer.h"
 #include "engine.h"
 #include "fixture.h"
@@ -28,6 +29,14 @@
 
 #define LP_TOL 0.15
 #define LP_MEAN_TOL 0.02
+/* Relative to HF transformers run in bf16 on the same weights (hf_bf16.json, written by
+ * tools/reference/hf_bf16_deviation.py): what bf16 arithmetic costs there. The mean deviation must
+ * not exceed HF's own; the largest, over the positions where neither run took another branch, at
+ * most 1.5 times HF's (a single entry of a 256-token vocabulary: noisy). Measured on an H100
+ * (2026-12-06), every fixture with HF figures, whole and in chunks of 7: means 0.03-0.75 times
+ * HF's, largest 0.31-1.18 times. */
+#define BF16_MAX_RATIO 1.5
+#define BF16_MEAN_RATIO 1.0
 #define MARGIN 0.3f
 
 /* Models with discrete decisions (MoE routing, DSA top-k selection) can take a different branch
@@ -76,7 +85,7 @@ ParameterizedTest(int *idx, cuda_backend, prompt_logprobs_match_hf)
         cr_assert(lp);
         struct kr_err err = {0};
         cr_assert_eq(kr_run_prompt_logprobs(f.m, f.c, p->ids, p->n, chunk, lp, &err), KR_OK, "%s", err.msg);
-        double worst = 0, sum = 0, worst_kept = 0;
+        double worst = 0, sum = 0, worst_kept = 0, bf16_kept = 0;
         int32_t flipped = 0;
         char where[512] = "";
         size_t wl = 0;
@@ -97,6 +106,9 @@ ParameterizedTest(int *idx, cuda_backend, prompt_logprobs_match_hf)
             } else {
                 worst_kept = wt > worst_kept ? wt : worst_kept;
                 sum += st;
+                if (p->has_bf16 && p->bf16_pos[t] <= LP_TOL) { /* HF's bf16 run took no other branch there */
+                    bf16_kept = p->bf16_pos[t] > bf16_kept ? p->bf16_pos[t] : bf16_kept;
+                }
             }
         }
         const int32_t kept = p->n - flipped, allowed = discrete(f.m) ? (p->n / 4 > 1 ? p->n / 4 : 1) : 0;
@@ -107,6 +119,20 @@ ParameterizedTest(int *idx, cuda_backend, prompt_logprobs_match_hf)
         cr_expect_leq(flipped, allowed, "%s prompt %d chunk %d: %d positions deviate from HF by more than %g (max %g)",
                       name, i, chunk, flipped, LP_TOL, worst);
         cr_expect_leq(mean, LP_MEAN_TOL, "%s prompt %d: mean |logprob - HF| = %g", name, i, mean);
+        if (p->has_bf16) {
+            /* against HF's own run in bf16 on the same weights: the largest deviation over the
+             * positions where neither run took another branch, and the mean */
+            fprintf(stderr, "  %-20s prompt %d (chunk %d): against HF in bf16: max %.3g vs %.3g (x%.2f), mean %.3g vs "
+                            "%.3g (x%.2f)\n", name, i, chunk, worst_kept, bf16_kept,
+                    bf16_kept > 0 ? worst_kept / bf16_kept : 0.0, mean, p->bf16_mean,
+                    p->bf16_mean > 0 ? mean / p->bf16_mean : 0.0);
+            cr_expect_leq(worst_kept, BF16_MAX_RATIO * bf16_kept,
+                          "%s prompt %d chunk %d: max |logprob - HF| %g, more than %g x HF's own bf16 run's %g", name,
+                          i, chunk, worst_kept, BF16_MAX_RATIO, bf16_kept);
+            cr_expect_leq(mean, BF16_MEAN_RATIO * p->bf16_mean,
+                          "%s prompt %d chunk %d: mean |logprob - HF| %g, more than %g x HF's own bf16 run's %g", name,
+                          i, chunk, mean, BF16_MEAN_RATIO, p->bf16_mean);
+        }
         kr_free(lp);
     }
     fx_free(&f);

@@ -39,6 +39,43 @@ void fx_load(struct fx *f, const char *family, const char *name, int threads, in
     fx_load_on(f, family, name, be, n_slots);
 }
 
+/* hf_bf16.json when the fixture has one (fx_prompt.has_bf16); its prompts must be reference.json's. */
+static void load_bf16(struct fx *f)
+{
+    char path[600];
+    snprintf(path, sizeof path, "%s/hf_bf16.json", f->dir);
+    FILE *probe = fopen(path, "rb");
+    if (!probe) {
+        return;
+    }
+    fclose(probe);
+    struct kr_json *doc = NULL;
+    struct kr_err err = {0};
+    cr_assert_eq(kr_json_parse_file(path, &doc, &err), KR_OK, "%s", err.msg);
+    const struct kr_json *ps = kr_json_get(doc, "prompts");
+    cr_assert(ps && ps->type == KR_JSON_ARRAY && (int32_t)ps->n == f->n_prompts, "%s: %d prompts expected", path,
+              f->n_prompts);
+    for (int32_t i = 0; i < f->n_prompts; i++) {
+        struct fx_prompt *p = &f->prompts[i];
+        const struct kr_json *e = &ps->items[i], *pos = kr_json_get(e, "per_position_max");
+        int64_t n;
+        cr_assert(kr_json_as_int(kr_json_get(e, "n"), &n) && n == p->n, "%s: prompt %d length", path, i);
+        cr_assert(kr_json_as_double(kr_json_get(e, "max"), &p->bf16_max), "%s: prompt %d max", path, i);
+        cr_assert(kr_json_as_double(kr_json_get(e, "mean"), &p->bf16_mean), "%s: prompt %d mean", path, i);
+        cr_assert(pos && pos->type == KR_JSON_ARRAY && (int32_t)pos->n == p->n, "%s: prompt %d per_position_max",
+                  path, i);
+        p->bf16_pos = kr_malloc((size_t)p->n * sizeof(float));
+        cr_assert(p->bf16_pos);
+        for (int32_t t = 0; t < p->n; t++) {
+            double d;
+            cr_assert(kr_json_as_double(&pos->items[t], &d));
+            p->bf16_pos[t] = (float)d;
+        }
+        p->has_bf16 = true;
+    }
+    kr_json_free(doc);
+}
+
 void fx_load_on(struct fx *f, const char *family, const char *name, kr_backend_t be, int n_slots)
 {
     memset(f, 0, sizeof *f);
@@ -131,6 +168,7 @@ void fx_load_on(struct fx *f, const char *family, const char *name, kr_backend_t
     }
     kr_free(bin);
     kr_json_free(ref);
+    load_bf16(f);
     const int32_t bs = 16;
     const int32_t blocks = n_slots * ((max_len + 64) / bs + 1);
     st = kr_cache_create(f->m, n_slots, blocks, bs, &f->c);
@@ -143,6 +181,7 @@ void fx_free(struct fx *f)
         kr_free(f->prompts[i].ids);
         kr_free(f->prompts[i].logprobs);
         kr_free(f->prompts[i].sets);
+        kr_free(f->prompts[i].bf16_pos);
     }
     kr_cache_free(f->c);
     kr_model_free(f->m);

@@ -18,6 +18,12 @@ struct fx_prompt {
     int32_t n_dsa;       /* D layers with recorded index sets (0 when the fixture has none) */
     int32_t *sets;       /* [n_dsa, n, topk] HF's selected positions per D layer and query, ascending,
                             -1 padded */
+    /* HF run in bf16 on the same weights (hf_bf16.json, tools/reference/hf_bf16_deviation.py), when
+     * the fixture has it: |logprob - logprobs| over every position and vocabulary entry, the largest
+     * and the mean, and the largest per position [n] */
+    bool has_bf16;
+    double bf16_max, bf16_mean;
+    float *bf16_pos;
 };
 
 struct fx {
