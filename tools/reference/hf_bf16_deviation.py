@@ -29,13 +29,14 @@ import json
 import os
 import sys
 
-import numpy as np
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def load_module(name):
+    if name in sys.modules:
+        return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, os.path.join(HERE, name + ".py"))
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod
@@ -43,16 +44,11 @@ def load_module(name):
     return mod
 
 
-def read_reference(d):
-    ref = json.load(open(os.path.join(d, "reference.json")))
-    blob = open(os.path.join(d, "reference.bin"), "rb").read()
-    V = ref["vocab_size"]
-    out = []
-    for p in ref["prompts"]:
-        n = p["n_rows"]
-        arr = np.frombuffer(blob, dtype="<f4", count=n * V, offset=p["logprobs_offset"]).reshape(n, V)
-        out.append((p["ids"], torch.from_numpy(arr.copy()).double()))
-    return ref, out
+def read_prompts(d):
+    """[(ids, float32 reference rows as float64)] of fixture directory d, read by the fixture scripts'
+    own reader (both families write reference.json / reference.bin alike)."""
+    _, refs = load_module("make_nemotron_h_fixtures").read_reference(d)
+    return [(p["ids"], lp.double()) for p, lp in refs]
 
 
 def logprobs(model, ids, device):
@@ -62,7 +58,7 @@ def logprobs(model, ids, device):
 
 
 def evaluate(name, d, model, device, gen_note):
-    ref, prompts = read_reference(d)
+    prompts = read_prompts(d)
     worst32 = 0.0
     for ids, lp_ref in prompts:
         worst32 = max(worst32, (logprobs(model, ids, device) - lp_ref).abs().max().item())
