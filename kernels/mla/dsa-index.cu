@@ -287,7 +287,7 @@ __device__ __forceinline__ int block_excl_scan(int v, int *sh, int *total)
 // then the write-out: each thread owns a contiguous run of items and takes those greater than the
 // threshold, and those equal to it while the equal ones before (in earlier runs, then in its own)
 // number fewer than `remaining`; two block scans place the runs. Histograms take one shared atomic
-// per bin and warp; the bin is found by one warp's scan of the 256 counts (a thread walking them one by one
+// per key; the bin is found by one warp's scan of the 256 counts (a thread walking them one by one
 // took ~4 us a pass). Block of kSelectThreads; call from every thread.
 struct TopkSmem {
     int hist[256];
@@ -306,19 +306,10 @@ __device__ void block_topk(int32_t n, int32_t k, Key key, Emit emit, TopkSmem &s
             sm.hist[i] = 0;
         }
         __syncthreads();
-        // Scores cluster in a few bins (the top byte is mostly the exponent): the lanes of a warp
-        // holding the same bin add their count in one atomic (__match_any_sync), instead of up to
-        // 32 atomics on one address, which shared memory serializes.
-        for (int32_t base = 0; base < n; base += kSelectThreads) {
-            const int32_t i = base + (int32_t)threadIdx.x;
-            uint32_t bin = 256u; // none: out of range or outside the prefix
-            if (i < n) {
-                const uint32_t kv = key(i);
-                bin = (kv & mask) == prefix ? (kv >> shift) & 255u : 256u;
-            }
-            const unsigned peers = __match_any_sync(0xffffffffu, bin);
-            if (bin < 256u && lane == __ffs(peers) - 1) {
-                atomicAdd(&sm.hist[bin], __popc(peers));
+        for (int32_t i = threadIdx.x; i < n; i += kSelectThreads) {
+            const uint32_t kv = key(i);
+            if ((kv & mask) == prefix) {
+                atomicAdd(&sm.hist[(kv >> shift) & 255u], 1);
             }
         }
         __syncthreads();
