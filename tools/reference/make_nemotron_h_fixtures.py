@@ -263,6 +263,8 @@ def storage_dtype(fx, name):
         return torch.bfloat16
     if s == "f16":
         return torch.float16
+    if s == "f32":
+        return torch.float32
     if s == "mixed_f32":
         if re.search(r"(\.A_log|\.D|\.dt_bias|\.conv1d\.weight|\.conv1d\.bias|\.e_score_correction_bias)$", name):
             return torch.float32
@@ -807,7 +809,7 @@ def config_json(fx):
         })
         if mo["latent"] is not None:
             c["moe_latent_size"] = mo["latent"]
-    tdt = {"bf16": "bfloat16", "f16": "float16", "mixed_f32": "bfloat16"}[fx["storage"]]
+    tdt = {"bf16": "bfloat16", "f16": "float16", "mixed_f32": "bfloat16", "f32": "float32"}[fx["storage"]]
     c.update({
         "layer_norm_epsilon": 1e-5,
         "max_position_embeddings": 4096,
