@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # --batch-invariant on the GPU: the tests that check it bit for bit, then decode and prefill with and
-# without it on a synthetic 8B checkpoint (docs/PERF.md, "Batch-invariant mode").
+# without it on a synthetic 8B checkpoint (docs/PERF.md, "Batch-invariant mode"), then `krait serve
+# --batch-invariant` over HTTP on the default model and the synthetic checkpoint (invariant_http.py).
 #   tests/gpu/invariant.sh [--build DIR] [--shape NAME] [--suites "a b"] [--deadline SECONDS]
 # Logs and a summary go to $OUT (or ./gpu-out).
 set -u
@@ -68,5 +69,19 @@ if [ -f "$synth/config.json" ]; then
   done
 fi
 rm -f "$out/bench.tmp"
+# served: each probe's tokens and log-probabilities alone and in a crowd of concurrent requests
+# (some cut mid-stream), on the default model and on the synthetic checkpoint (token-id prompts)
+if [ -x "$build/krait" ]; then
+  for m in models/small-hybrid "$synth"; do
+    [ -f "$m/config.json" ] || continue
+    extra=""
+    [ "$m" = "$synth" ] && extra="--max-prompt 2000 --token-hi 120000 --crowd 24"
+    # shellcheck disable=SC2086
+    PYTHONUNBUFFERED=1 run_for 150 python3 tests/stress/invariant_http.py --krait "$build/krait" --model "$m" \
+      "--serve-arg=--max-model-len 4096" --probes 6 $extra --log "$out/serve-$(basename "$m").log" > "$out/serve.tmp" 2>&1
+    echo "== invariant_http $(basename "$m") rc=$?: $(tail -1 "$out/serve.tmp")" >> "$log"
+  done
+  rm -f "$out/serve.tmp"
+fi
 echo "total $(( $(date +%s) - t_start )) s" >> "$log"
 cat "$log"
