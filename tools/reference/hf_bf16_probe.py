@@ -90,12 +90,8 @@ def set_clamp(model, on):
 
 def make_model(fx, init, device):
     model, _ = mod.build_model(fx)  # HF's own initialisation (torch.manual_seed(0) first)
-    if init == "fixture":
+    if init == "fixture":  # (HF's initialisation is kept as it is: its files are float32)
         mod.randomize_and_round(model, fx, torch.Generator().manual_seed(fx["seed"]))
-    else:
-        with torch.no_grad():  # what the files hold
-            for _, p in list(model.named_parameters()) + list(model.named_buffers()):
-                p.copy_(p.to(torch.bfloat16 if fx["storage"] == "bf16" else p.dtype).to(p.dtype))
     return model.to(device).eval()
 
 
