@@ -67,7 +67,8 @@ struct kr_engine_config {
     struct kr_spec_config spec;     /* speculative decoding (method KR_SPEC_OFF: none) */
     bool batch_invariant;           /* --batch-invariant (the backend's mode set already): prompts are cut
                                        into chunks at multiples of KR_INVARIANT_CHUNK from their start and
-                                       never one token short of their end, cached prefixes end at least two
+                                       never one token short of their end, a preempted sequence recomputes
+                                       its generated tokens one a step, cached prefixes end at least two
                                        tokens short of it, Mamba models keep no prefix cache (a snapshot
                                        taken after decoded tokens is not what a prefill computes), and
                                        speculative decoding is refused */

@@ -280,15 +280,25 @@ static int32_t fail_planned(struct kr_engine *e, struct seq *s, int32_t i, int32
 }
 
 /* --batch-invariant: a prefill chunk of k tokens from n_fed ends at the prompt's end, or at a
- * multiple of KR_INVARIANT_CHUNK from its start and never one token short of the end (that token
- * would run alone, as a decode does); 0: the sequence waits for a step with more room. */
+ * multiple of KR_INVARIANT_CHUNK from its start and never one token short of the prompt's end (that
+ * token would run alone, as a decode does); 0: the sequence waits for a step with more room. A
+ * sequence preempted by recompute feeds its prompt again in the same chunks, then its generated
+ * tokens one a step, as they were decoded: a token computed in a chunk is not the same bits as
+ * the token computed alone, and the recomputed caches must be those the decode steps left. */
 static int32_t invariant_cut(const struct kr_engine *e, const struct seq *s, int32_t k)
 {
-    if (!e->cfg.batch_invariant || k <= 0 || s->n_fed + k >= s->n_toks) {
+    if (!e->cfg.batch_invariant || k <= 0) {
         return k;
     }
+    const int32_t np = s->req->n_prompt;
+    if (s->n_fed >= np) {
+        return 1;
+    }
+    if (s->n_fed + k >= np) {
+        return np - s->n_fed;
+    }
     int32_t end = (s->n_fed + k) / KR_INVARIANT_CHUNK * KR_INVARIANT_CHUNK;
-    if (s->n_toks - end == 1) {
+    if (np - end == 1) {
         end -= KR_INVARIANT_CHUNK;
     }
     return end > s->n_fed ? end - s->n_fed : 0;

@@ -2,10 +2,14 @@
  * set): every request's tokens and log-probabilities are the same bits whether it runs alone with
  * its whole prompt in one step, or among many requests that take their prompts in chunks cut by a
  * small token budget (at multiples of KR_INVARIANT_CHUNK) and share steps with each other's decodes.
+ * The same again in a cache of a little more than the longest request, where sequences are
+ * preempted and recompute their prompt and generated tokens when readmitted (the generated ones one
+ * a step, as they were decoded: computed in a chunk they would differ, on the CPU too).
  * Prompts of up to a few chunks, greedy and seeded sampling. Also what the mode refuses (drafts, a
  * budget below one chunk beside every running sequence's decode) and that Mamba models then keep no
  * prefix cache. On the CPU the reference is batch-invariant by construction; on the GPU
  * (tests/gpu/test_invariant_cuda.c) it is the mode that makes it so. */
+#include "cache.h"
 #include "engine.h"
 #include "model.h"
 
@@ -83,13 +87,19 @@ static void unload(void)
     g_be = NULL;
 }
 
-static struct kr_engine *make(int32_t seqs, int32_t tokens, bool prefix)
+/* blocks: the cache holds one state slot per sequence and that many blocks (0: 96 MiB in all) */
+static struct kr_engine *make_sized(int32_t seqs, int32_t tokens, bool prefix, int32_t blocks)
 {
     struct kr_engine_config cfg;
     kr_engine_config_default(&cfg);
     cfg.max_num_seqs = seqs;
     cfg.max_num_batched_tokens = tokens;
     cfg.cache_bytes = (size_t)96 << 20;
+    if (blocks > 0) {
+        size_t slot = 0, block = 0;
+        kr_cache_unit_bytes(g_m, cfg.block_size, &slot, &block);
+        cfg.cache_bytes = (size_t)seqs * slot + (size_t)blocks * block;
+    }
     cfg.prefix_caching = prefix;
     cfg.batch_invariant = true;
     cfg.debug_checks = true;
@@ -97,6 +107,11 @@ static struct kr_engine *make(int32_t seqs, int32_t tokens, bool prefix)
     struct kr_err err = {0};
     cr_assert_eq(kr_engine_create(g_m, &cfg, &e, &err), KR_OK, "%s", err.msg);
     return e;
+}
+
+static struct kr_engine *make(int32_t seqs, int32_t tokens, bool prefix)
+{
+    return make_sized(seqs, tokens, prefix, 0);
 }
 
 static uint32_t g_rng;
@@ -201,6 +216,29 @@ static void alone_and_together(const char *dir)
     for (int32_t i = 0; i < N_REQ; i++) {
         cr_expect_eq(alone[i].n_error, 0, "%s: request %d failed alone", dir, i);
         expect_same(&alone[i], &together[i], i, what);
+    }
+    /* together in a cache of a little more than the longest request: decodes that find no block
+     * preempt younger sequences, which recompute their prompt and generated tokens when readmitted */
+    static struct out pressed[N_REQ];
+    memset(pressed, 0, sizeof pressed);
+    int32_t longest = 0;
+    for (int32_t i = 0; i < N_REQ; i++) {
+        longest = g_len[i] > longest ? g_len[i] : longest;
+    }
+    struct kr_engine_config dc;
+    kr_engine_config_default(&dc);
+    const int32_t blocks = (longest + MAX_GEN) / dc.block_size + 8;
+    e = make_sized(N_REQ, KR_INVARIANT_CHUNK + N_REQ, false, blocks);
+    for (int32_t i = 0; i < N_REQ; i++) {
+        submit(e, i, pressed);
+    }
+    kr_engine_wait_idle(e);
+    kr_engine_get_stats(e, &st);
+    kr_engine_free(e);
+    cr_expect_gt(st.preemptions, 0, "%s: a cache of %d blocks preempted no sequence", dir, blocks);
+    snprintf(what, sizeof what, "%s with preemptions (%llu)", dir, (unsigned long long)st.preemptions);
+    for (int32_t i = 0; i < N_REQ; i++) {
+        expect_same(&alone[i], &pressed[i], i, what);
     }
     free_prompts();
     unload();
