@@ -57,6 +57,19 @@ def cut_stream(port, body, after_bytes):
         pass
 
 
+def preemptions(port):
+    """krait:num_preemptions_total from the server's /metrics (0 when absent)."""
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    c.request("GET", "/metrics")
+    text = c.getresponse().read().decode()
+    c.close()
+    n = 0
+    for line in text.splitlines():
+        if line.startswith("krait:num_preemptions_total"):
+            n += int(float(line.split()[-1]))
+    return n
+
+
 def choice_key(resp):
     ch = resp["choices"][0]
     lp = ch.get("logprobs") or {}
@@ -76,6 +89,8 @@ def main():
     ap.add_argument("--token-lo", type=int, default=3)
     ap.add_argument("--token-hi", type=int, default=4000)
     ap.add_argument("--log", default=None)
+    ap.add_argument("--min-preemptions", type=int, default=0,
+                    help="fail unless the server preempted at least this many sequences (its /metrics)")
     a = ap.parse_args()
 
     rng = random.Random(12345)
@@ -152,8 +167,12 @@ def main():
                                              alone[i][:400], (together[i] or "none")[:400]))
         for e in errors[:5]:
             print("invariant_http: " + e)
-        print("invariant_http: %d of %d probes equal alone and in a crowd of %d (%d errors)"
-              % (len(probes) - bad, len(probes), a.crowd, len(errors)))
+        preempted = preemptions(port)
+        print("invariant_http: %d of %d probes equal alone and in a crowd of %d (%d errors, %d preemptions)"
+              % (len(probes) - bad, len(probes), a.crowd, len(errors), preempted))
+        if preempted < a.min_preemptions:
+            print("invariant_http: %d preemptions, fewer than the %d asked for" % (preempted, a.min_preemptions))
+            return 1
         return 0 if bad == 0 and not errors else 1
     finally:
         srv.send_signal(signal.SIGTERM)
