@@ -2,7 +2,7 @@
  * benchmark model's decode step (tools/bench/synth_model.py, nemotron_h_8b), n activation rows, for
  * each configuration of the GEMV kernels (krk_gemv_params.config) and for cuBLAS (bf16 GEMM on x
  * cast to bf16) and the tensor-core skinny kernel (krk_skinny, every configuration, x cast to bf16
- * as for cuBLAS; n = 2..KRK_SKINNY_MAX_N). Each launch reads a different copy
+ * as for cuBLAS; configuration 0 at every n, the others up to 16). Each launch reads a different copy
  * of the weight from a pool of at least 1 GiB, so that nothing comes from L2; launches are issued
  * back to back (as in a decode step's graph) and timed with events over all repetitions.
  *
@@ -556,8 +556,12 @@ int main(int argc, char **argv)
         static const enum kind kinds[] = {K_STAGED, K_CUBLAS, K_SKINNY};
         for (int ki = 0; ki < 3; ki++) {
             const enum kind k = kinds[ki];
-            const int n_cfg = k == K_STAGED && n <= 2 ? KRK_GEMV_CONFIGS : k == K_SKINNY ? KRK_SKINNY_CONFIGS : 1;
-            if ((k == K_STAGED && n > KRK_GEMV_MAX_N) || (k == K_SKINNY && (n < 2 || n > KRK_SKINNY_MAX_N))) {
+            /* the skinny kernel's other configurations take up to 16 rows, configuration 0 up to
+             * KRK_SKINNY_MAX_N (and n = 1: the --batch-invariant path's decode row) */
+            const int n_cfg = k == K_STAGED && n <= 2  ? KRK_GEMV_CONFIGS
+                              : k == K_SKINNY && n <= 16 ? KRK_SKINNY_CONFIGS
+                                                         : 1;
+            if ((k == K_STAGED && n > KRK_GEMV_MAX_N) || (k == K_SKINNY && n > KRK_SKINNY_MAX_N)) {
                 continue;
             }
             static const char *const names[] = {"GEMV", "cuBLAS", "cuBLASLt", "skinny (tensor cores)"};

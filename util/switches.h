@@ -22,7 +22,7 @@ enum { KR_MLA_ATTN_PER_HEAD = 0, KR_MLA_ATTN_HEADS = 1 };
 enum { KR_DSA_SCORE_FP32 = 0, KR_DSA_SCORE_MMA = 1 };
 /* Bounds of KRAIT_SKINNY_MAX (the kernel library's KRK_SKINNY_MAX_N; backend/backend-cuda.c asserts
  * that they agree). */
-enum { KR_SKINNY_MAX_N = 16, KR_SKINNY_MAX_DEFAULT = 8 };
+enum { KR_SKINNY_MAX_N = 128, KR_SKINNY_MAX_DEFAULT = 8 };
 
 struct kr_switches {
     int32_t cuda_graphs;      /* KRAIT_CUDA_GRAPHS: 1 = decode steps from CUDA graphs */

@@ -1,7 +1,9 @@
-// Skinny products on tensor cores (krk_skinny): 2..16 activation rows against bf16 weights, bound
-// by streaming each weight once. The decode step of a few to sixteen sequences.
+// Skinny products on tensor cores (krk_skinny): 1..128 activation rows against bf16 weights, bound
+// by streaming each weight once. The decode step of a few to sixteen sequences (plain mode), and in
+// --batch-invariant mode every product whose weight it takes, in passes of up to 128 rows.
 //
-// Roles: x (bf16, the tokens) is the mma's A operand (m16 x k16: rows past n are zeros), the weight
+// Roles: x (bf16, the tokens) is the mma's A operand (MT m16 x k16 tiles of 16 tokens, MT = 1, 2, 4
+// or 8 by n: rows past n are zeros), the weight
 // its B operand (k16 x n8: eight weight rows, each a row of W as stored). A work item is R weight
 // rows (a tile: 32, 64 or 128 by configuration) by 256 columns (an iteration). The tiles of every
 // part, in order, times the column iterations of a tile make one sequence of iterations that is cut
@@ -11,7 +13,7 @@
 // 8 / (R / 16) column splits, whose sums are added in a fixed order at the end of a segment.
 //
 // Pipeline: S stages of shared memory, each one iteration's weight tile (R rows x 512 bytes) and x
-// tile (16 rows x 512 bytes), filled with cp.async S - 1 iterations ahead; warp w copies rows
+// tile (16 MT rows x 512 bytes), filled with cp.async S - 1 iterations ahead; warp w copies rows
 // w, w + 8, ..., so each copy instruction reads 512 contiguous bytes of one row (whole rows per
 // request matter: tiles of 128 rows x 128 bytes streamed at 2.1-2.8 TB/s, these at 3-4.3). 16-byte
 // chunks are stored XOR-swizzled (chunk c of row r at c ^ (r % 8)) so that the 8 rows an ldmatrix
@@ -24,6 +26,13 @@
 // in on the tile's counter; the last to arrive adds the partials in block order (the order of the
 // columns, fixed by the shape and the grid: results do not depend on timing, nor a token's on the
 // other rows of x), writes y and sets the counter back to zero for the next product.
+//
+// A token's sum is the same whatever MT: the mma adds the same k16 products of its row in the same
+// order, the cut of the iterations over blocks and the column splits depend only on the shape, R
+// and the grid (not on MT, nor on the stages, which only set how far the copies run ahead), and
+// the partials are added in block order. So a row's bits do not depend on n from 1 to 128, and a
+// caller taking every product of a weight through configuration 0 in passes of at most 128 rows
+// gets results that do not depend on the row count at all (--batch-invariant).
 #include "common/mma.cuh"
 #include "common/util.cuh"
 #include "norm/act.cuh"
@@ -39,23 +48,33 @@ constexpr int kSkMaxRows = 128; // largest tile of any configuration
 
 struct sk_cfg {
     int rows;   // weight rows of a tile (16 per row group of warps)
-    int stages;
+    int stages; // with one 16-token tile of x (MT = 1)
     int per_sm; // resident blocks per SM (the grid is this many per SM)
+    int max_mt; // most 16-token tiles of x a pass takes (n <= 16 max_mt)
 };
-// 0 is the default; the others are alternatives measured by bench_gemv.
-constexpr sk_cfg kSkCfg[KRK_SKINNY_CONFIGS] = {{64, 5, 1}, {32, 4, 2}, {64, 4, 1}, {128, 3, 1}};
+// 0 is the default; the others are alternatives measured by bench_gemv (up to 16 rows).
+constexpr sk_cfg kSkCfg[KRK_SKINNY_CONFIGS] = {{64, 5, 1, 8}, {32, 4, 2, 1}, {64, 4, 1, 1}, {128, 3, 1, 1}};
+static_assert(kSkCfg[0].max_mt * 16 == KRK_SKINNY_MAX_N, "configuration 0 takes KRK_SKINNY_MAX_N rows");
+
+// Stages of configuration C with MT tiles of x: its own count at MT = 1, else as many as fit 192 KB
+// (configuration 0: 4 at MT = 2, 3 at MT = 4, 2 at MT = 8).
+__host__ __device__ constexpr int sk_stages(int c, int mt)
+{
+    return mt == 1 ? kSkCfg[c].stages : (192 * 1024) / ((kSkCfg[c].rows + 16 * mt) * 512);
+}
 
 __host__ __device__ constexpr int64_t sk_div_up(int64_t a, int64_t b)
 {
     return (a + b - 1) / b;
 }
 
-// Partial-sum slots of the largest grid of any configuration: [grid][2][16][rows of its tile]
+// Partial-sum slots of the largest grid of any configuration: [grid][2][16 max_mt][rows of its tile]
 inline size_t sk_part_bytes()
 {
     size_t m = 0;
     for (int i = 0; i < KRK_SKINNY_CONFIGS; i++) {
-        const size_t b = (size_t)krk_device_sm_count() * kSkCfg[i].per_sm * 2 * 16 * kSkCfg[i].rows * sizeof(float);
+        const size_t b = (size_t)krk_device_sm_count() * kSkCfg[i].per_sm * 2 * 16 * kSkCfg[i].max_mt *
+                         kSkCfg[i].rows * sizeof(float);
         m = b > m ? b : m;
     }
     return (m + 255) / 256 * 256;
@@ -143,9 +162,9 @@ __device__ __forceinline__ void sk_ld_next(const SkArgs &a, int R, SkLd &l)
 }
 
 // Requests the weight tile at l into stage buffer sw (rows past the part's are not requested: their
-// products land only in outputs that are never stored), and x's columns of it into sx (rows < n;
+// products land only in outputs that are never stored), and x's columns of it after it (rows < n;
 // the rows past n stay zero).
-template <int R>
+template <int R, int MT>
 __device__ __forceinline__ void sk_load(const SkArgs &a, const SkLd &l, uint32_t sw, uint32_t soff, bool with_x)
 {
     const int64_t stride = 8 * a.cols;
@@ -159,7 +178,7 @@ __device__ __forceinline__ void sk_load(const SkArgs &a, const SkLd &l, uint32_t
         const int m = threadIdx.x >> 5;
         const uint16_t *xs = a.xb + m * a.ldxb + (int64_t)l.kcol * kSkK + (threadIdx.x & 31) * 8;
 #pragma unroll
-        for (int u = 0; u < 2; u++) {
+        for (int u = 0; u < 2 * MT; u++) {
             if (m + 8 * u < a.n) {
                 cp_async16(sw + R * kSkRowBytes + soff + u * 8 * kSkRowBytes, xs + u * 8 * a.ldxb);
             }
@@ -179,16 +198,18 @@ __device__ __forceinline__ void sk_store(const SkArgs &a, int q, int64_t row0, i
     }
 }
 
-// Warps: RG = R / 16 row groups of 16 weight rows times KS = 8 / RG column splits of an iteration.
-template <int R, int S>
+// Warps: RG = R / 16 row groups of 16 weight rows times KS = 8 / RG column splits of an iteration;
+// each warp's weight fragments serve the MT tiles of x.
+template <int R, int S, int MT>
 __global__ void __launch_bounds__(kSkThreads) skinny_kernel(const __grid_constant__ SkArgs a)
 {
     constexpr int K = kSkK;
     constexpr int RG = R / 16, KS = kSkWarps / RG, KW = K / KS; // columns of an iteration per warp
-    constexpr int WB = R * kSkRowBytes, XB = 16 * kSkRowBytes, SB = WB + XB, PART = 16 * R;
+    constexpr int WB = R * kSkRowBytes, XB = 16 * MT * kSkRowBytes, SB = WB + XB, PART = 16 * MT * R;
+    constexpr int NA = 8 * MT; // accumulators of a lane
     static_assert(RG * KS == kSkWarps && KW % 64 == 0 && R % 8 == 0, "tile shape");
     extern __shared__ __align__(128) unsigned char sk_smem[];
-    __shared__ float red[(KS - 1) * RG * 32 * 8 + 1]; // the column splits' sums, combined in order
+    __shared__ float red[(KS - 1) * RG * 32 * NA + 1]; // the column splits' sums, combined in order
     __shared__ unsigned sk_last[2];
     int pend0 = -1, pend1 = -1; // tiles whose partial sums this block left in its two slots
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
@@ -207,7 +228,7 @@ __global__ void __launch_bounds__(kSkThreads) skinny_kernel(const __grid_constan
 #pragma unroll
     for (int s = 0; s < S - 1; s++) {
         if (s < count) {
-            sk_load<R>(a, ld, sbase + s * SB, soff, false);
+            sk_load<R, MT>(a, ld, sbase + s * SB, soff, false);
             sk_ld_next(a, R, ld);
         }
         cp_async_commit();
@@ -218,12 +239,12 @@ __global__ void __launch_bounds__(kSkThreads) skinny_kernel(const __grid_constan
     // x of those iterations, read directly (every load issued before the first store to shared
     // memory, which the compiler would otherwise order them behind); rows past n zero in every stage
     {
-        uint4 xv[S - 1][2];
+        uint4 xv[S - 1][2 * MT];
         SkLd xp = first;
 #pragma unroll
         for (int s = 0; s < S - 1; s++) {
 #pragma unroll
-            for (int u = 0; u < 2; u++) {
+            for (int u = 0; u < 2 * MT; u++) {
                 const int m = warp + 8 * u;
                 xv[s][u] = make_uint4(0, 0, 0, 0);
                 if (m < a.n && s < count) {
@@ -237,7 +258,7 @@ __global__ void __launch_bounds__(kSkThreads) skinny_kernel(const __grid_constan
 #pragma unroll
         for (int s = 0; s < S; s++) {
 #pragma unroll
-            for (int u = 0; u < 2; u++) {
+            for (int u = 0; u < 2 * MT; u++) {
                 *reinterpret_cast<uint4 *>(sk_smem + s * SB + WB + soff + u * 8 * kSkRowBytes) =
                     s < S - 1 ? xv[s < S - 1 ? s : 0][u] : make_uint4(0, 0, 0, 0);
             }
@@ -255,25 +276,29 @@ __global__ void __launch_bounds__(kSkThreads) skinny_kernel(const __grid_constan
         offB[k4] = (uint32_t)(rb * kSkRowBytes + (ks * (KW / 8) + (((j & 1) ^ r7) ^ (2 * k4))) * 16);
     }
 
-    float acc[2][4] = {};
+    float acc[MT][2][4] = {};
     int cur_tile = first.tile, cur_kcol = first.kcol;
     int seg = it0; // first iteration of the current tile's segment
     for (int i = 0; i < count; i++) {
         cp_async_wait<S - 2>(); // this thread's copies of iteration i have landed
         __syncthreads();        // everyone's; and the stage refilled below is no longer read
         if (i + S - 1 < count) {
-            sk_load<R>(a, ld, sbase + ((i + S - 1) % S) * SB, soff, true);
+            sk_load<R, MT>(a, ld, sbase + ((i + S - 1) % S) * SB, soff, true);
             sk_ld_next(a, R, ld);
         }
         cp_async_commit();
         const uint32_t st = sbase + (i % S) * SB;
 #pragma unroll
         for (int kk = 0; kk < KW / 16; kk++) {
-            uint32_t af[4], bf[4];
-            ldmatrix_x4(af, st + offA[kk & 3] + (kk >> 2) * 128);
+            uint32_t bf[4];
             ldmatrix_x4(bf, st + offB[kk & 3] + (kk >> 2) * 128);
-            mma_bf16(acc[0], af, bf[0], bf[1]);
-            mma_bf16(acc[1], af, bf[2], bf[3]);
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+                uint32_t af[4];
+                ldmatrix_x4(af, st + offA[kk & 3] + (kk >> 2) * 128 + mt * 16 * kSkRowBytes);
+                mma_bf16(acc[mt][0], af, bf[0], bf[1]);
+                mma_bf16(acc[mt][1], af, bf[2], bf[3]);
+            }
         }
 
         const int it = it0 + i;
@@ -289,35 +314,38 @@ __global__ void __launch_bounds__(kSkThreads) skinny_kernel(const __grid_constan
         // the end of this block's segment of the tile: the column splits' sums into split 0
         if (KS > 1) {
             if (ks > 0) {
-                float *rp = red + (((ks - 1) * RG + rg) * 32 + lane) * 8;
+                float *rp = red + (((ks - 1) * RG + rg) * 32 + lane) * NA;
 #pragma unroll
-                for (int e = 0; e < 8; e++) {
-                    rp[e] = acc[e >> 2][e & 3];
+                for (int e = 0; e < NA; e++) {
+                    rp[e] = acc[e >> 3][(e >> 2) & 1][e & 3];
                 }
             }
             __syncthreads();
             if (ks == 0) {
 #pragma unroll
                 for (int k2 = 1; k2 < KS; k2++) {
-                    const float *rp = red + (((k2 - 1) * RG + rg) * 32 + lane) * 8;
+                    const float *rp = red + (((k2 - 1) * RG + rg) * 32 + lane) * NA;
 #pragma unroll
-                    for (int e = 0; e < 8; e++) {
-                        acc[e >> 2][e & 3] += rp[e];
+                    for (int e = 0; e < NA; e++) {
+                        acc[e >> 3][(e >> 2) & 1][e & 3] += rp[e];
                     }
                 }
             }
         }
         const int q = sk_part_of(a, tile);
         const int64_t row0 = (int64_t)(tile - a.tile0[q]) * R;
-        // acc[jj][e] of split 0: token g + 8 (e >> 1), tile row 16 rg + 8 jj + 2 t + (e & 1)
+        // acc[mt][jj][e] of split 0: token 16 mt + g + 8 (e >> 1), tile row 16 rg + 8 jj + 2 t + (e & 1)
         const int wr = rg * 16 + 2 * t;
         if (seg == tile * a.kc && tile_end) { // the whole tile
             if (ks == 0) {
 #pragma unroll
-                for (int jj = 0; jj < 2; jj++) {
+                for (int mt = 0; mt < MT; mt++) {
 #pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        sk_store(a, q, row0, g + 8 * (e >> 1), wr + 8 * jj + (e & 1), acc[jj][e]);
+                    for (int jj = 0; jj < 2; jj++) {
+#pragma unroll
+                        for (int e = 0; e < 4; e++) {
+                            sk_store(a, q, row0, 16 * mt + g + 8 * (e >> 1), wr + 8 * jj + (e & 1), acc[mt][jj][e]);
+                        }
                     }
                 }
             }
@@ -331,22 +359,28 @@ __global__ void __launch_bounds__(kSkThreads) skinny_kernel(const __grid_constan
             float *mine = a.part + (int64_t)(b * 2 + which) * PART;
             if (ks == 0) {
 #pragma unroll
-                for (int jj = 0; jj < 2; jj++) {
+                for (int mt = 0; mt < MT; mt++) {
 #pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        const int tok = g + 8 * (e >> 1);
-                        if (tok < a.n) {
-                            mine[tok * R + wr + 8 * jj + (e & 1)] = acc[jj][e];
+                    for (int jj = 0; jj < 2; jj++) {
+#pragma unroll
+                        for (int e = 0; e < 4; e++) {
+                            const int tok = 16 * mt + g + 8 * (e >> 1);
+                            if (tok < a.n) {
+                                mine[tok * R + wr + 8 * jj + (e & 1)] = acc[mt][jj][e];
+                            }
                         }
                     }
                 }
             }
         }
 #pragma unroll
-        for (int jj = 0; jj < 2; jj++) {
+        for (int mt = 0; mt < MT; mt++) {
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                acc[jj][e] = 0.0f;
+            for (int jj = 0; jj < 2; jj++) {
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    acc[mt][jj][e] = 0.0f;
+                }
             }
         }
         seg = it + 1;
@@ -404,17 +438,19 @@ __global__ void __launch_bounds__(kSkThreads) skinny_kernel(const __grid_constan
     }
 }
 
-template <int R, int S, int PS> enum kr_status launch_skinny(const SkArgs &a, int iters, bool pdl, cudaStream_t stream)
+template <int R, int S, int PS, int MT>
+enum kr_status launch_skinny(const SkArgs &a, int iters, bool pdl, cudaStream_t stream)
 {
-    constexpr size_t smem = (size_t)S * (R + 16) * kSkRowBytes;
-    static_assert(smem * PS <= 220 * 1024, "stages fit the shared memory of an SM");
+    constexpr size_t smem = (size_t)S * (R + 16 * MT) * kSkRowBytes;
+    constexpr size_t red = (size_t)((kSkWarps / (R / 16) - 1) * (R / 16) * 32 * 8 * MT + 1) * sizeof(float);
+    static_assert(S >= 2 && (smem + red) * PS <= 227 * 1024, "stages fit the shared memory of an SM");
     // the shared-memory opt-in, once per instantiation and device (devices 0..63; others every launch)
     static std::atomic<uint64_t> opted{0};
     int dev = 0;
     KRK_CUDA_TRY(cudaGetDevice(&dev));
     const uint64_t bit = dev >= 0 && dev < 64 ? (uint64_t)1 << dev : 0;
     if (bit == 0 || !(opted.load(std::memory_order_relaxed) & bit)) {
-        KRK_CUDA_TRY(cudaFuncSetAttribute(skinny_kernel<R, S>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+        KRK_CUDA_TRY(cudaFuncSetAttribute(skinny_kernel<R, S, MT>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
         opted.fetch_or(bit, std::memory_order_relaxed);
     }
     SkArgs b = a;
@@ -422,14 +458,14 @@ template <int R, int S, int PS> enum kr_status launch_skinny(const SkArgs &a, in
     const int grid = iters < g ? iters : g;
     b.q = iters / grid;
     b.r = iters % grid;
-    KRK_CUDA_TRY(launch_maybe_pdl(pdl, skinny_kernel<R, S>, dim3((unsigned)grid), dim3(kSkThreads), smem, stream, b));
+    KRK_CUDA_TRY(launch_maybe_pdl(pdl, skinny_kernel<R, S, MT>, dim3((unsigned)grid), dim3(kSkThreads), smem, stream, b));
     return KR_OK;
 }
 
-// The kernel of configuration C (its tile rows, stages and blocks per SM from the table).
-template <int C> enum kr_status launch_cfg(const SkArgs &a, int iters, bool pdl, cudaStream_t stream)
+// The kernel of configuration C with MT tiles of x (its tile rows and blocks per SM from the table).
+template <int C, int MT> enum kr_status launch_cfg(const SkArgs &a, int iters, bool pdl, cudaStream_t stream)
 {
-    return launch_skinny<kSkCfg[C].rows, kSkCfg[C].stages, kSkCfg[C].per_sm>(a, iters, pdl, stream);
+    return launch_skinny<kSkCfg[C].rows, sk_stages(C, MT), kSkCfg[C].per_sm, MT>(a, iters, pdl, stream);
 }
 static_assert(KRK_SKINNY_CONFIGS == 4, "krk_skinny's switch names every configuration");
 
@@ -471,7 +507,7 @@ extern "C" enum kr_status krk_skinny(const struct krk_skinny_params *p, cudaStre
     KRK_REQUIRE(p);
     KRK_REQUIRE(p->config >= 0 && p->config < KRK_SKINNY_CONFIGS);
     const sk_cfg cfg = kSkCfg[p->config];
-    KRK_REQUIRE(p->n >= 0 && p->n <= KRK_SKINNY_MAX_N && p->cols >= kSkK && p->cols % kSkK == 0);
+    KRK_REQUIRE(p->n >= 0 && p->n <= 16 * cfg.max_mt && p->cols >= kSkK && p->cols % kSkK == 0);
     KRK_REQUIRE(p->n_parts >= 1 && p->n_parts <= KRK_GEMV_MAX_PARTS);
     KRK_REQUIRE(p->ldxb >= p->cols && p->ldxb % 8 == 0);
     KRK_REQUIRE(p->act_out == nullptr || (p->n_parts == 1 && p->ld_act >= p->parts[0].rows && act_valid(p->act)));
@@ -517,12 +553,21 @@ extern "C" enum kr_status krk_skinny(const struct krk_skinny_params *p, cudaStre
     const bool pdl = p->pdl || pdl_enabled();
     switch (p->config) {
     case 1:
-        return launch_cfg<1>(a, iters, pdl, stream);
+        return launch_cfg<1, 1>(a, iters, pdl, stream);
     case 2:
-        return launch_cfg<2>(a, iters, pdl, stream);
+        return launch_cfg<2, 1>(a, iters, pdl, stream);
     case 3:
-        return launch_cfg<3>(a, iters, pdl, stream);
-    default:
-        return launch_cfg<0>(a, iters, pdl, stream);
+        return launch_cfg<3, 1>(a, iters, pdl, stream);
+    default: // the fewest 16-token tiles that hold n
+        if (p->n <= 16) {
+            return launch_cfg<0, 1>(a, iters, pdl, stream);
+        }
+        if (p->n <= 32) {
+            return launch_cfg<0, 2>(a, iters, pdl, stream);
+        }
+        if (p->n <= 64) {
+            return launch_cfg<0, 4>(a, iters, pdl, stream);
+        }
+        return launch_cfg<0, 8>(a, iters, pdl, stream);
     }
 }

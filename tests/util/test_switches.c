@@ -270,11 +270,11 @@ Test(switches, refuses_typos_and_out_of_range_values)
     expect_refused("KRAIT_DSA_SCORE", "FP32", "fp32 or mma");
     expect_refused("KRAIT_MLA_ATTN", "perhead", "per-head or heads");
     expect_refused("KRAIT_DSA_SCORE", "fp16", "fp32 or mma");
-    expect_refused("KRAIT_SKINNY_MAX", "17", "an integer in 0..16");
-    expect_refused("KRAIT_SKINNY_MAX", "-1", "an integer in 0..16");
-    expect_refused("KRAIT_SKINNY_MAX", "8x", "an integer in 0..16");
-    expect_refused("KRAIT_SKINNY_MAX", "99999999999999999999", "an integer in 0..16");
-    expect_refused("KRAIT_SKINNY_MAX", "1.5", "an integer in 0..16");
+    expect_refused("KRAIT_SKINNY_MAX", "129", "an integer in 0..128");
+    expect_refused("KRAIT_SKINNY_MAX", "-1", "an integer in 0..128");
+    expect_refused("KRAIT_SKINNY_MAX", "8x", "an integer in 0..128");
+    expect_refused("KRAIT_SKINNY_MAX", "99999999999999999999", "an integer in 0..128");
+    expect_refused("KRAIT_SKINNY_MAX", "1.5", "an integer in 0..128");
     expect_refused("KRAIT_PDL", "off", "0 or 1");
     expect_refused("KRAIT_PDL", "2", "0 or 1");
     expect_refused("KRAIT_CUDA_GRAPHS", "false", "0 or 1");

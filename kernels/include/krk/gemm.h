@@ -48,15 +48,17 @@ struct krk_gemv_params {
 #define KRK_GEMV_CONFIGS 5
 enum kr_status krk_gemv(const struct krk_gemv_params *p, cudaStream_t stream);
 
-/* Skinny products on tensor cores for 2 <= n <= KRK_SKINNY_MAX_N activation rows (the decode step
- * of a few to sixteen sequences): y_p[t, r] = sum_c x[t, c] * W_p[r, c] (+ bias_p[r]) for each part
+/* Skinny products on tensor cores for 1 <= n <= KRK_SKINNY_MAX_N activation rows (the decode step
+ * of a few to sixteen sequences; with configuration 0 up to 128 rows, the other configurations 16):
+ * y_p[t, r] = sum_c x[t, c] * W_p[r, c] (+ bias_p[r]) for each part
  * p, bf16 products accumulated in fp32 (mma.sync m16n8k16), every weight streamed once. The parts
  * (1..KRK_GEMV_MAX_PARTS weights of the same cols sharing x) run in one launch. The work (tiles of
  * weight rows by column steps) is split evenly over blocks resident at once; a tile that several
  * blocks share is summed by the last of them in a fixed order from partials in `ws`, so results do
- * not depend on timing, nor a token's on the other rows of x. With act_out (one part only),
- * act_out[t, r] = act(y[t, r]) too. */
-#define KRK_SKINNY_MAX_N 16
+ * not depend on timing, nor a token's on the other rows of x nor on n (1..128: the summation order
+ * depends only on the shape, the configuration and the device's SM count). With act_out (one part
+ * only), act_out[t, r] = act(y[t, r]) too. */
+#define KRK_SKINNY_MAX_N 128
 struct krk_skinny_params {
     const krk_bf16 *xb;     /* [n, ldxb] bf16; ldxb % 8 == 0, 16-byte aligned */
     int64_t ldxb;
