@@ -153,6 +153,15 @@ struct cuda_ctx {
     bool invariant;
     struct krk_fixed_lt *fixed;
     int64_t fixed_max_n;
+    bool inv_skinny; /* decode rows take krk_skinny (cuda_reserve: at most INV_SKINNY_SEQS sequences) */
+    /* the step's rows by kind (begin_batch; inv_step while a step is open): runs of token rows and of
+     * output rows alike, `dec` for rows of sequences with one token in the step (decode rows) */
+    struct inv_run {
+        int32_t r0, r1;
+        bool dec;
+    } *inv_tok, *inv_out;
+    int32_t n_inv_tok, n_inv_out, inv_cap;
+    bool inv_step;
     int32_t mla_attn_sw;   /* the KRAIT_MLA_ATTN choice, back when the mode is turned off */
 };
 
@@ -284,6 +293,8 @@ static void cuda_free(kr_backend_t be)
         cudaFree(c->sk_ws);
         krk_fp8_lt_free(c->lt);
         krk_fixed_lt_free(c->fixed);
+        free(c->inv_tok);
+        free(c->inv_out);
         cudaFree(c->f8);
         cudaFree(c->d_meta);
         cudaFree(c->ptr_table);
@@ -739,6 +750,12 @@ static size_t f8_lt_bytes(int64_t n, int64_t cols, int64_t bc)
 /* --batch-invariant: the fewest rows the product algorithms are chosen to take (the chunk of 256
  * prompt tokens plus a batch of decodes) */
 #define FIXED_MIN_ROWS 512
+/* --batch-invariant: the most sequences a step may hold (as reserved first) for decode rows to take
+ * krk_skinny. On the Nemotron-H-8B shape (one H100) its decode steps cost +2.5 % at one sequence and
+ * -1.4 % at 16 against plain mode, where cuBLASLt's one algorithm costs +11 to +23 % and +4 to +8.5
+ * %; at 64 sequences krk_skinny costs +15.5 % (four 16-row tiles of x a stage, three stages) and
+ * cuBLASLt +3 % (docs/PERF.md). */
+#define INV_SKINNY_SEQS 16
 
 static enum kr_status cuda_reserve(kr_backend_t be, const struct kr_model_config *m, int64_t n_tok, int64_t n_seq,
                                    int64_t max_ctx, int32_t block_size)
@@ -785,6 +802,9 @@ static enum kr_status cuda_reserve(kr_backend_t be, const struct kr_model_config
             return KR_ERR_CUDA;
         }
         c->fixed_max_n = rows;
+        /* decode rows on krk_skinny for servers of up to INV_SKINNY_SEQS sequences a step, chosen
+         * here once for the process's life (matmul_fixed) */
+        c->inv_skinny = n_seq <= INV_SKINNY_SEQS;
     } else if (c->invariant && c->fixed_max_n < n_tok) {
         /* a larger step later: the algorithms kept stay (a result must not change mid-process) */
         krk_fixed_lt_grow(c->fixed, n_tok);
@@ -798,7 +818,7 @@ static enum kr_status cuda_reserve(kr_backend_t be, const struct kr_model_config
     wide = max64(wide, m->moe_ffn);
     wide = max64(wide, m->q_lora);
     wide = max64(wide, m->mla_heads * m->v_head);
-    if (c->skinny_max >= 2) {
+    if (c->skinny_max >= 2 || c->invariant) {
         /* counters for products of up to the vocabulary's or 16 activations' rows (a product with
          * more takes cuBLAS), and the partial sums of the resident blocks */
         KR_TRY(ensure_skinny_ws(c, krk_skinny_ws_bytes(max64(m->vocab, 16 * wide) + 4 * 128)));
@@ -846,6 +866,66 @@ uint64_t kr_backend_cuda_overlap_count(kr_backend_t be)
 }
 
 /* ---- batch -------------------------------------------------------------------------------- */
+
+/* --batch-invariant: whether token t is a sequence's only token in the step (seq_tok0 ascending). */
+static bool inv_decode_tok(const struct kr_batch *b, int32_t t)
+{
+    int32_t lo = 0, hi = b->n_seq; /* seq_tok0[lo] <= t < seq_tok0[hi] */
+    while (hi - lo > 1) {
+        const int32_t mid = lo + (hi - lo) / 2;
+        if (b->seq_tok0[mid] <= t) {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    return b->seq_tok0[lo + 1] - b->seq_tok0[lo] == 1;
+}
+
+/* --batch-invariant: the step's token rows and output rows in runs of one kind (matmul_fixed). A
+ * sequence's kind follows from its own chunking, which the engine fixes in this mode (a prompt is
+ * cut at multiples of 256 tokens, never one token short of its end; generated tokens run one a
+ * step), as the attention's choice of path does. */
+static enum kr_status inv_rows(struct cuda_ctx *c, const struct kr_batch *b)
+{
+    const int32_t need = (b->n_seq > b->n_out ? b->n_seq : b->n_out) + 1;
+    if (need > c->inv_cap) {
+        struct inv_run *t = realloc(c->inv_tok, (size_t)need * sizeof *t), *o = NULL;
+        if (t) {
+            c->inv_tok = t;
+            o = realloc(c->inv_out, (size_t)need * sizeof *o);
+        }
+        if (!t || !o) {
+            KR_LOG_ERROR("cuda: out of host memory for the step's row kinds");
+            return KR_ERR_NOMEM;
+        }
+        c->inv_out = o;
+        c->inv_cap = need;
+    }
+    c->n_inv_tok = c->n_inv_out = 0;
+    for (int32_t s = 0; s < b->n_seq; s++) {
+        const int32_t r0 = b->seq_tok0[s], r1 = b->seq_tok0[s + 1];
+        const bool dec = r1 - r0 == 1;
+        if (r1 == r0) {
+            continue;
+        }
+        if (c->n_inv_tok > 0 && c->inv_tok[c->n_inv_tok - 1].dec == dec) {
+            c->inv_tok[c->n_inv_tok - 1].r1 = r1;
+        } else {
+            c->inv_tok[c->n_inv_tok++] = (struct inv_run){.r0 = r0, .r1 = r1, .dec = dec};
+        }
+    }
+    for (int32_t i = 0; i < b->n_out; i++) {
+        const bool dec = inv_decode_tok(b, b->out_tok[i]);
+        if (c->n_inv_out > 0 && c->inv_out[c->n_inv_out - 1].dec == dec) {
+            c->inv_out[c->n_inv_out - 1].r1 = i + 1;
+        } else {
+            c->inv_out[c->n_inv_out++] = (struct inv_run){.r0 = i, .r1 = i + 1, .dec = dec};
+        }
+    }
+    c->inv_step = true;
+    return KR_OK;
+}
 
 static enum kr_status cuda_begin_batch(kr_backend_t be, const struct kr_batch *b)
 {
@@ -924,7 +1004,7 @@ static enum kr_status cuda_begin_batch(kr_backend_t be, const struct kr_batch *b
                                   .max_seq_tok = max_tok, .max_ctx = max_ctx,
                                   .tok_keep = b->tok_state_slot ? d + o_keep : NULL};
     c->d_out_tok = d + o_out;
-    return KR_OK;
+    return c->invariant ? inv_rows(c, b) : KR_OK;
 }
 
 /* Every op starts here: a backend whose device failed refuses work. */
@@ -1200,8 +1280,23 @@ static enum kr_status matmul_fp8(struct cuda_ctx *c, const float *x, int64_t ldx
     return krk_fp8_gemv(&gp, c->stream);
 }
 
-/* --batch-invariant products: krk_fixed_gemm for every row count (fp32 weights on fp32 x, bf16 on
- * the bf16 copy of x), so that a row's result does not depend on the rows beside it. */
+/* --batch-invariant: the bf16 weights krk_skinny takes (configuration 0, 256-column steps, 16-byte
+ * aligned), by the weight alone. In a process reserved for at most INV_SKINNY_SEQS sequences a step,
+ * their decode rows run on it, in passes of up to KRK_SKINNY_MAX_N rows: a row is summed in the same order whatever n (krk/gemm.h), and read the weights as fast as
+ * a plain decode step's products, where cuBLASLt's one algorithm for every row count streams them
+ * 10-20 % slower than the GEMV at one row (docs/PERF.md). Prefill rows (sequences of two tokens or
+ * more in the step) stay on krk_fixed_gemm, which reads each weight once for all of them. A row's
+ * kind is its sequence's, fixed by the engine's chunking in this mode, so each token always takes
+ * the same kernel. */
+static bool skinny_fixed_takes(const struct kr_tensor *w)
+{
+    return w->dtype == KR_DTYPE_BF16 && w->cols >= krk_skinny_cols_step(0) && w->cols % krk_skinny_cols_step(0) == 0 &&
+           ((uintptr_t)w->data & 15) == 0;
+}
+
+/* --batch-invariant products: krk_skinny (above), else krk_fixed_gemm for every row count (fp32
+ * weights on fp32 x, bf16 on the bf16 copy of x), so that a row's result does not depend on the rows
+ * beside it. */
 static enum kr_status matmul_fixed(struct cuda_ctx *c, const float *x, int64_t ldx, int64_t n, const struct kr_tensor *w,
                                    const float *bias, float *y, int64_t ldy, const struct krk_bf16_in *in,
                                    struct krk_bf16_in *used)
@@ -1214,6 +1309,54 @@ static enum kr_status matmul_fixed(struct cuda_ctx *c, const float *x, int64_t l
         KR_LOG_ERROR("cuda: --batch-invariant product of %lld rows, beyond the %lld reserved", (long long)n,
                      (long long)c->fixed_max_n);
         return KR_ERR_UNSUPPORTED;
+    }
+    if (c->inv_skinny && skinny_fixed_takes(w)) {
+        struct krk_skinny_params sp = {.cols = w->cols, .n_parts = 1, .ws = c->sk_ws, .ws_bytes = c->sk_ws_size};
+        sp.parts[0] = (struct krk_gemv_part){.w = w->data, .bias = bias, .rows = w->rows, .ldy = ldy};
+        if (!c->sk_ws || krk_skinny_ws_bytes(krk_skinny_tile_rows(&sp)) > c->sk_ws_size) {
+            KR_LOG_ERROR("cuda: --batch-invariant product of a %lldx%lld weight without its workspace reserved",
+                         (long long)w->rows, (long long)w->cols);
+            return KR_ERR_INTERNAL;
+        }
+        const krk_bf16 *xb = NULL;
+        int64_t ldb = w->cols;
+        KR_TRY(bf16_x(c, x, ldx, n, w->cols, in, &xb, &ldb, used));
+        if (ldb % 8 != 0 || ((uintptr_t)xb & 15) != 0) { /* the op's copy does not suit: cast again (same bits) */
+            KR_TRY(bf16_x(c, x, ldx, n, w->cols, NULL, &xb, &ldb, NULL));
+        }
+        /* the step's runs of rows when this product's rows are its tokens or its outputs; prefill
+         * rows take krk_fixed_gemm when the runs' offsets keep y's alignment (its algorithm is kept
+         * per alignment), else every row takes krk_skinny */
+        const struct inv_run all = {.r0 = 0, .r1 = (int32_t)n, .dec = true};
+        const struct inv_run *runs = &all;
+        int32_t n_runs = 1;
+        if (c->inv_step && c->hb && (ldy * 4) % 16 == 0 && c->hb->n_tok > 0) {
+            if (n == c->hb->n_tok) {
+                runs = c->inv_tok;
+                n_runs = c->n_inv_tok;
+            } else if (n == c->hb->n_out) {
+                runs = c->inv_out;
+                n_runs = c->n_inv_out;
+            }
+        }
+        for (int32_t k = 0; k < n_runs; k++) {
+            const int64_t a = runs[k].r0, e = runs[k].r1;
+            if (!runs[k].dec) {
+                const struct krk_fixed_gemm_params fp = {.w = w->data, .x = xb + a * ldb, .ldx = ldb, .y = y + a * ldy,
+                                                         .ldy = ldy, .rows = w->rows, .cols = w->cols, .n = e - a};
+                KR_TRY(krk_fixed_gemm(c->fixed, &fp, c->stream));
+                KR_TRY(bias ? krk_add_bias(y + a * ldy, ldy, bias, e - a, w->rows, c->stream) : KR_OK);
+                continue;
+            }
+            for (int64_t r0 = a; r0 < e; r0 += KRK_SKINNY_MAX_N) {
+                sp.xb = xb + r0 * ldb;
+                sp.ldxb = ldb;
+                sp.n = e - r0 < KRK_SKINNY_MAX_N ? e - r0 : KRK_SKINNY_MAX_N;
+                sp.parts[0].y = y + r0 * ldy;
+                KR_TRY(krk_skinny(&sp, c->stream));
+            }
+        }
+        return KR_OK;
     }
     struct krk_fixed_gemm_params p = {.w = w->data, .x = x, .ldx = ldx, .y = y, .ldy = ldy, .rows = w->rows,
                                       .cols = w->cols, .n = n, .f32 = w->dtype == KR_DTYPE_F32};
@@ -1851,6 +1994,7 @@ static enum kr_status cuda_graph_run(kr_backend_t be, int32_t key, bool *launche
 static enum kr_status cuda_end_batch(kr_backend_t be, bool ok)
 {
     struct cuda_ctx *c = ctx_of(be);
+    c->inv_step = false;
     if (!c->capturing) {
         prof_collect(c);
         kr_cuda_comm_step_issued(c->comm, c->rank, c->stream);

@@ -358,7 +358,7 @@ Test(gemm, gemv_act_epilogue_matches_cpu)
     kr_backend_free(be);
 }
 
-/* ---- krk_skinny: 2..16 rows on tensor cores ---------------------------------------------- */
+/* ---- krk_skinny: 1..128 rows on tensor cores --------------------------------------------- */
 
 /* The model's shapes (square, Mamba in_proj, MLP down) and ragged ones: rows not a multiple of any
  * tile, a matrix of one row; columns multiples of the 256-column step. The work is
@@ -395,11 +395,13 @@ ParameterizedTestParameters(gemm, skinny_matches_cpu_matmul)
 
 /* krk_skinny against the CPU matmul (both sides accumulate the same exact bf16 products in fp32, in
  * different orders: the GEMV's NMSE bound, and SKINNY_ABS for the tensor cores' truncation) for
- * n = 2, 3, 8, 9, 15, 16 (both halves of the 16-token tile), every configuration at n = 5, odd n
+ * n = 1, 2, 3, 8, 9, 15, 16 (both halves of the 16-token tile), 17, 33, 64, 65, 100, 128 (two, four
+ * and eight tiles of x), every configuration at n = 5, odd n
  * with a bias, x row stride cols + 8 and y row stride with padding that must stay untouched, two
- * cases (configurations 0 and 1) as programmatic dependents of the kernel that writes x. One workspace serves every product, so a counter not left at zero would corrupt
- * the next. Then: the same product twice is bit-identical, and a token's result is bit-identical
- * whatever the other rows of x and their number (the batch-composition independence of decode). */
+ * cases (configurations 0 and 1) as programmatic dependents of the kernel that writes x. One workspace
+ * serves every product, so a counter not left at zero would corrupt the next. Then: the same product
+ * twice is bit-identical, and every token's result is bit-identical whatever the other rows of x and
+ * their number, 1 to 128 (the batch-composition independence of decode and of --batch-invariant). */
 ParameterizedTest(int *idx, gemm, skinny_matches_cpu_matmul)
 {
     GT_REQUIRE_GPU();
@@ -418,9 +420,9 @@ ParameterizedTest(int *idx, gemm, skinny_matches_cpu_matmul)
         int64_t n;
         int config;
         bool pdl;
-    } cases[16];
+    } cases[24];
     int n_cases = 0;
-    static const int64_t ns[] = {2, 3, 8, 9, 15, 16};
+    static const int64_t ns[] = {1, 2, 3, 8, 9, 15, 16, 17, 33, 64, 65, 100, 128};
     for (size_t i = 0; i < sizeof ns / sizeof ns[0]; i++) {
         cases[n_cases++] = (struct scase){ns[i], 0, false};
     }
@@ -499,26 +501,34 @@ ParameterizedTest(int *idx, gemm, skinny_matches_cpu_matmul)
         gt_dfree(d_y);
     }
 
-    /* repeatability and batch-composition independence: token 0 among 2, 7 and 16 rows */
+    /* repeatability and batch-composition independence: every row of a product of n rows against
+     * the same row of the 128-row product (eight tiles of x), n = 128 again, 1, 2, 7, 16 (one tile),
+     * 17, 32 (two), 33, 64 (four) and 65 (eight) */
     {
-        const int64_t nmax = 16;
+        const int64_t nmax = KRK_SKINNY_MAX_N;
         float *x = hrand(&rng, (size_t)(nmax * s.cols), -1.0f, 1.0f);
         krk_bf16 *d_xb = skinny_x(x, (size_t)(nmax * s.cols));
         float *d_y = gt_dalloc((size_t)(nmax * s.rows) * 4);
-        float *y0 = kr_malloc((size_t)s.rows * sizeof(float)), *yn = kr_malloc((size_t)s.rows * sizeof(float));
+        float *y0 = kr_malloc((size_t)(nmax * s.rows) * sizeof(float)),
+              *yn = kr_malloc((size_t)(nmax * s.rows) * sizeof(float));
         cr_assert(y0 && yn);
-        static const int64_t sizes[] = {2, 2, 7, 16};
+        static const int64_t sizes[] = {KRK_SKINNY_MAX_N, KRK_SKINNY_MAX_N, 1, 2, 7, 16, 17, 32, 33, 64, 65};
         for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) {
-            struct krk_skinny_params p = {.xb = d_xb, .ldxb = s.cols, .n = sizes[i], .cols = s.cols, .n_parts = 1,
+            const int64_t n = sizes[i];
+            struct krk_skinny_params p = {.xb = d_xb, .ldxb = s.cols, .n = n, .cols = s.cols, .n_parts = 1,
                                           .ws = d_ws, .ws_bytes = SKINNY_WS};
             p.parts[0] = (struct krk_gemv_part){.w = w.dev, .rows = s.rows, .y = d_y, .ldy = s.rows};
             cr_assert_eq(krk_skinny(&p, 0), KR_OK);
             gt_sync();
-            gt_down(i == 0 ? y0 : yn, d_y, (size_t)s.rows * 4);
+            gt_down(i == 0 ? y0 : yn, d_y, (size_t)(n * s.rows) * 4);
             if (i > 0) {
-                cr_expect(memcmp(y0, yn, (size_t)s.rows * sizeof(float)) == 0,
-                          "skinny %lldx%lld: token 0 differs between n = 2 and n = %lld (run %zu)",
-                          (long long)s.rows, (long long)s.cols, (long long)sizes[i], i);
+                size_t differ = 0;
+                for (size_t e = 0; e < (size_t)(n * s.rows); e++) {
+                    differ += memcmp(&y0[e], &yn[e], 4) != 0;
+                }
+                cr_expect_eq(differ, 0, "skinny %lldx%lld: %zu values of the first %lld rows differ from the %d-row "
+                             "product (run %zu)", (long long)s.rows, (long long)s.cols, differ, (long long)n,
+                             KRK_SKINNY_MAX_N, i);
             }
         }
         kr_free(x);
@@ -897,4 +907,73 @@ Test(gemm, fixed_order_rows_do_not_depend_on_the_row_count)
     }
     gt_dfree(d_ws);
     kr_backend_free(be);
+}
+
+/* --batch-invariant through kr_backend_matmul: a weight krk_skinny takes (columns a multiple of
+ * 256) runs on it at every row count, in passes of up to KRK_SKINNY_MAX_N rows, the others on
+ * krk_fixed_gemm. Every row of a product of n rows (1 to 299: one to three passes, each pass's last
+ * tile of x partly empty) is the same bits as in the 300-row product, and the first 70 rows are
+ * within the skinny kernel's bounds of the CPU's product; with a bias, as the epilogue adds it. */
+Test(gemm, invariant_backend_rows_do_not_depend_on_the_row_count)
+{
+    GT_REQUIRE_GPU();
+    kr_backend_t gpu = NULL;
+    struct kr_err err = {0};
+    cr_assert_eq(kr_backend_cuda_create(0, false, &gpu, &err), KR_OK, "%s", err.msg);
+    cr_assert_eq(kr_backend_set_batch_invariant(gpu, true, &err), KR_OK, "%s", err.msg);
+    const struct kr_model_config mc = {.vocab = 4096, .dim = 4096};
+    cr_assert_eq(kr_backend_reserve(gpu, &mc, 512, 8, 1024, 16), KR_OK);
+    kr_backend_t cpu = kr_backend_cpu_create(0);
+    cr_assert(cpu);
+    static const int64_t shapes[][2] = {{4096, 4096}, {1000, 512}, {131, 264}};
+    static const int64_t counts[] = {300, 300, 1, 2, 16, 17, 64, 65, 128, 129, 200, 256, 299};
+    enum { N_COUNTS = sizeof counts / sizeof counts[0], MAX_N = 300 };
+    struct gt_rng rng = {.s = 4343};
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+        const int64_t rows = shapes[si][0], cols = shapes[si][1];
+        struct hw w = hw_make(&rng, rows, cols);
+        const struct kr_tensor dt = {.data = w.dev, .dtype = KR_DTYPE_BF16, .rows = rows, .cols = cols};
+        float *bias = hrand(&rng, (size_t)rows, -1.0f, 1.0f);
+        const size_t nx = (size_t)(MAX_N * cols), ny = (size_t)(MAX_N * rows);
+        float *x = hrand(&rng, nx, -1.0f, 1.0f);
+        gt_round_bf16(x, nx);
+        float *d_x = gt_dup(x, nx * 4), *d_y = gt_dalloc(ny * 4), *d_bias = gt_dup(bias, (size_t)rows * 4);
+        float *full = kr_malloc(ny * sizeof(float)), *got = kr_malloc(ny * sizeof(float));
+        cr_assert(full && got);
+        for (int ci = 0; ci < N_COUNTS; ci++) {
+            const int64_t n = counts[ci];
+            cr_assert_eq(cudaMemset(d_y, 0xff, ny * 4), cudaSuccess);
+            cr_assert_eq(kr_backend_matmul(gpu, d_x, cols, n, &dt, d_bias, d_y, rows, NULL), KR_OK,
+                         "%lldx%lld n=%lld", (long long)rows, (long long)cols, (long long)n);
+            gt_sync();
+            gt_down(ci == 0 ? full : got, d_y, (size_t)(n * rows) * 4);
+            if (ci > 0) {
+                size_t differ = 0;
+                for (size_t i = 0; i < (size_t)(n * rows); i++) {
+                    differ += memcmp(&got[i], &full[i], 4) != 0;
+                }
+                cr_expect_eq(differ, 0, "invariant %lldx%lld: %zu values of the first %lld rows differ from the %d-row "
+                             "product", (long long)rows, (long long)cols, differ, (long long)n, MAX_N);
+            }
+        }
+        const int64_t nref = 70;
+        float *ref = kr_malloc((size_t)(nref * rows) * sizeof(float));
+        cr_assert(ref);
+        cr_assert_eq(kr_backend_matmul(cpu, x, cols, nref, &w.t, bias, ref, rows, NULL), KR_OK);
+        char what[96];
+        snprintf(what, sizeof what, "invariant %lldx%lld (%s)", (long long)rows, (long long)cols,
+                 cols % 256 == 0 ? "skinny" : "cuBLASLt");
+        gt_expect_close(what, full, ref, (size_t)(nref * rows), GEMV_NMSE, cols % 256 == 0 ? SKINNY_ABS : FIXED_ABS);
+        kr_free(ref);
+        kr_free(full);
+        kr_free(got);
+        kr_free(x);
+        kr_free(bias);
+        gt_dfree(d_x);
+        gt_dfree(d_y);
+        gt_dfree(d_bias);
+        hw_free(&w);
+    }
+    kr_backend_free(cpu);
+    kr_backend_free(gpu);
 }
