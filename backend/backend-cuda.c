@@ -1281,13 +1281,14 @@ static enum kr_status matmul_fp8(struct cuda_ctx *c, const float *x, int64_t ldx
 }
 
 /* --batch-invariant: the bf16 weights krk_skinny takes (configuration 0, 256-column steps, 16-byte
- * aligned), by the weight alone. In a process reserved for at most INV_SKINNY_SEQS sequences a step,
- * their decode rows run on it, in passes of up to KRK_SKINNY_MAX_N rows: a row is summed in the same order whatever n (krk/gemm.h), and read the weights as fast as
- * a plain decode step's products, where cuBLASLt's one algorithm for every row count streams them
- * 10-20 % slower than the GEMV at one row (docs/PERF.md). Prefill rows (sequences of two tokens or
- * more in the step) stay on krk_fixed_gemm, which reads each weight once for all of them. A row's
- * kind is its sequence's, fixed by the engine's chunking in this mode, so each token always takes
- * the same kernel. */
+ * aligned), by the weight alone. In a process reserved for at most INV_SKINNY_SEQS sequences a
+ * step, their decode rows run on it, in passes of up to KRK_SKINNY_MAX_N rows: a row is summed in
+ * the same order whatever n (krk/gemm.h) and reads the weights about as fast as a plain decode
+ * step's products, where cuBLASLt's one algorithm for every row count streams them 10-20 % slower
+ * than the GEMV at one row (docs/PERF.md). Prefill rows (sequences of two tokens or more in the
+ * step) stay on krk_fixed_gemm, which reads each weight once for all of them. A row's kind is its
+ * sequence's, fixed by the engine's chunking in this mode, so each token always takes the same
+ * kernel. */
 static bool skinny_fixed_takes(const struct kr_tensor *w)
 {
     return w->dtype == KR_DTYPE_BF16 && w->cols >= krk_skinny_cols_step(0) && w->cols % krk_skinny_cols_step(0) == 0 &&
