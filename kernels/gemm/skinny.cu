@@ -1,6 +1,6 @@
 // Skinny products on tensor cores (krk_skinny): 1..128 activation rows against bf16 weights, bound
-// by streaming each weight once. The decode step of a few to sixteen sequences (plain mode), and in
-// --batch-invariant mode every product whose weight it takes, in passes of up to 128 rows.
+// by streaming each weight once. The decode step of two to eight sequences (plain mode), and under
+// --batch-invariant the decode rows of servers of up to 16 sequences, in passes of up to 128 rows.
 //
 // Roles: x (bf16, the tokens) is the mma's A operand (MT m16 x k16 tiles of 16 tokens, MT = 1, 2, 4
 // or 8 by n: rows past n are zeros), the weight
