@@ -78,7 +78,8 @@ rm -f "$out/bench.tmp"
 if [ -x "$build/krait" ]; then
   for m in models/small-hybrid "$synth"; do
     [ -f "$m/config.json" ] || continue
-    extra=""
+    # the default model in a server of 16 sequences: its decode rows take krk_skinny
+    extra="--serve-arg=--max-num-seqs=16"
     [ "$m" = "$synth" ] && extra="--max-prompt 2000 --token-hi 120000 --crowd 24"
     # shellcheck disable=SC2086
     PYTHONUNBUFFERED=1 run_for 150 python3 tests/stress/invariant_http.py --krait "$build/krait" --model "$m" \
