@@ -867,26 +867,12 @@ uint64_t kr_backend_cuda_overlap_count(kr_backend_t be)
 
 /* ---- batch -------------------------------------------------------------------------------- */
 
-/* --batch-invariant: whether token t is a sequence's only token in the step (seq_tok0 ascending). */
-static bool inv_decode_tok(const struct kr_batch *b, int32_t t)
-{
-    int32_t lo = 0, hi = b->n_seq; /* seq_tok0[lo] <= t < seq_tok0[hi] */
-    while (hi - lo > 1) {
-        const int32_t mid = lo + (hi - lo) / 2;
-        if (b->seq_tok0[mid] <= t) {
-            lo = mid;
-        } else {
-            hi = mid;
-        }
-    }
-    return b->seq_tok0[lo + 1] - b->seq_tok0[lo] == 1;
-}
-
-/* --batch-invariant: the step's token rows and output rows in runs of one kind (matmul_fixed). A
- * sequence's kind follows from its own chunking, which the engine fixes in this mode (a prompt is
- * cut at multiples of 256 tokens, never one token short of its end; generated tokens run one a
- * step), as the attention's choice of path does. */
-static enum kr_status inv_rows(struct cuda_ctx *c, const struct kr_batch *b)
+/* --batch-invariant: the step's token rows and output rows in runs of one kind (matmul_fixed);
+ * tok_seq is the token -> sequence map begin_batch stages. A sequence's kind follows from its own
+ * chunking, which the engine fixes in this mode (a prompt is cut at multiples of 256 tokens, never
+ * one token short of its end; generated tokens run one a step), as the attention's choice of path
+ * does. */
+static enum kr_status inv_rows(struct cuda_ctx *c, const struct kr_batch *b, const int32_t *tok_seq)
 {
     const int32_t need = (b->n_seq > b->n_out ? b->n_seq : b->n_out) + 1;
     if (need > c->inv_cap) {
@@ -916,7 +902,8 @@ static enum kr_status inv_rows(struct cuda_ctx *c, const struct kr_batch *b)
         }
     }
     for (int32_t i = 0; i < b->n_out; i++) {
-        const bool dec = inv_decode_tok(b, b->out_tok[i]);
+        const int32_t q = tok_seq[b->out_tok[i]];
+        const bool dec = b->seq_tok0[q + 1] - b->seq_tok0[q] == 1;
         if (c->n_inv_out > 0 && c->inv_out[c->n_inv_out - 1].dec == dec) {
             c->inv_out[c->n_inv_out - 1].r1 = i + 1;
         } else {
@@ -1004,7 +991,7 @@ static enum kr_status cuda_begin_batch(kr_backend_t be, const struct kr_batch *b
                                   .max_seq_tok = max_tok, .max_ctx = max_ctx,
                                   .tok_keep = b->tok_state_slot ? d + o_keep : NULL};
     c->d_out_tok = d + o_out;
-    return c->invariant ? inv_rows(c, b) : KR_OK;
+    return c->invariant && c->inv_skinny ? inv_rows(c, b, h + o_tok_seq) : KR_OK;
 }
 
 /* Every op starts here: a backend whose device failed refuses work. */
