@@ -1,6 +1,7 @@
 #pragma once
 // Tensor-core building blocks shared by the kernels that use mma.sync (attention prefill, MLA,
-// the DSA indexer): cp.async copies, ldmatrix fragment loads and the bf16 m16n8k16 product.
+// the DSA indexer, the SSD scan): cp.async copies, ldmatrix fragment loads, the bf16 m16n8k16 product
+// and the three-pass TF32 m16n8k8 product of fp32 operands.
 #include "common/util.cuh"
 
 namespace krk {
@@ -107,6 +108,49 @@ __device__ __forceinline__ void flash_softmax_step(float (&sc)[NS][4], float (&m
             l[e >> 1] += sc[n][e];
         }
     }
+}
+
+// Three-pass TF32 products of fp32 operands: every operand is split into a TF32 high part and a
+// remainder (tf32_split), and hi*hi + hi*lo + lo*hi keeps the products to about fp32 accuracy (the
+// dropped lo*lo term is below 2^-20 of them), with fp32 accumulation.
+// x = hi + lo, hi = x with the low 13 mantissa bits cleared (TF32, exact) and lo = x - hi (exact
+// in fp32), which the tensor core reads truncated to TF32: |lo| < 2^-10 |x|, so the truncation
+// costs under 2^-20 |x|. Masking and a subtraction run at full rate, where cvt.rna.tf32 would be a
+// conversion at a fraction of it.
+__device__ __forceinline__ void tf32_split(float x, uint32_t &hi, uint32_t &lo)
+{
+    hi = __float_as_uint(x) & 0xffffe000u;
+    lo = __float_as_uint(x - __uint_as_float(hi));
+}
+
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1)
+{
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// d += a b in three TF32 passes; a is the A fragment (rows g, g + 8; columns t, t + 4) and b0, b1
+// the B fragment (rows t, t + 4; column g) as fp32.
+struct Tf32A {
+    uint32_t hi[4], lo[4];
+    __device__ __forceinline__ void set(float a0, float a1, float a2, float a3)
+    {
+        tf32_split(a0, hi[0], lo[0]);
+        tf32_split(a1, hi[1], lo[1]);
+        tf32_split(a2, hi[2], lo[2]);
+        tf32_split(a3, hi[3], lo[3]);
+    }
+};
+__device__ __forceinline__ void mma_3xtf32(float (&d)[4], const Tf32A &a, float b0, float b1)
+{
+    uint32_t bh0, bl0, bh1, bl1;
+    tf32_split(b0, bh0, bl0);
+    tf32_split(b1, bh1, bl1);
+    mma_tf32(d, a.lo, bh0, bh1);
+    mma_tf32(d, a.hi, bl0, bl1);
+    mma_tf32(d, a.hi, bh0, bh1);
 }
 
 } // namespace krk
