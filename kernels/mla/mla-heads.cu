@@ -16,7 +16,12 @@
 //            order (deterministic)
 // The split kernel's flash-attention structure is that of attention/prefill.cu: warps own 16 head
 // rows (and one half of O's R columns, so that a thread holds R/2/8 accumulator tiles; both halves
-// compute the same scores), key tiles stream through two cp.async stages.
+// compute the same scores), key tiles stream through two cp.async stages; a group's last tokens (in
+// a prefill, those with the most keys) go first.
+// Groups of at least kGemmMinTok tokens (prefill) take products over the heads in place of absorb and,
+// where each token has one split, of combine (mla_head_gemm_kernel: 64-token tiles share every weight
+// read, three TF32 passes on tensor cores for about fp32 accuracy); at 1024 tokens of the 8B DSA shape
+// these took MLA from 7.2 to 2.3 ms (docs/PERF.md).
 #include "common/fp8-cache.cuh"
 #include "common/mma.cuh"
 #include "mla/mla-common.cuh"
@@ -160,7 +165,9 @@ __global__ void __launch_bounds__(256) mla_split_kernel(krk::mla::AttnArgs p, in
     float *sScale = reinterpret_cast<float *>(sValid) - 2 * kBN * NB; // [2][kBN][NB] (FP8)
 
     const krk_batch &b = p.batch;
-    const int64_t tl = blockIdx.x, t = t0 + tl;
+    // the group's last tokens first: in a prefill they have the most keys, so the longest blocks start
+    // in the first wave rather than in the last
+    const int64_t tl = gridDim.x - 1 - blockIdx.x, t = t0 + tl;
     const int split = blockIdx.y;
     const int H = (int)p.n_head, HP = hg * 16;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -508,6 +515,197 @@ __global__ void __launch_bounds__(kCombineThreads)
     }
 }
 
+// Products over the heads for launch groups of many tokens (prefill), in place of the absorb kernel
+// and, where every token has one split (nothing to merge), of the combine:
+//   C[t][n] = sum_k A[t][k] B[k][n] for each head h = blockIdx.z
+// absorb: A = q_nope, B = W_UK[h] ([k][n] as stored), C = Q's first R columns in bf16 and q_pe copied
+// after them; W_UV: A = O, B[k][n] = W_UV[h][n][k] (BT), C = out with row t divided by its softmax sum
+// (zeros where that is not positive: padding, or no key). fp32 operands on tensor cores in three TF32
+// passes (krk::mma_3xtf32: about fp32 accuracy, as the kernels it replaces). A block computes 64 rows by
+// 128 columns over k tiles of 32 held in shared memory (the next tile's loads in flight during the
+// products); warp w the 32 x 32 at rows 32 (w % 2), columns 32 (w / 2).
+struct HeadGemm {
+    const float *a;
+    int64_t lda, a_head;
+    const float *b;
+    int64_t ldb, b_head;
+    void *c;
+    int64_t ldc, c_head;
+    const float *l; // (or NULL) divisor of row t of head h: l[h * l_head + t * l_stride]
+    int64_t l_stride, l_head;
+    int m, n, k;
+    int pe; // (bf16 C) A's columns [k, k + pe) copied to C's [n, n + pe) by the blocks of column tile 0
+};
+constexpr int kGM = 64, kGN = 128, kGK = 32;
+constexpr int kGLdK = kGK + 4;  // rows of k (A; B when BT): fragment reads (row g, column t) on distinct banks
+constexpr int kGLdN = kGN + 8;  // rows of n (B as stored): fragment reads (row t, column g) on distinct banks
+constexpr int kGemmMinTok = 64; // launch groups of at least this many tokens take the products
+
+template <bool BT, bool BF16> __global__ void __launch_bounds__(256) mla_head_gemm_kernel(HeadGemm g)
+{
+    krk::kernel_prologue();
+    constexpr int BS = kGN * kGLdK > kGK * kGLdN ? kGN * kGLdK : kGK * kGLdN;
+    __shared__ __align__(16) float As[kGM * kGLdK]; // [m][k]
+    __shared__ __align__(16) float Bs[BS];          // BT: [n][k], else [k][n]
+    const int h = blockIdx.z, m0 = blockIdx.y * kGM, n0 = blockIdx.x * kGN;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, fg = lane >> 2, ft = lane & 3;
+    const int wm = (warp & 1) * 32, wn = (warp >> 1) * 32;
+    const float *A = g.a + h * g.a_head, *B = g.b + h * g.b_head;
+    const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    float4 ra[2], rb[4];
+    // k tile k0 into registers, zeros outside the matrices (k, and n when B is stored [k][n], are
+    // multiples of 4: a float4 is all in or all out)
+    auto load = [&](int k0) {
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            const int e = tid + 256 * i, r = e >> 3, c = (e & 7) * 4;
+            const bool in = m0 + r < g.m && k0 + c < g.k;
+            ra[i] = in ? *reinterpret_cast<const float4 *>(A + (int64_t)(m0 + r) * g.lda + k0 + c) : zero;
+        }
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int e = tid + 256 * i;
+            if constexpr (BT) {
+                const int r = e >> 3, c = (e & 7) * 4;
+                const bool in = n0 + r < g.n && k0 + c < g.k;
+                rb[i] = in ? *reinterpret_cast<const float4 *>(B + (int64_t)(n0 + r) * g.ldb + k0 + c) : zero;
+            } else {
+                const int r = e >> 5, c = (e & 31) * 4;
+                const bool in = k0 + r < g.k && n0 + c < g.n;
+                rb[i] = in ? *reinterpret_cast<const float4 *>(B + (int64_t)(k0 + r) * g.ldb + n0 + c) : zero;
+            }
+        }
+    };
+    auto store = [&]() {
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            const int e = tid + 256 * i;
+            *reinterpret_cast<float4 *>(&As[(e >> 3) * kGLdK + (e & 7) * 4]) = ra[i];
+        }
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int e = tid + 256 * i;
+            if constexpr (BT) {
+                *reinterpret_cast<float4 *>(&Bs[(e >> 3) * kGLdK + (e & 7) * 4]) = rb[i];
+            } else {
+                *reinterpret_cast<float4 *>(&Bs[(e >> 5) * kGLdN + (e & 31) * 4]) = rb[i];
+            }
+        }
+    };
+    float acc[2][4][4];
+#pragma unroll
+    for (int mi = 0; mi < 2; mi++) {
+#pragma unroll
+        for (int ni = 0; ni < 4; ni++) {
+            acc[mi][ni][0] = acc[mi][ni][1] = acc[mi][ni][2] = acc[mi][ni][3] = 0.0f;
+        }
+    }
+    load(0);
+    for (int k0 = 0; k0 < g.k; k0 += kGK) {
+        __syncthreads(); // every warp is done with the previous tile
+        store();
+        __syncthreads();
+        if (k0 + kGK < g.k) {
+            load(k0 + kGK);
+        }
+#pragma unroll
+        for (int kk = 0; kk < kGK; kk += 8) {
+            krk::Tf32A fa[2];
+#pragma unroll
+            for (int mi = 0; mi < 2; mi++) {
+                const float *ar = As + (wm + 16 * mi + fg) * kGLdK + kk + ft;
+                fa[mi].set(ar[0], ar[8 * kGLdK], ar[4], ar[8 * kGLdK + 4]);
+            }
+#pragma unroll
+            for (int ni = 0; ni < 4; ni++) {
+                const int n = wn + 8 * ni + fg;
+                const float b0 = BT ? Bs[n * kGLdK + kk + ft] : Bs[(kk + ft) * kGLdN + n];
+                const float b1 = BT ? Bs[n * kGLdK + kk + ft + 4] : Bs[(kk + ft + 4) * kGLdN + n];
+                uint32_t bh0, bl0, bh1, bl1;
+                krk::tf32_split(b0, bh0, bl0);
+                krk::tf32_split(b1, bh1, bl1);
+#pragma unroll
+                for (int mi = 0; mi < 2; mi++) {
+                    krk::mma_tf32(acc[mi][ni], fa[mi].lo, bh0, bh1);
+                    krk::mma_tf32(acc[mi][ni], fa[mi].hi, bl0, bl1);
+                    krk::mma_tf32(acc[mi][ni], fa[mi].hi, bh0, bh1);
+                }
+            }
+        }
+    }
+    // element e of tile (mi, ni): row wm + 16 mi + fg (+ 8 for e >= 2), column wn + 8 ni + 2 ft (+ 1 for odd e)
+#pragma unroll
+    for (int mi = 0; mi < 2; mi++) {
+#pragma unroll
+        for (int half = 0; half < 2; half++) {
+            const int row = m0 + wm + 16 * mi + fg + 8 * half;
+            if (row >= g.m) {
+                continue;
+            }
+            float inv = 1.0f;
+            bool zero_row = false;
+            if (g.l) {
+                const float lv = g.l[h * g.l_head + (int64_t)row * g.l_stride];
+                zero_row = !(lv > 0.0f);
+                inv = zero_row ? 0.0f : 1.0f / lv;
+            }
+#pragma unroll
+            for (int ni = 0; ni < 4; ni++) {
+                const int col = n0 + wn + 8 * ni + 2 * ft;
+                const float v0 = zero_row ? 0.0f : acc[mi][ni][2 * half] * inv;
+                const float v1 = zero_row ? 0.0f : acc[mi][ni][2 * half + 1] * inv;
+                if constexpr (BF16) {
+                    uint16_t *cr = static_cast<uint16_t *>(g.c) + h * g.c_head + (int64_t)row * g.ldc;
+                    if (col < g.n) {
+                        cr[col] = krk::f32_to_bf16(v0);
+                    }
+                    if (col + 1 < g.n) {
+                        cr[col + 1] = krk::f32_to_bf16(v1);
+                    }
+                } else {
+                    float *cr = static_cast<float *>(g.c) + h * g.c_head + (int64_t)row * g.ldc;
+                    if (col < g.n) {
+                        cr[col] = v0;
+                    }
+                    if (col + 1 < g.n) {
+                        cr[col + 1] = v1;
+                    }
+                }
+            }
+        }
+    }
+    if constexpr (BF16) {
+        if (g.pe > 0 && blockIdx.x == 0) {
+            for (int e = tid; e < kGM * g.pe; e += 256) {
+                const int r = e / g.pe, i = e - r * g.pe;
+                if (m0 + r < g.m) {
+                    static_cast<uint16_t *>(g.c)[h * g.c_head + (int64_t)(m0 + r) * g.ldc + g.n + i] =
+                        krk::f32_to_bf16(A[(int64_t)(m0 + r) * g.lda + g.k + i]);
+                }
+            }
+        }
+    }
+}
+
+bool aligned16(const void *p)
+{
+    return ((uintptr_t)p & 15) == 0;
+}
+
+// Whether the float4 loads of mla_head_gemm_kernel hold: 16-byte aligned bases, strides and head
+// offsets multiples of 4 floats, k a multiple of 4 (and n, where B is stored [k][n]).
+bool head_gemm_fits(const HeadGemm &g, bool bt)
+{
+    return aligned16(g.a) && aligned16(g.b) && g.lda % 4 == 0 && g.a_head % 4 == 0 && g.ldb % 4 == 0 &&
+           g.b_head % 4 == 0 && g.k % 4 == 0 && (bt || g.n % 4 == 0) && g.m > 0 && g.n > 0 && g.k > 0;
+}
+
+template <bool BT, bool BF16> void head_gemm_launch(const HeadGemm &g, int n_head, cudaStream_t stream)
+{
+    const dim3 grid((unsigned)((g.n + kGN - 1) / kGN), (unsigned)((g.m + kGM - 1) / kGM), (unsigned)n_head);
+    krk::launch_maybe_pdl(krk::pdl_enabled(), mla_head_gemm_kernel<BT, BF16>, grid, 256, 0, stream, g);
+}
+
 // Splits and launch groups: enough (token, split) blocks to give every SM two, each split keeping at
 // least kMinSplitTiles key tiles; at most kMaxParts parts per group, within the workspace.
 struct HeadsPlan {
@@ -560,13 +758,30 @@ enum kr_status heads_launch(const krk::mla::AttnArgs &p, cudaStream_t stream, cu
                                       (int)smem));
     const HeadsWs ws = heads_ws(p.workspace, pl.tc, pl.ns, hp, R, R + ROPE);
     const size_t absorb_smem = (size_t)kTokTile * (size_t)p.nope * sizeof(float);
+    const int64_t qd = p.nope + ROPE, H = p.n_head;
     for (int64_t t0 = 0; t0 < p.batch.n_tok; t0 += pl.tc) {
         const int tc = (int)(p.batch.n_tok - t0 < pl.tc ? p.batch.n_tok - t0 : pl.tc);
         const unsigned tok_tiles = (unsigned)((tc + kTokTile - 1) / kTokTile);
-        krk::launch_maybe_pdl(krk::pdl_enabled(), mla_absorb_kernel<R, ROPE>,
-                              dim3(tok_tiles, (unsigned)p.n_head, R / kAbsorbCols), kAbsorbQuarters * kAbsorbCols,
-                              absorb_smem, stream, p,
-                              t0, tc, hp, ws.q);
+        // many tokens: W_UK^T q_nope and W_UV O as products over the heads (mla_head_gemm_kernel)
+        HeadGemm ga = {};
+        ga.a = p.q + t0 * H * qd, ga.lda = H * qd, ga.a_head = qd;
+        ga.b = p.kv_b, ga.ldb = R, ga.b_head = (p.nope + p.v_dim) * R;
+        ga.c = ws.q, ga.ldc = (int64_t)hp * (R + ROPE), ga.c_head = R + ROPE;
+        ga.m = tc, ga.n = R, ga.k = (int)p.nope, ga.pe = ROPE;
+        HeadGemm gv = {};
+        gv.a = ws.o, gv.lda = (int64_t)hp * R, gv.a_head = R;
+        gv.b = p.kv_b + p.nope * R, gv.ldb = R, gv.b_head = (p.nope + p.v_dim) * R;
+        gv.c = p.out + t0 * H * p.v_dim, gv.ldc = H * p.v_dim, gv.c_head = p.v_dim;
+        gv.l = ws.ml + 1, gv.l_stride = (int64_t)hp * 2, gv.l_head = 2;
+        gv.m = tc, gv.n = (int)p.v_dim, gv.k = R;
+        const bool many = tc >= kGemmMinTok;
+        if (many && head_gemm_fits(ga, false)) {
+            head_gemm_launch<false, true>(ga, (int)H, stream);
+        } else {
+            krk::launch_maybe_pdl(krk::pdl_enabled(), mla_absorb_kernel<R, ROPE>,
+                                  dim3(tok_tiles, (unsigned)p.n_head, R / kAbsorbCols), kAbsorbQuarters * kAbsorbCols,
+                                  absorb_smem, stream, p, t0, tc, hp, ws.q);
+        }
         KRK_CHECK_LAUNCH();
         if (t0 == 0 && idx_ready) { // the absorption overlaps the selection; the splits read idx
             KRK_CUDA_TRY(cudaStreamWaitEvent(stream, idx_ready, 0));
@@ -574,9 +789,13 @@ enum kr_status heads_launch(const krk::mla::AttnArgs &p, cudaStream_t stream, cu
         krk::launch_maybe_pdl(krk::pdl_enabled(), mla_split_kernel<R, ROPE, FP8>, dim3((unsigned)tc, (unsigned)pl.ns),
                               (unsigned)(hg * 64), smem, stream, p, t0, hg, pl.ns, pl.spl, ws);
         KRK_CHECK_LAUNCH();
-        const dim3 combine_grid(tok_tiles, (unsigned)p.n_head, (unsigned)(R / kCombineCols));
-        krk::launch_maybe_pdl(krk::pdl_enabled(), mla_combine_kernel<R>, combine_grid, kCombineThreads, 0, stream, p,
-                              t0, tc, hp, pl.ns, ws);
+        if (many && pl.ns == 1 && head_gemm_fits(gv, true)) {
+            head_gemm_launch<true, false>(gv, (int)H, stream);
+        } else {
+            const dim3 combine_grid(tok_tiles, (unsigned)p.n_head, (unsigned)(R / kCombineCols));
+            krk::launch_maybe_pdl(krk::pdl_enabled(), mla_combine_kernel<R>, combine_grid, kCombineThreads, 0, stream,
+                                  p, t0, tc, hp, pl.ns, ws);
+        }
         KRK_CHECK_LAUNCH();
     }
     return KR_OK;
