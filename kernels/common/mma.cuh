@@ -143,14 +143,26 @@ struct Tf32A {
         tf32_split(a3, hi[3], lo[3]);
     }
 };
+// The B fragment split once, for products that share it across several A fragments.
+struct Tf32B {
+    uint32_t hi[2], lo[2];
+    __device__ __forceinline__ void set(float b0, float b1)
+    {
+        tf32_split(b0, hi[0], lo[0]);
+        tf32_split(b1, hi[1], lo[1]);
+    }
+};
+__device__ __forceinline__ void mma_3xtf32(float (&d)[4], const Tf32A &a, const Tf32B &b)
+{
+    mma_tf32(d, a.lo, b.hi[0], b.hi[1]);
+    mma_tf32(d, a.hi, b.lo[0], b.lo[1]);
+    mma_tf32(d, a.hi, b.hi[0], b.hi[1]);
+}
 __device__ __forceinline__ void mma_3xtf32(float (&d)[4], const Tf32A &a, float b0, float b1)
 {
-    uint32_t bh0, bl0, bh1, bl1;
-    tf32_split(b0, bh0, bl0);
-    tf32_split(b1, bh1, bl1);
-    mma_tf32(d, a.lo, bh0, bh1);
-    mma_tf32(d, a.hi, bl0, bl1);
-    mma_tf32(d, a.hi, bh0, bh1);
+    Tf32B b;
+    b.set(b0, b1);
+    mma_3xtf32(d, a, b);
 }
 
 } // namespace krk

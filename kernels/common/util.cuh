@@ -167,4 +167,10 @@ __device__ __forceinline__ float block_max(float v, float *sh)
     return warp_max(v);
 }
 
+// Whether p is a multiple of bytes (a power of two): the launchers' test for vector accesses.
+__host__ __device__ inline bool is_aligned(const void *p, uintptr_t bytes)
+{
+    return ((uintptr_t)p & (bytes - 1)) == 0;
+}
+
 } // namespace krk

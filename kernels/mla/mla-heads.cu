@@ -621,14 +621,11 @@ template <bool BT, bool BF16> __global__ void __launch_bounds__(256) mla_head_ge
                 const int n = wn + 8 * ni + fg;
                 const float b0 = BT ? Bs[n * kGLdK + kk + ft] : Bs[(kk + ft) * kGLdN + n];
                 const float b1 = BT ? Bs[n * kGLdK + kk + ft + 4] : Bs[(kk + ft + 4) * kGLdN + n];
-                uint32_t bh0, bl0, bh1, bl1;
-                krk::tf32_split(b0, bh0, bl0);
-                krk::tf32_split(b1, bh1, bl1);
+                krk::Tf32B fb;
+                fb.set(b0, b1);
 #pragma unroll
                 for (int mi = 0; mi < 2; mi++) {
-                    krk::mma_tf32(acc[mi][ni], fa[mi].lo, bh0, bh1);
-                    krk::mma_tf32(acc[mi][ni], fa[mi].hi, bl0, bl1);
-                    krk::mma_tf32(acc[mi][ni], fa[mi].hi, bh0, bh1);
+                    krk::mma_3xtf32(acc[mi][ni], fa[mi], fb);
                 }
             }
         }
@@ -687,16 +684,11 @@ template <bool BT, bool BF16> __global__ void __launch_bounds__(256) mla_head_ge
     }
 }
 
-bool aligned16(const void *p)
-{
-    return ((uintptr_t)p & 15) == 0;
-}
-
 // Whether the float4 loads of mla_head_gemm_kernel hold: 16-byte aligned bases, strides and head
 // offsets multiples of 4 floats, k a multiple of 4 (and n, where B is stored [k][n]).
 bool head_gemm_fits(const HeadGemm &g, bool bt)
 {
-    return aligned16(g.a) && aligned16(g.b) && g.lda % 4 == 0 && g.a_head % 4 == 0 && g.ldb % 4 == 0 &&
+    return krk::is_aligned(g.a, 16) && krk::is_aligned(g.b, 16) && g.lda % 4 == 0 && g.a_head % 4 == 0 && g.ldb % 4 == 0 &&
            g.b_head % 4 == 0 && g.k % 4 == 0 && (bt || g.n % 4 == 0) && g.m > 0 && g.n > 0 && g.k > 0;
 }
 

@@ -9,11 +9,6 @@
 
 namespace krk {
 
-__host__ __device__ inline bool is_aligned(const void *p, uintptr_t bytes)
-{
-    return ((uintptr_t)p & (bytes - 1)) == 0;
-}
-
 template <int V> __device__ __forceinline__ void load_f(const float *p, float (&v)[V])
 {
     if constexpr (V == 4) {
