@@ -125,9 +125,10 @@ extern "C" enum kr_status krk_ssd(const struct krk_ssd_params *p, const struct k
             cudaEventRecord(ctx->events[2 * k + end], stream);
         }
     };
-    // decode: sequences of at most one token (every sequence when max_seq_tok == 1)
+    // decode: sequences of at most one token (every sequence when max_seq_tok == 1); none when the
+    // step is one sequence of several tokens without kept states (a prompt's prefill)
     mark(0, 0);
-    {
+    if (!(b.n_seq == 1 && b.n_tok >= 2 && b.tok_keep == nullptr)) {
         const dim3 grid((unsigned)((p->head_dim + kDecodeRows - 1) / kDecodeRows), (unsigned)p->n_head,
                         (unsigned)b.n_seq);
         const bool cs = krk_state_streaming(), keep = b.tok_keep != nullptr;
