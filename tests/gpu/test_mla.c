@@ -736,6 +736,10 @@ static const struct attn_batch attn_batches[] = {
     /* enough tokens for one split each: the head-batched kernels' products over the heads in place of
      * the absorb and combine kernels (launch groups of 512 and 88 tokens) */
     {"prefill 520 from 0 and 80 at 1000", 256, {.n_seq = 2, .len = {520, 80}, .pos0 = {0, 1000}}},
+    /* a padding sequence inside a launch group of 64+ tokens: its rows (no key, softmax sum 0) go
+     * through the products' zero-row branch and must come out written and finite */
+    {"prefill 70 beside 30 padding tokens and 8 at 40", 256,
+     {.n_seq = 3, .len = {70, 30, 8}, .pos0 = {0, 500, 40}, .pad = {false, true, false}}},
 };
 /* long contexts: prefill chunks crossing 32768 and 65536 (dense: every key; sparse: the selection
  * over them) next to a decode at 100,000 (attention_long_context_matches_cpu) */
@@ -743,7 +747,7 @@ static const struct attn_batch attn_long_batch = {
     "chunks crossing 32768 and 65536", 256, {.n_seq = 3, .len = {24, 8, 1}, .pos0 = {32768 - 12, 65536 - 4, 99999}}};
 #define N_ATTN_SHAPES ((int)(sizeof attn_shapes / sizeof attn_shapes[0]))
 #define N_ATTN_BATCHES ((int)(sizeof attn_batches / sizeof attn_batches[0]))
-static int attn_case_ids[] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17};
+static int attn_case_ids[] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20};
 _Static_assert(sizeof attn_case_ids / sizeof attn_case_ids[0] == N_ATTN_SHAPES * N_ATTN_BATCHES,
                "one id per attention case");
 
