@@ -66,6 +66,11 @@ struct cuda_ctx {
     bool graphs_on;
     int skinny_max;                     /* products of 2..skinny_max rows take krk_skinny (tensor
                                            cores), more take cuBLAS (KRAIT_SKINNY_MAX, 0 = never) */
+    struct krk_fixed_lt *tuned;         /* (or NULL: KRAIT_LT_TUNE=0) plain bf16 products of
+                                           KRK_TUNED_MIN_N..KRK_TUNED_MAX_N rows: krk_tuned_gemm */
+    uint64_t tuned_eager[(KRK_TUNED_MAX_N + 64) / 64]; /* decode buckets that ran eagerly once, so
+                                           that their graphs capture the timed algorithms */
+    int tuned_logged;                   /* classes timed when last logged */
     void *sk_ws;                        /* krk_skinny's workspace (zeroed when allocated) */
     size_t sk_ws_size;
     bool pdl;                           /* every kernel launches as a programmatic dependent of the
@@ -293,6 +298,7 @@ static void cuda_free(kr_backend_t be)
         cudaFree(c->sk_ws);
         krk_fp8_lt_free(c->lt);
         krk_fixed_lt_free(c->fixed);
+        krk_fixed_lt_free(c->tuned);
         free(c->inv_tok);
         free(c->inv_out);
         cudaFree(c->f8);
@@ -1359,6 +1365,13 @@ static enum kr_status matmul_fixed(struct cuda_ctx *c, const float *x, int64_t l
     return bias ? krk_add_bias(y, ldy, bias, n, w->rows, c->stream) : KR_OK;
 }
 
+/* Whether plain products of n rows try krk_tuned_gemm: single-device backends only (timing
+ * synchronizes the stream, which a tensor-parallel rank must not do between its collectives). */
+static bool tuned_takes(const struct cuda_ctx *c, int64_t n)
+{
+    return c->tuned && !c->comm && n >= KRK_TUNED_MIN_N && n <= KRK_TUNED_MAX_N;
+}
+
 /* One product; `used` (or NULL) receives the bf16 operand it read (filled: false when none).
  * The matmul ops are a dispatch rather than a translation of one struct: the engine names a weight
  * tensor, and the kernel is chosen here by rows and weight (fp32 weights: cuBLAS SGEMM; one row:
@@ -1410,6 +1423,14 @@ static enum kr_status matmul_one(struct cuda_ctx *c, const float *x, int64_t ldx
         const krk_bf16 *xb = NULL;
         int64_t ldb = cols;
         KR_TRY(bf16_x(c, x, ldx, n, cols, in, &xb, &ldb, used));
+        if (tuned_takes(c, n)) { /* decode-sized: the algorithm timed fastest for the shape and class */
+            const struct krk_fixed_gemm_params tp = {.w = w->data, .x = xb, .ldx = ldb, .y = y, .ldy = ldy,
+                                                     .rows = rows, .cols = cols, .n = n};
+            st = krk_tuned_gemm(c->tuned, &tp, c->stream);
+            if (st != KR_ERR_UNSUPPORTED) {
+                return st == KR_OK && bias ? krk_add_bias(y, ldy, bias, n, rows, c->stream) : st;
+            }
+        }
         const float one = 1.0f, zero = 0.0f;
         BLAS_TRY(cublasGemmEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)rows, (int)n, (int)cols, &one, w->data,
                               CUDA_R_16BF, (int)cols, xb, CUDA_R_16BF, (int)ldb, &zero, y, CUDA_R_32F, (int)ldy,
@@ -1968,6 +1989,13 @@ static enum kr_status cuda_graph_run(kr_backend_t be, int32_t key, bool *launche
     if (c->n_graphs == MAX_GRAPHS) {
         return KR_OK; /* run eagerly */
     }
+    const int32_t bucket = key & 0xffff;
+    if (tuned_takes(c, bucket) && !(c->tuned_eager[bucket / 64] >> (bucket % 64) & 1)) {
+        /* the bucket's first step runs eagerly, timing its products' algorithms (krk_tuned_gemm
+         * cannot time inside a capture); the graph is captured the next time */
+        c->tuned_eager[bucket / 64] |= (uint64_t)1 << (bucket % 64);
+        return KR_OK;
+    }
     /* the captured kernels must not depend on this step's context length: they see no bound (0:
      * attention decode then uses its fixed split-K grid), or the graph shape's bound on every
      * context (MLA layers size their key tiles and score rows by it; each token still stops at its
@@ -1984,6 +2012,13 @@ static enum kr_status cuda_end_batch(kr_backend_t be, bool ok)
     struct cuda_ctx *c = ctx_of(be);
     c->inv_step = false;
     if (!c->capturing) {
+        float ms = 0;
+        const int timed = krk_tuned_info(c->tuned, &ms);
+        if (timed != c->tuned_logged) {
+            KR_LOG_INFO("cuda: %d decode-sized product classes timed (cuBLASLt algorithms), %.0f ms in all", timed,
+                        (double)ms);
+            c->tuned_logged = timed;
+        }
         prof_collect(c);
         kr_cuda_comm_step_issued(c->comm, c->rank, c->stream);
         return KR_OK;
@@ -2235,6 +2270,9 @@ enum kr_status kr_backend_cuda_create_with(int dev, const struct kr_switches *sw
     /* cuBLASLt shares cuBLAS's workspace: both run on `stream`, one product after the other */
     if (!(c->lt = krk_fp8_lt_create(c->blas_ws, c->blas_ws_size))) {
         KR_LOG_WARN("cuda: no cuBLASLt handle; FP8 products of every size take the CUDA-core kernel");
+    }
+    if (sw->lt_tune && !(c->tuned = krk_fixed_lt_create(c->blas_ws, c->blas_ws_size, 1))) {
+        KR_LOG_WARN("cuda: no cuBLASLt handle; decode-sized products take cuBLAS's own algorithms");
     }
     KR_LOG_INFO("cuda: using %s, graphs %s", c->desc, c->graphs_on ? "on" : "off");
     *out = be;

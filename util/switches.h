@@ -41,6 +41,8 @@ struct kr_switches {
     int32_t tp_one_device;    /* KRAIT_TP_ONE_DEVICE: every CUDA rank on one device (tests) */
     int32_t fp8_skinny_max;   /* KRAIT_FP8_SKINNY_MAX: FP8 products of up to this many rows take the
                                  tensor-core skinny kernel, more cuBLASLt */
+    int32_t lt_tune;          /* KRAIT_LT_TUNE: 1 = decode-sized bf16 products take the cuBLASLt
+                                 algorithm timed fastest per shape and row class */
     uint64_t given;           /* bit i: table entry i was set (non-empty) in the environment */
 };
 

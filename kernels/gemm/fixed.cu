@@ -8,6 +8,12 @@
 // workspace; the one kept is the fastest over decode- and prefill-sized products, timed on the
 // weight when it is first used. The GPU tests check that a row's bits do not change with n (gemm
 // suite) and that sequences do not change with the batch (cuda_backend suite).
+//
+// The same handle serves the plain products of decode-sized steps (krk_tuned_gemm): there the
+// algorithm is chosen per shape and class of row counts (the graph buckets from 9 to 256 rows), by
+// timing the heuristic's candidates on the call's own operands with the L2 cache overwritten
+// before each run, the first time the class runs outside a graph capture. cuBLAS's own choice for
+// such counts reads a step's weights 3-5 % slower than the fastest of them (docs/PERF.md).
 #include <cublasLt.h>
 
 #include <cmath>
@@ -22,12 +28,25 @@ namespace {
 
 constexpr int kFixedSlots = 64;    // distinct (weight type, shape, alignment) of one model
 constexpr int kCandidates = 16;    // heuristic results examined per shape
+constexpr int kTunedSlots = 256;   // (shape, row class, alignment) of krk_tuned_gemm
+// krk_tuned_gemm's row classes: n rows take the algorithm timed for the first class >= n (the
+// backend's decode-graph buckets, whose steps run exactly these counts)
+constexpr int64_t kTunedClass[] = {12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, KRK_TUNED_MAX_N};
+constexpr int kTunedClasses = (int)(sizeof kTunedClass / sizeof kTunedClass[0]);
 
 struct FixedAlgo {
     bool used, ok;
     bool f32;
     int64_t rows, cols;
     uint32_t align[3]; // W, x, y: the smaller of the address's alignment and 16 bytes
+    cublasLtMatmulAlgo_t algo;
+};
+
+struct TunedAlgo {
+    bool ok;          // false: no candidate ran (the class takes cuBLAS's own choice)
+    int cls;
+    int64_t rows, cols;
+    uint32_t align[3];
     cublasLtMatmulAlgo_t algo;
 };
 
@@ -40,6 +59,9 @@ struct krk_fixed_lt {
     int64_t max_n;
     int n_used;
     FixedAlgo slot[kFixedSlots];
+    int n_tuned;
+    float tune_ms; // host time spent timing candidates, all classes
+    TunedAlgo tuned[kTunedSlots];
 };
 
 extern "C" struct krk_fixed_lt *krk_fixed_lt_create(void *ws, size_t ws_bytes, int64_t max_n)
@@ -201,12 +223,14 @@ bool usable(struct krk_fixed_lt *lt, cublasLtMatmulAlgo_t *algo, bool f32, int64
     return false;
 }
 
-// Milliseconds of one product of n rows with algo (median of 3 after one warm-up); x and y scratch
-// of at least n rows; a negative value when it fails.
+// Milliseconds of one product of n rows with algo (median of 3 after one warm-up); x [n, ldx] and
+// y [n, ldy]; with flush, the workspace is overwritten before each run (outside the timing), which
+// evicts the weight from L2 as a decode step finds it; a negative value when it fails.
 float time_algo(struct krk_fixed_lt *lt, const cublasLtMatmulAlgo_t &algo, bool f32, const void *w, int64_t rows,
-                int64_t cols, int64_t n, const void *x, float *y, cudaStream_t stream, cudaEvent_t ev[2])
+                int64_t cols, int64_t n, const void *x, int64_t ldx, float *y, int64_t ldy, bool flush,
+                cudaStream_t stream, cudaEvent_t ev[2])
 {
-    Call c(f32, rows, cols, n, cols, rows);
+    Call c(f32, rows, cols, n, ldx, ldy);
     cublasLtMatmulHeuristicResult_t r = {};
     if (!c.ok || cublasLtMatmulAlgoCheck(lt->h, c.op, c.a, c.b, c.d, c.d, &algo, &r) != CUBLAS_STATUS_SUCCESS ||
         r.workspaceSize > lt->ws_bytes) {
@@ -215,6 +239,9 @@ float time_algo(struct krk_fixed_lt *lt, const cublasLtMatmulAlgo_t &algo, bool 
     const float one = 1.0f, zero = 0.0f;
     float t[3];
     for (int i = -1; i < 3; i++) {
+        if (flush && cudaMemsetAsync(lt->ws, i & 0xff, lt->ws_bytes, stream) != cudaSuccess) {
+            return -1.0f;
+        }
         cudaEventRecord(ev[0], stream);
         if (cublasLtMatmul(lt->h, c.op, &one, w, c.a, x, c.b, &zero, y, c.d, y, c.d, &algo, lt->ws, r.workspaceSize,
                            stream) != CUBLAS_STATUS_SUCCESS) {
@@ -278,7 +305,8 @@ void pick(struct krk_fixed_lt *lt, FixedAlgo *f, bool f32, const void *w, int64_
         float best[4] = {INFINITY, INFINITY, INFINITY, INFINITY};
         for (int i = 0; i < m; i++) {
             for (int j = 0; j < 4; j++) {
-                t[i][j] = time_algo(lt, cand[i], f32, w, rows, cols, counts[j], x, static_cast<float *>(y), stream, ev);
+                t[i][j] = time_algo(lt, cand[i], f32, w, rows, cols, counts[j], x, cols, static_cast<float *>(y),
+                                    rows, false, stream, ev);
                 best[j] = t[i][j] > 0 && t[i][j] < best[j] ? t[i][j] : best[j];
             }
         }
@@ -384,4 +412,130 @@ extern "C" int krk_fixed_algo_id(struct krk_fixed_lt *lt, bool f32, int64_t rows
         }
     }
     return -1;
+}
+
+// ---- krk_tuned_gemm: the fastest algorithm per shape and row class (plain decode steps) ----------
+
+namespace {
+
+int tuned_class(int64_t n)
+{
+    for (int i = 0; i < kTunedClasses; i++) {
+        if (n <= kTunedClass[i]) {
+            return i;
+        }
+    }
+    return -1;
+}
+
+// Times the heuristic's candidates for the call's n (and their splits of K) on the call's operands
+// and keeps the fastest in f; f->ok stays false when none runs.
+void tune(struct krk_fixed_lt *lt, TunedAlgo *f, const struct krk_fixed_gemm_params *p, const uint32_t (&align)[3],
+          cudaStream_t stream)
+{
+    constexpr int kMax = 64;
+    cublasLtMatmulAlgo_t cand[kMax];
+    const int n = candidates(lt, false, p->rows, p->cols, p->n, align, cand, 0, kMax);
+    cudaEvent_t ev[2] = {NULL, NULL};
+    if (n == 0 || cudaEventCreate(&ev[0]) != cudaSuccess || cudaEventCreate(&ev[1]) != cudaSuccess) {
+        cudaGetLastError();
+    } else {
+        float best = INFINITY;
+        for (int i = 0; i < n; i++) {
+            const float t = time_algo(lt, cand[i], false, p->w, p->rows, p->cols, p->n, p->x, p->ldx, p->y, p->ldy,
+                                      true, stream, ev);
+            if (t > 0 && t < best) {
+                best = t;
+                f->algo = cand[i];
+                f->ok = true;
+            }
+        }
+        cudaGetLastError(); // a candidate that failed to launch leaves nothing behind
+    }
+    for (int i = 0; i < 2; i++) {
+        if (ev[i]) {
+            cudaEventDestroy(ev[i]);
+        }
+    }
+}
+
+} // namespace
+
+extern "C" enum kr_status krk_tuned_gemm(struct krk_fixed_lt *lt, const struct krk_fixed_gemm_params *p,
+                                         cudaStream_t stream)
+{
+    KRK_REQUIRE(lt && p && p->rows >= 1 && p->cols >= 1 && p->n >= 0 && p->ldx >= p->cols && p->ldy >= p->rows);
+    const int cls = tuned_class(p->n);
+    if (p->f32 || p->n < KRK_TUNED_MIN_N || cls < 0 || p->rows * p->cols * 2 < KRK_TUNED_MIN_BYTES) {
+        return KR_ERR_UNSUPPORTED;
+    }
+    KRK_REQUIRE(p->w && p->x && p->y);
+    const uint32_t align[3] = {align16(p->w), align16(p->x), align16(p->y)};
+    TunedAlgo *f = NULL;
+    for (int i = 0; i < lt->n_tuned && !f; i++) {
+        TunedAlgo *t = &lt->tuned[i];
+        if (t->cls == cls && t->rows == p->rows && t->cols == p->cols && memcmp(t->align, align, sizeof align) == 0) {
+            f = t;
+        }
+    }
+    if (!f) {
+        cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+        if (lt->n_tuned == kTunedSlots || cudaStreamIsCapturing(stream, &cs) != cudaSuccess ||
+            cs != cudaStreamCaptureStatusNone) {
+            cudaGetLastError();
+            return KR_ERR_UNSUPPORTED; // nothing can be timed inside a capture: cuBLAS's choice
+        }
+        f = &lt->tuned[lt->n_tuned++];
+        memset(f, 0, sizeof *f);
+        f->cls = cls;
+        f->rows = p->rows;
+        f->cols = p->cols;
+        memcpy(f->align, align, sizeof align);
+        cudaEvent_t h0 = NULL, h1 = NULL;
+        const bool timed = cudaEventCreate(&h0) == cudaSuccess && cudaEventCreate(&h1) == cudaSuccess &&
+                           cudaEventRecord(h0, stream) == cudaSuccess;
+        tune(lt, f, p, align, stream);
+        float ms = 0;
+        if (timed && cudaEventRecord(h1, stream) == cudaSuccess && cudaEventSynchronize(h1) == cudaSuccess &&
+            cudaEventElapsedTime(&ms, h0, h1) == cudaSuccess) {
+            lt->tune_ms += ms;
+        }
+        cudaGetLastError();
+        if (h0) {
+            cudaEventDestroy(h0);
+        }
+        if (h1) {
+            cudaEventDestroy(h1);
+        }
+    }
+    if (!f->ok) {
+        return KR_ERR_UNSUPPORTED;
+    }
+    Call c(false, p->rows, p->cols, p->n, p->ldx, p->ldy);
+    cublasLtMatmulHeuristicResult_t r = {};
+    if (!c.ok || cublasLtMatmulAlgoCheck(lt->h, c.op, c.a, c.b, c.d, c.d, &f->algo, &r) != CUBLAS_STATUS_SUCCESS ||
+        r.workspaceSize > lt->ws_bytes) {
+        return KR_ERR_UNSUPPORTED; // (a count of the class or leading dimensions it does not take)
+    }
+    const float one = 1.0f, zero = 0.0f;
+    const cublasStatus_t s = cublasLtMatmul(lt->h, c.op, &one, p->w, c.a, p->x, c.b, &zero, p->y, c.d, p->y, c.d,
+                                            &f->algo, lt->ws, r.workspaceSize, stream);
+    if (s != CUBLAS_STATUS_SUCCESS) {
+        fprintf(stderr, "krk: cublasLtMatmul (tuned, %lld x %lld x %lld): status %d\n", (long long)p->rows,
+                (long long)p->n, (long long)p->cols, (int)s);
+        return KR_ERR_CUDA;
+    }
+    return KR_OK;
+}
+
+extern "C" int krk_tuned_info(const struct krk_fixed_lt *lt, float *ms)
+{
+    if (ms) {
+        *ms = lt ? lt->tune_ms : 0.0f;
+    }
+    int n = 0;
+    for (int i = 0; lt && i < lt->n_tuned; i++) {
+        n += lt->tuned[i].ok;
+    }
+    return n;
 }

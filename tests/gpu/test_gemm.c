@@ -977,3 +977,142 @@ Test(gemm, invariant_backend_rows_do_not_depend_on_the_row_count)
     kr_backend_free(cpu);
     kr_backend_free(gpu);
 }
+
+/* The class krk_tuned_gemm files n rows under (its first class >= n), as the header lists them. */
+static int tuned_class_of(int64_t n)
+{
+    static const int64_t classes[] = {12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256};
+    for (int i = 0; i < (int)(sizeof classes / sizeof classes[0]); i++) {
+        if (n <= classes[i]) {
+            return i;
+        }
+    }
+    return -1;
+}
+
+/* Plain decode-sized products (krk_tuned_gemm): for every row class, the algorithm timed fastest on
+ * first use gives the CPU's product within the fixed-order bounds (bf16-exact operands, another
+ * summation order; a dropped or repeated block of columns errs by order 1); counts outside 9..256,
+ * fp32 and small weights are refused (the caller's cuBLAS path), as is a class not yet timed inside
+ * a graph capture; a timed class captures, and the graph's result is the eager call's, bit for bit. */
+Test(gemm, tuned_products_match_the_cpu)
+{
+    GT_REQUIRE_GPU();
+    static const struct {
+        int64_t rows, cols;
+    } shapes[] = {{4096, 4096}, {2048, 1024}, {1024, 8192}};
+    static const int64_t counts[] = {9, 12, 16, 17, 37, 64, 100, 160, 255, 256};
+    enum { N_COUNTS = sizeof counts / sizeof counts[0], MAX_N = 256 };
+    struct gt_rng rng = {.s = 5151};
+    kr_backend_t be = kr_backend_cpu_create(0);
+    cr_assert(be);
+    const size_t ws_bytes = (size_t)64 << 20; /* the backend's */
+    void *d_ws = gt_dalloc(ws_bytes);
+    struct krk_fixed_lt *lt = krk_fixed_lt_create(d_ws, ws_bytes, 1);
+    cr_assert(lt, "cuBLASLt handle");
+    cudaStream_t stream;
+    cr_assert_eq(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+        const int64_t rows = shapes[si].rows, cols = shapes[si].cols;
+        const size_t nw = (size_t)(rows * cols), nx = (size_t)(MAX_N * cols), ny = (size_t)(MAX_N * rows);
+        float *wf = hrand(&rng, nw, -1.0f, 1.0f), *x = hrand(&rng, nx, -1.0f, 1.0f);
+        uint16_t *wb = kr_malloc(nw * sizeof(uint16_t));
+        cr_assert(wb);
+        for (size_t i = 0; i < nw; i++) {
+            wb[i] = kr_f32_to_bf16(wf[i]);
+        }
+        gt_round_bf16(x, nx);
+        void *d_w = gt_dup(wb, nw * 2);
+        krk_bf16 *d_x = gt_dup_bf16(x, nx);
+        float *d_y = gt_dalloc(ny * 4), *d_g = gt_dalloc(ny * 4);
+        float *got = kr_malloc(ny * sizeof(float)), *ref = kr_malloc(ny * sizeof(float)),
+              *graph = kr_malloc(ny * sizeof(float));
+        cr_assert(got && ref && graph);
+        struct kr_tensor t = {.data = wb, .dtype = KR_DTYPE_BF16, .rows = rows, .cols = cols};
+        cr_assert_eq(kr_backend_matmul(be, x, cols, MAX_N, &t, NULL, ref, rows, NULL), KR_OK);
+        for (int ci = 0; ci < N_COUNTS; ci++) {
+            const int64_t n = counts[ci];
+            const struct krk_fixed_gemm_params p = {.w = d_w, .x = d_x, .ldx = cols, .y = d_y, .ldy = rows,
+                                                    .rows = rows, .cols = cols, .n = n};
+            char what[96];
+            snprintf(what, sizeof what, "tuned %lldx%lld n=%lld", (long long)rows, (long long)cols, (long long)n);
+            /* before the class is timed, a capture gets nothing */
+            cudaGraph_t g = NULL;
+            const int before = krk_tuned_info(lt, NULL);
+            cr_assert_eq(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+            const enum kr_status cap = krk_tuned_gemm(lt, &p, stream);
+            cr_assert_eq(cudaStreamEndCapture(stream, &g), cudaSuccess);
+            if (g) {
+                cudaGraphDestroy(g);
+            }
+            const bool fresh = ci == 0 || tuned_class_of(counts[ci]) != tuned_class_of(counts[ci - 1]);
+            if (fresh) {
+                cr_expect_eq(cap, KR_ERR_UNSUPPORTED, "%s: an untimed class inside a capture is refused", what);
+                cr_expect_eq(krk_tuned_info(lt, NULL), before, "%s: nothing timed inside a capture", what);
+            }
+            cr_assert_eq(cudaMemsetAsync(d_y, 0xff, ny * 4, stream), cudaSuccess);
+            cr_assert_eq(krk_tuned_gemm(lt, &p, stream), KR_OK, "%s", what);
+            cr_assert_eq(cudaStreamSynchronize(stream), cudaSuccess);
+            gt_down(got, d_y, (size_t)(n * rows) * 4);
+            gt_expect_close(what, got, ref, (size_t)(n * rows), FIXED_NMSE, FIXED_ABS);
+            /* timed now: captured, and the replay is the eager call's bits */
+            struct krk_fixed_gemm_params pg = p;
+            pg.y = d_g;
+            cudaGraphExec_t exec = NULL;
+            cr_assert_eq(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+            const enum kr_status cap2 = krk_tuned_gemm(lt, &pg, stream);
+            cr_assert_eq(cudaStreamEndCapture(stream, &g), cudaSuccess);
+            cr_assert_eq(cap2, KR_OK, "%s: a timed class captures", what);
+            cr_assert_eq(cudaGraphInstantiate(&exec, g, 0), cudaSuccess);
+            cr_assert_eq(cudaMemsetAsync(d_g, 0xff, ny * 4, stream), cudaSuccess);
+            cr_assert_eq(cudaGraphLaunch(exec, stream), cudaSuccess);
+            cr_assert_eq(cudaStreamSynchronize(stream), cudaSuccess);
+            cudaGraphExecDestroy(exec);
+            cudaGraphDestroy(g);
+            gt_down(graph, d_g, (size_t)(n * rows) * 4);
+            cr_expect_eq(memcmp(graph, got, (size_t)(n * rows) * 4), 0, "%s: the graph's result differs", what);
+        }
+        /* refused: counts outside the classes, fp32 operands */
+        for (int k = 0; k < 3; k++) {
+            struct krk_fixed_gemm_params p = {.w = d_w, .x = d_x, .ldx = cols, .y = d_y, .ldy = rows,
+                                              .rows = rows, .cols = cols, .n = k == 0 ? 8 : k == 1 ? 257 : 16};
+            p.f32 = k == 2;
+            if (k == 1) {
+                continue; /* (x holds MAX_N rows) */
+            }
+            cr_expect_eq(krk_tuned_gemm(lt, &p, stream), KR_ERR_UNSUPPORTED, "%lldx%lld: n=%lld%s refused",
+                         (long long)rows, (long long)cols, (long long)p.n, p.f32 ? " fp32" : "");
+        }
+        kr_free(got);
+        kr_free(ref);
+        kr_free(graph);
+        kr_free(wf);
+        kr_free(wb);
+        kr_free(x);
+        gt_dfree(d_w);
+        gt_dfree(d_x);
+        gt_dfree(d_y);
+        gt_dfree(d_g);
+    }
+    /* a weight under KRK_TUNED_MIN_BYTES is refused (a tiny product is launch-bound) */
+    {
+        const int64_t rows = 256, cols = 1024;
+        cr_assert(rows * cols * 2 < KRK_TUNED_MIN_BYTES);
+        void *d_w = gt_dalloc((size_t)(rows * cols) * 2), *d_x = gt_dalloc((size_t)(16 * cols) * 2);
+        float *d_y = gt_dalloc((size_t)(16 * rows) * 4);
+        const struct krk_fixed_gemm_params p = {.w = d_w, .x = d_x, .ldx = cols, .y = d_y, .ldy = rows,
+                                                .rows = rows, .cols = cols, .n = 16};
+        cr_expect_eq(krk_tuned_gemm(lt, &p, stream), KR_ERR_UNSUPPORTED, "a 512 KiB weight is refused");
+        gt_dfree(d_w);
+        gt_dfree(d_x);
+        gt_dfree(d_y);
+    }
+    float ms = 0;
+    const int classes = krk_tuned_info(lt, &ms);
+    fprintf(stderr, "  tuned: %d classes timed in %.0f ms\n", classes, (double)ms);
+    cr_expect_gt(classes, 0);
+    cudaStreamDestroy(stream);
+    krk_fixed_lt_free(lt);
+    gt_dfree(d_ws);
+    kr_backend_free(be);
+}

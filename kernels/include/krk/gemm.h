@@ -199,6 +199,23 @@ enum kr_status krk_fixed_gemm(struct krk_fixed_lt *lt, const struct krk_fixed_ge
 /* The kept algorithm's cuBLASLt id for a shape (-1: none yet) and its split of K (tests, logs). */
 int krk_fixed_algo_id(struct krk_fixed_lt *lt, bool f32, int64_t rows, int64_t cols, int *splits);
 
+/* Plain products of KRK_TUNED_MIN_N..KRK_TUNED_MAX_N rows of x (decode steps past the skinny
+ * kernels) on bf16 weights of at least KRK_TUNED_MIN_BYTES: cuBLASLt with the algorithm that ran
+ * fastest for the shape and class of row counts (12, 16, 24, 32, 48, 64, 96, 128, 160, ..., 256: n
+ * takes the first class >= n). The first call of a class outside a graph capture times the
+ * heuristic's candidates (and their splits of K) on its own operands, the L2 cache overwritten
+ * before each run (some milliseconds, synchronizing the stream), then keeps the fastest for the
+ * handle's life. KR_ERR_UNSUPPORTED (nothing launched) for other counts, smaller or fp32 weights, a
+ * class not timed yet while the stream is being captured, or a class no candidate ran for: the
+ * caller takes cuBLAS's own choice. Results are those of a cuBLAS product (another summation order);
+ * which algorithm a class keeps can differ from process to process. */
+#define KRK_TUNED_MIN_N 9
+#define KRK_TUNED_MAX_N 256
+#define KRK_TUNED_MIN_BYTES ((int64_t)4 << 20)
+enum kr_status krk_tuned_gemm(struct krk_fixed_lt *lt, const struct krk_fixed_gemm_params *p, cudaStream_t stream);
+/* Classes with a kept algorithm, and the milliseconds spent timing (logs, tests). */
+int krk_tuned_info(const struct krk_fixed_lt *lt, float *ms);
+
 /* y[t, r] += bias[r] for t < n, r < rows (after a cuBLAS product). */
 enum kr_status krk_add_bias(float *y, int64_t ldy, const float *bias, int64_t n, int64_t rows, cudaStream_t stream);
 
