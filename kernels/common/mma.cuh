@@ -164,30 +164,5 @@ __device__ __forceinline__ void mma_3xtf32(float (&d)[4], const Tf32A &a, float 
     b.set(b0, b1);
     mma_3xtf32(d, a, b);
 }
-// mma_3xtf32 for J column tiles sharing the A fragment (b0[j], b1[j]: tile j's B fragment), each
-// pass issued over all J accumulators before the next, so that consecutive products do not wait on
-// each other; every accumulator sums the same terms in the same order as J calls of mma_3xtf32.
-template <int J>
-__device__ __forceinline__ void mma_3xtf32_tiles(float (&d)[J][4], const Tf32A &a, const float (&b0)[J],
-                                                 const float (&b1)[J])
-{
-    Tf32B b[J];
-#pragma unroll
-    for (int j = 0; j < J; j++) {
-        b[j].set(b0[j], b1[j]);
-    }
-#pragma unroll
-    for (int j = 0; j < J; j++) {
-        mma_tf32(d[j], a.lo, b[j].hi[0], b[j].hi[1]);
-    }
-#pragma unroll
-    for (int j = 0; j < J; j++) {
-        mma_tf32(d[j], a.hi, b[j].lo[0], b[j].lo[1]);
-    }
-#pragma unroll
-    for (int j = 0; j < J; j++) {
-        mma_tf32(d[j], a.hi, b[j].hi[0], b[j].hi[1]);
-    }
-}
 
 } // namespace krk

@@ -11,9 +11,8 @@
 // state leaves the block, so the chunk states never go through memory; the chunks of one
 // sequence run one after another, and the parallelism is sequences x heads x column tiles.
 //
-// The three products run on tensor cores (mma m16n8k8) in three-pass TF32 (krk::mma_3xtf32_tiles,
-// common/mma.cuh: each pass over all of a warp's column tiles before the next, so that consecutive
-// products do not wait on each other): about fp32 accuracy, with fp32 accumulation.
+// The three products run on tensor cores (mma m16n8k8) in three-pass TF32 (krk::mma_3xtf32,
+// common/mma.cuh): about fp32 accuracy, with fp32 accumulation.
 // Warps: in the outputs, warp w owns rows 16 (w % 4) .. + 15 and columns 16 (w / 4) .. + 15; in
 // the state update, rows n = 16 w (+ 128 k) .. + 15 and all kScanP columns.
 #include "common/mma.cuh"
@@ -186,14 +185,11 @@ template <int NPC, bool VEC> __global__ void __launch_bounds__(kScanThreads, 2) 
             Tf32A fa;
             fa.set(C_sh[r0 * ldc + k0 + ft], C_sh[r1 * ldc + k0 + ft], C_sh[r0 * ldc + k0 + ft + 4],
                    C_sh[r1 * ldc + k0 + ft + 4]);
-            float b0[2], b1[2];
 #pragma unroll
             for (int j = 0; j < 2; j++) {
                 const int col = 16 * nh + 8 * j + fg;
-                b0[j] = S_sh[(k0 + ft) * kScanLdS + col];
-                b1[j] = S_sh[(k0 + ft + 4) * kScanLdS + col];
+                mma_3xtf32(acc[j], fa, S_sh[(k0 + ft) * kScanLdS + col], S_sh[(k0 + ft + 4) * kScanLdS + col]);
             }
-            mma_3xtf32_tiles<2>(acc, fa, b0, b1);
         }
         {
             const float e0 = expf(cum_sh[r0]), e1 = expf(cum_sh[r1]);
@@ -221,14 +217,11 @@ template <int NPC, bool VEC> __global__ void __launch_bounds__(kScanThreads, 2) 
                        in1 && sa <= r1 ? cb[ks][1] * expf(cr1 - ca) * da : 0.0f,
                        in0 && sb <= r0 ? cb[ks][2] * expf(cr0 - cbv) * db : 0.0f,
                        in1 && sb <= r1 ? cb[ks][3] * expf(cr1 - cbv) * db : 0.0f);
-                float b0[2], b1[2];
 #pragma unroll
                 for (int j = 0; j < 2; j++) {
                     const int col = 16 * nh + 8 * j + fg;
-                    b0[j] = x_sh[sa * kScanLdS + col];
-                    b1[j] = x_sh[sb * kScanLdS + col];
+                    mma_3xtf32(acc[j], fa, x_sh[sa * kScanLdS + col], x_sh[sb * kScanLdS + col]);
                 }
-                mma_3xtf32_tiles<2>(acc, fa, b0, b1);
             }
         }
         // ... plus D x; stored for rows inside the chunk and columns inside head_dim
@@ -278,13 +271,11 @@ template <int NPC, bool VEC> __global__ void __launch_bounds__(kScanThreads, 2) 
                 const float *ba = B_sh + (k0 + ft) * ldb + n0 + fg, *bb = B_sh + (k0 + ft + 4) * ldb + n0 + fg;
                 Tf32A fa;
                 fa.set(ba[0] * wa, ba[8] * wa, bb[0] * wb, bb[8] * wb);
-                float b0[4], b1[4];
 #pragma unroll
                 for (int j = 0; j < 4; j++) {
-                    b0[j] = x_sh[(k0 + ft) * kScanLdS + 8 * j + fg];
-                    b1[j] = x_sh[(k0 + ft + 4) * kScanLdS + 8 * j + fg];
+                    mma_3xtf32(u[j], fa, x_sh[(k0 + ft) * kScanLdS + 8 * j + fg],
+                               x_sh[(k0 + ft + 4) * kScanLdS + 8 * j + fg]);
                 }
-                mma_3xtf32_tiles<4>(u, fa, b0, b1);
             }
 #pragma unroll
             for (int j = 0; j < 4; j++) {
