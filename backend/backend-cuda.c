@@ -1366,10 +1366,11 @@ static enum kr_status matmul_fixed(struct cuda_ctx *c, const float *x, int64_t l
 }
 
 /* Whether plain products of n rows try krk_tuned_gemm: single-device backends only (timing
- * synchronizes the stream, which a tensor-parallel rank must not do between its collectives). */
+ * synchronizes the stream, which a tensor-parallel rank must not do between its collectives), and
+ * not under --batch-invariant (whose products keep one algorithm per shape). */
 static bool tuned_takes(const struct cuda_ctx *c, int64_t n)
 {
-    return c->tuned && !c->comm && n >= KRK_TUNED_MIN_N && n <= KRK_TUNED_MAX_N;
+    return c->tuned && !c->comm && !c->invariant && n >= KRK_TUNED_MIN_N && n <= KRK_TUNED_MAX_N;
 }
 
 /* One product; `used` (or NULL) receives the bf16 operand it read (filled: false when none).
