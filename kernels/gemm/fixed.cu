@@ -331,6 +331,32 @@ void pick(struct krk_fixed_lt *lt, FixedAlgo *f, bool f32, const void *w, int64_
     cudaFree(y);
 }
 
+// Runs p with algo: KR_ERR_UNSUPPORTED (nothing launched) when algo does not take p's row count and
+// leading dimensions within the workspace; KR_ERR_CUDA when the descriptors cannot be made or the
+// matmul fails (a message naming `what`).
+enum kr_status run_algo(struct krk_fixed_lt *lt, const cublasLtMatmulAlgo_t &algo,
+                        const struct krk_fixed_gemm_params *p, const char *what, cudaStream_t stream)
+{
+    Call c(p->f32, p->rows, p->cols, p->n, p->ldx, p->ldy);
+    if (!c.ok) {
+        return KR_ERR_CUDA;
+    }
+    cublasLtMatmulHeuristicResult_t r = {};
+    if (cublasLtMatmulAlgoCheck(lt->h, c.op, c.a, c.b, c.d, c.d, &algo, &r) != CUBLAS_STATUS_SUCCESS ||
+        r.workspaceSize > lt->ws_bytes) {
+        return KR_ERR_UNSUPPORTED;
+    }
+    const float one = 1.0f, zero = 0.0f;
+    const cublasStatus_t s = cublasLtMatmul(lt->h, c.op, &one, p->w, c.a, p->x, c.b, &zero, p->y, c.d, p->y, c.d,
+                                            &algo, lt->ws, r.workspaceSize, stream);
+    if (s != CUBLAS_STATUS_SUCCESS) {
+        fprintf(stderr, "krk: cublasLtMatmul (%s, %lld x %lld x %lld): status %d\n", what, (long long)p->rows,
+                (long long)p->n, (long long)p->cols, (int)s);
+        return KR_ERR_CUDA;
+    }
+    return KR_OK;
+}
+
 FixedAlgo *algo_for(struct krk_fixed_lt *lt, bool f32, const void *w, int64_t rows, int64_t cols,
                     const uint32_t (&align)[3], cudaStream_t stream)
 {
@@ -373,27 +399,13 @@ extern "C" enum kr_status krk_fixed_gemm(struct krk_fixed_lt *lt, const struct k
                 p->f32 ? "fp32" : "bf16", (long long)p->rows, (long long)p->cols, (long long)lt->max_n);
         return KR_ERR_UNSUPPORTED;
     }
-    Call c(p->f32, p->rows, p->cols, p->n, p->ldx, p->ldy);
-    if (!c.ok) {
-        return KR_ERR_CUDA;
-    }
-    cublasLtMatmulHeuristicResult_t r = {};
-    if (cublasLtMatmulAlgoCheck(lt->h, c.op, c.a, c.b, c.d, c.d, &f->algo, &r) != CUBLAS_STATUS_SUCCESS ||
-        r.workspaceSize > lt->ws_bytes) {
+    const enum kr_status st = run_algo(lt, f->algo, p, "fixed order", stream);
+    if (st == KR_ERR_UNSUPPORTED) {
         fprintf(stderr, "krk: the fixed-order algorithm of a %lld x %lld weight does not take %lld rows (ldx %lld, "
                 "ldy %lld)\n", (long long)p->rows, (long long)p->cols, (long long)p->n, (long long)p->ldx,
                 (long long)p->ldy);
-        return KR_ERR_UNSUPPORTED;
     }
-    const float one = 1.0f, zero = 0.0f;
-    const cublasStatus_t s = cublasLtMatmul(lt->h, c.op, &one, p->w, c.a, p->x, c.b, &zero, p->y, c.d, p->y, c.d,
-                                            &f->algo, lt->ws, r.workspaceSize, stream);
-    if (s != CUBLAS_STATUS_SUCCESS) {
-        fprintf(stderr, "krk: cublasLtMatmul (fixed order, %lld x %lld x %lld): status %d\n", (long long)p->rows,
-                (long long)p->n, (long long)p->cols, (int)s);
-        return KR_ERR_CUDA;
-    }
-    return KR_OK;
+    return st;
 }
 
 extern "C" int krk_fixed_algo_id(struct krk_fixed_lt *lt, bool f32, int64_t rows, int64_t cols, int *splits)
@@ -511,21 +523,7 @@ extern "C" enum kr_status krk_tuned_gemm(struct krk_fixed_lt *lt, const struct k
     if (!f->ok) {
         return KR_ERR_UNSUPPORTED;
     }
-    Call c(false, p->rows, p->cols, p->n, p->ldx, p->ldy);
-    cublasLtMatmulHeuristicResult_t r = {};
-    if (!c.ok || cublasLtMatmulAlgoCheck(lt->h, c.op, c.a, c.b, c.d, c.d, &f->algo, &r) != CUBLAS_STATUS_SUCCESS ||
-        r.workspaceSize > lt->ws_bytes) {
-        return KR_ERR_UNSUPPORTED; // (a count of the class or leading dimensions it does not take)
-    }
-    const float one = 1.0f, zero = 0.0f;
-    const cublasStatus_t s = cublasLtMatmul(lt->h, c.op, &one, p->w, c.a, p->x, c.b, &zero, p->y, c.d, p->y, c.d,
-                                            &f->algo, lt->ws, r.workspaceSize, stream);
-    if (s != CUBLAS_STATUS_SUCCESS) {
-        fprintf(stderr, "krk: cublasLtMatmul (tuned, %lld x %lld x %lld): status %d\n", (long long)p->rows,
-                (long long)p->n, (long long)p->cols, (int)s);
-        return KR_ERR_CUDA;
-    }
-    return KR_OK;
+    return run_algo(lt, f->algo, p, "tuned", stream); // (unsupported: a count or leading dimensions it does not take)
 }
 
 extern "C" int krk_tuned_info(const struct krk_fixed_lt *lt, float *ms)
