@@ -1376,7 +1376,8 @@ static bool tuned_takes(const struct cuda_ctx *c, int64_t n)
 /* One product; `used` (or NULL) receives the bf16 operand it read (filled: false when none).
  * The matmul ops are a dispatch rather than a translation of one struct: the engine names a weight
  * tensor, and the kernel is chosen here by rows and weight (fp32 weights: cuBLAS SGEMM; one row:
- * krk_gemv; 2..skinny_max rows: krk_skinny; more: cuBLAS on bf16 operands), each kernel with a struct
+ * krk_gemv; 2..skinny_max rows: krk_skinny; up to KRK_TUNED_MAX_N rows: krk_tuned_gemm where it
+ * takes the weight; more: cuBLAS on bf16 operands), each kernel with a struct
  * of its own (tiling, workspace, parts) that no other backend has. */
 static enum kr_status matmul_one(struct cuda_ctx *c, const float *x, int64_t ldx, int64_t n, const struct kr_tensor *w,
                                  const float *bias, float *y, int64_t ldy, const struct krk_bf16_in *in,
