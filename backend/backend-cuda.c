@@ -73,6 +73,10 @@ struct cuda_ctx {
     int tuned_logged;                   /* classes timed when last logged */
     void *sk_ws;                        /* krk_skinny's workspace (zeroed when allocated) */
     size_t sk_ws_size;
+    void *st_ws;                        /* (or NULL: KRAIT_STREAM_GEMM=0) krk_stream_gemm's workspace
+                                           (zeroed when allocated): plain bf16 products of
+                                           9..KRK_STREAM_MAX_N rows */
+    size_t st_ws_size;
     bool pdl;                           /* every kernel launches as a programmatic dependent of the
                                            one before it (krk_set_pdl), except while profiling;
                                            KRAIT_PDL=0 turns it off */
@@ -296,6 +300,7 @@ static void cuda_free(kr_backend_t be)
         cudaFree(c->scratch);
         cudaFree(c->xb);
         cudaFree(c->sk_ws);
+        cudaFree(c->st_ws);
         krk_fp8_lt_free(c->lt);
         krk_fixed_lt_free(c->fixed);
         krk_fixed_lt_free(c->tuned);
@@ -1366,17 +1371,20 @@ static enum kr_status matmul_fixed(struct cuda_ctx *c, const float *x, int64_t l
 }
 
 /* Whether plain products of n rows try krk_tuned_gemm: single-device backends only (timing
- * synchronizes the stream, which a tensor-parallel rank must not do between its collectives), and
- * not under --batch-invariant (whose products keep one algorithm per shape). */
+ * synchronizes the stream, which a tensor-parallel rank must not do between its collectives), not
+ * under --batch-invariant (whose products keep one algorithm per shape), and not for the counts
+ * krk_stream_gemm takes (a weight it refuses then gets cuBLAS's own choice). */
 static bool tuned_takes(const struct cuda_ctx *c, int64_t n)
 {
-    return c->tuned && !c->comm && !c->invariant && n >= KRK_TUNED_MIN_N && n <= KRK_TUNED_MAX_N;
+    return c->tuned && !c->comm && !c->invariant && n >= KRK_TUNED_MIN_N && n <= KRK_TUNED_MAX_N &&
+           !(c->st_ws && n <= KRK_STREAM_MAX_N);
 }
 
 /* One product; `used` (or NULL) receives the bf16 operand it read (filled: false when none).
  * The matmul ops are a dispatch rather than a translation of one struct: the engine names a weight
  * tensor, and the kernel is chosen here by rows and weight (fp32 weights: cuBLAS SGEMM; one row:
- * krk_gemv; 2..skinny_max rows: krk_skinny; up to KRK_TUNED_MAX_N rows: krk_tuned_gemm where it
+ * krk_gemv; 2..skinny_max rows: krk_skinny; up to KRK_STREAM_MAX_N rows: krk_stream_gemm where it
+ * takes the operands; up to KRK_TUNED_MAX_N rows: krk_tuned_gemm where it
  * takes the weight; more: cuBLAS on bf16 operands), each kernel with a struct
  * of its own (tiling, workspace, parts) that no other backend has. */
 static enum kr_status matmul_one(struct cuda_ctx *c, const float *x, int64_t ldx, int64_t n, const struct kr_tensor *w,
@@ -1425,6 +1433,14 @@ static enum kr_status matmul_one(struct cuda_ctx *c, const float *x, int64_t ldx
         const krk_bf16 *xb = NULL;
         int64_t ldb = cols;
         KR_TRY(bf16_x(c, x, ldx, n, cols, in, &xb, &ldb, used));
+        if (c->st_ws && n >= KRK_TUNED_MIN_N && krk_stream_takes(w->data, rows, cols, xb, ldb, n) &&
+            !overlaps(y, (size_t)(n * ldy) * 4, xb, (size_t)(n * ldb) * 2)) {
+            /* decode-sized: the weight streamed once through tensor copies into wgmma */
+            const struct krk_stream_params sp = {.w = w->data, .x = xb, .ldx = ldb, .bias = bias, .y = y,
+                                                 .ldy = ldy, .rows = rows, .cols = cols, .n = n,
+                                                 .ws = c->st_ws, .ws_bytes = c->st_ws_size};
+            return krk_stream_gemm(&sp, c->stream);
+        }
         if (tuned_takes(c, n)) { /* decode-sized: the algorithm timed fastest for the shape and class */
             const struct krk_fixed_gemm_params tp = {.w = w->data, .x = xb, .ldx = ldb, .y = y, .ldy = ldy,
                                                      .rows = rows, .cols = cols, .n = n};
@@ -2275,6 +2291,19 @@ enum kr_status kr_backend_cuda_create_with(int dev, const struct kr_switches *sw
     }
     if (sw->lt_tune && !(c->tuned = krk_fixed_lt_create(c->blas_ws, c->blas_ws_size, 1))) {
         KR_LOG_WARN("cuda: no cuBLASLt handle; decode-sized products take cuBLAS's own algorithms");
+    }
+    if (sw->stream_gemm) {
+        const size_t b = krk_stream_ws_bytes();
+        if ((st = dev_alloc(c, b, &c->st_ws)) != KR_OK) {
+            kr_err_set(err, st, "cuda: cannot allocate the decode products' workspace");
+            goto fail;
+        }
+        c->st_ws_size = b;
+        if (cudaMemsetAsync(c->st_ws, 0, b, c->stream) != cudaSuccess) {
+            st = KR_ERR_CUDA;
+            kr_err_set(err, st, "cuda: cannot clear the decode products' workspace");
+            goto fail;
+        }
     }
     KR_LOG_INFO("cuda: using %s, graphs %s", c->desc, c->graphs_on ? "on" : "off");
     *out = be;

@@ -1,8 +1,9 @@
 /* Skinny products of decode at the weight read rate: every weight shape of the Nemotron-H-8B
  * benchmark model's decode step (tools/bench/synth_model.py, nemotron_h_8b), n activation rows, for
  * each configuration of the GEMV kernels (krk_gemv_params.config) and for cuBLAS (bf16 GEMM on x
- * cast to bf16) and the tensor-core skinny kernel (krk_skinny, every configuration, x cast to bf16
- * as for cuBLAS; configuration 0 at every n, the others up to 16). Each launch reads a different copy
+ * cast to bf16), the tensor-core skinny kernel (krk_skinny, every configuration, x cast to bf16
+ * as for cuBLAS; configuration 0 at every n, the others up to 16) and the tensor-copy / wgmma
+ * kernel (krk_stream_gemm, both configurations, x cast likewise). Each launch reads a different copy
  * of the weight from a pool of at least 1 GiB, so that nothing comes from L2; launches are issued
  * back to back (as in a decode step's graph) and timed with events over all repetitions.
  *
@@ -58,7 +59,7 @@ static const struct shape shapes[] = {
         }                                                                                          \
     } while (0)
 
-enum kind { K_STAGED, K_CUBLAS, K_LT, K_SKINNY };
+enum kind { K_STAGED, K_CUBLAS, K_LT, K_SKINNY, K_STREAM };
 #define LT_ALGOS 16
 #define LT_WS ((size_t)32 << 20)
 
@@ -82,6 +83,8 @@ struct ctx {
     struct lt_plan *plan; /* the K_LT product being timed */
     void *sk_ws;          /* krk_skinny's workspace */
     size_t sk_ws_bytes;
+    void *st_ws;          /* krk_stream_gemm's */
+    size_t st_ws_bytes;
     cudaStream_t stream;
     int reps;
 };
@@ -122,6 +125,15 @@ static int run_one(struct ctx *c, enum kind k, int config, const struct shape *s
                                       .ws = c->sk_ws, .ws_bytes = c->sk_ws_bytes, .config = config};
         p.parts[0] = (struct krk_gemv_part){.w = w, .rows = s->rows, .y = c->y, .ldy = s->rows};
         return krk_skinny(&p, c->stream) == KR_OK ? 0 : -1;
+    }
+    if (k == K_STREAM) { /* x cast to bf16 included, as for cuBLAS */
+        if (krk_cast_bf16(c->x, s->cols, n, s->cols, c->xb, c->stream) != KR_OK) {
+            return -1;
+        }
+        const struct krk_stream_params p = {.w = w, .x = c->xb, .ldx = s->cols, .y = c->y, .ldy = s->rows,
+                                            .rows = s->rows, .cols = s->cols, .n = n, .ws = c->st_ws,
+                                            .ws_bytes = c->st_ws_bytes, .config = config};
+        return krk_stream_gemm(&p, c->stream) == KR_OK ? 0 : -1;
     }
     struct krk_gemv_params p = {.x = c->x, .ldx = s->cols, .w = w, .n = n, .rows = s->rows, .cols = s->cols,
                                 .y = c->y, .ldy = s->rows, .config = config};
@@ -528,6 +540,9 @@ int main(int argc, char **argv)
     c.sk_ws_bytes = krk_skinny_ws_bytes(max_rows + 128);
     CUDA_OK(cudaMalloc(&c.sk_ws, c.sk_ws_bytes));
     CUDA_OK(cudaMemset(c.sk_ws, 0, c.sk_ws_bytes));
+    c.st_ws_bytes = krk_stream_ws_bytes();
+    CUDA_OK(cudaMalloc(&c.st_ws, c.st_ws_bytes));
+    CUDA_OK(cudaMemset(c.st_ws, 0, c.st_ws_bytes));
     if (cublasLtCreate(&c.lt) != CUBLAS_STATUS_SUCCESS) {
         fprintf(stderr, "bench_gemv: cannot create the cuBLASLt handle\n");
         return 1;
@@ -540,8 +555,45 @@ int main(int argc, char **argv)
         return 0;
     }
     FILE *jf = json ? fopen(json, "w") : NULL;
-    printf("device: %s; %d products per figure, each on a different copy of the weight (pool %.1f GiB)%s\n\n", dev,
+    /* the copy rate (bytes read + written by a device copy of half the pool, median of 9): the
+     * step's weights at that rate are the products' ceiling */
+    double bw = 0;
+    {
+        const size_t half = c.pool_bytes / 2;
+        float t[9];
+        cudaEvent_t e0, e1;
+        CUDA_OK(cudaEventCreate(&e0));
+        CUDA_OK(cudaEventCreate(&e1));
+        for (int i = 0; i < 11; i++) {
+            CUDA_OK(cudaEventRecord(e0, c.stream));
+            CUDA_OK(cudaMemcpyAsync(c.pool + (i % 2 ? half : 0), c.pool + (i % 2 ? 0 : half), half,
+                                    cudaMemcpyDeviceToDevice, c.stream));
+            CUDA_OK(cudaEventRecord(e1, c.stream));
+            CUDA_OK(cudaEventSynchronize(e1));
+            if (i >= 2) {
+                CUDA_OK(cudaEventElapsedTime(&t[i - 2], e0, e1));
+            }
+        }
+        for (int i = 1; i < 9; i++) { /* insertion sort for the median */
+            for (int j = i; j > 0 && t[j] < t[j - 1]; j--) {
+                const float v = t[j];
+                t[j] = t[j - 1];
+                t[j - 1] = v;
+            }
+        }
+        bw = 2.0 * (double)half / ((double)t[4] * 1e-3);
+        cudaEventDestroy(e0);
+        cudaEventDestroy(e1);
+        CUDA_OK(cudaMemset(c.pool, 0x3c, c.pool_bytes));
+    }
+    double step_bytes = 0;
+    for (int i = 0; i < N_SHAPES; i++) {
+        step_bytes += (double)shapes[i].rows * (double)shapes[i].cols * 2 * shapes[i].per_step;
+    }
+    printf("device: %s; %d products per figure, each on a different copy of the weight (pool %.1f GiB)%s\n", dev,
            reps, (double)c.pool_bytes / (1u << 30), kr_switches_given(&sw, "KRAIT_PDL") ? "; KRAIT_PDL set" : "");
+    printf("copy rate %.0f GB/s (read + written): a step's weights (%.2f GB) in %.3f ms at that rate\n\n", bw / 1e9,
+           step_bytes / 1e9, step_bytes / bw * 1e3);
     printf("| kernel | n |");
     for (int i = 0; i < N_SHAPES; i++) {
         printf(" %s %lldx%lld |", shapes[i].name, (long long)shapes[i].rows, (long long)shapes[i].cols);
@@ -553,18 +605,21 @@ int main(int argc, char **argv)
     printf("\n");
     for (int in = 0; in < n_ns; in++) {
         const int n = ns[in];
-        static const enum kind kinds[] = {K_STAGED, K_CUBLAS, K_SKINNY};
-        for (int ki = 0; ki < 3; ki++) {
+        static const enum kind kinds[] = {K_STAGED, K_CUBLAS, K_SKINNY, K_STREAM};
+        for (int ki = 0; ki < 4; ki++) {
             const enum kind k = kinds[ki];
             /* the skinny kernel's other configurations take up to 16 rows, configuration 0 up to
              * KRK_SKINNY_MAX_N (and n = 1: the --batch-invariant path's decode row) */
             const int n_cfg = k == K_STAGED && n <= 2  ? KRK_GEMV_CONFIGS
                               : k == K_SKINNY && n <= 16 ? KRK_SKINNY_CONFIGS
+                              : k == K_STREAM            ? KRK_STREAM_CONFIGS
                                                          : 1;
-            if ((k == K_STAGED && n > KRK_GEMV_MAX_N) || (k == K_SKINNY && n > KRK_SKINNY_MAX_N)) {
+            if ((k == K_STAGED && n > KRK_GEMV_MAX_N) || (k == K_SKINNY && n > KRK_SKINNY_MAX_N) ||
+                (k == K_STREAM && n > KRK_STREAM_MAX_N)) {
                 continue;
             }
-            static const char *const names[] = {"GEMV", "cuBLAS", "cuBLASLt", "skinny (tensor cores)"};
+            static const char *const names[] = {"GEMV", "cuBLAS", "cuBLASLt", "skinny (tensor cores)",
+                                                "stream (tensor copies, wgmma)"};
             for (int cfg = 0; cfg < n_cfg; cfg++) {
                 char label[64];
                 snprintf(label, sizeof label, "%s%s%.0d", names[k], cfg ? " config " : "", cfg);
@@ -585,12 +640,16 @@ int main(int argc, char **argv)
                         fprintf(jf,
                                 "{\"kernel\": \"%s\", \"config\": %d, \"n\": %d, \"shape\": \"%s\", \"rows\": %lld, "
                                 "\"cols\": %lld, \"us\": %.3f, \"tb_s\": %.4f}\n",
-                                k == K_CUBLAS ? "cublas" : k == K_SKINNY ? "skinny" : "gemv", cfg, n, shapes[i].name,
+                                k == K_CUBLAS   ? "cublas"
+                                : k == K_SKINNY ? "skinny"
+                                : k == K_STREAM ? "stream"
+                                                : "gemv",
+                                cfg, n, shapes[i].name,
                                 (long long)shapes[i].rows, (long long)shapes[i].cols, us, tbs);
                     }
                 }
                 if (ok) {
-                    printf(" %.3f ms |\n", step_us / 1000.0);
+                    printf(" %.3f ms (%.0f %% of copy) |\n", step_us / 1000.0, step_bytes / bw * 1e8 / step_us);
                 } else {
                     printf(" - |\n");
                 }
@@ -621,7 +680,7 @@ int main(int argc, char **argv)
                 }
             }
             if (ok) {
-                printf(" %.3f ms |\n", step_us / 1000.0);
+                printf(" %.3f ms (%.0f %% of copy) |\n", step_us / 1000.0, step_bytes / bw * 1e8 / step_us);
             } else {
                 printf(" - |\n");
             }

@@ -43,6 +43,8 @@ struct kr_switches {
                                  tensor-core skinny kernel, more cuBLASLt */
     int32_t lt_tune;          /* KRAIT_LT_TUNE: 1 = decode-sized bf16 products take the cuBLASLt
                                  algorithm timed fastest per shape and row class */
+    int32_t stream_gemm;      /* KRAIT_STREAM_GEMM: 1 = bf16 products of 9..64 rows take
+                                 krk_stream_gemm */
     uint64_t given;           /* bit i: table entry i was set (non-empty) in the environment */
 };
 

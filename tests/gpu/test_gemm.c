@@ -1114,3 +1114,125 @@ Test(gemm, tuned_products_match_the_cpu)
     gt_dfree(d_ws);
     kr_backend_free(be);
 }
+
+/* krk_stream_gemm (tensor copies into wgmma) against the CPU matmul, bounds as for the skinny kernel
+ * (the same exact bf16 products in fp32, another order): the target model's shapes and ragged ones
+ * (rows not a multiple of a tile, cols not a multiple of the 64-column step, one row), n from 1 to
+ * 64 across the four token classes, both configurations, a bias on odd n, x row stride cols + 8, y
+ * row stride rows + 3 whose padding must stay untouched; the same bits again on a second run and
+ * from a graph replay (the sums' order is fixed by the shape and the grid, not by timing). */
+Test(gemm, stream_products_match_the_cpu)
+{
+    GT_REQUIRE_GPU();
+    static const struct gemv_shape shapes[] = {{4096, 4096}, {18560, 4096}, {4096, 21504}, {131, 512},
+                                               {4000, 1000}, {1, 512},      {300, 72}};
+    static const int64_t counts[] = {1, 9, 16, 17, 32, 33, 48, 49, 64};
+    enum { N_COUNTS = sizeof counts / sizeof counts[0], MAX_N = KRK_STREAM_MAX_N };
+    struct gt_rng rng = {.s = 6161};
+    kr_backend_t be = kr_backend_cpu_create(0);
+    cr_assert(be);
+    const size_t ws_bytes = krk_stream_ws_bytes();
+    void *d_ws = gt_dalloc(ws_bytes);
+    cr_assert_eq(cudaMemset(d_ws, 0, ws_bytes), cudaSuccess);
+    cudaStream_t stream;
+    cr_assert_eq(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+        const int64_t rows = shapes[si].rows, cols = shapes[si].cols, ldx = cols + 8, ldy = rows + 3;
+        struct hw w = hw_make(&rng, rows, cols);
+        float *bias = hrand(&rng, (size_t)rows, -1.0f, 1.0f);
+        float *d_bias = gt_dup(bias, (size_t)rows * 4);
+        float *x = hrand(&rng, (size_t)(MAX_N * ldx), -1.0f, 1.0f);
+        gt_round_bf16(x, (size_t)(MAX_N * ldx));
+        krk_bf16 *d_x = skinny_x(x, (size_t)(MAX_N * ldx));
+        const size_t ny = (size_t)(MAX_N * ldy);
+        float *ref = kr_malloc(ny * 4), *got = kr_malloc(ny * 4), *again = kr_malloc(ny * 4);
+        cr_assert(ref && got && again);
+        float *d_y = gt_dalloc(ny * 4);
+        for (int ci = 0; ci < N_COUNTS; ci++) {
+            const int64_t n = counts[ci];
+            const bool with_bias = n % 2 == 1;
+            for (size_t i = 0; i < ny; i++) {
+                ref[i] = -7.0f; /* the padding the kernel must leave */
+            }
+            cr_assert_eq(kr_backend_matmul(be, x, ldx, n, &w.t, with_bias ? bias : NULL, ref, ldy, NULL), KR_OK);
+            for (int cfg = 0; cfg < KRK_STREAM_CONFIGS; cfg++) {
+                char what[96];
+                snprintf(what, sizeof what, "stream %lldx%lld n=%lld config %d", (long long)rows, (long long)cols,
+                         (long long)n, cfg);
+                const struct krk_stream_params p = {.w = w.dev, .x = d_x, .ldx = ldx,
+                                                    .bias = with_bias ? d_bias : NULL, .y = d_y, .ldy = ldy,
+                                                    .rows = rows, .cols = cols, .n = n, .ws = d_ws,
+                                                    .ws_bytes = ws_bytes, .config = cfg};
+                cr_assert(krk_stream_takes(w.dev, rows, cols, d_x, ldx, n), "%s: taken", what);
+                cr_assert_eq(cudaMemcpy(d_y, ref, ny * 4, cudaMemcpyHostToDevice), cudaSuccess); /* the padding */
+                cr_assert_eq(krk_stream_gemm(&p, stream), KR_OK, "%s", what);
+                cr_assert_eq(cudaStreamSynchronize(stream), cudaSuccess, "%s", what);
+                gt_down(got, d_y, ny * 4);
+                expect_rows_and_padding(what, got, ref, n, rows, ldy, GEMV_NMSE, SKINNY_ABS);
+                /* again, eagerly and from a graph: the same bits */
+                for (int rep = 0; rep < 2; rep++) {
+                    cr_assert_eq(cudaMemsetAsync(d_y, 0xff, ny * 4, stream), cudaSuccess);
+                    if (rep == 0) {
+                        cr_assert_eq(krk_stream_gemm(&p, stream), KR_OK);
+                    } else {
+                        cudaGraph_t g = NULL;
+                        cudaGraphExec_t exec = NULL;
+                        cr_assert_eq(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+                        const enum kr_status cap = krk_stream_gemm(&p, stream);
+                        cr_assert_eq(cudaStreamEndCapture(stream, &g), cudaSuccess);
+                        cr_assert_eq(cap, KR_OK, "%s: captured", what);
+                        cr_assert_eq(cudaGraphInstantiate(&exec, g, 0), cudaSuccess);
+                        cr_assert_eq(cudaGraphLaunch(exec, stream), cudaSuccess);
+                        cr_assert_eq(cudaStreamSynchronize(stream), cudaSuccess);
+                        cudaGraphExecDestroy(exec);
+                        cudaGraphDestroy(g);
+                    }
+                    cr_assert_eq(cudaStreamSynchronize(stream), cudaSuccess);
+                    gt_down(again, d_y, ny * 4);
+                    bool same = true;
+                    for (int64_t t = 0; t < n && same; t++) {
+                        same = memcmp(again + t * ldy, got + t * ldy, (size_t)rows * 4) == 0;
+                    }
+                    cr_expect(same, "%s: %s gives other bits", what, rep == 0 ? "a second run" : "a graph replay");
+                }
+            }
+        }
+        kr_free(ref);
+        kr_free(got);
+        kr_free(again);
+        kr_free(x);
+        kr_free(bias);
+        gt_dfree(d_bias);
+        gt_dfree(d_x);
+        gt_dfree(d_y);
+        hw_free(&w);
+    }
+    /* refused before anything is launched: row counts outside 1..64, cols not a multiple of 8, a
+     * row stride of x that is not, a misaligned x, a small workspace */
+    {
+        const int64_t rows = 256, cols = 1024;
+        void *d_w = gt_dalloc((size_t)(rows * cols) * 2), *d_x = gt_dalloc((size_t)(80 * cols) * 2);
+        float *d_y = gt_dalloc((size_t)(80 * rows) * 4);
+        const struct krk_stream_params ok = {.w = d_w, .x = d_x, .ldx = cols, .y = d_y, .ldy = rows, .rows = rows,
+                                             .cols = cols, .n = 16, .ws = d_ws, .ws_bytes = ws_bytes};
+        for (int k = 0; k < 6; k++) {
+            struct krk_stream_params p = ok;
+            const char *why = k == 0 ? "n = 0" : k == 1 ? "n = 65" : k == 2 ? "cols = 1020" : k == 3 ? "ldx = 1028"
+                              : k == 4 ? "x misaligned" : "a small workspace";
+            if (k == 0) p.n = 0;
+            if (k == 1) p.n = 65;
+            if (k == 2) p.cols = 1020;
+            if (k == 3) p.ldx = 1028;
+            if (k == 4) p.x = (const krk_bf16 *)((const char *)d_x + 8);
+            if (k == 5) p.ws_bytes = krk_stream_counter_bytes();
+            cr_expect_neq(krk_stream_gemm(&p, stream), KR_OK, "%s is refused", why);
+        }
+        cr_assert_eq(cudaStreamSynchronize(stream), cudaSuccess);
+        gt_dfree(d_w);
+        gt_dfree(d_x);
+        gt_dfree(d_y);
+    }
+    cudaStreamDestroy(stream);
+    gt_dfree(d_ws);
+    kr_backend_free(be);
+}

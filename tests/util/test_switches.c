@@ -62,6 +62,7 @@ static int64_t field(const struct kr_switches *sw, const char *name)
         {"KRAIT_TP_ONE_DEVICE", offsetof(struct kr_switches, tp_one_device)},
         {"KRAIT_FP8_SKINNY_MAX", offsetof(struct kr_switches, fp8_skinny_max)},
         {"KRAIT_LT_TUNE", offsetof(struct kr_switches, lt_tune)},
+        {"KRAIT_STREAM_GEMM", offsetof(struct kr_switches, stream_gemm)},
     };
     if (!strcmp(name, "KRAIT_FAULT_STEP")) {
         return sw->fault_step;
@@ -85,7 +86,7 @@ Test(switches, table_lists_the_switches_the_code_had)
         "KRAIT_CUDA_GRAPHS", "KRAIT_MLA_ATTN", "KRAIT_DSA_SCORE", "KRAIT_MLA_OVERLAP",      "KRAIT_SKINNY_MAX",
         "KRAIT_SSD_STREAM",  "KRAIT_PDL",      "KRAIT_BACKEND_SAMPLING", "KRAIT_FAULT_STEP",
         "KRAIT_FAULT_RANK",  "KRAIT_TP_PEER_KB", "KRAIT_TP_TIMEOUT_S", "KRAIT_TP_ONE_DEVICE",
-        "KRAIT_FP8_SKINNY_MAX", "KRAIT_LT_TUNE",
+        "KRAIT_FP8_SKINNY_MAX", "KRAIT_LT_TUNE", "KRAIT_STREAM_GEMM",
     };
     int n;
     const struct kr_switch *t = kr_switches_table(&n);
@@ -145,6 +146,7 @@ Test(switches, defaults_are_the_backends_former_ones)
     cr_expect_eq(sw.tp_timeout_s, 300);
     cr_expect_eq(sw.tp_one_device, 0);
     cr_expect_eq(sw.lt_tune, 1);
+    cr_expect_eq(sw.stream_gemm, 1);
     cr_expect_eq(sw.given, 0u);
     struct kr_switches d;
     kr_switches_defaults(&d);

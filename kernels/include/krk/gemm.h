@@ -216,6 +216,37 @@ enum kr_status krk_tuned_gemm(struct krk_fixed_lt *lt, const struct krk_fixed_ge
 /* Classes with a kept algorithm, and the milliseconds spent timing (logs, tests). */
 int krk_tuned_info(const struct krk_fixed_lt *lt, float *ms);
 
+/* Decode-sized products through the tensor copies and wgmma of sm_90 (kernels/gemm/stream.cu):
+ * y[t, r] = sum_c x[t, c] * W[r, c] (+ bias[r]) for t < n <= KRK_STREAM_MAX_N, bf16 x and W, fp32
+ * accumulation and output, every weight byte read once. The weight streams through a pipeline of
+ * shared-memory stages per SM, the work (tiles of weight rows by 64-column steps) cut evenly over one
+ * block per SM; a tile that several blocks share is summed by the last of them in a fixed order from
+ * partials in `ws`, so results do not depend on timing (they do depend on n's class: 16, 32, 48 or
+ * 64 tokens a pass). */
+#define KRK_STREAM_MAX_N 64
+#define KRK_STREAM_MAX_TILES 8192 /* weight rows / 128, at most */
+#define KRK_STREAM_CONFIGS 2      /* 0: tiles of 128 weight rows (default); 1: 256 (bench_gemv) */
+struct krk_stream_params {
+    const krk_bf16 *w;      /* [rows, cols] bf16, cols % 8 == 0, 16-byte aligned */
+    const krk_bf16 *x;      /* [n, ldx] bf16, ldx % 8 == 0, 16-byte aligned */
+    int64_t ldx;
+    const float *bias;      /* [rows] or NULL */
+    float *y;               /* [n, ldy] fp32, ldy >= rows; must not overlap x */
+    int64_t ldy;
+    int64_t rows, cols, n;
+    void *ws;               /* krk_stream_ws_bytes() bytes, 256-byte aligned, zeroed once when
+                               allocated (its counters are left at zero by every product) */
+    size_t ws_bytes;
+    bool pdl;               /* as krk_gemv_params.pdl */
+    int config;             /* 0..KRK_STREAM_CONFIGS - 1 */
+};
+/* Whether krk_stream_gemm takes these operands (shape, alignment, the driver's tensor-copy support). */
+bool krk_stream_takes(const void *w, int64_t rows, int64_t cols, const void *x, int64_t ldx, int64_t n);
+size_t krk_stream_ws_bytes(void);
+size_t krk_stream_counter_bytes(void);
+/* KR_ERR_INVAL (nothing launched) for operands krk_stream_takes refuses or a small workspace. */
+enum kr_status krk_stream_gemm(const struct krk_stream_params *p, cudaStream_t stream);
+
 /* y[t, r] += bias[r] for t < n, r < rows (after a cuBLAS product). */
 enum kr_status krk_add_bias(float *y, int64_t ldy, const float *bias, int64_t n, int64_t rows, cudaStream_t stream);
 
