@@ -72,8 +72,8 @@ static const struct kr_switch g_table[] = {
      "bf16 products of 9..256 rows (weights of 4 MiB or more) take the cuBLASLt algorithm timed fastest "
      "for the shape and row class, timed when the class first runs; 0 = cuBLAS's own choice",
      "an A/B of the timed choice against cuBLAS's (docs/PERF.md)"},
-    {"KRAIT_STREAM_GEMM", KR_SWITCH_BOOL, 0, 1, NULL, "1", KR_SWITCH_MEASURE,
-     "bf16 products of 9..64 rows stream the weight through tensor copies into wgmma (krk_stream_gemm); "
+    {"KRAIT_STREAM_GEMM", KR_SWITCH_BOOL, 0, 1, NULL, "0", KR_SWITCH_MEASURE,
+     "1: bf16 products of 9..64 rows stream the weight through tensor copies into wgmma (krk_stream_gemm); "
      "0 = the cuBLAS paths",
      "an A/B of the kernel against cuBLAS's products (docs/PERF.md)"},
 };
@@ -103,7 +103,7 @@ void kr_switches_defaults(struct kr_switches *sw)
     sw->tp_timeout_s = 300;
     sw->fp8_skinny_max = 16;
     sw->lt_tune = 1;
-    sw->stream_gemm = 1;
+    sw->stream_gemm = 0;
     /* the others (faults, KRAIT_TP_ONE_DEVICE, given) are 0 */
 }
 

@@ -146,7 +146,7 @@ Test(switches, defaults_are_the_backends_former_ones)
     cr_expect_eq(sw.tp_timeout_s, 300);
     cr_expect_eq(sw.tp_one_device, 0);
     cr_expect_eq(sw.lt_tune, 1);
-    cr_expect_eq(sw.stream_gemm, 1);
+    cr_expect_eq(sw.stream_gemm, 0);
     cr_expect_eq(sw.given, 0u);
     struct kr_switches d;
     kr_switches_defaults(&d);
