@@ -244,7 +244,7 @@ __global__ void __launch_bounds__(kStThreads, 1) stream_kernel(const __grid_cons
     const int wg = warp >> 2, tid = threadIdx.x & 127;
     const int g = lane >> 2, t = lane & 3, wrow = (warp & 3) * 16 + g;
     const int first_tile = (int)(it0 / a.kt);
-    float acc[MW][NR];
+    float acc[MW][NR] = {}; // (the first wgmma of a segment overwrites them)
     int64_t i = 0, it = it0;
     const int64_t it_end = it0 + count;
     while (it < it_end) {
