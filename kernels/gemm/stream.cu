@@ -33,6 +33,7 @@
 #include "common/mma.cuh"
 #include "common/util.cuh"
 #include "krk/gemm.h"
+#include "krk/stream-plan.h"
 
 namespace krk {
 namespace {
@@ -58,14 +59,14 @@ struct StArgs {
     int *counters;       // [tiles], zero between products
 };
 
-// First iteration of block b, and the block of iteration i (b * iters / grid <= i < (b + 1) ...).
+// The cut of the iterations over the blocks (krk/stream-plan.h).
 __device__ __forceinline__ int64_t st_begin(const StArgs &a, int64_t b)
 {
-    return b * a.iters / a.grid;
+    return krk_sp_begin(a.iters, a.grid, b);
 }
 __device__ __forceinline__ int st_block(const StArgs &a, int64_t i)
 {
-    return (int)(((i + 1) * a.grid - 1) / a.iters);
+    return krk_sp_block(a.iters, a.grid, i);
 }
 
 __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count)
@@ -243,7 +244,6 @@ __global__ void __launch_bounds__(kStThreads, 1) stream_kernel(const __grid_cons
     pdl_wait(); // y, the partials and the counters belong to earlier kernels
     const int wg = warp >> 2, tid = threadIdx.x & 127;
     const int g = lane >> 2, t = lane & 3, wrow = (warp & 3) * 16 + g;
-    const int first_tile = (int)(it0 / a.kt);
     float acc[MW][NR] = {}; // (the first wgmma of a segment overwrites them)
     int64_t i = 0, it = it0;
     const int64_t it_end = it0 + count;
@@ -295,7 +295,7 @@ __global__ void __launch_bounds__(kStThreads, 1) stream_kernel(const __grid_cons
         const int m0 = tile * BM + wg * MW * 64 + wrow;
         bool write = kb == 0 && ke == a.kt;
         if (!write) {
-            const int slot = tile == first_tile ? 0 : 1;
+            const int slot = krk_sp_slot(a.iters, a.grid, a.kt, b, tile);
             float *p = a.part + ((int64_t)b * 2 + slot) * PART + (int64_t)wg * MW * NR * 128 + tid;
 #pragma unroll
             for (int j = 0; j < MW; j++) {
@@ -320,7 +320,7 @@ __global__ void __launch_bounds__(kStThreads, 1) stream_kernel(const __grid_cons
                     for (int q = 0; q < NR; q++) {
                         float sum = 0.0f;
                         for (int bb = bf; bb <= bl; bb++) {
-                            const int sl = (int)(st_begin(a, bb) / a.kt) == tile ? 0 : 1;
+                            const int sl = krk_sp_slot(a.iters, a.grid, a.kt, bb, tile);
                             sum += bb == b ? acc[j][q]
                                            : __ldcg(a.part + ((int64_t)bb * 2 + sl) * PART +
                                                     (int64_t)wg * MW * NR * 128 + (j * NR + q) * 128 + tid);
