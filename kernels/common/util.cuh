@@ -3,6 +3,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstdio>
 
@@ -67,6 +68,26 @@ cudaError_t launch_maybe_pdl(bool pdl, void (*kernel)(K...), dim3 grid, dim3 blo
     cfg.attrs = attr;
     cfg.numAttrs = pdl ? 1 : 0;
     return cudaLaunchKernelEx(&cfg, kernel, static_cast<K>(args)...);
+}
+
+// Lets `kernel` take `smem` bytes of dynamic shared memory, once per device for the flag set `done`
+// (a static of the caller's instantiation; devices past 63 ask every time).
+template <typename... K> cudaError_t smem_opt_in(std::atomic<uint64_t> &done, void (*kernel)(K...), size_t smem)
+{
+    int dev = 0;
+    cudaError_t e = cudaGetDevice(&dev);
+    if (e != cudaSuccess) {
+        return e;
+    }
+    const uint64_t bit = dev >= 0 && dev < 64 ? (uint64_t)1 << dev : 0;
+    if (bit != 0 && (done.load(std::memory_order_relaxed) & bit)) {
+        return cudaSuccess;
+    }
+    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (e == cudaSuccess) {
+        done.fetch_or(bit, std::memory_order_relaxed);
+    }
+    return e;
 }
 
 __device__ __forceinline__ float bf16_to_f32(uint16_t h)

@@ -444,15 +444,8 @@ enum kr_status launch_skinny(const SkArgs &a, int iters, bool pdl, cudaStream_t 
     constexpr size_t smem = (size_t)S * (R + 16 * MT) * kSkRowBytes;
     constexpr size_t red = (size_t)((kSkWarps / (R / 16) - 1) * (R / 16) * 32 * 8 * MT + 1) * sizeof(float);
     static_assert(S >= 2 && (smem + red) * PS <= 227 * 1024, "stages fit the shared memory of an SM");
-    // the shared-memory opt-in, once per instantiation and device (devices 0..63; others every launch)
-    static std::atomic<uint64_t> opted{0};
-    int dev = 0;
-    KRK_CUDA_TRY(cudaGetDevice(&dev));
-    const uint64_t bit = dev >= 0 && dev < 64 ? (uint64_t)1 << dev : 0;
-    if (bit == 0 || !(opted.load(std::memory_order_relaxed) & bit)) {
-        KRK_CUDA_TRY(cudaFuncSetAttribute(skinny_kernel<R, S, MT>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-        opted.fetch_or(bit, std::memory_order_relaxed);
-    }
+    static std::atomic<uint64_t> opted{0}; // the shared-memory opt-in, once per instantiation and device
+    KRK_CUDA_TRY(smem_opt_in(opted, skinny_kernel<R, S, MT>, smem));
     SkArgs b = a;
     const int g = krk_device_sm_count() * PS;
     const int grid = iters < g ? iters : g;

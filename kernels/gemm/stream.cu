@@ -412,14 +412,8 @@ template <int MW, int NP> enum kr_status launch_stream(const struct krk_stream_p
     constexpr int BM = 64 * MW * kStConsumers;
     constexpr size_t smem = (size_t)S * (BM + NP) * kStRowBytes + 1024;
     static_assert(S >= 3 && smem <= 227 * 1024, "stages fit the shared memory of an SM");
-    static std::atomic<uint64_t> opted{0};
-    int dev = 0;
-    KRK_CUDA_TRY(cudaGetDevice(&dev));
-    const uint64_t bit = dev >= 0 && dev < 64 ? (uint64_t)1 << dev : 0;
-    if (bit == 0 || !(opted.load(std::memory_order_relaxed) & bit)) {
-        KRK_CUDA_TRY(cudaFuncSetAttribute(stream_kernel<MW, NP, S>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-        opted.fetch_or(bit, std::memory_order_relaxed);
-    }
+    static std::atomic<uint64_t> opted{0}; // the shared-memory opt-in, once per instantiation and device
+    KRK_CUDA_TRY(smem_opt_in(opted, stream_kernel<MW, NP, S>, smem));
     StArgs a;
     memset(&a, 0, sizeof a);
     if (!encode(&a.wmap, p->w, p->rows, p->cols, p->cols, BM) || !encode(&a.xmap, p->x, p->n, p->cols, p->ldx, NP)) {
