@@ -25,6 +25,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "measure.h"
 #include "krk.h"
 
 #define CK(expr)                                                                                   \
@@ -35,46 +36,6 @@
             exit(1);                                                                               \
         }                                                                                          \
     } while (0)
-
-static int cmp_d(const void *a, const void *b)
-{
-    const double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
-
-static double median(double *v, int n)
-{
-    qsort(v, (size_t)n, sizeof *v, cmp_d);
-    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
-/* Device copy bandwidth in GB/s (bytes read + written), median of 10. */
-static double copy_bandwidth(void)
-{
-    const size_t n = (size_t)2 << 30;
-    void *a, *b;
-    CK(cudaMalloc(&a, n));
-    CK(cudaMalloc(&b, n));
-    CK(cudaMemset(a, 0x5A, n));
-    cudaEvent_t e0, e1;
-    CK(cudaEventCreate(&e0));
-    CK(cudaEventCreate(&e1));
-    double t[10];
-    for (int i = 0; i < 12; i++) {
-        CK(cudaEventRecord(e0, 0));
-        CK(cudaMemcpyAsync(i % 2 ? a : b, i % 2 ? b : a, n, cudaMemcpyDeviceToDevice, 0));
-        CK(cudaEventRecord(e1, 0));
-        CK(cudaEventSynchronize(e1));
-        float ms;
-        CK(cudaEventElapsedTime(&ms, e0, e1));
-        if (i >= 2) {
-            t[i - 2] = ms;
-        }
-    }
-    cudaFree(a);
-    cudaFree(b);
-    return 2.0 * (double)n / (median(t, 10) * 1e-3) / 1e9;
-}
 
 /* cuBLAS bf16 GEMM rate in TFLOP/s at m = n = k = 8192 on random data, median of 10. */
 static double gemm_rate(void)
@@ -117,7 +78,7 @@ static double gemm_rate(void)
     cudaFree(a);
     cudaFree(b);
     cudaFree(c);
-    return 2.0 * N * (double)N * N / (median(t, 10) * 1e-3) / 1e12;
+    return 2.0 * N * (double)N * N / (bench_median(t, 10) * 1e-3) / 1e12;
 }
 
 /* FP8 GEMM rate in TFLOP/s at m = n = k = 8192, median of 10: cuBLASLt's block-scaled matmul as the
@@ -220,7 +181,7 @@ static double fp8_rate(bool block)
     cudaFree(sa);
     cudaFree(sb);
     cudaFree(ws);
-    return 2.0 * N * (double)N * N / (median(t, 10) * 1e-3) / 1e12;
+    return 2.0 * N * (double)N * N / (bench_median(t, 10) * 1e-3) / 1e12;
 }
 
 /* Bytes of a weight matrix: bf16 elements, or FP8 codes with their fp32 block scales. */
@@ -659,7 +620,7 @@ static double bench_prefill(struct ctx *x, int32_t L, int reps, bool quiet)
         }
         kr_seq_cache_release(x->c, &sc);
     }
-    const double t = median(t_s, reps);
+    const double t = bench_median(t_s, reps);
     kr_free(tok);
     kr_free(pos);
     if (!quiet) {
@@ -989,7 +950,7 @@ int main(int argc, char **argv)
     }
     char dev[128] = "?";
     krk_device_describe(0, dev, sizeof dev);
-    x.bw = copy_bandwidth();
+    x.bw = bench_copy_gbs();
     x.tflops = gemm_rate();
     printf("device: %s; measured copy bandwidth %.0f GB/s, bf16 GEMM %.0f TFLOP/s\n", dev, x.bw, x.tflops);
     if (x.json) {

@@ -19,6 +19,7 @@
  * quantization alone, quantization + the tensor-core skinny kernel, quantization + the CUDA-core
  * gemv; the read rate counts codes and scales. Then the
  * step's FP8 products at n = 1 replayed as one graph (the LM head left out: it stays bf16). */
+#include "measure.h"
 #include "krk.h"
 #include "switches.h"
 
@@ -555,37 +556,8 @@ int main(int argc, char **argv)
         return 0;
     }
     FILE *jf = json ? fopen(json, "w") : NULL;
-    /* the copy rate (bytes read + written by a device copy of half the pool, median of 9): the
-     * step's weights at that rate are the products' ceiling */
-    double bw = 0;
-    {
-        const size_t half = c.pool_bytes / 2;
-        float t[9];
-        cudaEvent_t e0, e1;
-        CUDA_OK(cudaEventCreate(&e0));
-        CUDA_OK(cudaEventCreate(&e1));
-        for (int i = 0; i < 11; i++) {
-            CUDA_OK(cudaEventRecord(e0, c.stream));
-            CUDA_OK(cudaMemcpyAsync(c.pool + (i % 2 ? half : 0), c.pool + (i % 2 ? 0 : half), half,
-                                    cudaMemcpyDeviceToDevice, c.stream));
-            CUDA_OK(cudaEventRecord(e1, c.stream));
-            CUDA_OK(cudaEventSynchronize(e1));
-            if (i >= 2) {
-                CUDA_OK(cudaEventElapsedTime(&t[i - 2], e0, e1));
-            }
-        }
-        for (int i = 1; i < 9; i++) { /* insertion sort for the median */
-            for (int j = i; j > 0 && t[j] < t[j - 1]; j--) {
-                const float v = t[j];
-                t[j] = t[j - 1];
-                t[j - 1] = v;
-            }
-        }
-        bw = 2.0 * (double)half / ((double)t[4] * 1e-3);
-        cudaEventDestroy(e0);
-        cudaEventDestroy(e1);
-        CUDA_OK(cudaMemset(c.pool, 0x3c, c.pool_bytes));
-    }
+    /* the step's weights at the copy rate are the products' ceiling (bench_cuda's measure) */
+    const double bw = bench_copy_gbs() * 1e9;
     double step_bytes = 0;
     for (int i = 0; i < N_SHAPES; i++) {
         step_bytes += (double)shapes[i].rows * (double)shapes[i].cols * 2 * shapes[i].per_step;
