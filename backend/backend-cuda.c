@@ -1370,6 +1370,10 @@ static enum kr_status matmul_fixed(struct cuda_ctx *c, const float *x, int64_t l
     return bias ? krk_add_bias(y, ldy, bias, n, w->rows, c->stream) : KR_OK;
 }
 
+/* Fewest rows krk_stream_gemm takes here (with KRAIT_STREAM_GEMM=1); fewer take krk_gemv and
+ * krk_skinny (KRAIT_SKINNY_MAX) or cuBLAS. */
+#define STREAM_MIN_ROWS 9
+
 /* Whether plain products of n rows try krk_tuned_gemm: single-device backends only (timing
  * synchronizes the stream, which a tensor-parallel rank must not do between its collectives), not
  * under --batch-invariant (whose products keep one algorithm per shape), and not for the counts
@@ -1433,13 +1437,16 @@ static enum kr_status matmul_one(struct cuda_ctx *c, const float *x, int64_t ldx
         const krk_bf16 *xb = NULL;
         int64_t ldb = cols;
         KR_TRY(bf16_x(c, x, ldx, n, cols, in, &xb, &ldb, used));
-        if (c->st_ws && n >= KRK_TUNED_MIN_N && krk_stream_takes(w->data, rows, cols, xb, ldb, n) &&
+        if (c->st_ws && n >= STREAM_MIN_ROWS && krk_stream_takes(w->data, rows, cols, xb, ldb, n) &&
             !overlaps(y, (size_t)(n * ldy) * 4, xb, (size_t)(n * ldb) * 2)) {
             /* decode-sized: the weight streamed once through tensor copies into wgmma */
             const struct krk_stream_params sp = {.w = w->data, .x = xb, .ldx = ldb, .bias = bias, .y = y,
                                                  .ldy = ldy, .rows = rows, .cols = cols, .n = n,
                                                  .ws = c->st_ws, .ws_bytes = c->st_ws_size};
-            return krk_stream_gemm(&sp, c->stream);
+            st = krk_stream_gemm(&sp, c->stream);
+            if (st != KR_ERR_UNSUPPORTED) {
+                return st;
+            }
         }
         if (tuned_takes(c, n)) { /* decode-sized: the algorithm timed fastest for the shape and class */
             const struct krk_fixed_gemm_params tp = {.w = w->data, .x = xb, .ldx = ldb, .y = y, .ldy = ldy,

@@ -417,8 +417,12 @@ template <int MW, int NP> enum kr_status launch_stream(const struct krk_stream_p
     StArgs a;
     memset(&a, 0, sizeof a);
     if (!encode(&a.wmap, p->w, p->rows, p->cols, p->cols, BM) || !encode(&a.xmap, p->x, p->n, p->cols, p->ldx, NP)) {
-        fprintf(stderr, "krk: krk_stream_gemm: cannot describe the operands to the tensor copies\n");
-        return KR_ERR_CUDA;
+        static std::atomic<bool> said{false};
+        if (!said.exchange(true)) {
+            fprintf(stderr, "krk: krk_stream_gemm: the driver cannot describe a %lldx%lld weight to the tensor "
+                            "copies; such products take another kernel\n", (long long)p->rows, (long long)p->cols);
+        }
+        return KR_ERR_UNSUPPORTED;
     }
     a.y = p->y;
     a.ldy = p->ldy;

@@ -244,7 +244,9 @@ struct krk_stream_params {
 bool krk_stream_takes(const void *w, int64_t rows, int64_t cols, const void *x, int64_t ldx, int64_t n);
 size_t krk_stream_ws_bytes(void);
 size_t krk_stream_counter_bytes(void);
-/* KR_ERR_INVAL (nothing launched) for operands krk_stream_takes refuses or a small workspace. */
+/* KR_ERR_INVAL (nothing launched) for operands krk_stream_takes refuses or a small workspace;
+ * KR_ERR_UNSUPPORTED (nothing launched, said once on stderr) when the driver will not encode the
+ * operands' tensor maps: the caller runs another kernel. */
 enum kr_status krk_stream_gemm(const struct krk_stream_params *p, cudaStream_t stream);
 
 /* y[t, r] += bias[r] for t < n, r < rows (after a cuBLAS product). */
