@@ -163,6 +163,8 @@ struct cuda_ctx {
     struct krk_fixed_lt *fixed;
     int64_t fixed_max_n;
     bool inv_skinny; /* decode rows take krk_skinny (cuda_reserve: at most INV_SKINNY_SEQS sequences) */
+    bool inv_stream; /* decode rows take krk_stream_gemm in its one class (cuda_reserve: KRAIT_STREAM_GEMM=1
+                        and at most KRK_STREAM_MAX_N sequences); before inv_skinny */
     /* the step's rows by kind (begin_batch; inv_step while a step is open): runs of token rows and of
      * output rows alike, `dec` for rows of sequences with one token in the step (decode rows) */
     struct inv_run {
@@ -813,9 +815,11 @@ static enum kr_status cuda_reserve(kr_backend_t be, const struct kr_model_config
             return KR_ERR_CUDA;
         }
         c->fixed_max_n = rows;
-        /* decode rows on krk_skinny for servers of up to INV_SKINNY_SEQS sequences a step, chosen
+        /* decode rows on krk_stream_gemm (with KRAIT_STREAM_GEMM=1) for servers of up to
+         * KRK_STREAM_MAX_N sequences a step, else on krk_skinny for up to INV_SKINNY_SEQS, chosen
          * here once for the process's life (matmul_fixed) */
-        c->inv_skinny = n_seq <= INV_SKINNY_SEQS;
+        c->inv_stream = c->st_ws && n_seq <= KRK_STREAM_MAX_N;
+        c->inv_skinny = !c->inv_stream && n_seq <= INV_SKINNY_SEQS;
     } else if (c->invariant && c->fixed_max_n < n_tok) {
         /* a larger step later: the algorithms kept stay (a result must not change mid-process) */
         krk_fixed_lt_grow(c->fixed, n_tok);
@@ -1002,7 +1006,7 @@ static enum kr_status cuda_begin_batch(kr_backend_t be, const struct kr_batch *b
                                   .max_seq_tok = max_tok, .max_ctx = max_ctx,
                                   .tok_keep = b->tok_state_slot ? d + o_keep : NULL};
     c->d_out_tok = d + o_out;
-    return c->invariant && c->inv_skinny ? inv_rows(c, b, h + o_tok_seq) : KR_OK;
+    return c->invariant && (c->inv_skinny || c->inv_stream) ? inv_rows(c, b, h + o_tok_seq) : KR_OK;
 }
 
 /* Every op starts here: a backend whose device failed refuses work. */
@@ -1293,9 +1297,18 @@ static bool skinny_fixed_takes(const struct kr_tensor *w)
            ((uintptr_t)w->data & 15) == 0;
 }
 
-/* --batch-invariant products: krk_skinny (above), else krk_fixed_gemm for every row count (fp32
- * weights on fp32 x, bf16 on the bf16 copy of x), so that a row's result does not depend on the rows
- * beside it. */
+/* --batch-invariant with KRAIT_STREAM_GEMM=1, in a process reserved for at most KRK_STREAM_MAX_N
+ * sequences a step: the bf16 weights whose decode rows run on krk_stream_gemm with one_class (one
+ * 64-token class for every n, so a row's bits do not depend on the rows beside it), by the weight
+ * alone (x is cast again where its copy does not suit). */
+static bool stream_fixed_takes(const struct kr_tensor *w)
+{
+    return w->dtype == KR_DTYPE_BF16 && krk_stream_takes(w->data, w->rows, w->cols, w->data, w->cols, 1);
+}
+
+/* --batch-invariant products: decode rows on krk_stream_gemm or krk_skinny (above), else
+ * krk_fixed_gemm for every row count (fp32 weights on fp32 x, bf16 on the bf16 copy of x), so that
+ * a row's result does not depend on the rows beside it. */
 static enum kr_status matmul_fixed(struct cuda_ctx *c, const float *x, int64_t ldx, int64_t n, const struct kr_tensor *w,
                                    const float *bias, float *y, int64_t ldy, const struct krk_bf16_in *in,
                                    struct krk_bf16_in *used)
@@ -1309,10 +1322,11 @@ static enum kr_status matmul_fixed(struct cuda_ctx *c, const float *x, int64_t l
                      (long long)c->fixed_max_n);
         return KR_ERR_UNSUPPORTED;
     }
-    if (c->inv_skinny && skinny_fixed_takes(w)) {
+    const bool on_stream = c->inv_stream && stream_fixed_takes(w);
+    if (on_stream || (c->inv_skinny && skinny_fixed_takes(w))) {
         struct krk_skinny_params sp = {.cols = w->cols, .n_parts = 1, .ws = c->sk_ws, .ws_bytes = c->sk_ws_size};
         sp.parts[0] = (struct krk_gemv_part){.w = w->data, .bias = bias, .rows = w->rows, .ldy = ldy};
-        if (!c->sk_ws || krk_skinny_ws_bytes(krk_skinny_tile_rows(&sp)) > c->sk_ws_size) {
+        if (!on_stream && (!c->sk_ws || krk_skinny_ws_bytes(krk_skinny_tile_rows(&sp)) > c->sk_ws_size)) {
             KR_LOG_ERROR("cuda: --batch-invariant product of a %lldx%lld weight without its workspace reserved",
                          (long long)w->rows, (long long)w->cols);
             return KR_ERR_INTERNAL;
@@ -1345,6 +1359,20 @@ static enum kr_status matmul_fixed(struct cuda_ctx *c, const float *x, int64_t l
                                                          .ldy = ldy, .rows = w->rows, .cols = w->cols, .n = e - a};
                 KR_TRY(krk_fixed_gemm(c->fixed, &fp, c->stream));
                 KR_TRY(bias ? krk_add_bias(y + a * ldy, ldy, bias, e - a, w->rows, c->stream) : KR_OK);
+                continue;
+            }
+            if (on_stream) {
+                if (overlaps(y, (size_t)(n * ldy) * 4, xb, (size_t)(n * ldb) * 2)) {
+                    KR_LOG_ERROR("cuda: --batch-invariant product whose output overlaps its bf16 input");
+                    return KR_ERR_INTERNAL;
+                }
+                for (int64_t r0 = a; r0 < e; r0 += KRK_STREAM_MAX_N) {
+                    const struct krk_stream_params stp = {
+                        .w = w->data, .x = xb + r0 * ldb, .ldx = ldb, .bias = bias, .y = y + r0 * ldy, .ldy = ldy,
+                        .rows = w->rows, .cols = w->cols, .n = e - r0 < KRK_STREAM_MAX_N ? e - r0 : KRK_STREAM_MAX_N,
+                        .ws = c->st_ws, .ws_bytes = c->st_ws_size, .one_class = true};
+                    KR_TRY(krk_stream_gemm(&stp, c->stream));
+                }
                 continue;
             }
             for (int64_t r0 = a; r0 < e; r0 += KRK_SKINNY_MAX_N) {

@@ -448,7 +448,8 @@ template <int MW, int NP> enum kr_status launch_stream(const struct krk_stream_p
 
 template <int MW> enum kr_status launch_mw(const struct krk_stream_params *p, cudaStream_t stream)
 {
-    return p->n <= 16 ? launch_stream<MW, 16>(p, stream)
+    return p->one_class ? launch_stream<MW, 64>(p, stream)
+           : p->n <= 16 ? launch_stream<MW, 16>(p, stream)
            : p->n <= 32 ? launch_stream<MW, 32>(p, stream)
            : p->n <= 48 ? launch_stream<MW, 48>(p, stream)
                         : launch_stream<MW, 64>(p, stream);

@@ -222,7 +222,7 @@ int krk_tuned_info(const struct krk_fixed_lt *lt, float *ms);
  * shared-memory stages per SM, the work (tiles of weight rows by 64-column steps) cut evenly over one
  * block per SM; a tile that several blocks share is summed by the last of them in a fixed order from
  * partials in `ws`, so results do not depend on timing (they do depend on n's class: 16, 32, 48 or
- * 64 tokens a pass). */
+ * 64 tokens a pass, unless one_class puts every n in the 64-token one). */
 #define KRK_STREAM_MAX_N 64
 #define KRK_STREAM_MAX_TILES 8192 /* weight rows / 128, at most */
 #define KRK_STREAM_CONFIGS 2      /* 0: tiles of 128 weight rows (default); 1: 256 (bench_gemv) */
@@ -239,6 +239,8 @@ struct krk_stream_params {
     size_t ws_bytes;
     bool pdl;               /* as krk_gemv_params.pdl */
     int config;             /* 0..KRK_STREAM_CONFIGS - 1 */
+    bool one_class;         /* every n in the 64-token class: row t of y is then the same bits for
+                               any n > t (--batch-invariant decode rows) */
 };
 /* Whether krk_stream_gemm takes these operands (shape, alignment, the driver's tensor-copy support). */
 bool krk_stream_takes(const void *w, int64_t rows, int64_t cols, const void *x, int64_t ldx, int64_t n);
