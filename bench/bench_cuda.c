@@ -37,6 +37,21 @@
         }                                                                                          \
     } while (0)
 
+struct gemm_run {
+    cublasHandle_t hb;
+    void *a, *b, *c;
+    int n;
+};
+
+static bool gemm_once(void *arg)
+{
+    const struct gemm_run *g = arg;
+    const float one = 1, zero = 0;
+    return cublasGemmEx(g->hb, CUBLAS_OP_T, CUBLAS_OP_N, g->n, g->n, g->n, &one, g->a, CUDA_R_16BF, g->n, g->b,
+                        CUDA_R_16BF, g->n, &zero, g->c, CUDA_R_16BF, g->n, CUBLAS_COMPUTE_32F,
+                        CUBLAS_GEMM_DEFAULT) == CUBLAS_STATUS_SUCCESS;
+}
+
 /* cuBLAS bf16 GEMM rate in TFLOP/s at m = n = k = 8192 on random data, median of 10. */
 static double gemm_rate(void)
 {
@@ -55,30 +70,41 @@ static double gemm_rate(void)
     CK(cudaMemcpy(a, h, el * 2, cudaMemcpyHostToDevice));
     CK(cudaMemcpy(b, h, el * 2, cudaMemcpyHostToDevice));
     free(h);
-    cublasHandle_t hb;
-    cublasCreate(&hb);
-    const float one = 1, zero = 0;
-    cudaEvent_t e0, e1;
-    CK(cudaEventCreate(&e0));
-    CK(cudaEventCreate(&e1));
-    double t[10];
-    for (int i = 0; i < 13; i++) {
-        CK(cudaEventRecord(e0, 0));
-        cublasGemmEx(hb, CUBLAS_OP_T, CUBLAS_OP_N, N, N, N, &one, a, CUDA_R_16BF, N, b, CUDA_R_16BF, N, &zero, c,
-                     CUDA_R_16BF, N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
-        CK(cudaEventRecord(e1, 0));
-        CK(cudaEventSynchronize(e1));
-        float ms;
-        CK(cudaEventElapsedTime(&ms, e0, e1));
-        if (i >= 3) {
-            t[i - 3] = ms;
-        }
-    }
-    cublasDestroy(hb);
+    struct gemm_run g = {.a = a, .b = b, .c = c, .n = N};
+    cublasCreate(&g.hb);
+    const double ms = bench_events_ms(gemm_once, &g, 3, 10);
+    cublasDestroy(g.hb);
     cudaFree(a);
     cudaFree(b);
     cudaFree(c);
-    return 2.0 * N * (double)N * N / (bench_median(t, 10) * 1e-3) / 1e12;
+    if (ms < 0) {
+        fprintf(stderr, "bench_cuda: the bf16 cuBLAS GEMM failed\n");
+        return 0;
+    }
+    return 2.0 * N * (double)N * N / (ms * 1e-3) / 1e12;
+}
+
+struct fp8_run {
+    bool block;
+    struct krk_fp8_lt *lt;
+    const struct krk_fp8_mm_params *p;
+    cublasLtHandle_t hl;
+    cublasLtMatmulDesc_t op;
+    cublasLtMatrixLayout_t la, lb, ld;
+    const cublasLtMatmulAlgo_t *algo;
+    void *a, *b, *c, *ws;
+    size_t ws_bytes;
+};
+
+static bool fp8_once(void *arg)
+{
+    const struct fp8_run *f = arg;
+    const float one = 1, zero = 0;
+    if (f->block) {
+        return krk_fp8_gemm_lt(f->lt, f->p, 0) == KR_OK;
+    }
+    return cublasLtMatmul(f->hl, f->op, &one, f->a, f->la, f->b, f->lb, &zero, f->c, f->ld, f->c, f->ld, f->algo,
+                          f->ws, f->ws_bytes, 0) == CUBLAS_STATUS_SUCCESS;
 }
 
 /* FP8 GEMM rate in TFLOP/s at m = n = k = 8192, median of 10: cuBLASLt's block-scaled matmul as the
@@ -113,7 +139,7 @@ static double fp8_rate(bool block)
     free(h);
     free(hs);
     struct krk_fp8_lt *lt = krk_fp8_lt_create(ws, wsb);
-    cublasLtHandle_t hl;
+    cublasLtHandle_t hl = NULL;
     cublasLtMatmulDesc_t op = NULL;
     cublasLtMatrixLayout_t la = NULL, lb = NULL, ld = NULL;
     cublasLtMatmulHeuristicResult_t res = {0};
@@ -142,31 +168,9 @@ static double fp8_rate(bool block)
                                         .w = {.q = a, .scale = sa, .rows = N, .cols = N, .ld_s = N / 128,
                                               .block_r = 128, .block_c = 128},
                                         .y = c, .ldy = N};
-    cudaEvent_t e0, e1;
-    CK(cudaEventCreate(&e0));
-    CK(cudaEventCreate(&e1));
-    double t[10];
-    const float one = 1, zero = 0;
-    for (int i = 0; i < 13; i++) {
-        CK(cudaEventRecord(e0, 0));
-        if (block) {
-            if (krk_fp8_gemm_lt(lt, &p, 0) != KR_OK) {
-                fprintf(stderr, "bench_cuda: the block-scaled FP8 matmul failed\n");
-                return 0;
-            }
-        } else if (cublasLtMatmul(hl, op, &one, a, la, b, lb, &zero, c, ld, c, ld, &res.algo, ws, res.workspaceSize,
-                                  0) != CUBLAS_STATUS_SUCCESS) {
-            fprintf(stderr, "bench_cuda: the plain FP8 matmul failed\n");
-            return 0;
-        }
-        CK(cudaEventRecord(e1, 0));
-        CK(cudaEventSynchronize(e1));
-        float ms;
-        CK(cudaEventElapsedTime(&ms, e0, e1));
-        if (i >= 3) {
-            t[i - 3] = ms;
-        }
-    }
+    struct fp8_run f = {.block = block, .lt = lt, .p = &p, .hl = hl, .op = op, .la = la, .lb = lb,
+                        .ld = ld, .algo = &res.algo, .a = a, .b = b, .c = c, .ws = ws, .ws_bytes = res.workspaceSize};
+    const double ms = bench_events_ms(fp8_once, &f, 3, 10);
     if (!block) {
         cublasLtMatrixLayoutDestroy(la);
         cublasLtMatrixLayoutDestroy(lb);
@@ -181,7 +185,11 @@ static double fp8_rate(bool block)
     cudaFree(sa);
     cudaFree(sb);
     cudaFree(ws);
-    return 2.0 * N * (double)N * N / (bench_median(t, 10) * 1e-3) / 1e12;
+    if (ms < 0) {
+        fprintf(stderr, "bench_cuda: the %s FP8 matmul failed\n", block ? "block-scaled" : "plain");
+        return 0;
+    }
+    return 2.0 * N * (double)N * N / (ms * 1e-3) / 1e12;
 }
 
 /* Bytes of a weight matrix: bf16 elements, or FP8 codes with their fp32 block scales. */

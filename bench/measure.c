@@ -26,31 +26,55 @@ double bench_median(double *v, int n)
     return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-double bench_copy_gbs(void)
+double bench_events_ms(bool (*run)(void *arg), void *arg, int warm, int reps)
 {
-    const size_t n = (size_t)2 << 30;
-    void *a, *b;
-    CK(cudaMalloc(&a, n));
-    CK(cudaMalloc(&b, n));
-    CK(cudaMemset(a, 0x5A, n));
+    if (reps < 1 || reps > BENCH_MAX_REPS) {
+        fprintf(stderr, "bench_events_ms: %d repetitions, not 1..%d\n", reps, BENCH_MAX_REPS);
+        exit(1);
+    }
     cudaEvent_t e0, e1;
     CK(cudaEventCreate(&e0));
     CK(cudaEventCreate(&e1));
-    double t[10];
-    for (int i = 0; i < 12; i++) {
+    double t[BENCH_MAX_REPS];
+    bool ok = true;
+    for (int i = 0; i < warm + reps && ok; i++) {
         CK(cudaEventRecord(e0, 0));
-        CK(cudaMemcpyAsync(i % 2 ? a : b, i % 2 ? b : a, n, cudaMemcpyDeviceToDevice, 0));
+        ok = run(arg);
         CK(cudaEventRecord(e1, 0));
         CK(cudaEventSynchronize(e1));
         float ms;
         CK(cudaEventElapsedTime(&ms, e0, e1));
-        if (i >= 2) {
-            t[i - 2] = ms;
+        if (i >= warm) {
+            t[i - warm] = ms;
         }
     }
     cudaEventDestroy(e0);
     cudaEventDestroy(e1);
-    cudaFree(a);
-    cudaFree(b);
-    return 2.0 * (double)n / (bench_median(t, 10) * 1e-3) / 1e9;
+    return ok ? bench_median(t, reps) : -1.0;
+}
+
+struct copy_run {
+    void *a, *b;
+    size_t n;
+    int i;
+};
+
+static bool copy_once(void *arg)
+{
+    struct copy_run *c = arg;
+    const int odd = c->i++ % 2;
+    CK(cudaMemcpyAsync(odd ? c->a : c->b, odd ? c->b : c->a, c->n, cudaMemcpyDeviceToDevice, 0));
+    return true;
+}
+
+double bench_copy_gbs(void)
+{
+    struct copy_run c = {.n = (size_t)2 << 30};
+    CK(cudaMalloc(&c.a, c.n));
+    CK(cudaMalloc(&c.b, c.n));
+    CK(cudaMemset(c.a, 0x5A, c.n));
+    const double ms = bench_events_ms(copy_once, &c, 2, 10);
+    cudaFree(c.a);
+    cudaFree(c.b);
+    return 2.0 * (double)c.n / (ms * 1e-3) / 1e9;
 }
