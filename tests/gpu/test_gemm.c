@@ -1120,7 +1120,8 @@ Test(gemm, tuned_products_match_the_cpu)
  * (rows not a multiple of a tile, cols not a multiple of the 64-column step, one row), n from 1 to
  * 64 across the four token classes, both configurations, a bias on odd n, x row stride cols + 8, y
  * row stride rows + 3 whose padding must stay untouched; the same bits again on a second run and
- * from a graph replay (the sums' order is fixed by the shape and the grid, not by timing). */
+ * from a graph replay (the sums' order is fixed by the shape and the grid, not by timing); and with
+ * one_class, each row of n = 1..63 the same bits as in the 64-row product. */
 Test(gemm, stream_products_match_the_cpu)
 {
     GT_REQUIRE_GPU();
@@ -1197,6 +1198,39 @@ Test(gemm, stream_products_match_the_cpu)
                 }
             }
         }
+        /* one_class (every n in the 64-token class, as --batch-invariant decode rows take it): row t
+         * of a product of n rows is the same bits as row t of the 64-row product, with and without a
+         * bias; the 64-row product within the CPU bounds ("ref" then holds it, "again" its bits) */
+        for (int wb = 0; wb < 2; wb++) {
+            char what[96];
+            snprintf(what, sizeof what, "stream one class %lldx%lld%s", (long long)rows, (long long)cols,
+                     wb ? " bias" : "");
+            for (size_t i = 0; i < ny; i++) {
+                ref[i] = -7.0f;
+            }
+            cr_assert_eq(kr_backend_matmul(be, x, ldx, MAX_N, &w.t, wb ? bias : NULL, ref, ldy, NULL), KR_OK);
+            struct krk_stream_params p = {.w = w.dev, .x = d_x, .ldx = ldx, .bias = wb ? d_bias : NULL, .y = d_y,
+                                          .ldy = ldy, .rows = rows, .cols = cols, .n = MAX_N, .ws = d_ws,
+                                          .ws_bytes = ws_bytes, .one_class = true};
+            cr_assert_eq(cudaMemcpy(d_y, ref, ny * 4, cudaMemcpyHostToDevice), cudaSuccess);
+            cr_assert_eq(krk_stream_gemm(&p, stream), KR_OK, "%s", what);
+            cr_assert_eq(cudaStreamSynchronize(stream), cudaSuccess, "%s", what);
+            gt_down(again, d_y, ny * 4);
+            expect_rows_and_padding(what, again, ref, MAX_N, rows, ldy, GEMV_NMSE, SKINNY_ABS);
+            for (int64_t n = 1; n < MAX_N; n++) {
+                p.n = n;
+                cr_assert_eq(cudaMemsetAsync(d_y, 0xff, ny * 4, stream), cudaSuccess);
+                cr_assert_eq(krk_stream_gemm(&p, stream), KR_OK, "%s n=%lld", what, (long long)n);
+                cr_assert_eq(cudaStreamSynchronize(stream), cudaSuccess);
+                gt_down(got, d_y, ny * 4);
+                int64_t bad = -1;
+                for (int64_t t = 0; t < n && bad < 0; t++) {
+                    bad = memcmp(got + t * ldy, again + t * ldy, (size_t)rows * 4) ? t : -1;
+                }
+                cr_expect(bad < 0, "%s: row %lld of n=%lld differs from the 64-row product", what, (long long)bad,
+                          (long long)n);
+            }
+        }
         kr_free(ref);
         kr_free(got);
         kr_free(again);
@@ -1267,72 +1301,3 @@ Test(gemm, stream_products_match_the_cpu)
     kr_backend_free(be);
 }
 
-/* krk_stream_gemm with one_class (every n in the 64-token class), as --batch-invariant decode rows
- * take it: row t of a product of n rows is the same bits as row t of the 64-row product, for n from
- * 1 to 64, with and without a bias, on a square weight and a ragged one (rows not a multiple of a
- * tile, cols not a multiple of the 64-column step); and within the CPU bounds. */
-Test(gemm, stream_one_class_rows_do_not_depend_on_n)
-{
-    GT_REQUIRE_GPU();
-    static const struct gemv_shape shapes[] = {{4096, 4096}, {4000, 1000}};
-    static const int64_t counts[] = {1, 2, 7, 16, 17, 31, 40, 63};
-    struct gt_rng rng = {.s = 6262};
-    kr_backend_t be = kr_backend_cpu_create(0);
-    cr_assert(be);
-    const size_t ws_bytes = krk_stream_ws_bytes();
-    void *d_ws = gt_dalloc(ws_bytes);
-    cr_assert_eq(cudaMemset(d_ws, 0, ws_bytes), cudaSuccess);
-    cudaStream_t stream;
-    cr_assert_eq(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
-    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
-        const int64_t rows = shapes[si].rows, cols = shapes[si].cols, ldy = rows;
-        struct hw w = hw_make(&rng, rows, cols);
-        float *bias = hrand(&rng, (size_t)rows, -1.0f, 1.0f);
-        float *d_bias = gt_dup(bias, (size_t)rows * 4);
-        float *x = hrand(&rng, (size_t)(64 * cols), -1.0f, 1.0f);
-        gt_round_bf16(x, (size_t)(64 * cols));
-        krk_bf16 *d_x = skinny_x(x, (size_t)(64 * cols));
-        const size_t ny = (size_t)(64 * ldy);
-        float *full = kr_malloc(ny * 4), *got = kr_malloc(ny * 4), *ref = kr_malloc(ny * 4);
-        cr_assert(full && got && ref);
-        float *d_y = gt_dalloc(ny * 4);
-        for (int wb = 0; wb < 2; wb++) {
-            struct krk_stream_params p = {.w = w.dev, .x = d_x, .ldx = cols, .bias = wb ? d_bias : NULL, .y = d_y,
-                                          .ldy = ldy, .rows = rows, .cols = cols, .n = 64, .ws = d_ws,
-                                          .ws_bytes = ws_bytes, .one_class = true};
-            cr_assert_eq(krk_stream_gemm(&p, stream), KR_OK);
-            cr_assert_eq(cudaStreamSynchronize(stream), cudaSuccess);
-            gt_down(full, d_y, ny * 4);
-            cr_assert_eq(kr_backend_matmul(be, x, cols, 64, &w.t, wb ? bias : NULL, ref, ldy, NULL), KR_OK);
-            char what[96];
-            snprintf(what, sizeof what, "stream one class %lldx%lld n=64%s", (long long)rows, (long long)cols,
-                     wb ? " bias" : "");
-            expect_rows_and_padding(what, full, ref, 64, rows, ldy, GEMV_NMSE, SKINNY_ABS);
-            for (size_t ci = 0; ci < sizeof counts / sizeof counts[0]; ci++) {
-                p.n = counts[ci];
-                cr_assert_eq(cudaMemsetAsync(d_y, 0xff, ny * 4, stream), cudaSuccess);
-                cr_assert_eq(krk_stream_gemm(&p, stream), KR_OK);
-                cr_assert_eq(cudaStreamSynchronize(stream), cudaSuccess);
-                gt_down(got, d_y, ny * 4);
-                int64_t bad = -1;
-                for (int64_t t = 0; t < p.n && bad < 0; t++) {
-                    bad = memcmp(got + t * ldy, full + t * ldy, (size_t)rows * 4) ? t : -1;
-                }
-                cr_expect(bad < 0, "%s: row %lld of n=%lld differs from the 64-row product", what, (long long)bad,
-                          (long long)p.n);
-            }
-        }
-        kr_free(full);
-        kr_free(got);
-        kr_free(ref);
-        kr_free(x);
-        kr_free(bias);
-        gt_dfree(d_bias);
-        gt_dfree(d_x);
-        gt_dfree(d_y);
-        hw_free(&w);
-    }
-    cudaStreamDestroy(stream);
-    gt_dfree(d_ws);
-    kr_backend_free(be);
-}
