@@ -8,6 +8,7 @@
  * times (launch overhead out of the way, as in a captured decode step), in microseconds, and the
  * bus bandwidth NCCL's tests report (2 (N-1)/N bytes / time). */
 #include "comm-cuda.h"
+#include "measure.h"
 
 #include <cuda_runtime_api.h>
 #include <stdio.h>
@@ -24,15 +25,6 @@ static double now_s(void)
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-#define CK(x)                                                                                      \
-    do {                                                                                           \
-        cudaError_t e_ = (x);                                                                      \
-        if (e_ != cudaSuccess) {                                                                   \
-            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));      \
-            exit(1);                                                                               \
-        }                                                                                          \
-    } while (0)
-
 /* Mean microseconds of one all-reduce of n floats through `path` (1 peer, 2 NCCL); < 0 when the path
  * is not there. */
 static double time_path(struct kr_cuda_comm *c, int ranks, const int *devs, float **x, cudaStream_t *s, int64_t n,
@@ -40,14 +32,14 @@ static double time_path(struct kr_cuda_comm *c, int ranks, const int *devs, floa
 {
     cudaGraphExec_t exec[8];
     for (int r = 0; r < ranks; r++) {
-        CK(cudaSetDevice(devs[r]));
+        BENCH_CK(cudaSetDevice(devs[r]));
         cudaGraph_t g;
-        CK(cudaStreamBeginCapture(s[r], cudaStreamCaptureModeThreadLocal));
+        BENCH_CK(cudaStreamBeginCapture(s[r], cudaStreamCaptureModeThreadLocal));
         enum kr_status st = KR_OK;
         for (int k = 0; k < CALLS && st == KR_OK; k++) {
             st = kr_cuda_comm_all_reduce(c, r, x[r], n, s[r], path);
         }
-        CK(cudaStreamEndCapture(s[r], &g));
+        BENCH_CK(cudaStreamEndCapture(s[r], &g));
         if (st != KR_OK) {
             cudaGraphDestroy(g);
             for (int q = 0; q < r; q++) {
@@ -55,27 +47,27 @@ static double time_path(struct kr_cuda_comm *c, int ranks, const int *devs, floa
             }
             return -1;
         }
-        CK(cudaGraphInstantiate(&exec[r], g, 0));
+        BENCH_CK(cudaGraphInstantiate(&exec[r], g, 0));
         cudaGraphDestroy(g);
     }
     double best = 1e30;
     for (int rep = 0; rep < 3; rep++) {
         for (int r = 0; r < ranks; r++) { /* warm-up */
-            CK(cudaSetDevice(devs[r]));
-            CK(cudaGraphLaunch(exec[r], s[r]));
+            BENCH_CK(cudaSetDevice(devs[r]));
+            BENCH_CK(cudaGraphLaunch(exec[r], s[r]));
         }
         for (int r = 0; r < ranks; r++) {
-            CK(cudaStreamSynchronize(s[r]));
+            BENCH_CK(cudaStreamSynchronize(s[r]));
         }
         const double t0 = now_s();
         for (int i = 0; i < iters; i++) {
             for (int r = 0; r < ranks; r++) {
-                CK(cudaSetDevice(devs[r]));
-                CK(cudaGraphLaunch(exec[r], s[r]));
+                BENCH_CK(cudaSetDevice(devs[r]));
+                BENCH_CK(cudaGraphLaunch(exec[r], s[r]));
             }
         }
         for (int r = 0; r < ranks; r++) {
-            CK(cudaStreamSynchronize(s[r]));
+            BENCH_CK(cudaStreamSynchronize(s[r]));
         }
         const double us = (now_s() - t0) * 1e6 / ((double)iters * CALLS);
         best = us < best ? us : best;
@@ -126,10 +118,10 @@ int main(int argc, char **argv)
     float *x[8];
     cudaStream_t s[8];
     for (int r = 0; r < ranks; r++) {
-        CK(cudaSetDevice(devs[r]));
-        CK(cudaMalloc((void **)&x[r], (size_t)max_n * sizeof(float)));
-        CK(cudaMemset(x[r], 0, (size_t)max_n * sizeof(float)));
-        CK(cudaStreamCreateWithFlags(&s[r], cudaStreamNonBlocking));
+        BENCH_CK(cudaSetDevice(devs[r]));
+        BENCH_CK(cudaMalloc((void **)&x[r], (size_t)max_n * sizeof(float)));
+        BENCH_CK(cudaMemset(x[r], 0, (size_t)max_n * sizeof(float)));
+        BENCH_CK(cudaStreamCreateWithFlags(&s[r], cudaStreamNonBlocking));
     }
     char name[256] = "?";
     struct cudaDeviceProp prop;

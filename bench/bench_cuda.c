@@ -28,15 +28,6 @@
 #include "measure.h"
 #include "krk.h"
 
-#define CK(expr)                                                                                   \
-    do {                                                                                           \
-        cudaError_t e_ = (expr);                                                                   \
-        if (e_ != cudaSuccess) {                                                                   \
-            fprintf(stderr, "bench_cuda: %s: %s\n", #expr, cudaGetErrorString(e_));                \
-            exit(1);                                                                               \
-        }                                                                                          \
-    } while (0)
-
 struct gemm_run {
     cublasHandle_t hb;
     void *a, *b, *c;
@@ -64,11 +55,11 @@ static double gemm_rate(void)
         h[i] = kr_f32_to_bf16(((float)(s >> 9) / 8388608.0f - 0.5f));
     }
     void *a, *b, *c;
-    CK(cudaMalloc(&a, el * 2));
-    CK(cudaMalloc(&b, el * 2));
-    CK(cudaMalloc(&c, el * 2));
-    CK(cudaMemcpy(a, h, el * 2, cudaMemcpyHostToDevice));
-    CK(cudaMemcpy(b, h, el * 2, cudaMemcpyHostToDevice));
+    BENCH_CK(cudaMalloc(&a, el * 2));
+    BENCH_CK(cudaMalloc(&b, el * 2));
+    BENCH_CK(cudaMalloc(&c, el * 2));
+    BENCH_CK(cudaMemcpy(a, h, el * 2, cudaMemcpyHostToDevice));
+    BENCH_CK(cudaMemcpy(b, h, el * 2, cudaMemcpyHostToDevice));
     free(h);
     struct gemm_run g = {.a = a, .b = b, .c = c, .n = N};
     cublasCreate(&g.hb);
@@ -126,16 +117,16 @@ static double fp8_rate(bool block)
     }
     void *a, *b, *c, *sa, *sb, *ws;
     const size_t wsb = (size_t)32 << 20;
-    CK(cudaMalloc(&a, el));
-    CK(cudaMalloc(&b, el));
-    CK(cudaMalloc(&c, el * 4));
-    CK(cudaMalloc(&sa, nkb * N * 4));
-    CK(cudaMalloc(&sb, nkb * N * 4));
-    CK(cudaMalloc(&ws, wsb));
-    CK(cudaMemcpy(a, h, el, cudaMemcpyHostToDevice));
-    CK(cudaMemcpy(b, h, el, cudaMemcpyHostToDevice));
-    CK(cudaMemcpy(sa, hs, nkb * N * 4, cudaMemcpyHostToDevice));
-    CK(cudaMemcpy(sb, hs, nkb * N * 4, cudaMemcpyHostToDevice));
+    BENCH_CK(cudaMalloc(&a, el));
+    BENCH_CK(cudaMalloc(&b, el));
+    BENCH_CK(cudaMalloc(&c, el * 4));
+    BENCH_CK(cudaMalloc(&sa, nkb * N * 4));
+    BENCH_CK(cudaMalloc(&sb, nkb * N * 4));
+    BENCH_CK(cudaMalloc(&ws, wsb));
+    BENCH_CK(cudaMemcpy(a, h, el, cudaMemcpyHostToDevice));
+    BENCH_CK(cudaMemcpy(b, h, el, cudaMemcpyHostToDevice));
+    BENCH_CK(cudaMemcpy(sa, hs, nkb * N * 4, cudaMemcpyHostToDevice));
+    BENCH_CK(cudaMemcpy(sb, hs, nkb * N * 4, cudaMemcpyHostToDevice));
     free(h);
     free(hs);
     struct krk_fp8_lt *lt = krk_fp8_lt_create(ws, wsb);
@@ -365,7 +356,7 @@ static void fill_random(void *dev, size_t bytes, int elt)
         }
     }
     for (size_t o = 0; o < bytes; o += chunk) {
-        CK(cudaMemcpy((char *)dev + o, h, bytes - o < chunk ? bytes - o : chunk, cudaMemcpyHostToDevice));
+        BENCH_CK(cudaMemcpy((char *)dev + o, h, bytes - o < chunk ? bytes - o : chunk, cudaMemcpyHostToDevice));
     }
     free(h);
 }
@@ -393,7 +384,7 @@ static void cache_unit_report(struct ctx *x)
 /* Greedy ids of the last step's n logits rows, chosen on the GPU, into host ids. */
 static void gpu_greedy(struct ctx *x, int32_t n, int32_t *ids)
 {
-    CK(cudaDeviceSynchronize()); /* the step ran on the backend's stream */
+    BENCH_CK(cudaDeviceSynchronize()); /* the step ran on the backend's stream */
     const struct krk_sample_params p = {.logits = x->m->last_logits, .ld = x->m->cfg.vocab, .n = n,
                                         .vocab = x->m->cfg.vocab, .rows = x->rows_d, .out = x->ids_d};
     const struct krk_ctx k = {.workspace = x->sample_ws, .workspace_bytes = x->sample_ws_bytes};
@@ -401,7 +392,7 @@ static void gpu_greedy(struct ctx *x, int32_t n, int32_t *ids)
         fprintf(stderr, "bench_cuda: krk_sample failed\n");
         exit(1);
     }
-    CK(cudaMemcpy(ids, x->ids_d, (size_t)n * 4, cudaMemcpyDeviceToHost));
+    BENCH_CK(cudaMemcpy(ids, x->ids_d, (size_t)n * 4, cudaMemcpyDeviceToHost));
     for (int32_t i = 0; i < n; i++) {
         if (ids[i] < 0 || ids[i] >= x->m->cfg.vocab) {
             fprintf(stderr, "bench_cuda: greedy id %d of row %d is outside the vocabulary\n", ids[i], i);
@@ -507,7 +498,7 @@ static double bench_decode_k(struct ctx *x, int32_t B, int32_t ctx, int32_t step
     double t0 = 0;
     for (int32_t st = 0; st < warm + steps; st++) {
         if (st == warm) {
-            CK(cudaDeviceSynchronize());
+            BENCH_CK(cudaDeviceSynchronize());
             t0 = kr_clock_s();
         }
         for (int32_t i = 0; i < B; i++) {
@@ -522,8 +513,8 @@ static double bench_decode_k(struct ctx *x, int32_t B, int32_t ctx, int32_t step
         forward(x, &b);
         gpu_greedy(x, B * r, tok);
         if (host) {
-            CK(cudaMemcpy(host, x->m->last_logits, (size_t)B * (size_t)r * (size_t)x->m->cfg.vocab * sizeof(float),
-                          cudaMemcpyDeviceToHost));
+            const size_t bytes = (size_t)B * (size_t)r * (size_t)x->m->cfg.vocab * sizeof(float);
+            BENCH_CK(cudaMemcpy(host, x->m->last_logits, bytes, cudaMemcpyDeviceToHost));
         }
     }
     const double ms = (kr_clock_s() - t0) / steps * 1e3;
@@ -619,10 +610,10 @@ static double bench_prefill(struct ctx *x, int32_t L, int reps, bool quiet)
         struct kr_batch b = {.n_tok = L, .n_seq = 1, .tokens = tok, .pos = pos, .seq_tok0 = tok0, .seq_pos0 = &pos0,
                              .seq_slot = &sc.slot, .block_table = sc.blocks, .max_blocks = sc.n_blocks, .n_out = 1,
                              .out_tok = &out};
-        CK(cudaDeviceSynchronize());
+        BENCH_CK(cudaDeviceSynchronize());
         const double t0 = kr_clock_s();
         forward(x, &b);
-        CK(cudaDeviceSynchronize());
+        BENCH_CK(cudaDeviceSynchronize());
         if (r > 0) {
             t_s[r - 1] = kr_clock_s() - t0;
         }
@@ -1024,17 +1015,17 @@ int main(int argc, char **argv)
         return 1;
     }
     x.sample_ws_bytes = krk_sample_workspace_bytes((int32_t)max_rows, x.m->cfg.vocab);
-    CK(cudaMalloc(&x.sample_ws, x.sample_ws_bytes + 16));
-    CK(cudaMalloc((void **)&x.ids_d, (size_t)max_rows * 4));
-    CK(cudaMalloc((void **)&x.rows_d, (size_t)max_rows * sizeof(struct krk_sample_row)));
+    BENCH_CK(cudaMalloc(&x.sample_ws, x.sample_ws_bytes + 16));
+    BENCH_CK(cudaMalloc((void **)&x.ids_d, (size_t)max_rows * 4));
+    BENCH_CK(cudaMalloc((void **)&x.rows_d, (size_t)max_rows * sizeof(struct krk_sample_row)));
     struct krk_sample_row *rows = kr_calloc((size_t)max_rows, sizeof *rows);
     for (int64_t i = 0; i < max_rows; i++) {
         rows[i] = (struct krk_sample_row){.temperature = 0, .top_k = 0, .top_p = 1, .min_p = 0, .repetition = 1};
     }
-    CK(cudaMemcpy(x.rows_d, rows, (size_t)max_rows * sizeof *rows, cudaMemcpyHostToDevice));
+    BENCH_CK(cudaMemcpy(x.rows_d, rows, (size_t)max_rows * sizeof *rows, cudaMemcpyHostToDevice));
     kr_free(rows);
     size_t fr, tot;
-    CK(cudaMemGetInfo(&fr, &tot));
+    BENCH_CK(cudaMemGetInfo(&fr, &tot));
     printf("device memory: %.1f GiB held of %.1f GiB; caches %.1f GiB\n", (double)(tot - fr) / (1 << 30),
            (double)tot / (1 << 30), (double)kr_cache_bytes(x.c) / (1 << 30));
     cache_unit_report(&x);

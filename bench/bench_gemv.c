@@ -51,15 +51,6 @@ static const struct shape shapes[] = {
 };
 #define N_SHAPES (int)(sizeof shapes / sizeof shapes[0])
 
-#define CUDA_OK(x)                                                                                 \
-    do {                                                                                           \
-        cudaError_t e_ = (x);                                                                      \
-        if (e_ != cudaSuccess) {                                                                   \
-            fprintf(stderr, "bench_gemv: %s: %s\n", #x, cudaGetErrorString(e_));                   \
-            exit(1);                                                                               \
-        }                                                                                          \
-    } while (0)
-
 enum kind { K_STAGED, K_CUBLAS, K_LT, K_SKINNY, K_STREAM };
 #define LT_ALGOS 16
 #define LT_WS ((size_t)32 << 20)
@@ -150,18 +141,18 @@ static double time_one(struct ctx *c, enum kind k, int config, const struct shap
         }
     }
     cudaEvent_t e0, e1;
-    CUDA_OK(cudaEventCreate(&e0));
-    CUDA_OK(cudaEventCreate(&e1));
-    CUDA_OK(cudaEventRecord(e0, c->stream));
+    BENCH_CK(cudaEventCreate(&e0));
+    BENCH_CK(cudaEventCreate(&e1));
+    BENCH_CK(cudaEventRecord(e0, c->stream));
     for (int r = 0; r < c->reps; r++) {
         run_one(c, k, config, s, n, r);
     }
-    CUDA_OK(cudaEventRecord(e1, c->stream));
-    CUDA_OK(cudaEventSynchronize(e1));
+    BENCH_CK(cudaEventRecord(e1, c->stream));
+    BENCH_CK(cudaEventSynchronize(e1));
     float ms = 0;
-    CUDA_OK(cudaEventElapsedTime(&ms, e0, e1));
-    CUDA_OK(cudaEventDestroy(e0));
-    CUDA_OK(cudaEventDestroy(e1));
+    BENCH_CK(cudaEventElapsedTime(&ms, e0, e1));
+    BENCH_CK(cudaEventDestroy(e0));
+    BENCH_CK(cudaEventDestroy(e1));
     return 1000.0 * ms / c->reps;
 }
 
@@ -224,17 +215,17 @@ static double replay_ms(struct ctx *c, cudaGraph_t g, int ok)
     double ms = -1;
     if (ok && cudaGraphInstantiate(&exec, g, 0) == cudaSuccess) {
         cudaEvent_t e0, e1;
-        CUDA_OK(cudaEventCreate(&e0));
-        CUDA_OK(cudaEventCreate(&e1));
-        CUDA_OK(cudaGraphLaunch(exec, c->stream));
-        CUDA_OK(cudaEventRecord(e0, c->stream));
+        BENCH_CK(cudaEventCreate(&e0));
+        BENCH_CK(cudaEventCreate(&e1));
+        BENCH_CK(cudaGraphLaunch(exec, c->stream));
+        BENCH_CK(cudaEventRecord(e0, c->stream));
         for (int r = 0; r < 10; r++) {
-            CUDA_OK(cudaGraphLaunch(exec, c->stream));
+            BENCH_CK(cudaGraphLaunch(exec, c->stream));
         }
-        CUDA_OK(cudaEventRecord(e1, c->stream));
-        CUDA_OK(cudaEventSynchronize(e1));
+        BENCH_CK(cudaEventRecord(e1, c->stream));
+        BENCH_CK(cudaEventSynchronize(e1));
         float f = 0;
-        CUDA_OK(cudaEventElapsedTime(&f, e0, e1));
+        BENCH_CK(cudaEventElapsedTime(&f, e0, e1));
         ms = f / 10.0;
         cudaEventDestroy(e0);
         cudaEventDestroy(e1);
@@ -256,14 +247,14 @@ static double time_chain(struct ctx *c, int small, int *n_gemv)
 {
     static const char pattern[] = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-";
     float *tmp = NULL;
-    CUDA_OK(cudaMalloc((void **)&tmp, 2 * 4096 * sizeof(float)));
-    CUDA_OK(cudaMemset(tmp, 0, 2 * 4096 * sizeof(float)));
-    CUDA_OK(cudaStreamSynchronize(c->stream));
+    BENCH_CK(cudaMalloc((void **)&tmp, 2 * 4096 * sizeof(float)));
+    BENCH_CK(cudaMemset(tmp, 0, 2 * 4096 * sizeof(float)));
+    BENCH_CK(cudaStreamSynchronize(c->stream));
     cudaGraph_t g = NULL;
     size_t off = 0;
     int ok = 1;
     *n_gemv = 0;
-    CUDA_OK(cudaStreamBeginCapture(c->stream, cudaStreamCaptureModeThreadLocal));
+    BENCH_CK(cudaStreamBeginCapture(c->stream, cudaStreamCaptureModeThreadLocal));
     for (int l = 0; l <= (int)sizeof pattern - 1 && ok; l++) {
         const char t = l < (int)sizeof pattern - 1 ? pattern[l] : 'H';
         const struct shape *sh[2] = {NULL, NULL};
@@ -292,7 +283,7 @@ static double time_chain(struct ctx *c, int small, int *n_gemv)
             ++*n_gemv;
         }
     }
-    CUDA_OK(cudaStreamEndCapture(c->stream, &g));
+    BENCH_CK(cudaStreamEndCapture(c->stream, &g));
     const double ms = replay_ms(c, g, ok);
     cudaFree(tmp);
     return ms;
@@ -351,16 +342,16 @@ static double fp8_time(struct ctx *c, enum fp8_kind k, const struct shape *s, in
         }
     }
     cudaEvent_t e0, e1;
-    CUDA_OK(cudaEventCreate(&e0));
-    CUDA_OK(cudaEventCreate(&e1));
-    CUDA_OK(cudaEventRecord(e0, c->stream));
+    BENCH_CK(cudaEventCreate(&e0));
+    BENCH_CK(cudaEventCreate(&e1));
+    BENCH_CK(cudaEventRecord(e0, c->stream));
     for (int r = 0; r < c->reps; r++) {
         fp8_run(c, k, s, n, (size_t)r % copies * wb, q, as, xq);
     }
-    CUDA_OK(cudaEventRecord(e1, c->stream));
-    CUDA_OK(cudaEventSynchronize(e1));
+    BENCH_CK(cudaEventRecord(e1, c->stream));
+    BENCH_CK(cudaEventSynchronize(e1));
     float ms = 0;
-    CUDA_OK(cudaEventElapsedTime(&ms, e0, e1));
+    BENCH_CK(cudaEventElapsedTime(&ms, e0, e1));
     cudaEventDestroy(e0);
     cudaEventDestroy(e1);
     return 1000.0 * ms / c->reps;
@@ -375,8 +366,8 @@ static double fp8_chain(struct ctx *c, enum fp8_kind k, uint8_t *q, float *as, f
     size_t off = 0;
     int ok = 1;
     *bytes = 0;
-    CUDA_OK(cudaStreamSynchronize(c->stream));
-    CUDA_OK(cudaStreamBeginCapture(c->stream, cudaStreamCaptureModeThreadLocal));
+    BENCH_CK(cudaStreamSynchronize(c->stream));
+    BENCH_CK(cudaStreamBeginCapture(c->stream, cudaStreamCaptureModeThreadLocal));
     for (int l = 0; l < (int)sizeof pattern - 1 && ok; l++) {
         const char t = pattern[l];
         const struct shape *sh[2] = {t == 'M' ? &shapes[0] : t == '-' ? &shapes[2] : &shapes[4],
@@ -391,7 +382,7 @@ static double fp8_chain(struct ctx *c, enum fp8_kind k, uint8_t *q, float *as, f
             *bytes += (double)fp8_bytes(sh[i]);
         }
     }
-    CUDA_OK(cudaStreamEndCapture(c->stream, &g));
+    BENCH_CK(cudaStreamEndCapture(c->stream, &g));
     const double ms = replay_ms(c, g, ok);
     return ms;
 }
@@ -400,11 +391,11 @@ static void fp8_bench(struct ctx *c, const int *ns, int n_ns, int64_t max_cols)
 {
     uint8_t *q = NULL;
     float *as = NULL, *xq = NULL;
-    CUDA_OK(cudaMalloc((void **)&q, (size_t)16 * (size_t)max_cols));
-    CUDA_OK(cudaMalloc((void **)&as, (size_t)16 * (size_t)(max_cols / 128) * 4));
-    CUDA_OK(cudaMalloc((void **)&xq, (size_t)16 * (size_t)max_cols * 4));
-    CUDA_OK(cudaMemset(q, 0x38, (size_t)16 * (size_t)max_cols)); /* codes of 1.0 for the skinny alone */
-    CUDA_OK(cudaMemset(as, 0, (size_t)16 * (size_t)(max_cols / 128) * 4));
+    BENCH_CK(cudaMalloc((void **)&q, (size_t)16 * (size_t)max_cols));
+    BENCH_CK(cudaMalloc((void **)&as, (size_t)16 * (size_t)(max_cols / 128) * 4));
+    BENCH_CK(cudaMalloc((void **)&xq, (size_t)16 * (size_t)max_cols * 4));
+    BENCH_CK(cudaMemset(q, 0x38, (size_t)16 * (size_t)max_cols)); /* codes of 1.0 for the skinny alone */
+    BENCH_CK(cudaMemset(as, 0, (size_t)16 * (size_t)(max_cols / 128) * 4));
     /* codes 0x38 (1.0) and scales of 2^-10 in every copy: finite sums whatever the kernel */
     {
         const size_t n = c->pool_bytes / 4;
@@ -416,7 +407,7 @@ static void fp8_bench(struct ctx *c, const int *ns, int n_ns, int64_t max_cols)
         for (size_t i = 0; i < n; i++) {
             h[i] = 0x1p-10f;
         }
-        CUDA_OK(cudaMemcpy(c->pool, h, c->pool_bytes, cudaMemcpyHostToDevice));
+        BENCH_CK(cudaMemcpy(c->pool, h, c->pool_bytes, cudaMemcpyHostToDevice));
         free(h);
     }
     printf("\nFP8 weights (128 x 128 blocks; us per product and the read rate of codes + scales):\n\n| kernel | n |");
@@ -523,27 +514,27 @@ int main(int argc, char **argv)
         max_w = wb > max_w ? wb : max_w;
     }
     c.pool_bytes = max_w * 2 > ((size_t)1 << 30) ? max_w * 2 : (size_t)1 << 30;
-    CUDA_OK(cudaMalloc((void **)&c.pool, c.pool_bytes));
-    CUDA_OK(cudaMemset(c.pool, 0x3c, c.pool_bytes)); /* bf16 0x3c3c: 0.0115 */
-    CUDA_OK(cudaMalloc((void **)&c.x, (size_t)MAX_N * (size_t)max_cols * 4));
-    CUDA_OK(cudaMemset(c.x, 0, (size_t)MAX_N * (size_t)max_cols * 4));
-    CUDA_OK(cudaMalloc((void **)&c.xb, (size_t)MAX_N * (size_t)max_cols * 2));
-    CUDA_OK(cudaMalloc((void **)&c.y, (size_t)MAX_N * (size_t)max_rows * 4));
-    CUDA_OK(cudaStreamCreateWithFlags(&c.stream, cudaStreamNonBlocking));
+    BENCH_CK(cudaMalloc((void **)&c.pool, c.pool_bytes));
+    BENCH_CK(cudaMemset(c.pool, 0x3c, c.pool_bytes)); /* bf16 0x3c3c: 0.0115 */
+    BENCH_CK(cudaMalloc((void **)&c.x, (size_t)MAX_N * (size_t)max_cols * 4));
+    BENCH_CK(cudaMemset(c.x, 0, (size_t)MAX_N * (size_t)max_cols * 4));
+    BENCH_CK(cudaMalloc((void **)&c.xb, (size_t)MAX_N * (size_t)max_cols * 2));
+    BENCH_CK(cudaMalloc((void **)&c.y, (size_t)MAX_N * (size_t)max_rows * 4));
+    BENCH_CK(cudaStreamCreateWithFlags(&c.stream, cudaStreamNonBlocking));
     void *blas_ws = NULL;
-    CUDA_OK(cudaMalloc(&blas_ws, 32u << 20));
+    BENCH_CK(cudaMalloc(&blas_ws, 32u << 20));
     if (cublasCreate(&c.blas) != CUBLAS_STATUS_SUCCESS || cublasSetStream(c.blas, c.stream) != CUBLAS_STATUS_SUCCESS ||
         cublasSetWorkspace(c.blas, blas_ws, 32u << 20) != CUBLAS_STATUS_SUCCESS) {
         fprintf(stderr, "bench_gemv: cannot create the cuBLAS handle\n");
         return 1;
     }
-    CUDA_OK(cudaMalloc(&c.lt_ws, LT_WS));
+    BENCH_CK(cudaMalloc(&c.lt_ws, LT_WS));
     c.sk_ws_bytes = krk_skinny_ws_bytes(max_rows + 128);
-    CUDA_OK(cudaMalloc(&c.sk_ws, c.sk_ws_bytes));
-    CUDA_OK(cudaMemset(c.sk_ws, 0, c.sk_ws_bytes));
+    BENCH_CK(cudaMalloc(&c.sk_ws, c.sk_ws_bytes));
+    BENCH_CK(cudaMemset(c.sk_ws, 0, c.sk_ws_bytes));
     c.st_ws_bytes = krk_stream_ws_bytes();
-    CUDA_OK(cudaMalloc(&c.st_ws, c.st_ws_bytes));
-    CUDA_OK(cudaMemset(c.st_ws, 0, c.st_ws_bytes));
+    BENCH_CK(cudaMalloc(&c.st_ws, c.st_ws_bytes));
+    BENCH_CK(cudaMemset(c.st_ws, 0, c.st_ws_bytes));
     if (cublasLtCreate(&c.lt) != CUBLAS_STATUS_SUCCESS) {
         fprintf(stderr, "bench_gemv: cannot create the cuBLASLt handle\n");
         return 1;
@@ -551,7 +542,7 @@ int main(int argc, char **argv)
     char dev[128] = "cuda";
     krk_device_describe(0, dev, sizeof dev);
     if (fp8) {
-        CUDA_OK(cudaMemset(c.x, 0, (size_t)MAX_N * (size_t)max_cols * 4));
+        BENCH_CK(cudaMemset(c.x, 0, (size_t)MAX_N * (size_t)max_cols * 4));
         fp8_bench(&c, ns, n_ns, max_cols);
         return 0;
     }

@@ -1,18 +1,15 @@
-/* bench/measure.h: measures shared by the CUDA benchmarks. */
+/* bench/measure.c: measures shared by the CUDA benchmarks. */
 #include "measure.h"
 
 #include <cuda_runtime.h>
 #include <stdio.h>
 #include <stdlib.h>
 
-#define CK(expr)                                                                                   \
-    do {                                                                                           \
-        cudaError_t e_ = (expr);                                                                   \
-        if (e_ != cudaSuccess) {                                                                   \
-            fprintf(stderr, "copy rate: %s: %s\n", #expr, cudaGetErrorString(e_));                 \
-            exit(1);                                                                               \
-        }                                                                                          \
-    } while (0)
+void bench_cuda_die(const char *file, int line, const char *expr, int err)
+{
+    fprintf(stderr, "%s:%d: %s: %s\n", file, line, expr, cudaGetErrorString((cudaError_t)err));
+    exit(1);
+}
 
 static int cmp_d(const void *a, const void *b)
 {
@@ -33,17 +30,17 @@ double bench_events_ms(bool (*run)(void *arg), void *arg, int warm, int reps)
         exit(1);
     }
     cudaEvent_t e0, e1;
-    CK(cudaEventCreate(&e0));
-    CK(cudaEventCreate(&e1));
+    BENCH_CK(cudaEventCreate(&e0));
+    BENCH_CK(cudaEventCreate(&e1));
     double t[BENCH_MAX_REPS];
     bool ok = true;
     for (int i = 0; i < warm + reps && ok; i++) {
-        CK(cudaEventRecord(e0, 0));
+        BENCH_CK(cudaEventRecord(e0, 0));
         ok = run(arg);
-        CK(cudaEventRecord(e1, 0));
-        CK(cudaEventSynchronize(e1));
+        BENCH_CK(cudaEventRecord(e1, 0));
+        BENCH_CK(cudaEventSynchronize(e1));
         float ms;
-        CK(cudaEventElapsedTime(&ms, e0, e1));
+        BENCH_CK(cudaEventElapsedTime(&ms, e0, e1));
         if (i >= warm) {
             t[i - warm] = ms;
         }
@@ -63,16 +60,16 @@ static bool copy_once(void *arg)
 {
     struct copy_run *c = arg;
     const int odd = c->i++ % 2;
-    CK(cudaMemcpyAsync(odd ? c->a : c->b, odd ? c->b : c->a, c->n, cudaMemcpyDeviceToDevice, 0));
+    BENCH_CK(cudaMemcpyAsync(odd ? c->a : c->b, odd ? c->b : c->a, c->n, cudaMemcpyDeviceToDevice, 0));
     return true;
 }
 
 double bench_copy_gbs(void)
 {
     struct copy_run c = {.n = (size_t)2 << 30};
-    CK(cudaMalloc(&c.a, c.n));
-    CK(cudaMalloc(&c.b, c.n));
-    CK(cudaMemset(c.a, 0x5A, c.n));
+    BENCH_CK(cudaMalloc(&c.a, c.n));
+    BENCH_CK(cudaMalloc(&c.b, c.n));
+    BENCH_CK(cudaMemset(c.a, 0x5A, c.n));
     const double ms = bench_events_ms(copy_once, &c, 2, 10);
     cudaFree(c.a);
     cudaFree(c.b);

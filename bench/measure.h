@@ -1,7 +1,18 @@
 #pragma once
-/* Measures shared by the CUDA benchmarks (bench_cuda, bench_gemv). */
+/* Measures shared by the CUDA benchmarks (bench_cuda, bench_gemv, bench_comm). */
 
 #include <stdbool.h>
+
+/* Exits with "file:line: expr: CUDA's message" when the CUDA runtime call `expr` fails (a benchmark
+ * has no figure to give once the device is in error). */
+#define BENCH_CK(expr)                                                                             \
+    do {                                                                                           \
+        const int e_ = (int)(expr);                                                                \
+        if (e_ != 0) {                                                                             \
+            bench_cuda_die(__FILE__, __LINE__, #expr, e_);                                         \
+        }                                                                                          \
+    } while (0)
+void bench_cuda_die(const char *file, int line, const char *expr, int err);
 
 /* The median of v[0..n) (sorts v). */
 double bench_median(double *v, int n);
