@@ -163,8 +163,9 @@ struct cuda_ctx {
     struct krk_fixed_lt *fixed;
     int64_t fixed_max_n;
     bool inv_skinny; /* decode rows take krk_skinny (cuda_reserve: at most INV_SKINNY_SEQS sequences) */
-    bool inv_stream; /* decode rows take krk_stream_gemm in its one class (cuda_reserve: KRAIT_STREAM_GEMM=1
-                        and at most KRK_STREAM_MAX_N sequences); before inv_skinny */
+    int inv_class;   /* > 0: decode rows take krk_stream_gemm in this token class, in passes of as many
+                        rows (cuda_reserve: KRAIT_STREAM_GEMM=1 and at most KRK_STREAM_MAX_N
+                        sequences, whose count rounded up to 16 it is); before inv_skinny */
     /* the step's rows by kind (begin_batch; inv_step while a step is open): runs of token rows and of
      * output rows alike, `dec` for rows of sequences with one token in the step (decode rows) */
     struct inv_run {
@@ -816,10 +817,11 @@ static enum kr_status cuda_reserve(kr_backend_t be, const struct kr_model_config
         }
         c->fixed_max_n = rows;
         /* decode rows on krk_stream_gemm (with KRAIT_STREAM_GEMM=1) for servers of up to
-         * KRK_STREAM_MAX_N sequences a step, else on krk_skinny for up to INV_SKINNY_SEQS, chosen
-         * here once for the process's life (matmul_fixed) */
-        c->inv_stream = c->st_ws && n_seq <= KRK_STREAM_MAX_N;
-        c->inv_skinny = !c->inv_stream && n_seq <= INV_SKINNY_SEQS;
+         * KRK_STREAM_MAX_N sequences a step, in the smallest token class that holds them all, else
+         * on krk_skinny for up to INV_SKINNY_SEQS, chosen here once for the process's life
+         * (matmul_fixed) */
+        c->inv_class = c->st_ws && n_seq <= KRK_STREAM_MAX_N ? (int)((n_seq + 15) / 16 * 16) : 0;
+        c->inv_skinny = !c->inv_class && n_seq <= INV_SKINNY_SEQS;
     } else if (c->invariant && c->fixed_max_n < n_tok) {
         /* a larger step later: the algorithms kept stay (a result must not change mid-process) */
         krk_fixed_lt_grow(c->fixed, n_tok);
@@ -1006,7 +1008,7 @@ static enum kr_status cuda_begin_batch(kr_backend_t be, const struct kr_batch *b
                                   .max_seq_tok = max_tok, .max_ctx = max_ctx,
                                   .tok_keep = b->tok_state_slot ? d + o_keep : NULL};
     c->d_out_tok = d + o_out;
-    return c->invariant && (c->inv_skinny || c->inv_stream) ? inv_rows(c, b, h + o_tok_seq) : KR_OK;
+    return c->invariant && (c->inv_skinny || c->inv_class) ? inv_rows(c, b, h + o_tok_seq) : KR_OK;
 }
 
 /* Every op starts here: a backend whose device failed refuses work. */
@@ -1298,8 +1300,8 @@ static bool skinny_fixed_takes(const struct kr_tensor *w)
 }
 
 /* --batch-invariant with KRAIT_STREAM_GEMM=1, in a process reserved for at most KRK_STREAM_MAX_N
- * sequences a step: the bf16 weights whose decode rows run on krk_stream_gemm with one_class (one
- * 64-token class for every n, so a row's bits do not depend on the rows beside it), by the weight
+ * sequences a step: the bf16 weights whose decode rows run on krk_stream_gemm in one token class
+ * (inv_class for every n, so a row's bits do not depend on the rows beside it), by the weight
  * alone (x is cast again where its copy does not suit). */
 static bool stream_fixed_takes(const struct kr_tensor *w)
 {
@@ -1322,7 +1324,7 @@ static enum kr_status matmul_fixed(struct cuda_ctx *c, const float *x, int64_t l
                      (long long)c->fixed_max_n);
         return KR_ERR_UNSUPPORTED;
     }
-    const bool on_stream = c->inv_stream && stream_fixed_takes(w);
+    const bool on_stream = c->inv_class > 0 && stream_fixed_takes(w);
     if (on_stream || (c->inv_skinny && skinny_fixed_takes(w))) {
         struct krk_skinny_params sp = {.cols = w->cols, .n_parts = 1, .ws = c->sk_ws, .ws_bytes = c->sk_ws_size};
         sp.parts[0] = (struct krk_gemv_part){.w = w->data, .bias = bias, .rows = w->rows, .ldy = ldy};
@@ -1366,11 +1368,12 @@ static enum kr_status matmul_fixed(struct cuda_ctx *c, const float *x, int64_t l
                     KR_LOG_ERROR("cuda: --batch-invariant product whose output overlaps its bf16 input");
                     return KR_ERR_INTERNAL;
                 }
-                for (int64_t r0 = a; r0 < e; r0 += KRK_STREAM_MAX_N) {
+                const int64_t pass = c->inv_class;
+                for (int64_t r0 = a; r0 < e; r0 += pass) {
                     const struct krk_stream_params stp = {
                         .w = w->data, .x = xb + r0 * ldb, .ldx = ldb, .bias = bias, .y = y + r0 * ldy, .ldy = ldy,
-                        .rows = w->rows, .cols = w->cols, .n = e - r0 < KRK_STREAM_MAX_N ? e - r0 : KRK_STREAM_MAX_N,
-                        .ws = c->st_ws, .ws_bytes = c->st_ws_size, .one_class = true};
+                        .rows = w->rows, .cols = w->cols, .n = e - r0 < pass ? e - r0 : pass, .ws = c->st_ws,
+                        .ws_bytes = c->st_ws_size, .n_class = c->inv_class};
                     KR_TRY(krk_stream_gemm(&stp, c->stream));
                 }
                 continue;

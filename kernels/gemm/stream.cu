@@ -448,11 +448,11 @@ template <int MW, int NP> enum kr_status launch_stream(const struct krk_stream_p
 
 template <int MW> enum kr_status launch_mw(const struct krk_stream_params *p, cudaStream_t stream)
 {
-    return p->one_class ? launch_stream<MW, 64>(p, stream)
-           : p->n <= 16 ? launch_stream<MW, 16>(p, stream)
-           : p->n <= 32 ? launch_stream<MW, 32>(p, stream)
-           : p->n <= 48 ? launch_stream<MW, 48>(p, stream)
-                        : launch_stream<MW, 64>(p, stream);
+    const int64_t c = p->n_class ? p->n_class : p->n; // the token class: rows of x a pass reads
+    return c <= 16 ? launch_stream<MW, 16>(p, stream)
+           : c <= 32 ? launch_stream<MW, 32>(p, stream)
+           : c <= 48 ? launch_stream<MW, 48>(p, stream)
+                     : launch_stream<MW, 64>(p, stream);
 }
 
 } // namespace
@@ -482,7 +482,8 @@ extern "C" enum kr_status krk_stream_gemm(const struct krk_stream_params *p, cud
 {
     if (!p || !p->w || !p->x || !p->y || !p->ws ||
         !krk_stream_takes(p->w, p->rows, p->cols, p->x, p->ldx, p->n) || p->ldy < p->rows ||
-        p->config < 0 || p->config >= KRK_STREAM_CONFIGS) {
+        p->config < 0 || p->config >= KRK_STREAM_CONFIGS || p->n_class < 0 || p->n_class % 16 != 0 ||
+        p->n_class > KRK_STREAM_MAX_N || (p->n_class > 0 && p->n > p->n_class)) {
         return KR_ERR_INVAL;
     }
     return p->config == 0 ? launch_mw<1>(p, stream) : launch_mw<2>(p, stream);

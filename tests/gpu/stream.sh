@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # krk_stream_gemm (KRAIT_STREAM_GEMM) on the GPU, the runs that decide the switch's default:
-#  1. its tests (gemm/stream*: products against the CPU, the one-class rows bit for bit), under a
+#  1. its tests (gemm/stream*: products against the CPU, the fixed-class rows bit for bit), under a
 #     timeout since a wrong barrier phase hangs rather than fails;
 #  2. bench_gemv at 16, 32 and 64 rows: its weight rate against the copy rate, cuBLAS and cuBLASLt's
 #     fastest algorithm (issue #31 item 2 asks 90 % of the copy rate);

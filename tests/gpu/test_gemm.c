@@ -1121,7 +1121,9 @@ Test(gemm, tuned_products_match_the_cpu)
  * 64 across the four token classes, both configurations, a bias on odd n, x row stride cols + 8, y
  * row stride rows + 3 whose padding must stay untouched; the same bits again on a second run and
  * from a graph replay (the sums' order is fixed by the shape and the grid, not by timing); and with
- * one_class, each row of n = 1..63 the same bits as in the 64-row product. */
+ * n_class set to each class c (16, 32, 48, 64), the c-row product within the same bounds and each row
+ * of n = 1..c-1 the same bits as in it; an n above n_class, or an n_class that is not a class,
+ * refused. */
 Test(gemm, stream_products_match_the_cpu)
 {
     GT_REQUIRE_GPU();
@@ -1198,26 +1200,35 @@ Test(gemm, stream_products_match_the_cpu)
                 }
             }
         }
-        /* one_class (every n in the 64-token class, as --batch-invariant decode rows take it): row t
-         * of a product of n rows is the same bits as row t of the 64-row product, with and without a
-         * bias; the 64-row product within the CPU bounds ("ref" then holds it, "again" its bits) */
-        for (int wb = 0; wb < 2; wb++) {
+        /* n_class (one token class for every n, as --batch-invariant decode rows take it): row t of a
+         * product of n rows is the same bits as row t of the class's full product, with and without a
+         * bias; the full product within the CPU bounds ("ref" then holds it, "again" its bits) */
+        for (int k = 0; k < 2 * (MAX_N / 16); k++) {
+            const int cls = 16 * (k / 2 + 1), wb = k % 2;
             char what[96];
-            snprintf(what, sizeof what, "stream one class %lldx%lld%s", (long long)rows, (long long)cols,
+            snprintf(what, sizeof what, "stream class %d %lldx%lld%s", cls, (long long)rows, (long long)cols,
                      wb ? " bias" : "");
             for (size_t i = 0; i < ny; i++) {
                 ref[i] = -7.0f;
             }
-            cr_assert_eq(kr_backend_matmul(be, x, ldx, MAX_N, &w.t, wb ? bias : NULL, ref, ldy, NULL), KR_OK);
+            cr_assert_eq(kr_backend_matmul(be, x, ldx, cls, &w.t, wb ? bias : NULL, ref, ldy, NULL), KR_OK);
             struct krk_stream_params p = {.w = w.dev, .x = d_x, .ldx = ldx, .bias = wb ? d_bias : NULL, .y = d_y,
-                                          .ldy = ldy, .rows = rows, .cols = cols, .n = MAX_N, .ws = d_ws,
-                                          .ws_bytes = ws_bytes, .one_class = true};
+                                          .ldy = ldy, .rows = rows, .cols = cols, .n = cls, .ws = d_ws,
+                                          .ws_bytes = ws_bytes, .n_class = cls};
             cr_assert_eq(cudaMemcpy(d_y, ref, ny * 4, cudaMemcpyHostToDevice), cudaSuccess);
             cr_assert_eq(krk_stream_gemm(&p, stream), KR_OK, "%s", what);
             cr_assert_eq(cudaStreamSynchronize(stream), cudaSuccess, "%s", what);
             gt_down(again, d_y, ny * 4);
-            expect_rows_and_padding(what, again, ref, MAX_N, rows, ldy, GEMV_NMSE, SKINNY_ABS);
-            for (int64_t n = 1; n < MAX_N; n++) {
+            expect_rows_and_padding(what, again, ref, cls, rows, ldy, GEMV_NMSE, SKINNY_ABS);
+            if (cls < MAX_N) { /* more rows than the class holds: refused, nothing launched */
+                p.n = cls + 1;
+                cr_expect_eq(krk_stream_gemm(&p, stream), KR_ERR_INVAL, "%s: n=%d accepted", what, cls + 1);
+            }
+            p.n_class = cls + 8; /* not a class */
+            p.n = 1;
+            cr_expect_eq(krk_stream_gemm(&p, stream), KR_ERR_INVAL, "%s: n_class %d accepted", what, cls + 8);
+            p.n_class = cls;
+            for (int64_t n = 1; n < cls; n++) {
                 p.n = n;
                 cr_assert_eq(cudaMemsetAsync(d_y, 0xff, ny * 4, stream), cudaSuccess);
                 cr_assert_eq(krk_stream_gemm(&p, stream), KR_OK, "%s n=%lld", what, (long long)n);
@@ -1227,8 +1238,8 @@ Test(gemm, stream_products_match_the_cpu)
                 for (int64_t t = 0; t < n && bad < 0; t++) {
                     bad = memcmp(got + t * ldy, again + t * ldy, (size_t)rows * 4) ? t : -1;
                 }
-                cr_expect(bad < 0, "%s: row %lld of n=%lld differs from the 64-row product", what, (long long)bad,
-                          (long long)n);
+                cr_expect(bad < 0, "%s: row %lld of n=%lld differs from the %d-row product", what, (long long)bad,
+                          (long long)n, cls);
             }
         }
         kr_free(ref);

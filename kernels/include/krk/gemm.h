@@ -221,8 +221,8 @@ int krk_tuned_info(const struct krk_fixed_lt *lt, float *ms);
  * accumulation and output, every weight byte read once. The weight streams through a pipeline of
  * shared-memory stages per SM, the work (tiles of weight rows by 64-column steps) cut evenly over one
  * block per SM; a tile that several blocks share is summed by the last of them in a fixed order from
- * partials in `ws`, so results do not depend on timing (they do depend on n's class: 16, 32, 48 or
- * 64 tokens a pass, unless one_class puts every n in the 64-token one). */
+ * partials in `ws`, so results do not depend on timing (they do depend on n's token class: 16, 32,
+ * 48 or 64 tokens a pass, the smallest holding n unless n_class names one). */
 #define KRK_STREAM_MAX_N 64
 #define KRK_STREAM_MAX_TILES 8192 /* weight rows / 128, at most */
 #define KRK_STREAM_CONFIGS 2      /* 0: tiles of 128 weight rows (default); 1: 256 (bench_gemv) */
@@ -239,14 +239,16 @@ struct krk_stream_params {
     size_t ws_bytes;
     bool pdl;               /* as krk_gemv_params.pdl */
     int config;             /* 0..KRK_STREAM_CONFIGS - 1 */
-    bool one_class;         /* every n in the 64-token class: row t of y is then the same bits for
-                               any n > t (--batch-invariant decode rows) */
+    int n_class;            /* 0: the smallest token class holding n; 16, 32, 48 or 64: that class
+                               for every n <= n_class (a larger n is refused), so row t of y is the
+                               same bits for any n > t (--batch-invariant decode rows) */
 };
 /* Whether krk_stream_gemm takes these operands (shape, alignment, the driver's tensor-copy support). */
 bool krk_stream_takes(const void *w, int64_t rows, int64_t cols, const void *x, int64_t ldx, int64_t n);
 size_t krk_stream_ws_bytes(void);
 size_t krk_stream_counter_bytes(void);
-/* KR_ERR_INVAL (nothing launched) for operands krk_stream_takes refuses or a small workspace;
+/* KR_ERR_INVAL (nothing launched) for operands krk_stream_takes refuses, a small workspace, or an
+ * n_class that is not 0, 16, 32, 48 or 64 or is below n;
  * KR_ERR_UNSUPPORTED (nothing launched, said once on stderr) when the driver will not encode the
  * operands' tensor maps: the caller runs another kernel. */
 enum kr_status krk_stream_gemm(const struct krk_stream_params *p, cudaStream_t stream);
