@@ -5,8 +5,10 @@
 #  2. bench_gemv at 16, 32 and 64 rows: its weight rate against the copy rate, cuBLAS and cuBLASLt's
 #     fastest algorithm (issue #31 item 2 asks 90 % of the copy rate);
 #  3. the backend's suites with the switch at 1 (cuda_backend, cuda_invariant, gemm/invariant*);
-#  4. bench_cuda decode at 16, 32 and 64 sequences on a synthetic 8B checkpoint with the switch at 0
-#     and 1, and --batch-invariant at 1, 16 and 64 sequences with the switch at 0 and 1.
+#  4. on a synthetic 8B checkpoint: bench_cuda --batch-invariant at 1, 16 and 64 sequences, one
+#     process each (the invariant path is chosen by the sequences a process reserves for), with the
+#     switch at 1; plain decode at 1, 16, 32 and 64 sequences with the switch at 0 and 1; then
+#     --batch-invariant again with the switch at 0 (what the switch replaces).
 #   tests/gpu/stream.sh [--build DIR] [--shape NAME] [--synth DIR] [--reps N] [--deadline SECONDS]
 # Logs and a summary (summary.md, printed last) go to $OUT (or ./gpu-out). Builds nothing: see
 # tests/gpu/run.sh for the build and the libraries to put in DIR/devlibs.
@@ -78,16 +80,22 @@ suite cuda_invariant 1 "cuda_invariant/*" 100
 suite gemm_invariant 1 "gemm/invariant*" 60
 [ -n "$synth_pid" ] && wait "$synth_pid"
 if [ -f "$synth/config.json" ]; then
+  # one invariant process per batch size: switch 1 first, plain decode, then switch 0
+  invariant() {
+    local sw=$1 b
+    for b in 1 16 64; do
+      KRAIT_STREAM_GEMM=$sw run_for 90 "$build/bench/bench_cuda" --batch-invariant --batches $b --prefill 512 \
+        --steps 24 "$synth" >> "$out/invariant-$sw.md" 2>&1
+      echo "| bench_cuda --batch-invariant --batches $b (KRAIT_STREAM_GEMM=$sw) | $? | invariant-$sw.md |" >> "$summary"
+    done
+  }
+  invariant 1
   for sw in 0 1; do
-    KRAIT_STREAM_GEMM=$sw run_for 100 "$build/bench/bench_cuda" --batches 16,32,64 --prefill 512 --steps 24 "$synth" \
-      > "$out/decode-$sw.md" 2>&1
-    echo "| bench_cuda --batches 16,32,64 (KRAIT_STREAM_GEMM=$sw) | $? | decode-$sw.md |" >> "$summary"
+    KRAIT_STREAM_GEMM=$sw run_for 100 "$build/bench/bench_cuda" --batches 1,16,32,64 --prefill 512 --steps 24 \
+      "$synth" > "$out/decode-$sw.md" 2>&1
+    echo "| bench_cuda --batches 1,16,32,64 (KRAIT_STREAM_GEMM=$sw) | $? | decode-$sw.md |" >> "$summary"
   done
-  for sw in 0 1; do
-    KRAIT_STREAM_GEMM=$sw run_for 100 "$build/bench/bench_cuda" --batch-invariant --batches 1,16,64 --prefill 512 \
-      --steps 24 "$synth" > "$out/invariant-$sw.md" 2>&1
-    echo "| bench_cuda --batch-invariant --batches 1,16,64 (KRAIT_STREAM_GEMM=$sw) | $? | invariant-$sw.md |" >> "$summary"
-  done
+  invariant 0
 else
   echo "| synthetic checkpoint | - | not made: synth.log |" >> "$summary"
 fi
