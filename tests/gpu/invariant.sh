@@ -21,17 +21,8 @@ mkdir -p "$out"
 export LD_LIBRARY_PATH=$PWD/$build/devlibs:${LD_LIBRARY_PATH:-}
 export KR_FIXTURES=$PWD/tests/fixtures
 t_start=$(date +%s)
-left() {
-  local r=$(( deadline - ($(date +%s) - t_start) ))
-  [ $r -lt 20 ] && { echo 0; return; }
-  [ $r -gt $1 ] && r=$1
-  echo $r
-}
-run_for() {
-  local b; b=$(left $1); shift
-  [ "$b" = 0 ] && { echo "skipped: deadline reached"; return 125; }
-  timeout "$b" "$@"
-}
+# shellcheck source=tests/gpu/deadline.sh
+. "$(dirname "$0")/deadline.sh"
 log=$out/invariant.log
 {
   echo "# --batch-invariant $(date -u +%Y-%m-%dT%H:%MZ)"

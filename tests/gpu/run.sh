@@ -38,19 +38,8 @@ export LD_LIBRARY_PATH=$PWD/$build/devlibs:${LD_LIBRARY_PATH:-}
 export KR_FIXTURES=$PWD/tests/fixtures
 summary=$logs/summary.md
 t_start=$(date +%s)
-# seconds a stage may take: at most $1, at most what is left of the deadline; 0 when under 20 s
-left() {
-  local r=$(( deadline - ($(date +%s) - t_start) ))
-  [ $r -lt 20 ] && { echo 0; return; }
-  [ $r -gt $1 ] && r=$1
-  echo $r
-}
-# runs "$@" under timeout with a budget of at most $1 seconds; skipped (rc 125) past the deadline
-run_for() {
-  local b; b=$(left $1); shift
-  [ "$b" = 0 ] && { echo "skipped: deadline reached"; return 125; }
-  timeout "$b" "$@"
-}
+# shellcheck source=tests/gpu/deadline.sh
+. "$(dirname "$0")/deadline.sh"
 {
   echo "# GPU run $(date -u +%Y-%m-%dT%H:%MZ)"
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader 2>/dev/null | sed 's/^/device: /'

@@ -33,19 +33,14 @@ while [ $# -gt 0 ]; do
   shift
 done
 t_start=$(date +%s)
+# shellcheck source=tests/gpu/deadline.sh
+. "$(dirname "$0")/deadline.sh"
 out=${OUT:-$PWD/spec-gpu-out}
 logs=$(mktemp -d)
 summary=$logs/spec-summary.md
 export LD_LIBRARY_PATH=$PWD/$build/devlibs:${LD_LIBRARY_PATH:-}
 export PYTHONUNBUFFERED=1
 status=0
-elapsed() { echo $(( $(date +%s) - t_start )); }
-left() {
-  local r=$(( deadline - $(elapsed) ))
-  [ $r -lt 20 ] && { echo 0; return; }
-  [ "$r" -gt "$1" ] && r=$1
-  echo "$r"
-}
 say() { echo "$*"; echo "$*" >> "$summary"; }
 has() { case ",$stages," in *",$1,"*) return 0 ;; esac; return 1; }
 {

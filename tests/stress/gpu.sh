@@ -51,20 +51,14 @@ while [ $# -gt 0 ]; do
   shift
 done
 t_start=$(date +%s)
+# shellcheck source=tests/gpu/deadline.sh
+. "$(dirname "$0")/../gpu/deadline.sh"
 out=${OUT:-$PWD/stress-gpu-out}
 logs=$(mktemp -d)
 summary=$logs/summary.md
 export LD_LIBRARY_PATH=$PWD/$build/devlibs:${LD_LIBRARY_PATH:-}
 export PYTHONUNBUFFERED=1
 status=0
-elapsed() { echo $(( $(date +%s) - t_start )); }
-# seconds a stage may take: at most $1 and at most what is left; 0 when under 20 s are left
-left() {
-  local r=$(( deadline - $(elapsed) ))
-  [ $r -lt 20 ] && { echo 0; return; }
-  [ "$r" -gt "$1" ] && r=$1
-  echo "$r"
-}
 say() { echo "$*"; echo "$*" >> "$summary"; }
 {
   echo "# Serving stress on the GPU, $(date -u +%Y-%m-%dT%H:%MZ)"
